@@ -1,0 +1,67 @@
+"""The public model API: `init_params`, `logits`, `forward`, and parameter metadata.
+
+`config` everywhere is the model section of an experiment config (`get_config().model`, the
+same ConfigDict `glm5_jax.load_hf` returns) or an already-built `ModelConfig`.
+"""
+
+import functools
+
+import jax
+import jax.numpy as jnp
+from flax import linen as nn
+
+from glm5_jax.config import ModelConfig
+from glm5_jax.model import GLM5
+
+_INIT_SHAPE = (1, 2)  # smallest input that traces every layer (MoE, DSA, MTP)
+
+
+def build_model(config) -> GLM5:
+  return GLM5(ModelConfig.from_config(config))
+
+
+def _boxed_init(model: GLM5, rng):
+  tokens = jnp.zeros(_INIT_SHAPE, jnp.int32)
+  return model.init(rng, tokens)["params"]
+
+
+def init_params(config, rng):
+  """Randomly initialized params (HF's scheme: N(0, initializer_range) kernels, unit norms).
+
+  Returns:
+    a plain nested dict of arrays (no partitioning boxes).
+  """
+  model = build_model(config)
+  return jax.jit(lambda r: nn.meta.unbox(_boxed_init(model, r)))(rng)
+
+
+def abstract_params(config):
+  """`jax.ShapeDtypeStruct` tree of the params, computed without allocating anything."""
+  model = build_model(config)
+  return nn.meta.unbox(jax.eval_shape(functools.partial(_boxed_init, model),
+                                      jax.random.key(0)))
+
+
+def param_logical_axes(config):
+  """Tree (same structure as params) of `PartitionSpec`s of logical axis names."""
+  model = build_model(config)
+  boxed = jax.eval_shape(functools.partial(_boxed_init, model), jax.random.key(0))
+  return nn.get_partition_spec(boxed)
+
+
+def forward(config, params, tokens_BL, positions_BL=None, segment_ids_BL=None, *,
+            absorbed=False, mtp=True):
+  """Full model outputs (main logits, MTP logits, final hidden state, aux); see `GLM5`."""
+  model = build_model(config)
+  return model.apply({"params": params}, tokens_BL, positions_BL, segment_ids_BL,
+                     absorbed=absorbed, mtp=mtp)
+
+
+@functools.partial(jax.jit, static_argnums=0)
+def _logits(cfg: ModelConfig, params, tokens_BL):
+  return forward(cfg, params, tokens_BL, mtp=False)["logits"]
+
+
+def logits(config, params, tokens_BL):
+  """Main-head logits, float32 `[batch, seq, vocab]`, for int tokens `[batch, seq]`."""
+  return _logits(ModelConfig.from_config(config), params, jnp.asarray(tokens_BL, jnp.int32))

@@ -1,0 +1,100 @@
+"""DeepSeek Sparse Attention: the lightning indexer and deterministic top-k key selection.
+
+Reproduces GLM5_REFERENCE.md section 2 ("Lightning indexer"). For query t and key s:
+
+  1. q_I[t]  = RoPE(cq[t] W_Iq)                 [N heads, I]   (cq: the MLA query latent)
+  2. k_I[s]  = RoPE(LayerNorm(x[s] W_Ik))        [I], one key shared by all index heads
+     (RoPE is interleaved, on the first `rope_dim` dims of each vector.)
+  3. w[t]    = x[t] W_Iw * N^-0.5                [N], fp32
+  4. I[t, s] = sum_h w[t, h] * ReLU(q_I[t, h] . k_I[s] * I^-0.5), fp32
+  5. mask non-causal / cross-document keys to -inf, take the top-k keys per query.
+
+Top-k is deterministic: `lax.top_k` breaks ties towards the lower index (its documented
+contract), i.e. the earlier position, so identical inputs select identical keys on every call.
+ReLU makes exact ties common, and RL collapses without this (report, DSA RL notes).
+
+Notation: B batch, L queries, S keys, N index heads, I index head dim, D hidden, Q q latent,
+T top-k.
+
+This is the plain-jnp reference: the score matrix is dense `[B, L, S]`, so its cost is
+quadratic; the O(T*k) paths and Pallas kernels live in `pallas_kernels`.
+"""
+
+import jax
+import jax.numpy as jnp
+from flax import linen as nn
+
+from glm5_jax.layers.norms import LayerNorm
+from glm5_jax.layers.params import normal_kernel, param
+from glm5_jax.layers.rope import apply_interleaved_rope
+
+
+class LightningIndexer(nn.Module):
+  """Scores every (query, key) pair; see the module docstring for the math.
+
+  Params (HF names): `wq_b [Q, N, I]`, `wk [D, I]`, `k_norm` (LayerNorm with bias),
+  `weights_proj [D, N]` (kept and applied in fp32).
+  """
+
+  n_heads: int
+  head_dim: int
+  rope_dim: int
+  norm_eps: float
+  init_std: float
+  dtype: jnp.dtype
+  param_dtype: jnp.dtype = jnp.float32
+
+  @nn.compact
+  def __call__(self, x_BLD, cq_BLQ, cos, sin, visible_BLS):
+    """Returns fp32 index scores `[B, L, S]`, -inf where `visible_BLS` is False."""
+    d, q_rank = x_BLD.shape[-1], cq_BLQ.shape[-1]
+    n, i = self.n_heads, self.head_dim
+    w_q_QNI = normal_kernel(self, "wq_b", (q_rank, n, i), ("q_lora", "index_heads", None),
+                            self.init_std, self.param_dtype).astype(self.dtype)
+    w_k_DI = normal_kernel(self, "wk", (d, i), ("embed", None), self.init_std,
+                           self.param_dtype).astype(self.dtype)
+    w_weights_DN = param(self, "weights_proj", (d, n), ("embed", "index_heads"), jnp.float32,
+                         nn.initializers.normal(stddev=self.init_std))
+
+    q_BLNI = jnp.einsum("blq,qni->blni", cq_BLQ.astype(self.dtype), w_q_QNI)
+    k_BSI = LayerNorm(self.norm_eps, self.dtype, self.param_dtype, name="k_norm")(
+        x_BLD.astype(self.dtype) @ w_k_DI)
+    q_BLNI = _rope_leading_dims(q_BLNI, cos, sin, self.rope_dim)
+    k_BSI = _rope_leading_dims(k_BSI, cos, sin, self.rope_dim)
+
+    head_scores_BLNS = jax.nn.relu(
+        jnp.einsum("blni,bsi->blns", q_BLNI.astype(jnp.float32), k_BSI.astype(jnp.float32))
+        * i ** -0.5)
+    weights_BLN = (x_BLD.astype(jnp.float32) @ w_weights_DN) * n ** -0.5
+    scores_BLS = jnp.einsum("bln,blns->bls", weights_BLN, head_scores_BLNS)
+    return jnp.where(visible_BLS, scores_BLS, -jnp.inf)
+
+
+def _rope_leading_dims(x, cos, sin, rope_dim):
+  """Interleaved RoPE on the first `rope_dim` dims of the last axis (layout `[rope | rest]`)."""
+  rotated = apply_interleaved_rope(x[..., :rope_dim], cos, sin)
+  return jnp.concatenate([rotated, x[..., rope_dim:]], axis=-1)
+
+
+def select_topk(scores_BLS, k: int):
+  """Deterministic top-k keys per query.
+
+  Args:
+    scores_BLS: fp32 scores, -inf for keys a query may not see.
+    k: keys to keep (clipped to S).
+  Returns:
+    int32 `[B, L, min(k, S)]` key indices, best first, ties to the earlier position; -1 marks
+    slots of queries that see fewer than k keys.
+  """
+  values_BLT, indices_BLT = jax.lax.top_k(scores_BLS, min(k, scores_BLS.shape[-1]))
+  return jnp.where(values_BLT == -jnp.inf, -1, indices_BLT).astype(jnp.int32)
+
+
+def topk_mask(topk_BLT, num_keys: int):
+  """Boolean `[B, L, S]`, True at the selected keys (-1 slots select nothing)."""
+  # -1 -> num_keys, an out-of-range index the scatter drops (negative indices would wrap).
+  safe_BLT = jnp.where(topk_BLT < 0, num_keys, topk_BLT)
+  b, l, _ = topk_BLT.shape
+  mask = jnp.zeros((b, l, num_keys), dtype=bool)
+  return mask.at[jnp.arange(b)[:, None, None], jnp.arange(l)[None, :, None], safe_BLT].set(
+      True, mode="drop")

@@ -1,0 +1,132 @@
+"""Multi-head latent attention (MLA) as in GLM-5, optionally sparse (DSA).
+
+GLM5_REFERENCE.md section 2 ("MLA"):
+
+  cq      = RMSNorm(x W_qa)                              [Q]   (also feeds the DSA indexer)
+  q       = cq W_qb                                      [H, N + R]  (per head: nope | rope)
+  c, kr   = split(x W_kva, [C, R]);  c = RMSNorm(c)      [C], [R]  (kr: one RoPE key head)
+  k_nope  = c W_kb,  v = c W_vb                          [H, N], [H, V]
+  q_rope, kr get interleaved RoPE; scores use scale (N + R)^-0.5; output o_proj over [H, V].
+
+Expanded form (training / prefill) materializes per-head keys and values. Absorbed form (decode)
+folds W_kb into the query and W_vb after attention, so attention runs over the C + R = 576-wide
+latent that a KV cache stores; both give the same output.
+
+Kernels are stored per head, 3-D: `q_b_proj [Q, H, N + R]`, `k_b_proj [C, H, N]`,
+`v_b_proj [C, H, V]`, `o_proj [H, V, D]`, so an optimizer can treat each head's slice alone.
+
+Notation: B batch, L queries, S keys, D hidden, H heads, Q q latent, C kv latent, N nope head
+dim, R rope dim, K = N + R, V value head dim, T top-k.
+"""
+
+import jax
+import jax.numpy as jnp
+from flax import linen as nn
+
+from glm5_jax.attention.common import attend, causal_segment_mask, MASKED_LOGIT
+from glm5_jax.attention.dsa import LightningIndexer, select_topk, topk_mask
+from glm5_jax.config import ModelConfig
+from glm5_jax.layers.norms import RMSNorm
+from glm5_jax.layers.params import DTYPES, normal_kernel, param
+from glm5_jax.layers.rope import apply_interleaved_rope, rope_angles
+
+
+class MLA(nn.Module):
+  """MLA; `kind` "mla" is dense, "dsa" selects keys with its own lightning indexer, and
+  "dsa_shared_topk" reuses the previous layer's selection (`prev_topk_BLT`)."""
+
+  cfg: ModelConfig
+  kind: str = "mla"
+
+  def _kernel(self, name, shape, axes):
+    return normal_kernel(self, name, shape, axes, self.cfg.initializer_range,
+                         DTYPES[self.cfg.param_dtype]).astype(DTYPES[self.cfg.dtype])
+
+  def _bias(self, name, size, axis):
+    if not self.cfg.attention_bias:
+      return 0.0
+    return param(self, name, (size,), (axis,), DTYPES[self.cfg.param_dtype],
+                 nn.initializers.zeros).astype(DTYPES[self.cfg.dtype])
+
+  @nn.compact
+  def __call__(self, x_BLD, positions_BL, segment_ids_BL, prev_topk_BLT=None, absorbed=False):
+    """Args:
+      x_BLD: normalized layer input.
+      positions_BL: int positions (RoPE).
+      segment_ids_BL: int document ids; attention never crosses them.
+      prev_topk_BLT: the previous DSA layer's selection, for kind "dsa_shared_topk".
+      absorbed: run the latent (decode) form instead of the expanded one.
+    Returns:
+      `(y_BLD, aux)`; for DSA kinds aux holds `topk_indices [B, L, T]` (int32, -1 = empty
+      slot) and, when this layer ran its indexer, `index_scores [B, L, S]` (fp32).
+    """
+    c = self.cfg
+    dtype, pdtype = DTYPES[c.dtype], DTYPES[c.param_dtype]
+    d, h = x_BLD.shape[-1], c.num_attention_heads
+    n, r, v, k = c.qk_nope_head_dim, c.qk_rope_head_dim, c.v_head_dim, c.qk_head_dim
+    x_BLD = x_BLD.astype(dtype)
+
+    w_qa_DQ = self._kernel("q_a_proj", (d, c.q_lora_rank), ("embed", "q_lora"))
+    cq_BLQ = x_BLD @ w_qa_DQ + self._bias("q_a_proj_bias", c.q_lora_rank, "q_lora")
+    cq_BLQ = RMSNorm(c.latent_norm_eps, dtype, pdtype, name="q_a_layernorm")(cq_BLQ)
+    w_qb_QHK = self._kernel("q_b_proj", (c.q_lora_rank, h, k), ("q_lora", "heads", "head_dim"))
+    q_BLHK = jnp.einsum("blq,qhk->blhk", cq_BLQ, w_qb_QHK)
+
+    w_kva_DC = self._kernel("kv_a_proj_with_mqa", (d, c.kv_lora_rank + r), ("embed", "kv_lora"))
+    ckv_BSC = x_BLD @ w_kva_DC + self._bias("kv_a_proj_with_mqa_bias", c.kv_lora_rank + r,
+                                            "kv_lora")
+    ckv_BSC, k_rope_BSR = ckv_BSC[..., :c.kv_lora_rank], ckv_BSC[..., c.kv_lora_rank:]
+    ckv_BSC = RMSNorm(c.latent_norm_eps, dtype, pdtype, name="kv_a_layernorm")(ckv_BSC)
+    w_kb_CHN = self._kernel("k_b_proj", (c.kv_lora_rank, h, n), ("kv_lora", "heads", "head_dim"))
+    w_vb_CHV = self._kernel("v_b_proj", (c.kv_lora_rank, h, v), ("kv_lora", "heads", "head_dim"))
+
+    cos, sin = rope_angles(positions_BL, r, c.rope_theta)
+    q_nope_BLHN = q_BLHK[..., :n]
+    q_rope_BLHR = apply_interleaved_rope(q_BLHK[..., n:], cos, sin)
+    k_rope_BSR = apply_interleaved_rope(k_rope_BSR, cos, sin)
+
+    visible_BLS = causal_segment_mask(segment_ids_BL)
+    aux = {}
+    if self.kind == "dsa":
+      indexer = LightningIndexer(c.index_n_heads, c.index_head_dim, r, c.indexer_norm_eps,
+                                 c.initializer_range, dtype, pdtype, name="indexer")
+      aux["index_scores"] = indexer(x_BLD, cq_BLQ, cos, sin, visible_BLS)
+      aux["topk_indices"] = select_topk(aux["index_scores"], c.index_topk)
+    elif self.kind == "dsa_shared_topk":
+      if prev_topk_BLT is None:
+        raise ValueError("a dsa_shared_topk layer needs the previous DSA layer's top-k")
+      aux["topk_indices"] = prev_topk_BLT
+    elif self.kind != "mla":
+      raise ValueError(f"MLA got unknown kind {self.kind!r}")
+    if "topk_indices" in aux:
+      visible_BLS = visible_BLS & topk_mask(aux["topk_indices"], x_BLD.shape[1])
+
+    scale = k ** -0.5
+    if absorbed:
+      out_BLHV = _absorbed_attention(q_nope_BLHN, q_rope_BLHR, ckv_BSC, k_rope_BSR, w_kb_CHN,
+                                     w_vb_CHV, visible_BLS, scale)
+    else:
+      k_nope_BSHN = jnp.einsum("bsc,chn->bshn", ckv_BSC, w_kb_CHN)
+      v_BSHV = jnp.einsum("bsc,chv->bshv", ckv_BSC, w_vb_CHV)
+      k_rope_BSHR = jnp.broadcast_to(k_rope_BSR[:, :, None, :], k_nope_BSHN.shape[:3] + (r,))
+      q_BLHK = jnp.concatenate([q_nope_BLHN, q_rope_BLHR], axis=-1)
+      k_BSHK = jnp.concatenate([k_nope_BSHN, k_rope_BSHR], axis=-1)
+      out_BLHV = attend(q_BLHK, k_BSHK, v_BSHV, visible_BLS, scale)
+
+    w_o_HVD = self._kernel("o_proj", (h, v, d), ("heads", "head_dim", "embed"))
+    y_BLD = jnp.einsum("blhv,hvd->bld", out_BLHV, w_o_HVD) + self._bias("o_proj_bias", d, "embed")
+    return y_BLD, aux
+
+
+def _absorbed_attention(q_nope_BLHN, q_rope_BLHR, ckv_BSC, k_rope_BSR, w_kb_CHN, w_vb_CHV,
+                        visible_BLS, scale):
+  """Attention over the shared latent: logits = (q_nope W_kb^T) . c + q_rope . k_rope."""
+  q_latent_BLHC = jnp.einsum("blhn,chn->blhc", q_nope_BLHN, w_kb_CHN)
+  logits_BHLS = (
+      jnp.einsum("blhc,bsc->bhls", q_latent_BLHC, ckv_BSC, preferred_element_type=jnp.float32)
+      + jnp.einsum("blhr,bsr->bhls", q_rope_BLHR, k_rope_BSR, preferred_element_type=jnp.float32)
+  ) * scale
+  logits_BHLS = jnp.where(visible_BLS[:, None], logits_BHLS, MASKED_LOGIT)
+  probs_BHLS = jax.nn.softmax(logits_BHLS, axis=-1).astype(ckv_BSC.dtype)
+  out_latent_BLHC = jnp.einsum("bhls,bsc->blhc", probs_BHLS, ckv_BSC)
+  return jnp.einsum("blhc,chv->blhv", out_latent_BLHC, w_vb_CHV)

@@ -1,0 +1,48 @@
+"""One pre-norm decoder layer: attention variant from the pattern letter, then FFN or MoE."""
+
+from flax import linen as nn
+
+from glm5_jax.attention.gqa import GQA
+from glm5_jax.attention.mla import MLA
+from glm5_jax.config import ModelConfig
+from glm5_jax.layers.ffn import SwiGLU
+from glm5_jax.layers.norms import RMSNorm
+from glm5_jax.layers.params import DTYPES
+from glm5_jax.moe import MoE
+
+# attention kind (see glm5_jax.config.ATTENTION_LETTERS) -> module factory
+ATTENTION_MODULES = {
+    "mla": lambda cfg, name: MLA(cfg, kind="mla", name=name),
+    "dsa": lambda cfg, name: MLA(cfg, kind="dsa", name=name),
+    "dsa_shared_topk": lambda cfg, name: MLA(cfg, kind="dsa_shared_topk", name=name),
+    "gqa": lambda cfg, name: GQA(cfg, name=name),
+}
+
+
+class DecoderLayer(nn.Module):
+  """`x + Attn(norm(x))`, then `+ FFN(norm(.))`; HF names `input_layernorm`, `self_attn`,
+  `post_attention_layernorm`, `mlp`.
+
+  `attention_kind` and `moe` are resolved by the caller from the config's per-layer patterns.
+  """
+
+  cfg: ModelConfig
+  attention_kind: str
+  moe: bool
+
+  @nn.compact
+  def __call__(self, x_BLD, positions_BL, segment_ids_BL, prev_topk_BLT=None, absorbed=False):
+    """Returns `(x_BLD, aux)`; aux merges the attention's and the MoE's named outputs."""
+    c = self.cfg
+    dtype, pdtype = DTYPES[c.dtype], DTYPES[c.param_dtype]
+    h_BLD = RMSNorm(c.rms_norm_eps, dtype, pdtype, name="input_layernorm")(x_BLD)
+    attention = ATTENTION_MODULES[self.attention_kind](c, "self_attn")
+    attn_BLD, aux = attention(h_BLD, positions_BL, segment_ids_BL, prev_topk_BLT, absorbed)
+    x_BLD = x_BLD + attn_BLD
+    h_BLD = RMSNorm(c.rms_norm_eps, dtype, pdtype, name="post_attention_layernorm")(x_BLD)
+    if self.moe:
+      ffn_BLD, moe_aux = MoE(c, name="mlp")(h_BLD)
+      aux = {**aux, **moe_aux}
+    else:
+      ffn_BLD = SwiGLU(c.intermediate_size, c.initializer_range, dtype, pdtype, name="mlp")(h_BLD)
+    return x_BLD + ffn_BLD, aux

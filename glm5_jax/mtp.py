@@ -1,0 +1,57 @@
+"""Multi-token prediction: one MTP layer applied for `mtp_depths` steps with shared parameters.
+
+GLM5_REFERENCE.md section 2 ("MTP"). Depth d = 1..mtp_depths at position i:
+
+  h'      = eh_proj([enorm(emb(t_{i+d})) ; hnorm(h^{d-1}_i)])     (embedding first)
+  h^d     = DecoderLayer(h')                                     (the one shared MTP layer)
+  logits  = lm_head(shared_head_norm(h^d))                        predicts t_{i+d+1}
+
+`h^0` is the main model's final hidden state after its final norm (as the released inference
+engines pass it). Positions whose `t_{i+d}` lies past the end of the row see token 0; their
+predictions have no target and training masks them.
+"""
+
+import jax.numpy as jnp
+from flax import linen as nn
+
+from glm5_jax.config import ModelConfig
+from glm5_jax.decoder import DecoderLayer
+from glm5_jax.layers.norms import RMSNorm
+from glm5_jax.layers.params import DTYPES, normal_kernel
+
+
+def mtp_attention_kind(cfg: ModelConfig) -> str:
+  """The MTP layer copies the last layer's attention; a DSA layer that reuses a previous
+  selection gets an indexer of its own, since the MTP pass has no previous DSA layer."""
+  kind = cfg.attention_kind(cfg.num_hidden_layers - 1)
+  return "dsa" if kind == "dsa_shared_topk" else kind
+
+
+def shift_tokens_left(tokens_BL, d: int):
+  """`t_{i+d}` at position i, 0 past the end of the row."""
+  return jnp.pad(tokens_BL, ((0, 0), (0, d)))[:, d:]
+
+
+class MTPLayer(nn.Module):
+  """One MTP step; HF names `enorm`, `hnorm`, `eh_proj` (`[2D, D]`), `shared_head.norm`
+  (here `shared_head_norm`) and the decoder layer's own names (here under `layer`)."""
+
+  cfg: ModelConfig
+
+  @nn.compact
+  def __call__(self, h_prev_BLD, next_embed_BLD, positions_BL, segment_ids_BL):
+    """Returns `(h_BLD, normed_BLD, aux)`: the depth's output state (input to the next depth)
+    and its `shared_head_norm`-ed version for the LM head."""
+    c = self.cfg
+    dtype, pdtype = DTYPES[c.dtype], DTYPES[c.param_dtype]
+    d = h_prev_BLD.shape[-1]
+    e_BLD = RMSNorm(c.rms_norm_eps, dtype, pdtype, name="enorm")(next_embed_BLD)
+    h_BLD = RMSNorm(c.rms_norm_eps, dtype, pdtype, name="hnorm")(h_prev_BLD)
+    w_eh = normal_kernel(self, "eh_proj", (2 * d, d), (None, "embed"), c.initializer_range,
+                         pdtype).astype(dtype)
+    x_BLD = jnp.concatenate([e_BLD, h_BLD], axis=-1) @ w_eh
+    layer = DecoderLayer(c, mtp_attention_kind(c), c.is_moe_layer(c.num_hidden_layers),
+                         name="layer")
+    x_BLD, aux = layer(x_BLD, positions_BL, segment_ids_BL)
+    normed_BLD = RMSNorm(c.rms_norm_eps, dtype, pdtype, name="shared_head_norm")(x_BLD)
+    return x_BLD, normed_BLD, aux
