@@ -21,6 +21,7 @@ import jax
 import jax.numpy as jnp
 import ml_collections
 import numpy as np
+from absl import logging
 from safetensors import safe_open
 
 from glm5_jax.api import abstract_params
@@ -38,7 +39,7 @@ _SAME_NAME_FIELDS = (
     "first_k_dense_replace", "max_position_embeddings", "rms_norm_eps", "initializer_range",
 )
 _FLOAT_FIELDS = ("routed_scaling_factor", "rms_norm_eps", "initializer_range")
-_TORCH_DTYPES = {"float32": "float32", "bfloat16": "bfloat16", "float16": "float16"}
+_SAFETENSORS_DTYPES = {"F32": "float32", "BF16": "bfloat16", "F16": "float16"}
 
 
 class CheckpointError(ValueError):
@@ -51,19 +52,19 @@ def load_hf(path: str, *, param_dtype: str | None = None, dtype: str | None = No
 
   Args:
     path: directory with `config.json` and `*.safetensors`.
-    param_dtype: dtype of the returned params; default: the checkpoint's `torch_dtype`.
+    param_dtype: dtype of the returned params; default: the dtype the embedding is stored in.
       The router kernel, its correction bias and the indexer's `weights_proj` stay fp32.
-    dtype: compute dtype recorded in the config; default: the checkpoint's `torch_dtype`.
+    dtype: compute dtype recorded in the config; default: the stored dtype, as for params.
     mtp_depths: MTP prediction depths sharing the checkpoint's MTP layer (if it has one).
   Returns:
     `(config, params)`: the model ConfigDict (as `get_config().model`) and a nested dict of
     arrays matching `glm5_jax.init_params(config, rng)`.
   """
   hf_config = _read_json(os.path.join(path, "config.json"))
+  _check_supported(hf_config)
   files_by_name = _tensor_files(path)
   config = config_from_hf(hf_config, tensor_names=files_by_name.keys(), mtp_depths=mtp_depths)
-  stored = _TORCH_DTYPES.get(str(hf_config.get("torch_dtype", hf_config.get("dtype"))),
-                             "bfloat16")
+  stored = _stored_dtype(path, files_by_name, "model.embed_tokens.weight")
   config.param_dtype = param_dtype or stored
   config.dtype = dtype or stored
   cfg = ModelConfig.from_config(config)
@@ -101,20 +102,7 @@ def load_hf(path: str, *, param_dtype: str | None = None, dtype: str | None = No
 
 def config_from_hf(hf: dict, tensor_names=(), mtp_depths: int = 3) -> ml_collections.ConfigDict:
   """Model ConfigDict from a `glm_moe_dsa` config.json dict (HF defaults where absent)."""
-  if hf.get("model_type") != "glm_moe_dsa":
-    raise CheckpointError(f"config.json: model_type is {hf.get('model_type')!r}, expected "
-                          "'glm_moe_dsa' (GLM-5)")
-  if hf.get("quantization_config"):
-    raise CheckpointError("config.json: quantization_config is set (e.g. the FP8 release); "
-                          "load a bf16/fp32 checkpoint instead")
-  if hf.get("hidden_act", "silu") != "silu":
-    raise CheckpointError(f"config.json: hidden_act {hf['hidden_act']!r}; GLM-5 uses 'silu'")
-  if hf.get("tie_word_embeddings", False):
-    raise CheckpointError("config.json: tie_word_embeddings=true, but GLM-5 unties its "
-                          "embedding and LM head")
-  if hf.get("q_lora_rank", 1) is None:
-    raise CheckpointError("config.json: q_lora_rank is null; GLM-5's MLA and indexer need a "
-                          "query latent")
+  _check_supported(hf)
   config = model_config()
   for name in _SAME_NAME_FIELDS:
     if name in hf:
@@ -139,10 +127,32 @@ def config_from_hf(hf: dict, tensor_names=(), mtp_depths: int = 3) -> ml_collect
   has_mtp_tensors = any(n.startswith(f"model.layers.{num_layers}.") for n in tensor_names)
   config.num_nextn_predict_layers = int(hf.get("num_nextn_predict_layers", 0) or has_mtp_tensors)
   if config.num_nextn_predict_layers and not has_mtp_tensors and tensor_names:
-    # config.json declares an MTP layer the files do not have (e.g. a trimmed export).
+    # config.json declares an MTP layer the files lack: transformers drops it on load, so any
+    # checkpoint re-saved from transformers looks like this. Load the main model and say so.
+    logging.warning("config.json declares num_nextn_predict_layers=%d but no tensor "
+                    "model.layers.%d.* exists; loading without the MTP layer",
+                    config.num_nextn_predict_layers, num_layers)
     config.num_nextn_predict_layers = 0
   config.mtp_depths = mtp_depths if config.num_nextn_predict_layers else 0
   return config
+
+
+def _check_supported(hf: dict) -> None:
+  """Rejects config.json files describing something other than a plain GLM-5."""
+  if hf.get("model_type") != "glm_moe_dsa":
+    raise CheckpointError(f"config.json: model_type is {hf.get('model_type')!r}, expected "
+                          "'glm_moe_dsa' (GLM-5)")
+  if hf.get("quantization_config"):
+    raise CheckpointError("config.json: quantization_config is set (e.g. the FP8 release); "
+                          "load a bf16/fp32 checkpoint instead")
+  if hf.get("hidden_act", "silu") != "silu":
+    raise CheckpointError(f"config.json: hidden_act {hf['hidden_act']!r}; GLM-5 uses 'silu'")
+  if hf.get("tie_word_embeddings", False):
+    raise CheckpointError("config.json: tie_word_embeddings=true, but GLM-5 unties its "
+                          "embedding and LM head")
+  if hf.get("q_lora_rank", 1) is None:
+    raise CheckpointError("config.json: q_lora_rank is null; GLM-5's MLA and indexer need a "
+                          "query latent")
 
 
 def _indexer_types(hf: dict, num_layers: int) -> list[str]:
@@ -356,6 +366,17 @@ def _tensor_files(path: str) -> dict[str, str]:
           raise CheckpointError(f"{path}: tensor {name} is in both {names[name]} and {file}")
         names[name] = file
   return names
+
+
+def _stored_dtype(path: str, files_by_name: dict[str, str], name: str) -> str:
+  if name not in files_by_name:
+    raise CheckpointError(f"{path}: no tensor {name}")
+  with safe_open(os.path.join(path, files_by_name[name]), framework="numpy") as f:
+    stored = f.get_slice(name).get_dtype()
+  if stored not in _SAFETENSORS_DTYPES:
+    raise CheckpointError(f"{path}: {name} is stored as {stored}; expected one of "
+                          f"{sorted(_SAFETENSORS_DTYPES)} (dequantize FP8 checkpoints first)")
+  return _SAFETENSORS_DTYPES[stored]
 
 
 class _TensorReader:

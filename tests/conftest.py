@@ -1,0 +1,103 @@
+"""Shared test fixtures: the tiny config with overrides, fast random params, a jitted forward.
+
+Params come from `glm5_jax.abstract_params` filled by numpy rather than from `init_params`:
+the jitted random init takes ~20 s to compile on CPU, the shape-only trace well under a second.
+They are also larger than the HF init (std 0.1 instead of 0.02, random norm scales and router
+bias), so attention is far from uniform and top-k selections matter.
+"""
+
+import functools
+import importlib.util
+import pathlib
+import types
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import glm5_jax
+from glm5_jax.config import ModelConfig
+
+REPO_ROOT = pathlib.Path(__file__).resolve().parents[1]
+CONFIG_DIR = REPO_ROOT / "configs"
+
+
+def load_config_module(path):
+  """Imports a `configs/*.py` file by path (configs/ is not a package)."""
+  path = pathlib.Path(path)
+  spec = importlib.util.spec_from_file_location(f"configs_{path.stem}", path)
+  module = importlib.util.module_from_spec(spec)
+  spec.loader.exec_module(module)
+  return module
+
+
+def tiny_model_config(**overrides):
+  """The `model` section of configs/tiny.py, with `overrides` applied, as a `ModelConfig`."""
+  model = load_config_module(CONFIG_DIR / "tiny.py").get_config().model
+  model.update(overrides)
+  return ModelConfig.from_config(model)
+
+
+def random_tree(abstract, seed=0, std=0.1):
+  """Numpy-random arrays shaped like `abstract` (a ShapeDtypeStruct tree).
+
+  Norm scales are `1 + std * N(0, 1)`; everything else (kernels, biases, the router's correction
+  bias) is `std * N(0, 1)`. Leaves are filled in the tree's (sorted) order, so the same seed
+  gives the same values to the same paths across configs that share those paths.
+  """
+  rng = np.random.default_rng(seed)
+
+  def fill(path, leaf):
+    values = std * rng.standard_normal(leaf.shape)
+    if getattr(path[-1], "key", None) == "scale":
+      values = 1.0 + values
+    return jnp.asarray(values, leaf.dtype)
+
+  return jax.tree_util.tree_map_with_path(fill, abstract)
+
+
+@functools.lru_cache(maxsize=None)
+def random_params(cfg, seed=0, std=0.1):
+  """Random params for a `ModelConfig` (cached: configs are hashable, arrays immutable)."""
+  return random_tree(glm5_jax.abstract_params(cfg), seed, std)
+
+
+@functools.partial(jax.jit, static_argnames=("cfg", "absorbed", "mtp"))
+def _forward(params, tokens_BL, positions_BL, segment_ids_BL, *, cfg, absorbed, mtp):
+  return glm5_jax.forward(cfg, params, tokens_BL, positions_BL, segment_ids_BL,
+                          absorbed=absorbed, mtp=mtp)
+
+
+def forward(cfg, params, tokens_BL, positions_BL=None, segment_ids_BL=None, *, absorbed=False,
+            mtp=True):
+  """Jitted `glm5_jax.forward`; positions and segment ids are always passed explicitly, so calls
+  with and without them share one compilation per (config, shape, absorbed, mtp)."""
+  tokens_BL = jnp.asarray(tokens_BL, jnp.int32)
+  b, l = tokens_BL.shape
+  if positions_BL is None:
+    positions_BL = jnp.broadcast_to(jnp.arange(l, dtype=jnp.int32), (b, l))
+  if segment_ids_BL is None:
+    segment_ids_BL = jnp.ones((b, l), jnp.int32)
+  return _forward(params, tokens_BL, jnp.asarray(positions_BL, jnp.int32),
+                  jnp.asarray(segment_ids_BL, jnp.int32), cfg=cfg, absorbed=absorbed, mtp=mtp)
+
+
+@pytest.fixture(scope="session")
+def helpers():
+  """The helpers above, for test modules (importing `conftest` directly is fragile)."""
+  return types.SimpleNamespace(
+      config=tiny_model_config, load_config_module=load_config_module, random_tree=random_tree,
+      random_params=random_params, forward=forward)
+
+
+@pytest.fixture(scope="session")
+def tiny_cfg():
+  """configs/tiny.py as shipped: every layer DSA (index_topk 16), MoE after layer 0, 3 MTP
+  depths."""
+  return tiny_model_config()
+
+
+@pytest.fixture(scope="session")
+def tiny_params(tiny_cfg):
+  return random_params(tiny_cfg, seed=0)
