@@ -227,3 +227,31 @@ def test_bad_directory_errors(tmp_path):
   (tmp_path / "config.json").write_text(json.dumps({"model_type": "llama"}))
   with pytest.raises(CheckpointError, match="glm_moe_dsa"):
     glm5_jax.load_hf(str(tmp_path))
+
+
+def test_convert_hf_cli_roundtrip(tmp_path):
+  import subprocess
+  import sys
+
+  from glm5_jax.convert.converted import load_converted
+
+  hf_model = _hf_model({}, seed=3)
+  _write_checkpoint(str(tmp_path / "hf"), hf_model, dict(hf_model.state_dict()), "per_expert", 2)
+  root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+  out = tmp_path / "converted"
+  cmd = [sys.executable, os.path.join(root, "tools", "convert_hf.py"),
+         f"--hf_dir={tmp_path / 'hf'}", f"--out_dir={out}", "--param_dtype=bfloat16"]
+  proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
+  assert proc.returncode == 0, proc.stderr[-3000:]
+  assert "wrote" in proc.stdout
+
+  config, params = load_converted(str(out))
+  ref_config, ref_params = glm5_jax.load_hf(str(tmp_path / "hf"), param_dtype="bfloat16")
+  assert config.to_dict() == ref_config.to_dict()
+  flat, ref_flat = jax.tree_util.tree_leaves(params), jax.tree_util.tree_leaves(ref_params)
+  assert jax.tree_util.tree_structure(params) == jax.tree_util.tree_structure(ref_params)
+  for a, b in zip(flat, ref_flat):
+    assert a.dtype == b.dtype and np.array_equal(np.asarray(a), np.asarray(b))
+  assert params["layers_1"]["mlp"]["gate"].dtype == jnp.float32  # router stays fp32
+  again = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
+  assert again.returncode != 0 and "already exists" in again.stderr

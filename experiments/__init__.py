@@ -1,0 +1,1 @@
+"""absl entry points (forward, and later train / eval / sweep / rl)."""
