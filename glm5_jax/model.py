@@ -65,9 +65,9 @@ class GLM5(nn.Module):
     out = {"logits": lm_head(hidden_BLD), "hidden": hidden_BLD,
            "aux": {"layers": layer_aux, "mtp": []}}
 
-    # Initialization always builds the MTP layer the config declares, even with zero depths,
-    # so its params exist (e.g. to load a checkpoint that has them).
-    depths = max(c.mtp_depths, 1) if self.is_initializing() else c.mtp_depths * mtp
+    # Initialization runs one depth (the depths share the layer's params), even when the config
+    # has zero depths, so the declared MTP layer's params exist (e.g. to load a checkpoint).
+    depths = 1 if self.is_initializing() else c.mtp_depths * mtp
     if c.num_nextn_predict_layers and depths:
       mtp_layer = MTPLayer(c, name="mtp")
       h_BLD, mtp_logits = hidden_BLD, []

@@ -22,6 +22,19 @@ REPO_ROOT = pathlib.Path(__file__).resolve().parents[1]
 ROUTED_744B = 75 * 256 * 3 * 6144 * 2048
 
 
+@pytest.fixture(scope="module", autouse=True)
+def cli_744b():
+  """The CLI on the 744B config, started first so it runs alongside the in-process tests."""
+  process = subprocess.Popen(
+      [sys.executable, "tools/param_count.py", "--config=configs/glm5_744b.py", "--json"],
+      cwd=REPO_ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+      env={**os.environ, "JAX_PLATFORMS": "cpu"})
+  yield process
+  if process.poll() is None:
+    process.kill()
+  process.communicate()
+
+
 @pytest.fixture(scope="module")
 def summary_744b():
   return param_count.summarize(glm5_744b.get_config().model)
@@ -54,16 +67,6 @@ def test_744b_kv_cache(summary_744b):
   assert kv["dsa_indexer_keys"] == 78 * 128 * 2
   assert kv["gqa8_equivalent"] == 78 * 2 * 8 * 128 * 2
   assert kv["gqa8_ratio"] == pytest.approx(2048 / (576 + 128))
-
-
-def test_cli_json_744b():
-  result = subprocess.run(
-      [sys.executable, "tools/param_count.py", "--config=configs/glm5_744b.py", "--json"],
-      cwd=REPO_ROOT, capture_output=True, text=True, check=True, timeout=120,
-      env={**os.environ, "JAX_PLATFORMS": "cpu"})
-  summary = json.loads(result.stdout)
-  check_released_figures(summary)
-  assert summary["breakdown"]["routed_experts"] == ROUTED_744B
 
 
 def test_tiny_counts_equal_real_params():
@@ -112,3 +115,12 @@ def test_gqa_kv_cache():
 def test_unknown_param_path_is_an_error():
   with pytest.raises(ValueError, match="layers_0/mystery"):
     param_count.component(("layers_0", "mystery", "kernel"))
+
+
+def test_cli_json_744b(cli_744b, summary_744b):
+  stdout, stderr = cli_744b.communicate(timeout=120)
+  assert cli_744b.returncode == 0, stderr
+  summary = json.loads(stdout)
+  assert summary == summary_744b
+  check_released_figures(summary)
+  assert summary["breakdown"]["routed_experts"] == ROUTED_744B
