@@ -31,8 +31,12 @@ def init_params(config, rng):
   Returns:
     a plain nested dict of arrays (no partitioning boxes).
   """
-  model = build_model(config)
-  return jax.jit(lambda r: nn.meta.unbox(_boxed_init(model, r)))(rng)
+  return _init_params(ModelConfig.from_config(config), rng)
+
+
+@functools.partial(jax.jit, static_argnums=0)  # compiled once per distinct config
+def _init_params(cfg: ModelConfig, rng):
+  return nn.meta.unbox(_boxed_init(GLM5(cfg), rng))
 
 
 def abstract_params(config):

@@ -206,7 +206,11 @@ def validate_model_config(m) -> None:
   for name in positive:
     _require(isinstance(m[name], int) and m[name] >= 1, f"model.{name}",
              f"must be a positive integer, got {m[name]!r}")
-  _require(m.index_topk >= 1, "model.index_topk", f"top-k must be >= 1, got {m.index_topk}")
+  for name in ("num_experts_per_tok", "n_shared_experts", "first_k_dense_replace", "mtp_depths",
+               "num_nextn_predict_layers"):
+    _require(isinstance(m[name], int), f"model.{name}", f"must be an integer, got {m[name]!r}")
+  _require(isinstance(m.index_topk, int) and m.index_topk >= 1, "model.index_topk",
+           f"top-k must be an integer >= 1, got {m.index_topk!r}")
   _require(m.qk_rope_head_dim % 2 == 0, "model.qk_rope_head_dim",
            f"RoPE rotates pairs of dims, so it must be even, got {m.qk_rope_head_dim}")
   _require(m.index_head_dim >= m.qk_rope_head_dim, "model.index_head_dim",

@@ -74,7 +74,8 @@ class GLM5(nn.Module):
       for depth in range(1, depths + 1):
         next_tokens_BL = shift_tokens_left(tokens_BL, depth)
         next_embed_BLD = jnp.take(embedding_VD, next_tokens_BL, axis=0).astype(dtype)
-        h_BLD, normed_BLD, aux = mtp_layer(h_BLD, next_embed_BLD, positions_BL, segment_ids_BL)
+        h_BLD, normed_BLD, aux = mtp_layer(h_BLD, next_embed_BLD, positions_BL, segment_ids_BL,
+                                           absorbed)
         mtp_logits.append(lm_head(normed_BLD))
         out["aux"]["mtp"].append(aux)
       out["mtp_logits"] = jnp.stack(mtp_logits)

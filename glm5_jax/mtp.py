@@ -7,8 +7,9 @@ GLM5_REFERENCE.md section 2 ("MTP"). Depth d = 1..mtp_depths at position i:
   logits  = lm_head(shared_head_norm(h^d))                        predicts t_{i+d+1}
 
 `h^0` is the main model's final hidden state after its final norm (as the released inference
-engines pass it). Positions whose `t_{i+d}` lies past the end of the row see token 0; their
-predictions have no target and training masks them.
+engines pass it). Positions whose `t_{i+d}` lies past the end of the row see token 0, and in
+packed rows the last d positions of a document see the next document's first tokens; those
+predictions have no valid target and training masks them (targets must share the segment).
 """
 
 import jax.numpy as jnp
@@ -39,7 +40,7 @@ class MTPLayer(nn.Module):
   cfg: ModelConfig
 
   @nn.compact
-  def __call__(self, h_prev_BLD, next_embed_BLD, positions_BL, segment_ids_BL):
+  def __call__(self, h_prev_BLD, next_embed_BLD, positions_BL, segment_ids_BL, absorbed=False):
     """Returns `(h_BLD, normed_BLD, aux)`: the depth's output state (input to the next depth)
     and its `shared_head_norm`-ed version for the LM head."""
     c = self.cfg
@@ -52,6 +53,6 @@ class MTPLayer(nn.Module):
     x_BLD = jnp.concatenate([e_BLD, h_BLD], axis=-1) @ w_eh
     layer = DecoderLayer(c, mtp_attention_kind(c), c.is_moe_layer(c.num_hidden_layers),
                          name="layer")
-    x_BLD, aux = layer(x_BLD, positions_BL, segment_ids_BL)
+    x_BLD, aux = layer(x_BLD, positions_BL, segment_ids_BL, None, absorbed)
     normed_BLD = RMSNorm(c.rms_norm_eps, dtype, pdtype, name="shared_head_norm")(x_BLD)
     return x_BLD, normed_BLD, aux

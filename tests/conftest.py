@@ -15,6 +15,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from flax import linen as nn
 
 import glm5_jax
 from glm5_jax.config import ModelConfig
@@ -46,6 +47,7 @@ def random_tree(abstract, seed=0, std=0.1):
   bias) is `std * N(0, 1)`. Leaves are filled in the tree's (sorted) order, so the same seed
   gives the same values to the same paths across configs that share those paths.
   """
+  abstract = nn.meta.unbox(abstract)  # e.g. `module.init` shapes still carry logical axes
   rng = np.random.default_rng(seed)
 
   def fill(path, leaf):

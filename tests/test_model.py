@@ -1,16 +1,20 @@
 """Model-level properties of GLM-5 on the tiny config (GLM5_REFERENCE.md section 2).
 
 Causality (token perturbation through the indexer, top-k and MoE; gradients nanodo-style),
-MLA absorbed == expanded, DSA with top-k >= length == dense MLA, deterministic top-k with ties,
-the shared-top-k 'R' layers, GQA, and packed sequences.
+MLA absorbed == expanded (and the flag reaching every MLA layer), DSA with top-k >= length ==
+dense MLA, RoPE shift invariance, deterministic top-k with ties, the shared-top-k 'R' layers,
+GQA, and packed sequences.
 
 Notation: B batch, L length, S keys, T top-k, V vocab, D hidden, P MTP depths.
 """
+
+import inspect
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from flax import linen as nn
 
 import glm5_jax
 from glm5_jax.attention.dsa import select_topk, topk_mask
@@ -96,8 +100,16 @@ def test_causal_gradients(helpers, tiny_cfg, tiny_params):
     logp_PBLV = jax.nn.log_softmax(logits_PBLV, axis=-1)
     return -jnp.take_along_axis(logp_PBLV, targets[None, :, :, None], axis=-1)[..., 0]
 
-  jac_PBLVD = jax.jit(jax.jacrev(position_losses))(params["embed_tokens"])
-  grad_norm_PBLV = np.asarray(jnp.abs(jac_PBLVD).sum(-1))
+  @jax.jit
+  def gradient_norms(embed_VD):
+    # One backward pass per loss, in a `lax.map` (`jacrev` would vmap `ragged_dot` over a
+    # non-leading axis, which JAX does not implement).
+    losses_PBL, pullback = jax.vjp(position_losses, embed_VD)
+    onehots = jnp.eye(losses_PBL.size, dtype=losses_PBL.dtype).reshape((-1,) + losses_PBL.shape)
+    norms = jax.lax.map(lambda onehot: jnp.abs(pullback(onehot)[0]).sum(-1), onehots)
+    return norms.reshape(losses_PBL.shape + (embed_VD.shape[0],))
+
+  grad_norm_PBLV = np.asarray(gradient_norms(params["embed_tokens"]))
   # influence[p, b, i, c, j]: |d loss(p, b, i) / d embedding of token (c, j)|
   influence = grad_norm_PBLV[..., np.asarray(tokens)]
   i = np.arange(L)[:, None]
@@ -136,10 +148,38 @@ def test_absorbed_equals_expanded(helpers, pattern):
     np.testing.assert_array_equal(dsa_aux(absorbed)[name]["topk_indices"], aux["topk_indices"])
 
 
-@pytest.mark.parametrize("index_topk", [L, 1000])
-def test_dsa_with_full_topk_equals_dense_mla(helpers, index_topk):
+def test_absorbed_flag_reaches_every_mla_layer(helpers):
+  """`forward(absorbed=True)` must run every MLA attention in the absorbed form, the MTP layer's
+  included (it decodes from the same latent cache when drafting). Checked at trace time by
+  intercepting `MLA.__call__`."""
+  cfg = helpers.config(attention_pattern="M")
+  signature = inspect.signature(MLA.__call__)
+  calls = []
+
+  def record(next_fun, args, kwargs, context):
+    if isinstance(context.module, MLA) and context.method_name == "__call__":
+      bound = signature.bind(context.module, *args, **kwargs)
+      bound.apply_defaults()
+      calls.append(("/".join(context.module.path), bound.arguments["absorbed"]))
+    return next_fun(*args, **kwargs)
+
+  def run(params, tokens):
+    with nn.intercept_methods(record):
+      return glm5_jax.forward(cfg, params, tokens, absorbed=True)
+
+  jax.eval_shape(run, glm5_jax.abstract_params(cfg), jax.ShapeDtypeStruct((1, 8), jnp.int32))
+  assert len(calls) == cfg.num_hidden_layers + cfg.mtp_depths
+  expanded = sorted({path for path, absorbed in calls if not absorbed})
+  assert not expanded, (
+      f"LIBRARY BUG: forward(absorbed=True) still runs {expanded} in the expanded form "
+      "(MTPLayer calls its DecoderLayer without passing `absorbed`)")
+
+
+def test_dsa_with_full_topk_equals_dense_mla(helpers):
   """With index_topk >= L every visible key is selected, so DSA is exactly dense MLA on the
-  shared MLA params (the D model only adds indexer params)."""
+  shared MLA params (the D model only adds indexer params). index_topk == L is the edge case;
+  k > L is clipped by `select_topk` (checked with k = 20 > 11 keys below)."""
+  index_topk = L
   cfg_d = helpers.config(attention_pattern="D", index_topk=index_topk)
   cfg_m = helpers.config(attention_pattern="M")
   params_d = helpers.random_params(cfg_d)
@@ -154,6 +194,25 @@ def test_dsa_with_full_topk_equals_dense_mla(helpers, index_topk):
   for name in ("logits", "mtp_logits"):
     np.testing.assert_array_equal(out_d[name], out_m[name],
                                   err_msg=f"DSA (top-k {index_topk} >= {L}) {name} != dense MLA")
+
+
+@pytest.mark.parametrize("pattern", ["M", "D"])
+def test_position_shift_invariance(helpers, pattern):
+  """RoPE is relative: shifting every position by a constant leaves attention, the indexer
+  scores (rope applied alike to index queries and keys) and so the logits unchanged, up to
+  float rounding of the rotation angles."""
+  cfg = helpers.config(attention_pattern=pattern)
+  params = helpers.random_params(cfg)
+  tokens = random_tokens(cfg, (B, L))
+  base = helpers.forward(cfg, params, tokens)
+  shifted = helpers.forward(cfg, params, tokens, np.arange(L)[None].repeat(B, 0) + 37)
+  for name, aux in dsa_aux(base).items():
+    visible = np.isfinite(aux["index_scores"])
+    np.testing.assert_allclose(np.asarray(dsa_aux(shifted)[name]["index_scores"])[visible],
+                               np.asarray(aux["index_scores"])[visible], rtol=1e-4, atol=1e-4)
+    np.testing.assert_array_equal(dsa_aux(shifted)[name]["topk_indices"], aux["topk_indices"])
+  np.testing.assert_allclose(shifted["logits"], base["logits"], rtol=1e-4, atol=1e-4)
+  np.testing.assert_allclose(shifted["mtp_logits"], base["mtp_logits"], rtol=1e-4, atol=1e-4)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -198,7 +257,8 @@ def test_select_topk_ties_go_to_earlier_positions(k):
     np.testing.assert_array_equal(jitted(jnp.asarray(scores), k), got)
   # Query l sees l + 1 keys: its slots past that are -1.
   slots = np.arange(got.shape[-1])
-  np.testing.assert_array_equal(got < 0, slots[None, None, :] > np.arange(11)[None, :, None])
+  np.testing.assert_array_equal(
+      got < 0, np.broadcast_to(slots[None, None, :] > np.arange(11)[None, :, None], got.shape))
 
 
 def test_select_topk_all_zero_scores():
@@ -278,13 +338,14 @@ def test_shared_topk_attention_applies_given_selection(helpers, tiny_cfg):
   shared, dense = MLA(tiny_cfg, kind="dsa_shared_topk"), MLA(tiny_cfg, kind="mla")
   params = helpers.random_tree(jax.eval_shape(
       lambda: dense.init(jax.random.key(0), x, positions, segments)))
+  apply_shared = jax.jit(lambda topk: shared.apply(params, x, positions, segments, topk))
   all_keys = select_topk(jnp.where(jnp.tri(L, dtype=bool), 0.0, -jnp.inf)[None].repeat(B, 0), L)
-  y_dense, _ = dense.apply(params, x, positions, segments)
-  y_all, aux = shared.apply(params, x, positions, segments, all_keys)
+  y_dense, _ = jax.jit(lambda: dense.apply(params, x, positions, segments))()
+  y_all, aux = apply_shared(all_keys)
   np.testing.assert_array_equal(aux["topk_indices"], all_keys)
   np.testing.assert_array_equal(y_all, y_dense)
-  only_first = jnp.full((B, L, 4), -1, jnp.int32).at[:, :, 0].set(0)
-  y_first, _ = shared.apply(params, x, positions, segments, only_first)
+  only_first = jnp.full((B, L, L), -1, jnp.int32).at[:, :, 0].set(0)
+  y_first, _ = apply_shared(only_first)
   np.testing.assert_allclose(y_first, jnp.broadcast_to(y_first[:, :1], y_first.shape),
                              rtol=1e-6, atol=1e-6)
   assert not np.allclose(y_first, y_dense)
@@ -298,7 +359,7 @@ def test_shared_topk_attention_applies_given_selection(helpers, tiny_cfg):
 
 
 def test_gqa_pattern(helpers):
-  cfg = helpers.config(attention_pattern="G")
+  cfg = helpers.config(attention_pattern="G", num_hidden_layers=2, mtp_depths=1)
   d, h, g, k = cfg.hidden_size, cfg.num_attention_heads, cfg.num_key_value_heads, cfg.gqa_head_dim
   assert 1 < g < h
   params = helpers.random_params(cfg)
