@@ -108,10 +108,6 @@ def config_from_hf(hf: dict, tensor_names=(), mtp_depths: int = 3) -> ml_collect
     if name in hf:
       config[name] = float(hf[name]) if name in _FLOAT_FIELDS else hf[name]
   rope = hf.get("rope_parameters") or {}
-  rope_type = rope.get("rope_type", rope.get("type", "default"))
-  if rope_type != "default" or hf.get("rope_scaling"):
-    raise CheckpointError(f"config.json: RoPE scaling {rope or hf.get('rope_scaling')} is not "
-                          "supported; GLM-5 uses plain RoPE")
   config.rope_theta = float(rope.get("rope_theta", hf.get("rope_theta", 10000.0)))
 
   num_layers = config.num_hidden_layers
@@ -145,6 +141,15 @@ def _check_supported(hf: dict) -> None:
   if hf.get("quantization_config"):
     raise CheckpointError("config.json: quantization_config is set (e.g. the FP8 release); "
                           "load a bf16/fp32 checkpoint instead")
+  # DeepSeek-style routing keys some exports carry; GLM-5's values are the only ones supported.
+  for key, expected in (("scoring_func", "sigmoid"), ("topk_method", "noaux_tc")):
+    if hf.get(key, expected) != expected:
+      raise CheckpointError(f"config.json: {key} is {hf[key]!r}; GLM-5 routes with {expected!r}")
+  rope = hf.get("rope_parameters") or {}
+  if rope.get("rope_type", rope.get("type", "default")) != "default" or hf.get("rope_scaling"):
+    raise CheckpointError(f"config.json: RoPE scaling (rope_scaling / rope_parameters "
+                          f"{rope or hf.get('rope_scaling')}) is not supported; GLM-5 uses plain "
+                          "RoPE")
   if hf.get("hidden_act", "silu") != "silu":
     raise CheckpointError(f"config.json: hidden_act {hf['hidden_act']!r}; GLM-5 uses 'silu'")
   if hf.get("tie_word_embeddings", False):
