@@ -54,11 +54,11 @@ def param_logical_axes(config):
 
 
 def forward(config, params, tokens_BL, positions_BL=None, segment_ids_BL=None, *,
-            absorbed=False, mtp=True):
+            absorbed=False, mtp=True, dsa_stage="sparse"):
   """Full model outputs (main logits, MTP logits, final hidden state, aux); see `GLM5`."""
   model = build_model(config)
   return model.apply({"params": params}, tokens_BL, positions_BL, segment_ids_BL,
-                     absorbed=absorbed, mtp=mtp)
+                     absorbed=absorbed, mtp=mtp, dsa_stage=dsa_stage)
 
 
 @functools.partial(jax.jit, static_argnums=0)

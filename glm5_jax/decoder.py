@@ -31,17 +31,19 @@ class DecoderLayer(nn.Module):
   moe: bool
 
   @nn.compact
-  def __call__(self, x_BLD, positions_BL, segment_ids_BL, prev_topk_BLT=None, absorbed=False):
+  def __call__(self, x_BLD, positions_BL, segment_ids_BL, prev_topk_BLT=None, absorbed=False,
+               dsa_stage="sparse"):
     """Returns `(x_BLD, aux)`; aux merges the attention's and the MoE's named outputs."""
     c = self.cfg
     dtype, pdtype = DTYPES[c.dtype], DTYPES[c.param_dtype]
     h_BLD = RMSNorm(c.rms_norm_eps, dtype, pdtype, name="input_layernorm")(x_BLD)
     attention = ATTENTION_MODULES[self.attention_kind](c, "self_attn")
-    attn_BLD, aux = attention(h_BLD, positions_BL, segment_ids_BL, prev_topk_BLT, absorbed)
+    attn_BLD, aux = attention(h_BLD, positions_BL, segment_ids_BL, prev_topk_BLT, absorbed,
+                              dsa_stage)
     x_BLD = x_BLD + attn_BLD
     h_BLD = RMSNorm(c.rms_norm_eps, dtype, pdtype, name="post_attention_layernorm")(x_BLD)
     if self.moe:
-      ffn_BLD, moe_aux = MoE(c, name="mlp")(h_BLD)
+      ffn_BLD, moe_aux = MoE(c, name="mlp")(h_BLD, segment_ids_BL != 0)
       aux = {**aux, **moe_aux}
     else:
       ffn_BLD = SwiGLU(c.intermediate_size, c.initializer_range, dtype, pdtype, name="mlp")(h_BLD)

@@ -23,13 +23,15 @@ class GLM5(nn.Module):
 
   @nn.compact
   def __call__(self, tokens_BL, positions_BL=None, segment_ids_BL=None, *, absorbed=False,
-               mtp=True):
+               mtp=True, dsa_stage="sparse"):
     """Args:
       tokens_BL: int token ids.
       positions_BL: int positions; default `0..L-1` per row.
       segment_ids_BL: document ids of packed rows; default one document per row.
       absorbed: MLA layers use the absorbed (latent) form instead of the expanded one.
       mtp: also run the MTP depths (when the model has an MTP layer).
+      dsa_stage: "dense" | "warmup" | "sparse" (default, inference): how DSA layers attend
+        and whether their indexers run; see `glm5_jax.attention.mla.MLA`.
     Returns:
       dict with `logits` fp32 `[B, L, V]`; `mtp_logits` fp32 `[mtp_depths, B, L, V]` (depth d
       at position i predicts token i+d+1; absent when MTP is off); `hidden` `[B, L, D]` (after
@@ -58,7 +60,7 @@ class GLM5(nn.Module):
     for i in range(c.num_hidden_layers):
       x_BLD = nn.with_logical_constraint(x_BLD, ACTIVATION_AXES)
       layer = DecoderLayer(c, c.attention_kind(i), c.is_moe_layer(i), name=f"layers_{i}")
-      x_BLD, aux = layer(x_BLD, positions_BL, segment_ids_BL, prev_topk_BLT, absorbed)
+      x_BLD, aux = layer(x_BLD, positions_BL, segment_ids_BL, prev_topk_BLT, absorbed, dsa_stage)
       prev_topk_BLT = aux.get("topk_indices", prev_topk_BLT)
       layer_aux[f"layers_{i}"] = aux
     hidden_BLD = final_norm(x_BLD)
@@ -75,7 +77,7 @@ class GLM5(nn.Module):
         next_tokens_BL = shift_tokens_left(tokens_BL, depth)
         next_embed_BLD = jnp.take(embedding_VD, next_tokens_BL, axis=0).astype(dtype)
         h_BLD, normed_BLD, aux = mtp_layer(h_BLD, next_embed_BLD, positions_BL, segment_ids_BL,
-                                           absorbed)
+                                           absorbed, dsa_stage)
         mtp_logits.append(lm_head(normed_BLD))
         out["aux"]["mtp"].append(aux)
       out["mtp_logits"] = jnp.stack(mtp_logits)

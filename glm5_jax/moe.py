@@ -28,6 +28,25 @@ from glm5_jax.layers.ffn import SwiGLU
 from glm5_jax.layers.params import DTYPES, normal_kernel, param
 
 
+def router_scores(x_ND, w_gate_DE):
+  """Sigmoid affinities `[N, E]`, fp32."""
+  return jax.nn.sigmoid(x_ND.astype(jnp.float32) @ w_gate_DE.astype(jnp.float32))
+
+
+def sequence_balance_loss(scores_BLE, chosen_BLE, valid_BL, num_experts_per_tok):
+  """DeepSeek-V3's sequence-wise balance loss `sum_e f_e P_e`, averaged over rows.
+
+  f_e = E / (X * T) * (tokens of the row choosing e), P_e = mean over the row's tokens of the
+  normalized affinity s_e / sum(s). Padding tokens count in neither.
+  """
+  e = scores_BLE.shape[-1]
+  tokens_B = jnp.maximum(valid_BL.sum(-1), 1)
+  f_BE = chosen_BLE.sum(1) * e / (num_experts_per_tok * tokens_B[:, None])
+  normalized_BLE = scores_BLE / scores_BLE.sum(-1, keepdims=True) * valid_BL[..., None]
+  p_BE = normalized_BLE.sum(1) / tokens_B[:, None]
+  return (f_BE * p_BE).sum(-1).mean()
+
+
 def route(x_ND, w_gate_DE, bias_E, *, num_experts_per_tok, routed_scaling_factor,
           norm_topk_prob=True, n_group=1, topk_group=1):
   """Chooses experts per token.
@@ -35,7 +54,7 @@ def route(x_ND, w_gate_DE, bias_E, *, num_experts_per_tok, routed_scaling_factor
   Returns:
     `(weights_NX fp32, experts_NX int32)`.
   """
-  scores_NE = jax.nn.sigmoid(x_ND.astype(jnp.float32) @ w_gate_DE.astype(jnp.float32))
+  scores_NE = router_scores(x_ND, w_gate_DE)
   choice_NE = scores_NE + jax.lax.stop_gradient(bias_E.astype(jnp.float32))
   if n_group > 1:
     n, e = choice_NE.shape
@@ -82,8 +101,15 @@ class MoE(nn.Module):
   cfg: ModelConfig
 
   @nn.compact
-  def __call__(self, x_BLD):
-    """Returns `(y_BLD, {"expert_counts": int32 [E]})`."""
+  def __call__(self, x_BLD, valid_BL=None):
+    """Args:
+      x_BLD: normalized layer input.
+      valid_BL: bool, False for padding tokens (they are routed but not counted as load).
+    Returns:
+      `(y_BLD, aux)` with `expert_counts` int32 `[E]` (non-padding tokens routed to each
+      expert, for the loss-free balancing update) and `sequence_balance_loss` (scalar, the
+      DeepSeek-V3 sequence-wise auxiliary loss before its small weight).
+    """
     c = self.cfg
     dtype, pdtype = DTYPES[c.dtype], DTYPES[c.param_dtype]
     b, l, d = x_BLD.shape
@@ -98,12 +124,18 @@ class MoE(nn.Module):
         routed_scaling_factor=c.routed_scaling_factor, norm_topk_prob=c.norm_topk_prob,
         n_group=c.n_group, topk_group=c.topk_group)
     experts = ExpertWeights(e, f, c.initializer_range, dtype, pdtype, name="experts")(d)
-    y_ND, counts_E = dispatch_experts(x_ND, weights_NX, experts_NX, *experts)
+    y_ND, _ = dispatch_experts(x_ND, weights_NX, experts_NX, *experts)
+    valid_BL = jnp.ones((b, l), bool) if valid_BL is None else valid_BL
+    chosen_BLE = jax.nn.one_hot(experts_NX, e, dtype=jnp.float32).sum(1).reshape(b, l, e)
+    chosen_BLE = chosen_BLE * valid_BL[..., None]
+    counts_E = chosen_BLE.sum((0, 1)).astype(jnp.int32)
+    balance = sequence_balance_loss(router_scores(x_ND, w_router_DE).reshape(b, l, e),
+                                    chosen_BLE, valid_BL, c.num_experts_per_tok)
     y_BLD = y_ND.reshape(b, l, d)
     if c.n_shared_experts:
       y_BLD = y_BLD + SwiGLU(f * c.n_shared_experts, c.initializer_range, dtype, pdtype,
                              name="shared_experts")(x_BLD)
-    return y_BLD, {"expert_counts": counts_E}
+    return y_BLD, {"expert_counts": counts_E, "sequence_balance_loss": balance}
 
 
 class ExpertWeights(nn.Module):

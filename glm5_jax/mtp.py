@@ -40,7 +40,8 @@ class MTPLayer(nn.Module):
   cfg: ModelConfig
 
   @nn.compact
-  def __call__(self, h_prev_BLD, next_embed_BLD, positions_BL, segment_ids_BL, absorbed=False):
+  def __call__(self, h_prev_BLD, next_embed_BLD, positions_BL, segment_ids_BL, absorbed=False,
+               dsa_stage="sparse"):
     """Returns `(h_BLD, normed_BLD, aux)`: the depth's output state (input to the next depth)
     and its `shared_head_norm`-ed version for the LM head."""
     c = self.cfg
@@ -53,6 +54,6 @@ class MTPLayer(nn.Module):
     x_BLD = jnp.concatenate([e_BLD, h_BLD], axis=-1) @ w_eh
     layer = DecoderLayer(c, mtp_attention_kind(c), c.is_moe_layer(c.num_hidden_layers),
                          name="layer")
-    x_BLD, aux = layer(x_BLD, positions_BL, segment_ids_BL, None, absorbed)
+    x_BLD, aux = layer(x_BLD, positions_BL, segment_ids_BL, None, absorbed, dsa_stage)
     normed_BLD = RMSNorm(c.rms_norm_eps, dtype, pdtype, name="shared_head_norm")(x_BLD)
     return x_BLD, normed_BLD, aux

@@ -31,7 +31,8 @@ def attend(q_BLHK, k_BSGK, v_BSGV, mask_BLS, scale: float):
   """Softmax attention with grouped KV heads (G divides H); logits and softmax in fp32.
 
   Returns:
-    `[B, L, H, V]` in the dtype of `v`.
+    `(out_BLHV, probs_BLS)`: the output in the dtype of `v`, and the attention distribution
+    averaged over heads (fp32, rows sum to 1), which the DSA indexer learns to imitate.
   """
   b, l, h, k = q_BLHK.shape
   g = k_BSGK.shape[2]
@@ -39,6 +40,6 @@ def attend(q_BLHK, k_BSGK, v_BSGV, mask_BLS, scale: float):
   logits_BGRLS = jnp.einsum("blgrk,bsgk->bgrls", q_BLGRK, k_BSGK,
                             preferred_element_type=jnp.float32) * scale
   logits_BGRLS = jnp.where(mask_BLS[:, None, None], logits_BGRLS, MASKED_LOGIT)
-  probs_BGRLS = jax.nn.softmax(logits_BGRLS, axis=-1).astype(v_BSGV.dtype)
-  out_BLGRV = jnp.einsum("bgrls,bsgv->blgrv", probs_BGRLS, v_BSGV)
-  return out_BLGRV.reshape(b, l, h, v_BSGV.shape[-1])
+  probs_BGRLS = jax.nn.softmax(logits_BGRLS, axis=-1)
+  out_BLGRV = jnp.einsum("bgrls,bsgv->blgrv", probs_BGRLS.astype(v_BSGV.dtype), v_BSGV)
+  return out_BLGRV.reshape(b, l, h, v_BSGV.shape[-1]), probs_BGRLS.mean(axis=(1, 2))

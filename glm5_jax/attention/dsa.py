@@ -98,3 +98,23 @@ def topk_mask(topk_BLT, num_keys: int):
   mask = jnp.zeros((b, l, num_keys), dtype=bool)
   return mask.at[jnp.arange(b)[:, None, None], jnp.arange(l)[None, :, None], safe_BLT].set(
       True, mode="drop")
+
+
+def indexer_kl(index_scores_BLS, target_BLS, keys_BLS):
+  """Per-query `KL(p || softmax(I))` over the keys in `keys_BLS` (GLM5_REFERENCE.md section 3).
+
+  Args:
+    index_scores_BLS: indexer scores I (fp32).
+    target_BLS: p, the main attention summed over heads and L1-normalized (rows sum to 1 over
+      `keys_BLS`; zero elsewhere). The caller detaches it: the main model never learns from
+      this loss.
+    keys_BLS: the keys the distributions live on: every visible key in the warm-up stage, the
+      selected top-k keys in the sparse stage.
+  Returns:
+    fp32 `[B, L]`.
+  """
+  log_q_BLS = jax.nn.log_softmax(jnp.where(keys_BLS, index_scores_BLS, -jnp.inf), axis=-1)
+  p_BLS = jnp.where(keys_BLS, target_BLS, 0.0)
+  p_BLS = p_BLS / jnp.maximum(p_BLS.sum(-1, keepdims=True), 1e-30)
+  terms_BLS = jax.scipy.special.xlogy(p_BLS, p_BLS) - jnp.where(p_BLS > 0, p_BLS * log_q_BLS, 0.0)
+  return terms_BLS.sum(-1)

@@ -19,8 +19,9 @@ class GQA(nn.Module):
   cfg: ModelConfig
 
   @nn.compact
-  def __call__(self, x_BLD, positions_BL, segment_ids_BL, prev_topk_BLT=None, absorbed=False):
-    del prev_topk_BLT, absorbed  # no selection to reuse, no latent to absorb into
+  def __call__(self, x_BLD, positions_BL, segment_ids_BL, prev_topk_BLT=None, absorbed=False,
+               dsa_stage="sparse"):
+    del prev_topk_BLT, absorbed, dsa_stage  # no selection to reuse, no latent, no indexer
     c = self.cfg
     dtype = DTYPES[c.dtype]
     d, h, g, k = x_BLD.shape[-1], c.num_attention_heads, c.num_key_value_heads, c.gqa_head_dim
@@ -36,6 +37,6 @@ class GQA(nn.Module):
     cos, sin = rope_angles(positions_BL, k, c.rope_theta)
     q_BLHK = apply_interleaved_rope(q_BLHK, cos, sin)
     k_BSGK = apply_interleaved_rope(k_BSGK, cos, sin)
-    out_BLHK = attend(q_BLHK, k_BSGK, v_BSGK, causal_segment_mask(segment_ids_BL), k ** -0.5)
+    out_BLHK, _ = attend(q_BLHK, k_BSGK, v_BSGK, causal_segment_mask(segment_ids_BL), k ** -0.5)
     w_o_HKD = kernel("o_proj", (h, k, d), ("heads", "head_dim", "embed"))
     return jnp.einsum("blhk,hkd->bld", out_BLHK, w_o_HKD), {}

@@ -24,7 +24,7 @@ import jax.numpy as jnp
 from flax import linen as nn
 
 from glm5_jax.attention.common import attend, causal_segment_mask, MASKED_LOGIT
-from glm5_jax.attention.dsa import LightningIndexer, select_topk, topk_mask
+from glm5_jax.attention.dsa import LightningIndexer, indexer_kl, select_topk, topk_mask
 from glm5_jax.config import ModelConfig
 from glm5_jax.layers.norms import RMSNorm
 from glm5_jax.layers.params import DTYPES, normal_kernel, param
@@ -49,16 +49,23 @@ class MLA(nn.Module):
                  nn.initializers.zeros).astype(DTYPES[self.cfg.dtype])
 
   @nn.compact
-  def __call__(self, x_BLD, positions_BL, segment_ids_BL, prev_topk_BLT=None, absorbed=False):
+  def __call__(self, x_BLD, positions_BL, segment_ids_BL, prev_topk_BLT=None, absorbed=False,
+               dsa_stage="sparse"):
     """Args:
       x_BLD: normalized layer input.
       positions_BL: int positions (RoPE).
       segment_ids_BL: int document ids; attention never crosses them.
       prev_topk_BLT: the previous DSA layer's selection, for kind "dsa_shared_topk".
       absorbed: run the latent (decode) form instead of the expanded one.
+      dsa_stage: for DSA kinds (GLM5_REFERENCE.md section 3, "DSA adaptation"):
+        "dense"  - plain MLA; the indexer is not run.
+        "warmup" - the indexer runs and learns, attention stays dense.
+        "sparse" - attention is restricted to the top-k keys (inference and stage 2).
     Returns:
-      `(y_BLD, aux)`; for DSA kinds aux holds `topk_indices [B, L, T]` (int32, -1 = empty
-      slot) and, when this layer ran its indexer, `index_scores [B, L, S]` (fp32).
+      `(y_BLD, aux)`; for DSA kinds outside "dense" aux holds `topk_indices [B, L, T]`
+      (int32, -1 = empty slot), and when this layer ran its indexer `index_scores [B, L, S]`
+      (fp32) and `indexer_kl [B, L]`: KL(main attention || softmax(index scores)) per query,
+      over the visible keys in "warmup" and over the selected keys in "sparse".
     """
     c = self.cfg
     dtype, pdtype = DTYPES[c.dtype], DTYPES[c.param_dtype]
@@ -87,31 +94,40 @@ class MLA(nn.Module):
 
     visible_BLS = causal_segment_mask(segment_ids_BL)
     aux = {}
+    if self.kind not in ("mla", "dsa", "dsa_shared_topk"):
+      raise ValueError(f"MLA got unknown kind {self.kind!r}")
+    if dsa_stage not in ("dense", "warmup", "sparse"):
+      raise ValueError(f"dsa_stage must be dense, warmup or sparse, got {dsa_stage!r}")
     if self.kind == "dsa":
       indexer = LightningIndexer(c.index_n_heads, c.index_head_dim, r, c.indexer_norm_eps,
                                  c.initializer_range, dtype, pdtype, name="indexer")
-      aux["index_scores"] = indexer(x_BLD, cq_BLQ, cos, sin, visible_BLS)
-      aux["topk_indices"] = select_topk(aux["index_scores"], c.index_topk)
-    elif self.kind == "dsa_shared_topk":
+      # The indexer learns only from its own KL loss: its inputs are detached so that loss
+      # never reaches the main model, and top-k passes no LM-loss gradient back to it.
+      if dsa_stage != "dense" or self.is_initializing():
+        aux["index_scores"] = indexer(jax.lax.stop_gradient(x_BLD),
+                                      jax.lax.stop_gradient(cq_BLQ), cos, sin, visible_BLS)
+        aux["topk_indices"] = select_topk(aux["index_scores"], c.index_topk)
+    elif self.kind == "dsa_shared_topk" and dsa_stage != "dense":
       if prev_topk_BLT is None:
         raise ValueError("a dsa_shared_topk layer needs the previous DSA layer's top-k")
       aux["topk_indices"] = prev_topk_BLT
-    elif self.kind != "mla":
-      raise ValueError(f"MLA got unknown kind {self.kind!r}")
-    if "topk_indices" in aux:
+    if dsa_stage == "sparse" and "topk_indices" in aux:
       visible_BLS = visible_BLS & topk_mask(aux["topk_indices"], x_BLD.shape[1])
 
     scale = k ** -0.5
     if absorbed:
-      out_BLHV = _absorbed_attention(q_nope_BLHN, q_rope_BLHR, ckv_BSC, k_rope_BSR, w_kb_CHN,
-                                     w_vb_CHV, visible_BLS, scale)
+      out_BLHV, probs_BLS = _absorbed_attention(q_nope_BLHN, q_rope_BLHR, ckv_BSC, k_rope_BSR,
+                                                w_kb_CHN, w_vb_CHV, visible_BLS, scale)
     else:
       k_nope_BSHN = jnp.einsum("bsc,chn->bshn", ckv_BSC, w_kb_CHN)
       v_BSHV = jnp.einsum("bsc,chv->bshv", ckv_BSC, w_vb_CHV)
       k_rope_BSHR = jnp.broadcast_to(k_rope_BSR[:, :, None, :], k_nope_BSHN.shape[:3] + (r,))
       q_BLHK = jnp.concatenate([q_nope_BLHN, q_rope_BLHR], axis=-1)
       k_BSHK = jnp.concatenate([k_nope_BSHN, k_rope_BSHR], axis=-1)
-      out_BLHV = attend(q_BLHK, k_BSHK, v_BSHV, visible_BLS, scale)
+      out_BLHV, probs_BLS = attend(q_BLHK, k_BSHK, v_BSHV, visible_BLS, scale)
+    if "index_scores" in aux:
+      aux["indexer_kl"] = indexer_kl(aux["index_scores"], jax.lax.stop_gradient(probs_BLS),
+                                     visible_BLS)
 
     w_o_HVD = self._kernel("o_proj", (h, v, d), ("heads", "head_dim", "embed"))
     y_BLD = jnp.einsum("blhv,hvd->bld", out_BLHV, w_o_HVD) + self._bias("o_proj_bias", d, "embed")
@@ -127,6 +143,6 @@ def _absorbed_attention(q_nope_BLHN, q_rope_BLHR, ckv_BSC, k_rope_BSR, w_kb_CHN,
       + jnp.einsum("blhr,bsr->bhls", q_rope_BLHR, k_rope_BSR, preferred_element_type=jnp.float32)
   ) * scale
   logits_BHLS = jnp.where(visible_BLS[:, None], logits_BHLS, MASKED_LOGIT)
-  probs_BHLS = jax.nn.softmax(logits_BHLS, axis=-1).astype(ckv_BSC.dtype)
-  out_latent_BLHC = jnp.einsum("bhls,bsc->blhc", probs_BHLS, ckv_BSC)
-  return jnp.einsum("blhc,chv->blhv", out_latent_BLHC, w_vb_CHV)
+  probs_BHLS = jax.nn.softmax(logits_BHLS, axis=-1)
+  out_latent_BLHC = jnp.einsum("bhls,bsc->blhc", probs_BHLS.astype(ckv_BSC.dtype), ckv_BSC)
+  return (jnp.einsum("blhc,chv->blhv", out_latent_BLHC, w_vb_CHV), probs_BHLS.mean(axis=1))
