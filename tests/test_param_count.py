@@ -1,4 +1,4 @@
-"""tools/param_count.py: the released GLM-5 figures, exactness against real params, scaling.
+"""glm5_jax.param_stats and tools/param_count.py: the released GLM-5 figures, exactness against real params, scaling.
 
 Run from the repository root: `python -m pytest tests/test_param_count.py -q`.
 """
@@ -14,7 +14,7 @@ import pytest
 
 import glm5_jax
 from configs import glm5_744b, tiny
-from tools import param_count
+from glm5_jax import param_stats as param_count
 
 REPO_ROOT = pathlib.Path(__file__).resolve().parents[1]
 

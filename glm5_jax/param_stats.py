@@ -1,0 +1,150 @@
+"""Parameter counts per component, active parameters per token, KV-cache bytes per token.
+
+Works on `jax.ShapeDtypeStruct` trees from `glm5_jax.abstract_params`, so nothing is allocated.
+Used by `tools/param_count.py` and by training's FLOPs/MFU estimate.
+
+What is counted (GLM5_REFERENCE.md section 1):
+  total_params                      every parameter, MTP layer included
+  total_params_without_mtp          the main model only
+  active_params                     per token, main model: every non-routed-expert parameter
+                                    plus num_experts_per_tok / n_routed_experts of the routed ones
+  active_params_without_embeddings  active_params minus the embedding table and the LM head
+
+Components are read off the param-tree paths: `embed_tokens`, `lm_head`, `norm`,
+`layers_{i}/{input_layernorm, post_attention_layernorm, self_attn[/indexer], mlp/...}` and
+`mtp/{eh_proj, enorm, hnorm, shared_head_norm, layer/...}`. Norms inside the attention block
+(`q_a_layernorm`, `kv_a_layernorm`, the indexer's `k_norm`) count with attention / indexer;
+`norms` holds the layer pre-norms and final norms. The router's `e_score_correction_bias` is
+in the params tree (never trained by gradients) and counts with the router.
+
+KV cache per token (bf16, summed over the main layers; the MTP layer's cache is left out):
+MLA layers (M/D/R) store the latent `kv_lora_rank + qk_rope_head_dim`, G layers
+`2 * num_key_value_heads * gqa_head_dim`, and each D layer (own lightning indexer) adds its
+indexer key `index_head_dim`. For comparison, a GQA-8 model with head dim 128 stores
+`2 * 8 * 128` per layer.
+"""
+
+import collections
+import math
+
+import jax
+
+from glm5_jax.api import abstract_params
+from glm5_jax.config import ModelConfig
+
+# Main-model components, in table order; `mtp` is the whole MTP subtree.
+COMPONENTS = ("embedding", "lm_head", "attention", "indexer", "dense_ffn", "router",
+              "routed_experts", "shared_experts", "norms")
+MTP_COMPONENTS = COMPONENTS + ("mtp_eh_proj",)
+TOP_LEVEL = {"embed_tokens": "embedding", "lm_head": "lm_head", "norm": "norms"}
+MTP_TOP_LEVEL = {"eh_proj": "mtp_eh_proj", "enorm": "norms", "hnorm": "norms",
+                 "shared_head_norm": "norms"}
+LAYER_NORMS = ("input_layernorm", "post_attention_layernorm")
+ROUTER = ("gate", "e_score_correction_bias")  # MoE `mlp/gate` is the router kernel
+DENSE_FFN = ("gate_proj", "up_proj", "down_proj")  # dense `mlp/{gate,up,down}_proj`
+
+BYTES_PER_NUMBER = 2  # bf16 KV cache
+GQA8_NUMBERS_PER_LAYER = 2 * 8 * 128  # K and V, 8 KV heads, head dim 128
+
+
+def _key_name(key) -> str:
+  return str(getattr(key, "key", getattr(key, "name", key)))
+
+
+def param_paths(params) -> list[tuple[tuple[str, ...], int]]:
+  """`(path names, element count)` of every leaf; leaves need only a `.shape`."""
+  leaves = jax.tree_util.tree_flatten_with_path(params)[0]
+  return [(tuple(_key_name(k) for k in path), math.prod(leaf.shape)) for path, leaf in leaves]
+
+
+def layer_component(names: tuple[str, ...]) -> str | None:
+  """Component of a parameter inside one decoder layer (`names` start after `layers_{i}`)."""
+  if names[0] in LAYER_NORMS:
+    return "norms"
+  if names[0] == "self_attn":
+    return "indexer" if names[1] == "indexer" else "attention"
+  if names[0] == "mlp":
+    if names[1] == "experts":
+      return "routed_experts"
+    if names[1] == "shared_experts":
+      return "shared_experts"
+    if names[1] in ROUTER:
+      return "router"
+    if names[1] in DENSE_FFN:
+      return "dense_ffn"
+  return None
+
+
+def component(names: tuple[str, ...]) -> str:
+  """Component of the parameter at path `names` (for `mtp/...`, its part of the MTP layer).
+
+  Raises:
+    ValueError: for a path this tool does not know, so no parameter goes uncounted.
+  """
+  if names[0] == "mtp":
+    inner = names[1:]
+    found = layer_component(inner[1:]) if inner[0] == "layer" else MTP_TOP_LEVEL.get(inner[0])
+  elif names[0].startswith("layers_"):
+    found = layer_component(names[1:])
+  else:
+    found = TOP_LEVEL.get(names[0])
+  if found is None:
+    raise ValueError(f"param_count: no component for parameter {'/'.join(names)}")
+  return found
+
+
+def component_counts(params) -> tuple[dict[str, int], dict[str, int]]:
+  """`(main, mtp)`: parameter counts per component of the main model and of the MTP subtree."""
+  main, mtp = collections.Counter(), collections.Counter()
+  for names, size in param_paths(params):
+    (mtp if names[0] == "mtp" else main)[component(names)] += size
+  return ({c: main[c] for c in COMPONENTS},
+          {c: mtp[c] for c in MTP_COMPONENTS if mtp[c]})
+
+
+def active_params(main: dict[str, int], cfg: ModelConfig) -> int:
+  """Per-token parameters of the main model: routed experts count top-k of n_routed_experts.
+
+  Every routed-expert kernel has a leading experts axis, so the product is an exact integer.
+  """
+  routed = main["routed_experts"]
+  routed_active = routed * cfg.num_experts_per_tok // cfg.n_routed_experts
+  return sum(main.values()) - routed + routed_active
+
+
+def kv_cache_bytes_per_token(cfg: ModelConfig) -> dict[str, int | float]:
+  """Per-token KV-cache bytes (bf16) of the main layers, and a GQA-8 model's for comparison."""
+  numbers = collections.Counter()
+  for letter in cfg.attention_pattern:
+    if letter == "G":
+      numbers["gqa_kv"] += 2 * cfg.num_key_value_heads * cfg.gqa_head_dim
+    else:
+      numbers["mla_latent"] += cfg.kv_lora_rank + cfg.qk_rope_head_dim
+    if letter == "D":
+      numbers["dsa_indexer_keys"] += cfg.index_head_dim
+  out = {name: numbers[name] * BYTES_PER_NUMBER
+         for name in ("mla_latent", "dsa_indexer_keys", "gqa_kv")}
+  out["total"] = sum(out.values())
+  out["gqa8_equivalent"] = cfg.num_hidden_layers * GQA8_NUMBERS_PER_LAYER * BYTES_PER_NUMBER
+  out["gqa8_ratio"] = out["gqa8_equivalent"] / out["total"]
+  out["gqa8_ratio_without_indexer"] = out["gqa8_equivalent"] / (
+      out["total"] - out["dsa_indexer_keys"])
+  return out
+
+
+def summarize(model_config) -> dict:
+  """All counts for a `model` ConfigDict (or `ModelConfig`), as one JSON-ready dict."""
+  cfg = ModelConfig.from_config(model_config)
+  main, mtp = component_counts(abstract_params(cfg))
+  without_mtp = sum(main.values())
+  active = active_params(main, cfg)
+  return {
+      "total_params": without_mtp + sum(mtp.values()),
+      "total_params_without_mtp": without_mtp,
+      "active_params": active,
+      "active_params_without_embeddings": active - main["embedding"] - main["lm_head"],
+      "breakdown": {**main, "mtp": sum(mtp.values())},
+      "mtp_breakdown": mtp,
+      "kv_cache_bytes_per_token": kv_cache_bytes_per_token(cfg),
+      "num_hidden_layers": cfg.num_hidden_layers,
+  }
