@@ -1,4 +1,4 @@
-"""The optimizer built from the `optim` config: Muon Split (or Muon, or AdamW) + AdamW, one schedule.
+"""The optimizer from the `optim` config: Muon Split (or Muon, or AdamW) + AdamW, one schedule.
 
 GLM5_REFERENCE.md section 3. One update, in order:
 

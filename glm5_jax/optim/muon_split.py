@@ -1,4 +1,4 @@
-"""Which optimizer moves each parameter, decided from its path: Muon (with a matrix layout) or AdamW.
+"""Which optimizer moves each parameter, from its path: Muon (with a matrix layout) or AdamW.
 
 GLM5_REFERENCE.md section 3 ("Muon Split"). Muon orthogonalizes a momentum *matrix* with
 Newton-Schulz; `optax.contrib.MuonDimensionNumbers(reduction_axis, output_axis)` says which axes

@@ -1,0 +1,344 @@
+"""Mixture sources: config defaults and validation per kind, held-out splits, document datasets.
+
+A source is one entry of `data.sources` (name -> {kind, weight, ...options}). Kinds:
+
+  python_stdlib  the `.py` files of this Python's standard library
+                 (`sysconfig.get_paths()["stdlib"]`, `*-packages` excluded): real code text that
+                 every Python install has. Held out by file: hash of the path relative to the
+                 stdlib root. Deterministic given the same Python version.
+  text_files     `glob` of UTF-8 text files, one document per file; held out by file.
+  jsonl          `glob` of JSON-lines files; each line's `text_field` string is a document; held
+                 out by part (see below), so a single file still gets a held-out share.
+  array_record   `glob` of ArrayRecord files, one document per record; held out by record.
+                 `format="text"`: records are UTF-8 text. `format="tokens"`: records are the raw
+                 little-endian int32 token ids of one document (`np.asarray(ids, "<i4")
+                 .tobytes()`), without bos/eos, which the pipeline adds as for text.
+  synthetic      `task` from `glm5_jax.data.synthetic.TASKS` with that task's options; lengths
+                 drawn from [min_length, max_length] (None: max_length = seq_len, min_length =
+                 max_length // 2); `depth` None = uniform. Held-out = a different seed stream.
+
+Every source becomes a `grain.MapDataset` of records (file parts, record indices or example
+indices) that is held-out filtered, sharded by process (`[process_index::process_count]`),
+shuffled and repeated with reshuffling per epoch, and mapped lazily to a list of documents; each
+document is {tokens int32, loss_mask float32, source_id int32} of one length.
+
+Text files are read in *parts* of about `part_bytes` (None: 4 * seq_len) bytes, cut at line
+starts: record (file, k) covers the lines starting in [k, k+1) * part_bytes, so listing needs
+only file sizes (no read at startup), a record reads only its bytes, and a big file's pieces are
+spread over the epoch by the shuffle instead of arriving as one long run of chunks. A file's
+first part starts with bos and its last part ends with eos. Tokenized records are kept in a
+per-source LRU cache (`token_cache_size` records) so later epochs skip reading and tokenizing.
+"""
+
+import functools
+import glob as globlib
+import hashlib
+import json
+import os
+import sysconfig
+import zlib
+
+import grain
+import ml_collections
+import numpy as np
+
+from glm5_jax.data import synthetic
+
+FILE_KINDS = ("python_stdlib", "text_files", "jsonl")
+KIND_OPTIONS = {
+    "python_stdlib": dict(holdout_fraction=0.05, part_bytes=None),
+    "text_files": dict(glob="", holdout_fraction=0.05, part_bytes=None),
+    "jsonl": dict(glob="", text_field="text", holdout_fraction=0.05, part_bytes=None),
+    "array_record": dict(glob="", format="text", holdout_fraction=0.05),
+    "synthetic": dict(task="niah_single", min_length=None, max_length=None, depth=None),
+}
+ARRAY_RECORD_FORMATS = ("text", "tokens")
+SPLITS = ("train", "eval")
+# Synthetic example indices run over [0, SYNTHETIC_INDICES): effectively infinite, no repeat.
+SYNTHETIC_INDICES = 2**62
+
+
+def _allowed_options(kind, task=None):
+  if kind not in KIND_OPTIONS:
+    raise ValueError(f"unknown source kind {kind!r}; known: {sorted(KIND_OPTIONS)}")
+  options = dict(kind=kind, weight=1.0, **KIND_OPTIONS[kind])
+  if kind == "synthetic":
+    options.update(synthetic.task_options(task or options["task"]))
+  return options
+
+
+def source_config(kind: str, **options) -> ml_collections.ConfigDict:
+  """One source entry with every option of its kind (and task) at its default."""
+  spec = _allowed_options(kind, options.get("task"))
+  spec.update(options)
+  return ml_collections.ConfigDict(spec)
+
+
+def resolve_source(name, spec, seq_len) -> dict:
+  """`spec` (ConfigDict or dict) with defaults filled in, validated; errors name the source."""
+  spec = dict(spec.to_dict() if hasattr(spec, "to_dict") else spec)
+  if "kind" not in spec:
+    raise ValueError(f"source {name!r}: missing 'kind'; known: {sorted(KIND_OPTIONS)}")
+  try:
+    allowed = _allowed_options(spec["kind"], spec.get("task"))
+  except ValueError as e:
+    raise ValueError(f"source {name!r}: {e}") from None
+  unknown = sorted(set(spec) - set(allowed))
+  if unknown:
+    raise ValueError(f"source {name!r} ({spec['kind']}): unknown options {unknown}; "
+                     f"known: {sorted(allowed)}")
+  spec = {**allowed, **spec}
+  weight = spec["weight"]
+  if not isinstance(weight, (int, float)) or not weight > 0:
+    raise ValueError(f"source {name!r}: weight must be a number > 0, got {weight!r}")
+  kind = spec["kind"]
+  if kind != "synthetic" and not 0.0 <= spec["holdout_fraction"] < 1.0:
+    raise ValueError(f"source {name!r}: holdout_fraction must be in [0, 1), got "
+                     f"{spec['holdout_fraction']}")
+  if kind in ("text_files", "jsonl", "array_record") and not spec["glob"]:
+    raise ValueError(f"source {name!r} ({kind}): set 'glob' to the files to read")
+  if spec.get("part_bytes") is not None and spec["part_bytes"] <= 0:
+    raise ValueError(f"source {name!r}: part_bytes must be > 0, got {spec['part_bytes']}")
+  if kind == "array_record" and spec["format"] not in ARRAY_RECORD_FORMATS:
+    raise ValueError(f"source {name!r}: format {spec['format']!r}; known: "
+                     f"{ARRAY_RECORD_FORMATS}")
+  if kind == "synthetic":
+    max_length = spec["max_length"] if spec["max_length"] is not None else seq_len
+    min_length = spec["min_length"] if spec["min_length"] is not None else max_length // 2
+    if not 0 < min_length <= max_length <= seq_len:
+      raise ValueError(f"source {name!r}: need 0 < min_length ({min_length}) <= max_length "
+                       f"({max_length}) <= seq_len ({seq_len})")
+    depth = spec["depth"]
+    if depth is not None and not 0.0 <= depth <= 1.0:
+      raise ValueError(f"source {name!r}: depth must be None or in [0, 1], got {depth}")
+    spec.update(min_length=min_length, max_length=max_length)
+  return spec
+
+
+# ---------------------------------------------------------------------------------------------
+# Listing and held-out splits
+# ---------------------------------------------------------------------------------------------
+
+
+def stdlib_root() -> str:
+  return sysconfig.get_paths()["stdlib"]
+
+
+def list_files(name, spec) -> tuple[str, list[str]]:
+  """(root, sorted paths). Paths are hashed relative to `root` for the held-out split, so the
+  split does not depend on where the files live."""
+  if spec["kind"] == "python_stdlib":
+    root = stdlib_root()
+    paths = [p for p in globlib.glob(os.path.join(root, "**", "*.py"), recursive=True)
+             if not any(part.endswith("-packages")
+                        for part in os.path.relpath(p, root).split(os.sep))]
+    pattern = os.path.join(root, "**", "*.py")
+  else:
+    pattern = os.path.expanduser(spec["glob"])
+    paths = [p for p in globlib.glob(pattern, recursive=True) if os.path.isfile(p)]
+  if not paths:
+    raise FileNotFoundError(f"source {name!r} ({spec['kind']}): glob {pattern!r} matches no "
+                            "files")
+  paths = sorted(paths)
+  root = os.path.commonpath([os.path.dirname(os.path.abspath(p)) for p in paths])
+  if spec["kind"] == "python_stdlib":
+    root = stdlib_root()
+  return root, paths
+
+
+def unit_hash(key: str) -> float:
+  """A deterministic hash of `key` in [0, 1)."""
+  return int.from_bytes(hashlib.sha1(key.encode()).digest()[:8], "little") / 2.0**64
+
+
+def _unit_hash_array(key: str, n: int) -> np.ndarray:
+  """Deterministic [0, 1) hashes of (key, 0..n-1): splitmix64 of a key hash plus the index."""
+  x = np.arange(n, dtype=np.uint64) + np.uint64(int(unit_hash(key) * 2**63))
+  x = x + np.uint64(0x9E3779B97F4A7C15)
+  x = (x ^ (x >> np.uint64(30))) * np.uint64(0xBF58476D1CE4E5B9)
+  x = (x ^ (x >> np.uint64(27))) * np.uint64(0x94D049BB133111EB)
+  x = x ^ (x >> np.uint64(31))
+  return (x >> np.uint64(11)).astype(np.float64) / 2.0**53
+
+
+def _in_split(hash_value, fraction, split):
+  return (hash_value < fraction) == (split == "eval")
+
+
+def file_part_records(name, spec, seq_len, split) -> list[tuple[str, int, int]]:
+  """(path, part, num_parts) records of a file-based source in `split` (see module doc)."""
+  root, paths = list_files(name, spec)
+  part_bytes = spec["part_bytes"] or 4 * seq_len
+  fraction = spec["holdout_fraction"]
+  records = []
+  for path in paths:
+    rel = os.path.relpath(os.path.abspath(path), root)
+    num_parts = -(-os.path.getsize(path) // part_bytes)
+    if spec["kind"] == "jsonl":  # held out by part
+      records += [(path, k, num_parts) for k in range(num_parts)
+                  if _in_split(unit_hash(f"{rel}#{k}"), fraction, split)]
+    elif _in_split(unit_hash(rel), fraction, split):  # held out by file
+      records += [(path, k, num_parts) for k in range(num_parts)]
+  return records
+
+
+def array_record_records(name, spec, split):
+  """(data source over all files, global indices of the records in `split`)."""
+  root, paths = list_files(name, spec)
+  indices, offset = [], 0
+  for path in paths:
+    n = len(grain.sources.ArrayRecordDataSource([path]))
+    keep = _in_split(_unit_hash_array(os.path.relpath(path, root), n),
+                     spec["holdout_fraction"], split)
+    indices.append(offset + np.nonzero(keep)[0])
+    offset += n
+  return grain.sources.ArrayRecordDataSource(paths), np.concatenate(indices)
+
+
+# ---------------------------------------------------------------------------------------------
+# Reading records into documents
+# ---------------------------------------------------------------------------------------------
+
+
+def _line_start_at_or_after(f, offset):
+  """The first offset >= `offset` that starts a line (or the file size)."""
+  if offset <= 0:
+    return 0
+  f.seek(offset - 1)
+  position = offset - 1
+  while True:
+    block = f.read(1 << 14)
+    if not block:
+      return position
+    newline = block.find(b"\n")
+    if newline >= 0:
+      return position + newline + 1
+    position += len(block)
+
+
+def read_part(path: str, part: int, part_bytes: int) -> bytes:
+  """The lines of `path` that start in [part, part + 1) * part_bytes; parts tile the file."""
+  with open(path, "rb") as f:
+    start = _line_start_at_or_after(f, part * part_bytes)
+    end = _line_start_at_or_after(f, (part + 1) * part_bytes)
+    f.seek(start)
+    return f.read(max(0, end - start))
+
+
+def _document(ids, *, answer_mask=None, source_id):
+  ids = np.asarray(ids, np.int32)
+  mask = np.ones(len(ids), np.float32) if answer_mask is None else answer_mask
+  return dict(tokens=ids, loss_mask=mask, source_id=np.full(len(ids), source_id, np.int32))
+
+
+class _ReadRecord(grain.transforms.Map):
+  """record -> list of documents, tokenized; the last `cache_size` results are cached."""
+
+  def __init__(self, name, spec, tokenizer, seq_len, source_id, cache_size, data_source=None):
+    self._name, self._spec, self._tok = name, spec, tokenizer
+    self._part_bytes = spec.get("part_bytes") or 4 * seq_len
+    self._source_id = source_id
+    self._data_source = data_source
+    self._cache_size = cache_size
+    self._cached = None  # built lazily: an lru_cache does not pickle (grain mp_prefetch workers)
+
+  def __getstate__(self):
+    return {**self.__dict__, "_cached": None}
+
+  def map(self, record):
+    if self._cached is None:
+      self._cached = functools.lru_cache(maxsize=self._cache_size)(self._read)
+    return self._cached(record if isinstance(record, tuple) else int(record))
+
+  def _with_specials(self, ids, bos=True, eos=True):
+    parts = [[self._tok.bos_id]] * bos + [ids] + [[self._tok.eos_id]] * eos
+    return np.concatenate([np.asarray(p, np.int32) for p in parts])
+
+  def _read(self, record):
+    kind = self._spec["kind"]
+    if kind == "array_record":
+      ids = self._record_ids(self._data_source[record], record)
+      return [_document(self._with_specials(ids), source_id=self._source_id)]
+    path, part, num_parts = record
+    data = read_part(path, part, self._part_bytes)
+    if kind == "jsonl":
+      texts = [self._json_text(line, path) for line in data.splitlines() if line.strip()]
+      return [_document(self._with_specials(self._tok.encode_array(t)),
+                        source_id=self._source_id) for t in texts]
+    if not data:
+      return []
+    ids = self._tok.encode_array(data.decode("utf-8", errors="replace"))
+    ids = self._with_specials(ids, bos=part == 0, eos=part == num_parts - 1)
+    return [_document(ids, source_id=self._source_id)]
+
+  def _json_text(self, line, path):
+    field = self._spec["text_field"]
+    try:
+      text = json.loads(line)[field]
+    except (ValueError, KeyError, TypeError) as e:
+      raise ValueError(f"source {self._name!r}: {path}: a line is not a JSON object with a "
+                       f"string field {field!r} ({e!r})") from None
+    if not isinstance(text, str):
+      raise ValueError(f"source {self._name!r}: {path}: field {field!r} is "
+                       f"{type(text).__name__}, not a string")
+    return text
+
+  def _record_ids(self, data, index):
+    if self._spec["format"] == "text":
+      return self._tok.encode_array(data.decode("utf-8", errors="replace"))
+    ids = np.frombuffer(data, "<i4").astype(np.int32)
+    if len(ids) and (ids.min() < 0 or ids.max() >= self._tok.vocab_size):
+      raise ValueError(f"source {self._name!r}: record {index} has token ids outside "
+                       f"[0, {self._tok.vocab_size})")
+    return ids
+
+
+class _SyntheticRecord(grain.transforms.Map):
+  """example index -> [document] of the source's synthetic task."""
+
+  def __init__(self, name, spec, tokenizer, seq_len, source_id, seed, split):
+    self._name, self._tok, self._seq_len, self._source_id = name, tokenizer, seq_len, source_id
+    self._task = spec["task"]
+    self._options = {k: spec[k] for k in synthetic.task_options(self._task)}
+    self._length = (spec["min_length"], spec["max_length"])
+    self._depth = spec["depth"]
+    self._seed, self._stream, self._salt = seed, SPLITS.index(split), zlib.crc32(name.encode())
+
+  def map(self, index):
+    example = synthetic.generate(
+        self._task, self._tok, int(index), length=self._length, seed=self._seed,
+        stream=self._stream, salt=self._salt, depth=self._depth, strict=False, **self._options)
+    if len(example.tokens) > self._seq_len:
+      raise ValueError(
+          f"source {self._name!r}: {self._task} example needs {len(example.tokens)} tokens > "
+          f"seq_len {self._seq_len}; raise seq_len or make the task smaller")
+    return [_document(example.tokens, answer_mask=example.loss_mask, source_id=self._source_id)]
+
+
+def shuffle_seed(seed, name, split) -> int:
+  """Per-source, per-split shuffle seed in [0, 2**32) (grain's range)."""
+  return zlib.crc32(f"{seed}/{name}/{split}".encode())
+
+
+def document_dataset(name, spec, *, split, source_id, tokenizer, seq_len, seed,
+                     process_index=0, process_count=1, cache_size=4096) -> grain.MapDataset:
+  """Infinite `grain.MapDataset` of document lists for one resolved source (see module doc)."""
+  if split not in SPLITS:
+    raise ValueError(f"split {split!r}; known: {SPLITS}")
+  kind = spec["kind"]
+  if kind == "synthetic":
+    ds = grain.MapDataset.range(SYNTHETIC_INDICES)[process_index::process_count]
+    return ds.map(_SyntheticRecord(name, spec, tokenizer, seq_len, source_id, seed, split))
+  data_source = None
+  if kind == "array_record":
+    data_source, records = array_record_records(name, spec, split)
+  else:
+    records = file_part_records(name, spec, seq_len, split)
+  what = "held-out" if split == "eval" else "training"
+  if len(records) < process_count:
+    raise ValueError(
+        f"source {name!r}: {len(records)} {what} records (holdout_fraction="
+        f"{spec['holdout_fraction']}) cannot be sharded over {process_count} processes")
+  ds = grain.MapDataset.source(records)[process_index::process_count]
+  ds = ds.shuffle(shuffle_seed(seed, name, split)).repeat()
+  return ds.map(_ReadRecord(name, spec, tokenizer, seq_len, source_id, cache_size, data_source))

@@ -1,0 +1,1 @@
+"""Training: losses, train state and steps, checkpoints, metrics, and the training loop."""

@@ -1,0 +1,39 @@
+"""Defaults of the training loop's own config sections: `train`, `ckpt`, `eval`.
+
+Model, data, optim and mesh defaults live beside their code (`glm5_jax.config`,
+`glm5_jax.data`, `glm5_jax.optim`); configs/*.py compose all of them.
+"""
+
+import ml_collections
+
+
+def train_config(**overrides) -> ml_collections.ConfigDict:
+  c = ml_collections.ConfigDict()
+  c.steps = 1000
+  c.dsa_stage = "sparse"  # dense | warmup | sparse (GLM5_REFERENCE.md section 3)
+  c.init_from = ""  # workdir of another run to take params from (e.g. dense MLA -> DSA)
+  c.mtp_loss_weight = 0.3
+  c.z_loss_weight = 0.0
+  c.indexer_loss_weight = 1.0
+  c.sequence_balance_weight = 1e-4  # DeepSeek-V3's alpha
+  c.balance_bias_rate = 1e-3  # DeepSeek-V3's gamma
+  c.log_every_steps = 20
+  c.update(overrides)
+  return c
+
+
+def ckpt_config(**overrides) -> ml_collections.ConfigDict:
+  c = ml_collections.ConfigDict()
+  c.every_steps = 200
+  c.keep = 3
+  c.async_save = True
+  c.update(overrides)
+  return c
+
+
+def eval_config(**overrides) -> ml_collections.ConfigDict:
+  c = ml_collections.ConfigDict()
+  c.every_steps = 250  # 0 disables
+  c.batches = 8
+  c.update(overrides)
+  return c

@@ -1,0 +1,219 @@
+"""The training loop, top to bottom: config -> mesh -> data -> abstract state and shardings ->
+init or restore -> jitted step -> loop (metrics, eval, checkpoints) -> summary."""
+
+import signal
+import time
+
+from absl import logging
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from glm5_jax import data as data_lib
+from glm5_jax import optim
+from glm5_jax.api import abstract_params, init_params
+from glm5_jax.config import ModelConfig, validate_config
+from glm5_jax.sharding import activation_sharding, make_mesh, param_shardings
+from glm5_jax.train import checkpoint as ckpt
+from glm5_jax.train.losses import target_weights
+from glm5_jax.train.metrics import MetricWriter, flops_per_token, peak_flops_per_device, progress_line
+from glm5_jax.train.state import TrainState, merge_stage_params, trainable_mask
+from glm5_jax.train.step import StepConfig, make_eval_step, make_train_step
+
+
+class NonFiniteLossError(FloatingPointError):
+  """Training produced a NaN/inf loss or gradient; the message names the step."""
+
+
+def train(config, workdir: str, *, stop_after_steps: int | None = None) -> dict:
+  """Trains per `config` in `workdir` (resuming from its latest checkpoint); returns a summary.
+
+  Args:
+    stop_after_steps: stop (saving a checkpoint) after this many steps of this invocation, as a
+      job time limit or preemption would; a later call resumes exactly.
+  Multi-host: call `jax.distributed.initialize()` first (experiments/train.py does).
+  """
+  # ---------------------------------------------------------------- config and mesh
+  validate_config(config, jax.device_count())
+  model = ModelConfig.from_config(config.model)
+  step_cfg = StepConfig.from_config(config.train)
+  total_steps = config.train.steps
+  mesh = make_mesh(config.mesh)
+  rules = config.mesh.logical_axis_rules
+  batch_sharding = jax.sharding.NamedSharding(
+      mesh, jax.sharding.PartitionSpec(("data", "fsdp")))
+
+  # ---------------------------------------------------------------- data
+  tokenizer = data_lib.make_tokenizer(config.data.tokenizer)
+  data_lib.check_vocab(tokenizer, model.vocab_size)
+  train_iter = data_lib.make_train_iterator(config.data, process_index=jax.process_index(),
+                                            process_count=jax.process_count())
+  eval_batches = data_lib.make_eval_batches(
+      config.data, num_batches=config.eval.batches, process_index=jax.process_index(),
+      process_count=jax.process_count()) if config.eval.every_steps else []
+  source_names = data_lib.source_names(config.data)
+  answer_sources = {n for n in source_names if config.data.sources[n].kind == "synthetic"}
+
+  # ---------------------------------------------------------------- abstract state, shardings
+  shapes = abstract_params(model)
+  optimizer, schedule = optim.build_optimizer(
+      config.optim, shapes, total_steps=total_steps,
+      trainable=trainable_mask(shapes, step_cfg.dsa_stage))
+  params_sharding = param_shardings(model, mesh, rules)
+
+  def init_state(rng_data):
+    params = jax.lax.with_sharding_constraint(
+        init_params(model, jax.random.wrap_key_data(rng_data)), params_sharding)
+    return TrainState(step=jnp.zeros((), jnp.int32), params=params,
+                      opt_state=optimizer.init(params), rng=rng_data)
+
+  rng_data = jax.random.key_data(jax.random.key(config.seed))
+  with activation_sharding(mesh, rules):
+    init_compiled = jax.jit(init_state).lower(rng_data).compile()
+  state_sharding = init_compiled.output_shardings
+  abstract_state = jax.tree_util.tree_map(
+      lambda s, sh: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=sh),
+      jax.eval_shape(init_state, rng_data), state_sharding)
+
+  # ---------------------------------------------------------------- init or restore
+  manager = ckpt.make_manager(workdir, every_steps=config.ckpt.every_steps,
+                              keep=config.ckpt.keep, async_save=config.ckpt.async_save)
+  state = ckpt.restore_latest(manager, abstract_state, train_iter, config)
+  if state is not None:
+    logging.info("resumed from %s at step %d", manager.directory, int(state.step))
+  else:
+    state = init_compiled(rng_data)
+    if config.train.init_from:
+      loaded, source_model = ckpt.restore_params_from(config.train.init_from, abstract_params)
+      params = merge_stage_params(state.params, loaded, f"{config.train.init_from} "
+                                  f"(pattern {source_model['attention_pattern']})")
+      params = jax.device_put(params, params_sharding)
+      opt_state = jax.jit(optimizer.init, out_shardings=state_sharding.opt_state)(params)
+      state = state.replace(params=params, opt_state=opt_state)
+      logging.info("initialized params from %s", config.train.init_from)
+
+  # ---------------------------------------------------------------- steps
+  train_step = jax.jit(make_train_step(model, step_cfg, optimizer, schedule),
+                       in_shardings=(state_sharding, batch_sharding),
+                       out_shardings=(state_sharding, None), donate_argnums=0)
+  eval_step = jax.jit(make_eval_step(model, step_cfg),
+                      in_shardings=(state_sharding.params, batch_sharding))
+
+  def to_device(batch):
+    return {k: jax.make_array_from_process_local_data(batch_sharding, np.asarray(v))
+            for k, v in batch.items()}
+
+  # ---------------------------------------------------------------- loop
+  writer = MetricWriter(workdir)
+  tokens_per_step = config.data.batch_size * config.data.seq_len
+  flops = flops_per_token(model, config.data.seq_len)
+  peak = peak_flops_per_device()
+  stop = {"requested": False}
+  previous_handler = signal.signal(signal.SIGTERM, lambda *_: stop.update(requested=True))
+  first_loss = last_metrics = eval_metrics = None
+  start_step = int(state.step)
+  interval_start, interval_steps = time.time(), 0
+  pending = None  # (step, metrics) of the last dispatched step, read one step late
+  try:
+    with activation_sharding(mesh, rules):
+      for step in range(start_step, total_steps):
+        state, metrics = train_step(state, to_device(next(train_iter)))
+        if pending is not None:  # never wait on the step just dispatched (STYLE habit 7)
+          last_metrics = _checked(*pending)
+          first_loss = last_metrics["loss"] if first_loss is None else first_loss
+        pending, interval_steps = (step, metrics), interval_steps + 1
+        done = step + 1
+        if stop_after_steps is not None and done - start_step >= stop_after_steps:
+          stop["requested"] = True
+        log_now = done % config.train.log_every_steps == 0 or done == total_steps
+        save_now = (done % config.ckpt.every_steps == 0 or done == total_steps
+                    or stop["requested"] or manager.reached_preemption(done))
+        if log_now or save_now:  # these need this step's numbers: sync once
+          last_metrics = _checked(*pending)
+          first_loss = last_metrics["loss"] if first_loss is None else first_loss
+          pending = None
+        if log_now:
+          elapsed = time.time() - interval_start
+          last_metrics["tokens_per_sec"] = tokens_per_step * interval_steps / elapsed
+          last_metrics["mfu"] = (last_metrics["tokens_per_sec"] * flops / (
+              peak * jax.device_count()) if peak else None)
+          logging.info(progress_line(done, total_steps, last_metrics))
+          writer.write(done, last_metrics)
+          interval_start, interval_steps = time.time(), 0
+        if config.eval.every_steps and (done % config.eval.every_steps == 0
+                                        or done == total_steps):
+          eval_metrics = evaluate(eval_step, state.params, eval_batches, to_device,
+                                  source_names, answer_sources)
+          logging.info("eval at step %d: %s", done, _format(eval_metrics))
+          writer.write(done, eval_metrics, prefix="eval")
+        if save_now:
+          ckpt.save(manager, state, train_iter, config, force=True)
+        if stop["requested"]:
+          logging.warning("stop requested (SIGTERM or step budget): saved step %d", done)
+          break
+    if pending is not None:
+      last_metrics = _checked(*pending)
+  finally:
+    manager.wait_until_finished()
+    manager.close()
+    writer.close()
+    signal.signal(signal.SIGTERM, previous_handler)
+
+  return {
+      "steps": int(state.step), "first_loss": first_loss,
+      "last_loss": last_metrics["loss"] if last_metrics else None,
+      "last_metrics": last_metrics, "eval": eval_metrics,
+      "tokens_per_sec": (last_metrics or {}).get("tokens_per_sec"),
+      "checkpoints": str(manager.directory), "metrics_file": writer.path,
+  }
+
+
+def _checked(step: int, metrics) -> dict:
+  """Host copy of one step's metrics; stops the run on a non-finite loss or gradient."""
+  metrics = {k: float(v) for k, v in jax.device_get(metrics).items()}
+  bad = [k for k in ("loss", "grad_norm") if not np.isfinite(metrics[k])]
+  if bad:
+    raise NonFiniteLossError(
+        f"step {step + 1}: non-finite {', '.join(bad)} ({', '.join(f'{k}={metrics[k]}' for k in bad)})"
+        "; stopping. The last checkpoint written before it is intact.")
+  return metrics
+
+
+def evaluate(eval_step, params, batches, to_device, source_names, answer_sources=()) -> dict:
+  """Mean eval losses plus, per data source, target-token loss and token accuracy, and for
+  `answer_sources` (retrieval tasks) exact match: every answer token of an example right."""
+  if not batches:
+    return {}
+  sums, count = {}, 0
+  per_source = {name: np.zeros(5) for name in source_names}  # nll, correct, targets, exact, docs
+  for batch in batches:
+    metrics, predictions, nll = jax.device_get(eval_step(params, to_device(batch)))
+    for k, v in metrics.items():
+      sums[k] = sums.get(k, 0.0) + float(v)
+    count += 1
+    _score_examples(batch, np.asarray(predictions), np.asarray(nll), source_names, per_source)
+  out = {k: v / count for k, v in sums.items()}
+  for name, (nll, correct, targets, exact, docs) in per_source.items():
+    if targets:
+      out[f"{name}/loss"] = nll / targets
+      out[f"{name}/token_accuracy"] = correct / targets
+      if name in answer_sources:
+        out[f"{name}/exact_match"] = exact / max(docs, 1)
+  return out
+
+
+def _score_examples(batch, predictions, nll, source_names, per_source):
+  weights = np.asarray(target_weights(batch["segment_ids"], batch["loss_mask"], 1)) > 0
+  targets = batch["tokens"][:, 1:]
+  segments = batch["segment_ids"][:, 1:]
+  sources = batch["source_id"][:, 1:]
+  for row in range(targets.shape[0]):
+    for segment in np.unique(segments[row][weights[row]]):
+      sel = weights[row] & (segments[row] == segment)
+      acc = per_source[source_names[int(sources[row][sel][0])]]
+      right = predictions[row][sel] == targets[row][sel]
+      acc += (nll[row][sel].sum(), right.sum(), sel.sum(), float(right.all()), 1.0)
+
+
+def _format(metrics: dict) -> str:
+  return ", ".join(f"{k} {v:.4g}" for k, v in sorted(metrics.items()) if isinstance(v, float))

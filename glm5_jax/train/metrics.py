@@ -1,0 +1,104 @@
+"""Metrics: JSONL + TensorBoard writers, the progress line, FLOPs per token and MFU.
+
+FLOPs per token (training, forward + backward = 3x forward): 6 x the active matmul parameters
+(embedding lookups excluded; the LM head and the MTP depths counted) plus 3 x the attention
+score and value products over the keys a query attends to (L/2 on average for causal dense
+attention, at most top-k for DSA); see `flops_per_token`.
+MFU divides achieved FLOP/s by the devices' peak bf16 FLOP/s, known for common accelerators;
+on CPU (or an unknown device) MFU is reported as unavailable rather than guessed.
+"""
+
+import json
+import os
+import time
+
+import jax
+import numpy as np
+
+from glm5_jax.config import ModelConfig
+from glm5_jax.param_stats import summarize
+
+# Dense bf16 peak FLOP/s per device, by `device_kind` substring.
+PEAK_FLOPS = {
+    "TPU v4": 275e12, "TPU v5 lite": 197e12, "TPU v5e": 197e12, "TPU v5p": 459e12,
+    "TPU v5": 459e12, "TPU v6": 918e12, "H100": 989e12, "H200": 989e12, "A100": 312e12,
+}
+
+
+def flops_per_token(model: ModelConfig, seq_len: int) -> float:
+  """Training FLOPs per token: 6 x active non-embedding params + causal attention (MTP included
+  at one layer per depth)."""
+  summary = summarize(model)
+  active = summary["active_params"] - summary["breakdown"]["embedding"]
+  mtp_layer = summary["breakdown"]["mtp"]
+  if mtp_layer and model.mtp_depths:  # one MTP layer pass (with its routed experts' top-k share)
+    routed = summary["mtp_breakdown"].get("routed_experts", 0)
+    mtp_active = mtp_layer - routed + routed * model.num_experts_per_tok // model.n_routed_experts
+    active += model.mtp_depths * (mtp_active + summary["breakdown"]["lm_head"])
+  attention = 0.0
+  layers = list(model.attention_pattern) + ["D"] * model.mtp_depths * bool(mtp_layer)
+  for letter in layers:
+    if letter == "G":
+      per_key = model.num_attention_heads * 2 * model.gqa_head_dim
+      keys = seq_len / 2
+    else:
+      per_key = model.num_attention_heads * (model.qk_head_dim + model.v_head_dim)
+      keys = min(seq_len / 2, model.index_topk) if letter in "DR" else seq_len / 2
+    attention += 2 * per_key * keys  # QK^T and PV, 2 FLOPs per multiply-add
+  return 6.0 * active + 3.0 * attention
+
+
+def peak_flops_per_device() -> float | None:
+  kind = jax.devices()[0].device_kind
+  for name, flops in PEAK_FLOPS.items():
+    if name.lower() in kind.lower():
+      return flops
+  return None
+
+
+class MetricWriter:
+  """Appends one JSON object per record to `<workdir>/metrics.jsonl` and mirrors scalars to
+  TensorBoard under `<workdir>/tensorboard` (process 0 only)."""
+
+  def __init__(self, workdir: str):
+    self.enabled = jax.process_index() == 0
+    self.path = os.path.join(workdir, "metrics.jsonl")
+    self._tb = None
+    if self.enabled:
+      os.makedirs(workdir, exist_ok=True)
+      from tensorboardX import SummaryWriter  # imported here: only process 0 writes
+      self._tb = SummaryWriter(os.path.join(workdir, "tensorboard"))
+
+  def write(self, step: int, metrics: dict, prefix: str = "train"):
+    if not self.enabled:
+      return
+    record = {"step": step, "split": prefix, "time": time.time(),
+              **{k: _plain(v) for k, v in metrics.items()}}
+    with open(self.path, "a") as f:
+      f.write(json.dumps(record) + "\n")
+    for name, value in record.items():
+      if name not in ("step", "split", "time") and isinstance(value, (int, float)):
+        self._tb.add_scalar(f"{prefix}/{name}", value, step)
+
+  def close(self):
+    if self._tb is not None:
+      self._tb.close()
+
+
+def _plain(value):
+  value = np.asarray(value)
+  return value.item() if value.size == 1 else value.tolist()
+
+
+def progress_line(step: int, total: int, metrics: dict) -> str:
+  """`step 120/600 | loss 2.314 (lm 2.101 mtp 2.71 kl 0.12) | lr 2.9e-03 | gnorm 0.81 | ...`"""
+  parts = [f"step {step}/{total}", f"loss {metrics['loss']:.3f} (lm {metrics['lm_loss']:.3f}"
+           f" mtp {metrics['mtp_loss']:.3f} kl {metrics['indexer_kl']:.3f})",
+           f"acc {metrics['accuracy']:.3f}", f"lr {metrics['learning_rate']:.2e}",
+           f"gnorm {metrics['grad_norm']:.2f}"]
+  if "expert_load_max" in metrics:
+    parts.append(f"load {metrics['expert_load_min']:.2f}-{metrics['expert_load_max']:.2f}")
+  parts.append(f"{metrics['tokens_per_sec']:,.0f} tok/s")
+  if metrics.get("mfu") is not None:
+    parts.append(f"MFU {metrics['mfu']:.1%}")
+  return " | ".join(parts)

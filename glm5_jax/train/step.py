@@ -1,0 +1,122 @@
+"""One training step (loss, gradients, optimizer, loss-free balancing) and one eval step.
+
+The total loss (GLM5_REFERENCE.md sections 2-3):
+  lm_ce + z_loss_weight * z_loss
+  + mtp_loss_weight * mean_d(mtp_ce_d)                 shared-parameter MTP depths
+  + indexer_loss_weight * indexer_kl                   DSA warm-up / sparse stages
+  + sequence_balance_weight * sequence_balance_loss    optional, DeepSeek-V3's small aux loss
+After the optimizer update, each MoE layer's correction bias moves by a fixed rate toward equal
+load: `b_e += rate * sign(mean_load - load_e)` (loss-free balancing), except in the DSA
+warm-up stage, where everything but the indexers is frozen.
+"""
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+import optax
+
+from glm5_jax.api import forward
+from glm5_jax.config import ModelConfig
+from glm5_jax.train import losses
+from glm5_jax.train.state import TrainState
+
+
+@dataclasses.dataclass(frozen=True)
+class StepConfig:
+  """The `train` fields the step needs (hashable, static under jit)."""
+
+  dsa_stage: str = "sparse"
+  mtp_loss_weight: float = 0.3
+  z_loss_weight: float = 0.0
+  indexer_loss_weight: float = 1.0
+  sequence_balance_weight: float = 0.0
+  balance_bias_rate: float = 1e-3
+
+  @classmethod
+  def from_config(cls, train_config) -> "StepConfig":
+    return cls(**{f.name: train_config[f.name] for f in dataclasses.fields(cls)})
+
+
+def compute_loss(model: ModelConfig, step_cfg: StepConfig, params, batch):
+  """Returns `(total_loss, (metrics, expert_counts, predictions_BL, token_nll_BL))`:
+  the main head's argmax and negative log-likelihood of token i+1 at position i (`[B, L-1]`,
+  used by evaluation; training ignores them, so they are compiled away)."""
+  out = forward(model, params, batch["tokens"], batch["positions"], batch["segment_ids"],
+                dsa_stage=step_cfg.dsa_stage)
+  lm = losses.lm_losses(out, batch, z_loss_weight=step_cfg.z_loss_weight)
+  mtp = losses.mtp_losses(out, batch)
+  kl = losses.indexer_kl(out, batch)
+  balance = losses.sequence_balance_loss(out)
+  mtp_loss = jnp.mean(jnp.stack([m["ce"] for m in mtp])) if mtp else jnp.zeros(())
+  total = (lm["loss"] + step_cfg.mtp_loss_weight * mtp_loss
+           + step_cfg.indexer_loss_weight * kl + step_cfg.sequence_balance_weight * balance)
+  metrics = {"loss": total, "lm_loss": lm["ce"], "z_loss": lm["z_loss"],
+             "accuracy": lm["accuracy"], "target_tokens": lm["weight"], "mtp_loss": mtp_loss,
+             "indexer_kl": kl, "sequence_balance_loss": balance}
+  for d, m in enumerate(mtp, start=1):
+    metrics[f"mtp{d}_loss"] = m["ce"]
+    metrics[f"mtp{d}_accuracy"] = m["accuracy"]
+  logits_BLV = out["logits"][:, :-1]
+  predictions_BL = jnp.argmax(logits_BLV, axis=-1).astype(jnp.int32)
+  token_nll_BL = -jnp.take_along_axis(jax.nn.log_softmax(logits_BLV, axis=-1),
+                                      batch["tokens"][:, 1:, None], axis=-1)[..., 0]
+  return total, (metrics, losses.expert_counts(out), predictions_BL, token_nll_BL)
+
+
+def update_balance_bias(params, counts: dict, rate: float):
+  """Loss-free balancing: raise the bias of under-loaded experts, lower it for over-loaded."""
+  for path, counts_E in counts.items():
+    node = params
+    for key in path:
+      node = node[key]
+    load = counts_E.astype(jnp.float32)
+    bias = node["e_score_correction_bias"]
+    node["e_score_correction_bias"] = bias + rate * jnp.sign(load.mean() - load).astype(bias.dtype)
+  return params
+
+
+def _expert_load_metrics(counts: dict):
+  if not counts:
+    return {}
+  ratios = [c.astype(jnp.float32) / jnp.maximum(c.astype(jnp.float32).mean(), 1e-9)
+            for c in counts.values()]
+  return {"expert_load_max": jnp.max(jnp.stack([r.max() for r in ratios])),
+          "expert_load_min": jnp.min(jnp.stack([r.min() for r in ratios]))}
+
+
+def make_train_step(model: ModelConfig, step_cfg: StepConfig, optimizer, schedule):
+  """`train_step(state, batch) -> (state, metrics)`, pure; jit it with shardings."""
+
+  def train_step(state: TrainState, batch):
+    grad_fn = jax.value_and_grad(compute_loss, argnums=2, has_aux=True)
+    (_, (metrics, counts, _, _)), grads = grad_fn(model, step_cfg, state.params, batch)
+    updates, opt_state = optimizer.update(grads, state.opt_state, state.params)
+    params = optax.apply_updates(state.params, updates)
+    if step_cfg.dsa_stage != "warmup":
+      params = update_balance_bias(_copy_dicts(params), counts, step_cfg.balance_bias_rate)
+    metrics = {**metrics, **_expert_load_metrics(counts),
+               "grad_norm": optax.global_norm(grads),
+               "update_norm": optax.global_norm(updates),
+               "param_norm": optax.global_norm(params),
+               "learning_rate": schedule(state.step)}
+    new_state = state.replace(step=state.step + 1, params=params, opt_state=opt_state)
+    return new_state, metrics
+
+  return train_step
+
+
+def make_eval_step(model: ModelConfig, step_cfg: StepConfig):
+  """`eval_step(params, batch) -> (metrics, predictions_BL, token_nll_BL)` (see
+  `compute_loss`); host code scores per-source loss and exact match per example."""
+
+  def eval_step(params, batch):
+    _, (metrics, _, predictions_BL, token_nll_BL) = compute_loss(model, step_cfg, params, batch)
+    return metrics, predictions_BL, token_nll_BL
+
+  return eval_step
+
+
+def _copy_dicts(tree):
+  """Fresh nested dicts (same leaves), so in-place edits never touch the caller's tree."""
+  return {k: _copy_dicts(v) if isinstance(v, dict) else v for k, v in tree.items()}
