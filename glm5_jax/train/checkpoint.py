@@ -18,6 +18,7 @@ import os
 
 import grain
 import jax
+import ml_collections
 import numpy as np
 import orbax.checkpoint as ocp
 
@@ -109,9 +110,9 @@ def restore_params_from(workdir: str, abstract_params_fn):
   """Latest params of another run's workdir, for `train.init_from`.
 
   Args:
-    abstract_params_fn: `model_config_dict -> ShapeDtypeStruct tree` of that run's params.
+    abstract_params_fn: `model ConfigDict -> ShapeDtypeStruct tree` of that run's params.
   Returns:
-    `(params, saved_model_config_dict)`.
+    `(params, that run's model ConfigDict)`.
   """
   directory = os.path.join(os.path.abspath(workdir), "checkpoints")
   manager = ocp.CheckpointManager(directory)
@@ -119,7 +120,7 @@ def restore_params_from(workdir: str, abstract_params_fn):
   if step is None:
     raise FileNotFoundError(f"config.train.init_from: no checkpoint under {directory}")
   meta = manager.restore(step, args=ocp.args.Composite(meta=ocp.args.JsonRestore()))["meta"]
-  model = meta["config"]["model"]
+  model = ml_collections.ConfigDict(meta["config"]["model"])
   params = manager.restore(step, args=ocp.args.Composite(
       params=ocp.args.StandardRestore(abstract_params_fn(model))))["params"]
   manager.close()

@@ -169,9 +169,10 @@ def train(config, workdir: str, *, stop_after_steps: int | None = None) -> dict:
 
 
 def _checked(step: int, metrics) -> dict:
-  """Host copy of one step's metrics; stops the run on a non-finite loss or gradient."""
+  """Host copy of one step's metrics; stops the run on a non-finite loss, gradient or updated
+  params (so a checkpoint of this step is never written)."""
   metrics = {k: float(v) for k, v in jax.device_get(metrics).items()}
-  bad = [k for k in ("loss", "grad_norm") if not np.isfinite(metrics[k])]
+  bad = [k for k in ("loss", "grad_norm", "param_norm") if not np.isfinite(metrics[k])]
   if bad:
     raise NonFiniteLossError(
         f"step {step + 1}: non-finite {', '.join(bad)} ({', '.join(f'{k}={metrics[k]}' for k in bad)})"

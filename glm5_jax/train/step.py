@@ -96,9 +96,9 @@ def make_train_step(model: ModelConfig, step_cfg: StepConfig, optimizer, schedul
     if step_cfg.dsa_stage != "warmup":
       params = update_balance_bias(_copy_dicts(params), counts, step_cfg.balance_bias_rate)
     metrics = {**metrics, **_expert_load_metrics(counts),
-               "grad_norm": optax.global_norm(grads),
-               "update_norm": optax.global_norm(updates),
-               "param_norm": optax.global_norm(params),
+               "grad_norm": optax.tree.norm(grads),
+               "update_norm": optax.tree.norm(updates),
+               "param_norm": optax.tree.norm(params),
                "learning_rate": schedule(state.step)}
     new_state = state.replace(step=state.step + 1, params=params, opt_state=opt_state)
     return new_state, metrics

@@ -1,0 +1,171 @@
+"""Training: loss drops, exact resume, NaN stop, resume refusal, DSA stage switch and gradient
+routing, sharded == unsharded, loss masks. Runs the real loop on a 2-layer tiny config."""
+
+import json
+import os
+import subprocess
+import sys
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+
+import glm5_jax
+from glm5_jax.config import load_config_file
+from glm5_jax.train import checkpoint as ckpt
+from glm5_jax.train import losses
+from glm5_jax.train.loop import NonFiniteLossError, train
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def small_config(steps=16, **model_overrides):
+  """configs/tiny.py with 2 layers and short rows, so each run compiles in seconds."""
+  config = load_config_file(os.path.join(ROOT, "configs", "tiny.py"))
+  config.model.update(num_hidden_layers=2, first_k_dense_replace=1, mtp_depths=2,
+                      **model_overrides)
+  config.data.update(seq_len=256, batch_size=4, prefetch=0)
+  config.train.update(steps=steps, log_every_steps=1)
+  config.optim.update(warmup_steps=1)
+  config.ckpt.update(every_steps=4, async_save=False)
+  config.eval.update(every_steps=0)
+  return config
+
+
+def read_losses(workdir):
+  with open(os.path.join(workdir, "metrics.jsonl")) as f:
+    records = [json.loads(line) for line in f]
+  return {r["step"]: r["loss"] for r in records if r["split"] == "train"}
+
+
+def test_loss_drops_and_resume_is_exact(tmp_path):
+  config = small_config(steps=16)
+  straight = train(config, str(tmp_path / "straight"))
+  assert straight["steps"] == 16
+  assert straight["last_loss"] < straight["first_loss"] - 1.0, straight
+
+  interrupted = str(tmp_path / "interrupted")
+  first = train(config, interrupted, stop_after_steps=6)
+  assert first["steps"] == 6
+  second = train(config, interrupted)  # resumes at 6 (params, optimizer, data position)
+  assert second["steps"] == 16
+  expected, got = read_losses(str(tmp_path / "straight")), read_losses(interrupted)
+  assert sorted(got) == list(range(1, 17))
+  np.testing.assert_allclose([got[s] for s in range(1, 17)],
+                             [expected[s] for s in range(1, 17)], rtol=1e-6)
+
+
+def test_resume_with_a_different_config_is_refused(tmp_path):
+  config = small_config(steps=4)
+  train(config, str(tmp_path), stop_after_steps=2)
+  changed = small_config(steps=4, index_topk=8)
+  with pytest.raises(ckpt.CheckpointMismatchError, match="model.index_topk"):
+    train(changed, str(tmp_path))
+
+
+def test_non_finite_update_stops_naming_the_step(tmp_path, monkeypatch):
+  from glm5_jax import optim
+
+  build = optim.build_optimizer
+
+  def poisoned(*args, **kwargs):  # the third update turns every param into NaN
+    tx, schedule = build(*args, **kwargs)
+
+    def update(grads, state, params=None):
+      updates, new_state = tx.update(grads, state[0], params)
+      factor = jnp.where(state[1] >= 2, jnp.nan, 1.0)
+      return jax.tree_util.tree_map(lambda u: u * factor, updates), (new_state, state[1] + 1)
+
+    return optax.GradientTransformation(lambda p: (tx.init(p), jnp.zeros((), jnp.int32)),
+                                        update), schedule
+
+  monkeypatch.setattr(optim, "build_optimizer", poisoned)
+  config = small_config(steps=8)
+  config.ckpt.every_steps = 2
+  with pytest.raises(NonFiniteLossError, match="step 3"):
+    train(config, str(tmp_path))
+  saved = sorted(int(d) for d in os.listdir(tmp_path / "checkpoints") if d.isdigit())
+  assert saved == [2]  # the last good checkpoint stays; nothing non-finite was written
+
+
+def test_mla_checkpoint_into_dsa_warmup_trains_only_the_indexer(tmp_path):
+  dense = small_config(steps=2, attention_pattern="M")
+  train(dense, str(tmp_path / "mla"))
+  mla_params, _ = ckpt.restore_params_from(str(tmp_path / "mla"), glm5_jax.abstract_params)
+
+  warmup = small_config(steps=3, attention_pattern="D")
+  warmup.train.update(dsa_stage="warmup", init_from=str(tmp_path / "mla"))
+  summary = train(warmup, str(tmp_path / "warmup"))
+  assert summary["last_metrics"]["indexer_kl"] > 0
+  dsa_params, _ = ckpt.restore_params_from(str(tmp_path / "warmup"), glm5_jax.abstract_params)
+
+  flat = lambda t: {jax.tree_util.keystr(p): v for p, v in jax.tree_util.tree_flatten_with_path(t)[0]}
+  mla, dsa = flat(mla_params), flat(dsa_params)
+  indexer_keys = [k for k in dsa if "'indexer'" in k]
+  assert indexer_keys and not any("'indexer'" in k for k in mla)
+  for key, value in mla.items():  # frozen in warm-up, router bias included
+    np.testing.assert_array_equal(np.asarray(dsa[key]), np.asarray(value), err_msg=key)
+  fresh = flat(glm5_jax.init_params(glm5_jax.ModelConfig.from_config(warmup.model),
+                                    jax.random.key(warmup.seed)))
+  assert any(not np.array_equal(np.asarray(dsa[k]), np.asarray(fresh[k])) for k in indexer_keys)
+
+
+def test_bad_stage_and_bad_data_path_are_clear_errors(tmp_path):
+  config = small_config(steps=2)
+  config.train.dsa_stage = "sparse-ish"
+  with pytest.raises(ValueError, match="dsa_stage"):
+    train(config, str(tmp_path / "a"))
+  config = small_config(steps=2)
+  config.data.sources = {"mine": {"kind": "text_files", "glob": str(tmp_path / "none/*.txt"),
+                                  "weight": 1.0}}
+  with pytest.raises(Exception, match="none"):
+    train(config, str(tmp_path / "b"))
+
+
+_SHARDED_SCRIPT = r"""
+import json, os, sys
+from glm5_jax.config import load_config_file
+sys.path.insert(0, os.path.join(sys.argv[1], "tests"))
+from test_train import small_config, read_losses
+from glm5_jax.train.loop import train
+config = small_config(steps=3)
+config.mesh.shape.update(json.loads(sys.argv[3]))
+train(config, sys.argv[2])
+print(json.dumps(read_losses(sys.argv[2])))
+"""
+
+
+def _run_sharded(devices, mesh_shape, workdir):
+  env = dict(os.environ, JAX_PLATFORMS="cpu", PYTHONPATH=ROOT,
+             XLA_FLAGS=f"--xla_force_host_platform_device_count={devices}")
+  proc = subprocess.run([sys.executable, "-c", _SHARDED_SCRIPT, ROOT, workdir,
+                         json.dumps(mesh_shape)], env=env, capture_output=True, text=True,
+                        timeout=900)
+  assert proc.returncode == 0, proc.stderr[-4000:]
+  return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+def test_sharded_training_matches_single_device(tmp_path):
+  single = _run_sharded(1, {"data": -1}, str(tmp_path / "one"))
+  sharded = _run_sharded(8, {"data": 2, "fsdp": 2, "expert": 2, "tensor": 1},
+                         str(tmp_path / "eight"))
+  assert sorted(single) == sorted(sharded) == ["1", "2", "3"]
+  np.testing.assert_allclose([sharded[k] for k in "123"], [single[k] for k in "123"],
+                             rtol=2e-5)
+
+
+def test_target_weights_respect_documents_and_mask():
+  segment_ids = jnp.array([[1, 1, 1, 2, 2, 0]])
+  loss_mask = jnp.array([[1.0, 1.0, 0.0, 1.0, 1.0, 0.0]])
+  # Position i predicts i+1: 0->1 ok, 1->2 masked target, 2->3 crosses documents, 3->4 ok,
+  # 4->5 padding.
+  np.testing.assert_array_equal(losses.target_weights(segment_ids, loss_mask, 1),
+                                [[1.0, 0.0, 0.0, 1.0, 0.0]])
+  # MTP depth 1 (offset 2): 0->2 masked, 1->3 crosses, 2->4 crosses, 3->5 padding.
+  np.testing.assert_array_equal(losses.target_weights(segment_ids, loss_mask, 2),
+                                [[0.0, 0.0, 0.0, 0.0]])
+  logits = jax.nn.one_hot(jnp.array([[2, 0, 0]]), 4) * 10.0
+  result = losses.cross_entropy(logits, jnp.array([[2, 1, 3]]), jnp.array([[1.0, 1.0, 0.0]]))
+  assert float(result["accuracy"]) == 0.5 and float(result["weight"]) == 2.0
