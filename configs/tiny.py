@@ -16,7 +16,7 @@ from glm5_jax import data, optim
 from glm5_jax.config import mesh_config, model_config
 from glm5_jax.train import config as train_defaults
 
-SEQ_LEN = 128
+SEQ_LEN = 256
 
 
 def get_config(arg: str | None = None) -> ml_collections.ConfigDict:

@@ -1,24 +1,22 @@
-"""The training loop, top to bottom: config -> mesh -> data -> abstract state and shardings ->
-init or restore -> jitted step -> loop (metrics, eval, checkpoints) -> summary."""
+"""The training loop, top to bottom: trainer (mesh, data, abstract state and shardings, jitted
+steps) -> init or restore -> loop (metrics, eval, checkpoints) -> summary."""
 
 import signal
 import time
 
 from absl import logging
 import jax
-import jax.numpy as jnp
 import numpy as np
 
 from glm5_jax import data as data_lib
-from glm5_jax import optim
-from glm5_jax.api import abstract_params, init_params
-from glm5_jax.config import ModelConfig, validate_config
-from glm5_jax.sharding import activation_sharding, make_mesh, param_shardings
+from glm5_jax.api import abstract_params
+from glm5_jax.sharding import activation_sharding
 from glm5_jax.train import checkpoint as ckpt
 from glm5_jax.train.losses import target_weights
-from glm5_jax.train.metrics import MetricWriter, flops_per_token, peak_flops_per_device, progress_line
-from glm5_jax.train.state import TrainState, merge_stage_params, trainable_mask
-from glm5_jax.train.step import StepConfig, make_eval_step, make_train_step
+from glm5_jax.train.metrics import (MetricWriter, flops_per_token, peak_flops_per_device,
+                                    progress_line)
+from glm5_jax.train.state import merge_stage_params
+from glm5_jax.train.trainer import build_trainer
 
 
 class NonFiniteLossError(FloatingPointError):
@@ -33,75 +31,31 @@ def train(config, workdir: str, *, stop_after_steps: int | None = None) -> dict:
       job time limit or preemption would; a later call resumes exactly.
   Multi-host: call `jax.distributed.initialize()` first (experiments/train.py does).
   """
-  # ---------------------------------------------------------------- config and mesh
-  validate_config(config, jax.device_count())
-  model = ModelConfig.from_config(config.model)
-  step_cfg = StepConfig.from_config(config.train)
+  t = build_trainer(config)
+  model, mesh, rules, train_iter = t.model, t.mesh, t.rules, t.train_iter
   total_steps = config.train.steps
-  mesh = make_mesh(config.mesh)
-  rules = config.mesh.logical_axis_rules
-  batch_sharding = jax.sharding.NamedSharding(
-      mesh, jax.sharding.PartitionSpec(("data", "fsdp")))
-
-  # ---------------------------------------------------------------- data
-  tokenizer = data_lib.make_tokenizer(config.data.tokenizer)
-  data_lib.check_vocab(tokenizer, model.vocab_size)
-  train_iter = data_lib.make_train_iterator(config.data, process_index=jax.process_index(),
-                                            process_count=jax.process_count())
   eval_batches = data_lib.make_eval_batches(
       config.data, num_batches=config.eval.batches, process_index=jax.process_index(),
       process_count=jax.process_count()) if config.eval.every_steps else []
   source_names = data_lib.source_names(config.data)
   answer_sources = {n for n in source_names if config.data.sources[n].kind == "synthetic"}
 
-  # ---------------------------------------------------------------- abstract state, shardings
-  shapes = abstract_params(model)
-  optimizer, schedule = optim.build_optimizer(
-      config.optim, shapes, total_steps=total_steps,
-      trainable=trainable_mask(shapes, step_cfg.dsa_stage))
-  params_sharding = param_shardings(model, mesh, rules)
-
-  def init_state(rng_data):
-    params = jax.lax.with_sharding_constraint(
-        init_params(model, jax.random.wrap_key_data(rng_data)), params_sharding)
-    return TrainState(step=jnp.zeros((), jnp.int32), params=params,
-                      opt_state=optimizer.init(params), rng=rng_data)
-
-  rng_data = jax.random.key_data(jax.random.key(config.seed))
-  with activation_sharding(mesh, rules):
-    init_compiled = jax.jit(init_state).lower(rng_data).compile()
-  state_sharding = init_compiled.output_shardings
-  abstract_state = jax.tree_util.tree_map(
-      lambda s, sh: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=sh),
-      jax.eval_shape(init_state, rng_data), state_sharding)
-
   # ---------------------------------------------------------------- init or restore
   manager = ckpt.make_manager(workdir, every_steps=config.ckpt.every_steps,
                               keep=config.ckpt.keep, async_save=config.ckpt.async_save)
-  state = ckpt.restore_latest(manager, abstract_state, train_iter, config)
+  state = ckpt.restore_latest(manager, t.abstract_state, train_iter, config)
   if state is not None:
     logging.info("resumed from %s at step %d", manager.directory, int(state.step))
   else:
-    state = init_compiled(rng_data)
+    state = t.init_state()
     if config.train.init_from:
       loaded, source_model = ckpt.restore_params_from(config.train.init_from, abstract_params)
       params = merge_stage_params(state.params, loaded, f"{config.train.init_from} "
                                   f"(pattern {source_model['attention_pattern']})")
-      params = jax.device_put(params, params_sharding)
-      opt_state = jax.jit(optimizer.init, out_shardings=state_sharding.opt_state)(params)
+      params = jax.device_put(params, t.params_sharding)
+      opt_state = jax.jit(t.optimizer.init, out_shardings=t.state_sharding.opt_state)(params)
       state = state.replace(params=params, opt_state=opt_state)
       logging.info("initialized params from %s", config.train.init_from)
-
-  # ---------------------------------------------------------------- steps
-  train_step = jax.jit(make_train_step(model, step_cfg, optimizer, schedule),
-                       in_shardings=(state_sharding, batch_sharding),
-                       out_shardings=(state_sharding, None), donate_argnums=0)
-  eval_step = jax.jit(make_eval_step(model, step_cfg),
-                      in_shardings=(state_sharding.params, batch_sharding))
-
-  def to_device(batch):
-    return {k: jax.make_array_from_process_local_data(batch_sharding, np.asarray(v))
-            for k, v in batch.items()}
 
   # ---------------------------------------------------------------- loop
   writer = MetricWriter(workdir)
@@ -117,7 +71,7 @@ def train(config, workdir: str, *, stop_after_steps: int | None = None) -> dict:
   try:
     with activation_sharding(mesh, rules):
       for step in range(start_step, total_steps):
-        state, metrics = train_step(state, to_device(next(train_iter)))
+        state, metrics = t.train_step(state, t.to_device(next(train_iter)))
         if pending is not None:  # never wait on the step just dispatched (STYLE habit 7)
           last_metrics = _checked(*pending)
           first_loss = last_metrics["loss"] if first_loss is None else first_loss
@@ -135,14 +89,15 @@ def train(config, workdir: str, *, stop_after_steps: int | None = None) -> dict:
         if log_now:
           elapsed = time.time() - interval_start
           last_metrics["tokens_per_sec"] = tokens_per_step * interval_steps / elapsed
-          last_metrics["mfu"] = (last_metrics["tokens_per_sec"] * flops / (
+          last_metrics["tflops_per_sec"] = last_metrics["tokens_per_sec"] * flops / 1e12
+          last_metrics["mfu"] = (last_metrics["tflops_per_sec"] * 1e12 / (
               peak * jax.device_count()) if peak else None)
           logging.info(progress_line(done, total_steps, last_metrics))
           writer.write(done, last_metrics)
           interval_start, interval_steps = time.time(), 0
         if config.eval.every_steps and (done % config.eval.every_steps == 0
                                         or done == total_steps):
-          eval_metrics = evaluate(eval_step, state.params, eval_batches, to_device,
+          eval_metrics = evaluate(t.eval_step, state.params, eval_batches, t.to_device,
                                   source_names, answer_sources)
           logging.info("eval at step %d: %s", done, _format(eval_metrics))
           writer.write(done, eval_metrics, prefix="eval")

@@ -1,0 +1,90 @@
+"""Everything a training run needs before its first step, built from the config: mesh, data
+iterator, optimizer, state shardings, and the jitted train / eval steps. Shared by the training
+loop and tools/bench_train.py."""
+
+import dataclasses
+from typing import Any, Callable
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from glm5_jax import data as data_lib
+from glm5_jax import optim
+from glm5_jax.api import abstract_params, init_params
+from glm5_jax.config import ModelConfig, validate_config
+from glm5_jax.sharding import activation_sharding, make_mesh, param_shardings
+from glm5_jax.train.state import TrainState, trainable_mask
+from glm5_jax.train.step import StepConfig, make_eval_step, make_train_step
+
+
+@dataclasses.dataclass
+class Trainer:
+  model: ModelConfig
+  step_cfg: StepConfig
+  mesh: jax.sharding.Mesh
+  rules: Any
+  train_iter: Any  # checkpointable grain iterator of local numpy batches
+  optimizer: Any
+  params_sharding: Any
+  state_sharding: Any
+  abstract_state: TrainState  # ShapeDtypeStructs carrying the shardings (restore target)
+  init_state: Callable[[], TrainState]  # compiled fresh init from config.seed
+  train_step: Callable  # jitted (state, device batch) -> (state, metrics), donates state
+  eval_step: Callable  # jitted (params, device batch) -> (metrics, predictions, token nll)
+  to_device: Callable  # local numpy batch -> global sharded arrays
+
+
+def build_trainer(config) -> Trainer:
+  # ---- config and mesh
+  validate_config(config, jax.device_count())
+  model = ModelConfig.from_config(config.model)
+  step_cfg = StepConfig.from_config(config.train)
+  mesh = make_mesh(config.mesh)
+  rules = config.mesh.logical_axis_rules
+  batch_sharding = jax.sharding.NamedSharding(
+      mesh, jax.sharding.PartitionSpec(("data", "fsdp")))
+
+  # ---- data
+  tokenizer = data_lib.make_tokenizer(config.data.tokenizer)
+  data_lib.check_vocab(tokenizer, model.vocab_size)
+  train_iter = data_lib.make_train_iterator(config.data, process_index=jax.process_index(),
+                                            process_count=jax.process_count())
+
+  # ---- abstract state, shardings
+  shapes = abstract_params(model)
+  optimizer, schedule = optim.build_optimizer(
+      config.optim, shapes, total_steps=config.train.steps,
+      trainable=trainable_mask(shapes, step_cfg.dsa_stage))
+  params_sharding = param_shardings(model, mesh, rules)
+
+  def init_state(rng_data):
+    params = jax.lax.with_sharding_constraint(
+        init_params(model, jax.random.wrap_key_data(rng_data)), params_sharding)
+    return TrainState(step=jnp.zeros((), jnp.int32), params=params,
+                      opt_state=optimizer.init(params), rng=rng_data)
+
+  rng_data = jax.random.key_data(jax.random.key(config.seed))
+  with activation_sharding(mesh, rules):
+    init_compiled = jax.jit(init_state).lower(rng_data).compile()
+  state_sharding = init_compiled.output_shardings
+  abstract_state = jax.tree_util.tree_map(
+      lambda s, sh: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=sh),
+      jax.eval_shape(init_state, rng_data), state_sharding)
+
+  # ---- jitted steps
+  train_step = jax.jit(make_train_step(model, step_cfg, optimizer, schedule),
+                       in_shardings=(state_sharding, batch_sharding),
+                       out_shardings=(state_sharding, None), donate_argnums=0)
+  eval_step = jax.jit(make_eval_step(model, step_cfg),
+                      in_shardings=(state_sharding.params, batch_sharding))
+
+  def to_device(batch):
+    return {k: jax.make_array_from_process_local_data(batch_sharding, np.asarray(v))
+            for k, v in batch.items()}
+
+  return Trainer(model=model, step_cfg=step_cfg, mesh=mesh, rules=rules, train_iter=train_iter,
+                 optimizer=optimizer, params_sharding=params_sharding,
+                 state_sharding=state_sharding, abstract_state=abstract_state,
+                 init_state=lambda: init_compiled(rng_data), train_step=train_step,
+                 eval_step=eval_step, to_device=to_device)
