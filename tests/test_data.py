@@ -64,7 +64,8 @@ def write_docs(directory, n, *, long_every=0):
   texts = {}
   for i in range(n):
     words = int(rng.integers(2, 12)) * (20 if long_every and i % long_every == 0 else 1)
-    text = f"doc-{i:03d} " + " ".join(synthetic.NOUNS[j] for j in rng.integers(len(synthetic.NOUNS), size=words))
+    nouns = rng.choice(synthetic.NOUNS, size=words)
+    text = f"doc-{i:03d} " + " ".join(nouns)
     (directory / f"doc-{i:03d}.txt").write_text(text)
     texts[i] = text
   return texts
@@ -77,6 +78,7 @@ def text_config(glob, **overrides):
 
 
 def doc_ids(batches):
+  """The ids of the "doc-007 ..." documents (or their first chunks) in the batches."""
   return {int(m) for b in batches for _, tokens, _ in segments(b)
           for m in re.findall(r"doc-(\d+)", TOK.decode(tokens))}
 
@@ -119,10 +121,13 @@ def test_hf_tokenizer_round_trip(tmp_path):
     assert hf.vocab_size == tok.get_vocab_size()
     np.testing.assert_array_equal(hf.encode_array(text), hf.encode(text))
 
-  # The pipeline runs on it: synthetic answers stay exact spans.
+  # Synthetic answers stay exact spans, and the pipeline runs on it.
   ex = synthetic.generate("niah_single", hf, 0, length=200)
   (start, end), = ex.answer_spans
   assert hf.decode(ex.tokens[start:end]) == ex.answers[0]
+  cfg = data.data_config(tokenizer=str(tmp_path), prefetch=0)
+  batch = next(data.make_train_iterator(cfg))
+  assert batch["tokens"].max() < hf.vocab_size and (batch["segment_ids"] > 0).any()
 
 
 def test_tokenizer_errors(tmp_path):
@@ -243,6 +248,24 @@ def test_packing_splits_long_documents_and_keeps_documents_apart(tmp_path):
       assert mask.all()
       seen.add(tuple(tokens))
   assert seen == chunks
+
+
+def test_epochs_are_reshuffled_and_seeds_matter(tmp_path):
+  write_docs(tmp_path / "docs", 8)
+  spec = sources.resolve_source("d", data.source_config(
+      "text_files", glob=str(tmp_path / "docs" / "*.txt"), holdout_fraction=0.0), 64)
+
+  def epochs(seed):  # the documents' order in each of the first three epochs
+    ds = sources.document_dataset("d", spec, split="train", source_id=0, tokenizer=TOK,
+                                  seq_len=64, seed=seed)
+    order = [int(re.search(r"doc-(\d+)", TOK.decode(doc["tokens"])).group(1))
+             for i in range(24) for doc in ds[i]]
+    return [order[e * 8:(e + 1) * 8] for e in range(3)]
+
+  orders = epochs(0)
+  assert all(sorted(o) == list(range(8)) for o in orders)
+  assert orders[0] != orders[1] != orders[2]
+  assert epochs(0) == orders and epochs(1) != orders
 
 
 def test_mixture_proportions_match_weights():
@@ -379,9 +402,11 @@ def test_config_errors(tmp_path):
     build(kind="synthetic", task="needle")
   with pytest.raises(ValueError, match=r"max_length \(512\) <= seq_len \(256\)"):
     build(kind="synthetic", task="mqar", max_length=512)
-  with pytest.raises(ValueError, match="needs .* tokens > seq_len 64"):
-    cfg = data.data_config(seq_len=64, prefetch=0, sources=dict(
-        bad=data.source_config("synthetic", task="niah_multikey")))
-    next(data.make_train_iterator(cfg))
+  cfg = data.data_config(seq_len=160, sources=dict(
+      bad=data.source_config("synthetic", task="niah_multikey")))
+  with pytest.raises(ValueError, match="niah_multikey examples .* need at least .* > seq_len 160"):
+    data.make_train_iterator(cfg)
+  cfg.sources.bad.num_distractors = 1  # now it fits
+  data.make_train_iterator(cfg).close()
   with pytest.raises(FileNotFoundError, match="tokenizer 'missing.json'"):
     data.make_train_iterator(data.data_config(tokenizer="missing.json"))

@@ -15,7 +15,9 @@ small JSON-able dict (each source's next record index and position within the cu
 the mixer's index, the packer's row), so `grain.checkpoint.CheckpointSave(iterator)` /
 `CheckpointRestore(iterator)` store it in an orbax checkpoint, and restoring it into a freshly
 built iterator continues with exactly the batches the uninterrupted one would have produced.
-Everything is deterministic given `seed` and the data files.
+Everything is deterministic given `seed`, the data files and `worker_count` (with worker
+processes each packs its own slice, so changing `worker_count` changes the stream; grain's
+workers also need absl flags parsed, as under `absl.app.run`, and a `__main__` guard).
 
 Batch (local rows B = batch_size // process_count, L = seq_len), all numpy:
   tokens int32 [B, L]       token ids; `pad_id` in padding
@@ -53,10 +55,11 @@ def data_config(**overrides) -> ml_collections.ConfigDict:
   """The data defaults, with `overrides` applied (`sources=` replaces the whole mixture)."""
   c = ml_collections.ConfigDict()
   c.tokenizer = "byte"  # "byte" or a path to an HF tokenizer.json (or its directory)
-  c.seq_len = 256  # tokens per packed row
+  c.seq_len = 256  # tokens per packed row (the default synthetic mix needs >= ~210, bytes)
   c.batch_size = 8  # global rows per step; each process gets batch_size // process_count
   c.seed = 0
-  c.packing_bins = None  # rows packed together by first fit; None = the local batch size
+  # rows packed together by first fit; None = the local batch size
+  c.packing_bins = ml_collections.config_dict.placeholder(int)
   c.prefetch = 2  # batches built ahead in a background thread; 0 = build on demand
   c.worker_count = 0  # > 0: build batches in that many grain worker processes instead
   c.read_threads = 0  # grain ReadOptions.num_threads per source (0: read in the pipeline thread)

@@ -53,6 +53,8 @@ KIND_OPTIONS = {
     "synthetic": dict(task="niah_single", min_length=None, max_length=None, depth=None),
 }
 ARRAY_RECORD_FORMATS = ("text", "tokens")
+# Types of the options whose default is None (for `source_config`'s typed placeholders).
+OPTIONAL_TYPES = dict(part_bytes=int, min_length=int, max_length=int, depth=float, num_pairs=int)
 SPLITS = ("train", "eval")
 # Synthetic example indices run over [0, SYNTHETIC_INDICES): effectively infinite, no repeat.
 SYNTHETIC_INDICES = 2**62
@@ -68,9 +70,15 @@ def _allowed_options(kind, task=None):
 
 
 def source_config(kind: str, **options) -> ml_collections.ConfigDict:
-  """One source entry with every option of its kind (and task) at its default."""
+  """One source entry with every option of its kind (and task) at its default.
+
+  Options that default to None become typed placeholders, so `--config.data.sources.NAME.depth=
+  0.5` still parses on the command line.
+  """
   spec = _allowed_options(kind, options.get("task"))
   spec.update(options)
+  spec = {k: ml_collections.config_dict.placeholder(OPTIONAL_TYPES[k])
+          if v is None and k in OPTIONAL_TYPES else v for k, v in spec.items()}
   return ml_collections.ConfigDict(spec)
 
 
@@ -129,10 +137,11 @@ def list_files(name, spec) -> tuple[str, list[str]]:
   split does not depend on where the files live."""
   if spec["kind"] == "python_stdlib":
     root = stdlib_root()
-    paths = [p for p in globlib.glob(os.path.join(root, "**", "*.py"), recursive=True)
-             if not any(part.endswith("-packages")
-                        for part in os.path.relpath(p, root).split(os.sep))]
     pattern = os.path.join(root, "**", "*.py")
+    paths = []
+    for directory, subdirs, files in os.walk(root):
+      subdirs[:] = [d for d in subdirs if not d.endswith("-packages")]
+      paths += [os.path.join(directory, f) for f in files if f.endswith(".py")]
   else:
     pattern = os.path.expanduser(spec["glob"])
     paths = [p for p in globlib.glob(pattern, recursive=True) if os.path.isfile(p)]
@@ -303,15 +312,25 @@ class _SyntheticRecord(grain.transforms.Map):
     self._length = (spec["min_length"], spec["max_length"])
     self._depth = spec["depth"]
     self._seed, self._stream, self._salt = seed, SPLITS.index(split), zlib.crc32(name.encode())
+    # Fail at build time, not mid-run, when the task cannot fit: examples built with no filler.
+    shortest = max(len(self._generate(i, length=1).tokens) for i in range(64))
+    self._check_fits(shortest, "at least ")
+
+  def _generate(self, index, length):
+    return synthetic.generate(
+        self._task, self._tok, index, length=length, seed=self._seed, stream=self._stream,
+        salt=self._salt, depth=self._depth, strict=False, **self._options)
+
+  def _check_fits(self, num_tokens, qualifier=""):
+    if num_tokens > self._seq_len:
+      raise ValueError(
+          f"source {self._name!r}: {self._task} examples with options {self._options} need "
+          f"{qualifier}{num_tokens} tokens > seq_len {self._seq_len}; raise seq_len or make "
+          "the task smaller")
 
   def map(self, index):
-    example = synthetic.generate(
-        self._task, self._tok, int(index), length=self._length, seed=self._seed,
-        stream=self._stream, salt=self._salt, depth=self._depth, strict=False, **self._options)
-    if len(example.tokens) > self._seq_len:
-      raise ValueError(
-          f"source {self._name!r}: {self._task} example needs {len(example.tokens)} tokens > "
-          f"seq_len {self._seq_len}; raise seq_len or make the task smaller")
+    example = self._generate(int(index), self._length)
+    self._check_fits(len(example.tokens))
     return [_document(example.tokens, answer_mask=example.loss_mask, source_id=self._source_id)]
 
 
