@@ -19,6 +19,22 @@ from glm5_jax.train import config as train_defaults
 SEQ_LEN = 256
 
 
+def tiny_data_sources() -> dict:
+  """The default mix sized for a 5-minute CPU run: stdlib text plus short retrieval examples
+  with 2-digit answers, several to a row, so each step carries enough answer tokens for the
+  tiny model to learn retrieval (the long-context suite evaluates at full lengths)."""
+  synthetic = lambda task, low, high, **options: data.source_config(
+      "synthetic", task=task, weight=0.12, min_length=low, max_length=high, **options)
+  return dict(
+      python_stdlib=data.source_config("python_stdlib", weight=0.4),
+      niah_single=synthetic("niah_single", 96, 160, value_digits=2),
+      niah_multikey=synthetic("niah_multikey", 184, 256, value_digits=2),
+      niah_multivalue=synthetic("niah_multivalue", 168, 256, value_digits=2),
+      niah_multiquery=synthetic("niah_multiquery", 128, 200, value_digits=2),
+      mqar=synthetic("mqar", 64, 128),
+  )
+
+
 def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
   options = dict(kv.split("=", 1) for kv in arg.split(",")) if arg else {}
   unknown = sorted(set(options) - {"attention"})
@@ -52,7 +68,7 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
       attention_pattern=options.get("attention", "D"),
       dtype="float32",
   )
-  config.data = data.data_config(seq_len=SEQ_LEN, batch_size=8)
+  config.data = data.data_config(seq_len=SEQ_LEN, batch_size=8, sources=tiny_data_sources())
   config.optim = optim.optim_config(learning_rate=3e-3, warmup_steps=50)
   config.train = train_defaults.train_config(steps=600)
   config.ckpt = train_defaults.ckpt_config(every_steps=200)
