@@ -69,7 +69,7 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
       dtype="float32",
   )
   config.data = data.data_config(seq_len=SEQ_LEN, batch_size=8, sources=tiny_data_sources())
-  config.optim = optim.optim_config(learning_rate=3e-3, warmup_steps=50)
+  config.optim = optim.optim_config(learning_rate=1e-2, warmup_steps=50)
   config.train = train_defaults.train_config(steps=600)
   config.ckpt = train_defaults.ckpt_config(every_steps=200)
   config.eval = train_defaults.eval_config(every_steps=200, batches=8)

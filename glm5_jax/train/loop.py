@@ -112,6 +112,7 @@ def train(config, workdir: str, *, stop_after_steps: int | None = None) -> dict:
     manager.wait_until_finished()
     manager.close()
     writer.close()
+    train_iter.close()
     signal.signal(signal.SIGTERM, previous_handler)
 
   return {
@@ -129,9 +130,9 @@ def _checked(step: int, metrics) -> dict:
   metrics = {k: float(v) for k, v in jax.device_get(metrics).items()}
   bad = [k for k in ("loss", "grad_norm", "param_norm") if not np.isfinite(metrics[k])]
   if bad:
-    raise NonFiniteLossError(
-        f"step {step + 1}: non-finite {', '.join(bad)} ({', '.join(f'{k}={metrics[k]}' for k in bad)})"
-        "; stopping. The last checkpoint written before it is intact.")
+    values = ", ".join(f"{k}={metrics[k]}" for k in bad)
+    raise NonFiniteLossError(f"step {step + 1}: non-finite {values}; stopping. The last "
+                             "checkpoint written before it is intact.")
   return metrics
 
 
