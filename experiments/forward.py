@@ -19,16 +19,11 @@ from ml_collections import config_flags
 
 import glm5_jax
 from glm5_jax.config import ModelConfig, validate_config
+from glm5_jax.train import losses
 
 _CONFIG = config_flags.DEFINE_config_file("config", "configs/tiny.py", "Experiment config.")
 _BATCH = flags.DEFINE_integer("batch", 2, "Batch size.")
 _SEQ = flags.DEFINE_integer("seq", 64, "Sequence length.")
-
-
-def _cross_entropy(logits_BLV, targets_BL, valid_BL):
-  logp = jax.nn.log_softmax(logits_BLV, axis=-1)
-  nll = -jnp.take_along_axis(logp, targets_BL[..., None], axis=-1)[..., 0]
-  return float((nll * valid_BL).sum() / valid_BL.sum())
 
 
 def main(argv):
@@ -55,13 +50,12 @@ def main(argv):
   print(f"forward [{_BATCH.value}, {seq}]: first call {compile_s:.2f}s (with compile), then "
         f"{time.time() - start:.3f}s")
 
-  valid = jnp.ones_like(tokens[:, 1:], jnp.float32)
-  print(f"init loss {_cross_entropy(out['logits'][:, :-1], tokens[:, 1:], valid):.3f} "
+  batch = {"tokens": tokens, "segment_ids": jnp.ones_like(tokens),
+           "loss_mask": jnp.ones(tokens.shape, jnp.float32)}
+  print(f"init loss {float(losses.lm_losses(out, batch)['ce']):.3f} "
         f"(ln vocab = {np.log(model.vocab_size):.3f})")
-  for d, logits in enumerate(out.get("mtp_logits", []), start=1):
-    targets = tokens[:, d + 1:]
-    loss = _cross_entropy(logits[:, :seq - d - 1], targets, jnp.ones_like(targets, jnp.float32))
-    print(f"  MTP depth {d} loss {loss:.3f}")
+  for d, depth in enumerate(losses.mtp_losses(out, batch), start=1):
+    print(f"  MTP depth {d} loss {float(depth['ce']):.3f}")
   causal_keys = seq * (seq + 1) / 2
   for name, aux in out["aux"]["layers"].items():
     parts = []
