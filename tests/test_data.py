@@ -151,6 +151,13 @@ def check_answers_recoverable(ex, text_before_answer):
     queried = re.findall(r"([a-z]+):", ctx.split("\n")[1] + ":")  # the prompt ends in "key:"
     assert [pairs[k] for k in queried] == [ex.answers[0]]
     return
+  if ex.task == "variable_tracking":
+    value_of = {}
+    for name, rhs in re.findall(r"VAR (\w+) = (\w+)\.", ctx):
+      value_of[name] = value_of.get(rhs, rhs)  # a chain's statements come in order
+    wanted = re.search(r"assigned the value (\d+)\?", ctx).group(1)
+    assert [n for n, v in value_of.items() if v == wanted] == list(ex.answers)
+    return
   needles = re.findall(r"The magic number for (\w+) is (\d+)\.", ctx)
   question = ctx.split("\nQ: ")[1]
   keys = re.search(r"for (.*)\?", question).group(1).split(", ")
@@ -182,6 +189,20 @@ def test_synthetic_task_answers_in_mask_and_recoverable(task):
   other = synthetic.generate(task, TOK, 0, length=(200, 400), seed=4)
   assert not np.array_equal(other.tokens, synthetic.generate(task, TOK, 0, length=(200, 400),
                                                              seed=3).tokens)
+
+
+@pytest.mark.parametrize("separator", ["", ":", "="])
+def test_mqar_separator_places_every_answer_after_its_key(separator):
+  for index in range(10):
+    ex = synthetic.generate("mqar", TOK, index, length=96, key_chars=1, value_digits=1,
+                            num_queries=8, separator=separator)
+    context = TOK.decode(ex.tokens[1:ex.prompt_len]).split("\n")[0]
+    pairs = dict(pair.split(separator) if separator else (pair[0], pair[1:])
+                 for pair in context.split(" "))
+    assert len(ex.answers) == 8
+    for (start, _), answer in zip(ex.answer_spans, ex.answers):
+      key = TOK.decode(ex.tokens[start - 1 - len(TOK.encode_array(separator)):start])
+      assert key == pairs[key[0]][:0] + key[0] + separator and pairs[key[0]] == answer
 
 
 @pytest.mark.parametrize("length", [300, 1000, 4000])

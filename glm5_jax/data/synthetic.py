@@ -236,9 +236,15 @@ def niah_multiquery(tokenizer, rng, *, length, depth=None, haystack="words", val
 
 
 def mqar(tokenizer, rng, *, length, depth=None, num_pairs=None, num_queries=4, key_chars=3,
-         value_digits=2):
+         value_digits=2, separator=":"):
   """Multi-query associative recall. `num_pairs=None` fits as many pairs as `length` allows
-  (at least `num_queries`). `depth` is accepted for a uniform signature and ignored."""
+  (at least `num_queries`). `depth` is accepted for a uniform signature and ignored.
+
+  `separator` goes between each key and its value, in the context and in the queries. With
+  `separator=""` and one-character keys the task is Zoology's original form (the answer follows
+  the queried key token directly, so one induction head solves it); with ":" the prediction is
+  made at the separator, one token after the key, which a model must first look back to (a
+  second composition step that small models learn much later)."""
   del depth
   max_keys = len(MQAR_KEY_LETTERS) ** key_chars // 2
   letters = np.array(list(MQAR_KEY_LETTERS))
@@ -252,7 +258,7 @@ def mqar(tokenizer, rng, *, length, depth=None, num_pairs=None, num_queries=4, k
         return key, value
 
   def cost(pair):  # tokens of "k:v " in the context plus at most the same again as a query
-    return len(tokenizer.encode_array(f"{pair[0]}:{pair[1]} "))
+    return len(tokenizer.encode_array(f"{pair[0]}{separator}{pair[1]} "))
 
   seen, pairs = set(), []
   budget = length - 3  # bos, "\n", eos
@@ -272,12 +278,65 @@ def mqar(tokenizer, rng, *, length, depth=None, num_pairs=None, num_queries=4, k
     used, max_cost = used + c, max(c, max_cost)
   queries = rng.choice(len(pairs), size=num_queries, replace=False)
   b = _Builder(tokenizer)
-  b.text(" ".join(f"{k}:{v}" for k, v in pairs) + "\n")
+  b.text(" ".join(f"{k}{separator}{v}" for k, v in pairs) + "\n")
   for i, q in enumerate(queries):
     key, value = pairs[q]
-    b.text(f"{' ' if i else ''}{key}:")
+    b.text(f"{' ' if i else ''}{key}{separator}")
     b.answer(value)
   return b.finish("mqar")
+
+
+def _distinct_names(rng, count, chars):
+  """`count` distinct random upper-case names of `chars` letters."""
+  if count > 26 ** chars // 2:
+    raise ValueError(f"cannot draw {count} distinct {chars}-letter variable names")
+  letters, names = np.array(list(string.ascii_uppercase)), []
+  while len(names) < count:
+    name = "".join(letters[rng.integers(26, size=chars)])
+    if name not in names:
+      names.append(name)
+  return names
+
+
+def variable_tracking(tokenizer, rng, *, length, depth=None, haystack="words", value_digits=5,
+                      num_chains=1, num_hops=4, var_chars=5):
+  """RULER's multi-hop variable tracking (Hsieh et al. 2024, section 3.1, "Multi-hop Tracing").
+
+  Each of `num_chains` chains is `num_hops + 1` statements "VAR X1 = 12345." "VAR X2 = X1." ...
+  "VAR X{h+1} = X{h}." hidden in the haystack in chain order; chains start from distinct values.
+  The question asks which variables are assigned chain 0's value; the answers are chain 0's
+  variable names in chain (= text) order. `depth` places chain 0's first statement; its later
+  statements go to sorted uniform depths after it, and the other chains' to sorted uniform
+  depths anywhere.
+  """
+  if num_chains < 1 or num_hops < 0:
+    raise ValueError(f"variable_tracking: need num_chains >= 1 and num_hops >= 0, got "
+                     f"{num_chains} and {num_hops}")
+  values = _distinct_numbers(rng, num_chains, value_digits)
+  names = _distinct_names(rng, num_chains * (num_hops + 1), var_chars)
+  chains = [names[c * (num_hops + 1):(c + 1) * (num_hops + 1)] for c in range(num_chains)]
+  needles, depths = [], []
+  for c, chain in enumerate(chains):
+    needles += [f"VAR {chain[0]} = {values[c]}."]
+    needles += [f"VAR {chain[h]} = {chain[h - 1]}." for h in range(1, len(chain))]
+    if c == 0:
+      first = rng.uniform() if depth is None else float(depth)
+      depths += [first] + sorted(rng.uniform(first, 1.0, size=num_hops))
+    else:
+      depths += sorted(rng.uniform(size=num_hops + 1))
+  question = f"\nQ: Which variables are assigned the value {values[0]}?\nA: "
+  fixed = 2 + len(tokenizer.encode_array(question))  # bos, eos, question
+  fixed += sum(len(tokenizer.encode_array(name)) + 2 for name in chains[0])  # answers, ", "
+  pieces, _ = _haystack(rng, tokenizer, length - fixed, needles, depths, haystack)
+  b = _Builder(tokenizer)
+  for piece in pieces:
+    b.ids(piece)
+  b.text(question)
+  for i, name in enumerate(chains[0]):
+    if i:
+      b.text(", ")
+    b.answer(name)
+  return b.finish("variable_tracking")
 
 
 TASKS = {
@@ -286,6 +345,7 @@ TASKS = {
     "niah_multivalue": niah_multivalue,
     "niah_multiquery": niah_multiquery,
     "mqar": mqar,
+    "variable_tracking": variable_tracking,
 }
 
 
