@@ -16,8 +16,13 @@ ReLU makes exact ties common, and RL collapses without this (report, DSA RL note
 Notation: B batch, L queries, S keys, N index heads, I index head dim, D hidden, Q q latent,
 T top-k.
 
-This is the plain-jnp reference: the score matrix is dense `[B, L, S]`, so its cost is
-quadratic; the O(T*k) paths and Pallas kernels live in `pallas_kernels`.
+`model.dsa_impl` picks how the sparse stage runs (`glm5_jax.attention.mla`):
+  "dense_mask"  this file's reference: dense `[B, L, S]` scores, top-k, and the main attention
+                masked to the selection, so its cost is still quadratic;
+  "xla"         `pallas_kernels` blockwise gather path: scores per block of queries, attention
+                over the T selected latent rows only (O(L x T));
+  "pallas"      the same with Pallas TPU kernels (interpret mode off TPU).
+All three select identical keys: same scores, same tie rule (`lax.top_k`).
 """
 
 import jax
@@ -30,7 +35,7 @@ from glm5_jax.layers.rope import apply_interleaved_rope
 
 
 class LightningIndexer(nn.Module):
-  """Scores every (query, key) pair; see the module docstring for the math.
+  """The indexer's projections (steps 1-3 of the module docstring).
 
   Params (HF names): `wq_b [Q, N, I]`, `wk [D, I]`, `k_norm` (LayerNorm with bias),
   `weights_proj [D, N]` (kept and applied in fp32).
@@ -45,8 +50,10 @@ class LightningIndexer(nn.Module):
   param_dtype: jnp.dtype = jnp.float32
 
   @nn.compact
-  def __call__(self, x_BLD, cq_BLQ, cos, sin, visible_BLS):
-    """Returns fp32 index scores `[B, L, S]`, -inf where `visible_BLS` is False."""
+  def __call__(self, x_BLD, cq_BLQ, cos, sin):
+    """Steps 1-3: `(q_BLNI, k_BSI, weights_BLN)`, q and k in `dtype`, weights fp32 with the
+    N^-0.5 folded in. `lightning_indexer_scores` (dense) or `pallas_kernels` turn them into
+    scores."""
     d, q_rank = x_BLD.shape[-1], cq_BLQ.shape[-1]
     n, i = self.n_heads, self.head_dim
     w_q_QNI = normal_kernel(self, "wq_b", (q_rank, n, i), ("q_lora", "index_heads", None),
@@ -61,13 +68,17 @@ class LightningIndexer(nn.Module):
         x_BLD.astype(self.dtype) @ w_k_DI)
     q_BLNI = _rope_leading_dims(q_BLNI, cos, sin, self.rope_dim)
     k_BSI = _rope_leading_dims(k_BSI, cos, sin, self.rope_dim)
-
-    head_scores_BLNS = jax.nn.relu(
-        jnp.einsum("blni,bsi->blns", q_BLNI.astype(jnp.float32), k_BSI.astype(jnp.float32))
-        * i ** -0.5)
     weights_BLN = (x_BLD.astype(jnp.float32) @ w_weights_DN) * n ** -0.5
-    scores_BLS = jnp.einsum("bln,blns->bls", weights_BLN, head_scores_BLNS)
-    return jnp.where(visible_BLS, scores_BLS, -jnp.inf)
+    return q_BLNI, k_BSI, weights_BLN
+
+
+def lightning_indexer_scores(q_BLNI, k_BSI, weights_BLN, visible_BLS):
+  """Step 4, dense: fp32 index scores `[B, L, S]`, -inf where `visible_BLS` is False."""
+  head_scores_BLNS = jax.nn.relu(
+      jnp.einsum("blni,bsi->blns", q_BLNI.astype(jnp.float32), k_BSI.astype(jnp.float32))
+      * q_BLNI.shape[-1] ** -0.5)
+  scores_BLS = jnp.einsum("bln,blns->bls", weights_BLN, head_scores_BLNS)
+  return jnp.where(visible_BLS, scores_BLS, -jnp.inf)
 
 
 def _rope_leading_dims(x, cos, sin, rope_dim):
@@ -90,6 +101,19 @@ def select_topk(scores_BLS, k: int):
   return jnp.where(values_BLT == -jnp.inf, -1, indices_BLT).astype(jnp.int32)
 
 
+def restrict_topk_to_visible(topk_BLT, segment_ids_BL):
+  """`topk_BLT` with every slot whose key is not causally visible in the query's document set to
+  -1 (queries and keys are the same L tokens). O(L x T): a selection that did not come from
+  this layer's indexer (a sliding window, say) gets the dense path's causal-segment intersection
+  without a `[B, L, S]` mask."""
+  l = topk_BLT.shape[1]
+  safe_BLT = jnp.clip(topk_BLT, 0, segment_ids_BL.shape[1] - 1)
+  key_segment_BLT = jax.vmap(lambda seg_S, idx_LT: seg_S[idx_LT])(segment_ids_BL, safe_BLT)
+  visible_BLT = ((topk_BLT >= 0) & (topk_BLT <= jnp.arange(l)[None, :, None])
+                 & (key_segment_BLT == segment_ids_BL[:, :, None]))
+  return jnp.where(visible_BLT, topk_BLT, -1)
+
+
 def topk_mask(topk_BLT, num_keys: int):
   """Boolean `[B, L, S]`, True at the selected keys (-1 slots select nothing)."""
   # -1 -> num_keys, an out-of-range index the scatter drops (negative indices would wrap).
@@ -102,6 +126,9 @@ def topk_mask(topk_BLT, num_keys: int):
 
 def indexer_kl(index_scores_BLS, target_BLS, keys_BLS):
   """Per-query `KL(p || softmax(I))` over the keys in `keys_BLS` (GLM5_REFERENCE.md section 3).
+
+  The last axis is any key axis: all S keys (dense paths) or the T selected slots (the
+  xla / pallas sparse stage, where I and p are only computed at the selection).
 
   Args:
     index_scores_BLS: indexer scores I (fp32).

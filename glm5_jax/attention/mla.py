@@ -12,6 +12,11 @@ Expanded form (training / prefill) materializes per-head keys and values. Absorb
 folds W_kb into the query and W_vb after attention, so attention runs over the C + R = 576-wide
 latent that a KV cache stores; both give the same output.
 
+DSA's sparse stage with `model.dsa_impl` "xla" or "pallas" always runs the absorbed form: all
+heads of a token share its T selected latent rows (MQA), so the op gathers T rows of C + R
+values per query instead of T x H per-head keys, and nothing `[B, L, S]`-shaped is built
+(`pallas_kernels.sparse_mla_*`). "dense_mask" masks the dense attention of either form.
+
 Kernels are stored per head, 3-D: `q_b_proj [Q, H, N + R]`, `k_b_proj [C, H, N]`,
 `v_b_proj [C, H, V]`, `o_proj [H, V, D]`, so an optimizer can treat each head's slice alone.
 
@@ -23,8 +28,10 @@ import jax
 import jax.numpy as jnp
 from flax import linen as nn
 
+import pallas_kernels
 from glm5_jax.attention.common import attend, causal_segment_mask, MASKED_LOGIT
-from glm5_jax.attention.dsa import LightningIndexer, indexer_kl, select_topk, topk_mask
+from glm5_jax.attention.dsa import (LightningIndexer, indexer_kl, lightning_indexer_scores,
+                                    restrict_topk_to_visible, select_topk, topk_mask)
 from glm5_jax.config import ModelConfig
 from glm5_jax.layers.norms import RMSNorm
 from glm5_jax.layers.params import DTYPES, normal_kernel, param
@@ -63,9 +70,10 @@ class MLA(nn.Module):
         "sparse" - attention is restricted to the top-k keys (inference and stage 2).
     Returns:
       `(y_BLD, aux)`; for DSA kinds outside "dense" aux holds `topk_indices [B, L, T]`
-      (int32, -1 = empty slot), and when this layer ran its indexer `index_scores [B, L, S]`
-      (fp32) and `indexer_kl [B, L]`: KL(main attention || softmax(index scores)) per query,
-      over the visible keys in "warmup" and over the selected keys in "sparse".
+      (int32, -1 = empty slot), and when this layer ran its indexer `indexer_kl [B, L]`:
+      KL(main attention || softmax(index scores)) per query, over the visible keys in "warmup"
+      and over the selected keys in "sparse"; and `index_scores [B, L, S]` (fp32) except in the
+      "sparse" stage with `dsa_impl` "xla" / "pallas", which never builds that matrix.
     """
     c = self.cfg
     dtype, pdtype = DTYPES[c.dtype], DTYPES[c.param_dtype]
@@ -92,46 +100,98 @@ class MLA(nn.Module):
     q_rope_BLHR = apply_interleaved_rope(q_BLHK[..., n:], cos, sin)
     k_rope_BSR = apply_interleaved_rope(k_rope_BSR, cos, sin)
 
-    visible_BLS = causal_segment_mask(segment_ids_BL)
-    aux = {}
     if self.kind not in ("mla", "dsa", "dsa_shared_topk"):
       raise ValueError(f"MLA got unknown kind {self.kind!r}")
     if dsa_stage not in ("dense", "warmup", "sparse"):
       raise ValueError(f"dsa_stage must be dense, warmup or sparse, got {dsa_stage!r}")
-    if self.kind == "dsa":
+    selects = self.kind != "mla" and dsa_stage != "dense"
+    aux, index_qkw = {}, None
+    if self.kind == "dsa" and (selects or self.is_initializing()):
       indexer = LightningIndexer(c.index_n_heads, c.index_head_dim, r, c.indexer_norm_eps,
                                  c.initializer_range, dtype, pdtype, name="indexer")
       # The indexer learns only from its own KL loss: its inputs are detached so that loss
       # never reaches the main model, and top-k passes no LM-loss gradient back to it.
-      if dsa_stage != "dense" or self.is_initializing():
-        aux["index_scores"] = indexer(jax.lax.stop_gradient(x_BLD),
-                                      jax.lax.stop_gradient(cq_BLQ), cos, sin, visible_BLS)
-        aux["topk_indices"] = select_topk(aux["index_scores"], c.index_topk)
-    elif self.kind == "dsa_shared_topk" and dsa_stage != "dense":
+      index_qkw = indexer(jax.lax.stop_gradient(x_BLD), jax.lax.stop_gradient(cq_BLQ), cos, sin)
+    elif self.kind == "dsa_shared_topk" and selects:
       if prev_topk_BLT is None:
         raise ValueError("a dsa_shared_topk layer needs the previous DSA layer's top-k")
       aux["topk_indices"] = prev_topk_BLT
-    if dsa_stage == "sparse" and "topk_indices" in aux:
-      visible_BLS = visible_BLS & topk_mask(aux["topk_indices"], x_BLD.shape[1])
 
     scale = k ** -0.5
-    if absorbed:
-      out_BLHV, probs_BLS = _absorbed_attention(q_nope_BLHN, q_rope_BLHR, ckv_BSC, k_rope_BSR,
-                                                w_kb_CHN, w_vb_CHV, visible_BLS, scale)
+    if selects and dsa_stage == "sparse" and c.dsa_impl != "dense_mask":
+      out_BLHV = _sparse_stage_attention(
+          c, aux, index_qkw, segment_ids_BL, q_nope_BLHN, q_rope_BLHR, ckv_BSC, k_rope_BSR,
+          w_kb_CHN, w_vb_CHV, scale)
     else:
-      k_nope_BSHN = jnp.einsum("bsc,chn->bshn", ckv_BSC, w_kb_CHN)
-      v_BSHV = jnp.einsum("bsc,chv->bshv", ckv_BSC, w_vb_CHV)
-      k_rope_BSHR = jnp.broadcast_to(k_rope_BSR[:, :, None, :], k_nope_BSHN.shape[:3] + (r,))
-      q_BLHK = jnp.concatenate([q_nope_BLHN, q_rope_BLHR], axis=-1)
-      k_BSHK = jnp.concatenate([k_nope_BSHN, k_rope_BSHR], axis=-1)
-      out_BLHV, probs_BLS = attend(q_BLHK, k_BSHK, v_BSHV, visible_BLS, scale)
-    if "index_scores" in aux:
-      aux["indexer_kl"] = indexer_kl(aux["index_scores"], jax.lax.stop_gradient(probs_BLS),
-                                     visible_BLS)
+      out_BLHV = _dense_attention(
+          c, aux, index_qkw, segment_ids_BL, dsa_stage, absorbed, q_nope_BLHN, q_rope_BLHR,
+          ckv_BSC, k_rope_BSR, w_kb_CHN, w_vb_CHV, scale)
 
     w_o_HVD = self._kernel("o_proj", (h, v, d), ("heads", "head_dim", "embed"))
     y_BLD = jnp.einsum("blhv,hvd->bld", out_BLHV, w_o_HVD) + self._bias("o_proj_bias", d, "embed")
     return y_BLD, aux
+
+
+def _dense_attention(c, aux, index_qkw, segment_ids_BL, dsa_stage, absorbed, q_nope_BLHN,
+                     q_rope_BLHR, ckv_BSC, k_rope_BSR, w_kb_CHN, w_vb_CHV, scale):
+  """`dsa_impl="dense_mask"`, the warm-up stage and dense MLA: attention over a `[B, L, S]` mask
+  (the top-k selection folded into it in the sparse stage). Fills the DSA entries of `aux`."""
+  visible_BLS = causal_segment_mask(segment_ids_BL)
+  if index_qkw is not None:
+    aux["index_scores"] = lightning_indexer_scores(*index_qkw, visible_BLS)
+    aux["topk_indices"] = select_topk(aux["index_scores"], c.index_topk)
+  if dsa_stage == "sparse" and "topk_indices" in aux:
+    visible_BLS = visible_BLS & topk_mask(aux["topk_indices"], visible_BLS.shape[-1])
+  if absorbed:
+    out_BLHV, probs_BLS = _absorbed_attention(q_nope_BLHN, q_rope_BLHR, ckv_BSC, k_rope_BSR,
+                                              w_kb_CHN, w_vb_CHV, visible_BLS, scale)
+  else:
+    r = k_rope_BSR.shape[-1]
+    k_nope_BSHN = jnp.einsum("bsc,chn->bshn", ckv_BSC, w_kb_CHN)
+    v_BSHV = jnp.einsum("bsc,chv->bshv", ckv_BSC, w_vb_CHV)
+    k_rope_BSHR = jnp.broadcast_to(k_rope_BSR[:, :, None, :], k_nope_BSHN.shape[:3] + (r,))
+    q_BLHK = jnp.concatenate([q_nope_BLHN, q_rope_BLHR], axis=-1)
+    k_BSHK = jnp.concatenate([k_nope_BSHN, k_rope_BSHR], axis=-1)
+    out_BLHV, probs_BLS = attend(q_BLHK, k_BSHK, v_BSHV, visible_BLS, scale)
+  if "index_scores" in aux:
+    aux["indexer_kl"] = indexer_kl(aux["index_scores"], jax.lax.stop_gradient(probs_BLS),
+                                   visible_BLS)
+  return out_BLHV
+
+
+def _sparse_stage_attention(c, aux, index_qkw, segment_ids_BL, q_nope_BLHN, q_rope_BLHR, ckv_BSC,
+                            k_rope_BSR, w_kb_CHN, w_vb_CHV, scale):
+  """The sparse stage on `pallas_kernels` (`dsa_impl` "xla" | "pallas"), O(L x T) throughout.
+
+    1. top-k from the indexer's projections (scores per block of queries), or the given
+       selection restricted to causally visible same-document keys;
+    2. absorbed sparse attention over the selected latent rows -> output and log-sum-exp;
+    3. indexer KL on the selected keys: I at the selection (differentiable, reaches only the
+       indexer, whose inputs are detached) against the main attention's head-mean probability
+       there, recomputed from the log-sum-exp and detached.
+  Fills `aux` with `topk_indices` and, with an indexer, `indexer_kl` (no `index_scores`: that
+  would be the `[B, L, S]` matrix this path exists to avoid).
+  """
+  ops = pallas_kernels.DSA_OPS[c.dsa_impl]
+  b, l = segment_ids_BL.shape
+  index_scale = c.index_head_dim ** -0.5
+  if index_qkw is not None:
+    q_pos_BL = jnp.broadcast_to(jnp.arange(l, dtype=jnp.int32), (b, l))
+    aux["topk_indices"], _ = ops.indexer_topk(
+        *index_qkw, q_pos_BL, segment_ids_BL, segment_ids_BL, topk=c.index_topk,
+        scale=index_scale)
+    topk_BLT = aux["topk_indices"]
+  else:  # a selection made elsewhere (previous layer, sliding window): drop invisible keys
+    topk_BLT = restrict_topk_to_visible(aux["topk_indices"], segment_ids_BL)
+  q_latent_BLHC = jnp.einsum("blhn,chn->blhc", q_nope_BLHN, w_kb_CHN)
+  out_latent_BLHC, lse_BLH = ops.sparse_mla(q_latent_BLHC, q_rope_BLHR, ckv_BSC, k_rope_BSR,
+                                            topk_BLT, scale=scale)
+  if index_qkw is not None:
+    scores_BLT = pallas_kernels.indexer_scores_at(*index_qkw, topk_BLT, scale=index_scale)
+    target_BLT = pallas_kernels.sparse_mla_head_mean_probs(
+        q_latent_BLHC, q_rope_BLHR, ckv_BSC, k_rope_BSR, topk_BLT, lse_BLH, scale=scale)
+    aux["indexer_kl"] = indexer_kl(scores_BLT, target_BLT, topk_BLT >= 0)
+  return jnp.einsum("blhc,chv->blhv", out_latent_BLHC, w_vb_CHV)
 
 
 def _absorbed_attention(q_nope_BLHN, q_rope_BLHR, ckv_BSC, k_rope_BSR, w_kb_CHN, w_vb_CHV,

@@ -1,0 +1,240 @@
+"""Sparse MLA attention (absorbed / MQA form): the jnp reference and the XLA gather path.
+
+Each query token t selected T latent rows `topk[t]` (-1 = empty slot). Every one of its H heads
+attends over those rows of the shared MLA cache (GLM5_REFERENCE.md section 2, "absorbed"):
+
+  logit[t, h, j] = (q[t, h] . kv[topk[t, j]] + q_rope[t, h] . k_rope[topk[t, j]]) * scale
+  p[t, h, :]     = softmax_j(logit[t, h, :])          over the valid slots only
+  out[t, h]      = sum_j p[t, h, j] kv[topk[t, j]]    (value = the C latent dims)
+  lse[t, h]      = log sum_j exp(logit[t, h, j])      (-inf for a query with no valid slot)
+
+with q the query already multiplied by W_kb (C = 512 latent dims) and q_rope its RoPE part
+(R = 64), as FlashMLA's sparse kernels take them. Cost is O(L x T) in time and, per query
+block, in memory, instead of the dense path's O(L x S).
+
+Gradients (custom VJP, shared by the XLA and Pallas paths; dp = dout . kv, delta = dout . out):
+
+  ds[t, h, j] = p[t, h, j] * (dp[t, h, j] - delta[t, h] + dlse[t, h])
+  dq[t, h]    = scale * sum_j ds kv[topk[t, j]]        dq_rope likewise with k_rope
+  dkv[s]      = sum over (t, j) with topk[t, j] = s of  sum_h (p dout[t, h] + scale ds q[t, h])
+  dk_rope[s]  = same sum of  sum_h scale ds q_rope[t, h]
+
+dq is direct; dkv/dk_rope are per-(query, slot) contributions scatter-added into the key rows
+in XLA (`.at[].add`), one query block at a time, into an fp32 accumulator (TPUs have no atomics,
+and a bf16 running sum would lose the small contributions of long sequences).
+
+Implementations (same signature `(q, q_rope, kv, k_rope, topk, *, scale) -> (out, lse)`):
+  `sparse_mla_reference`  gathers every selected row at once, plain autodiff (O(L x T x C)).
+  `sparse_mla_xla`        per query block, with the custom VJP above.
+  `sparse_mla_pallas`     (sparse_mla_pallas.py) Pallas TPU kernels, same custom VJP.
+Outputs are in the dtype of `kv`, lse in fp32. Tolerances: fp32 paths agree to ~1e-5 relative;
+bf16 inputs (fp32 accumulation everywhere) to ~2e-2, the rounding of bf16 itself.
+
+Notation: B batch, L queries, S keys (latent rows), H heads, C latent dim (= value dim),
+R RoPE dim, T top-k slots.
+"""
+
+import dataclasses
+import functools
+from typing import Callable
+
+import jax
+import jax.numpy as jnp
+
+from pallas_kernels.blocking import (MASKED_LOGIT, default_query_block, from_query_blocks,
+                                     gather_rows, map_query_blocks, query_block_size,
+                                     to_query_blocks)
+
+
+def check_sparse_mla_inputs(q_BLHC, q_rope_BLHR, kv_BSC, k_rope_BSR, topk_BLT):
+  b, l, h, c = q_BLHC.shape
+  r = q_rope_BLHR.shape[-1]
+  s = kv_BSC.shape[1]
+  if (q_rope_BLHR.shape != (b, l, h, r) or kv_BSC.shape != (b, s, c)
+      or k_rope_BSR.shape != (b, s, r) or topk_BLT.shape[:2] != (b, l)):
+    raise ValueError(f"sparse MLA shapes disagree: q {q_BLHC.shape} [B, L, H, C], q_rope "
+                     f"{q_rope_BLHR.shape} [B, L, H, R], kv {kv_BSC.shape} [B, S, C], k_rope "
+                     f"{k_rope_BSR.shape} [B, S, R], topk {topk_BLT.shape} [B, L, T]")
+  if not jnp.issubdtype(topk_BLT.dtype, jnp.integer):
+    raise ValueError(f"topk must hold integer key indices, got {topk_BLT.dtype}")
+
+
+def _logits(q_BLHC, q_rope_BLHR, kv_BLTC, k_rope_BLTR, scale):
+  """fp32 `[B, L, H, T]` logits against gathered rows."""
+  return (jnp.einsum("blhc,bltc->blht", q_BLHC, kv_BLTC, preferred_element_type=jnp.float32)
+          + jnp.einsum("blhr,bltr->blht", q_rope_BLHR, k_rope_BLTR,
+                       preferred_element_type=jnp.float32)) * scale
+
+
+def masked_softmax(logits_BLHT, valid_BL1T):
+  """Softmax over the valid slots and its log-sum-exp; a row with no valid slot gives zero
+  probabilities and lse -inf. NaN-free values and gradients (masked slots never see inf)."""
+  s_BLHT = jnp.where(valid_BL1T, logits_BLHT, MASKED_LOGIT)
+  m_BLH1 = jnp.max(s_BLHT, axis=-1, keepdims=True)
+  e_BLHT = jnp.where(valid_BL1T, jnp.exp(s_BLHT - m_BLH1), 0.0)
+  l_BLH1 = e_BLHT.sum(-1, keepdims=True)
+  safe_l_BLH1 = jnp.where(l_BLH1 > 0, l_BLH1, 1.0)
+  lse_BLH = jnp.where(l_BLH1 > 0, m_BLH1 + jnp.log(safe_l_BLH1), -jnp.inf)[..., 0]
+  return e_BLHT / safe_l_BLH1, lse_BLH
+
+
+def sparse_mla_reference(q_BLHC, q_rope_BLHR, kv_BSC, k_rope_BSR, topk_BLT, *, scale: float):
+  """The module docstring's forward, all queries at once; differentiable by autodiff.
+
+  Args:
+    q_BLHC: absorbed queries (q_nope W_kb). q_rope_BLHR: their RoPE part.
+    kv_BSC: latent rows (keys and values). k_rope_BSR: the shared RoPE key rows.
+    topk_BLT: int32 selected rows per query, -1 = empty slot.
+    scale: softmax scale (the model's (N + R)^-0.5).
+  Returns:
+    `(out_BLHC, lse_BLH)`: output in kv's dtype, fp32 log-sum-exp.
+  """
+  check_sparse_mla_inputs(q_BLHC, q_rope_BLHR, kv_BSC, k_rope_BSR, topk_BLT)
+  rows_BLT = jnp.maximum(topk_BLT, 0)
+  kv_BLTC = gather_rows(kv_BSC, rows_BLT)
+  logits_BLHT = _logits(q_BLHC, q_rope_BLHR, kv_BLTC, gather_rows(k_rope_BSR, rows_BLT), scale)
+  probs_BLHT, lse_BLH = masked_softmax(logits_BLHT, (topk_BLT >= 0)[:, :, None, :])
+  out_BLHC = jnp.einsum("blht,bltc->blhc", probs_BLHT.astype(kv_BSC.dtype), kv_BLTC,
+                        preferred_element_type=jnp.float32)
+  return out_BLHC.astype(kv_BSC.dtype), lse_BLH
+
+
+def sparse_mla_backward_block(q_BLHC, q_rope_BLHR, kv_BSC, k_rope_BSR, topk_BLT, dout_BLHC,
+                              lse_BLH, delta_BLH, scale):
+  """The module docstring's backward for one block of queries, in XLA.
+
+  `delta_BLH` is `dout . out - dlse`. Returns `(dq_BLHC, dq_rope_BLHR, dkv_BLTC, dk_rope_BLTR)`:
+  the query gradients (fp32) and the fp32 per-slot contributions to the selected key rows
+  (zero at -1 slots), to be scatter-added by the caller.
+  """
+  rows_BLT = jnp.maximum(topk_BLT, 0)
+  kv_BLTC = gather_rows(kv_BSC, rows_BLT)
+  k_rope_BLTR = gather_rows(k_rope_BSR, rows_BLT)
+  logits_BLHT = _logits(q_BLHC, q_rope_BLHR, kv_BLTC, k_rope_BLTR, scale)
+  valid_BL1T = (topk_BLT >= 0)[:, :, None, :]
+  p_BLHT = jnp.where(valid_BL1T, jnp.exp(logits_BLHT - lse_BLH[..., None]), 0.0)
+  dp_BLHT = jnp.einsum("blhc,bltc->blht", dout_BLHC, kv_BLTC, preferred_element_type=jnp.float32)
+  ds_BLHT = p_BLHT * (dp_BLHT - delta_BLH[..., None])
+  f32 = lambda x: x.astype(jnp.float32)
+  dq_BLHC = scale * jnp.einsum("blht,bltc->blhc", ds_BLHT, f32(kv_BLTC))
+  dq_rope_BLHR = scale * jnp.einsum("blht,bltr->blhr", ds_BLHT, f32(k_rope_BLTR))
+  dkv_BLTC = (jnp.einsum("blht,blhc->bltc", p_BLHT, f32(dout_BLHC))
+              + scale * jnp.einsum("blht,blhc->bltc", ds_BLHT, f32(q_BLHC)))
+  dk_rope_BLTR = scale * jnp.einsum("blht,blhr->bltr", ds_BLHT, f32(q_rope_BLHR))
+  return dq_BLHC, dq_rope_BLHR, dkv_BLTC, dk_rope_BLTR
+
+
+def scatter_add_rows(acc_BSX, topk_BLT, rows_BLTX):
+  """`acc[b, topk[b, l, t]] += rows[b, l, t]`; -1 slots are dropped, never wrapped around."""
+  b, s = acc_BSX.shape[:2]
+  safe_BLT = jnp.where(topk_BLT < 0, s, topk_BLT)  # s is out of range: mode="drop" skips it
+  batch_B11 = jnp.arange(b)[:, None, None]
+  return acc_BSX.at[batch_B11, safe_BLT].add(rows_BLTX, mode="drop")
+
+
+@dataclasses.dataclass(frozen=True)
+class SparseMLAKernels:
+  """How one implementation computes the pieces of the custom VJP.
+
+  forward: `(q, q_rope, kv, k_rope, topk, scale) -> (out, lse)` over every query.
+  backward_block: `sparse_mla_backward_block`'s signature, for one block of queries.
+  backward_query_block: queries per backward block (bounds the per-slot contributions).
+  """
+
+  forward: Callable
+  backward_block: Callable
+  backward_query_block: int | None
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0, 6))
+def sparse_mla_custom_vjp(kernels, q_BLHC, q_rope_BLHR, kv_BSC, k_rope_BSR, topk_BLT, scale):
+  """`kernels.forward` with the blockwise backward of the module docstring."""
+  return kernels.forward(q_BLHC, q_rope_BLHR, kv_BSC, k_rope_BSR, topk_BLT, scale)
+
+
+def _vjp_forward(kernels, q_BLHC, q_rope_BLHR, kv_BSC, k_rope_BSR, topk_BLT, scale):
+  out_BLHC, lse_BLH = kernels.forward(q_BLHC, q_rope_BLHR, kv_BSC, k_rope_BSR, topk_BLT, scale)
+  return (out_BLHC, lse_BLH), (q_BLHC, q_rope_BLHR, kv_BSC, k_rope_BSR, topk_BLT, out_BLHC,
+                               lse_BLH)
+
+
+def _vjp_backward(kernels, scale, residuals, cotangents):
+  q_BLHC, q_rope_BLHR, kv_BSC, k_rope_BSR, topk_BLT, out_BLHC, lse_BLH = residuals
+  dout_BLHC, dlse_BLH = cotangents
+  l = q_BLHC.shape[1]
+  delta_BLH = (jnp.sum(dout_BLHC.astype(jnp.float32) * out_BLHC.astype(jnp.float32), axis=-1)
+               - dlse_BLH.astype(jnp.float32))
+  block = query_block_size(l, kernels.backward_query_block)
+  blocked = [to_query_blocks(x, block, pad) for x, pad in
+             ((q_BLHC, 0), (q_rope_BLHR, 0), (topk_BLT, -1), (dout_BLHC, 0), (lse_BLH, 0.0),
+              (delta_BLH, 0.0))]
+
+  def one_block(carry, xs):
+    dkv_BSC, dk_rope_BSR = carry
+    q, q_rope, topk, dout, lse, delta = xs
+    dq, dq_rope, dkv_rows, dk_rope_rows = kernels.backward_block(
+        q, q_rope, kv_BSC, k_rope_BSR, topk, dout, lse, delta, scale)
+    carry = (scatter_add_rows(dkv_BSC, topk, dkv_rows),
+             scatter_add_rows(dk_rope_BSR, topk, dk_rope_rows))
+    return carry, (dq.astype(q_BLHC.dtype), dq_rope.astype(q_rope_BLHR.dtype))
+
+  zeros = (jnp.zeros(kv_BSC.shape, jnp.float32), jnp.zeros(k_rope_BSR.shape, jnp.float32))
+  (dkv_BSC, dk_rope_BSR), (dq_nBLHC, dq_rope_nBLHR) = jax.lax.scan(one_block, zeros, blocked)
+  return (from_query_blocks(dq_nBLHC, l), from_query_blocks(dq_rope_nBLHR, l),
+          dkv_BSC.astype(kv_BSC.dtype), dk_rope_BSR.astype(k_rope_BSR.dtype), None)
+
+
+sparse_mla_custom_vjp.defvjp(_vjp_forward, _vjp_backward)
+
+
+def _default_query_block(kv_BSC, k_rope_BSR, topk_BLT, heads):
+  """Queries per block sized by the gathered rows and `[H, T]` logits (`default_query_block`)."""
+  b, t = kv_BSC.shape[0], topk_BLT.shape[-1]
+  row = kv_BSC.shape[-1] + k_rope_BSR.shape[-1]
+  return default_query_block(b * t * (3 * row + 4 * heads) * 4)
+
+
+def sparse_mla_xla(q_BLHC, q_rope_BLHR, kv_BSC, k_rope_BSR, topk_BLT, *, scale: float,
+                   query_block: int | None = None):
+  """Sparse MLA without Pallas: per block of queries, `take` of the selected rows, then
+  attention over them; O(L x T) work and O(query_block x T x (C + H)) memory, forward and
+  backward (custom VJP). The default on GPU and CPU, and the baseline the kernels are measured
+  against. Same arguments and results as `sparse_mla_reference`; `query_block` None: see
+  `blocking.default_query_block`."""
+  check_sparse_mla_inputs(q_BLHC, q_rope_BLHR, kv_BSC, k_rope_BSR, topk_BLT)
+  if query_block is None:
+    query_block = _default_query_block(kv_BSC, k_rope_BSR, topk_BLT, q_BLHC.shape[2])
+
+  def forward(q_BLHC, q_rope_BLHR, kv_BSC, k_rope_BSR, topk_BLT, scale):
+    def one_block(q, q_rope, topk):
+      return sparse_mla_reference(q, q_rope, kv_BSC, k_rope_BSR, topk, scale=scale)
+    return map_query_blocks(one_block, query_block, [q_BLHC, q_rope_BLHR, topk_BLT], [0, 0, -1])
+
+  kernels = SparseMLAKernels(forward, sparse_mla_backward_block, query_block)
+  return sparse_mla_custom_vjp(kernels, q_BLHC, q_rope_BLHR, kv_BSC, k_rope_BSR, topk_BLT, scale)
+
+
+def sparse_mla_head_mean_probs(q_BLHC, q_rope_BLHR, kv_BSC, k_rope_BSR, topk_BLT, lse_BLH, *,
+                               scale: float, query_block: int | None = None):
+  """The attention's head-mean probability at each selected slot, fp32 `[B, L, T]`.
+
+  `mean_h exp(logit[t, h, j] - lse[t, h])` from the forward's `lse`, 0 at -1 slots; rows sum to
+  1 over the valid slots. This is the sparse-stage indexer KL's target (GLM5_REFERENCE.md
+  section 3) restricted to the selected keys, and it never carries a gradient (the main model
+  must not learn from the indexer loss). One extra QK pass over the selected rows, per query
+  block, in XLA on every backend.
+  """
+  check_sparse_mla_inputs(q_BLHC, q_rope_BLHR, kv_BSC, k_rope_BSR, topk_BLT)
+  args = jax.lax.stop_gradient((q_BLHC, q_rope_BLHR, kv_BSC, k_rope_BSR, lse_BLH))
+  q_BLHC, q_rope_BLHR, kv_BSC, k_rope_BSR, lse_BLH = args
+  if query_block is None:
+    query_block = _default_query_block(kv_BSC, k_rope_BSR, topk_BLT, q_BLHC.shape[2])
+
+  def one_block(q, q_rope, topk, lse):
+    rows = jnp.maximum(topk, 0)
+    logits = _logits(q, q_rope, gather_rows(kv_BSC, rows), gather_rows(k_rope_BSR, rows), scale)
+    valid = (topk >= 0)[:, :, None, :]
+    return jnp.where(valid, jnp.exp(logits - lse[..., None]), 0.0).mean(axis=2)
+
+  return map_query_blocks(one_block, query_block, [q_BLHC, q_rope_BLHR, topk_BLT, lse_BLH],
+                          [0, 0, -1, 0.0])

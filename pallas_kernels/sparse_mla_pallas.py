@@ -1,0 +1,257 @@
+"""Sparse MLA attention (absorbed / MQA form) as Pallas TPU kernels, forward and backward.
+
+The math, the custom VJP and the reference are in `sparse_mla.py`; this file supplies its
+`forward` and `backward_block` pieces as kernels.
+
+Forward, grid (B, L, nT) (one query token, all H heads, per step; nT blocks of `bt` slots):
+  1. The query token's whole top-k row sits in SMEM; for slot block j the kernel DMAs each
+     selected latent row (C + R values) from HBM into a VMEM buffer, one row per copy. Block
+     j + 1 is fetched into the other half of a double buffer while block j computes.
+  2. `[H, C] x [bt, C]^T + [H, R] x [bt, R]^T` on the MXU (fp32 accumulation) gives the logits;
+     -1 slots are masked (their DMA reads row 0 so the buffer never holds garbage).
+  3. Online softmax across the nT blocks (running max m, sum l, fp32 accumulator `[H, C]`);
+     the last block writes `out = acc / l` and `lse = m + log l`.
+Every head of a token shares the gathered rows, so a row fetched once feeds H dot products
+(the MQA form is what makes the gather affordable).
+
+Backward, grid (B, Lq, nT) over one block of Lq queries: the same gather and logits,
+`p = exp(logit - lse)`, then dq and dq_rope accumulate in their (fp32, resident) output blocks
+and every slot's dkv / dk_rope contribution `[bt, C]`, `[bt, R]` is written out; XLA
+scatter-adds them into the key rows (`sparse_mla.scatter_add_rows`), since TPUs have no atomics.
+
+Backends: TPU (Mosaic) compiled; elsewhere interpret mode, used by the CPU tests. There is no GPU
+(Triton / Mosaic-GPU) variant here: the gather-by-DMA design is TPU-specific, and on GPU the XLA
+gather path (`sparse_mla_xla`) is the supported one.
+
+TPU block rules: `bt` is the whole (padded) slot count or a multiple of 128; the top-k row is
+laid out `[B, L, 1, T]` so its blocks are `(1, bt)`; lse and delta are `[B, L, H, 1]`.
+
+Notation: B batch, L queries, S keys, H heads, C latent dim, R RoPE dim, T top-k slots, bt slots
+per block, nT slot blocks.
+"""
+
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import tpu as pltpu
+
+from pallas_kernels.blocking import MASKED_LOGIT, default_interpret, default_query_block, pad_axis
+from pallas_kernels.sparse_mla import (SparseMLAKernels, check_sparse_mla_inputs,
+                                       sparse_mla_custom_vjp)
+
+_NT = (((1,), (1,)), ((), ()))  # [m, k] x [n, k] -> [m, n]
+_TN = (((0,), (0,)), ((), ()))  # [k, m] x [k, n] -> [m, n]
+
+
+def _slot_blocks(t: int, block_t: int):
+  """(bt, padded T): one block of every slot, or blocks of `block_t` (a multiple of 128)."""
+  if t <= block_t:
+    return t, t
+  return block_t, -(-t // block_t) * block_t
+
+
+def _copy_rows(topk_smem, kv_hbm, k_rope_hbm, kv_buf, k_rope_buf, sems, b, block, slot, wait):
+  """Starts (or waits for) the DMAs of slot block `block` into half `slot` of the buffers."""
+  block_t = kv_buf.shape[1]
+
+  def one_row(i, carry):
+    row = jnp.maximum(topk_smem[0, block * block_t + i], 0)  # -1 slots read row 0, masked later
+    for src, dst, sem in ((kv_hbm, kv_buf, sems.at[0, slot]),
+                          (k_rope_hbm, k_rope_buf, sems.at[1, slot])):
+      copy = pltpu.make_async_copy(src.at[b, pl.ds(row, 1)], dst.at[slot, pl.ds(i, 1)], sem)
+      if wait:
+        copy.wait()
+      else:
+        copy.start()
+    return carry
+
+  jax.lax.fori_loop(0, block_t, one_row, 0)
+
+
+def _gathered_logits(refs, b, j, num_blocks, scale):
+  """Double-buffered gather of slot block j; returns (kv `[bt, C]`, k_rope `[bt, R]`, masked
+  logits `[H, bt]` fp32, valid `[1, bt]`)."""
+  topk_smem, topk_ref, q_ref, q_rope_ref, kv_hbm, k_rope_hbm, kv_buf, k_rope_buf, sems = refs
+  # lax.rem, not %: jnp.remainder lowers through `sign`, whose Mosaic rule needs chip info
+  # (so TPU export from a CPU host fails on it).
+  slot = jax.lax.rem(j, 2)
+  copy = functools.partial(_copy_rows, topk_smem, kv_hbm, k_rope_hbm, kv_buf, k_rope_buf, sems, b)
+
+  @pl.when(j == 0)
+  def _():
+    copy(0, 0, wait=False)
+
+  @pl.when(j + 1 < num_blocks)
+  def _():
+    copy(j + 1, 1 - slot, wait=False)
+
+  copy(j, slot, wait=True)
+  kv_TC, k_rope_TR = kv_buf[slot], k_rope_buf[slot]
+  logits_HT = (
+      jax.lax.dot_general(q_ref[...], kv_TC, _NT, preferred_element_type=jnp.float32)
+      + jax.lax.dot_general(q_rope_ref[...], k_rope_TR, _NT, preferred_element_type=jnp.float32)
+  ) * scale
+  valid_1T = topk_ref[...] >= 0
+  return kv_TC, k_rope_TR, jnp.where(valid_1T, logits_HT, MASKED_LOGIT), valid_1T
+
+
+def _forward_kernel(topk_smem, topk_ref, q_ref, q_rope_ref, kv_hbm, k_rope_hbm, out_ref, lse_ref,
+                    kv_buf, k_rope_buf, sems, m_ref, l_ref, acc_ref, *, scale, num_blocks):
+  b, j = pl.program_id(0), pl.program_id(2)
+
+  @pl.when(j == 0)
+  def _():
+    m_ref[...] = jnp.full(m_ref.shape, MASKED_LOGIT, jnp.float32)
+    l_ref[...] = jnp.zeros(l_ref.shape, jnp.float32)
+    acc_ref[...] = jnp.zeros(acc_ref.shape, jnp.float32)
+
+  refs = (topk_smem, topk_ref, q_ref, q_rope_ref, kv_hbm, k_rope_hbm, kv_buf, k_rope_buf, sems)
+  kv_TC, _, logits_HT, valid_1T = _gathered_logits(refs, b, j, num_blocks, scale)
+  m_prev_H1 = m_ref[...]
+  m_next_H1 = jnp.maximum(m_prev_H1, logits_HT.max(axis=1, keepdims=True))
+  alpha_H1 = jnp.exp(m_prev_H1 - m_next_H1)
+  p_HT = jnp.where(valid_1T, jnp.exp(logits_HT - m_next_H1), 0.0)
+  l_ref[...] = alpha_H1 * l_ref[...] + p_HT.sum(axis=1, keepdims=True)
+  acc_ref[...] = alpha_H1 * acc_ref[...] + jnp.dot(p_HT.astype(kv_TC.dtype), kv_TC,
+                                                   preferred_element_type=jnp.float32)
+  m_ref[...] = m_next_H1
+
+  @pl.when(j == num_blocks - 1)
+  def _():
+    l_H1 = l_ref[...]
+    safe_l_H1 = jnp.where(l_H1 > 0, l_H1, 1.0)
+    out_ref[...] = (acc_ref[...] / safe_l_H1).astype(out_ref.dtype)
+    lse_ref[...] = jnp.where(l_H1 > 0, m_ref[...] + jnp.log(safe_l_H1), -jnp.inf)
+
+
+def _backward_kernel(topk_smem, topk_ref, q_ref, q_rope_ref, dout_ref, lse_ref, delta_ref, kv_hbm,
+                     k_rope_hbm, dq_ref, dq_rope_ref, dkv_ref, dk_rope_ref, kv_buf, k_rope_buf,
+                     sems, *, scale, num_blocks):
+  b, j = pl.program_id(0), pl.program_id(2)
+
+  @pl.when(j == 0)
+  def _():
+    dq_ref[...] = jnp.zeros(dq_ref.shape, jnp.float32)
+    dq_rope_ref[...] = jnp.zeros(dq_rope_ref.shape, jnp.float32)
+
+  refs = (topk_smem, topk_ref, q_ref, q_rope_ref, kv_hbm, k_rope_hbm, kv_buf, k_rope_buf, sems)
+  kv_TC, k_rope_TR, logits_HT, valid_1T = _gathered_logits(refs, b, j, num_blocks, scale)
+  q_HC, q_rope_HR, dout_HC = q_ref[...], q_rope_ref[...], dout_ref[...]
+  p_HT = jnp.where(valid_1T, jnp.exp(logits_HT - lse_ref[...]), 0.0)
+  dp_HT = jax.lax.dot_general(dout_HC, kv_TC, _NT, preferred_element_type=jnp.float32)
+  ds_HT = p_HT * (dp_HT - delta_ref[...]) * scale  # the logits' scale folded in once
+  dq_ref[...] += jnp.dot(ds_HT.astype(kv_TC.dtype), kv_TC, preferred_element_type=jnp.float32)
+  dq_rope_ref[...] += jnp.dot(ds_HT.astype(k_rope_TR.dtype), k_rope_TR,
+                              preferred_element_type=jnp.float32)
+  dkv_ref[...] = (
+      jax.lax.dot_general(p_HT.astype(dout_HC.dtype), dout_HC, _TN,
+                          preferred_element_type=jnp.float32)
+      + jax.lax.dot_general(ds_HT.astype(q_HC.dtype), q_HC, _TN,
+                            preferred_element_type=jnp.float32))
+  dk_rope_ref[...] = jax.lax.dot_general(ds_HT.astype(q_rope_HR.dtype), q_rope_HR, _TN,
+                                         preferred_element_type=jnp.float32)
+
+
+def _common_specs(t_pad, bt, h, c, r):
+  """BlockSpecs of (topk in SMEM, topk in VMEM, q, q_rope) and the HBM-resident kv, k_rope."""
+  row = lambda b, l, j: (b, l, 0, 0)
+  return [
+      pl.BlockSpec((None, None, 1, t_pad), row, memory_space=pltpu.SMEM),
+      pl.BlockSpec((None, None, 1, bt), lambda b, l, j: (b, l, 0, j)),
+      pl.BlockSpec((None, None, h, c), row),
+      pl.BlockSpec((None, None, h, r), row),
+  ], [pl.BlockSpec(memory_space=pl.ANY), pl.BlockSpec(memory_space=pl.ANY)]
+
+
+def _scratch(bt, c, r, kv_dtype, rope_dtype):
+  return [pltpu.VMEM((2, bt, c), kv_dtype), pltpu.VMEM((2, bt, r), rope_dtype),
+          pltpu.SemaphoreType.DMA((2, 2))]
+
+
+_PARAMS = pltpu.CompilerParams(dimension_semantics=("parallel", "parallel", "arbitrary"))
+
+
+def _forward(q_BLHC, q_rope_BLHR, kv_BSC, k_rope_BSR, topk_BLT, scale, *, block_t, interpret):
+  b, l, h, c = q_BLHC.shape
+  r, t = q_rope_BLHR.shape[-1], topk_BLT.shape[-1]
+  bt, t_pad = _slot_blocks(t, block_t)
+  topk_BL1T = pad_axis(topk_BLT.astype(jnp.int32), 2, t_pad, -1)[:, :, None, :]
+  in_specs, hbm_specs = _common_specs(t_pad, bt, h, c, r)
+  row = lambda b, l, j: (b, l, 0, 0)
+  itemsize = kv_BSC.dtype.itemsize
+  cost = pl.CostEstimate(
+      flops=2 * b * l * t_pad * h * (2 * c + r), transcendentals=b * l * t_pad * h,
+      bytes_accessed=b * l * (t_pad * (c + r) + 2 * h * c + h * r) * itemsize)
+  out_BLHC, lse_BLH1 = pl.pallas_call(
+      functools.partial(_forward_kernel, scale=scale, num_blocks=t_pad // bt),
+      out_shape=(jax.ShapeDtypeStruct((b, l, h, c), kv_BSC.dtype),
+                 jax.ShapeDtypeStruct((b, l, h, 1), jnp.float32)),
+      grid=(b, l, t_pad // bt),
+      in_specs=in_specs + hbm_specs,
+      out_specs=(pl.BlockSpec((None, None, h, c), row), pl.BlockSpec((None, None, h, 1), row)),
+      scratch_shapes=_scratch(bt, c, r, kv_BSC.dtype, k_rope_BSR.dtype) + [
+          pltpu.VMEM((h, 1), jnp.float32), pltpu.VMEM((h, 1), jnp.float32),
+          pltpu.VMEM((h, c), jnp.float32)],
+      compiler_params=_PARAMS,
+      cost_estimate=cost,
+      interpret=interpret,
+      name="sparse_mla_forward",
+  )(topk_BL1T, topk_BL1T, q_BLHC, q_rope_BLHR, kv_BSC, k_rope_BSR)
+  return out_BLHC, lse_BLH1[..., 0]
+
+
+def _backward_block(q_BLHC, q_rope_BLHR, kv_BSC, k_rope_BSR, topk_BLT, dout_BLHC, lse_BLH,
+                    delta_BLH, scale, *, block_t, interpret):
+  """`sparse_mla.sparse_mla_backward_block` as a kernel (same arguments and results)."""
+  b, l, h, c = q_BLHC.shape
+  r, t = q_rope_BLHR.shape[-1], topk_BLT.shape[-1]
+  bt, t_pad = _slot_blocks(t, block_t)
+  topk_BL1T = pad_axis(topk_BLT.astype(jnp.int32), 2, t_pad, -1)[:, :, None, :]
+  in_specs, hbm_specs = _common_specs(t_pad, bt, h, c, r)
+  row = lambda b, l, j: (b, l, 0, 0)
+  slot = lambda b, l, j: (b, l, j, 0)
+  dq, dq_rope, dkv_rows, dk_rope_rows = pl.pallas_call(
+      functools.partial(_backward_kernel, scale=scale, num_blocks=t_pad // bt),
+      out_shape=(jax.ShapeDtypeStruct((b, l, h, c), jnp.float32),
+                 jax.ShapeDtypeStruct((b, l, h, r), jnp.float32),
+                 jax.ShapeDtypeStruct((b, l, t_pad, c), jnp.float32),
+                 jax.ShapeDtypeStruct((b, l, t_pad, r), jnp.float32)),
+      grid=(b, l, t_pad // bt),
+      in_specs=in_specs + [pl.BlockSpec((None, None, h, c), row),
+                           pl.BlockSpec((None, None, h, 1), row),
+                           pl.BlockSpec((None, None, h, 1), row)] + hbm_specs,
+      out_specs=(pl.BlockSpec((None, None, h, c), row), pl.BlockSpec((None, None, h, r), row),
+                 pl.BlockSpec((None, None, bt, c), slot), pl.BlockSpec((None, None, bt, r), slot)),
+      scratch_shapes=_scratch(bt, c, r, kv_BSC.dtype, k_rope_BSR.dtype),
+      compiler_params=_PARAMS,
+      interpret=interpret,
+      name="sparse_mla_backward",
+  )(topk_BL1T, topk_BL1T, q_BLHC, q_rope_BLHR, dout_BLHC, lse_BLH[..., None],
+    delta_BLH[..., None], kv_BSC, k_rope_BSR)
+  return dq, dq_rope, dkv_rows[:, :, :t], dk_rope_rows[:, :, :t]
+
+
+def sparse_mla_pallas(q_BLHC, q_rope_BLHR, kv_BSC, k_rope_BSR, topk_BLT, *, scale: float,
+                      block_t: int = 512, backward_query_block: int | None = None,
+                      interpret: bool | None = None):
+  """`sparse_mla_reference` (same arguments and results) on the Pallas kernels, differentiable.
+
+  Args (beyond the reference's):
+    block_t: slots per grid step (a multiple of 128 on TPU when smaller than T).
+    backward_query_block: queries per backward kernel call, bounding the fp32 per-slot dkv
+      contributions `[B, block, T, C + R]`; None: `blocking.default_query_block`.
+    interpret: None = compiled on TPU, interpret mode elsewhere.
+  """
+  check_sparse_mla_inputs(q_BLHC, q_rope_BLHR, kv_BSC, k_rope_BSR, topk_BLT)
+  interpret = default_interpret() if interpret is None else interpret
+  if backward_query_block is None:
+    b, t = kv_BSC.shape[0], _slot_blocks(topk_BLT.shape[-1], block_t)[1]
+    backward_query_block = default_query_block(
+        b * t * (kv_BSC.shape[-1] + k_rope_BSR.shape[-1]) * 4)
+  kernels = SparseMLAKernels(
+      forward=functools.partial(_forward, block_t=block_t, interpret=interpret),
+      backward_block=functools.partial(_backward_block, block_t=block_t, interpret=interpret),
+      backward_query_block=backward_query_block)
+  return sparse_mla_custom_vjp(kernels, q_BLHC, q_rope_BLHR, kv_BSC, k_rope_BSR, topk_BLT, scale)

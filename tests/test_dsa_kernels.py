@@ -1,0 +1,353 @@
+"""DSA ops (`pallas_kernels`): XLA and Pallas (interpret mode) paths against the references,
+TPU lowering of every kernel, and the three `model.dsa_impl` paths on the tiny model.
+
+Indexer inputs are small integers with a power-of-two scale, so every score is exact in fp32
+and bf16 and all paths must pick bit-identical keys: ReLU zeros and equal sums make many exact
+ties, which must go to the earlier position (checked against a numpy brute force).
+Tolerances: fp32 ~1e-5 relative; bf16 inputs (fp32 accumulation) 2e-2 forward, 5e-2 gradients.
+
+Notation: B batch, L queries, S keys, N index heads, I index head dim, H heads, C latent dim,
+R rope dim, T top-k.
+"""
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax.test_util import check_grads
+
+import glm5_jax
+import pallas_kernels as pk
+from glm5_jax.attention.dsa import restrict_topk_to_visible
+from glm5_jax.attention.mla import MLA
+from glm5_jax.config import ConfigError, model_config, validate_model_config
+
+# Small blocks (illegal on TPU, fine in interpret mode) so tiny shapes still span several query,
+# key and slot blocks, partial last blocks and skipped causal blocks.
+INDEXER_BLOCKS = dict(block_q=8, block_s=16, query_block=16)
+MLA_BLOCKS = dict(block_t=4, backward_query_block=4)
+INDEXER_IMPLS = {
+    "xla": functools.partial(pk.indexer_topk_xla, query_block=8, key_block=16),
+    "pallas": functools.partial(pk.indexer_topk_pallas, **INDEXER_BLOCKS),
+}
+MLA_IMPLS = {
+    "xla": functools.partial(pk.sparse_mla_xla, query_block=4),
+    "pallas": functools.partial(pk.sparse_mla_pallas, **MLA_BLOCKS),
+}
+
+
+# ---------------------------------------------------------------------------------------------
+# Lightning indexer
+# ---------------------------------------------------------------------------------------------
+
+
+def integer_indexer_inputs(b, l, s, n=3, i=8, seed=0, dtype=jnp.float32, doc_split=None):
+  """Integer q, k, w (exact scores, many ties); queries at the end of the keys (q_pos =
+  S - L + l); with `doc_split`, keys/queries before that position are document 1, after it 2."""
+  rng = np.random.default_rng(seed)
+  q = jnp.asarray(rng.integers(-2, 3, (b, l, n, i)), dtype)
+  k = jnp.asarray(rng.integers(-2, 3, (b, s, i)), dtype)
+  w = jnp.asarray(rng.integers(-2, 3, (b, l, n)), jnp.float32)
+  q_pos = jnp.broadcast_to(jnp.arange(s - l, s, dtype=jnp.int32), (b, l))
+  k_seg = jnp.ones((b, s), jnp.int32)
+  if doc_split is not None:
+    k_seg = jnp.where(jnp.arange(s) >= doc_split, 2, 1).astype(jnp.int32)[None].repeat(b, 0)
+  q_seg = k_seg[:, s - l:]
+  return q, k, w, q_pos, q_seg, k_seg
+
+
+def brute_force_topk(q, k, w, q_pos, q_seg, k_seg, topk, scale):
+  """numpy: visible keys by descending score, ties to the earlier key, padded with -1."""
+  q, k, w = (np.asarray(x, np.float64) for x in (q, k, w))
+  scores = np.einsum("bln,blns->bls", w, np.maximum(np.einsum("blni,bsi->blns", q, k) * scale, 0))
+  b, l, s = scores.shape
+  out = -np.ones((b, l, min(topk, s)), np.int64)
+  for bi in range(b):
+    for li in range(l):
+      keys = [si for si in range(s) if si <= q_pos[bi, li] and k_seg[bi, si] == q_seg[bi, li]]
+      keys = sorted(keys, key=lambda si: (-scores[bi, li, si], si))[:topk]
+      out[bi, li, :len(keys)] = keys
+  return out
+
+
+@pytest.mark.parametrize("impl", ["reference", "xla", "pallas"])
+@pytest.mark.parametrize("b,l,s,topk,doc_split,dtype", [
+    (2, 37, 37, 5, 17, jnp.float32),  # prefill, packed documents, k odd
+    (1, 3, 40, 7, None, jnp.bfloat16),  # decode: 3 queries at the end of 40 cached keys
+    (2, 1, 21, 30, None, jnp.float32),  # one query, k > S: clipped, trailing -1 slots
+])
+def test_indexer_topk_exact_with_ties(impl, b, l, s, topk, doc_split, dtype):
+  args = integer_indexer_inputs(b, l, s, doc_split=doc_split, dtype=dtype)
+  fn = pk.indexer_topk_reference if impl == "reference" else INDEXER_IMPLS[impl]
+  got, scores = jax.jit(functools.partial(fn, topk=topk, scale=0.5))(*args)
+  expected = brute_force_topk(*args, topk=topk, scale=0.5)
+  np.testing.assert_array_equal(got, expected, err_msg=f"{impl}: top-k differs from the brute "
+                                "force (descending score, ties to the earlier key)")
+  assert got.dtype == jnp.int32 and scores.dtype == jnp.float32
+  ref_idx, ref_scores = pk.indexer_topk_reference(*args, topk=topk, scale=0.5)
+  np.testing.assert_array_equal(scores, ref_scores)
+  assert np.all((np.asarray(got) < 0) == np.isneginf(np.asarray(scores)))
+
+
+def test_indexer_scores_pallas_random_fp32():
+  rng = np.random.default_rng(1)
+  b, l, s, n, i = 2, 19, 45, 4, 8
+  q, k = (jnp.asarray(rng.standard_normal(shape), jnp.float32) for shape in
+          ((b, l, n, i), (b, s, i)))
+  w = jnp.asarray(rng.standard_normal((b, l, n)), jnp.float32)
+  q_pos = jnp.asarray(rng.integers(-1, s, (b, l)), jnp.int32)  # arbitrary positions, padding
+  q_seg = jnp.asarray(rng.integers(0, 2, (b, l)), jnp.int32)
+  k_seg = jnp.asarray(rng.integers(0, 2, (b, s)), jnp.int32)
+  ref = pk.indexer_scores_reference(q, k, w, q_pos, q_seg, k_seg, scale=0.3)
+  got = pk.indexer_scores_pallas(q, k, w, q_pos, q_seg, k_seg, scale=0.3, block_q=8, block_s=16)
+  np.testing.assert_array_equal(np.isneginf(got), np.isneginf(ref))
+  finite = np.isfinite(np.asarray(ref))
+  np.testing.assert_allclose(np.asarray(got)[finite], np.asarray(ref)[finite], rtol=1e-5,
+                             atol=1e-5)
+
+
+def test_indexer_scores_at_values_and_gradients():
+  """Scores at the selection equal the dense scores gathered there, and their gradient equals
+  autodiff of (dense scores -> gather) in q, k and w."""
+  rng = np.random.default_rng(2)
+  b, l, s, n, i, t = 2, 9, 9, 3, 4, 5
+  q, k, w, q_pos, q_seg, k_seg = integer_indexer_inputs(b, l, s, n, i)
+  q, k = q + 0.1 * rng.standard_normal(q.shape), k + 0.1 * rng.standard_normal(k.shape)
+  topk, _ = pk.indexer_topk_reference(q, k, w, q_pos, q_seg, k_seg, topk=t, scale=0.5)
+  assert np.any(np.asarray(topk) < 0)
+  cotangent = jnp.asarray(rng.standard_normal((b, l, t)), jnp.float32)
+
+  def dense_then_gather(q, k, w):
+    dense = pk.indexer_scores_reference(q, k, w, q_pos, q_seg, k_seg, scale=0.5)
+    return jnp.take_along_axis(dense, jnp.maximum(topk, 0), axis=-1)
+
+  def loss(fn, q, k, w):
+    return jnp.sum(jnp.where(topk >= 0, fn(q, k, w), 0.0) * cotangent)
+
+  at = lambda q, k, w: pk.indexer_scores_at(q, k, w, topk, scale=0.5, query_block=4)
+  valid = np.asarray(topk) >= 0
+  values = np.asarray(jax.jit(at)(q, k, w))
+  np.testing.assert_allclose(values[valid], np.asarray(dense_then_gather(q, k, w))[valid],
+                             rtol=1e-5)
+  assert np.all(np.isneginf(values[~valid]))
+  grad = lambda fn: jax.jit(jax.grad(functools.partial(loss, fn), argnums=(0, 1, 2)))(q, k, w)
+  got, ref = grad(at), grad(dense_then_gather)
+  for name, g, r in zip("qkw", got, ref):
+    np.testing.assert_allclose(g, r, rtol=1e-5, atol=1e-5, err_msg=f"d{name}")
+
+
+# ---------------------------------------------------------------------------------------------
+# Sparse MLA
+# ---------------------------------------------------------------------------------------------
+
+
+def sparse_mla_inputs(b=2, l=11, s=29, h=3, c=16, r=4, t=13, dtype=jnp.float32, seed=0):
+  """Random q / kv and a selection of distinct rows per query with -1 slots scattered in it;
+  query (0, 0) selects nothing (zero output, lse -inf)."""
+  rng = np.random.default_rng(seed)
+  arrays = [jnp.asarray(rng.standard_normal(shape), dtype)
+            for shape in ((b, l, h, c), (b, l, h, r), (b, s, c), (b, s, r))]
+  topk = np.stack([rng.permutation(s)[:t] for _ in range(b * l)]).reshape(b, l, t)
+  topk = np.where(rng.random((b, l, t)) < 0.25, -1, topk)
+  topk[0, 0] = -1
+  return arrays + [jnp.asarray(topk, jnp.int32)]
+
+
+@pytest.mark.parametrize("impl", ["xla", "pallas"])
+@pytest.mark.parametrize("dtype,tol", [(jnp.float32, 1e-5), (jnp.bfloat16, 2e-2)])
+def test_sparse_mla_forward_matches_reference(impl, dtype, tol):
+  args = sparse_mla_inputs(dtype=dtype)
+  ref_out, ref_lse = pk.sparse_mla_reference(*args, scale=0.25)
+  out, lse = jax.jit(functools.partial(MLA_IMPLS[impl], scale=0.25))(*args)
+  assert out.dtype == dtype and lse.dtype == jnp.float32
+  np.testing.assert_allclose(np.asarray(out, np.float32), np.asarray(ref_out, np.float32),
+                             rtol=tol, atol=tol)
+  np.testing.assert_allclose(lse, ref_lse, rtol=tol, atol=tol)
+  assert np.isneginf(lse[0, 0]).all() and not np.asarray(out[0, 0], np.float32).any()
+
+
+def _loss_with_lse(fn, cot_out, cot_lse, topk, q, q_rope, kv, k_rope):
+  """A scalar that sends a cotangent into both outputs (lse -inf rows excluded)."""
+  out, lse = fn(q, q_rope, kv, k_rope, topk, scale=0.25)
+  return (jnp.sum(out.astype(jnp.float32) * cot_out)
+          + jnp.sum(jnp.where(jnp.isfinite(lse), lse, 0.0) * cot_lse))
+
+
+@pytest.mark.parametrize("impl", ["xla", "pallas"])
+@pytest.mark.parametrize("dtype,tol", [(jnp.float32, 1e-5), (jnp.bfloat16, 5e-2)])
+def test_sparse_mla_gradients_match_reference_autodiff(impl, dtype, tol):
+  *arrays, topk = sparse_mla_inputs(dtype=dtype, seed=3)
+  rng = np.random.default_rng(4)
+  cot_out = jnp.asarray(rng.standard_normal(arrays[0].shape), jnp.float32)
+  cot_lse = jnp.asarray(rng.standard_normal(arrays[0].shape[:3]), jnp.float32)
+  grad = lambda fn: jax.jit(jax.grad(functools.partial(_loss_with_lse, fn, cot_out, cot_lse, topk),
+                                     argnums=(0, 1, 2, 3)))(*arrays)
+  ref = grad(pk.sparse_mla_reference)
+  for name, g, r in zip(("q", "q_rope", "kv", "k_rope"), grad(MLA_IMPLS[impl]), ref):
+    assert g.dtype == r.dtype == dtype
+    g, r = np.asarray(g, np.float32), np.asarray(r, np.float32)
+    np.testing.assert_allclose(g, r, rtol=tol, atol=tol * np.abs(r).max(),
+                               err_msg=f"{impl} d{name}")
+
+
+@pytest.mark.parametrize("impl", ["xla", "pallas"])
+def test_sparse_mla_check_grads(impl):
+  """Finite differences on a small fp32 case (no empty rows: lse -inf is not differentiable)."""
+  *arrays, topk = sparse_mla_inputs(b=1, l=5, s=9, h=2, c=8, r=4, t=6, seed=5)
+  topk = topk.at[0, 0].set(jnp.arange(6, dtype=jnp.int32) - 1)  # one -1 slot, five rows
+  rng = np.random.default_rng(6)
+  cot_out = jnp.asarray(rng.standard_normal(arrays[0].shape), jnp.float32)
+  cot_lse = jnp.asarray(rng.standard_normal(arrays[0].shape[:3]), jnp.float32)
+  loss = jax.jit(functools.partial(_loss_with_lse, MLA_IMPLS[impl], cot_out, cot_lse, topk))
+  check_grads(loss, arrays, order=1, modes=("rev",), atol=1e-2, rtol=1e-2, eps=1e-2)
+
+
+def test_head_mean_probs_are_the_attention_at_the_selection():
+  *arrays, topk = sparse_mla_inputs(seed=7)
+  q, q_rope, kv, k_rope = arrays
+  _, lse = pk.sparse_mla_reference(*arrays, topk, scale=0.25)
+  probs = pk.sparse_mla_head_mean_probs(*arrays, topk, lse, scale=0.25, query_block=4)
+  rows = jnp.maximum(topk, 0)
+  gather = jax.vmap(lambda x, i: x[i])
+  logits = (jnp.einsum("blhc,bltc->blht", q, gather(kv, rows))
+            + jnp.einsum("blhr,bltr->blht", q_rope, gather(k_rope, rows))) * 0.25
+  expected = jnp.where(topk[:, :, None] >= 0, jax.nn.softmax(
+      jnp.where(topk[:, :, None] >= 0, logits, -jnp.inf), axis=-1), 0.0).mean(2)
+  expected = jnp.where(jnp.isnan(expected), 0.0, expected)  # the empty row
+  np.testing.assert_allclose(probs, expected, rtol=1e-5, atol=1e-6)
+  np.testing.assert_allclose(np.asarray(probs).sum(-1)[np.asarray(topk).max(-1) >= 0], 1.0,
+                             rtol=1e-5)
+
+
+@pytest.mark.parametrize("impl", ["xla", "pallas"])
+def test_decode_queries_equal_prefill_rows(impl):
+  """Indexer + sparse attention for the last 3 queries against all 24 keys (a decode step) give
+  exactly the last 3 rows of the full prefill."""
+  b, s, h, c, r, t = 1, 24, 2, 8, 4, 6
+  q_i, k_i, w, q_pos, q_seg, k_seg = integer_indexer_inputs(b, s, s, seed=8)
+  *arrays, _ = sparse_mla_inputs(b=b, l=s, s=s, h=h, c=c, r=r, t=t, seed=9)
+  indexer = jax.jit(functools.partial(INDEXER_IMPLS[impl], topk=t, scale=0.5))
+  attention = jax.jit(functools.partial(MLA_IMPLS[impl], scale=0.25))
+  topk_full, _ = indexer(q_i, k_i, w, q_pos, q_seg, k_seg)
+  out_full, lse_full = attention(*arrays, topk_full)
+  tail = lambda x: x[:, s - 3:]
+  topk_step, _ = indexer(tail(q_i), k_i, tail(w), tail(q_pos), tail(q_seg), k_seg)
+  np.testing.assert_array_equal(topk_step, tail(topk_full))
+  out_step, lse_step = attention(tail(arrays[0]), tail(arrays[1]), arrays[2], arrays[3],
+                                 topk_step)
+  np.testing.assert_allclose(out_step, tail(out_full), rtol=1e-6, atol=1e-6)
+  np.testing.assert_allclose(lse_step, tail(lse_full), rtol=1e-6, atol=1e-6)
+
+
+# ---------------------------------------------------------------------------------------------
+# TPU lowering (Mosaic) on CPU: catches lowering and block-shape errors without a TPU
+# ---------------------------------------------------------------------------------------------
+
+
+def _export_for_tpu(fn, *shapes):
+  exported = jax.export.export(jax.jit(fn), platforms=["tpu"])(*shapes)
+  text = exported.mlir_module()
+  assert "tpu_custom_call" in text, "no Mosaic kernel in the lowered module"
+  return text
+
+
+@pytest.mark.parametrize("l,s", [(256, 1024), (1, 1000)])  # prefill; decode, ragged key count
+def test_kernels_lower_for_tpu(l, s):
+  b, n, i, h, c, r, t = 1, 8, 128, 16, 512, 64, 640  # t: not a multiple of the 512-slot block
+  sds = jax.ShapeDtypeStruct
+  bf16, i32 = jnp.bfloat16, jnp.int32
+  _export_for_tpu(
+      functools.partial(pk.indexer_topk_pallas, topk=t, scale=i ** -0.5, interpret=False),
+      sds((b, l, n, i), bf16), sds((b, s, i), bf16), sds((b, l, n), jnp.float32),
+      sds((b, l), i32), sds((b, l), i32), sds((b, s), i32))
+
+  def forward_backward(q, q_rope, kv, k_rope, topk):
+    def loss(*arrays):
+      out, lse = pk.sparse_mla_pallas(*arrays, topk, scale=0.07, interpret=False)
+      return out.astype(jnp.float32).sum() + lse.sum()
+    return jax.grad(loss, argnums=(0, 1, 2, 3))(q, q_rope, kv, k_rope)
+
+  text = _export_for_tpu(forward_backward, sds((b, l, h, c), bf16), sds((b, l, h, r), bf16),
+                         sds((b, s, c), bf16), sds((b, s, r), bf16), sds((b, l, t), i32))
+  assert text.count("tpu_custom_call") >= 2, "forward and backward kernels expected"
+
+
+# ---------------------------------------------------------------------------------------------
+# The model: model.dsa_impl = dense_mask | xla | pallas
+# ---------------------------------------------------------------------------------------------
+
+
+def test_dsa_impl_validation():
+  for impl in ("dense_mask", "xla", "pallas"):
+    validate_model_config(model_config(dsa_impl=impl))
+  with pytest.raises(ConfigError, match=r"model\.dsa_impl.*dense_mask.*xla.*pallas.*'sparse'"):
+    validate_model_config(model_config(dsa_impl="sparse"))
+
+
+def _loss_and_grads(cfg, params, tokens, segments):
+  """LM loss + mean indexer KL of the sparse stage, and its gradient in every parameter."""
+  positions = jnp.where(segments == 2, jnp.arange(tokens.shape[1]) - 13, jnp.arange(
+      tokens.shape[1]))
+
+  def loss(params):
+    out = glm5_jax.forward(cfg, params, tokens, positions, segments, dsa_stage="sparse")
+    logp = jax.nn.log_softmax(out["logits"][:, :-1])
+    lm = -jnp.take_along_axis(logp, tokens[:, 1:, None], axis=-1).mean()
+    auxes = list(out["aux"]["layers"].values()) + list(out["aux"]["mtp"])
+    kl = jnp.mean(jnp.stack([a["indexer_kl"].mean() for a in auxes if "indexer_kl" in a]))
+    topk = [a["topk_indices"] for a in auxes if "topk_indices" in a]
+    return lm + kl, (out["logits"], kl, topk)
+
+  return jax.jit(jax.value_and_grad(loss, has_aux=True))(params)
+
+
+def test_dsa_impls_agree_on_tiny_model(helpers):
+  """Same logits, top-k, indexer KL and parameter gradients from all three paths on the tiny
+  model (one own-indexer layer, one shared-top-k layer, one MTP depth with its own indexer;
+  dense FFNs), packed rows."""
+  b, l = 2, 32
+  results = {}
+  for impl in ("dense_mask", "xla", "pallas"):
+    cfg = helpers.config(dsa_impl=impl, attention_pattern="DR", num_hidden_layers=2,
+                         mtp_depths=1, first_k_dense_replace=2)  # dense FFNs: faster compile
+    params = helpers.random_params(cfg)
+    tokens = jnp.asarray(np.random.default_rng(0).integers(1, cfg.vocab_size, (b, l)), jnp.int32)
+    segments = jnp.where(jnp.arange(l) >= 13, 2, 1).astype(jnp.int32)[None].repeat(b, 0)
+    results[impl] = _loss_and_grads(cfg, params, tokens, segments)
+  (ref_loss, (ref_logits, ref_kl, ref_topk)), ref_grads = results["dense_mask"]
+  assert float(ref_kl) > 0
+  for impl in ("xla", "pallas"):
+    (loss, (logits, kl, topk)), grads = results[impl]
+    for got, want in zip(topk, ref_topk):
+      np.testing.assert_array_equal(got, want, err_msg=f"{impl}: top-k differs")
+    np.testing.assert_allclose(logits, ref_logits, rtol=1e-5, atol=1e-5, err_msg=impl)
+    np.testing.assert_allclose(kl, ref_kl, rtol=1e-5, atol=1e-6, err_msg=impl)
+    np.testing.assert_allclose(loss, ref_loss, rtol=1e-5, err_msg=impl)
+    flat_ref = jax.tree_util.tree_leaves_with_path(ref_grads)
+    for (path, want), got in zip(flat_ref, jax.tree_util.tree_leaves(grads)):
+      scale = max(float(np.abs(want).max()), 1e-6)
+      np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-5 * scale,
+                                 err_msg=f"{impl}: gradient of {jax.tree_util.keystr(path)}")
+
+
+@pytest.mark.parametrize("impl", ["xla", "pallas"])
+def test_given_selection_is_restricted_to_visible_keys(helpers, impl):
+  """A shared-top-k layer handed a selection that reaches across documents and into the future
+  (as a sliding window over packed rows would) attends exactly as the dense mask path does."""
+  b, l = 2, 16
+  x = jnp.asarray(np.random.default_rng(0).standard_normal((b, l, 64)), jnp.float32)
+  positions = jnp.broadcast_to(jnp.arange(l), (b, l))
+  segments = jnp.where(jnp.arange(l) >= 6, 2, 1).astype(jnp.int32)[None].repeat(b, 0)
+  window = jnp.arange(l)[:, None] - jnp.arange(-1, 4)[None, :]  # includes the next key
+  selection = jnp.broadcast_to(jnp.where(window >= 0, window, -1), (b, l, 5)).astype(jnp.int32)
+  restricted = np.asarray(restrict_topk_to_visible(selection, segments))
+  assert np.all(restricted[:, 6:] != 5) and np.all(restricted <= np.arange(l)[None, :, None])
+  ys = {}
+  for name in ("dense_mask", impl):
+    module = MLA(helpers.config(dsa_impl=name), kind="dsa_shared_topk")
+    params = helpers.random_tree(jax.eval_shape(
+        lambda: module.init(jax.random.key(0), x, positions, segments, selection)))
+    ys[name], _ = jax.jit(module.apply)(params, x, positions, segments, selection)
+  np.testing.assert_allclose(ys[impl], ys["dense_mask"], rtol=1e-5, atol=1e-6)
