@@ -11,6 +11,18 @@ Per-layer attention pattern, one letter per layer (or one letter for every layer
   R  DSA that reuses the previous layer's top-k selection and has no indexer of its own
      (HF `indexer_types = "shared"`)
   G  grouped-query attention with `num_key_value_heads` KV heads (the GQA-8 baseline)
+  S  sliding-window MLA: the M layer's params and math, each query sees its `sliding_window`
+     latest keys (itself included)
+  N  Gated DeltaNet (Yang et al. 2024, arXiv 2412.06464): gated-delta-rule linear attention
+     with short causal convs (`gdn_conv_size`) on q/k/v, data-dependent decay and update gates
+     and a gated output norm; q/k/v/o come from MLA-shaped projections (the M layer's names
+     and sizes: H = num_attention_heads, K = qk_nope_head_dim + qk_rope_head_dim,
+     V = v_head_dim), so a trained M layer converts to N by adding only the new parts
+  L  SimpleGDN: the gated delta rule directly on the M layer's own q/k/v/o projections, no
+     conv, no gate modules; per-head decay and update gates fixed (RetNet-style decays,
+     `simple_gdn_beta`) or two learned scalars per head (`simple_gdn_gates`)
+The long-context ablation (GLM5_REFERENCE.md section 3) converts half the layers of a
+full-attention model to S / N / L; `interleave_pattern` writes such patterns.
 """
 
 import dataclasses
@@ -23,9 +35,13 @@ ATTENTION_LETTERS = {
     "D": "dsa",
     "R": "dsa_shared_topk",
     "G": "gqa",
+    "S": "swa",
+    "N": "gdn",
+    "L": "simple_gdn",
 }
+SIMPLE_GDN_GATES = ("fixed", "learned")
 MLP_LETTERS = {"F": "dense", "E": "moe"}
-DSA_IMPLS = ("dense_mask",)
+DSA_IMPLS = ("dense_mask", "xla", "pallas")
 DTYPES = ("float32", "bfloat16", "float16")
 MESH_AXES = ("data", "fsdp", "expert", "tensor")
 
@@ -68,7 +84,14 @@ def model_config(**overrides) -> ml_collections.ConfigDict:
   c.indexer_norm_eps = 1e-6  # indexer k_norm (LayerNorm)
   c.initializer_range = 0.02
   c.attention_pattern = "D"
+  # DSA sparse stage: "dense_mask" (reference, [L, S] mask), "xla" (O(L x T) gather path)
+  # or "pallas" (TPU kernels, interpret mode elsewhere); see pallas_kernels/__init__.py
   c.dsa_impl = "dense_mask"
+  c.sliding_window = 4096  # S layers: keys each query sees, itself included
+  c.gdn_conv_size = 4  # N layers: taps of the causal depthwise conv on q, k and v
+  c.gdn_chunk_size = 64  # N and L layers: chunk length of the parallel (WY) training form
+  c.simple_gdn_gates = "fixed"  # L layers: "fixed" (no params) or "learned" (2 scalars / head)
+  c.simple_gdn_beta = 0.5  # L layers: the fixed update gate, and the learned one's init
   c.dtype = "bfloat16"  # activations / matmuls
   c.param_dtype = "float32"
   c.update(overrides)
@@ -141,6 +164,11 @@ class ModelConfig:
   dsa_impl: str
   dtype: str
   param_dtype: str
+  sliding_window: int
+  gdn_conv_size: int
+  gdn_chunk_size: int
+  simple_gdn_gates: str
+  simple_gdn_beta: float
 
   @classmethod
   def from_config(cls, config: Any) -> "ModelConfig":
@@ -148,6 +176,7 @@ class ModelConfig:
     if isinstance(config, ModelConfig):
       return config
     validate_model_config(config)
+    config = with_later_field_defaults(config)
     names = [f.name for f in dataclasses.fields(cls)]
     values = {n: config[n] for n in names}
     values["attention_pattern"] = expand_pattern(config.attention_pattern, config.num_hidden_layers)
@@ -172,6 +201,44 @@ def expand_pattern(pattern: str, num_layers: int) -> str:
   return pattern * num_layers if len(pattern) == 1 else pattern
 
 
+def interleave_pattern(num_layers: int, every: int, letter: str, base: str,
+                       offset: int = 0) -> str:
+  """A per-layer pattern: layer i is `letter` when `i % every == offset`, else `base`.
+
+  `interleave_pattern(4, 2, "S", "M") == "SMSM"` (half the layers SWA, as in the report's
+  interleaved long-context ablation); `interleave_pattern(8, 4, "M", "N", offset=3)` keeps
+  every fourth layer full attention in a GDN model.
+  """
+  if every < 1 or not 0 <= offset < every:
+    raise ValueError(f"interleave_pattern: need every >= 1 and 0 <= offset < every, got "
+                     f"every={every}, offset={offset}")
+  for name, value in (("letter", letter), ("base", base)):
+    if value not in ATTENTION_LETTERS:
+      raise ValueError(f"interleave_pattern: {name} {value!r} is not one of "
+                       f"{sorted(ATTENTION_LETTERS)}")
+  return "".join(letter if i % every == offset else base for i in range(num_layers))
+
+
+# Fields added after checkpoints and converted configs were first written: a `model` section
+# without them (read back from an older checkpoint's meta or config.json) means the defaults of
+# `model_config()`, which cannot change what an older model computes (they only configure the
+# S / N / L layers, which such a model has none of).
+LATER_FIELDS = ("sliding_window", "gdn_conv_size", "gdn_chunk_size", "simple_gdn_gates",
+                "simple_gdn_beta")
+
+
+def with_later_field_defaults(m) -> ml_collections.ConfigDict:
+  """`m` itself when it has every `LATER_FIELDS` entry, else a copy with the defaults filled."""
+  absent = [name for name in LATER_FIELDS if name not in m]
+  if not absent:
+    return m
+  filled = ml_collections.ConfigDict(m.to_dict())
+  defaults = model_config()
+  for name in absent:
+    filled[name] = defaults[name]
+  return filled
+
+
 def mlp_layer_pattern(config) -> str:
   if config.mlp_pattern:
     return config.mlp_pattern
@@ -194,14 +261,16 @@ def validate_model_config(m) -> None:
   Args:
     m: the `model` ConfigDict (as from `model_config()` or `glm5_jax.load_hf`).
   """
-  missing = [f.name for f in dataclasses.fields(ModelConfig) if f.name not in m]
+  missing = [f.name for f in dataclasses.fields(ModelConfig)
+             if f.name not in m and f.name not in LATER_FIELDS]
   _require(not missing, "model", f"missing fields {missing}")
+  m = with_later_field_defaults(m)
   positive = [
       "vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
       "num_attention_heads", "num_key_value_heads", "gqa_head_dim", "q_lora_rank",
       "kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim", "index_n_heads",
       "index_head_dim", "n_routed_experts", "moe_intermediate_size", "n_group", "topk_group",
-      "max_position_embeddings",
+      "max_position_embeddings", "sliding_window", "gdn_conv_size", "gdn_chunk_size",
   ]
   for name in positive:
     _require(isinstance(m[name], int) and m[name] >= 1, f"model.{name}",
@@ -246,6 +315,12 @@ def validate_model_config(m) -> None:
            f"{m.dsa_impl!r}")
   for name in ("dtype", "param_dtype"):
     _require(m[name] in DTYPES, f"model.{name}", f"must be one of {DTYPES}, got {m[name]!r}")
+  _require(m.simple_gdn_gates in SIMPLE_GDN_GATES, "model.simple_gdn_gates",
+           f"must be one of {SIMPLE_GDN_GATES}, got {m.simple_gdn_gates!r}")
+  # Strictly inside (0, 1): the learned gate starts at sigmoid^-1(simple_gdn_beta).
+  _require(isinstance(m.simple_gdn_beta, (int, float)) and 0 < m.simple_gdn_beta < 1,
+           "model.simple_gdn_beta", f"the update gate must lie in (0, 1), got "
+           f"{m.simple_gdn_beta!r}")
 
   pattern = m.attention_pattern
   _require(isinstance(pattern, str) and len(pattern) in (1, m.num_hidden_layers),

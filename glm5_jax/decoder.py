@@ -2,20 +2,28 @@
 
 from flax import linen as nn
 
+from glm5_jax.attention.gdn import GatedDeltaNet
 from glm5_jax.attention.gqa import GQA
 from glm5_jax.attention.mla import MLA
+from glm5_jax.attention.simple_gdn import SimpleGatedDeltaNet
+from glm5_jax.attention.swa import SlidingWindowMLA
 from glm5_jax.config import ModelConfig
 from glm5_jax.layers.ffn import SwiGLU
 from glm5_jax.layers.norms import RMSNorm
 from glm5_jax.layers.params import DTYPES
 from glm5_jax.moe import MoE
 
-# attention kind (see glm5_jax.config.ATTENTION_LETTERS) -> module factory
+# attention kind (see glm5_jax.config.ATTENTION_LETTERS) -> module factory. Every module takes
+# `(x_BLD, positions_BL, segment_ids_BL, prev_topk_BLT, absorbed, dsa_stage)` and returns
+# `(y_BLD, aux)`; only DSA kinds put anything in aux.
 ATTENTION_MODULES = {
     "mla": lambda cfg, name: MLA(cfg, kind="mla", name=name),
     "dsa": lambda cfg, name: MLA(cfg, kind="dsa", name=name),
     "dsa_shared_topk": lambda cfg, name: MLA(cfg, kind="dsa_shared_topk", name=name),
     "gqa": lambda cfg, name: GQA(cfg, name=name),
+    "swa": lambda cfg, name: SlidingWindowMLA(cfg, name=name),
+    "gdn": lambda cfg, name: GatedDeltaNet(cfg, name=name),
+    "simple_gdn": lambda cfg, name: SimpleGatedDeltaNet(cfg, name=name),
 }
 
 

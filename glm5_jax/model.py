@@ -28,7 +28,8 @@ class GLM5(nn.Module):
       tokens_BL: int token ids.
       positions_BL: int positions; default `0..L-1` per row.
       segment_ids_BL: document ids of packed rows; default one document per row.
-      absorbed: MLA layers use the absorbed (latent) form instead of the expanded one.
+      absorbed: the decode form: MLA-family layers attend over the latent (absorbed) instead
+        of expanded keys; GDN / SimpleGDN layers run the delta rule step by step.
       mtp: also run the MTP depths (when the model has an MTP layer).
       dsa_stage: "dense" | "warmup" | "sparse" (default, inference): how DSA layers attend
         and whether their indexers run; see `glm5_jax.attention.mla.MLA`.

@@ -20,8 +20,12 @@ in the params tree (never trained by gradients) and counts with the router.
 KV cache per token (bf16, summed over the main layers; the MTP layer's cache is left out):
 MLA layers (M/D/R) store the latent `kv_lora_rank + qk_rope_head_dim`, G layers
 `2 * num_key_value_heads * gqa_head_dim`, and each D layer (own lightning indexer) adds its
-indexer key `index_head_dim`. For comparison, a GQA-8 model with head dim 128 stores
-`2 * 8 * 128` per layer.
+indexer key `index_head_dim`. S layers store the same latent but only for their last
+`sliding_window` tokens (`swa_latent`: bytes per token while the context fits the window, a
+constant `sliding_window` times that beyond). N and L layers keep no per-token cache: their
+fixed-size state (`recurrent_state_bytes`, per sequence: fp32 `[H, K, V]` per layer plus, for N,
+the last `gdn_conv_size - 1` bf16 q/k/v inputs of the convolutions) is reported apart. For
+comparison, a GQA-8 model with head dim 128 stores `2 * 8 * 128` per layer.
 """
 
 import collections
@@ -118,18 +122,35 @@ def kv_cache_bytes_per_token(cfg: ModelConfig) -> dict[str, int | float]:
   for letter in cfg.attention_pattern:
     if letter == "G":
       numbers["gqa_kv"] += 2 * cfg.num_key_value_heads * cfg.gqa_head_dim
-    else:
+    elif letter == "S":
+      numbers["swa_latent"] += cfg.kv_lora_rank + cfg.qk_rope_head_dim
+    elif letter in "MDR":
       numbers["mla_latent"] += cfg.kv_lora_rank + cfg.qk_rope_head_dim
     if letter == "D":
       numbers["dsa_indexer_keys"] += cfg.index_head_dim
   out = {name: numbers[name] * BYTES_PER_NUMBER
-         for name in ("mla_latent", "dsa_indexer_keys", "gqa_kv")}
+         for name in ("mla_latent", "swa_latent", "dsa_indexer_keys", "gqa_kv")}
   out["total"] = sum(out.values())
   out["gqa8_equivalent"] = cfg.num_hidden_layers * GQA8_NUMBERS_PER_LAYER * BYTES_PER_NUMBER
-  out["gqa8_ratio"] = out["gqa8_equivalent"] / out["total"]
-  out["gqa8_ratio_without_indexer"] = out["gqa8_equivalent"] / (
-      out["total"] - out["dsa_indexer_keys"])
+  ratio = lambda denominator: (out["gqa8_equivalent"] / denominator if denominator
+                               else float("inf"))  # every layer linear: no per-token cache
+  out["gqa8_ratio"] = ratio(out["total"])
+  out["gqa8_ratio_without_indexer"] = ratio(out["total"] - out["dsa_indexer_keys"])
   return out
+
+
+def recurrent_state_bytes(cfg: ModelConfig) -> int:
+  """Per-sequence bytes of the N / L layers' constant-size decoding state (main layers): the
+  fp32 delta-rule state `[H, K, V]`, and for N the bf16 conv inputs of the last
+  `gdn_conv_size - 1` positions (q and k: H * K each, v: H * V)."""
+  h, k, v = cfg.num_attention_heads, cfg.qk_head_dim, cfg.v_head_dim
+  total = 0
+  for letter in cfg.attention_pattern:
+    if letter in "NL":
+      total += 4 * h * k * v
+    if letter == "N":
+      total += BYTES_PER_NUMBER * (cfg.gdn_conv_size - 1) * h * (2 * k + v)
+  return total
 
 
 def summarize(model_config) -> dict:
@@ -146,5 +167,6 @@ def summarize(model_config) -> dict:
       "breakdown": {**main, "mtp": sum(mtp.values())},
       "mtp_breakdown": mtp,
       "kv_cache_bytes_per_token": kv_cache_bytes_per_token(cfg),
+      "recurrent_state_bytes": recurrent_state_bytes(cfg),
       "num_hidden_layers": cfg.num_hidden_layers,
   }

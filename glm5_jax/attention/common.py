@@ -12,19 +12,27 @@ import jax.numpy as jnp
 MASKED_LOGIT = -1e30
 
 
-def causal_segment_mask(segment_ids_BL, num_keys=None):
-  """Boolean `[B, L, S]`: key s is visible to query l iff s <= l and both share a segment.
+def causal_segment_mask(segment_ids_BL, num_keys=None, window=None):
+  """Boolean `[B, L, S]`: key s is visible to query l iff s <= l, both share a segment, and
+  (with a `window`) l - window < s, i.e. the query sees at most its `window` latest keys, itself
+  included (sliding-window attention, letter S).
 
   Packed rows (several documents in one row) carry distinct segment ids, so no query attends
-  across a document boundary. `segment_ids_BL` None means one document per row.
+  across a document boundary. `segment_ids_BL` None means one document per row. `window` None
+  (or >= L) is plain causal attention.
   """
   if segment_ids_BL is None:
     raise ValueError("segment_ids_BL must be given (use ones for unpacked rows)")
+  if window is not None and window < 1:
+    raise ValueError(f"window must be >= 1 (model.sliding_window), got {window}")
   length = segment_ids_BL.shape[1]
   num_keys = length if num_keys is None else num_keys
-  causal_LS = jnp.arange(length)[:, None] >= jnp.arange(num_keys)[None, :]
+  offset_LS = jnp.arange(length)[:, None] - jnp.arange(num_keys)[None, :]  # l - s
+  visible_LS = offset_LS >= 0
+  if window is not None:
+    visible_LS &= offset_LS < window
   same_segment_BLS = segment_ids_BL[:, :, None] == segment_ids_BL[:, None, :num_keys]
-  return causal_LS[None] & same_segment_BLS
+  return visible_LS[None] & same_segment_BLS
 
 
 def attend(q_BLHK, k_BSGK, v_BSGV, mask_BLS, scale: float):

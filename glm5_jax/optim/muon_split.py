@@ -19,6 +19,9 @@ ambiguous; the rank is checked too, so a layout change cannot silently change th
   self_attn/{q_a_proj, kv_a_proj_with_mqa}        [D, out]      0 / 1
   self_attn/o_proj              (MLA and GQA)     [H, V, D]     (0, 1) / 2
   self_attn/{q,k,v}_proj        (GQA)             [D, H, K]     0 / (1, 2)
+  self_attn/g_proj              (GDN output gate) [D, H, V]     0 / (1, 2)
+  self_attn/{a,b}_proj          (GDN gate logits) [D, H]        AdamW (one scalar gate per head)
+  self_attn/{q,k,v}_conv1d      (GDN short convs) [W, H, K]     AdamW, no weight decay
   indexer/wq_b                                    [Q, N, I]     0 / (1, 2)
   indexer/{wk, weights_proj}                      [D, out]      0 / 1
   experts/{gate,up,down}_proj   (routed experts)  [E, in, out]  1 / 2 per expert
@@ -26,15 +29,18 @@ ambiguous; the rank is checked too, so a layout change cannot silently change th
   mlp/gate                      (router)          [D, E]        0 / 1
   eh_proj                       (MTP)             [2D, D]       0 / 1
   embed_tokens, lm_head                           [V, D], [D, V]  AdamW
-  any leaf of rank <= 1 (norm scale/bias, *_bias)                 AdamW
+  any leaf of rank <= 1 (norm scale/bias, *_bias, the GDN / SimpleGDN per-head A_log,
+    dt_bias, decay_rate_log, beta_logit)                          AdamW, no weight decay
   anything else                                                   UnknownParamError
 
 `e_score_correction_bias` (the MoE loss-free-balancing bias) is always frozen: the balancing rule
 moves it outside the optimizer, never gradients (`FROZEN_LEAF_NAMES`).
 
 Decoupled weight decay (`weight_decay_mask`) applies to every matrix that a matmul multiplies by,
-i.e. all Muon kernels and `lm_head`; not to norms, biases, or the `embed_tokens` lookup table
-(decay would shrink the rows of rare tokens, which get few gradient updates to push back).
+i.e. all Muon kernels, `lm_head` and the GDN gate projections; not to norms, biases, per-head
+gate scalars, the GDN convolutions (initialized to the identity, which decay would erode like a
+norm scale), or the `embed_tokens` lookup table (decay would shrink the rows of rare tokens,
+which get few gradient updates to push back).
 """
 
 import dataclasses
@@ -96,6 +102,13 @@ RULES = {
     ("q_proj",): Rule(3, HEADS_OUT),
     ("k_proj",): Rule(3, HEADS_OUT),
     ("v_proj",): Rule(3, HEADS_OUT),
+    # Gated DeltaNet (N): output gate, gate logits, short convolutions
+    ("g_proj",): Rule(3, HEADS_OUT),
+    ("a_proj",): Rule(2, None),
+    ("b_proj",): Rule(2, None),
+    ("q_conv1d",): Rule(3, None, decay=False),
+    ("k_conv1d",): Rule(3, None, decay=False),
+    ("v_conv1d",): Rule(3, None, decay=False),
     # DSA lightning indexer
     ("indexer", "wq_b"): Rule(3, HEADS_OUT),
     ("indexer", "wk"): _MATRIX,

@@ -12,7 +12,8 @@ from typing import Any
 
 import flax
 import jax
-import jax.numpy as jnp
+
+from glm5_jax.convert.attention_pattern import merge_pattern_params
 
 DSA_STAGES = ("dense", "warmup", "sparse")
 
@@ -40,43 +41,20 @@ def trainable_mask(params, dsa_stage: str):
 
 
 def merge_stage_params(fresh, loaded, source: str):
-  """Params for this run from another stage's params `loaded` (e.g. an MLA checkpoint into a
-  DSA model): every parameter comes from `loaded`, except indexers the source lacks, which keep
-  their fresh initialization; indexers the source has but this model lacks are dropped.
+  """Params for this run from another run's params `loaded`, whose attention pattern may differ
+  (an MLA checkpoint into a DSA model, a full-attention one into S / N / L layers, ...).
 
+  Every parameter comes from `loaded`, except the extras of attention kinds a layer converts
+  to (a DSA indexer, GDN's convs/gates/norm, SimpleGDN's learned scalars), which keep their
+  fresh initialization; extras of kinds a layer converts away from are dropped. The per-kind
+  rules live in `glm5_jax.convert.attention_pattern`.
+
+  Args:
+    fresh: this model's freshly initialized params.
+    loaded: the other run's params.
+    source: names `loaded` in error messages (e.g. the checkpoint and its pattern).
   Raises:
-    ValueError: any other parameter missing on either side, or a shape mismatch.
+    ValueError: any other parameter missing on either side, or a shape mismatch (the message
+      starts with `config.train.init_from` and lists the parameters).
   """
-  flat_fresh = {tuple(getattr(k, "key", k) for k in p): v
-                for p, v in jax.tree_util.tree_flatten_with_path(fresh)[0]}
-  flat_loaded = {tuple(getattr(k, "key", k) for k in p): v
-                 for p, v in jax.tree_util.tree_flatten_with_path(loaded)[0]}
-  problems = []
-  for path in sorted(set(flat_loaded) - set(flat_fresh)):
-    if "indexer" not in path:
-      problems.append(f"{'/'.join(path)} is in {source} but not in this model")
-  merged = {}
-  for path, value in flat_fresh.items():
-    if path not in flat_loaded:
-      if "indexer" not in path:
-        problems.append(f"{'/'.join(path)} is missing from {source}")
-      merged[path] = value
-    elif flat_loaded[path].shape != value.shape:
-      problems.append(f"{'/'.join(path)} has shape {flat_loaded[path].shape} in {source}, "
-                      f"{value.shape} here")
-    else:
-      merged[path] = jnp.asarray(flat_loaded[path], value.dtype)
-  if problems:
-    raise ValueError("config.train.init_from: incompatible params:\n  " + "\n  ".join(
-        problems[:30]))
-  return _unflatten(merged)
-
-
-def _unflatten(flat: dict) -> dict:
-  tree = {}
-  for path, value in flat.items():
-    node = tree
-    for key in path[:-1]:
-      node = node.setdefault(key, {})
-    node[path[-1]] = value
-  return tree
+  return merge_pattern_params(fresh, loaded, source, context="config.train.init_from")

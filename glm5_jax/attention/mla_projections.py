@@ -1,0 +1,102 @@
+"""MLA's query/key/value and output projections, for layers that reuse an MLA layer's weights.
+
+The linear-attention layers (N: `gdn.GatedDeltaNet`, L: `simple_gdn.SimpleGatedDeltaNet`) read
+their q, k, v and output projection from exactly the parameters an M layer stores, under the
+same names, shapes, logical axes and initialization, so a trained M layer converts to them with
+every one of these weights reused as is (`glm5_jax.convert.attention_pattern`):
+
+  cq      = RMSNorm(x q_a_proj) [+ q_a_proj_bias]                       q_a_layernorm   [Q]
+  q       = cq q_b_proj                                                [H, N + R]
+  c, kr   = split(x kv_a_proj_with_mqa, [C, R]);  c = RMSNorm(c)        kv_a_layernorm  [C], [R]
+  k       = [c k_b_proj | kr broadcast to every head]                  [H, N + R]
+  v       = c v_b_proj                                                 [H, V]
+  y       = o o_proj, summed over [H, V] [+ o_proj_bias]                [D]
+
+(GLM5_REFERENCE.md section 2, "MLA"; `glm5_jax.attention.mla` is the softmax layer on the same
+weights.) With `positions_BL`, q's rope part and kr get the same interleaved RoPE as in MLA, so
+q . k equals the MLA logit times (N + R)^0.5; without, they are left unrotated.
+
+Notation: B batch, L length, D hidden, H heads, Q q latent, C kv latent, N nope head dim,
+R rope dim, K = N + R, V value head dim.
+"""
+
+import jax.numpy as jnp
+from flax import linen as nn
+
+from glm5_jax.config import ModelConfig
+from glm5_jax.layers.norms import RMSNorm
+from glm5_jax.layers.params import DTYPES, normal_kernel, param
+from glm5_jax.layers.rope import apply_interleaved_rope, rope_angles
+
+# The parameters (children of `self_attn`) an M layer stores; `attention_bias` adds the `_bias`
+# entries. A layer built on `mla_qkv` + `mla_output` has exactly these plus its own extras.
+MLA_PARAMS = ("q_a_proj", "q_a_layernorm", "q_b_proj", "kv_a_proj_with_mqa", "kv_a_layernorm",
+              "k_b_proj", "v_b_proj", "o_proj")
+MLA_BIAS_PARAMS = ("q_a_proj_bias", "kv_a_proj_with_mqa_bias", "o_proj_bias")
+
+
+def _kernel(module: nn.Module, cfg: ModelConfig, name, shape, axes):
+  return normal_kernel(module, name, shape, axes, cfg.initializer_range,
+                       DTYPES[cfg.param_dtype]).astype(DTYPES[cfg.dtype])
+
+
+def _bias(module: nn.Module, cfg: ModelConfig, name, size, axis):
+  if not cfg.attention_bias:
+    return 0.0
+  return param(module, name, (size,), (axis,), DTYPES[cfg.param_dtype],
+               nn.initializers.zeros).astype(DTYPES[cfg.dtype])
+
+
+def mla_qkv(module: nn.Module, cfg: ModelConfig, x_BLD, positions_BL=None):
+  """Per-head q, k, v from MLA's projections, declared on `module` (call from its compact method).
+
+  Args:
+    x_BLD: the normalized layer input.
+    positions_BL: int positions for RoPE on the rope dims, or None for no RoPE.
+  Returns:
+    `(q_BLHK, k_BLHK, v_BLHV)` in `cfg.dtype`.
+  """
+  c = cfg
+  dtype, pdtype = DTYPES[c.dtype], DTYPES[c.param_dtype]
+  d, h = x_BLD.shape[-1], c.num_attention_heads
+  n, r, v, k = c.qk_nope_head_dim, c.qk_rope_head_dim, c.v_head_dim, c.qk_head_dim
+  x_BLD = x_BLD.astype(dtype)
+
+  w_qa_DQ = _kernel(module, c, "q_a_proj", (d, c.q_lora_rank), ("embed", "q_lora"))
+  cq_BLQ = x_BLD @ w_qa_DQ + _bias(module, c, "q_a_proj_bias", c.q_lora_rank, "q_lora")
+  cq_BLQ = RMSNorm(c.latent_norm_eps, dtype, pdtype, name="q_a_layernorm")(cq_BLQ)
+  w_qb_QHK = _kernel(module, c, "q_b_proj", (c.q_lora_rank, h, k), ("q_lora", "heads", "head_dim"))
+  q_BLHK = jnp.einsum("blq,qhk->blhk", cq_BLQ, w_qb_QHK)
+
+  w_kva_DC = _kernel(module, c, "kv_a_proj_with_mqa", (d, c.kv_lora_rank + r),
+                     ("embed", "kv_lora"))
+  ckv_BLC = x_BLD @ w_kva_DC + _bias(module, c, "kv_a_proj_with_mqa_bias", c.kv_lora_rank + r,
+                                     "kv_lora")
+  ckv_BLC, k_rope_BLR = ckv_BLC[..., :c.kv_lora_rank], ckv_BLC[..., c.kv_lora_rank:]
+  ckv_BLC = RMSNorm(c.latent_norm_eps, dtype, pdtype, name="kv_a_layernorm")(ckv_BLC)
+  w_kb_CHN = _kernel(module, c, "k_b_proj", (c.kv_lora_rank, h, n),
+                     ("kv_lora", "heads", "head_dim"))
+  w_vb_CHV = _kernel(module, c, "v_b_proj", (c.kv_lora_rank, h, v),
+                     ("kv_lora", "heads", "head_dim"))
+  k_nope_BLHN = jnp.einsum("blc,chn->blhn", ckv_BLC, w_kb_CHN)
+  v_BLHV = jnp.einsum("blc,chv->blhv", ckv_BLC, w_vb_CHV)
+
+  if positions_BL is not None:
+    cos, sin = rope_angles(positions_BL, r, c.rope_theta)
+    q_BLHK = jnp.concatenate(
+        [q_BLHK[..., :n], apply_interleaved_rope(q_BLHK[..., n:], cos, sin)], axis=-1)
+    k_rope_BLR = apply_interleaved_rope(k_rope_BLR, cos, sin)
+  k_rope_BLHR = jnp.broadcast_to(k_rope_BLR[:, :, None, :], k_nope_BLHN.shape[:3] + (r,))
+  k_BLHK = jnp.concatenate([k_nope_BLHN, k_rope_BLHR.astype(k_nope_BLHN.dtype)], axis=-1)
+  return q_BLHK, k_BLHK, v_BLHV
+
+
+def mla_output(module: nn.Module, cfg: ModelConfig, out_BLHV):
+  """MLA's output projection `o_proj [H, V, D]` (+ `o_proj_bias`), declared on `module`."""
+  c = cfg
+  h, v = out_BLHV.shape[-2:]
+  d = c.hidden_size
+  w_o_HVD = _kernel(module, c, "o_proj", (h, v, d), ("heads", "head_dim", "embed"))
+  out_BLHV = out_BLHV.astype(DTYPES[c.dtype])
+  return jnp.einsum("blhv,hvd->bld", out_BLHV, w_o_HVD) + _bias(module, c, "o_proj_bias", d,
+                                                                 "embed")

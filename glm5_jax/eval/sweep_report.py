@@ -1,0 +1,222 @@
+"""A sweep's report: results.json, results.md (tables and checks) and matplotlib plots.
+
+Plots need matplotlib, imported only here and only when plotting (Agg backend, no display);
+without it the report says so and writes everything else.
+"""
+
+import math
+import os
+
+from absl import logging
+import numpy as np
+
+from glm5_jax.eval.report import markdown_table, percent, write_json
+
+
+def _suite_runs(runs: dict) -> list[tuple[str, dict]]:
+  return [(name, r) for name, r in runs.items() if r.get("suite")]
+
+
+LOSS_METRICS = ("text_loss", "heldout_lm_loss")
+LOSS_TOLERANCE = 0.02  # nats: "~" on a loss metric without an explicit tolerance
+
+
+def metric_value(result: dict, metric: str) -> tuple[float | None, int | None]:
+  """(value, examples behind it or None) of one run's `metric`: "score" (suite mean),
+  "longest" (suite, longest length), "text_loss" or "heldout_lm_loss" (train runs)."""
+  if metric in LOSS_METRICS:
+    return result.get(metric), None
+  suite = result.get("suite")
+  if not suite:
+    return None, None
+  lengths = suite["meta"]["lengths"]
+  if metric == "score":
+    return suite["score"], suite["meta"]["examples"]
+  if metric == "longest":
+    return suite["by_length"][str(max(lengths))], suite["meta"]["examples"] // len(lengths)
+  raise ValueError(f"check metric {metric!r}: expected 'score', 'longest' or one of "
+                   f"{LOSS_METRICS}")
+
+
+def evaluate_checks(checks, runs: dict) -> list[dict]:
+  """Each check with its measured values and whether it holds (None: a value is missing)."""
+  out = []
+  for c in checks:
+    row = dict(c)
+    (a, na), (b, nb) = (metric_value(runs.get(c["left"], {}), c["metric"]),
+                        metric_value(runs.get(c["right"], {}), c["metric"]))
+    if a is None or b is None:
+      out.append(dict(row, holds=None, detail="not measured"))
+      continue
+    show = percent if c["metric"] not in LOSS_METRICS else (lambda v: f"{v:.3f}")
+    if c["op"] == "~":
+      tolerance = c["tolerance"]
+      if tolerance < 0 and na is None:
+        tolerance = LOSS_TOLERANCE
+      elif tolerance < 0:  # two standard errors of the difference of two binomial means
+        tolerance = 2 * math.sqrt(a * (1 - a) / max(na, 1) + b * (1 - b) / max(nb, 1))
+        tolerance = max(tolerance, 1.0 / max(min(na, nb), 1))  # never below one example
+      holds = abs(a - b) <= tolerance
+      detail = f"|{show(a)} - {show(b)}| <= {show(tolerance)}"
+    else:
+      holds = a > b if c["op"] == ">" else a < b
+      detail = f"{show(a)} {c['op']} {show(b)}"
+    out.append(dict(row, left_value=a, right_value=b, holds=bool(holds), detail=detail))
+  return out
+
+
+def sweep_markdown(name: str, runs: dict, checks: list[dict], status: dict,
+                   plots: list[str], note: str = "") -> str:
+  parts = [f"# Sweep `{name}`", ""]
+  if note:
+    parts += [note, ""]
+  suite_runs = _suite_runs(runs)
+  if suite_runs:
+    lengths = sorted({n for _, r in suite_runs for n in r["suite"]["meta"]["lengths"]})
+    train_length = next((r["suite"]["meta"].get("train_length") for _, r in suite_runs), None)
+    label = lambda n: f"{n} ({n / train_length:g}x)" if train_length else str(n)
+    rows = []
+    for run_name, r in suite_runs:
+      by_length = r["suite"]["by_length"]
+      rows.append([run_name, r.get("variant", ""), r.get("group", ""),
+                   f"`{r['suite']['meta']['attention_pattern']}`"]
+                  + [percent(by_length.get(str(n))) for n in lengths]
+                  + [percent(r["suite"]["score"]), _loss(r.get("text_loss")),
+                     _loss(r.get("heldout_lm_loss"))])
+    parts += ["## Retrieval exact match (%) by context length", "",
+              "Mean over tasks; teacher-forced argmax on answer tokens. `text loss` is the "
+              "held-out Python-stdlib LM loss and `eval loss` the held-out mixture LM loss "
+              "at the end of training (train runs only).", "",
+              markdown_table(["run", "variant", "group", "pattern"]
+                             + [f"L={label(n)}" for n in lengths]
+                             + ["mean", "text loss", "eval loss"], rows), ""]
+    answer_rows = [[run_name] + [percent(r["suite"].get("answers_by_length", {}).get(str(n)))
+                                 for n in lengths]
+                   + [percent(r["suite"].get("answer_accuracy"))] for run_name, r in suite_runs]
+    parts += ["## Answer accuracy (%) by context length", "",
+              "Partial credit: the share of answers (of multi-answer examples) fully right; "
+              "mean over tasks.", "",
+              markdown_table(["run"] + [f"L={label(n)}" for n in lengths] + ["mean"],
+                             answer_rows), ""]
+    tasks = list(suite_runs[0][1]["suite"]["by_task_length"])
+    task_rows = [[run_name] + [percent(np.mean(list(r["suite"]["by_task_length"][t].values())))
+                               if t in r["suite"]["by_task_length"] else "-" for t in tasks]
+                 for run_name, r in suite_runs]
+    parts += ["## Exact match (%) by task (mean over lengths)", "",
+              markdown_table(["run"] + tasks, task_rows), ""]
+  searches = [(n, r) for n, r in runs.items() if r.get("kind") == "swa_search"]
+  for run_name, r in searches:
+    top = ", ".join(f"`{p}` {percent(s)}" for p, s in r["history"][-1][:8])
+    parts += [f"## SWA layer search `{run_name}`", "",
+              f"`{r['base_pattern']}` -> **`{r['pattern']}`** (score {percent(r['score'])}) "
+              f"at length {r['length']}; {r['evaluations']} candidates, beam {r['beam_width']}, "
+              f"{r['layers_per_step']} layers/step. Final step: {top}.", ""]
+  if checks:
+    mark = {True: "holds", False: "does not hold", None: "not evaluated"}
+    rows = [[f"{c['left']} {c['op']} {c['right']}", c["metric"], c.get("detail", ""),
+             mark[c["holds"]], c.get("note", "")] for c in checks]
+    parts += ["## Expected orderings", "",
+              markdown_table(["check", "metric", "measured", "result", "note"], rows), ""]
+  parts += ["## Runs", "", markdown_table(
+      ["run", "kind", "status", "seconds"],
+      [[n, runs.get(n, {}).get("kind", ""), s, f"{runs[n]['seconds']:.0f}" if n in runs else "-"]
+       for n, s in status.items()]), ""]
+  if plots:
+    parts += ["## Plots", ""] + [f"![{os.path.basename(p)}]({os.path.basename(p)})"
+                                  for p in plots] + [""]
+  return "\n".join(parts)
+
+
+def _loss(value) -> str:
+  return "-" if value is None else f"{value:.3f}"
+
+
+def plot_accuracy_vs_length(runs: dict, path: str) -> str | None:
+  """One panel per group: mean exact match vs context length, one line per run."""
+  suite_runs = _suite_runs(runs)
+  if not suite_runs:
+    return None
+  plt = _pyplot()
+  groups = list(dict.fromkeys(r.get("group") or "runs" for _, r in suite_runs))
+  if len(groups) > 1 and "baseline" in groups:  # the baseline is drawn in every other panel
+    groups.remove("baseline")
+  fig, axes = plt.subplots(1, len(groups), figsize=(5.5 * len(groups), 4), squeeze=False)
+  for ax, group in zip(axes[0], groups):
+    for run_name, r in suite_runs:
+      if (r.get("group") or "runs") != group and r.get("group") != "baseline":
+        continue
+      lengths = r["suite"]["meta"]["lengths"]
+      values = [100 * r["suite"]["by_length"][str(n)] for n in lengths]
+      style = "k--" if r.get("group") == "baseline" else "o-"
+      ax.plot(lengths, values, style, label=r.get("variant") or run_name)
+    ax.set_xscale("log", base=2)
+    all_lengths = sorted({n for _, r in suite_runs for n in r["suite"]["meta"]["lengths"]})
+    ax.set_xticks(all_lengths, [str(n) for n in all_lengths])
+    ax.set_xlabel("context length (tokens)")
+    ax.set_ylabel("exact match (%)")
+    ax.set_ylim(-2, 102)
+    ax.set_title(group)
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=8)
+  fig.tight_layout()
+  fig.savefig(path, dpi=120)
+  plt.close(fig)
+  return path
+
+
+def plot_loss_curves(runs: dict, path: str) -> str | None:
+  """Training LM loss vs step of every train run (held-out eval points as markers)."""
+  train_runs = [(n, r) for n, r in runs.items() if r.get("loss_curve")]
+  if not train_runs:
+    return None
+  plt = _pyplot()
+  fig, ax = plt.subplots(figsize=(7, 4.5))
+  for run_name, r in train_runs:
+    curve = np.asarray(r["loss_curve"], float)
+    (line,) = ax.plot(curve[:, 0], curve[:, 1], "-" if len(curve) > 4 else ".-",
+                      label=run_name, linewidth=1)
+    points = [(s, v) for s, v, _ in r.get("eval_curve", []) if v is not None]
+    if points:
+      ax.plot(*zip(*points), "o", color=line.get_color(), markersize=4)
+  ax.set_xlabel("step (within the run)")
+  ax.set_ylabel("LM loss (line: train, dots: held-out)")
+  ax.grid(alpha=0.3)
+  ax.legend(fontsize=8)
+  fig.tight_layout()
+  fig.savefig(path, dpi=120)
+  plt.close(fig)
+  return path
+
+
+def _pyplot():
+  import matplotlib  # pylint: disable=g-import-not-at-top
+  matplotlib.use("Agg")
+  import matplotlib.pyplot as plt  # pylint: disable=g-import-not-at-top
+  return plt
+
+
+def write_report(sweep, sweep_dir: str, runs_in_order: list, results: dict, *,
+                 failures: dict | None = None) -> dict:
+  """Writes results.json, results.md and the plots; returns the results.json content."""
+  failures = failures or {}
+  status = {r.name: "done" if r.name in results else
+            ("failed: " + failures[r.name] if r.name in failures else "pending")
+            for r in runs_in_order}
+  ordered = {r.name: results[r.name] for r in runs_in_order if r.name in results}
+  checks = evaluate_checks([dict(c) for c in sweep.get("checks", ())], ordered)
+  plots, note = [], ""
+  try:
+    for plot, filename in ((plot_accuracy_vs_length, "accuracy_vs_length.png"),
+                           (plot_loss_curves, "loss_curves.png")):
+      written = plot(ordered, os.path.join(sweep_dir, filename))
+      if written:
+        plots.append(written)
+  except ImportError:
+    note = "Plots skipped: matplotlib is not installed (`pip install matplotlib`)."
+    logging.warning(note)
+  report = dict(sweep=sweep.name, size=sweep.size.to_dict(), status=status, checks=checks,
+                runs=ordered, plots=[os.path.basename(p) for p in plots])
+  write_json(os.path.join(sweep_dir, "results.json"), report)
+  with open(os.path.join(sweep_dir, "results.md"), "w") as f:
+    f.write(sweep_markdown(sweep.name, ordered, checks, status, plots, note))
+  return report

@@ -1,0 +1,235 @@
+"""Runs a sweep's runs in dependency order, in-process or as parallel processes, resumably.
+
+Sweep directory layout:
+  sweep.json               the sweep config as run (size included)
+  runs/<name>/             a train run's workdir (checkpoints/, metrics.jsonl, tensorboard/)
+  runs/<name>/spec.json    the run with references resolved (what a worker process executes)
+  runs/<name>/result.json  written last, atomically: the run is finished; holds `spec_hash`
+  runs/<name>/eval.{json,md}  suite results of the run, when it has any
+  runs/<name>/error.txt    the traceback of a failed attempt (removed when it later succeeds)
+  runs/<name>/log.txt      a worker process's output (parallel mode)
+  results.json, results.md, *.png   the report (glm5_jax.eval.sweep_report)
+
+Resume: a run with a `result.json` of the same `spec_hash` is finished and never redone; one
+whose hash differs (the sweep config changed) stops the sweep, naming the run, unless
+`on_change="redo"`. A half-finished train run resumes from its latest checkpoint (the training
+loop does that itself). A failed run blocks only the runs that depend on it; the others still
+run, and the sweep reports every failure at the end.
+"""
+
+import dataclasses
+import json
+import os
+import shutil
+import subprocess
+import sys
+import time
+import traceback
+
+from absl import logging
+import ml_collections
+
+from glm5_jax.eval.report import write_json, write_suite_results
+from glm5_jax.eval.sweep_spec import Run, apply_overrides, parse_runs, substitute
+
+RESULT_FILE = "result.json"
+
+
+class SweepError(RuntimeError):
+  """Some runs failed or were blocked; the message lists them and their error files."""
+
+
+def run_dir(sweep_dir: str, name: str) -> str:
+  return os.path.join(os.path.abspath(sweep_dir), "runs", name)
+
+
+def read_result(sweep_dir: str, name: str) -> dict | None:
+  path = os.path.join(run_dir(sweep_dir, name), RESULT_FILE)
+  if not os.path.exists(path):
+    return None
+  with open(path) as f:
+    return json.load(f)
+
+
+def finished_results(sweep_dir: str, runs: list[Run], on_change: str = "error") -> dict:
+  """{name: result} of the runs already finished with their current spec."""
+  done = {}
+  for run in runs:
+    result = read_result(sweep_dir, run.name)
+    if result is None:
+      continue
+    if result.get("spec_hash") == run.spec_hash:
+      done[run.name] = result
+    elif on_change == "redo":
+      logging.warning("sweep: run %s changed since it finished; redoing it", run.name)
+      shutil.rmtree(run_dir(sweep_dir, run.name))
+    else:
+      raise SweepError(
+          f"run {run.name!r} finished with a different spec (the sweep config changed since): "
+          f"{run_dir(sweep_dir, run.name)}. Delete that directory, use another --sweep_dir, "
+          "or pass --on_change=redo")
+  return done
+
+
+def resolved_spec(sweep, run: Run, results: dict, sweep_dir: str) -> dict:
+  """Everything a worker needs to execute `run`: references substituted, suite merged."""
+  spec = substitute(run.spec, results, f"sweep.runs.{run.name}")
+  suite = ml_collections.ConfigDict(sweep.suite.to_dict())
+  apply_overrides(suite, spec.get("suite") or {}, f"sweep.runs.{run.name}.suite")
+  return dict(name=run.name, spec=spec, spec_hash=run.spec_hash, suite=suite.to_dict(),
+              workdir=run_dir(sweep_dir, run.name), sweep=sweep.name)
+
+
+def execute_run(job: dict) -> dict:
+  """Executes one resolved run (`resolved_spec`) in this process; writes and returns its
+  result (`result.json` last, so a crash never leaves a run looking finished)."""
+  from glm5_jax.eval import sweep_jobs  # pylint: disable=g-import-not-at-top
+  spec, workdir = job["spec"], job["workdir"]
+  os.makedirs(workdir, exist_ok=True)
+  write_json(os.path.join(workdir, "spec.json"), job)
+  error_path = os.path.join(workdir, "error.txt")
+  start = time.time()
+  try:
+    suite = ml_collections.ConfigDict(job["suite"])
+    if spec["kind"] == "train":
+      result = sweep_jobs.train_job(job["name"], spec, suite, workdir)
+    elif spec["kind"] == "eval":
+      result = sweep_jobs.eval_job(spec, suite)
+    else:
+      result = sweep_jobs.search_job(spec, suite)
+  except Exception:
+    with open(error_path, "w") as f:
+      f.write(traceback.format_exc())
+    raise
+  if "suite" in result:
+    write_suite_results(result["suite"], workdir, "eval", title=f"{job['name']}: retrieval suite")
+  result.update(name=job["name"], kind=spec["kind"], group=spec.get("group", ""),
+                variant=spec.get("variant", ""), spec_hash=job["spec_hash"],
+                seconds=time.time() - start, workdir=result.get("workdir", workdir))
+  if os.path.exists(error_path):
+    os.remove(error_path)
+  write_json(os.path.join(workdir, RESULT_FILE), result)
+  return result
+
+
+@dataclasses.dataclass
+class SweepOutcome:
+  runs: list[Run]  # the runs considered, in execution order
+  results: dict  # {name: result} of every finished run
+  failed: dict  # {name: why} of runs that failed or were blocked by a failure
+
+  def raise_if_failed(self):
+    if self.failed:
+      raise SweepError("sweep runs did not finish:\n  " + "\n  ".join(
+          f"{name}: {why}" for name, why in self.failed.items()))
+
+
+def run_sweep(sweep, sweep_dir: str, *, parallel: int = 1, on_change: str = "error",
+              only: list[str] | None = None,
+              worker_command: list[str] | None = None) -> SweepOutcome:
+  """Runs every unfinished run of `sweep` (or just `only` and what they need).
+
+  Args:
+    parallel: 1 runs in this process, one after another; N > 1 runs up to N at a time, each
+      as `worker_command + [spec.json path]` (experiments/sweep.py --run_spec=...).
+  Returns:
+    the runs, their results and failures; runs blocked by a failed one are not attempted, all
+    others are (`SweepOutcome.raise_if_failed` raises `SweepError` listing the failures).
+  """
+  runs = parse_runs(sweep)
+  if only:
+    runs = _needed(runs, only)
+  os.makedirs(sweep_dir, exist_ok=True)
+  write_json(os.path.join(sweep_dir, "sweep.json"), json.loads(sweep.to_json()))
+  results = finished_results(sweep_dir, runs, on_change)
+  if results:
+    logging.info("sweep %s: %d/%d runs already finished: %s", sweep.name, len(results),
+                 len(runs), ", ".join(results))
+  failed, pending = {}, [r for r in runs if r.name not in results]
+  started = list(results)  # for the [i/n] progress count
+  running = {}  # name -> (process, log file, start time)
+  while pending or running:
+    blocked = [r for r in pending if any(d in failed for d in r.depends_on)]
+    for run in blocked:
+      failed[run.name] = f"blocked by {[d for d in run.depends_on if d in failed]}"
+      pending.remove(run)
+    ready = [r for r in pending if all(d in results for d in r.depends_on)]
+    if not ready and not running:
+      for run in pending:  # cannot happen with a valid dependency order; never loop forever
+        failed[run.name] = f"never became runnable (waits on {list(run.depends_on)})"
+      break
+    if parallel <= 1:
+      run = ready[0]
+      pending.remove(run)
+      _log_start(sweep, runs, started, run)
+      try:
+        results[run.name] = execute_run(resolved_spec(sweep, run, results, sweep_dir))
+        logging.info("sweep: finished %s in %.0f s", run.name, results[run.name]["seconds"])
+      except Exception as e:  # pylint: disable=broad-except
+        logging.error("sweep: run %s failed: %s", run.name, e)
+        failed[run.name] = f"{type(e).__name__}: {e}"
+      continue
+    while ready and len(running) < parallel:
+      run = ready.pop(0)
+      pending.remove(run)
+      _log_start(sweep, runs, started, run)
+      try:
+        running[run.name] = (*_launch(resolved_spec(sweep, run, results, sweep_dir),
+                                      worker_command), time.time())
+      except Exception as e:  # pylint: disable=broad-except
+        logging.error("sweep: run %s could not start: %s", run.name, e)
+        failed[run.name] = f"{type(e).__name__}: {e}"
+    if running:
+      time.sleep(1.0)
+    for name, (process, log, launched) in list(running.items()):
+      if process.poll() is None:
+        continue
+      del running[name]
+      log.close()
+      result = read_result(sweep_dir, name)
+      if process.returncode == 0 and result is not None:
+        results[name] = result
+        logging.info("sweep: finished %s in %.0f s", name, time.time() - launched)
+      else:
+        failed[name] = (f"worker exited with {process.returncode}; see "
+                        f"{os.path.join(run_dir(sweep_dir, name), 'log.txt')}")
+        logging.error("sweep: run %s failed: %s", name, failed[name])
+  return SweepOutcome(runs=runs, results=results, failed=failed)
+
+
+def _needed(runs: list[Run], only: list[str]) -> list[Run]:
+  by_name = {r.name: r for r in runs}
+  unknown = sorted(set(only) - set(by_name))
+  if unknown:
+    raise ValueError(f"--only: unknown runs {unknown}; runs: {list(by_name)}")
+  wanted, stack = set(), list(only)
+  while stack:
+    name = stack.pop()
+    if name not in wanted:
+      wanted.add(name)
+      stack.extend(by_name[name].depends_on)
+  return [r for r in runs if r.name in wanted]
+
+
+def _log_start(sweep, runs, started, run):
+  started.append(run.name)
+  logging.info("sweep %s: [%d/%d] starting %s (%s)", sweep.name, len(started), len(runs),
+               run.name, run.spec["kind"])
+
+
+def _launch(job: dict, worker_command: list[str] | None):
+  """Starts a worker process for `job`; returns (process, its open log file)."""
+  if not worker_command:
+    raise ValueError("parallel > 1 needs a worker command (experiments/sweep.py provides it)")
+  os.makedirs(job["workdir"], exist_ok=True)
+  spec_path = os.path.join(job["workdir"], "spec.json")
+  write_json(spec_path, job)  # execute_run in the worker rewrites it, identically
+  log = open(os.path.join(job["workdir"], "log.txt"), "a")  # pylint: disable=consider-using-with
+  return subprocess.Popen(worker_command + [spec_path], stdout=log,
+                          stderr=subprocess.STDOUT), log
+
+
+def load_job(spec_path: str) -> dict:
+  with open(spec_path) as f:
+    return json.load(f)
+

@@ -1,0 +1,196 @@
+"""Sweep configs: named runs with dependencies, built by configs/sweeps/*.py.
+
+A sweep config (`get_config(arg)` -> ConfigDict; `arg` "quick" is the few-step size that
+`experiments/sweep.py --quick` and the tests run) has:
+
+  name         the sweep's name
+  base_config  the experiment config file train runs start from (`path[:arg]`, relative to
+               the repository root or absolute)
+  size         the numbers that set the sweep's cost (steps, examples, ...); runs take them by
+               `FieldReference` (`size.get_ref("continue_steps")`), so `--sweep.size.X=...`
+               changes every run that uses X
+  suite        the retrieval suite (`glm5_jax.eval.suite.suite_config`) every evaluation uses
+  runs         {name: run}; see `train_run`, `eval_run`, `search_run` below
+  checks       comparisons the report marks as holding or not (see `check`)
+
+Run kinds:
+  train       experiments/train.py's `train(config, workdir)` on `config` (default
+              base_config) with `overrides` (a nested dict over the experiment config), then the
+              suite on its final checkpoint when `evaluate`.
+  eval        the suite on `checkpoint`'s params converted training-free to the model with
+              `model` overrides (e.g. another attention pattern).
+  swa_search  the beam search of `glm5_jax.eval.swa_search` on `checkpoint`.
+
+Dependencies: any string in a run may name another run's result as `{run.field}` (fields:
+`workdir` of a train run, `pattern` of a search, any other top-level result key); the run then
+waits for that run and gets the value substituted (a string that is exactly one reference takes
+the value's own type). `after` adds ordering-only dependencies. Cycles and unknown names are
+errors naming the run.
+"""
+
+import dataclasses
+import hashlib
+import json
+import os
+import re
+
+import ml_collections
+
+RUN_KINDS = ("train", "eval", "swa_search")
+REFERENCE = re.compile(r"\{([A-Za-z_]\w*)\.([A-Za-z_]\w*)\}")
+REPO_ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+
+def train_run(*, overrides: dict | None = None, config: str = "", evaluate: bool = True,
+              group: str = "", variant: str = "", after: tuple = ()) -> dict:
+  """A train run: `config` (default the sweep's base_config) with `overrides`, trained in the
+  run's directory, then evaluated on the suite when `evaluate`."""
+  return dict(kind="train", config=config, overrides=overrides or {}, evaluate=evaluate,
+              group=group, variant=variant, after=tuple(after), suite={})
+
+
+def eval_run(*, checkpoint: str, model: dict | None = None, group: str = "",
+             variant: str = "", after: tuple = (), suite: dict | None = None) -> dict:
+  """Training-free evaluation of `checkpoint` (a workdir, usually `"{run.workdir}"`) with
+  `model` overrides, e.g. {"attention_pattern": "SMSM", "sliding_window": 64}."""
+  return dict(kind="eval", checkpoint=checkpoint, model=model or {}, group=group,
+              variant=variant, after=tuple(after), suite=suite or {})
+
+
+def search_run(*, checkpoint: str, model: dict | None = None, num_convert: int = -1,
+               beam_width: int = 8, layers_per_step: int = 2, length: int = 0,
+               letter: str = "S", after: tuple = (), suite: dict | None = None) -> dict:
+  """SWA layer search on `checkpoint`; `length` 0 = 4x its training length, `num_convert` -1 =
+  half the layers. Its result's `pattern` is referenced as `"{name.pattern}"`."""
+  return dict(kind="swa_search", checkpoint=checkpoint, model=model or {},
+              num_convert=num_convert, beam_width=beam_width, layers_per_step=layers_per_step,
+              length=length, letter=letter, group="", variant="", after=tuple(after),
+              suite=suite or {})
+
+
+def check(left: str, op: str, right: str, *, metric: str = "score", tolerance: float = -1.0,
+          note: str = "") -> dict:
+  """A comparison of two runs' results for the report. `op`: ">" , "<", or "~" (within
+  `tolerance`; -1 = two standard errors of the difference of two binomial means for suite
+  metrics, 0.02 for losses). `metric`: "score" (suite mean over lengths), "longest" (suite at
+  the longest length), "text_loss" (held-out Python-stdlib LM loss) or "heldout_lm_loss"."""
+  if op not in (">", "<", "~"):
+    raise ValueError(f"check {left} {op} {right}: op must be '>', '<' or '~'")
+  return dict(left=left, op=op, right=right, metric=metric, tolerance=tolerance, note=note)
+
+
+@dataclasses.dataclass(frozen=True)
+class Run:
+  """One run of a sweep, references unresolved."""
+
+  name: str
+  spec: dict  # the run dict (FieldReferences resolved, `{run.field}` references not)
+  depends_on: tuple[str, ...]
+  spec_hash: str
+
+
+def resolve_path(path: str) -> str:
+  """A config path as given (absolute or relative to the working directory), else relative to
+  the repository root."""
+  if os.path.isabs(path) or os.path.exists(path):
+    return os.path.abspath(path)
+  return os.path.join(REPO_ROOT, path)
+
+
+def split_config_arg(config: str) -> tuple[str, str | None]:
+  """"configs/tiny.py:attention=M" -> (absolute path, "attention=M")."""
+  path, sep, arg = config.partition(":")
+  return resolve_path(path), (arg if sep else None)
+
+
+def references(value) -> set[str]:
+  """Names of runs referenced as `{run.field}` anywhere inside `value`."""
+  if isinstance(value, str):
+    return {m.group(1) for m in REFERENCE.finditer(value)}
+  if isinstance(value, dict):
+    return set().union(*(references(v) for v in value.values())) if value else set()
+  if isinstance(value, (list, tuple)):
+    return set().union(*(references(v) for v in value)) if value else set()
+  return set()
+
+
+def substitute(value, results: dict, where: str):
+  """`value` with every `{run.field}` replaced from `results[run][field]`."""
+  if isinstance(value, dict):
+    return {k: substitute(v, results, f"{where}.{k}") for k, v in value.items()}
+  if isinstance(value, (list, tuple)):
+    return type(value)(substitute(v, results, where) for v in value)
+  if not isinstance(value, str):
+    return value
+
+  def lookup(match):
+    run, field = match.groups()
+    if field not in results.get(run, {}):
+      raise KeyError(f"{where}: {match.group(0)}: run {run!r} has no result field {field!r} "
+                     f"(has {sorted(results.get(run, {}))})")
+    return results[run][field]
+
+  whole = REFERENCE.fullmatch(value)
+  if whole:
+    return lookup(whole)
+  return REFERENCE.sub(lambda m: str(lookup(m)), value)
+
+
+def parse_runs(sweep) -> list[Run]:
+  """The sweep's runs in execution order (dependencies first, else declaration order).
+
+  Raises:
+    ValueError: an unknown run kind, reference or `after` name, or a dependency cycle.
+  """
+  # to_json keeps declaration order (to_dict sorts) and resolves FieldReferences.
+  runs_dict = json.loads(sweep.runs.to_json())
+  suite = json.loads(sweep.suite.to_json())
+  base = sweep.base_config
+  runs = {}
+  for name, spec in runs_dict.items():
+    if spec.get("kind") not in RUN_KINDS:
+      raise ValueError(f"sweep.runs.{name}.kind: must be one of {RUN_KINDS}, got "
+                       f"{spec.get('kind')!r}")
+    if spec["kind"] == "train" and not spec.get("config"):
+      spec["config"] = base
+    deps = references(spec) | set(spec.get("after", ()))
+    unknown = sorted(deps - set(runs_dict))
+    if unknown:
+      raise ValueError(f"sweep.runs.{name}: depends on unknown runs {unknown}; runs: "
+                       f"{list(runs_dict)}")
+    hashed = json.dumps(dict(spec=spec, suite=suite), sort_keys=True, default=str)
+    runs[name] = Run(name, spec, tuple(sorted(deps)),
+                     hashlib.sha1(hashed.encode()).hexdigest()[:16])
+  order, state = [], {}
+
+  def visit(name, chain):
+    if state.get(name) == "done":
+      return
+    if state.get(name) == "visiting":
+      raise ValueError(f"sweep.runs: dependency cycle {' -> '.join(chain + [name])}")
+    state[name] = "visiting"
+    for dep in runs[name].depends_on:
+      visit(dep, chain + [name])
+    state[name] = "done"
+    order.append(runs[name])
+
+  for name in runs:
+    visit(name, [])
+  return order
+
+
+def apply_overrides(config: ml_collections.ConfigDict, overrides: dict, where: str) -> None:
+  """Sets nested `overrides` on `config` in place; a field `config` lacks is an error naming
+  it (`where` prefixes the message), so a typo never silently does nothing."""
+  for key, value in overrides.items():
+    path = f"{where}.{key}"
+    if key not in config:
+      raise ValueError(f"{path}: the experiment config has no such field; known: "
+                       f"{sorted(config.keys())}")
+    if isinstance(value, dict) and isinstance(config[key], ml_collections.ConfigDict):
+      apply_overrides(config[key], value, path)
+    else:
+      try:
+        config[key] = value
+      except (TypeError, ValueError) as e:
+        raise ValueError(f"{path}: cannot set {value!r}: {e}") from e
