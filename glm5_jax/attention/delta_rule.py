@@ -220,3 +220,14 @@ def gated_delta_rule_chunked(q_BLHK, k_BLHK, v_BLHV, log_alpha_BLH, beta_BLH, se
                               to_end_BNHC, chunk_decay_BNH))))
   o_BLHV = jnp.moveaxis(o_NBHCV, 0, 1).swapaxes(2, 3).reshape(b, n * c, h, vd)
   return o_BLHV[:, :l], final_BHKV
+
+
+def gated_delta_rule(q_BLHK, k_BLHK, v_BLHV, log_alpha_BLH, beta_BLH, segment_ids_BL, *,
+                     recurrent: bool, chunk_size: int):
+  """The decode form (`recurrent=True`, one token at a time) or the training form (chunked);
+  both compute the same outputs. Returns `(o_BLHV, final state)`."""
+  if recurrent:
+    return gated_delta_rule_recurrent(q_BLHK, k_BLHK, v_BLHV, log_alpha_BLH, beta_BLH,
+                                      segment_ids_BL)
+  return gated_delta_rule_chunked(q_BLHK, k_BLHK, v_BLHV, log_alpha_BLH, beta_BLH,
+                                  segment_ids_BL, chunk_size)

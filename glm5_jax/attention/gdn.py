@@ -122,12 +122,9 @@ class GatedDeltaNet(nn.Module):
         jnp.einsum("bld,dh->blh", x32_BLD, kernel("b_proj", (d, h), ("embed", "heads"))
                    .astype(jnp.float32)))
 
-    if absorbed:
-      o_BLHV, _ = delta_rule.gated_delta_rule_recurrent(q_BLHK, k_BLHK, v_BLHV, log_alpha_BLH,
-                                                        beta_BLH, segment_ids_BL)
-    else:
-      o_BLHV, _ = delta_rule.gated_delta_rule_chunked(q_BLHK, k_BLHK, v_BLHV, log_alpha_BLH,
-                                                      beta_BLH, segment_ids_BL, c.gdn_chunk_size)
+    o_BLHV, _ = delta_rule.gated_delta_rule(q_BLHK, k_BLHK, v_BLHV, log_alpha_BLH, beta_BLH,
+                                            segment_ids_BL, recurrent=absorbed,
+                                            chunk_size=c.gdn_chunk_size)
     w_g_DHV = kernel("g_proj", (d, h, vd), ("embed", "heads", "head_dim")).astype(dtype)
     gate_BLHV = jax.nn.silu(jnp.einsum("bld,dhv->blhv", x_BLD, w_g_DHV))
     o_BLHV = RMSNorm(c.rms_norm_eps, dtype, pdtype, name="o_norm")(o_BLHV)  # fp32 statistics

@@ -81,10 +81,7 @@ class SimpleGatedDeltaNet(nn.Module):
     log_alpha_BLH = jnp.broadcast_to(log_alpha_H, q_BLHK.shape[:3])
     beta_BLH = jnp.broadcast_to(beta_H, q_BLHK.shape[:3])
 
-    if absorbed:
-      o_BLHV, _ = delta_rule.gated_delta_rule_recurrent(q_BLHK, k_BLHK, v_BLHV, log_alpha_BLH,
-                                                        beta_BLH, segment_ids_BL)
-    else:
-      o_BLHV, _ = delta_rule.gated_delta_rule_chunked(q_BLHK, k_BLHK, v_BLHV, log_alpha_BLH,
-                                                      beta_BLH, segment_ids_BL, c.gdn_chunk_size)
+    o_BLHV, _ = delta_rule.gated_delta_rule(q_BLHK, k_BLHK, v_BLHV, log_alpha_BLH, beta_BLH,
+                                            segment_ids_BL, recurrent=absorbed,
+                                            chunk_size=c.gdn_chunk_size)
     return mla_output(self, c, o_BLHV), {}
