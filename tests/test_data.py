@@ -2,6 +2,7 @@
 
 import json
 import re
+import string
 
 import grain
 import numpy as np
@@ -151,6 +152,10 @@ def check_answers_recoverable(ex, text_before_answer):
     queried = re.findall(r"([a-z]+):", ctx.split("\n")[1] + ":")  # the prompt ends in "key:"
     assert [pairs[k] for k in queried] == [ex.answers[0]]
     return
+  if ex.task == "copy":
+    assert ctx.endswith("\n") and ctx[:-1] == ex.answers[0]  # the string, then a newline
+    assert len(ex.tokens) >= 200 - 1  # fills the drawn length (to within one odd token)
+    return
   if ex.task == "variable_tracking":
     value_of = {}
     for name, rhs in re.findall(r"VAR (\w+) = (\w+)\.", ctx):
@@ -214,6 +219,15 @@ def test_synthetic_length_and_depth(length, depth):
   haystack = text.split("\nQ: ")[0]
   needle = haystack.index("The magic number for")
   assert abs(needle / len(haystack) - depth) < 0.1 + 60 / length
+
+
+def test_copy_alphabets_and_minimum_length():
+  letters = synthetic.generate("copy", TOK, 0, length=41, alphabet="letters")
+  assert len(letters.tokens) == 41 and set(letters.answers[0]) <= set(string.ascii_lowercase)
+  tiny = synthetic.generate("copy", TOK, 0, length=3, strict=False)
+  assert len(tiny.answers[0]) == 2 and tiny.loss_mask.sum() == 2
+  with pytest.raises(ValueError, match="copy: alphabet must be one of"):
+    synthetic.generate("copy", TOK, 0, length=40, alphabet="greek")
 
 
 def test_synthetic_errors():

@@ -43,7 +43,7 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
   c.name = "muon_split"
   c.base_config = "configs/tiny.py:attention=M"
   c.size = ml_collections.ConfigDict(dict(
-      train_steps=3 if quick else 1000,
+      train_steps=3 if quick else 600,  # the default training run's length
       batch_size=2 if quick else 8,
       learning_rate=1e-2,  # configs/tiny.py's Muon LR; Muon's consistent_rms matches AdamW
       adamw_learning_rate=3e-3,  # plain AdamW's peak LR

@@ -11,6 +11,11 @@ then queries many keys. Tasks:
   niah_multiquery  `num_queries` needles with different keys; one question asks for all.
   mqar             "k1:v1 k2:v2 ... kn:vn" then queries "k7:v7 k2:v2 ..." (a random subset);
                    each queried value is an answer. No filler; `depth` is ignored.
+  copy             a random string, a newline, and the same string again as the answer: the
+                   repeated-sequence task on which induction heads form (Olsson et al. 2022,
+                   arXiv 2209.11895), with one target per token of the second copy. Meant
+                   as a training curriculum (every task above needs the same look-back-and-copy
+                   circuit) and as a probe of whether a model has that circuit at all.
 
 Every example is `<bos> context question answers <eos>`, tokenized piece by piece (so answer
 spans are exact for any tokenizer), with `loss_mask` = 1 on the answer tokens and 0 elsewhere
@@ -339,6 +344,24 @@ def variable_tracking(tokenizer, rng, *, length, depth=None, haystack="words", v
   return b.finish("variable_tracking")
 
 
+def copy(tokenizer, rng, *, length, depth=None, alphabet="alphanumeric"):
+  """A random string drawn uniformly from `alphabet` ("alphanumeric": a-z and 0-9, or
+  "letters"), then "\n", then the same string again as the one answer span. The string fills
+  `length` (bos, eos and the newline included) as two equal halves of at least 2 characters.
+  `depth` is accepted for a uniform signature and ignored."""
+  del depth
+  symbols = {"alphanumeric": MQAR_KEY_LETTERS + string.digits, "letters": MQAR_KEY_LETTERS}
+  if alphabet not in symbols:
+    raise ValueError(f"copy: alphabet must be one of {sorted(symbols)}, got {alphabet!r}")
+  letters = np.array(list(symbols[alphabet]))
+  chars = max(2, (length - 3) // 2)
+  text = "".join(letters[rng.integers(len(letters), size=chars)])
+  b = _Builder(tokenizer)
+  b.text(text + "\n")
+  b.answer(text)
+  return b.finish("copy")
+
+
 TASKS = {
     "niah_single": niah_single,
     "niah_multikey": niah_multikey,
@@ -346,6 +369,7 @@ TASKS = {
     "niah_multiquery": niah_multiquery,
     "mqar": mqar,
     "variable_tracking": variable_tracking,
+    "copy": copy,
 }
 
 

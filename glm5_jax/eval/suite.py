@@ -49,7 +49,7 @@ from glm5_jax.data import synthetic
 
 DEFAULT_TASKS = ("niah_single", "niah_multikey", "niah_multivalue", "niah_multiquery",
                  "variable_tracking", "mqar")
-DEPTH_FREE_TASKS = ("mqar",)  # generators that accept and ignore `depth`
+DEPTH_FREE_TASKS = ("mqar", "copy")  # generators that accept and ignore `depth`
 EVAL_STREAM = 2
 
 
