@@ -32,9 +32,9 @@ import pallas_kernels
 from glm5_jax.attention.common import attend, causal_segment_mask, MASKED_LOGIT
 from glm5_jax.attention.dsa import (LightningIndexer, indexer_kl, lightning_indexer_scores,
                                     restrict_topk_to_visible, select_topk, topk_mask)
+from glm5_jax.attention.mla_projections import mla_latents, mla_output
 from glm5_jax.config import ModelConfig
-from glm5_jax.layers.norms import RMSNorm
-from glm5_jax.layers.params import DTYPES, normal_kernel, param
+from glm5_jax.layers.params import DTYPES
 from glm5_jax.layers.rope import apply_interleaved_rope, rope_angles
 
 
@@ -44,16 +44,6 @@ class MLA(nn.Module):
 
   cfg: ModelConfig
   kind: str = "mla"
-
-  def _kernel(self, name, shape, axes):
-    return normal_kernel(self, name, shape, axes, self.cfg.initializer_range,
-                         DTYPES[self.cfg.param_dtype]).astype(DTYPES[self.cfg.dtype])
-
-  def _bias(self, name, size, axis):
-    if not self.cfg.attention_bias:
-      return 0.0
-    return param(self, name, (size,), (axis,), DTYPES[self.cfg.param_dtype],
-                 nn.initializers.zeros).astype(DTYPES[self.cfg.dtype])
 
   @nn.compact
   def __call__(self, x_BLD, positions_BL, segment_ids_BL, prev_topk_BLT=None, absorbed=False,
@@ -77,23 +67,9 @@ class MLA(nn.Module):
     """
     c = self.cfg
     dtype, pdtype = DTYPES[c.dtype], DTYPES[c.param_dtype]
-    d, h = x_BLD.shape[-1], c.num_attention_heads
-    n, r, v, k = c.qk_nope_head_dim, c.qk_rope_head_dim, c.v_head_dim, c.qk_head_dim
+    n, r, k = c.qk_nope_head_dim, c.qk_rope_head_dim, c.qk_head_dim
     x_BLD = x_BLD.astype(dtype)
-
-    w_qa_DQ = self._kernel("q_a_proj", (d, c.q_lora_rank), ("embed", "q_lora"))
-    cq_BLQ = x_BLD @ w_qa_DQ + self._bias("q_a_proj_bias", c.q_lora_rank, "q_lora")
-    cq_BLQ = RMSNorm(c.latent_norm_eps, dtype, pdtype, name="q_a_layernorm")(cq_BLQ)
-    w_qb_QHK = self._kernel("q_b_proj", (c.q_lora_rank, h, k), ("q_lora", "heads", "head_dim"))
-    q_BLHK = jnp.einsum("blq,qhk->blhk", cq_BLQ, w_qb_QHK)
-
-    w_kva_DC = self._kernel("kv_a_proj_with_mqa", (d, c.kv_lora_rank + r), ("embed", "kv_lora"))
-    ckv_BSC = x_BLD @ w_kva_DC + self._bias("kv_a_proj_with_mqa_bias", c.kv_lora_rank + r,
-                                            "kv_lora")
-    ckv_BSC, k_rope_BSR = ckv_BSC[..., :c.kv_lora_rank], ckv_BSC[..., c.kv_lora_rank:]
-    ckv_BSC = RMSNorm(c.latent_norm_eps, dtype, pdtype, name="kv_a_layernorm")(ckv_BSC)
-    w_kb_CHN = self._kernel("k_b_proj", (c.kv_lora_rank, h, n), ("kv_lora", "heads", "head_dim"))
-    w_vb_CHV = self._kernel("v_b_proj", (c.kv_lora_rank, h, v), ("kv_lora", "heads", "head_dim"))
+    q_BLHK, cq_BLQ, ckv_BSC, k_rope_BSR, w_kb_CHN, w_vb_CHV = mla_latents(self, c, x_BLD)
 
     cos, sin = rope_angles(positions_BL, r, c.rope_theta)
     q_nope_BLHN = q_BLHK[..., :n]
@@ -127,9 +103,7 @@ class MLA(nn.Module):
           c, aux, index_qkw, segment_ids_BL, dsa_stage, absorbed, q_nope_BLHN, q_rope_BLHR,
           ckv_BSC, k_rope_BSR, w_kb_CHN, w_vb_CHV, scale)
 
-    w_o_HVD = self._kernel("o_proj", (h, v, d), ("heads", "head_dim", "embed"))
-    y_BLD = jnp.einsum("blhv,hvd->bld", out_BLHV, w_o_HVD) + self._bias("o_proj_bias", d, "embed")
-    return y_BLD, aux
+    return mla_output(self, c, out_BLHV), aux
 
 
 def _dense_attention(c, aux, index_qkw, segment_ids_BL, dsa_stage, absorbed, q_nope_BLHN,

@@ -1,6 +1,6 @@
-"""MLA's query/key/value and output projections, for layers that reuse an MLA layer's weights.
+"""MLA's query/key/value and output projections: the one definition of those weights.
 
-The linear-attention layers (N: `gdn.GatedDeltaNet`, L: `simple_gdn.SimpleGatedDeltaNet`) read
+`mla.MLA` (softmax, dense or DSA) declares its projections here, and the linear-attention layers (N: `gdn.GatedDeltaNet`, L: `simple_gdn.SimpleGatedDeltaNet`) read
 their q, k, v and output projection from exactly the parameters an M layer stores, under the
 same names, shapes, logical axes and initialization, so a trained M layer converts to them with
 every one of these weights reused as is (`glm5_jax.convert.attention_pattern`):
@@ -12,8 +12,7 @@ every one of these weights reused as is (`glm5_jax.convert.attention_pattern`):
   v       = c v_b_proj                                                 [H, V]
   y       = o o_proj, summed over [H, V] [+ o_proj_bias]                [D]
 
-(GLM5_REFERENCE.md section 2, "MLA"; `glm5_jax.attention.mla` is the softmax layer on the same
-weights.) With `positions_BL`, q's rope part and kr get the same interleaved RoPE as in MLA, so
+(GLM5_REFERENCE.md section 2, "MLA".) With `positions_BL`, q's rope part and kr get the same interleaved RoPE as in MLA, so
 q . k equals the MLA logit times (N + R)^0.5; without, they are left unrotated.
 
 Notation: B batch, L length, D hidden, H heads, Q q latent, C kv latent, N nope head dim,
@@ -47,14 +46,18 @@ def _bias(module: nn.Module, cfg: ModelConfig, name, size, axis):
                nn.initializers.zeros).astype(DTYPES[cfg.dtype])
 
 
-def mla_qkv(module: nn.Module, cfg: ModelConfig, x_BLD, positions_BL=None):
-  """Per-head q, k, v from MLA's projections, declared on `module` (call from its compact method).
+def mla_latents(module: nn.Module, cfg: ModelConfig, x_BLD):
+  """Declares MLA's input-side projections on `module` (call from its compact method) and
+  returns the un-rotated pieces every layer on these weights builds on. The softmax layer
+  (`mla.MLA`) needs the latents themselves for its absorbed and sparse forms; `mla_qkv` expands
+  them per head for the linear-attention layers.
 
   Args:
     x_BLD: the normalized layer input.
-    positions_BL: int positions for RoPE on the rope dims, or None for no RoPE.
   Returns:
-    `(q_BLHK, k_BLHK, v_BLHV)` in `cfg.dtype`.
+    `(q_BLHK, cq_BLQ, ckv_BLC, k_rope_BLR, w_kb_CHN, w_vb_CHV)` in `cfg.dtype`: per-head queries
+    (rope part not yet rotated), the normed query latent, the normed kv latent, the shared rope
+    key (not yet rotated), and the key/value up-projections.
   """
   c = cfg
   dtype, pdtype = DTYPES[c.dtype], DTYPES[c.param_dtype]
@@ -78,6 +81,21 @@ def mla_qkv(module: nn.Module, cfg: ModelConfig, x_BLD, positions_BL=None):
                      ("kv_lora", "heads", "head_dim"))
   w_vb_CHV = _kernel(module, c, "v_b_proj", (c.kv_lora_rank, h, v),
                      ("kv_lora", "heads", "head_dim"))
+  return q_BLHK, cq_BLQ, ckv_BLC, k_rope_BLR, w_kb_CHN, w_vb_CHV
+
+
+def mla_qkv(module: nn.Module, cfg: ModelConfig, x_BLD, positions_BL=None):
+  """Per-head q, k, v from MLA's projections, declared on `module` (call from its compact method).
+
+  Args:
+    x_BLD: the normalized layer input.
+    positions_BL: int positions for RoPE on the rope dims, or None for no RoPE.
+  Returns:
+    `(q_BLHK, k_BLHK, v_BLHV)` in `cfg.dtype`.
+  """
+  c = cfg
+  n, r = c.qk_nope_head_dim, c.qk_rope_head_dim
+  q_BLHK, _, ckv_BLC, k_rope_BLR, w_kb_CHN, w_vb_CHV = mla_latents(module, c, x_BLD)
   k_nope_BLHN = jnp.einsum("blc,chn->blhn", ckv_BLC, w_kb_CHN)
   v_BLHV = jnp.einsum("blc,chv->blhv", ckv_BLC, w_vb_CHV)
 
