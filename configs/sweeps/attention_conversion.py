@@ -1,6 +1,6 @@
 """Long-context attention conversion (GLM5_REFERENCE.md section 3, report Tables 4-5), tiny scale.
 
-  python experiments/sweep.py --sweep=configs/sweeps/attention_conversion.py        # ~40 min
+  python experiments/sweep.py --sweep=configs/sweeps/attention_conversion.py        # ~33 min
   python experiments/sweep.py --sweep=configs/sweeps/attention_conversion.py --quick
   python experiments/sweep.py --sweep=configs/sweeps/attention_conversion.py \
       --sweep.size.continue_steps=600 --sweep.size.sliding_window=32
@@ -23,13 +23,9 @@ Runs (dependencies in brackets):
   trained_<variant>          [baseline (+ swa_search)] continued training, then eval
   dsa_warmup -> trained_dsa  [baseline] indexer warm-up, then sparse adaptation
 
-Default size, about 40 minutes on an idle 2-core CPU. Estimated from measured step times,
-anchored to the tiny DSA config's 430 ms/step idle (tools/bench_train.py on this shared
-machine, ratios taken side by side: M 0.81x of D -> ~350 ms; S 1.15x M, half-GDN NMNM 2.3x,
-half-SimpleGDN LMLM 2.5x, DSA warm-up 1.4x): training ~21 min (baseline 600 steps, six
-continued runs of 300 steps, warm-up 100 steps), ~40 s compile/setup/periodic eval per train
-run ~5 min, 12 suite evaluations (36 examples per length at 256-2048 tokens, ~1.1 s per
-example-set of four lengths) ~11 min, SWA search (6 candidates at 256 tokens) < 1 min.
+Default size: measured 32.5 min wall on a 2-core CPU (baseline 600 steps 581 s under extra
+load, each 300-step continued run 173-218 s, DSA warm-up 81 s, each training-free suite
+evaluation 25-38 s, SWA search 11 s); results in docs/ablations.md.
 
 `arg`: "quick" = 2 dense-FFN layers without MTP, batch 2, a few steps, 2 lengths, 1 example per
 cell: the plumbing end to end in minutes (tests/test_sweep.py runs part of it).
