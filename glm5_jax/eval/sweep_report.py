@@ -156,12 +156,8 @@ def plot_accuracy_vs_length(runs: dict, path: str) -> str | None:
     ax.set_ylabel("exact match (%)")
     ax.set_ylim(-2, 102)
     ax.set_title(group)
-    ax.grid(alpha=0.3)
-    ax.legend(fontsize=8)
-  fig.tight_layout()
-  fig.savefig(path, dpi=120)
-  plt.close(fig)
-  return path
+    _finish_axes(ax)
+  return _save(plt, fig, path)
 
 
 def plot_loss_curves(runs: dict, path: str) -> str | None:
@@ -180,8 +176,16 @@ def plot_loss_curves(runs: dict, path: str) -> str | None:
       ax.plot(*zip(*points), "o", color=line.get_color(), markersize=4)
   ax.set_xlabel("step (within the run)")
   ax.set_ylabel("LM loss (line: train, dots: held-out)")
+  _finish_axes(ax)
+  return _save(plt, fig, path)
+
+
+def _finish_axes(ax):
   ax.grid(alpha=0.3)
   ax.legend(fontsize=8)
+
+
+def _save(plt, fig, path: str) -> str:
   fig.tight_layout()
   fig.savefig(path, dpi=120)
   plt.close(fig)
