@@ -17,6 +17,7 @@ def get_config(arg: str | None = None):
   config.model.attention_pattern = "D"
   config.train.dsa_stage = "sparse"
   config.train.steps = 400
+  config.train.dsa_dense_steps = 0  # the indexers start from the previous stage
   config.train.init_from = ""  # set to the warm-up run's workdir
   config.optim.learning_rate = 1e-3
   config.optim.warmup_steps = 20

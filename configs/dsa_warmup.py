@@ -23,6 +23,7 @@ def get_config(arg: str | None = None):
   config.model.attention_pattern = "D"
   config.train.dsa_stage = "warmup"
   config.train.steps = 200
+  config.train.dsa_dense_steps = 0  # the indexers start from the previous stage
   config.train.init_from = ""  # set to the dense MLA run's workdir
   config.optim.name = "adamw"  # only the indexers train; GLM-5's warm-up LR schedule
   config.optim.learning_rate = 5e-3

@@ -23,20 +23,24 @@ def tiny_data_sources() -> dict:
   """The default mix sized for a 5-minute CPU run: stdlib text plus short retrieval examples,
   several to a row, so each step carries enough answer tokens for the tiny model to learn.
 
-  MQAR uses one-letter keys and one-digit values with eight queries an example: the densest
-  retrieval signal, and the task on which the tiny model's answer accuracy measurably climbs
-  above chance within the 600-step default run. The needle tasks use 2-digit values; the
-  long-context suite (`experiments/eval.py`) evaluates all of them at full lengths.
+  Weights count drawn examples, so a 256-token text chunk outweighs a 64-token example: about
+  a quarter of the tokens are text, a third `copy` and the rest retrieval. `copy` (a string
+  repeated) is the curriculum: every target needs the look-back-and-copy (induction) circuit
+  that retrieval also needs, and a retrieval example gives only a few answer tokens. MQAR uses
+  one-letter keys and one-digit values with eight queries an example; the needle tasks use
+  2-digit values. The long-context suite (`experiments/eval.py`) evaluates all of them at full
+  lengths.
   """
   synthetic = lambda task, weight, low, high, **options: data.source_config(
       "synthetic", task=task, weight=weight, min_length=low, max_length=high, **options)
   return dict(
-      python_stdlib=data.source_config("python_stdlib", weight=0.4),
-      mqar=synthetic("mqar", 0.24, 48, 96, key_chars=1, value_digits=1, num_queries=8),
-      niah_single=synthetic("niah_single", 0.09, 96, 160, value_digits=2),
-      niah_multikey=synthetic("niah_multikey", 0.09, 184, 256, value_digits=2),
-      niah_multivalue=synthetic("niah_multivalue", 0.09, 168, 256, value_digits=2),
-      niah_multiquery=synthetic("niah_multiquery", 0.09, 128, 200, value_digits=2),
+      python_stdlib=data.source_config("python_stdlib", weight=0.1),
+      copy=synthetic("copy", 0.5, 32, 96),
+      mqar=synthetic("mqar", 0.3, 48, 96, key_chars=1, value_digits=1, num_queries=8),
+      niah_single=synthetic("niah_single", 0.025, 96, 160, value_digits=2),
+      niah_multikey=synthetic("niah_multikey", 0.025, 184, 256, value_digits=2),
+      niah_multivalue=synthetic("niah_multivalue", 0.025, 168, 256, value_digits=2),
+      niah_multiquery=synthetic("niah_multiquery", 0.025, 128, 200, value_digits=2),
   )
 
 
@@ -55,14 +59,17 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
       num_attention_heads=4,
       num_key_value_heads=2,
       gqa_head_dim=16,
-      q_lora_rank=32,
-      kv_lora_rank=16,
+      # MLA sized for retrieval at this width (measured, docs/ablations.md "Retrieval at tiny
+      # scale"): latents of 32/16 and 2 RoPE frequencies (rope dim 4) left the tiny model unable
+      # to form the induction circuit every retrieval task needs within the default run.
+      q_lora_rank=64,
+      kv_lora_rank=64,
       qk_nope_head_dim=12,
-      qk_rope_head_dim=4,
+      qk_rope_head_dim=8,
       v_head_dim=16,
       index_topk=16,  # < SEQ_LEN, so sparsity is real
       index_n_heads=4,
-      index_head_dim=8,
+      index_head_dim=16,  # GLM-5's split: the first half (qk_rope_head_dim) carries RoPE
       n_routed_experts=8,
       num_experts_per_tok=2,
       n_shared_experts=1,
@@ -75,7 +82,9 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
   )
   config.data = data.data_config(seq_len=SEQ_LEN, batch_size=8, sources=tiny_data_sources())
   config.optim = optim.optim_config(learning_rate=1e-2, warmup_steps=50)
-  config.train = train_defaults.train_config(steps=600)
+  # DSA on from scratch: dense attention for the first half while the indexers learn what it
+  # attends to, then top-k (an untrained indexer never selects the keys retrieval needs).
+  config.train = train_defaults.train_config(steps=600, dsa_dense_steps=300)
   config.ckpt = train_defaults.ckpt_config(every_steps=200)
   config.eval = train_defaults.eval_config(every_steps=200, batches=8)
   config.mesh = mesh_config()

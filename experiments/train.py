@@ -7,7 +7,8 @@
       --config.train.init_from=/tmp/glm5_tiny_mla
 
 With no flags it trains the tiny GLM-5 (MoE + MLA + DSA with top-k < sequence + 3 shared MTP
-depths, Muon Split) on the built-in data mix (synthetic long-context retrieval tasks and the
+depths, Muon Split; attention dense for the first 300 of 600 steps while the indexers learn,
+then top-k) on the built-in data mix (synthetic copy and long-context retrieval tasks and the
 Python standard library's own source text) and prints a summary. Re-running with the same
 --workdir resumes from its latest checkpoint. Launched as several processes (TPU pods, multi-
 host GPU), it calls `jax.distributed.initialize()` first; the same script and config run on

@@ -27,7 +27,7 @@ def small_config(steps=16, **model_overrides):
   config.model.update(num_hidden_layers=2, first_k_dense_replace=1, mtp_depths=2,
                       **model_overrides)
   config.data.update(seq_len=256, batch_size=4, prefetch=0)
-  config.train.update(steps=steps, log_every_steps=1)
+  config.train.update(steps=steps, log_every_steps=1, dsa_dense_steps=0)
   config.optim.update(warmup_steps=1)
   config.ckpt.update(every_steps=4, async_save=False)
   config.eval.update(every_steps=0)
@@ -110,6 +110,57 @@ def test_mla_checkpoint_into_dsa_warmup_trains_only_the_indexer(tmp_path):
   fresh = flat(glm5_jax.init_params(glm5_jax.ModelConfig.from_config(warmup.model),
                                     jax.random.key(warmup.seed)))
   assert any(not np.array_equal(np.asarray(dsa[k]), np.asarray(fresh[k])) for k in indexer_keys)
+
+
+def test_dense_phase_attends_densely_trains_everything_then_switches_to_top_k(tmp_path):
+  from glm5_jax.train.trainer import build_trainer  # pylint: disable=g-import-not-at-top
+
+  config = small_config(steps=4, attention_pattern="D")
+  config.train.dsa_dense_steps = 2
+  t = build_trainer(config)
+  assert t.dense_steps == 2
+  state = t.init_state()
+  batch = t.to_device(next(t.train_iter))
+  model = glm5_jax.ModelConfig.from_config(config.model)
+  tokens, positions, segments = (batch[k] for k in ("tokens", "positions", "segment_ids"))
+  lm_loss = lambda stage: float(optax.softmax_cross_entropy_with_integer_labels(
+      glm5_jax.forward(model, state.params, tokens, positions, segments, dsa_stage=stage)
+      ["logits"][:, :-1], tokens[:, 1:])[batch["loss_mask"][:, 1:] > 0].mean())
+  dense_metrics, _, _ = t.dense_eval_step(state.params, batch)
+  sparse_metrics, _, _ = t.eval_step(state.params, batch)
+  np.testing.assert_allclose(dense_metrics["lm_loss"], lm_loss("dense"), rtol=1e-5)
+  np.testing.assert_allclose(sparse_metrics["lm_loss"], lm_loss("sparse"), rtol=1e-5)
+  assert abs(lm_loss("dense") - lm_loss("sparse")) > 1e-3  # top-k < seq_len really differs
+  assert dense_metrics["indexer_kl"] > 0
+
+  flat = lambda tree: {jax.tree_util.keystr(p): np.array(v)  # copies: the step donates
+                       for p, v in jax.tree_util.tree_flatten_with_path(tree)[0]}
+  state, _ = t.dense_train_step(state, batch)  # step 0 runs at warm-up LR 0
+  before = flat(state.params)
+  after = flat(t.dense_train_step(state, batch)[0].params)
+  changed = {k for k in before if not np.array_equal(before[k], after[k])}
+  assert any("'indexer'" in k for k in changed)  # learns its KL to the dense attention
+  assert any("e_score_correction_bias" in k for k in changed)  # balancing runs
+  assert {k for k in before if "'indexer'" not in k and "bias" not in k} <= changed
+
+  # Exact resume across the switch: stop inside the dense phase, resume, cross it.
+  straight, interrupted = str(tmp_path / "straight"), str(tmp_path / "interrupted")
+  train(config, straight)
+  train(config, interrupted, stop_after_steps=1)
+  train(config, interrupted)
+  expected, got = read_losses(straight), read_losses(interrupted)
+  np.testing.assert_allclose([got[s] for s in range(1, 5)], [expected[s] for s in range(1, 5)],
+                             rtol=1e-6)
+
+
+def test_dense_phase_config_errors(tmp_path):
+  config = small_config(steps=2, attention_pattern="D")
+  config.train.update(dsa_stage="warmup", dsa_dense_steps=1)
+  with pytest.raises(ValueError, match="dsa_dense_steps.*sparse stage"):
+    train(config, str(tmp_path / "a"))
+  config.train.update(dsa_stage="sparse", dsa_dense_steps=-1)
+  with pytest.raises(ValueError, match="dsa_dense_steps"):
+    train(config, str(tmp_path / "b"))
 
 
 def test_bad_stage_and_bad_data_path_are_clear_errors(tmp_path):

@@ -12,9 +12,9 @@ held-out LM loss (Python-stdlib text and the whole mixture) and the retrieval su
                       Muon and Muon Split coincide)
   mla_muon            dense MLA, whole-matrix Muon     (report: trails GQA-8)
   mla_muon_split      dense MLA, Muon Split            (report: closes most of the gap)
-  mla256_muon_split   "MLA-256": larger heads, a quarter fewer (3 heads, q/k head dim 18+4
-                      = 22 instead of 16, v head dim 21 instead of 16): attention params
-                      45,568 vs 45,248 and attention FLOPs per key 129 vs 128, i.e. the
+  mla256_muon_split   "MLA-256": larger heads, a quarter fewer (3 heads, q/k head dim 19+8
+                      = 27 instead of 20, v head dim 21 instead of 16): attention params a
+                      layer 25,728 vs 25,216 and attention FLOPs per key 144 vs 144, i.e. the
                       report's 192 -> 256 head dim with fewer heads at equal cost
   mla_adamw           dense MLA, AdamW everywhere (`size.adamw_learning_rate`)
 
@@ -29,8 +29,8 @@ import ml_collections
 from glm5_jax.eval.suite import suite_config
 from glm5_jax.eval.sweep_spec import check, train_run
 
-# MLA-256 at tiny scale: heads x (qk, v) head dims 4 x (16, 16) -> 3 x (22, 21).
-MLA256 = dict(num_attention_heads=3, qk_nope_head_dim=18, qk_rope_head_dim=4, v_head_dim=21)
+# MLA-256 at tiny scale: heads x (qk, v) head dims 4 x (20, 16) -> 3 x (27, 21).
+MLA256 = dict(num_attention_heads=3, qk_nope_head_dim=19, v_head_dim=21)
 
 
 def get_config(arg: str | None = None) -> ml_collections.ConfigDict:

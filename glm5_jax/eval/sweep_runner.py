@@ -22,7 +22,6 @@ import json
 import os
 import shutil
 import subprocess
-import sys
 import time
 import traceback
 

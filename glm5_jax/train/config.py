@@ -11,6 +11,11 @@ def train_config(**overrides) -> ml_collections.ConfigDict:
   c = ml_collections.ConfigDict()
   c.steps = 1000
   c.dsa_stage = "sparse"  # dense | warmup | sparse (GLM5_REFERENCE.md section 3)
+  # With dsa_stage "sparse" on a run from scratch: attend densely for the first N steps while
+  # the indexers learn their KL to that dense attention (the warm-up objective, but every other
+  # parameter trains on the LM loss too), then switch top-k on. An indexer that starts random
+  # and only ever sees its own selection cannot find the keys retrieval needs.
+  c.dsa_dense_steps = 0
   c.init_from = ""  # workdir of another run to take params from (e.g. dense MLA -> DSA)
   c.mtp_loss_weight = 0.3
   c.z_loss_weight = 0.0

@@ -71,7 +71,11 @@ def train(config, workdir: str, *, stop_after_steps: int | None = None) -> dict:
   try:
     with activation_sharding(mesh, rules):
       for step in range(start_step, total_steps):
-        state, metrics = t.train_step(state, t.to_device(next(train_iter)))
+        dense_phase = step < t.dense_steps
+        if step == t.dense_steps and t.dense_steps:
+          logging.info("step %d: DSA dense phase over, top-k attention on", step)
+        train_step = t.dense_train_step if dense_phase else t.train_step
+        state, metrics = train_step(state, t.to_device(next(train_iter)))
         if pending is not None:  # never wait on the step just dispatched (STYLE habit 7)
           last_metrics = _checked(*pending)
           first_loss = last_metrics["loss"] if first_loss is None else first_loss
@@ -97,8 +101,9 @@ def train(config, workdir: str, *, stop_after_steps: int | None = None) -> dict:
           interval_start, interval_steps = time.time(), 0
         if config.eval.every_steps and (done % config.eval.every_steps == 0
                                         or done == total_steps):
-          eval_metrics = evaluate(t.eval_step, state.params, eval_batches, t.to_device,
-                                  source_names, answer_sources)
+          eval_metrics = evaluate(t.dense_eval_step if dense_phase else t.eval_step,
+                                  state.params, eval_batches, t.to_device, source_names,
+                                  answer_sources)
           logging.info("eval at step %d: %s", done, _format(eval_metrics))
           writer.write(done, eval_metrics, prefix="eval")
         if save_now:

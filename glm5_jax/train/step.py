@@ -24,9 +24,15 @@ from glm5_jax.train.state import TrainState
 
 @dataclasses.dataclass(frozen=True)
 class StepConfig:
-  """The `train` fields the step needs (hashable, static under jit)."""
+  """The `train` fields the step needs (hashable, static under jit).
+
+  `dsa_stage` is how DSA layers attend in the forward pass; `trains_main_model` is False only
+  in the warm-up stage proper (everything but the indexers frozen). `train.dsa_dense_steps`'s
+  dense phase is the warm-up forward with `trains_main_model` True (`dense_phase`).
+  """
 
   dsa_stage: str = "sparse"
+  trains_main_model: bool = True
   mtp_loss_weight: float = 0.3
   z_loss_weight: float = 0.0
   indexer_loss_weight: float = 1.0
@@ -35,7 +41,13 @@ class StepConfig:
 
   @classmethod
   def from_config(cls, train_config) -> "StepConfig":
-    return cls(**{f.name: train_config[f.name] for f in dataclasses.fields(cls)})
+    fields = {f.name: train_config[f.name] for f in dataclasses.fields(cls)
+              if f.name != "trains_main_model"}
+    return cls(**fields, trains_main_model=train_config.dsa_stage != "warmup")
+
+  def dense_phase(self) -> "StepConfig":
+    """The step of `train.dsa_dense_steps`: dense attention, indexers learning their KL."""
+    return dataclasses.replace(self, dsa_stage="warmup", trains_main_model=True)
 
 
 def compute_loss(model: ModelConfig, step_cfg: StepConfig, params, batch):
@@ -93,7 +105,7 @@ def make_train_step(model: ModelConfig, step_cfg: StepConfig, optimizer, schedul
     (_, (metrics, counts, _, _)), grads = grad_fn(model, step_cfg, state.params, batch)
     updates, opt_state = optimizer.update(grads, state.opt_state, state.params)
     params = optax.apply_updates(state.params, updates)
-    if step_cfg.dsa_stage != "warmup":
+    if step_cfg.trains_main_model:
       params = update_balance_bias(_copy_dicts(params), counts, step_cfg.balance_bias_rate)
     metrics = {**metrics, **_expert_load_metrics(counts),
                "grad_norm": optax.tree.norm(grads),

@@ -32,6 +32,9 @@ class Trainer:
   init_state: Callable[[], TrainState]  # compiled fresh init from config.seed
   train_step: Callable  # jitted (state, device batch) -> (state, metrics), donates state
   eval_step: Callable  # jitted (params, device batch) -> (metrics, predictions, token nll)
+  dense_steps: int  # `train.dsa_dense_steps` where the model has indexers, else 0
+  dense_train_step: Callable | None  # the same two for those first steps (`StepConfig.dense_phase`)
+  dense_eval_step: Callable | None
   to_device: Callable  # local numpy batch -> global sharded arrays
 
 
@@ -73,11 +76,17 @@ def build_trainer(config) -> Trainer:
       jax.eval_shape(init_state, rng_data), state_sharding)
 
   # ---- jitted steps
-  train_step = jax.jit(make_train_step(model, step_cfg, optimizer, schedule),
-                       in_shardings=(state_sharding, batch_sharding),
-                       out_shardings=(state_sharding, None), donate_argnums=0)
-  eval_step = jax.jit(make_eval_step(model, step_cfg),
-                      in_shardings=(state_sharding.params, batch_sharding))
+  def jitted_steps(cfg: StepConfig):
+    return (jax.jit(make_train_step(model, cfg, optimizer, schedule),
+                    in_shardings=(state_sharding, batch_sharding),
+                    out_shardings=(state_sharding, None), donate_argnums=0),
+            jax.jit(make_eval_step(model, cfg),
+                    in_shardings=(state_sharding.params, batch_sharding)))
+
+  train_step, eval_step = jitted_steps(step_cfg)
+  dense_steps = _dense_phase_steps(config.train, model)
+  dense_train_step, dense_eval_step = (
+      jitted_steps(step_cfg.dense_phase()) if dense_steps else (None, None))
 
   def to_device(batch):
     return {k: jax.make_array_from_process_local_data(batch_sharding, np.asarray(v))
@@ -87,4 +96,17 @@ def build_trainer(config) -> Trainer:
                  optimizer=optimizer, params_sharding=params_sharding,
                  state_sharding=state_sharding, abstract_state=abstract_state,
                  init_state=lambda: init_compiled(rng_data), train_step=train_step,
-                 eval_step=eval_step, to_device=to_device)
+                 eval_step=eval_step, dense_steps=dense_steps, dense_train_step=dense_train_step,
+                 dense_eval_step=dense_eval_step, to_device=to_device)
+
+
+def _dense_phase_steps(train_config, model: ModelConfig) -> int:
+  """`train.dsa_dense_steps`, checked; 0 for a model without indexers (its dense phase would
+  compute exactly what its sparse stage does)."""
+  n = train_config.dsa_dense_steps
+  if not isinstance(n, int) or n < 0:
+    raise ValueError(f"config.train.dsa_dense_steps: must be an int >= 0, got {n!r}")
+  if n and train_config.dsa_stage != "sparse":
+    raise ValueError("config.train.dsa_dense_steps: a dense phase comes before the sparse stage "
+                     f"only; got dsa_stage={train_config.dsa_stage!r} (set it to 0)")
+  return n if "D" in model.attention_pattern else 0
