@@ -1,6 +1,6 @@
 """Muon Split ablation (GLM5_REFERENCE.md section 3, report Table 1), tiny scale.
 
-  python experiments/sweep.py --sweep=configs/sweeps/muon_split.py          # ~30 min
+  python experiments/sweep.py --sweep=configs/sweeps/muon_split.py          # ~20 min
   python experiments/sweep.py --sweep=configs/sweeps/muon_split.py --quick
   python experiments/sweep.py --sweep=configs/sweeps/muon_split.py --sweep.size.train_steps=2000
 
@@ -18,8 +18,8 @@ held-out LM loss (Python-stdlib text and the whole mixture) and the retrieval su
                       report's 192 -> 256 head dim with fewer heads at equal cost
   mla_adamw           dense MLA, AdamW everywhere (`size.adamw_learning_rate`)
 
-Default size: 5 x 600 steps (the default training run's length), measured 28 min wall on a
-2-core CPU (315-349 s a run, suite evaluation included); results in docs/ablations.md.
+Default size: 5 x 600 steps (the default training run's length), measured 18.5 min wall on an
+idle 2-core CPU (204-234 s a run, suite evaluation included); results in docs/ablations.md.
 
 `arg`: "quick" = 2 layers (one MoE) without MTP, batch 2, 3 steps, 2 lengths: minutes.
 """
