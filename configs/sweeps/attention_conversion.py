@@ -1,6 +1,6 @@
 """Long-context attention conversion (GLM5_REFERENCE.md section 3, report Tables 4-5), tiny scale.
 
-  python experiments/sweep.py --sweep=configs/sweeps/attention_conversion.py        # ~33 min
+  python experiments/sweep.py --sweep=configs/sweeps/attention_conversion.py        # ~22 min
   python experiments/sweep.py --sweep=configs/sweeps/attention_conversion.py --quick
   python experiments/sweep.py --sweep=configs/sweeps/attention_conversion.py \
       --sweep.size.continue_steps=600 --sweep.size.sliding_window=32
@@ -23,9 +23,9 @@ Runs (dependencies in brackets):
   trained_<variant>          [baseline (+ swa_search)] continued training, then eval
   dsa_warmup -> trained_dsa  [baseline] indexer warm-up, then sparse adaptation
 
-Default size: measured 32.5 min wall on a 2-core CPU (baseline 600 steps 581 s under extra
-load, each 300-step continued run 173-218 s, DSA warm-up 81 s, each training-free suite
-evaluation 25-38 s, SWA search 11 s); results in docs/ablations.md.
+Default size: measured 21.6 min wall on an idle 2-core CPU (baseline 600 steps 241 s, each
+300-step continued run 128-176 s, DSA warm-up 62 s, each training-free suite evaluation 19-26 s,
+SWA search 10 s); results in docs/ablations.md.
 
 `arg`: "quick" = 2 dense-FFN layers without MTP, batch 2, a few steps, 2 lengths, 1 example per
 cell: the plumbing end to end in minutes (tests/test_sweep.py runs part of it).
