@@ -1,4 +1,4 @@
-"""DSA stage 2, sparse adaptation (GLM5_REFERENCE.md section 3), on the tiny model.
+"""DSA stage 2, sparse adaptation (docs/reference.md section 3), on the tiny model.
 
 Start from the warm-up run: top-k attention on, every parameter trains with Muon Split, the
 indexer loss is restricted to the selected keys and the indexer inputs are detached, so the LM

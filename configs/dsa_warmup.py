@@ -1,4 +1,4 @@
-"""DSA stage 1, dense warm-up (GLM5_REFERENCE.md section 3), on the tiny model.
+"""DSA stage 1, dense warm-up (docs/reference.md section 3), on the tiny model.
 
 Start from a dense MLA run; every parameter but the lightning indexers is frozen, attention
 stays dense, and the indexers learn KL(head-summed main attention || softmax(index scores)).

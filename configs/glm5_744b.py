@@ -1,4 +1,4 @@
-"""The released GLM-5: 744B total / ~40B active (GLM5_REFERENCE.md section 1).
+"""The released GLM-5: 744B total / ~40B active (docs/reference.md section 1).
 
   python tools/param_count.py --config=configs/glm5_744b.py
   python experiments/train.py --config=configs/glm5_744b.py --workdir=gs://bucket/glm5 \

@@ -21,7 +21,7 @@ Per-layer attention pattern, one letter per layer (or one letter for every layer
   L  SimpleGDN: the gated delta rule directly on the M layer's own q/k/v/o projections, no
      conv, no gate modules; per-head decay and update gates fixed (RetNet-style decays,
      `simple_gdn_beta`) or two learned scalars per head (`simple_gdn_gates`)
-The long-context ablation (GLM5_REFERENCE.md section 3) converts half the layers of a
+The long-context ablation (docs/reference.md section 3) converts half the layers of a
 full-attention model to S / N / L; `interleave_pattern` writes such patterns.
 """
 
@@ -47,7 +47,7 @@ MESH_AXES = ("data", "fsdp", "expert", "tensor")
 
 
 def model_config(**overrides) -> ml_collections.ConfigDict:
-  """The released GLM-5 (GLM5_REFERENCE.md section 1), with `overrides` applied."""
+  """The released GLM-5 (docs/reference.md section 1), with `overrides` applied."""
   c = ml_collections.ConfigDict()
   c.vocab_size = 154880
   c.hidden_size = 6144

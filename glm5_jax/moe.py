@@ -1,6 +1,6 @@
 """Mixture of experts: sigmoid router with a selection-only bias, dropless ragged dispatch.
 
-GLM5_REFERENCE.md section 2 ("MoE router"):
+docs/reference.md section 2 ("MoE router"):
 
   s = sigmoid(x W_gate)                       fp32 [E]
   experts = top-X of (s + b)                  b: the loss-free-balancing correction bias, which

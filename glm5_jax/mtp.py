@@ -1,6 +1,6 @@
 """Multi-token prediction: one MTP layer applied for `mtp_depths` steps with shared parameters.
 
-GLM5_REFERENCE.md section 2 ("MTP"). Depth d = 1..mtp_depths at position i:
+docs/reference.md section 2 ("MTP"). Depth d = 1..mtp_depths at position i:
 
   h'      = eh_proj([enorm(emb(t_{i+d})) ; hnorm(h^{d-1}_i)])     (embedding first)
   h^d     = DecoderLayer(h')                                     (the one shared MTP layer)

@@ -3,7 +3,7 @@
 Works on `jax.ShapeDtypeStruct` trees from `glm5_jax.abstract_params`, so nothing is allocated.
 Used by `tools/param_count.py` and by training's FLOPs/MFU estimate.
 
-What is counted (GLM5_REFERENCE.md section 1):
+What is counted (docs/reference.md section 1):
   total_params                      every parameter, MTP layer included
   total_params_without_mtp          the main model only
   active_params                     per token, main model: every non-routed-expert parameter

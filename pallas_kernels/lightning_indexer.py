@@ -1,6 +1,6 @@
 """Lightning indexer scores and deterministic top-k: the jnp reference and the XLA path.
 
-DSA's indexer (GLM5_REFERENCE.md section 2, "Lightning indexer") scores key s for query t as
+DSA's indexer (docs/reference.md section 2, "Lightning indexer") scores key s for query t as
 
   I[t, s] = sum_h w[t, h] * ReLU(q[t, h] . k[s] * scale)          (fp32)
 

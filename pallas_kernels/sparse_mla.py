@@ -1,7 +1,7 @@
 """Sparse MLA attention (absorbed / MQA form): the jnp reference and the XLA gather path.
 
 Each query token t selected T latent rows `topk[t]` (-1 = empty slot). Every one of its H heads
-attends over those rows of the shared MLA cache (GLM5_REFERENCE.md section 2, "absorbed"):
+attends over those rows of the shared MLA cache (docs/reference.md section 2, "absorbed"):
 
   logit[t, h, j] = (q[t, h] . kv[topk[t, j]] + q_rope[t, h] . k_rope[topk[t, j]]) * scale
   p[t, h, :]     = softmax_j(logit[t, h, :])          over the valid slots only
@@ -219,7 +219,7 @@ def sparse_mla_head_mean_probs(q_BLHC, q_rope_BLHR, kv_BSC, k_rope_BSR, topk_BLT
   """The attention's head-mean probability at each selected slot, fp32 `[B, L, T]`.
 
   `mean_h exp(logit[t, h, j] - lse[t, h])` from the forward's `lse`, 0 at -1 slots; rows sum to
-  1 over the valid slots. This is the sparse-stage indexer KL's target (GLM5_REFERENCE.md
+  1 over the valid slots. This is the sparse-stage indexer KL's target (docs/reference.md
   section 3) restricted to the selected keys, and it never carries a gradient (the main model
   must not learn from the indexer loss). One extra QK pass over the selected rows, per query
   block, in XLA on every backend.

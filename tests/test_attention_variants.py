@@ -1,4 +1,4 @@
-"""The long-context attention variants (GLM5_REFERENCE.md section 3): S (sliding-window MLA),
+"""The long-context attention variants (docs/reference.md section 3): S (sliding-window MLA),
 N (Gated DeltaNet), L (SimpleGDN), and the gated delta rule under N and L.
 
 Delta rule: recurrent == the paper's equation (numpy), chunked == recurrent with odd lengths,

@@ -138,7 +138,7 @@ def test_tiny_is_really_sparse(tiny):
 
 
 def test_glm5_744b_matches_the_reference(helpers):
-  """configs/glm5_744b.py reproduces GLM5_REFERENCE.md section 1, ~744B params without MTP."""
+  """configs/glm5_744b.py reproduces docs/reference.md section 1, ~744B params without MTP."""
   model = helpers.load_config_module(CONFIG_DIR / "glm5_744b.py").get_config().model
   cfg = ModelConfig.from_config(model)
   expected = dict(

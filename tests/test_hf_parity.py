@@ -141,7 +141,7 @@ def _tie_free_tokens(config, params, batch, seq, vocab):
 
 
 def _hf_mtp_depth1_logits(hf_model, mtp_layer, mtp_state, tokens, num_layers):
-  """Independent torch MTP depth 1 (GLM5_REFERENCE.md section 2) on the HF main model."""
+  """Independent torch MTP depth 1 (docs/reference.md section 2) on the HF main model."""
   prefix = f"model.layers.{num_layers}."
   ids = torch.tensor(tokens)
   with torch.no_grad():

@@ -1,4 +1,4 @@
-"""Model-level properties of GLM-5 on the tiny config (GLM5_REFERENCE.md section 2).
+"""Model-level properties of GLM-5 on the tiny config (docs/reference.md section 2).
 
 Causality (token perturbation through the indexer, top-k and MoE; gradients nanodo-style),
 MLA absorbed == expanded (and the flag reaching every MLA layer), DSA with top-k >= length ==

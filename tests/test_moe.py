@@ -1,4 +1,4 @@
-"""The MoE router and dropless dispatch against a naive numpy loop (GLM5_REFERENCE.md section 2,
+"""The MoE router and dropless dispatch against a naive numpy loop (docs/reference.md section 2,
 "MoE router"), at odd sizes: 13 tokens, 5 experts, top-3, hidden 7, expert width 11.
 
 Notation: N tokens, D hidden, E experts, X experts per token, F expert intermediate.

@@ -1,4 +1,4 @@
-"""The optimizer (GLM5_REFERENCE.md section 3, "Muon Split"): per-head / per-expert
+"""The optimizer (docs/reference.md section 3, "Muon Split"): per-head / per-expert
 orthogonalization, consistent-RMS scaling, the Muon/AdamW partition of every tiny-model param,
 frozen leaves, schedule, clipping, the three variants, and parity with `optax.contrib.muon`.
 

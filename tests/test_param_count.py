@@ -18,7 +18,7 @@ from glm5_jax import param_stats as param_count
 
 REPO_ROOT = pathlib.Path(__file__).resolve().parents[1]
 
-# GLM5_REFERENCE.md section 1: 75 MoE layers x 256 experts x SwiGLU (3 matrices) of 6144 x 2048.
+# docs/reference.md section 1: 75 MoE layers x 256 experts x SwiGLU (3 matrices) of 6144 x 2048.
 ROUTED_744B = 75 * 256 * 3 * 6144 * 2048
 
 

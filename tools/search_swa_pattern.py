@@ -4,7 +4,7 @@
   python tools/search_swa_pattern.py --workdir=/tmp/mla --beam_width=4 --layers_per_step=1 \
       --num_convert=2 --length=1024 --suite.examples_per_cell=4 --output=/tmp/swa.json
 
-The report's beam search (GLM5_REFERENCE.md section 3; glm5_jax.eval.swa_search): from the
+The report's beam search (docs/reference.md section 3; glm5_jax.eval.swa_search): from the
 checkpoint's pattern, convert `--layers_per_step` more layers to `--letter` per step in every
 possible way, score each candidate training-free (checkpoint params, SWA needs no new ones) by
 retrieval exact match at one context length (`--length`, default `--length_multiple` x the

@@ -1,4 +1,4 @@
-"""Long-context attention conversion (GLM5_REFERENCE.md section 3, report Tables 4-5), tiny scale.
+"""Long-context attention conversion (docs/reference.md section 3, report Tables 4-5), tiny scale.
 
   python experiments/sweep.py --sweep=configs/sweeps/attention_conversion.py        # ~22 min
   python experiments/sweep.py --sweep=configs/sweeps/attention_conversion.py --quick

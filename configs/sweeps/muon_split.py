@@ -1,4 +1,4 @@
-"""Muon Split ablation (GLM5_REFERENCE.md section 3, report Table 1), tiny scale.
+"""Muon Split ablation (docs/reference.md section 3, report Table 1), tiny scale.
 
   python experiments/sweep.py --sweep=configs/sweeps/muon_split.py          # ~20 min
   python experiments/sweep.py --sweep=configs/sweeps/muon_split.py --quick

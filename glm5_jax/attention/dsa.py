@@ -1,6 +1,6 @@
 """DeepSeek Sparse Attention: the lightning indexer and deterministic top-k key selection.
 
-Reproduces GLM5_REFERENCE.md section 2 ("Lightning indexer"). For query t and key s:
+Reproduces docs/reference.md section 2 ("Lightning indexer"). For query t and key s:
 
   1. q_I[t]  = RoPE(cq[t] W_Iq)                 [N heads, I]   (cq: the MLA query latent)
   2. k_I[s]  = RoPE(LayerNorm(x[s] W_Ik))        [I], one key shared by all index heads
@@ -125,7 +125,7 @@ def topk_mask(topk_BLT, num_keys: int):
 
 
 def indexer_kl(index_scores_BLS, target_BLS, keys_BLS):
-  """Per-query `KL(p || softmax(I))` over the keys in `keys_BLS` (GLM5_REFERENCE.md section 3).
+  """Per-query `KL(p || softmax(I))` over the keys in `keys_BLS` (docs/reference.md section 3).
 
   The last axis is any key axis: all S keys (dense paths) or the T selected slots (the
   xla / pallas sparse stage, where I and p are only computed at the selection).

@@ -2,7 +2,7 @@
 
 Yang, Kautz & Hatamizadeh 2024, "Gated Delta Networks: Improving Mamba2 with Delta Rule" (arXiv
 2412.06464), as laid out by fla-org/flash-linear-attention's `GatedDeltaNet` layer; the long-
-context ablation of GLM5_REFERENCE.md section 3 converts half of a model's layers to it. For
+context ablation of docs/reference.md section 3 converts half of a model's layers to it. For
 token t, per head h:
 
   1. q, k, v      = the M layer's projections (`mla_projections.mla_qkv`, no RoPE: position

@@ -1,6 +1,6 @@
 """Multi-head latent attention (MLA) as in GLM-5, optionally sparse (DSA).
 
-GLM5_REFERENCE.md section 2 ("MLA"):
+docs/reference.md section 2 ("MLA"):
 
   cq      = RMSNorm(x W_qa)                              [Q]   (also feeds the DSA indexer)
   q       = cq W_qb                                      [H, N + R]  (per head: nope | rope)
@@ -54,7 +54,7 @@ class MLA(nn.Module):
       segment_ids_BL: int document ids; attention never crosses them.
       prev_topk_BLT: the previous DSA layer's selection, for kind "dsa_shared_topk".
       absorbed: run the latent (decode) form instead of the expanded one.
-      dsa_stage: for DSA kinds (GLM5_REFERENCE.md section 3, "DSA adaptation"):
+      dsa_stage: for DSA kinds (docs/reference.md section 3, "DSA adaptation"):
         "dense"  - plain MLA; the indexer is not run.
         "warmup" - the indexer runs and learns, attention stays dense.
         "sparse" - attention is restricted to the top-k keys (inference and stage 2).

@@ -12,7 +12,7 @@ every one of these weights reused as is (`glm5_jax.convert.attention_pattern`):
   v       = c v_b_proj                                                 [H, V]
   y       = o o_proj, summed over [H, V] [+ o_proj_bias]                [D]
 
-(GLM5_REFERENCE.md section 2, "MLA".) With `positions_BL`, q's rope part and kr get the same interleaved RoPE as in MLA, so
+(docs/reference.md section 2, "MLA".) With `positions_BL`, q's rope part and kr get the same interleaved RoPE as in MLA, so
 q . k equals the MLA logit times (N + R)^0.5; without, they are left unrotated.
 
 Notation: B batch, L length, D hidden, H heads, Q q latent, C kv latent, N nope head dim,

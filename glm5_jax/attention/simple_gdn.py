@@ -1,6 +1,6 @@
 """SimpleGDN (letter L): the gated delta rule run directly on an M layer's own q/k/v/o weights.
 
-GLM5_REFERENCE.md section 3 ("Long-context ablation"): "SimpleGDN = gated-delta-rule linear
+docs/reference.md section 3 ("Long-context ablation"): "SimpleGDN = gated-delta-rule linear
 attention that reuses the pretrained Q/K/V projections, no conv and no new gate modules". Per
 token t and head h:
 

@@ -1,6 +1,6 @@
 """Sliding-window MLA (letter S): the M layer with each query restricted to its latest keys.
 
-GLM5_REFERENCE.md section 3 ("Long-context ablation"): SWA layers interleaved with full
+docs/reference.md section 3 ("Long-context ablation"): SWA layers interleaved with full
 attention, or placed by a layer search. Key s is visible to query l iff
 
   l - window < s <= l   and   s, l lie in the same packed document,

@@ -1,6 +1,6 @@
 """Loading params into a model whose per-layer attention pattern differs (e.g. M -> S/N/L/D).
 
-The long-context ablation (GLM5_REFERENCE.md section 3) starts from a trained full-attention
+The long-context ablation (docs/reference.md section 3) starts from a trained full-attention
 model and converts some of its layers; the DSA recipe converts M layers to D. Every attention
 kind stores either the M layer's parameters plus kind-specific extras (the "mla" family) or
 GQA's own (the "gqa" family). Converting a layer within a family:

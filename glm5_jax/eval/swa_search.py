@@ -1,6 +1,6 @@
 """Beam search over which layers of a full-attention model become sliding-window attention.
 
-GLM5_REFERENCE.md section 3 (long-context ablation, report Tables 4-5): "Searched SWA = beam
+docs/reference.md section 3 (long-context ablation, report Tables 4-5): "Searched SWA = beam
 search (width 8, 2 layers a step) over which layers become SWA, scored on a retrieval
 benchmark." Starting from the trained model's pattern, each step takes every pattern on the beam
 and converts `layers_per_step` more of its convertible layers to `letter` in every possible way,

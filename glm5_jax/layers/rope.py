@@ -1,7 +1,7 @@
 """Interleaved rotary position embedding (GLM-5 / DeepSeek layout).
 
 GLM-5 rotates adjacent pairs `(x0, x1), (x2, x3), ...`, each pair by one frequency, both in
-MLA (q_rope, k_rope) and in the lightning indexer (GLM5_REFERENCE.md section 2). The output
+MLA (q_rope, k_rope) and in the lightning indexer (docs/reference.md section 2). The output
 keeps the interleaved layout. HF's implementation writes the rotated pairs out de-interleaved;
 since queries and keys are permuted alike, every attention score is the same.
 """

@@ -1,4 +1,4 @@
-"""Optimizers: Muon Split + AdamW (GLM5_REFERENCE.md section 3), built from the `optim` config.
+"""Optimizers: Muon Split + AdamW (docs/reference.md section 3), built from the `optim` config.
 
 Public API:
   optim_config(**overrides) -> ConfigDict          the `optim` section's defaults

@@ -1,6 +1,6 @@
 """The optimizer from the `optim` config: Muon Split (or Muon, or AdamW) + AdamW, one schedule.
 
-GLM5_REFERENCE.md section 3. One update, in order:
+docs/reference.md section 3. One update, in order:
 
   1. frozen leaves (`trainable` False, `e_score_correction_bias`) get zero gradient, so they
      count for nothing below;

@@ -1,6 +1,6 @@
 """Which optimizer moves each parameter, from its path: Muon (with a matrix layout) or AdamW.
 
-GLM5_REFERENCE.md section 3 ("Muon Split"). Muon orthogonalizes a momentum *matrix* with
+docs/reference.md section 3 ("Muon Split"). Muon orthogonalizes a momentum *matrix* with
 Newton-Schulz; `optax.contrib.MuonDimensionNumbers(reduction_axis, output_axis)` says which axes
 of a stored kernel form that matrix's rows (inputs) and columns (outputs). Every axis named in
 neither is a batch axis: each slice along it is orthogonalized on its own (`jax.vmap`).

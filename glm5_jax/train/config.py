@@ -10,7 +10,7 @@ import ml_collections
 def train_config(**overrides) -> ml_collections.ConfigDict:
   c = ml_collections.ConfigDict()
   c.steps = 1000
-  c.dsa_stage = "sparse"  # dense | warmup | sparse (GLM5_REFERENCE.md section 3)
+  c.dsa_stage = "sparse"  # dense | warmup | sparse (docs/reference.md section 3)
   # With dsa_stage "sparse" on a run from scratch: attend densely for the first N steps while
   # the indexers learn their KL to that dense attention (the warm-up objective, but every other
   # parameter trains on the LM loss too), then switch top-k on. An indexer that starts random

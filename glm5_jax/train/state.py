@@ -1,6 +1,6 @@
 """Train state, which parameters each DSA stage trains, and starting from another stage's params.
 
-DSA stages (GLM5_REFERENCE.md section 3, `train.dsa_stage`):
+DSA stages (docs/reference.md section 3, `train.dsa_stage`):
   dense   ordinary MLA training; indexers (if the pattern has any) are unused and frozen
   warmup  attention dense; only the indexers train (KL to the main attention)
   sparse  top-k attention; every parameter trains (indexers only through their own KL loss)

@@ -1,6 +1,6 @@
 """One training step (loss, gradients, optimizer, loss-free balancing) and one eval step.
 
-The total loss (GLM5_REFERENCE.md sections 2-3):
+The total loss (docs/reference.md sections 2-3):
   lm_ce + z_loss_weight * z_loss
   + mtp_loss_weight * mean_d(mtp_ce_d)                 shared-parameter MTP depths
   + indexer_loss_weight * indexer_kl                   DSA warm-up / sparse stages
