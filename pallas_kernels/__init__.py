@@ -11,6 +11,35 @@ plus `indexer_scores_at` (differentiable index scores at the selected keys) and
 `sparse_mla_head_mean_probs` (the indexer KL's target), both XLA, which the sparse training
 stage needs on every path. `DSA_OPS[impl]` is what `model.dsa_impl` selects.
 
+Index contract (every op, reference, XLA and Pallas, forward and backward):
+
+- Empty slots. A selected-key index outside [0, S) is an empty slot, exactly like -1: -1,
+  any other negative value, S and above. It adds no term to the softmax (a query with no valid
+  slot gets a zero output and lse -inf), gets score -inf from `indexer_scores_at` and
+  probability 0 from `sparse_mla_head_mean_probs`, and sends no gradient to any key row. Every
+  op that takes indices maps them once on entry (`blocking.empty_out_of_range`), so a gather
+  never clamps an index >= S to row S - 1, a Pallas DMA never reads past the keys, and the
+  backward sees the selection the forward saw.
+- Duplicates. Each slot is one term; nothing is deduplicated (that would cost a sort per
+  query). A key selected twice counts twice: in the sparse attention its softmax weight is that
+  of a single copy with logit + log 2, and it receives the gradients of both slots (scatter-add);
+  `indexer_scores_at` and `sparse_mla_head_mean_probs` give each copy the same score /
+  probability (the probabilities of a row still sum to 1 over its slots). The indexer's own
+  top-k never selects a key twice (`lax.top_k` returns distinct positions), so duplicates only
+  come from a selection made elsewhere. (The model's "dense_mask" path builds a boolean mask
+  from the selection and so counts a duplicated key once: the paths agree only on distinct
+  selections, which is what the model produces.)
+- Indexer signs. `I[t, s] = sum_j w[t, j] ReLU(q[t, j] . k[s] * scale)` holds as written for
+  any sign of the weights `w` and of `scale`: no path takes absolute values or assumes scores
+  >= 0. A negative weight makes its head vote against the keys it matches (the model's weights
+  come from a linear projection, so they take either sign); a negative scale flips which dot
+  products pass the ReLU. Negative and zero scores of visible keys are ordinary candidates,
+  ranked above every invisible key (-inf). +0.0 and -0.0 are one score: `select_topk` maps
+  -0.0 to +0.0 before `lax.top_k` (whose float order ranks +0.0 higher), so signed zeros,
+  which depend on a backend's accumulation order, cannot change which key wins a tie.
+
+`tests/test_dsa_kernels.py` checks each point on every path.
+
 Pallas kernels target TPU (Mosaic) and run in interpret mode elsewhere. There is no GPU Pallas
 variant: no GPU was available when they were written, so on GPU use "xla" (plain XLA, no
 backend-specific code). The TPU kernels are checked by lowering them for TPU from a CPU host

@@ -98,6 +98,19 @@ def map_query_blocks(fn, block: int | None, per_query, pad_values):
   return jax.tree.map(lambda y: from_query_blocks(y, length), out)
 
 
-def gather_rows(x_BSX, idx_BLT):
-  """`x[b, idx[b, l, t]]` -> `[B, L, T, X...]`; callers clamp -1 slots to a valid row first."""
-  return jax.vmap(lambda x_SX, idx_LT: x_SX[idx_LT])(x_BSX, idx_BLT)
+def empty_out_of_range(topk_BLT, num_keys: int):
+  """`topk_BLT` with every slot outside `[0, num_keys)` set to -1, the empty slot.
+
+  The ops' contract (package docstring): any index outside [0, S) selects nothing, forward and
+  backward. Without this a gather would clamp an index >= S to row S - 1 (JAX's default for
+  out-of-bounds reads) while the scatter-add of its gradient drops it, so forward and backward
+  would disagree; a Pallas DMA would read out of bounds.
+  """
+  in_range_BLT = (topk_BLT >= 0) & (topk_BLT < num_keys)
+  return jnp.where(in_range_BLT, topk_BLT, -1).astype(topk_BLT.dtype)
+
+
+def gather_rows(x_BS, idx_BLT):
+  """`x[b, idx[b, l, t]]`: `[B, S, ...]` -> `[B, L, T, ...]`; callers clamp -1 slots to a valid
+  row first (and mask them afterwards)."""
+  return jax.vmap(lambda x_S, idx_LT: x_S[idx_LT])(x_BS, idx_BLT)

@@ -2,13 +2,19 @@
 
 DSA's indexer (docs/reference.md section 2, "Lightning indexer") scores key s for query t as
 
-  I[t, s] = sum_h w[t, h] * ReLU(q[t, h] . k[s] * scale)          (fp32)
+  I[t, s] = sum_j w[t, j] * ReLU(q[t, j] . k[s] * scale)          (fp32)
 
 over the keys t may see: s <= q_pos[t] (causal, in key-sequence positions) and
 k_seg[s] == q_seg[t] (packed documents). Each query keeps its top-k keys, best first, ties to
 the earlier position (the contract of `lax.top_k`); slots of queries that see fewer than k keys
 hold -1. ReLU makes exact ties common (every all-zero head sum ties), so this rule is part of
-the op's contract and every implementation must follow it bit for bit.
+the op's contract and every implementation must follow it bit for bit; +0.0 and -0.0 tie too
+(`select_topk`).
+
+Signs: the formula holds as written for any sign of `w` and `scale` (package docstring, "Index
+contract"). A negative head weight votes against the keys its head matches; a negative scale
+flips which dot products pass the ReLU. Scores may be negative, and a visible key with a
+negative or zero score is still a candidate, ranked above every invisible (-inf) key.
 
 Queries are addressed by `q_pos_BL`, their own index in the key sequence, separately from the
 key count S: training and prefill use `q_pos = arange(L)` with S = L; a decode step puts its
@@ -26,14 +32,15 @@ Implementations (same signature, same outputs):
 and w): the sparse-stage indexer KL needs nothing more, so no path materializes [B, L, S] for
 training.
 
-Notation: B batch, L queries, S keys, N index heads, I index head dim, T top-k.
+Notation (docs/design.md): B batch, L queries, S keys, J index heads, I index head dim,
+T top-k.
 """
 
 import jax
 import jax.numpy as jnp
 
-from pallas_kernels.blocking import (default_query_block, gather_rows, map_query_blocks,
-                                     pad_axis, round_up)
+from pallas_kernels.blocking import (default_query_block, empty_out_of_range, gather_rows,
+                                     map_query_blocks, pad_axis, round_up)
 
 
 def visible_keys(q_pos_BL, q_seg_BL, k_seg_BS, first_key=0):
@@ -44,14 +51,14 @@ def visible_keys(q_pos_BL, q_seg_BL, k_seg_BS, first_key=0):
   return causal_BLS & (q_seg_BL[:, :, None] == k_seg_BS[:, None, :])
 
 
-def indexer_scores_reference(q_BLNI, k_BSI, weights_BLN, q_pos_BL, q_seg_BL, k_seg_BS, *,
+def indexer_scores_reference(q_BLJI, k_BSI, weights_BLJ, q_pos_BL, q_seg_BL, k_seg_BS, *,
                              scale: float, first_key=0):
   """Dense index scores `I` (module docstring), fp32 `[B, L, S]`, -inf at invisible keys.
   `first_key` is the index of `k_BSI`'s first row when it is a block of a longer sequence."""
-  head_scores_BLNS = jax.nn.relu(
-      jnp.einsum("blni,bsi->blns", q_BLNI.astype(jnp.float32), k_BSI.astype(jnp.float32))
+  head_scores_BLJS = jax.nn.relu(
+      jnp.einsum("blji,bsi->bljs", q_BLJI.astype(jnp.float32), k_BSI.astype(jnp.float32))
       * scale)
-  scores_BLS = jnp.einsum("bln,blns->bls", weights_BLN.astype(jnp.float32), head_scores_BLNS)
+  scores_BLS = jnp.einsum("blj,bljs->bls", weights_BLJ.astype(jnp.float32), head_scores_BLJS)
   return jnp.where(visible_keys(q_pos_BL, q_seg_BL, k_seg_BS, first_key), scores_BLS, -jnp.inf)
 
 
@@ -61,44 +68,50 @@ def select_topk(scores_BLS, topk: int):
   Returns:
     `(topk_BLT, values_BLT)`: int32 key indices best first, ties to the earlier position, -1
     where fewer than `topk` keys are visible (T = min(topk, S)); their scores, -inf at -1 slots.
+    Indices are distinct: a key is never selected twice.
   """
+  # `lax.top_k` orders floats totally, +0.0 above -0.0, but they are the same score: which sign
+  # a zero sum gets (negative weights times ReLU zeros) depends on how a backend accumulates, so
+  # without this the tie rule would differ between paths.
+  scores_BLS = jnp.where(scores_BLS == 0, 0.0, scores_BLS)
   values_BLT, indices_BLT = jax.lax.top_k(scores_BLS, min(topk, scores_BLS.shape[-1]))
   invalid_BLT = values_BLT == -jnp.inf
   return jnp.where(invalid_BLT, -1, indices_BLT).astype(jnp.int32), values_BLT
 
 
-def check_indexer_inputs(q_BLNI, k_BSI, weights_BLN, q_pos_BL, q_seg_BL, k_seg_BS):
-  b, l, n, i = q_BLNI.shape
-  if k_BSI.shape[::2] != (b, i) or weights_BLN.shape != (b, l, n):
-    raise ValueError(f"indexer shapes disagree: q {q_BLNI.shape} [B, L, N, I], k {k_BSI.shape} "
-                     f"[B, S, I], weights {weights_BLN.shape} [B, L, N]")
+def check_indexer_inputs(q_BLJI, k_BSI, weights_BLJ, q_pos_BL, q_seg_BL, k_seg_BS):
+  b, l, heads, i = q_BLJI.shape
+  if k_BSI.shape[::2] != (b, i) or weights_BLJ.shape != (b, l, heads):
+    raise ValueError(f"indexer shapes disagree: q {q_BLJI.shape} [B, L, J, I], k {k_BSI.shape} "
+                     f"[B, S, I], weights {weights_BLJ.shape} [B, L, J]")
   if q_pos_BL.shape != (b, l) or q_seg_BL.shape != (b, l) or k_seg_BS.shape != k_BSI.shape[:2]:
     raise ValueError(f"q_pos {q_pos_BL.shape} and q_seg {q_seg_BL.shape} must be [B, L] = "
                      f"{(b, l)}, k_seg {k_seg_BS.shape} must be [B, S] = {k_BSI.shape[:2]}")
 
 
-def indexer_topk_reference(q_BLNI, k_BSI, weights_BLN, q_pos_BL, q_seg_BL, k_seg_BS, *,
+def indexer_topk_reference(q_BLJI, k_BSI, weights_BLJ, q_pos_BL, q_seg_BL, k_seg_BS, *,
                            topk: int, scale: float):
   """Top-k keys of the dense index scores (module docstring); O(L x S) memory.
 
   Args:
-    q_BLNI: index queries (RoPE applied). k_BSI: index keys, one per token, shared by heads.
-    weights_BLN: per-head weights w (fp32 in the model, the N^-0.5 already folded in).
+    q_BLJI: index queries (RoPE applied). k_BSI: index keys, one per token, shared by heads.
+    weights_BLJ: per-head weights w, any sign (fp32 in the model, the J^-0.5 already folded
+      in).
     q_pos_BL: int32 index of each query's own token in the key sequence (-1 = padding).
     q_seg_BL, k_seg_BS: int32 document ids of queries and keys.
-    topk: keys to keep per query (T = min(topk, S)). scale: applied inside the ReLU.
+    topk: keys to keep per query (T = min(topk, S)). scale: applied inside the ReLU, any sign.
   Returns:
     `(topk_BLT, scores_BLT)`: int32 indices (-1 = empty slot) and their fp32 scores (-inf at
     empty slots). Selection passes no gradient (the inputs are detached); differentiate the
     scores with `indexer_scores_at`.
   """
-  check_indexer_inputs(q_BLNI, k_BSI, weights_BLN, q_pos_BL, q_seg_BL, k_seg_BS)
-  q_BLNI, k_BSI, weights_BLN = jax.lax.stop_gradient((q_BLNI, k_BSI, weights_BLN))
-  return select_topk(indexer_scores_reference(q_BLNI, k_BSI, weights_BLN, q_pos_BL, q_seg_BL,
+  check_indexer_inputs(q_BLJI, k_BSI, weights_BLJ, q_pos_BL, q_seg_BL, k_seg_BS)
+  q_BLJI, k_BSI, weights_BLJ = jax.lax.stop_gradient((q_BLJI, k_BSI, weights_BLJ))
+  return select_topk(indexer_scores_reference(q_BLJI, k_BSI, weights_BLJ, q_pos_BL, q_seg_BL,
                                               k_seg_BS, scale=scale), topk)
 
 
-def indexer_topk_xla(q_BLNI, k_BSI, weights_BLN, q_pos_BL, q_seg_BL, k_seg_BS, *, topk: int,
+def indexer_topk_xla(q_BLJI, k_BSI, weights_BLJ, q_pos_BL, q_seg_BL, k_seg_BS, *, topk: int,
                      scale: float, query_block: int | None = None, key_block: int = 512):
   """`indexer_topk_reference` per block of queries, keys in blocks with causal skipping.
 
@@ -106,28 +119,29 @@ def indexer_topk_xla(q_BLNI, k_BSI, weights_BLN, q_pos_BL, q_seg_BL, k_seg_BS, *
   `fori_loop` fills it one `key_block` tile at a time, stopping after the block holding the
   query block's last position (a prefill query block skips every later key, half the work on
   average); then `lax.top_k` selects from the buffer. Memory: O(query_block x (S +
-  N x key_block)); `query_block` None: 512 or what fits (`blocking.default_query_block`).
+  J x key_block)); `query_block` None: 512 or what fits (`blocking.default_query_block`).
   Same results as the reference (each score is the same per-pair arithmetic).
   """
-  check_indexer_inputs(q_BLNI, k_BSI, weights_BLN, q_pos_BL, q_seg_BL, k_seg_BS)
+  check_indexer_inputs(q_BLJI, k_BSI, weights_BLJ, q_pos_BL, q_seg_BL, k_seg_BS)
   b, s = k_BSI.shape[:2]
-  n = q_BLNI.shape[2]
+  heads = q_BLJI.shape[2]
   key_block = min(key_block, s)
   s_pad = round_up(s, key_block)
   if query_block is None:  # small blocks skip more key tiles and keep top-k cache-friendly
-    query_block = default_query_block(b * (s_pad + key_block * (n + 2)) * 4, 512, 512)
-  q_BLNI, k_BSI, weights_BLN = jax.lax.stop_gradient((q_BLNI, k_BSI, weights_BLN))
+    query_block = default_query_block(b * (s_pad + key_block * (heads + 2)) * 4, 512, 512)
+  q_BLJI, k_BSI, weights_BLJ = jax.lax.stop_gradient((q_BLJI, k_BSI, weights_BLJ))
   # Padded keys sit past every real query position, so causality hides them.
   k_BSI = pad_axis(k_BSI, 1, s_pad, 0)
   k_seg_BS = pad_axis(k_seg_BS, 1, s_pad, 0)
 
-  def one_block(q_BLNI, weights_BLN, q_pos_BL, q_seg_BL):
+  def one_block(q_BLJI, weights_BLJ, q_pos_BL, q_seg_BL):
     def key_tile(j, scores_BLS):
       first = j * key_block
       tile = lambda x: jax.lax.dynamic_slice_in_dim(x, first, key_block, axis=1)
-      tile_BLK = indexer_scores_reference(q_BLNI, tile(k_BSI), weights_BLN, q_pos_BL, q_seg_BL,
-                                          tile(k_seg_BS), scale=scale, first_key=first)
-      return jax.lax.dynamic_update_slice_in_dim(scores_BLS, tile_BLK, first, axis=2)
+      scores_tile_BLS = indexer_scores_reference(q_BLJI, tile(k_BSI), weights_BLJ, q_pos_BL,
+                                                 q_seg_BL, tile(k_seg_BS), scale=scale,
+                                                 first_key=first)
+      return jax.lax.dynamic_update_slice_in_dim(scores_BLS, scores_tile_BLS, first, axis=2)
 
     # Key tiles up to the one holding the block's last position; none for padded queries.
     last_pos = jnp.max(q_pos_BL)
@@ -137,32 +151,37 @@ def indexer_topk_xla(q_BLNI, k_BSI, weights_BLN, q_pos_BL, q_seg_BL, k_seg_BS, *
                                    empty_BLS)
     return select_topk(scores_BLS, min(topk, s))
 
-  return map_query_blocks(one_block, query_block, [q_BLNI, weights_BLN, q_pos_BL, q_seg_BL],
+  return map_query_blocks(one_block, query_block, [q_BLJI, weights_BLJ, q_pos_BL, q_seg_BL],
                           [0, 0, -1, 0])
 
 
-def indexer_scores_at(q_BLNI, k_BSI, weights_BLN, topk_BLT, *, scale: float,
+def indexer_scores_at(q_BLJI, k_BSI, weights_BLJ, topk_BLT, *, scale: float,
                       query_block: int | None = None):
-  """Index scores at the selected keys, `I[t, topk[t, j]]`: fp32 `[B, L, T]`, -inf at -1 slots.
+  """Index scores at the selected keys, `I[t, topk[t, j]]`: fp32 `[B, L, T]`, -inf at empty slots.
+
+  Index contract (package docstring): a slot outside [0, S) (-1 or >= S) is empty (score -inf,
+  no gradient); a key selected twice gets its score in both slots and the gradients of both.
+  Any sign of `weights` and `scale`.
 
   The sparse-stage indexer KL lives on the selected keys only, so this is all it needs: O(L x T)
   work, per query block (rows of k gathered with `take`), differentiable in q, k and w (the
   backward of the gather is a scatter-add into k). Blocks are rematerialized in the backward
-  pass, so memory stays O(query_block x T x (N + I)).
+  pass, so memory stays O(query_block x T x (J + I)).
   """
-  b, _, n, i = q_BLNI.shape
+  b, _, heads, i = q_BLJI.shape
   t = topk_BLT.shape[-1]
+  topk_BLT = empty_out_of_range(topk_BLT, k_BSI.shape[1])
   if query_block is None:
-    query_block = default_query_block(b * t * (n + i + 2) * 4)
+    query_block = default_query_block(b * t * (heads + i + 2) * 4)
   k_BSI = k_BSI.astype(jnp.float32)
 
   @jax.checkpoint
-  def one_block(q_BLNI, weights_BLN, topk_BLT):
+  def one_block(q_BLJI, weights_BLJ, topk_BLT):
     k_BLTI = gather_rows(k_BSI, jnp.maximum(topk_BLT, 0))
-    head_scores_BLNT = jax.nn.relu(
-        jnp.einsum("blni,blti->blnt", q_BLNI.astype(jnp.float32), k_BLTI) * scale)
-    scores_BLT = jnp.einsum("bln,blnt->blt", weights_BLN.astype(jnp.float32), head_scores_BLNT)
+    head_scores_BLJT = jax.nn.relu(
+        jnp.einsum("blji,blti->bljt", q_BLJI.astype(jnp.float32), k_BLTI) * scale)
+    scores_BLT = jnp.einsum("blj,bljt->blt", weights_BLJ.astype(jnp.float32), head_scores_BLJT)
     return jnp.where(topk_BLT >= 0, scores_BLT, -jnp.inf)
 
-  return map_query_blocks(one_block, query_block, [q_BLNI, weights_BLN, topk_BLT], [0, 0, -1])
+  return map_query_blocks(one_block, query_block, [q_BLJI, weights_BLJ, topk_BLT], [0, 0, -1])
 

@@ -1,8 +1,8 @@
 """Lightning indexer scores as a Pallas TPU kernel; top-k selection stays in XLA.
 
-Computes the same `I[t, s] = sum_h w[t, h] * ReLU(q[t, h] . k[s] * scale)` as
+Computes the same `I[t, s] = sum_j w[t, j] * ReLU(q[t, j] . k[s] * scale)` as
 `lightning_indexer.indexer_scores_reference`, fused: one grid step takes a `[bq]` block of
-queries (all N heads) and a `[bs]` block of keys, runs N `[bq, I] x [I, bs]` MXU matmuls with
+queries (all J heads) and a `[bs]` block of keys, runs J `[bq, I] x [I, bs]` MXU matmuls with
 fp32 accumulation, applies ReLU and the head weights on the VPU, masks causality and segments,
 and writes the `[bq, bs]` fp32 tile once. Key blocks entirely after a query block's last
 position are skipped (written -inf without compute), and their index map is clamped so the
@@ -20,11 +20,11 @@ Backends: TPU (Mosaic) compiled; elsewhere interpret mode (tests, CPU). There is
 (Triton / Mosaic-GPU) variant: on GPU use `indexer_topk_xla`.
 
 TPU block-shape rules respected: every block's last two dims are multiples of (8, 128) or the
-full array dims; q is laid out `[B, N, L, I]` so each head's `[bq, I]` slice is a clean
+full array dims; q is laid out `[B, J, L, I]` so each head's `[bq, I]` slice is a clean
 (sublane, lane) tile; position / segment vectors are `[B, L, 1]` and `[B, 1, S]`.
 
-Notation: B batch, L queries, S keys, N index heads, I index head dim, T top-k; bq / bs
-queries / keys per block, nq query blocks.
+Notation (docs/design.md): B batch, L queries, S keys, J index heads, I index head dim,
+T top-k; bq / bs queries / keys per block, nq query blocks.
 """
 
 import functools
@@ -43,7 +43,7 @@ _NT = (((1,), (1,)), ((), ()))  # dot_general: contract the last dims of both ([
 
 def _scores_kernel(max_pos_ref, q_ref, k_ref, w_ref, q_pos_ref, q_seg_ref, k_seg_ref, o_ref, *,
                    scale, num_heads, num_q_blocks):
-  """One `[bq, bs]` score tile. Refs: q `[N, bq, I]`, k `[bs, I]`, w `[bq, N]`, q_pos and
+  """One `[bq, bs]` score tile. Refs: q `[J, bq, I]`, k `[bs, I]`, w `[bq, J]`, q_pos and
   q_seg `[bq, 1]`, k_seg `[1, bs]`, out `[bq, bs]` fp32; max_pos (SMEM) `[B * nq]`."""
   b, i, j = pl.program_id(0), pl.program_id(1), pl.program_id(2)
   block_s = k_ref.shape[0]
@@ -53,11 +53,11 @@ def _scores_kernel(max_pos_ref, q_ref, k_ref, w_ref, q_pos_ref, q_seg_ref, k_seg
   @pl.when(needed)
   def _():
     k_SI = k_ref[...]
-    w_LN = w_ref[...].astype(jnp.float32)
+    w_LJ = w_ref[...].astype(jnp.float32)
     acc_LS = jnp.zeros(o_ref.shape, jnp.float32)
-    for h in range(num_heads):  # static: N small matmuls, each [bq, I] x [bs, I]^T
+    for h in range(num_heads):  # static: J small matmuls, each [bq, I] x [bs, I]^T
       s_LS = jax.lax.dot_general(q_ref[h], k_SI, _NT, preferred_element_type=jnp.float32)
-      acc_LS = acc_LS + w_LN[:, h:h + 1] * jnp.maximum(s_LS * scale, 0.0)
+      acc_LS = acc_LS + w_LJ[:, h:h + 1] * jnp.maximum(s_LS * scale, 0.0)
     keys_1S = first_key + jax.lax.broadcasted_iota(jnp.int32, (1, block_s), 1)
     visible_LS = (keys_1S <= q_pos_ref[...]) & (q_seg_ref[...] == k_seg_ref[...])
     o_ref[...] = jnp.where(visible_LS, acc_LS, -jnp.inf)
@@ -75,23 +75,24 @@ def _tile_sizes(length, num_keys, block_q, block_s):
   return bq, round_up(length, bq), bs, round_up(num_keys, bs)
 
 
-def indexer_scores_pallas(q_BLNI, k_BSI, weights_BLN, q_pos_BL, q_seg_BL, k_seg_BS, *,
+def indexer_scores_pallas(q_BLJI, k_BSI, weights_BLJ, q_pos_BL, q_seg_BL, k_seg_BS, *,
                           scale: float, block_q: int = 128, block_s: int = 512,
                           interpret: bool | None = None, pad_keys: bool = False):
   """Dense index scores from the Pallas kernel, fp32 `[B, L, S]` (-inf where invisible).
 
-  Same math and arguments as `indexer_scores_reference`. `pad_keys` returns `[B, L, S']` with
+  Same math and arguments as `indexer_scores_reference`, any sign of `weights` and `scale`
+  (package docstring, "Index contract"). `pad_keys` returns `[B, L, S']` with
   S padded to a multiple of the key block (the extra keys are invisible, -inf), sparing a copy
   when the caller only runs top-k on it.
   """
   interpret = default_interpret() if interpret is None else interpret
-  b, l, n, i = q_BLNI.shape
+  b, l, heads, i = q_BLJI.shape
   s = k_BSI.shape[1]
   bq, lp, bs, sp = _tile_sizes(l, s, block_q, block_s)
   nq, ns = lp // bq, sp // bs
 
-  q_BNLI = jnp.swapaxes(pad_axis(q_BLNI, 1, lp, 0), 1, 2)
-  weights_BLN = pad_axis(weights_BLN, 1, lp, 0)
+  q_BJLI = jnp.swapaxes(pad_axis(q_BLJI, 1, lp, 0), 1, 2)
+  weights_BLJ = pad_axis(weights_BLJ, 1, lp, 0)
   q_pos_BL = pad_axis(q_pos_BL.astype(jnp.int32), 1, lp, -1)  # padded queries see nothing
   q_seg_BL = pad_axis(q_seg_BL.astype(jnp.int32), 1, lp, 0)
   # Padded keys sit past every real query position, so causality already hides them.
@@ -108,19 +109,20 @@ def indexer_scores_pallas(q_BLNI, k_BSI, weights_BLN, q_pos_BL, q_seg_BL, k_seg_
       num_scalar_prefetch=1,
       grid=(b, nq, ns),
       in_specs=[
-          pl.BlockSpec((None, n, bq, i), lambda b, i, j, mp: (b, 0, i, 0)),
+          pl.BlockSpec((None, heads, bq, i), lambda b, i, j, mp: (b, 0, i, 0)),
           pl.BlockSpec((None, bs, k_BSI.shape[-1]),
                        lambda b, i, j, mp: (b, key_block(b, i, j, mp), 0)),
-          pl.BlockSpec((None, bq, n), lambda b, i, j, mp: (b, i, 0)),
+          pl.BlockSpec((None, bq, heads), lambda b, i, j, mp: (b, i, 0)),
           pl.BlockSpec((None, bq, 1), lambda b, i, j, mp: (b, i, 0)),
           pl.BlockSpec((None, bq, 1), lambda b, i, j, mp: (b, i, 0)),
           pl.BlockSpec((None, 1, bs), lambda b, i, j, mp: (b, 0, key_block(b, i, j, mp))),
       ],
       out_specs=pl.BlockSpec((None, bq, bs), lambda b, i, j, mp: (b, i, j)),
   )
-  kernel = functools.partial(_scores_kernel, scale=scale, num_heads=n, num_q_blocks=nq)
-  cost = pl.CostEstimate(flops=2 * b * lp * sp * n * i + 3 * b * lp * sp * n, transcendentals=0,
-                         bytes_accessed=(q_BNLI.size * q_BNLI.dtype.itemsize
+  kernel = functools.partial(_scores_kernel, scale=scale, num_heads=heads, num_q_blocks=nq)
+  cost = pl.CostEstimate(flops=2 * b * lp * sp * heads * i + 3 * b * lp * sp * heads,
+                         transcendentals=0,
+                         bytes_accessed=(q_BJLI.size * q_BJLI.dtype.itemsize
                                          + nq * k_BSI.size * k_BSI.dtype.itemsize
                                          + b * lp * sp * 4))
   scores_BLS = pl.pallas_call(
@@ -132,13 +134,13 @@ def indexer_scores_pallas(q_BLNI, k_BSI, weights_BLN, q_pos_BL, q_seg_BL, k_seg_
       cost_estimate=cost,
       interpret=interpret,
       name="lightning_indexer_scores",
-  )(max_pos_Bq, q_BNLI, k_BSI, weights_BLN, q_pos_BL[..., None], q_seg_BL[..., None],
+  )(max_pos_Bq, q_BJLI, k_BSI, weights_BLJ, q_pos_BL[..., None], q_seg_BL[..., None],
     k_seg_BS[:, None, :])
   scores_BLS = scores_BLS[:, :l]
   return scores_BLS if pad_keys else scores_BLS[:, :, :s]
 
 
-def indexer_topk_pallas(q_BLNI, k_BSI, weights_BLN, q_pos_BL, q_seg_BL, k_seg_BS, *, topk: int,
+def indexer_topk_pallas(q_BLJI, k_BSI, weights_BLJ, q_pos_BL, q_seg_BL, k_seg_BS, *, topk: int,
                         scale: float, query_block: int | None = None, block_q: int = 128,
                         block_s: int = 512, interpret: bool | None = None):
   """`indexer_topk_reference` with the scores from the Pallas kernel, per block of queries.
@@ -148,20 +150,20 @@ def indexer_topk_pallas(q_BLNI, k_BSI, weights_BLN, q_pos_BL, q_seg_BL, k_seg_BS
   `lax.top_k`, so memory is O(query_block x S) at any sequence length.
   Returns `(topk_BLT, scores_BLT)` exactly as the reference (inputs detached).
   """
-  check_indexer_inputs(q_BLNI, k_BSI, weights_BLN, q_pos_BL, q_seg_BL, k_seg_BS)
-  b, l = q_BLNI.shape[:2]
+  check_indexer_inputs(q_BLJI, k_BSI, weights_BLJ, q_pos_BL, q_seg_BL, k_seg_BS)
+  b, l = q_BLJI.shape[:2]
   s = k_BSI.shape[1]
   if query_block is None:
     query_block = default_query_block(b * round_up(s, block_s) * 4, 512, 512)
   if query_block < l:
     query_block = round_up(query_block, min(block_q, query_block))
-  q_BLNI, k_BSI, weights_BLN = jax.lax.stop_gradient((q_BLNI, k_BSI, weights_BLN))
+  q_BLJI, k_BSI, weights_BLJ = jax.lax.stop_gradient((q_BLJI, k_BSI, weights_BLJ))
 
-  def one_block(q_BLNI, weights_BLN, q_pos_BL, q_seg_BL):
-    scores_BLS = indexer_scores_pallas(q_BLNI, k_BSI, weights_BLN, q_pos_BL, q_seg_BL, k_seg_BS,
+  def one_block(q_BLJI, weights_BLJ, q_pos_BL, q_seg_BL):
+    scores_BLS = indexer_scores_pallas(q_BLJI, k_BSI, weights_BLJ, q_pos_BL, q_seg_BL, k_seg_BS,
                                        scale=scale, block_q=block_q, block_s=block_s,
                                        interpret=interpret, pad_keys=True)
     return select_topk(scores_BLS, min(topk, s))
 
-  return map_query_blocks(one_block, query_block, [q_BLNI, weights_BLN, q_pos_BL, q_seg_BL],
+  return map_query_blocks(one_block, query_block, [q_BLJI, weights_BLJ, q_pos_BL, q_seg_BL],
                           [0, 0, -1, 0])

@@ -1,7 +1,7 @@
 """Sparse MLA attention (absorbed / MQA form): the jnp reference and the XLA gather path.
 
-Each query token t selected T latent rows `topk[t]` (-1 = empty slot). Every one of its H heads
-attends over those rows of the shared MLA cache (docs/reference.md section 2, "absorbed"):
+Each query token t selected T latent rows `topk[t]`. Every one of its H heads attends over
+those rows of the shared MLA cache (docs/reference.md section 2, "absorbed"):
 
   logit[t, h, j] = (q[t, h] . kv[topk[t, j]] + q_rope[t, h] . k_rope[topk[t, j]]) * scale
   p[t, h, :]     = softmax_j(logit[t, h, :])          over the valid slots only
@@ -9,7 +9,10 @@ attends over those rows of the shared MLA cache (docs/reference.md section 2, "a
   lse[t, h]      = log sum_j exp(logit[t, h, j])      (-inf for a query with no valid slot)
 
 with q the query already multiplied by W_kb (C = 512 latent dims) and q_rope its RoPE part
-(R = 64), as FlashMLA's sparse kernels take them. Cost is O(L x T) in time and, per query
+(R = 64), as FlashMLA's sparse kernels take them. Slots follow the package's index contract
+(`pallas_kernels/__init__.py`): an index outside [0, S) (-1 or >= S) is an empty slot, excluded
+from the sum and given no gradient, on every path; a row selected twice is two terms (weight as
+logit + log 2, gradients of both slots summed). Cost is O(L x T) in time and, per query
 block, in memory, instead of the dense path's O(L x S).
 
 Gradients (custom VJP, shared by the XLA and Pallas paths; dp = dout . kv, delta = dout . out):
@@ -30,8 +33,8 @@ Implementations (same signature `(q, q_rope, kv, k_rope, topk, *, scale) -> (out
 Outputs are in the dtype of `kv`, lse in fp32. Tolerances: fp32 paths agree to ~1e-5 relative;
 bf16 inputs (fp32 accumulation everywhere) to ~2e-2, the rounding of bf16 itself.
 
-Notation: B batch, L queries, S keys (latent rows), H heads, C latent dim (= value dim),
-R RoPE dim, T top-k slots.
+Notation (docs/design.md): B batch, L queries, S keys (latent rows), H heads, C latent dim
+(= value dim), R RoPE dim, T top-k slots.
 """
 
 import dataclasses
@@ -41,9 +44,9 @@ from typing import Callable
 import jax
 import jax.numpy as jnp
 
-from pallas_kernels.blocking import (MASKED_LOGIT, default_query_block, from_query_blocks,
-                                     gather_rows, map_query_blocks, query_block_size,
-                                     to_query_blocks)
+from pallas_kernels.blocking import (MASKED_LOGIT, default_query_block, empty_out_of_range,
+                                     from_query_blocks, gather_rows, map_query_blocks,
+                                     query_block_size, to_query_blocks)
 
 
 def check_sparse_mla_inputs(q_BLHC, q_rope_BLHR, kv_BSC, k_rope_BSR, topk_BLT):
@@ -84,12 +87,15 @@ def sparse_mla_reference(q_BLHC, q_rope_BLHR, kv_BSC, k_rope_BSR, topk_BLT, *, s
   Args:
     q_BLHC: absorbed queries (q_nope W_kb). q_rope_BLHR: their RoPE part.
     kv_BSC: latent rows (keys and values). k_rope_BSR: the shared RoPE key rows.
-    topk_BLT: int32 selected rows per query, -1 = empty slot.
+    topk_BLT: int32 selected rows per query; an index outside [0, S) (-1, or >= S) is an empty
+      slot; a row selected twice counts twice (package docstring, "Index contract").
     scale: softmax scale (the model's (N + R)^-0.5).
   Returns:
-    `(out_BLHC, lse_BLH)`: output in kv's dtype, fp32 log-sum-exp.
+    `(out_BLHC, lse_BLH)`: output in kv's dtype, fp32 log-sum-exp (zero output and lse -inf for
+    a query with no valid slot).
   """
   check_sparse_mla_inputs(q_BLHC, q_rope_BLHR, kv_BSC, k_rope_BSR, topk_BLT)
+  topk_BLT = empty_out_of_range(topk_BLT, kv_BSC.shape[1])
   rows_BLT = jnp.maximum(topk_BLT, 0)
   kv_BLTC = gather_rows(kv_BSC, rows_BLT)
   logits_BLHT = _logits(q_BLHC, q_rope_BLHR, kv_BLTC, gather_rows(k_rope_BSR, rows_BLT), scale)
@@ -103,7 +109,8 @@ def sparse_mla_backward_block(q_BLHC, q_rope_BLHR, kv_BSC, k_rope_BSR, topk_BLT,
                               lse_BLH, delta_BLH, scale):
   """The module docstring's backward for one block of queries, in XLA.
 
-  `delta_BLH` is `dout . out - dlse`. Returns `(dq_BLHC, dq_rope_BLHR, dkv_BLTC, dk_rope_BLTR)`:
+  `delta_BLH` is `dout . out - dlse`; `topk_BLT` holds rows in [0, S) or -1 (the callers apply
+  `empty_out_of_range` on entry). Returns `(dq_BLHC, dq_rope_BLHR, dkv_BLTC, dk_rope_BLTR)`:
   the query gradients (fp32) and the fp32 per-slot contributions to the selected key rows
   (zero at -1 slots), to be scatter-added by the caller.
   """
@@ -124,12 +131,13 @@ def sparse_mla_backward_block(q_BLHC, q_rope_BLHR, kv_BSC, k_rope_BSR, topk_BLT,
   return dq_BLHC, dq_rope_BLHR, dkv_BLTC, dk_rope_BLTR
 
 
-def scatter_add_rows(acc_BSX, topk_BLT, rows_BLTX):
-  """`acc[b, topk[b, l, t]] += rows[b, l, t]`; -1 slots are dropped, never wrapped around."""
-  b, s = acc_BSX.shape[:2]
+def scatter_add_rows(acc_BS, topk_BLT, rows_BLT):
+  """`acc[b, topk[b, l, t]] += rows[b, l, t]` (`[B, S, ...]` += `[B, L, T, ...]`): duplicate
+  indices accumulate; slots outside [0, S) are dropped, never wrapped around or clamped."""
+  b, s = acc_BS.shape[:2]
   safe_BLT = jnp.where(topk_BLT < 0, s, topk_BLT)  # s is out of range: mode="drop" skips it
   batch_B11 = jnp.arange(b)[:, None, None]
-  return acc_BSX.at[batch_B11, safe_BLT].add(rows_BLTX, mode="drop")
+  return acc_BS.at[batch_B11, safe_BLT].add(rows_BLT, mode="drop")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -199,9 +207,11 @@ def sparse_mla_xla(q_BLHC, q_rope_BLHR, kv_BSC, k_rope_BSR, topk_BLT, *, scale: 
   """Sparse MLA without Pallas: per block of queries, `take` of the selected rows, then
   attention over them; O(L x T) work and O(query_block x T x (C + H)) memory, forward and
   backward (custom VJP). The default on GPU and CPU, and the baseline the kernels are measured
-  against. Same arguments and results as `sparse_mla_reference`; `query_block` None: see
+  against. Same arguments and results as `sparse_mla_reference` (index contract included:
+  out-of-range slots are empty, duplicates count twice); `query_block` None: see
   `blocking.default_query_block`."""
   check_sparse_mla_inputs(q_BLHC, q_rope_BLHR, kv_BSC, k_rope_BSR, topk_BLT)
+  topk_BLT = empty_out_of_range(topk_BLT, kv_BSC.shape[1])  # forward and backward alike
   if query_block is None:
     query_block = _default_query_block(kv_BSC, k_rope_BSR, topk_BLT, q_BLHC.shape[2])
 
@@ -218,13 +228,15 @@ def sparse_mla_head_mean_probs(q_BLHC, q_rope_BLHR, kv_BSC, k_rope_BSR, topk_BLT
                                scale: float, query_block: int | None = None):
   """The attention's head-mean probability at each selected slot, fp32 `[B, L, T]`.
 
-  `mean_h exp(logit[t, h, j] - lse[t, h])` from the forward's `lse`, 0 at -1 slots; rows sum to
-  1 over the valid slots. This is the sparse-stage indexer KL's target (docs/reference.md
-  section 3) restricted to the selected keys, and it never carries a gradient (the main model
-  must not learn from the indexer loss). One extra QK pass over the selected rows, per query
-  block, in XLA on every backend.
+  `mean_h exp(logit[t, h, j] - lse[t, h])` from the forward's `lse`, 0 at empty slots (index
+  outside [0, S)); rows sum to 1 over the valid slots. A row selected twice gets its probability
+  in both slots (each copy is one softmax term, as in the forward). This is the sparse-stage
+  indexer KL's target (docs/reference.md section 3) restricted to the selected keys, and it
+  never carries a gradient (the main model must not learn from the indexer loss). One extra QK
+  pass over the selected rows, per query block, in XLA on every backend.
   """
   check_sparse_mla_inputs(q_BLHC, q_rope_BLHR, kv_BSC, k_rope_BSR, topk_BLT)
+  topk_BLT = empty_out_of_range(topk_BLT, kv_BSC.shape[1])
   args = jax.lax.stop_gradient((q_BLHC, q_rope_BLHR, kv_BSC, k_rope_BSR, lse_BLH))
   q_BLHC, q_rope_BLHR, kv_BSC, k_rope_BSR, lse_BLH = args
   if query_block is None:

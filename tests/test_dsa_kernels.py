@@ -6,8 +6,12 @@ and bf16 and all paths must pick bit-identical keys: ReLU zeros and equal sums m
 ties, which must go to the earlier position (checked against a numpy brute force).
 Tolerances: fp32 ~1e-5 relative; bf16 inputs (fp32 accumulation) 2e-2 forward, 5e-2 gradients.
 
-Notation: B batch, L queries, S keys, N index heads, I index head dim, H heads, C latent dim,
-R rope dim, T top-k.
+The index contract of `pallas_kernels/__init__.py` (indices outside [0, S) are empty slots,
+duplicates count twice, any sign of the indexer's weights and scale, +0.0 ties -0.0) is checked
+on every path, forward and gradients, at the end of the kernel sections.
+
+Notation (docs/design.md): B batch, L queries, S keys, J index heads, I index head dim, H heads,
+C latent dim, R rope dim, T top-k.
 """
 
 import functools
@@ -108,25 +112,26 @@ def test_indexer_scores_pallas_random_fp32():
                              atol=1e-5)
 
 
-def test_indexer_scores_at_values_and_gradients():
+@pytest.mark.parametrize("scale", [0.5, -0.5])  # the sign of scale is not assumed
+def test_indexer_scores_at_values_and_gradients(scale):
   """Scores at the selection equal the dense scores gathered there, and their gradient equals
   autodiff of (dense scores -> gather) in q, k and w."""
   rng = np.random.default_rng(2)
   b, l, s, n, i, t = 2, 9, 9, 3, 4, 5
   q, k, w, q_pos, q_seg, k_seg = integer_indexer_inputs(b, l, s, n, i)
   q, k = q + 0.1 * rng.standard_normal(q.shape), k + 0.1 * rng.standard_normal(k.shape)
-  topk, _ = pk.indexer_topk_reference(q, k, w, q_pos, q_seg, k_seg, topk=t, scale=0.5)
+  topk, _ = pk.indexer_topk_reference(q, k, w, q_pos, q_seg, k_seg, topk=t, scale=scale)
   assert np.any(np.asarray(topk) < 0)
   cotangent = jnp.asarray(rng.standard_normal((b, l, t)), jnp.float32)
 
   def dense_then_gather(q, k, w):
-    dense = pk.indexer_scores_reference(q, k, w, q_pos, q_seg, k_seg, scale=0.5)
+    dense = pk.indexer_scores_reference(q, k, w, q_pos, q_seg, k_seg, scale=scale)
     return jnp.take_along_axis(dense, jnp.maximum(topk, 0), axis=-1)
 
   def loss(fn, q, k, w):
     return jnp.sum(jnp.where(topk >= 0, fn(q, k, w), 0.0) * cotangent)
 
-  at = lambda q, k, w: pk.indexer_scores_at(q, k, w, topk, scale=0.5, query_block=4)
+  at = lambda q, k, w: pk.indexer_scores_at(q, k, w, topk, scale=scale, query_block=4)
   valid = np.asarray(topk) >= 0
   values = np.asarray(jax.jit(at)(q, k, w))
   np.testing.assert_allclose(values[valid], np.asarray(dense_then_gather(q, k, w))[valid],
@@ -239,6 +244,157 @@ def test_decode_queries_equal_prefill_rows(impl):
                                  topk_step)
   np.testing.assert_allclose(out_step, tail(out_full), rtol=1e-6, atol=1e-6)
   np.testing.assert_allclose(lse_step, tail(lse_full), rtol=1e-6, atol=1e-6)
+
+
+# ---------------------------------------------------------------------------------------------
+# Index contract (pallas_kernels/__init__.py): out-of-range = empty, duplicates, signs
+# ---------------------------------------------------------------------------------------------
+
+ALL_MLA_IMPLS = dict(reference=pk.sparse_mla_reference, **MLA_IMPLS)
+
+
+def out_of_range_like_empty(topk, num_keys, seed=0):
+  """`topk` with each -1 slot replaced by another index outside [0, S): S, S + 5, 2^30, -7 or
+  -1, so the original is what the contract says these must equal."""
+  rng = np.random.default_rng(seed)
+  choices = np.array([num_keys, num_keys + 5, 2 ** 30, -7, -1])
+  topk = np.asarray(topk)
+  replaced = np.where(topk < 0, choices[rng.integers(0, len(choices), topk.shape)], topk)
+  assert np.any(replaced >= num_keys) and np.any(replaced < -1)
+  return jnp.asarray(replaced, jnp.int32)
+
+
+@pytest.mark.parametrize("impl", ["reference", "xla", "pallas"])
+def test_sparse_mla_out_of_range_indices_are_empty_slots(impl):
+  """Forward and every gradient are bit-identical to the same selection with -1 there (before
+  the contract the forward read row S - 1 for an index >= S and the backward dropped it)."""
+  *arrays, topk = sparse_mla_inputs(b=2, l=7, s=12, h=2, c=8, r=4, t=6, seed=10)
+  far = out_of_range_like_empty(topk, num_keys=12)
+  rng = np.random.default_rng(11)
+  cot_out = jnp.asarray(rng.standard_normal(arrays[0].shape), jnp.float32)
+  cot_lse = jnp.asarray(rng.standard_normal(arrays[0].shape[:3]), jnp.float32)
+  fn = ALL_MLA_IMPLS[impl]
+  run = lambda sel: jax.jit(jax.value_and_grad(
+      functools.partial(_loss_with_lse, fn, cot_out, cot_lse, sel), argnums=(0, 1, 2, 3)))(
+          *arrays)
+  forward = jax.jit(functools.partial(fn, scale=0.25))
+  for got, want in zip(forward(*arrays, far), forward(*arrays, topk)):
+    np.testing.assert_array_equal(got, want, err_msg=f"{impl}: forward")
+  (loss_far, grads_far), (loss, grads) = run(far), run(topk)
+  np.testing.assert_array_equal(loss_far, loss)
+  for name, got, want in zip(("q", "q_rope", "kv", "k_rope"), grads_far, grads):
+    np.testing.assert_array_equal(got, want, err_msg=f"{impl}: d{name}")
+
+
+def test_indexer_ops_out_of_range_indices_are_empty_slots():
+  """`indexer_scores_at` (values and gradients) and `sparse_mla_head_mean_probs`."""
+  b, l, s, t = 2, 9, 9, 5
+  q, k, w, q_pos, q_seg, k_seg = integer_indexer_inputs(b, l, s, seed=12)
+  topk, _ = pk.indexer_topk_reference(q, k, w, q_pos, q_seg, k_seg, topk=t, scale=0.5)
+  far = out_of_range_like_empty(topk, num_keys=s, seed=13)
+
+  def summed(sel, q, k, w):
+    scores = pk.indexer_scores_at(q, k, w, sel, scale=0.5, query_block=4)
+    return jnp.sum(jnp.where(jnp.isfinite(scores), scores, 0.0) ** 2), scores
+
+  grad = lambda sel: jax.jit(jax.grad(summed, argnums=(1, 2, 3), has_aux=True))(sel, q, k, w)
+  (grads_far, scores_far), (grads, scores) = grad(far), grad(topk)
+  np.testing.assert_array_equal(scores_far, scores)
+  assert np.all(np.isneginf(np.asarray(scores_far)[np.asarray(far) != np.asarray(topk)]))
+  for name, got, want in zip("qkw", grads_far, grads):
+    np.testing.assert_array_equal(got, want, err_msg=f"d{name}")
+
+  *arrays, mla_topk = sparse_mla_inputs(b=2, l=7, s=12, h=2, c=8, r=4, t=6, seed=14)
+  mla_far = out_of_range_like_empty(mla_topk, num_keys=12, seed=15)
+  _, lse = pk.sparse_mla_reference(*arrays, mla_topk, scale=0.25)
+  probs = lambda sel: pk.sparse_mla_head_mean_probs(*arrays, sel, lse, scale=0.25, query_block=4)
+  np.testing.assert_array_equal(probs(mla_far), probs(mla_topk))
+
+
+def test_sparse_mla_duplicate_slots_count_twice():
+  """A row selected m times weighs m exp(logit) in the softmax (numpy, float64, over the
+  distinct rows with their multiplicities); every path agrees, forward and gradients (xla and
+  pallas against the reference's autodiff, whose gather transposes to a scatter-add); each copy
+  gets the same head-mean probability, and a row's probabilities still sum to 1."""
+  *arrays, _ = sparse_mla_inputs(b=1, l=3, s=7, h=2, c=8, r=4, t=4, seed=16)
+  topk = jnp.asarray([[[2, 2, 5, -1], [0, 0, 0, 3], [6, 1, 6, 1]]], jnp.int32)
+  q, q_rope, kv, k_rope = (np.asarray(x, np.float64) for x in arrays)
+  want_out, want_lse = np.zeros(q.shape), np.zeros(q.shape[:3])
+  for li, row in enumerate(np.asarray(topk)[0]):
+    keys, counts = np.unique(row[row >= 0], return_counts=True)
+    logits = (q[0, li] @ kv[0, keys].T + q_rope[0, li] @ k_rope[0, keys].T) * 0.25  # [H, keys]
+    weights = counts * np.exp(logits)
+    want_out[0, li] = weights @ kv[0, keys] / weights.sum(-1, keepdims=True)
+    want_lse[0, li] = np.log(weights.sum(-1))
+  rng = np.random.default_rng(17)
+  cot_out = jnp.asarray(rng.standard_normal(q.shape), jnp.float32)
+  cot_lse = jnp.asarray(rng.standard_normal(q.shape[:3]), jnp.float32)
+  grads = {}
+  for impl, fn in ALL_MLA_IMPLS.items():
+    out, lse = jax.jit(functools.partial(fn, scale=0.25))(*arrays, topk)
+    np.testing.assert_allclose(out, want_out, rtol=1e-5, atol=1e-6, err_msg=impl)
+    np.testing.assert_allclose(lse, want_lse, rtol=1e-5, atol=1e-6, err_msg=impl)
+    grads[impl] = jax.jit(jax.grad(functools.partial(_loss_with_lse, fn, cot_out, cot_lse, topk),
+                                   argnums=(0, 1, 2, 3)))(*arrays)
+  for impl in MLA_IMPLS:
+    for name, got, want in zip(("q", "q_rope", "kv", "k_rope"), grads[impl], grads["reference"]):
+      np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5, err_msg=f"{impl}: d{name}")
+  probs = np.asarray(pk.sparse_mla_head_mean_probs(*arrays, topk, want_lse.astype(np.float32),
+                                                   scale=0.25))
+  np.testing.assert_allclose(probs[0, 0, 0], probs[0, 0, 1])
+  np.testing.assert_allclose(probs[0, 1, :3], probs[0, 1, 0])
+  np.testing.assert_allclose(probs.sum(-1), 1.0, rtol=1e-5)
+
+
+def test_indexer_scores_at_duplicate_slots_count_twice():
+  """Each copy of a twice-selected key gets its score, and the gradient is the sum of both
+  slots' (autodiff of dense scores gathered at the same duplicated selection)."""
+  b, l, s = 1, 4, 6
+  q, k, w, q_pos, q_seg, k_seg = integer_indexer_inputs(b, l, s, seed=18)
+  topk = jnp.asarray([[[2, 2, -1], [0, 3, 0], [4, 4, 4], [5, 1, 5]]], jnp.int32)
+  cotangent = jnp.asarray(np.random.default_rng(19).standard_normal((b, l, 3)), jnp.float32)
+
+  def dense_then_gather(q, k, w):
+    dense = pk.indexer_scores_reference(q, k, w, q_pos, q_seg, k_seg, scale=0.5)
+    return jnp.take_along_axis(dense, jnp.maximum(topk, 0), axis=-1)
+
+  at = lambda q, k, w: pk.indexer_scores_at(q, k, w, topk, scale=0.5)
+  valid = np.asarray(topk) >= 0
+  np.testing.assert_array_equal(np.asarray(at(q, k, w))[valid],
+                                np.asarray(dense_then_gather(q, k, w))[valid])
+  loss = lambda fn: lambda q, k, w: jnp.sum(jnp.where(valid, fn(q, k, w), 0.0) * cotangent)
+  got = jax.grad(loss(at), argnums=(0, 1, 2))(q, k, w)
+  want = jax.grad(loss(dense_then_gather), argnums=(0, 1, 2))(q, k, w)
+  for name, g, r in zip("qkw", got, want):
+    np.testing.assert_allclose(g, r, rtol=1e-5, atol=1e-5, err_msg=f"d{name}")
+  assert np.abs(np.asarray(got[1])[0, 4]).sum() > 0  # key 4 (three copies) got a gradient
+
+
+@pytest.mark.parametrize("impl", ["reference", "xla", "pallas"])
+@pytest.mark.parametrize("weight_sign,scale", [(-1, 0.5), (1, -0.5), (-1, -0.5)])
+def test_indexer_topk_any_sign_of_weights_and_scale(impl, weight_sign, scale):
+  """Non-positive weights (most scores are then -0.0 or +0.0, depending on how a backend
+  accumulates, and must still tie to the earlier key) and a negative scale select exactly the
+  numpy brute force, which orders by the formula as written; visible keys with negative scores
+  still fill the slots."""
+  b, l, s, topk = 2, 13, 29, 6
+  q, k, w, q_pos, q_seg, k_seg = integer_indexer_inputs(b, l, s, seed=20, doc_split=20)
+  w = weight_sign * jnp.abs(w)
+  args = (q, k, w, q_pos, q_seg, k_seg)
+  fn = pk.indexer_topk_reference if impl == "reference" else INDEXER_IMPLS[impl]
+  got, scores = jax.jit(functools.partial(fn, topk=topk, scale=scale))(*args)
+  np.testing.assert_array_equal(got, brute_force_topk(*args, topk=topk, scale=scale))
+  visible = np.asarray(pk.lightning_indexer.visible_keys(q_pos, q_seg, k_seg)).sum(-1)
+  np.testing.assert_array_equal((np.asarray(got) >= 0).sum(-1), np.minimum(visible, topk))
+  assert np.any(np.asarray(scores) < 0)
+
+
+def test_select_topk_ties_signed_zeros_to_the_earlier_key():
+  """`lax.top_k` alone ranks +0.0 above -0.0; the contract ties them (earlier key first)."""
+  scores = jnp.asarray([[[-0.0, 0.0, -1.0, -0.0, -jnp.inf, 0.0]]], jnp.float32)
+  topk, values = pk.select_topk(scores, 6)
+  np.testing.assert_array_equal(topk, [[[0, 1, 3, 5, 2, -1]]])
+  np.testing.assert_array_equal(values, [[[0, 0, 0, 0, -1, -np.inf]]])
 
 
 # ---------------------------------------------------------------------------------------------
