@@ -200,6 +200,64 @@ def test_logits_match_hf(case_name, tmp_path):
     assert mtp_diff < 5e-5 * np.abs(ref_mtp).max(), mtp_diff
 
 
+def test_bf16_checkpoint_loads_its_exact_values(tmp_path):
+  """A checkpoint stored in bfloat16 (as GLM-5 is released): params come back as exactly the
+  stored bf16 values (bf16 leaves; the router kernel, its bias and the indexer's weights_proj in
+  fp32, widened exactly), equal to the same values stored in fp32 and loaded as bf16; in fp32
+  compute the logits match torch's fp32 model of those values as tightly as the fp32 parity
+  test, and in bf16 compute within bf16 rounding."""
+  hf_model = _hf_model({}, seed=11)
+  state = dict(hf_model.state_dict())  # weights and router biases (not RoPE's inv_freq)
+  with torch.no_grad():  # make every value bf16-representable, so fp32 and bf16 files agree
+    for t in state.values():
+      t.copy_(t.to(torch.bfloat16).to(t.dtype))
+  _write_checkpoint(str(tmp_path / "bf16"), hf_model,
+                    {k: v.to(torch.bfloat16) for k, v in state.items()}, "per_expert", 2)
+  _write_checkpoint(str(tmp_path / "fp32"), hf_model, state, "per_expert", 1)
+
+  config, params = glm5_jax.load_hf(str(tmp_path / "bf16"))
+  assert config.param_dtype == "bfloat16" and config.dtype == "bfloat16"
+  _, from_fp32 = glm5_jax.load_hf(str(tmp_path / "fp32"), param_dtype="bfloat16")
+  leaves = jax.tree_util.tree_leaves_with_path(params)
+  assert jax.tree_util.tree_structure(params) == jax.tree_util.tree_structure(from_fp32)
+  fp32_names = set()
+  for (path, got), want in zip(leaves, jax.tree_util.tree_leaves(from_fp32)):
+    name = jax.tree_util.keystr(path)
+    assert got.dtype == want.dtype, name
+    np.testing.assert_array_equal(np.asarray(got, np.float32), np.asarray(want, np.float32),
+                                  err_msg=name)
+    if got.dtype == jnp.float32:
+      fp32_names.add(path[-1].key)
+    else:
+      assert got.dtype == jnp.bfloat16, name
+  assert fp32_names == {"gate", "e_score_correction_bias", "weights_proj"}
+  # The stored values themselves, for tensors read back without a layout change.
+  stored = lambda name: state[name].to(torch.float32).numpy()
+  np.testing.assert_array_equal(params["layers_1"]["mlp"]["e_score_correction_bias"],
+                                stored("model.layers.1.mlp.gate.e_score_correction_bias"))
+  np.testing.assert_array_equal(np.asarray(params["embed_tokens"], np.float32),
+                                stored("model.embed_tokens.weight"))
+
+  cfg32, params32 = glm5_jax.load_hf(str(tmp_path / "bf16"), dtype="float32",
+                                     param_dtype="float32")
+  tokens = _tie_free_tokens(cfg32, params32, 2, 17, hf_model.config.vocab_size)
+  with torch.no_grad():
+    ref = hf_model(torch.tensor(tokens)).logits.numpy()
+  scale = np.abs(ref).max()
+  assert np.abs(np.asarray(glm5_jax.logits(cfg32, params32, tokens)) - ref).max() < 5e-5 * scale
+  # bf16 compute: keep top-k >= sequence so bf16 index scores cannot change the selection.
+  short = tokens[:, :hf_model.config.index_topk]
+  with torch.no_grad():
+    ref_short = hf_model(torch.tensor(short)).logits.numpy()
+  # bf16 rounding can flip one token's expert choice (an O(10%) change at that position and
+  # after it), so the bound is per position: most within bf16 rounding of the fp32 model.
+  ours = np.asarray(glm5_jax.logits(config, params, short), np.float32)
+  position_error = np.abs(ours - ref_short).max(-1) / np.abs(ref_short).max()
+  print(f"bf16 compute: per-position max |logit diff| / scale {np.round(position_error, 3)}")
+  assert np.mean(position_error < 3e-2) >= 0.75, position_error
+  assert np.median(position_error) < 2e-2, position_error
+
+
 def test_missing_and_unknown_tensors_are_listed(tmp_path):
   hf_model = _hf_model({}, seed=0)
   state = _per_expert_state(dict(hf_model.state_dict()))

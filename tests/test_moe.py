@@ -11,7 +11,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from glm5_jax.moe import MoE, dispatch_experts, route
+from glm5_jax.moe import MoE, dispatch_experts, route, sequence_balance_loss
 
 N, D, E, X, F = 13, 7, 5, 3, 11
 SCALE = 2.5
@@ -55,6 +55,28 @@ def naive_experts(x_ND, weights_NX, experts_NX, w_gate_EDF, w_up_EDF, w_down_EFD
       h_F = silu(x_ND[n] @ w_gate_EDF[e]) * (x_ND[n] @ w_up_EDF[e])
       y_ND[n] += w * (h_F @ w_down_EFD[e])
   return y_ND
+
+
+def naive_sequence_balance_loss(scores_BLE, experts_BLX, valid_BL, k):
+  """float64 loop of DeepSeek-V3's complementary sequence-wise balance loss (report section
+  2.1.2), per row (sequence) of T real tokens, then averaged over rows:
+
+    f_e = E / (k T) * #{tokens t of the row whose top-k experts include e}
+    P_e = 1 / T * sum_t s[t, e] / sum_e' s[t, e']
+    loss_row = sum_e f_e P_e
+  """
+  num_rows, length, num_experts = scores_BLE.shape
+  row_losses = []
+  for b in range(num_rows):
+    tokens = [t for t in range(length) if valid_BL[b, t]]
+    total = 0.0
+    for e in range(num_experts):
+      chosen = sum(1 for t in tokens if e in experts_BLX[b, t])
+      f = num_experts / (k * len(tokens)) * chosen
+      p = sum(scores_BLE[b, t, e] / scores_BLE[b, t].sum() for t in tokens) / len(tokens)
+      total += f * p
+    row_losses.append(total)
+  return float(np.mean(row_losses))
 
 
 def sort_by_expert(weights_NX, experts_NX):
@@ -212,3 +234,61 @@ def test_moe_correction_bias_gets_no_gradient(moe_setup):
   assert np.any(grads["gate"] != 0), "router kernel gets no gradient"
   for name, g in grads["experts"].items():
     assert np.any(g != 0), f"experts.{name} gets no gradient"
+
+
+# ---------------------------------------------------------------------------------------------
+# Sequence-wise balance loss (DeepSeek-V3's auxiliary loss, `train.sequence_balance_weight`)
+# ---------------------------------------------------------------------------------------------
+
+
+def test_sequence_balance_loss_matches_naive_loop():
+  """Rows with different numbers of padding tokens (which count in neither f nor P), experts
+  chosen by biased top-k while P uses the unbiased scores."""
+  b, l, e, k = 3, 9, 6, 2
+  rng = np.random.default_rng(7)
+  scores = sigmoid(rng.standard_normal((b, l, e)))
+  experts = np.argsort(-(scores + 0.3 * rng.standard_normal(e)), axis=-1, kind="stable")[..., :k]
+  valid = np.arange(l)[None, :] < np.array([[9], [6], [2]])
+  chosen = np.zeros((b, l, e), np.float32)
+  np.put_along_axis(chosen, experts, 1.0, axis=-1)
+  chosen *= valid[..., None]
+  got = jax.jit(sequence_balance_loss, static_argnums=3)(
+      jnp.asarray(scores, jnp.float32), jnp.asarray(chosen), jnp.asarray(valid), k)
+  np.testing.assert_allclose(got, naive_sequence_balance_loss(scores, experts, valid, k),
+                             rtol=1e-5)
+
+
+def test_sequence_balance_loss_is_one_when_balanced_and_e_over_k_when_collapsed():
+  """The loss's scale: uniform scores with every expert chosen equally often give exactly 1;
+  every token on the same k experts, with all its score there, gives E / k."""
+  e, k, l = 4, 2, 8
+  valid = jnp.ones((1, l), bool)
+  uniform = jnp.full((1, l, e), 0.5, jnp.float32)
+  balanced = np.zeros((1, l, e), np.float32)
+  for t in range(l):
+    balanced[0, t, [t % e, (t + 1) % e]] = 1.0
+  np.testing.assert_allclose(sequence_balance_loss(uniform, jnp.asarray(balanced), valid, k),
+                             1.0, rtol=1e-6)
+  peaked = np.full((1, l, e), 1e-7, np.float32)
+  peaked[..., :k] = 1.0
+  collapsed = np.zeros((1, l, e), np.float32)
+  collapsed[..., :k] = 1.0
+  np.testing.assert_allclose(
+      sequence_balance_loss(jnp.asarray(peaked), jnp.asarray(collapsed), valid, k), e / k,
+      rtol=1e-5)
+
+
+def test_moe_module_sequence_balance_loss_matches_naive(moe_setup):
+  """The module feeds the loss its unbiased sigmoid scores, its biased top-k choice and the
+  padding mask: equal to the loop on the naive router's choice."""
+  module, params, x_BLD = moe_setup
+  valid_BL = jnp.arange(N)[None, :] < N - 4
+  _, aux = jax.jit(lambda p: module.apply({"params": p}, x_BLD, valid_BL))(params)
+  x_ND = np.asarray(x_BLD[0])
+  _, experts = naive_route(x_ND, np.asarray(params["gate"]),
+                           np.asarray(params["e_score_correction_bias"]), X)
+  scores = sigmoid(x_ND.astype(np.float64) @ np.asarray(params["gate"], np.float64))
+  want = naive_sequence_balance_loss(scores[None], experts[None], np.asarray(valid_BL), X)
+  np.testing.assert_allclose(aux["sequence_balance_loss"], want, rtol=1e-5)
+  np.testing.assert_array_equal(aux["expert_counts"],
+                                np.bincount(experts[:N - 4].ravel(), minlength=E))

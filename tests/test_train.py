@@ -1,6 +1,7 @@
 """Training: loss drops, exact resume, NaN stop, resume refusal, DSA stage switch and gradient
 routing, sharded == unsharded, loss masks. Runs the real loop on a 2-layer tiny config."""
 
+import functools
 import json
 import os
 import subprocess
@@ -13,10 +14,13 @@ import optax
 import pytest
 
 import glm5_jax
+from glm5_jax import optim
 from glm5_jax.config import load_config_file
 from glm5_jax.train import checkpoint as ckpt
 from glm5_jax.train import losses
 from glm5_jax.train.loop import NonFiniteLossError, train
+from glm5_jax.train.state import TrainState, trainable_mask
+from glm5_jax.train.step import StepConfig, compute_loss, make_train_step, update_balance_bias
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -220,3 +224,118 @@ def test_target_weights_respect_documents_and_mask():
   logits = jax.nn.one_hot(jnp.array([[2, 0, 0]]), 4) * 10.0
   result = losses.cross_entropy(logits, jnp.array([[2, 1, 3]]), jnp.array([[1.0, 1.0, 0.0]]))
   assert float(result["accuracy"]) == 0.5 and float(result["weight"]) == 2.0
+
+
+# ---------------------------------------------------------------------------------------------
+# The step's arithmetic: loss terms and their weights, loss-free balancing direction
+# ---------------------------------------------------------------------------------------------
+
+
+def _packed_batch(vocab, b=2, l=24, seed=0):
+  """Two documents per row, padding at the end of row 1, loss-mask holes."""
+  rng = np.random.default_rng(seed)
+  segments = np.where(np.arange(l) < 10, 1, 2)[None].repeat(b, 0)
+  segments[1, -5:] = 0
+  positions = np.where(segments == 2, np.arange(l) - 10, np.arange(l)) * (segments != 0)
+  loss_mask = (rng.random((b, l)) > 0.2) & (segments != 0)
+  return {"tokens": jnp.asarray(rng.integers(1, vocab, (b, l)), jnp.int32),
+          "positions": jnp.asarray(positions, jnp.int32),
+          "segment_ids": jnp.asarray(segments, jnp.int32),
+          "loss_mask": jnp.asarray(loss_mask, jnp.float32)}
+
+
+def test_update_balance_bias_moves_exactly_rate_toward_equal_load():
+  """Over-loaded experts' bias goes down by exactly `rate`, under-loaded ones' up by exactly
+  `rate`, experts at the mean load stay; every MoE block by its own counts, nothing else
+  touched."""
+  rate = 0.0125
+  before = np.array([0.25, -0.5, 0.0, 1.0, 0.125], np.float32)
+  params = {"layers_1": {"mlp": {"e_score_correction_bias": jnp.asarray(before),
+                                 "gate": jnp.ones((3, 5))}},
+            "mtp": {"layer": {"mlp": {"e_score_correction_bias": jnp.asarray(before)}}}}
+  counts = {("layers_1", "mlp"): jnp.asarray([9, 1, 4, 4, 2], jnp.int32),  # mean 4
+            ("mtp", "layer", "mlp"): jnp.asarray([0, 0, 0, 0, 20], jnp.int32)}
+  after = update_balance_bias(params, counts, rate)
+  step = np.float32(rate)
+  np.testing.assert_array_equal(after["layers_1"]["mlp"]["e_score_correction_bias"],
+                                before + step * np.array([-1, 1, 0, 0, 1], np.float32))
+  np.testing.assert_array_equal(after["mtp"]["layer"]["mlp"]["e_score_correction_bias"],
+                                before + step * np.array([1, 1, 1, 1, -1], np.float32))
+  np.testing.assert_array_equal(after["layers_1"]["mlp"]["gate"], np.ones((3, 5)))
+
+
+def test_train_step_lowers_overloaded_and_raises_underloaded_expert_bias(helpers):
+  """Through the real optimizer (which freezes the bias) and train step: after one step each
+  MoE block's bias is exactly `before - rate` where that block's load (from the same batch)
+  was above the mean and `before + rate` where it was below."""
+  model = helpers.config(num_hidden_layers=2, first_k_dense_replace=1, mtp_depths=1,
+                         attention_pattern="M")
+  params = helpers.random_params(model)
+  optim_config = helpers.load_config_module(os.path.join(ROOT, "configs", "tiny.py")).get_config(
+  ).optim
+  step_cfg = StepConfig(balance_bias_rate=0.004)
+  shapes = glm5_jax.abstract_params(model)
+  optimizer, schedule = optim.build_optimizer(
+      optim_config, shapes, total_steps=10, trainable=trainable_mask(shapes, "sparse"))
+  state = TrainState(step=jnp.ones((), jnp.int32), params=params,
+                     opt_state=optimizer.init(params), rng=jnp.zeros((2,), jnp.uint32))
+  batch = _packed_batch(model.vocab_size)
+  new_state, _ = jax.jit(make_train_step(model, step_cfg, optimizer, schedule))(state, batch)
+  _, (_, counts, _, _) = jax.jit(compute_loss, static_argnums=(0, 1))(model, step_cfg, params,
+                                                                       batch)
+  assert set(counts) == {("layers_1", "mlp"), ("mtp", "layer", "mlp")}
+  rate = np.float32(step_cfg.balance_bias_rate)
+  for path, counts_E in counts.items():
+    load = np.asarray(counts_E, np.float64)
+    over, under = load > load.mean(), load < load.mean()
+    assert over.any() and under.any(), load
+    pick = lambda tree: np.asarray(functools.reduce(lambda n, k: n[k], path, tree)[
+        "e_score_correction_bias"])
+    before, after = pick(params), pick(new_state.params)
+    np.testing.assert_array_equal(after[over], before[over] - rate, err_msg=f"{path} over")
+    np.testing.assert_array_equal(after[under], before[under] + rate, err_msg=f"{path} under")
+    np.testing.assert_array_equal(after[~over & ~under], before[~over & ~under])
+
+
+def test_compute_loss_weighs_and_sums_its_terms(helpers):
+  """total == lm_ce + z_w * z_loss + mtp_w * mean_d(mtp_ce_d) + indexer_w * indexer_kl
+  + balance_w * sequence_balance, with distinct weights, each term computed here in float64
+  from the forward's outputs (its own target weights: same document, loss mask, no padding)."""
+  model = helpers.config(num_hidden_layers=2, first_k_dense_replace=1, mtp_depths=2)
+  params = helpers.random_params(model)
+  batch = _packed_batch(model.vocab_size, seed=1)
+  step_cfg = StepConfig(dsa_stage="sparse", mtp_loss_weight=0.37, z_loss_weight=0.013,
+                        indexer_loss_weight=1.9, sequence_balance_weight=0.21)
+  total, (metrics, _, _, _) = jax.jit(compute_loss, static_argnums=(0, 1))(
+      model, step_cfg, params, batch)
+  out = helpers.forward(model, params, batch["tokens"], batch["positions"], batch["segment_ids"])
+
+  tokens, segments = np.asarray(batch["tokens"]), np.asarray(batch["segment_ids"])
+  loss_mask = np.asarray(batch["loss_mask"])
+
+  def ce_and_z(logits, offset):
+    logits = np.asarray(logits, np.float64)[:, :-offset]
+    weights = (loss_mask[:, offset:] * (segments[:, offset:] == segments[:, :-offset])
+               * (segments[:, offset:] != 0))
+    log_z = np.log(np.exp(logits - logits.max(-1, keepdims=True)).sum(-1)) + logits.max(-1)
+    target = np.take_along_axis(logits, tokens[:, offset:, None], -1)[..., 0]
+    return ((log_z - target) * weights).sum() / weights.sum(), (log_z ** 2 * weights).sum() / (
+        weights.sum())
+
+  lm, z_loss = ce_and_z(out["logits"], 1)
+  mtp = [ce_and_z(logits, d + 1)[0]  # depth d predicts token i + d + 1
+         for d, logits in enumerate(out["mtp_logits"], start=1)]
+  assert len(mtp) == 2
+  valid = (segments != 0).astype(np.float64)
+  auxes = list(out["aux"]["layers"].values()) + list(out["aux"]["mtp"])
+  kl = np.mean([(np.asarray(a["indexer_kl"]) * valid).sum() / valid.sum()
+                for a in auxes if "indexer_kl" in a])
+  balance = np.mean([float(a["sequence_balance_loss"]) for a in auxes
+                     if "sequence_balance_loss" in a])
+  for name, term in [("lm_loss", lm), ("z_loss", z_loss), ("mtp_loss", np.mean(mtp)),
+                     ("indexer_kl", kl), ("sequence_balance_loss", balance)]:
+    assert term > 1e-3, name  # every term present and non-trivial
+    np.testing.assert_allclose(metrics[name], term, rtol=1e-5, err_msg=name)
+  expected = lm + 0.013 * z_loss + 0.37 * np.mean(mtp) + 1.9 * kl + 0.21 * balance
+  np.testing.assert_allclose(total, expected, rtol=1e-5)
+  np.testing.assert_allclose(metrics["loss"], total)
