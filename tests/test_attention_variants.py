@@ -269,6 +269,7 @@ def test_decode_form_equals_training_form(helpers):
     np.testing.assert_allclose(absorbed[name], expanded[name], rtol=1e-4, atol=1e-4)
 
 
+@pytest.mark.slow  # end to end: compiles a full train step of a 7-layer model (~1.5 min)
 def test_model_with_every_letter_trains_one_step(helpers):
   """One jitted train step (loss, grads, Muon Split + AdamW) on a 7-layer model with every
   letter (no MTP, to keep the compile short): finite loss, every attention param moves."""

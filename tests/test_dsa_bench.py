@@ -4,7 +4,10 @@ import os
 import subprocess
 import sys
 
+import pytest
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+pytestmark = pytest.mark.slow  # a subprocess running the benchmark CLI
 
 
 def test_bench_dsa_quick():

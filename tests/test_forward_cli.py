@@ -5,7 +5,10 @@ import re
 import subprocess
 import sys
 
+import pytest
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+pytestmark = pytest.mark.slow  # a subprocess running the CLI
 
 
 def test_forward_cli_reports_init_loss_near_ln_vocab():

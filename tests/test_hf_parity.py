@@ -292,6 +292,7 @@ def test_bad_directory_errors(tmp_path):
       glm5_jax.load_hf(str(tmp_path))
 
 
+@pytest.mark.slow  # two subprocesses running the conversion CLI
 def test_convert_hf_cli_roundtrip(tmp_path):
   import subprocess
   import sys

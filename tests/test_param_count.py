@@ -23,8 +23,12 @@ ROUTED_744B = 75 * 256 * 3 * 6144 * 2048
 
 
 @pytest.fixture(scope="module", autouse=True)
-def cli_744b():
-  """The CLI on the 744B config, started first so it runs alongside the in-process tests."""
+def cli_744b(request):
+  """The CLI on the 744B config, started first so it runs alongside the in-process tests;
+  not started when `test_cli_json_744b` is deselected (e.g. `-m "not slow"`)."""
+  if not any(item.originalname == "test_cli_json_744b" for item in request.session.items):
+    yield None
+    return
   process = subprocess.Popen(
       [sys.executable, "tools/param_count.py", "--config=configs/glm5_744b.py", "--json"],
       cwd=REPO_ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
@@ -117,6 +121,7 @@ def test_unknown_param_path_is_an_error():
     param_count.component(("layers_0", "mystery", "kernel"))
 
 
+@pytest.mark.slow  # a subprocess running the CLI on the 744B config
 def test_cli_json_744b(cli_744b, summary_744b):
   stdout, stderr = cli_744b.communicate(timeout=120)
   assert cli_744b.returncode == 0, stderr

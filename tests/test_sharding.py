@@ -41,6 +41,7 @@ print(json.dumps({
 """
 
 
+@pytest.mark.slow  # a subprocess with 8 host devices
 def test_sharded_forward_matches_single_device():
   root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
   env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=8",

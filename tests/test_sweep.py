@@ -94,6 +94,7 @@ def mtimes(sweep_dir):
           if os.path.exists(os.path.join(runs, n, "result.json"))}
 
 
+@pytest.mark.slow  # the sweep CLI in subprocesses, training and evaluating four runs
 def test_quick_sweep_end_to_end_then_resume(tmp_path, monkeypatch):
   sweep_dir = str(tmp_path / "sweep")
   run_cli(sweep_dir)

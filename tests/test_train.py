@@ -44,6 +44,7 @@ def read_losses(workdir):
   return {r["step"]: r["loss"] for r in records if r["split"] == "train"}
 
 
+@pytest.mark.slow  # end to end: three training runs
 def test_loss_drops_and_resume_is_exact(tmp_path):
   config = small_config(steps=16)
   straight = train(config, str(tmp_path / "straight"))
@@ -61,6 +62,7 @@ def test_loss_drops_and_resume_is_exact(tmp_path):
                              [expected[s] for s in range(1, 17)], rtol=1e-6)
 
 
+@pytest.mark.slow  # end to end: a training run, then a refused resume
 def test_resume_with_a_different_config_is_refused(tmp_path):
   config = small_config(steps=4)
   train(config, str(tmp_path), stop_after_steps=2)
@@ -69,6 +71,7 @@ def test_resume_with_a_different_config_is_refused(tmp_path):
     train(changed, str(tmp_path))
 
 
+@pytest.mark.slow  # end to end: a training run until the poisoned update
 def test_non_finite_update_stops_naming_the_step(tmp_path, monkeypatch):
   from glm5_jax import optim
 
@@ -94,6 +97,7 @@ def test_non_finite_update_stops_naming_the_step(tmp_path, monkeypatch):
   assert saved == [2]  # the last good checkpoint stays; nothing non-finite was written
 
 
+@pytest.mark.slow  # end to end: an MLA run, then a DSA warm-up run from it
 def test_mla_checkpoint_into_dsa_warmup_trains_only_the_indexer(tmp_path):
   dense = small_config(steps=2, attention_pattern="M")
   train(dense, str(tmp_path / "mla"))
@@ -116,6 +120,7 @@ def test_mla_checkpoint_into_dsa_warmup_trains_only_the_indexer(tmp_path):
   assert any(not np.array_equal(np.asarray(dsa[k]), np.asarray(fresh[k])) for k in indexer_keys)
 
 
+@pytest.mark.slow  # end to end: train steps, then three training runs
 def test_dense_phase_attends_densely_trains_everything_then_switches_to_top_k(tmp_path):
   from glm5_jax.train.trainer import build_trainer  # pylint: disable=g-import-not-at-top
 
@@ -157,6 +162,7 @@ def test_dense_phase_attends_densely_trains_everything_then_switches_to_top_k(tm
                              rtol=1e-6)
 
 
+@pytest.mark.slow  # train() compiles the init before refusing (~1.5 min)
 def test_dense_phase_config_errors(tmp_path):
   config = small_config(steps=2, attention_pattern="D")
   config.train.update(dsa_stage="warmup", dsa_dense_steps=1)
@@ -202,6 +208,7 @@ def _run_sharded(devices, mesh_shape, workdir):
   return json.loads(proc.stdout.strip().splitlines()[-1])
 
 
+@pytest.mark.slow  # two training runs in subprocesses (1 and 8 host devices)
 def test_sharded_training_matches_single_device(tmp_path):
   single = _run_sharded(1, {"data": -1}, str(tmp_path / "one"))
   sharded = _run_sharded(8, {"data": 2, "fsdp": 2, "expert": 2, "tensor": 1},
