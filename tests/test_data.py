@@ -8,6 +8,7 @@ import grain
 import numpy as np
 import orbax.checkpoint as ocp
 import pytest
+import tokenizers
 
 from glm5_jax import data
 from glm5_jax.data import sources, synthetic
@@ -104,7 +105,6 @@ def test_byte_tokenizer_round_trip():
 
 
 def test_hf_tokenizer_round_trip(tmp_path):
-  tokenizers = pytest.importorskip("tokenizers")
   tok = tokenizers.Tokenizer(tokenizers.models.BPE())
   tok.pre_tokenizer = tokenizers.pre_tokenizers.ByteLevel(add_prefix_space=False)
   tok.decoder = tokenizers.decoders.ByteLevel()

@@ -15,6 +15,7 @@ Byte-level layout (vocab 272, fits the tiny model's 384):
 import os
 
 import numpy as np
+import tokenizers
 
 BYTE_OFFSET = 16
 SPECIAL_NAMES = ("<pad>", "<bos>", "<eos>") + tuple(
@@ -69,7 +70,6 @@ class HFTokenizer:
 
   def __init__(self, path: str, *, bos: str | None = None, eos: str | None = None,
                pad: str | None = None):
-    import tokenizers  # pylint: disable=g-import-not-at-top  (only needed for HF files)
     self.path = path
     self._tok = tokenizers.Tokenizer.from_file(path)
     self.vocab_size = self._tok.get_vocab_size(with_added_tokens=True)
