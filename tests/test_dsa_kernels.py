@@ -47,13 +47,13 @@ MLA_IMPLS = {
 # ---------------------------------------------------------------------------------------------
 
 
-def integer_indexer_inputs(b, l, s, n=3, i=8, seed=0, dtype=jnp.float32, doc_split=None):
+def integer_indexer_inputs(b, l, s, j=3, i=8, seed=0, dtype=jnp.float32, doc_split=None):
   """Integer q, k, w (exact scores, many ties); queries at the end of the keys (q_pos =
   S - L + l); with `doc_split`, keys/queries before that position are document 1, after it 2."""
   rng = np.random.default_rng(seed)
-  q = jnp.asarray(rng.integers(-2, 3, (b, l, n, i)), dtype)
+  q = jnp.asarray(rng.integers(-2, 3, (b, l, j, i)), dtype)
   k = jnp.asarray(rng.integers(-2, 3, (b, s, i)), dtype)
-  w = jnp.asarray(rng.integers(-2, 3, (b, l, n)), jnp.float32)
+  w = jnp.asarray(rng.integers(-2, 3, (b, l, j)), jnp.float32)
   q_pos = jnp.broadcast_to(jnp.arange(s - l, s, dtype=jnp.int32), (b, l))
   k_seg = jnp.ones((b, s), jnp.int32)
   if doc_split is not None:
@@ -65,7 +65,7 @@ def integer_indexer_inputs(b, l, s, n=3, i=8, seed=0, dtype=jnp.float32, doc_spl
 def brute_force_topk(q, k, w, q_pos, q_seg, k_seg, topk, scale):
   """numpy: visible keys by descending score, ties to the earlier key, padded with -1."""
   q, k, w = (np.asarray(x, np.float64) for x in (q, k, w))
-  scores = np.einsum("bln,blns->bls", w, np.maximum(np.einsum("blni,bsi->blns", q, k) * scale, 0))
+  scores = np.einsum("blj,bljs->bls", w, np.maximum(np.einsum("blji,bsi->bljs", q, k) * scale, 0))
   b, l, s = scores.shape
   out = -np.ones((b, l, min(topk, s)), np.int64)
   for bi in range(b):
@@ -97,10 +97,10 @@ def test_indexer_topk_exact_with_ties(impl, b, l, s, topk, doc_split, dtype):
 
 def test_indexer_scores_pallas_random_fp32():
   rng = np.random.default_rng(1)
-  b, l, s, n, i = 2, 19, 45, 4, 8
+  b, l, s, j, i = 2, 19, 45, 4, 8
   q, k = (jnp.asarray(rng.standard_normal(shape), jnp.float32) for shape in
-          ((b, l, n, i), (b, s, i)))
-  w = jnp.asarray(rng.standard_normal((b, l, n)), jnp.float32)
+          ((b, l, j, i), (b, s, i)))
+  w = jnp.asarray(rng.standard_normal((b, l, j)), jnp.float32)
   q_pos = jnp.asarray(rng.integers(-1, s, (b, l)), jnp.int32)  # arbitrary positions, padding
   q_seg = jnp.asarray(rng.integers(0, 2, (b, l)), jnp.int32)
   k_seg = jnp.asarray(rng.integers(0, 2, (b, s)), jnp.int32)
@@ -117,8 +117,8 @@ def test_indexer_scores_at_values_and_gradients(scale):
   """Scores at the selection equal the dense scores gathered there, and their gradient equals
   autodiff of (dense scores -> gather) in q, k and w."""
   rng = np.random.default_rng(2)
-  b, l, s, n, i, t = 2, 9, 9, 3, 4, 5
-  q, k, w, q_pos, q_seg, k_seg = integer_indexer_inputs(b, l, s, n, i)
+  b, l, s, j, i, t = 2, 9, 9, 3, 4, 5
+  q, k, w, q_pos, q_seg, k_seg = integer_indexer_inputs(b, l, s, j, i)
   q, k = q + 0.1 * rng.standard_normal(q.shape), k + 0.1 * rng.standard_normal(k.shape)
   topk, _ = pk.indexer_topk_reference(q, k, w, q_pos, q_seg, k_seg, topk=t, scale=scale)
   assert np.any(np.asarray(topk) < 0)
@@ -411,12 +411,12 @@ def _export_for_tpu(fn, *shapes):
 
 @pytest.mark.parametrize("l,s", [(256, 1024), (1, 1000)])  # prefill; decode, ragged key count
 def test_kernels_lower_for_tpu(l, s):
-  b, n, i, h, c, r, t = 1, 8, 128, 16, 512, 64, 640  # t: not a multiple of the 512-slot block
+  b, j, i, h, c, r, t = 1, 8, 128, 16, 512, 64, 640  # t: not a multiple of the 512-slot block
   sds = jax.ShapeDtypeStruct
   bf16, i32 = jnp.bfloat16, jnp.int32
   _export_for_tpu(
       functools.partial(pk.indexer_topk_pallas, topk=t, scale=i ** -0.5, interpret=False),
-      sds((b, l, n, i), bf16), sds((b, s, i), bf16), sds((b, l, n), jnp.float32),
+      sds((b, l, j, i), bf16), sds((b, s, i), bf16), sds((b, l, j), jnp.float32),
       sds((b, l), i32), sds((b, l), i32), sds((b, s), i32))
 
   def forward_backward(q, q_rope, kv, k_rope, topk):

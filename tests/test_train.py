@@ -283,7 +283,7 @@ def test_train_step_lowers_overloaded_and_raises_underloaded_expert_bias(helpers
   step_cfg = StepConfig(balance_bias_rate=0.004)
   shapes = glm5_jax.abstract_params(model)
   optimizer, schedule = optim.build_optimizer(
-      optim_config, shapes, total_steps=10, trainable=trainable_mask(shapes, "sparse"))
+      optim_config, shapes, total_steps=100, trainable=trainable_mask(shapes, "sparse"))
   state = TrainState(step=jnp.ones((), jnp.int32), params=params,
                      opt_state=optimizer.init(params), rng=jnp.zeros((2,), jnp.uint32))
   batch = _packed_batch(model.vocab_size)
