@@ -109,10 +109,10 @@ def sparse_mla_backward_block(q_BLHC, q_rope_BLHR, kv_BSC, k_rope_BSR, topk_BLT,
                               lse_BLH, delta_BLH, scale):
   """The module docstring's backward for one block of queries, in XLA.
 
-  `delta_BLH` is `dout . out - dlse`; `topk_BLT` holds rows in [0, S) or -1 (the callers apply
-  `empty_out_of_range` on entry). Returns `(dq_BLHC, dq_rope_BLHR, dkv_BLTC, dk_rope_BLTR)`:
-  the query gradients (fp32) and the fp32 per-slot contributions to the selected key rows
-  (zero at -1 slots), to be scatter-added by the caller.
+  `delta_BLH` is `dout . out - dlse`; `topk_BLT` holds rows in [0, S) or -1
+  (`sparse_mla_custom_vjp` maps the rest to -1). Returns `(dq_BLHC, dq_rope_BLHR, dkv_BLTC,
+  dk_rope_BLTR)`: the query gradients (fp32) and the fp32 per-slot contributions to the
+  selected key rows (zero at -1 slots), to be scatter-added by the caller.
   """
   rows_BLT = jnp.maximum(topk_BLT, 0)
   kv_BLTC = gather_rows(kv_BSC, rows_BLT)
@@ -154,9 +154,18 @@ class SparseMLAKernels:
   backward_query_block: int | None
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(0, 6))
 def sparse_mla_custom_vjp(kernels, q_BLHC, q_rope_BLHR, kv_BSC, k_rope_BSR, topk_BLT, scale):
-  """`kernels.forward` with the blockwise backward of the module docstring."""
+  """`kernels.forward` with the blockwise backward of the module docstring.
+
+  Indices outside [0, S) become -1 here, once, so the forward kernels, the residuals and the
+  backward all see the same selection (and no Pallas DMA reads past the key rows).
+  """
+  topk_BLT = empty_out_of_range(topk_BLT, kv_BSC.shape[1])
+  return _sparse_mla_with_vjp(kernels, q_BLHC, q_rope_BLHR, kv_BSC, k_rope_BSR, topk_BLT, scale)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0, 6))
+def _sparse_mla_with_vjp(kernels, q_BLHC, q_rope_BLHR, kv_BSC, k_rope_BSR, topk_BLT, scale):
   return kernels.forward(q_BLHC, q_rope_BLHR, kv_BSC, k_rope_BSR, topk_BLT, scale)
 
 
@@ -192,7 +201,7 @@ def _vjp_backward(kernels, scale, residuals, cotangents):
           dkv_BSC.astype(kv_BSC.dtype), dk_rope_BSR.astype(k_rope_BSR.dtype), None)
 
 
-sparse_mla_custom_vjp.defvjp(_vjp_forward, _vjp_backward)
+_sparse_mla_with_vjp.defvjp(_vjp_forward, _vjp_backward)
 
 
 def _default_query_block(kv_BSC, k_rope_BSR, topk_BLT, heads):
@@ -211,7 +220,6 @@ def sparse_mla_xla(q_BLHC, q_rope_BLHR, kv_BSC, k_rope_BSR, topk_BLT, *, scale: 
   out-of-range slots are empty, duplicates count twice); `query_block` None: see
   `blocking.default_query_block`."""
   check_sparse_mla_inputs(q_BLHC, q_rope_BLHR, kv_BSC, k_rope_BSR, topk_BLT)
-  topk_BLT = empty_out_of_range(topk_BLT, kv_BSC.shape[1])  # forward and backward alike
   if query_block is None:
     query_block = _default_query_block(kv_BSC, k_rope_BSR, topk_BLT, q_BLHC.shape[2])
 

@@ -9,8 +9,8 @@ Forward, grid (B, L, nT) (one query token, all H heads, per step; nT blocks of `
      j + 1 is fetched into the other half of a double buffer while block j computes.
   2. `[H, C] x [bt, C]^T + [H, R] x [bt, R]^T` on the MXU (fp32 accumulation) gives the logits;
      -1 slots are masked (their DMA reads row 0 so the buffer never holds garbage). Indices
-     outside [0, S) were turned into -1 on entry (`sparse_mla_pallas`), so no DMA reads past
-     the key rows and the backward sees the same selection.
+     outside [0, S) were turned into -1 on entry (`sparse_mla.sparse_mla_custom_vjp`), so no
+     DMA reads past the key rows and the backward sees the same selection.
   3. Online softmax across the nT blocks (running max m, sum l, fp32 accumulator `[H, C]`);
      the last block writes `out = acc / l` and `lse = m + log l`.
 Every head of a token shares the gathered rows, so a row fetched once feeds H dot products
@@ -39,8 +39,7 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
-from pallas_kernels.blocking import (MASKED_LOGIT, default_interpret, default_query_block,
-                                     empty_out_of_range, pad_axis)
+from pallas_kernels.blocking import MASKED_LOGIT, default_interpret, default_query_block, pad_axis
 from pallas_kernels.sparse_mla import (SparseMLAKernels, check_sparse_mla_inputs,
                                        sparse_mla_custom_vjp)
 
@@ -252,7 +251,6 @@ def sparse_mla_pallas(q_BLHC, q_rope_BLHR, kv_BSC, k_rope_BSR, topk_BLT, *, scal
     interpret: None = compiled on TPU, interpret mode elsewhere.
   """
   check_sparse_mla_inputs(q_BLHC, q_rope_BLHR, kv_BSC, k_rope_BSR, topk_BLT)
-  topk_BLT = empty_out_of_range(topk_BLT, kv_BSC.shape[1])  # before any DMA reads a row
   interpret = default_interpret() if interpret is None else interpret
   if backward_query_block is None:
     b, t = kv_BSC.shape[0], _slot_blocks(topk_BLT.shape[-1], block_t)[1]
