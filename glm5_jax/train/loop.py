@@ -12,7 +12,7 @@ from glm5_jax import data as data_lib
 from glm5_jax.api import abstract_params
 from glm5_jax.sharding import activation_sharding
 from glm5_jax.train import checkpoint as ckpt
-from glm5_jax.train.losses import target_weights
+from glm5_jax.train.heldout import score_heldout
 from glm5_jax.train.metrics import (MetricWriter, flops_per_token, peak_flops_per_device,
                                     progress_line)
 from glm5_jax.train.state import merge_stage_params
@@ -101,9 +101,9 @@ def train(config, workdir: str, *, stop_after_steps: int | None = None) -> dict:
           interval_start, interval_steps = time.time(), 0
         if config.eval.every_steps and (done % config.eval.every_steps == 0
                                         or done == total_steps):
-          eval_metrics = evaluate(t.dense_eval_step if dense_phase else t.eval_step,
-                                  state.params, eval_batches, t.to_device, source_names,
-                                  answer_sources)
+          eval_metrics = score_heldout(t.dense_eval_step if dense_phase else t.eval_step,
+                                       state.params, eval_batches, t.to_device, source_names,
+                                       answer_sources)
           logging.info("eval at step %d: %s", done, _format(eval_metrics))
           writer.write(done, eval_metrics, prefix="eval")
         if save_now:
@@ -139,42 +139,6 @@ def _checked(step: int, metrics) -> dict:
     raise NonFiniteLossError(f"step {step + 1}: non-finite {values}; stopping. The last "
                              "checkpoint written before it is intact.")
   return metrics
-
-
-def evaluate(eval_step, params, batches, to_device, source_names, answer_sources=()) -> dict:
-  """Mean eval losses plus, per data source, target-token loss and token accuracy, and for
-  `answer_sources` (retrieval tasks) exact match: every answer token of an example right."""
-  if not batches:
-    return {}
-  sums, count = {}, 0
-  per_source = {name: np.zeros(5) for name in source_names}  # nll, correct, targets, exact, docs
-  for batch in batches:
-    metrics, predictions, nll = jax.device_get(eval_step(params, to_device(batch)))
-    for k, v in metrics.items():
-      sums[k] = sums.get(k, 0.0) + float(v)
-    count += 1
-    _score_examples(batch, np.asarray(predictions), np.asarray(nll), source_names, per_source)
-  out = {k: v / count for k, v in sums.items()}
-  for name, (nll, correct, targets, exact, docs) in per_source.items():
-    if targets:
-      out[f"{name}/loss"] = nll / targets
-      out[f"{name}/token_accuracy"] = correct / targets
-      if name in answer_sources:
-        out[f"{name}/exact_match"] = exact / max(docs, 1)
-  return out
-
-
-def _score_examples(batch, predictions, nll, source_names, per_source):
-  weights = np.asarray(target_weights(batch["segment_ids"], batch["loss_mask"], 1)) > 0
-  targets = batch["tokens"][:, 1:]
-  segments = batch["segment_ids"][:, 1:]
-  sources = batch["source_id"][:, 1:]
-  for row in range(targets.shape[0]):
-    for segment in np.unique(segments[row][weights[row]]):
-      sel = weights[row] & (segments[row] == segment)
-      acc = per_source[source_names[int(sources[row][sel][0])]]
-      right = predictions[row][sel] == targets[row][sel]
-      acc += (nll[row][sel].sum(), right.sum(), sel.sum(), float(right.all()), 1.0)
 
 
 def _format(metrics: dict) -> str:
