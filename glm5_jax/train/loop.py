@@ -1,7 +1,6 @@
 """The training loop, top to bottom: trainer (mesh, data, abstract state and shardings, jitted
 steps) -> init or restore -> loop (metrics, eval, checkpoints) -> summary."""
 
-import signal
 import time
 
 from absl import logging
@@ -16,6 +15,7 @@ from glm5_jax.train.heldout import score_heldout
 from glm5_jax.train.metrics import (MetricWriter, flops_per_token, peak_flops_per_device,
                                     progress_line)
 from glm5_jax.train.state import merge_stage_params
+from glm5_jax.train.stopping import StopSignal, any_process
 from glm5_jax.train.trainer import build_trainer
 
 
@@ -26,9 +26,17 @@ class NonFiniteLossError(FloatingPointError):
 def train(config, workdir: str, *, stop_after_steps: int | None = None) -> dict:
   """Trains per `config` in `workdir` (resuming from its latest checkpoint); returns a summary.
 
+  Stopping early: SIGTERM (on any process), a preemption sync point, or `stop_after_steps`
+  ends the run after the current step, once that step's checkpoint is committed; a later call
+  resumes exactly.
+
   Args:
-    stop_after_steps: stop (saving a checkpoint) after this many steps of this invocation, as a
-      job time limit or preemption would; a later call resumes exactly.
+    stop_after_steps: stop after this many steps of this invocation, as a job time limit would.
+  Returns:
+    `steps` (reached), `total_steps` (`train.steps`), `stopped_early` and `stop_reason`
+    ("SIGTERM", "preemption sync point", "stop_after_steps" or None), `first_loss`,
+    `last_loss`, `last_metrics`, `eval` (the last held-out scores), `tokens_per_sec`,
+    `checkpoints` (directory) and `metrics_file`.
   Multi-host: call `jax.distributed.initialize()` first (experiments/train.py does).
   """
   t = build_trainer(config)
@@ -62,14 +70,12 @@ def train(config, workdir: str, *, stop_after_steps: int | None = None) -> dict:
   tokens_per_step = config.data.batch_size * config.data.seq_len
   flops = flops_per_token(model, config.data.seq_len)
   peak = peak_flops_per_device()
-  stop = {"requested": False}
-  previous_handler = signal.signal(signal.SIGTERM, lambda *_: stop.update(requested=True))
-  first_loss = last_metrics = eval_metrics = None
+  first_loss = last_metrics = eval_metrics = stop_reason = None
   start_step = int(state.step)
   interval_start, interval_steps = time.time(), 0
   pending = None  # (step, metrics) of the last dispatched step, read one step late
   try:
-    with activation_sharding(mesh, rules):
+    with activation_sharding(mesh, rules), StopSignal() as sigterm:
       for step in range(start_step, total_steps):
         dense_phase = step < t.dense_steps
         if step == t.dense_steps and t.dense_steps:
@@ -81,11 +87,15 @@ def train(config, workdir: str, *, stop_after_steps: int | None = None) -> dict:
           first_loss = last_metrics["loss"] if first_loss is None else first_loss
         pending, interval_steps = (step, metrics), interval_steps + 1
         done = step + 1
-        if stop_after_steps is not None and done - start_step >= stop_after_steps:
-          stop["requested"] = True
+        # The stop request is read once per step; that one value decides both the save and the
+        # break (a SIGTERM arriving later in this step is seen by the next one).
+        stop_reason = _stop_reason(
+            signalled=any_process(sigterm.take()), preempted=manager.reached_preemption(done),
+            budget_spent=stop_after_steps is not None and done - start_step >= stop_after_steps,
+        ) if done < total_steps else None
         log_now = done % config.train.log_every_steps == 0 or done == total_steps
         save_now = (done % config.ckpt.every_steps == 0 or done == total_steps
-                    or stop["requested"] or manager.reached_preemption(done))
+                    or stop_reason is not None)
         if log_now or save_now:  # these need this step's numbers: sync once
           last_metrics = _checked(*pending)
           first_loss = last_metrics["loss"] if first_loss is None else first_loss
@@ -108,8 +118,14 @@ def train(config, workdir: str, *, stop_after_steps: int | None = None) -> dict:
           writer.write(done, eval_metrics, prefix="eval")
         if save_now:
           ckpt.save(manager, state, train_iter, config, force=True)
-        if stop["requested"]:
-          logging.warning("stop requested (SIGTERM or step budget): saved step %d", done)
+        if stop_reason is not None:
+          manager.wait_until_finished()  # committed before the log says so
+          if manager.latest_step() != done:
+            raise RuntimeError(f"stopping at step {done} ({stop_reason}): its checkpoint is not "
+                               f"in {manager.directory} (latest: {manager.latest_step()})")
+          logging.warning("stopped early (%s) at step %d of %d: saved step %d in %s; rerun "
+                          "with the same workdir to resume", stop_reason, done, total_steps,
+                          done, manager.directory)
           break
     if pending is not None:
       last_metrics = _checked(*pending)
@@ -118,15 +134,25 @@ def train(config, workdir: str, *, stop_after_steps: int | None = None) -> dict:
     manager.close()
     writer.close()
     train_iter.close()
-    signal.signal(signal.SIGTERM, previous_handler)
 
   return {
-      "steps": int(state.step), "first_loss": first_loss,
+      "steps": int(state.step), "total_steps": total_steps,
+      "stopped_early": stop_reason is not None, "stop_reason": stop_reason,
+      "first_loss": first_loss,
       "last_loss": last_metrics["loss"] if last_metrics else None,
       "last_metrics": last_metrics, "eval": eval_metrics,
       "tokens_per_sec": (last_metrics or {}).get("tokens_per_sec"),
       "checkpoints": str(manager.directory), "metrics_file": writer.path,
   }
+
+
+def _stop_reason(*, signalled: bool, preempted: bool, budget_spent: bool) -> str | None:
+  """Why the run stops after this step (None: it goes on)."""
+  if signalled:
+    return "SIGTERM"
+  if preempted:
+    return "preemption sync point"
+  return "stop_after_steps" if budget_spent else None
 
 
 def _checked(step: int, metrics) -> dict:
