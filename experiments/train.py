@@ -30,6 +30,7 @@ from absl import app, flags, logging
 import jax
 from ml_collections import config_flags
 
+from glm5_jax.train import console
 from glm5_jax.train.loop import train
 from glm5_jax.train.stopping import EXIT_STOPPED_EARLY
 
@@ -48,8 +49,12 @@ def main(argv):
   del argv
   if _is_multiprocess():
     jax.distributed.initialize()
+  console.quiet_library_info()
   logging.info("devices: %s", jax.devices())
-  summary = train(_CONFIG.value, _WORKDIR.value)
+  try:
+    summary = train(_CONFIG.value, _WORKDIR.value)
+  except Exception as e:  # pylint: disable=broad-except
+    console.exit_on_failure(e)  # the root cause as the last line, exit status 1
   if jax.process_index() == 0:
     _print_summary(summary)
   if summary["stopped_early"]:

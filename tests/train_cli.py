@@ -26,12 +26,18 @@ SMALL_FLAGS = (
 )
 
 
-def run(workdir, *flags, hook=None, timeout=900) -> subprocess.CompletedProcess:
-  """experiments/train.py on the small config in `workdir`; `flags` override."""
-  env = dict(os.environ, JAX_PLATFORMS="cpu", PYTHONPATH=ROOT)
+def command(workdir, *flags, hook=None) -> dict:
+  """`subprocess` keyword arguments running experiments/train.py on the small config in
+  `workdir`; `flags` override."""
   args = [sys.executable, os.path.abspath(__file__)] + ([f"--hook={hook}"] if hook else [])
-  return subprocess.run(args + [*SMALL_FLAGS, f"--workdir={workdir}", *flags], cwd=ROOT,
-                        env=env, capture_output=True, text=True, timeout=timeout)
+  return dict(args=args + [*SMALL_FLAGS, f"--workdir={workdir}", *flags], cwd=ROOT,
+              env=dict(os.environ, JAX_PLATFORMS="cpu", PYTHONPATH=ROOT))
+
+
+def run(workdir, *flags, hook=None, timeout=900) -> subprocess.CompletedProcess:
+  """Runs `command(...)` to the end."""
+  return subprocess.run(**command(workdir, *flags, hook=hook), capture_output=True, text=True,
+                        timeout=timeout)
 
 
 def _install(hook: str):

@@ -214,22 +214,25 @@ def restore_params_from(workdir: str, abstract_params_fn):
     abstract_params_fn: `model ConfigDict -> ShapeDtypeStruct tree` of that run's params.
   Returns:
     `(params, that run's model ConfigDict)`.
+  Raises:
+    FileNotFoundError: no checkpoint there.
+    CheckpointCorruptError: its latest step cannot be read or fails its fingerprint.
   """
   directory = os.path.join(os.path.abspath(workdir), "checkpoints")
   manager = ocp.CheckpointManager(directory)
-  step = manager.latest_step()
-  if step is None:
-    raise FileNotFoundError(f"config.train.init_from: no checkpoint under {directory}")
-  where = os.path.join(directory, str(step))
-  meta = manager.restore(step, args=ocp.args.Composite(meta=ocp.args.JsonRestore()))["meta"]
-  model = ml_collections.ConfigDict(meta["config"]["model"])
   try:
-    params = manager.restore(step, args=ocp.args.Composite(
-        params=ocp.args.StandardRestore(abstract_params_fn(model))))["params"]
-  except Exception as e:  # tensorstore / orbax errors for missing or undecodable files
-    raise CheckpointCorruptError(f"config.train.init_from: {where}: could not restore params "
-                                 f"({e})") from e
+    step = manager.latest_step()
+    if step is None:
+      raise FileNotFoundError(f"config.train.init_from: no checkpoint under {directory}")
+    where = os.path.join(directory, str(step))
+    try:
+      meta = manager.restore(step, args=ocp.args.Composite(meta=ocp.args.JsonRestore()))["meta"]
+      model = ml_collections.ConfigDict(meta["config"]["model"])
+      params = manager.restore(step, args=ocp.args.Composite(
+          params=ocp.args.StandardRestore(abstract_params_fn(model))))["params"]
+    except Exception as e:  # tensorstore / orbax errors for missing or undecodable files
+      raise CheckpointCorruptError(f"{where}: could not restore params ({e})") from e
   finally:
     manager.close()
-  _verify(meta, f"config.train.init_from: {where}", params, None)
+  _verify(meta, where, params, None)
   return params, model

@@ -16,6 +16,7 @@ from glm5_jax.train.metrics import (MetricWriter, flops_per_token, peak_flops_pe
                                     progress_line)
 from glm5_jax.train.state import merge_stage_params
 from glm5_jax.train.stopping import StopSignal, any_process
+from glm5_jax.train.workdir_lock import hold_workdir
 from glm5_jax.train.trainer import build_trainer
 
 
@@ -37,8 +38,16 @@ def train(config, workdir: str, *, stop_after_steps: int | None = None) -> dict:
     ("SIGTERM", "preemption sync point", "stop_after_steps" or None), `first_loss`,
     `last_loss`, `last_metrics`, `eval` (the last held-out scores), `tokens_per_sec`,
     `checkpoints` (directory) and `metrics_file`.
+  Raises:
+    WorkdirLockedError: another live process trains (or sweeps) in `workdir`; the message
+      names its pid and host. The lock is held until this call returns.
   Multi-host: call `jax.distributed.initialize()` first (experiments/train.py does).
   """
+  with hold_workdir(workdir, "training"):
+    return _train(config, workdir, stop_after_steps)
+
+
+def _train(config, workdir: str, stop_after_steps: int | None) -> dict:
   t = build_trainer(config)
   model, mesh, rules, train_iter = t.model, t.mesh, t.rules, t.train_iter
   total_steps = config.train.steps
@@ -51,7 +60,8 @@ def train(config, workdir: str, *, stop_after_steps: int | None = None) -> dict:
   # ---------------------------------------------------------------- init or restore
   manager = ckpt.make_manager(workdir, every_steps=config.ckpt.every_steps,
                               keep=config.ckpt.keep, async_save=config.ckpt.async_save)
-  state = ckpt.restore_latest(manager, t.abstract_state, train_iter, config)
+  state = ckpt.restore_latest(manager, t.abstract_state, train_iter, config,
+                             fallback=config.ckpt.restore_fallback)
   if state is not None:
     logging.info("resumed from %s at step %d", manager.directory, int(state.step))
   else:
@@ -111,13 +121,21 @@ def train(config, workdir: str, *, stop_after_steps: int | None = None) -> dict:
           interval_start, interval_steps = time.time(), 0
         if config.eval.every_steps and (done % config.eval.every_steps == 0
                                         or done == total_steps):
-          eval_metrics = score_heldout(t.dense_eval_step if dense_phase else t.eval_step,
-                                       state.params, eval_batches, t.to_device, source_names,
-                                       answer_sources)
+          try:
+            eval_metrics = score_heldout(t.dense_eval_step if dense_phase else t.eval_step,
+                                         state.params, eval_batches, t.to_device, source_names,
+                                         answer_sources)
+          except Exception as e:
+            e.add_note(f"held-out eval at step {done}")
+            raise
           logging.info("eval at step %d: %s", done, _format(eval_metrics))
           writer.write(done, eval_metrics, prefix="eval")
         if save_now:
-          ckpt.save(manager, state, train_iter, config, force=True)
+          try:
+            ckpt.save(manager, state, train_iter, config, force=True)
+          except Exception as e:
+            e.add_note(f"saving step {done} in {manager.directory}")
+            raise
         if stop_reason is not None:
           manager.wait_until_finished()  # committed before the log says so
           if manager.latest_step() != done:
@@ -129,11 +147,14 @@ def train(config, workdir: str, *, stop_after_steps: int | None = None) -> dict:
           break
     if pending is not None:
       last_metrics = _checked(*pending)
-  finally:
-    manager.wait_until_finished()
-    manager.close()
-    writer.close()
-    train_iter.close()
+  except BaseException:
+    # Still commit what can be committed, but never let a second failure (the same full disk,
+    # say) replace the first or skip the rest of the cleanup.
+    _close_all(manager.wait_until_finished, manager.close, writer.close, train_iter.close,
+               raise_first=False)
+    raise
+  _close_all(manager.wait_until_finished, manager.close, writer.close, train_iter.close,
+             raise_first=True)
 
   return {
       "steps": int(state.step), "total_steps": total_steps,
@@ -144,6 +165,21 @@ def train(config, workdir: str, *, stop_after_steps: int | None = None) -> dict:
       "tokens_per_sec": (last_metrics or {}).get("tokens_per_sec"),
       "checkpoints": str(manager.directory), "metrics_file": writer.path,
   }
+
+
+def _close_all(*closers, raise_first: bool) -> None:
+  """Calls every closer; then raises the first error (`raise_first`), else logs each."""
+  first = None
+  for close in closers:
+    try:
+      close()
+    except Exception as e:  # pylint: disable=broad-except
+      first = first or e
+      if not raise_first:
+        logging.error("while stopping after an error, %s also failed: %s",
+                      getattr(close, "__qualname__", close), e)
+  if first is not None and raise_first:
+    raise first
 
 
 def _stop_reason(*, signalled: bool, preempted: bool, budget_spent: bool) -> str | None:
