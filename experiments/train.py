@@ -13,16 +13,26 @@ Python standard library's own source text) and prints a summary. Re-running with
 --workdir resumes from its latest checkpoint. Launched as several processes (TPU pods, multi-
 host GPU), it calls `jax.distributed.initialize()` first; the same script and config run on
 1 CPU, 8 simulated devices (XLA_FLAGS=--xla_force_host_platform_device_count=8), a GPU or a pod.
+
+Exit status:
+  0   trained to `train.steps`
+  75  stopped early (SIGTERM, e.g. a preemption, on any process): the checkpoint of the step
+      it stopped at is committed; rerun the same command to resume (`EXIT_STOPPED_EARLY`,
+      sysexits' EX_TEMPFAIL)
+  1   failed; the last line on stderr is the root cause
 """
 
 import json
 import os
+import sys
 
 from absl import app, flags, logging
 import jax
 from ml_collections import config_flags
 
+from glm5_jax.train import console
 from glm5_jax.train.loop import train
+from glm5_jax.train.stopping import EXIT_STOPPED_EARLY
 
 _CONFIG = config_flags.DEFINE_config_file("config", "configs/tiny.py", "Experiment config.")
 _WORKDIR = flags.DEFINE_string("workdir", "workdir/tiny", "Checkpoints, metrics.jsonl and "
@@ -39,15 +49,23 @@ def main(argv):
   del argv
   if _is_multiprocess():
     jax.distributed.initialize()
+  console.quiet_library_info()
   logging.info("devices: %s", jax.devices())
-  summary = train(_CONFIG.value, _WORKDIR.value)
+  try:
+    summary = train(_CONFIG.value, _WORKDIR.value)
+  except Exception as e:  # pylint: disable=broad-except
+    console.exit_on_failure(e)  # the root cause as the last line, exit status 1
   if jax.process_index() == 0:
     _print_summary(summary)
+  if summary["stopped_early"]:
+    sys.exit(EXIT_STOPPED_EARLY)
 
 
 def _print_summary(summary: dict):
   print("\n== training summary ==")
-  print(f"steps: {summary['steps']}")
+  print(f"steps: {summary['steps']} of {summary['total_steps']}")
+  if summary["stopped_early"]:
+    print(f"stopped early ({summary['stop_reason']}); rerun with the same --workdir to resume")
   if summary["first_loss"] is not None:
     print(f"loss: first {summary['first_loss']:.4f} -> last {summary['last_loss']:.4f}")
   if summary["tokens_per_sec"]:

@@ -8,6 +8,7 @@ Public API:
   make_train_iterator(data_cfg, *, process_index=0, process_count=1) -> grain.DatasetIterator
   make_eval_batches(data_cfg, *, num_batches, process_index=0, process_count=1) -> [batch]
   source_names(data_cfg) -> [name]                  what `source_id` indexes
+  EmptySourceError                                  a source that cannot feed its split
   synthetic                                         the long-context retrieval generators
 
 Batches are dicts of numpy arrays: tokens, segment_ids, positions, source_id (int32 [B, L]) and
@@ -23,11 +24,12 @@ from glm5_jax.data.pipeline import (
     source_names,
     validate_data_config,
 )
+from glm5_jax.data.liveness import EmptySourceError
 from glm5_jax.data.sources import source_config
 from glm5_jax.data.tokenizers import ByteTokenizer, HFTokenizer, check_vocab, make_tokenizer
 
 __all__ = [
     "data_config", "source_config", "make_tokenizer", "check_vocab", "make_train_iterator",
     "make_eval_batches", "make_dataset", "source_names", "validate_data_config", "synthetic",
-    "ByteTokenizer", "HFTokenizer",
+    "ByteTokenizer", "HFTokenizer", "EmptySourceError",
 ]

@@ -1,14 +1,20 @@
 """The data pipeline: config defaults, validation, and checkpointable grain iterators.
 
-Per process, everything below is grain except the two marked (hand-written) pieces:
+Per process, everything below is grain except the marked (hand-written) pieces:
 
   each source: MapDataset of records (file parts / record ids / example ids)         sources.py
                -> held-out split -> [process_index::process_count] -> shuffle -> repeat
                (reshuffled every epoch) -> map: read + tokenize (*LRU-cached*)
-               -> to_iter_dataset -> flat map: *split documents into <= seq_len chunks*  packing.py
+               -> to_iter_dataset -> map: *raise if the source holds no document*  liveness.py
+               -> flat map: *split documents into <= seq_len chunks*                packing.py
   IterDataset.mix({name: source}, weights)      chunks drawn in proportion to the weights
   -> FirstFitPackIterDataset -> map: rename keys -> batch(local rows)                packing.py
   -> ThreadPrefetchIterDataset (`prefetch` batches ahead) or mp_prefetch (`worker_count`)
+
+No stage waits without bound: a file source whose records hold no document (e.g. a jsonl of
+blank lines) raises `liveness.EmptySourceError` naming it once every record has come up empty
+twice in a row, instead of letting the flat map search forever; a split with too few records
+is refused at build time with what to change. Synthetic examples always exist.
 
 Weights count documents (chunks of at most seq_len tokens), not tokens. The iterator state is a
 small JSON-able dict (each source's next record index and position within the current record,
@@ -113,11 +119,11 @@ def make_dataset(data_cfg, *, split: str = "train", process_index: int = 0,
     spec = specs[name]
     if split == "eval" and spec["kind"] != "synthetic" and spec["holdout_fraction"] == 0:
       continue
-    docs = sources.document_dataset(
-        name, spec, split=split, source_id=source_id, tokenizer=tokenizer,
-        seq_len=data_cfg.seq_len, seed=data_cfg.seed, process_index=process_index,
-        process_count=process_count, cache_size=data_cfg.token_cache_size)
-    docs = docs.to_iter_dataset(read_options)
+    docs = sources.document_stream(
+        name, spec, read_options=read_options, split=split, source_id=source_id,
+        tokenizer=tokenizer, seq_len=data_cfg.seq_len, seed=data_cfg.seed,
+        process_index=process_index, process_count=process_count,
+        cache_size=data_cfg.token_cache_size)
     mixture[name] = grain.experimental.FlatMapIterDataset(
         docs, packing.SplitIntoChunks(data_cfg.seq_len))
     weights[name] = float(spec["weight"])

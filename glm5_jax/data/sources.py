@@ -42,7 +42,7 @@ import grain
 import ml_collections
 import numpy as np
 
-from glm5_jax.data import synthetic
+from glm5_jax.data import liveness, synthetic
 
 FILE_KINDS = ("python_stdlib", "text_files", "jsonl")
 KIND_OPTIONS = {
@@ -342,22 +342,41 @@ def shuffle_seed(seed, name, split) -> int:
 def document_dataset(name, spec, *, split, source_id, tokenizer, seq_len, seed,
                      process_index=0, process_count=1, cache_size=4096) -> grain.MapDataset:
   """Infinite `grain.MapDataset` of document lists for one resolved source (see module doc)."""
+  return _documents(name, spec, split=split, source_id=source_id, tokenizer=tokenizer,
+                    seq_len=seq_len, seed=seed, process_index=process_index,
+                    process_count=process_count, cache_size=cache_size)[0]
+
+
+def document_stream(name, spec, *, read_options, **kwargs) -> grain.IterDataset:
+  """`document_dataset(name, spec, **kwargs)` read in order, as a `grain.IterDataset` that
+  raises `liveness.EmptySourceError` instead of spinning when the source holds no document."""
+  docs, num_records = _documents(name, spec, **kwargs)
+  stream = docs.to_iter_dataset(read_options)
+  if num_records is None:  # synthetic: every index is an example
+    return stream
+  return stream.map(liveness.RequireDocuments(
+      name, spec, kwargs["split"], num_records, functools.partial(list_files, name, spec)))
+
+
+def _documents(name, spec, *, split, source_id, tokenizer, seq_len, seed, process_index=0,
+               process_count=1, cache_size=4096) -> tuple[grain.MapDataset, int | None]:
+  """(`document_dataset`, this process's records per epoch; None for synthetic sources)."""
   if split not in SPLITS:
     raise ValueError(f"split {split!r}; known: {SPLITS}")
   kind = spec["kind"]
   if kind == "synthetic":
     ds = grain.MapDataset.range(SYNTHETIC_INDICES)[process_index::process_count]
-    return ds.map(_SyntheticRecord(name, spec, tokenizer, seq_len, source_id, seed, split))
+    return ds.map(_SyntheticRecord(name, spec, tokenizer, seq_len, source_id, seed, split)), None
   data_source = None
   if kind == "array_record":
     data_source, records = array_record_records(name, spec, split)
   else:
     records = file_part_records(name, spec, seq_len, split)
-  what = "held-out" if split == "eval" else "training"
   if len(records) < process_count:
-    raise ValueError(
-        f"source {name!r}: {len(records)} {what} records (holdout_fraction="
-        f"{spec['holdout_fraction']}) cannot be sharded over {process_count} processes")
+    raise liveness.EmptySourceError(liveness.too_few_records(
+        name, spec, split, len(records), process_count, seq_len, list_files(name, spec)[1]))
   ds = grain.MapDataset.source(records)[process_index::process_count]
+  num_records = len(ds)
   ds = ds.shuffle(shuffle_seed(seed, name, split)).repeat()
-  return ds.map(_ReadRecord(name, spec, tokenizer, seq_len, source_id, cache_size, data_source))
+  reader = _ReadRecord(name, spec, tokenizer, seq_len, source_id, cache_size, data_source)
+  return ds.map(reader), num_records

@@ -3,11 +3,16 @@
 One checkpoint per saved step under `<workdir>/checkpoints/<step>/`, items:
   params     the model params (StandardSave; restored directly into their shardings)
   opt_state  the optimizer state (StandardSave)
-  meta       JSON: step, RNG key data, and the config sections that must match on resume
+  meta       JSON: step, RNG key data, the config fields that must match on resume, and the
+             fingerprint of params, opt_state and data (`glm5_jax.train.integrity`)
   data       the grain iterator position (grain's own checkpoint handler)
 Orbax writes each step to a temporary directory and renames it when every item is complete,
 so a checkpoint is whole or absent. Saves are asynchronous: training continues while the last
 step is written.
+
+Restore verifies the fingerprint and refuses a damaged step (`CheckpointCorruptError` naming
+its directory). With `ckpt.restore_fallback=True` it instead moves the damaged step to
+`<workdir>/checkpoints_damaged/<step>` (with a warning naming it) and tries the step before.
 
 Resume order: the latest checkpoint in the workdir wins; else `train.init_from` (params only,
 from another run, e.g. a dense MLA run into a DSA stage); else a fresh init.
@@ -15,21 +20,35 @@ from another run, e.g. a dense MLA run into a DSA stage); else a fresh init.
 
 import json
 import os
+import shutil
 
+from absl import logging
 import grain
 import jax
+from jax.experimental import multihost_utils
 import ml_collections
 import numpy as np
 import orbax.checkpoint as ocp
 
+from glm5_jax.train import integrity
 from glm5_jax.train.state import TrainState
+from glm5_jax.train.stopping import any_process
 
-# Sections that must be identical to resume exactly (train.* may change, e.g. more steps).
+# Sections that must be identical to resume exactly (train.* may change, e.g. more steps)...
 RESUME_SECTIONS = ("model", "data", "optim")
+# ... and single fields of other sections: the DSA stage decides which parameter groups the
+# optimizer freezes, so it changes the optimizer state's structure.
+RESUME_FIELDS = (("train", "dsa_stage"),)
+DAMAGED_DIR = "checkpoints_damaged"
 
 
 class CheckpointMismatchError(ValueError):
   """The workdir's checkpoint was written by an incompatible config (or is unreadable)."""
+
+
+class CheckpointCorruptError(CheckpointMismatchError):
+  """A checkpoint step cannot be read, or its arrays differ from the fingerprint saved with
+  them; the message names the step directory (and the arrays)."""
 
 
 def make_manager(workdir: str, *, every_steps: int, keep: int, async_save: bool = True):
@@ -42,15 +61,24 @@ def make_manager(workdir: str, *, every_steps: int, keep: int, async_save: bool 
 
 
 def config_fingerprint(config) -> dict:
-  """The sections of the experiment config that a resume must match, as plain JSON data."""
-  return {name: json.loads(config[name].to_json()) for name in RESUME_SECTIONS if name in config}
+  """The parts of the experiment config that a resume must match, as plain JSON data."""
+  out = {name: json.loads(config[name].to_json()) for name in RESUME_SECTIONS if name in config}
+  for section, field in RESUME_FIELDS:
+    if section in config and field in config[section]:
+      out.setdefault(section, {})[field] = config[section][field]
+  return out
 
 
 def save(manager, state: TrainState, data_iterator, config, *, force: bool = False) -> bool:
   """Saves `state` at `state.step` if due (or `force`); returns whether a save started."""
   step = int(state.step)
+  if not (force or manager.should_save(step)):
+    return False
   meta = {"step": step, "rng": np.asarray(state.rng).tolist(),
-          "config": config_fingerprint(config)}
+          "config": config_fingerprint(config),
+          "fingerprint": {"params": integrity.tree_fingerprint(state.params),
+                          "opt_state": integrity.tree_fingerprint(state.opt_state),
+                          "data": integrity.data_fingerprint(data_iterator.get_state())}}
   return manager.save(step, args=ocp.args.Composite(
       params=ocp.args.StandardSave(state.params),
       opt_state=ocp.args.StandardSave(state.opt_state),
@@ -70,25 +98,60 @@ def _differences(saved, current, prefix=""):
                                       f"{current!r}"]
 
 
-def restore_latest(manager, abstract_state: TrainState, data_iterator, config):
-  """Restores the latest checkpoint into `abstract_state`'s structure and shardings.
+def restore_latest(manager, abstract_state: TrainState, data_iterator, config, *,
+                   fallback: bool = False):
+  """Restores the latest checkpoint into `abstract_state`'s structure and shardings, verified
+  against its fingerprint.
 
+  Args:
+    fallback: when the latest step is damaged, move it to `<workdir>/checkpoints_damaged/`
+      (logging a warning that names it) and try the step before, and so on.
   Returns:
     the restored `TrainState`, or None when the workdir has no checkpoint. `data_iterator` is
     moved to the saved position in place.
   Raises:
-    CheckpointMismatchError: the checkpoint's config differs, or it cannot be read.
+    CheckpointMismatchError: the checkpoint's config differs.
+    CheckpointCorruptError: the step cannot be read or fails its fingerprint (and `fallback` is
+      off, or no earlier step is intact).
   """
-  step = manager.latest_step()
-  if step is None:
-    return None
-  where = os.path.join(str(manager.directory), str(step))
+  steps = sorted(manager.all_steps(), reverse=True)
+  for i, step in enumerate(steps):
+    where = os.path.join(str(manager.directory), str(step))
+    error = None
+    try:
+      state = _restore_step(manager, step, where, abstract_state, data_iterator, config)
+    except CheckpointCorruptError as e:
+      error = e
+    # Every process must take the same branch (a damaged shard may be read by one host only).
+    if not any_process(error is not None):
+      if i:
+        logging.warning("ckpt.restore_fallback: resumed from step %d, the latest intact one",
+                        step)
+      return state
+    error = error or CheckpointCorruptError(f"{where}: damaged on another process")
+    if not fallback:
+      raise CheckpointCorruptError(
+          f"{error}\nTo resume from the step before it, set --config.ckpt.restore_fallback=True "
+          "(the damaged step is then moved aside), or move it away yourself.") from error
+    if i + 1 == len(steps):
+      raise CheckpointCorruptError(f"{error}\nckpt.restore_fallback: no earlier intact step "
+                                   f"in {manager.directory}") from error
+    moved = _set_aside(manager, step)
+    logging.warning("ckpt.restore_fallback: skipping damaged step %d (moved to %s): %s", step,
+                    moved, error)
+  return None
+
+
+def _restore_step(manager, step, where, abstract_state, data_iterator, config) -> TrainState:
   try:
     meta = manager.restore(step, args=ocp.args.Composite(meta=ocp.args.JsonRestore()))["meta"]
   except Exception as e:  # orbax raises many types for a damaged directory
-    raise CheckpointMismatchError(f"{where}: unreadable checkpoint ({e}); move it away to "
-                                  "resume from an earlier step") from e
-  differences = _differences(meta.get("config", {}), config_fingerprint(config))
+    raise CheckpointCorruptError(f"{where}: unreadable checkpoint metadata ({e})") from e
+  saved_config, current = meta.get("config", {}), config_fingerprint(config)
+  for section, _ in RESUME_FIELDS:  # a checkpoint from before that field was recorded
+    if section not in saved_config:
+      current.pop(section, None)
+  differences = _differences(saved_config, current)
   if differences:
     raise CheckpointMismatchError(
         f"{where} was written with a different config; resuming would not be exact. Use a new "
@@ -99,11 +162,49 @@ def restore_latest(manager, abstract_state: TrainState, data_iterator, config):
         opt_state=ocp.args.StandardRestore(abstract_state.opt_state),
         data=grain.checkpoint.CheckpointRestore(data_iterator),
     ))
-  except Exception as e:
-    raise CheckpointMismatchError(f"{where}: could not restore ({e})") from e
+  except Exception as e:  # tensorstore / orbax errors for missing or undecodable files
+    raise CheckpointCorruptError(f"{where}: could not restore ({e})") from e
+  _verify(meta, where, restored["params"], restored["opt_state"], data_iterator)
   return TrainState(step=jax.numpy.asarray(meta["step"], jax.numpy.int32),
                     params=restored["params"], opt_state=restored["opt_state"],
                     rng=jax.numpy.asarray(meta["rng"], jax.numpy.uint32))
+
+
+def _verify(meta, where, params, opt_state, data_iterator=None):
+  """Raises `CheckpointCorruptError` naming the arrays whose checksums differ from `meta`'s."""
+  saved = meta.get("fingerprint")
+  if saved is None:
+    logging.warning("%s has no fingerprint (written before fingerprints existed): restored "
+                    "without verifying its arrays", where)
+    return
+  bad = [f"params{k}" for k in integrity.mismatches(
+      saved["params"], integrity.tree_fingerprint(params))]
+  if opt_state is not None:
+    bad += [f"opt_state{k}" for k in integrity.mismatches(
+        saved["opt_state"], integrity.tree_fingerprint(opt_state))]
+  if data_iterator is not None and (
+      saved["data"] != integrity.data_fingerprint(data_iterator.get_state())):
+    bad.append("data (iterator position)")
+  if bad:
+    raise CheckpointCorruptError(
+        f"{where}: damaged checkpoint: {len(bad)} item(s) differ from the fingerprint saved "
+        f"with them: {', '.join(bad[:10])}{', ...' if len(bad) > 10 else ''}")
+
+
+def _set_aside(manager, step: int) -> str:
+  """Moves a damaged step out of the checkpoint directory (so this run can save that step
+  again) to `<workdir>/checkpoints_damaged/<step>`; returns where."""
+  source = os.path.join(str(manager.directory), str(step))
+  target = os.path.join(os.path.dirname(str(manager.directory)), DAMAGED_DIR, str(step))
+  if jax.process_index() == 0:
+    os.makedirs(os.path.dirname(target), exist_ok=True)
+    if os.path.exists(target):
+      target = f"{target}.{len(os.listdir(os.path.dirname(target)))}"
+    shutil.move(source, target)
+  if jax.process_count() > 1:
+    multihost_utils.sync_global_devices(f"glm5 set aside damaged step {step}")
+  manager.reload()
+  return target
 
 
 def restore_params_from(workdir: str, abstract_params_fn):
@@ -113,15 +214,25 @@ def restore_params_from(workdir: str, abstract_params_fn):
     abstract_params_fn: `model ConfigDict -> ShapeDtypeStruct tree` of that run's params.
   Returns:
     `(params, that run's model ConfigDict)`.
+  Raises:
+    FileNotFoundError: no checkpoint there.
+    CheckpointCorruptError: its latest step cannot be read or fails its fingerprint.
   """
   directory = os.path.join(os.path.abspath(workdir), "checkpoints")
   manager = ocp.CheckpointManager(directory)
-  step = manager.latest_step()
-  if step is None:
-    raise FileNotFoundError(f"config.train.init_from: no checkpoint under {directory}")
-  meta = manager.restore(step, args=ocp.args.Composite(meta=ocp.args.JsonRestore()))["meta"]
-  model = ml_collections.ConfigDict(meta["config"]["model"])
-  params = manager.restore(step, args=ocp.args.Composite(
-      params=ocp.args.StandardRestore(abstract_params_fn(model))))["params"]
-  manager.close()
+  try:
+    step = manager.latest_step()
+    if step is None:
+      raise FileNotFoundError(f"config.train.init_from: no checkpoint under {directory}")
+    where = os.path.join(directory, str(step))
+    try:
+      meta = manager.restore(step, args=ocp.args.Composite(meta=ocp.args.JsonRestore()))["meta"]
+      model = ml_collections.ConfigDict(meta["config"]["model"])
+      params = manager.restore(step, args=ocp.args.Composite(
+          params=ocp.args.StandardRestore(abstract_params_fn(model))))["params"]
+    except Exception as e:  # tensorstore / orbax errors for missing or undecodable files
+      raise CheckpointCorruptError(f"{where}: could not restore params ({e})") from e
+  finally:
+    manager.close()
+  _verify(meta, where, params, None)
   return params, model

@@ -32,6 +32,9 @@ def ckpt_config(**overrides) -> ml_collections.ConfigDict:
   c.every_steps = 200
   c.keep = 3
   c.async_save = True
+  # A latest checkpoint that fails its fingerprint (or cannot be read) is an error; True: move it
+  # to <workdir>/checkpoints_damaged/ with a warning and resume from the step before.
+  c.restore_fallback = False
   c.update(overrides)
   return c
 

@@ -1,7 +1,6 @@
 """The training loop, top to bottom: trainer (mesh, data, abstract state and shardings, jitted
 steps) -> init or restore -> loop (metrics, eval, checkpoints) -> summary."""
 
-import signal
 import time
 
 from absl import logging
@@ -12,10 +11,12 @@ from glm5_jax import data as data_lib
 from glm5_jax.api import abstract_params
 from glm5_jax.sharding import activation_sharding
 from glm5_jax.train import checkpoint as ckpt
-from glm5_jax.train.losses import target_weights
+from glm5_jax.train.heldout import score_heldout
 from glm5_jax.train.metrics import (MetricWriter, flops_per_token, peak_flops_per_device,
                                     progress_line)
 from glm5_jax.train.state import merge_stage_params
+from glm5_jax.train.stopping import StopSignal, any_process
+from glm5_jax.train.workdir_lock import hold_workdir
 from glm5_jax.train.trainer import build_trainer
 
 
@@ -26,11 +27,27 @@ class NonFiniteLossError(FloatingPointError):
 def train(config, workdir: str, *, stop_after_steps: int | None = None) -> dict:
   """Trains per `config` in `workdir` (resuming from its latest checkpoint); returns a summary.
 
+  Stopping early: SIGTERM (on any process), a preemption sync point, or `stop_after_steps`
+  ends the run after the current step, once that step's checkpoint is committed; a later call
+  resumes exactly.
+
   Args:
-    stop_after_steps: stop (saving a checkpoint) after this many steps of this invocation, as a
-      job time limit or preemption would; a later call resumes exactly.
+    stop_after_steps: stop after this many steps of this invocation, as a job time limit would.
+  Returns:
+    `steps` (reached), `total_steps` (`train.steps`), `stopped_early` and `stop_reason`
+    ("SIGTERM", "preemption sync point", "stop_after_steps" or None), `first_loss`,
+    `last_loss`, `last_metrics`, `eval` (the last held-out scores), `tokens_per_sec`,
+    `checkpoints` (directory) and `metrics_file`.
+  Raises:
+    WorkdirLockedError: another live process trains (or sweeps) in `workdir`; the message
+      names its pid and host. The lock is held until this call returns.
   Multi-host: call `jax.distributed.initialize()` first (experiments/train.py does).
   """
+  with hold_workdir(workdir, "training"):
+    return _train(config, workdir, stop_after_steps)
+
+
+def _train(config, workdir: str, stop_after_steps: int | None) -> dict:
   t = build_trainer(config)
   model, mesh, rules, train_iter = t.model, t.mesh, t.rules, t.train_iter
   total_steps = config.train.steps
@@ -43,7 +60,8 @@ def train(config, workdir: str, *, stop_after_steps: int | None = None) -> dict:
   # ---------------------------------------------------------------- init or restore
   manager = ckpt.make_manager(workdir, every_steps=config.ckpt.every_steps,
                               keep=config.ckpt.keep, async_save=config.ckpt.async_save)
-  state = ckpt.restore_latest(manager, t.abstract_state, train_iter, config)
+  state = ckpt.restore_latest(manager, t.abstract_state, train_iter, config,
+                             fallback=config.ckpt.restore_fallback)
   if state is not None:
     logging.info("resumed from %s at step %d", manager.directory, int(state.step))
   else:
@@ -62,14 +80,12 @@ def train(config, workdir: str, *, stop_after_steps: int | None = None) -> dict:
   tokens_per_step = config.data.batch_size * config.data.seq_len
   flops = flops_per_token(model, config.data.seq_len)
   peak = peak_flops_per_device()
-  stop = {"requested": False}
-  previous_handler = signal.signal(signal.SIGTERM, lambda *_: stop.update(requested=True))
-  first_loss = last_metrics = eval_metrics = None
+  first_loss = last_metrics = eval_metrics = stop_reason = None
   start_step = int(state.step)
   interval_start, interval_steps = time.time(), 0
   pending = None  # (step, metrics) of the last dispatched step, read one step late
   try:
-    with activation_sharding(mesh, rules):
+    with activation_sharding(mesh, rules), StopSignal() as sigterm:
       for step in range(start_step, total_steps):
         dense_phase = step < t.dense_steps
         if step == t.dense_steps and t.dense_steps:
@@ -81,11 +97,15 @@ def train(config, workdir: str, *, stop_after_steps: int | None = None) -> dict:
           first_loss = last_metrics["loss"] if first_loss is None else first_loss
         pending, interval_steps = (step, metrics), interval_steps + 1
         done = step + 1
-        if stop_after_steps is not None and done - start_step >= stop_after_steps:
-          stop["requested"] = True
+        # The stop request is read once per step; that one value decides both the save and the
+        # break (a SIGTERM arriving later in this step is seen by the next one).
+        stop_reason = _stop_reason(
+            signalled=any_process(sigterm.take()), preempted=manager.reached_preemption(done),
+            budget_spent=stop_after_steps is not None and done - start_step >= stop_after_steps,
+        ) if done < total_steps else None
         log_now = done % config.train.log_every_steps == 0 or done == total_steps
         save_now = (done % config.ckpt.every_steps == 0 or done == total_steps
-                    or stop["requested"] or manager.reached_preemption(done))
+                    or stop_reason is not None)
         if log_now or save_now:  # these need this step's numbers: sync once
           last_metrics = _checked(*pending)
           first_loss = last_metrics["loss"] if first_loss is None else first_loss
@@ -101,32 +121,74 @@ def train(config, workdir: str, *, stop_after_steps: int | None = None) -> dict:
           interval_start, interval_steps = time.time(), 0
         if config.eval.every_steps and (done % config.eval.every_steps == 0
                                         or done == total_steps):
-          eval_metrics = evaluate(t.dense_eval_step if dense_phase else t.eval_step,
-                                  state.params, eval_batches, t.to_device, source_names,
-                                  answer_sources)
+          try:
+            eval_metrics = score_heldout(t.dense_eval_step if dense_phase else t.eval_step,
+                                         state.params, eval_batches, t.to_device, source_names,
+                                         answer_sources)
+          except Exception as e:
+            e.add_note(f"held-out eval at step {done}")
+            raise
           logging.info("eval at step %d: %s", done, _format(eval_metrics))
           writer.write(done, eval_metrics, prefix="eval")
         if save_now:
-          ckpt.save(manager, state, train_iter, config, force=True)
-        if stop["requested"]:
-          logging.warning("stop requested (SIGTERM or step budget): saved step %d", done)
+          try:
+            ckpt.save(manager, state, train_iter, config, force=True)
+          except Exception as e:
+            e.add_note(f"saving step {done} in {manager.directory}")
+            raise
+        if stop_reason is not None:
+          manager.wait_until_finished()  # committed before the log says so
+          if manager.latest_step() != done:
+            raise RuntimeError(f"stopping at step {done} ({stop_reason}): its checkpoint is not "
+                               f"in {manager.directory} (latest: {manager.latest_step()})")
+          logging.warning("stopped early (%s) at step %d of %d: saved step %d in %s; rerun "
+                          "with the same workdir to resume", stop_reason, done, total_steps,
+                          done, manager.directory)
           break
     if pending is not None:
       last_metrics = _checked(*pending)
-  finally:
-    manager.wait_until_finished()
-    manager.close()
-    writer.close()
-    train_iter.close()
-    signal.signal(signal.SIGTERM, previous_handler)
+  except BaseException:
+    # Still commit what can be committed, but never let a second failure (the same full disk,
+    # say) replace the first or skip the rest of the cleanup.
+    _close_all(manager.wait_until_finished, manager.close, writer.close, train_iter.close,
+               raise_first=False)
+    raise
+  _close_all(manager.wait_until_finished, manager.close, writer.close, train_iter.close,
+             raise_first=True)
 
   return {
-      "steps": int(state.step), "first_loss": first_loss,
+      "steps": int(state.step), "total_steps": total_steps,
+      "stopped_early": stop_reason is not None, "stop_reason": stop_reason,
+      "first_loss": first_loss,
       "last_loss": last_metrics["loss"] if last_metrics else None,
       "last_metrics": last_metrics, "eval": eval_metrics,
       "tokens_per_sec": (last_metrics or {}).get("tokens_per_sec"),
       "checkpoints": str(manager.directory), "metrics_file": writer.path,
   }
+
+
+def _close_all(*closers, raise_first: bool) -> None:
+  """Calls every closer; then raises the first error (`raise_first`), else logs each."""
+  first = None
+  for close in closers:
+    try:
+      close()
+    except Exception as e:  # pylint: disable=broad-except
+      first = first or e
+      if not raise_first:
+        logging.error("while stopping after an error, %s also failed: %s",
+                      getattr(close, "__qualname__", close), e)
+  if first is not None and raise_first:
+    raise first
+
+
+def _stop_reason(*, signalled: bool, preempted: bool, budget_spent: bool) -> str | None:
+  """Why the run stops after this step (None: it goes on)."""
+  if signalled:
+    return "SIGTERM"
+  if preempted:
+    return "preemption sync point"
+  return "stop_after_steps" if budget_spent else None
 
 
 def _checked(step: int, metrics) -> dict:
@@ -139,42 +201,6 @@ def _checked(step: int, metrics) -> dict:
     raise NonFiniteLossError(f"step {step + 1}: non-finite {values}; stopping. The last "
                              "checkpoint written before it is intact.")
   return metrics
-
-
-def evaluate(eval_step, params, batches, to_device, source_names, answer_sources=()) -> dict:
-  """Mean eval losses plus, per data source, target-token loss and token accuracy, and for
-  `answer_sources` (retrieval tasks) exact match: every answer token of an example right."""
-  if not batches:
-    return {}
-  sums, count = {}, 0
-  per_source = {name: np.zeros(5) for name in source_names}  # nll, correct, targets, exact, docs
-  for batch in batches:
-    metrics, predictions, nll = jax.device_get(eval_step(params, to_device(batch)))
-    for k, v in metrics.items():
-      sums[k] = sums.get(k, 0.0) + float(v)
-    count += 1
-    _score_examples(batch, np.asarray(predictions), np.asarray(nll), source_names, per_source)
-  out = {k: v / count for k, v in sums.items()}
-  for name, (nll, correct, targets, exact, docs) in per_source.items():
-    if targets:
-      out[f"{name}/loss"] = nll / targets
-      out[f"{name}/token_accuracy"] = correct / targets
-      if name in answer_sources:
-        out[f"{name}/exact_match"] = exact / max(docs, 1)
-  return out
-
-
-def _score_examples(batch, predictions, nll, source_names, per_source):
-  weights = np.asarray(target_weights(batch["segment_ids"], batch["loss_mask"], 1)) > 0
-  targets = batch["tokens"][:, 1:]
-  segments = batch["segment_ids"][:, 1:]
-  sources = batch["source_id"][:, 1:]
-  for row in range(targets.shape[0]):
-    for segment in np.unique(segments[row][weights[row]]):
-      sel = weights[row] & (segments[row] == segment)
-      acc = per_source[source_names[int(sources[row][sel][0])]]
-      right = predictions[row][sel] == targets[row][sel]
-      acc += (nll[row][sel].sum(), right.sum(), sel.sum(), float(right.all()), 1.0)
 
 
 def _format(metrics: dict) -> str:

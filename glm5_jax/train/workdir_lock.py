@@ -14,8 +14,12 @@ needs cleaning up. The file's text names the current holder (pid, host, role, st
 a refused process says who holds it. `flock` only covers processes that see the same local
 file system; for a remote path (`gs://...`) there is no lock, and `WorkdirLock` says so once in
 the log rather than pretending.
+
+A multi-process run (one workdir on a shared file system) holds it from process 0 only, and
+every process fails together when it is taken: `hold_workdir(workdir, role)`.
 """
 
+import contextlib
 import datetime
 import fcntl
 import json
@@ -23,6 +27,9 @@ import os
 import socket
 
 from absl import logging
+import jax
+
+from glm5_jax.train.stopping import any_process
 
 LOCK_FILE = ".lock"
 
@@ -97,3 +104,22 @@ def _describe(text: bytes) -> str:
     return f"pid {h['pid']} on host {h['host']} ({h['role']}, since {h['since']})"
   except (ValueError, KeyError, TypeError):
     return "another process (its lock file names no holder)"
+
+
+@contextlib.contextmanager
+def hold_workdir(workdir: str, role: str):
+  """`WorkdirLock(workdir, role)` held by process 0 for the duration; on a refusal every process
+  raises `WorkdirLockedError` (so none waits for the others at a collective)."""
+  lock = WorkdirLock(workdir, role)
+  error = None
+  if jax.process_index() == 0:
+    try:
+      lock.acquire()
+    except WorkdirLockedError as e:
+      error = e
+  if any_process(error is not None):
+    raise error or WorkdirLockedError(f"{workdir}: process 0 could not lock it (see its log)")
+  try:
+    yield lock
+  finally:
+    lock.release()
