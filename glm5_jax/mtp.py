@@ -21,13 +21,6 @@ from glm5_jax.layers.norms import RMSNorm
 from glm5_jax.layers.params import DTYPES, normal_kernel
 
 
-def mtp_attention_kind(cfg: ModelConfig) -> str:
-  """The MTP layer copies the last layer's attention; a DSA layer that reuses a previous
-  selection gets an indexer of its own, since the MTP pass has no previous DSA layer."""
-  kind = cfg.attention_kind(cfg.num_hidden_layers - 1)
-  return "dsa" if kind == "dsa_shared_topk" else kind
-
-
 def shift_tokens_left(tokens_BL, d: int):
   """`t_{i+d}` at position i, 0 past the end of the row."""
   return jnp.pad(tokens_BL, ((0, 0), (0, d)))[:, d:]
@@ -52,8 +45,9 @@ class MTPLayer(nn.Module):
     w_eh = normal_kernel(self, "eh_proj", (2 * d, d), (None, "embed"), c.initializer_range,
                          pdtype).astype(dtype)
     x_BLD = jnp.concatenate([e_BLD, h_BLD], axis=-1) @ w_eh
-    layer = DecoderLayer(c, mtp_attention_kind(c), c.is_moe_layer(c.num_hidden_layers),
-                         name="layer")
+    # The last layer's kind, or its `mtp_letter` (an 'R' layer's MTP copy needs an indexer).
+    layer = DecoderLayer(c, c.attention_kind(c.num_hidden_layers),
+                         c.is_moe_layer(c.num_hidden_layers), name="layer")
     x_BLD, aux = layer(x_BLD, positions_BL, segment_ids_BL, None, absorbed, dsa_stage)
     normed_BLD = RMSNorm(c.rms_norm_eps, dtype, pdtype, name="shared_head_norm")(x_BLD)
     return x_BLD, normed_BLD, aux

@@ -21,10 +21,11 @@ import pytest
 import glm5_jax
 from glm5_jax.attention import delta_rule
 from glm5_jax.attention.common import causal_segment_mask
-from glm5_jax.attention.gdn import GDN_NEW_PARAMS, GatedDeltaNet
+from glm5_jax.attention.gdn import GatedDeltaNet
+from glm5_jax.attention.kinds import ATTENTION_KINDS
 from glm5_jax.attention.mla import MLA
 from glm5_jax.attention.mla_projections import MLA_PARAMS
-from glm5_jax.attention.simple_gdn import SIMPLE_GDN_NEW_PARAMS, SimpleGatedDeltaNet
+from glm5_jax.attention.simple_gdn import SimpleGatedDeltaNet
 from glm5_jax.attention.swa import SlidingWindowMLA, sliding_window_keys
 from glm5_jax.config import (ConfigError, ModelConfig, default_logical_axis_rules,
                              interleave_pattern, load_config_file)
@@ -242,18 +243,18 @@ def attention_shapes(params, layer):
 @pytest.mark.parametrize("gates", ["fixed", "learned"])
 def test_linear_layers_reuse_the_mla_params(helpers, gates):
   """L has exactly M's attention params (plus the two declared [H] scalars when learned); N has
-  M's plus GDN_NEW_PARAMS; S has exactly M's."""
+  M's plus its registry extras; S has exactly M's."""
   cfg = variant_config(helpers, "MSNL", simple_gdn_gates=gates)
   params = glm5_jax.abstract_params(cfg)
   m = attention_shapes(params, "layers_0")
   assert set(m) == set(MLA_PARAMS)
   assert attention_shapes(params, "layers_1") == m
   gdn = attention_shapes(params, "layers_2")
-  assert {n: gdn[n] for n in m} == m and set(gdn) - set(m) == set(GDN_NEW_PARAMS)
+  assert {n: gdn[n] for n in m} == m and set(gdn) - set(m) == ATTENTION_KINDS["N"].extra_params
   h, w = cfg.num_attention_heads, cfg.gdn_conv_size
   assert gdn["q_conv1d"] == (w, h, cfg.qk_head_dim) and gdn["v_conv1d"] == (w, h, cfg.v_head_dim)
   assert gdn["g_proj"] == (cfg.hidden_size, h, cfg.v_head_dim) and gdn["A_log"] == (h,)
-  scalars = {n: (h,) for n in SIMPLE_GDN_NEW_PARAMS} if gates == "learned" else {}
+  scalars = {n: (h,) for n in ATTENTION_KINDS["L"].extra_params} if gates == "learned" else {}
   assert attention_shapes(params, "layers_3") == {**m, **scalars}
 
 

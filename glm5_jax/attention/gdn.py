@@ -16,9 +16,10 @@ token t, per head h:
                     with `absorbed=True` (the decode form, as for MLA)
   5. y            = o_proj(RMSNorm(o) * SiLU(x W_g))       (RMSNorm over V, shared by heads)
 
-Parameters: the M layer's (`MLA_PARAMS`, same names, shapes and init) plus `GDN_NEW_PARAMS`:
-`{q,k,v}_conv1d [W, H, K|V]`, `a_proj [D, H]`, `b_proj [D, H]`, `A_log [H]`, `dt_bias [H]`,
-`g_proj [D, H, V]`, `o_norm` (scale [V]). Converting a trained M layer reuses every MLA weight
+Parameters: the M layer's (`MLA_PARAMS`, same names, shapes and init) plus the kind's
+`extra_params` (`glm5_jax.attention.kinds`, letter N): `{q,k,v}_conv1d [W, H, K|V]`,
+`a_proj [D, H]`, `b_proj [D, H]`, `A_log [H]`, `dt_bias [H]`, `g_proj [D, H, V]`, `o_norm`
+(scale [V]). Converting a trained M layer reuses every MLA weight
 and initializes only these. Their init:
   convs    identity on the newest tap (the kernel passes x_t through), so a converted layer
            starts from the pretrained q/k/v and a fresh one learns the mixing from there;
@@ -42,8 +43,6 @@ from glm5_jax.config import ModelConfig
 from glm5_jax.layers.norms import RMSNorm
 from glm5_jax.layers.params import DTYPES, normal_kernel, param
 
-GDN_NEW_PARAMS = ("q_conv1d", "k_conv1d", "v_conv1d", "a_proj", "b_proj", "A_log", "dt_bias",
-                  "g_proj", "o_norm")
 A_INIT_RANGE = (1.0, 16.0)
 DT_INIT_RANGE = (1e-3, 1e-1)
 

@@ -16,7 +16,8 @@ The report leaves the gates open; `model.simple_gdn_gates` picks one of two:
   "fixed"    no parameters at all: RetNet's per-head decays alpha_h = 1 - 2^(-5-h) (Sun et al.
              2023, "Retentive Network", section 2.2; head 0 forgets fastest, half-life ~22
              tokens, each next head twice as slowly) and beta_h = `model.simple_gdn_beta`.
-  "learned"  two scalars per head (`SIMPLE_GDN_NEW_PARAMS`): log alpha_h = -exp(decay_rate_log_h),
+  "learned"  two scalars per head (the kind's `extra_params`, letter L in
+             `glm5_jax.attention.kinds`): log alpha_h = -exp(decay_rate_log_h),
              beta_h = sigmoid(beta_logit_h), initialized to exactly the fixed values, so a
              "learned" layer starts as the "fixed" one and a fixed -> learned conversion
              changes nothing until training moves them.
@@ -37,9 +38,6 @@ from glm5_jax.attention import delta_rule
 from glm5_jax.attention.mla_projections import mla_output, mla_qkv
 from glm5_jax.config import ModelConfig
 from glm5_jax.layers.params import param
-
-SIMPLE_GDN_NEW_PARAMS = ("decay_rate_log", "beta_logit")  # "learned" mode only
-
 
 def retnet_log_decays(num_heads: int) -> np.ndarray:
   """float64 `[H]`: log(1 - 2^(-5-h)), computed with log1p so that heads whose decay rounds to
