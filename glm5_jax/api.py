@@ -10,6 +10,7 @@ import jax
 import jax.numpy as jnp
 from flax import linen as nn
 
+from glm5_jax.attention.mode import Mode
 from glm5_jax.config import ModelConfig
 from glm5_jax.model import GLM5
 
@@ -54,11 +55,15 @@ def param_logical_axes(config):
 
 
 def forward(config, params, tokens_BL, positions_BL=None, segment_ids_BL=None, *,
-            absorbed=False, mtp=True, dsa_stage="sparse"):
-  """Full model outputs (main logits, MTP logits, final hidden state, aux); see `GLM5`."""
+            mode: Mode = Mode(), mtp=True):
+  """Full model outputs (main logits, MTP logits, final hidden state, aux); see `GLM5`.
+
+  `mode` (`glm5_jax.Mode`) picks the attention form and DSA stage, e.g.
+  `Mode(form="absorbed")` or `Mode(dsa_stage="warmup")`; the default is inference's.
+  """
   model = build_model(config)
-  return model.apply({"params": params}, tokens_BL, positions_BL, segment_ids_BL,
-                     absorbed=absorbed, mtp=mtp, dsa_stage=dsa_stage)
+  return model.apply({"params": params}, tokens_BL, positions_BL, segment_ids_BL, mode=mode,
+                     mtp=mtp)
 
 
 @functools.partial(jax.jit, static_argnums=0)

@@ -3,6 +3,7 @@
 from flax import linen as nn
 
 from glm5_jax.attention.kinds import KINDS_BY_NAME
+from glm5_jax.attention.mode import Mode
 from glm5_jax.config import ModelConfig
 from glm5_jax.layers.ffn import SwiGLU
 from glm5_jax.layers.norms import RMSNorm
@@ -23,15 +24,14 @@ class DecoderLayer(nn.Module):
   moe: bool
 
   @nn.compact
-  def __call__(self, x_BLD, positions_BL, segment_ids_BL, prev_topk_BLT=None, absorbed=False,
-               dsa_stage="sparse"):
+  def __call__(self, x_BLD, positions_BL, segment_ids_BL, prev_topk_BLT=None, *,
+               mode: Mode = Mode()):
     """Returns `(x_BLD, aux)`; aux merges the attention's and the MoE's named outputs."""
     c = self.cfg
     dtype, pdtype = DTYPES[c.dtype], DTYPES[c.param_dtype]
     h_BLD = RMSNorm(c.rms_norm_eps, dtype, pdtype, name="input_layernorm")(x_BLD)
     attention = KINDS_BY_NAME[self.attention_kind].build(c, "self_attn")
-    attn_BLD, aux = attention(h_BLD, positions_BL, segment_ids_BL, prev_topk_BLT, absorbed,
-                              dsa_stage)
+    attn_BLD, aux = attention(h_BLD, positions_BL, segment_ids_BL, prev_topk_BLT, mode=mode)
     x_BLD = x_BLD + attn_BLD
     h_BLD = RMSNorm(c.rms_norm_eps, dtype, pdtype, name="post_attention_layernorm")(x_BLD)
     if self.moe:

@@ -6,6 +6,7 @@ Notation: B batch, L sequence, D hidden, V vocab, T top-k.
 import jax.numpy as jnp
 from flax import linen as nn
 
+from glm5_jax.attention.mode import Mode
 from glm5_jax.config import ModelConfig
 from glm5_jax.decoder import DecoderLayer
 from glm5_jax.layers.norms import RMSNorm
@@ -22,17 +23,15 @@ class GLM5(nn.Module):
   cfg: ModelConfig
 
   @nn.compact
-  def __call__(self, tokens_BL, positions_BL=None, segment_ids_BL=None, *, absorbed=False,
-               mtp=True, dsa_stage="sparse"):
+  def __call__(self, tokens_BL, positions_BL=None, segment_ids_BL=None, *,
+               mode: Mode = Mode(), mtp=True):
     """Args:
       tokens_BL: int token ids.
       positions_BL: int positions; default `0..L-1` per row.
       segment_ids_BL: document ids of packed rows; default one document per row.
-      absorbed: the decode form: MLA-family layers attend over the latent (absorbed) instead
-        of expanded keys; GDN / SimpleGDN layers run the delta rule step by step.
+      mode: how the attention layers compute (`glm5_jax.attention.mode.Mode`): the expanded
+        or absorbed (decode) form, and the DSA stage (default: expanded, sparse).
       mtp: also run the MTP depths (when the model has an MTP layer).
-      dsa_stage: "dense" | "warmup" | "sparse" (default, inference): how DSA layers attend
-        and whether their indexers run; see `glm5_jax.attention.mla.MLA`.
     Returns:
       dict with `logits` fp32 `[B, L, V]`; `mtp_logits` fp32 `[mtp_depths, B, L, V]` (depth d
       at position i predicts token i+d+1; absent when MTP is off); `hidden` `[B, L, D]` (after
@@ -61,7 +60,7 @@ class GLM5(nn.Module):
     for i in range(c.num_hidden_layers):
       x_BLD = nn.with_logical_constraint(x_BLD, ACTIVATION_AXES)
       layer = DecoderLayer(c, c.attention_kind(i), c.is_moe_layer(i), name=f"layers_{i}")
-      x_BLD, aux = layer(x_BLD, positions_BL, segment_ids_BL, prev_topk_BLT, absorbed, dsa_stage)
+      x_BLD, aux = layer(x_BLD, positions_BL, segment_ids_BL, prev_topk_BLT, mode=mode)
       prev_topk_BLT = aux.get("topk_indices", prev_topk_BLT)
       layer_aux[f"layers_{i}"] = aux
     hidden_BLD = final_norm(x_BLD)
@@ -78,7 +77,7 @@ class GLM5(nn.Module):
         next_tokens_BL = shift_tokens_left(tokens_BL, depth)
         next_embed_BLD = jnp.take(embedding_VD, next_tokens_BL, axis=0).astype(dtype)
         h_BLD, normed_BLD, aux = mtp_layer(h_BLD, next_embed_BLD, positions_BL, segment_ids_BL,
-                                           absorbed, dsa_stage)
+                                           mode=mode)
         mtp_logits.append(lm_head(normed_BLD))
         out["aux"]["mtp"].append(aux)
       out["mtp_logits"] = jnp.stack(mtp_logits)

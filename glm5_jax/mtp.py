@@ -15,6 +15,7 @@ predictions have no valid target and training masks them (targets must share the
 import jax.numpy as jnp
 from flax import linen as nn
 
+from glm5_jax.attention.mode import Mode
 from glm5_jax.config import ModelConfig
 from glm5_jax.decoder import DecoderLayer
 from glm5_jax.layers.norms import RMSNorm
@@ -33,8 +34,8 @@ class MTPLayer(nn.Module):
   cfg: ModelConfig
 
   @nn.compact
-  def __call__(self, h_prev_BLD, next_embed_BLD, positions_BL, segment_ids_BL, absorbed=False,
-               dsa_stage="sparse"):
+  def __call__(self, h_prev_BLD, next_embed_BLD, positions_BL, segment_ids_BL, *,
+               mode: Mode = Mode()):
     """Returns `(h_BLD, normed_BLD, aux)`: the depth's output state (input to the next depth)
     and its `shared_head_norm`-ed version for the LM head."""
     c = self.cfg
@@ -48,6 +49,6 @@ class MTPLayer(nn.Module):
     # The last layer's kind, or its `mtp_letter` (an 'R' layer's MTP copy needs an indexer).
     layer = DecoderLayer(c, c.attention_kind(c.num_hidden_layers),
                          c.is_moe_layer(c.num_hidden_layers), name="layer")
-    x_BLD, aux = layer(x_BLD, positions_BL, segment_ids_BL, None, absorbed, dsa_stage)
+    x_BLD, aux = layer(x_BLD, positions_BL, segment_ids_BL, None, mode=mode)
     normed_BLD = RMSNorm(c.rms_norm_eps, dtype, pdtype, name="shared_head_norm")(x_BLD)
     return x_BLD, normed_BLD, aux

@@ -1,10 +1,13 @@
 """The attention-kind registry (glm5_jax.attention.kinds): its pattern rules, the MTP kind, and
-that the model builds every layer from it.
+that the model builds every layer from it; and `Mode` (glm5_jax.attention.mode).
 """
 
+import jax
+import jax.numpy as jnp
 import pytest
 
 import glm5_jax
+from glm5_jax import Mode
 from glm5_jax.attention.gqa import GQA
 from glm5_jax.attention.kinds import ATTENTION_KINDS, KINDS_BY_NAME, layer_kind, pattern_error
 from glm5_jax.attention.mla import MLA
@@ -60,3 +63,21 @@ def test_model_layers_follow_the_registry(helpers):
   assert "q_proj" in params["layers_2"]["self_attn"]
   assert ATTENTION_KINDS["N"].extra_params <= set(params["layers_3"]["self_attn"])
   assert ATTENTION_KINDS["N"].extra_params <= set(params["mtp"]["layer"]["self_attn"])
+
+
+def test_mode_rejects_unknown_values_and_is_a_static_argument():
+  assert Mode() == Mode(form="expanded", dsa_stage="sparse")
+  with pytest.raises(ValueError, match=r"Mode.form must be one of \('expanded', 'absorbed'\), "
+                     "got 'decode'"):
+    Mode(form="decode")
+  with pytest.raises(ValueError,
+                     match=r"Mode.dsa_stage must be one of .*'warmup'.*got 'sparse-ish'"):
+    Mode(dsa_stage="sparse-ish")
+  with pytest.raises(ValueError, match="Mode.form"):
+    Mode(True)  # the old positional `absorbed` boolean is refused, not read as a form
+  traces = []
+  f = jax.jit(lambda x, mode: (traces.append(mode), x * 2)[1], static_argnames="mode")
+  f(jnp.ones(()), mode=Mode(form="absorbed"))
+  f(jnp.ones(()), mode=Mode(form="absorbed"))
+  f(jnp.ones(()), mode=Mode(dsa_stage="dense"))
+  assert traces == [Mode(form="absorbed"), Mode(dsa_stage="dense")]

@@ -174,7 +174,8 @@ def test_swa_query_sees_exactly_its_window(helpers):
       module_params(helpers, mla, x, positions, ones)))
   y, aux = jax.jit(lambda: swa.apply(params, x, positions, ones))()
   assert aux == {}
-  y_absorbed, _ = jax.jit(lambda: swa.apply(params, x, positions, ones, None, True))()
+  y_absorbed, _ = jax.jit(lambda: swa.apply(params, x, positions, ones,
+                                            mode=glm5_jax.Mode(form="absorbed")))()
   np.testing.assert_allclose(y_absorbed, y, rtol=1e-5, atol=1e-5)
   dense = jax.jit(lambda x, p: mla.apply(params, x, p, jnp.ones_like(p))[0])
   for l in (0, window - 2, window - 1, window, LENGTH - 1):
@@ -259,13 +260,14 @@ def test_linear_layers_reuse_the_mla_params(helpers, gates):
 
 
 def test_decode_form_equals_training_form(helpers):
-  """`absorbed=True` runs N and L position by position (the recurrence a decoder steps) and S /
+  """`Mode(form="absorbed")` runs N and L position by position (the recurrence a decoder steps) and S /
   M in the latent form; logits match the chunked / expanded forms, with packed documents."""
   cfg = variant_config(helpers, "NLSM")
   params = helpers.random_params(cfg)
   tokens = np.random.default_rng(2).integers(1, cfg.vocab_size, (B, LENGTH))
   expanded = helpers.forward(cfg, params, tokens, segment_ids_BL=SEGMENTS)
-  absorbed = helpers.forward(cfg, params, tokens, segment_ids_BL=SEGMENTS, absorbed=True)
+  absorbed = helpers.forward(cfg, params, tokens, segment_ids_BL=SEGMENTS,
+                             mode=glm5_jax.Mode(form="absorbed"))
   for name in ("logits", "mtp_logits"):
     np.testing.assert_allclose(absorbed[name], expanded[name], rtol=1e-4, atol=1e-4)
 

@@ -1,7 +1,7 @@
 """Model-level properties of GLM-5 on the tiny config (docs/reference.md section 2).
 
 Causality (token perturbation through the indexer, top-k and MoE; gradients nanodo-style),
-MLA absorbed == expanded (and the flag reaching every MLA layer), DSA with top-k >= length ==
+MLA absorbed == expanded (and the mode reaching every MLA layer), DSA with top-k >= length ==
 dense MLA, RoPE shift invariance, deterministic top-k with ties, the shared-top-k 'R' layers,
 GQA, and packed sequences.
 
@@ -139,8 +139,8 @@ def test_absorbed_equals_expanded(helpers, pattern):
   cfg = helpers.config(attention_pattern=pattern)
   params = helpers.random_params(cfg)
   tokens = random_tokens(cfg, (B, L))
-  expanded = helpers.forward(cfg, params, tokens, absorbed=False)
-  absorbed = helpers.forward(cfg, params, tokens, absorbed=True)
+  expanded = helpers.forward(cfg, params, tokens, mode=glm5_jax.Mode(form="expanded"))
+  absorbed = helpers.forward(cfg, params, tokens, mode=glm5_jax.Mode(form="absorbed"))
   for name in ("logits", "mtp_logits", "hidden"):
     np.testing.assert_allclose(absorbed[name], expanded[name], rtol=1e-5, atol=1e-5,
                                err_msg=f"{pattern}: absorbed MLA {name} differ from expanded")
@@ -148,10 +148,10 @@ def test_absorbed_equals_expanded(helpers, pattern):
     np.testing.assert_array_equal(dsa_aux(absorbed)[name]["topk_indices"], aux["topk_indices"])
 
 
-def test_absorbed_flag_reaches_every_mla_layer(helpers):
-  """`forward(absorbed=True)` must run every MLA attention in the absorbed form, the MTP layer's
-  included (it decodes from the same latent cache when drafting). Checked at trace time by
-  intercepting `MLA.__call__`."""
+def test_absorbed_mode_reaches_every_mla_layer(helpers):
+  """`forward(mode=Mode(form="absorbed"))` must run every MLA attention in the absorbed form,
+  the MTP layer's included (it decodes from the same latent cache when drafting). Checked at
+  trace time by intercepting `MLA.__call__`."""
   cfg = helpers.config(attention_pattern="M")
   signature = inspect.signature(MLA.__call__)
   calls = []
@@ -160,19 +160,19 @@ def test_absorbed_flag_reaches_every_mla_layer(helpers):
     if isinstance(context.module, MLA) and context.method_name == "__call__":
       bound = signature.bind(context.module, *args, **kwargs)
       bound.apply_defaults()
-      calls.append(("/".join(context.module.path), bound.arguments["absorbed"]))
+      calls.append(("/".join(context.module.path), bound.arguments["mode"].form))
     return next_fun(*args, **kwargs)
 
   def run(params, tokens):
     with nn.intercept_methods(record):
-      return glm5_jax.forward(cfg, params, tokens, absorbed=True)
+      return glm5_jax.forward(cfg, params, tokens, mode=glm5_jax.Mode(form="absorbed"))
 
   jax.eval_shape(run, glm5_jax.abstract_params(cfg), jax.ShapeDtypeStruct((1, 8), jnp.int32))
   assert len(calls) == cfg.num_hidden_layers + cfg.mtp_depths
-  expanded = sorted({path for path, absorbed in calls if not absorbed})
+  expanded = sorted({path for path, form in calls if form != "absorbed"})
   assert not expanded, (
-      f"LIBRARY BUG: forward(absorbed=True) still runs {expanded} in the expanded form "
-      "(MTPLayer calls its DecoderLayer without passing `absorbed`)")
+      f"LIBRARY BUG: forward(mode=Mode(form='absorbed')) still runs {expanded} in the expanded "
+      "form (MTPLayer calls its DecoderLayer without passing `mode`)")
 
 
 def test_dsa_with_full_topk_equals_dense_mla(helpers):

@@ -13,7 +13,7 @@ token t, per head h:
      beta_t       = sigmoid(x W_b)                                in (0, 1), per head
   4. o_t          = gated delta rule (`delta_rule`): S_t = alpha_t (I - beta_t k k^T) S_{t-1}
                     + beta_t k v^T, o_t = S_t^T q_t; chunked form in training, recurrent form
-                    with `absorbed=True` (the decode form, as for MLA)
+                    with `Mode(form="absorbed")` (the decode form, as for MLA)
   5. y            = o_proj(RMSNorm(o) * SiLU(x W_g))       (RMSNorm over V, shared by heads)
 
 Parameters: the M layer's (`MLA_PARAMS`, same names, shapes and init) plus the kind's
@@ -39,6 +39,7 @@ from flax import linen as nn
 
 from glm5_jax.attention import delta_rule
 from glm5_jax.attention.mla_projections import mla_output, mla_qkv
+from glm5_jax.attention.mode import Mode
 from glm5_jax.config import ModelConfig
 from glm5_jax.layers.norms import RMSNorm
 from glm5_jax.layers.params import DTYPES, normal_kernel, param
@@ -86,12 +87,12 @@ class GatedDeltaNet(nn.Module):
   cfg: ModelConfig
 
   @nn.compact
-  def __call__(self, x_BLD, positions_BL, segment_ids_BL, prev_topk_BLT=None, absorbed=False,
-               dsa_stage="sparse"):
-    """Args as `MLA.__call__`; `positions_BL`, `prev_topk_BLT` and `dsa_stage` are unused, and
-    `absorbed` selects the recurrent (decode) form of the delta rule instead of the chunked one.
-    Returns `(y_BLD, {})`."""
-    del positions_BL, prev_topk_BLT, dsa_stage  # no RoPE, no top-k, no indexer
+  def __call__(self, x_BLD, positions_BL, segment_ids_BL, prev_topk_BLT=None, *,
+               mode: Mode = Mode()):
+    """Args as `MLA.__call__`; `positions_BL`, `prev_topk_BLT` and `mode.dsa_stage` are unused,
+    and `mode.form` "absorbed" selects the recurrent (decode) form of the delta rule instead of
+    the chunked one. Returns `(y_BLD, {})`."""
+    del positions_BL, prev_topk_BLT  # no RoPE, no top-k, no indexer
     c = self.cfg
     dtype, pdtype = DTYPES[c.dtype], DTYPES[c.param_dtype]
     d, h, vd, w = x_BLD.shape[-1], c.num_attention_heads, c.v_head_dim, c.gdn_conv_size
@@ -122,7 +123,7 @@ class GatedDeltaNet(nn.Module):
                    .astype(jnp.float32)))
 
     o_BLHV, _ = delta_rule.gated_delta_rule(q_BLHK, k_BLHK, v_BLHV, log_alpha_BLH, beta_BLH,
-                                            segment_ids_BL, recurrent=absorbed,
+                                            segment_ids_BL, recurrent=mode.form == "absorbed",
                                             chunk_size=c.gdn_chunk_size)
     w_g_DHV = kernel("g_proj", (d, h, vd), ("embed", "heads", "head_dim")).astype(dtype)
     gate_BLHV = jax.nn.silu(jnp.einsum("bld,dhv->blhv", x_BLD, w_g_DHV))

@@ -8,6 +8,7 @@ import jax.numpy as jnp
 from flax import linen as nn
 
 from glm5_jax.attention.common import attend, causal_segment_mask
+from glm5_jax.attention.mode import Mode
 from glm5_jax.config import ModelConfig
 from glm5_jax.layers.params import DTYPES, normal_kernel
 from glm5_jax.layers.rope import apply_interleaved_rope, rope_angles
@@ -19,9 +20,9 @@ class GQA(nn.Module):
   cfg: ModelConfig
 
   @nn.compact
-  def __call__(self, x_BLD, positions_BL, segment_ids_BL, prev_topk_BLT=None, absorbed=False,
-               dsa_stage="sparse"):
-    del prev_topk_BLT, absorbed, dsa_stage  # no selection to reuse, no latent, no indexer
+  def __call__(self, x_BLD, positions_BL, segment_ids_BL, prev_topk_BLT=None, *,
+               mode: Mode = Mode()):
+    del prev_topk_BLT, mode  # no selection to reuse, no latent, no indexer: one form
     c = self.cfg
     dtype = DTYPES[c.dtype]
     d, h, g, k = x_BLD.shape[-1], c.num_attention_heads, c.num_key_value_heads, c.gqa_head_dim

@@ -33,6 +33,7 @@ from glm5_jax.attention.common import attend, causal_segment_mask, MASKED_LOGIT
 from glm5_jax.attention.dsa import (LightningIndexer, indexer_kl, lightning_indexer_scores,
                                     restrict_topk_to_visible, select_topk, topk_mask)
 from glm5_jax.attention.mla_projections import mla_latents, mla_output
+from glm5_jax.attention.mode import Mode
 from glm5_jax.config import ModelConfig
 from glm5_jax.layers.params import DTYPES
 from glm5_jax.layers.rope import apply_interleaved_rope, rope_angles
@@ -46,18 +47,17 @@ class MLA(nn.Module):
   kind: str = "mla"
 
   @nn.compact
-  def __call__(self, x_BLD, positions_BL, segment_ids_BL, prev_topk_BLT=None, absorbed=False,
-               dsa_stage="sparse"):
+  def __call__(self, x_BLD, positions_BL, segment_ids_BL, prev_topk_BLT=None, *,
+               mode: Mode = Mode()):
     """Args:
       x_BLD: normalized layer input.
       positions_BL: int positions (RoPE).
       segment_ids_BL: int document ids; attention never crosses them.
       prev_topk_BLT: the previous DSA layer's selection, for kind "dsa_shared_topk".
-      absorbed: run the latent (decode) form instead of the expanded one.
-      dsa_stage: for DSA kinds (docs/reference.md section 3, "DSA adaptation"):
-        "dense"  - plain MLA; the indexer is not run.
-        "warmup" - the indexer runs and learns, attention stays dense.
-        "sparse" - attention is restricted to the top-k keys (inference and stage 2).
+      mode: `mode.form` "absorbed" runs the latent (decode) computation instead of the
+        expanded one; `mode.dsa_stage` is how DSA kinds attend ("dense": plain MLA, the
+        indexer does not run; "warmup": the indexer runs and learns, attention stays dense;
+        "sparse": attention restricted to the top-k keys). See `glm5_jax.attention.mode`.
     Returns:
       `(y_BLD, aux)`; for DSA kinds outside "dense" aux holds `topk_indices [B, L, T]`
       (int32, -1 = empty slot), and when this layer ran its indexer `indexer_kl [B, L]`:
@@ -78,9 +78,7 @@ class MLA(nn.Module):
 
     if self.kind not in ("mla", "dsa", "dsa_shared_topk"):
       raise ValueError(f"MLA got unknown kind {self.kind!r}")
-    if dsa_stage not in ("dense", "warmup", "sparse"):
-      raise ValueError(f"dsa_stage must be dense, warmup or sparse, got {dsa_stage!r}")
-    selects = self.kind != "mla" and dsa_stage != "dense"
+    selects = self.kind != "mla" and mode.dsa_stage != "dense"
     aux, index_qkw = {}, None
     if self.kind == "dsa" and (selects or self.is_initializing()):
       indexer = LightningIndexer(c.index_n_heads, c.index_head_dim, r, c.indexer_norm_eps,
@@ -94,13 +92,14 @@ class MLA(nn.Module):
       aux["topk_indices"] = prev_topk_BLT
 
     scale = k ** -0.5
-    if selects and dsa_stage == "sparse" and c.dsa_impl != "dense_mask":
+    if selects and mode.dsa_stage == "sparse" and c.dsa_impl != "dense_mask":
       out_BLHV = _sparse_stage_attention(
           c, aux, index_qkw, segment_ids_BL, q_nope_BLHN, q_rope_BLHR, ckv_BSC, k_rope_BSR,
           w_kb_CHN, w_vb_CHV, scale)
     else:
       out_BLHV = _dense_attention(
-          c, aux, index_qkw, segment_ids_BL, dsa_stage, absorbed, q_nope_BLHN, q_rope_BLHR,
+          c, aux, index_qkw, segment_ids_BL, mode.dsa_stage, mode.form == "absorbed",
+          q_nope_BLHN, q_rope_BLHR,
           ckv_BSC, k_rope_BSR, w_kb_CHN, w_vb_CHV, scale)
 
     return mla_output(self, c, out_BLHV), aux

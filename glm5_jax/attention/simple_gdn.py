@@ -9,7 +9,7 @@ token t and head h:
                 scale; q and k are then scaled to unit L2 norm per head
   2. o_t      = gated delta rule (`delta_rule`) with per-head, data-independent gates:
                 S_t = alpha_h (I - beta_h k k^T) S_{t-1} + beta_h k v^T, o_t = S_t^T q_t
-                (chunked in training, recurrent with `absorbed=True`)
+                (chunked in training, recurrent with `Mode(form="absorbed")`)
   3. y        = o_proj(o)                       (no output norm or gate)
 
 The report leaves the gates open; `model.simple_gdn_gates` picks one of two:
@@ -36,6 +36,7 @@ from flax import linen as nn
 
 from glm5_jax.attention import delta_rule
 from glm5_jax.attention.mla_projections import mla_output, mla_qkv
+from glm5_jax.attention.mode import Mode
 from glm5_jax.config import ModelConfig
 from glm5_jax.layers.params import param
 
@@ -51,11 +52,11 @@ class SimpleGatedDeltaNet(nn.Module):
   cfg: ModelConfig
 
   @nn.compact
-  def __call__(self, x_BLD, positions_BL, segment_ids_BL, prev_topk_BLT=None, absorbed=False,
-               dsa_stage="sparse"):
-    """Args as `MLA.__call__`; `prev_topk_BLT` and `dsa_stage` are unused, and `absorbed`
-    selects the recurrent (decode) form of the delta rule. Returns `(y_BLD, {})`."""
-    del prev_topk_BLT, dsa_stage  # no top-k, no indexer
+  def __call__(self, x_BLD, positions_BL, segment_ids_BL, prev_topk_BLT=None, *,
+               mode: Mode = Mode()):
+    """Args as `MLA.__call__`; `prev_topk_BLT` and `mode.dsa_stage` are unused, and `mode.form`
+    "absorbed" selects the recurrent (decode) form of the delta rule. Returns `(y_BLD, {})`."""
+    del prev_topk_BLT  # no top-k, no indexer
     c = self.cfg
     h = c.num_attention_heads
     q_BLHK, k_BLHK, v_BLHV = mla_qkv(self, c, x_BLD, positions_BL)
@@ -80,6 +81,6 @@ class SimpleGatedDeltaNet(nn.Module):
     beta_BLH = jnp.broadcast_to(beta_H, q_BLHK.shape[:3])
 
     o_BLHV, _ = delta_rule.gated_delta_rule(q_BLHK, k_BLHK, v_BLHV, log_alpha_BLH, beta_BLH,
-                                            segment_ids_BL, recurrent=absorbed,
+                                            segment_ids_BL, recurrent=mode.form == "absorbed",
                                             chunk_size=c.gdn_chunk_size)
     return mla_output(self, c, o_BLHV), {}

@@ -13,9 +13,8 @@ from typing import Any
 import flax
 import jax
 
+from glm5_jax.attention.mode import DSA_STAGES
 from glm5_jax.convert.attention_pattern import merge_pattern_params
-
-DSA_STAGES = ("dense", "warmup", "sparse")
 
 
 @flax.struct.dataclass

@@ -17,6 +17,7 @@ import jax.numpy as jnp
 import optax
 
 from glm5_jax.api import forward
+from glm5_jax.attention.mode import Mode
 from glm5_jax.config import ModelConfig
 from glm5_jax.train import losses
 from glm5_jax.train.state import TrainState
@@ -55,7 +56,7 @@ def compute_loss(model: ModelConfig, step_cfg: StepConfig, params, batch):
   the main head's argmax and negative log-likelihood of token i+1 at position i (`[B, L-1]`,
   used by evaluation; training ignores them, so they are compiled away)."""
   out = forward(model, params, batch["tokens"], batch["positions"], batch["segment_ids"],
-                dsa_stage=step_cfg.dsa_stage)
+                mode=Mode(dsa_stage=step_cfg.dsa_stage))
   lm = losses.lm_losses(out, batch, z_loss_weight=step_cfg.z_loss_weight)
   mtp = losses.mtp_losses(out, batch)
   kl = losses.indexer_kl(out, batch)
