@@ -17,7 +17,8 @@ import pytest
 from flax import linen as nn
 
 import glm5_jax
-from glm5_jax.attention.dsa import select_topk, topk_mask
+import pallas_kernels
+from glm5_jax.attention.dsa import topk_mask
 from glm5_jax.attention.mla import MLA
 
 B, L = 2, 32  # index_topk of the tiny config is 16 < L: selection is really sparse
@@ -232,6 +233,11 @@ def reference_topk(scores_BLS, k):
       keys = keys[:k]
       out[bi, li, :len(keys)] = keys
   return out
+
+
+def select_topk(scores_BLS, k):
+  """The top-k every DSA path uses (`pallas_kernels.select_topk`), indices only."""
+  return pallas_kernels.select_topk(scores_BLS, k)[0]
 
 
 def tie_heavy_scores(b=2, l=11, s=11, seed=0):

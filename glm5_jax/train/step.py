@@ -59,8 +59,8 @@ def compute_loss(model: ModelConfig, step_cfg: StepConfig, params, batch):
                 mode=Mode(dsa_stage=step_cfg.dsa_stage))
   lm = losses.lm_losses(out, batch, z_loss_weight=step_cfg.z_loss_weight)
   mtp = losses.mtp_losses(out, batch)
-  kl = losses.indexer_kl(out, batch)
-  balance = losses.sequence_balance_loss(out)
+  kl = losses.mean_indexer_kl(out, batch)
+  balance = losses.mean_sequence_balance_loss(out)
   mtp_loss = jnp.mean(jnp.stack([m["ce"] for m in mtp])) if mtp else jnp.zeros(())
   total = (lm["loss"] + step_cfg.mtp_loss_weight * mtp_loss
            + step_cfg.indexer_loss_weight * kl + step_cfg.sequence_balance_weight * balance)
@@ -70,9 +70,9 @@ def compute_loss(model: ModelConfig, step_cfg: StepConfig, params, batch):
   for d, m in enumerate(mtp, start=1):
     metrics[f"mtp{d}_loss"] = m["ce"]
     metrics[f"mtp{d}_accuracy"] = m["accuracy"]
-  logits_BLV = out["logits"][:, :-1]
-  predictions_BL = jnp.argmax(logits_BLV, axis=-1).astype(jnp.int32)
-  token_nll_BL = -jnp.take_along_axis(jax.nn.log_softmax(logits_BLV, axis=-1),
+  logits_BLY = out["logits"][:, :-1]
+  predictions_BL = jnp.argmax(logits_BLY, axis=-1).astype(jnp.int32)
+  token_nll_BL = -jnp.take_along_axis(jax.nn.log_softmax(logits_BLY, axis=-1),
                                       batch["tokens"][:, 1:, None], axis=-1)[..., 0]
   return total, (metrics, losses.expert_counts(out), predictions_BL, token_nll_BL)
 
