@@ -65,7 +65,8 @@ def model_config(**overrides) -> ml_collections.ConfigDict:
   c.initializer_range = 0.02
   c.attention_pattern = "D"
   # DSA sparse stage: "dense_mask" (reference, [L, S] mask), "xla" (O(L x T) gather path)
-  # or "pallas" (TPU kernels, interpret mode elsewhere); see pallas_kernels/__init__.py
+  # or "pallas" (TPU kernels, interpret mode elsewhere); see pallas_kernels/__init__.py.
+  # Also how S layers attend: they run as shared-top-k DSA layers handed their window.
   c.dsa_impl = "dense_mask"
   c.sliding_window = 4096  # S layers: keys each query sees, itself included
   c.gdn_conv_size = 4  # N layers: taps of the causal depthwise conv on q, k and v

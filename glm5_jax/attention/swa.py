@@ -16,6 +16,11 @@ previous layer's top-k, in every DSA stage. MLA intersects the selection with it
 same-document mask, which gives exactly the mask above. The selection is not returned in aux:
 it must not feed a following 'R' layer (validation forbids S -> R anyway).
 
+So `model.dsa_impl` drives S layers exactly as it drives R layers: "dense_mask" masks a dense
+`[B, L, S]` attention, "xla" / "pallas" gather the W window rows of the latent per query and
+never build anything `[B, L, S]`-shaped (O(L x W); `pallas_kernels.sparse_mla_*`, absorbed
+form). All three give the same outputs (tests/test_attention_variants.py).
+
 Notation: B batch, L queries, S keys, D hidden, W window (clipped to L).
 """
 
