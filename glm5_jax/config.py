@@ -18,11 +18,12 @@ from typing import Any
 import ml_collections
 
 from glm5_jax.attention.kinds import ATTENTION_KINDS, layer_kind, pattern_error
+from glm5_jax.layers import axes as logical_axes
+from glm5_jax.layers.params import DTYPES
 
 SIMPLE_GDN_GATES = ("fixed", "learned")
 MLP_LETTERS = {"F": "dense", "E": "moe"}
 DSA_IMPLS = ("dense_mask", "xla", "pallas")
-DTYPES = ("float32", "bfloat16", "float16")
 MESH_AXES = ("data", "fsdp", "expert", "tensor")
 
 
@@ -91,15 +92,15 @@ def mesh_config(**axis_sizes) -> ml_collections.ConfigDict:
 def default_logical_axis_rules():
   """Logical axis name -> mesh axes. Names not listed stay replicated."""
   return [
-      ("batch", ("data", "fsdp")),
-      ("embed", "fsdp"),
-      ("vocab", "tensor"),
-      ("mlp", "tensor"),
-      ("heads", "tensor"),
-      ("kv_heads", "tensor"),
-      ("index_heads", "tensor"),
-      ("expert", "expert"),
-      ("expert_mlp", "tensor"),
+      (logical_axes.BATCH, ("data", "fsdp")),
+      (logical_axes.EMBED, "fsdp"),
+      (logical_axes.VOCAB, "tensor"),
+      (logical_axes.MLP, "tensor"),
+      (logical_axes.HEADS, "tensor"),
+      (logical_axes.KV_HEADS, "tensor"),
+      (logical_axes.INDEX_HEADS, "tensor"),
+      (logical_axes.EXPERT, "expert"),
+      (logical_axes.EXPERT_MLP, "tensor"),
   ]
 
 
@@ -296,7 +297,8 @@ def validate_model_config(m) -> None:
   _require(m.dsa_impl in DSA_IMPLS, "model.dsa_impl", f"must be one of {DSA_IMPLS}, got "
            f"{m.dsa_impl!r}")
   for name in ("dtype", "param_dtype"):
-    _require(m[name] in DTYPES, f"model.{name}", f"must be one of {DTYPES}, got {m[name]!r}")
+    _require(m[name] in DTYPES, f"model.{name}", f"must be one of {tuple(DTYPES)}, got "
+             f"{m[name]!r}")
   _require(m.simple_gdn_gates in SIMPLE_GDN_GATES, "model.simple_gdn_gates",
            f"must be one of {SIMPLE_GDN_GATES}, got {m.simple_gdn_gates!r}")
   # Strictly inside (0, 1): the learned gate starts at sigmoid^-1(simple_gdn_beta).

@@ -7,7 +7,7 @@ from glm5_jax.attention.mode import Mode
 from glm5_jax.config import ModelConfig
 from glm5_jax.layers.ffn import SwiGLU
 from glm5_jax.layers.norms import RMSNorm
-from glm5_jax.layers.params import DTYPES
+from glm5_jax.layers.params import dtypes
 from glm5_jax.moe import MoE
 
 
@@ -28,7 +28,7 @@ class DecoderLayer(nn.Module):
                mode: Mode = Mode()):
     """Returns `(x_BLD, aux)`; aux merges the attention's and the MoE's named outputs."""
     c = self.cfg
-    dtype, pdtype = DTYPES[c.dtype], DTYPES[c.param_dtype]
+    dtype, pdtype = dtypes(c)
     h_BLD = RMSNorm(c.rms_norm_eps, dtype, pdtype, name="input_layernorm")(x_BLD)
     attention = KINDS_BY_NAME[self.attention_kind].build(c, "self_attn")
     attn_BLD, aux = attention(h_BLD, positions_BL, segment_ids_BL, prev_topk_BLT, mode=mode)

@@ -32,8 +32,9 @@ import jax
 import jax.numpy as jnp
 from flax import linen as nn
 
+from glm5_jax.layers.axes import EMBED, INDEX_HEADS, Q_LORA
 from glm5_jax.layers.norms import LayerNorm
-from glm5_jax.layers.params import normal_kernel, param
+from glm5_jax.layers.params import kernels, param
 from glm5_jax.layers.rope import apply_interleaved_rope
 
 
@@ -59,11 +60,10 @@ class LightningIndexer(nn.Module):
     them into scores."""
     d, q_rank = x_BLD.shape[-1], cq_BLQ.shape[-1]
     j, i = self.n_heads, self.head_dim
-    w_q_QJI = normal_kernel(self, "wq_b", (q_rank, j, i), ("q_lora", "index_heads", None),
-                            self.init_std, self.param_dtype).astype(self.dtype)
-    w_k_DI = normal_kernel(self, "wk", (d, i), ("embed", None), self.init_std,
-                           self.param_dtype).astype(self.dtype)
-    w_weights_DJ = param(self, "weights_proj", (d, j), ("embed", "index_heads"), jnp.float32,
+    kernel = kernels(self, self.init_std, self.param_dtype, self.dtype)
+    w_q_QJI = kernel("wq_b", (q_rank, j, i), (Q_LORA, INDEX_HEADS, None))
+    w_k_DI = kernel("wk", (d, i), (EMBED, None))
+    w_weights_DJ = param(self, "weights_proj", (d, j), (EMBED, INDEX_HEADS), jnp.float32,
                          nn.initializers.normal(stddev=self.init_std))
 
     q_BLJI = jnp.einsum("blq,qji->blji", cq_BLQ.astype(self.dtype), w_q_QJI)

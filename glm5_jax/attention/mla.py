@@ -38,7 +38,7 @@ from glm5_jax.attention.dsa import (LightningIndexer, indexer_kl_per_query,
 from glm5_jax.attention.mla_projections import mla_latents, mla_output
 from glm5_jax.attention.mode import Mode
 from glm5_jax.config import ModelConfig
-from glm5_jax.layers.params import DTYPES
+from glm5_jax.layers.params import dtypes
 from glm5_jax.layers.rope import apply_interleaved_rope, rope_angles
 
 
@@ -69,7 +69,7 @@ class MLA(nn.Module):
       "sparse" stage with `dsa_impl` "xla" / "pallas", which never builds that matrix.
     """
     c = self.cfg
-    dtype, pdtype = DTYPES[c.dtype], DTYPES[c.param_dtype]
+    dtype, pdtype = dtypes(c)
     n, r, k = c.qk_nope_head_dim, c.qk_rope_head_dim, c.qk_head_dim
     x_BLD = x_BLD.astype(dtype)
     q_BLHK, cq_BLQ, ckv_BSC, k_rope_BSR, w_kb_CHN, w_vb_CHV = mla_latents(self, c, x_BLD)

@@ -24,7 +24,8 @@ The report leaves the gates open; `model.simple_gdn_gates` picks one of two:
 The parameters are the M layer's (`MLA_PARAMS`) and, in "learned" mode, only those two [H]
 vectors.
 
-Notation: B batch, L length, D hidden, H heads, K key dim (N + R of MLA), V value dim.
+Notation (docs/design.md): B batch, L length, D hidden, H heads, K key dim (N + R of MLA),
+V value dim.
 """
 
 import math
@@ -38,6 +39,7 @@ from glm5_jax.attention import delta_rule
 from glm5_jax.attention.mla_projections import mla_output, mla_qkv
 from glm5_jax.attention.mode import Mode
 from glm5_jax.config import ModelConfig
+from glm5_jax.layers.axes import HEADS
 from glm5_jax.layers.params import param
 
 def retnet_log_decays(num_heads: int) -> np.ndarray:
@@ -69,9 +71,9 @@ class SimpleGatedDeltaNet(nn.Module):
     elif c.simple_gdn_gates == "learned":
       rate_init = np.log(-log_decay_H)  # log alpha = -exp(rate): exactly the fixed decays
       beta_init = math.log(c.simple_gdn_beta / (1 - c.simple_gdn_beta))  # sigmoid^-1
-      rate_H = param(self, "decay_rate_log", (h,), ("heads",), jnp.float32,
+      rate_H = param(self, "decay_rate_log", (h,), (HEADS,), jnp.float32,
                      lambda *_: jnp.asarray(rate_init, jnp.float32))
-      logit_H = param(self, "beta_logit", (h,), ("heads",), jnp.float32,
+      logit_H = param(self, "beta_logit", (h,), (HEADS,), jnp.float32,
                       lambda *_: jnp.full((h,), beta_init, jnp.float32))
       log_alpha_H, beta_H = -jnp.exp(rate_H), jax.nn.sigmoid(logit_H)
     else:

@@ -21,7 +21,7 @@ So `model.dsa_impl` drives S layers exactly as it drives R layers: "dense_mask" 
 never build anything `[B, L, S]`-shaped (O(L x W); `pallas_kernels.sparse_mla_*`, absorbed
 form). All three give the same outputs (tests/test_attention_variants.py).
 
-Notation: B batch, L queries, S keys, D hidden, W window (clipped to L).
+Notation (docs/design.md): B batch, L queries, S keys, D hidden, W window (clipped to L).
 """
 
 import dataclasses

@@ -15,6 +15,7 @@ import dataclasses
 import jax
 import jax.numpy as jnp
 import optax
+from flax import traverse_util
 
 from glm5_jax.api import forward
 from glm5_jax.attention.mode import Mode
@@ -78,15 +79,20 @@ def compute_loss(model: ModelConfig, step_cfg: StepConfig, params, batch):
 
 
 def update_balance_bias(params, counts: dict, rate: float):
-  """Loss-free balancing: raise the bias of under-loaded experts, lower it for over-loaded."""
+  """Loss-free balancing: raise the bias of under-loaded experts, lower it for over-loaded.
+
+  Args:
+    params: nested param dict (not modified).
+    counts: `{path to an MoE block: tokens routed to each expert [E]}`.
+  Returns:
+    new params, the correction biases of the blocks in `counts` moved.
+  """
+  flat = traverse_util.flatten_dict(params, keep_empty_nodes=True)
   for path, counts_E in counts.items():
-    node = params
-    for key in path:
-      node = node[key]
+    key = tuple(path) + ("e_score_correction_bias",)
     load = counts_E.astype(jnp.float32)
-    bias = node["e_score_correction_bias"]
-    node["e_score_correction_bias"] = bias + rate * jnp.sign(load.mean() - load).astype(bias.dtype)
-  return params
+    flat[key] = flat[key] + rate * jnp.sign(load.mean() - load).astype(flat[key].dtype)
+  return traverse_util.unflatten_dict(flat)
 
 
 def _expert_load_metrics(counts: dict):
@@ -107,7 +113,7 @@ def make_train_step(model: ModelConfig, step_cfg: StepConfig, optimizer, schedul
     updates, opt_state = optimizer.update(grads, state.opt_state, state.params)
     params = optax.apply_updates(state.params, updates)
     if step_cfg.trains_main_model:
-      params = update_balance_bias(_copy_dicts(params), counts, step_cfg.balance_bias_rate)
+      params = update_balance_bias(params, counts, step_cfg.balance_bias_rate)
     metrics = {**metrics, **_expert_load_metrics(counts),
                "grad_norm": optax.tree.norm(grads),
                "update_norm": optax.tree.norm(updates),
@@ -129,7 +135,3 @@ def make_eval_step(model: ModelConfig, step_cfg: StepConfig):
 
   return eval_step
 
-
-def _copy_dicts(tree):
-  """Fresh nested dicts (same leaves), so in-place edits never touch the caller's tree."""
-  return {k: _copy_dicts(v) if isinstance(v, dict) else v for k, v in tree.items()}
