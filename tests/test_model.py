@@ -411,3 +411,49 @@ def test_packed_document_equals_document_alone(helpers, pattern):
     np.testing.assert_array_equal(np.where(doc_b >= 0, doc_b - DOC_A, -1),
                                   dsa_aux(alone)[name]["topk_indices"],
                                   err_msg=f"{name}: packed doc B selects other keys than alone")
+
+
+# ---------------------------------------------------------------------------------------------
+# 9. Token ids outside the vocabulary
+# ---------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("bad_id, name", [("vocab", "vocab_size"), (-1, "negative")])
+def test_concrete_bad_token_id_is_refused(tiny_cfg, tiny_params, bad_id, name):
+  """`logits` and `forward` name the id, its position and vocab_size (an id >= vocab used to
+  give a NaN row; a negative one wrapped to another token)."""
+  del name
+  bad_id = tiny_cfg.vocab_size if bad_id == "vocab" else bad_id
+  tokens = random_tokens(tiny_cfg, (B, L))
+  tokens[1, 5] = bad_id
+  message = (rf"token id {bad_id} at position \(1, 5\) is outside the vocabulary "
+             rf"\[0, vocab_size={tiny_cfg.vocab_size}\)")
+  with pytest.raises(ValueError, match=message):
+    glm5_jax.logits(tiny_cfg, tiny_params, tokens)
+  with pytest.raises(ValueError, match=message):
+    glm5_jax.forward(tiny_cfg, tiny_params, jnp.asarray(tokens, jnp.int32))
+  with pytest.raises(ValueError, match="must be integers"):
+    glm5_jax.logits(tiny_cfg, tiny_params, tokens.astype(np.float32))
+
+
+def test_traced_bad_token_id_marks_only_the_logits_that_read_it(helpers, tiny_cfg, tiny_params):
+  """Under jit the ids cannot be checked: an out-of-range id (here >= vocab in row 0, negative
+  in row 1, at position P) makes NaN exactly the logits that read it (main at P; MTP depth d at
+  P and P - d) and nothing else; positions before P are unchanged (causality), later ones
+  finite."""
+  p = 20
+  tokens = random_tokens(tiny_cfg, (B, L))
+  bad = tokens.copy()
+  bad[0, p], bad[1, p] = tiny_cfg.vocab_size + 3, -2
+  clean = helpers.forward(tiny_cfg, tiny_params, tokens)
+  out = helpers.forward(tiny_cfg, tiny_params, bad)  # jitted: traced tokens, no check
+  nan_rows = np.isnan(out["logits"]).any(-1)
+  np.testing.assert_array_equal(nan_rows, np.arange(L)[None, :].repeat(B, 0) == p)
+  assert np.isnan(out["logits"][:, p]).all()
+  np.testing.assert_array_equal(out["logits"][:, :p], clean["logits"][:, :p])
+  for d in range(1, tiny_cfg.mtp_depths + 1):
+    nan_rows = np.isnan(out["mtp_logits"][d - 1]).any(-1)
+    np.testing.assert_array_equal(nan_rows[0], np.isin(np.arange(L), [p, p - d]),
+                                  err_msg=f"MTP depth {d}")
+    np.testing.assert_array_equal(out["mtp_logits"][d - 1][:, :p - d],
+                                  clean["mtp_logits"][d - 1][:, :p - d])
