@@ -4,13 +4,18 @@ Public API:
   load_hf(path) -> (config, params)        read a released GLM-5 HF checkpoint directory
   init_params(config, rng) -> params       random params for a model config
   logits(config, params, tokens) -> fp32 [batch, seq, vocab]
+  forward(config, params, tokens, positions=None, segment_ids=None, *, mode=Mode(), mtp=True)
+                                           logits, MTP logits, hidden state and aux
+  Mode(form="expanded"|"absorbed", dsa_stage="dense"|"warmup"|"sparse")
+                                           how the attention layers compute
 """
 
 from glm5_jax.api import abstract_params, forward, init_params, logits, param_logical_axes
+from glm5_jax.attention.mode import Mode
 from glm5_jax.config import ConfigError, ModelConfig, model_config, validate_config
 from glm5_jax.convert.hf import load_hf
 
 __all__ = [
     "load_hf", "init_params", "logits", "forward", "abstract_params", "param_logical_axes",
-    "model_config", "validate_config", "ModelConfig", "ConfigError",
+    "model_config", "validate_config", "ModelConfig", "ConfigError", "Mode",
 ]

@@ -8,8 +8,10 @@ import functools
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from flax import linen as nn
 
+from glm5_jax.attention.mode import Mode
 from glm5_jax.config import ModelConfig
 from glm5_jax.model import GLM5
 
@@ -53,12 +55,41 @@ def param_logical_axes(config):
   return nn.get_partition_spec(boxed)
 
 
+def check_token_ids(tokens_BL, vocab_size: int) -> None:
+  """Refuses concrete token ids outside `[0, vocab_size)` or of a non-integer dtype.
+
+  Traced ids (under jit) pass unchecked: their values are unknown here, and the model contains
+  them instead (`GLM5`: a bad id embeds as zeros and NaNs only the logits that read it).
+
+  Raises:
+    ValueError: naming the first offending id, its position and `vocab_size`.
+  """
+  if isinstance(tokens_BL, jax.core.Tracer):
+    return
+  tokens = np.asarray(tokens_BL)
+  if not np.issubdtype(tokens.dtype, np.integer):
+    raise ValueError(f"tokens_BL: token ids must be integers, got dtype {tokens.dtype}")
+  bad = (tokens < 0) | (tokens >= vocab_size)
+  if bad.any():
+    first = tuple(int(i) for i in np.argwhere(bad)[0])
+    raise ValueError(f"tokens_BL: token id {int(tokens[first])} at position {first} is outside "
+                     f"the vocabulary [0, vocab_size={vocab_size}) ({int(bad.sum())} of "
+                     f"{tokens.size} ids are)")
+
+
 def forward(config, params, tokens_BL, positions_BL=None, segment_ids_BL=None, *,
-            absorbed=False, mtp=True, dsa_stage="sparse"):
-  """Full model outputs (main logits, MTP logits, final hidden state, aux); see `GLM5`."""
+            mode: Mode = Mode(), mtp=True):
+  """Full model outputs (main logits, MTP logits, final hidden state, aux); see `GLM5`.
+
+  `mode` (`glm5_jax.Mode`) picks the attention form and DSA stage, e.g.
+  `Mode(form="absorbed")` or `Mode(dsa_stage="warmup")`; the default is inference's.
+  Concrete `tokens_BL` must lie in `[0, vocab_size)` (`check_token_ids`); under jit, an id
+  outside makes the logits that read it NaN and leaves the others finite (`GLM5`).
+  """
   model = build_model(config)
-  return model.apply({"params": params}, tokens_BL, positions_BL, segment_ids_BL,
-                     absorbed=absorbed, mtp=mtp, dsa_stage=dsa_stage)
+  check_token_ids(tokens_BL, model.cfg.vocab_size)
+  return model.apply({"params": params}, tokens_BL, positions_BL, segment_ids_BL, mode=mode,
+                     mtp=mtp)
 
 
 @functools.partial(jax.jit, static_argnums=0)
@@ -67,5 +98,11 @@ def _logits(cfg: ModelConfig, params, tokens_BL):
 
 
 def logits(config, params, tokens_BL):
-  """Main-head logits, float32 `[batch, seq, vocab]`, for int tokens `[batch, seq]`."""
-  return _logits(ModelConfig.from_config(config), params, jnp.asarray(tokens_BL, jnp.int32))
+  """Main-head logits, float32 `[batch, seq, vocab]`, for int tokens `[batch, seq]`.
+
+  Raises:
+    ValueError: a concrete token id outside `[0, vocab_size)` (see `forward` for traced ids).
+  """
+  cfg = ModelConfig.from_config(config)
+  check_token_ids(tokens_BL, cfg.vocab_size)
+  return _logits(cfg, params, jnp.asarray(tokens_BL, jnp.int32))

@@ -5,22 +5,9 @@ HF `GlmMoeDsaConfig` wherever it has one, so a released `config.json` reads the 
 Everything below `glm5_jax` receives a frozen `ModelConfig` (hashable, so it can be a static
 jit argument), never the experiment ConfigDict (STYLE habit 4).
 
-Per-layer attention pattern, one letter per layer (or one letter for every layer):
-  M  dense MLA
-  D  DSA: MLA restricted to the top-k keys chosen by this layer's lightning indexer
-  R  DSA that reuses the previous layer's top-k selection and has no indexer of its own
-     (HF `indexer_types = "shared"`)
-  G  grouped-query attention with `num_key_value_heads` KV heads (the GQA-8 baseline)
-  S  sliding-window MLA: the M layer's params and math, each query sees its `sliding_window`
-     latest keys (itself included)
-  N  Gated DeltaNet (Yang et al. 2024, arXiv 2412.06464): gated-delta-rule linear attention
-     with short causal convs (`gdn_conv_size`) on q/k/v, data-dependent decay and update gates
-     and a gated output norm; q/k/v/o come from MLA-shaped projections (the M layer's names
-     and sizes: H = num_attention_heads, K = qk_nope_head_dim + qk_rope_head_dim,
-     V = v_head_dim), so a trained M layer converts to N by adding only the new parts
-  L  SimpleGDN: the gated delta rule directly on the M layer's own q/k/v/o projections, no
-     conv, no gate modules; per-head decay and update gates fixed (RetNet-style decays,
-     `simple_gdn_beta`) or two learned scalars per head (`simple_gdn_gates`)
+Per-layer attention pattern (`attention_pattern`): one letter per layer (or one letter for every
+layer) out of M D R G S N L; what each letter is, and every fact about it, lives in its
+`AttentionKind` entry in `glm5_jax.attention.kinds`.
 The long-context ablation (docs/reference.md section 3) converts half the layers of a
 full-attention model to S / N / L; `interleave_pattern` writes such patterns.
 """
@@ -30,19 +17,13 @@ from typing import Any
 
 import ml_collections
 
-ATTENTION_LETTERS = {
-    "M": "mla",
-    "D": "dsa",
-    "R": "dsa_shared_topk",
-    "G": "gqa",
-    "S": "swa",
-    "N": "gdn",
-    "L": "simple_gdn",
-}
+from glm5_jax.attention.kinds import ATTENTION_KINDS, layer_kind, pattern_error
+from glm5_jax.layers import axes as logical_axes
+from glm5_jax.layers.params import DTYPES
+
 SIMPLE_GDN_GATES = ("fixed", "learned")
 MLP_LETTERS = {"F": "dense", "E": "moe"}
 DSA_IMPLS = ("dense_mask", "xla", "pallas")
-DTYPES = ("float32", "bfloat16", "float16")
 MESH_AXES = ("data", "fsdp", "expert", "tensor")
 
 
@@ -85,7 +66,8 @@ def model_config(**overrides) -> ml_collections.ConfigDict:
   c.initializer_range = 0.02
   c.attention_pattern = "D"
   # DSA sparse stage: "dense_mask" (reference, [L, S] mask), "xla" (O(L x T) gather path)
-  # or "pallas" (TPU kernels, interpret mode elsewhere); see pallas_kernels/__init__.py
+  # or "pallas" (TPU kernels, interpret mode elsewhere); see pallas_kernels/__init__.py.
+  # Also how S layers attend: they run as shared-top-k DSA layers handed their window.
   c.dsa_impl = "dense_mask"
   c.sliding_window = 4096  # S layers: keys each query sees, itself included
   c.gdn_conv_size = 4  # N layers: taps of the causal depthwise conv on q, k and v
@@ -110,15 +92,15 @@ def mesh_config(**axis_sizes) -> ml_collections.ConfigDict:
 def default_logical_axis_rules():
   """Logical axis name -> mesh axes. Names not listed stay replicated."""
   return [
-      ("batch", ("data", "fsdp")),
-      ("embed", "fsdp"),
-      ("vocab", "tensor"),
-      ("mlp", "tensor"),
-      ("heads", "tensor"),
-      ("kv_heads", "tensor"),
-      ("index_heads", "tensor"),
-      ("expert", "expert"),
-      ("expert_mlp", "tensor"),
+      (logical_axes.BATCH, ("data", "fsdp")),
+      (logical_axes.EMBED, "fsdp"),
+      (logical_axes.VOCAB, "tensor"),
+      (logical_axes.MLP, "tensor"),
+      (logical_axes.HEADS, "tensor"),
+      (logical_axes.KV_HEADS, "tensor"),
+      (logical_axes.INDEX_HEADS, "tensor"),
+      (logical_axes.EXPERT, "expert"),
+      (logical_axes.EXPERT_MLP, "tensor"),
   ]
 
 
@@ -188,7 +170,8 @@ class ModelConfig:
     return self.qk_nope_head_dim + self.qk_rope_head_dim
 
   def attention_kind(self, layer: int) -> str:
-    return ATTENTION_LETTERS[self.attention_pattern[layer]]
+    """The name of layer `layer`'s attention kind; `num_hidden_layers` is the MTP layer."""
+    return layer_kind(self.attention_pattern, layer).name
 
   def is_moe_layer(self, layer: int) -> bool:
     """MTP layers (index >= num_hidden_layers) are MoE whenever the model has experts."""
@@ -213,9 +196,9 @@ def interleave_pattern(num_layers: int, every: int, letter: str, base: str,
     raise ValueError(f"interleave_pattern: need every >= 1 and 0 <= offset < every, got "
                      f"every={every}, offset={offset}")
   for name, value in (("letter", letter), ("base", base)):
-    if value not in ATTENTION_LETTERS:
+    if value not in ATTENTION_KINDS:
       raise ValueError(f"interleave_pattern: {name} {value!r} is not one of "
-                       f"{sorted(ATTENTION_LETTERS)}")
+                       f"{sorted(ATTENTION_KINDS)}")
   return "".join(letter if i % every == offset else base for i in range(num_layers))
 
 
@@ -314,7 +297,8 @@ def validate_model_config(m) -> None:
   _require(m.dsa_impl in DSA_IMPLS, "model.dsa_impl", f"must be one of {DSA_IMPLS}, got "
            f"{m.dsa_impl!r}")
   for name in ("dtype", "param_dtype"):
-    _require(m[name] in DTYPES, f"model.{name}", f"must be one of {DTYPES}, got {m[name]!r}")
+    _require(m[name] in DTYPES, f"model.{name}", f"must be one of {tuple(DTYPES)}, got "
+             f"{m[name]!r}")
   _require(m.simple_gdn_gates in SIMPLE_GDN_GATES, "model.simple_gdn_gates",
            f"must be one of {SIMPLE_GDN_GATES}, got {m.simple_gdn_gates!r}")
   # Strictly inside (0, 1): the learned gate starts at sigmoid^-1(simple_gdn_beta).
@@ -326,17 +310,11 @@ def validate_model_config(m) -> None:
   _require(isinstance(pattern, str) and len(pattern) in (1, m.num_hidden_layers),
            "model.attention_pattern", f"needs one letter per layer ({m.num_hidden_layers}) or a "
            f"single letter for all layers, got {pattern!r}")
-  unknown = sorted(set(pattern) - set(ATTENTION_LETTERS))
-  _require(not unknown, "model.attention_pattern",
-           f"unknown letters {unknown}; allowed: {ATTENTION_LETTERS}")
   pattern = expand_pattern(pattern, m.num_hidden_layers)
-  _require(pattern[0] != "R", "model.attention_pattern",
-           "layer 0 is 'R' (reuse the previous layer's top-k) but has no previous layer")
-  for i in range(1, len(pattern)):
-    _require(pattern[i] != "R" or pattern[i - 1] in "DR", "model.attention_pattern",
-             f"layer {i} is 'R' but layer {i - 1} is {pattern[i - 1]!r}, not a DSA layer")
+  problem = pattern_error(pattern)
+  _require(problem is None, "model.attention_pattern", problem)
 
-  if "G" in pattern:  # GQA-only fields; MLA layers ignore them
+  if any(ATTENTION_KINDS[letter].family == "gqa" for letter in pattern):  # GQA-only fields
     _require(m.gqa_head_dim % 2 == 0, "model.gqa_head_dim",
              f"RoPE rotates pairs of dims, so it must be even, got {m.gqa_head_dim}")
     _require(m.num_attention_heads % m.num_key_value_heads == 0, "model.num_key_value_heads",

@@ -2,36 +2,21 @@
 
 from flax import linen as nn
 
-from glm5_jax.attention.gdn import GatedDeltaNet
-from glm5_jax.attention.gqa import GQA
-from glm5_jax.attention.mla import MLA
-from glm5_jax.attention.simple_gdn import SimpleGatedDeltaNet
-from glm5_jax.attention.swa import SlidingWindowMLA
+from glm5_jax.attention.kinds import KINDS_BY_NAME
+from glm5_jax.attention.mode import Mode
 from glm5_jax.config import ModelConfig
 from glm5_jax.layers.ffn import SwiGLU
 from glm5_jax.layers.norms import RMSNorm
-from glm5_jax.layers.params import DTYPES
+from glm5_jax.layers.params import dtypes
 from glm5_jax.moe import MoE
-
-# attention kind (see glm5_jax.config.ATTENTION_LETTERS) -> module factory. Every module takes
-# `(x_BLD, positions_BL, segment_ids_BL, prev_topk_BLT, absorbed, dsa_stage)` and returns
-# `(y_BLD, aux)`; only DSA kinds put anything in aux.
-ATTENTION_MODULES = {
-    "mla": lambda cfg, name: MLA(cfg, kind="mla", name=name),
-    "dsa": lambda cfg, name: MLA(cfg, kind="dsa", name=name),
-    "dsa_shared_topk": lambda cfg, name: MLA(cfg, kind="dsa_shared_topk", name=name),
-    "gqa": lambda cfg, name: GQA(cfg, name=name),
-    "swa": lambda cfg, name: SlidingWindowMLA(cfg, name=name),
-    "gdn": lambda cfg, name: GatedDeltaNet(cfg, name=name),
-    "simple_gdn": lambda cfg, name: SimpleGatedDeltaNet(cfg, name=name),
-}
 
 
 class DecoderLayer(nn.Module):
   """`x + Attn(norm(x))`, then `+ FFN(norm(.))`; HF names `input_layernorm`, `self_attn`,
   `post_attention_layernorm`, `mlp`.
 
-  `attention_kind` and `moe` are resolved by the caller from the config's per-layer patterns.
+  `attention_kind` (a name in `glm5_jax.attention.kinds`) and `moe` are resolved by the caller
+  from the config's per-layer patterns.
   """
 
   cfg: ModelConfig
@@ -39,15 +24,14 @@ class DecoderLayer(nn.Module):
   moe: bool
 
   @nn.compact
-  def __call__(self, x_BLD, positions_BL, segment_ids_BL, prev_topk_BLT=None, absorbed=False,
-               dsa_stage="sparse"):
+  def __call__(self, x_BLD, positions_BL, segment_ids_BL, prev_topk_BLT=None, *,
+               mode: Mode = Mode()):
     """Returns `(x_BLD, aux)`; aux merges the attention's and the MoE's named outputs."""
     c = self.cfg
-    dtype, pdtype = DTYPES[c.dtype], DTYPES[c.param_dtype]
+    dtype, pdtype = dtypes(c)
     h_BLD = RMSNorm(c.rms_norm_eps, dtype, pdtype, name="input_layernorm")(x_BLD)
-    attention = ATTENTION_MODULES[self.attention_kind](c, "self_attn")
-    attn_BLD, aux = attention(h_BLD, positions_BL, segment_ids_BL, prev_topk_BLT, absorbed,
-                              dsa_stage)
+    attention = KINDS_BY_NAME[self.attention_kind].build(c, "self_attn")
+    attn_BLD, aux = attention(h_BLD, positions_BL, segment_ids_BL, prev_topk_BLT, mode=mode)
     x_BLD = x_BLD + attn_BLD
     h_BLD = RMSNorm(c.rms_norm_eps, dtype, pdtype, name="post_attention_layernorm")(x_BLD)
     if self.moe:

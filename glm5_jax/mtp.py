@@ -15,17 +15,12 @@ predictions have no valid target and training masks them (targets must share the
 import jax.numpy as jnp
 from flax import linen as nn
 
+from glm5_jax.attention.mode import Mode
 from glm5_jax.config import ModelConfig
 from glm5_jax.decoder import DecoderLayer
 from glm5_jax.layers.norms import RMSNorm
-from glm5_jax.layers.params import DTYPES, normal_kernel
-
-
-def mtp_attention_kind(cfg: ModelConfig) -> str:
-  """The MTP layer copies the last layer's attention; a DSA layer that reuses a previous
-  selection gets an indexer of its own, since the MTP pass has no previous DSA layer."""
-  kind = cfg.attention_kind(cfg.num_hidden_layers - 1)
-  return "dsa" if kind == "dsa_shared_topk" else kind
+from glm5_jax.layers.axes import EMBED
+from glm5_jax.layers.params import dtypes, kernels
 
 
 def shift_tokens_left(tokens_BL, d: int):
@@ -40,20 +35,21 @@ class MTPLayer(nn.Module):
   cfg: ModelConfig
 
   @nn.compact
-  def __call__(self, h_prev_BLD, next_embed_BLD, positions_BL, segment_ids_BL, absorbed=False,
-               dsa_stage="sparse"):
+  def __call__(self, h_prev_BLD, next_embed_BLD, positions_BL, segment_ids_BL, *,
+               mode: Mode = Mode()):
     """Returns `(h_BLD, normed_BLD, aux)`: the depth's output state (input to the next depth)
     and its `shared_head_norm`-ed version for the LM head."""
     c = self.cfg
-    dtype, pdtype = DTYPES[c.dtype], DTYPES[c.param_dtype]
+    dtype, pdtype = dtypes(c)
     d = h_prev_BLD.shape[-1]
     e_BLD = RMSNorm(c.rms_norm_eps, dtype, pdtype, name="enorm")(next_embed_BLD)
     h_BLD = RMSNorm(c.rms_norm_eps, dtype, pdtype, name="hnorm")(h_prev_BLD)
-    w_eh = normal_kernel(self, "eh_proj", (2 * d, d), (None, "embed"), c.initializer_range,
-                         pdtype).astype(dtype)
-    x_BLD = jnp.concatenate([e_BLD, h_BLD], axis=-1) @ w_eh
-    layer = DecoderLayer(c, mtp_attention_kind(c), c.is_moe_layer(c.num_hidden_layers),
-                         name="layer")
-    x_BLD, aux = layer(x_BLD, positions_BL, segment_ids_BL, None, absorbed, dsa_stage)
+    w_eh_2DD = kernels(self, c.initializer_range, pdtype, dtype)("eh_proj", (2 * d, d),
+                                                                 (None, EMBED))
+    x_BLD = jnp.concatenate([e_BLD, h_BLD], axis=-1) @ w_eh_2DD
+    # The last layer's kind, or its `mtp_letter` (an 'R' layer's MTP copy needs an indexer).
+    layer = DecoderLayer(c, c.attention_kind(c.num_hidden_layers),
+                         c.is_moe_layer(c.num_hidden_layers), name="layer")
+    x_BLD, aux = layer(x_BLD, positions_BL, segment_ids_BL, None, mode=mode)
     normed_BLD = RMSNorm(c.rms_norm_eps, dtype, pdtype, name="shared_head_norm")(x_BLD)
     return x_BLD, normed_BLD, aux

@@ -17,23 +17,23 @@ Components are read off the param-tree paths: `embed_tokens`, `lm_head`, `norm`,
 `norms` holds the layer pre-norms and final norms. The router's `e_score_correction_bias` is
 in the params tree (never trained by gradients) and counts with the router.
 
-KV cache per token (bf16, summed over the main layers; the MTP layer's cache is left out):
-MLA layers (M/D/R) store the latent `kv_lora_rank + qk_rope_head_dim`, G layers
-`2 * num_key_value_heads * gqa_head_dim`, and each D layer (own lightning indexer) adds its
-indexer key `index_head_dim`. S layers store the same latent but only for their last
-`sliding_window` tokens (`swa_latent`: bytes per token while the context fits the window, a
-constant `sliding_window` times that beyond). N and L layers keep no per-token cache: their
-fixed-size state (`recurrent_state_bytes`, per sequence: fp32 `[H, K, V]` per layer plus, for N,
-the last `gdn_conv_size - 1` bf16 q/k/v inputs of the convolutions) is reported apart. For
-comparison, a GQA-8 model with head dim 128 stores `2 * 8 * 128` per layer.
+KV cache per token (bf16, summed over the main layers; the MTP layer's cache is left out): each
+layer's `AttentionKind.cache_numbers_per_token` (glm5_jax.attention.kinds), by cache part:
+`mla_latent` (M/D/R: `kv_lora_rank + qk_rope_head_dim`), `dsa_indexer_keys` (D: its indexer key
+`index_head_dim`), `swa_latent` (S: the same latent, but only for the last `sliding_window`
+tokens: bytes per token while the context fits the window, a constant `sliding_window` times that
+beyond), `gqa_kv` (G: `2 * num_key_value_heads * gqa_head_dim`). N and L layers keep no
+per-token cache: their fixed-size state (`AttentionKind.recurrent_state_bytes`, per sequence) is
+reported apart. For comparison, a GQA-8 model with head dim 128 stores `2 * 8 * 128` per layer.
 """
 
 import collections
 import math
 
-import jax
+from flax import traverse_util
 
 from glm5_jax.api import abstract_params
+from glm5_jax.attention.kinds import ATTENTION_KINDS, CACHE_BYTES_PER_NUMBER
 from glm5_jax.config import ModelConfig
 
 # Main-model components, in table order; `mtp` is the whole MTP subtree.
@@ -47,18 +47,15 @@ LAYER_NORMS = ("input_layernorm", "post_attention_layernorm")
 ROUTER = ("gate", "e_score_correction_bias")  # MoE `mlp/gate` is the router kernel
 DENSE_FFN = ("gate_proj", "up_proj", "down_proj")  # dense `mlp/{gate,up,down}_proj`
 
-BYTES_PER_NUMBER = 2  # bf16 KV cache
+CACHE_PARTS = ("mla_latent", "swa_latent", "dsa_indexer_keys", "gqa_kv")
 GQA8_NUMBERS_PER_LAYER = 2 * 8 * 128  # K and V, 8 KV heads, head dim 128
 
 
-def _key_name(key) -> str:
-  return str(getattr(key, "key", getattr(key, "name", key)))
-
-
 def param_paths(params) -> list[tuple[tuple[str, ...], int]]:
-  """`(path names, element count)` of every leaf; leaves need only a `.shape`."""
-  leaves = jax.tree_util.tree_flatten_with_path(params)[0]
-  return [(tuple(_key_name(k) for k in path), math.prod(leaf.shape)) for path, leaf in leaves]
+  """`(path names, element count)` of every leaf of a nested param dict; leaves need only a
+  `.shape`."""
+  return [(path, math.prod(leaf.shape))
+          for path, leaf in traverse_util.flatten_dict(params).items()]
 
 
 def layer_component(names: tuple[str, ...]) -> str | None:
@@ -120,18 +117,15 @@ def kv_cache_bytes_per_token(cfg: ModelConfig) -> dict[str, int | float]:
   """Per-token KV-cache bytes (bf16) of the main layers, and a GQA-8 model's for comparison."""
   numbers = collections.Counter()
   for letter in cfg.attention_pattern:
-    if letter == "G":
-      numbers["gqa_kv"] += 2 * cfg.num_key_value_heads * cfg.gqa_head_dim
-    elif letter == "S":
-      numbers["swa_latent"] += cfg.kv_lora_rank + cfg.qk_rope_head_dim
-    elif letter in "MDR":
-      numbers["mla_latent"] += cfg.kv_lora_rank + cfg.qk_rope_head_dim
-    if letter == "D":
-      numbers["dsa_indexer_keys"] += cfg.index_head_dim
-  out = {name: numbers[name] * BYTES_PER_NUMBER
-         for name in ("mla_latent", "swa_latent", "dsa_indexer_keys", "gqa_kv")}
+    numbers.update(ATTENTION_KINDS[letter].cache_numbers_per_token(cfg))
+  unknown = set(numbers) - set(CACHE_PARTS)
+  if unknown:
+    raise ValueError(f"kv_cache_bytes_per_token: cache parts {sorted(unknown)} are not in "
+                     f"CACHE_PARTS {CACHE_PARTS}")
+  out = {name: numbers[name] * CACHE_BYTES_PER_NUMBER for name in CACHE_PARTS}
   out["total"] = sum(out.values())
-  out["gqa8_equivalent"] = cfg.num_hidden_layers * GQA8_NUMBERS_PER_LAYER * BYTES_PER_NUMBER
+  out["gqa8_equivalent"] = (cfg.num_hidden_layers * GQA8_NUMBERS_PER_LAYER
+                            * CACHE_BYTES_PER_NUMBER)
   ratio = lambda denominator: (out["gqa8_equivalent"] / denominator if denominator
                                else float("inf"))  # every layer linear: no per-token cache
   out["gqa8_ratio"] = ratio(out["total"])
@@ -140,17 +134,10 @@ def kv_cache_bytes_per_token(cfg: ModelConfig) -> dict[str, int | float]:
 
 
 def recurrent_state_bytes(cfg: ModelConfig) -> int:
-  """Per-sequence bytes of the N / L layers' constant-size decoding state (main layers): the
-  fp32 delta-rule state `[H, K, V]`, and for N the bf16 conv inputs of the last
-  `gdn_conv_size - 1` positions (q and k: H * K each, v: H * V)."""
-  h, k, v = cfg.num_attention_heads, cfg.qk_head_dim, cfg.v_head_dim
-  total = 0
-  for letter in cfg.attention_pattern:
-    if letter in "NL":
-      total += 4 * h * k * v
-    if letter == "N":
-      total += BYTES_PER_NUMBER * (cfg.gdn_conv_size - 1) * h * (2 * k + v)
-  return total
+  """Per-sequence bytes of the constant-size decoding state of the main layers (N / L: the fp32
+  delta-rule state, and for N the conv inputs; `AttentionKind.recurrent_state_bytes`)."""
+  return sum(ATTENTION_KINDS[letter].recurrent_state_bytes(cfg)
+             for letter in cfg.attention_pattern)
 
 
 def summarize(model_config) -> dict:

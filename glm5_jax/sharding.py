@@ -23,6 +23,7 @@ from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec
 
 from glm5_jax.api import abstract_params, param_logical_axes
 from glm5_jax.config import MESH_AXES, ConfigError, validate_mesh_config
+from glm5_jax.layers.axes import BATCH
 
 
 def make_mesh(mesh_config, devices=None) -> Mesh:
@@ -53,7 +54,7 @@ def logical_to_mesh_spec(logical_spec: PartitionSpec, rules) -> PartitionSpec:
 
 def batch_sharding(mesh: Mesh, rules, ndim: int = 2) -> NamedSharding:
   """Sharding of a `[batch, ...]` input array: the batch axis per the `batch` rule."""
-  spec = logical_to_mesh_spec(PartitionSpec("batch", *([None] * (ndim - 1))), rules)
+  spec = logical_to_mesh_spec(PartitionSpec(BATCH, *([None] * (ndim - 1))), rules)
   return NamedSharding(mesh, spec)
 
 

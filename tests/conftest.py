@@ -65,16 +65,16 @@ def random_params(cfg, seed=0, std=0.1):
   return random_tree(glm5_jax.abstract_params(cfg), seed, std)
 
 
-@functools.partial(jax.jit, static_argnames=("cfg", "absorbed", "mtp"))
-def _forward(params, tokens_BL, positions_BL, segment_ids_BL, *, cfg, absorbed, mtp):
-  return glm5_jax.forward(cfg, params, tokens_BL, positions_BL, segment_ids_BL,
-                          absorbed=absorbed, mtp=mtp)
+@functools.partial(jax.jit, static_argnames=("cfg", "mode", "mtp"))
+def _forward(params, tokens_BL, positions_BL, segment_ids_BL, *, cfg, mode, mtp):
+  return glm5_jax.forward(cfg, params, tokens_BL, positions_BL, segment_ids_BL, mode=mode,
+                          mtp=mtp)
 
 
-def forward(cfg, params, tokens_BL, positions_BL=None, segment_ids_BL=None, *, absorbed=False,
-            mtp=True):
+def forward(cfg, params, tokens_BL, positions_BL=None, segment_ids_BL=None, *,
+            mode=glm5_jax.Mode(), mtp=True):
   """Jitted `glm5_jax.forward`; positions and segment ids are always passed explicitly, so calls
-  with and without them share one compilation per (config, shape, absorbed, mtp)."""
+  with and without them share one compilation per (config, shape, mode, mtp)."""
   tokens_BL = jnp.asarray(tokens_BL, jnp.int32)
   b, l = tokens_BL.shape
   if positions_BL is None:
@@ -82,7 +82,7 @@ def forward(cfg, params, tokens_BL, positions_BL=None, segment_ids_BL=None, *, a
   if segment_ids_BL is None:
     segment_ids_BL = jnp.ones((b, l), jnp.int32)
   return _forward(params, tokens_BL, jnp.asarray(positions_BL, jnp.int32),
-                  jnp.asarray(segment_ids_BL, jnp.int32), cfg=cfg, absorbed=absorbed, mtp=mtp)
+                  jnp.asarray(segment_ids_BL, jnp.int32), cfg=cfg, mode=mode, mtp=mtp)
 
 
 @pytest.fixture(scope="session")

@@ -21,10 +21,11 @@ import pytest
 import glm5_jax
 from glm5_jax.attention import delta_rule
 from glm5_jax.attention.common import causal_segment_mask
-from glm5_jax.attention.gdn import GDN_NEW_PARAMS, GatedDeltaNet
+from glm5_jax.attention.gdn import GatedDeltaNet
+from glm5_jax.attention.kinds import ATTENTION_KINDS
 from glm5_jax.attention.mla import MLA
 from glm5_jax.attention.mla_projections import MLA_PARAMS
-from glm5_jax.attention.simple_gdn import SIMPLE_GDN_NEW_PARAMS, SimpleGatedDeltaNet
+from glm5_jax.attention.simple_gdn import SimpleGatedDeltaNet
 from glm5_jax.attention.swa import SlidingWindowMLA, sliding_window_keys
 from glm5_jax.config import (ConfigError, ModelConfig, default_logical_axis_rules,
                              interleave_pattern, load_config_file)
@@ -173,7 +174,8 @@ def test_swa_query_sees_exactly_its_window(helpers):
       module_params(helpers, mla, x, positions, ones)))
   y, aux = jax.jit(lambda: swa.apply(params, x, positions, ones))()
   assert aux == {}
-  y_absorbed, _ = jax.jit(lambda: swa.apply(params, x, positions, ones, None, True))()
+  y_absorbed, _ = jax.jit(lambda: swa.apply(params, x, positions, ones,
+                                            mode=glm5_jax.Mode(form="absorbed")))()
   np.testing.assert_allclose(y_absorbed, y, rtol=1e-5, atol=1e-5)
   dense = jax.jit(lambda x, p: mla.apply(params, x, p, jnp.ones_like(p))[0])
   for l in (0, window - 2, window - 1, window, LENGTH - 1):
@@ -184,9 +186,8 @@ def test_swa_query_sees_exactly_its_window(helpers):
 
 
 def test_swa_with_window_over_length_is_mla(helpers):
-  """Model level, params shared: S with window >= L gives bit-identical logits to M; and the
-  O(L x W) sparse path (`dsa_impl="xla"`, which S runs through as a fixed selection) gives
-  the dense-mask logits for a window < L."""
+  """Model level, params shared: S with window >= L gives bit-identical logits to M, and a
+  window < L changes them."""
   cfg_s = variant_config(helpers, "SS", sliding_window=LENGTH)
   cfg_m = variant_config(helpers, "MM")
   params = helpers.random_params(cfg_m)
@@ -195,11 +196,26 @@ def test_swa_with_window_over_length_is_mla(helpers):
   out_m = helpers.forward(cfg_m, params, tokens, segment_ids_BL=SEGMENTS)
   np.testing.assert_array_equal(out_s["logits"], out_m["logits"])
   np.testing.assert_array_equal(out_s["mtp_logits"], out_m["mtp_logits"])
-  narrow = {impl: helpers.forward(variant_config(helpers, "SS", dsa_impl=impl), params, tokens,
-                                  segment_ids_BL=SEGMENTS)["logits"]
-            for impl in ("dense_mask", "xla")}
-  np.testing.assert_allclose(narrow["xla"], narrow["dense_mask"], rtol=1e-4, atol=1e-4)
-  assert np.abs(narrow["dense_mask"] - out_m["logits"]).max() > 1e-3  # the window matters
+  narrow = helpers.forward(variant_config(helpers, "SS"), params, tokens,
+                           segment_ids_BL=SEGMENTS)["logits"]
+  assert np.abs(narrow - out_m["logits"]).max() > 1e-3  # the window matters
+
+
+@pytest.mark.parametrize("impl", ["xla", "pallas"])
+def test_swa_follows_dsa_impl(helpers, impl):
+  """`model.dsa_impl` also drives S layers (they run as shared-top-k DSA layers handed their
+  window, see the S entry of `glm5_jax.attention.kinds`): the O(L x W) gather paths give the
+  dense-mask logits, main and MTP (whose layer is S too), for a window < L over packed rows."""
+  cfg = variant_config(helpers, "SMS", dsa_impl="dense_mask")
+  assert cfg.sliding_window < LENGTH
+  params = helpers.random_params(cfg)
+  tokens = np.random.default_rng(3).integers(1, cfg.vocab_size, (B, LENGTH))
+  want = helpers.forward(cfg, params, tokens, segment_ids_BL=SEGMENTS)
+  got = helpers.forward(variant_config(helpers, "SMS", dsa_impl=impl), params, tokens,
+                        segment_ids_BL=SEGMENTS)
+  for name in ("logits", "mtp_logits"):
+    np.testing.assert_allclose(got[name], want[name], rtol=1e-4, atol=1e-4,
+                               err_msg=f"S layers under dsa_impl={impl!r}: {name}")
 
 
 # ---------------------------------------------------------------------------------------------
@@ -242,29 +258,30 @@ def attention_shapes(params, layer):
 @pytest.mark.parametrize("gates", ["fixed", "learned"])
 def test_linear_layers_reuse_the_mla_params(helpers, gates):
   """L has exactly M's attention params (plus the two declared [H] scalars when learned); N has
-  M's plus GDN_NEW_PARAMS; S has exactly M's."""
+  M's plus its registry extras; S has exactly M's."""
   cfg = variant_config(helpers, "MSNL", simple_gdn_gates=gates)
   params = glm5_jax.abstract_params(cfg)
   m = attention_shapes(params, "layers_0")
   assert set(m) == set(MLA_PARAMS)
   assert attention_shapes(params, "layers_1") == m
   gdn = attention_shapes(params, "layers_2")
-  assert {n: gdn[n] for n in m} == m and set(gdn) - set(m) == set(GDN_NEW_PARAMS)
+  assert {n: gdn[n] for n in m} == m and set(gdn) - set(m) == ATTENTION_KINDS["N"].extra_params
   h, w = cfg.num_attention_heads, cfg.gdn_conv_size
   assert gdn["q_conv1d"] == (w, h, cfg.qk_head_dim) and gdn["v_conv1d"] == (w, h, cfg.v_head_dim)
   assert gdn["g_proj"] == (cfg.hidden_size, h, cfg.v_head_dim) and gdn["A_log"] == (h,)
-  scalars = {n: (h,) for n in SIMPLE_GDN_NEW_PARAMS} if gates == "learned" else {}
+  scalars = {n: (h,) for n in ATTENTION_KINDS["L"].extra_params} if gates == "learned" else {}
   assert attention_shapes(params, "layers_3") == {**m, **scalars}
 
 
 def test_decode_form_equals_training_form(helpers):
-  """`absorbed=True` runs N and L position by position (the recurrence a decoder steps) and S /
+  """`Mode(form="absorbed")` runs N and L position by position (the recurrence a decoder steps) and S /
   M in the latent form; logits match the chunked / expanded forms, with packed documents."""
   cfg = variant_config(helpers, "NLSM")
   params = helpers.random_params(cfg)
   tokens = np.random.default_rng(2).integers(1, cfg.vocab_size, (B, LENGTH))
   expanded = helpers.forward(cfg, params, tokens, segment_ids_BL=SEGMENTS)
-  absorbed = helpers.forward(cfg, params, tokens, segment_ids_BL=SEGMENTS, absorbed=True)
+  absorbed = helpers.forward(cfg, params, tokens, segment_ids_BL=SEGMENTS,
+                             mode=glm5_jax.Mode(form="absorbed"))
   for name in ("logits", "mtp_logits"):
     np.testing.assert_allclose(absorbed[name], expanded[name], rtol=1e-4, atol=1e-4)
 

@@ -448,7 +448,8 @@ def _loss_and_grads(cfg, params, tokens, segments):
       tokens.shape[1]))
 
   def loss(params):
-    out = glm5_jax.forward(cfg, params, tokens, positions, segments, dsa_stage="sparse")
+    out = glm5_jax.forward(cfg, params, tokens, positions, segments,
+                           mode=glm5_jax.Mode(dsa_stage="sparse"))
     logp = jax.nn.log_softmax(out["logits"][:, :-1])
     lm = -jnp.take_along_axis(logp, tokens[:, 1:, None], axis=-1).mean()
     auxes = list(out["aux"]["layers"].values()) + list(out["aux"]["mtp"])

@@ -1,7 +1,7 @@
 """Model-level properties of GLM-5 on the tiny config (docs/reference.md section 2).
 
 Causality (token perturbation through the indexer, top-k and MoE; gradients nanodo-style),
-MLA absorbed == expanded (and the flag reaching every MLA layer), DSA with top-k >= length ==
+MLA absorbed == expanded (and the mode reaching every MLA layer), DSA with top-k >= length ==
 dense MLA, RoPE shift invariance, deterministic top-k with ties, the shared-top-k 'R' layers,
 GQA, and packed sequences.
 
@@ -17,7 +17,8 @@ import pytest
 from flax import linen as nn
 
 import glm5_jax
-from glm5_jax.attention.dsa import select_topk, topk_mask
+import pallas_kernels
+from glm5_jax.attention.dsa import topk_mask
 from glm5_jax.attention.mla import MLA
 
 B, L = 2, 32  # index_topk of the tiny config is 16 < L: selection is really sparse
@@ -139,8 +140,8 @@ def test_absorbed_equals_expanded(helpers, pattern):
   cfg = helpers.config(attention_pattern=pattern)
   params = helpers.random_params(cfg)
   tokens = random_tokens(cfg, (B, L))
-  expanded = helpers.forward(cfg, params, tokens, absorbed=False)
-  absorbed = helpers.forward(cfg, params, tokens, absorbed=True)
+  expanded = helpers.forward(cfg, params, tokens, mode=glm5_jax.Mode(form="expanded"))
+  absorbed = helpers.forward(cfg, params, tokens, mode=glm5_jax.Mode(form="absorbed"))
   for name in ("logits", "mtp_logits", "hidden"):
     np.testing.assert_allclose(absorbed[name], expanded[name], rtol=1e-5, atol=1e-5,
                                err_msg=f"{pattern}: absorbed MLA {name} differ from expanded")
@@ -148,10 +149,10 @@ def test_absorbed_equals_expanded(helpers, pattern):
     np.testing.assert_array_equal(dsa_aux(absorbed)[name]["topk_indices"], aux["topk_indices"])
 
 
-def test_absorbed_flag_reaches_every_mla_layer(helpers):
-  """`forward(absorbed=True)` must run every MLA attention in the absorbed form, the MTP layer's
-  included (it decodes from the same latent cache when drafting). Checked at trace time by
-  intercepting `MLA.__call__`."""
+def test_absorbed_mode_reaches_every_mla_layer(helpers):
+  """`forward(mode=Mode(form="absorbed"))` must run every MLA attention in the absorbed form,
+  the MTP layer's included (it decodes from the same latent cache when drafting). Checked at
+  trace time by intercepting `MLA.__call__`."""
   cfg = helpers.config(attention_pattern="M")
   signature = inspect.signature(MLA.__call__)
   calls = []
@@ -160,19 +161,19 @@ def test_absorbed_flag_reaches_every_mla_layer(helpers):
     if isinstance(context.module, MLA) and context.method_name == "__call__":
       bound = signature.bind(context.module, *args, **kwargs)
       bound.apply_defaults()
-      calls.append(("/".join(context.module.path), bound.arguments["absorbed"]))
+      calls.append(("/".join(context.module.path), bound.arguments["mode"].form))
     return next_fun(*args, **kwargs)
 
   def run(params, tokens):
     with nn.intercept_methods(record):
-      return glm5_jax.forward(cfg, params, tokens, absorbed=True)
+      return glm5_jax.forward(cfg, params, tokens, mode=glm5_jax.Mode(form="absorbed"))
 
   jax.eval_shape(run, glm5_jax.abstract_params(cfg), jax.ShapeDtypeStruct((1, 8), jnp.int32))
   assert len(calls) == cfg.num_hidden_layers + cfg.mtp_depths
-  expanded = sorted({path for path, absorbed in calls if not absorbed})
+  expanded = sorted({path for path, form in calls if form != "absorbed"})
   assert not expanded, (
-      f"LIBRARY BUG: forward(absorbed=True) still runs {expanded} in the expanded form "
-      "(MTPLayer calls its DecoderLayer without passing `absorbed`)")
+      f"LIBRARY BUG: forward(mode=Mode(form='absorbed')) still runs {expanded} in the expanded "
+      "form (MTPLayer calls its DecoderLayer without passing `mode`)")
 
 
 def test_dsa_with_full_topk_equals_dense_mla(helpers):
@@ -232,6 +233,11 @@ def reference_topk(scores_BLS, k):
       keys = keys[:k]
       out[bi, li, :len(keys)] = keys
   return out
+
+
+def select_topk(scores_BLS, k):
+  """The top-k every DSA path uses (`pallas_kernels.select_topk`), indices only."""
+  return pallas_kernels.select_topk(scores_BLS, k)[0]
 
 
 def tie_heavy_scores(b=2, l=11, s=11, seed=0):
@@ -405,3 +411,49 @@ def test_packed_document_equals_document_alone(helpers, pattern):
     np.testing.assert_array_equal(np.where(doc_b >= 0, doc_b - DOC_A, -1),
                                   dsa_aux(alone)[name]["topk_indices"],
                                   err_msg=f"{name}: packed doc B selects other keys than alone")
+
+
+# ---------------------------------------------------------------------------------------------
+# 9. Token ids outside the vocabulary
+# ---------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("bad_id, name", [("vocab", "vocab_size"), (-1, "negative")])
+def test_concrete_bad_token_id_is_refused(tiny_cfg, tiny_params, bad_id, name):
+  """`logits` and `forward` name the id, its position and vocab_size (an id >= vocab used to
+  give a NaN row; a negative one wrapped to another token)."""
+  del name
+  bad_id = tiny_cfg.vocab_size if bad_id == "vocab" else bad_id
+  tokens = random_tokens(tiny_cfg, (B, L))
+  tokens[1, 5] = bad_id
+  message = (rf"token id {bad_id} at position \(1, 5\) is outside the vocabulary "
+             rf"\[0, vocab_size={tiny_cfg.vocab_size}\)")
+  with pytest.raises(ValueError, match=message):
+    glm5_jax.logits(tiny_cfg, tiny_params, tokens)
+  with pytest.raises(ValueError, match=message):
+    glm5_jax.forward(tiny_cfg, tiny_params, jnp.asarray(tokens, jnp.int32))
+  with pytest.raises(ValueError, match="must be integers"):
+    glm5_jax.logits(tiny_cfg, tiny_params, tokens.astype(np.float32))
+
+
+def test_traced_bad_token_id_marks_only_the_logits_that_read_it(helpers, tiny_cfg, tiny_params):
+  """Under jit the ids cannot be checked: an out-of-range id (here >= vocab in row 0, negative
+  in row 1, at position P) makes NaN exactly the logits that read it (main at P; MTP depth d at
+  P and P - d) and nothing else; positions before P are unchanged (causality), later ones
+  finite."""
+  p = 20
+  tokens = random_tokens(tiny_cfg, (B, L))
+  bad = tokens.copy()
+  bad[0, p], bad[1, p] = tiny_cfg.vocab_size + 3, -2
+  clean = helpers.forward(tiny_cfg, tiny_params, tokens)
+  out = helpers.forward(tiny_cfg, tiny_params, bad)  # jitted: traced tokens, no check
+  nan_rows = np.isnan(out["logits"]).any(-1)
+  np.testing.assert_array_equal(nan_rows, np.arange(L)[None, :].repeat(B, 0) == p)
+  assert np.isnan(out["logits"][:, p]).all()
+  np.testing.assert_array_equal(out["logits"][:, :p], clean["logits"][:, :p])
+  for d in range(1, tiny_cfg.mtp_depths + 1):
+    nan_rows = np.isnan(out["mtp_logits"][d - 1]).any(-1)
+    np.testing.assert_array_equal(nan_rows[0], np.isin(np.arange(L), [p, p - d]),
+                                  err_msg=f"MTP depth {d}")
+    np.testing.assert_array_equal(out["mtp_logits"][d - 1][:, :p - d],
+                                  clean["mtp_logits"][d - 1][:, :p - d])

@@ -11,11 +11,11 @@ import numpy as np
 import pytest
 
 import glm5_jax
-from glm5_jax.convert.attention_pattern import (
-    ATTENTION_KIND_PARAMS, convert_attention_pattern, layer_kinds, merge_pattern_params)
+from glm5_jax.attention.kinds import ATTENTION_KINDS, KINDS_BY_NAME
 from glm5_jax.attention.mla_projections import MLA_BIAS_PARAMS, MLA_PARAMS
 from glm5_jax.attention.simple_gdn import retnet_log_decays
-from glm5_jax.config import ATTENTION_LETTERS
+from glm5_jax.convert.attention_pattern import (convert_attention_pattern, layer_kinds,
+                                                merge_pattern_params)
 from glm5_jax.train.state import merge_stage_params
 
 SOURCE = "MMMM"
@@ -70,10 +70,10 @@ def test_every_reused_weight_is_bit_identical(converted):
                              retnet_log_decays(target_cfg.num_attention_heads), rtol=1e-6)
   for key in new:  # initialized (zeros only where the init is zeros: biases, logit(0.5))
     assert np.any(target[key] != 0) or key.endswith(("['bias']", "['beta_logit']")), key
-  declared = {"layers_1": ATTENTION_KIND_PARAMS["gdn"].extras,
-              "layers_2": ATTENTION_KIND_PARAMS["simple_gdn"].extras,
-              "layers_3": ATTENTION_KIND_PARAMS["dsa"].extras,
-              "mtp": ATTENTION_KIND_PARAMS["dsa"].extras}
+  declared = {"layers_1": ATTENTION_KINDS["N"].extra_params,
+              "layers_2": ATTENTION_KINDS["L"].extra_params,
+              "layers_3": ATTENTION_KINDS["D"].extra_params,
+              "mtp": ATTENTION_KINDS["D"].extra_params}
   got = {}
   for key in new:
     parts = [p.strip("[]'") for p in key.split("][")]
@@ -134,16 +134,15 @@ def test_incompatible_sources_are_clear_errors(helpers, converted):
 def test_registry_matches_the_modules(helpers):
   """Every attention kind's params are its family's shared params plus (a subset of) its
   declared extras, with and without attention biases."""
-  assert set(ATTENTION_KIND_PARAMS) == set(ATTENTION_LETTERS.values())
+  assert len(KINDS_BY_NAME) == len(ATTENTION_KINDS), "kind names must be unique"
   for bias in (False, True):
-    cfg = small(helpers, "MDSN", attention_bias=bias)
-    cfg_l = small(helpers, "DGLL", attention_bias=bias)
     shared = set(MLA_PARAMS) | (set(MLA_BIAS_PARAMS) if bias else set())
-    for c in (cfg, cfg_l):
+    for pattern in ("MDSN", "DGLL", "DRRM"):
+      c = small(helpers, pattern, attention_bias=bias)
       params = glm5_jax.abstract_params(c)
       for layer, kind in layer_kinds(c).items():
         names = set(params[layer]["self_attn"] if layer != "mtp"
                     else params["mtp"]["layer"]["self_attn"])
-        rule = ATTENTION_KIND_PARAMS[kind]
+        rule = KINDS_BY_NAME[kind]
         if rule.family == "mla":
-          assert names == shared | rule.extras, (layer, kind, names)
+          assert names == shared | rule.extra_params, (layer, kind, names)

@@ -7,7 +7,7 @@ import pathlib
 import pytest
 
 import glm5_jax
-from glm5_jax.config import ATTENTION_LETTERS, ModelConfig, load_config_file
+from glm5_jax.config import ModelConfig, load_config_file
 from glm5_jax.data import make_tokenizer
 from glm5_jax.eval import checkpoints
 from glm5_jax.eval.evaluate import pattern_scorer
@@ -63,7 +63,7 @@ def test_search_settings_and_errors():
 
 
 def test_search_on_a_tiny_model_returns_a_valid_pattern(helpers):
-  letter = "S" if "S" in ATTENTION_LETTERS else "D"  # D: until sliding-window layers exist
+  letter = "S"
   model = checkpoints.complete_model_config(
       load_config_file(str(ROOT / "configs" / "tiny.py"), "attention=M").model)
   model.update(num_hidden_layers=4, first_k_dense_replace=4, mtp_depths=0, sliding_window=16)

@@ -133,7 +133,8 @@ def test_dense_phase_attends_densely_trains_everything_then_switches_to_top_k(tm
   model = glm5_jax.ModelConfig.from_config(config.model)
   tokens, positions, segments = (batch[k] for k in ("tokens", "positions", "segment_ids"))
   lm_loss = lambda stage: float(optax.softmax_cross_entropy_with_integer_labels(
-      glm5_jax.forward(model, state.params, tokens, positions, segments, dsa_stage=stage)
+      glm5_jax.forward(model, state.params, tokens, positions, segments,
+                       mode=glm5_jax.Mode(dsa_stage=stage))
       ["logits"][:, :-1], tokens[:, 1:])[batch["loss_mask"][:, 1:] > 0].mean())
   dense_metrics, _, _ = t.dense_eval_step(state.params, batch)
   sparse_metrics, _, _ = t.eval_step(state.params, batch)

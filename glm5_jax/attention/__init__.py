@@ -1,6 +1,10 @@
-"""Attention variants, one module per variant, one call signature.
+"""Attention variants, one module per kind, one call signature.
 
-Every variant is called as `module(x_BLD, positions_BL, segment_ids_BL, prev_topk_BLT)` and
-returns `(y_BLD, aux)` where `aux` is a dict of named auxiliary outputs (possibly empty), e.g.
-the DSA layer's `topk_indices` and `index_scores`.
+The kinds (pattern letters M D R G S N L) and every fact about them are in `kinds.py`; `mode.py`
+holds `Mode`, how a forward pass computes. Every kind's module is called as
+
+  module(x_BLD, positions_BL, segment_ids_BL, prev_topk_BLT=None, *, mode=Mode())
+
+and returns `(y_BLD, aux)`, where `aux` is a dict of named auxiliary outputs (possibly empty):
+a DSA layer's `topk_indices`, `index_scores` and `indexer_kl` (see `mla.MLA`).
 """

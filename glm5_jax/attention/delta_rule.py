@@ -13,7 +13,7 @@ beta_t toward v_t after decaying everything by alpha_t.
 Chunked form (paper section 3.3; the WY / UT-transform form of DeltaNet, Yang et al. 2024,
 "Parallelizing Linear Transformers with the Delta Rule over Sequence Length", arXiv
 2406.06484). Split the
-sequence into chunks of C positions; inside a chunk with start state S_0 let
+sequence into chunks of A positions; inside a chunk with start state S_0 let
 g_r = sum_{i <= r} log alpha_i and Gamma[r, i] = exp(g_r - g_i) for i <= r. Unrolling,
 
   u_r = beta_r (v_r - exp(g_r) S_0^T k_r - sum_{i<r} Gamma[r, i] (k_i . k_r) u_i),
@@ -27,7 +27,7 @@ do not depend on S_0,
 leaves only small matmuls for the sequential scan over chunks:
 
   O   = diag(exp(g)) Q S_0 + (Gamma * tril(Q K^T)) U
-  S_C = exp(g_C) S_0 + (diag(exp(g_C - g)) K)^T U.
+  S_A = exp(g_A) S_0 + (diag(exp(g_A - g)) K)^T U.
 
 (I + A)^-1 comes from `unit_lower_triangular_inverse` (block doubling, matmuls only), not a
 LAPACK triangular solve: on CPU, jaxlib's batched trsm custom call can deadlock XLA's intra-op
@@ -42,10 +42,10 @@ Packed documents: the state resets to zero wherever the segment id changes (a po
 differs from its predecessor's starts a new run). The chunked form expresses the reset as a
 zero decay between positions of different runs, so both forms agree across boundaries.
 
-Notation: B batch, L length, H heads, K key dim, V value dim, N chunks, C chunk length
-(R and I index positions inside a chunk where both appear); in the triangular inverse X is any
-leading batch dims, P the chunk length padded to a power of two, M / S the number / size of
-the diagonal blocks being merged.
+Notation (docs/design.md): B batch, L length, H heads, K key dim, V value dim, Z chunks, A chunk
+length; locally, R and I index the rows and columns of a chunk's A x A matrices, and in the
+triangular inverse X is any leading batch dims, P the chunk length padded to a power of two,
+M / S the number / size of the diagonal blocks being merged.
 """
 
 import jax
@@ -69,19 +69,20 @@ def segment_runs(segment_ids_BL):
                           jnp.cumsum(changed_BL, axis=1, dtype=jnp.int32)], axis=1)
 
 
-def unit_lower_triangular_inverse(a_XCC):
-  """`(I + A)^-1` for strictly lower-triangular `A [..., C, C]`, by block doubling.
+def unit_lower_triangular_inverse(a_XAA):
+  """`(I + a)^-1` for strictly lower-triangular matrices `a_XAA` (`[..., A, A]`, A the chunk
+  length), by block doubling.
 
   Invert the diagonal blocks of size 1 (all 1), then repeatedly merge adjacent pairs:
-  [[T1, 0], [A21, T2]]^-1 = [[T1^-1, 0], [-T2^-1 A21 T1^-1, T2^-1]], log2(C) rounds of batched
+  [[T1, 0], [A21, T2]]^-1 = [[T1^-1, 0], [-T2^-1 A21 T1^-1, T2^-1]], log2(A) rounds of batched
   matmuls (the recursive triangular inversion, as stable as substitution for these matrices).
-  C is padded to a power of two with identity rows, which leaves the inverse unchanged.
+  The matrices are padded to a power of two with identity rows, which leaves the inverse unchanged.
   """
-  c = a_XCC.shape[-1]
-  p = 1 << (c - 1).bit_length()
-  batch = a_XCC.shape[:-2]
-  a_XPP = jnp.pad(a_XCC, [(0, 0)] * len(batch) + [(0, p - c), (0, p - c)])
-  blocks_XMSS = jnp.ones(batch + (p, 1, 1), a_XCC.dtype)  # inverses of the 1 x 1 diagonal
+  size = a_XAA.shape[-1]
+  p = 1 << (size - 1).bit_length()
+  batch = a_XAA.shape[:-2]
+  a_XPP = jnp.pad(a_XAA, [(0, 0)] * len(batch) + [(0, p - size), (0, p - size)])
+  blocks_XMSS = jnp.ones(batch + (p, 1, 1), a_XAA.dtype)  # inverses of the 1 x 1 diagonal
   s = 1
   while s < p:
     m = p // (2 * s)
@@ -95,7 +96,7 @@ def unit_lower_triangular_inverse(a_XCC):
     bottom = jnp.concatenate([t21_XMSS, t2_XMSS], axis=-1)
     blocks_XMSS = jnp.concatenate([top, bottom], axis=-2)
     s *= 2
-  return blocks_XMSS[..., 0, :c, :c]
+  return blocks_XMSS[..., 0, :size, :size]
 
 
 def gated_delta_rule_step(state_BHKV, q_BHK, k_BHK, v_BHV, log_alpha_BH, beta_BH):
@@ -154,71 +155,71 @@ def gated_delta_rule_recurrent(q_BLHK, k_BLHK, v_BLHV, log_alpha_BLH, beta_BLH, 
 def gated_delta_rule_chunked(q_BLHK, k_BLHK, v_BLHV, log_alpha_BLH, beta_BLH, segment_ids_BL,
                              chunk_size: int, initial_state_BHKV=None):
   """The chunked parallel form (training / prefill); same arguments and result as
-  `gated_delta_rule_recurrent`, plus `chunk_size` C (clipped to L). See the module docstring
-  for the math. L need not be a multiple of C: the tail is padded with positions that change
+  `gated_delta_rule_recurrent`, plus `chunk_size` A (clipped to L). See the module docstring
+  for the math. L need not be a multiple of A: the tail is padded with positions that change
   nothing (k = v = q = 0, beta = 0, no decay) and their outputs are dropped."""
   q, k, v, log_alpha, beta = _as_f32(q_BLHK, k_BLHK, v_BLHV, log_alpha_BLH, beta_BLH)
   b, l, h, kd = q.shape
-  c = max(1, min(chunk_size, l))
-  n = -(-l // c)
-  pad = n * c - l
+  chunk = max(1, min(chunk_size, l))
+  z = -(-l // chunk)
+  pad = z * chunk - l
   runs_BL = segment_runs(segment_ids_BL)
   if pad:
     zeros = lambda x: jnp.pad(x, [(0, 0), (0, pad)] + [(0, 0)] * (x.ndim - 2))
     q, k, v, log_alpha, beta = map(zeros, (q, k, v, log_alpha, beta))
     runs_BL = jnp.pad(runs_BL, [(0, 0), (0, pad)], mode="edge")  # padding joins the last run
 
-  # [B, L, H, X] -> [B, N, H, C, X]: heads before positions, for per-head C x C matrices.
-  chunked = lambda x: x.reshape((b, n, c, h) + x.shape[3:]).swapaxes(2, 3)
+  # [B, L, H, X] -> [B, Z, H, A, X]: heads before positions, for per-head A x A matrices.
+  chunked = lambda x: x.reshape((b, z, chunk, h) + x.shape[3:]).swapaxes(2, 3)
   q, k, v = chunked(q), chunked(k), chunked(v)
-  g_BNHC = jnp.cumsum(chunked(log_alpha), axis=-1)
-  beta_BNHC = chunked(beta)
-  runs_BNC = runs_BL.reshape(b, n, c)
-  prev_run_BN = jnp.concatenate([runs_BNC[:, :1, 0], runs_BNC[:, :-1, -1]], axis=1)
-  last_run_BN = runs_BNC[:, :, -1]
+  g_BZHA = jnp.cumsum(chunked(log_alpha), axis=-1)
+  beta_BZHA = chunked(beta)
+  runs_BZA = runs_BL.reshape(b, z, chunk)
+  prev_run_BZ = jnp.concatenate([runs_BZA[:, :1, 0], runs_BZA[:, :-1, -1]], axis=1)
+  last_run_BZ = runs_BZA[:, :, -1]
 
   def decay(exponent, connected):
     """exp(exponent) where `connected`, exactly 0 elsewhere (no overflow off the mask)."""
     return jnp.exp(jnp.where(connected, exponent, -jnp.inf))
 
-  causal_RI = jnp.tril(jnp.ones((c, c), bool))
-  connected_BNRI = causal_RI & (runs_BNC[:, :, :, None] == runs_BNC[:, :, None, :])
-  gamma_BNHRI = decay(g_BNHC[..., :, None] - g_BNHC[..., None, :], connected_BNRI[:, :, None])
-  from_start_BNHC = decay(g_BNHC, (runs_BNC == prev_run_BN[..., None])[:, :, None])
-  g_end_BNH = g_BNHC[..., -1]
-  to_end_BNHC = decay(g_end_BNH[..., None] - g_BNHC,
-                      (runs_BNC == last_run_BN[..., None])[:, :, None])
-  chunk_decay_BNH = decay(g_end_BNH, (last_run_BN == prev_run_BN)[:, :, None])
+  causal_RI = jnp.tril(jnp.ones((chunk, chunk), bool))
+  connected_BZRI = causal_RI & (runs_BZA[:, :, :, None] == runs_BZA[:, :, None, :])
+  gamma_BZHRI = decay(g_BZHA[..., :, None] - g_BZHA[..., None, :], connected_BZRI[:, :, None])
+  from_start_BZHA = decay(g_BZHA, (runs_BZA == prev_run_BZ[..., None])[:, :, None])
+  g_end_BZH = g_BZHA[..., -1]
+  to_end_BZHA = decay(g_end_BZH[..., None] - g_BZHA,
+                      (runs_BZA == last_run_BZ[..., None])[:, :, None])
+  chunk_decay_BZH = decay(g_end_BZH, (last_run_BZ == prev_run_BZ)[:, :, None])
 
   # UT transform: one unit lower-triangular inverse per chunk and head gives U~ and W.
-  kk_BNHRI = jnp.einsum("bnhrk,bnhik->bnhri", k, k, precision=HIGHEST)
-  strict_RI = jnp.tril(jnp.ones((c, c), bool), -1)
-  a_BNHRI = jnp.where(strict_RI, beta_BNHC[..., :, None] * gamma_BNHRI * kk_BNHRI, 0.0)
-  rhs = jnp.concatenate([beta_BNHC[..., None] * v,
-                         (beta_BNHC * from_start_BNHC)[..., None] * k], axis=-1)
-  solved = jnp.einsum("bnhri,bnhix->bnhrx", unit_lower_triangular_inverse(a_BNHRI), rhs,
+  kk_BZHRI = jnp.einsum("bzhrk,bzhik->bzhri", k, k, precision=HIGHEST)
+  strict_RI = jnp.tril(jnp.ones((chunk, chunk), bool), -1)
+  a_BZHRI = jnp.where(strict_RI, beta_BZHA[..., :, None] * gamma_BZHRI * kk_BZHRI, 0.0)
+  rhs = jnp.concatenate([beta_BZHA[..., None] * v,
+                         (beta_BZHA * from_start_BZHA)[..., None] * k], axis=-1)
+  solved = jnp.einsum("bzhri,bzhix->bzhrx", unit_lower_triangular_inverse(a_BZHRI), rhs,
                       precision=HIGHEST)
   vd = v.shape[-1]
-  u_tilde_BNHCV, w_BNHCK = solved[..., :vd], solved[..., vd:]
-  scores_BNHRI = gamma_BNHRI * jnp.einsum("bnhrk,bnhik->bnhri", q, k, precision=HIGHEST)
+  u_tilde_BZHAV, w_BZHAK = solved[..., :vd], solved[..., vd:]
+  scores_BZHRI = gamma_BZHRI * jnp.einsum("bzhrk,bzhik->bzhri", q, k, precision=HIGHEST)
 
   def chunk_step(state_BHKV, xs):
     u_tilde, w, scores, q_c, k_c, from_start, to_end, chunk_decay = xs
-    u_BHCV = u_tilde - jnp.einsum("bhck,bhkv->bhcv", w, state_BHKV, precision=HIGHEST)
-    o_BHCV = (from_start[..., None]
-              * jnp.einsum("bhck,bhkv->bhcv", q_c, state_BHKV, precision=HIGHEST)
-              + jnp.einsum("bhri,bhiv->bhrv", scores, u_BHCV, precision=HIGHEST))
+    u_BHAV = u_tilde - jnp.einsum("bhak,bhkv->bhav", w, state_BHKV, precision=HIGHEST)
+    o_BHAV = (from_start[..., None]
+              * jnp.einsum("bhak,bhkv->bhav", q_c, state_BHKV, precision=HIGHEST)
+              + jnp.einsum("bhri,bhiv->bhrv", scores, u_BHAV, precision=HIGHEST))
     state_BHKV = (chunk_decay[..., None, None] * state_BHKV
-                  + jnp.einsum("bhck,bhcv->bhkv", to_end[..., None] * k_c, u_BHCV,
+                  + jnp.einsum("bhak,bhav->bhkv", to_end[..., None] * k_c, u_BHAV,
                                precision=HIGHEST))
-    return state_BHKV, o_BHCV
+    return state_BHKV, o_BHAV
 
   chunk_major = lambda x: jnp.moveaxis(x, 1, 0)
-  final_BHKV, o_NBHCV = jax.lax.scan(
+  final_BHKV, o_ZBHAV = jax.lax.scan(
       chunk_step, _initial_state(initial_state_BHKV, q_BLHK, v_BLHV),
-      tuple(map(chunk_major, (u_tilde_BNHCV, w_BNHCK, scores_BNHRI, q, k, from_start_BNHC,
-                              to_end_BNHC, chunk_decay_BNH))))
-  o_BLHV = jnp.moveaxis(o_NBHCV, 0, 1).swapaxes(2, 3).reshape(b, n * c, h, vd)
+      tuple(map(chunk_major, (u_tilde_BZHAV, w_BZHAK, scores_BZHRI, q, k, from_start_BZHA,
+                              to_end_BZHA, chunk_decay_BZH))))
+  o_BLHV = jnp.moveaxis(o_ZBHAV, 0, 1).swapaxes(2, 3).reshape(b, z * chunk, h, vd)
   return o_BLHV[:, :l], final_BHKV
 
 

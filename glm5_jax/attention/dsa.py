@@ -1,24 +1,27 @@
-"""DeepSeek Sparse Attention: the lightning indexer and deterministic top-k key selection.
+"""DeepSeek Sparse Attention: the lightning indexer's projections, selection masks, indexer KL.
 
 Reproduces docs/reference.md section 2 ("Lightning indexer"). For query t and key s:
 
-  1. q_I[t]  = RoPE(cq[t] W_Iq)                 [N heads, I]   (cq: the MLA query latent)
+  1. q_I[t]  = RoPE(cq[t] W_Iq)                 [J heads, I]   (cq: the MLA query latent)
   2. k_I[s]  = RoPE(LayerNorm(x[s] W_Ik))        [I], one key shared by all index heads
      (RoPE is interleaved, on the first `rope_dim` dims of each vector.)
-  3. w[t]    = x[t] W_Iw * N^-0.5                [N], fp32
-  4. I[t, s] = sum_h w[t, h] * ReLU(q_I[t, h] . k_I[s] * I^-0.5), fp32
+  3. w[t]    = x[t] W_Iw * J^-0.5                [J], fp32
+  4. I[t, s] = sum_j w[t, j] * ReLU(q_I[t, j] . k_I[s] * I^-0.5), fp32
   5. mask non-causal / cross-document keys to -inf, take the top-k keys per query.
 
-Top-k is deterministic: `lax.top_k` breaks ties towards the lower index (its documented
-contract), i.e. the earlier position, so identical inputs select identical keys on every call.
-ReLU makes exact ties common, and RL collapses without this (report, DSA RL notes).
+Steps 1-3 are `LightningIndexer` here; steps 4-5 are `pallas_kernels` ops, whose jnp reference
+(`indexer_scores_reference`, `select_topk`) is the one definition of the scores and of the
+deterministic top-k: `lax.top_k` breaks ties towards the lower index (its documented contract),
+i.e. the earlier position, so identical inputs select identical keys on every call. ReLU makes
+exact ties common, and RL collapses without this (report, DSA RL notes).
 
-Notation: B batch, L queries, S keys, N index heads, I index head dim, D hidden, Q q latent,
-T top-k.
+Notation (docs/design.md): B batch, L queries, S keys, J index heads, I index head dim,
+D hidden, Q q latent, T top-k.
 
-`model.dsa_impl` picks how the sparse stage runs (`glm5_jax.attention.mla`):
-  "dense_mask"  this file's reference: dense `[B, L, S]` scores, top-k, and the main attention
-                masked to the selection, so its cost is still quadratic;
+`model.dsa_impl` picks how the sparse stage runs (`glm5_jax.attention.mla`), for D and R
+layers and for the sliding-window S layers (which run as R layers handed their window):
+  "dense_mask"  the reference: dense `[B, L, S]` scores, top-k, and the main attention masked
+                to the selection (`topk_mask`), so its cost is still quadratic;
   "xla"         `pallas_kernels` blockwise gather path: scores per block of queries, attention
                 over the T selected latent rows only (O(L x T));
   "pallas"      the same with Pallas TPU kernels (interpret mode off TPU).
@@ -29,16 +32,17 @@ import jax
 import jax.numpy as jnp
 from flax import linen as nn
 
+from glm5_jax.layers.axes import EMBED, INDEX_HEADS, Q_LORA
 from glm5_jax.layers.norms import LayerNorm
-from glm5_jax.layers.params import normal_kernel, param
+from glm5_jax.layers.params import kernels, param
 from glm5_jax.layers.rope import apply_interleaved_rope
 
 
 class LightningIndexer(nn.Module):
   """The indexer's projections (steps 1-3 of the module docstring).
 
-  Params (HF names): `wq_b [Q, N, I]`, `wk [D, I]`, `k_norm` (LayerNorm with bias),
-  `weights_proj [D, N]` (kept and applied in fp32).
+  Params (HF names): `wq_b [Q, J, I]`, `wk [D, I]`, `k_norm` (LayerNorm with bias),
+  `weights_proj [D, J]` (kept and applied in fp32).
   """
 
   n_heads: int
@@ -51,54 +55,30 @@ class LightningIndexer(nn.Module):
 
   @nn.compact
   def __call__(self, x_BLD, cq_BLQ, cos, sin):
-    """Steps 1-3: `(q_BLNI, k_BSI, weights_BLN)`, q and k in `dtype`, weights fp32 with the
-    N^-0.5 folded in. `lightning_indexer_scores` (dense) or `pallas_kernels` turn them into
-    scores."""
+    """Steps 1-3: `(q_BLJI, k_BSI, weights_BLJ)`, q and k in `dtype`, weights fp32 with the
+    J^-0.5 folded in. `pallas_kernels` (`indexer_scores_reference`, `indexer_topk_*`) turn
+    them into scores."""
     d, q_rank = x_BLD.shape[-1], cq_BLQ.shape[-1]
-    n, i = self.n_heads, self.head_dim
-    w_q_QNI = normal_kernel(self, "wq_b", (q_rank, n, i), ("q_lora", "index_heads", None),
-                            self.init_std, self.param_dtype).astype(self.dtype)
-    w_k_DI = normal_kernel(self, "wk", (d, i), ("embed", None), self.init_std,
-                           self.param_dtype).astype(self.dtype)
-    w_weights_DN = param(self, "weights_proj", (d, n), ("embed", "index_heads"), jnp.float32,
+    j, i = self.n_heads, self.head_dim
+    kernel = kernels(self, self.init_std, self.param_dtype, self.dtype)
+    w_q_QJI = kernel("wq_b", (q_rank, j, i), (Q_LORA, INDEX_HEADS, None))
+    w_k_DI = kernel("wk", (d, i), (EMBED, None))
+    w_weights_DJ = param(self, "weights_proj", (d, j), (EMBED, INDEX_HEADS), jnp.float32,
                          nn.initializers.normal(stddev=self.init_std))
 
-    q_BLNI = jnp.einsum("blq,qni->blni", cq_BLQ.astype(self.dtype), w_q_QNI)
+    q_BLJI = jnp.einsum("blq,qji->blji", cq_BLQ.astype(self.dtype), w_q_QJI)
     k_BSI = LayerNorm(self.norm_eps, self.dtype, self.param_dtype, name="k_norm")(
         x_BLD.astype(self.dtype) @ w_k_DI)
-    q_BLNI = _rope_leading_dims(q_BLNI, cos, sin, self.rope_dim)
+    q_BLJI = _rope_leading_dims(q_BLJI, cos, sin, self.rope_dim)
     k_BSI = _rope_leading_dims(k_BSI, cos, sin, self.rope_dim)
-    weights_BLN = (x_BLD.astype(jnp.float32) @ w_weights_DN) * n ** -0.5
-    return q_BLNI, k_BSI, weights_BLN
-
-
-def lightning_indexer_scores(q_BLNI, k_BSI, weights_BLN, visible_BLS):
-  """Step 4, dense: fp32 index scores `[B, L, S]`, -inf where `visible_BLS` is False."""
-  head_scores_BLNS = jax.nn.relu(
-      jnp.einsum("blni,bsi->blns", q_BLNI.astype(jnp.float32), k_BSI.astype(jnp.float32))
-      * q_BLNI.shape[-1] ** -0.5)
-  scores_BLS = jnp.einsum("bln,blns->bls", weights_BLN, head_scores_BLNS)
-  return jnp.where(visible_BLS, scores_BLS, -jnp.inf)
+    weights_BLJ = (x_BLD.astype(jnp.float32) @ w_weights_DJ) * j ** -0.5
+    return q_BLJI, k_BSI, weights_BLJ
 
 
 def _rope_leading_dims(x, cos, sin, rope_dim):
   """Interleaved RoPE on the first `rope_dim` dims of the last axis (layout `[rope | rest]`)."""
   rotated = apply_interleaved_rope(x[..., :rope_dim], cos, sin)
   return jnp.concatenate([rotated, x[..., rope_dim:]], axis=-1)
-
-
-def select_topk(scores_BLS, k: int):
-  """Deterministic top-k keys per query.
-
-  Args:
-    scores_BLS: fp32 scores, -inf for keys a query may not see.
-    k: keys to keep (clipped to S).
-  Returns:
-    int32 `[B, L, min(k, S)]` key indices, best first, ties to the earlier position; -1 marks
-    slots of queries that see fewer than k keys.
-  """
-  values_BLT, indices_BLT = jax.lax.top_k(scores_BLS, min(k, scores_BLS.shape[-1]))
-  return jnp.where(values_BLT == -jnp.inf, -1, indices_BLT).astype(jnp.int32)
 
 
 def restrict_topk_to_visible(topk_BLT, segment_ids_BL):
@@ -124,7 +104,7 @@ def topk_mask(topk_BLT, num_keys: int):
       True, mode="drop")
 
 
-def indexer_kl(index_scores_BLS, target_BLS, keys_BLS):
+def indexer_kl_per_query(index_scores_BLS, target_BLS, keys_BLS):
   """Per-query `KL(p || softmax(I))` over the keys in `keys_BLS` (docs/reference.md section 3).
 
   The last axis is any key axis: all S keys (dense paths) or the T selected slots (the

@@ -13,12 +13,13 @@ token t, per head h:
      beta_t       = sigmoid(x W_b)                                in (0, 1), per head
   4. o_t          = gated delta rule (`delta_rule`): S_t = alpha_t (I - beta_t k k^T) S_{t-1}
                     + beta_t k v^T, o_t = S_t^T q_t; chunked form in training, recurrent form
-                    with `absorbed=True` (the decode form, as for MLA)
+                    with `Mode(form="absorbed")` (the decode form, as for MLA)
   5. y            = o_proj(RMSNorm(o) * SiLU(x W_g))       (RMSNorm over V, shared by heads)
 
-Parameters: the M layer's (`MLA_PARAMS`, same names, shapes and init) plus `GDN_NEW_PARAMS`:
-`{q,k,v}_conv1d [W, H, K|V]`, `a_proj [D, H]`, `b_proj [D, H]`, `A_log [H]`, `dt_bias [H]`,
-`g_proj [D, H, V]`, `o_norm` (scale [V]). Converting a trained M layer reuses every MLA weight
+Parameters: the M layer's (`MLA_PARAMS`, same names, shapes and init) plus the kind's
+`extra_params` (`glm5_jax.attention.kinds`, letter N): `{q,k,v}_conv1d [W, H, K|V]`,
+`a_proj [D, H]`, `b_proj [D, H]`, `A_log [H]`, `dt_bias [H]`, `g_proj [D, H, V]`, `o_norm`
+(scale [V]). Converting a trained M layer reuses every MLA weight
 and initializes only these. Their init:
   convs    identity on the newest tap (the kernel passes x_t through), so a converted layer
            starts from the pretrained q/k/v and a fresh one learns the mixing from there;
@@ -26,8 +27,8 @@ and initializes only these. Their init:
            init, as in the paper's code);
   a/b/g    N(0, initializer_range) like every other projection; o_norm scale 1.
 
-Notation: B batch, L length, D hidden, H heads, K key dim (N + R of MLA), V value dim,
-W conv taps, X the channel dim of a conv input (K or V).
+Notation (docs/design.md): B batch, L length, D hidden, H heads, K key dim (N + R of MLA),
+V value dim, W conv taps; locally X is the channel dim of a conv input (K or V).
 """
 
 import math
@@ -38,12 +39,12 @@ from flax import linen as nn
 
 from glm5_jax.attention import delta_rule
 from glm5_jax.attention.mla_projections import mla_output, mla_qkv
+from glm5_jax.attention.mode import Mode
 from glm5_jax.config import ModelConfig
 from glm5_jax.layers.norms import RMSNorm
-from glm5_jax.layers.params import DTYPES, normal_kernel, param
+from glm5_jax.layers.axes import EMBED, HEAD_DIM, HEADS
+from glm5_jax.layers.params import dtypes, kernels, param
 
-GDN_NEW_PARAMS = ("q_conv1d", "k_conv1d", "v_conv1d", "a_proj", "b_proj", "A_log", "dt_bias",
-                  "g_proj", "o_norm")
 A_INIT_RANGE = (1.0, 16.0)
 DT_INIT_RANGE = (1e-3, 1e-1)
 
@@ -87,20 +88,20 @@ class GatedDeltaNet(nn.Module):
   cfg: ModelConfig
 
   @nn.compact
-  def __call__(self, x_BLD, positions_BL, segment_ids_BL, prev_topk_BLT=None, absorbed=False,
-               dsa_stage="sparse"):
-    """Args as `MLA.__call__`; `positions_BL`, `prev_topk_BLT` and `dsa_stage` are unused, and
-    `absorbed` selects the recurrent (decode) form of the delta rule instead of the chunked one.
-    Returns `(y_BLD, {})`."""
-    del positions_BL, prev_topk_BLT, dsa_stage  # no RoPE, no top-k, no indexer
+  def __call__(self, x_BLD, positions_BL, segment_ids_BL, prev_topk_BLT=None, *,
+               mode: Mode = Mode()):
+    """Args as `MLA.__call__`; `positions_BL`, `prev_topk_BLT` and `mode.dsa_stage` are unused,
+    and `mode.form` "absorbed" selects the recurrent (decode) form of the delta rule instead of
+    the chunked one. Returns `(y_BLD, {})`."""
+    del positions_BL, prev_topk_BLT  # no RoPE, no top-k, no indexer
     c = self.cfg
-    dtype, pdtype = DTYPES[c.dtype], DTYPES[c.param_dtype]
+    dtype, pdtype = dtypes(c)
     d, h, vd, w = x_BLD.shape[-1], c.num_attention_heads, c.v_head_dim, c.gdn_conv_size
     x_BLD = x_BLD.astype(dtype)
     q_BLHK, k_BLHK, v_BLHV = mla_qkv(self, c, x_BLD, positions_BL=None)
 
     def conv(name, x_BLHX):
-      kernel_WHX = param(self, name, (w, h, x_BLHX.shape[-1]), (None, "heads", "head_dim"),
+      kernel_WHX = param(self, name, (w, h, x_BLHX.shape[-1]), (None, HEADS, HEAD_DIM),
                          pdtype, identity_conv_init).astype(dtype)
       return jax.nn.silu(causal_depthwise_conv(x_BLHX, kernel_WHX, segment_ids_BL))
 
@@ -109,23 +110,22 @@ class GatedDeltaNet(nn.Module):
     v_BLHV = conv("v_conv1d", v_BLHV)
 
     # Gates in fp32: log alpha = -A * softplus(.) is computed directly in log space.
-    kernel = lambda name, shape, axes: normal_kernel(self, name, shape, axes,
-                                                     c.initializer_range, pdtype)
+    kernel = kernels(self, c.initializer_range, pdtype)  # cast per use: gates run in fp32
     x32_BLD = x_BLD.astype(jnp.float32)
-    a_log_H = param(self, "A_log", (h,), ("heads",), jnp.float32, a_log_init)
-    dt_bias_H = param(self, "dt_bias", (h,), ("heads",), jnp.float32, dt_bias_init)
+    a_log_H = param(self, "A_log", (h,), (HEADS,), jnp.float32, a_log_init)
+    dt_bias_H = param(self, "dt_bias", (h,), (HEADS,), jnp.float32, dt_bias_init)
     dt_BLH = jax.nn.softplus(
-        jnp.einsum("bld,dh->blh", x32_BLD, kernel("a_proj", (d, h), ("embed", "heads"))
+        jnp.einsum("bld,dh->blh", x32_BLD, kernel("a_proj", (d, h), (EMBED, HEADS))
                    .astype(jnp.float32)) + dt_bias_H)
     log_alpha_BLH = -jnp.exp(a_log_H) * dt_BLH
     beta_BLH = jax.nn.sigmoid(
-        jnp.einsum("bld,dh->blh", x32_BLD, kernel("b_proj", (d, h), ("embed", "heads"))
+        jnp.einsum("bld,dh->blh", x32_BLD, kernel("b_proj", (d, h), (EMBED, HEADS))
                    .astype(jnp.float32)))
 
     o_BLHV, _ = delta_rule.gated_delta_rule(q_BLHK, k_BLHK, v_BLHV, log_alpha_BLH, beta_BLH,
-                                            segment_ids_BL, recurrent=absorbed,
+                                            segment_ids_BL, recurrent=mode.form == "absorbed",
                                             chunk_size=c.gdn_chunk_size)
-    w_g_DHV = kernel("g_proj", (d, h, vd), ("embed", "heads", "head_dim")).astype(dtype)
+    w_g_DHV = kernel("g_proj", (d, h, vd), (EMBED, HEADS, HEAD_DIM)).astype(dtype)
     gate_BLHV = jax.nn.silu(jnp.einsum("bld,dhv->blhv", x_BLD, w_g_DHV))
     o_BLHV = RMSNorm(c.rms_norm_eps, dtype, pdtype, name="o_norm")(o_BLHV)  # fp32 statistics
     return mla_output(self, c, o_BLHV * gate_BLHV), {}

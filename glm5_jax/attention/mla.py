@@ -20,9 +20,12 @@ values per query instead of T x H per-head keys, and nothing `[B, L, S]`-shaped 
 Kernels are stored per head, 3-D: `q_b_proj [Q, H, N + R]`, `k_b_proj [C, H, N]`,
 `v_b_proj [C, H, V]`, `o_proj [H, V, D]`, so an optimizer can treat each head's slice alone.
 
-Notation: B batch, L queries, S keys, D hidden, H heads, Q q latent, C kv latent, N nope head
-dim, R rope dim, K = N + R, V value head dim, T top-k.
+Notation (docs/design.md): B batch, L queries, S keys, D hidden, H heads, Q q latent, C kv
+latent, N nope head dim, R rope dim, K = N + R, V value head dim, J index heads, I index head
+dim, T top-k.
 """
+
+import typing
 
 import jax
 import jax.numpy as jnp
@@ -30,11 +33,12 @@ from flax import linen as nn
 
 import pallas_kernels
 from glm5_jax.attention.common import attend, causal_segment_mask, MASKED_LOGIT
-from glm5_jax.attention.dsa import (LightningIndexer, indexer_kl, lightning_indexer_scores,
-                                    restrict_topk_to_visible, select_topk, topk_mask)
+from glm5_jax.attention.dsa import (LightningIndexer, indexer_kl_per_query,
+                                    restrict_topk_to_visible, topk_mask)
 from glm5_jax.attention.mla_projections import mla_latents, mla_output
+from glm5_jax.attention.mode import Mode
 from glm5_jax.config import ModelConfig
-from glm5_jax.layers.params import DTYPES
+from glm5_jax.layers.params import dtypes
 from glm5_jax.layers.rope import apply_interleaved_rope, rope_angles
 
 
@@ -46,18 +50,17 @@ class MLA(nn.Module):
   kind: str = "mla"
 
   @nn.compact
-  def __call__(self, x_BLD, positions_BL, segment_ids_BL, prev_topk_BLT=None, absorbed=False,
-               dsa_stage="sparse"):
+  def __call__(self, x_BLD, positions_BL, segment_ids_BL, prev_topk_BLT=None, *,
+               mode: Mode = Mode()):
     """Args:
       x_BLD: normalized layer input.
       positions_BL: int positions (RoPE).
       segment_ids_BL: int document ids; attention never crosses them.
       prev_topk_BLT: the previous DSA layer's selection, for kind "dsa_shared_topk".
-      absorbed: run the latent (decode) form instead of the expanded one.
-      dsa_stage: for DSA kinds (docs/reference.md section 3, "DSA adaptation"):
-        "dense"  - plain MLA; the indexer is not run.
-        "warmup" - the indexer runs and learns, attention stays dense.
-        "sparse" - attention is restricted to the top-k keys (inference and stage 2).
+      mode: `mode.form` "absorbed" runs the latent (decode) computation instead of the
+        expanded one; `mode.dsa_stage` is how DSA kinds attend ("dense": plain MLA, the
+        indexer does not run; "warmup": the indexer runs and learns, attention stays dense;
+        "sparse": attention restricted to the top-k keys). See `glm5_jax.attention.mode`.
     Returns:
       `(y_BLD, aux)`; for DSA kinds outside "dense" aux holds `topk_indices [B, L, T]`
       (int32, -1 = empty slot), and when this layer ran its indexer `indexer_kl [B, L]`:
@@ -66,7 +69,7 @@ class MLA(nn.Module):
       "sparse" stage with `dsa_impl` "xla" / "pallas", which never builds that matrix.
     """
     c = self.cfg
-    dtype, pdtype = DTYPES[c.dtype], DTYPES[c.param_dtype]
+    dtype, pdtype = dtypes(c)
     n, r, k = c.qk_nope_head_dim, c.qk_rope_head_dim, c.qk_head_dim
     x_BLD = x_BLD.astype(dtype)
     q_BLHK, cq_BLQ, ckv_BSC, k_rope_BSR, w_kb_CHN, w_vb_CHV = mla_latents(self, c, x_BLD)
@@ -78,10 +81,8 @@ class MLA(nn.Module):
 
     if self.kind not in ("mla", "dsa", "dsa_shared_topk"):
       raise ValueError(f"MLA got unknown kind {self.kind!r}")
-    if dsa_stage not in ("dense", "warmup", "sparse"):
-      raise ValueError(f"dsa_stage must be dense, warmup or sparse, got {dsa_stage!r}")
-    selects = self.kind != "mla" and dsa_stage != "dense"
-    aux, index_qkw = {}, None
+    selects = self.kind != "mla" and mode.dsa_stage != "dense"
+    index_qkw, given_topk_BLT = None, None
     if self.kind == "dsa" and (selects or self.is_initializing()):
       indexer = LightningIndexer(c.index_n_heads, c.index_head_dim, r, c.indexer_norm_eps,
                                  c.initializer_range, dtype, pdtype, name="indexer")
@@ -91,34 +92,59 @@ class MLA(nn.Module):
     elif self.kind == "dsa_shared_topk" and selects:
       if prev_topk_BLT is None:
         raise ValueError("a dsa_shared_topk layer needs the previous DSA layer's top-k")
-      aux["topk_indices"] = prev_topk_BLT
+      given_topk_BLT = prev_topk_BLT
 
+    latents = _Latents(q_nope_BLHN, q_rope_BLHR, ckv_BSC, k_rope_BSR, w_kb_CHN, w_vb_CHV)
     scale = k ** -0.5
-    if selects and dsa_stage == "sparse" and c.dsa_impl != "dense_mask":
-      out_BLHV = _sparse_stage_attention(
-          c, aux, index_qkw, segment_ids_BL, q_nope_BLHN, q_rope_BLHR, ckv_BSC, k_rope_BSR,
-          w_kb_CHN, w_vb_CHV, scale)
+    if selects and mode.dsa_stage == "sparse" and c.dsa_impl != "dense_mask":
+      out_BLHV, aux = _sparse_stage_attention(c, latents, scale, segment_ids_BL, index_qkw,
+                                              given_topk_BLT)
     else:
-      out_BLHV = _dense_attention(
-          c, aux, index_qkw, segment_ids_BL, dsa_stage, absorbed, q_nope_BLHN, q_rope_BLHR,
-          ckv_BSC, k_rope_BSR, w_kb_CHN, w_vb_CHV, scale)
-
+      out_BLHV, aux = _dense_attention(c, latents, scale, segment_ids_BL, index_qkw,
+                                       given_topk_BLT, mode)
     return mla_output(self, c, out_BLHV), aux
 
 
-def _dense_attention(c, aux, index_qkw, segment_ids_BL, dsa_stage, absorbed, q_nope_BLHN,
-                     q_rope_BLHR, ckv_BSC, k_rope_BSR, w_kb_CHN, w_vb_CHV, scale):
+class _Latents(typing.NamedTuple):
+  """What attention needs from `mla_latents`, RoPE applied."""
+
+  q_nope_BLHN: jax.Array
+  q_rope_BLHR: jax.Array
+  ckv_BSC: jax.Array
+  k_rope_BSR: jax.Array
+  w_kb_CHN: jax.Array
+  w_vb_CHV: jax.Array
+
+
+def _dense_attention(c, latents: _Latents, scale, segment_ids_BL, index_qkw, given_topk_BLT,
+                     mode: Mode):
   """`dsa_impl="dense_mask"`, the warm-up stage and dense MLA: attention over a `[B, L, S]` mask
-  (the top-k selection folded into it in the sparse stage). Fills the DSA entries of `aux`."""
+  (the top-k selection folded into it in the sparse stage).
+
+  Args:
+    index_qkw: this layer's indexer projections `(q_BLJI, k_BSI, weights_BLJ)`, or None.
+    given_topk_BLT: a selection made elsewhere (the previous layer's, a sliding window), or
+      None.
+  Returns:
+    `(out_BLHV, aux)`, aux with the DSA entries documented in `MLA.__call__`.
+  """
+  aux = {}
   visible_BLS = causal_segment_mask(segment_ids_BL)
+  topk_BLT = given_topk_BLT
   if index_qkw is not None:
-    aux["index_scores"] = lightning_indexer_scores(*index_qkw, visible_BLS)
-    aux["topk_indices"] = select_topk(aux["index_scores"], c.index_topk)
-  if dsa_stage == "sparse" and "topk_indices" in aux:
-    visible_BLS = visible_BLS & topk_mask(aux["topk_indices"], visible_BLS.shape[-1])
-  if absorbed:
-    out_BLHV, probs_BLS = _absorbed_attention(q_nope_BLHN, q_rope_BLHR, ckv_BSC, k_rope_BSR,
-                                              w_kb_CHN, w_vb_CHV, visible_BLS, scale)
+    b, l = segment_ids_BL.shape
+    q_pos_BL = jnp.broadcast_to(jnp.arange(l, dtype=jnp.int32), (b, l))
+    index_scores_BLS = pallas_kernels.indexer_scores_reference(
+        *index_qkw, q_pos_BL, segment_ids_BL, segment_ids_BL, scale=c.index_head_dim ** -0.5)
+    topk_BLT, _ = pallas_kernels.select_topk(index_scores_BLS, c.index_topk)
+    aux["index_scores"] = index_scores_BLS
+  if topk_BLT is not None:
+    aux["topk_indices"] = topk_BLT
+    if mode.dsa_stage == "sparse":
+      visible_BLS = visible_BLS & topk_mask(topk_BLT, visible_BLS.shape[-1])
+  q_nope_BLHN, q_rope_BLHR, ckv_BSC, k_rope_BSR, w_kb_CHN, w_vb_CHV = latents
+  if mode.form == "absorbed":
+    out_BLHV, probs_BLS = _absorbed_attention(latents, visible_BLS, scale)
   else:
     r = k_rope_BSR.shape[-1]
     k_nope_BSHN = jnp.einsum("bsc,chn->bshn", ckv_BSC, w_kb_CHN)
@@ -127,14 +153,14 @@ def _dense_attention(c, aux, index_qkw, segment_ids_BL, dsa_stage, absorbed, q_n
     q_BLHK = jnp.concatenate([q_nope_BLHN, q_rope_BLHR], axis=-1)
     k_BSHK = jnp.concatenate([k_nope_BSHN, k_rope_BSHR], axis=-1)
     out_BLHV, probs_BLS = attend(q_BLHK, k_BSHK, v_BSHV, visible_BLS, scale)
-  if "index_scores" in aux:
-    aux["indexer_kl"] = indexer_kl(aux["index_scores"], jax.lax.stop_gradient(probs_BLS),
-                                   visible_BLS)
-  return out_BLHV
+  if index_qkw is not None:
+    aux["indexer_kl"] = indexer_kl_per_query(
+        aux["index_scores"], jax.lax.stop_gradient(probs_BLS), visible_BLS)
+  return out_BLHV, aux
 
 
-def _sparse_stage_attention(c, aux, index_qkw, segment_ids_BL, q_nope_BLHN, q_rope_BLHR, ckv_BSC,
-                            k_rope_BSR, w_kb_CHN, w_vb_CHV, scale):
+def _sparse_stage_attention(c, latents: _Latents, scale, segment_ids_BL, index_qkw,
+                            given_topk_BLT):
   """The sparse stage on `pallas_kernels` (`dsa_impl` "xla" | "pallas"), O(L x T) throughout.
 
     1. top-k from the indexer's projections (scores per block of queries), or the given
@@ -143,20 +169,23 @@ def _sparse_stage_attention(c, aux, index_qkw, segment_ids_BL, q_nope_BLHN, q_ro
     3. indexer KL on the selected keys: I at the selection (differentiable, reaches only the
        indexer, whose inputs are detached) against the main attention's head-mean probability
        there, recomputed from the log-sum-exp and detached.
-  Fills `aux` with `topk_indices` and, with an indexer, `indexer_kl` (no `index_scores`: that
-  would be the `[B, L, S]` matrix this path exists to avoid).
+  Args as `_dense_attention`. Returns `(out_BLHV, aux)`: aux holds `topk_indices` and, with an
+  indexer, `indexer_kl` (no `index_scores`: that would be the `[B, L, S]` matrix this path
+  exists to avoid).
   """
   ops = pallas_kernels.DSA_OPS[c.dsa_impl]
+  q_nope_BLHN, q_rope_BLHR, ckv_BSC, k_rope_BSR, w_kb_CHN, w_vb_CHV = latents
   b, l = segment_ids_BL.shape
   index_scale = c.index_head_dim ** -0.5
   if index_qkw is not None:
     q_pos_BL = jnp.broadcast_to(jnp.arange(l, dtype=jnp.int32), (b, l))
-    aux["topk_indices"], _ = ops.indexer_topk(
+    topk_BLT, _ = ops.indexer_topk(
         *index_qkw, q_pos_BL, segment_ids_BL, segment_ids_BL, topk=c.index_topk,
         scale=index_scale)
-    topk_BLT = aux["topk_indices"]
+    aux = {"topk_indices": topk_BLT}
   else:  # a selection made elsewhere (previous layer, sliding window): drop invisible keys
-    topk_BLT = restrict_topk_to_visible(aux["topk_indices"], segment_ids_BL)
+    aux = {"topk_indices": given_topk_BLT}
+    topk_BLT = restrict_topk_to_visible(given_topk_BLT, segment_ids_BL)
   q_latent_BLHC = jnp.einsum("blhn,chn->blhc", q_nope_BLHN, w_kb_CHN)
   out_latent_BLHC, lse_BLH = ops.sparse_mla(q_latent_BLHC, q_rope_BLHR, ckv_BSC, k_rope_BSR,
                                             topk_BLT, scale=scale)
@@ -164,13 +193,13 @@ def _sparse_stage_attention(c, aux, index_qkw, segment_ids_BL, q_nope_BLHN, q_ro
     scores_BLT = pallas_kernels.indexer_scores_at(*index_qkw, topk_BLT, scale=index_scale)
     target_BLT = pallas_kernels.sparse_mla_head_mean_probs(
         q_latent_BLHC, q_rope_BLHR, ckv_BSC, k_rope_BSR, topk_BLT, lse_BLH, scale=scale)
-    aux["indexer_kl"] = indexer_kl(scores_BLT, target_BLT, topk_BLT >= 0)
-  return jnp.einsum("blhc,chv->blhv", out_latent_BLHC, w_vb_CHV)
+    aux["indexer_kl"] = indexer_kl_per_query(scores_BLT, target_BLT, topk_BLT >= 0)
+  return jnp.einsum("blhc,chv->blhv", out_latent_BLHC, w_vb_CHV), aux
 
 
-def _absorbed_attention(q_nope_BLHN, q_rope_BLHR, ckv_BSC, k_rope_BSR, w_kb_CHN, w_vb_CHV,
-                        visible_BLS, scale):
+def _absorbed_attention(latents: _Latents, visible_BLS, scale):
   """Attention over the shared latent: logits = (q_nope W_kb^T) . c + q_rope . k_rope."""
+  q_nope_BLHN, q_rope_BLHR, ckv_BSC, k_rope_BSR, w_kb_CHN, w_vb_CHV = latents
   q_latent_BLHC = jnp.einsum("blhn,chn->blhc", q_nope_BLHN, w_kb_CHN)
   logits_BHLS = (
       jnp.einsum("blhc,bsc->bhls", q_latent_BLHC, ckv_BSC, preferred_element_type=jnp.float32)

@@ -1,6 +1,7 @@
 """MLA's query/key/value and output projections: the one definition of those weights.
 
-`mla.MLA` (softmax, dense or DSA) declares its projections here, and the linear-attention layers (N: `gdn.GatedDeltaNet`, L: `simple_gdn.SimpleGatedDeltaNet`) read
+`mla.MLA` (softmax, dense or DSA) declares its projections here, and the linear-attention
+layers (N: `gdn.GatedDeltaNet`, L: `simple_gdn.SimpleGatedDeltaNet`) read
 their q, k, v and output projection from exactly the parameters an M layer stores, under the
 same names, shapes, logical axes and initialization, so a trained M layer converts to them with
 every one of these weights reused as is (`glm5_jax.convert.attention_pattern`):
@@ -12,10 +13,11 @@ every one of these weights reused as is (`glm5_jax.convert.attention_pattern`):
   v       = c v_b_proj                                                 [H, V]
   y       = o o_proj, summed over [H, V] [+ o_proj_bias]                [D]
 
-(docs/reference.md section 2, "MLA".) With `positions_BL`, q's rope part and kr get the same interleaved RoPE as in MLA, so
-q . k equals the MLA logit times (N + R)^0.5; without, they are left unrotated.
+(docs/reference.md section 2, "MLA".) With `positions_BL`, q's rope part and kr get the same
+interleaved RoPE as in MLA, so q . k equals the MLA logit times (N + R)^0.5; without, they are
+left unrotated.
 
-Notation: B batch, L length, D hidden, H heads, Q q latent, C kv latent, N nope head dim,
+Notation (docs/design.md): B batch, L length, D hidden, H heads, Q q latent, C kv latent, N nope head dim,
 R rope dim, K = N + R, V value head dim.
 """
 
@@ -24,7 +26,8 @@ from flax import linen as nn
 
 from glm5_jax.config import ModelConfig
 from glm5_jax.layers.norms import RMSNorm
-from glm5_jax.layers.params import DTYPES, normal_kernel, param
+from glm5_jax.layers.axes import EMBED, HEAD_DIM, HEADS, KV_LORA, Q_LORA
+from glm5_jax.layers.params import dtypes, kernels, param
 from glm5_jax.layers.rope import apply_interleaved_rope, rope_angles
 
 # The parameters (children of `self_attn`) an M layer stores; `attention_bias` adds the `_bias`
@@ -35,15 +38,15 @@ MLA_BIAS_PARAMS = ("q_a_proj_bias", "kv_a_proj_with_mqa_bias", "o_proj_bias")
 
 
 def _kernel(module: nn.Module, cfg: ModelConfig, name, shape, axes):
-  return normal_kernel(module, name, shape, axes, cfg.initializer_range,
-                       DTYPES[cfg.param_dtype]).astype(DTYPES[cfg.dtype])
+  dtype, pdtype = dtypes(cfg)
+  return kernels(module, cfg.initializer_range, pdtype, dtype)(name, shape, axes)
 
 
 def _bias(module: nn.Module, cfg: ModelConfig, name, size, axis):
   if not cfg.attention_bias:
     return 0.0
-  return param(module, name, (size,), (axis,), DTYPES[cfg.param_dtype],
-               nn.initializers.zeros).astype(DTYPES[cfg.dtype])
+  dtype, pdtype = dtypes(cfg)
+  return param(module, name, (size,), (axis,), pdtype, nn.initializers.zeros).astype(dtype)
 
 
 def mla_latents(module: nn.Module, cfg: ModelConfig, x_BLD):
@@ -60,27 +63,24 @@ def mla_latents(module: nn.Module, cfg: ModelConfig, x_BLD):
     key (not yet rotated), and the key/value up-projections.
   """
   c = cfg
-  dtype, pdtype = DTYPES[c.dtype], DTYPES[c.param_dtype]
+  dtype, pdtype = dtypes(c)
   d, h = x_BLD.shape[-1], c.num_attention_heads
   n, r, v, k = c.qk_nope_head_dim, c.qk_rope_head_dim, c.v_head_dim, c.qk_head_dim
   x_BLD = x_BLD.astype(dtype)
 
-  w_qa_DQ = _kernel(module, c, "q_a_proj", (d, c.q_lora_rank), ("embed", "q_lora"))
-  cq_BLQ = x_BLD @ w_qa_DQ + _bias(module, c, "q_a_proj_bias", c.q_lora_rank, "q_lora")
+  w_qa_DQ = _kernel(module, c, "q_a_proj", (d, c.q_lora_rank), (EMBED, Q_LORA))
+  cq_BLQ = x_BLD @ w_qa_DQ + _bias(module, c, "q_a_proj_bias", c.q_lora_rank, Q_LORA)
   cq_BLQ = RMSNorm(c.latent_norm_eps, dtype, pdtype, name="q_a_layernorm")(cq_BLQ)
-  w_qb_QHK = _kernel(module, c, "q_b_proj", (c.q_lora_rank, h, k), ("q_lora", "heads", "head_dim"))
+  w_qb_QHK = _kernel(module, c, "q_b_proj", (c.q_lora_rank, h, k), (Q_LORA, HEADS, HEAD_DIM))
   q_BLHK = jnp.einsum("blq,qhk->blhk", cq_BLQ, w_qb_QHK)
 
-  w_kva_DC = _kernel(module, c, "kv_a_proj_with_mqa", (d, c.kv_lora_rank + r),
-                     ("embed", "kv_lora"))
+  w_kva_DC = _kernel(module, c, "kv_a_proj_with_mqa", (d, c.kv_lora_rank + r), (EMBED, KV_LORA))
   ckv_BLC = x_BLD @ w_kva_DC + _bias(module, c, "kv_a_proj_with_mqa_bias", c.kv_lora_rank + r,
-                                     "kv_lora")
+                                     KV_LORA)
   ckv_BLC, k_rope_BLR = ckv_BLC[..., :c.kv_lora_rank], ckv_BLC[..., c.kv_lora_rank:]
   ckv_BLC = RMSNorm(c.latent_norm_eps, dtype, pdtype, name="kv_a_layernorm")(ckv_BLC)
-  w_kb_CHN = _kernel(module, c, "k_b_proj", (c.kv_lora_rank, h, n),
-                     ("kv_lora", "heads", "head_dim"))
-  w_vb_CHV = _kernel(module, c, "v_b_proj", (c.kv_lora_rank, h, v),
-                     ("kv_lora", "heads", "head_dim"))
+  w_kb_CHN = _kernel(module, c, "k_b_proj", (c.kv_lora_rank, h, n), (KV_LORA, HEADS, HEAD_DIM))
+  w_vb_CHV = _kernel(module, c, "v_b_proj", (c.kv_lora_rank, h, v), (KV_LORA, HEADS, HEAD_DIM))
   return q_BLHK, cq_BLQ, ckv_BLC, k_rope_BLR, w_kb_CHN, w_vb_CHV
 
 
@@ -114,7 +114,7 @@ def mla_output(module: nn.Module, cfg: ModelConfig, out_BLHV):
   c = cfg
   h, v = out_BLHV.shape[-2:]
   d = c.hidden_size
-  w_o_HVD = _kernel(module, c, "o_proj", (h, v, d), ("heads", "head_dim", "embed"))
-  out_BLHV = out_BLHV.astype(DTYPES[c.dtype])
+  w_o_HVD = _kernel(module, c, "o_proj", (h, v, d), (HEADS, HEAD_DIM, EMBED))
+  out_BLHV = out_BLHV.astype(dtypes(c)[0])
   return jnp.einsum("blhv,hvd->bld", out_BLHV, w_o_HVD) + _bias(module, c, "o_proj_bias", d,
-                                                                 "embed")
+                                                                 EMBED)

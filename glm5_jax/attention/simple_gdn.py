@@ -9,21 +9,23 @@ token t and head h:
                 scale; q and k are then scaled to unit L2 norm per head
   2. o_t      = gated delta rule (`delta_rule`) with per-head, data-independent gates:
                 S_t = alpha_h (I - beta_h k k^T) S_{t-1} + beta_h k v^T, o_t = S_t^T q_t
-                (chunked in training, recurrent with `absorbed=True`)
+                (chunked in training, recurrent with `Mode(form="absorbed")`)
   3. y        = o_proj(o)                       (no output norm or gate)
 
 The report leaves the gates open; `model.simple_gdn_gates` picks one of two:
   "fixed"    no parameters at all: RetNet's per-head decays alpha_h = 1 - 2^(-5-h) (Sun et al.
              2023, "Retentive Network", section 2.2; head 0 forgets fastest, half-life ~22
              tokens, each next head twice as slowly) and beta_h = `model.simple_gdn_beta`.
-  "learned"  two scalars per head (`SIMPLE_GDN_NEW_PARAMS`): log alpha_h = -exp(decay_rate_log_h),
+  "learned"  two scalars per head (the kind's `extra_params`, letter L in
+             `glm5_jax.attention.kinds`): log alpha_h = -exp(decay_rate_log_h),
              beta_h = sigmoid(beta_logit_h), initialized to exactly the fixed values, so a
              "learned" layer starts as the "fixed" one and a fixed -> learned conversion
              changes nothing until training moves them.
 The parameters are the M layer's (`MLA_PARAMS`) and, in "learned" mode, only those two [H]
 vectors.
 
-Notation: B batch, L length, D hidden, H heads, K key dim (N + R of MLA), V value dim.
+Notation (docs/design.md): B batch, L length, D hidden, H heads, K key dim (N + R of MLA),
+V value dim.
 """
 
 import math
@@ -35,11 +37,10 @@ from flax import linen as nn
 
 from glm5_jax.attention import delta_rule
 from glm5_jax.attention.mla_projections import mla_output, mla_qkv
+from glm5_jax.attention.mode import Mode
 from glm5_jax.config import ModelConfig
+from glm5_jax.layers.axes import HEADS
 from glm5_jax.layers.params import param
-
-SIMPLE_GDN_NEW_PARAMS = ("decay_rate_log", "beta_logit")  # "learned" mode only
-
 
 def retnet_log_decays(num_heads: int) -> np.ndarray:
   """float64 `[H]`: log(1 - 2^(-5-h)), computed with log1p so that heads whose decay rounds to
@@ -53,11 +54,11 @@ class SimpleGatedDeltaNet(nn.Module):
   cfg: ModelConfig
 
   @nn.compact
-  def __call__(self, x_BLD, positions_BL, segment_ids_BL, prev_topk_BLT=None, absorbed=False,
-               dsa_stage="sparse"):
-    """Args as `MLA.__call__`; `prev_topk_BLT` and `dsa_stage` are unused, and `absorbed`
-    selects the recurrent (decode) form of the delta rule. Returns `(y_BLD, {})`."""
-    del prev_topk_BLT, dsa_stage  # no top-k, no indexer
+  def __call__(self, x_BLD, positions_BL, segment_ids_BL, prev_topk_BLT=None, *,
+               mode: Mode = Mode()):
+    """Args as `MLA.__call__`; `prev_topk_BLT` and `mode.dsa_stage` are unused, and `mode.form`
+    "absorbed" selects the recurrent (decode) form of the delta rule. Returns `(y_BLD, {})`."""
+    del prev_topk_BLT  # no top-k, no indexer
     c = self.cfg
     h = c.num_attention_heads
     q_BLHK, k_BLHK, v_BLHV = mla_qkv(self, c, x_BLD, positions_BL)
@@ -70,9 +71,9 @@ class SimpleGatedDeltaNet(nn.Module):
     elif c.simple_gdn_gates == "learned":
       rate_init = np.log(-log_decay_H)  # log alpha = -exp(rate): exactly the fixed decays
       beta_init = math.log(c.simple_gdn_beta / (1 - c.simple_gdn_beta))  # sigmoid^-1
-      rate_H = param(self, "decay_rate_log", (h,), ("heads",), jnp.float32,
+      rate_H = param(self, "decay_rate_log", (h,), (HEADS,), jnp.float32,
                      lambda *_: jnp.asarray(rate_init, jnp.float32))
-      logit_H = param(self, "beta_logit", (h,), ("heads",), jnp.float32,
+      logit_H = param(self, "beta_logit", (h,), (HEADS,), jnp.float32,
                       lambda *_: jnp.full((h,), beta_init, jnp.float32))
       log_alpha_H, beta_H = -jnp.exp(rate_H), jax.nn.sigmoid(logit_H)
     else:
@@ -82,6 +83,6 @@ class SimpleGatedDeltaNet(nn.Module):
     beta_BLH = jnp.broadcast_to(beta_H, q_BLHK.shape[:3])
 
     o_BLHV, _ = delta_rule.gated_delta_rule(q_BLHK, k_BLHK, v_BLHV, log_alpha_BLH, beta_BLH,
-                                            segment_ids_BL, recurrent=absorbed,
+                                            segment_ids_BL, recurrent=mode.form == "absorbed",
                                             chunk_size=c.gdn_chunk_size)
     return mla_output(self, c, o_BLHV), {}

@@ -16,13 +16,21 @@ previous layer's top-k, in every DSA stage. MLA intersects the selection with it
 same-document mask, which gives exactly the mask above. The selection is not returned in aux:
 it must not feed a following 'R' layer (validation forbids S -> R anyway).
 
-Notation: B batch, L queries, S keys, D hidden, W window (clipped to L).
+So `model.dsa_impl` drives S layers exactly as it drives R layers: "dense_mask" masks a dense
+`[B, L, S]` attention, "xla" / "pallas" gather the W window rows of the latent per query and
+never build anything `[B, L, S]`-shaped (O(L x W); `pallas_kernels.sparse_mla_*`, absorbed
+form). All three give the same outputs (tests/test_attention_variants.py).
+
+Notation (docs/design.md): B batch, L queries, S keys, D hidden, W window (clipped to L).
 """
+
+import dataclasses
 
 import jax.numpy as jnp
 from flax import linen as nn
 
 from glm5_jax.attention.mla import MLA
+from glm5_jax.attention.mode import Mode
 from glm5_jax.config import ModelConfig
 
 
@@ -41,15 +49,16 @@ class SlidingWindowMLA(nn.Module):
   cfg: ModelConfig
 
   @nn.compact
-  def __call__(self, x_BLD, positions_BL, segment_ids_BL, prev_topk_BLT=None, absorbed=False,
-               dsa_stage="sparse"):
-    """Args as `MLA.__call__`; `prev_topk_BLT` and `dsa_stage` are ignored (the window applies
-    in every stage). Returns `(y_BLD, {})`."""
-    del prev_topk_BLT, dsa_stage
+  def __call__(self, x_BLD, positions_BL, segment_ids_BL, prev_topk_BLT=None, *,
+               mode: Mode = Mode()):
+    """Args as `MLA.__call__`; `prev_topk_BLT` and `mode.dsa_stage` are ignored (the window
+    applies in every stage). Returns `(y_BLD, {})`."""
+    del prev_topk_BLT
     b, l = segment_ids_BL.shape
     window_BLW = jnp.broadcast_to(sliding_window_keys(l, self.cfg.sliding_window)[None],
                                   (b, l, min(self.cfg.sliding_window, l)))
     mla = MLA(self.cfg, kind="dsa_shared_topk", name="mla")
     nn.share_scope(self, mla)  # the M layer's params live directly in this layer's scope
-    y_BLD, _ = mla(x_BLD, positions_BL, segment_ids_BL, window_BLW, absorbed, "sparse")
+    y_BLD, _ = mla(x_BLD, positions_BL, segment_ids_BL, window_BLW,
+                   mode=dataclasses.replace(mode, dsa_stage="sparse"))
     return y_BLD, {}

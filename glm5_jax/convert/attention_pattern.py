@@ -10,19 +10,13 @@ GQA's own (the "gqa" family). Converting a layer within a family:
   new      the target kind's extras the source layer lacks keep their fresh initialization;
   dropped  the source kind's extras the target layer lacks are discarded.
 
-  kind             family  extras (children of `self_attn`)
-  ---------------  ------  -----------------------------------------------------------------
-  mla (M)          mla     -
-  dsa (D)          mla     indexer
-  dsa_shared_topk  mla     -
-  swa (S)          mla     -
-  gdn (N)          mla     q_conv1d k_conv1d v_conv1d a_proj b_proj A_log dt_bias g_proj o_norm
-  simple_gdn (L)   mla     decay_rate_log beta_logit   ("learned" gates only)
-  gqa (G)          gqa     -
+Each kind's family and extras are its `AttentionKind` entry (`glm5_jax.attention.kinds`):
+M, R, S, G add nothing, D adds `indexer`, N its convs / gates / output norm, L two scalars
+per head ("learned" gates only).
 
 So M -> S / R is a pure copy, M -> D adds a fresh indexer, M -> N adds the conv/gate/norm parts
-(`gdn.GDN_NEW_PARAMS`, initialized so that the convs start as the identity), M -> L adds
-nothing ("fixed") or two scalars per head ("learned"), and N -> M or D -> M drops the extras.
+(initialized so that the convs start as the identity), M -> L adds nothing ("fixed") or two
+scalars per head ("learned"), and N -> M or D -> M drops the extras.
 Between families (M <-> G) nothing carries over: an error.
 
 `merge_pattern_params` applies these rules from the param trees alone (extras are named
@@ -32,66 +26,15 @@ missing, unexpected or reshaped parameter is an error listing the parameters.
 `convert_attention_pattern` is the config-level entry point.
 """
 
-import dataclasses
-
 import jax
 import jax.numpy as jnp
+from flax import traverse_util
 
 from glm5_jax.api import abstract_params, init_params
-from glm5_jax.attention.gdn import GDN_NEW_PARAMS
-from glm5_jax.attention.simple_gdn import SIMPLE_GDN_NEW_PARAMS
+from glm5_jax.attention.kinds import ATTENTION_KINDS, KINDS_BY_NAME
 from glm5_jax.config import ModelConfig
-from glm5_jax.mtp import mtp_attention_kind
 
 ATTENTION_SCOPE = "self_attn"
-
-
-@dataclasses.dataclass(frozen=True)
-class KindParams:
-  """What one attention kind stores beyond its family's shared parameters.
-
-  Attributes:
-    family: kinds of one family share every parameter but their extras.
-    extras: children of `self_attn` only this kind has: freshly initialized when a layer
-      converts to this kind, dropped when it converts away.
-  """
-
-  family: str
-  extras: frozenset = frozenset()
-
-
-ATTENTION_KIND_PARAMS = {
-    "mla": KindParams("mla"),
-    "dsa": KindParams("mla", frozenset({"indexer"})),
-    "dsa_shared_topk": KindParams("mla"),
-    "swa": KindParams("mla"),
-    "gdn": KindParams("mla", frozenset(GDN_NEW_PARAMS)),
-    "simple_gdn": KindParams("mla", frozenset(SIMPLE_GDN_NEW_PARAMS)),
-    "gqa": KindParams("gqa"),
-}
-
-
-# kind -> extras, for the kinds that have any. Extras are named uniquely per kind, so a param
-# tree says which kinds it has; checked here so that a new kind cannot break it silently.
-_EXTRAS_BY_KIND = {k: p.extras for k, p in ATTENTION_KIND_PARAMS.items() if p.extras}
-if len({n for e in _EXTRAS_BY_KIND.values() for n in e}) != sum(map(len,
-                                                                   _EXTRAS_BY_KIND.values())):
-  raise ValueError("ATTENTION_KIND_PARAMS: two attention kinds share an extra param name")
-
-
-def _flatten(tree) -> dict:
-  return {tuple(str(getattr(k, "key", k)) for k in path): v
-          for path, v in jax.tree_util.tree_flatten_with_path(tree)[0]}
-
-
-def _unflatten(flat: dict) -> dict:
-  tree = {}
-  for path, value in flat.items():
-    node = tree
-    for key in path[:-1]:
-      node = node.setdefault(key, {})
-    node[path[-1]] = value
-  return tree
 
 
 def _attention_children(flat: dict) -> dict:
@@ -108,7 +51,7 @@ def _changing_extras(fresh_children: set, loaded_children: set) -> tuple[set, se
   """(extras that arrive, extras that leave) in one attention block: a kind's extras arrive
   when the loaded block has none of them, and leave when the fresh block has none."""
   arriving, leaving = set(), set()
-  for extras in _EXTRAS_BY_KIND.values():
+  for extras in (k.extra_params for k in ATTENTION_KINDS.values() if k.extra_params):
     if not extras & loaded_children:
       arriving |= extras & fresh_children
     if not extras & fresh_children:
@@ -131,7 +74,7 @@ def merge_pattern_params(fresh, loaded, source: str, context: str = "config.trai
     ValueError: listing every parameter missing from `loaded`, unexpected in it, or of another
       shape, that the conversion rules do not account for.
   """
-  flat_fresh, flat_loaded = _flatten(fresh), _flatten(loaded)
+  flat_fresh, flat_loaded = traverse_util.flatten_dict(fresh), traverse_util.flatten_dict(loaded)
   fresh_blocks, loaded_blocks = _attention_children(flat_fresh), _attention_children(flat_loaded)
   arriving, leaving = set(), set()  # (block path, child name)
   for block in set(fresh_blocks) | set(loaded_blocks):
@@ -160,14 +103,14 @@ def merge_pattern_params(fresh, loaded, source: str, context: str = "config.trai
   if problems:
     raise ValueError(f"{context}: incompatible params:\n  " + "\n  ".join(problems[:30])
                      + (f"\n  ... and {len(problems) - 30} more" if len(problems) > 30 else ""))
-  return _unflatten(merged)
+  return traverse_util.unflatten_dict(merged)
 
 
 def layer_kinds(cfg: ModelConfig) -> dict[str, str]:
   """`{"layers_{i}" or "mtp": attention kind}` of every attention layer of the model."""
   kinds = {f"layers_{i}": cfg.attention_kind(i) for i in range(cfg.num_hidden_layers)}
   if cfg.num_nextn_predict_layers:
-    kinds["mtp"] = mtp_attention_kind(cfg)
+    kinds["mtp"] = cfg.attention_kind(cfg.num_hidden_layers)
   return kinds
 
 
@@ -192,8 +135,8 @@ def convert_attention_pattern(loaded_params, source_model_config, target_model_c
     raise ValueError(f"convert_attention_pattern: model.num_hidden_layers differs "
                      f"({source.num_hidden_layers} in the source, {target.num_hidden_layers} "
                      "in the target); only the attention pattern may change")
-  expected = {p: v.shape for p, v in _flatten(abstract_params(source)).items()}
-  got = {p: v.shape for p, v in _flatten(loaded_params).items()}
+  expected = {p: v.shape for p, v in traverse_util.flatten_dict(abstract_params(source)).items()}
+  got = {p: v.shape for p, v in traverse_util.flatten_dict(loaded_params).items()}
   if expected != got:
     wrong = sorted(set(expected.items()) ^ set(got.items()))
     raise ValueError("convert_attention_pattern: loaded_params do not match source_model_config "
@@ -201,8 +144,8 @@ def convert_attention_pattern(loaded_params, source_model_config, target_model_c
                      + ", ".join(f"{'/'.join(p)} {s}" for p, s in wrong[:10]))
   source_kinds, target_kinds = layer_kinds(source), layer_kinds(target)
   crossing = [f"{layer}: {source_kinds[layer]} -> {kind}" for layer, kind in target_kinds.items()
-              if layer in source_kinds and ATTENTION_KIND_PARAMS[source_kinds[layer]].family
-              != ATTENTION_KIND_PARAMS[kind].family]
+              if layer in source_kinds and KINDS_BY_NAME[source_kinds[layer]].family
+              != KINDS_BY_NAME[kind].family]
   if crossing:
     raise ValueError("convert_attention_pattern: model.attention_pattern "
                      f"{source.attention_pattern!r} -> {target.attention_pattern!r} changes "
@@ -210,17 +153,17 @@ def convert_attention_pattern(loaded_params, source_model_config, target_model_c
                      "layers share no parameters, so nothing would carry over")
   # Merge into the target's shapes first: every error surfaces before anything is compiled,
   # and only the parameters that are really new get initialized.
-  merged = _flatten(merge_pattern_params(
+  merged = traverse_util.flatten_dict(merge_pattern_params(
       abstract_params(target), loaded_params,
       f"the source model (pattern {source.attention_pattern!r})",
       context="convert_attention_pattern"))
   new_paths = tuple(p for p, v in merged.items() if isinstance(v, jax.ShapeDtypeStruct))
   if new_paths:
     merged.update(zip(new_paths, _fresh_leaves(target, new_paths, rng)))
-  return _unflatten(merged)
+  return traverse_util.unflatten_dict(merged)
 
 
 def _fresh_leaves(cfg: ModelConfig, paths: tuple, rng) -> list:
   """The leaves at `paths` of `init_params(cfg, rng)`, bit for bit; under one jit XLA drops
   the initialization of every other parameter, so the full model is never materialized."""
-  return jax.jit(lambda key: [_flatten(init_params(cfg, key))[p] for p in paths])(rng)
+  return jax.jit(lambda key: [traverse_util.flatten_dict(init_params(cfg, key))[p] for p in paths])(rng)

@@ -26,7 +26,6 @@ from safetensors import safe_open
 
 from glm5_jax.api import abstract_params
 from glm5_jax.config import ModelConfig, model_config
-from glm5_jax.mtp import mtp_attention_kind
 
 INDEX_FILE = "model.safetensors.index.json"
 # Fields copied verbatim from config.json when present (same names as our model config).
@@ -317,7 +316,7 @@ def _load_plan(cfg: ModelConfig, available) -> list:
   if cfg.num_nextn_predict_layers:
     n = cfg.num_hidden_layers
     p = f"model.layers.{n}."
-    plan += _layer_plan(cfg, n, ("mtp", "layer"), mtp_attention_kind(cfg),
+    plan += _layer_plan(cfg, n, ("mtp", "layer"), cfg.attention_kind(n),
                         cfg.is_moe_layer(n), available)
     plan += [
         (("mtp", "eh_proj"), _linear(p + "eh_proj.weight")),

@@ -44,6 +44,7 @@ import ml_collections
 import numpy as np
 
 from glm5_jax.api import forward
+from glm5_jax.attention.mode import Mode
 from glm5_jax.config import ModelConfig
 from glm5_jax.data import synthetic
 
@@ -175,7 +176,7 @@ def predict_next_tokens(params, tokens_BL, positions_BL, segment_ids_BL, *, mode
                         dsa_stage: str = "sparse"):
   """Argmax next-token predictions `[B, L - 1]` int32: entry i predicts token i + 1."""
   out = forward(model, params, tokens_BL, positions_BL, segment_ids_BL, mtp=False,
-                dsa_stage=dsa_stage)
+                mode=Mode(dsa_stage=dsa_stage))
   return jnp.argmax(out["logits"][:, :-1], axis=-1).astype(jnp.int32)
 
 

@@ -4,7 +4,8 @@ import jax
 import jax.numpy as jnp
 from flax import linen as nn
 
-from glm5_jax.layers.params import normal_kernel
+from glm5_jax.layers.axes import EMBED, MLP
+from glm5_jax.layers.params import kernels
 
 
 class SwiGLU(nn.Module):
@@ -21,11 +22,10 @@ class SwiGLU(nn.Module):
   @nn.compact
   def __call__(self, x_BLD):
     d, f = x_BLD.shape[-1], self.intermediate_size
-    kernel = lambda name, shape, axes: normal_kernel(
-        self, name, shape, axes, self.init_std, self.param_dtype).astype(self.dtype)
-    w_gate_DF = kernel("gate_proj", (d, f), ("embed", "mlp"))
-    w_up_DF = kernel("up_proj", (d, f), ("embed", "mlp"))
-    w_down_FD = kernel("down_proj", (f, d), ("mlp", "embed"))
+    kernel = kernels(self, self.init_std, self.param_dtype, self.dtype)
+    w_gate_DF = kernel("gate_proj", (d, f), (EMBED, MLP))
+    w_up_DF = kernel("up_proj", (d, f), (EMBED, MLP))
+    w_down_FD = kernel("down_proj", (f, d), (MLP, EMBED))
     x_BLD = x_BLD.astype(self.dtype)
     h_BLF = jax.nn.silu(x_BLD @ w_gate_DF) * (x_BLD @ w_up_DF)
     return h_BLF @ w_down_FD

@@ -4,6 +4,7 @@ import jax
 import jax.numpy as jnp
 from flax import linen as nn
 
+from glm5_jax.layers.axes import NORM
 from glm5_jax.layers.params import param
 
 
@@ -19,7 +20,7 @@ class RMSNorm(nn.Module):
 
   @nn.compact
   def __call__(self, x):
-    scale = param(self, "scale", (x.shape[-1],), ("norm",), self.param_dtype, nn.initializers.ones)
+    scale = param(self, "scale", (x.shape[-1],), (NORM,), self.param_dtype, nn.initializers.ones)
     x32 = x.astype(jnp.float32)
     normed = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + self.eps)
     return (normed.astype(x.dtype) * scale).astype(self.dtype)
@@ -35,8 +36,8 @@ class LayerNorm(nn.Module):
   @nn.compact
   def __call__(self, x):
     features = (x.shape[-1],)
-    scale = param(self, "scale", features, ("norm",), self.param_dtype, nn.initializers.ones)
-    bias = param(self, "bias", features, ("norm",), self.param_dtype, nn.initializers.zeros)
+    scale = param(self, "scale", features, (NORM,), self.param_dtype, nn.initializers.ones)
+    bias = param(self, "bias", features, (NORM,), self.param_dtype, nn.initializers.zeros)
     x32 = x.astype(jnp.float32)
     mean = jnp.mean(x32, axis=-1, keepdims=True)
     var = jnp.mean(jnp.square(x32 - mean), axis=-1, keepdims=True)

@@ -6,7 +6,7 @@ MTP depth d at position i predicts token i+d+1. A prediction counts only when it
 training target of the same document as position i (so nothing is predicted across packed
 documents or from padding).
 
-Notation: B batch, L sequence, V vocab.
+Notation (docs/design.md): B batch, L sequence, Y vocab.
 """
 
 import jax
@@ -20,21 +20,21 @@ def target_weights(segment_ids_BL, loss_mask_BL, offset: int):
   return loss_mask_BL[:, offset:] * (same_document & real)
 
 
-def cross_entropy(logits_BLV, targets_BL, weights_BL, z_loss_weight: float = 0.0):
+def cross_entropy(logits_BLY, targets_BL, weights_BL, z_loss_weight: float = 0.0):
   """Weighted mean cross-entropy, z-loss and accuracy over the weighted positions.
 
   Returns:
     dict with `loss` (CE + z_loss_weight * mean(logsumexp^2)), `ce`, `z_loss`, `accuracy`,
     `weight` (number of counted positions).
   """
-  logits_BLV = logits_BLV.astype(jnp.float32)
-  log_z_BL = jax.nn.logsumexp(logits_BLV, axis=-1)
-  target_logit_BL = jnp.take_along_axis(logits_BLV, targets_BL[..., None], axis=-1)[..., 0]
+  logits_BLY = logits_BLY.astype(jnp.float32)
+  log_z_BL = jax.nn.logsumexp(logits_BLY, axis=-1)
+  target_logit_BL = jnp.take_along_axis(logits_BLY, targets_BL[..., None], axis=-1)[..., 0]
   weight = weights_BL.sum()
   denominator = jnp.maximum(weight, 1.0)
   ce = ((log_z_BL - target_logit_BL) * weights_BL).sum() / denominator
   z_loss = (jnp.square(log_z_BL) * weights_BL).sum() / denominator
-  correct_BL = jnp.argmax(logits_BLV, axis=-1) == targets_BL
+  correct_BL = jnp.argmax(logits_BLY, axis=-1) == targets_BL
   accuracy = (correct_BL * weights_BL).sum() / denominator
   return {"loss": ce + z_loss_weight * z_loss, "ce": ce, "z_loss": z_loss,
           "accuracy": accuracy, "weight": weight}
@@ -51,12 +51,12 @@ def mtp_losses(out, batch):
   """Per-depth MTP losses: a list of `cross_entropy` dicts, depth 1 first."""
   tokens = batch["tokens"]
   results = []
-  for d, logits_BLV in enumerate(out.get("mtp_logits", ()), start=1):
+  for d, logits_BLY in enumerate(out.get("mtp_logits", ()), start=1):
     offset = d + 1
     if offset >= tokens.shape[1]:
       break
     weights = target_weights(batch["segment_ids"], batch["loss_mask"], offset)
-    results.append(cross_entropy(logits_BLV[:, :-offset], tokens[:, offset:], weights))
+    results.append(cross_entropy(logits_BLY[:, :-offset], tokens[:, offset:], weights))
   return results
 
 
@@ -64,7 +64,7 @@ def _all_layer_aux(out):
   return list(out["aux"]["layers"].values()) + list(out["aux"]["mtp"])
 
 
-def indexer_kl(out, batch):
+def mean_indexer_kl(out, batch):
   """Mean indexer KL over DSA layers (main and MTP) and non-padding queries; 0 without any."""
   valid_BL = (batch["segment_ids"] != 0).astype(jnp.float32)
   kls = [(aux["indexer_kl"] * valid_BL).sum() / jnp.maximum(valid_BL.sum(), 1.0)
@@ -72,8 +72,9 @@ def indexer_kl(out, batch):
   return jnp.mean(jnp.stack(kls)) if kls else jnp.zeros((), jnp.float32)
 
 
-def sequence_balance_loss(out):
-  """Mean over MoE layers (main and MTP) of the sequence-wise balance loss; 0 without MoE."""
+def mean_sequence_balance_loss(out):
+  """Mean over MoE layers (main and MTP) of the sequence-wise balance loss
+  (`moe.sequence_balance_loss`, in each layer's aux); 0 without MoE."""
   losses = [aux["sequence_balance_loss"] for aux in _all_layer_aux(out)
             if "sequence_balance_loss" in aux]
   return jnp.mean(jnp.stack(losses)) if losses else jnp.zeros((), jnp.float32)

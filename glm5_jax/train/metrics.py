@@ -4,7 +4,8 @@ FLOPs per token (training, forward + backward = 3x forward): 6 x the active matm
 (embedding lookups excluded; the LM head and the MTP depths counted) plus 3 x the attention
 score and value products over the keys a query attends to (L/2 on average for causal dense
 attention, at most top-k for DSA, at most the window for SWA), or for the linear-attention
-layers (GDN, SimpleGDN) the delta rule's chunked form, linear in L; see `flops_per_token`.
+layers (GDN, SimpleGDN) the delta rule's chunked form, linear in L: each layer's
+`AttentionKind.attention_flops_per_token` (glm5_jax.attention.kinds).
 MFU divides achieved FLOP/s by the devices' peak bf16 FLOP/s, known for common accelerators;
 on CPU (or an unknown device) MFU is reported as unavailable rather than guessed.
 """
@@ -16,6 +17,7 @@ import time
 import jax
 import numpy as np
 
+from glm5_jax.attention.kinds import layer_kind
 from glm5_jax.config import ModelConfig
 from glm5_jax.param_stats import summarize
 
@@ -36,39 +38,11 @@ def flops_per_token(model: ModelConfig, seq_len: int) -> float:
     routed = summary["mtp_breakdown"].get("routed_experts", 0)
     mtp_active = mtp_layer - routed + routed * model.num_experts_per_tok // model.n_routed_experts
     active += model.mtp_depths * (mtp_active + summary["breakdown"]["lm_head"])
-  # The MTP layer copies the last layer's attention, an 'R' one with an indexer of its own.
-  mtp_letter = model.attention_pattern[-1].replace("R", "D")
-  layers = list(model.attention_pattern) + [mtp_letter] * model.mtp_depths * bool(mtp_layer)
-  attention = sum(attention_flops_per_token(model, letter, seq_len) for letter in layers)
+  n = model.num_hidden_layers
+  kinds = [layer_kind(model.attention_pattern, i) for i in range(n)]
+  kinds += [layer_kind(model.attention_pattern, n)] * model.mtp_depths * bool(mtp_layer)
+  attention = sum(kind.attention_flops_per_token(model, seq_len) for kind in kinds)
   return 6.0 * active + 3.0 * attention
-
-
-def attention_flops_per_token(model: ModelConfig, letter: str, seq_len: int) -> float:
-  """Forward FLOPs per token of one layer's attention beyond its projections (2 per
-  multiply-add), averaged over the positions of a causal row of `seq_len` tokens.
-
-  Softmax kinds: QK^T and PV over the keys a query sees: L/2 on average (dense), at most
-  `index_topk` (D, R; the indexer's own scores are not counted), and for S the mean over
-  positions p = 1..L of min(window, p) = window - window^2 / 2L when window < L.
-  N, L (per head, chunk C = min(gdn_chunk_size, L)): K K^T and Q K^T within the chunk (2 C K),
-  the triangular solve for [U~ | W] (C (K + V) / 2), the intra-chunk scores times U (C V) and
-  the three state products W S, Q S, K^T U (3 K V).
-  """
-  h, k, v = model.num_attention_heads, model.qk_head_dim, model.v_head_dim
-  if letter in "NL":
-    c = min(model.gdn_chunk_size, seq_len)
-    return 2.0 * h * (2 * c * k + c * (k + v) / 2 + c * v + 3 * k * v)
-  if letter == "G":
-    per_key = h * 2 * model.gqa_head_dim
-    keys = seq_len / 2
-  else:
-    per_key = h * (k + v)
-    keys = seq_len / 2
-    if letter in "DR":
-      keys = min(seq_len / 2, model.index_topk)
-    elif letter == "S" and model.sliding_window < seq_len:
-      keys = model.sliding_window - model.sliding_window ** 2 / (2 * seq_len)
-  return 2.0 * per_key * keys  # QK^T and PV, 2 FLOPs per multiply-add
 
 
 def peak_flops_per_device() -> float | None:

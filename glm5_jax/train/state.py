@@ -12,10 +12,10 @@ from typing import Any
 
 import flax
 import jax
+from flax import traverse_util
 
+from glm5_jax.attention.mode import DSA_STAGES
 from glm5_jax.convert.attention_pattern import merge_pattern_params
-
-DSA_STAGES = ("dense", "warmup", "sparse")
 
 
 @flax.struct.dataclass
@@ -26,10 +26,6 @@ class TrainState:
   rng: jax.Array  # uint32 key data; training itself is deterministic, kept for extensions
 
 
-def _is_indexer(path) -> bool:
-  return any(getattr(k, "key", None) == "indexer" for k in path)
-
-
 def trainable_mask(params, dsa_stage: str):
   """Bool tree: which parameters the optimizer may change in `dsa_stage`."""
   if dsa_stage not in DSA_STAGES:
@@ -37,7 +33,8 @@ def trainable_mask(params, dsa_stage: str):
   if dsa_stage == "sparse":
     return jax.tree_util.tree_map(lambda _: True, params)
   want_indexer = dsa_stage == "warmup"
-  return jax.tree_util.tree_map_with_path(lambda p, _: _is_indexer(p) == want_indexer, params)
+  return traverse_util.path_aware_map(lambda path, _: ("indexer" in path) == want_indexer,
+                                      params)
 
 
 def merge_stage_params(fresh, loaded, source: str):

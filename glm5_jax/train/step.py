@@ -15,8 +15,10 @@ import dataclasses
 import jax
 import jax.numpy as jnp
 import optax
+from flax import traverse_util
 
 from glm5_jax.api import forward
+from glm5_jax.attention.mode import Mode
 from glm5_jax.config import ModelConfig
 from glm5_jax.train import losses
 from glm5_jax.train.state import TrainState
@@ -55,11 +57,11 @@ def compute_loss(model: ModelConfig, step_cfg: StepConfig, params, batch):
   the main head's argmax and negative log-likelihood of token i+1 at position i (`[B, L-1]`,
   used by evaluation; training ignores them, so they are compiled away)."""
   out = forward(model, params, batch["tokens"], batch["positions"], batch["segment_ids"],
-                dsa_stage=step_cfg.dsa_stage)
+                mode=Mode(dsa_stage=step_cfg.dsa_stage))
   lm = losses.lm_losses(out, batch, z_loss_weight=step_cfg.z_loss_weight)
   mtp = losses.mtp_losses(out, batch)
-  kl = losses.indexer_kl(out, batch)
-  balance = losses.sequence_balance_loss(out)
+  kl = losses.mean_indexer_kl(out, batch)
+  balance = losses.mean_sequence_balance_loss(out)
   mtp_loss = jnp.mean(jnp.stack([m["ce"] for m in mtp])) if mtp else jnp.zeros(())
   total = (lm["loss"] + step_cfg.mtp_loss_weight * mtp_loss
            + step_cfg.indexer_loss_weight * kl + step_cfg.sequence_balance_weight * balance)
@@ -69,23 +71,28 @@ def compute_loss(model: ModelConfig, step_cfg: StepConfig, params, batch):
   for d, m in enumerate(mtp, start=1):
     metrics[f"mtp{d}_loss"] = m["ce"]
     metrics[f"mtp{d}_accuracy"] = m["accuracy"]
-  logits_BLV = out["logits"][:, :-1]
-  predictions_BL = jnp.argmax(logits_BLV, axis=-1).astype(jnp.int32)
-  token_nll_BL = -jnp.take_along_axis(jax.nn.log_softmax(logits_BLV, axis=-1),
+  logits_BLY = out["logits"][:, :-1]
+  predictions_BL = jnp.argmax(logits_BLY, axis=-1).astype(jnp.int32)
+  token_nll_BL = -jnp.take_along_axis(jax.nn.log_softmax(logits_BLY, axis=-1),
                                       batch["tokens"][:, 1:, None], axis=-1)[..., 0]
   return total, (metrics, losses.expert_counts(out), predictions_BL, token_nll_BL)
 
 
 def update_balance_bias(params, counts: dict, rate: float):
-  """Loss-free balancing: raise the bias of under-loaded experts, lower it for over-loaded."""
+  """Loss-free balancing: raise the bias of under-loaded experts, lower it for over-loaded.
+
+  Args:
+    params: nested param dict (not modified).
+    counts: `{path to an MoE block: tokens routed to each expert [E]}`.
+  Returns:
+    new params, the correction biases of the blocks in `counts` moved.
+  """
+  flat = traverse_util.flatten_dict(params, keep_empty_nodes=True)
   for path, counts_E in counts.items():
-    node = params
-    for key in path:
-      node = node[key]
+    key = tuple(path) + ("e_score_correction_bias",)
     load = counts_E.astype(jnp.float32)
-    bias = node["e_score_correction_bias"]
-    node["e_score_correction_bias"] = bias + rate * jnp.sign(load.mean() - load).astype(bias.dtype)
-  return params
+    flat[key] = flat[key] + rate * jnp.sign(load.mean() - load).astype(flat[key].dtype)
+  return traverse_util.unflatten_dict(flat)
 
 
 def _expert_load_metrics(counts: dict):
@@ -106,7 +113,7 @@ def make_train_step(model: ModelConfig, step_cfg: StepConfig, optimizer, schedul
     updates, opt_state = optimizer.update(grads, state.opt_state, state.params)
     params = optax.apply_updates(state.params, updates)
     if step_cfg.trains_main_model:
-      params = update_balance_bias(_copy_dicts(params), counts, step_cfg.balance_bias_rate)
+      params = update_balance_bias(params, counts, step_cfg.balance_bias_rate)
     metrics = {**metrics, **_expert_load_metrics(counts),
                "grad_norm": optax.tree.norm(grads),
                "update_norm": optax.tree.norm(updates),
@@ -128,7 +135,3 @@ def make_eval_step(model: ModelConfig, step_cfg: StepConfig):
 
   return eval_step
 
-
-def _copy_dicts(tree):
-  """Fresh nested dicts (same leaves), so in-place edits never touch the caller's tree."""
-  return {k: _copy_dicts(v) if isinstance(v, dict) else v for k, v in tree.items()}

@@ -12,6 +12,7 @@ import numpy as np
 from glm5_jax import data as data_lib
 from glm5_jax import optim
 from glm5_jax.api import abstract_params, init_params
+from glm5_jax.attention.kinds import ATTENTION_KINDS
 from glm5_jax.config import ModelConfig, validate_config
 from glm5_jax.sharding import activation_sharding, make_mesh, param_shardings
 from glm5_jax.train.state import TrainState, trainable_mask
@@ -109,4 +110,6 @@ def _dense_phase_steps(train_config, model: ModelConfig) -> int:
   if n and train_config.dsa_stage != "sparse":
     raise ValueError("config.train.dsa_dense_steps: a dense phase comes before the sparse stage "
                      f"only; got dsa_stage={train_config.dsa_stage!r} (set it to 0)")
-  return n if "D" in model.attention_pattern else 0
+  has_indexer = any("indexer" in ATTENTION_KINDS[letter].extra_params
+                    for letter in model.attention_pattern)
+  return n if has_indexer else 0

@@ -1,0 +1,266 @@
+"""The attention kinds: one `AttentionKind` per pattern letter, and everything known about it.
+
+`model.attention_pattern` holds one letter per layer. Every fact about a letter lives in its
+entry of `ATTENTION_KINDS` and nowhere else: its flax module, the parameters it adds to its
+family's, its KV-cache and recurrent-state sizes, its attention FLOPs, the kind the MTP layer
+runs after it, and whether it makes or needs a top-k selection. The config validation, the
+decoder, the MTP layer, pattern conversion, the parameter statistics and the FLOPs estimate
+all read it.
+
+This module imports no flax and nothing of `glm5_jax` (modules are built lazily by
+`AttentionKind.build`), so `glm5_jax.config` can validate patterns with it while the attention
+modules import `glm5_jax.config`.
+
+Notation (docs/design.md): L sequence length, H heads, K = N + R query/key head dim, V value
+head dim, C kv latent, R RoPE dim, I index head dim, G KV heads (GQA), W window or conv taps,
+A delta-rule chunk length.
+"""
+
+import dataclasses
+import importlib
+from typing import TYPE_CHECKING, Any, Callable
+
+if TYPE_CHECKING:  # config.py imports this module
+  from glm5_jax.config import ModelConfig
+
+FAMILIES = ("mla", "gqa")
+CACHE_BYTES_PER_NUMBER = 2  # bf16 KV cache and conv-input cache
+STATE_BYTES_PER_NUMBER = 4  # fp32 delta-rule state
+
+
+@dataclasses.dataclass(frozen=True)
+class AttentionKind:
+  """One attention kind (pattern letter).
+
+  Attributes:
+    letter: the `model.attention_pattern` letter.
+    name: the kind's name (`ModelConfig.attention_kind`, conversion messages).
+    family: "mla" (stores the M layer's projections, `mla_projections.MLA_PARAMS`) or "gqa".
+      Layers convert within a family only (`glm5_jax.convert.attention_pattern`).
+    description: what the layer computes, one paragraph.
+    module: "package.module:Class" of its flax module; every module is called as
+      `module(x_BLD, positions_BL, segment_ids_BL, prev_topk_BLT, mode=Mode)` and returns
+      `(y_BLD, aux)`.
+    module_kwargs: extra constructor arguments, as (name, value) pairs.
+    extra_params: children of `self_attn` only this kind has, beyond its family's (fresh
+      init when a layer converts to the kind, dropped when it converts away). Names are unique
+      across kinds, so a param tree says which kinds it holds.
+    cache_numbers_per_token: cfg -> {cache part: numbers stored per token}, for the KV-cache
+      size (`glm5_jax.param_stats`); {} for kinds without a per-token cache.
+    recurrent_state_bytes: cfg -> bytes of the constant-size decoding state per sequence.
+    attention_flops_per_token: (cfg, seq_len) -> forward FLOPs per token of the attention
+      beyond its projections (2 per multiply-add), averaged over a causal row of seq_len.
+    mtp_letter: the kind the MTP layer runs when this kind is the model's last layer.
+    provides_topk: returns `topk_indices` in aux (outside the "dense" DSA stage), which a
+      following `needs_prev_topk` layer reuses.
+    needs_prev_topk: reuses the previous layer's selection, so that layer must provide one.
+  """
+
+  letter: str
+  name: str
+  family: str
+  description: str
+  module: str
+  cache_numbers_per_token: Callable[["ModelConfig"], dict[str, int]]
+  recurrent_state_bytes: Callable[["ModelConfig"], int]
+  attention_flops_per_token: Callable[["ModelConfig", int], float]
+  mtp_letter: str
+  module_kwargs: tuple[tuple[str, Any], ...] = ()
+  extra_params: frozenset[str] = frozenset()
+  provides_topk: bool = False
+  needs_prev_topk: bool = False
+
+  def build(self, cfg: "ModelConfig", name: str):
+    """The kind's flax module for `cfg`, named `name` (imported on first use)."""
+    module_path, class_name = self.module.split(":")
+    module_class = getattr(importlib.import_module(module_path), class_name)
+    return module_class(cfg, name=name, **dict(self.module_kwargs))
+
+
+# --- sizes and FLOPs, as functions of the config ----------------------------------------------
+
+
+def _mla_latent(cfg) -> int:
+  return cfg.kv_lora_rank + cfg.qk_rope_head_dim
+
+
+def _no_cache(cfg) -> dict[str, int]:
+  del cfg
+  return {}
+
+
+def _no_state(cfg) -> int:
+  del cfg
+  return 0
+
+
+def _delta_rule_state_bytes(cfg) -> int:
+  """fp32 `[H, K, V]` per sequence."""
+  return (STATE_BYTES_PER_NUMBER * cfg.num_attention_heads * cfg.qk_head_dim
+          * cfg.v_head_dim)
+
+
+def _gdn_state_bytes(cfg) -> int:
+  """The delta-rule state plus the bf16 conv inputs of the last `gdn_conv_size - 1` positions
+  (q and k: H * K each, v: H * V)."""
+  h, k, v = cfg.num_attention_heads, cfg.qk_head_dim, cfg.v_head_dim
+  conv = CACHE_BYTES_PER_NUMBER * (cfg.gdn_conv_size - 1) * h * (2 * k + v)
+  return _delta_rule_state_bytes(cfg) + conv
+
+
+def _mla_flops(cfg, keys: float) -> float:
+  """QK^T and PV over `keys` keys per query: H (K + V) multiply-adds per key."""
+  return 2.0 * cfg.num_attention_heads * (cfg.qk_head_dim + cfg.v_head_dim) * keys
+
+
+def _dense_mla_flops(cfg, seq_len: int) -> float:
+  return _mla_flops(cfg, seq_len / 2)  # a causal query sees L/2 keys on average
+
+
+def _dsa_flops(cfg, seq_len: int) -> float:
+  """At most `index_topk` keys (the indexer's own scores are not counted)."""
+  return _mla_flops(cfg, min(seq_len / 2, cfg.index_topk))
+
+
+def _swa_flops(cfg, seq_len: int) -> float:
+  """Mean over positions p = 1..L of min(window, p) keys: window - window^2 / 2L when
+  window < L."""
+  window = cfg.sliding_window
+  if window >= seq_len:
+    return _dense_mla_flops(cfg, seq_len)
+  return _mla_flops(cfg, window - window ** 2 / (2 * seq_len))
+
+
+def _gqa_flops(cfg, seq_len: int) -> float:
+  per_key = cfg.num_attention_heads * 2 * cfg.gqa_head_dim
+  return 2.0 * per_key * (seq_len / 2)
+
+
+def _delta_rule_flops(cfg, seq_len: int) -> float:
+  """Chunked delta rule per head, chunk A = min(gdn_chunk_size, L): K K^T and Q K^T within the
+  chunk (2 A K), the triangular solve for [U~ | W] (A (K + V) / 2), the intra-chunk scores
+  times U (A V) and the three state products W S, Q S, K^T U (3 K V)."""
+  h, k, v = cfg.num_attention_heads, cfg.qk_head_dim, cfg.v_head_dim
+  a = min(cfg.gdn_chunk_size, seq_len)
+  return 2.0 * h * (2 * a * k + a * (k + v) / 2 + a * v + 3 * k * v)
+
+
+# --- the registry ------------------------------------------------------------------------------
+
+_MLA_MODULE = "glm5_jax.attention.mla:MLA"
+
+ATTENTION_KINDS: dict[str, AttentionKind] = {k.letter: k for k in (
+    AttentionKind(
+        letter="M", name="mla", family="mla",
+        description="dense multi-head latent attention (docs/reference.md section 2, MLA)",
+        module=_MLA_MODULE, module_kwargs=(("kind", "mla"),),
+        cache_numbers_per_token=lambda cfg: {"mla_latent": _mla_latent(cfg)},
+        recurrent_state_bytes=_no_state, attention_flops_per_token=_dense_mla_flops,
+        mtp_letter="M"),
+    AttentionKind(
+        letter="D", name="dsa", family="mla",
+        description="DSA: MLA restricted to the top-k keys chosen by this layer's lightning "
+                    "indexer; `model.dsa_impl` picks how the sparse stage runs",
+        module=_MLA_MODULE, module_kwargs=(("kind", "dsa"),),
+        extra_params=frozenset({"indexer"}),
+        cache_numbers_per_token=lambda cfg: {"mla_latent": _mla_latent(cfg),
+                                             "dsa_indexer_keys": cfg.index_head_dim},
+        recurrent_state_bytes=_no_state, attention_flops_per_token=_dsa_flops,
+        mtp_letter="D", provides_topk=True),
+    AttentionKind(
+        letter="R", name="dsa_shared_topk", family="mla",
+        description="DSA that reuses the previous layer's top-k selection and has no indexer "
+                    "of its own (HF `indexer_types = \"shared\"`)",
+        module=_MLA_MODULE, module_kwargs=(("kind", "dsa_shared_topk"),),
+        cache_numbers_per_token=lambda cfg: {"mla_latent": _mla_latent(cfg)},
+        recurrent_state_bytes=_no_state, attention_flops_per_token=_dsa_flops,
+        # The MTP pass has no previous DSA layer: after an R layer it gets an indexer.
+        mtp_letter="D", provides_topk=True, needs_prev_topk=True),
+    AttentionKind(
+        letter="G", name="gqa", family="gqa",
+        description="grouped-query attention with `num_key_value_heads` KV heads of "
+                    "`gqa_head_dim` (the GQA-8 baseline)",
+        module="glm5_jax.attention.gqa:GQA",
+        cache_numbers_per_token=lambda cfg: {
+            "gqa_kv": 2 * cfg.num_key_value_heads * cfg.gqa_head_dim},
+        recurrent_state_bytes=_no_state, attention_flops_per_token=_gqa_flops,
+        mtp_letter="G"),
+    AttentionKind(
+        letter="S", name="swa", family="mla",
+        description="sliding-window MLA: the M layer's params and math, each query sees its "
+                    "`sliding_window` latest keys (itself included). It runs as a shared-top-k "
+                    "DSA layer handed the window as its selection, so `model.dsa_impl` also "
+                    "picks how S layers attend: \"dense_mask\" masks a dense [L, S] attention, "
+                    "\"xla\" / \"pallas\" gather the W window rows per query (O(L x W))",
+        module="glm5_jax.attention.swa:SlidingWindowMLA",
+        # The latent of the last `sliding_window` tokens only: bytes per token while the
+        # context fits the window, constant beyond.
+        cache_numbers_per_token=lambda cfg: {"swa_latent": _mla_latent(cfg)},
+        recurrent_state_bytes=_no_state, attention_flops_per_token=_swa_flops,
+        mtp_letter="S"),
+    AttentionKind(
+        letter="N", name="gdn", family="mla",
+        description="Gated DeltaNet (arXiv 2412.06464) on the M layer's q/k/v/o projections: "
+                    "short causal convs, data-dependent decay and update gates, gated output "
+                    "norm",
+        module="glm5_jax.attention.gdn:GatedDeltaNet",
+        extra_params=frozenset({"q_conv1d", "k_conv1d", "v_conv1d", "a_proj", "b_proj",
+                                "A_log", "dt_bias", "g_proj", "o_norm"}),
+        cache_numbers_per_token=_no_cache, recurrent_state_bytes=_gdn_state_bytes,
+        attention_flops_per_token=_delta_rule_flops, mtp_letter="N"),
+    AttentionKind(
+        letter="L", name="simple_gdn", family="mla",
+        description="SimpleGDN: the gated delta rule directly on the M layer's q/k/v/o, no "
+                    "conv, per-head gates fixed (`simple_gdn_gates=\"fixed\"`) or two learned "
+                    "scalars per head (\"learned\", the only case with extra params)",
+        module="glm5_jax.attention.simple_gdn:SimpleGatedDeltaNet",
+        extra_params=frozenset({"decay_rate_log", "beta_logit"}),
+        cache_numbers_per_token=_no_cache, recurrent_state_bytes=_delta_rule_state_bytes,
+        attention_flops_per_token=_delta_rule_flops, mtp_letter="L"),
+)}
+
+KINDS_BY_NAME: dict[str, AttentionKind] = {k.name: k for k in ATTENTION_KINDS.values()}
+
+
+def _check_registry():
+  for kind in ATTENTION_KINDS.values():
+    if kind.family not in FAMILIES or kind.mtp_letter not in ATTENTION_KINDS:
+      raise ValueError(f"AttentionKind {kind.letter}: family {kind.family!r} or mtp_letter "
+                       f"{kind.mtp_letter!r} unknown")
+    if ATTENTION_KINDS[kind.mtp_letter].needs_prev_topk:
+      raise ValueError(f"AttentionKind {kind.letter}: the MTP layer has no previous layer, so "
+                       "its kind cannot need a previous top-k")
+  extras = [n for k in ATTENTION_KINDS.values() for n in k.extra_params]
+  if len(set(extras)) != len(extras):
+    raise ValueError("ATTENTION_KINDS: two attention kinds share an extra param name")
+
+
+_check_registry()
+
+
+def layer_kind(pattern: str, layer: int) -> AttentionKind:
+  """The kind of `layer` in an expanded per-layer `pattern`; `layer == len(pattern)` is the MTP
+  layer, which runs its last layer's `mtp_letter`."""
+  if layer == len(pattern):
+    return ATTENTION_KINDS[ATTENTION_KINDS[pattern[-1]].mtp_letter]
+  return ATTENTION_KINDS[pattern[layer]]
+
+
+def pattern_error(pattern: str) -> str | None:
+  """Why an expanded per-layer `pattern` is impossible, or None: unknown letters, or a layer
+  that reuses a previous top-k selection where the previous layer makes none."""
+  unknown = sorted(set(pattern) - set(ATTENTION_KINDS))
+  if unknown:
+    allowed = {letter: k.name for letter, k in ATTENTION_KINDS.items()}
+    return f"unknown letters {unknown}; allowed: {allowed}"
+  for i, letter in enumerate(pattern):
+    if not ATTENTION_KINDS[letter].needs_prev_topk:
+      continue
+    if i == 0:
+      return (f"layer 0 is {letter!r} (reuse the previous layer's top-k) but has no previous "
+              "layer")
+    if not ATTENTION_KINDS[pattern[i - 1]].provides_topk:
+      providers = "".join(k.letter for k in ATTENTION_KINDS.values() if k.provides_topk)
+      return (f"layer {i} is {letter!r} but layer {i - 1} is {pattern[i - 1]!r}, not a layer "
+              f"that selects top-k keys (one of {providers!r})")
+  return None
