@@ -11,8 +11,10 @@ Each section's checks live beside its defaults and raise `ConfigError` naming
   train, ckpt, eval  `glm5_jax.train.config.validate_{train,ckpt,eval}_config`
 
 `validate_config` calls them all and adds the checks that span sections. `build_trainer` calls
-it first thing, so a bad field fails in seconds, before any compile or checkpoint write; the
-builders after it (optimizer, mesh, data pipeline) do not check again what it has checked.
+it first thing, so a bad field fails in seconds, before any compile or checkpoint write. The
+optimizer and train-state builders after it do not check again; `make_mesh`, the data pipeline
+and `ModelConfig.from_config` run their own section's check, because they are entry points of
+their own (and resolve the mesh sizes and the sources' defaults in the same pass).
 """
 
 import math
@@ -20,7 +22,7 @@ import math
 import ml_collections
 
 from glm5_jax.config import (ATTENTION_LETTERS, DSA_IMPLS, LATER_FIELDS, MLP_LETTERS,
-                             SIMPLE_GDN_GATES, ConfigError, check_fields, expand_pattern,
+                             SIMPLE_GDN_GATES, check_fields, expand_pattern,
                              model_config, require as _require, with_later_field_defaults)
 from glm5_jax.data.pipeline import validate_data_config
 from glm5_jax.layers.params import DTYPES
