@@ -202,13 +202,16 @@ class _ModelConfigMethods:
     return self.mlp_pattern[layer] == "E"
 
 
-# Typed, validated, hashable view of the `model` ConfigDict: one field per `model_config()`
-# field, typed by its default, so a field added there needs nothing here. Frozen (hence
-# hashable: a static jit argument). `attention_pattern` and `mlp_pattern` hold one letter per
-# layer (expanded by `from_config`).
+_MODEL_CONFIG_DOC = """Typed, validated, hashable view of the `model` ConfigDict.
+
+One field per `model_config()` field, typed by its default, so a field added there needs
+nothing here. Frozen, hence hashable: a static jit argument. `attention_pattern` and
+`mlp_pattern` hold one letter per layer (`from_config` expands them).
+"""
 ModelConfig = dataclasses.make_dataclass(
     "ModelConfig", [(name, type(value)) for name, value in model_config().items()],
-    bases=(_ModelConfigMethods,), namespace={"__module__": __name__}, frozen=True)
+    bases=(_ModelConfigMethods,), namespace={"__module__": __name__, "__doc__": _MODEL_CONFIG_DOC},
+    frozen=True)
 
 
 def expand_pattern(pattern: str, num_layers: int) -> str:
