@@ -1,4 +1,4 @@
-"""Model config: defaults (the released GLM-5), a typed view for the layers, and validation.
+"""Model config: defaults (the released GLM-5), the typed view the layers get, ConfigError.
 
 `model_config()` is the single source of defaults; `configs/*.py` overlay it. Field names follow
 HF `GlmMoeDsaConfig` wherever it has one, so a released `config.json` reads the same here.
