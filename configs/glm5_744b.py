@@ -11,7 +11,8 @@ The mesh shards params over `fsdp` (all devices by default) and experts over `ex
 import ml_collections
 
 from glm5_jax import data, optim
-from glm5_jax.config import mesh_config, model_config
+from glm5_jax.config import model_config
+from glm5_jax.sharding import mesh_config
 from glm5_jax.train import config as train_defaults
 
 

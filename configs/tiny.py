@@ -13,7 +13,8 @@ Split on the built-in data mix for about 5 minutes on 2 CPU cores.
 import ml_collections
 
 from glm5_jax import data, optim
-from glm5_jax.config import mesh_config, model_config
+from glm5_jax.config import model_config
+from glm5_jax.sharding import mesh_config
 from glm5_jax.train import config as train_defaults
 
 SEQ_LEN = 256

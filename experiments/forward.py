@@ -18,7 +18,8 @@ import numpy as np
 from ml_collections import config_flags
 
 import glm5_jax
-from glm5_jax.config import ModelConfig, validate_config
+from glm5_jax.config import ModelConfig
+from glm5_jax.config_validation import validate_config
 from glm5_jax.train import losses
 
 _CONFIG = config_flags.DEFINE_config_file("config", "configs/tiny.py", "Experiment config.")

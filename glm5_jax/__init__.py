@@ -8,14 +8,17 @@ Public API:
                                            logits, MTP logits, hidden state and aux
   Mode(form="expanded"|"absorbed", dsa_stage="dense"|"warmup"|"sparse")
                                            how the attention layers compute
+  validate_config(config, num_devices) checks every section of an experiment config
 """
 
-from glm5_jax.api import abstract_params, forward, init_params, logits, param_logical_axes
+from glm5_jax.api import (abstract_params, abstract_params_and_axes, forward, init_params, logits,
+                          param_logical_axes)
 from glm5_jax.attention.mode import Mode
-from glm5_jax.config import ConfigError, ModelConfig, model_config, validate_config
+from glm5_jax.config import ConfigError, ModelConfig, model_config
+from glm5_jax.config_validation import validate_config
 from glm5_jax.convert.hf import load_hf
 
 __all__ = [
-    "load_hf", "init_params", "logits", "forward", "abstract_params", "param_logical_axes",
-    "model_config", "validate_config", "ModelConfig", "ConfigError", "Mode",
+    "load_hf", "init_params", "logits", "forward", "abstract_params", "abstract_params_and_axes",
+    "param_logical_axes", "model_config", "validate_config", "ModelConfig", "ConfigError", "Mode",
 ]

@@ -41,18 +41,27 @@ def _init_params(cfg: ModelConfig, rng):
   return nn.meta.unbox(_boxed_init(GLM5(cfg), rng))
 
 
+def abstract_params_and_axes(config):
+  """`(shapes, logical_axes)` of the params from one shape-only trace, nothing allocated.
+
+  Returns:
+    shapes: tree of `jax.ShapeDtypeStruct`, the structure of `init_params`'s result.
+    logical_axes: the same tree of `PartitionSpec`s of logical axis names (for
+      `glm5_jax.sharding.param_shardings`).
+  """
+  model = build_model(config)
+  boxed = jax.eval_shape(functools.partial(_boxed_init, model), jax.random.key(0))
+  return nn.meta.unbox(boxed), nn.get_partition_spec(boxed)
+
+
 def abstract_params(config):
   """`jax.ShapeDtypeStruct` tree of the params, computed without allocating anything."""
-  model = build_model(config)
-  return nn.meta.unbox(jax.eval_shape(functools.partial(_boxed_init, model),
-                                      jax.random.key(0)))
+  return abstract_params_and_axes(config)[0]
 
 
 def param_logical_axes(config):
   """Tree (same structure as params) of `PartitionSpec`s of logical axis names."""
-  model = build_model(config)
-  boxed = jax.eval_shape(functools.partial(_boxed_init, model), jax.random.key(0))
-  return nn.get_partition_spec(boxed)
+  return abstract_params_and_axes(config)[1]
 
 
 def check_token_ids(tokens_BL, vocab_size: int) -> None:

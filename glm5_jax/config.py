@@ -1,4 +1,4 @@
-"""Model config: defaults (the released GLM-5), a typed view for the layers, and validation.
+"""Model config: defaults (the released GLM-5), the typed view the layers get, ConfigError.
 
 `model_config()` is the single source of defaults; `configs/*.py` overlay it. Field names follow
 HF `GlmMoeDsaConfig` wherever it has one, so a released `config.json` reads the same here.
@@ -10,21 +10,93 @@ layer) out of M D R G S N L; what each letter is, and every fact about it, lives
 `AttentionKind` entry in `glm5_jax.attention.kinds`.
 The long-context ablation (docs/reference.md section 3) converts half the layers of a
 full-attention model to S / N / L; `interleave_pattern` writes such patterns.
+
+Every section of an experiment config is validated once, up front, by
+`glm5_jax.config_validation.validate_config`; `ConfigError`, `require` and `check_fields` here
+are what each section's validator raises with.
 """
 
 import dataclasses
+import difflib
 from typing import Any
 
 import ml_collections
 
-from glm5_jax.attention.kinds import ATTENTION_KINDS, layer_kind, pattern_error
-from glm5_jax.layers import axes as logical_axes
-from glm5_jax.layers.params import DTYPES
+from glm5_jax.attention.kinds import ATTENTION_KINDS, layer_kind
 
 SIMPLE_GDN_GATES = ("fixed", "learned")
 MLP_LETTERS = {"F": "dense", "E": "moe"}
 DSA_IMPLS = ("dense_mask", "xla", "pallas")
-MESH_AXES = ("data", "fsdp", "expert", "tensor")
+
+
+class ConfigError(ValueError):
+  """A config field is missing, unknown or holds an impossible value; the message names it as
+  `config.<section>.<field>` and says what was expected."""
+
+
+def require(ok: bool, field: str, message: str) -> None:
+  """Raises `ConfigError("config.<field>: <message>")` unless `ok` ("" names the top level)."""
+  if not ok:
+    raise ConfigError(f"config{'.' if field else ''}{field}: {message}")
+
+
+def check_fields(section, defaults, name: str, *, optional=(), nullable=()) -> None:
+  """Checks a config section's field names and value types against its defaults.
+
+  A field the defaults lack is a typo (the error lists the known fields); a field they have
+  must be present (unless in `optional`) with a value of its default's type: a bool for a
+  bool, an int (not a bool) for an int, an int or float for a float, a str for a str. None is
+  allowed where the default is None (a placeholder) or the field is in `nullable`. Nested
+  sections are left to their own checks.
+
+  Args:
+    section: the ConfigDict (or dict) to check.
+    defaults: the section's defaults (e.g. `train_config()`).
+    name: the section's path under `config`, e.g. "train" or "data.sources.copy" ("" for the
+      top level).
+  """
+  where = lambda field: f"{name}.{field}" if name else field
+  require(isinstance(section, (ml_collections.ConfigDict, dict)), name,
+          f"must be a ConfigDict section, got {type(section).__name__}")
+  known = sorted(defaults.keys())
+  for field in sorted(set(section.keys()) - set(known)):
+    close = difflib.get_close_matches(field, known, n=1)
+    hint = f" (did you mean {close[0]!r}?)" if close else ""
+    raise ConfigError(f"config.{where(field)}: unknown field{hint}; known fields: {known}")
+  missing = [field for field in known if field not in section and field not in optional]
+  require(not missing, name, f"missing fields {missing}")
+  for field in known:
+    if field not in section:
+      continue
+    value, default = section[field], defaults[field]
+    expected = (defaults.get_type(field) if isinstance(defaults, ml_collections.ConfigDict)
+                else type(default))
+    if value is None:
+      require(default is None or field in nullable, where(field),
+              f"must be {_type_name(expected)}, got None")
+    elif not _has_type(value, expected):
+      require(False, where(field), f"must be {_type_name(expected)}, got {value!r} "
+              f"({type(value).__name__})")
+
+
+def _has_type(value, expected: type) -> bool:
+  if expected is bool:
+    return isinstance(value, bool)
+  if expected is int:
+    return isinstance(value, int) and not isinstance(value, bool)
+  if expected is float:
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
+  if expected in (tuple, list):
+    return isinstance(value, (tuple, list))
+  if expected in (dict, ml_collections.ConfigDict):
+    return isinstance(value, (dict, ml_collections.ConfigDict))
+  return expected is type(None) or isinstance(value, expected)
+
+
+def _type_name(expected: type) -> str:
+  names = {bool: "a bool", int: "an int", float: "a number", str: "a string",
+           tuple: "a tuple", list: "a list", ml_collections.ConfigDict: "a ConfigDict"}
+  return names.get(expected, expected.__name__)
 
 
 def model_config(**overrides) -> ml_collections.ConfigDict:
@@ -66,8 +138,7 @@ def model_config(**overrides) -> ml_collections.ConfigDict:
   c.initializer_range = 0.02
   c.attention_pattern = "D"
   # DSA sparse stage: "dense_mask" (reference, [L, S] mask), "xla" (O(L x T) gather path)
-  # or "pallas" (TPU kernels, interpret mode elsewhere); see pallas_kernels/__init__.py.
-  # Also how S layers attend: they run as shared-top-k DSA layers handed their window.
+  # or "pallas" (TPU kernels, interpret mode elsewhere); see pallas_kernels/__init__.py
   c.dsa_impl = "dense_mask"
   c.sliding_window = 4096  # S layers: keys each query sees, itself included
   c.gdn_conv_size = 4  # N layers: taps of the causal depthwise conv on q, k and v
@@ -80,87 +151,19 @@ def model_config(**overrides) -> ml_collections.ConfigDict:
   return c
 
 
-def mesh_config(**axis_sizes) -> ml_collections.ConfigDict:
-  """Mesh axis sizes (-1 on one axis takes the remaining devices) and logical-axis rules."""
-  c = ml_collections.ConfigDict()
-  c.shape = ml_collections.ConfigDict(dict(data=-1, fsdp=1, expert=1, tensor=1))
-  c.shape.update(axis_sizes)
-  c.logical_axis_rules = default_logical_axis_rules()
-  return c
-
-
-def default_logical_axis_rules():
-  """Logical axis name -> mesh axes. Names not listed stay replicated."""
-  return [
-      (logical_axes.BATCH, ("data", "fsdp")),
-      (logical_axes.EMBED, "fsdp"),
-      (logical_axes.VOCAB, "tensor"),
-      (logical_axes.MLP, "tensor"),
-      (logical_axes.HEADS, "tensor"),
-      (logical_axes.KV_HEADS, "tensor"),
-      (logical_axes.INDEX_HEADS, "tensor"),
-      (logical_axes.EXPERT, "expert"),
-      (logical_axes.EXPERT_MLP, "tensor"),
-  ]
-
-
-@dataclasses.dataclass(frozen=True)
-class ModelConfig:
-  """Typed, validated, hashable view of the `model` ConfigDict."""
-
-  vocab_size: int
-  hidden_size: int
-  intermediate_size: int
-  num_hidden_layers: int
-  num_attention_heads: int
-  num_key_value_heads: int
-  gqa_head_dim: int
-  q_lora_rank: int
-  kv_lora_rank: int
-  qk_nope_head_dim: int
-  qk_rope_head_dim: int
-  v_head_dim: int
-  attention_bias: bool
-  index_topk: int
-  index_n_heads: int
-  index_head_dim: int
-  n_routed_experts: int
-  num_experts_per_tok: int
-  n_shared_experts: int
-  moe_intermediate_size: int
-  routed_scaling_factor: float
-  norm_topk_prob: bool
-  n_group: int
-  topk_group: int
-  first_k_dense_replace: int
-  mlp_pattern: str
-  num_nextn_predict_layers: int
-  mtp_depths: int
-  rope_theta: float
-  max_position_embeddings: int
-  rms_norm_eps: float
-  latent_norm_eps: float
-  indexer_norm_eps: float
-  initializer_range: float
-  attention_pattern: str
-  dsa_impl: str
-  dtype: str
-  param_dtype: str
-  sliding_window: int
-  gdn_conv_size: int
-  gdn_chunk_size: int
-  simple_gdn_gates: str
-  simple_gdn_beta: float
+class _ModelConfigMethods:
+  """What `ModelConfig` adds to its fields (which are `model_config()`'s)."""
 
   @classmethod
   def from_config(cls, config: Any) -> "ModelConfig":
     """Builds from a `model` ConfigDict (or an existing ModelConfig), validating first."""
-    if isinstance(config, ModelConfig):
+    if isinstance(config, cls):
       return config
-    validate_model_config(config)
+    # Deferred: config_validation imports this module, and the modules of every section.
+    from glm5_jax import config_validation  # pylint: disable=g-import-not-at-top
+    config_validation.validate_model_config(config)
     config = with_later_field_defaults(config)
-    names = [f.name for f in dataclasses.fields(cls)]
-    values = {n: config[n] for n in names}
+    values = {f.name: config[f.name] for f in dataclasses.fields(cls)}
     values["attention_pattern"] = expand_pattern(config.attention_pattern, config.num_hidden_layers)
     values["mlp_pattern"] = mlp_layer_pattern(config)
     return cls(**values)
@@ -170,7 +173,6 @@ class ModelConfig:
     return self.qk_nope_head_dim + self.qk_rope_head_dim
 
   def attention_kind(self, layer: int) -> str:
-    """The name of layer `layer`'s attention kind; `num_hidden_layers` is the MTP layer."""
     return layer_kind(self.attention_pattern, layer).name
 
   def is_moe_layer(self, layer: int) -> bool:
@@ -178,6 +180,18 @@ class ModelConfig:
     if layer >= self.num_hidden_layers:
       return "E" in self.mlp_pattern
     return self.mlp_pattern[layer] == "E"
+
+
+_MODEL_CONFIG_DOC = """Typed, validated, hashable view of the `model` ConfigDict.
+
+One field per `model_config()` field, typed by its default, so a field added there needs
+nothing here. Frozen, hence hashable: a static jit argument. `attention_pattern` and
+`mlp_pattern` hold one letter per layer (`from_config` expands them).
+"""
+ModelConfig = dataclasses.make_dataclass(
+    "ModelConfig", [(name, type(value)) for name, value in model_config().items()],
+    bases=(_ModelConfigMethods,), namespace={"__module__": __name__, "__doc__": _MODEL_CONFIG_DOC},
+    frozen=True)
 
 
 def expand_pattern(pattern: str, num_layers: int) -> str:
@@ -227,143 +241,6 @@ def mlp_layer_pattern(config) -> str:
     return config.mlp_pattern
   n_dense = min(config.first_k_dense_replace, config.num_hidden_layers)
   return "F" * n_dense + "E" * (config.num_hidden_layers - n_dense)
-
-
-class ConfigError(ValueError):
-  """A config field holds an impossible value; the message names the field."""
-
-
-def _require(ok: bool, field: str, message: str):
-  if not ok:
-    raise ConfigError(f"config.{field}: {message}")
-
-
-def validate_model_config(m) -> None:
-  """Rejects impossible model configs with a `ConfigError` naming the field.
-
-  Args:
-    m: the `model` ConfigDict (as from `model_config()` or `glm5_jax.load_hf`).
-  """
-  missing = [f.name for f in dataclasses.fields(ModelConfig)
-             if f.name not in m and f.name not in LATER_FIELDS]
-  _require(not missing, "model", f"missing fields {missing}")
-  m = with_later_field_defaults(m)
-  positive = [
-      "vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
-      "num_attention_heads", "num_key_value_heads", "gqa_head_dim", "q_lora_rank",
-      "kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim", "index_n_heads",
-      "index_head_dim", "n_routed_experts", "moe_intermediate_size", "n_group", "topk_group",
-      "max_position_embeddings", "sliding_window", "gdn_conv_size", "gdn_chunk_size",
-  ]
-  for name in positive:
-    _require(isinstance(m[name], int) and m[name] >= 1, f"model.{name}",
-             f"must be a positive integer, got {m[name]!r}")
-  for name in ("num_experts_per_tok", "n_shared_experts", "first_k_dense_replace", "mtp_depths",
-               "num_nextn_predict_layers"):
-    _require(isinstance(m[name], int), f"model.{name}", f"must be an integer, got {m[name]!r}")
-  _require(isinstance(m.index_topk, int) and m.index_topk >= 1, "model.index_topk",
-           f"top-k must be an integer >= 1, got {m.index_topk!r}")
-  _require(m.qk_rope_head_dim % 2 == 0, "model.qk_rope_head_dim",
-           f"RoPE rotates pairs of dims, so it must be even, got {m.qk_rope_head_dim}")
-  _require(m.index_head_dim >= m.qk_rope_head_dim, "model.index_head_dim",
-           f"the indexer applies RoPE to its first qk_rope_head_dim={m.qk_rope_head_dim} dims, "
-           f"so index_head_dim must be at least that, got {m.index_head_dim}")
-  _require(1 <= m.num_experts_per_tok <= m.n_routed_experts, "model.num_experts_per_tok",
-           f"must be in [1, n_routed_experts={m.n_routed_experts}], got {m.num_experts_per_tok}")
-  _require(m.n_shared_experts >= 0, "model.n_shared_experts",
-           f"must be >= 0, got {m.n_shared_experts}")
-  _require(m.n_routed_experts % m.n_group == 0, "model.n_group",
-           f"must divide n_routed_experts={m.n_routed_experts}, got {m.n_group}")
-  _require(1 <= m.topk_group <= m.n_group, "model.topk_group",
-           f"must be in [1, n_group={m.n_group}], got {m.topk_group}")
-  if m.n_group > 1:
-    per_group = m.n_routed_experts // m.n_group
-    _require(per_group >= 2, "model.n_group", "group-limited routing scores a group by its top-2 "
-             f"experts, so each group needs >= 2 experts; got {per_group}")
-    _require(m.num_experts_per_tok <= m.topk_group * per_group, "model.num_experts_per_tok",
-             f"cannot pick {m.num_experts_per_tok} experts from topk_group={m.topk_group} groups "
-             f"of {per_group}")
-  _require(0 <= m.first_k_dense_replace, "model.first_k_dense_replace",
-           f"must be >= 0, got {m.first_k_dense_replace}")
-  _require(m.num_nextn_predict_layers in (0, 1), "model.num_nextn_predict_layers",
-           f"GLM-5 stores one MTP layer shared by all depths; 0 or 1 supported, got "
-           f"{m.num_nextn_predict_layers}")
-  _require(m.mtp_depths >= 0, "model.mtp_depths", f"must be >= 0, got {m.mtp_depths}")
-  _require(m.mtp_depths == 0 or m.num_nextn_predict_layers == 1, "model.mtp_depths",
-           "MTP depths need an MTP layer: set num_nextn_predict_layers=1 or mtp_depths=0")
-  _require(m.rope_theta > 0, "model.rope_theta", f"must be > 0, got {m.rope_theta}")
-  for name in ("rms_norm_eps", "latent_norm_eps", "indexer_norm_eps"):
-    _require(m[name] > 0, f"model.{name}", f"must be > 0, got {m[name]}")
-  _require(m.dsa_impl in DSA_IMPLS, "model.dsa_impl", f"must be one of {DSA_IMPLS}, got "
-           f"{m.dsa_impl!r}")
-  for name in ("dtype", "param_dtype"):
-    _require(m[name] in DTYPES, f"model.{name}", f"must be one of {tuple(DTYPES)}, got "
-             f"{m[name]!r}")
-  _require(m.simple_gdn_gates in SIMPLE_GDN_GATES, "model.simple_gdn_gates",
-           f"must be one of {SIMPLE_GDN_GATES}, got {m.simple_gdn_gates!r}")
-  # Strictly inside (0, 1): the learned gate starts at sigmoid^-1(simple_gdn_beta).
-  _require(isinstance(m.simple_gdn_beta, (int, float)) and 0 < m.simple_gdn_beta < 1,
-           "model.simple_gdn_beta", f"the update gate must lie in (0, 1), got "
-           f"{m.simple_gdn_beta!r}")
-
-  pattern = m.attention_pattern
-  _require(isinstance(pattern, str) and len(pattern) in (1, m.num_hidden_layers),
-           "model.attention_pattern", f"needs one letter per layer ({m.num_hidden_layers}) or a "
-           f"single letter for all layers, got {pattern!r}")
-  pattern = expand_pattern(pattern, m.num_hidden_layers)
-  problem = pattern_error(pattern)
-  _require(problem is None, "model.attention_pattern", problem)
-
-  if any(ATTENTION_KINDS[letter].family == "gqa" for letter in pattern):  # GQA-only fields
-    _require(m.gqa_head_dim % 2 == 0, "model.gqa_head_dim",
-             f"RoPE rotates pairs of dims, so it must be even, got {m.gqa_head_dim}")
-    _require(m.num_attention_heads % m.num_key_value_heads == 0, "model.num_key_value_heads",
-             f"must divide num_attention_heads={m.num_attention_heads}, got "
-             f"{m.num_key_value_heads}")
-
-  mlp = m.mlp_pattern
-  if mlp:
-    _require(len(mlp) == m.num_hidden_layers, "model.mlp_pattern",
-             f"needs one letter per layer ({m.num_hidden_layers}), got {len(mlp)}")
-    unknown = sorted(set(mlp) - set(MLP_LETTERS))
-    _require(not unknown, "model.mlp_pattern", f"unknown letters {unknown}; allowed "
-             f"{MLP_LETTERS}")
-
-
-def validate_mesh_config(mesh, num_devices: int) -> dict[str, int]:
-  """Checks mesh axis sizes against the device count; returns the resolved sizes."""
-  shape = dict(mesh.shape)
-  extra = sorted(set(shape) - set(MESH_AXES))
-  _require(not extra, "mesh.shape", f"unknown axes {extra}; allowed {MESH_AXES}")
-  sizes = {axis: int(shape.get(axis, 1)) for axis in MESH_AXES}
-  fill = [a for a, s in sizes.items() if s == -1]
-  _require(len(fill) <= 1, "mesh.shape", f"at most one axis may be -1, got {fill}")
-  for axis, size in sizes.items():
-    _require(size == -1 or size >= 1, f"mesh.shape.{axis}", f"must be >= 1 or -1, got {size}")
-  fixed = 1
-  for size in sizes.values():
-    fixed *= size if size != -1 else 1
-  if fill:
-    _require(num_devices % fixed == 0, "mesh.shape", f"fixed axes multiply to {fixed}, which "
-             f"does not divide the {num_devices} available devices")
-    sizes[fill[0]] = num_devices // fixed
-  else:
-    _require(fixed == num_devices, "mesh.shape", f"axes {sizes} multiply to {fixed} but there "
-             f"are {num_devices} devices")
-  for rule in mesh.logical_axis_rules:
-    targets = rule[1] if isinstance(rule[1], (tuple, list)) else (rule[1],)
-    bad = [t for t in targets if t is not None and t not in MESH_AXES]
-    _require(not bad, "mesh.logical_axis_rules", f"rule {tuple(rule)} names unknown mesh axes "
-             f"{bad}; allowed {MESH_AXES}")
-  return sizes
-
-
-def validate_config(config, num_devices: int | None = None) -> None:
-  """Validates an experiment config: its `model` section and, given a device count, its mesh."""
-  _require("model" in config, "model", "experiment config has no `model` section")
-  validate_model_config(config.model)
-  if num_devices is not None and "mesh" in config:
-    validate_mesh_config(config.mesh, num_devices)
 
 
 def load_config_file(path: str, arg: str | None = None):

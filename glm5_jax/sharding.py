@@ -1,4 +1,4 @@
-"""Device mesh from config and logical-axis -> mesh-axis mapping.
+"""Device mesh from config, the `mesh` config section, and logical-axis -> mesh-axis mapping.
 
 Every parameter carries logical axis names (`glm5_jax.layers.params.param`), and the model
 constrains its residual stream to `("batch", "length", "embed")` at layer boundaries. The
@@ -7,7 +7,8 @@ constrains its residual stream to `("batch", "length", "embed")` at layer bounda
 on 1 CPU, 8 simulated CPU devices, a GPU, or a multi-host TPU pod.
 
   mesh = make_mesh(config.mesh)
-  shardings = param_shardings(config.model, mesh, config.mesh.logical_axis_rules)
+  shapes, logical_axes = abstract_params_and_axes(config.model)  # one shape-only trace
+  shardings = param_shardings(shapes, logical_axes, mesh, config.mesh.logical_axis_rules)
   params = jax.device_put(params, shardings)
   with activation_sharding(mesh, config.mesh.logical_axis_rules):
     out = jax.jit(forward_fn)(params, tokens)
@@ -17,13 +18,74 @@ import contextlib
 import math
 
 import jax
+import ml_collections
 import numpy as np
 from flax import linen as nn
 from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec
 
-from glm5_jax.api import abstract_params, param_logical_axes
-from glm5_jax.config import MESH_AXES, ConfigError, validate_mesh_config
-from glm5_jax.layers.axes import BATCH
+from glm5_jax.config import ConfigError, check_fields, require
+from glm5_jax.layers import axes as logical_axes
+
+MESH_AXES = ("data", "fsdp", "expert", "tensor")
+
+
+def mesh_config(**axis_sizes) -> ml_collections.ConfigDict:
+  """Mesh axis sizes (-1 on one axis takes the remaining devices) and logical-axis rules."""
+  c = ml_collections.ConfigDict()
+  c.shape = ml_collections.ConfigDict(dict(data=-1, fsdp=1, expert=1, tensor=1))
+  c.shape.update(axis_sizes)
+  c.logical_axis_rules = default_logical_axis_rules()
+  return c
+
+
+def default_logical_axis_rules():
+  """Logical axis name -> mesh axes. Names not listed stay replicated."""
+  return [
+      (logical_axes.BATCH, ("data", "fsdp")),
+      (logical_axes.EMBED, "fsdp"),
+      (logical_axes.VOCAB, "tensor"),
+      (logical_axes.MLP, "tensor"),
+      (logical_axes.HEADS, "tensor"),
+      (logical_axes.KV_HEADS, "tensor"),
+      (logical_axes.INDEX_HEADS, "tensor"),
+      (logical_axes.EXPERT, "expert"),
+      (logical_axes.EXPERT_MLP, "tensor"),
+  ]
+
+
+def validate_mesh_config(mesh, num_devices: int | None = None) -> dict[str, int]:
+  """Checks the `mesh` section (against the device count, when given).
+
+  Returns:
+    mesh axis name -> size, the `-1` axis resolved to the remaining devices (left -1 when
+    `num_devices` is None).
+  """
+  check_fields(mesh, mesh_config(), "mesh")
+  shape = dict(mesh.shape)
+  extra = sorted(set(shape) - set(MESH_AXES))
+  require(not extra, "mesh.shape", f"unknown axes {extra}; allowed {MESH_AXES}")
+  sizes = {axis: shape.get(axis, 1) for axis in MESH_AXES}
+  for axis, size in sizes.items():
+    require(isinstance(size, int) and not isinstance(size, bool) and (size == -1 or size >= 1),
+            f"mesh.shape.{axis}", f"must be an int >= 1 or -1, got {size!r}")
+  fill = [a for a, s in sizes.items() if s == -1]
+  require(len(fill) <= 1, "mesh.shape", f"at most one axis may be -1, got {fill}")
+  fixed = math.prod(size for size in sizes.values() if size != -1)
+  if num_devices is not None and fill:
+    require(num_devices % fixed == 0, "mesh.shape", f"fixed axes multiply to {fixed}, which "
+            f"does not divide the {num_devices} available devices")
+    sizes[fill[0]] = num_devices // fixed
+  elif num_devices is not None:
+    require(fixed == num_devices, "mesh.shape", f"axes {sizes} multiply to {fixed} but there "
+            f"are {num_devices} devices")
+  for rule in mesh.logical_axis_rules:
+    require(isinstance(rule, (tuple, list)) and len(rule) == 2 and isinstance(rule[0], str),
+            "mesh.logical_axis_rules", f"each rule is (logical name, mesh axes), got {rule!r}")
+    targets = rule[1] if isinstance(rule[1], (tuple, list)) else (rule[1],)
+    bad = [t for t in targets if t is not None and t not in MESH_AXES]
+    require(not bad, "mesh.logical_axis_rules", f"rule {tuple(rule)} names unknown mesh axes "
+            f"{bad}; allowed {MESH_AXES}")
+  return sizes
 
 
 def make_mesh(mesh_config, devices=None) -> Mesh:
@@ -52,23 +114,30 @@ def logical_to_mesh_spec(logical_spec: PartitionSpec, rules) -> PartitionSpec:
   return nn.logical_to_mesh_axes(tuple(logical_spec), _rules(rules))
 
 
+def batch_mesh_axes(rules) -> tuple[str, ...]:
+  """The mesh axes the `batch` rule splits a batch over (its data-parallel axes)."""
+  axes = logical_to_mesh_spec(PartitionSpec(logical_axes.BATCH), rules)[0]
+  return () if axes is None else (axes,) if isinstance(axes, str) else tuple(axes)
+
+
 def batch_sharding(mesh: Mesh, rules, ndim: int = 2) -> NamedSharding:
   """Sharding of a `[batch, ...]` input array: the batch axis per the `batch` rule."""
-  spec = logical_to_mesh_spec(PartitionSpec(BATCH, *([None] * (ndim - 1))), rules)
+  spec = logical_to_mesh_spec(PartitionSpec(logical_axes.BATCH, *([None] * (ndim - 1))), rules)
   return NamedSharding(mesh, spec)
 
 
-def param_mesh_specs(model_config, mesh_shape: dict[str, int], rules):
+def param_mesh_specs(shapes, logical_axes, mesh_shape: dict[str, int], rules):
   """Mesh-axis PartitionSpec for every parameter, from its logical axes.
 
   Args:
+    shapes: the params' `jax.ShapeDtypeStruct` tree and
+    logical_axes: their logical-axis `PartitionSpec`s, both from
+      `glm5_jax.api.abstract_params_and_axes` (one shape-only trace of the model).
     mesh_shape: mesh axis name -> size (`mesh.shape`).
   Raises:
     ConfigError: a parameter dimension is not divisible by the mesh axes it maps to (names
       the parameter, the dimension and its logical axis).
   """
-  logical = param_logical_axes(model_config)
-  shapes = abstract_params(model_config)
 
   def mesh_spec(path, spec, shape):
     mesh_spec = logical_to_mesh_spec(spec, rules)
@@ -85,12 +154,12 @@ def param_mesh_specs(model_config, mesh_shape: dict[str, int], rules):
     return mesh_spec
 
   return jax.tree_util.tree_map_with_path(
-      mesh_spec, logical, shapes, is_leaf=lambda x: isinstance(x, PartitionSpec))
+      mesh_spec, logical_axes, shapes, is_leaf=lambda x: isinstance(x, PartitionSpec))
 
 
-def param_shardings(model_config, mesh: Mesh, rules):
+def param_shardings(shapes, logical_axes, mesh: Mesh, rules):
   """NamedSharding for every parameter (see `param_mesh_specs`)."""
-  specs = param_mesh_specs(model_config, dict(mesh.shape), rules)
+  specs = param_mesh_specs(shapes, logical_axes, dict(mesh.shape), rules)
   return jax.tree_util.tree_map(lambda spec: NamedSharding(mesh, spec), specs,
                                 is_leaf=lambda x: isinstance(x, PartitionSpec))
 

@@ -27,11 +27,10 @@ from glm5_jax.attention.mla import MLA
 from glm5_jax.attention.mla_projections import MLA_PARAMS
 from glm5_jax.attention.simple_gdn import SimpleGatedDeltaNet
 from glm5_jax.attention.swa import SlidingWindowMLA, sliding_window_keys
-from glm5_jax.config import (ConfigError, ModelConfig, default_logical_axis_rules,
-                             interleave_pattern, load_config_file)
+from glm5_jax.config import ConfigError, ModelConfig, interleave_pattern, load_config_file
 from glm5_jax.optim import build_optimizer, optim_config, param_labels, weight_decay_mask
 from glm5_jax.param_stats import summarize
-from glm5_jax.sharding import param_mesh_specs
+from glm5_jax.sharding import default_logical_axis_rules, param_mesh_specs
 from glm5_jax.train.metrics import flops_per_token
 from glm5_jax.train.state import TrainState
 from glm5_jax.train.step import StepConfig, make_train_step
@@ -363,8 +362,8 @@ def test_flops_and_param_stats_accept_every_letter(helpers):
   kv = summary["kv_cache_bytes_per_token"]
   assert kv["swa_latent"] > 0 and summary["recurrent_state_bytes"] > 0
   # Every new param carries logical axes that shard (heads over "tensor", embed over "fsdp").
-  specs = param_mesh_specs(cfg, dict(data=1, fsdp=2, expert=1, tensor=2),
-                           default_logical_axis_rules())
+  specs = param_mesh_specs(*glm5_jax.abstract_params_and_axes(cfg),
+                           dict(data=1, fsdp=2, expert=1, tensor=2), default_logical_axis_rules())
   gdn, simple = specs["layers_4"]["self_attn"], specs["layers_5"]["self_attn"]
   assert tuple(gdn["g_proj"]) == ("fsdp", "tensor", None)
   assert tuple(gdn["q_conv1d"]) == (None, "tensor", None)

@@ -11,6 +11,7 @@ import pytest
 import tokenizers
 
 from glm5_jax import data
+from glm5_jax.config import ConfigError
 from glm5_jax.data import sources, synthetic
 
 TOK = data.make_tokenizer("byte")
@@ -360,7 +361,8 @@ def test_process_shards_are_disjoint(tmp_path):
     ids.append(doc_ids(batches))
   assert ids[0] and ids[1] and not ids[0] & ids[1]
   assert ids[0] | ids[1] == set(range(30))
-  with pytest.raises(ValueError, match="batch_size 4 is not divisible by process_count 3"):
+  with pytest.raises(ConfigError, match="config.data.batch_size: 4 is not divisible by "
+                     "process_count 3"):
     data.make_train_iterator(cfg, process_count=3)
 
 
@@ -421,21 +423,27 @@ def test_config_errors(tmp_path):
     cfg = data.data_config(sources=dict(bad=source))
     return data.make_train_iterator(cfg)
 
-  with pytest.raises(ValueError, match="source 'bad': unknown source kind 'webtext'"):
+  with pytest.raises(ConfigError, match="config.data.sources.bad.kind: unknown source kind "
+                     "'webtext'"):
     build(kind="webtext")
   with pytest.raises(FileNotFoundError, match=r"source 'bad' \(text_files\): glob .*nothing"):
     build(kind="text_files", glob=str(tmp_path / "nothing" / "*.txt"))
-  with pytest.raises(ValueError, match="source 'bad': weight must be a number > 0, got 0"):
+  with pytest.raises(ConfigError, match="config.data.sources.bad.weight: weight must be a "
+                     "number > 0, got 0"):
     build(kind="python_stdlib", weight=0.0)
-  with pytest.raises(ValueError, match="source 'bad': weight must be a number > 0, got -1"):
+  with pytest.raises(ConfigError, match="config.data.sources.bad.weight: weight must be a "
+                     "number > 0, got -1"):
     build(kind="python_stdlib", weight=-1.0)
-  with pytest.raises(ValueError, match=r"unknown options \['globb'\]"):
+  with pytest.raises(ConfigError, match=r"config.data.sources.bad.globb: unknown field \(did "
+                     r"you mean 'glob'\?\)"):
     build(kind="text_files", globb="*.txt")
-  with pytest.raises(ValueError, match="set 'glob'"):
+  with pytest.raises(ConfigError, match="config.data.sources.bad.glob: .* set 'glob'"):
     build(kind="jsonl")
-  with pytest.raises(ValueError, match="unknown synthetic task 'needle'"):
+  with pytest.raises(ConfigError, match="config.data.sources.bad.task: unknown synthetic task "
+                     "'needle'"):
     build(kind="synthetic", task="needle")
-  with pytest.raises(ValueError, match=r"max_length \(512\) <= seq_len \(256\)"):
+  with pytest.raises(ConfigError, match=r"config.data.sources.bad.max_length: .*max_length "
+                     r"\(512\) <= seq_len \(256\)"):
     build(kind="synthetic", task="mqar", max_length=512)
   cfg = data.data_config(seq_len=160, sources=dict(
       bad=data.source_config("synthetic", task="niah_multikey")))

@@ -11,6 +11,7 @@ import pathlib
 
 import jax
 import jax.numpy as jnp
+import ml_collections
 import numpy as np
 import optax
 import pytest
@@ -20,7 +21,7 @@ import glm5_jax
 from glm5_jax.config import ConfigError
 from glm5_jax.optim import (
     UnknownParamError, build_optimizer, muon_dimension_numbers, optim_config, param_labels,
-    weight_decay_mask)
+    validate_optim_config, weight_decay_mask)
 from glm5_jax.optim.muon_split import (
     ADAM, FROZEN, HEADS_IN, HEADS_OUT, MATRIX, MUON, PER_EXPERT, PER_HEAD, path_names)
 
@@ -368,11 +369,13 @@ def test_adam_learning_rate(adam_lr, expected):
 @pytest.mark.parametrize("overrides,field", [
     (dict(name="sgd"), "optim.name"), (dict(warmup_steps=10), "optim.warmup_steps"),
     (dict(min_lr_ratio=2.0), "optim.min_lr_ratio"), (dict(learning_rate=0.0), "learning_rate"),
-    (dict(ns_coeffs=(1.0, 2.0)), "optim.ns_coeffs")])
+    (dict(ns_coeffs=(1.0, 2.0)), "optim.ns_coeffs"), (dict(nesterov=1), "optim.nesterov"),
+    (dict(lerning_rate=1e-3), "optim.lerning_rate: unknown field .did you mean 'learning_rate'")])
 def test_bad_config_names_field(overrides, field):
+  # A ConfigDict built from a dict, as from JSON: no type coercion from the defaults.
+  config = ml_collections.ConfigDict({**optim_config(warmup_steps=0).to_dict(), **overrides})
   with pytest.raises(ConfigError, match=field):
-    build_optimizer(optim_config(**{"warmup_steps": 0, **overrides}),
-                    {"w": {"gate_proj": jnp.zeros((4, 4))}}, total_steps=10)
+    validate_optim_config(config, total_steps=10)
 
 
 # ---------------------------------------------------------------------------------------------

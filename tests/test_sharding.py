@@ -7,7 +7,8 @@ import sys
 
 import pytest
 
-from glm5_jax.config import ConfigError, mesh_config
+from glm5_jax.config import ConfigError
+from glm5_jax.sharding import mesh_config
 
 _SCRIPT = r"""
 import json, jax, numpy as np
@@ -25,7 +26,8 @@ params = glm5_jax.init_params(cfg.model, jax.random.key(0))
 tokens = jax.random.randint(jax.random.key(1), (4, 64), 0, cfg.model.vocab_size)
 model = ModelConfig.from_config(cfg.model)
 ref = jax.jit(lambda p, t: glm5_jax.forward(model, p, t))(params, tokens)
-shardings = sharding.param_shardings(cfg.model, mesh, rules)
+shapes, logical_axes = glm5_jax.abstract_params_and_axes(cfg.model)
+shardings = sharding.param_shardings(shapes, logical_axes, mesh, rules)
 sharded_params = jax.device_put(params, shardings)
 sharded_tokens = jax.device_put(tokens, sharding.batch_sharding(mesh, rules))
 with sharding.activation_sharding(mesh, rules):
@@ -60,6 +62,7 @@ def test_sharded_forward_matches_single_device():
 def test_indivisible_parameter_is_a_clear_error():
   import jax
   from configs import tiny
+  import glm5_jax
   from glm5_jax import sharding
 
   cfg = tiny.get_config()
@@ -70,5 +73,6 @@ def test_indivisible_parameter_is_a_clear_error():
     sharding.make_mesh(mesh_config(data=1, tensor=3), devices)
   three_way_tensor = {"data": 1, "fsdp": 1, "expert": 1, "tensor": 3}
   with pytest.raises(ConfigError, match=r"logical 'heads', size 4\) is not divisible"):
-    sharding.param_mesh_specs(cfg.model, three_way_tensor, [("heads", "tensor")])
+    sharding.param_mesh_specs(*glm5_jax.abstract_params_and_axes(cfg.model), three_way_tensor,
+                              [("heads", "tensor")])
   assert mesh.shape == {"data": 1, "fsdp": 1, "expert": 1, "tensor": 1}

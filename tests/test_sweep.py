@@ -11,7 +11,8 @@ import sys
 import ml_collections
 import pytest
 
-from glm5_jax.config import ModelConfig, load_config_file, validate_config
+from glm5_jax.config import ModelConfig, load_config_file
+from glm5_jax.config_validation import validate_config
 from glm5_jax.eval import checkpoints, sweep_jobs, sweep_runner, sweep_spec
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))

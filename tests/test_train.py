@@ -163,7 +163,23 @@ def test_dense_phase_attends_densely_trains_everything_then_switches_to_top_k(tm
                              rtol=1e-6)
 
 
-@pytest.mark.slow  # train() compiles the init before refusing (~1.5 min)
+def test_build_trainer_traces_the_params_once(monkeypatch):
+  """One shape-only trace gives the optimizer, the shardings and the restore target what they
+  need; the only other trace of the init is the one compiled (it used to be four)."""
+  from glm5_jax import api  # pylint: disable=g-import-not-at-top
+  from glm5_jax.train.trainer import build_trainer  # pylint: disable=g-import-not-at-top
+
+  traces = []
+  boxed_init = api._boxed_init  # pylint: disable=protected-access
+  monkeypatch.setattr(api, "_boxed_init", lambda *a: traces.append(1) or boxed_init(*a))
+  jax.clear_caches()  # the compiled init must be traced here, not found in a cache
+  t = build_trainer(small_config(steps=2))
+  t.train_iter.close()
+  assert len(traces) == 2, f"the params were traced {len(traces)} times"
+  assert jax.tree_util.tree_structure(t.abstract_state.params) == jax.tree_util.tree_structure(
+      t.params_sharding)
+
+
 def test_dense_phase_config_errors(tmp_path):
   config = small_config(steps=2, attention_pattern="D")
   config.train.update(dsa_stage="warmup", dsa_dense_steps=1)

@@ -13,7 +13,7 @@ import ml_collections
 import orbax.checkpoint as ocp
 
 from glm5_jax.api import abstract_params
-from glm5_jax.config import validate_model_config
+from glm5_jax.config_validation import validate_model_config
 
 CONFIG_FILE = "config.json"
 PARAMS_DIR = "params"

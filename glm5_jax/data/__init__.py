@@ -3,6 +3,8 @@
 Public API:
   data_config(**overrides) -> ConfigDict            the data defaults (one source of truth)
   source_config(kind, **options) -> ConfigDict      one mixture source with its kind's defaults
+  validate_data_config(data_cfg, *, process_count=1) -> {name: source spec}   ConfigError on a
+                                                    bad field, naming config.data.<field>
   make_tokenizer(name_or_path) -> tokenizer         "byte" or an HF tokenizer.json
   check_vocab(tokenizer, model_vocab_size)          raises if the ids do not fit the model
   make_train_iterator(data_cfg, *, process_index=0, process_count=1) -> grain.DatasetIterator

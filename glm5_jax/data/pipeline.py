@@ -43,6 +43,7 @@ import zlib
 import grain
 import ml_collections
 
+from glm5_jax.config import check_fields, require
 from glm5_jax.data import packing, sources
 from glm5_jax.data.tokenizers import make_tokenizer
 
@@ -83,21 +84,19 @@ def source_names(data_cfg) -> list[str]:
 
 
 def validate_data_config(data_cfg, *, process_count: int = 1) -> dict:
-  """Checks every field; returns {name: resolved source spec}. Errors name the field."""
-  if not isinstance(data_cfg.seq_len, int) or data_cfg.seq_len < 2:
-    raise ValueError(f"data.seq_len must be an int >= 2, got {data_cfg.seq_len!r}")
-  if not isinstance(data_cfg.batch_size, int) or data_cfg.batch_size < 1:
-    raise ValueError(f"data.batch_size must be an int >= 1, got {data_cfg.batch_size!r}")
-  if process_count < 1 or data_cfg.batch_size % process_count:
-    raise ValueError(f"data.batch_size {data_cfg.batch_size} is not divisible by "
-                     f"process_count {process_count}")
-  if data_cfg.packing_bins is not None and data_cfg.packing_bins < 1:
-    raise ValueError(f"data.packing_bins must be None or >= 1, got {data_cfg.packing_bins}")
+  """Checks every field; returns {name: resolved source spec}. Raises `ConfigError` naming the
+  field (`config.data.<field>`, `config.data.sources.<name>.<option>`)."""
+  check_fields(data_cfg, data_config(), "data")
+  require(data_cfg.seq_len >= 2, "data.seq_len", f"must be an int >= 2, got {data_cfg.seq_len}")
+  require(data_cfg.batch_size >= 1, "data.batch_size",
+          f"must be an int >= 1, got {data_cfg.batch_size}")
+  require(process_count >= 1 and data_cfg.batch_size % process_count == 0, "data.batch_size",
+          f"{data_cfg.batch_size} is not divisible by process_count {process_count}")
+  require(data_cfg.packing_bins is None or data_cfg.packing_bins >= 1, "data.packing_bins",
+          f"must be None or >= 1, got {data_cfg.packing_bins}")
   for field in ("prefetch", "worker_count", "read_threads", "token_cache_size"):
-    if data_cfg[field] < 0:
-      raise ValueError(f"data.{field} must be >= 0, got {data_cfg[field]}")
-  if not data_cfg.sources:
-    raise ValueError("data.sources is empty; name at least one source")
+    require(data_cfg[field] >= 0, f"data.{field}", f"must be >= 0, got {data_cfg[field]}")
+  require(len(data_cfg.sources) > 0, "data.sources", "is empty; name at least one source")
   return {name: sources.resolve_source(name, data_cfg.sources[name], data_cfg.seq_len)
           for name in source_names(data_cfg)}
 
@@ -106,7 +105,12 @@ def make_dataset(data_cfg, *, split: str = "train", process_index: int = 0,
                  process_count: int = 1) -> grain.IterDataset:
   """The `grain.IterDataset` of local batches (see the module docstring). `split="eval"` mixes
   the held-out data of the sources that have any (synthetic: a separate seed stream; file
-  sources with holdout_fraction 0 are left out)."""
+  sources with holdout_fraction 0 are left out).
+
+  The data library's entry point (evaluation calls it with a checkpoint's `data` section,
+  tests with bare ones), so it checks `data_cfg` itself: `validate_data_config` is also what
+  fills each source's defaults.
+  """
   specs = validate_data_config(data_cfg, process_count=process_count)
   if not 0 <= process_index < process_count:
     raise ValueError(f"process_index {process_index} not in [0, {process_count})")

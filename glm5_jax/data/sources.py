@@ -42,6 +42,7 @@ import grain
 import ml_collections
 import numpy as np
 
+from glm5_jax.config import ConfigError, check_fields, require
 from glm5_jax.data import liveness, synthetic
 
 FILE_KINDS = ("python_stdlib", "text_files", "jsonl")
@@ -83,42 +84,42 @@ def source_config(kind: str, **options) -> ml_collections.ConfigDict:
 
 
 def resolve_source(name, spec, seq_len) -> dict:
-  """`spec` (ConfigDict or dict) with defaults filled in, validated; errors name the source."""
+  """`spec` (ConfigDict or dict) with defaults filled in, validated; a `ConfigError` names the
+  option as `config.data.sources.<name>.<option>`."""
   spec = dict(spec.to_dict() if hasattr(spec, "to_dict") else spec)
-  if "kind" not in spec:
-    raise ValueError(f"source {name!r}: missing 'kind'; known: {sorted(KIND_OPTIONS)}")
+  where = f"data.sources.{name}"
+  require("kind" in spec, f"{where}.kind", f"missing; known kinds: {sorted(KIND_OPTIONS)}")
+  require(spec["kind"] in KIND_OPTIONS, f"{where}.kind",
+          f"unknown source kind {spec['kind']!r}; known: {sorted(KIND_OPTIONS)}")
   try:
     allowed = _allowed_options(spec["kind"], spec.get("task"))
-  except ValueError as e:
-    raise ValueError(f"source {name!r}: {e}") from None
-  unknown = sorted(set(spec) - set(allowed))
-  if unknown:
-    raise ValueError(f"source {name!r} ({spec['kind']}): unknown options {unknown}; "
-                     f"known: {sorted(allowed)}")
+  except ValueError as e:  # an unknown synthetic task
+    raise ConfigError(f"config.{where}.task: {e}") from None
+  check_fields(spec, allowed, where, optional=tuple(allowed))
   spec = {**allowed, **spec}
   weight = spec["weight"]
-  if not isinstance(weight, (int, float)) or not weight > 0:
-    raise ValueError(f"source {name!r}: weight must be a number > 0, got {weight!r}")
+  require(weight > 0, f"{where}.weight", f"weight must be a number > 0, got {weight!r}")
   kind = spec["kind"]
-  if kind != "synthetic" and not 0.0 <= spec["holdout_fraction"] < 1.0:
-    raise ValueError(f"source {name!r}: holdout_fraction must be in [0, 1), got "
-                     f"{spec['holdout_fraction']}")
-  if kind in ("text_files", "jsonl", "array_record") and not spec["glob"]:
-    raise ValueError(f"source {name!r} ({kind}): set 'glob' to the files to read")
-  if spec.get("part_bytes") is not None and spec["part_bytes"] <= 0:
-    raise ValueError(f"source {name!r}: part_bytes must be > 0, got {spec['part_bytes']}")
-  if kind == "array_record" and spec["format"] not in ARRAY_RECORD_FORMATS:
-    raise ValueError(f"source {name!r}: format {spec['format']!r}; known: "
-                     f"{ARRAY_RECORD_FORMATS}")
+  if kind != "synthetic":
+    require(0.0 <= spec["holdout_fraction"] < 1.0, f"{where}.holdout_fraction",
+            f"must be in [0, 1), got {spec['holdout_fraction']}")
+  if kind in ("text_files", "jsonl", "array_record"):
+    require(spec["glob"], f"{where}.glob", f"({kind}) set 'glob' to the files to read")
+  if spec.get("part_bytes") is not None:
+    require(spec["part_bytes"] > 0, f"{where}.part_bytes",
+            f"must be > 0, got {spec['part_bytes']}")
+  if kind == "array_record":
+    require(spec["format"] in ARRAY_RECORD_FORMATS, f"{where}.format",
+            f"format {spec['format']!r}; known: {ARRAY_RECORD_FORMATS}")
   if kind == "synthetic":
     max_length = spec["max_length"] if spec["max_length"] is not None else seq_len
     min_length = spec["min_length"] if spec["min_length"] is not None else max_length // 2
-    if not 0 < min_length <= max_length <= seq_len:
-      raise ValueError(f"source {name!r}: need 0 < min_length ({min_length}) <= max_length "
-                       f"({max_length}) <= seq_len ({seq_len})")
+    require(0 < min_length <= max_length <= seq_len, f"{where}.max_length",
+            f"need 0 < min_length ({min_length}) <= max_length ({max_length}) <= seq_len "
+            f"({seq_len})")
     depth = spec["depth"]
-    if depth is not None and not 0.0 <= depth <= 1.0:
-      raise ValueError(f"source {name!r}: depth must be None or in [0, 1], got {depth}")
+    require(depth is None or 0.0 <= depth <= 1.0, f"{where}.depth",
+            f"must be None or in [0, 1], got {depth}")
     spec.update(min_length=min_length, max_length=max_length)
   return spec
 

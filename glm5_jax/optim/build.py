@@ -32,7 +32,7 @@ import optax
 from ml_collections import config_dict
 from optax.contrib import MuonDimensionNumbers, scale_by_muon
 
-from glm5_jax.config import ConfigError
+from glm5_jax.config import ConfigError, check_fields
 from glm5_jax.optim import muon_split
 from glm5_jax.optim.muon_split import ADAM, FROZEN, MUON
 
@@ -67,26 +67,31 @@ def _require(ok: bool, field: str, message: str):
 
 
 def validate_optim_config(c, total_steps: int) -> None:
-  """Rejects impossible optimizer settings with a `ConfigError` naming the field."""
+  """Rejects impossible optimizer settings with a `ConfigError` naming the field.
+
+  Args:
+    c: the `optim` section.
+    total_steps: the schedule's length (`train.steps`).
+  """
+  check_fields(c, optim_config(), "optim", nullable=("consistent_rms",))
   _require(c.name in muon_split.OPTIMIZER_NAMES, "name",
            f"must be one of {muon_split.OPTIMIZER_NAMES}, got {c.name!r}")
   _require(c.learning_rate > 0, "learning_rate", f"must be > 0, got {c.learning_rate}")
   _require(c.adam_learning_rate is None or c.adam_learning_rate >= 0, "adam_learning_rate",
            f"must be >= 0 (0 or None = learning_rate), got {c.adam_learning_rate}")
-  _require(isinstance(total_steps, int) and total_steps >= 1, "total_steps",
-           f"total_steps must be a positive integer, got {total_steps!r}")
-  _require(isinstance(c.warmup_steps, int) and 0 <= c.warmup_steps < total_steps,
-           "warmup_steps", f"must be an integer in [0, total_steps={total_steps}), got "
-           f"{c.warmup_steps!r}")
+  if not (isinstance(total_steps, int) and total_steps >= 1):
+    raise ConfigError(f"config.train.steps: must be a positive integer, got {total_steps!r}")
+  _require(0 <= c.warmup_steps < total_steps, "warmup_steps",
+           f"must be in [0, train.steps={total_steps}), got {c.warmup_steps}")
   _require(0 <= c.min_lr_ratio <= 1, "min_lr_ratio", f"must be in [0, 1], got {c.min_lr_ratio}")
   _require(c.weight_decay >= 0, "weight_decay", f"must be >= 0, got {c.weight_decay}")
   for name in ("b1", "b2", "momentum"):
     _require(0 <= c[name] < 1, name, f"must be in [0, 1), got {c[name]}")
   _require(c.eps > 0, "eps", f"must be > 0, got {c.eps}")
-  _require(isinstance(c.ns_steps, int) and c.ns_steps >= 1, "ns_steps",
-           f"must be a positive integer, got {c.ns_steps!r}")
-  _require(len(c.ns_coeffs) == 3, "ns_coeffs", f"must be 3 numbers (a, b, c), got "
-           f"{c.ns_coeffs!r}")
+  _require(c.ns_steps >= 1, "ns_steps", f"must be a positive integer, got {c.ns_steps}")
+  _require(len(c.ns_coeffs) == 3 and all(
+      isinstance(x, (int, float)) and not isinstance(x, bool) for x in c.ns_coeffs),
+           "ns_coeffs", f"must be 3 numbers (a, b, c), got {c.ns_coeffs!r}")
   _require(c.consistent_rms is None or c.consistent_rms > 0, "consistent_rms",
            f"must be > 0 or None, got {c.consistent_rms}")
   _require(c.grad_clip_norm >= 0, "grad_clip_norm", f"must be >= 0 (0 disables), got "
@@ -113,11 +118,12 @@ def build_optimizer(optim_cfg, params, *, total_steps: int, trainable=None):
   Returns:
     `(tx, schedule)`: an `optax.GradientTransformation` and the step -> learning-rate schedule
     of the Muon group (every group under "adamw"), for logging.
+  `optim_cfg` is assumed valid: `validate_config` (or `validate_optim_config`) checks it.
+
   Raises:
-    ConfigError: a bad `optim` field. UnknownParamError: a param path with no rule.
+    UnknownParamError: a param path with no rule.
   """
   c = optim_cfg
-  validate_optim_config(c, total_steps)
   schedule = lr_schedule(c.learning_rate, c.warmup_steps, total_steps, c.min_lr_ratio)
   adam_schedule = schedule
   if c.name != "adamw" and c.adam_learning_rate:

@@ -1,10 +1,20 @@
-"""Defaults of the training loop's own config sections: `train`, `ckpt`, `eval`.
+"""Defaults and checks of the training loop's own config sections: `train`, `ckpt`, `eval`.
 
 Model, data, optim and mesh defaults live beside their code (`glm5_jax.config`,
-`glm5_jax.data`, `glm5_jax.optim`); configs/*.py compose all of them.
+`glm5_jax.data`, `glm5_jax.optim`, `glm5_jax.sharding`); configs/*.py compose all of them, and
+`glm5_jax.config_validation.validate_config` checks every section.
 """
 
+import math
+
 import ml_collections
+
+from glm5_jax.config import check_fields, require
+
+# docs/reference.md section 3; what each stage trains: glm5_jax.train.state.
+from glm5_jax.attention.mode import DSA_STAGES  # noqa: E402  (one definition)
+LOSS_WEIGHTS = ("mtp_loss_weight", "z_loss_weight", "indexer_loss_weight",
+                "sequence_balance_weight", "balance_bias_rate")
 
 
 def train_config(**overrides) -> ml_collections.ConfigDict:
@@ -45,3 +55,40 @@ def eval_config(**overrides) -> ml_collections.ConfigDict:
   c.batches = 8
   c.update(overrides)
   return c
+
+
+def validate_train_config(c) -> None:
+  """Rejects a bad `train` section with a `ConfigError` naming the field."""
+  check_fields(c, train_config(), "train")
+  require(c.steps >= 1, "train.steps", f"must be >= 1, got {c.steps}")
+  require(c.dsa_stage in DSA_STAGES, "train.dsa_stage",
+          f"must be one of {DSA_STAGES}, got {c.dsa_stage!r}")
+  require(c.dsa_dense_steps >= 0, "train.dsa_dense_steps",
+          f"must be an int >= 0, got {c.dsa_dense_steps}")
+  require(c.dsa_dense_steps == 0 or c.dsa_stage == "sparse", "train.dsa_dense_steps",
+          "a dense phase comes before the sparse stage only; got "
+          f"dsa_stage={c.dsa_stage!r} (set it to 0)")
+  for name in LOSS_WEIGHTS:
+    require(math.isfinite(c[name]) and c[name] >= 0, f"train.{name}",
+            f"must be a finite number >= 0, got {c[name]}")
+  require(c.log_every_steps >= 1, "train.log_every_steps",
+          f"must be >= 1 (metrics are written every that many steps), got {c.log_every_steps}")
+
+
+def validate_ckpt_config(c) -> None:
+  """Rejects a bad `ckpt` section with a `ConfigError` naming the field."""
+  check_fields(c, ckpt_config(), "ckpt")
+  require(c.every_steps >= 1, "ckpt.every_steps",
+          f"must be >= 1 (a checkpoint every that many steps), got {c.every_steps}")
+  require(c.keep >= 1, "ckpt.keep", f"must be >= 1 (the checkpoints kept; fewer would delete "
+          f"every one), got {c.keep}")
+
+
+def validate_eval_config(c) -> None:
+  """Rejects a bad `eval` section with a `ConfigError` naming the field."""
+  check_fields(c, eval_config(), "eval")
+  require(c.every_steps >= 0, "eval.every_steps",
+          f"must be >= 0 (0 disables evaluation), got {c.every_steps}")
+  require(c.batches >= (1 if c.every_steps else 0), "eval.batches",
+          f"must be >= 1 when evaluation is on (eval.every_steps={c.every_steps}), got "
+          f"{c.batches}")

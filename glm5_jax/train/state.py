@@ -27,9 +27,9 @@ class TrainState:
 
 
 def trainable_mask(params, dsa_stage: str):
-  """Bool tree: which parameters the optimizer may change in `dsa_stage`."""
-  if dsa_stage not in DSA_STAGES:
-    raise ValueError(f"config.train.dsa_stage: must be one of {DSA_STAGES}, got {dsa_stage!r}")
+  """Bool tree: which parameters the optimizer may change in `dsa_stage` (one of `DSA_STAGES`,
+  as `validate_config` checks `train.dsa_stage`)."""
+  assert dsa_stage in DSA_STAGES, dsa_stage
   if dsa_stage == "sparse":
     return jax.tree_util.tree_map(lambda _: True, params)
   want_indexer = dsa_stage == "warmup"

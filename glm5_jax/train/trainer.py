@@ -11,10 +11,11 @@ import numpy as np
 
 from glm5_jax import data as data_lib
 from glm5_jax import optim
-from glm5_jax.api import abstract_params, init_params
+from glm5_jax.api import abstract_params_and_axes, init_params
 from glm5_jax.attention.kinds import ATTENTION_KINDS
-from glm5_jax.config import ModelConfig, validate_config
-from glm5_jax.sharding import activation_sharding, make_mesh, param_shardings
+from glm5_jax.config import ModelConfig
+from glm5_jax.config_validation import validate_config
+from glm5_jax.sharding import activation_sharding, batch_sharding, make_mesh, param_shardings
 from glm5_jax.train.state import TrainState, trainable_mask
 from glm5_jax.train.step import StepConfig, make_eval_step, make_train_step
 
@@ -40,14 +41,15 @@ class Trainer:
 
 
 def build_trainer(config) -> Trainer:
+  """Builds everything from `config`, which is validated first: a bad field raises
+  `ConfigError` before anything is compiled or written."""
   # ---- config and mesh
-  validate_config(config, jax.device_count())
+  validate_config(config, jax.device_count(), process_count=jax.process_count())
   model = ModelConfig.from_config(config.model)
   step_cfg = StepConfig.from_config(config.train)
   mesh = make_mesh(config.mesh)
   rules = config.mesh.logical_axis_rules
-  batch_sharding = jax.sharding.NamedSharding(
-      mesh, jax.sharding.PartitionSpec(("data", "fsdp")))
+  inputs_sharding = batch_sharding(mesh, rules)  # every batch array is [B, L]
 
   # ---- data
   tokenizer = data_lib.make_tokenizer(config.data.tokenizer)
@@ -55,12 +57,12 @@ def build_trainer(config) -> Trainer:
   train_iter = data_lib.make_train_iterator(config.data, process_index=jax.process_index(),
                                             process_count=jax.process_count())
 
-  # ---- abstract state, shardings
-  shapes = abstract_params(model)
+  # ---- abstract state, shardings (the params' shapes and logical axes: one shape-only trace)
+  shapes, logical_axes = abstract_params_and_axes(model)
   optimizer, schedule = optim.build_optimizer(
       config.optim, shapes, total_steps=config.train.steps,
       trainable=trainable_mask(shapes, step_cfg.dsa_stage))
-  params_sharding = param_shardings(model, mesh, rules)
+  params_sharding = param_shardings(shapes, logical_axes, mesh, rules)
 
   def init_state(rng_data):
     params = jax.lax.with_sharding_constraint(
@@ -73,24 +75,28 @@ def build_trainer(config) -> Trainer:
     init_compiled = jax.jit(init_state).lower(rng_data).compile()
   state_sharding = init_compiled.output_shardings
   abstract_state = jax.tree_util.tree_map(
-      lambda s, sh: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=sh),
-      jax.eval_shape(init_state, rng_data), state_sharding)
+      lambda s: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=s.sharding),
+      init_compiled.out_info)
 
   # ---- jitted steps
   def jitted_steps(cfg: StepConfig):
     return (jax.jit(make_train_step(model, cfg, optimizer, schedule),
-                    in_shardings=(state_sharding, batch_sharding),
+                    in_shardings=(state_sharding, inputs_sharding),
                     out_shardings=(state_sharding, None), donate_argnums=0),
             jax.jit(make_eval_step(model, cfg),
-                    in_shardings=(state_sharding.params, batch_sharding)))
+                    in_shardings=(state_sharding.params, inputs_sharding)))
 
   train_step, eval_step = jitted_steps(step_cfg)
-  dense_steps = _dense_phase_steps(config.train, model)
+  # A model without indexers has no dense phase: it would compute what its sparse stage does.
+  # A model without indexers computes in its dense phase exactly what its sparse stage does.
+  has_indexer = any("indexer" in ATTENTION_KINDS[letter].extra_params
+                    for letter in model.attention_pattern)
+  dense_steps = config.train.dsa_dense_steps if has_indexer else 0
   dense_train_step, dense_eval_step = (
       jitted_steps(step_cfg.dense_phase()) if dense_steps else (None, None))
 
   def to_device(batch):
-    return {k: jax.make_array_from_process_local_data(batch_sharding, np.asarray(v))
+    return {k: jax.make_array_from_process_local_data(inputs_sharding, np.asarray(v))
             for k, v in batch.items()}
 
   return Trainer(model=model, step_cfg=step_cfg, mesh=mesh, rules=rules, train_iter=train_iter,
@@ -99,17 +105,3 @@ def build_trainer(config) -> Trainer:
                  init_state=lambda: init_compiled(rng_data), train_step=train_step,
                  eval_step=eval_step, dense_steps=dense_steps, dense_train_step=dense_train_step,
                  dense_eval_step=dense_eval_step, to_device=to_device)
-
-
-def _dense_phase_steps(train_config, model: ModelConfig) -> int:
-  """`train.dsa_dense_steps`, checked; 0 for a model without indexers (its dense phase would
-  compute exactly what its sparse stage does)."""
-  n = train_config.dsa_dense_steps
-  if not isinstance(n, int) or n < 0:
-    raise ValueError(f"config.train.dsa_dense_steps: must be an int >= 0, got {n!r}")
-  if n and train_config.dsa_stage != "sparse":
-    raise ValueError("config.train.dsa_dense_steps: a dense phase comes before the sparse stage "
-                     f"only; got dsa_stage={train_config.dsa_stage!r} (set it to 0)")
-  has_indexer = any("indexer" in ATTENTION_KINDS[letter].extra_params
-                    for letter in model.attention_pattern)
-  return n if has_indexer else 0
