@@ -7,7 +7,7 @@
   python experiments/sweep.py --sweep=configs/sweeps/muon_split.py \
       --sweep.size.train_steps=1200 --sweep.suite.examples_per_cell=8
 
-Runs execute in dependency order (glm5_jax.eval.sweep_spec), one after another in this process
+Runs execute in dependency order (glm5_jax.sweeps.spec), one after another in this process
 or, with --parallel=N, up to N worker processes at a time. Everything goes under --sweep_dir
 (default workdir/sweeps/<name>, or <name>_quick with --quick): one directory per run and the
 report, `results.json`, `results.md` and plots (accuracy vs context length per variant, loss
@@ -22,9 +22,9 @@ import sys
 from absl import app, flags, logging
 from ml_collections import config_flags
 
-from glm5_jax.eval import sweep_report, sweep_runner
+from glm5_jax.sweeps import report as sweep_report, runner as sweep_runner
 from glm5_jax.config import load_config_file
-from glm5_jax.eval.sweep_spec import parse_runs
+from glm5_jax.sweeps.spec import parse_runs
 
 _SWEEP = config_flags.DEFINE_config_file("sweep", None, "Sweep config (configs/sweeps/*.py).",
                                          lock_config=False)

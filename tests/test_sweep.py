@@ -12,7 +12,8 @@ import ml_collections
 import pytest
 
 from glm5_jax.config import ModelConfig, load_config_file, validate_config
-from glm5_jax.eval import checkpoints, sweep_jobs, sweep_runner, sweep_spec
+from glm5_jax.eval import checkpoints
+from glm5_jax.sweeps import jobs as sweep_jobs, runner as sweep_runner, spec as sweep_spec
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SWEEPS = ("attention_conversion", "muon_split")

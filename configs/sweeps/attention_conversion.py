@@ -34,7 +34,7 @@ cell: the plumbing end to end in minutes (tests/test_sweep.py runs part of it).
 import ml_collections
 
 from glm5_jax.eval.suite import suite_config
-from glm5_jax.eval.sweep_spec import check, eval_run, search_run, train_run
+from glm5_jax.sweeps.spec import check, eval_run, search_run, train_run
 
 
 def get_config(arg: str | None = None) -> ml_collections.ConfigDict:

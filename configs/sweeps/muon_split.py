@@ -27,7 +27,7 @@ idle 2-core CPU (204-234 s a run, suite evaluation included); results in docs/ab
 import ml_collections
 
 from glm5_jax.eval.suite import suite_config
-from glm5_jax.eval.sweep_spec import check, train_run
+from glm5_jax.sweeps.spec import check, train_run
 
 # MLA-256 at tiny scale: heads x (qk, v) head dims 4 x (20, 16) -> 3 x (27, 21).
 MLA256 = dict(num_attention_heads=3, qk_nope_head_dim=19, v_head_dim=21)

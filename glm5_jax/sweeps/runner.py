@@ -8,7 +8,7 @@ Sweep directory layout:
   runs/<name>/eval.{json,md}  suite results of the run, when it has any
   runs/<name>/error.txt    the traceback of a failed attempt (removed when it later succeeds)
   runs/<name>/log.txt      a worker process's output (parallel mode)
-  results.json, results.md, *.png   the report (glm5_jax.eval.sweep_report)
+  results.json, results.md, *.png   the report (glm5_jax.sweeps.report)
 
 Resume: a run with a `result.json` of the same `spec_hash` is finished and never redone; one
 whose hash differs (the sweep config changed) stops the sweep, naming the run, unless
@@ -29,7 +29,7 @@ from absl import logging
 import ml_collections
 
 from glm5_jax.eval.report import write_json, write_suite_results
-from glm5_jax.eval.sweep_spec import Run, apply_overrides, parse_runs, substitute
+from glm5_jax.sweeps.spec import Run, apply_overrides, parse_runs, substitute
 
 RESULT_FILE = "result.json"
 
@@ -82,7 +82,7 @@ def resolved_spec(sweep, run: Run, results: dict, sweep_dir: str) -> dict:
 def execute_run(job: dict) -> dict:
   """Executes one resolved run (`resolved_spec`) in this process; writes and returns its
   result (`result.json` last, so a crash never leaves a run looking finished)."""
-  from glm5_jax.eval import sweep_jobs  # pylint: disable=g-import-not-at-top
+  from glm5_jax.sweeps import jobs  # pylint: disable=g-import-not-at-top
   spec, workdir = job["spec"], job["workdir"]
   os.makedirs(workdir, exist_ok=True)
   write_json(os.path.join(workdir, "spec.json"), job)
@@ -91,11 +91,11 @@ def execute_run(job: dict) -> dict:
   try:
     suite = ml_collections.ConfigDict(job["suite"])
     if spec["kind"] == "train":
-      result = sweep_jobs.train_job(job["name"], spec, suite, workdir)
+      result = jobs.train_job(job["name"], spec, suite, workdir)
     elif spec["kind"] == "eval":
-      result = sweep_jobs.eval_job(spec, suite)
+      result = jobs.eval_job(spec, suite)
     else:
-      result = sweep_jobs.search_job(spec, suite)
+      result = jobs.search_job(spec, suite)
   except Exception:
     with open(error_path, "w") as f:
       f.write(traceback.format_exc())

@@ -1,4 +1,4 @@
-"""What each sweep run kind does (train / eval / swa_search); see glm5_jax.eval.sweep_spec.
+"""What each sweep run kind does (train / eval / swa_search); see glm5_jax.sweeps.spec.
 
 Each job returns its JSON-able result; the runner adds bookkeeping and writes it.
 """
@@ -8,7 +8,7 @@ import os
 
 from glm5_jax.config import load_config_file
 from glm5_jax.eval.evaluate import evaluate_run, search_swa_pattern
-from glm5_jax.eval.sweep_spec import apply_overrides, split_config_arg
+from glm5_jax.sweeps.spec import apply_overrides, split_config_arg
 from glm5_jax.train.loop import train
 
 
