@@ -387,17 +387,3 @@ def validate_config(config, num_devices: int | None = None) -> None:
   if num_devices is not None and "mesh" in config:
     validate_mesh_config(config.mesh, num_devices)
 
-
-def load_config_file(path: str, arg: str | None = None):
-  """`get_config(arg)` of a configs/*.py file, by path (configs/ is not an installed package;
-  recipe configs use this to build on a sibling file)."""
-  import importlib.util  # pylint: disable=g-import-not-at-top
-  import os
-
-  spec = importlib.util.spec_from_file_location(
-      "glm5_config_" + os.path.splitext(os.path.basename(path))[0], path)
-  if spec is None or not os.path.isfile(path):
-    raise FileNotFoundError(f"config file {path} not found")
-  module = importlib.util.module_from_spec(spec)
-  spec.loader.exec_module(module)
-  return module.get_config(arg) if arg is not None else module.get_config()

@@ -3,14 +3,14 @@ batches keep them there, scoring is teacher-forced exact match on answer tokens,
 written as JSON + markdown, and a checkpoint converts training-free to another pattern."""
 
 import json
-import os
 import re
 
 import jax
 import numpy as np
 import pytest
 
-from glm5_jax.config import ModelConfig, load_config_file
+from configs import tiny
+from glm5_jax.config import ModelConfig
 from glm5_jax.data import make_tokenizer, synthetic
 from glm5_jax.eval import checkpoints, report, suite as suite_lib
 
@@ -105,8 +105,7 @@ def test_suite_errors_name_the_field():
 
 def small_model():
   """configs/tiny.py's MLA model with 2 dense-FFN layers and no MTP (compiles in seconds)."""
-  root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-  model = load_config_file(os.path.join(root, "configs", "tiny.py"), "attention=M").model
+  model = tiny.get_config("attention=M").model
   model.update(num_hidden_layers=2, first_k_dense_replace=2, mtp_depths=0)
   return checkpoints.complete_model_config(model)
 
@@ -146,5 +145,3 @@ def test_convert_params_keeps_trained_params_and_adds_fresh_ones(helpers):
   assert checkpoints.convert_params(params, source, source) is params
   with pytest.raises(ValueError, match="model has no field 'window'"):
     checkpoints.apply_model_overrides(source, {"window": 3})
-  assert checkpoints.parse_model_overrides(["sliding_window=64", "attention_pattern=SM"]) == {
-      "sliding_window": 64, "attention_pattern": "SM"}

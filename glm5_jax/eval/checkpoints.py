@@ -13,7 +13,6 @@ Model fields added to `glm5_jax.config.model_config` after a checkpoint was writ
 defaults, so old runs stay loadable.
 """
 
-import ast
 import dataclasses
 import os
 
@@ -59,21 +58,6 @@ def apply_model_overrides(model, overrides: dict | None, what: str = "model over
       raise ValueError(f"{what}: model has no field {field!r}; known: {sorted(model.keys())}")
     model[field] = value
   return model
-
-
-def parse_model_overrides(items: list[str]) -> dict:
-  """["field=value", ...] (command-line flags) -> {field: value}; values parse as Python
-  literals (ints, floats, tuples), anything else stays a string."""
-  out = {}
-  for item in items:
-    field, sep, text = item.partition("=")
-    if not sep or not field:
-      raise ValueError(f"--model_override={item!r}: expected FIELD=VALUE")
-    try:
-      out[field] = ast.literal_eval(text)
-    except (ValueError, SyntaxError):
-      out[field] = text
-  return out
 
 
 def read_run_meta(workdir: str) -> dict:

@@ -6,9 +6,8 @@ Each job returns its JSON-able result; the runner adds bookkeeping and writes it
 import json
 import os
 
-from glm5_jax.config import load_config_file
 from glm5_jax.eval.evaluate import evaluate_run, search_swa_pattern
-from glm5_jax.sweeps.spec import apply_overrides, split_config_arg
+from glm5_jax.sweeps.spec import apply_overrides, load_config
 from glm5_jax.train.loop import train
 
 
@@ -29,8 +28,7 @@ def read_metrics(workdir: str) -> tuple[list[dict], list[dict]]:
 def train_job(name: str, spec: dict, suite, workdir: str) -> dict:
   """Trains `spec["config"]` + `spec["overrides"]` in `workdir` (resuming if it has a
   checkpoint), then evaluates the final checkpoint on `suite` when `spec["evaluate"]`."""
-  path, arg = split_config_arg(spec["config"])
-  config = load_config_file(path, arg)
+  config = load_config(spec["config"], f"sweep.runs.{name}.config")
   apply_overrides(config, spec["overrides"], f"sweep.runs.{name}.overrides")
   summary = train(config, workdir)
   train_records, eval_records = read_metrics(workdir)

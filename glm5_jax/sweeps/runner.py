@@ -29,7 +29,7 @@ from absl import logging
 import ml_collections
 
 from glm5_jax.eval.report import write_json, write_suite_results
-from glm5_jax.sweeps.spec import Run, apply_overrides, parse_runs, substitute
+from glm5_jax.sweeps.spec import Run, apply_overrides, parse_runs, resolve_config_ref, substitute
 
 RESULT_FILE = "result.json"
 
@@ -70,9 +70,14 @@ def finished_results(sweep_dir: str, runs: list[Run], on_change: str = "error") 
   return done
 
 
-def resolved_spec(sweep, run: Run, results: dict, sweep_dir: str) -> dict:
-  """Everything a worker needs to execute `run`: references substituted, suite merged."""
+def resolved_spec(sweep, run: Run, results: dict, sweep_dir: str,
+                  config_dir: str | None = None) -> dict:
+  """Everything a worker needs to execute `run`: references substituted, the config reference
+  made independent of the working directory, suite merged."""
   spec = substitute(run.spec, results, f"sweep.runs.{run.name}")
+  if spec["kind"] == "train":
+    spec["config"] = resolve_config_ref(spec["config"], config_dir,
+                                        f"sweep.runs.{run.name}.config")
   suite = ml_collections.ConfigDict(sweep.suite.to_dict())
   apply_overrides(suite, spec.get("suite") or {}, f"sweep.runs.{run.name}.suite")
   return dict(name=run.name, spec=spec, spec_hash=run.spec_hash, suite=suite.to_dict(),
@@ -124,13 +129,15 @@ class SweepOutcome:
 
 
 def run_sweep(sweep, sweep_dir: str, *, parallel: int = 1, on_change: str = "error",
-              only: list[str] | None = None,
-              worker_command: list[str] | None = None) -> SweepOutcome:
+              only: list[str] | None = None, worker_command: list[str] | None = None,
+              config_dir: str | None = None) -> SweepOutcome:
   """Runs every unfinished run of `sweep` (or just `only` and what they need).
 
   Args:
     parallel: 1 runs in this process, one after another; N > 1 runs up to N at a time, each
       as `worker_command + [spec.json path]` (experiments/sweep.py --run_spec=...).
+    config_dir: the sweep config's directory, where relative config paths not found from the
+      working directory are looked up (`glm5_jax.sweeps.spec.resolve_config_ref`).
   Returns:
     the runs, their results and failures; runs blocked by a failed one are not attempted, all
     others are (`SweepOutcome.raise_if_failed` raises `SweepError` listing the failures).
@@ -162,7 +169,7 @@ def run_sweep(sweep, sweep_dir: str, *, parallel: int = 1, on_change: str = "err
       pending.remove(run)
       _log_start(sweep, runs, started, run)
       try:
-        results[run.name] = execute_run(resolved_spec(sweep, run, results, sweep_dir))
+        results[run.name] = execute_run(resolved_spec(sweep, run, results, sweep_dir, config_dir))
         logging.info("sweep: finished %s in %.0f s", run.name, results[run.name]["seconds"])
       except Exception as e:  # pylint: disable=broad-except
         logging.error("sweep: run %s failed: %s", run.name, e)
@@ -173,7 +180,7 @@ def run_sweep(sweep, sweep_dir: str, *, parallel: int = 1, on_change: str = "err
       pending.remove(run)
       _log_start(sweep, runs, started, run)
       try:
-        running[run.name] = (*_launch(resolved_spec(sweep, run, results, sweep_dir),
+        running[run.name] = (*_launch(resolved_spec(sweep, run, results, sweep_dir, config_dir),
                                       worker_command), time.time())
       except Exception as e:  # pylint: disable=broad-except
         logging.error("sweep: run %s could not start: %s", run.name, e)
