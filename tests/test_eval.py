@@ -130,11 +130,11 @@ def test_run_suite_writes_json_and_markdown(tmp_path, helpers):
   assert "| niah_single |" in text and "L=256" in text and "by needle depth" in text
 
 
-def test_convert_params_keeps_trained_params_and_adds_fresh_ones(helpers):
+def test_convert_run_params_keeps_trained_params_and_adds_fresh_ones(helpers):
   source = small_model()
   params = helpers.random_params(ModelConfig.from_config(source), seed=1)
   target = checkpoints.apply_model_overrides(source, {"attention_pattern": "MD"})
-  converted = checkpoints.convert_params(params, source, target, seed=3)
+  converted = checkpoints.convert_run_params(params, source, target, seed=3)
   flat = lambda t: {jax.tree_util.keystr(p): v for p, v in
                     jax.tree_util.tree_flatten_with_path(t)[0]}
   before, after = flat(params), flat(converted)
@@ -142,6 +142,9 @@ def test_convert_params_keeps_trained_params_and_adds_fresh_ones(helpers):
     np.testing.assert_array_equal(np.asarray(after[key]), np.asarray(value), err_msg=key)
   new = sorted(set(after) - set(before))
   assert new and all("indexer" in k for k in new)
-  assert checkpoints.convert_params(params, source, source) is params
+  assert checkpoints.convert_run_params(params, source, source) is params
+  gqa = checkpoints.apply_model_overrides(source, {"attention_pattern": "G"})
+  with pytest.raises(ValueError, match=r"converting /runs/x from pattern 'M' to 'G': .*family"):
+    checkpoints.convert_run_params(params, source, gqa, description="/runs/x")
   with pytest.raises(ValueError, match="model has no field 'window'"):
     checkpoints.apply_model_overrides(source, {"window": 3})
