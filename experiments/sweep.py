@@ -43,14 +43,13 @@ _ON_CHANGE = flags.DEFINE_enum("on_change", "error", ["error", "redo"], "A finis
                                "spec changed: stop with an error, or redo it.")
 _REPORT_ONLY = flags.DEFINE_bool("report_only", False, "Only rewrite the report.")
 _RUN_SPEC = flags.DEFINE_string("run_spec", "", "Worker mode: execute this runs/<name>/spec.json"
-                                " (written by a parallel sweep) and exit.")
+                                " (written by a parallel sweep) and exit (75: interrupted).")
 
 
 def main(argv):
   del argv
   if _RUN_SPEC.value:
-    sweep_runner.execute_run(sweep_runner.load_job(_RUN_SPEC.value))
-    return
+    return sweep_runner.run_worker(_RUN_SPEC.value)
   sweep = _SWEEP.value
   if sweep is None:
     raise app.UsageError("--sweep=configs/sweeps/<name>.py[:quick] is required")
