@@ -148,3 +148,27 @@ def test_convert_run_params_keeps_trained_params_and_adds_fresh_ones(helpers):
     checkpoints.convert_run_params(params, source, gqa, description="/runs/x")
   with pytest.raises(ValueError, match="model has no field 'window'"):
     checkpoints.apply_model_overrides(source, {"window": 3})
+
+
+def true_next_tokens(tokens_BL, positions_BL, segment_ids_BL):
+  """A predictor that is always right: entry i is token i + 1."""
+  return np.asarray(tokens_BL)[:, 1:]
+
+
+def current_tokens(tokens_BL, positions_BL, segment_ids_BL):
+  """Right one position late: entry i is token i (the off-by-one a scorer must not reward)."""
+  return np.asarray(tokens_BL)[:, :-1]
+
+
+def test_suite_scores_an_oracle_100_percent_and_a_shifted_one_0():
+  suite = suite_lib.suite_config(lengths=(256, 512), depths=(0.0, 0.5, 1.0),
+                                 examples_per_cell=2, batch_tokens=512)
+  assert set(suite.tasks) == set(suite_lib.DEFAULT_TASKS)
+  oracle = suite_lib.score_predictor(true_next_tokens, suite, TOK, progress=False)
+  assert oracle["meta"]["examples"] == 2 * 3 * 2 * len(suite.tasks)
+  assert oracle["score"] == oracle["answer_accuracy"] == oracle["token_accuracy"] == 1.0
+  assert all(c["exact_match"] == 1.0 for c in oracle["cells"])
+  shifted = suite_lib.score_predictor(current_tokens, suite, TOK, progress=False)
+  assert shifted["score"] == shifted["answer_accuracy"] == 0.0
+  assert all(c["exact_match"] == 0.0 for c in shifted["cells"])
+  assert shifted["token_accuracy"] < 0.2  # only repeated digits ("33") can match
