@@ -10,6 +10,7 @@ The mesh shards params over `fsdp` (all devices by default) and experts over `ex
 
 import ml_collections
 
+from configs.common import parse_arg
 from glm5_jax import data, optim
 from glm5_jax.config import model_config
 from glm5_jax.sharding import mesh_config
@@ -17,7 +18,7 @@ from glm5_jax.train import config as train_defaults
 
 
 def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
-  del arg
+  parse_arg(arg)  # takes no arguments: an error naming this file if given any
   config = ml_collections.ConfigDict()
   config.seed = 0
   config.model = model_config(attention_pattern="D" * 78)  # every layer DSA, own indexer

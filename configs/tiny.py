@@ -7,11 +7,12 @@ Split on the built-in data mix for about 5 minutes on 2 CPU cores.
   python experiments/train.py --config=configs/tiny.py:attention=G      (GQA baseline)
   python tools/param_count.py --config=configs/tiny.py
 
-`arg` is `key=value` pairs separated by commas; keys: `attention` (pattern string).
+`arg` (configs.common.parse_arg): `attention=<pattern>` (default "D"); a bare pattern works too.
 """
 
 import ml_collections
 
+from configs.common import parse_arg
 from glm5_jax import data, optim
 from glm5_jax.config import model_config
 from glm5_jax.sharding import mesh_config
@@ -46,10 +47,7 @@ def tiny_data_sources() -> dict:
 
 
 def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
-  options = dict(kv.split("=", 1) for kv in arg.split(",")) if arg else {}
-  unknown = sorted(set(options) - {"attention"})
-  if unknown:
-    raise ValueError(f"configs/tiny.py: unknown options {unknown}; known: ['attention']")
+  arg = parse_arg(arg, attention="D")
   config = ml_collections.ConfigDict()
   config.seed = 0
   config.model = model_config(
@@ -78,7 +76,7 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
       first_k_dense_replace=1,
       rope_theta=10_000.0,
       max_position_embeddings=4096,
-      attention_pattern=options.get("attention", "D"),
+      attention_pattern=arg.attention,
       dtype="float32",
   )
   config.data = data.data_config(seq_len=SEQ_LEN, batch_size=8, sources=tiny_data_sources())

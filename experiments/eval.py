@@ -1,27 +1,31 @@
 """Evaluate a trained run on the long-context retrieval suite (glm5_jax.eval.suite).
 
   python experiments/eval.py --workdir=/tmp/glm5_tiny            # the run as trained
-  python experiments/eval.py --workdir=/tmp/mla --attention_pattern=SMSM \
-      --model_override=sliding_window=64                          # training-free conversion
+  python experiments/eval.py --workdir=/tmp/mla --model.attention_pattern=SMSM \
+      --model.sliding_window=64                                   # training-free conversion
   python experiments/eval.py --workdir=/tmp/mla --config=configs/tiny.py:attention=M \
       --config.model.attention_pattern=DDDD --suite.examples_per_cell=8 \
       --suite.length_multiples=1,2,4,8,16 --suite.task_options.niah_single.value_digits=3
 
 The model is the checkpoint's own (from its saved config) unless `--config` gives an explicit
-run config, whose `model` section is then the target; `--attention_pattern` and
-`--model_override` change the target further. When the target differs from the trained model,
-fresh params of the target are merged with the checkpoint's (`merge_stage_params`): trained
-parameters are kept, new parts (indexers, GDN gates, ...) start from their init (`--seed`).
+run config, whose `model` section is then the target; `--model.<field>=...` flags (any field
+of `glm5_jax.config.model_config`, typed and checked by ml_collections; only the fields given
+count) change the target further. When the target differs from the trained model, the
+checkpoint converts training-free (`glm5_jax.convert.attention_pattern`): trained parameters
+are kept, new parts (indexers, GDN gates, ...) start from their init (`--seed`).
 Lengths default to 1x, 2x, 4x and 8x the run's training length (`data.seq_len`). Writes
 `<out_dir>/<name>.json` (every cell) and `<name>.md` (task x length and depth x length tables)
 and prints the markdown.
 """
 
+import os
+import sys
+
 from absl import app, flags, logging
 from ml_collections import config_flags
 
+from glm5_jax.config import model_config
 from glm5_jax.data import make_tokenizer
-from glm5_jax.eval.checkpoints import parse_model_overrides
 from glm5_jax.eval.evaluate import evaluate_run
 from glm5_jax.eval.report import write_suite_results
 from glm5_jax.eval.suite import suite_config
@@ -32,10 +36,9 @@ _CONFIG = config_flags.DEFINE_config_file(
     "config", None, "Optional run config; its model section is the model evaluated.",
     lock_config=False)
 _SUITE = config_flags.DEFINE_config_dict("suite", suite_config(), "Retrieval suite settings.")
-_PATTERN = flags.DEFINE_string("attention_pattern", "", "Evaluate with this attention pattern "
-                               "(training-free conversion of the checkpoint).")
-_MODEL_OVERRIDES = flags.DEFINE_multi_string(
-    "model_override", [], "FIELD=VALUE set on the evaluated model (e.g. sliding_window=64).")
+_MODEL = config_flags.DEFINE_config_dict(
+    "model", model_config(), "Model fields to change, e.g. --model.attention_pattern=SMSM "
+    "--model.sliding_window=64 (training-free conversion); only fields given here apply.")
 _SEED = flags.DEFINE_integer("seed", 0, "Init seed of parts a conversion adds.")
 _OUT_DIR = flags.DEFINE_string("out_dir", "", "Output directory (default <workdir>/eval).")
 _NAME = flags.DEFINE_string("name", "", "Output file stem (default eval_<pattern>).")
@@ -44,9 +47,7 @@ _NAME = flags.DEFINE_string("name", "", "Output file stem (default eval_<pattern
 def main(argv):
   del argv
   config = _CONFIG.value
-  overrides = parse_model_overrides(_MODEL_OVERRIDES.value)
-  if _PATTERN.value:
-    overrides["attention_pattern"] = _PATTERN.value
+  overrides = config_flags.get_override_values(flags.FLAGS["model"])
   results = evaluate_run(
       _WORKDIR.value, _SUITE.value, target_model=config.model if config else None,
       model_overrides=overrides, seed=_SEED.value,
@@ -62,4 +63,5 @@ def main(argv):
 
 
 if __name__ == "__main__":
+  sys.path.insert(0, os.getcwd())  # configs/*.py import `configs.*`: run from the repo root
   app.run(main)

@@ -9,6 +9,8 @@ compile and steady-state time, the init loss (about ln(vocab) for a fresh model)
 loss, the fraction of visible keys each DSA layer keeps, and the expert load spread.
 """
 
+import os
+import sys
 import time
 
 from absl import app, flags
@@ -71,4 +73,5 @@ def main(argv):
 
 
 if __name__ == "__main__":
+  sys.path.insert(0, os.getcwd())  # configs/*.py import `configs.*`: run from the repo root
   app.run(main)

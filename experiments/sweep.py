@@ -2,57 +2,60 @@
 
   python experiments/sweep.py --sweep=configs/sweeps/attention_conversion.py
   python experiments/sweep.py --sweep=configs/sweeps/muon_split.py --parallel=2
-  python experiments/sweep.py --sweep=configs/sweeps/attention_conversion.py --quick \
+  python experiments/sweep.py --sweep=configs/sweeps/attention_conversion.py:quick \
       --sweep_dir=/tmp/conv_quick                                  # a few steps, end to end
   python experiments/sweep.py --sweep=configs/sweeps/muon_split.py \
       --sweep.size.train_steps=1200 --sweep.suite.examples_per_cell=8
 
-Runs execute in dependency order (glm5_jax.eval.sweep_spec), one after another in this process
+Run from the repository root: the sweep configs import `configs.common` and name experiment
+configs as modules (`configs.tiny`), so the working directory goes on `sys.path`.
+
+Runs execute in dependency order (glm5_jax.sweeps.spec), one after another in this process
 or, with --parallel=N, up to N worker processes at a time. Everything goes under --sweep_dir
-(default workdir/sweeps/<name>, or <name>_quick with --quick): one directory per run and the
-report, `results.json`, `results.md` and plots (accuracy vs context length per variant, loss
-curves; plots need matplotlib). Re-running the same command resumes: finished runs are skipped,
-a half-trained run continues from its checkpoint. --report_only rewrites the report from the
-finished runs.
+(default workdir/sweeps/<name>, or <name>_<arg> for a sweep config argument such as `:quick`):
+one directory per run and the report, `results.json`, `results.md` and plots (accuracy vs
+context length per variant, loss curves). Re-running the same command resumes: finished runs
+are skipped, a half-trained run continues from its checkpoint. --report_only rewrites the
+report from the finished runs.
+
+SIGTERM stops the sweep: a training run saves a checkpoint and stops (in parallel mode the
+workers get the SIGTERM forwarded), no further run starts, the interrupted runs are not
+recorded as finished, and the command exits non-zero; re-running it resumes them.
 """
 
 import os
+import re
 import sys
 
 from absl import app, flags, logging
 from ml_collections import config_flags
 
-from glm5_jax.eval import sweep_report, sweep_runner
-from glm5_jax.config import load_config_file
-from glm5_jax.eval.sweep_spec import parse_runs
+from glm5_jax.sweeps import report as sweep_report, runner as sweep_runner
+from glm5_jax.sweeps.spec import parse_runs
 
-_SWEEP = config_flags.DEFINE_config_file("sweep", None, "Sweep config (configs/sweeps/*.py).",
-                                         lock_config=False)
+_SWEEP = config_flags.DEFINE_config_file(
+    "sweep", None, "Sweep config (configs/sweeps/*.py[:quick]).", lock_config=False)
 _SWEEP_DIR = flags.DEFINE_string("sweep_dir", "", "Output directory (default "
-                                 "workdir/sweeps/<name>[_quick]).")
-_QUICK = flags.DEFINE_bool("quick", False, "The sweep's quick size (its config file with arg "
-                           "'quick': a few steps); --sweep.* overrides still apply.")
+                                 "workdir/sweeps/<name>[_<arg>]).")
 _PARALLEL = flags.DEFINE_integer("parallel", 1, "Runs at a time; > 1 uses worker processes.")
 _ONLY = flags.DEFINE_list("only", [], "Run only these runs (and what they depend on).")
 _ON_CHANGE = flags.DEFINE_enum("on_change", "error", ["error", "redo"], "A finished run whose "
                                "spec changed: stop with an error, or redo it.")
 _REPORT_ONLY = flags.DEFINE_bool("report_only", False, "Only rewrite the report.")
 _RUN_SPEC = flags.DEFINE_string("run_spec", "", "Worker mode: execute this runs/<name>/spec.json"
-                                " (written by a parallel sweep) and exit.")
+                                " (written by a parallel sweep) and exit (75: interrupted).")
 
 
 def main(argv):
   del argv
   if _RUN_SPEC.value:
-    sweep_runner.execute_run(sweep_runner.load_job(_RUN_SPEC.value))
-    return
+    return sweep_runner.run_worker(_RUN_SPEC.value)
   sweep = _SWEEP.value
   if sweep is None:
-    raise app.UsageError("--sweep=configs/sweeps/<name>.py is required")
-  if _QUICK.value:
-    sweep = _quick_sweep()
-  sweep_dir = _SWEEP_DIR.value or os.path.join(
-      "workdir", "sweeps", sweep.name + ("_quick" if _QUICK.value else ""))
+    raise app.UsageError("--sweep=configs/sweeps/<name>.py[:quick] is required")
+  path, _, arg = config_flags.get_config_filename(flags.FLAGS["sweep"]).partition(":")
+  suffix = "_" + re.sub(r"[^A-Za-z0-9_.-]+", "_", arg) if arg else ""
+  sweep_dir = _SWEEP_DIR.value or os.path.join("workdir", "sweeps", sweep.name + suffix)
   if _REPORT_ONLY.value:
     runs = parse_runs(sweep)
     results = sweep_runner.finished_results(sweep_dir, runs, "error")
@@ -60,8 +63,8 @@ def main(argv):
   else:
     outcome = sweep_runner.run_sweep(
         sweep, sweep_dir, parallel=_PARALLEL.value, on_change=_ON_CHANGE.value,
-        only=_ONLY.value, worker_command=[sys.executable, os.path.abspath(__file__),
-                                          "--run_spec"])
+        only=_ONLY.value, config_dir=os.path.dirname(os.path.abspath(path)),
+        worker_command=[sys.executable, os.path.abspath(__file__), "--run_spec"])
   sweep_report.write_report(sweep, sweep_dir, outcome.runs, outcome.results,
                             failures=outcome.failed)
   results_md = os.path.join(sweep_dir, "results.md")
@@ -73,15 +76,6 @@ def main(argv):
   outcome.raise_if_failed()
 
 
-def _quick_sweep():
-  """The --sweep file loaded with arg "quick", then the command line's --sweep.* overrides."""
-  path, _, arg = config_flags.get_config_filename(flags.FLAGS["sweep"]).partition(":")
-  if arg not in ("", "quick"):
-    raise app.UsageError(f"--quick with --sweep={path}:{arg}: drop the ':{arg}'")
-  sweep = load_config_file(path, "quick")
-  sweep.update_from_flattened_dict(config_flags.get_override_values(flags.FLAGS["sweep"]))
-  return sweep
-
-
 if __name__ == "__main__":
+  sys.path.insert(0, os.getcwd())  # configs/*.py import `configs.*`: run from the repo root
   app.run(main)

@@ -3,7 +3,7 @@
   python experiments/train.py                                     # tiny GLM-5 on CPU, ~5 min
   python experiments/train.py --config=configs/tiny.py --workdir=/tmp/glm5_tiny \
       --config.optim.learning_rate=1e-3 --config.train.steps=2000
-  python experiments/train.py --config=configs/dsa_warmup.py --workdir=/tmp/warmup \
+  python experiments/train.py --config=configs/dsa_adaptation.py:warmup --workdir=/tmp/warmup \
       --config.train.init_from=/tmp/glm5_tiny_mla
 
 With no flags it trains the tiny GLM-5 (MoE + MLA + DSA with top-k < sequence + 3 shared MTP
@@ -78,4 +78,5 @@ def _print_summary(summary: dict):
 
 
 if __name__ == "__main__":
+  sys.path.insert(0, os.getcwd())  # configs/*.py import `configs.*`: run from the repo root
   app.run(main)

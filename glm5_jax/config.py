@@ -241,18 +241,3 @@ def mlp_layer_pattern(config) -> str:
     return config.mlp_pattern
   n_dense = min(config.first_k_dense_replace, config.num_hidden_layers)
   return "F" * n_dense + "E" * (config.num_hidden_layers - n_dense)
-
-
-def load_config_file(path: str, arg: str | None = None):
-  """`get_config(arg)` of a configs/*.py file, by path (configs/ is not an installed package;
-  recipe configs use this to build on a sibling file)."""
-  import importlib.util  # pylint: disable=g-import-not-at-top
-  import os
-
-  spec = importlib.util.spec_from_file_location(
-      "glm5_config_" + os.path.splitext(os.path.basename(path))[0], path)
-  if spec is None or not os.path.isfile(path):
-    raise FileNotFoundError(f"config file {path} not found")
-  module = importlib.util.module_from_spec(spec)
-  spec.loader.exec_module(module)
-  return module.get_config(arg) if arg is not None else module.get_config()

@@ -7,7 +7,7 @@ bias), so attention is far from uniform and top-k selections matter.
 """
 
 import functools
-import importlib.util
+import importlib
 import pathlib
 import types
 
@@ -25,12 +25,10 @@ CONFIG_DIR = REPO_ROOT / "configs"
 
 
 def load_config_module(path):
-  """Imports a `configs/*.py` file by path (configs/ is not a package)."""
-  path = pathlib.Path(path)
-  spec = importlib.util.spec_from_file_location(f"configs_{path.stem}", path)
-  module = importlib.util.module_from_spec(spec)
-  spec.loader.exec_module(module)
-  return module
+  """The module of the `configs` package that is the file `path` (configs/tiny.py ->
+  `configs.tiny`); `pythonpath = .` in setup.cfg puts the repository root on sys.path."""
+  relative = pathlib.Path(path).resolve().relative_to(REPO_ROOT).with_suffix("")
+  return importlib.import_module(".".join(relative.parts))
 
 
 def tiny_model_config(**overrides):

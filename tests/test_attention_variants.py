@@ -11,7 +11,6 @@ a model with every letter trains a step; config fields, FLOPs and param stats ac
 Notation: B batch, L length, H heads, K key dim, V value dim, D hidden.
 """
 
-import pathlib
 
 import jax
 import jax.numpy as jnp
@@ -27,7 +26,8 @@ from glm5_jax.attention.mla import MLA
 from glm5_jax.attention.mla_projections import MLA_PARAMS
 from glm5_jax.attention.simple_gdn import SimpleGatedDeltaNet
 from glm5_jax.attention.swa import SlidingWindowMLA, sliding_window_keys
-from glm5_jax.config import ConfigError, ModelConfig, interleave_pattern, load_config_file
+from configs import tiny
+from glm5_jax.config import ConfigError, ModelConfig, interleave_pattern
 from glm5_jax.optim import build_optimizer, optim_config, param_labels, weight_decay_mask
 from glm5_jax.param_stats import summarize
 from glm5_jax.sharding import default_logical_axis_rules, param_mesh_specs
@@ -40,7 +40,6 @@ LENGTH = 23  # odd, not a multiple of any chunk size used
 SEGMENTS = np.array([[1] * 7 + [2] * 9 + [3] * 7,  # three packed documents
                      [1] * 5 + [0] * 18])  # a document, then padding
 EVERY_LETTER = "DRMSNLG"
-TINY_CONFIG = pathlib.Path(__file__).resolve().parents[1] / "configs" / "tiny.py"
 
 
 def variant_config(helpers, pattern, **overrides):
@@ -325,7 +324,7 @@ def test_model_with_every_letter_trains_one_step(helpers):
     ("sliding_window", 0), ("gdn_conv_size", 0), ("gdn_chunk_size", -1),
     ("simple_gdn_gates", "sometimes"), ("simple_gdn_beta", 1.0), ("simple_gdn_beta", 0.0)])
 def test_bad_variant_fields_name_the_field(field, value):
-  model = load_config_file(str(TINY_CONFIG)).model
+  model = tiny.get_config().model
   model[field] = value
   with pytest.raises(ConfigError, match=f"model.{field}"):
     ModelConfig.from_config(model)
@@ -334,7 +333,7 @@ def test_bad_variant_fields_name_the_field(field, value):
 def test_config_without_the_new_fields_gets_defaults():
   """A `model` section written before these fields existed (an older checkpoint's meta or
   converted config.json) still loads."""
-  model = load_config_file(str(TINY_CONFIG)).model
+  model = tiny.get_config().model
   for name in ("sliding_window", "gdn_conv_size", "gdn_chunk_size", "simple_gdn_gates",
                "simple_gdn_beta"):
     del model[name]

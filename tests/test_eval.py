@@ -3,14 +3,14 @@ batches keep them there, scoring is teacher-forced exact match on answer tokens,
 written as JSON + markdown, and a checkpoint converts training-free to another pattern."""
 
 import json
-import os
 import re
 
 import jax
 import numpy as np
 import pytest
 
-from glm5_jax.config import ModelConfig, load_config_file
+from configs import tiny
+from glm5_jax.config import ModelConfig
 from glm5_jax.data import make_tokenizer, synthetic
 from glm5_jax.eval import checkpoints, report, suite as suite_lib
 
@@ -105,8 +105,7 @@ def test_suite_errors_name_the_field():
 
 def small_model():
   """configs/tiny.py's MLA model with 2 dense-FFN layers and no MTP (compiles in seconds)."""
-  root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-  model = load_config_file(os.path.join(root, "configs", "tiny.py"), "attention=M").model
+  model = tiny.get_config("attention=M").model
   model.update(num_hidden_layers=2, first_k_dense_replace=2, mtp_depths=0)
   return checkpoints.complete_model_config(model)
 
@@ -131,11 +130,11 @@ def test_run_suite_writes_json_and_markdown(tmp_path, helpers):
   assert "| niah_single |" in text and "L=256" in text and "by needle depth" in text
 
 
-def test_convert_params_keeps_trained_params_and_adds_fresh_ones(helpers):
+def test_convert_run_params_keeps_trained_params_and_adds_fresh_ones(helpers):
   source = small_model()
   params = helpers.random_params(ModelConfig.from_config(source), seed=1)
   target = checkpoints.apply_model_overrides(source, {"attention_pattern": "MD"})
-  converted = checkpoints.convert_params(params, source, target, seed=3)
+  converted = checkpoints.convert_run_params(params, source, target, seed=3)
   flat = lambda t: {jax.tree_util.keystr(p): v for p, v in
                     jax.tree_util.tree_flatten_with_path(t)[0]}
   before, after = flat(params), flat(converted)
@@ -143,8 +142,33 @@ def test_convert_params_keeps_trained_params_and_adds_fresh_ones(helpers):
     np.testing.assert_array_equal(np.asarray(after[key]), np.asarray(value), err_msg=key)
   new = sorted(set(after) - set(before))
   assert new and all("indexer" in k for k in new)
-  assert checkpoints.convert_params(params, source, source) is params
+  assert checkpoints.convert_run_params(params, source, source) is params
+  gqa = checkpoints.apply_model_overrides(source, {"attention_pattern": "G"})
+  with pytest.raises(ValueError, match=r"converting /runs/x from pattern 'M' to 'G': .*family"):
+    checkpoints.convert_run_params(params, source, gqa, description="/runs/x")
   with pytest.raises(ValueError, match="model has no field 'window'"):
     checkpoints.apply_model_overrides(source, {"window": 3})
-  assert checkpoints.parse_model_overrides(["sliding_window=64", "attention_pattern=SM"]) == {
-      "sliding_window": 64, "attention_pattern": "SM"}
+
+
+def true_next_tokens(tokens_BL, positions_BL, segment_ids_BL):
+  """A predictor that is always right: entry i is token i + 1."""
+  return np.asarray(tokens_BL)[:, 1:]
+
+
+def current_tokens(tokens_BL, positions_BL, segment_ids_BL):
+  """Right one position late: entry i is token i (the off-by-one a scorer must not reward)."""
+  return np.asarray(tokens_BL)[:, :-1]
+
+
+def test_suite_scores_an_oracle_100_percent_and_a_shifted_one_0():
+  suite = suite_lib.suite_config(lengths=(256, 512), depths=(0.0, 0.5, 1.0),
+                                 examples_per_cell=2, batch_tokens=512)
+  assert set(suite.tasks) == set(suite_lib.DEFAULT_TASKS)
+  oracle = suite_lib.score_predictor(true_next_tokens, suite, TOK, progress=False)
+  assert oracle["meta"]["examples"] == 2 * 3 * 2 * len(suite.tasks)
+  assert oracle["score"] == oracle["answer_accuracy"] == oracle["token_accuracy"] == 1.0
+  assert all(c["exact_match"] == 1.0 for c in oracle["cells"])
+  shifted = suite_lib.score_predictor(current_tokens, suite, TOK, progress=False)
+  assert shifted["score"] == shifted["answer_accuracy"] == 0.0
+  assert all(c["exact_match"] == 0.0 for c in shifted["cells"])
+  assert shifted["token_accuracy"] < 0.2  # only repeated digits ("33") can match

@@ -2,19 +2,18 @@
 settings, and on a tiny model (scored by the retrieval suite) returns a valid pattern."""
 
 import itertools
-import pathlib
 
 import pytest
 
+from configs import tiny
 import glm5_jax
-from glm5_jax.config import ModelConfig, load_config_file
+from glm5_jax.config import ModelConfig
 from glm5_jax.data import make_tokenizer
 from glm5_jax.eval import checkpoints
 from glm5_jax.eval.evaluate import pattern_scorer
 from glm5_jax.eval.suite import suite_config
 from glm5_jax.eval.swa_search import beam_search_pattern, num_candidates
 
-ROOT = pathlib.Path(__file__).resolve().parents[1]
 WEIGHTS = (0.1, 0.5, 0.3, 0.9, 0.2, 0.4)  # cost of making layer i SWA
 
 
@@ -65,7 +64,7 @@ def test_search_settings_and_errors():
 def test_search_on_a_tiny_model_returns_a_valid_pattern(helpers):
   letter = "S"
   model = checkpoints.complete_model_config(
-      load_config_file(str(ROOT / "configs" / "tiny.py"), "attention=M").model)
+      tiny.get_config("attention=M").model)
   model.update(num_hidden_layers=4, first_k_dense_replace=4, mtp_depths=0, sliding_window=16)
   params = helpers.random_params(ModelConfig.from_config(model), seed=0)
   loaded = checkpoints.LoadedRun(model=model, params=params, source_model=model, step=0,

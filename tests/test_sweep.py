@@ -3,6 +3,7 @@
 run kind) runs end to end, writes its report, resumes without redoing finished runs
 (in-process, from the command line, and with worker processes), and refuses a changed spec."""
 
+import importlib
 import json
 import os
 import subprocess
@@ -11,9 +12,12 @@ import sys
 import ml_collections
 import pytest
 
-from glm5_jax.config import ModelConfig, load_config_file
+from configs import tiny
+from configs.sweeps import attention_conversion
+from glm5_jax.config import ModelConfig
 from glm5_jax.config_validation import validate_config
-from glm5_jax.eval import checkpoints, sweep_jobs, sweep_runner, sweep_spec
+from glm5_jax.eval import checkpoints
+from glm5_jax.sweeps import jobs as sweep_jobs, runner as sweep_runner, spec as sweep_spec
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SWEEPS = ("attention_conversion", "muon_split")
@@ -22,7 +26,7 @@ SWEEPS = ("attention_conversion", "muon_split")
 @pytest.mark.parametrize("arg", [None, "quick"])
 @pytest.mark.parametrize("name", SWEEPS)
 def test_shipped_sweep_configs_build_valid_runs(name, arg):
-  sweep = load_config_file(os.path.join(ROOT, "configs", "sweeps", f"{name}.py"), arg)
+  sweep = importlib.import_module(f"configs.sweeps.{name}").get_config(arg)
   runs = sweep_spec.parse_runs(sweep)
   assert sweep.name == name and runs
   placeholders = {r.name: dict(workdir=r.name, pattern="M") for r in runs}
@@ -32,8 +36,7 @@ def test_shipped_sweep_configs_build_valid_runs(name, arg):
     seen.add(run.name)
     spec = sweep_spec.substitute(run.spec, placeholders, run.name)
     if spec["kind"] == "train":
-      path, config_arg = sweep_spec.split_config_arg(spec["config"])
-      config = load_config_file(path, config_arg)
+      config = sweep_spec.load_config(spec["config"])
       sweep_spec.apply_overrides(config, spec["overrides"], run.name)
       validate_config(config)
       assert config.optim.warmup_steps < config.train.steps
@@ -63,7 +66,7 @@ def test_spec_errors_name_the_run():
                                      b=sweep_spec.train_run(after=("a",))))
   with pytest.raises(ValueError, match="sweep.runs.a.kind"):
     sweep_spec.parse_runs(sweep_with(a=dict(ok, kind="dance")))
-  config = load_config_file(os.path.join(ROOT, "configs", "tiny.py"))
+  config = tiny.get_config()
   with pytest.raises(ValueError, match=r"run\.model\.n_layers: the experiment config has no"):
     sweep_spec.apply_overrides(config, {"model": {"n_layers": 2}}, "run")
   results = {"a": {"workdir": "/w", "pattern": "SM"}}
@@ -72,6 +75,25 @@ def test_spec_errors_name_the_run():
   with pytest.raises(KeyError, match="no result field 'score'"):
     sweep_spec.substitute("{a.score}", results, "r")
 
+
+
+def test_config_references_resolve_by_module_or_path(tmp_path, monkeypatch):
+  resolve, load = sweep_spec.resolve_config_ref, sweep_spec.load_config
+  assert resolve("configs.tiny:attention=G") == "configs.tiny:attention=G"
+  assert load("configs.tiny:attention=G").model.attention_pattern == "G"
+  tiny_py = os.path.join(ROOT, "configs", "tiny.py")
+  monkeypatch.chdir(ROOT)  # a path relative to the working directory
+  assert resolve("configs/tiny.py:attention=G") == tiny_py + ":attention=G"
+  assert load(resolve("configs/tiny.py:G")).model.attention_pattern == "G"
+  monkeypatch.chdir(tmp_path)  # elsewhere: relative to the sweep config's directory
+  sweeps_dir = os.path.join(ROOT, "configs", "sweeps")
+  assert resolve("../tiny.py", sweeps_dir) == tiny_py
+  with pytest.raises(FileNotFoundError, match=r"sweep.runs.a.config: config file "
+                     r"'configs/tiny.py' not found \(looked for .* and .*configs/sweeps/"):
+    resolve("configs/tiny.py", sweeps_dir, "sweep.runs.a.config")
+  with pytest.raises(ModuleNotFoundError, match=r"sweep.runs.a.config: config module "
+                     r"'configs.tinny' not found"):
+    load("configs.tinny", "sweep.runs.a.config")
 
 CONVERSION = os.path.join(ROOT, "configs", "sweeps", "attention_conversion.py")
 # Every run kind and dependency: baseline -> swa_search -> {free, trained}_swa_searched.
@@ -82,7 +104,7 @@ RUNS = ["baseline", "swa_search", "free_swa_searched", "trained_swa_searched"]
 def run_cli(sweep_dir, *extra):
   env = dict(os.environ, JAX_PLATFORMS="cpu", PYTHONPATH=ROOT)
   proc = subprocess.run([sys.executable, os.path.join(ROOT, "experiments", "sweep.py"),
-                         f"--sweep={CONVERSION}", "--quick", f"--only={ONLY}",
+                         f"--sweep={CONVERSION}:quick", f"--only={ONLY}",
                          f"--sweep_dir={sweep_dir}", *extra],
                         cwd=ROOT, env=env, capture_output=True, text=True, timeout=900)
   assert proc.returncode == 0, proc.stderr[-4000:]
@@ -122,7 +144,7 @@ def test_quick_sweep_end_to_end_then_resume(tmp_path, monkeypatch):
   assert f"**`{pattern}`**" in text and "## Expected orderings" in text
 
   # Resume in-process: a finished run is never redone; only the missing one runs.
-  sweep = load_config_file(CONVERSION, "quick")
+  sweep = attention_conversion.get_config("quick")
   os.remove(os.path.join(sweep_dir, "runs", "free_swa_searched", "result.json"))
   before = mtimes(sweep_dir)
   monkeypatch.setattr(sweep_jobs, "train_job", lambda *a: pytest.fail("train redone"))

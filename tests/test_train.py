@@ -14,8 +14,8 @@ import optax
 import pytest
 
 import glm5_jax
+from configs import tiny
 from glm5_jax import optim
-from glm5_jax.config import load_config_file
 from glm5_jax.train import checkpoint as ckpt
 from glm5_jax.train import losses
 from glm5_jax.train.loop import NonFiniteLossError, train
@@ -27,7 +27,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 def small_config(steps=16, **model_overrides):
   """configs/tiny.py with 2 layers and short rows, so each run compiles in seconds."""
-  config = load_config_file(os.path.join(ROOT, "configs", "tiny.py"))
+  config = tiny.get_config()
   config.model.update(num_hidden_layers=2, first_k_dense_replace=1, mtp_depths=2,
                       **model_overrides)
   config.data.update(seq_len=256, batch_size=4, prefetch=0)
@@ -204,7 +204,6 @@ def test_bad_stage_and_bad_data_path_are_clear_errors(tmp_path):
 
 _SHARDED_SCRIPT = r"""
 import json, os, sys
-from glm5_jax.config import load_config_file
 sys.path.insert(0, os.path.join(sys.argv[1], "tests"))
 from test_train import small_config, read_losses
 from glm5_jax.train.loop import train

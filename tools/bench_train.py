@@ -11,6 +11,8 @@ device's peak is known (not on CPU).
 """
 
 import json
+import os
+import sys
 import time
 
 from absl import app, flags
@@ -82,4 +84,5 @@ def main(argv):
 
 
 if __name__ == "__main__":
+  sys.path.insert(0, os.getcwd())  # configs/*.py import `configs.*`: run from the repo root
   app.run(main)

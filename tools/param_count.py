@@ -12,6 +12,8 @@ What is counted: see `glm5_jax.param_stats`.
 """
 
 import json
+import os
+import sys
 
 from absl import app
 from absl import flags
@@ -63,5 +65,6 @@ def main(argv):
 
 
 if __name__ == "__main__":
+  sys.path.insert(0, os.getcwd())  # configs/*.py import `configs.*`: run from the repo root
   flags.mark_flag_as_required("config")
   app.run(main)

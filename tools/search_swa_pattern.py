@@ -1,6 +1,6 @@
 """Search which layers of a trained full-attention model become sliding-window attention.
 
-  python tools/search_swa_pattern.py --workdir=/tmp/mla --model_override=sliding_window=64
+  python tools/search_swa_pattern.py --workdir=/tmp/mla --model.sliding_window=64
   python tools/search_swa_pattern.py --workdir=/tmp/mla --beam_width=4 --layers_per_step=1 \
       --num_convert=2 --length=1024 --suite.examples_per_cell=4 --output=/tmp/swa.json
 
@@ -11,7 +11,7 @@ retrieval exact match at one context length (`--length`, default `--length_multi
 run's training length), keep the best `--beam_width`, until `--num_convert` layers (default
 half) are converted. Prints the best pattern and saves it with every candidate's score to
 `--output` (default <workdir>/swa_search.json); its `pattern` field feeds
-`--config.model.attention_pattern` or experiments/eval.py `--attention_pattern`.
+`--config.model.attention_pattern` or experiments/eval.py `--model.attention_pattern`.
 """
 
 import json
@@ -19,7 +19,7 @@ import json
 from absl import app, flags
 from ml_collections import config_flags
 
-from glm5_jax.eval.checkpoints import parse_model_overrides
+from glm5_jax.config import model_config
 from glm5_jax.eval.evaluate import search_swa_pattern
 from glm5_jax.eval.report import write_json
 from glm5_jax.eval.suite import suite_config
@@ -38,21 +38,22 @@ _NUM_CONVERT = flags.DEFINE_integer("num_convert", -1, "Layers to convert; -1 = 
 _BEAM_WIDTH = flags.DEFINE_integer("beam_width", 8, "Patterns kept per step.")
 _LAYERS_PER_STEP = flags.DEFINE_integer("layers_per_step", 2, "Layers converted per step.")
 _LETTER = flags.DEFINE_string("letter", "S", "Attention letter of converted layers.")
-_MODEL_OVERRIDES = flags.DEFINE_multi_string(
-    "model_override", [], "FIELD=VALUE set on the converted model (e.g. sliding_window=64).")
+_MODEL = config_flags.DEFINE_config_dict(
+    "model", model_config(), "Model fields to change in the converted model, e.g. "
+    "--model.sliding_window=64; only fields given here apply.")
 _SEED = flags.DEFINE_integer("seed", 0, "Init seed of parts a conversion adds (none for SWA).")
 _OUTPUT = flags.DEFINE_string("output", "", "JSON output (default <workdir>/swa_search.json).")
 
 
 def main(argv):
   del argv
+  overrides = config_flags.get_override_values(flags.FLAGS["model"])
   result = search_swa_pattern(
       _WORKDIR.value, _SUITE.value, length=_LENGTH.value or None,
       length_multiple=_LENGTH_MULTIPLE.value,
       num_convert=None if _NUM_CONVERT.value < 0 else _NUM_CONVERT.value,
       beam_width=_BEAM_WIDTH.value, layers_per_step=_LAYERS_PER_STEP.value,
-      letter=_LETTER.value, model_overrides=parse_model_overrides(_MODEL_OVERRIDES.value),
-      seed=_SEED.value)
+      letter=_LETTER.value, model_overrides=overrides, seed=_SEED.value)
   output = _OUTPUT.value or f"{_WORKDIR.value}/swa_search.json"
   write_json(output, result)
   print("\n== SWA pattern search ==")

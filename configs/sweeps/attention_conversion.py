@@ -1,7 +1,7 @@
 """Long-context attention conversion (docs/reference.md section 3, report Tables 4-5), tiny scale.
 
   python experiments/sweep.py --sweep=configs/sweeps/attention_conversion.py        # ~22 min
-  python experiments/sweep.py --sweep=configs/sweeps/attention_conversion.py --quick
+  python experiments/sweep.py --sweep=configs/sweeps/attention_conversion.py:quick
   python experiments/sweep.py --sweep=configs/sweeps/attention_conversion.py \
       --sweep.size.continue_steps=600 --sweep.size.sliding_window=32
 
@@ -10,7 +10,7 @@ convert half its layers (GDN N, SimpleGDN L, SWA S interleaved or at the layers 
 picks) or all of them (DSA D) and evaluate each variant on the retrieval suite at 1x-8x the
 training length twice: training-free (the baseline's params, new parts freshly initialized)
 and after the same continued-training budget (`train.init_from` = the baseline). DSA goes
-through its two stages (configs/dsa_warmup.py, then configs/dsa_sparse.py; the warm-up trains
+through its two stages (configs/dsa_adaptation.py, stage warmup then sparse; the warm-up trains
 only the indexers and is extra to the budget). `dense_continued` continues the baseline itself
 for the same budget, the control DSA is compared with. The report's ordering: SWA interleave
 collapses past its window, searched SWA is much better, DSA stays within noise of dense.
@@ -33,19 +33,17 @@ cell: the plumbing end to end in minutes (tests/test_sweep.py runs part of it).
 
 import ml_collections
 
+from configs.common import parse_arg
 from glm5_jax.eval.suite import suite_config
-from glm5_jax.eval.sweep_spec import check, eval_run, search_run, train_run
+from glm5_jax.sweeps.spec import check, eval_run, search_run, train_run
 
 
 def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
-  if arg not in (None, "", "quick"):
-    raise ValueError(f"configs/sweeps/attention_conversion.py: arg {arg!r}; expected '' or "
-                     "'quick'")
-  quick = arg == "quick"
+  quick = parse_arg(arg, quick=False).quick
   num_layers = 2 if quick else 4
   c = ml_collections.ConfigDict()
   c.name = "attention_conversion"
-  c.base_config = "configs/tiny.py:attention=M"
+  c.base_config = "configs.tiny:attention=M"
   c.size = ml_collections.ConfigDict(dict(
       pretrain_steps=3 if quick else 600,
       continue_steps=2 if quick else 300,
@@ -102,11 +100,11 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
                          init_from="{baseline.workdir}"),
         group="continued training", variant=variant)
   runs.dsa_warmup = train_run(
-      config="configs/dsa_warmup.py",
+      config="configs.dsa_adaptation:stage=warmup",
       overrides=common("D", steps=size("dsa_warmup_steps"), init_from="{baseline.workdir}"),
       evaluate=False)
   runs.trained_dsa = train_run(
-      config="configs/dsa_sparse.py",
+      config="configs.dsa_adaptation:stage=sparse",
       overrides=common("D", steps=size("continue_steps"), init_from="{dsa_warmup.workdir}"),
       group="continued training", variant="dsa")
   c.runs = runs

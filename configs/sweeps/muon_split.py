@@ -1,7 +1,7 @@
 """Muon Split ablation (docs/reference.md section 3, report Table 1), tiny scale.
 
   python experiments/sweep.py --sweep=configs/sweeps/muon_split.py          # ~20 min
-  python experiments/sweep.py --sweep=configs/sweeps/muon_split.py --quick
+  python experiments/sweep.py --sweep=configs/sweeps/muon_split.py:quick
   python experiments/sweep.py --sweep=configs/sweeps/muon_split.py --sweep.size.train_steps=2000
 
 Five runs from scratch at equal compute (same steps, batch and data), each evaluated on
@@ -26,20 +26,19 @@ idle 2-core CPU (204-234 s a run, suite evaluation included); results in docs/ab
 
 import ml_collections
 
+from configs.common import parse_arg
 from glm5_jax.eval.suite import suite_config
-from glm5_jax.eval.sweep_spec import check, train_run
+from glm5_jax.sweeps.spec import check, train_run
 
 # MLA-256 at tiny scale: heads x (qk, v) head dims 4 x (20, 16) -> 3 x (27, 21).
 MLA256 = dict(num_attention_heads=3, qk_nope_head_dim=19, v_head_dim=21)
 
 
 def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
-  if arg not in (None, "", "quick"):
-    raise ValueError(f"configs/sweeps/muon_split.py: arg {arg!r}; expected '' or 'quick'")
-  quick = arg == "quick"
+  quick = parse_arg(arg, quick=False).quick
   c = ml_collections.ConfigDict()
   c.name = "muon_split"
-  c.base_config = "configs/tiny.py:attention=M"
+  c.base_config = "configs.tiny:attention=M"
   c.size = ml_collections.ConfigDict(dict(
       train_steps=3 if quick else 600,  # the default training run's length
       batch_size=2 if quick else 8,

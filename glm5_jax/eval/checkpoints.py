@@ -4,16 +4,15 @@ A run's workdir (experiments/train.py) holds orbax checkpoints whose `meta` item
 config sections `model`, `data` and `optim` (glm5_jax.train.checkpoint). Evaluating it:
 
   same model          the latest params as trained;
-  other attention     training-free conversion: fresh params of the target model (init from
-  pattern             `seed`) merged with the checkpoint's by `merge_stage_params`, so every
-                      parameter the source has keeps its trained value and parts the target adds
-                      (e.g. a DSA indexer, GDN gates) start freshly initialized.
+  other attention     training-free conversion (`glm5_jax.convert.attention_pattern`): every
+  pattern             parameter the source has keeps its trained value and parts the target
+                      adds (e.g. a DSA indexer, GDN gates) start freshly initialized (from
+                      `seed`).
 
 Model fields added to `glm5_jax.config.model_config` after a checkpoint was written take their
 defaults, so old runs stay loadable.
 """
 
-import ast
 import dataclasses
 import os
 
@@ -21,10 +20,10 @@ import jax
 import ml_collections
 import orbax.checkpoint as ocp
 
-from glm5_jax.api import abstract_params, init_params
+from glm5_jax.api import abstract_params
 from glm5_jax.config import model_config
+from glm5_jax.convert.attention_pattern import convert_attention_pattern
 from glm5_jax.train import checkpoint as ckpt
-from glm5_jax.train.state import merge_stage_params
 
 
 @dataclasses.dataclass
@@ -61,21 +60,6 @@ def apply_model_overrides(model, overrides: dict | None, what: str = "model over
   return model
 
 
-def parse_model_overrides(items: list[str]) -> dict:
-  """["field=value", ...] (command-line flags) -> {field: value}; values parse as Python
-  literals (ints, floats, tuples), anything else stays a string."""
-  out = {}
-  for item in items:
-    field, sep, text = item.partition("=")
-    if not sep or not field:
-      raise ValueError(f"--model_override={item!r}: expected FIELD=VALUE")
-    try:
-      out[field] = ast.literal_eval(text)
-    except (ValueError, SyntaxError):
-      out[field] = text
-  return out
-
-
 def read_run_meta(workdir: str) -> dict:
   """The `meta` item (step, config sections) of the latest checkpoint under `workdir`."""
   directory = os.path.join(os.path.abspath(workdir), "checkpoints")
@@ -90,35 +74,18 @@ def read_run_meta(workdir: str) -> dict:
     manager.close()
 
 
-def convert_params(params, source, target, *, seed: int = 0, description: str = "checkpoint"):
-  """`params` of model `source` as params of model `target` (ConfigDicts, completed).
-
-  Identical models return `params` unchanged. Otherwise `merge_stage_params` merges them into
-  the target's abstract shapes (so its errors come before any compilation); parameters the
-  source lacks come back as shapes and are then taken from `init_params(target, seed)`
-  (bit for bit; only those leaves are computed).
-  """
+def convert_run_params(params, source, target, *, seed: int = 0,
+                       description: str = "checkpoint"):
+  """`params` of model `source` as params of model `target` (ConfigDicts, completed): the same
+  params when the models are equal, else `convert_attention_pattern` with fresh parts from
+  `init_params(target, jax.random.key(seed))`; errors name `description`."""
   if target.to_dict() == source.to_dict():
     return params
   try:
-    merged = merge_stage_params(abstract_params(target), params,
-                                f"{description} (pattern {source.attention_pattern})")
+    return convert_attention_pattern(params, source, target, jax.random.key(seed))
   except ValueError as e:
     raise ValueError(f"converting {description} from pattern {source.attention_pattern!r} to "
                      f"{target.attention_pattern!r}: {e}") from e
-  leaves, treedef = jax.tree_util.tree_flatten(merged)
-  new = [i for i, leaf in enumerate(leaves) if isinstance(leaf, jax.ShapeDtypeStruct)]
-  if new:
-    fresh_def = jax.tree_util.tree_structure(abstract_params(target))
-    if fresh_def != treedef:
-      raise ValueError(f"{description}: merged params and a fresh init of the target model "
-                       "have different structures")
-    # Under one jit XLA drops the init of every parameter that is not new.
-    new_leaves = jax.jit(lambda key: [jax.tree_util.tree_leaves(init_params(target, key))[i]
-                                      for i in new])(jax.random.key(seed))
-    for i, leaf in zip(new, new_leaves):
-      leaves[i] = leaf
-  return jax.tree_util.tree_unflatten(treedef, leaves)
 
 
 def load_run(workdir: str, *, target_model=None, model_overrides: dict | None = None,
@@ -137,7 +104,7 @@ def load_run(workdir: str, *, target_model=None, model_overrides: dict | None = 
       workdir, lambda m: abstract_params(complete_model_config(m)))
   target = complete_model_config(target_model if target_model is not None else source)
   target = apply_model_overrides(target, model_overrides)
-  params = convert_params(loaded, source, target, seed=seed, description=workdir)
+  params = convert_run_params(loaded, source, target, seed=seed, description=workdir)
   return LoadedRun(model=target, params=params, source_model=source, step=int(meta["step"]),
                    data=dict(meta["config"].get("data", {})),
                    converted=target.to_dict() != source.to_dict())

@@ -8,7 +8,8 @@ from absl import logging
 import ml_collections
 
 from glm5_jax.data import make_tokenizer
-from glm5_jax.eval.checkpoints import LoadedRun, apply_model_overrides, convert_params, load_run
+from glm5_jax.eval.checkpoints import (LoadedRun, apply_model_overrides, convert_run_params,
+                                       load_run)
 from glm5_jax.eval.suite import run_suite
 from glm5_jax.eval.swa_search import SWA_LETTER, beam_search_pattern, num_candidates
 
@@ -58,8 +59,8 @@ def pattern_scorer(loaded: LoadedRun, suite, tokenizer, *, model_overrides: dict
   def score(pattern: str) -> float:
     target = apply_model_overrides(loaded.source_model,
                                    {**(model_overrides or {}), "attention_pattern": pattern})
-    params = convert_params(loaded.params, loaded.source_model, target, seed=seed,
-                            description="the searched checkpoint")
+    params = convert_run_params(loaded.params, loaded.source_model, target, seed=seed,
+                                description="the searched checkpoint")
     results = run_suite(target, params, suite, tokenizer, train_length=train_length,
                         progress=False)
     return results["score"] + 1e-4 * results["token_accuracy"]

@@ -195,13 +195,30 @@ def score_example(example: synthetic.SyntheticExample, predictions_L) -> dict:
 def run_suite(model, params, suite, tokenizer, *, train_length: int | None = None,
               progress: bool = True) -> dict:
   """Scores `params` of `model` (ConfigDict or ModelConfig) on the suite; see module doc."""
-  validate_suite(suite)
   model = ModelConfig.from_config(model)
+  predict = functools.partial(predict_next_tokens, params, model=model,
+                              dsa_stage=suite.dsa_stage)
+  results = score_predictor(predict, suite, tokenizer, train_length=train_length,
+                            max_length=model.max_position_embeddings, progress=progress)
+  results["meta"]["attention_pattern"] = model.attention_pattern
+  return results
+
+
+def score_predictor(predict, suite, tokenizer, *, train_length: int | None = None,
+                    max_length: int | None = None, progress: bool = True) -> dict:
+  """The suite's results (module doc) of any next-token predictor.
+
+  Args:
+    predict: `(tokens_BL, positions_BL, segment_ids_BL) -> [B, L - 1]` argmax predictions
+      (entry i predicts token i + 1): a model's (`run_suite`), or a reference in a test.
+    max_length: the longest length the predictor handles (a model's max positions).
+  """
+  validate_suite(suite)
   lengths = resolve_lengths(suite, train_length)
-  too_long = [n for n in lengths if n > model.max_position_embeddings]
+  too_long = [n for n in lengths if max_length is not None and n > max_length]
   if too_long:
     raise ValueError(f"suite lengths {too_long} exceed model.max_position_embeddings "
-                     f"{model.max_position_embeddings}")
+                     f"{max_length}")
   start_time, scored = time.time(), []
   for length in lengths:
     t0 = time.time()
@@ -210,9 +227,8 @@ def run_suite(model, params, suite, tokenizer, *, train_length: int | None = Non
     for b in range(0, len(examples), rows):
       chunk = examples[b:b + rows]
       batch = pad_examples([e for _, e in chunk], length, rows, tokenizer.pad_id)
-      predictions = np.asarray(predict_next_tokens(
-          params, batch["tokens"], batch["positions"], batch["segment_ids"], model=model,
-          dsa_stage=suite.dsa_stage))
+      predictions = np.asarray(predict(batch["tokens"], batch["positions"],
+                                       batch["segment_ids"]))
       for row, (key, example) in enumerate(chunk):
         scored.append((key, len(example.tokens), score_example(example, predictions[row])))
     if progress:
@@ -223,8 +239,8 @@ def run_suite(model, params, suite, tokenizer, *, train_length: int | None = Non
   results["meta"] = dict(lengths=lengths, train_length=suite.train_length or train_length,
                          tasks=list(suite.tasks), depths=[float(d) for d in suite.depths],
                          examples=len(scored), seconds=time.time() - start_time,
-                         attention_pattern=model.attention_pattern, seed=suite.seed,
-                         stream=suite.stream, scoring="teacher-forced argmax exact match")
+                         seed=suite.seed, stream=suite.stream,
+                         scoring="teacher-forced argmax exact match")
   return results
 
 

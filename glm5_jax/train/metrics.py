@@ -14,6 +14,7 @@ import json
 import os
 import time
 
+from absl import logging
 import jax
 import numpy as np
 
@@ -63,6 +64,7 @@ class MetricWriter:
     self._tb = None
     if self.enabled:
       os.makedirs(workdir, exist_ok=True)
+      _cut_torn_last_line(self.path)
       from tensorboardX import SummaryWriter  # imported here: only process 0 writes
       self._tb = SummaryWriter(os.path.join(workdir, "tensorboard"))
 
@@ -80,6 +82,20 @@ class MetricWriter:
   def close(self):
     if self._tb is not None:
       self._tb.close()
+
+
+def _cut_torn_last_line(path: str) -> None:
+  """Drops a last line left without its newline by a writer that died mid-write, so that the
+  next record starts a line of its own instead of corrupting this one."""
+  if not os.path.exists(path):
+    return
+  with open(path, "rb+") as f:
+    text = f.read()
+    if text and not text.endswith(b"\n"):
+      keep = text.rfind(b"\n") + 1
+      logging.warning("%s: cutting a torn last line (%d bytes) left by a crash", path,
+                      len(text) - keep)
+      f.truncate(keep)
 
 
 def _plain(value):

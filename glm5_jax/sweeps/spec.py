@@ -1,11 +1,10 @@
 """Sweep configs: named runs with dependencies, built by configs/sweeps/*.py.
 
 A sweep config (`get_config(arg)` -> ConfigDict; `arg` "quick" is the few-step size that
-`experiments/sweep.py --quick` and the tests run) has:
+`experiments/sweep.py --sweep=configs/sweeps/<name>.py:quick` and the tests run) has:
 
   name         the sweep's name
-  base_config  the experiment config file train runs start from (`path[:arg]`, relative to
-               the repository root or absolute)
+  base_config  the experiment config train runs start from, as a config reference (below)
   size         the numbers that set the sweep's cost (steps, examples, ...); runs take them by
                `FieldReference` (`size.get_ref("continue_steps")`), so `--sweep.size.X=...`
                changes every run that uses X
@@ -13,10 +12,17 @@ A sweep config (`get_config(arg)` -> ConfigDict; `arg` "quick" is the few-step s
   runs         {name: run}; see `train_run`, `eval_run`, `search_run` below
   checks       comparisons the report marks as holding or not (see `check`)
 
+Config references (`base_config`, a train run's `config`): a module of the `configs` package
+(`"configs.tiny:attention=M"`, imported; the part after `:` is `get_config`'s argument) or a
+file (`"configs/tiny.py:attention=M"`: relative to the working directory, else to the sweep
+config's directory; or absolute). The shipped sweeps use modules, which need the directory
+holding `configs/` on `sys.path` (experiments/sweep.py adds the working directory).
+
 Run kinds:
   train       experiments/train.py's `train(config, workdir)` on `config` (default
               base_config) with `overrides` (a nested dict over the experiment config), then the
-              suite on its final checkpoint when `evaluate`.
+              suite on its final checkpoint when `evaluate`. It is finished only when training
+              reached `config.train.steps`.
   eval        the suite on `checkpoint`'s params converted training-free to the model with
               `model` overrides (e.g. another attention pattern).
   swa_search  the beam search of `glm5_jax.eval.swa_search` on `checkpoint`.
@@ -30,6 +36,8 @@ errors naming the run.
 
 import dataclasses
 import hashlib
+import importlib
+import importlib.util
 import json
 import os
 import re
@@ -38,7 +46,6 @@ import ml_collections
 
 RUN_KINDS = ("train", "eval", "swa_search")
 REFERENCE = re.compile(r"\{([A-Za-z_]\w*)\.([A-Za-z_]\w*)\}")
-REPO_ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
 def train_run(*, overrides: dict | None = None, config: str = "", evaluate: bool = True,
@@ -89,18 +96,60 @@ class Run:
   spec_hash: str
 
 
-def resolve_path(path: str) -> str:
-  """A config path as given (absolute or relative to the working directory), else relative to
-  the repository root."""
-  if os.path.isabs(path) or os.path.exists(path):
-    return os.path.abspath(path)
-  return os.path.join(REPO_ROOT, path)
+def resolve_config_ref(ref: str, config_dir: str | None = None, where: str = "config") -> str:
+  """A config reference (see the module docstring) made independent of the working directory:
+  a module reference as given, a file reference with its path made absolute.
+
+  Args:
+    config_dir: the sweep config's directory, where a relative path not found from the working
+      directory is looked up.
+    where: names the reference in errors (e.g. `sweep.runs.baseline.config`).
+  Raises:
+    FileNotFoundError: a file reference found in neither place (the message lists both).
+  """
+  target, sep, arg = ref.partition(":")
+  if not _is_path(target):
+    return ref
+  candidates = [target] if os.path.isabs(target) else [os.path.abspath(target)] + (
+      [os.path.abspath(os.path.join(config_dir, target))] if config_dir else [])
+  for path in candidates:
+    if os.path.isfile(path):
+      return path + sep + arg
+  raise FileNotFoundError(f"{where}: config file {target!r} not found (looked for "
+                          f"{' and '.join(candidates)}); give a path relative to the working "
+                          "directory or the sweep config, or a module such as 'configs.tiny'")
 
 
-def split_config_arg(config: str) -> tuple[str, str | None]:
-  """"configs/tiny.py:attention=M" -> (absolute path, "attention=M")."""
-  path, sep, arg = config.partition(":")
-  return resolve_path(path), (arg if sep else None)
+def load_config(ref: str, where: str = "config") -> ml_collections.ConfigDict:
+  """`get_config(arg)` of a config reference (`"configs.tiny:attention=M"`, or a file path as
+  returned by `resolve_config_ref`).
+
+  Raises:
+    ModuleNotFoundError / FileNotFoundError: the module or file does not exist (the message
+      names `where` and the reference; an import error inside the config propagates as is).
+  """
+  target, sep, arg = ref.partition(":")
+  if _is_path(target):
+    if not os.path.isfile(target):
+      raise FileNotFoundError(f"{where}: config file {target!r} not found")
+    spec = importlib.util.spec_from_file_location(
+        "sweep_config_" + os.path.splitext(os.path.basename(target))[0], target)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+  else:
+    try:
+      module = importlib.import_module(target)
+    except ModuleNotFoundError as e:
+      if e.name is None or not target.startswith(e.name):
+        raise  # the config itself imports something missing
+      raise ModuleNotFoundError(
+          f"{where}: config module {target!r} not found ({e}); run from the directory that "
+          "holds configs/ (the repository root) or add it to PYTHONPATH") from e
+  return module.get_config(arg) if sep else module.get_config()
+
+
+def _is_path(target: str) -> bool:
+  return target.endswith(".py") or os.sep in target or "/" in target
 
 
 def references(value) -> set[str]:

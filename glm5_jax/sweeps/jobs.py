@@ -1,4 +1,4 @@
-"""What each sweep run kind does (train / eval / swa_search); see glm5_jax.eval.sweep_spec.
+"""What each sweep run kind does (train / eval / swa_search); see glm5_jax.sweeps.spec.
 
 Each job returns its JSON-able result; the runner adds bookkeeping and writes it.
 """
@@ -6,33 +6,57 @@ Each job returns its JSON-able result; the runner adds bookkeeping and writes it
 import json
 import os
 
-from glm5_jax.config import load_config_file
+from absl import logging
+
 from glm5_jax.eval.evaluate import evaluate_run, search_swa_pattern
-from glm5_jax.eval.sweep_spec import apply_overrides, split_config_arg
+from glm5_jax.sweeps.runner import RunInterrupted
+from glm5_jax.sweeps.spec import apply_overrides, load_config
 from glm5_jax.train.loop import train
 
 
 def read_metrics(workdir: str) -> tuple[list[dict], list[dict]]:
   """(train records, eval records) of `<workdir>/metrics.jsonl`, one per step (the last written
-  wins, so steps re-run after a resume appear once), in step order."""
+  wins, so steps re-run after a resume appear once), in step order.
+
+  A last line that is not JSON (torn: the writer died mid-line) is skipped with a warning; the
+  training loop's writer cuts such a line when it resumes.
+
+  Raises:
+    ValueError: any other line is not JSON (the message names the file and line).
+  """
   path = os.path.join(workdir, "metrics.jsonl")
   by_split = {"train": {}, "eval": {}}
   if os.path.exists(path):
     with open(path) as f:
-      for line in f:
+      lines = [(number, line) for number, line in enumerate(f, start=1) if line.strip()]
+    for number, line in lines:
+      try:
         record = json.loads(line)
-        if record.get("split") in by_split:
-          by_split[record["split"]][record["step"]] = record
+      except json.JSONDecodeError as e:
+        if number == lines[-1][0]:
+          logging.warning("%s:%d: skipping a torn last line (%s)", path, number, e)
+          break
+        raise ValueError(f"{path}:{number}: not a JSON record ({e}); only the last line may be "
+                         "torn by a crash") from e
+      if record.get("split") in by_split:
+        by_split[record["split"]][record["step"]] = record
   return tuple([r for _, r in sorted(by_split[s].items())] for s in ("train", "eval"))
 
 
 def train_job(name: str, spec: dict, suite, workdir: str) -> dict:
   """Trains `spec["config"]` + `spec["overrides"]` in `workdir` (resuming if it has a
-  checkpoint), then evaluates the final checkpoint on `suite` when `spec["evaluate"]`."""
-  path, arg = split_config_arg(spec["config"])
-  config = load_config_file(path, arg)
+  checkpoint), then evaluates the final checkpoint on `suite` when `spec["evaluate"]`.
+
+  Raises:
+    RunInterrupted: training stopped before `config.train.steps` (SIGTERM, preemption); its
+      checkpoint stays for the next attempt to resume.
+  """
+  config = load_config(spec["config"], f"sweep.runs.{name}.config")
   apply_overrides(config, spec["overrides"], f"sweep.runs.{name}.overrides")
   summary = train(config, workdir)
+  if summary["steps"] < config.train.steps:
+    raise RunInterrupted(f"sweep.runs.{name}: training stopped at step {summary['steps']} of "
+                         f"{config.train.steps}; its checkpoint resumes on the next attempt")
   train_records, eval_records = read_metrics(workdir)
   final_eval = {k: v for k, v in (eval_records[-1] if eval_records else {}).items()
                 if k not in ("split", "time")}

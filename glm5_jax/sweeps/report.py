@@ -1,13 +1,13 @@
 """A sweep's report: results.json, results.md (tables and checks) and matplotlib plots.
 
-Plots need matplotlib, imported only here and only when plotting (Agg backend, no display);
-without it the report says so and writes everything else.
+Plots are drawn on `matplotlib.figure.Figure`s and saved to files directly: no pyplot, no
+backend or display state.
 """
 
 import math
 import os
 
-from absl import logging
+from matplotlib.figure import Figure
 import numpy as np
 
 from glm5_jax.eval.report import markdown_table, percent, write_json
@@ -66,10 +66,8 @@ def evaluate_checks(checks, runs: dict) -> list[dict]:
 
 
 def sweep_markdown(name: str, runs: dict, checks: list[dict], status: dict,
-                   plots: list[str], note: str = "") -> str:
+                   plots: list[str]) -> str:
   parts = [f"# Sweep `{name}`", ""]
-  if note:
-    parts += [note, ""]
   suite_runs = _suite_runs(runs)
   if suite_runs:
     lengths = sorted({n for _, r in suite_runs for n in r["suite"]["meta"]["lengths"]})
@@ -136,11 +134,11 @@ def plot_accuracy_vs_length(runs: dict, path: str) -> str | None:
   suite_runs = _suite_runs(runs)
   if not suite_runs:
     return None
-  plt = _pyplot()
   groups = list(dict.fromkeys(r.get("group") or "runs" for _, r in suite_runs))
   if len(groups) > 1 and "baseline" in groups:  # the baseline is drawn in every other panel
     groups.remove("baseline")
-  fig, axes = plt.subplots(1, len(groups), figsize=(5.5 * len(groups), 4), squeeze=False)
+  fig = Figure(figsize=(5.5 * len(groups), 4))
+  axes = fig.subplots(1, len(groups), squeeze=False)
   for ax, group in zip(axes[0], groups):
     for run_name, r in suite_runs:
       if (r.get("group") or "runs") != group and r.get("group") != "baseline":
@@ -157,7 +155,7 @@ def plot_accuracy_vs_length(runs: dict, path: str) -> str | None:
     ax.set_ylim(-2, 102)
     ax.set_title(group)
     _finish_axes(ax)
-  return _save(plt, fig, path)
+  return _save(fig, path)
 
 
 def plot_loss_curves(runs: dict, path: str) -> str | None:
@@ -165,8 +163,8 @@ def plot_loss_curves(runs: dict, path: str) -> str | None:
   train_runs = [(n, r) for n, r in runs.items() if r.get("loss_curve")]
   if not train_runs:
     return None
-  plt = _pyplot()
-  fig, ax = plt.subplots(figsize=(7, 4.5))
+  fig = Figure(figsize=(7, 4.5))
+  ax = fig.subplots()
   for run_name, r in train_runs:
     curve = np.asarray(r["loss_curve"], float)
     (line,) = ax.plot(curve[:, 0], curve[:, 1], "-" if len(curve) > 4 else ".-",
@@ -177,7 +175,7 @@ def plot_loss_curves(runs: dict, path: str) -> str | None:
   ax.set_xlabel("step (within the run)")
   ax.set_ylabel("LM loss (line: train, dots: held-out)")
   _finish_axes(ax)
-  return _save(plt, fig, path)
+  return _save(fig, path)
 
 
 def _finish_axes(ax):
@@ -185,18 +183,10 @@ def _finish_axes(ax):
   ax.legend(fontsize=8)
 
 
-def _save(plt, fig, path: str) -> str:
+def _save(fig, path: str) -> str:
   fig.tight_layout()
   fig.savefig(path, dpi=120)
-  plt.close(fig)
   return path
-
-
-def _pyplot():
-  import matplotlib  # pylint: disable=g-import-not-at-top
-  matplotlib.use("Agg")
-  import matplotlib.pyplot as plt  # pylint: disable=g-import-not-at-top
-  return plt
 
 
 def write_report(sweep, sweep_dir: str, runs_in_order: list, results: dict, *,
@@ -208,19 +198,15 @@ def write_report(sweep, sweep_dir: str, runs_in_order: list, results: dict, *,
             for r in runs_in_order}
   ordered = {r.name: results[r.name] for r in runs_in_order if r.name in results}
   checks = evaluate_checks([dict(c) for c in sweep.get("checks", ())], ordered)
-  plots, note = [], ""
-  try:
-    for plot, filename in ((plot_accuracy_vs_length, "accuracy_vs_length.png"),
-                           (plot_loss_curves, "loss_curves.png")):
-      written = plot(ordered, os.path.join(sweep_dir, filename))
-      if written:
-        plots.append(written)
-  except ImportError:
-    note = "Plots skipped: matplotlib is not installed (`pip install matplotlib`)."
-    logging.warning(note)
+  plots = []
+  for plot, filename in ((plot_accuracy_vs_length, "accuracy_vs_length.png"),
+                         (plot_loss_curves, "loss_curves.png")):
+    written = plot(ordered, os.path.join(sweep_dir, filename))
+    if written:
+      plots.append(written)
   report = dict(sweep=sweep.name, size=sweep.size.to_dict(), status=status, checks=checks,
                 runs=ordered, plots=[os.path.basename(p) for p in plots])
   write_json(os.path.join(sweep_dir, "results.json"), report)
   with open(os.path.join(sweep_dir, "results.md"), "w") as f:
-    f.write(sweep_markdown(sweep.name, ordered, checks, status, plots, note))
+    f.write(sweep_markdown(sweep.name, ordered, checks, status, plots))
   return report

@@ -1,0 +1,1 @@
+"""Sweep configs (glm5_jax.sweeps): `get_config(arg)`, `arg` "quick" for a few-step size."""
