@@ -130,9 +130,10 @@ def restore_latest(manager, abstract_state: TrainState, data_iterator, config, *
       return state
     error = error or CheckpointCorruptError(f"{where}: damaged on another process")
     if not fallback:
-      raise CheckpointCorruptError(
-          f"{error}\nTo resume from the step before it, set --config.ckpt.restore_fallback=True "
-          "(the damaged step is then moved aside), or move it away yourself.") from error
+      hint = ("To resume from the step before it, set --config.ckpt.restore_fallback=True (the "
+              "damaged step is then moved aside), or move it away yourself." if i + 1 < len(steps)
+              else "It is the only step: move it away to start the run afresh.")
+      raise CheckpointCorruptError(f"{error}\n{hint}") from error
     if i + 1 == len(steps):
       raise CheckpointCorruptError(f"{error}\nckpt.restore_fallback: no earlier intact step "
                                    f"in {manager.directory}") from error

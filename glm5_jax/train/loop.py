@@ -60,20 +60,11 @@ def _train(config, workdir: str, stop_after_steps: int | None) -> dict:
   # ---------------------------------------------------------------- init or restore
   manager = ckpt.make_manager(workdir, every_steps=config.ckpt.every_steps,
                               keep=config.ckpt.keep, async_save=config.ckpt.async_save)
-  state = ckpt.restore_latest(manager, t.abstract_state, train_iter, config,
-                             fallback=config.ckpt.restore_fallback)
-  if state is not None:
-    logging.info("resumed from %s at step %d", manager.directory, int(state.step))
-  else:
-    state = t.init_state()
-    if config.train.init_from:
-      loaded, source_model = ckpt.restore_params_from(config.train.init_from, abstract_params)
-      params = merge_stage_params(state.params, loaded, f"{config.train.init_from} "
-                                  f"(pattern {source_model['attention_pattern']})")
-      params = jax.device_put(params, t.params_sharding)
-      opt_state = jax.jit(t.optimizer.init, out_shardings=t.state_sharding.opt_state)(params)
-      state = state.replace(params=params, opt_state=opt_state)
-      logging.info("initialized params from %s", config.train.init_from)
+  try:
+    state = _init_or_restore(t, manager, config)
+  except BaseException:
+    _close_all(manager.close, train_iter.close, raise_first=False)
+    raise
 
   # ---------------------------------------------------------------- loop
   writer = MetricWriter(workdir)
@@ -84,77 +75,78 @@ def _train(config, workdir: str, stop_after_steps: int | None) -> dict:
   start_step = int(state.step)
   interval_start, interval_steps = time.time(), 0
   pending = None  # (step, metrics) of the last dispatched step, read one step late
-  try:
-    with activation_sharding(mesh, rules), StopSignal() as sigterm:
-      for step in range(start_step, total_steps):
-        dense_phase = step < t.dense_steps
-        if step == t.dense_steps and t.dense_steps:
-          logging.info("step %d: DSA dense phase over, top-k attention on", step)
-        train_step = t.dense_train_step if dense_phase else t.train_step
-        state, metrics = train_step(state, t.to_device(next(train_iter)))
-        if pending is not None:  # never wait on the step just dispatched (STYLE habit 7)
-          last_metrics = _checked(*pending)
-          first_loss = last_metrics["loss"] if first_loss is None else first_loss
-        pending, interval_steps = (step, metrics), interval_steps + 1
-        done = step + 1
-        # The stop request is read once per step; that one value decides both the save and the
-        # break (a SIGTERM arriving later in this step is seen by the next one).
-        stop_reason = _stop_reason(
-            signalled=any_process(sigterm.take()), preempted=manager.reached_preemption(done),
-            budget_spent=stop_after_steps is not None and done - start_step >= stop_after_steps,
-        ) if done < total_steps else None
-        log_now = done % config.train.log_every_steps == 0 or done == total_steps
-        save_now = (done % config.ckpt.every_steps == 0 or done == total_steps
-                    or stop_reason is not None)
-        if log_now or save_now:  # these need this step's numbers: sync once
-          last_metrics = _checked(*pending)
-          first_loss = last_metrics["loss"] if first_loss is None else first_loss
-          pending = None
-        if log_now:
-          elapsed = time.time() - interval_start
-          last_metrics["tokens_per_sec"] = tokens_per_step * interval_steps / elapsed
-          last_metrics["tflops_per_sec"] = last_metrics["tokens_per_sec"] * flops / 1e12
-          last_metrics["mfu"] = (last_metrics["tflops_per_sec"] * 1e12 / (
-              peak * jax.device_count()) if peak else None)
-          logging.info(progress_line(done, total_steps, last_metrics))
-          writer.write(done, last_metrics)
-          interval_start, interval_steps = time.time(), 0
-        if config.eval.every_steps and (done % config.eval.every_steps == 0
-                                        or done == total_steps):
-          try:
-            eval_metrics = score_heldout(t.dense_eval_step if dense_phase else t.eval_step,
-                                         state.params, eval_batches, t.to_device, source_names,
-                                         answer_sources)
-          except Exception as e:
-            e.add_note(f"held-out eval at step {done}")
-            raise
-          logging.info("eval at step %d: %s", done, _format(eval_metrics))
-          writer.write(done, eval_metrics, prefix="eval")
-        if save_now:
-          try:
-            ckpt.save(manager, state, train_iter, config, force=True)
-          except Exception as e:
-            e.add_note(f"saving step {done} in {manager.directory}")
-            raise
-        if stop_reason is not None:
-          manager.wait_until_finished()  # committed before the log says so
-          if manager.latest_step() != done:
-            raise RuntimeError(f"stopping at step {done} ({stop_reason}): its checkpoint is not "
-                               f"in {manager.directory} (latest: {manager.latest_step()})")
-          logging.warning("stopped early (%s) at step %d of %d: saved step %d in %s; rerun "
-                          "with the same workdir to resume", stop_reason, done, total_steps,
-                          done, manager.directory)
-          break
-    if pending is not None:
-      last_metrics = _checked(*pending)
-  except BaseException:
-    # Still commit what can be committed, but never let a second failure (the same full disk,
-    # say) replace the first or skip the rest of the cleanup.
-    _close_all(manager.wait_until_finished, manager.close, writer.close, train_iter.close,
-               raise_first=False)
-    raise
-  _close_all(manager.wait_until_finished, manager.close, writer.close, train_iter.close,
-             raise_first=True)
+  closers = (manager.wait_until_finished, manager.close, writer.close, train_iter.close)
+  # SIGTERM is only recorded from here until the last checkpoint is committed.
+  with StopSignal() as sigterm:
+    try:
+      with activation_sharding(mesh, rules):
+        for step in range(start_step, total_steps):
+          dense_phase = step < t.dense_steps
+          if step == t.dense_steps and t.dense_steps:
+            logging.info("step %d: DSA dense phase over, top-k attention on", step)
+          train_step = t.dense_train_step if dense_phase else t.train_step
+          state, metrics = train_step(state, t.to_device(next(train_iter)))
+          if pending is not None:  # never wait on the step just dispatched (STYLE habit 7)
+            last_metrics = _checked(*pending)
+            first_loss = last_metrics["loss"] if first_loss is None else first_loss
+          pending, interval_steps = (step, metrics), interval_steps + 1
+          done = step + 1
+          # The stop request is read once per step; that one value decides both the save and the
+          # break (a SIGTERM arriving later in this step is seen by the next one).
+          stop_reason = _stop_reason(
+              signalled=any_process(sigterm.take()), preempted=manager.reached_preemption(done),
+              budget_spent=stop_after_steps is not None and done - start_step >= stop_after_steps,
+          ) if done < total_steps else None
+          log_now = done % config.train.log_every_steps == 0 or done == total_steps
+          save_now = (done % config.ckpt.every_steps == 0 or done == total_steps
+                      or stop_reason is not None)
+          if log_now or save_now:  # these need this step's numbers: sync once
+            last_metrics = _checked(*pending)
+            first_loss = last_metrics["loss"] if first_loss is None else first_loss
+            pending = None
+          if log_now:
+            elapsed = time.time() - interval_start
+            last_metrics["tokens_per_sec"] = tokens_per_step * interval_steps / elapsed
+            last_metrics["tflops_per_sec"] = last_metrics["tokens_per_sec"] * flops / 1e12
+            last_metrics["mfu"] = (last_metrics["tflops_per_sec"] * 1e12 / (
+                peak * jax.device_count()) if peak else None)
+            logging.info(progress_line(done, total_steps, last_metrics))
+            writer.write(done, last_metrics)
+            interval_start, interval_steps = time.time(), 0
+          if config.eval.every_steps and (done % config.eval.every_steps == 0
+                                          or done == total_steps):
+            try:
+              eval_metrics = score_heldout(t.dense_eval_step if dense_phase else t.eval_step,
+                                           state.params, eval_batches, t.to_device, source_names,
+                                           answer_sources)
+            except Exception as e:
+              e.add_note(f"held-out eval at step {done}")
+              raise
+            logging.info("eval at step %d: %s", done, _format(eval_metrics))
+            writer.write(done, eval_metrics, prefix="eval")
+          if save_now:
+            try:
+              ckpt.save(manager, state, train_iter, config, force=True)
+            except Exception as e:
+              e.add_note(f"saving step {done} in {manager.directory}")
+              raise
+          if stop_reason is not None:
+            manager.wait_until_finished()  # committed before the log says so
+            if manager.latest_step() != done:
+              raise RuntimeError(f"stopping at step {done} ({stop_reason}): its checkpoint is not "
+                                 f"in {manager.directory} (latest: {manager.latest_step()})")
+            logging.warning("stopped early (%s) at step %d of %d: saved step %d in %s; rerun "
+                            "with the same workdir to resume", stop_reason, done, total_steps,
+                            done, manager.directory)
+            break
+      if pending is not None:
+        last_metrics = _checked(*pending)
+    except BaseException:
+      # Still commit what can be committed, but never let a second failure (the same full
+      # disk, say) replace the first or skip the rest of the cleanup.
+      _close_all(*closers, raise_first=False)
+      raise
+    _close_all(*closers, raise_first=True)
 
   return {
       "steps": int(state.step), "total_steps": total_steps,
@@ -165,6 +157,26 @@ def _train(config, workdir: str, stop_after_steps: int | None) -> dict:
       "tokens_per_sec": (last_metrics or {}).get("tokens_per_sec"),
       "checkpoints": str(manager.directory), "metrics_file": writer.path,
   }
+
+
+def _init_or_restore(t, manager, config):
+  """The workdir's latest checkpoint (verified); else `train.init_from`'s params; else a fresh
+  init."""
+  state = ckpt.restore_latest(manager, t.abstract_state, t.train_iter, config,
+                              fallback=config.ckpt.restore_fallback)
+  if state is not None:
+    logging.info("resumed from %s at step %d", manager.directory, int(state.step))
+    return state
+  state = t.init_state()
+  if config.train.init_from:
+    loaded, source_model = ckpt.restore_params_from(config.train.init_from, abstract_params)
+    params = merge_stage_params(state.params, loaded, f"{config.train.init_from} "
+                                f"(pattern {source_model['attention_pattern']})")
+    params = jax.device_put(params, t.params_sharding)
+    opt_state = jax.jit(t.optimizer.init, out_shardings=t.state_sharding.opt_state)(params)
+    state = state.replace(params=params, opt_state=opt_state)
+    logging.info("initialized params from %s", config.train.init_from)
+  return state
 
 
 def _close_all(*closers, raise_first: bool) -> None:
