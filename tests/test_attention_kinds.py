@@ -11,7 +11,8 @@ from glm5_jax import Mode
 from glm5_jax.attention.gqa import GQA
 from glm5_jax.attention.kinds import ATTENTION_KINDS, KINDS_BY_NAME, layer_kind, pattern_error
 from glm5_jax.attention.mla import MLA
-from glm5_jax.config import ConfigError, model_config, validate_model_config
+from glm5_jax.config import ConfigError, model_config
+from glm5_jax.config_validation import validate_model_config
 
 
 def test_every_kind_builds_its_module(tiny_cfg):

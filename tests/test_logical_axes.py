@@ -8,7 +8,7 @@ import pytest
 from flax import linen as nn
 
 import glm5_jax
-from glm5_jax.config import default_logical_axis_rules
+from glm5_jax.sharding import default_logical_axis_rules
 from glm5_jax.layers import axes
 from glm5_jax.layers.params import constrain, param
 
