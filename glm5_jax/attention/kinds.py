@@ -7,9 +7,10 @@ runs after it, and whether it makes or needs a top-k selection. The config valid
 decoder, the MTP layer, pattern conversion, the parameter statistics and the FLOPs estimate
 all read it.
 
-This module imports no flax and nothing of `glm5_jax` (modules are built lazily by
-`AttentionKind.build`), so `glm5_jax.config` can validate patterns with it while the attention
-modules import `glm5_jax.config`.
+This module imports no flax and nothing of `glm5_jax` at import time, so `glm5_jax.config` can
+validate patterns with it while the attention modules import `glm5_jax.config`: each entry's
+`module` is a small function whose body imports the class (plain import statements, so "go to
+definition" still works; no module paths in strings).
 
 Notation (docs/design.md): L sequence length, H heads, K = N + R query/key head dim, V value
 head dim, C kv latent, R RoPE dim, I index head dim, G KV heads (GQA), W window or conv taps,
@@ -17,7 +18,6 @@ A delta-rule chunk length.
 """
 
 import dataclasses
-import importlib
 from typing import TYPE_CHECKING, Any, Callable
 
 if TYPE_CHECKING:  # config.py imports this module
@@ -38,7 +38,7 @@ class AttentionKind:
     family: "mla" (stores the M layer's projections, `mla_projections.MLA_PARAMS`) or "gqa".
       Layers convert within a family only (`glm5_jax.convert.attention_pattern`).
     description: what the layer computes, one paragraph.
-    module: "package.module:Class" of its flax module; every module is called as
+    module: () -> the kind's flax module class (deferred import); every module is called as
       `module(x_BLD, positions_BL, segment_ids_BL, prev_topk_BLT, mode=Mode)` and returns
       `(y_BLD, aux)`.
     module_kwargs: extra constructor arguments, as (name, value) pairs.
@@ -60,7 +60,7 @@ class AttentionKind:
   name: str
   family: str
   description: str
-  module: str
+  module: Callable[[], type]
   cache_numbers_per_token: Callable[["ModelConfig"], dict[str, int]]
   recurrent_state_bytes: Callable[["ModelConfig"], int]
   attention_flops_per_token: Callable[["ModelConfig", int], float]
@@ -72,9 +72,7 @@ class AttentionKind:
 
   def build(self, cfg: "ModelConfig", name: str):
     """The kind's flax module for `cfg`, named `name` (imported on first use)."""
-    module_path, class_name = self.module.split(":")
-    module_class = getattr(importlib.import_module(module_path), class_name)
-    return module_class(cfg, name=name, **dict(self.module_kwargs))
+    return self.module()(cfg, name=name, **dict(self.module_kwargs))
 
 
 # --- sizes and FLOPs, as functions of the config ----------------------------------------------
@@ -147,13 +145,40 @@ def _delta_rule_flops(cfg, seq_len: int) -> float:
 
 # --- the registry ------------------------------------------------------------------------------
 
-_MLA_MODULE = "glm5_jax.attention.mla:MLA"
+# The module classes, imported when first built (they import glm5_jax.config, which imports
+# this registry).
+
+
+def _mla():
+  from glm5_jax.attention.mla import MLA  # pylint: disable=g-import-not-at-top
+  return MLA
+
+
+def _gqa():
+  from glm5_jax.attention.gqa import GQA  # pylint: disable=g-import-not-at-top
+  return GQA
+
+
+def _swa():
+  from glm5_jax.attention.swa import SlidingWindowMLA  # pylint: disable=g-import-not-at-top
+  return SlidingWindowMLA
+
+
+def _gdn():
+  from glm5_jax.attention.gdn import GatedDeltaNet  # pylint: disable=g-import-not-at-top
+  return GatedDeltaNet
+
+
+def _simple_gdn():
+  from glm5_jax.attention.simple_gdn import SimpleGatedDeltaNet  # pylint: disable=g-import-not-at-top
+  return SimpleGatedDeltaNet
+
 
 ATTENTION_KINDS: dict[str, AttentionKind] = {k.letter: k for k in (
     AttentionKind(
         letter="M", name="mla", family="mla",
         description="dense multi-head latent attention (docs/reference.md section 2, MLA)",
-        module=_MLA_MODULE, module_kwargs=(("kind", "mla"),),
+        module=_mla, module_kwargs=(("kind", "mla"),),
         cache_numbers_per_token=lambda cfg: {"mla_latent": _mla_latent(cfg)},
         recurrent_state_bytes=_no_state, attention_flops_per_token=_dense_mla_flops,
         mtp_letter="M"),
@@ -161,7 +186,7 @@ ATTENTION_KINDS: dict[str, AttentionKind] = {k.letter: k for k in (
         letter="D", name="dsa", family="mla",
         description="DSA: MLA restricted to the top-k keys chosen by this layer's lightning "
                     "indexer; `model.dsa_impl` picks how the sparse stage runs",
-        module=_MLA_MODULE, module_kwargs=(("kind", "dsa"),),
+        module=_mla, module_kwargs=(("kind", "dsa"),),
         extra_params=frozenset({"indexer"}),
         cache_numbers_per_token=lambda cfg: {"mla_latent": _mla_latent(cfg),
                                              "dsa_indexer_keys": cfg.index_head_dim},
@@ -171,7 +196,7 @@ ATTENTION_KINDS: dict[str, AttentionKind] = {k.letter: k for k in (
         letter="R", name="dsa_shared_topk", family="mla",
         description="DSA that reuses the previous layer's top-k selection and has no indexer "
                     "of its own (HF `indexer_types = \"shared\"`)",
-        module=_MLA_MODULE, module_kwargs=(("kind", "dsa_shared_topk"),),
+        module=_mla, module_kwargs=(("kind", "dsa_shared_topk"),),
         cache_numbers_per_token=lambda cfg: {"mla_latent": _mla_latent(cfg)},
         recurrent_state_bytes=_no_state, attention_flops_per_token=_dsa_flops,
         # The MTP pass has no previous DSA layer: after an R layer it gets an indexer.
@@ -180,7 +205,7 @@ ATTENTION_KINDS: dict[str, AttentionKind] = {k.letter: k for k in (
         letter="G", name="gqa", family="gqa",
         description="grouped-query attention with `num_key_value_heads` KV heads of "
                     "`gqa_head_dim` (the GQA-8 baseline)",
-        module="glm5_jax.attention.gqa:GQA",
+        module=_gqa,
         cache_numbers_per_token=lambda cfg: {
             "gqa_kv": 2 * cfg.num_key_value_heads * cfg.gqa_head_dim},
         recurrent_state_bytes=_no_state, attention_flops_per_token=_gqa_flops,
@@ -192,7 +217,7 @@ ATTENTION_KINDS: dict[str, AttentionKind] = {k.letter: k for k in (
                     "DSA layer handed the window as its selection, so `model.dsa_impl` also "
                     "picks how S layers attend: \"dense_mask\" masks a dense [L, S] attention, "
                     "\"xla\" / \"pallas\" gather the W window rows per query (O(L x W))",
-        module="glm5_jax.attention.swa:SlidingWindowMLA",
+        module=_swa,
         # The latent of the last `sliding_window` tokens only: bytes per token while the
         # context fits the window, constant beyond.
         cache_numbers_per_token=lambda cfg: {"swa_latent": _mla_latent(cfg)},
@@ -203,7 +228,7 @@ ATTENTION_KINDS: dict[str, AttentionKind] = {k.letter: k for k in (
         description="Gated DeltaNet (arXiv 2412.06464) on the M layer's q/k/v/o projections: "
                     "short causal convs, data-dependent decay and update gates, gated output "
                     "norm",
-        module="glm5_jax.attention.gdn:GatedDeltaNet",
+        module=_gdn,
         extra_params=frozenset({"q_conv1d", "k_conv1d", "v_conv1d", "a_proj", "b_proj",
                                 "A_log", "dt_bias", "g_proj", "o_norm"}),
         cache_numbers_per_token=_no_cache, recurrent_state_bytes=_gdn_state_bytes,
@@ -213,7 +238,7 @@ ATTENTION_KINDS: dict[str, AttentionKind] = {k.letter: k for k in (
         description="SimpleGDN: the gated delta rule directly on the M layer's q/k/v/o, no "
                     "conv, per-head gates fixed (`simple_gdn_gates=\"fixed\"`) or two learned "
                     "scalars per head (\"learned\", the only case with extra params)",
-        module="glm5_jax.attention.simple_gdn:SimpleGatedDeltaNet",
+        module=_simple_gdn,
         extra_params=frozenset({"decay_rate_log", "beta_logit"}),
         cache_numbers_per_token=_no_cache, recurrent_state_bytes=_delta_rule_state_bytes,
         attention_flops_per_token=_delta_rule_flops, mtp_letter="L"),
