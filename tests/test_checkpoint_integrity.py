@@ -7,13 +7,18 @@ import os
 import subprocess
 import sys
 
+import grain
+import jax
 import jax.numpy as jnp
+import ml_collections
 import numpy as np
+import orbax.checkpoint as ocp
 import pytest
 
 from glm5_jax.train import checkpoint as ckpt
 from glm5_jax.train import integrity
 from glm5_jax.train.loop import train
+from glm5_jax.train.state import TrainState
 from test_train import ROOT, read_losses, small_config
 
 
@@ -58,6 +63,83 @@ def test_flipped_bytes_are_refused_and_fallback_resumes_from_the_step_before(tmp
   expected, got = read_losses(straight), read_losses(workdir)
   np.testing.assert_allclose([got[s] for s in range(1, 7)], [expected[s] for s in range(1, 7)],
                              rtol=1e-6)
+
+
+class _TinyRun:
+  """Checkpoints of a small hand-made state (no model, no compile) in `workdir`."""
+
+  def __init__(self, workdir):
+    self.config = ml_collections.ConfigDict(dict(
+        model=dict(width=4096), data=dict(seed=0), optim=dict(lr=0.1),
+        train=dict(dsa_stage="sparse")))
+    self.manager = ckpt.make_manager(workdir, every_steps=1, keep=5, async_save=True)
+    self.data = iter(grain.MapDataset.range(100).to_iter_dataset())
+
+  def state(self, step):
+    rng = np.random.default_rng(step)
+    return TrainState(step=jnp.int32(step),
+                      params={"w": jnp.asarray(rng.standard_normal(4096), jnp.float32)},
+                      opt_state={"m": jnp.asarray(rng.standard_normal(4096), jnp.bfloat16)},
+                      rng=jax.random.key_data(jax.random.key(step)))
+
+  def save(self, step):
+    next(self.data)
+    ckpt.save(self.manager, self.state(step), self.data, self.config, force=True)
+    self.manager.wait_until_finished()
+
+  def restore(self, **kwargs):
+    abstract = jax.tree_util.tree_map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype),
+                                      self.state(0))
+    return ckpt.restore_latest(self.manager, abstract, self.data, self.config, **kwargs)
+
+
+def test_unreadable_or_damaged_steps_name_their_directory(tmp_path, caplog):
+  run = _TinyRun(str(tmp_path))
+  run.save(1)
+  run.save(2)
+  step2 = os.path.join(str(tmp_path), "checkpoints", "2")
+  restored = run.restore()
+  assert int(restored.step) == 2
+  np.testing.assert_array_equal(restored.params["w"], run.state(2).params["w"])
+  assert next(run.data) == 2  # the data position came back too
+
+  _flip_bytes(step2, "opt_state")
+  with pytest.raises(ckpt.CheckpointCorruptError,
+                     match=rf"(?s){step2}: damaged checkpoint.*opt_state\['m'\].*restore_fallback"):
+    run.restore()
+
+  for path in glob.glob(os.path.join(step2, "params", "**", "d", "*"), recursive=True):
+    with open(path, "r+b") as f:  # a torn write: every params data file cut short
+      f.truncate(os.path.getsize(path) // 3)
+  with pytest.raises(ckpt.CheckpointCorruptError, match=rf"{step2}: could not restore"):
+    run.restore()
+
+  with caplog.at_level(logging.WARNING):
+    restored = run.restore(fallback=True)
+  assert int(restored.step) == 1
+  np.testing.assert_array_equal(restored.params["w"], run.state(1).params["w"])
+  assert "skipping damaged step 2" in caplog.text
+  assert run.manager.all_steps() == [1]
+  assert os.listdir(os.path.join(str(tmp_path), "checkpoints_damaged")) == ["2"]
+  run.save(2)  # the run can write step 2 again
+  run.manager.close()
+
+
+def test_a_checkpoint_from_before_fingerprints_restores_with_a_warning(tmp_path, caplog):
+  run = _TinyRun(str(tmp_path))
+  state = run.state(3)
+  run.manager.save(3, args=ocp.args.Composite(  # what the previous version wrote
+      params=ocp.args.StandardSave(state.params),
+      opt_state=ocp.args.StandardSave(state.opt_state),
+      meta=ocp.args.JsonSave({"step": 3, "rng": np.asarray(state.rng).tolist(),
+                              "config": {k: run.config[k].to_dict()
+                                         for k in ("model", "data", "optim")}}),
+      data=grain.checkpoint.CheckpointSave(run.data)), force=True)
+  run.manager.wait_until_finished()
+  with caplog.at_level(logging.WARNING):
+    assert int(run.restore().step) == 3
+  assert "has no fingerprint" in caplog.text
+  run.manager.close()
 
 
 def test_fingerprint_sees_every_single_bit_flip_and_moved_words():
