@@ -27,6 +27,10 @@ import os
 import re
 import sys
 
+# configs/*.py import each other as `configs.*`, and config flags load them while this module
+# is imported: the repository root goes on sys.path before anything else.
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
 from absl import app, flags, logging
 from ml_collections import config_flags
 
@@ -77,5 +81,4 @@ def main(argv):
 
 
 if __name__ == "__main__":
-  sys.path.insert(0, os.getcwd())  # configs/*.py import `configs.*`: run from the repo root
   app.run(main)

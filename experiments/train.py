@@ -26,6 +26,10 @@ import json
 import os
 import sys
 
+# configs/*.py import each other as `configs.*`, and config flags load them while this module
+# is imported: the repository root goes on sys.path before anything else.
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
 from absl import app, flags, logging
 import jax
 from ml_collections import config_flags
@@ -78,5 +82,4 @@ def _print_summary(summary: dict):
 
 
 if __name__ == "__main__":
-  sys.path.insert(0, os.getcwd())  # configs/*.py import `configs.*`: run from the repo root
   app.run(main)

@@ -15,6 +15,10 @@ import json
 import os
 import sys
 
+# configs/*.py import each other as `configs.*`, and config flags load them while this module
+# is imported: the repository root goes on sys.path before anything else.
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
 from absl import app
 from absl import flags
 from ml_collections import config_flags
@@ -65,6 +69,5 @@ def main(argv):
 
 
 if __name__ == "__main__":
-  sys.path.insert(0, os.getcwd())  # configs/*.py import `configs.*`: run from the repo root
   flags.mark_flag_as_required("config")
   app.run(main)
