@@ -272,8 +272,9 @@ def test_linear_layers_reuse_the_mla_params(helpers, gates):
 
 
 def test_decode_form_equals_training_form(helpers):
-  """`Mode(form="absorbed")` runs N and L position by position (the recurrence a decoder steps) and S /
-  M in the latent form; logits match the chunked / expanded forms, with packed documents."""
+  """`Mode(form="absorbed")` runs N and L position by position (the recurrence a decoder steps)
+  and S / M in the latent form; logits match the chunked / expanded forms, with packed
+  documents."""
   cfg = variant_config(helpers, "NLSM")
   params = helpers.random_params(cfg)
   tokens = np.random.default_rng(2).integers(1, cfg.vocab_size, (B, LENGTH))

@@ -17,8 +17,8 @@ every one of these weights reused as is (`glm5_jax.convert.attention_pattern`):
 interleaved RoPE as in MLA, so q . k equals the MLA logit times (N + R)^0.5; without, they are
 left unrotated.
 
-Notation (docs/design.md): B batch, L length, D hidden, H heads, Q q latent, C kv latent, N nope head dim,
-R rope dim, K = N + R, V value head dim.
+Notation (docs/design.md): B batch, L length, D hidden, H heads, Q q latent, C kv latent, N nope
+head dim, R rope dim, K = N + R, V value head dim.
 """
 
 import jax.numpy as jnp

@@ -166,4 +166,5 @@ def convert_attention_pattern(loaded_params, source_model_config, target_model_c
 def _fresh_leaves(cfg: ModelConfig, paths: tuple, rng) -> list:
   """The leaves at `paths` of `init_params(cfg, rng)`, bit for bit; under one jit XLA drops
   the initialization of every other parameter, so the full model is never materialized."""
-  return jax.jit(lambda key: [traverse_util.flatten_dict(init_params(cfg, key))[p] for p in paths])(rng)
+  return jax.jit(lambda key: [traverse_util.flatten_dict(init_params(cfg, key))[p]
+                              for p in paths])(rng)
