@@ -12,9 +12,10 @@ Per process, everything below is grain except the marked (hand-written) pieces:
   -> ThreadPrefetchIterDataset (`prefetch` batches ahead) or mp_prefetch (`worker_count`)
 
 No stage waits without bound: a file source whose records hold no document (e.g. a jsonl of
-blank lines) raises `liveness.EmptySourceError` naming it once every record has come up empty
-twice in a row, instead of letting the flat map search forever; a split with too few records
-is refused at build time with what to change. Synthetic examples always exist.
+blank lines) raises `liveness.EmptySourceError` naming it after 2n - 1 empty records in a row
+(n records per epoch: proof that none holds a document) instead of letting the flat map search
+forever; a split with too few records is refused at build time with what to change. Synthetic
+examples always exist.
 
 Weights count documents (chunks of at most seq_len tokens), not tokens. The iterator state is a
 small JSON-able dict (each source's next record index and position within the current record,

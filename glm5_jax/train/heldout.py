@@ -5,8 +5,8 @@ The long-context suite (`glm5_jax.eval`) is separate: it scores a saved checkpoi
 tasks at chosen lengths; this scores the held-out split of the training mix at training time.
 """
 
-import numpy as np
 import jax
+import numpy as np
 
 from glm5_jax.train.losses import target_weights
 
