@@ -27,6 +27,7 @@ from glm5_jax.attention.kinds import ATTENTION_KINDS, layer_kind
 SIMPLE_GDN_GATES = ("fixed", "learned")
 MLP_LETTERS = {"F": "dense", "E": "moe"}
 DSA_IMPLS = ("dense_mask", "xla", "pallas")
+MOE_IMPLS = ("ragged", "expert_parallel")
 
 
 class ConfigError(ValueError):
@@ -147,6 +148,16 @@ def model_config(**overrides) -> ml_collections.ConfigDict:
   c.simple_gdn_beta = 0.5  # L layers: the fixed update gate, and the learned one's init
   c.dtype = "bfloat16"  # activations / matmuls
   c.param_dtype = "float32"
+  # Decoder layers run as one `nn.scan` per run of identical layers (`glm5_jax.layer_runs`),
+  # params stacked `[layers, ...]`: compile time flat in depth. False: a Python loop over
+  # `layers_{i}` (debugging; same numbers, different param layout).
+  c.scan_layers = True
+  # What each decoder layer keeps for the backward pass: a name in
+  # `glm5_jax.layers.remat.REMAT_POLICIES` ("none" keeps everything).
+  c.remat_policy = "none"
+  # Routed-expert dispatch: "ragged" (one global ragged_dot; XLA decides the collectives) or
+  # "expert_parallel" (shard_map: tokens travel to the devices holding their experts).
+  c.moe_impl = "ragged"
   c.update(overrides)
   return c
 
@@ -219,9 +230,13 @@ def interleave_pattern(num_layers: int, every: int, letter: str, base: str,
 # Fields added after checkpoints and converted configs were first written: a `model` section
 # without them (read back from an older checkpoint's meta or config.json) means the defaults of
 # `model_config()`, which cannot change what an older model computes (they only configure the
-# S / N / L layers, which such a model has none of).
+# S / N / L layers, which such a model has none of; `scan_layers`, `remat_policy` and
+# `moe_impl` change the param layout, memory or collectives, never the numbers).
 LATER_FIELDS = ("sliding_window", "gdn_conv_size", "gdn_chunk_size", "simple_gdn_gates",
-                "simple_gdn_beta")
+                "simple_gdn_beta", "scan_layers", "remat_policy", "moe_impl")
+# Where the behaviour before a field existed differs from its default: checkpoints written
+# before `scan_layers` hold unrolled `layers_{i}` params.
+LATER_FIELD_OLD_VALUES = {"scan_layers": False}
 
 
 def with_later_field_defaults(m) -> ml_collections.ConfigDict:
@@ -230,7 +245,7 @@ def with_later_field_defaults(m) -> ml_collections.ConfigDict:
   if not absent:
     return m
   filled = ml_collections.ConfigDict(m.to_dict())
-  defaults = model_config()
+  defaults = {**model_config(), **LATER_FIELD_OLD_VALUES}
   for name in absent:
     filled[name] = defaults[name]
   return filled

@@ -22,11 +22,12 @@ import math
 import ml_collections
 
 from glm5_jax.attention.kinds import ATTENTION_KINDS, pattern_error
-from glm5_jax.config import (DSA_IMPLS, LATER_FIELDS, MLP_LETTERS,
+from glm5_jax.config import (DSA_IMPLS, LATER_FIELDS, MLP_LETTERS, MOE_IMPLS,
                              SIMPLE_GDN_GATES, check_fields, expand_pattern,
                              model_config, require as _require, with_later_field_defaults)
 from glm5_jax.data.pipeline import validate_data_config
 from glm5_jax.layers.params import DTYPES
+from glm5_jax.layers.remat import REMAT_POLICIES
 from glm5_jax.optim.build import validate_optim_config
 from glm5_jax.sharding import batch_mesh_axes, validate_mesh_config
 from glm5_jax.train.config import (validate_ckpt_config, validate_eval_config,
@@ -134,6 +135,10 @@ def validate_model_config(m) -> None:
     _require(m[name] > 0, f"model.{name}", f"must be > 0, got {m[name]}")
   _require(m.dsa_impl in DSA_IMPLS, "model.dsa_impl", f"must be one of {DSA_IMPLS}, got "
            f"{m.dsa_impl!r}")
+  _require(m.remat_policy in REMAT_POLICIES, "model.remat_policy",
+           f"must be one of {REMAT_POLICIES}, got {m.remat_policy!r}")
+  _require(m.moe_impl in MOE_IMPLS, "model.moe_impl", f"must be one of {MOE_IMPLS}, got "
+           f"{m.moe_impl!r}")
   for name in ("dtype", "param_dtype"):
     _require(m[name] in DTYPES, f"model.{name}", f"must be one of {sorted(DTYPES)}, got "
              f"{m[name]!r}")

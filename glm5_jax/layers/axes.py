@@ -20,9 +20,10 @@ INDEX_HEADS = "index_heads"  # J
 EXPERT = "expert"  # E
 EXPERT_MLP = "expert_mlp"  # F of routed experts
 NORM = "norm"  # norm scales and biases
+LAYERS = "layers"  # stacked decoder layers of one scanned run (`glm5_jax.layer_runs`)
 
 ALL = frozenset({BATCH, LENGTH, EMBED, VOCAB, MLP, HEADS, KV_HEADS, HEAD_DIM, Q_LORA, KV_LORA,
-                 INDEX_HEADS, EXPERT, EXPERT_MLP, NORM})
+                 INDEX_HEADS, EXPERT, EXPERT_MLP, NORM, LAYERS})
 
 
 def check(axes, what: str) -> tuple:

@@ -1,0 +1,48 @@
+"""Named rematerialization policies for the decoder layers (`model.remat_policy`).
+
+A policy says which intermediates of a layer's forward pass are kept for the backward pass;
+everything else is recomputed from the layer's input (`jax.checkpoint`). Each layer runs under
+the policy (`glm5_jax.model`), so with `full` only the residual stream between layers stays
+live, one `[B, L, D]` per layer.
+
+  none             keep everything (no `jax.checkpoint`; the most memory, no recompute)
+  full             keep nothing inside the layer: recompute its whole forward
+  dots             keep every matmul output (`dots_saveable`)
+  dots_no_batch    keep matmul outputs without batch dims, i.e. the weight projections, not
+                   attention scores (`dots_with_no_batch_dims_saveable`)
+  save_qkv_proj    keep only the attention inputs tagged `query_proj`, `key_proj`,
+                   `value_proj` (the projected q, k, v), recompute the rest
+  save_qkv_attn    also keep the attention output (`attention_out`), so the backward pass
+                   never reruns the attention itself
+  offload_dots     `dots_no_batch`, but the kept projections go to host memory
+                   (`offload_dot_with_no_batch_dims`; backends with pinned host memory, TPU/GPU)
+
+The tagged names are set with `jax.ad_checkpoint.checkpoint_name` in the attention modules.
+"""
+
+import jax
+
+SAVED_NAMES = {
+    "save_qkv_proj": ("query_proj", "key_proj", "value_proj"),
+    "save_qkv_attn": ("query_proj", "key_proj", "value_proj", "attention_out"),
+}
+REMAT_POLICIES = ("none", "full", "dots", "dots_no_batch", "save_qkv_proj", "save_qkv_attn",
+                  "offload_dots")
+
+
+def checkpoint_policy(name: str):
+  """The `jax.checkpoint` policy of `name`, or None for `none` (no remat at all)."""
+  policies = jax.checkpoint_policies
+  if name == "none":
+    return None
+  if name == "full":
+    return policies.nothing_saveable
+  if name == "dots":
+    return policies.dots_saveable
+  if name == "dots_no_batch":
+    return policies.dots_with_no_batch_dims_saveable
+  if name in SAVED_NAMES:
+    return policies.save_only_these_names(*SAVED_NAMES[name])
+  if name == "offload_dots":
+    return policies.offload_dot_with_no_batch_dims("device", "pinned_host")
+  raise ValueError(f"model.remat_policy: unknown policy {name!r}; known: {REMAT_POLICIES}")
