@@ -6,7 +6,9 @@
 
 Initializes the model, runs the main head and the MTP depths, and prints parameter count,
 compile and steady-state time, the init loss (about ln(vocab) for a fresh model), per-depth MTP
-loss, the fraction of visible keys each DSA layer keeps, and the expert load spread.
+loss, the expert load spread per MoE layer, and the fraction of visible keys each DSA layer
+keeps (the last only with `--config.model.scan_layers=False`: a scanned run does not return its
+layers' selections).
 """
 
 import os
@@ -26,6 +28,7 @@ from ml_collections import config_flags
 import glm5_jax
 from glm5_jax.config import ModelConfig
 from glm5_jax.config_validation import validate_config
+from glm5_jax.layer_runs import layer_indices, unrolled_name
 from glm5_jax.train import losses
 
 _CONFIG = config_flags.DEFINE_config_file("config", "configs/tiny.py", "Experiment config.")
@@ -65,16 +68,17 @@ def main(argv):
     print(f"  MTP depth {d} loss {float(depth['ce']):.3f}")
   causal_keys = seq * (seq + 1) / 2
   for name, aux in out["aux"]["layers"].items():
-    parts = []
-    if "topk_indices" in aux:
-      kept = float((aux["topk_indices"] >= 0).sum()) / (_BATCH.value * causal_keys)
-      parts.append(f"DSA keeps {kept:.1%} of visible keys")
-    if "expert_counts" in aux:
-      counts = np.asarray(aux["expert_counts"])
-      parts.append(f"expert load min/max {counts.min()}/{counts.max()}")
-    if parts:
-      print(f"  {name}: " + "; ".join(parts))
-
+    stacked = name != unrolled_name(layer_indices(name)[0])  # a scanned run: [layers, ...]
+    for j, layer in enumerate(layer_indices(name)):
+      parts = []
+      if "topk_indices" in aux:
+        kept = float((aux["topk_indices"] >= 0).sum()) / (_BATCH.value * causal_keys)
+        parts.append(f"DSA keeps {kept:.1%} of visible keys")
+      if "expert_counts" in aux:
+        counts = np.asarray(aux["expert_counts"][j] if stacked else aux["expert_counts"])
+        parts.append(f"expert load min/max {counts.min()}/{counts.max()}")
+      if parts:
+        print(f"  layer {layer}: " + "; ".join(parts))
 
 if __name__ == "__main__":
   app.run(main)

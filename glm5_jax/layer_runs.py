@@ -77,6 +77,11 @@ def layer_indices(name: str) -> range:
   raise ValueError(f"{name!r} is not a decoder-layer entry (layers_<i> or layers_<i>_<j>)")
 
 
+def is_run_name(name: str) -> bool:
+  """True for a scanned run's entry `layers_<i>_<j>` (its leaves have a leading layers axis)."""
+  return bool(_SCANNED.match(name))
+
+
 def is_scanned(params: dict) -> bool:
   """Whether a param tree holds stacked runs (any `layers_<i>_<j>` entry)."""
   return any(_SCANNED.match(name) for name in params)

@@ -6,20 +6,29 @@ Notation (docs/design.md): B batch, L sequence, D hidden, Y vocab, T top-k, U MT
 import jax.numpy as jnp
 from flax import linen as nn
 
+from glm5_jax.attention.kinds import KINDS_BY_NAME
 from glm5_jax.attention.mode import Mode
 from glm5_jax.config import ModelConfig
 from glm5_jax.decoder import DecoderLayer
 from glm5_jax.layers.norms import RMSNorm
-from glm5_jax.layers.axes import BATCH, EMBED, LENGTH, VOCAB
+from glm5_jax.layer_runs import LayerRun, layer_runs, unrolled_name
+from glm5_jax.layers.axes import BATCH, EMBED, LAYERS, LENGTH, VOCAB
 from glm5_jax.layers.params import constrain, dtypes, kernels, normal_kernel
+from glm5_jax.layers.remat import checkpoint_policy
 from glm5_jax.mtp import MTPLayer, shift_tokens_left
 
 ACTIVATION_AXES = (BATCH, LENGTH, EMBED)
 
 
 class GLM5(nn.Module):
-  """GLM-5 causal LM. Params: `embed_tokens [Y, D]`, `layers_{i}`, `norm`, `lm_head [D, Y]`
-  (untied), and `mtp` when `num_nextn_predict_layers == 1`.
+  """GLM-5 causal LM. Params: `embed_tokens [Y, D]`, the decoder layers, `norm`,
+  `lm_head [D, Y]` (untied), and `mtp` when `num_nextn_predict_layers == 1`.
+
+  The decoder layers run as one `nn.scan` per run of identical layers (`model.scan_layers`,
+  `glm5_jax.layer_runs`), params `layers_{first}_{last}` stacked `[layers, ...]`, so the program
+  holds one body per run whatever the depth; or, with `scan_layers=False`, one by one, params
+  `layers_{i}`. Both compute the same numbers from the same (stacked) weights. Each layer, and
+  the MTP layer, runs under `model.remat_policy` (`glm5_jax.layers.remat`).
 
   Token ids outside `[0, vocab_size)`: `glm5_jax.forward` and `glm5_jax.logits` refuse them on
   concrete inputs. Traced (under jit) they cannot be refused, so they are contained: such an id
@@ -44,7 +53,9 @@ class GLM5(nn.Module):
     Returns:
       dict with `logits` fp32 `[B, L, Y]`; `mtp_logits` fp32 `[U, B, L, Y]` (depth d
       at position i predicts token i+d+1; absent when MTP is off); `hidden` `[B, L, D]` (after
-      the final norm); `aux` = {"layers": {"layers_{i}": aux}, "mtp": [aux per depth]}.
+      the final norm); `aux` = {"layers": {name: aux}, "mtp": [aux per depth]}, one entry per
+      unrolled layer (`layers_{i}`) or per scanned run (`layers_{first}_{last}`, every entry
+      stacked on a leading layers axis; see `_scanned_run`).
     """
     c = self.cfg
     dtype, pdtype = dtypes(c)
@@ -72,13 +83,14 @@ class GLM5(nn.Module):
 
     valid_BL = (tokens_BL >= 0) & (tokens_BL < c.vocab_size)
     x_BLD = embed(tokens_BL, valid_BL)
+    run_layers = self._scanned_run if c.scan_layers else self._unrolled_run
     layer_aux, prev_topk_BLT = {}, None
-    for i in range(c.num_hidden_layers):
-      x_BLD = constrain(x_BLD, ACTIVATION_AXES)
-      layer = DecoderLayer(c, c.attention_kind(i), c.is_moe_layer(i), name=f"layers_{i}")
-      x_BLD, aux = layer(x_BLD, positions_BL, segment_ids_BL, prev_topk_BLT, mode=mode)
-      prev_topk_BLT = aux.get("topk_indices", prev_topk_BLT)
-      layer_aux[f"layers_{i}"] = aux
+    runs = layer_runs(c)
+    for run, next_run in zip(runs, runs[1:] + (None,)):
+      keep_topk = next_run is not None and KINDS_BY_NAME[next_run.attention_kind].needs_prev_topk
+      x_BLD, prev_topk_BLT, aux = run_layers(run, x_BLD, positions_BL, segment_ids_BL,
+                                             prev_topk_BLT, mode, keep_topk)
+      layer_aux.update(aux)
     hidden_BLD = final_norm(x_BLD)
     out = {"logits": lm_head(hidden_BLD, valid_BL), "hidden": hidden_BLD,
            "aux": {"layers": layer_aux, "mtp": []}}
@@ -89,12 +101,93 @@ class GLM5(nn.Module):
     if c.num_nextn_predict_layers and depths:
       mtp_layer = MTPLayer(c, name="mtp")
       h_BLD, mtp_logits = hidden_BLD, []
+      run_mtp = _rematerialized(
+          lambda layer, h_BLD, e_BLD: layer(h_BLD, e_BLD, positions_BL, segment_ids_BL,
+                                            mode=mode), c.remat_policy, prevent_cse=True)
       for depth in range(1, depths + 1):
         next_tokens_BL = shift_tokens_left(tokens_BL, depth)
         next_valid_BL = (next_tokens_BL >= 0) & (next_tokens_BL < c.vocab_size)
-        h_BLD, normed_BLD, aux = mtp_layer(h_BLD, embed(next_tokens_BL, next_valid_BL),
-                                           positions_BL, segment_ids_BL, mode=mode)
+        h_BLD, normed_BLD, aux = run_mtp(mtp_layer, h_BLD, embed(next_tokens_BL, next_valid_BL))
         mtp_logits.append(lm_head(normed_BLD, valid_BL & next_valid_BL))
         out["aux"]["mtp"].append(aux)
       out["mtp_logits"] = jnp.stack(mtp_logits)
     return out
+
+  def _unrolled_run(self, run: LayerRun, x_BLD, positions_BL, segment_ids_BL, prev_topk_BLT,
+                    mode: Mode, keep_topk: bool):
+    """The run's layers one by one, params `layers_{i}`. Returns `(x_BLD, prev_topk_BLT,
+    {"layers_{i}": aux})`; aux as each layer returns it."""
+    del keep_topk  # every layer's selection is at hand
+    step = _rematerialized(_layer_step(positions_BL, segment_ids_BL, mode), self.cfg.remat_policy,
+                           prevent_cse=True)
+    layer_aux = {}
+    for i in range(run.first, run.last + 1):
+      layer = DecoderLayer(self.cfg, run.attention_kind, run.moe, name=unrolled_name(i))
+      x_BLD, aux = step(layer, x_BLD, prev_topk_BLT)
+      prev_topk_BLT = aux.get("topk_indices", prev_topk_BLT)
+      layer_aux[unrolled_name(i)] = aux
+    return x_BLD, prev_topk_BLT, layer_aux
+
+  def _scanned_run(self, run: LayerRun, x_BLD, positions_BL, segment_ids_BL, prev_topk_BLT,
+                   mode: Mode, keep_topk: bool):
+    """The run as one `nn.scan` over its stacked layer, params `layers_{first}_{last}` with a
+    leading `[layers]` axis. Returns `(x_BLD, prev_topk_BLT, {run.name: aux})`, each aux
+    entry stacked on a leading `[layers]` axis, without `topk_indices` and `index_scores`
+    (`[B, L, T]` / `[B, L, S]` per layer: only the last selection is needed, by the next run).
+    """
+    kind = KINDS_BY_NAME[run.attention_kind]
+    step = _layer_step(positions_BL, segment_ids_BL, mode)
+
+    # The carry holds the incoming selection only for a kind that reuses it (its shape is fixed
+    # across the run); a kind that makes its own returns each layer's in `ys`, kept only when
+    # the next run reuses the last one.
+    def body(layer, carry, _):
+      x_BLD, topk_BLT = carry if kind.needs_prev_topk else (carry, None)
+      x_BLD, aux = step(layer, x_BLD, topk_BLT)
+      topk_BLT = aux.get("topk_indices", topk_BLT)
+      ys = {k: v for k, v in aux.items() if k not in _PER_LAYER_ONLY}
+      if keep_topk and not kind.needs_prev_topk and "topk_indices" in aux:
+        ys["topk_indices"] = aux["topk_indices"]
+      return ((x_BLD, topk_BLT) if kind.needs_prev_topk else x_BLD), ys
+
+    scan = nn.scan(_rematerialized(body, self.cfg.remat_policy, prevent_cse=False),
+                   variable_axes={"params": 0}, split_rngs={"params": True},
+                   length=run.length, metadata_params={nn.PARTITION_NAME: LAYERS})
+    layer = DecoderLayer(self.cfg, run.attention_kind, run.moe, name=run.name)
+    carry = (x_BLD, prev_topk_BLT) if kind.needs_prev_topk else x_BLD
+    carry, ys = scan(layer, carry, None)
+    if kind.needs_prev_topk:
+      x_BLD, prev_topk_BLT = carry
+    else:
+      x_BLD = carry
+      if "topk_indices" in ys:
+        prev_topk_BLT = ys.pop("topk_indices")[-1]
+    return x_BLD, prev_topk_BLT, {run.name: ys}
+
+
+# Per-layer aux entries a scanned run does not stack (see `GLM5._scanned_run`).
+_PER_LAYER_ONLY = ("topk_indices", "index_scores")
+
+
+def _layer_step(positions_BL, segment_ids_BL, mode: Mode):
+  """`step(layer, x_BLD, prev_topk_BLT) -> (x_BLD, aux)`: one decoder layer, the residual
+  stream constrained to its sharding at the layer boundary."""
+
+  def step(layer, x_BLD, prev_topk_BLT):
+    x_BLD = constrain(x_BLD, ACTIVATION_AXES)
+    return layer(x_BLD, positions_BL, segment_ids_BL, prev_topk_BLT, mode=mode)
+
+  return step
+
+
+def _rematerialized(fn, policy_name: str, *, prevent_cse: bool):
+  """`fn(module, *arrays)` under `model.remat_policy` (unchanged for "none").
+
+  `prevent_cse=False` inside `nn.scan`: the scan already keeps XLA from merging the recomputed
+  forward with the original (and the barrier would cost performance there), as `jax.checkpoint`
+  documents.
+  """
+  policy = checkpoint_policy(policy_name)
+  if policy is None:
+    return fn
+  return nn.remat(fn, policy=policy, prevent_cse=prevent_cse)

@@ -11,7 +11,8 @@ What is counted (docs/reference.md section 1):
   active_params_without_embeddings  active_params minus the embedding table and the LM head
 
 Components are read off the param-tree paths: `embed_tokens`, `lm_head`, `norm`,
-`layers_{i}/{input_layernorm, post_attention_layernorm, self_attn[/indexer], mlp/...}` and
+`layers_{i}/{input_layernorm, post_attention_layernorm, self_attn[/indexer], mlp/...}` (or a
+scanned run `layers_{i}_{j}/...`, whose stacked leaves count every layer of the run) and
 `mtp/{eh_proj, enorm, hnorm, shared_head_norm, layer/...}`. Norms inside the attention block
 (`q_a_layernorm`, `kv_a_layernorm`, the indexer's `k_norm`) count with attention / indexer;
 `norms` holds the layer pre-norms and final norms. The router's `e_score_correction_bias` is

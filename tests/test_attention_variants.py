@@ -44,10 +44,11 @@ EVERY_LETTER = "DRMSNLG"
 
 def variant_config(helpers, pattern, **overrides):
   """configs/tiny.py with one layer per letter, dense FFNs (fast to compile), 1 MTP depth, and
-  small chunk / window so that the tests cross chunk and window edges."""
+  small chunk / window so that the tests cross chunk and window edges; unrolled layers
+  (`layers_{i}`), which the tests address one by one."""
   base = dict(attention_pattern=pattern, num_hidden_layers=len(pattern),
               first_k_dense_replace=len(pattern), mtp_depths=1, gdn_chunk_size=8,
-              sliding_window=6, simple_gdn_gates="learned")
+              sliding_window=6, simple_gdn_gates="learned", scan_layers=False)
   return helpers.config(**{**base, **overrides})
 
 

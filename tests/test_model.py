@@ -60,7 +60,7 @@ def test_causal_token_perturbation(helpers, pattern):
   """Changing token t (row 0) changes no main logit at positions < t and no MTP depth-d logit
   at positions < t - d (depth d at position i reads token i + d), and nothing in row 1 (the
   MoE dispatch sorts the tokens of the whole batch together)."""
-  cfg = helpers.config(attention_pattern=pattern)
+  cfg = helpers.config(attention_pattern=pattern, scan_layers=False)  # per-layer aux
   params = helpers.random_params(cfg)
   tokens = random_tokens(cfg, (B, L))
   base = helpers.forward(cfg, params, tokens)
@@ -202,7 +202,7 @@ def test_position_shift_invariance(helpers, pattern):
   """RoPE is relative: shifting every position by a constant leaves attention, the indexer
   scores (rope applied alike to index queries and keys) and so the logits unchanged, up to
   float rounding of the rotation angles."""
-  cfg = helpers.config(attention_pattern=pattern)
+  cfg = helpers.config(attention_pattern=pattern, scan_layers=False)  # per-layer aux
   params = helpers.random_params(cfg)
   tokens = random_tokens(cfg, (B, L))
   base = helpers.forward(cfg, params, tokens)
@@ -308,7 +308,7 @@ def test_model_topk_is_deterministic(helpers, tiny_cfg, tiny_params):
 
 
 def test_shared_topk_layers_reuse_previous_selection(helpers):
-  cfg = helpers.config(attention_pattern="DRRD")
+  cfg = helpers.config(attention_pattern="DRRD", scan_layers=False)  # per-layer params and aux
   params = helpers.random_params(cfg)
   for i, letter in enumerate("DRRD"):
     has_indexer = "indexer" in params[f"layers_{i}"]["self_attn"]
@@ -329,7 +329,7 @@ def test_shared_topk_layers_reuse_previous_selection(helpers):
 def test_mtp_after_shared_topk_layer_gets_own_indexer(helpers):
   """The MTP pass has no previous DSA layer, so an 'R' last layer gives the MTP layer an
   indexer of its own."""
-  params = glm5_jax.abstract_params(helpers.config(attention_pattern="DDRR"))
+  params = glm5_jax.abstract_params(helpers.config(attention_pattern="DDRR", scan_layers=False))
   assert "indexer" not in params["layers_3"]["self_attn"]
   assert "indexer" in params["mtp"]["layer"]["self_attn"]
 

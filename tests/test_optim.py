@@ -5,6 +5,7 @@ frozen leaves, schedule, clipping, the three variants, and parity with `optax.co
 Notation: Q q latent, H heads, K head dim, E experts, D hidden, F expert intermediate.
 """
 
+import dataclasses
 import functools
 import importlib.util
 import pathlib
@@ -18,7 +19,9 @@ import pytest
 from optax.contrib import MuonDimensionNumbers, scale_by_muon
 
 import glm5_jax
+from glm5_jax import layer_runs
 from glm5_jax.config import ConfigError
+from glm5_jax.layer_runs import is_run_name
 from glm5_jax.optim import (
     UnknownParamError, build_optimizer, muon_dimension_numbers, optim_config, param_labels,
     validate_optim_config, weight_decay_mask)
@@ -68,7 +71,9 @@ TINY_CONFIG = pathlib.Path(__file__).resolve().parents[1] / "configs" / "tiny.py
 
 @functools.lru_cache(maxsize=None)
 def tiny_abstract(arg=None, **model_overrides):
-  """Abstract params of `configs/tiny.py:arg` with model overrides (cached per variant)."""
+  """Abstract params of `configs/tiny.py:arg` with model overrides, in the unrolled layout
+  (`layers_{i}`, as the partition table below names them) unless `scan_layers=True`."""
+  model_overrides.setdefault("scan_layers", False)
   spec = importlib.util.spec_from_file_location("configs_tiny_optim", TINY_CONFIG)
   module = importlib.util.module_from_spec(spec)
   spec.loader.exec_module(module)
@@ -215,19 +220,22 @@ def dims_by_path(abstract, split):
                       is_leaf=lambda x: x is None or isinstance(x, MuonDimensionNumbers))
 
 
+@pytest.mark.parametrize("scan_layers", [False, True])
 @pytest.mark.parametrize("arg,overrides", [
     (None, {}), ("attention=G", {}), ("attention=M", {}), ("attention=DRMG", {}),
     ("attention=DRRR", {}), (None, {"attention_bias": True, "num_nextn_predict_layers": 0,
                                     "mtp_depths": 0})])
-def test_every_tiny_param_gets_a_decision(arg, overrides):
-  abstract = tiny_abstract(arg, **overrides)
+def test_every_tiny_param_gets_a_decision(arg, overrides, scan_layers):
+  abstract = tiny_abstract(arg, **overrides, scan_layers=scan_layers)
   shapes = named_leaves(abstract)
   for split in (True, False):
     dims = dims_by_path(abstract, split)
     assert dims.keys() == shapes.keys()
     for path, d in dims.items():
-      # AdamW exactly for embeddings, LM head and vectors; Muon for every other matrix.
-      expect_adam = path in ("embed_tokens", "lm_head") or len(shapes[path].shape) <= 1
+      # AdamW exactly for embeddings, LM head and vectors; Muon for every other matrix (a
+      # scanned run's leaves have one more, leading, layers axis).
+      layer_rank = len(shapes[path].shape) - is_run_name(path.split("/")[0])
+      expect_adam = path in ("embed_tokens", "lm_head") or layer_rank <= 1
       assert (d is None) == expect_adam, (path, d)
   labels = named_leaves(param_labels(abstract, "muon_split"))
   for path, label in labels.items():
@@ -235,7 +243,7 @@ def test_every_tiny_param_gets_a_decision(arg, overrides):
                 ADAM if dims_by_path(abstract, True)[path] is None else MUON)
     assert label == expected, path
   assert set(named_leaves(param_labels(abstract, "adamw")).values()) == {ADAM, FROZEN}
-  if overrides.get("attention_bias"):
+  if overrides.get("attention_bias") and not scan_layers:
     assert dims_by_path(abstract, True)["layers_1/self_attn/o_proj_bias"] is None
     assert not weight_decay_mask(abstract)["layers_1"]["self_attn"]["q_a_proj_bias"]
 
@@ -252,6 +260,27 @@ def test_partition_table(tiny):
   decay = named_leaves(weight_decay_mask(abstract))
   for path, want in DECAYED.items():
     assert decay[path] == want, path
+
+
+@pytest.mark.parametrize("name", ["muon_split", "muon"])
+def test_scanned_layers_update_each_layer_as_unrolled(helpers, name):
+  """A scanned run's `[layers, ...]` kernels get, layer by layer, exactly the update of the same
+  kernels in the unrolled layout: the layers axis is a Muon batch axis, never part of a matrix
+  (and never mixed into another layer's orthogonalization)."""
+  cfg = helpers.config(attention_pattern="DDRR", scan_layers=False, dtype="float32")
+  scanned_cfg = dataclasses.replace(cfg, scan_layers=True)
+  params = helpers.random_params(cfg)
+  grads = random_grads(params)
+  opt = optim_config(name=name, warmup_steps=0, weight_decay=0.1)
+  unrolled = one_update(opt, params, grads)
+  scanned = one_update(opt, layer_runs.stack_layers(params, scanned_cfg),
+                       layer_runs.stack_layers(grads, scanned_cfg))
+  want = named_leaves(layer_runs.stack_layers(unrolled, scanned_cfg))
+  got = named_leaves(scanned)
+  assert got.keys() == want.keys()
+  assert any(is_run_name(path.split("/")[0]) and got[path].shape[0] > 1 for path in got)
+  for path in got:
+    np.testing.assert_allclose(got[path], want[path], rtol=1e-5, atol=1e-6, err_msg=path)
 
 
 @pytest.mark.parametrize("params,message", [

@@ -4,6 +4,7 @@ and keeps the fresh init only for the declared new params; going back drops them
 and any unaccounted parameter are errors that list the parameters.
 """
 
+import dataclasses
 import re
 
 import jax
@@ -11,6 +12,7 @@ import numpy as np
 import pytest
 
 import glm5_jax
+from glm5_jax import layer_runs
 from glm5_jax.attention.kinds import ATTENTION_KINDS, KINDS_BY_NAME
 from glm5_jax.attention.mla_projections import MLA_BIAS_PARAMS, MLA_PARAMS
 from glm5_jax.attention.simple_gdn import retnet_log_decays
@@ -25,7 +27,7 @@ TARGET = "SNLD"  # every layer changes kind; the MTP layer copies the last one (
 def small(helpers, pattern, **overrides):
   """Tiny config with dense FFNs (fast init) and learned SimpleGDN gates."""
   return helpers.config(**{**dict(attention_pattern=pattern, first_k_dense_replace=4,
-                                  simple_gdn_gates="learned"), **overrides})
+                                  simple_gdn_gates="learned", scan_layers=False), **overrides})
 
 
 def flat(tree):
@@ -91,19 +93,41 @@ def test_converting_back_drops_the_extras(converted):
   assert set(flat(back)) == set(flat(source))
 
 
+def test_scanned_layouts_convert_like_unrolled(converted):
+  """Scanned params (runs regroup when the pattern changes: MMMM is one run, SNLD four) convert
+  to exactly the stacked unrolled result, and merge across layouts (an unrolled checkpoint into
+  a scanned run and back)."""
+  source_cfg, target_cfg, source, target = converted
+  scanned_source_cfg = dataclasses.replace(source_cfg, scan_layers=True)
+  scanned_target_cfg = dataclasses.replace(target_cfg, scan_layers=True)
+  scanned_source = layer_runs.stack_layers(source, scanned_source_cfg)
+  assert "layers_0_3" in scanned_source
+  got = convert_attention_pattern(scanned_source, scanned_source_cfg, scanned_target_cfg,
+                                  jax.random.key(7))
+  want = flat(layer_runs.stack_layers(target, scanned_target_cfg))
+  assert flat(got).keys() == want.keys()
+  for key, value in flat(got).items():
+    np.testing.assert_array_equal(value, want[key], err_msg=key)
+  merged = merge_stage_params(layer_runs.stack_layers(target, scanned_target_cfg), source, "ckpt",
+                              fresh_model=scanned_target_cfg, loaded_model=source_cfg)
+  for key, value in flat(merged).items():
+    np.testing.assert_array_equal(value, want[key], err_msg=key)
+
+
 def test_merge_stage_params_is_the_same_rule(converted):
   """train.init_from path: an M checkpoint into an S/N/L/D model; only the new params differ
   from the checkpoint, and a missing shared param is still an error naming it."""
-  _, _, source, target = converted
+  source_cfg, target_cfg, source, target = converted
   fresh = target  # stands in for the trainer's fresh init: the new params come from it
-  merged = flat(merge_stage_params(fresh, source, "ckpt"))
+  models = dict(fresh_model=target_cfg, loaded_model=source_cfg)
+  merged = flat(merge_stage_params(fresh, source, "ckpt", **models))
   for key, value in flat(target).items():
     np.testing.assert_array_equal(merged[key], value, err_msg=key)
   broken = jax.tree.map(lambda x: x, source)
   del broken["layers_1"]["self_attn"]["o_proj"]
   with pytest.raises(ValueError, match=r"config.train.init_from(.|\n)*layers_1/self_attn/o_proj "
                      "is missing from ckpt"):
-    merge_stage_params(fresh, broken, "ckpt")
+    merge_stage_params(fresh, broken, "ckpt", **models)
 
 
 def test_same_kind_missing_extra_is_an_error(converted):
@@ -122,7 +146,8 @@ def test_incompatible_sources_are_clear_errors(helpers, converted):
   with pytest.raises(ValueError, match=r"layers_1: mla -> gqa"):
     convert_attention_pattern(source, source_cfg, gqa_cfg, jax.random.key(0))
   with pytest.raises(ValueError, match="incompatible params(.|\n)*q_proj is missing"):
-    merge_stage_params(glm5_jax.abstract_params(gqa_cfg), source, "ckpt")
+    merge_stage_params(glm5_jax.abstract_params(gqa_cfg), source, "ckpt", fresh_model=gqa_cfg,
+                       loaded_model=source_cfg)
   wider = small(helpers, "SNLD", kv_lora_rank=8)
   kv_a = source["layers_0"]["self_attn"]["kv_a_proj_with_mqa"].shape
   with pytest.raises(ValueError, match=re.escape(f"kv_a_proj_with_mqa has shape {kv_a} in")):

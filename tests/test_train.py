@@ -292,7 +292,7 @@ def test_train_step_lowers_overloaded_and_raises_underloaded_expert_bias(helpers
   MoE block's bias is exactly `before - rate` where that block's load (from the same batch)
   was above the mean and `before + rate` where it was below."""
   model = helpers.config(num_hidden_layers=2, first_k_dense_replace=1, mtp_depths=1,
-                         attention_pattern="M")
+                         attention_pattern="M", scan_layers=False)  # per-layer [E] counts
   params = helpers.random_params(model)
   optim_config = helpers.load_config_module(os.path.join(ROOT, "configs", "tiny.py")).get_config(
   ).optim

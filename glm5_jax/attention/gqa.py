@@ -9,6 +9,7 @@ K head dim (`gqa_head_dim`).
 
 import jax.numpy as jnp
 from flax import linen as nn
+from jax.ad_checkpoint import checkpoint_name
 
 from glm5_jax.attention.common import attend, causal_segment_mask
 from glm5_jax.attention.mode import Mode
@@ -41,6 +42,10 @@ class GQA(nn.Module):
     cos, sin = rope_angles(positions_BL, k, c.rope_theta)
     q_BLHK = apply_interleaved_rope(q_BLHK, cos, sin)
     k_BSGK = apply_interleaved_rope(k_BSGK, cos, sin)
+    q_BLHK = checkpoint_name(q_BLHK, "query_proj")  # names for `model.remat_policy` save_qkv_*
+    k_BSGK = checkpoint_name(k_BSGK, "key_proj")
+    v_BSGK = checkpoint_name(v_BSGK, "value_proj")
     out_BLHK, _ = attend(q_BLHK, k_BSGK, v_BSGK, causal_segment_mask(segment_ids_BL), k ** -0.5)
+    out_BLHK = checkpoint_name(out_BLHK, "attention_out")
     w_o_HKD = kernel("o_proj", (h, k, d), (HEADS, HEAD_DIM, EMBED))
     return jnp.einsum("blhk,hkd->bld", out_BLHK, w_o_HKD), {}

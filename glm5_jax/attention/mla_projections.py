@@ -23,6 +23,7 @@ head dim, R rope dim, K = N + R, V value head dim.
 
 import jax.numpy as jnp
 from flax import linen as nn
+from jax.ad_checkpoint import checkpoint_name
 
 from glm5_jax.config import ModelConfig
 from glm5_jax.layers.norms import RMSNorm
@@ -72,11 +73,13 @@ def mla_latents(module: nn.Module, cfg: ModelConfig, x_BLD):
   cq_BLQ = x_BLD @ w_qa_DQ + _bias(module, c, "q_a_proj_bias", c.q_lora_rank, Q_LORA)
   cq_BLQ = RMSNorm(c.latent_norm_eps, dtype, pdtype, name="q_a_layernorm")(cq_BLQ)
   w_qb_QHK = _kernel(module, c, "q_b_proj", (c.q_lora_rank, h, k), (Q_LORA, HEADS, HEAD_DIM))
-  q_BLHK = jnp.einsum("blq,qhk->blhk", cq_BLQ, w_qb_QHK)
+  q_BLHK = checkpoint_name(jnp.einsum("blq,qhk->blhk", cq_BLQ, w_qb_QHK), "query_proj")
 
   w_kva_DC = _kernel(module, c, "kv_a_proj_with_mqa", (d, c.kv_lora_rank + r), (EMBED, KV_LORA))
   ckv_BLC = x_BLD @ w_kva_DC + _bias(module, c, "kv_a_proj_with_mqa_bias", c.kv_lora_rank + r,
                                      KV_LORA)
+  # The shared latent is MLA's key and value projection (`model.remat_policy` save_qkv_*).
+  ckv_BLC = checkpoint_name(ckv_BLC, "key_proj")
   ckv_BLC, k_rope_BLR = ckv_BLC[..., :c.kv_lora_rank], ckv_BLC[..., c.kv_lora_rank:]
   ckv_BLC = RMSNorm(c.latent_norm_eps, dtype, pdtype, name="kv_a_layernorm")(ckv_BLC)
   w_kb_CHN = _kernel(module, c, "k_b_proj", (c.kv_lora_rank, h, n), (KV_LORA, HEADS, HEAD_DIM))
@@ -115,6 +118,6 @@ def mla_output(module: nn.Module, cfg: ModelConfig, out_BLHV):
   h, v = out_BLHV.shape[-2:]
   d = c.hidden_size
   w_o_HVD = _kernel(module, c, "o_proj", (h, v, d), (HEADS, HEAD_DIM, EMBED))
-  out_BLHV = out_BLHV.astype(dtypes(c)[0])
+  out_BLHV = checkpoint_name(out_BLHV.astype(dtypes(c)[0]), "attention_out")
   return jnp.einsum("blhv,hvd->bld", out_BLHV, w_o_HVD) + _bias(module, c, "o_proj_bias", d,
                                                                  EMBED)

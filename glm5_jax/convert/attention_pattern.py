@@ -24,6 +24,10 @@ uniquely per kind, so the trees say which kinds arrive and leave); a layer whose
 its extras must match exactly, and everything outside attention must match exactly. Any other
 missing, unexpected or reshaped parameter is an error listing the parameters.
 `convert_attention_pattern` is the config-level entry point.
+
+Scanned params (`model.scan_layers`) are converted in the unrolled layout
+(`glm5_jax.layer_runs`): a new pattern regroups the runs, so the stacked trees of the two models
+need not have the same entries. `merge_pattern_params` itself takes unrolled trees.
 """
 
 import jax
@@ -32,7 +36,9 @@ from flax import traverse_util
 
 from glm5_jax.api import abstract_params, init_params
 from glm5_jax.attention.kinds import ATTENTION_KINDS, KINDS_BY_NAME
+from glm5_jax import layer_runs
 from glm5_jax.config import ModelConfig
+from glm5_jax.layer_runs import as_unrolled
 
 ATTENTION_SCOPE = "self_attn"
 
@@ -154,17 +160,17 @@ def convert_attention_pattern(loaded_params, source_model_config, target_model_c
   # Merge into the target's shapes first: every error surfaces before anything is compiled,
   # and only the parameters that are really new get initialized.
   merged = traverse_util.flatten_dict(merge_pattern_params(
-      abstract_params(target), loaded_params,
+      as_unrolled(abstract_params(target), target), as_unrolled(loaded_params, source),
       f"the source model (pattern {source.attention_pattern!r})",
       context="convert_attention_pattern"))
   new_paths = tuple(p for p, v in merged.items() if isinstance(v, jax.ShapeDtypeStruct))
   if new_paths:
     merged.update(zip(new_paths, _fresh_leaves(target, new_paths, rng)))
-  return traverse_util.unflatten_dict(merged)
+  return layer_runs.as_layout_of(target, traverse_util.unflatten_dict(merged))
 
 
 def _fresh_leaves(cfg: ModelConfig, paths: tuple, rng) -> list:
   """The leaves at `paths` of `init_params(cfg, rng)`, bit for bit; under one jit XLA drops
   the initialization of every other parameter, so the full model is never materialized."""
-  return jax.jit(lambda key: [traverse_util.flatten_dict(init_params(cfg, key))[p]
-                              for p in paths])(rng)
+  return jax.jit(lambda key: [
+      traverse_util.flatten_dict(as_unrolled(init_params(cfg, key), cfg))[p] for p in paths])(rng)

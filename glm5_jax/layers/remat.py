@@ -11,7 +11,8 @@ live, one `[B, L, D]` per layer.
   dots_no_batch    keep matmul outputs without batch dims, i.e. the weight projections, not
                    attention scores (`dots_with_no_batch_dims_saveable`)
   save_qkv_proj    keep only the attention inputs tagged `query_proj`, `key_proj`,
-                   `value_proj` (the projected q, k, v), recompute the rest
+                   `value_proj` (GQA: the projected q, k, v; MLA: the per-head queries and the
+                   shared `[C + R]` key/value latent), recompute the rest
   save_qkv_attn    also keep the attention output (`attention_out`), so the backward pass
                    never reruns the attention itself
   offload_dots     `dots_no_batch`, but the kept projections go to host memory

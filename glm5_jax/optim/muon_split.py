@@ -33,6 +33,11 @@ ambiguous; the rank is checked too, so a layout change cannot silently change th
     dt_bias, decay_rate_log, beta_logit)                          AdamW, no weight decay
   anything else                                                   UnknownParamError
 
+Scanned layers (`model.scan_layers`, `glm5_jax.layer_runs`) store a run's kernels with a leading
+`[layers]` axis: under `layers_<i>_<j>/` every rule's rank is one more and its Muon axes shift by
+one, so the layers axis is a batch axis and each layer's matrices are orthogonalized on their
+own, exactly as in the unrolled layout.
+
 `e_score_correction_bias` (the MoE loss-free-balancing bias) is always frozen: the balancing rule
 moves it outside the optimizer, never gradients (`FROZEN_LEAF_NAMES`).
 
@@ -48,6 +53,8 @@ import dataclasses
 import jax
 import optax
 from optax.contrib import MuonDimensionNumbers
+
+from glm5_jax.layer_runs import is_run_name
 
 MUON, ADAM, FROZEN = "muon", "adam", "frozen"
 OPTIMIZER_NAMES = ("muon_split", "muon", "adamw")
@@ -140,24 +147,40 @@ def path_names(path) -> tuple[str, ...]:
 
 
 def rule_for(names: tuple[str, ...], shape) -> Rule:
-  """The rule for the parameter at path `names` with `shape`; raises `UnknownParamError`."""
+  """The rule for the parameter at path `names` with `shape`; raises `UnknownParamError`.
+
+  Under a scanned run (`layers_<i>_<j>/...`) the leading layers axis is stripped before the
+  rank check and added back to the rule's Muon axes.
+  """
   path = "/".join(names)
+  stacked = bool(names) and is_run_name(names[0])
+  layer_shape = tuple(shape)[1:] if stacked else tuple(shape)
   rule = RULES.get(tuple(names[-2:])) or RULES.get(tuple(names[-1:]))
   if rule is None:
-    if len(shape) <= 1:  # norm scales/biases, attention biases, the router bias
+    if len(layer_shape) <= 1:  # norm scales/biases, attention biases, the router bias
       return _ADAM_VECTOR
     raise UnknownParamError(
         f"optimizer: no rule for parameter {path!r} (shape {tuple(shape)}): add its name to "
         "RULES in glm5_jax/optim/muon_split.py with a Muon layout (MuonDimensionNumbers) or "
         "AdamW (dims=None)")
   expected = rule.ndim if rule.ndim is not None else "<= 1"
-  if (rule.ndim is None and len(shape) > 1) or (rule.ndim is not None
-                                                and len(shape) != rule.ndim):
+  if (rule.ndim is None and len(layer_shape) > 1) or (rule.ndim is not None
+                                                      and len(layer_shape) != rule.ndim):
     raise UnknownParamError(
-        f"optimizer: parameter {path!r} has shape {tuple(shape)} but its rule in "
+        f"optimizer: parameter {path!r} has shape {tuple(shape)}"
+        f"{' (after its scanned layers axis)' if stacked else ''} but its rule in "
         f"glm5_jax/optim/muon_split.py assumes rank {expected}; update the rule for the new "
         "layout")
+  if stacked and rule.dims is not None:
+    rule = dataclasses.replace(rule, dims=_shifted(rule.dims))
   return rule
+
+
+def _shifted(dims: MuonDimensionNumbers) -> MuonDimensionNumbers:
+  """`dims` of a layer's kernel -> of the same kernel stacked behind a leading layers axis."""
+  shift = lambda axes: (tuple(a + 1 for a in axes) if isinstance(axes, tuple) else axes + 1)
+  return MuonDimensionNumbers(reduction_axis=shift(dims.reduction_axis),
+                              output_axis=shift(dims.output_axis))
 
 
 def _map_rules(fn, params):
@@ -178,7 +201,7 @@ def muon_dimension_numbers(params, split: bool = True):
 
   def dims(names, rule):
     if rule.split_heads and not split:
-      return HEADS_OUT
+      return _shifted(HEADS_OUT) if is_run_name(names[0]) else HEADS_OUT
     return rule.dims
 
   return _map_rules(dims, params)

@@ -9,6 +9,7 @@ import numpy as np
 
 from glm5_jax import data as data_lib
 from glm5_jax.api import abstract_params
+from glm5_jax.config import ModelConfig
 from glm5_jax.sharding import activation_sharding
 from glm5_jax.train import checkpoint as ckpt
 from glm5_jax.train.heldout import score_heldout
@@ -171,7 +172,9 @@ def _init_or_restore(t, manager, config):
   if config.train.init_from:
     loaded, source_model = ckpt.restore_params_from(config.train.init_from, abstract_params)
     params = merge_stage_params(state.params, loaded, f"{config.train.init_from} "
-                                f"(pattern {source_model['attention_pattern']})")
+                                f"(pattern {source_model['attention_pattern']})",
+                                fresh_model=t.model,
+                                loaded_model=ModelConfig.from_config(source_model))
     params = jax.device_put(params, t.params_sharding)
     opt_state = jax.jit(t.optimizer.init, out_shardings=t.state_sharding.opt_state)(params)
     state = state.replace(params=params, opt_state=opt_state)

@@ -61,27 +61,38 @@ def mtp_losses(out, batch):
 
 
 def _all_layer_aux(out):
+  """Every layer's aux: one dict per unrolled layer or MTP depth, one per scanned run (its
+  entries stacked on a leading layers axis)."""
   return list(out["aux"]["layers"].values()) + list(out["aux"]["mtp"])
+
+
+def _per_layer(out, name: str, rank: int):
+  """`[layers]`: aux entry `name` of every layer that has it, each of `rank` dims per layer
+  (a scanned run's entry has one more, leading), flattened to `[n, *shape]` and concatenated."""
+  values = [aux[name] for aux in _all_layer_aux(out) if name in aux]
+  return jnp.concatenate([v.reshape((-1,) + v.shape[v.ndim - rank:]) for v in values]
+                         ) if values else None
 
 
 def mean_indexer_kl(out, batch):
   """Mean indexer KL over DSA layers (main and MTP) and non-padding queries; 0 without any."""
   valid_BL = (batch["segment_ids"] != 0).astype(jnp.float32)
-  kls = [(aux["indexer_kl"] * valid_BL).sum() / jnp.maximum(valid_BL.sum(), 1.0)
-         for aux in _all_layer_aux(out) if "indexer_kl" in aux]
-  return jnp.mean(jnp.stack(kls)) if kls else jnp.zeros((), jnp.float32)
+  kl_nBL = _per_layer(out, "indexer_kl", rank=2)
+  if kl_nBL is None:
+    return jnp.zeros((), jnp.float32)
+  return jnp.mean((kl_nBL * valid_BL).sum((1, 2)) / jnp.maximum(valid_BL.sum(), 1.0))
 
 
 def mean_sequence_balance_loss(out):
   """Mean over MoE layers (main and MTP) of the sequence-wise balance loss
   (`moe.sequence_balance_loss`, in each layer's aux); 0 without MoE."""
-  losses = [aux["sequence_balance_loss"] for aux in _all_layer_aux(out)
-            if "sequence_balance_loss" in aux]
-  return jnp.mean(jnp.stack(losses)) if losses else jnp.zeros((), jnp.float32)
+  losses_n = _per_layer(out, "sequence_balance_loss", rank=0)
+  return jnp.zeros((), jnp.float32) if losses_n is None else jnp.mean(losses_n)
 
 
 def expert_counts(out):
-  """`{path to the MoE block: counts [E]}` (the MTP layer's counts summed over depths)."""
+  """`{path to the MoE block: counts [E]}` (`[layers, E]` for a scanned run, whose block holds
+  the stacked biases; the MTP layer's counts summed over depths)."""
   counts = {(name, "mlp"): aux["expert_counts"]
             for name, aux in out["aux"]["layers"].items() if "expert_counts" in aux}
   mtp = [aux["expert_counts"] for aux in out["aux"]["mtp"] if "expert_counts" in aux]

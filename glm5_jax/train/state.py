@@ -15,7 +15,9 @@ import jax
 from flax import traverse_util
 
 from glm5_jax.attention.mode import DSA_STAGES
+from glm5_jax.config import ModelConfig
 from glm5_jax.convert.attention_pattern import merge_pattern_params
+from glm5_jax.layer_runs import as_layout_of, as_unrolled
 
 
 @flax.struct.dataclass
@@ -37,7 +39,8 @@ def trainable_mask(params, dsa_stage: str):
                                       params)
 
 
-def merge_stage_params(fresh, loaded, source: str):
+def merge_stage_params(fresh, loaded, source: str, *, fresh_model: ModelConfig,
+                       loaded_model: ModelConfig):
   """Params for this run from another run's params `loaded`, whose attention pattern may differ
   (an MLA checkpoint into a DSA model, a full-attention one into S / N / L layers, ...).
 
@@ -50,8 +53,13 @@ def merge_stage_params(fresh, loaded, source: str):
     fresh: this model's freshly initialized params.
     loaded: the other run's params.
     source: names `loaded` in error messages (e.g. the checkpoint and its pattern).
+    fresh_model, loaded_model: the two models' configs; their layer layouts
+      (`model.scan_layers`) may differ, and the result has `fresh_model`'s.
   Raises:
     ValueError: any other parameter missing on either side, or a shape mismatch (the message
       starts with `config.train.init_from` and lists the parameters).
   """
-  return merge_pattern_params(fresh, loaded, source, context="config.train.init_from")
+  merged = merge_pattern_params(as_unrolled(fresh, fresh_model),
+                                as_unrolled(loaded, loaded_model), source,
+                                context="config.train.init_from")
+  return as_layout_of(fresh_model, merged)

@@ -83,7 +83,8 @@ def update_balance_bias(params, counts: dict, rate: float):
 
   Args:
     params: nested param dict (not modified).
-    counts: `{path to an MoE block: tokens routed to each expert [E]}`.
+    counts: `{path to an MoE block: tokens routed to each expert [E]}` (`[layers, E]` for a
+      scanned run's stacked block: each layer balances its own experts).
   Returns:
     new params, the correction biases of the blocks in `counts` moved.
   """
@@ -91,14 +92,15 @@ def update_balance_bias(params, counts: dict, rate: float):
   for path, counts_E in counts.items():
     key = tuple(path) + ("e_score_correction_bias",)
     load = counts_E.astype(jnp.float32)
-    flat[key] = flat[key] + rate * jnp.sign(load.mean() - load).astype(flat[key].dtype)
+    flat[key] = flat[key] + rate * jnp.sign(load.mean(-1, keepdims=True) - load).astype(flat[key].dtype)
   return traverse_util.unflatten_dict(flat)
 
 
 def _expert_load_metrics(counts: dict):
   if not counts:
     return {}
-  ratios = [c.astype(jnp.float32) / jnp.maximum(c.astype(jnp.float32).mean(), 1e-9)
+  ratios = [c.astype(jnp.float32) / jnp.maximum(c.astype(jnp.float32).mean(-1, keepdims=True),
+                                                1e-9)
             for c in counts.values()]
   return {"expert_load_max": jnp.max(jnp.stack([r.max() for r in ratios])),
           "expert_load_min": jnp.min(jnp.stack([r.min() for r in ratios]))}

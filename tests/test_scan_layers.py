@@ -1,0 +1,169 @@
+"""Scanned layers (`model.scan_layers`, `glm5_jax.layer_runs`) and remat (`model.remat_policy`).
+
+The scanned model must compute exactly what the unrolled one does from the same weights
+(stacked): logits, MTP logits, the auxiliary losses, gradients, and a whole train step (Muon
+Split per layer, the loss-free balancing bias per layer). Its program must not grow with depth.
+"""
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import glm5_jax
+from glm5_jax import layer_runs, optim
+from glm5_jax.layers.remat import REMAT_POLICIES
+from glm5_jax.train.state import TrainState, trainable_mask
+from glm5_jax.train.step import StepConfig, compute_loss, make_train_step
+
+# D dense | D D (MoE, hands its last top-k to the next run) | R R (reuses it) | S
+MIXED = dict(num_hidden_layers=6, attention_pattern="DDDRRS", first_k_dense_replace=1,
+             index_topk=8, sliding_window=6, dtype="float32")
+LINEAR = dict(num_hidden_layers=4, attention_pattern="GGNL", first_k_dense_replace=0,
+              mtp_depths=1, dtype="float32")
+
+
+def configs(helpers, **overrides):
+  unrolled = helpers.config(scan_layers=False, **overrides)
+  return unrolled, dataclasses.replace(unrolled, scan_layers=True)
+
+
+def packed_batch(vocab, b=2, l=24, seed=0):
+  """Two documents per row, padding at the end of row 1."""
+  rng = np.random.default_rng(seed)
+  segments = np.where(np.arange(l) < 14, 1, 2)[None].repeat(b, 0)
+  segments[1, -4:] = 0
+  positions = np.where(segments == 2, np.arange(l) - 14, np.arange(l)) * (segments != 0)
+  return {"tokens": jnp.asarray(rng.integers(1, vocab, (b, l)), jnp.int32),
+          "positions": jnp.asarray(positions, jnp.int32),
+          "segment_ids": jnp.asarray(segments, jnp.int32),
+          "loss_mask": jnp.asarray(segments != 0, jnp.float32)}
+
+
+def assert_trees_close(got, want, rtol=1e-5, atol=1e-6):
+  flat_got = dict(jax.tree_util.tree_flatten_with_path(got)[0])
+  flat_want = dict(jax.tree_util.tree_flatten_with_path(want)[0])
+  assert flat_got.keys() == flat_want.keys()
+  for path, value in flat_got.items():
+    np.testing.assert_allclose(np.asarray(value), np.asarray(flat_want[path]), rtol=rtol,
+                               atol=atol, err_msg=jax.tree_util.keystr(path))
+
+
+def test_layer_runs_group_identical_consecutive_layers(helpers):
+  cfg = helpers.config(**MIXED)
+  runs = layer_runs.layer_runs(cfg)
+  assert [(r.name, r.attention_kind, r.moe) for r in runs] == [
+      ("layers_0_0", "dsa", False), ("layers_1_2", "dsa", True),
+      ("layers_3_4", "dsa_shared_topk", True), ("layers_5_5", "swa", True)]
+  glm5 = glm5_jax.config.ModelConfig.from_config(glm5_jax.config.model_config())
+  assert [r.name for r in layer_runs.layer_runs(glm5)] == ["layers_0_2", "layers_3_77"]
+
+
+def test_stack_and_unstack_are_inverse_and_match_the_scanned_model(helpers):
+  unrolled_cfg, scanned_cfg = configs(helpers, **MIXED)
+  params = helpers.random_params(unrolled_cfg)
+  stacked = layer_runs.stack_layers(params, scanned_cfg)
+  assert (jax.tree.structure(stacked)
+          == jax.tree.structure(glm5_jax.abstract_params(scanned_cfg)))
+  assert stacked["layers_1_2"]["mlp"]["experts"]["gate_proj"].shape[0] == 2
+  assert_trees_close(layer_runs.unstack_layers(stacked, scanned_cfg), params, rtol=0, atol=0)
+  assert layer_runs.scanned_location(scanned_cfg, ("layers_4", "mlp", "gate")) == (
+      ("layers_3_4", "mlp", "gate"), 1)
+  assert layer_runs.scanned_location(scanned_cfg, ("mtp", "eh_proj")) == (("mtp", "eh_proj"),
+                                                                           None)
+
+
+@pytest.mark.parametrize("overrides", [MIXED, LINEAR], ids=["dsa_mixed", "gqa_gdn"])
+@pytest.mark.parametrize("stage", ["sparse", "warmup"])
+def test_scanned_equals_unrolled_logits_losses_and_grads(helpers, overrides, stage):
+  """Same weights, stacked: identical logits, MTP logits, loss terms and gradients (DSA top-k
+  active: index_topk 8 < 24 keys, one run handing its selection to the next)."""
+  if stage == "warmup" and overrides is LINEAR:
+    pytest.skip("no indexer: the warm-up stage computes what the sparse one does")
+  unrolled_cfg, scanned_cfg = configs(helpers, **overrides)
+  params = helpers.random_params(unrolled_cfg)
+  stacked = layer_runs.stack_layers(params, scanned_cfg)
+  batch = packed_batch(unrolled_cfg.vocab_size)
+  step_cfg = StepConfig(dsa_stage=stage, sequence_balance_weight=0.01)
+  grad_fn = jax.jit(jax.value_and_grad(compute_loss, argnums=2, has_aux=True),
+                    static_argnums=(0, 1))
+  (loss_u, (metrics_u, counts_u, _, nll_u)), grads_u = grad_fn(unrolled_cfg, step_cfg, params,
+                                                               batch)
+  (loss_s, (metrics_s, counts_s, _, nll_s)), grads_s = grad_fn(scanned_cfg, step_cfg, stacked,
+                                                               batch)
+  np.testing.assert_allclose(loss_s, loss_u, rtol=1e-6)
+  assert_trees_close(metrics_s, metrics_u)
+  np.testing.assert_allclose(nll_s, nll_u, rtol=1e-5, atol=1e-6)
+  assert_trees_close(grads_s, layer_runs.stack_layers(grads_u, scanned_cfg))
+  # Expert counts: one [E] per unrolled MoE layer, [layers, E] per scanned run, same numbers.
+  for run in layer_runs.layer_runs(scanned_cfg):
+    if run.moe:
+      want = np.stack([counts_u[(f"layers_{i}", "mlp")] for i in range(run.first, run.last + 1)])
+      np.testing.assert_array_equal(counts_s[(run.name, "mlp")], want)
+  if overrides is MIXED:
+    assert float(metrics_s["indexer_kl"]) > 0
+
+
+def test_scanned_train_step_equals_unrolled(helpers):
+  """One real train step (Muon Split per layer, balancing-bias update per layer)."""
+  unrolled_cfg, scanned_cfg = configs(helpers, **MIXED)
+  params = helpers.random_params(unrolled_cfg)
+  batch = packed_batch(unrolled_cfg.vocab_size)
+  step_cfg = StepConfig(dsa_stage="sparse", balance_bias_rate=0.01)
+  opt_cfg = optim.optim_config(warmup_steps=0, learning_rate=1e-2, weight_decay=0.1)
+
+  def one_step(cfg, params):
+    shapes = jax.eval_shape(lambda: params)
+    optimizer, schedule = optim.build_optimizer(opt_cfg, shapes, total_steps=10,
+                                                trainable=trainable_mask(shapes, "sparse"))
+    state = TrainState(step=jnp.zeros((), jnp.int32), params=params,
+                       opt_state=optimizer.init(params), rng=jnp.zeros((2,), jnp.uint32))
+    new_state, metrics = jax.jit(make_train_step(cfg, step_cfg, optimizer, schedule))(state,
+                                                                                        batch)
+    return new_state.params, metrics
+
+  new_u, metrics_u = one_step(unrolled_cfg, params)
+  new_s, metrics_s = one_step(scanned_cfg, layer_runs.stack_layers(params, scanned_cfg))
+  assert_trees_close(new_s, layer_runs.stack_layers(new_u, scanned_cfg), rtol=1e-5, atol=1e-6)
+  assert_trees_close(metrics_s, metrics_u, rtol=1e-5, atol=1e-6)
+  bias_before = layer_runs.stack_layers(params, scanned_cfg)["layers_1_2"]["mlp"][
+      "e_score_correction_bias"]
+  assert not np.array_equal(new_s["layers_1_2"]["mlp"]["e_score_correction_bias"], bias_before)
+
+
+@pytest.mark.parametrize("policy", [p for p in REMAT_POLICIES if p not in ("none",
+                                                                           "offload_dots")])
+def test_remat_policies_change_memory_not_numbers(helpers, policy):
+  """Every policy gives the gradients of no remat (offload_dots needs a backend with pinned
+  host memory; the planner measures it)."""
+  _, scanned_cfg = configs(helpers, **MIXED)
+  remat_cfg = dataclasses.replace(scanned_cfg, remat_policy=policy)
+  params = layer_runs.stack_layers(helpers.random_params(dataclasses.replace(
+      scanned_cfg, scan_layers=False)), scanned_cfg)
+  batch = packed_batch(scanned_cfg.vocab_size)
+  grad_fn = jax.jit(jax.grad(lambda cfg, p: compute_loss(cfg, StepConfig(), p, batch)[0],
+                             argnums=1), static_argnums=0)
+  assert_trees_close(grad_fn(remat_cfg, params), grad_fn(scanned_cfg, params))
+
+
+def _program_size(cfg) -> int:
+  """Characters of the lowered (StableHLO) train-loss gradient program."""
+  shapes = glm5_jax.abstract_params(cfg)
+  batch = jax.eval_shape(lambda: packed_batch(cfg.vocab_size))
+  fn = jax.grad(lambda p, b: compute_loss(cfg, StepConfig(), p, b)[0])
+  return len(jax.jit(fn).lower(shapes, batch).as_text())
+
+
+def test_scanned_program_does_not_grow_with_depth(helpers):
+  """2 -> 8 MoE layers: the scanned program stays the same size (one body per run), the
+  unrolled one grows with every layer."""
+  sizes = {}
+  for scan in (True, False):
+    for depth in (2, 8):
+      cfg = helpers.config(num_hidden_layers=depth, first_k_dense_replace=0, scan_layers=scan,
+                           attention_pattern="D", mtp_depths=1)
+      sizes[scan, depth] = _program_size(cfg)
+  assert sizes[True, 8] < 1.05 * sizes[True, 2], sizes
+  assert sizes[False, 8] > 2.5 * sizes[False, 2], sizes
