@@ -1,11 +1,15 @@
 """Worker for tests/test_moe_parallel.py: needs 8 host devices, so it runs in a subprocess.
 
-  XLA_FLAGS=--xla_force_host_platform_device_count=8 python tests/moe_parallel_cases.py CASES
+  XLA_FLAGS=--xla_force_host_platform_device_count=8 python tests/moe_parallel_cases.py MODE ARG
 
-CASES is a JSON list of `{"mesh": {axis: size}, "bias": "none"|"skewed", "batch": [B, L]}`.
-Prints one JSON line: per case, the largest differences between `moe_impl="expert_parallel"`
-(transport "all_to_all", sharded on the mesh) and the unsharded `moe_impl="ragged"` reference,
-for the output, the aux values, and the gradients w.r.t. the input and every parameter.
+MODE `cases`, ARG a JSON list of `{"mesh": {axis: size}, "bias": "none"|"skewed", "batch":
+[B, L]}`: per case, the largest differences between `moe_impl="expert_parallel"` (transport
+"all_to_all", sharded on the mesh) and the unsharded `moe_impl="ragged"` reference, for the
+output, the aux values, and the gradients w.r.t. the input and every parameter.
+MODE `ragged_transport`: lowers the "ragged_all_to_all" transport and tries to compile it.
+MODE `model`: the tiny model's loss and gradients, expert-parallel on a mesh vs ragged.
+MODE `hlo`: expert-weight all-gathers and all-to-alls in the compiled layer, per impl.
+Each prints one JSON line.
 """
 
 import dataclasses
@@ -85,6 +89,83 @@ def run_case(case, transport="all_to_all"):
   }
 
 
+def ragged_transport():
+  """The production transport lowers (forward + backward) to `ragged_all_to_all`; XLA:CPU
+  refuses to compile it."""
+  cfg = tiny_model_config(**MODEL, moe_impl="expert_parallel",
+                          moe_transport="ragged_all_to_all")
+  mesh = sharding.make_mesh(sharding.mesh_config(data=1, expert=8))
+  rules = sharding.default_logical_axis_rules()
+  x_BLD = jnp.ones((8, 4, cfg.hidden_size))
+  params = nn.meta.unbox(MoE(cfg).init(jax.random.key(0), x_BLD)["params"])
+  loss = lambda p, x: MoE(cfg).apply({"params": p}, x)[0].sum()
+  with sharding.activation_sharding(mesh, rules):
+    lowered = jax.jit(jax.grad(loss, argnums=(0, 1))).lower(params, x_BLD)
+    try:
+      lowered.compile()
+      error = ""
+    except Exception as e:  # pylint: disable=broad-except
+      error = f"{type(e).__name__}: {e}"
+  return {"ragged_all_to_all": lowered.as_text().count("ragged_all_to_all"), "error": error}
+
+
+def model():
+  """Loss and gradients of the tiny model: expert-parallel on expert=2 x data=2 x fsdp=2 vs the
+  unsharded ragged reference."""
+  import glm5_jax  # pylint: disable=g-import-not-at-top
+  from tests.conftest import random_params  # pylint: disable=g-import-not-at-top
+  ref_cfg = tiny_model_config(scan_layers=False)
+  ep_cfg = dataclasses.replace(ref_cfg, moe_impl="expert_parallel", moe_transport="all_to_all")
+  params = random_params(ref_cfg)
+  tokens_BL = jax.random.randint(jax.random.key(1), (8, 32), 0, ref_cfg.vocab_size)
+
+  def loss(cfg, p, t):
+    out = glm5_jax.forward(cfg, p, t)
+    logp = jax.nn.log_softmax(out["logits"][:, :-1])
+    return -jnp.take_along_axis(logp, t[:, 1:, None], -1).mean()
+
+  step = lambda cfg: jax.jit(jax.value_and_grad(functools.partial(loss, cfg)))
+  ref_loss, ref_grads = step(ref_cfg)(params, tokens_BL)
+  mesh = sharding.make_mesh(sharding.mesh_config(data=2, fsdp=2, expert=2))
+  rules = sharding.default_logical_axis_rules()
+  shapes, logical = glm5_jax.abstract_params_and_axes(ref_cfg)
+  sharded = jax.device_put(params, sharding.param_shardings(shapes, logical, mesh, rules))
+  with sharding.activation_sharding(mesh, rules):
+    ep_loss, ep_grads = step(ep_cfg)(sharded, jax.device_put(
+        tokens_BL, sharding.batch_sharding(mesh, rules)))
+    text = step(ep_cfg).lower(sharded, tokens_BL).as_text()
+  grad_diff = max(float(np.abs(np.asarray(a) - np.asarray(b)).max())
+                  for a, b in zip(jax.tree.leaves(ep_grads), jax.tree.leaves(ref_grads)))
+  return {"loss": float(ref_loss), "loss_diff": abs(float(ep_loss) - float(ref_loss)),
+          "grad_diff": grad_diff, "all_to_all_lowered": "all_to_all" in text}
+
+
+def hlo():
+  """Per impl: expert-weight all-gathers and all-to-alls of the compiled layer (forward +
+  backward) on expert=4 x fsdp=2, tokens over data, fsdp and expert."""
+  from glm5_jax import hlo_stats  # pylint: disable=g-import-not-at-top
+  from tools.moe_collectives import (compile_moe_layer,  # pylint: disable=g-import-not-at-top
+                                     expert_weight_gathers)
+  cfg = tiny_model_config(**MODEL, n_shared_experts=0, moe_transport="all_to_all")
+  mesh = sharding.make_mesh(sharding.mesh_config(data=1, fsdp=2, expert=4))
+  rules = [(name, ("data", "fsdp", "expert") if name == "batch" else target)
+           for name, target in sharding.default_logical_axis_rules()]
+  result = {}
+  for impl in ("ragged", "expert_parallel"):
+    found = hlo_stats.collectives(compile_moe_layer(
+        dataclasses.replace(cfg, moe_impl=impl), mesh, rules, batch=8, seq=12))
+    result[impl] = {
+        "expert_weight_gathers": [list(c.shape) for c in
+                                  expert_weight_gathers(found, cfg.n_routed_experts)],
+        "all_gathers": [list(c.shape) for c in found if c.op == "all-gather"],
+        "all_to_alls": sum(c.op == "all-to-all" for c in found)}
+  return result
+
+
 if __name__ == "__main__":
   assert jax.device_count() == 8, jax.devices()
-  print(json.dumps([run_case(case) for case in json.loads(sys.argv[1])]))
+  mode = sys.argv[1]
+  if mode == "cases":
+    print(json.dumps([run_case(case) for case in json.loads(sys.argv[2])]))
+  else:
+    print(json.dumps({"ragged_transport": ragged_transport, "model": model, "hlo": hlo}[mode]()))
