@@ -57,7 +57,8 @@ def array_bytes(dtype: str, shape) -> int:
 
 
 def _group_size(line: str) -> int:
-  """Devices per replica group (0 when the line does not say, e.g. collective-permute)."""
+  """Devices per replica group; 0 when the line does not say (`replica_groups={}`: all
+  devices; collective-permute: pairs)."""
   if match := _GROUPS_LIST.search(line):
     return len(match[1].split(","))
   if match := _GROUPS_IOTA.search(line):
