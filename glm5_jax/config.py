@@ -28,6 +28,7 @@ SIMPLE_GDN_GATES = ("fixed", "learned")
 MLP_LETTERS = {"F": "dense", "E": "moe"}
 DSA_IMPLS = ("dense_mask", "xla", "pallas")
 MOE_IMPLS = ("ragged", "expert_parallel")
+MOE_TRANSPORTS = ("ragged_all_to_all", "all_to_all")
 
 
 class ConfigError(ValueError):
@@ -158,6 +159,10 @@ def model_config(**overrides) -> ml_collections.ConfigDict:
   # Routed-expert dispatch: "ragged" (one global ragged_dot; XLA decides the collectives) or
   # "expert_parallel" (shard_map: tokens travel to the devices holding their experts).
   c.moe_impl = "ragged"
+  # How "expert_parallel" moves (token, expert) pairs between devices: "ragged_all_to_all"
+  # (exact-size messages; TPU/GPU, XLA:CPU cannot compile it) or "all_to_all" (dense buffers
+  # padded to the dropless worst case, expert-axis-size times the bytes; runs everywhere).
+  c.moe_transport = "ragged_all_to_all"
   c.update(overrides)
   return c
 
@@ -230,10 +235,11 @@ def interleave_pattern(num_layers: int, every: int, letter: str, base: str,
 # Fields added after checkpoints and converted configs were first written: a `model` section
 # without them (read back from an older checkpoint's meta or config.json) means the defaults of
 # `model_config()`, which cannot change what an older model computes (they only configure the
-# S / N / L layers, which such a model has none of; `scan_layers`, `remat_policy` and
-# `moe_impl` change the param layout, memory or collectives, never the numbers).
+# S / N / L layers, which such a model has none of; `scan_layers`, `remat_policy`,
+# `moe_impl` and `moe_transport` change the param layout, memory or collectives, never the numbers).
 LATER_FIELDS = ("sliding_window", "gdn_conv_size", "gdn_chunk_size", "simple_gdn_gates",
-                "simple_gdn_beta", "scan_layers", "remat_policy", "moe_impl")
+                "simple_gdn_beta", "scan_layers", "remat_policy", "moe_impl",
+                "moe_transport")
 # Where the behaviour before a field existed differs from its default: checkpoints written
 # before `scan_layers` hold unrolled `layers_{i}` params.
 LATER_FIELD_OLD_VALUES = {"scan_layers": False}

@@ -23,7 +23,7 @@ import ml_collections
 
 from glm5_jax.attention.kinds import ATTENTION_KINDS, pattern_error
 from glm5_jax.config import (DSA_IMPLS, LATER_FIELDS, MLP_LETTERS, MOE_IMPLS,
-                             SIMPLE_GDN_GATES, check_fields, expand_pattern,
+                             MOE_TRANSPORTS, SIMPLE_GDN_GATES, check_fields, expand_pattern,
                              model_config, require as _require, with_later_field_defaults)
 from glm5_jax.data.pipeline import validate_data_config
 from glm5_jax.layers.params import DTYPES
@@ -139,6 +139,8 @@ def validate_model_config(m) -> None:
            f"must be one of {REMAT_POLICIES}, got {m.remat_policy!r}")
   _require(m.moe_impl in MOE_IMPLS, "model.moe_impl", f"must be one of {MOE_IMPLS}, got "
            f"{m.moe_impl!r}")
+  _require(m.moe_transport in MOE_TRANSPORTS, "model.moe_transport",
+           f"must be one of {MOE_TRANSPORTS}, got {m.moe_transport!r}")
   for name in ("dtype", "param_dtype"):
     _require(m[name] in DTYPES, f"model.{name}", f"must be one of {sorted(DTYPES)}, got "
              f"{m[name]!r}")

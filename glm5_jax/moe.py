@@ -15,6 +15,8 @@ whose two best biased scores sum highest, as in HF `GlmMoeDsaTopkRouter`.
 Dispatch is dropless: the M*X (token, expert) pairs are sorted by expert and fed to
 `jax.lax.ragged_dot`, one contiguous group per expert, so no token is ever dropped for capacity.
 The router returns per-expert token counts for the balancing-bias update.
+`model.moe_impl = "expert_parallel"` moves the pairs to the devices holding their experts
+instead (`glm5_jax.moe_parallel`); routing, counts and the balance loss are shared.
 
 Notation (docs/design.md): B batch, L sequence, M tokens (B * L), D hidden, E experts, X experts
 per token, F expert intermediate, P = M * X routed pairs.
@@ -24,6 +26,7 @@ import jax
 import jax.numpy as jnp
 from flax import linen as nn
 
+from glm5_jax import moe_parallel
 from glm5_jax.config import ModelConfig
 from glm5_jax.layers.axes import EMBED, EXPERT, EXPERT_MLP
 from glm5_jax.layers.ffn import SwiGLU
@@ -127,7 +130,11 @@ class MoE(nn.Module):
         routed_scaling_factor=c.routed_scaling_factor, norm_topk_prob=c.norm_topk_prob,
         n_group=c.n_group, topk_group=c.topk_group)
     experts = ExpertWeights(e, f, c.initializer_range, dtype, pdtype, name="experts")(d)
-    y_MD, _ = dispatch_experts(x_MD, weights_MX, experts_MX, *experts)
+    if c.moe_impl == "expert_parallel" and moe_parallel.context_mesh() is not None:
+      y_MD = moe_parallel.expert_parallel_dispatch(x_MD, weights_MX, experts_MX, *experts,
+                                                   transport=c.moe_transport)
+    else:  # "ragged", or no mesh in context (init, one device): the same numbers, locally
+      y_MD, _ = dispatch_experts(x_MD, weights_MX, experts_MX, *experts)
     valid_BL = jnp.ones((b, l), bool) if valid_BL is None else valid_BL
     chosen_BLE = jax.nn.one_hot(experts_MX, e, dtype=jnp.float32).sum(1).reshape(b, l, e)
     chosen_BLE = chosen_BLE * valid_BL[..., None]

@@ -1,0 +1,198 @@
+"""Expert parallelism: (token, expert) pairs travel to the devices holding their experts, a
+per-shard grouped matmul runs there, and the results travel back (`model.moe_impl =
+"expert_parallel"`).
+
+The reference (`glm5_jax.moe.dispatch_experts`) is one global `ragged_dot` with sharding
+annotations; with the expert dimension sharded, XLA's partitioner is free to all-gather every
+expert's weights. Here the layout is explicit, under `jax.shard_map` over the whole mesh:
+
+  tokens  M   split over the batch axes of the logical rules plus the `expert` axis (so the
+              expert-parallel devices are also data-parallel, as in DeepSeek-V3 and MaxText);
+  experts E   split over the mesh axis of the `expert` rule; each device holds E/n experts
+              (n = that axis' size). The EMBED (fsdp) dimension of the expert kernels enters
+              whole, so the only weight all-gather is over fsdp of the local experts' slice.
+  F           split over the `expert_mlp` rule's axes (tensor); the partial outputs are summed
+              over them after the combine (`psum` of `[M/shards, D]`).
+
+Per shard: sort the local pairs by expert (as the reference), exchange per-expert counts with
+one small all-to-all, send each pair's row to the device holding its expert, sort the received
+rows by local expert, `ragged_dot` over the local experts, un-sort, send back, un-sort, and
+combine with the router weights as the reference (inverse permutation + weighted sum: no
+scatter-add, so deterministic). Routing, `expert_counts` and the balance loss stay in
+`glm5_jax.moe.MoE`, computed on the global token array exactly as for "ragged".
+
+Dropless, so every buffer is sized for the worst case: a device can receive up to
+`n * m * min(X, E/n)` rows (every local token choosing only its experts; m local tokens).
+Transport (`model.moe_transport`):
+  "ragged_all_to_all"  `jax.lax.ragged_all_to_all`: each message is exactly the pairs it
+                       carries, so the bytes on the wire are the real `m * X` rows each way;
+                       only the receive buffer is worst-case sized. The production choice on
+                       TPU and GPU. XLA:CPU (jax 0.10.2) cannot compile it: "UNIMPLEMENTED:
+                       HLO opcode `ragged-all-to-all` is not supported by XLA:CPU
+                       ThunkEmitter".
+  "all_to_all"         `jax.lax.all_to_all` of `[n, m * min(X, E/n), D]` buffers, one
+                       worst-case slot per destination: runs everywhere (the CPU tests and
+                       the AOT planner use it), but sends n * m * min(X, E/n) rows, about n
+                       times the ragged bytes when E/n >= X, and holds both full buffers.
+"""
+
+import functools
+import math
+
+import jax
+import jax.numpy as jnp
+from flax import linen as nn
+from jax.sharding import PartitionSpec
+
+from glm5_jax.layers import axes as logical_axes
+
+TRANSPORTS = ("ragged_all_to_all", "all_to_all")
+
+
+def context_mesh():
+  """The mesh set by `jax.set_mesh` (`glm5_jax.sharding.activation_sharding`), or None."""
+  mesh = jax.sharding.get_abstract_mesh()
+  return None if mesh is None or mesh.empty else mesh
+
+
+def _mesh_axes(rules, logical_name):
+  axes = nn.logical_to_mesh_axes((logical_name,), rules)[0]
+  return () if axes is None else (axes,) if isinstance(axes, str) else tuple(axes)
+
+
+def expert_parallel_dispatch(x_MD, weights_MX, experts_MX, w_gate_EDF, w_up_EDF, w_down_EFD,
+                             *, transport="ragged_all_to_all", mesh=None, rules=None):
+  """`glm5_jax.moe.dispatch_experts`'s mixture `y_MD`, computed expert-parallel.
+
+  Args:
+    x_MD, weights_MX, experts_MX: global arrays (any sharding), as for `dispatch_experts`.
+    w_*: the global expert kernels `[E, D, F]`, `[E, D, F]`, `[E, F, D]`.
+    transport: "ragged_all_to_all" or "all_to_all" (see the module docstring).
+    mesh: defaults to the context mesh (`jax.set_mesh`); required.
+    rules: logical axis rules; default the flax context's (`nn.logical_axis_rules`).
+  Returns:
+    `y_MD`, in `x_MD`'s dtype.
+  Raises:
+    ValueError: no mesh, no mesh axis for the `expert` logical axis, E not divisible by it,
+      F's axes overlapping the token axes, or an unknown transport.
+  """
+  if transport not in TRANSPORTS:
+    raise ValueError(f"model.moe_transport: must be one of {TRANSPORTS}, got {transport!r}")
+  mesh = context_mesh() if mesh is None else mesh
+  if mesh is None:
+    raise ValueError("moe_impl='expert_parallel' needs a device mesh in context "
+                     "(glm5_jax.sharding.activation_sharding or jax.set_mesh)")
+  rules = nn.get_logical_axis_rules() if rules is None else rules
+  expert_axes = _mesh_axes(rules, logical_axes.EXPERT)
+  if len(expert_axes) != 1:
+    raise ValueError(f"config.mesh.logical_axis_rules: moe_impl='expert_parallel' needs the "
+                     f"logical axis {logical_axes.EXPERT!r} mapped to exactly one mesh axis, "
+                     f"got {expert_axes}")
+  (expert_axis,) = expert_axes
+  f_axes = _mesh_axes(rules, logical_axes.EXPERT_MLP)
+  token_axes = tuple(a for a in _mesh_axes(rules, logical_axes.BATCH) if a != expert_axis)
+  token_axes += (expert_axis,)
+  if set(f_axes) & set(token_axes):
+    raise ValueError(f"config.mesh.logical_axis_rules: the expert FFN axes {f_axes} overlap "
+                     f"the token axes {token_axes}")
+  num_experts = w_gate_EDF.shape[0]
+  n = mesh.shape[expert_axis]
+  if num_experts % n:
+    raise ValueError(f"model.n_routed_experts: {num_experts} is not divisible by the "
+                     f"{expert_axis!r} mesh axis ({n})")
+
+  # Pad the tokens to a multiple of the token shards. Padding rows get distinct experts (the
+  # worst-case buffer bound assumes a token's X experts differ) and zero router weights.
+  m, x = experts_MX.shape
+  shards = math.prod(mesh.shape[a] for a in token_axes)
+  pad = -m % shards
+  if pad:
+    x_MD = jnp.pad(x_MD, ((0, pad), (0, 0)))
+    weights_MX = jnp.pad(weights_MX, ((0, pad), (0, 0)))
+    experts_MX = jnp.concatenate(
+        [experts_MX, jnp.broadcast_to(jnp.arange(x, dtype=experts_MX.dtype), (pad, x))])
+
+  tokens = PartitionSpec(token_axes, None)
+  f_spec = f_axes if f_axes else None
+  local = functools.partial(_local_dispatch, expert_axis=expert_axis, n=n, f_axes=f_axes,
+                            transport=transport)
+  y_MD = jax.shard_map(
+      local, mesh=mesh,
+      in_specs=(tokens, tokens, tokens, PartitionSpec(expert_axis, None, f_spec),
+                PartitionSpec(expert_axis, None, f_spec),
+                PartitionSpec(expert_axis, f_spec, None)),
+      out_specs=tokens)(x_MD, weights_MX, experts_MX, w_gate_EDF, w_up_EDF, w_down_EFD)
+  return y_MD[:m]
+
+
+def _exclusive_cumsum(a, axis=-1):
+  return jnp.cumsum(a, axis=axis) - a
+
+
+def _local_dispatch(x_MD, weights_MX, experts_MX, w_gate_EDF, w_up_EDF, w_down_EFD, *,
+                    expert_axis, n, f_axes, transport):
+  """One shard: its m tokens, its E/n experts (`E` here is the local count)."""
+  m, x = experts_MX.shape
+  d = x_MD.shape[-1]
+  local_experts = w_gate_EDF.shape[0]
+  me = jax.lax.axis_index(expert_axis)
+  flat_experts_P = experts_MX.reshape(-1)
+  order_P = jnp.argsort(flat_experts_P, stable=True)
+  xs_PD = x_MD[order_P // x]  # sorted by expert, hence by destination device
+  counts_NE = jnp.bincount(flat_experts_P, length=n * local_experts).astype(jnp.int32)
+  counts_NE = counts_NE.reshape(n, local_experts)  # my pairs for device k's expert e
+  send_N = counts_NE.sum(1)
+  send_offsets_N = _exclusive_cumsum(send_N)
+  # Row i: source device i's pairs for each of my experts.
+  recv_counts_NE = jax.lax.all_to_all(counts_NE, expert_axis, 0, 0, tiled=True)
+  slot = m * min(x, local_experts)  # most pairs one device can send one device
+  rows = n * slot
+
+  if transport == "ragged_all_to_all":
+    sizes_NN = jax.lax.all_gather(send_N, expert_axis)  # [source, destination]
+    recv_N = sizes_NN[:, me]
+    recv_offsets_N = _exclusive_cumsum(recv_N)
+    # Where my rows land in each destination's buffer, and where each source's rows came from.
+    dest_offsets_N = _exclusive_cumsum(sizes_NN, axis=0)[me]
+    source_offsets_N = _exclusive_cumsum(sizes_NN, axis=1)[:, me]
+    recv_RD = jax.lax.ragged_all_to_all(
+        xs_PD, jnp.zeros((rows, d), xs_PD.dtype), send_offsets_N, send_N, dest_offsets_N,
+        recv_N, axis_name=expert_axis)
+  else:
+    recv_offsets_N = jnp.arange(n, dtype=jnp.int32) * slot
+    j = jnp.arange(slot)
+    take_NS = jnp.minimum(send_offsets_N[:, None] + j, m * x - 1)
+    send_NSD = jnp.where((j < send_N[:, None])[..., None], xs_PD[take_NS], 0)
+    recv_RD = jax.lax.all_to_all(send_NSD, expert_axis, 0, 0, tiled=True).reshape(rows, d)
+
+  # Each received row's local expert: rows of (source i, expert e) sit contiguously from
+  # recv_offsets_N[i] + (source i's rows for experts before e); rows outside get `local_experts`.
+  starts_NE = recv_offsets_N[:, None] + _exclusive_cumsum(recv_counts_NE)
+  ends = (starts_NE + recv_counts_NE).reshape(-1)
+  r = jnp.arange(rows)
+  segment_R = jnp.searchsorted(ends, r, side="right")
+  valid_R = (segment_R < ends.size) & (r >= starts_NE.reshape(-1)[
+      jnp.minimum(segment_R, ends.size - 1)])
+  expert_R = jnp.where(valid_R, segment_R % local_experts, local_experts)
+  order_R = jnp.argsort(expert_R, stable=True)
+  group_sizes = recv_counts_NE.sum(0)
+  xs_RD = recv_RD[order_R]
+  h_RF = jax.nn.silu(jax.lax.ragged_dot(xs_RD, w_gate_EDF, group_sizes)) * jax.lax.ragged_dot(
+      xs_RD, w_up_EDF, group_sizes)
+  ys_RD = jax.lax.ragged_dot(h_RF, w_down_EFD, group_sizes)[jnp.argsort(order_R)]
+
+  if transport == "ragged_all_to_all":
+    ys_PD = jax.lax.ragged_all_to_all(
+        ys_RD, jnp.zeros((m * x, d), ys_RD.dtype), recv_offsets_N, recv_N, source_offsets_N,
+        send_N, axis_name=expert_axis)
+  else:
+    back_NSD = jax.lax.all_to_all(ys_RD.reshape(n, slot, d), expert_axis, 0, 0, tiled=True)
+    dest_P = jnp.sort(flat_experts_P) // local_experts
+    ys_PD = back_NSD[dest_P, jnp.arange(m * x) - send_offsets_N[dest_P]]
+
+  # As the reference: inverse permutation, then the weighted sum over a token's X experts.
+  ys_MXD = ys_PD[jnp.argsort(order_P)].reshape(m, x, d)
+  y_MD = jnp.einsum("mxd,mx->md", ys_MXD.astype(jnp.float32), weights_MX)
+  if f_axes:  # partial sums over the F shards
+    y_MD = jax.lax.psum(y_MD, f_axes)
+  return y_MD.astype(x_MD.dtype)

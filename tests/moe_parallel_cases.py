@@ -1,0 +1,171 @@
+"""Worker for tests/test_moe_parallel.py: needs 8 host devices, so it runs in a subprocess.
+
+  XLA_FLAGS=--xla_force_host_platform_device_count=8 python tests/moe_parallel_cases.py MODE ARG
+
+MODE `cases`, ARG a JSON list of `{"mesh": {axis: size}, "bias": "none"|"skewed", "batch":
+[B, L]}`: per case, the largest differences between `moe_impl="expert_parallel"` (transport
+"all_to_all", sharded on the mesh) and the unsharded `moe_impl="ragged"` reference, for the
+output, the aux values, and the gradients w.r.t. the input and every parameter.
+MODE `ragged_transport`: lowers the "ragged_all_to_all" transport and tries to compile it.
+MODE `model`: the tiny model's loss and gradients, expert-parallel on a mesh vs ragged.
+MODE `hlo`: expert-weight all-gathers and all-to-alls in the compiled layer, per impl.
+Each prints one JSON line.
+"""
+
+import dataclasses
+import functools
+import json
+import sys
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import linen as nn
+
+from glm5_jax import sharding
+from glm5_jax.moe import MoE
+from tests.conftest import tiny_model_config
+
+# 16 experts, top-4: with expert=8 each device holds 2 experts, fewer than a token's X, so
+# the worst-case slot m * min(X, E/n) is exercised below m * X.
+MODEL = dict(n_routed_experts=16, num_experts_per_tok=4, moe_intermediate_size=32)
+
+
+def moe_loss(cfg, params, x_BLD, valid_BL, probe_BLD):
+  y_BLD, aux = MoE(cfg).apply({"params": params}, x_BLD, valid_BL)
+  loss = (y_BLD * probe_BLD).sum() + aux["sequence_balance_loss"]
+  return loss, (y_BLD, aux)
+
+
+def shard_like(tree, logical, mesh, rules):
+  shapes = jax.tree_util.tree_map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype), tree)
+  return jax.device_put(tree, sharding.param_shardings(shapes, logical, mesh, rules))
+
+
+def run_case(case, transport="all_to_all"):
+  ref_cfg = tiny_model_config(**MODEL)
+  ep_cfg = dataclasses.replace(ref_cfg, moe_impl="expert_parallel", moe_transport=transport)
+  b, l = case.get("batch", (4, 24))
+  d = ref_cfg.hidden_size
+  keys = jax.random.split(jax.random.key(case.get("seed", 0)), 4)
+  x_BLD = jax.random.normal(keys[0], (b, l, d))
+  probe_BLD = jax.random.normal(keys[1], (b, l, d))
+  valid_BL = jax.random.uniform(keys[2], (b, l)) > 0.2
+  boxed = MoE(ref_cfg).init(keys[3], x_BLD, valid_BL)["params"]
+  logical = nn.get_partition_spec(boxed)
+  params = nn.meta.unbox(boxed)
+  if case.get("bias") == "skewed":  # nearly every token picks experts 3 and 11
+    bias = jnp.zeros(ref_cfg.n_routed_experts).at[3].set(10.0).at[11].set(9.0)
+    params = dict(params, e_score_correction_bias=bias)
+
+  grad_fn = lambda cfg: jax.jit(jax.grad(functools.partial(moe_loss, cfg), argnums=(0, 1),
+                                         has_aux=True))
+  (ref_gp, ref_gx), (ref_y, ref_aux) = grad_fn(ref_cfg)(params, x_BLD, valid_BL, probe_BLD)
+
+  mesh = sharding.make_mesh(sharding.mesh_config(**case["mesh"]))
+  rules = sharding.default_logical_axis_rules()
+  batch = sharding.batch_sharding(mesh, rules, 3)
+  sharded = shard_like(params, logical, mesh, rules)
+  args = (sharded, jax.device_put(x_BLD, batch),
+          jax.device_put(valid_BL, sharding.batch_sharding(mesh, rules)),
+          jax.device_put(probe_BLD, batch))
+  with sharding.activation_sharding(mesh, rules):
+    (gp, gx), (y, aux) = grad_fn(ep_cfg)(*args)
+    lowered = grad_fn(ep_cfg).lower(*args).as_text()
+
+  diff = lambda a, r: float(np.abs(np.asarray(a) - np.asarray(r)).max())
+  flat_ref = dict(jax.tree_util.tree_leaves_with_path(ref_gp))
+  grads = {jax.tree_util.keystr(k): diff(v, flat_ref[k])
+           for k, v in jax.tree_util.tree_leaves_with_path(gp)}
+  counts = np.asarray(ref_aux["expert_counts"])
+  return {
+      "y": diff(y, ref_y), "y_scale": float(np.abs(np.asarray(ref_y)).max()),
+      "counts_equal": bool((np.asarray(aux["expert_counts"]) == counts).all()),
+      "max_count_share": float(counts.max() / counts.sum()),
+      "balance": diff(aux["sequence_balance_loss"], ref_aux["sequence_balance_loss"]),
+      "grad_x": diff(gx, ref_gx), "grads": grads,
+      "all_to_all_lowered": "all_to_all" in lowered,
+      "expert_grad_sharding": str(gp["experts"]["gate_proj"].sharding.spec),
+  }
+
+
+def ragged_transport():
+  """The production transport lowers (forward + backward) to `ragged_all_to_all`; XLA:CPU
+  refuses to compile it."""
+  cfg = tiny_model_config(**MODEL, moe_impl="expert_parallel",
+                          moe_transport="ragged_all_to_all")
+  mesh = sharding.make_mesh(sharding.mesh_config(data=1, expert=8))
+  rules = sharding.default_logical_axis_rules()
+  x_BLD = jnp.ones((8, 4, cfg.hidden_size))
+  params = nn.meta.unbox(MoE(cfg).init(jax.random.key(0), x_BLD)["params"])
+  loss = lambda p, x: MoE(cfg).apply({"params": p}, x)[0].sum()
+  with sharding.activation_sharding(mesh, rules):
+    lowered = jax.jit(jax.grad(loss, argnums=(0, 1))).lower(params, x_BLD)
+    try:
+      lowered.compile()
+      error = ""
+    except Exception as e:  # pylint: disable=broad-except
+      error = f"{type(e).__name__}: {e}"
+  return {"ragged_all_to_all": lowered.as_text().count("ragged_all_to_all"), "error": error}
+
+
+def model():
+  """Loss and gradients of the tiny model: expert-parallel on expert=2 x data=2 x fsdp=2 vs the
+  unsharded ragged reference."""
+  import glm5_jax  # pylint: disable=g-import-not-at-top
+  from tests.conftest import random_params  # pylint: disable=g-import-not-at-top
+  ref_cfg = tiny_model_config(scan_layers=False)
+  ep_cfg = dataclasses.replace(ref_cfg, moe_impl="expert_parallel", moe_transport="all_to_all")
+  params = random_params(ref_cfg)
+  tokens_BL = jax.random.randint(jax.random.key(1), (8, 32), 0, ref_cfg.vocab_size)
+
+  def loss(cfg, p, t):
+    out = glm5_jax.forward(cfg, p, t)
+    logp = jax.nn.log_softmax(out["logits"][:, :-1])
+    return -jnp.take_along_axis(logp, t[:, 1:, None], -1).mean()
+
+  step = lambda cfg: jax.jit(jax.value_and_grad(functools.partial(loss, cfg)))
+  ref_loss, ref_grads = step(ref_cfg)(params, tokens_BL)
+  mesh = sharding.make_mesh(sharding.mesh_config(data=2, fsdp=2, expert=2))
+  rules = sharding.default_logical_axis_rules()
+  shapes, logical = glm5_jax.abstract_params_and_axes(ref_cfg)
+  sharded = jax.device_put(params, sharding.param_shardings(shapes, logical, mesh, rules))
+  with sharding.activation_sharding(mesh, rules):
+    ep_loss, ep_grads = step(ep_cfg)(sharded, jax.device_put(
+        tokens_BL, sharding.batch_sharding(mesh, rules)))
+    text = step(ep_cfg).lower(sharded, tokens_BL).as_text()
+  grad_diff = max(float(np.abs(np.asarray(a) - np.asarray(b)).max())
+                  for a, b in zip(jax.tree.leaves(ep_grads), jax.tree.leaves(ref_grads)))
+  return {"loss": float(ref_loss), "loss_diff": abs(float(ep_loss) - float(ref_loss)),
+          "grad_diff": grad_diff, "all_to_all_lowered": "all_to_all" in text}
+
+
+def hlo():
+  """Per impl: expert-weight all-gathers and all-to-alls of the compiled layer (forward +
+  backward) on expert=4 x fsdp=2, tokens over data, fsdp and expert."""
+  from glm5_jax import hlo_stats  # pylint: disable=g-import-not-at-top
+  from tools.moe_collectives import (compile_moe_layer,  # pylint: disable=g-import-not-at-top
+                                     expert_weight_gathers)
+  cfg = tiny_model_config(**MODEL, n_shared_experts=0, moe_transport="all_to_all")
+  mesh = sharding.make_mesh(sharding.mesh_config(data=1, fsdp=2, expert=4))
+  rules = [(name, ("data", "fsdp", "expert") if name == "batch" else target)
+           for name, target in sharding.default_logical_axis_rules()]
+  result = {}
+  for impl in ("ragged", "expert_parallel"):
+    found = hlo_stats.collectives(compile_moe_layer(
+        dataclasses.replace(cfg, moe_impl=impl), mesh, rules, batch=8, seq=12))
+    result[impl] = {
+        "expert_weight_gathers": [list(c.shape) for c in
+                                  expert_weight_gathers(found, cfg.n_routed_experts)],
+        "all_gathers": [list(c.shape) for c in found if c.op == "all-gather"],
+        "all_to_alls": sum(c.op == "all-to-all" for c in found)}
+  return result
+
+
+if __name__ == "__main__":
+  assert jax.device_count() == 8, jax.devices()
+  mode = sys.argv[1]
+  if mode == "cases":
+    print(json.dumps([run_case(case) for case in json.loads(sys.argv[2])]))
+  else:
+    print(json.dumps({"ragged_transport": ragged_transport, "model": model, "hlo": hlo}[mode]()))

@@ -1,0 +1,143 @@
+"""Expert-parallel MoE (`model.moe_impl="expert_parallel"`) equals the ragged reference.
+
+The 8-device checks run tests/moe_parallel_cases.py in a subprocess (simulated host devices
+must be requested before jax initializes); the rest run in-process on one device.
+"""
+
+import dataclasses
+import json
+import os
+import subprocess
+import sys
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import linen as nn
+
+from glm5_jax import hlo_stats, sharding
+from glm5_jax.config import ConfigError, ModelConfig, model_config
+from glm5_jax.moe import MoE
+from tests.conftest import REPO_ROOT, tiny_model_config
+
+
+def run_worker(*args):
+  env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=8",
+             JAX_PLATFORMS="cpu", PYTHONPATH=str(REPO_ROOT))
+  proc = subprocess.run([sys.executable, "tests/moe_parallel_cases.py", *args], cwd=REPO_ROOT,
+                        env=env, capture_output=True, text=True, timeout=900)
+  assert proc.returncode == 0, proc.stderr[-4000:]
+  return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+CASES = [
+    {"mesh": {"data": 1, "expert": 8}},
+    # Nearly every token picks experts 3 and 11 (one device holds both pairs' rows), and 15
+    # tokens do not divide over 8 devices (padding).
+    {"mesh": {"data": 1, "expert": 8}, "bias": "skewed", "batch": [3, 5]},
+    {"mesh": {"data": 1, "expert": 4, "fsdp": 2}, "bias": "skewed"},
+    {"mesh": {"data": 2, "expert": 2, "fsdp": 2}, "seed": 1},
+    {"mesh": {"data": 1, "expert": 2, "fsdp": 2, "tensor": 2}},  # F split: psum of partials
+]
+
+
+@pytest.mark.slow  # a subprocess with 8 host devices, ten compilations
+def test_expert_parallel_equals_ragged_on_8_devices():
+  results = run_worker("cases", json.dumps(CASES))
+  for case, r in zip(CASES, results):
+    assert r["all_to_all_lowered"], (case, r)  # the expert-parallel path ran
+    assert r["counts_equal"], (case, r)
+    assert r["y"] <= 1e-6 * max(r["y_scale"], 1.0), (case, r)
+    assert r["balance"] < 1e-6, (case, r)
+    assert r["grad_x"] < 1e-7, (case, r)
+    for name, diff in r["grads"].items():
+      assert diff < 1e-6, (case, name, r)
+  skewed = [r["max_count_share"] for c, r in zip(CASES, results) if c.get("bias")]
+  assert min(skewed) == 0.25, skewed  # X=4: a quarter of all pairs on each of the two experts
+
+
+@pytest.mark.slow  # a subprocess with 8 host devices
+def test_tiny_model_loss_and_grads_match_on_a_mesh():
+  r = run_worker("model")
+  assert r["all_to_all_lowered"], r
+  assert r["loss_diff"] < 1e-5, r
+  assert r["grad_diff"] < 1e-6, r
+
+
+@pytest.mark.slow  # a subprocess with 8 host devices
+def test_ragged_transport_lowers_but_xla_cpu_cannot_compile_it():
+  r = run_worker("ragged_transport")
+  assert r["ragged_all_to_all"] == 4, r  # there and back, forward and backward
+  assert "ragged-all-to-all" in r["error"] and "XLA:CPU" in r["error"], r
+
+
+@pytest.mark.slow  # a subprocess with 8 host devices
+def test_expert_weights_are_never_all_gathered_across_experts():
+  r = run_worker("hlo")
+  ep = r["expert_parallel"]
+  assert ep["expert_weight_gathers"] == [], r
+  assert ep["all_to_alls"] >= 4, r
+  # The only weight gathers are over fsdp, of the 16 / 4 local experts.
+  assert [s for s in ep["all_gathers"] if len(s) == 3] == [[4, 64, 32]] * 2 + [[4, 32, 64]], r
+
+
+def _moe_outputs(cfg, params, x_BLD):
+  return jax.jit(lambda p, x: MoE(cfg).apply({"params": p}, x))(params, x_BLD)
+
+
+def test_without_a_mesh_or_on_one_device_it_equals_ragged():
+  ref_cfg = tiny_model_config(n_routed_experts=8, num_experts_per_tok=3)
+  ep_cfg = dataclasses.replace(ref_cfg, moe_impl="expert_parallel", moe_transport="all_to_all")
+  x_BLD = jax.random.normal(jax.random.key(0), (2, 5, ref_cfg.hidden_size))
+  params = nn.meta.unbox(MoE(ref_cfg).init(jax.random.key(1), x_BLD)["params"])
+  ref_y, ref_aux = _moe_outputs(ref_cfg, params, x_BLD)
+  no_mesh_y, _ = _moe_outputs(ep_cfg, params, x_BLD)  # no mesh: local dispatch
+  np.testing.assert_array_equal(no_mesh_y, ref_y)
+  mesh = sharding.make_mesh(sharding.mesh_config(data=1), jax.devices()[:1])
+  with sharding.activation_sharding(mesh, sharding.default_logical_axis_rules()):
+    y, aux = _moe_outputs(ep_cfg, params, x_BLD)  # shard_map over a 1-device expert axis
+    jaxpr = str(jax.make_jaxpr(lambda p, x: MoE(ep_cfg).apply({"params": p}, x))(
+        params, x_BLD))
+  assert "shard_map" in jaxpr and "all_to_all" in jaxpr  # (lowering elides size-1 axes)
+  np.testing.assert_allclose(y, ref_y, atol=1e-6)
+  np.testing.assert_array_equal(aux["expert_counts"], ref_aux["expert_counts"])
+
+
+def test_missing_expert_rule_is_a_clear_error():
+  cfg = tiny_model_config(moe_impl="expert_parallel", moe_transport="all_to_all")
+  x_BLD = jnp.ones((1, 4, cfg.hidden_size))
+  params = nn.meta.unbox(MoE(cfg).init(jax.random.key(0), x_BLD)["params"])
+  mesh = sharding.make_mesh(sharding.mesh_config(data=1), jax.devices()[:1])
+  with sharding.activation_sharding(mesh, [("batch", "data")]):
+    with pytest.raises(ValueError, match="logical axis 'expert' mapped to exactly one mesh"):
+      _moe_outputs(cfg, params, x_BLD)
+
+
+def test_moe_transport_is_validated():
+  with pytest.raises(ConfigError, match="model.moe_transport"):
+    ModelConfig.from_config(model_config(moe_transport="nccl"))
+
+
+_HLO = """
+ENTRY %main {
+  %p = f32[2,64,32]{2,1,0} parameter(0)
+  %q = bf16[96,64]{1,0} parameter(1)
+  %all-gather = f32[8,64,32]{2,1,0} all-gather(%p), channel_id=1, replica_groups=[2,4]<=[8], dimensions={0}
+  %all-to-all = (bf16[12,64]{1,0}, bf16[12,64]{1,0}) all-to-all(%q, %q), channel_id=2, replica_groups={{0,1},{2,3}}
+  %all-reduce = f32[2,64,32]{2,1,0} all-reduce(%p), channel_id=3, replica_groups={{0},{1}}, to_apply=%add
+  %rs = f32[1,64,32]{2,1,0} reduce-scatter(%p), channel_id=4, replica_groups=mesh['a'=2,'b'=4] {'a'}, dimensions={0}
+  ROOT %ags = (f32[2,64,32]{2,1,0}, f32[8,64,32]{2,1,0}) all-gather-start(%p), channel_id=5, replica_groups=[2,4]<=[8], dimensions={0}
+}
+"""
+
+
+def test_hlo_stats_parses_collectives():
+  found = hlo_stats.collectives(_HLO)
+  assert [(c.op, c.shape, c.dtype, c.bytes, c.group) for c in found] == [
+      ("all-gather", (8, 64, 32), "f32", 8 * 64 * 32 * 4, 4),
+      ("all-to-all", (96, 64), "bf16", 2 * 96 * 64 * 2, 2),  # 2 x [12, 64] out, 2 x [96, 64] in
+      ("reduce-scatter", (2, 64, 32), "f32", 2 * 64 * 32 * 4, 2),
+      ("all-gather", (8, 64, 32), "f32", 8 * 64 * 32 * 4, 4),  # the async start
+  ]  # the all-reduce over groups of one device moves nothing and is skipped
+  assert hlo_stats.summarize(found)["all-gather"] == (2, 2 * 8 * 64 * 32 * 4)
