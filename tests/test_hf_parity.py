@@ -318,6 +318,9 @@ def test_convert_hf_cli_roundtrip(tmp_path):
   assert jax.tree_util.tree_structure(params) == jax.tree_util.tree_structure(ref_params)
   for a, b in zip(flat, ref_flat):
     assert a.dtype == b.dtype and np.array_equal(np.asarray(a), np.asarray(b))
-  assert params["layers_1"]["mlp"]["gate"].dtype == jnp.float32  # router stays fp32
+  from glm5_jax import layer_runs
+  from glm5_jax.config import ModelConfig
+  unrolled = layer_runs.as_unrolled(params, ModelConfig.from_config(config))
+  assert unrolled["layers_1"]["mlp"]["gate"].dtype == jnp.float32  # router stays fp32
   again = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
   assert again.returncode != 0 and "already exists" in again.stderr
