@@ -7,11 +7,13 @@ through `jax.make_array_from_callback`, whose callback builds only the slice one
 (`hf_leaves.read_slice`: a stacked leaf's shard reads only its layers, a routed-expert kernel's
 only its experts, through safetensors' lazy `get_slice`). So on a pod each process reads only
 what its own devices hold. Leaves are packed in tree order into groups of at most `group_bytes`
-(default: the largest leaf), and each group is written and dropped before the next is built.
+(default: the largest leaf, at least 64 MB), and each group is written and dropped before the
+next is built.
 
 Bound (per process, beyond the jax/orbax baseline): one group's shards on this process's devices
-(with the default budget, at most the largest leaf's addressable part) + what one callback holds
-while building one shard (that shard, plus one layer's slice and one HF tensor). For GLM-5 with
+(with the default budget, at most the largest leaf's addressable part, or 64 MB), orbax's host
+copy of them while writing, and what one callback holds while building one shard (that shard,
+plus one layer's slice and one HF tensor): about 3x the largest leaf's local part. For GLM-5 with
 scan_layers the largest leaf is a stacked expert kernel, `layers_3_77/mlp/experts/*`:
 75 x 256 x 6144 x 2048 bf16 = 483 GB, i.e. 483 GB / (number of processes) per process when the
 mesh shards it over all of them (e.g. 7.5 GB on 64 hosts); the largest slice a callback reads at
@@ -50,6 +52,9 @@ from glm5_jax.convert.hf import open_hf
 from glm5_jax.convert.hf_leaves import LeafSource
 
 PARTIAL_SUFFIX = ".partial"
+# Default floor of a group's size: each orbax save costs ~1 s whatever its size, so small leaves
+# (norms, biases, a small model's kernels) share a save; negligible next to GLM-5's leaves.
+MIN_GROUP_BYTES = 64_000_000
 
 
 @dataclasses.dataclass(frozen=True)
@@ -86,7 +91,8 @@ def convert_streaming(hf_dir: str, out_dir: str, *, mesh: jax.sharding.Mesh, rul
       part of the same global mesh); reading back can use any other mesh.
     rules: logical axis rules for the conversion's shardings (default: the default rules).
     param_dtype, dtype, mtp_depths, scan_layers: as `glm5_jax.load_hf`.
-    group_bytes: most bytes (global) of one group; default: the largest leaf's.
+    group_bytes: most bytes (global) of one group (a larger leaf is a group alone); default:
+      the largest leaf's size, at least `MIN_GROUP_BYTES`.
     progress: called with one line after each group (leaves and bytes done, rate).
   Raises:
     FileExistsError: `<out_dir>/params` exists already.
@@ -102,7 +108,7 @@ def convert_streaming(hf_dir: str, out_dir: str, *, mesh: jax.sharding.Mesh, rul
   shardings = dict(_flat(layout_shardings(checkpoint.config, mesh, rules)))
   leaves = checkpoint.leaves
   largest = max(leaf.nbytes for leaf in leaves)
-  groups = group_leaves(leaves, group_bytes or largest)
+  groups = group_leaves(leaves, group_bytes or max(largest, MIN_GROUP_BYTES))
   total = sum(leaf.nbytes for leaf in leaves)
 
   partial = final + PARTIAL_SUFFIX
