@@ -65,7 +65,7 @@ def test_streaming_roundtrip_equals_load_hf(scan_layers, tmp_path):
   lines = []
   out = str(tmp_path / "out")
   stats = streaming.convert_streaming(path, out, mesh=one_device_mesh(), scan_layers=scan_layers,
-                                      progress=lines.append)
+                                      group_bytes=100_000, progress=lines.append)
   assert stats.groups == len(lines) > 1 and lines[-1].startswith(f"[{stats.groups}/")
   assert sorted(os.listdir(out)) == [CONFIG_FILE, PARAMS_DIR]
   config, params = load_converted(out)
