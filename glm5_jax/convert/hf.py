@@ -1,20 +1,24 @@
 """Import a GLM-5 HF checkpoint directory (`model_type: glm_moe_dsa`) as (config, params).
 
 Reads `config.json` and safetensors (one file, or shards with `model.safetensors.index.json`),
-tensor by tensor: each tensor is read, transposed/reshaped into our layout, cast and put on the
-device before the next is read, so the model never exists twice in host memory. Every tensor in
-the files must be used and every parameter filled; otherwise the error lists what was missing
-or unexpected. The parts:
+leaf by leaf: each param leaf (in the unrolled or the scanned layout, `config.scan_layers`) is
+built from its HF tensors (transposed/reshaped into our layout, cast; a stacked leaf layer by
+layer into one buffer) and put on the device before the next is read, so the model never exists
+twice in host memory. Every tensor in the files must be used and every parameter filled;
+otherwise the error lists what was missing or unexpected. The parts:
 
   hf_config.py   config.json -> our model ConfigDict (`config_from_hf`)
   hf_files.py    the directory's files: the shard index, safetensors headers and tensors
   hf_layout.py   which HF tensors each parameter is built from, and how (the load plan)
+  hf_leaves.py   the plan per leaf of the chosen layout; any slice of a leaf read alone
+  streaming.py   conversion to a sharded orbax checkpoint, one group of leaves at a time
 """
 
+import dataclasses
 import os
 
-import jax
 import jax.numpy as jnp
+import ml_collections
 
 from glm5_jax.api import abstract_params
 from glm5_jax.config import ModelConfig
@@ -22,23 +26,35 @@ from glm5_jax.convert.hf_config import check_supported, config_from_hf
 from glm5_jax.convert.hf_files import (INDEX_FILE, CheckpointError, TensorReader, head,
                                        read_json, stored_dtype, tensor_files)
 from glm5_jax.convert.hf_layout import ignorable_tensors, load_plan
+from glm5_jax.convert.hf_leaves import LeafSource, leaf_sources, read_slice
 
-__all__ = ["load_hf", "config_from_hf", "CheckpointError", "INDEX_FILE"]
+__all__ = ["load_hf", "open_hf", "HFCheckpoint", "config_from_hf", "CheckpointError",
+           "INDEX_FILE"]
 
 
-def load_hf(path: str, *, param_dtype: str | None = None, dtype: str | None = None,
-            mtp_depths: int = 3):
-  """Reads a GLM-5 HF checkpoint directory.
+@dataclasses.dataclass(frozen=True)
+class HFCheckpoint:
+  """A checked HF checkpoint directory: its model config and the leaves to build, none read."""
 
-  Args:
-    path: directory with `config.json` and `*.safetensors`.
-    param_dtype: dtype of the returned params; default: the dtype the embedding is stored in.
-      The router kernel, its correction bias and the indexer's `weights_proj` stay fp32.
-    dtype: compute dtype recorded in the config; default: the stored dtype, as for params.
-    mtp_depths: MTP prediction depths sharing the checkpoint's MTP layer (if it has one).
-  Returns:
-    `(config, params)`: the model ConfigDict (as `get_config().model`) and a nested dict of
-    arrays matching `glm5_jax.init_params(config, rng)`.
+  path: str
+  config: ml_collections.ConfigDict  # as `get_config().model`
+  files_by_name: dict[str, str]
+  leaves: list[LeafSource]  # in tree order, in the layout `config.scan_layers` selects
+
+  def reader(self) -> TensorReader:
+    return TensorReader(self.path, self.files_by_name)
+
+  def read(self, leaf: LeafSource, reader: TensorReader, index=None):
+    """`leaf[index]` (default: all of it) as a numpy array of the param dtype."""
+    index = index if index is not None else tuple(slice(None) for _ in leaf.shape)
+    return read_slice(leaf, reader.read, index, self.path)
+
+
+def open_hf(path: str, *, param_dtype: str | None = None, dtype: str | None = None,
+            mtp_depths: int = 3, scan_layers: bool = True) -> HFCheckpoint:
+  """Reads config.json and the safetensors headers and checks every tensor is accounted for.
+
+  Args: as `load_hf`.
   Raises:
     CheckpointError: naming the file (config.json, the index or a shard) and what is wrong.
   """
@@ -49,6 +65,7 @@ def load_hf(path: str, *, param_dtype: str | None = None, dtype: str | None = No
   stored = stored_dtype(path, files_by_name, "model.embed_tokens.weight")
   config.param_dtype = param_dtype or stored
   config.dtype = dtype or stored
+  config.scan_layers = scan_layers
   cfg = ModelConfig.from_config(config)
 
   plan = load_plan(cfg, files_by_name)
@@ -60,34 +77,36 @@ def load_hf(path: str, *, param_dtype: str | None = None, dtype: str | None = No
         f"{path}: checkpoint does not match its config.json.\n"
         f"  missing tensors ({len(missing)}): {head(missing)}\n"
         f"  unexpected tensors ({len(unexpected)}): {head(unexpected)}")
+  leaves = leaf_sources(cfg, plan, abstract_params(cfg), path)
+  return HFCheckpoint(path, config, files_by_name, leaves)
 
-  shapes = abstract_params(cfg)
+
+def load_hf(path: str, *, param_dtype: str | None = None, dtype: str | None = None,
+            mtp_depths: int = 3, scan_layers: bool = True):
+  """Reads a GLM-5 HF checkpoint directory into memory (see `streaming.py` for models larger
+  than one host's memory).
+
+  Args:
+    path: directory with `config.json` and `*.safetensors`.
+    param_dtype: dtype of the returned params; default: the dtype the embedding is stored in.
+      The router kernel, its correction bias and the indexer's `weights_proj` stay fp32.
+    dtype: compute dtype recorded in the config; default: the stored dtype, as for params.
+    mtp_depths: MTP prediction depths sharing the checkpoint's MTP layer (if it has one).
+    scan_layers: the param layout (recorded as `config.scan_layers`): stacked runs
+      `layers_{a}_{b}` (True) or `layers_{i}` (False); see `glm5_jax.layer_runs`.
+  Returns:
+    `(config, params)`: the model ConfigDict (as `get_config().model`) and a nested dict of
+    arrays matching `glm5_jax.init_params(config, rng)`.
+  Raises:
+    CheckpointError: naming the file (config.json, the index or a shard) and what is wrong.
+  """
+  checkpoint = open_hf(path, param_dtype=param_dtype, dtype=dtype, mtp_depths=mtp_depths,
+                       scan_layers=scan_layers)
   params = {}
-  with TensorReader(path, files_by_name) as reader:
-    for dest, names, build in plan:
-      want = _lookup(shapes, dest)
-      array = build(reader.read, want.dtype)
-      if array.shape != want.shape:
-        raise CheckpointError(
-            f"{path}: {names[0]} gives {'/'.join(dest)} shape {array.shape}, but config.json "
-            f"implies {want.shape}")
-      _assign(params, dest, jnp.asarray(array, dtype=want.dtype))
-      del array
-  leaves = {jax.tree_util.keystr(kp, simple=True, separator="/")
-            for kp, _ in jax.tree_util.tree_flatten_with_path(shapes)[0]}
-  filled = {jax.tree_util.keystr(kp, simple=True, separator="/")
-            for kp, _ in jax.tree_util.tree_flatten_with_path(params)[0]}
-  if leaves != filled:
-    raise CheckpointError(f"{path}: params left unfilled: {head(sorted(leaves - filled))}")
-  return config, params
-
-
-def _lookup(tree, path):
-  for key in path:
-    if key not in tree:
-      raise CheckpointError(f"internal: no parameter {'/'.join(path)} in the model")
-    tree = tree[key]
-  return tree
+  with checkpoint.reader() as reader:
+    for leaf in checkpoint.leaves:  # each leaf goes to the device before the next is read
+      _assign(params, leaf.path, jnp.asarray(checkpoint.read(leaf, reader), dtype=leaf.dtype))
+  return checkpoint.config, params
 
 
 def _assign(tree: dict, path: tuple, value):

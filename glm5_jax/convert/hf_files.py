@@ -89,18 +89,22 @@ def stored_dtype(path: str, files_by_name: dict[str, str], name: str) -> str:
 
 
 class TensorReader:
-  """Opens each shard once and reads single tensors as numpy arrays."""
+  """Opens each shard once and reads single tensors (or row ranges of them) as numpy arrays."""
 
   def __init__(self, path: str, files_by_name: dict[str, str]):
     self._path, self._files_by_name, self._open = path, files_by_name, {}
 
-  def read(self, name: str) -> np.ndarray:
+  def read(self, name: str, rows: slice | None = None) -> np.ndarray:
+    """Tensor `name`, or only `tensor[rows]` (a slice of its first axis; only those bytes are
+    read)."""
     file = os.path.join(self._path, self._files_by_name[name])
     if file not in self._open:
       self._open[file] = open_safetensors(file)
       self._open[file].__enter__()
     try:
-      return self._open[file].get_tensor(name)
+      if rows is None or rows == slice(None):
+        return self._open[file].get_tensor(name)
+      return self._open[file].get_slice(name)[rows]
     except SafetensorError as e:
       raise CheckpointError(f"{file}: cannot read tensor {name} ({e})") from e
 

@@ -1,6 +1,10 @@
 """Where each parameter comes from in an HF GLM-5 checkpoint: the load plan.
 
-A plan entry is `(destination path in params, HF tensor names it reads, build(read, dtype))`.
+A plan entry is `(destination path in params, HF tensor names it reads, build(read, dtype))`;
+destinations are unrolled-layout paths (`layers_{i}/...`; `glm5_jax.layer_runs` places them in
+the scanned layout). Routed-expert entries (`expert_sliceable(dest)`) also take
+`build(read, dtype, experts=slice)` and read only those experts, so a streaming importer can
+fill one device's shard of a `[E, ...]` kernel without reading the other experts.
 HF linears store `[out, in]`; our kernels are `[in, out]` with per-head axes split out (see the
 layer docstrings for each kernel's layout). Both expert layouts are planned: per-expert
 `mlp.experts.{e}.{gate,up,down}_proj.weight` (the released files) and fused
@@ -16,7 +20,9 @@ from glm5_jax.config import ModelConfig
 
 # The helpers below return a `Source`: the names a parameter is made from and how.
 
-Build = Callable[[Callable[[str], np.ndarray], np.dtype], np.ndarray]
+# `read(name)` -> the whole tensor; `read(name, rows)` -> `tensor[rows]` (rows: a slice of its
+# first axis), read lazily from the file.
+Build = Callable[..., np.ndarray]
 Source = tuple[list[str], Build]
 
 
@@ -57,11 +63,14 @@ def _o_proj(name: str, heads: int) -> Source:
 
 def _stacked_experts(names: list[str]) -> Source:
   """Per-expert HF `[out, in]` -> `[E, in, out]`, filled expert by expert."""
-  def build(read, dtype):
-    first = read(names[0])
-    out = np.empty((len(names),) + first.shape[::-1], dtype)
+  def build(read, dtype, experts: slice = slice(None)):
+    chosen = names[experts]
+    if not chosen:
+      raise ValueError(f"experts {experts} selects none of {len(names)} ({names[0]})")
+    first = read(chosen[0])
+    out = np.empty((len(chosen),) + first.shape[::-1], dtype)
     out[0] = first.T
-    for e, name in enumerate(names[1:], start=1):
+    for e, name in enumerate(chosen[1:], start=1):
       out[e] = read(name).T
     return out
   return names, build
@@ -69,8 +78,8 @@ def _stacked_experts(names: list[str]) -> Source:
 
 def _fused_gate_up(name: str, up: bool) -> Source:
   """Fused HF `gate_up_proj [E, 2F, D]` (gate rows first) -> `[E, D, F]`."""
-  def build(read, dtype):
-    w = read(name)
+  def build(read, dtype, experts: slice = slice(None)):
+    w = read(name, experts)
     f = w.shape[1] // 2
     return np.ascontiguousarray((w[:, f:] if up else w[:, :f]).transpose(0, 2, 1), dtype)
   return [name], build
@@ -78,7 +87,14 @@ def _fused_gate_up(name: str, up: bool) -> Source:
 
 def _fused_down(name: str) -> Source:
   """Fused HF `down_proj [E, D, F]` -> `[E, F, D]`."""
-  return [name], lambda read, dtype: np.ascontiguousarray(read(name).transpose(0, 2, 1), dtype)
+  def build(read, dtype, experts: slice = slice(None)):
+    return np.ascontiguousarray(read(name, experts).transpose(0, 2, 1), dtype)
+  return [name], build
+
+
+def expert_sliceable(dest: tuple) -> bool:
+  """Whether `dest` is a routed-expert kernel `[E, ...]` whose build takes `experts=`."""
+  return len(dest) >= 2 and dest[-2] == "experts"
 
 
 def _layer_plan(cfg: ModelConfig, hf_layer: int, dest: tuple, attention_kind: str, moe: bool,
