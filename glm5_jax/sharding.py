@@ -41,7 +41,9 @@ def mesh_config(**axis_sizes) -> ml_collections.ConfigDict:
 def default_logical_axis_rules():
   """Logical axis name -> mesh axes. Names not listed stay replicated."""
   return [
-      (logical_axes.BATCH, ("data", "fsdp")),
+      # The expert axis carries tokens too (as in DeepSeek / MaxText): an expert-parallel MoE
+      # then exchanges tokens inside the expert axis instead of gathering the layer's output.
+      (logical_axes.BATCH, ("data", "fsdp", "expert")),
       (logical_axes.EMBED, "fsdp"),
       (logical_axes.VOCAB, "tensor"),
       (logical_axes.MLP, "tensor"),

@@ -19,6 +19,8 @@ transformers = pytest.importorskip("transformers")
 safetensors_torch = pytest.importorskip("safetensors.torch")
 
 import glm5_jax  # noqa: E402
+from glm5_jax import layer_runs  # noqa: E402
+from glm5_jax.config import ModelConfig  # noqa: E402
 from glm5_jax.convert.hf import CheckpointError  # noqa: E402
 
 BASE = dict(
@@ -177,8 +179,7 @@ def test_logits_match_hf(case_name, tmp_path):
     state.update(mtp_state)
   _write_checkpoint(str(tmp_path), hf_model, state, case["layout"], case["shards"])
 
-  # The model runs unrolled on this branch; scanned import is compared in test_convert_streaming.
-  config, params = glm5_jax.load_hf(str(tmp_path), scan_layers=False)
+  config, params = glm5_jax.load_hf(str(tmp_path))  # the scanned layout, the model's default
   assert config.dtype == "float32" and config.param_dtype == "float32"
   assert config.num_nextn_predict_layers == int(bool(case.get("mtp")))
   vocab = hf_model.config.vocab_size
@@ -216,10 +217,9 @@ def test_bf16_checkpoint_loads_its_exact_values(tmp_path):
                     {k: v.to(torch.bfloat16) for k, v in state.items()}, "per_expert", 2)
   _write_checkpoint(str(tmp_path / "fp32"), hf_model, state, "per_expert", 1)
 
-  config, params = glm5_jax.load_hf(str(tmp_path / "bf16"), scan_layers=False)
+  config, params = glm5_jax.load_hf(str(tmp_path / "bf16"))
   assert config.param_dtype == "bfloat16" and config.dtype == "bfloat16"
-  _, from_fp32 = glm5_jax.load_hf(str(tmp_path / "fp32"), param_dtype="bfloat16",
-                                  scan_layers=False)
+  _, from_fp32 = glm5_jax.load_hf(str(tmp_path / "fp32"), param_dtype="bfloat16")
   leaves = jax.tree_util.tree_leaves_with_path(params)
   assert jax.tree_util.tree_structure(params) == jax.tree_util.tree_structure(from_fp32)
   fp32_names = set()
@@ -241,7 +241,7 @@ def test_bf16_checkpoint_loads_its_exact_values(tmp_path):
                                 stored("model.embed_tokens.weight"))
 
   cfg32, params32 = glm5_jax.load_hf(str(tmp_path / "bf16"), dtype="float32",
-                                     param_dtype="float32", scan_layers=False)
+                                     param_dtype="float32")
   tokens = _tie_free_tokens(cfg32, params32, 2, 17, hf_model.config.vocab_size)
   with torch.no_grad():
     ref = hf_model(torch.tensor(tokens)).logits.numpy()
@@ -318,8 +318,6 @@ def test_convert_hf_cli_roundtrip(tmp_path):
   assert jax.tree_util.tree_structure(params) == jax.tree_util.tree_structure(ref_params)
   for a, b in zip(flat, ref_flat):
     assert a.dtype == b.dtype and np.array_equal(np.asarray(a), np.asarray(b))
-  from glm5_jax import layer_runs
-  from glm5_jax.config import ModelConfig
   unrolled = layer_runs.as_unrolled(params, ModelConfig.from_config(config))
   assert unrolled["layers_1"]["mlp"]["gate"].dtype == jnp.float32  # router stays fp32
   again = subprocess.run(cmd, capture_output=True, text=True, timeout=300)

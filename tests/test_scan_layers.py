@@ -133,12 +133,17 @@ def test_scanned_train_step_equals_unrolled(helpers):
   assert not np.array_equal(new_s["layers_1_2"]["mlp"]["e_score_correction_bias"], bias_before)
 
 
-@pytest.mark.parametrize("policy", [p for p in REMAT_POLICIES if p not in ("none",
-                                                                           "offload_dots")])
+SMALL = dict(num_hidden_layers=3, attention_pattern="DDR", first_k_dense_replace=1,
+             index_topk=8, mtp_depths=1, dtype="float32")
+
+
+@pytest.mark.parametrize("policy", [
+    p if p in ("full", "save_qkv_attn") else pytest.param(p, marks=pytest.mark.slow)
+    for p in REMAT_POLICIES if p not in ("none", "offload_dots")])
 def test_remat_policies_change_memory_not_numbers(helpers, policy):
   """Every policy gives the gradients of no remat (offload_dots needs a backend with pinned
   host memory; the planner measures it)."""
-  _, scanned_cfg = configs(helpers, **MIXED)
+  _, scanned_cfg = configs(helpers, **SMALL)
   remat_cfg = dataclasses.replace(scanned_cfg, remat_policy=policy)
   params = layer_runs.stack_layers(helpers.random_params(dataclasses.replace(
       scanned_cfg, scan_layers=False)), scanned_cfg)
