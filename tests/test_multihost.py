@@ -190,3 +190,20 @@ def test_two_process_training_matches_one_process_and_resumes_exactly(tmp_path):
     got = {**first_losses[i], **second_losses[i]}
     np.testing.assert_allclose([got[s] for s in range(1, steps + 1)],
                                [losses[i][s] for s in range(1, steps + 1)], rtol=1e-6)
+
+
+def test_each_process_checks_its_own_data_position(monkeypatch):
+  """A checkpoint's meta (written by process 0) records every process's data position; each
+  process checks only its own on restore."""
+  from glm5_jax.train import integrity
+  states = [{"next_index": 7}, {"next_index": 6}]  # two shards rarely stand at the same index
+  saved = [integrity.data_fingerprint(s) for s in states]
+  assert integrity.process_data_fingerprints(states[0]) == saved[0]  # one process: a string
+  assert integrity.data_position_matches(saved[0], states[0])
+  monkeypatch.setattr(integrity.jax, "process_count", lambda: 2)
+  for index in range(2):
+    monkeypatch.setattr(integrity.jax, "process_index", lambda index=index: index)
+    assert integrity.data_position_matches(saved, states[index])
+    assert not integrity.data_position_matches(saved, states[1 - index])
+    assert not integrity.data_position_matches(saved[index], states[index])  # 1-process ckpt
+    assert not integrity.data_position_matches(saved + saved[:1], states[index])  # 3 processes
