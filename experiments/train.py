@@ -11,8 +11,11 @@ depths, Muon Split; attention dense for the first 300 of 600 steps while the ind
 then top-k) on the built-in data mix (synthetic copy and long-context retrieval tasks and the
 Python standard library's own source text) and prints a summary. Re-running with the same
 --workdir resumes from its latest checkpoint. Launched as several processes (TPU pods, multi-
-host GPU), it calls `jax.distributed.initialize()` first; the same script and config run on
-1 CPU, 8 simulated devices (XLA_FLAGS=--xla_force_host_platform_device_count=8), a GPU or a pod.
+host GPU, SLURM), it calls `jax.distributed.initialize()` first, which finds the coordinator
+and its process id from the cluster; elsewhere (several CPU processes, a hand-rolled launcher)
+set all three of JAX_COORDINATOR_ADDRESS=host:port, JAX_NUM_PROCESSES and JAX_PROCESS_ID in
+each process. The same script and config run on 1 CPU, 8 simulated devices
+(XLA_FLAGS=--xla_force_host_platform_device_count=8), several CPU processes, a GPU or a pod.
 
 Exit status:
   0   trained to `train.steps`
@@ -45,14 +48,33 @@ _WORKDIR = flags.DEFINE_string("workdir", "workdir/tiny", "Checkpoints, metrics.
 
 def _is_multiprocess() -> bool:
   """True under a multi-process launcher (TPU pod, SLURM, explicit coordinator)."""
-  markers = ("JAX_COORDINATOR_ADDRESS", "TPU_WORKER_HOSTNAMES", "MEGASCALE_COORDINATOR_ADDRESS")
+  markers = ("JAX_COORDINATOR_ADDRESS", "JAX_NUM_PROCESSES", "TPU_WORKER_HOSTNAMES",
+             "MEGASCALE_COORDINATOR_ADDRESS")
   return any(m in os.environ for m in markers) or int(os.environ.get("SLURM_NTASKS", "1")) > 1
+
+
+def _initialize_distributed():
+  """`jax.distributed.initialize()`, given the process count and id from JAX_NUM_PROCESSES and
+  JAX_PROCESS_ID where a launcher sets them: jax reads JAX_COORDINATOR_ADDRESS itself but takes
+  those two only from a detected cluster (TPU, SLURM, Open MPI, Kubernetes), so without them a
+  CPU run fails with "Number of processes must be defined"."""
+  given = [name for name in ("JAX_NUM_PROCESSES", "JAX_PROCESS_ID") if name in os.environ]
+  if len(given) == 1:
+    raise ValueError(f"{given[0]} is set but not "
+                     f"{({'JAX_NUM_PROCESSES', 'JAX_PROCESS_ID'} - set(given)).pop()}; a "
+                     "multi-process launch outside a cluster sets both (and "
+                     "JAX_COORDINATOR_ADDRESS)")
+  if given:
+    jax.distributed.initialize(num_processes=int(os.environ["JAX_NUM_PROCESSES"]),
+                               process_id=int(os.environ["JAX_PROCESS_ID"]))
+  else:
+    jax.distributed.initialize()
 
 
 def main(argv):
   del argv
   if _is_multiprocess():
-    jax.distributed.initialize()
+    _initialize_distributed()
   console.quiet_library_info()
   logging.info("devices: %s", jax.devices())
   try:

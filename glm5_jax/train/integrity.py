@@ -12,7 +12,7 @@ saved (before the asynchronous write, so they describe exactly what is written):
 Integer sums are exact and independent of the reduction order, so the value does not depend on
 the sharding: on several processes the jitted reduction runs over the global arrays and every
 process gets the same numbers. The cost is one read of the state per save and per restore.
-The data iterator's position is fingerprinted by a hash of its JSON state.
+The data iterator's position is fingerprinted by a hash of its JSON state (one per process).
 """
 
 import hashlib
@@ -60,6 +60,27 @@ def tree_fingerprint(tree) -> dict[str, list[int]]:
 def data_fingerprint(data_state) -> str:
   """sha256 of a data iterator's JSON-able state."""
   return hashlib.sha256(json.dumps(data_state, sort_keys=True).encode()).hexdigest()
+
+
+def process_data_fingerprints(data_state) -> str | list[str]:
+  """What a checkpoint records for the data position: `data_fingerprint(data_state)` on one
+  process; on several, every process's, in process order, since each reads its own shard (so
+  positions differ) and the checkpoint's meta is written by process 0 alone. A collective there:
+  every process calls it."""
+  local = data_fingerprint(data_state)
+  if jax.process_count() == 1:
+    return local
+  digests = multihost_utils.process_allgather(np.frombuffer(bytes.fromhex(local), np.uint8))
+  return [bytes(d).hex() for d in np.asarray(digests).reshape(jax.process_count(), -1)]
+
+
+def data_position_matches(saved: str | list[str], data_state) -> bool:
+  """Whether this process's iterator `data_state` is the position `saved` (from
+  `process_data_fingerprints` at save time) records for it. No collective."""
+  if isinstance(saved, str):
+    return jax.process_count() == 1 and saved == data_fingerprint(data_state)
+  return (len(saved) == jax.process_count()
+          and saved[jax.process_index()] == data_fingerprint(data_state))
 
 
 def mismatches(saved: dict, actual: dict) -> list[str]:
