@@ -23,6 +23,7 @@ state's argument bytes at any depth are exact from abstract shapes (`sharded_byt
 tools/plan_memory.py is the command line; docs/scaling.md the measured numbers.
 """
 
+import contextlib
 import dataclasses
 import math
 import re
@@ -33,6 +34,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec
 
+from glm5_jax import cpu_standins
 from glm5_jax.api import abstract_params_and_axes, forward
 from glm5_jax.config import ModelConfig, require
 from glm5_jax.data.packing import BATCH_KEYS
@@ -210,6 +212,12 @@ class Program:
   mesh: jax.sharding.Mesh
   rules: object
   state_bytes: int  # per-device bytes of the arguments (exact, from their shardings)
+  # Traced with `glm5_jax.cpu_standins` (XLA:CPU lacks ragged-all-to-all): "MoE via stand-in".
+  moe_standin: bool = False
+
+
+def _needs_moe_standin(config) -> bool:
+  return config.model.moe_impl == "expert_parallel" and jax.default_backend() == "cpu"
 
 
 def state_shardings(abstract_state, params_sharding, mesh):
@@ -267,7 +275,7 @@ def train_program(config) -> Program:
                in_shardings=(state_sharding, batch["tokens"].sharding),
                out_shardings=(state_sharding, None), donate_argnums=0)
   return Program(fn, (state, batch), mesh, config.mesh.logical_axis_rules,
-                 sharded_bytes((state, batch)))
+                 sharded_bytes((state, batch)), _needs_moe_standin(config))
 
 
 def serve_program(config) -> Program:
@@ -285,7 +293,8 @@ def serve_program(config) -> Program:
 
   fn = jax.jit(prefill, keep_unused=True, in_shardings=(jax.tree_util.tree_map(lambda p: p.sharding, params),
                                       tokens.sharding))
-  return Program(fn, (params, tokens), mesh, rules, sharded_bytes((params, tokens)))
+  return Program(fn, (params, tokens), mesh, rules, sharded_bytes((params, tokens)),
+                 _needs_moe_standin(config))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -300,8 +309,10 @@ class CompiledFigures:
 
 def compile_program(program: Program) -> CompiledFigures:
   """Lowers and compiles `program` (nothing runs) and reads its memory and collectives."""
+  standin = (cpu_standins.ragged_all_to_all_standin() if program.moe_standin
+             else contextlib.nullcontext())
   start = time.perf_counter()
-  with activation_sharding(program.mesh, program.rules):
+  with activation_sharding(program.mesh, program.rules), standin:
     compiled = program.fn.lower(*program.args).compile()
   compile_s = time.perf_counter() - start
   text = compiled.as_text()

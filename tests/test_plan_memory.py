@@ -104,19 +104,38 @@ def f(x_MD):  # an all-gather of x to every device, an all-reduce of the column 
   return full, x_MD.sum(0)
 text = jax.jit(f, out_shardings=NamedSharding(mesh, P())).lower(x).compile().as_text()
 found = planner.collectives(text)
-print(json.dumps({"found": [[c.kind, c.bytes] for c in found],
+from glm5_jax.cpu_standins import ragged_all_to_all_standin
+def exchange(x_PD, out_RD, sizes_E):  # XLA:CPU cannot compile the real ragged-all-to-all
+  return jax.lax.ragged_all_to_all(x_PD, out_RD, sizes_E, sizes_E, sizes_E, sizes_E,
+                                   axis_name="fsdp")
+# float32: XLA:CPU runs a bf16 all-to-all in f32 (converts around it), doubling its bytes
+rows = lambda r: jax.ShapeDtypeStruct((8 * r, 16), jnp.float32)
+sizes = jax.ShapeDtypeStruct((64,), jnp.int32)
+standin = {}
+for out_rows in (6, 20):  # per-device output buffer smaller / larger than the 10 rows sent
+  mapped = jax.shard_map(exchange, mesh=mesh, in_specs=P("fsdp"), out_specs=P("fsdp"))
+  with jax.set_mesh(mesh), ragged_all_to_all_standin():
+    compiled = jax.jit(mapped).lower(rows(10), rows(out_rows), sizes).compile()
+  standin[out_rows] = [[c.kind, c.bytes] for c in planner.collectives(compiled.as_text())]
+  standin[f"shape{out_rows}"] = list(compiled.out_info.shape)
+print(json.dumps({"found": [[c.kind, c.bytes] for c in found], "standin": standin,
                   "mentions": {k: text.count(" " + k + "(") for k in planner.COLLECTIVE_KINDS}}))
 """
 
 
-@pytest.mark.slow  # a subprocess with 8 host devices (~10 s)
-def test_collectives_of_a_compiled_8_device_program():
+@pytest.mark.slow  # a subprocess with 8 host devices (~15 s)
+def test_collectives_of_a_compiled_8_device_program_and_the_ragged_all_to_all_standin():
   result = json.loads(_run(None, _COMPILED_COLLECTIVES).strip().splitlines()[-1])
   kinds = [k for k, _ in result["found"]]
   assert ["all-gather", 64 * 16 * 4] in result["found"], result
   assert any(k == "all-reduce" and b == 16 * 4 for k, b in result["found"]), result
   # every collective instruction the text holds was found, none invented
   assert {k: kinds.count(k) for k in planner.COLLECTIVE_KINDS} == result["mentions"], result
+  # the ragged-all-to-all stand-in: one all-to-all of the (row-padded) send buffer, shaped
+  # like the output buffer
+  for out_rows in ("6", "20"):
+    assert result["standin"][out_rows] == [["all-to-all", 16 * 16 * 4]], result
+    assert result["standin"][f"shape{out_rows}"] == [8 * int(out_rows), 16], result
 
 
 _STATE_SHARDINGS = r"""

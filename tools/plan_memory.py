@@ -117,6 +117,9 @@ def main(argv):
     cfg, mix = planner.with_depth(config, k)
     print(f"compiling depth {k} ({mix}) ...", flush=True)
     program = build(cfg)
+    if program.moe_standin:
+      print("  MoE via stand-in: ragged-all-to-all compiled as a dense all-to-all of the whole "
+            "send buffer (glm5_jax/cpu_standins.py)", flush=True)
     figures = planner.compile_program(program)
     print(f"  done in {figures.compile_s:.1f} s (HLO {figures.hlo_chars / 1e6:.1f} M chars)",
           flush=True)
@@ -124,6 +127,7 @@ def main(argv):
       raise SystemExit(f"depth {k}: compiled argument bytes {figures.memory.argument} differ "
                        f"from the abstract inputs' shards {program.state_bytes}")
     results.append((k, figures))
+  label = " (MoE via stand-in)" if program.moe_standin else ""
 
   fields = ("argument", "output", "alias", "temp", "generated_code")
   rows = {f: [getattr(r.memory, f) for _, r in results] for f in fields}
@@ -143,7 +147,7 @@ def main(argv):
     print(f"one depth compiled: nothing extrapolated to depth {full_depth} (give --layers two "
           "depths or more)")
 
-  print(f"\nper-device memory, GiB{'':10}" + "".join(f"{'depth ' + str(k):>12}" for k in depths)
+  print(f"\nper-device memory, GiB{label}{'':10}" + "".join(f"{'depth ' + str(k):>12}" for k in depths)
         + (f"{'depth ' + str(full_depth):>14}" if extra else ""))
   print(f"{'':32}" + f"{'compiled':>12}" * len(depths) +
         (f"{'extrapolated' if extrapolated else '':>14}" if extra else ""))
@@ -177,7 +181,7 @@ def main(argv):
     print(json.dumps({
         "mode": _MODE.value, "devices": jax.device_count(), "mesh": dict(config.mesh.shape),
         "accelerator": _ACCELERATOR.value, "depth": full_depth, "extrapolated": extrapolated,
-        "verdict_depth": verdict_depth, "total": total,
+        "verdict_depth": verdict_depth, "total": total, "moe_standin": program.moe_standin,
         "compiled": [{"layers": k, "compile_s": r.compile_s, "hlo_chars": r.hlo_chars,
                       "memory": {**dataclasses_asdict(r.memory), "total": r.memory.total},
                       "collectives": planner.summarize_collectives(r.collectives)}
