@@ -3,8 +3,17 @@ tools/plan_memory.py can compile a TPU/GPU program for simulated CPU devices.
 
 XLA:CPU (jax 0.10.2) rejects `ragged-all-to-all` ("HLO opcode `ragged-all-to-all` is not
 supported by XLA:CPU ThunkEmitter"); the expert-parallel MoE (`model.moe_impl =
-"expert_parallel"`) dispatches tokens with it. Sharded `ragged_dot` itself compiles on XLA:CPU
-(checked at GLM-5 width in docs/scaling.md), so it needs no stand-in.
+"expert_parallel"`) dispatches tokens with it. Sharded `ragged_dot` does compile on XLA:CPU,
+expert axis sharded included, but as a dense expansion over the experts: `[P, D] x [E, D, F]`
+with P = 8192, E = 64 takes 262x its output's bytes in temp (measured, docs/scaling.md), where
+TPU and GPU run a grouped matmul with buffers the size of its operands. Both get stand-ins:
+
+  `ragged_dot_standin()`          `jax.lax.ragged_dot` -> a capacity-padded grouped einsum
+                                  `[E, C, D] x [E, D, F] -> [E, C, F]`, C = ceil(P / E): the
+                                  buffers of a perfectly balanced dropless dispatch (P rows
+                                  padded up to a multiple of E), tokens placed by expert
+                                  (logical `expert` axis) so the expert weights stay put
+  `ragged_all_to_all_standin()`   `jax.lax.ragged_all_to_all` -> a dense all-to-all
 
 `ragged_all_to_all_standin()` replaces `jax.lax.ragged_all_to_all` while a program is traced
 with a dense `all_to_all` of the whole send buffer: the same result shape and dtype, and the
@@ -18,6 +27,38 @@ import contextlib
 
 import jax
 import jax.numpy as jnp
+
+from glm5_jax.layers.axes import EXPERT
+from glm5_jax.layers.params import constrain
+
+
+def _grouped_einsum(lhs_PD, rhs_EDF, group_sizes_E, **kwargs):
+  """`ragged_dot`'s signature; every expert gets C = ceil(P / E) rows (see the module
+  docstring), so the result's values are not the ragged product's."""
+  del group_sizes_E
+  unsupported = {k: v for k, v in kwargs.items() if v is not None}
+  if unsupported:
+    raise NotImplementedError(f"ragged_dot stand-in: unsupported arguments {unsupported}")
+  p, d = lhs_PD.shape
+  e, f = rhs_EDF.shape[0], rhs_EDF.shape[2]
+  c = -(-p // e)
+  lhs_ECD = jnp.pad(lhs_PD, [(0, e * c - p), (0, 0)]).reshape(e, c, d)
+  lhs_ECD = constrain(lhs_ECD, (EXPERT, None, None))
+  out_ECF = jnp.einsum("ecd,edf->ecf", lhs_ECD, rhs_EDF)
+  out_ECF = constrain(out_ECF, (EXPERT, None, None))
+  return out_ECF.reshape(e * c, f)[:p]
+
+
+@contextlib.contextmanager
+def ragged_dot_standin():
+  """While active, `jax.lax.ragged_dot` is the capacity-padded grouped einsum (module
+  docstring); code that calls it as `jax.lax.ragged_dot(...)` at trace time sees it."""
+  original = jax.lax.ragged_dot
+  jax.lax.ragged_dot = _grouped_einsum
+  try:
+    yield
+  finally:
+    jax.lax.ragged_dot = original
 
 
 def _dense_exchange(operand, output, input_offsets, send_sizes, output_offsets, recv_sizes, *,

@@ -212,12 +212,12 @@ class Program:
   mesh: jax.sharding.Mesh
   rules: object
   state_bytes: int  # per-device bytes of the arguments (exact, from their shardings)
-  # Traced with `glm5_jax.cpu_standins` (XLA:CPU lacks ragged-all-to-all): "MoE via stand-in".
+  # Traced with `glm5_jax.cpu_standins` (on XLA:CPU): "MoE via stand-in".
   moe_standin: bool = False
 
 
 def _needs_moe_standin(config) -> bool:
-  return config.model.moe_impl == "expert_parallel" and jax.default_backend() == "cpu"
+  return jax.default_backend() == "cpu" and "E" in ModelConfig.from_config(config.model).mlp_pattern
 
 
 def state_shardings(abstract_state, params_sharding, mesh):
@@ -309,10 +309,12 @@ class CompiledFigures:
 
 def compile_program(program: Program) -> CompiledFigures:
   """Lowers and compiles `program` (nothing runs) and reads its memory and collectives."""
-  standin = (cpu_standins.ragged_all_to_all_standin() if program.moe_standin
-             else contextlib.nullcontext())
+  standins = contextlib.ExitStack()
+  if program.moe_standin:
+    standins.enter_context(cpu_standins.ragged_dot_standin())
+    standins.enter_context(cpu_standins.ragged_all_to_all_standin())
   start = time.perf_counter()
-  with activation_sharding(program.mesh, program.rules), standin:
+  with activation_sharding(program.mesh, program.rules), standins:
     compiled = program.fn.lower(*program.args).compile()
   compile_s = time.perf_counter() - start
   text = compiled.as_text()

@@ -184,3 +184,19 @@ def test_plan_memory_tiny_on_8_devices(tmp_path):
   assert result["extrapolated"] and result["total"] > 0
   assert result["fits"] == planner.fits(result["total"]) and result["fits"]["v6e"]
   assert "v6e    32 GiB  fits  <== chosen" in out
+
+
+def test_ragged_dot_standin_has_ragged_dots_shapes_and_is_undone():
+  import jax  # pylint: disable=g-import-not-at-top
+  import jax.numpy as jnp  # pylint: disable=g-import-not-at-top
+  from glm5_jax.cpu_standins import ragged_dot_standin  # pylint: disable=g-import-not-at-top
+  args = (jax.ShapeDtypeStruct((37, 16), jnp.bfloat16),  # P not a multiple of E: padded
+          jax.ShapeDtypeStruct((8, 16, 24), jnp.bfloat16), jax.ShapeDtypeStruct((8,), jnp.int32))
+  real = jax.eval_shape(jax.lax.ragged_dot, *args)
+  with ragged_dot_standin():
+    text = jax.jit(lambda *a: jax.lax.ragged_dot(*a)).lower(*args).as_text()
+    standin = jax.eval_shape(jax.lax.ragged_dot, *args)
+  assert (standin.shape, standin.dtype) == (real.shape, real.dtype) == ((37, 24), jnp.bfloat16)
+  assert "ragged_dot" not in text and "5x16" in text  # C = ceil(37 / 8) = 5 rows per expert
+  assert jax.eval_shape(jax.lax.ragged_dot, *args) == real
+  assert "ragged_dot" in jax.jit(jax.lax.ragged_dot).lower(*args).as_text()  # restored

@@ -118,8 +118,9 @@ def main(argv):
     print(f"compiling depth {k} ({mix}) ...", flush=True)
     program = build(cfg)
     if program.moe_standin:
-      print("  MoE via stand-in: ragged-all-to-all compiled as a dense all-to-all of the whole "
-            "send buffer (glm5_jax/cpu_standins.py)", flush=True)
+      print("  MoE via stand-in (glm5_jax/cpu_standins.py): ragged_dot as a capacity-padded "
+            "grouped einsum [E, ceil(P/E), D] x [E, D, F], ragged-all-to-all as a dense "
+            "all-to-all of the send buffer", flush=True)
     figures = planner.compile_program(program)
     print(f"  done in {figures.compile_s:.1f} s (HLO {figures.hlo_chars / 1e6:.1f} M chars)",
           flush=True)
