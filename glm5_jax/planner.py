@@ -223,8 +223,10 @@ def _needs_moe_standin(config) -> bool:
 def state_shardings(abstract_state, params_sharding, mesh):
   """Shardings of a `TrainState` from its params' shardings: every optimizer-state leaf that
   mirrors a param (same trailing path, same shape: momenta, Adam moments) shares its sharding;
-  counters and scalars are replicated. `tests/test_plan_memory.py` checks this equals what the
-  trainer's compiled init produces."""
+  counters and scalars are replicated. The params' shardings equal the trainer's
+  (`tests/test_plan_memory.py`); its compiled init currently replicates the moments instead
+  (XLA does not carry a param's sharding to `zeros_like(param)`), which the planner does not
+  copy: it plans the layout a pod run needs (docs/scaling.md)."""
   path_names = lambda path: tuple(str(getattr(k, "key", getattr(k, "name", getattr(
       k, "idx", k)))) for k in path)
   params = {path_names(p): (s, leaf.shape) for (p, s), leaf in zip(
