@@ -122,8 +122,10 @@ def main(argv):
             "grouped einsum [E, ceil(P/E), D] x [E, D, F], ragged-all-to-all as a dense "
             "all-to-all of the send buffer", flush=True)
     figures = planner.compile_program(program)
-    print(f"  done in {figures.compile_s:.1f} s (HLO {figures.hlo_chars / 1e6:.1f} M chars)",
-          flush=True)
+    mem = figures.memory
+    print(f"  done in {figures.compile_s:.1f} s (HLO {figures.hlo_chars / 1e6:.1f} M chars): "
+          f"argument {mem.argument / planner.GIB:.2f}, temp {mem.temp / planner.GIB:.2f}, total "
+          f"{mem.total / planner.GIB:.2f} GiB per device", flush=True)
     if figures.memory.argument != program.state_bytes:
       raise SystemExit(f"depth {k}: compiled argument bytes {figures.memory.argument} differ "
                        f"from the abstract inputs' shards {program.state_bytes}")
