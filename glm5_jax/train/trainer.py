@@ -40,6 +40,31 @@ class Trainer:
   to_device: Callable  # local numpy batch -> global sharded arrays
 
 
+def optimizer_and_param_shardings(config, model: ModelConfig, step_cfg: StepConfig,
+                                  mesh: jax.sharding.Mesh):
+  """`(optimizer, schedule, params_sharding)` from one shape-only trace of the model (also
+  used by tools/plan_memory.py, which compiles the step from these without allocating)."""
+  shapes, logical_axes = abstract_params_and_axes(model)
+  optimizer, schedule = optim.build_optimizer(
+      config.optim, shapes, total_steps=config.train.steps,
+      trainable=trainable_mask(shapes, step_cfg.dsa_stage))
+  return optimizer, schedule, param_shardings(shapes, logical_axes, mesh,
+                                              config.mesh.logical_axis_rules)
+
+
+def make_init_state(model: ModelConfig, optimizer, params_sharding) -> Callable:
+  """`init_state(rng_data) -> TrainState`: fresh params (constrained to `params_sharding`) and
+  their optimizer state; jit it (or `jax.eval_shape` it for the abstract state)."""
+
+  def init_state(rng_data):
+    params = jax.lax.with_sharding_constraint(
+        init_params(model, jax.random.wrap_key_data(rng_data)), params_sharding)
+    return TrainState(step=jnp.zeros((), jnp.int32), params=params,
+                      opt_state=optimizer.init(params), rng=rng_data)
+
+  return init_state
+
+
 def build_trainer(config) -> Trainer:
   """Builds everything from `config`, which is validated first: a bad field raises
   `ConfigError` before anything is compiled or written."""
@@ -58,18 +83,9 @@ def build_trainer(config) -> Trainer:
                                             process_count=jax.process_count())
 
   # ---- abstract state, shardings (the params' shapes and logical axes: one shape-only trace)
-  shapes, logical_axes = abstract_params_and_axes(model)
-  optimizer, schedule = optim.build_optimizer(
-      config.optim, shapes, total_steps=config.train.steps,
-      trainable=trainable_mask(shapes, step_cfg.dsa_stage))
-  params_sharding = param_shardings(shapes, logical_axes, mesh, rules)
-
-  def init_state(rng_data):
-    params = jax.lax.with_sharding_constraint(
-        init_params(model, jax.random.wrap_key_data(rng_data)), params_sharding)
-    return TrainState(step=jnp.zeros((), jnp.int32), params=params,
-                      opt_state=optimizer.init(params), rng=rng_data)
-
+  optimizer, schedule, params_sharding = optimizer_and_param_shardings(
+      config, model, step_cfg, mesh)
+  init_state = make_init_state(model, optimizer, params_sharding)
   rng_data = jax.random.key_data(jax.random.key(config.seed))
   with activation_sharding(mesh, rules):
     init_compiled = jax.jit(init_state).lower(rng_data).compile()
