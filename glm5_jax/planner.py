@@ -39,7 +39,7 @@ from glm5_jax.api import abstract_params_and_axes, forward
 from glm5_jax.config import ModelConfig, require
 from glm5_jax.data.packing import BATCH_KEYS
 from glm5_jax.sharding import (activation_sharding, batch_mesh_axes, batch_sharding, make_mesh,
-                               param_shardings, validate_mesh_config)
+                               param_shardings, state_shardings, validate_mesh_config)
 from glm5_jax.train.step import StepConfig, make_train_step
 from glm5_jax.train.trainer import make_init_state, optimizer_and_param_shardings
 
@@ -220,31 +220,6 @@ def _needs_moe_standin(config) -> bool:
   return jax.default_backend() == "cpu" and "E" in ModelConfig.from_config(config.model).mlp_pattern
 
 
-def state_shardings(abstract_state, params_sharding, mesh):
-  """Shardings of a `TrainState` from its params' shardings: every optimizer-state leaf that
-  mirrors a param (same trailing path, same shape: momenta, Adam moments) shares its sharding;
-  counters and scalars are replicated. The params' shardings equal the trainer's
-  (`tests/test_plan_memory.py`); its compiled init currently replicates the moments instead
-  (XLA does not carry a param's sharding to `zeros_like(param)`), which the planner does not
-  copy: it plans the layout a pod run needs (docs/scaling.md)."""
-  path_names = lambda path: tuple(str(getattr(k, "key", getattr(k, "name", getattr(
-      k, "idx", k)))) for k in path)
-  params = {path_names(p): (s, leaf.shape) for (p, s), leaf in zip(
-      jax.tree_util.tree_flatten_with_path(params_sharding)[0],
-      jax.tree_util.tree_leaves(abstract_state.params))}
-  replicated = NamedSharding(mesh, PartitionSpec())
-
-  def pick(path, leaf):
-    names = path_names(path)
-    for start in range(len(names)):
-      hit = params.get(names[start:])
-      if hit and hit[1] == leaf.shape:
-        return hit[0]
-    return replicated
-
-  return jax.tree_util.tree_map_with_path(pick, abstract_state)
-
-
 def _with_shardings(tree, shardings):
   return jax.tree_util.tree_map(
       lambda leaf, s: jax.ShapeDtypeStruct(leaf.shape, leaf.dtype, sharding=s), tree, shardings)
@@ -264,7 +239,7 @@ def train_program(config) -> Program:
   model = ModelConfig.from_config(config.model)
   step_cfg = StepConfig.from_config(config.train)
   mesh = make_mesh(config.mesh)
-  optimizer, schedule, params_sharding = optimizer_and_param_shardings(
+  optimizer, schedule, params_sharding, _ = optimizer_and_param_shardings(
       config, model, step_cfg, mesh)
   init_state = make_init_state(model, optimizer, params_sharding)
   rng_data = jax.random.key_data(jax.random.key(config.seed))

@@ -171,3 +171,30 @@ def activation_sharding(mesh: Mesh, rules):
   """Enables the model's logical activation constraints on `mesh` (no-op outside it)."""
   with jax.set_mesh(mesh), nn.logical_axis_rules(_rules(rules)):
     yield
+
+
+def state_shardings(abstract_state, params_sharding, mesh):
+  """Shardings of a train state (any pytree holding `params` and optimizer state) from its
+  params' shardings: every leaf that mirrors a param (same trailing path, same shape: the
+  params themselves, Muon momenta, Adam moments) shares its sharding; counters and scalars are
+  replicated.
+
+  Stated explicitly because XLA does not carry a param's sharding to `zeros_like(param)`: a
+  jitted `optimizer.init` left to propagation replicates every moment on every device.
+  """
+  path_names = lambda path: tuple(str(getattr(k, "key", getattr(k, "name", getattr(
+      k, "idx", k)))) for k in path)
+  params = {path_names(p): (s, leaf.shape) for (p, s), leaf in zip(
+      jax.tree_util.tree_flatten_with_path(params_sharding)[0],
+      jax.tree_util.tree_leaves(abstract_state.params))}
+  replicated = NamedSharding(mesh, PartitionSpec())
+
+  def pick(path, leaf):
+    names = path_names(path)
+    for start in range(len(names)):
+      hit = params.get(names[start:])
+      if hit and hit[1] == leaf.shape:
+        return hit[0]
+    return replicated
+
+  return jax.tree_util.tree_map_with_path(pick, abstract_state)

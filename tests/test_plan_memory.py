@@ -151,17 +151,15 @@ trainer = build_trainer(config)  # compiles the real init, whose output sharding
 program = planner.train_program(config)
 ours, theirs = program.args[0], trainer.abstract_state
 same = lambda a, b: a.shape == b.shape and a.sharding.is_equivalent_to(b.sharding, len(a.shape))
-params = [same(a, b) for a, b in zip(jax.tree_util.tree_leaves(ours.params),
-                                     jax.tree_util.tree_leaves(theirs.params))]
-# Every optimizer moment is sharded like its param. (The trainer's compiled init replicates
-# them today: XLA does not carry a param's sharding to `zeros_like(param)`; see
-# docs/scaling.md. The planner plans the sharded layout.)
+params = [same(a, b) for a, b in zip(jax.tree_util.tree_leaves(ours),
+                                     jax.tree_util.tree_leaves(theirs))]
+# Every optimizer moment of the trainer's real state is sharded like its param (XLA alone would
+# replicate `zeros_like(param)`; `glm5_jax.sharding.state_shardings` states it).
 by_shape = {}
-for p, s in zip(jax.tree_util.tree_leaves(ours.params),
-                jax.tree_util.tree_leaves(jax.tree_util.tree_map(lambda x: x.sharding, ours.params))):
-  by_shape.setdefault(p.shape, set()).add(s.spec)
+for p in jax.tree_util.tree_leaves(theirs.params):
+  by_shape.setdefault(p.shape, set()).add(p.sharding.spec)
 moments = [leaf.sharding.spec in by_shape[leaf.shape]
-           for leaf in jax.tree_util.tree_leaves(ours.opt_state) if leaf.shape in by_shape]
+           for leaf in jax.tree_util.tree_leaves(theirs.opt_state) if leaf.shape in by_shape]
 print(json.dumps({"params": len(params), "same": sum(params), "moments": len(moments),
                   "moments_like_params": sum(moments),
                   "sharded": sum(not a.sharding.is_fully_replicated
@@ -170,11 +168,11 @@ print(json.dumps({"params": len(params), "same": sum(params), "moments": len(mom
 
 
 @pytest.mark.slow  # a subprocess with 8 host devices compiling the trainer's init (~60 s)
-def test_planner_param_shardings_equal_the_trainers_and_moments_follow_params():
+def test_planner_state_shardings_equal_the_trainers_and_moments_follow_params():
   result = json.loads(_run(None, _STATE_SHARDINGS).strip().splitlines()[-1])
   assert result["params"] == result["same"] > 10, result
   assert result["moments"] == result["moments_like_params"] > 10, result
-  assert result["sharded"] > 2 * result["params"] * 0.5, result
+  assert result["sharded"] > result["params"] * 0.5, result
 
 
 @pytest.mark.slow  # the tool in a subprocess, 8 host devices, two compiles (~2 min on 2 cores)

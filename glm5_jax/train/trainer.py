@@ -15,7 +15,8 @@ from glm5_jax.api import abstract_params_and_axes, init_params
 from glm5_jax.attention.kinds import ATTENTION_KINDS
 from glm5_jax.config import ModelConfig
 from glm5_jax.config_validation import validate_config
-from glm5_jax.sharding import activation_sharding, batch_sharding, make_mesh, param_shardings
+from glm5_jax.sharding import (activation_sharding, batch_sharding, make_mesh, param_shardings,
+                               state_shardings)
 from glm5_jax.train.state import TrainState, trainable_mask
 from glm5_jax.train.step import StepConfig, make_eval_step, make_train_step
 
@@ -42,14 +43,15 @@ class Trainer:
 
 def optimizer_and_param_shardings(config, model: ModelConfig, step_cfg: StepConfig,
                                   mesh: jax.sharding.Mesh):
-  """`(optimizer, schedule, params_sharding)` from one shape-only trace of the model (also
+  """`(optimizer, schedule, params_sharding, param shapes)` from one shape-only trace of the
+  model (also
   used by tools/plan_memory.py, which compiles the step from these without allocating)."""
   shapes, logical_axes = abstract_params_and_axes(model)
   optimizer, schedule = optim.build_optimizer(
       config.optim, shapes, total_steps=config.train.steps,
       trainable=trainable_mask(shapes, step_cfg.dsa_stage))
   return optimizer, schedule, param_shardings(shapes, logical_axes, mesh,
-                                              config.mesh.logical_axis_rules)
+                                              config.mesh.logical_axis_rules), shapes
 
 
 def make_init_state(model: ModelConfig, optimizer, params_sharding) -> Callable:
@@ -83,7 +85,7 @@ def build_trainer(config) -> Trainer:
                                             process_count=jax.process_count())
 
   # ---- abstract state, shardings (the params' shapes and logical axes: one shape-only trace)
-  optimizer, schedule, params_sharding = optimizer_and_param_shardings(
+  optimizer, schedule, params_sharding, shapes = optimizer_and_param_shardings(
       config, model, step_cfg, mesh)
   init_state = make_init_state(model, optimizer, params_sharding)
   rng_data = jax.random.key_data(jax.random.key(config.seed))
