@@ -42,12 +42,17 @@ def _padded_batch(vocab, seed=0):
           "loss_mask": jnp.asarray(loss_mask, jnp.float32)}
 
 
+STEP = dict(mtp_loss_weight=0.37, z_loss_weight=0.013, indexer_loss_weight=1.9,
+            sequence_balance_weight=0.21, balance_bias_rate=0.004)  # every term on, distinct
+
+
 @pytest.fixture(scope="module")
 def setup(helpers):
-  """A 2-layer fp32 tiny model (DSA layers with indexer KL, MoE, 2 MTP depths), its optimizer
-  (Muon Split + AdamW as configs/tiny.py builds it), a train state and the padded batch."""
-  model = helpers.config(num_hidden_layers=2, first_k_dense_replace=1, mtp_depths=2,
-                         dtype="float32", param_dtype="float32")
+  """A 1-layer fp32 tiny model (a DSA layer with indexer KL and MoE, and the MTP layer at 2
+  depths; a vocab of 8, so random params get accuracies well above 0), its optimizer (Muon Split + AdamW as configs/tiny.py builds it), a train state and
+  the padded batch."""
+  model = helpers.config(num_hidden_layers=1, first_k_dense_replace=0, mtp_depths=2,
+                         vocab_size=8, dtype="float32", param_dtype="float32")
   params = helpers.random_params(model)
   optim_config = helpers.load_config_module(os.path.join(ROOT, "configs", "tiny.py")).get_config(
   ).optim
@@ -59,82 +64,90 @@ def setup(helpers):
   return model, optimizer, schedule, state, _padded_batch(model.vocab_size)
 
 
-def _run(setup, microbatches):
-  """One jitted train step and the gradients it took, with `microbatches`; every loss term on
-  (distinct weights, so a term combined wrongly cannot hide behind another)."""
+def _grads(setup, microbatches):
+  model, *_, state, batch = setup
+  step_cfg = StepConfig(**STEP, microbatches=microbatches)
+  return jax.device_get(jax.jit(lambda p, b: loss_and_grads(model, step_cfg, p, b))(
+      state.params, batch))
+
+
+def _step(setup, microbatches):
   model, optimizer, schedule, state, batch = setup
-  step_cfg = StepConfig(mtp_loss_weight=0.37, z_loss_weight=0.013, indexer_loss_weight=1.9,
-                        sequence_balance_weight=0.21, balance_bias_rate=0.004,
-                        microbatches=microbatches)
-  train_step = make_train_step(model, step_cfg, optimizer, schedule)
+  step_cfg = StepConfig(**STEP, microbatches=microbatches)
+  return jax.device_get(jax.jit(make_train_step(model, step_cfg, optimizer, schedule))(
+      state, batch))
 
-  @jax.jit
-  def step_and_grads(state, batch):
-    new_state, metrics = train_step(state, batch)
-    _, counts, grads = loss_and_grads(model, step_cfg, state.params, batch)  # CSE'd with the step
-    return new_state, metrics, counts, grads
 
-  return jax.device_get(step_and_grads(state, batch))
+def _assert_trees_close(got, want):
+  def close(path, g, w):
+    np.testing.assert_allclose(g, w, rtol=1e-5, atol=1e-6, err_msg=jax.tree_util.keystr(path))
+  jax.tree_util.tree_map_with_path(close, got, want)
+
+
+def _assert_metrics_equal(got, want):
+  assert sorted(got) == sorted(want)
+  assert {"mtp1_loss", "mtp2_accuracy", "indexer_kl", "sequence_balance_loss"} <= set(want)
+  for name, value in want.items():
+    assert value != 0, name  # every term present, every accuracy non-trivial
+    np.testing.assert_allclose(got[name], value, rtol=1e-5, atol=1e-7, err_msg=name)
 
 
 @pytest.fixture(scope="module")
-def one_batch(setup):
-  return _run(setup, 1)
+def one_batch_grads(setup):
+  return _grads(setup, 1)
 
 
 def test_the_microbatches_hold_different_token_counts(setup):
-  """The premise of the test below: its split gives microbatches unequal denominators."""
-  model, *_, batch = setup
+  """The premise of the tests below: the split gives microbatches unequal denominators (of 4,
+  one has 5 non-padding tokens, another 64), so a mean of their own means is not the batch's."""
+  *_, batch = setup
   for n in (2, 4):
     parts = split_microbatches(batch, n)
-    lm = [float(losses.loss_denominators(jax.tree.map(lambda x: x[k], parts), 2)["lm"])
-          for k in range(n)]
-    assert len(set(lm)) == n, (n, lm)
+    shares = [losses.loss_denominators(jax.tree.map(lambda x: x[k], parts), 2)
+              for k in range(n)]
+    for key in ("lm", "indexer"):
+      counts = [float(s[key]) for s in shares]
+      assert len(set(counts)) == n, (n, key, counts)
   # Microbatch k holds rows k, k + n, ... (strided: see split_microbatches).
   np.testing.assert_array_equal(split_microbatches(batch, 4)["tokens"][1],
                                 batch["tokens"][np.array([1, 5])])
 
 
-@pytest.mark.parametrize("microbatches", [2, 4])
-def test_microbatched_step_equals_one_batch(setup, one_batch, microbatches):
-  """Loss, every metric, gradients, updated params (Muon Split + AdamW) and the loss-free
-  balancing biases (from expert counts summed over microbatches) equal the one-batch step."""
-  want_state, want_metrics, want_counts, want_grads = one_batch
-  state, metrics, counts, grads = _run(setup, microbatches)
-
-  assert sorted(metrics) == sorted(want_metrics)
-  assert {"mtp1_loss", "mtp2_accuracy", "indexer_kl", "sequence_balance_loss",
-          "expert_load_max"} <= set(metrics)
-  for name, want in want_metrics.items():
-    np.testing.assert_allclose(metrics[name], want, rtol=1e-5, atol=1e-7, err_msg=name)
-  jax.tree.map(np.testing.assert_array_equal, counts, want_counts)  # integer counts: exact
-
-  def close(path, got, want):
-    np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6,
-                               err_msg=jax.tree_util.keystr(path))
-
-  jax.tree_util.tree_map_with_path(close, grads, want_grads)
-  jax.tree_util.tree_map_with_path(close, state.params, want_state.params)
-  jax.tree_util.tree_map_with_path(close, state.opt_state, want_state.opt_state)
-  biases = [leaf for path, leaf in jax.tree_util.tree_leaves_with_path(state.params)
-            if "e_score_correction_bias" in jax.tree_util.keystr(path)]
-  before = [leaf for path, leaf in jax.tree_util.tree_leaves_with_path(setup[3].params)
-            if "e_score_correction_bias" in jax.tree_util.keystr(path)]
-  assert biases and all(np.any(b != a) for b, a in zip(biases, before))  # the biases moved
+def test_microbatched_loss_and_grads_equal_one_batch(setup, one_batch_grads):
+  """Loss, every metric (per-depth MTP losses and accuracies, indexer KL, balance loss, ...)
+  and every gradient equal the one-batch pass; expert counts exactly."""
+  want_metrics, want_counts, want_grads = one_batch_grads
+  metrics, counts, grads = _grads(setup, 4)
+  _assert_metrics_equal(metrics, want_metrics)
+  assert counts
+  jax.tree.map(np.testing.assert_array_equal, counts, want_counts)
+  _assert_trees_close(grads, want_grads)
 
 
-def test_mean_of_microbatch_means_would_differ(setup, one_batch):
-  """Guards the test above: naive averaging of the microbatches' own means misses the one-batch
-  LM loss by far more than its tolerance, so equality there is the denominators' doing."""
-  model, *_, batch = setup
-  step_cfg = StepConfig(mtp_loss_weight=0.37, z_loss_weight=0.013, indexer_loss_weight=1.9,
-                        sequence_balance_weight=0.21)
-  parts = split_microbatches(batch, 4)
-  naive = np.mean([
-      jax.jit(lambda p, b: loss_and_grads(model, step_cfg, p, b)[0]["lm_loss"])(
-          setup[3].params, jax.tree.map(lambda x: x[k], parts)) for k in range(4)])
-  want = one_batch[1]["lm_loss"]
-  assert abs(naive - want) > 1e-3 * abs(want), (naive, want)
+@pytest.mark.slow  # three compiled train steps with Muon Split
+def test_microbatched_train_step_equals_one_batch(setup):
+  """Through the whole train step (Muon Split + AdamW, loss-free balancing from the summed
+  expert counts): 2 and 4 microbatches give the one-batch step's metrics (grad norm, expert
+  load, ...), updated params, moved balancing biases and optimizer state."""
+  want_state, want_metrics = _step(setup, 1)
+  before = setup[3].params
+  moved = [not np.array_equal(a, b) for a, b in zip(
+      jax.tree.leaves(_biases(want_state.params)), jax.tree.leaves(_biases(before)))]
+  assert moved and all(moved)
+  for microbatches in (2, 4):
+    state, metrics = _step(setup, microbatches)
+    assert {"grad_norm", "update_norm", "expert_load_max"} <= set(metrics)
+    _assert_metrics_equal(metrics, want_metrics)
+    _assert_trees_close(state.params, want_state.params)
+    np.testing.assert_array_equal(jax.tree.leaves(_biases(state.params)),
+                                  jax.tree.leaves(_biases(want_state.params)))
+    _assert_trees_close(state.opt_state, want_state.opt_state)
+
+
+def _biases(params):
+  return {jax.tree_util.keystr(path): leaf
+          for path, leaf in jax.tree_util.tree_leaves_with_path(params)
+          if "e_score_correction_bias" in jax.tree_util.keystr(path)}
 
 
 def test_batch_must_split_into_the_microbatches(helpers):
