@@ -7,7 +7,8 @@ The total loss (docs/reference.md sections 2-3):
   + sequence_balance_weight * sequence_balance_loss    optional, DeepSeek-V3's small aux loss
 After the optimizer update, each MoE layer's correction bias moves by a fixed rate toward equal
 load: `b_e += rate * sign(mean_load - load_e)` (loss-free balancing), except in the DSA
-warm-up stage, where everything but the indexers is frozen.
+warm-up stage, where everything but the indexers is frozen. With `train.microbatches` > 1 the
+loss and gradients accumulate over microbatches with the result of one batch (`loss_and_grads`).
 """
 
 import dataclasses
