@@ -5,7 +5,10 @@ target-token and non-padding counts differ (one microbatch of four has almost no
 mean of per-microbatch means would be off by far more than the tolerance.
 """
 
+import json
 import os
+import subprocess
+import sys
 
 import jax
 import jax.numpy as jnp
@@ -179,3 +182,55 @@ def test_step_refuses_a_batch_that_does_not_split(setup):
   *_, batch = setup
   with pytest.raises(ConfigError, match="config.train.microbatches: the batch's"):
     split_microbatches(batch, 3)
+
+
+_SHARDED = r"""
+import json, re, jax, numpy as np
+from configs import tiny
+from glm5_jax.sharding import activation_sharding
+from glm5_jax.train.trainer import build_trainer
+
+assert jax.device_count() == 8, jax.devices()
+results = {}
+for m in (1, 2):
+  config = tiny.get_config()
+  config.model.update(num_hidden_layers=1, first_k_dense_replace=0, mtp_depths=1)
+  config.mesh.shape.update(data=2, fsdp=2, expert=2, tensor=1)  # batch over data x fsdp = 4
+  config.data.update(seq_len=256, batch_size=8, prefetch=0)
+  config.train.update(steps=4, dsa_dense_steps=0, microbatches=m)
+  config.optim.update(warmup_steps=1)
+  config.eval.update(every_steps=0)
+  t = build_trainer(config)
+  state, batch = t.init_state(), t.to_device(next(t.train_iter))
+  with activation_sharding(t.mesh, t.rules):
+    compiled = t.train_step.lower(state, batch).compile()
+  hlo = compiled.as_text()
+  state, metrics = compiled(state, batch)
+  results[m] = {
+      "metrics": {k: float(v) for k, v in metrics.items()},
+      "params": [np.asarray(x, np.float64).ravel().tolist() for x in jax.tree.leaves(state.params)],
+      "collectives": {op: len(re.findall(rf"= [^=]*? {op}(-start)?\(", hlo))
+                      for op in ("all-gather", "all-to-all", "collective-permute")},
+      "temp_bytes": compiled.memory_analysis().temp_size_in_bytes}
+print(json.dumps(results))
+"""
+
+
+@pytest.mark.slow  # a subprocess with 8 host devices, two compiled train steps
+def test_microbatched_step_on_8_devices_equals_one_batch():
+  """Through `build_trainer` on a data x fsdp x expert mesh: 2 microbatches give the one-batch
+  step's metrics and params, add no gather, all-to-all or permute to the compiled step (the
+  strided split stays on each device), and need less temp memory per device."""
+  env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=8",
+             JAX_PLATFORMS="cpu", PYTHONPATH=ROOT)
+  proc = subprocess.run([sys.executable, "-c", _SHARDED], cwd=ROOT, env=env,
+                        capture_output=True, text=True, timeout=900)
+  assert proc.returncode == 0, proc.stderr[-4000:]
+  one, two = json.loads(proc.stdout.strip().splitlines()[-1]).values()
+  assert sorted(one["metrics"]) == sorted(two["metrics"])
+  for name, value in one["metrics"].items():
+    np.testing.assert_allclose(two["metrics"][name], value, rtol=1e-5, atol=1e-7, err_msg=name)
+  for got, want in zip(two["params"], one["params"]):
+    np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6)
+  assert two["collectives"] == one["collectives"], (one["collectives"], two["collectives"])
+  assert two["temp_bytes"] < one["temp_bytes"], (one["temp_bytes"], two["temp_bytes"])
