@@ -55,8 +55,8 @@ STEP = dict(mtp_loss_weight=0.37, z_loss_weight=0.013, indexer_loss_weight=1.9,
 @pytest.fixture(scope="module")
 def setup(helpers):
   """A 1-layer fp32 tiny model (a DSA layer with indexer KL and MoE, and the MTP layer at 2
-  depths; a vocab of 8, so random params get accuracies well above 0), its optimizer (Muon Split + AdamW as configs/tiny.py builds it), a train state and
-  the padded batch."""
+  depths; a vocab of 8, so random params get accuracies well above 0), its optimizer (Muon
+  Split + AdamW as configs/tiny.py builds it), a train state and the padded batch."""
   model = helpers.config(num_hidden_layers=1, first_k_dense_replace=0, mtp_depths=2,
                          vocab_size=8, dtype="float32", param_dtype="float32")
   params = helpers.random_params(model)
