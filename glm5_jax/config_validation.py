@@ -43,7 +43,8 @@ def validate_config(config, num_devices: int | None = None, *, process_count: in
   Checks every section (see the module docstring), a misspelt or missing field in any of them,
   and across sections: the optimizer's warm-up fits in `train.steps`; `data.batch_size` splits
   evenly over the processes and over the data-parallel devices (the mesh axes the `batch` rule
-  of `mesh.logical_axis_rules` maps to); evaluation has held-out data to read.
+  of `mesh.logical_axis_rules` maps to), and so does each of its `train.microbatches`;
+  evaluation has held-out data to read.
 
   Args:
     config: the experiment ConfigDict (`get_config()` of a configs/*.py file).
@@ -63,6 +64,10 @@ def validate_config(config, num_devices: int | None = None, *, process_count: in
   validate_ckpt_config(config.ckpt)
   validate_eval_config(config.eval)
 
+  microbatches = config.train.microbatches
+  _require(config.data.batch_size % microbatches == 0, "train.microbatches",
+           f"data.batch_size={config.data.batch_size} rows do not split into {microbatches} "
+           "equal microbatches; use a divisor of it")
   if num_devices is not None:
     axes = batch_mesh_axes(config.mesh.logical_axis_rules)
     ways = math.prod(mesh_sizes[axis] for axis in axes)
@@ -70,6 +75,11 @@ def validate_config(config, num_devices: int | None = None, *, process_count: in
              f"{config.data.batch_size} rows per step do not split over the {ways} data-parallel "
              f"devices (mesh axes {axes} of the 'batch' rule in config.mesh.logical_axis_rules, "
              f"sizes {[mesh_sizes[a] for a in axes]}); use a multiple of {ways}")
+    # Each microbatch spreads over all data-parallel devices (`train.step.split_microbatches`).
+    _require(config.data.batch_size % (ways * microbatches) == 0, "train.microbatches",
+             f"data.batch_size={config.data.batch_size} rows do not split into {microbatches} "
+             f"microbatches spread evenly over the {ways} data-parallel devices; batch_size must "
+             f"be a multiple of microbatches * {ways} = {microbatches * ways}")
   if config.eval.every_steps:
     held_out = [name for name, spec in sources.items()
                 if spec["kind"] == "synthetic" or spec["holdout_fraction"] > 0]

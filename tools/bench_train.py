@@ -65,14 +65,16 @@ def main(argv):
   result = {
       "backend": jax.default_backend(), "device": jax.devices()[0].device_kind,
       "devices": jax.device_count(), "pattern": t.model.attention_pattern,
-      "batch": config.data.batch_size, "seq_len": config.data.seq_len,
+      "batch": config.data.batch_size, "microbatches": config.train.microbatches,
+      "seq_len": config.data.seq_len,
       "compile_s": compile_s, "step_s": step_s, "tokens_per_sec": tokens / step_s,
       "flops_per_token": flops, "tflops_per_sec": tokens * flops / step_s / 1e12,
       "mfu": tokens * flops / step_s / (peak * jax.device_count()) if peak else None,
       "data_s_per_batch": data_s, "data_over_step": data_s / step_s,
   }
   rows = [("backend / devices", f"{result['backend']} ({result['device']}) x {result['devices']}"),
-          ("batch x seq_len", f"{result['batch']} x {result['seq_len']} ({tokens:,} tokens)"),
+          ("batch x seq_len", f"{result['batch']} x {result['seq_len']} ({tokens:,} tokens)"
+                              f" in {result['microbatches']} microbatch(es)"),
           ("compile", f"{compile_s:.2f} s"),
           ("step (steady state)", f"{step_s * 1e3:.1f} ms"),
           ("tokens/s", f"{result['tokens_per_sec']:,.0f}"),

@@ -33,6 +33,9 @@ def train_config(**overrides) -> ml_collections.ConfigDict:
   c.sequence_balance_weight = 1e-4  # DeepSeek-V3's alpha
   c.balance_bias_rate = 1e-3  # DeepSeek-V3's gamma
   c.log_every_steps = 20
+  # Gradient accumulation: each step's data.batch_size rows run as this many microbatches in
+  # turn (activation memory of one microbatch), with the result of one pass over all of them.
+  c.microbatches = 1
   c.update(overrides)
   return c
 
@@ -71,6 +74,8 @@ def validate_train_config(c) -> None:
   for name in LOSS_WEIGHTS:
     require(math.isfinite(c[name]) and c[name] >= 0, f"train.{name}",
             f"must be a finite number >= 0, got {c[name]}")
+  require(isinstance(c.microbatches, int) and c.microbatches >= 1, "train.microbatches",
+          f"must be an int >= 1 (1: no gradient accumulation), got {c.microbatches!r}")
   require(c.log_every_steps >= 1, "train.log_every_steps",
           f"must be >= 1 (metrics are written every that many steps), got {c.log_every_steps}")
 

@@ -99,3 +99,26 @@ def expert_counts(out):
   if mtp:
     counts[("mtp", "layer", "mlp")] = sum(mtp)
   return counts
+
+
+def loss_denominators(batch, mtp_depths: int):
+  """What the means above divide by for `batch`, each a float32 scalar, clamped as they clamp.
+
+  Returns:
+    dict: `lm` (`cross_entropy`'s target weight of the main head: its CE, z-loss and accuracy),
+    `mtp` (a list, the same for each MTP depth `mtp_losses` scores), `indexer` (non-padding
+    queries, `mean_indexer_kl`), `rows` (the sequence balance loss averages over rows).
+  Gradient accumulation scales each microbatch's means by its share of the batch's denominators
+  (`glm5_jax.train.step`), so these must stay in step with the functions above.
+  """
+  segment_ids_BL, loss_mask_BL = batch["segment_ids"], batch["loss_mask"]
+  length = segment_ids_BL.shape[1]
+
+  def clamped(weights_BL):
+    return jnp.maximum(weights_BL.sum().astype(jnp.float32), 1.0)
+
+  return {"lm": clamped(target_weights(segment_ids_BL, loss_mask_BL, 1)),
+          "mtp": [clamped(target_weights(segment_ids_BL, loss_mask_BL, d + 1))
+                  for d in range(1, mtp_depths + 1) if d + 1 < length],
+          "indexer": clamped((segment_ids_BL != 0).astype(jnp.float32)),
+          "rows": jnp.asarray(segment_ids_BL.shape[0], jnp.float32)}

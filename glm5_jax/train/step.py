@@ -7,10 +7,12 @@ The total loss (docs/reference.md sections 2-3):
   + sequence_balance_weight * sequence_balance_loss    optional, DeepSeek-V3's small aux loss
 After the optimizer update, each MoE layer's correction bias moves by a fixed rate toward equal
 load: `b_e += rate * sign(mean_load - load_e)` (loss-free balancing), except in the DSA
-warm-up stage, where everything but the indexers is frozen.
+warm-up stage, where everything but the indexers is frozen. With `train.microbatches` > 1 the
+loss and gradients accumulate over microbatches with the result of one batch (`loss_and_grads`).
 """
 
 import dataclasses
+import re
 
 import jax
 import jax.numpy as jnp
@@ -19,7 +21,9 @@ from flax import traverse_util
 
 from glm5_jax.api import forward
 from glm5_jax.attention.mode import Mode
-from glm5_jax.config import ModelConfig
+from glm5_jax.config import ModelConfig, require
+from glm5_jax.layers.axes import BATCH
+from glm5_jax.layers.params import constrain
 from glm5_jax.train import losses
 from glm5_jax.train.state import TrainState
 
@@ -40,6 +44,7 @@ class StepConfig:
   indexer_loss_weight: float = 1.0
   sequence_balance_weight: float = 0.0
   balance_bias_rate: float = 1e-3
+  microbatches: int = 1  # gradient accumulation: see `loss_and_grads`
 
   @classmethod
   def from_config(cls, train_config) -> "StepConfig":
@@ -63,11 +68,11 @@ def compute_loss(model: ModelConfig, step_cfg: StepConfig, params, batch):
   kl = losses.mean_indexer_kl(out, batch)
   balance = losses.mean_sequence_balance_loss(out)
   mtp_loss = jnp.mean(jnp.stack([m["ce"] for m in mtp])) if mtp else jnp.zeros(())
-  total = (lm["loss"] + step_cfg.mtp_loss_weight * mtp_loss
-           + step_cfg.indexer_loss_weight * kl + step_cfg.sequence_balance_weight * balance)
-  metrics = {"loss": total, "lm_loss": lm["ce"], "z_loss": lm["z_loss"],
-             "accuracy": lm["accuracy"], "target_tokens": lm["weight"], "mtp_loss": mtp_loss,
-             "indexer_kl": kl, "sequence_balance_loss": balance}
+  terms = {"lm_loss": lm["ce"], "z_loss": lm["z_loss"],
+           "accuracy": lm["accuracy"], "target_tokens": lm["weight"], "mtp_loss": mtp_loss,
+           "indexer_kl": kl, "sequence_balance_loss": balance}
+  total = total_loss(step_cfg, terms)
+  metrics = {"loss": total, **terms}
   for d, m in enumerate(mtp, start=1):
     metrics[f"mtp{d}_loss"] = m["ce"]
     metrics[f"mtp{d}_accuracy"] = m["accuracy"]
@@ -76,6 +81,15 @@ def compute_loss(model: ModelConfig, step_cfg: StepConfig, params, batch):
   token_nll_BL = -jnp.take_along_axis(jax.nn.log_softmax(logits_BLY, axis=-1),
                                       batch["tokens"][:, 1:, None], axis=-1)[..., 0]
   return total, (metrics, losses.expert_counts(out), predictions_BL, token_nll_BL)
+
+
+def total_loss(step_cfg: StepConfig, metrics):
+  """The weighted sum of the loss terms in `metrics` (see the module docstring); linear in
+  them, which gradient accumulation relies on."""
+  return (metrics["lm_loss"] + step_cfg.z_loss_weight * metrics["z_loss"]
+          + step_cfg.mtp_loss_weight * metrics["mtp_loss"]
+          + step_cfg.indexer_loss_weight * metrics["indexer_kl"]
+          + step_cfg.sequence_balance_weight * metrics["sequence_balance_loss"])
 
 
 def update_balance_bias(params, counts: dict, rate: float):
@@ -106,12 +120,114 @@ def _expert_load_metrics(counts: dict):
           "expert_load_min": jnp.min(jnp.stack([r.min() for r in ratios]))}
 
 
+def loss_and_grads(model: ModelConfig, step_cfg: StepConfig, params, batch):
+  """`(metrics, expert_counts, grads)` of `compute_loss` on `batch`, in one pass or, with
+  `step_cfg.microbatches` > 1, accumulated over that many microbatches in a `lax.scan`, so only
+  one microbatch's activations are live at a time.
+
+  Accumulation equals one pass over the whole batch, to float rounding, for the loss, every
+  metric (accuracies, per-depth MTP losses and accuracies, indexer KL, balance loss, target
+  tokens) and the gradients; expert counts (integers) are exactly equal. Every loss term is a
+  mean over the batch (of target tokens, non-padding queries or rows), and microbatches can hold
+  different numbers of them (padding, loss masks), so a mean of the microbatches' means would be
+  wrong: each microbatch's means are scaled by its share of the whole batch's denominator
+  (`losses.loss_denominators`) before its gradient is taken, which makes the scaled terms, the
+  loss and its gradient add up to the whole batch's. Gradients accumulate in float32 and come
+  back in each parameter's dtype (exact for float32 params).
+  """
+  if step_cfg.microbatches == 1:
+    grad_fn = jax.value_and_grad(compute_loss, argnums=2, has_aux=True)
+    (_, (metrics, counts, _, _)), grads = grad_fn(model, step_cfg, params, batch)
+    return metrics, counts, grads
+
+  mtp_depths = model.mtp_depths if model.num_nextn_predict_layers else 0
+  whole = losses.loss_denominators(batch, mtp_depths)
+
+  def scaled_loss(params, microbatch):
+    _, (metrics, counts, _, _) = compute_loss(model, step_cfg, params, microbatch)
+    shares = jax.tree.map(jnp.divide, losses.loss_denominators(microbatch, mtp_depths), whole)
+    metrics = _scale_metrics(step_cfg, metrics, shares)
+    return metrics["loss"], (metrics, counts)
+
+  grad_fn = jax.value_and_grad(scaled_loss, has_aux=True)
+
+  def accumulate(sums, microbatch):
+    (_, aux), grads = grad_fn(params, microbatch)
+    grads = jax.tree.map(lambda g: g.astype(jnp.float32), grads)
+    return jax.tree.map(jnp.add, sums, (grads, aux)), None
+
+  microbatches = split_microbatches(batch, step_cfg.microbatches)
+  one = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape[1:], x.dtype), microbatches)
+  (_, aux_shapes), _ = jax.eval_shape(grad_fn, params, one)
+  zeros = (jax.tree.map(lambda p: jnp.zeros(p.shape, jnp.float32), params),
+           jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), aux_shapes))
+  (grads, (metrics, counts)), _ = jax.lax.scan(accumulate, zeros, microbatches)
+  grads = jax.tree.map(lambda g, p: g.astype(p.dtype), grads, params)
+  return metrics, counts, grads
+
+
+def split_microbatches(batch, microbatches: int):
+  """`[B, ...]` arrays -> `[microbatches, B / microbatches, ...]`; microbatch k holds rows
+  k, k + microbatches, k + 2 * microbatches, ...
+
+  Strided, not contiguous, because the batch's rows are sharded in contiguous blocks over the
+  data-parallel devices: with B a multiple of microbatches times those devices (checked by
+  `validate_config`), each device's block holds its equal share of every microbatch, so the
+  split moves no data between devices and every microbatch keeps all of them busy. A contiguous
+  split would put each microbatch on 1/microbatches of the devices. The constraint keeps the
+  per-microbatch batch axis on the data-parallel axes (and the scanned axis unsharded) where
+  sharding propagation could otherwise pick another layout.
+  """
+  rows = {x.shape[0] for x in jax.tree.leaves(batch)}
+  require(len(rows) == 1 and rows.pop() % microbatches == 0, "train.microbatches",
+          f"the batch's {[x.shape[0] for x in jax.tree.leaves(batch)]} rows do not split into "
+          f"{microbatches} equal microbatches")
+
+  def split(x):
+    x = jnp.swapaxes(x.reshape(x.shape[0] // microbatches, microbatches, *x.shape[1:]), 0, 1)
+    return constrain(x, (None, BATCH) + (None,) * (x.ndim - 2))
+
+  return jax.tree.map(split, batch)
+
+
+def _scale_metrics(step_cfg: StepConfig, metrics, shares):
+  """One microbatch's `compute_loss` metrics, each scaled by the microbatch's share of its
+  denominator (`shares`: `losses.loss_denominators` of the microbatch over the whole batch's),
+  so that they sum over microbatches to the whole batch's; `mtp_loss` and `loss` recomputed from
+  the scaled terms (a mean over depths and a weighted sum, both linear)."""
+  depths = sorted(int(m[1]) for m in map(re.compile(r"mtp(\d+)_loss").fullmatch, metrics) if m)
+  if depths != list(range(1, len(shares["mtp"]) + 1)):
+    raise ValueError(f"compute_loss scored MTP depths {depths}, but losses.loss_denominators "
+                     f"counted {len(shares['mtp'])}")
+  scaled = {}
+  for name, value in metrics.items():
+    depth = re.fullmatch(r"mtp(\d+)_(loss|accuracy)", name)
+    if name in ("loss", "mtp_loss"):
+      continue
+    elif name in ("lm_loss", "z_loss", "accuracy"):
+      share = shares["lm"]
+    elif depth:
+      share = shares["mtp"][int(depth[1]) - 1]
+    elif name == "indexer_kl":
+      share = shares["indexer"]
+    elif name == "sequence_balance_loss":
+      share = shares["rows"]
+    elif name == "target_tokens":
+      share = 1.0  # a count, it simply adds up
+    else:
+      raise ValueError(f"metric {name!r} of compute_loss has no rule for adding up over "
+                       "microbatches; give it one in glm5_jax.train.step._scale_metrics")
+    scaled[name] = value * share
+  mtp = [scaled[f"mtp{d}_loss"] for d in depths]
+  scaled["mtp_loss"] = jnp.mean(jnp.stack(mtp)) if mtp else jnp.zeros(())
+  return {"loss": total_loss(step_cfg, scaled), **scaled}
+
+
 def make_train_step(model: ModelConfig, step_cfg: StepConfig, optimizer, schedule):
   """`train_step(state, batch) -> (state, metrics)`, pure; jit it with shardings."""
 
   def train_step(state: TrainState, batch):
-    grad_fn = jax.value_and_grad(compute_loss, argnums=2, has_aux=True)
-    (_, (metrics, counts, _, _)), grads = grad_fn(model, step_cfg, state.params, batch)
+    metrics, counts, grads = loss_and_grads(model, step_cfg, state.params, batch)
     updates, opt_state = optimizer.update(grads, state.opt_state, state.params)
     params = optax.apply_updates(state.params, updates)
     if step_cfg.trains_main_model:
