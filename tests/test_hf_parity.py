@@ -235,7 +235,8 @@ def test_bf16_checkpoint_loads_its_exact_values(tmp_path):
   assert fp32_names == {"gate", "e_score_correction_bias", "weights_proj"}
   # The stored values themselves, for tensors read back without a layout change.
   stored = lambda name: state[name].to(torch.float32).numpy()
-  np.testing.assert_array_equal(params["layers_1"]["mlp"]["e_score_correction_bias"],
+  unrolled = layer_runs.as_unrolled(params, ModelConfig.from_config(config))
+  np.testing.assert_array_equal(unrolled["layers_1"]["mlp"]["e_score_correction_bias"],
                                 stored("model.layers.1.mlp.gate.e_score_correction_bias"))
   np.testing.assert_array_equal(np.asarray(params["embed_tokens"], np.float32),
                                 stored("model.embed_tokens.weight"))

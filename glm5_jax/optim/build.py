@@ -34,6 +34,7 @@ from optax.contrib import MuonDimensionNumbers, scale_by_muon
 
 from glm5_jax.config import ConfigError, check_fields
 from glm5_jax.optim import muon_split
+from glm5_jax.optim.layer_map import map_over_layers
 from glm5_jax.optim.muon_split import ADAM, FROZEN, MUON
 
 
@@ -139,14 +140,26 @@ def build_optimizer(optim_cfg, params, *, total_steps: int, trainable=None):
   }
   if c.name != "adamw":
     dims = muon_split.muon_dimension_numbers(params, split=c.name == "muon_split")
-    dims = muon_split.masked_dimension_numbers(dims, labels)
-    groups[MUON] = optax.chain(
-        scale_by_muon(ns_coeffs=tuple(c.ns_coeffs), ns_steps=c.ns_steps, beta=c.momentum,
-                      nesterov=c.nesterov, weight_dimension_numbers=dims),
-        scale_by_shape(dims, c.consistent_rms),
-        optax.add_decayed_weights(c.weight_decay, mask=decay_mask),
-        optax.scale_by_learning_rate(schedule),
-    )
+
+    def muon(group_dims):
+      return optax.chain(
+          scale_by_muon(ns_coeffs=tuple(c.ns_coeffs), ns_steps=c.ns_steps, beta=c.momentum,
+                        nesterov=c.nesterov, weight_dimension_numbers=group_dims),
+          scale_by_shape(group_dims, c.consistent_rms),
+          optax.add_decayed_weights(c.weight_decay, mask=decay_mask),
+          optax.scale_by_learning_rate(schedule),
+      )
+
+    # Muon kernels of a scanned run form a group of their own, run layer by layer
+    # (`layer_map`), with each layer's own (unshifted) matrix layout.
+    labels = muon_split.per_run_muon_labels(labels)
+    for label in sorted(set(jax.tree.leaves(labels))):
+      if label == MUON:
+        groups[MUON] = muon(muon_split.masked_dimension_numbers(dims, labels, label))
+      elif label.startswith(MUON + "/"):
+        layer_dims = muon_split.masked_dimension_numbers(
+            muon_split.per_layer_dimension_numbers(dims), labels, label)
+        groups[label] = map_over_layers(muon(layer_dims))
 
   frozen = jax.tree.map(lambda label: label == FROZEN, labels)
   steps = [optax.masked(optax.set_to_zero(), frozen)]  # frozen grads out of the global norm

@@ -249,7 +249,33 @@ def broadcast_trainable(trainable, params):
   return jax.tree.map(expand, trainable, params)
 
 
-def masked_dimension_numbers(dims, labels):
-  """`dims` where the label is MUON and `optax.MaskedNode()` elsewhere: the structure the Muon
-  transform sees inside `optax.partition`."""
-  return jax.tree.map(lambda label, d: d if label == MUON else optax.MaskedNode(), labels, dims)
+def masked_dimension_numbers(dims, labels, label: str = MUON):
+  """`dims` where the label is `label` and `optax.MaskedNode()` elsewhere: the structure that
+  group's Muon transform sees inside `optax.partition`."""
+  return jax.tree.map(lambda got, d: d if got == label else optax.MaskedNode(), labels, dims)
+
+
+def per_run_muon_labels(labels):
+  """`labels` with each scanned run's Muon leaves relabelled `muon/<run name>`: a group per run,
+  which the optimizer orthogonalizes layer by layer (`glm5_jax.optim.layer_map`)."""
+
+  def relabel(path, label):
+    run = path_names(path)[0]
+    return f"{MUON}/{run}" if label == MUON and is_run_name(run) else label
+
+  return jax.tree_util.tree_map_with_path(relabel, labels)
+
+
+def per_layer_dimension_numbers(dims):
+  """`dims` with a scanned run's leaves described per layer (their leading layers axis
+  dropped), for a transform that sees one layer's slice at a time."""
+  is_dims = lambda x: x is None or isinstance(x, MuonDimensionNumbers)
+
+  def unshift(path, d):
+    if d is None or not is_run_name(path_names(path)[0]):
+      return d
+    shift = lambda axes: (tuple(a - 1 for a in axes) if isinstance(axes, tuple) else axes - 1)
+    return MuonDimensionNumbers(reduction_axis=shift(d.reduction_axis),
+                                output_axis=shift(d.output_axis))
+
+  return jax.tree_util.tree_map_with_path(unshift, dims, is_leaf=is_dims)
