@@ -43,10 +43,18 @@ def _grouped_einsum(lhs_PD, rhs_EDF, group_sizes_E, **kwargs):
   e, f = rhs_EDF.shape[0], rhs_EDF.shape[2]
   c = -(-p // e)
   lhs_ECD = jnp.pad(lhs_PD, [(0, e * c - p), (0, 0)]).reshape(e, c, d)
-  lhs_ECD = constrain(lhs_ECD, (EXPERT, None, None))
-  out_ECF = jnp.einsum("ecd,edf->ecf", lhs_ECD, rhs_EDF)
-  out_ECF = constrain(out_ECF, (EXPERT, None, None))
+  # Inside the expert-parallel shard_map (every mesh axis manual) the experts are already this
+  # device's own: nothing to constrain.
+  place = (lambda x: x) if _inside_shard_map() else (
+      lambda x: constrain(x, (EXPERT, None, None)))
+  out_ECF = place(jnp.einsum("ecd,edf->ecf", place(lhs_ECD), rhs_EDF))
   return out_ECF.reshape(e * c, f)[:p]
+
+
+def _inside_shard_map() -> bool:
+  mesh = jax.sharding.get_abstract_mesh()
+  return bool(mesh.axis_names) and all(t == jax.sharding.AxisType.Manual
+                                       for t in mesh.axis_types)
 
 
 @contextlib.contextmanager

@@ -324,7 +324,8 @@ def test_compute_loss_weighs_and_sums_its_terms(helpers):
   """total == lm_ce + z_w * z_loss + mtp_w * mean_d(mtp_ce_d) + indexer_w * indexer_kl
   + balance_w * sequence_balance, with distinct weights, each term computed here in float64
   from the forward's outputs (its own target weights: same document, loss mask, no padding)."""
-  model = helpers.config(num_hidden_layers=2, first_k_dense_replace=1, mtp_depths=2)
+  model = helpers.config(num_hidden_layers=2, first_k_dense_replace=1, mtp_depths=2,
+                         scan_layers=False)  # the reference reads each layer's aux
   params = helpers.random_params(model)
   batch = _packed_batch(model.vocab_size, seed=1)
   step_cfg = StepConfig(dsa_stage="sparse", mtp_loss_weight=0.37, z_loss_weight=0.013,
