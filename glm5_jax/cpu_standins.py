@@ -58,15 +58,21 @@ def _inside_shard_map() -> bool:
 
 
 @contextlib.contextmanager
-def ragged_dot_standin():
-  """While active, `jax.lax.ragged_dot` is the capacity-padded grouped einsum (module
-  docstring); code that calls it as `jax.lax.ragged_dot(...)` at trace time sees it."""
-  original = jax.lax.ragged_dot
-  jax.lax.ragged_dot = _grouped_einsum
+def _replacing_lax(name: str, standin):
+  """While active, `jax.lax.<name>` is `standin`: code that calls it as `jax.lax.<name>(...)` at
+  trace time sees it."""
+  original = getattr(jax.lax, name)
+  setattr(jax.lax, name, standin)
   try:
     yield
   finally:
-    jax.lax.ragged_dot = original
+    setattr(jax.lax, name, original)
+
+
+def ragged_dot_standin():
+  """While active, `jax.lax.ragged_dot` is the capacity-padded grouped einsum (module
+  docstring)."""
+  return _replacing_lax("ragged_dot", _grouped_einsum)
 
 
 def _dense_exchange(operand, output, input_offsets, send_sizes, output_offsets, recv_sizes, *,
@@ -86,13 +92,6 @@ def _dense_exchange(operand, output, input_offsets, send_sizes, output_offsets, 
   return jax.lax.dynamic_update_slice_in_dim(output, moved.astype(output.dtype), 0, axis=0)
 
 
-@contextlib.contextmanager
 def ragged_all_to_all_standin():
-  """While active, `jax.lax.ragged_all_to_all` is the dense stand-in (see the module
-  docstring); code that calls it as `jax.lax.ragged_all_to_all(...)` at trace time sees it."""
-  original = jax.lax.ragged_all_to_all
-  jax.lax.ragged_all_to_all = _dense_exchange
-  try:
-    yield
-  finally:
-    jax.lax.ragged_all_to_all = original
+  """While active, `jax.lax.ragged_all_to_all` is the dense stand-in (module docstring)."""
+  return _replacing_lax("ragged_all_to_all", _dense_exchange)
