@@ -10,6 +10,7 @@ import numpy as np
 import pytest
 
 from configs import tiny
+from glm5_jax import layer_runs
 from glm5_jax.config import ModelConfig
 from glm5_jax.data import make_tokenizer, synthetic
 from glm5_jax.eval import checkpoints, report, suite as suite_lib
@@ -137,7 +138,9 @@ def test_convert_run_params_keeps_trained_params_and_adds_fresh_ones(helpers):
   converted = checkpoints.convert_run_params(params, source, target, seed=3)
   flat = lambda t: {jax.tree_util.keystr(p): v for p, v in
                     jax.tree_util.tree_flatten_with_path(t)[0]}
-  before, after = flat(params), flat(converted)
+  # Layer by layer: the scanned runs regroup when the pattern changes (MM is one run, MD two).
+  before = flat(layer_runs.as_unrolled(params, ModelConfig.from_config(source)))
+  after = flat(layer_runs.as_unrolled(converted, ModelConfig.from_config(target)))
   for key, value in before.items():
     np.testing.assert_array_equal(np.asarray(after[key]), np.asarray(value), err_msg=key)
   new = sorted(set(after) - set(before))
