@@ -3,7 +3,8 @@
 Causality (token perturbation through the indexer, top-k and MoE; gradients nanodo-style),
 MLA absorbed == expanded (and the mode reaching every MLA layer), DSA with top-k >= length ==
 dense MLA, RoPE shift invariance, deterministic top-k with ties, the shared-top-k 'R' layers,
-GQA, and packed sequences.
+GQA, and packed sequences. The models run unrolled (`scan_layers=False`): these tests read
+each layer's params and aux; tests/test_scan_layers.py shows the scanned model computes the same.
 
 Notation: B batch, L length, S keys, T top-k, V vocab, D hidden, P MTP depths.
 """
@@ -60,7 +61,7 @@ def test_causal_token_perturbation(helpers, pattern):
   """Changing token t (row 0) changes no main logit at positions < t and no MTP depth-d logit
   at positions < t - d (depth d at position i reads token i + d), and nothing in row 1 (the
   MoE dispatch sorts the tokens of the whole batch together)."""
-  cfg = helpers.config(attention_pattern=pattern, scan_layers=False)  # per-layer aux
+  cfg = helpers.config(scan_layers=False, attention_pattern=pattern)
   params = helpers.random_params(cfg)
   tokens = random_tokens(cfg, (B, L))
   base = helpers.forward(cfg, params, tokens)
@@ -137,7 +138,7 @@ def test_causal_gradients(helpers, tiny_cfg, tiny_params):
 
 @pytest.mark.parametrize("pattern", ["M", "D"])
 def test_absorbed_equals_expanded(helpers, pattern):
-  cfg = helpers.config(attention_pattern=pattern)
+  cfg = helpers.config(scan_layers=False, attention_pattern=pattern)
   params = helpers.random_params(cfg)
   tokens = random_tokens(cfg, (B, L))
   expanded = helpers.forward(cfg, params, tokens, mode=glm5_jax.Mode(form="expanded"))
@@ -153,7 +154,7 @@ def test_absorbed_mode_reaches_every_mla_layer(helpers):
   """`forward(mode=Mode(form="absorbed"))` must run every MLA attention in the absorbed form,
   the MTP layer's included (it decodes from the same latent cache when drafting). Checked at
   trace time by intercepting `MLA.__call__`."""
-  cfg = helpers.config(attention_pattern="M")
+  cfg = helpers.config(scan_layers=False, attention_pattern="M")
   signature = inspect.signature(MLA.__call__)
   calls = []
 
@@ -181,8 +182,8 @@ def test_dsa_with_full_topk_equals_dense_mla(helpers):
   shared MLA params (the D model only adds indexer params). index_topk == L is the edge case;
   k > L is clipped by `select_topk` (checked with k = 20 > 11 keys below)."""
   index_topk = L
-  cfg_d = helpers.config(attention_pattern="D", index_topk=index_topk)
-  cfg_m = helpers.config(attention_pattern="M")
+  cfg_d = helpers.config(scan_layers=False, attention_pattern="D", index_topk=index_topk)
+  cfg_m = helpers.config(scan_layers=False, attention_pattern="M")
   params_d = helpers.random_params(cfg_d)
   params_m = drop_indexers(params_d)
   assert (jax.tree_util.tree_structure(params_m)
@@ -202,7 +203,7 @@ def test_position_shift_invariance(helpers, pattern):
   """RoPE is relative: shifting every position by a constant leaves attention, the indexer
   scores (rope applied alike to index queries and keys) and so the logits unchanged, up to
   float rounding of the rotation angles."""
-  cfg = helpers.config(attention_pattern=pattern, scan_layers=False)  # per-layer aux
+  cfg = helpers.config(scan_layers=False, attention_pattern=pattern)
   params = helpers.random_params(cfg)
   tokens = random_tokens(cfg, (B, L))
   base = helpers.forward(cfg, params, tokens)
@@ -308,7 +309,7 @@ def test_model_topk_is_deterministic(helpers, tiny_cfg, tiny_params):
 
 
 def test_shared_topk_layers_reuse_previous_selection(helpers):
-  cfg = helpers.config(attention_pattern="DRRD", scan_layers=False)  # per-layer params and aux
+  cfg = helpers.config(scan_layers=False, attention_pattern="DRRD")
   params = helpers.random_params(cfg)
   for i, letter in enumerate("DRRD"):
     has_indexer = "indexer" in params[f"layers_{i}"]["self_attn"]
@@ -329,7 +330,7 @@ def test_shared_topk_layers_reuse_previous_selection(helpers):
 def test_mtp_after_shared_topk_layer_gets_own_indexer(helpers):
   """The MTP pass has no previous DSA layer, so an 'R' last layer gives the MTP layer an
   indexer of its own."""
-  params = glm5_jax.abstract_params(helpers.config(attention_pattern="DDRR", scan_layers=False))
+  params = glm5_jax.abstract_params(helpers.config(scan_layers=False, attention_pattern="DDRR"))
   assert "indexer" not in params["layers_3"]["self_attn"]
   assert "indexer" in params["mtp"]["layer"]["self_attn"]
 
@@ -365,7 +366,7 @@ def test_shared_topk_attention_applies_given_selection(helpers, tiny_cfg):
 
 
 def test_gqa_pattern(helpers):
-  cfg = helpers.config(attention_pattern="G", num_hidden_layers=2, mtp_depths=1)
+  cfg = helpers.config(scan_layers=False, attention_pattern="G", num_hidden_layers=2, mtp_depths=1)
   d, h, g, k = cfg.hidden_size, cfg.num_attention_heads, cfg.num_key_value_heads, cfg.gqa_head_dim
   assert 1 < g < h
   params = helpers.random_params(cfg)
@@ -392,7 +393,7 @@ def test_packed_document_equals_document_alone(helpers, pattern):
   """Row = [doc A (13 tokens) | doc B (19 tokens)], positions restarting at 0 for doc B. Doc B's
   logits (main and MTP: it ends the row, so its MTP inputs past the end are padding either way)
   equal doc B run alone, and no DSA selection crosses the document boundary."""
-  cfg = helpers.config(attention_pattern=pattern)
+  cfg = helpers.config(scan_layers=False, attention_pattern=pattern)
   params = helpers.random_params(cfg)
   tokens = random_tokens(cfg, (B, L))
   positions = np.concatenate([np.arange(DOC_A), np.arange(L - DOC_A)])[None].repeat(B, 0)
