@@ -288,14 +288,16 @@ def test_topk_mask_marks_exactly_the_selected_keys():
   assert not mask[:, :, -1][:, :-1].any()  # -1 slots must not wrap around to the last key
 
 
-def test_model_topk_is_deterministic(helpers, tiny_cfg, tiny_params):
+def test_model_topk_is_deterministic(helpers):
   """Two forward calls select identical keys in every DSA layer and MTP depth; so does a call
   with the batch rows swapped (the selection of a row does not depend on its batch-mates)."""
-  tokens = random_tokens(tiny_cfg, (B, L))
-  first = dsa_aux(helpers.forward(tiny_cfg, tiny_params, tokens))
-  second = dsa_aux(helpers.forward(tiny_cfg, tiny_params, tokens))
-  swapped = dsa_aux(helpers.forward(tiny_cfg, tiny_params, tokens[::-1]))
-  assert len(first) == tiny_cfg.num_hidden_layers + tiny_cfg.mtp_depths
+  cfg = helpers.config(scan_layers=False)
+  params = helpers.random_params(cfg)
+  tokens = random_tokens(cfg, (B, L))
+  first = dsa_aux(helpers.forward(cfg, params, tokens))
+  second = dsa_aux(helpers.forward(cfg, params, tokens))
+  swapped = dsa_aux(helpers.forward(cfg, params, tokens[::-1]))
+  assert len(first) == cfg.num_hidden_layers + cfg.mtp_depths
   for name, aux in first.items():
     np.testing.assert_array_equal(second[name]["topk_indices"], aux["topk_indices"],
                                   err_msg=f"{name}: top-k differs between identical calls")
