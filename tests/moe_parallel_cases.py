@@ -15,6 +15,7 @@ Each prints one JSON line.
 import dataclasses
 import functools
 import json
+import math
 import sys
 
 import jax
@@ -42,10 +43,21 @@ def shard_like(tree, logical, mesh, rules):
   return jax.device_put(tree, sharding.param_shardings(shapes, logical, mesh, rules))
 
 
+def _put(x, batch_sharding):
+  """`x` batch-sharded; replicated when its batch does not divide over the batch shards (the
+  layer then pads its tokens itself, which is what such a case tests)."""
+  axes = batch_sharding.spec[0]
+  axes = (axes,) if isinstance(axes, str) else axes or ()
+  shards = math.prod(batch_sharding.mesh.shape[a] for a in axes)
+  if x.shape[0] % shards:
+    batch_sharding = jax.sharding.NamedSharding(batch_sharding.mesh, jax.sharding.PartitionSpec())
+  return jax.device_put(x, batch_sharding)
+
+
 def run_case(case, transport="all_to_all"):
   ref_cfg = tiny_model_config(**MODEL)
   ep_cfg = dataclasses.replace(ref_cfg, moe_impl="expert_parallel", moe_transport=transport)
-  b, l = case.get("batch", (4, 24))
+  b, l = case.get("batch", (8, 12))
   d = ref_cfg.hidden_size
   keys = jax.random.split(jax.random.key(case.get("seed", 0)), 4)
   x_BLD = jax.random.normal(keys[0], (b, l, d))
@@ -64,11 +76,9 @@ def run_case(case, transport="all_to_all"):
 
   mesh = sharding.make_mesh(sharding.mesh_config(**case["mesh"]))
   rules = sharding.default_logical_axis_rules()
-  batch = sharding.batch_sharding(mesh, rules, 3)
+  batch, batch_2d = sharding.batch_sharding(mesh, rules, 3), sharding.batch_sharding(mesh, rules)
   sharded = shard_like(params, logical, mesh, rules)
-  args = (sharded, jax.device_put(x_BLD, batch),
-          jax.device_put(valid_BL, sharding.batch_sharding(mesh, rules)),
-          jax.device_put(probe_BLD, batch))
+  args = (sharded, _put(x_BLD, batch), _put(valid_BL, batch_2d), _put(probe_BLD, batch))
   with sharding.activation_sharding(mesh, rules):
     (gp, gx), (y, aux) = grad_fn(ep_cfg)(*args)
     lowered = grad_fn(ep_cfg).lower(*args).as_text()

@@ -145,8 +145,8 @@ def test_microbatched_train_step_equals_one_batch(setup):
     assert {"grad_norm", "update_norm", "expert_load_max"} <= set(metrics)
     _assert_metrics_equal(metrics, want_metrics)
     _assert_trees_close(state.params, want_state.params)
-    np.testing.assert_array_equal(jax.tree.leaves(_biases(state.params)),
-                                  jax.tree.leaves(_biases(want_state.params)))
+    jax.tree.map(np.testing.assert_array_equal, _biases(state.params),
+                 _biases(want_state.params))
     _assert_trees_close(state.opt_state, want_state.opt_state)
 
 
@@ -195,7 +195,8 @@ results = {}
 for m in (1, 2):
   config = tiny.get_config()
   config.model.update(num_hidden_layers=1, first_k_dense_replace=0, mtp_depths=1)
-  config.mesh.shape.update(data=2, fsdp=2, expert=2, tensor=1)  # batch over data x fsdp = 4
+  # The batch splits over the batch rule's data x fsdp x expert = 4 ways: 2 microbatches of 4.
+  config.mesh.shape.update(data=1, fsdp=2, expert=2, tensor=2)
   config.data.update(seq_len=256, batch_size=8, prefetch=0)
   config.train.update(steps=4, dsa_dense_steps=0, microbatches=m)
   config.optim.update(warmup_steps=1)
@@ -218,7 +219,7 @@ print(json.dumps(results))
 
 @pytest.mark.slow  # a subprocess with 8 host devices, two compiled train steps
 def test_microbatched_step_on_8_devices_equals_one_batch():
-  """Through `build_trainer` on a data x fsdp x expert mesh: 2 microbatches give the one-batch
+  """Through `build_trainer` on an fsdp x expert x tensor mesh: 2 microbatches give the one-batch
   step's metrics and params, add no gather, all-to-all or permute to the compiled step (the
   strided split stays on each device), and need less temp memory per device."""
   env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=8",

@@ -85,13 +85,15 @@ def build_trainer(config) -> Trainer:
                                             process_count=jax.process_count())
 
   # ---- abstract state, shardings (the params' shapes and logical axes: one shape-only trace)
-  optimizer, schedule, params_sharding, shapes = optimizer_and_param_shardings(
+  optimizer, schedule, params_sharding, _ = optimizer_and_param_shardings(
       config, model, step_cfg, mesh)
   init_state = make_init_state(model, optimizer, params_sharding)
   rng_data = jax.random.key_data(jax.random.key(config.seed))
+  # Stated, not left to propagation: XLA would replicate every optimizer moment
+  # (`state_shardings`).
+  state_sharding = state_shardings(jax.eval_shape(init_state, rng_data), params_sharding, mesh)
   with activation_sharding(mesh, rules):
-    init_compiled = jax.jit(init_state).lower(rng_data).compile()
-  state_sharding = init_compiled.output_shardings
+    init_compiled = jax.jit(init_state, out_shardings=state_sharding).lower(rng_data).compile()
   abstract_state = jax.tree_util.tree_map(
       lambda s: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=s.sharding),
       init_compiled.out_info)
