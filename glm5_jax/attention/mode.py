@@ -7,7 +7,7 @@ jit argument (`jax.jit(..., static_argnames="mode")`).
 
 import dataclasses
 
-FORMS = ("expanded", "absorbed")
+FORMS = ("expanded", "absorbed", "decode")
 DSA_STAGES = ("dense", "warmup", "sparse")
 
 
@@ -23,6 +23,9 @@ class Mode:
                   the shared C + R latent (W_kb folded into the query, W_vb applied after
                   attention), GDN / SimpleGDN step the recurrence position by position. GQA
                   has one form and ignores it.
+      "decode"    cached decoding of a few new tokens per slot: every module takes `cache=`
+                  (this layer's cache dict) and returns the updated one as `aux["cache"]`
+                  (the decode contract: `glm5_jax.attention.kinds.AttentionKind.decode_cache`).
     dsa_stage: how DSA layers (D, R) attend (docs/reference.md section 3, "DSA adaptation"):
       "dense"   plain MLA; indexers do not run.
       "warmup"  the indexers run and learn (their KL in aux); attention stays dense.

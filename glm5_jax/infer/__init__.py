@@ -1,0 +1,1 @@
+"""The inference engine: caches, cached decoding, speculative rollback."""
