@@ -68,9 +68,9 @@ def test_model_layers_follow_the_registry(helpers):
 
 def test_mode_rejects_unknown_values_and_is_a_static_argument():
   assert Mode() == Mode(form="expanded", dsa_stage="sparse")
-  with pytest.raises(ValueError, match=r"Mode.form must be one of \('expanded', 'absorbed'\), "
-                     "got 'decode'"):
-    Mode(form="decode")
+  with pytest.raises(ValueError, match=r"Mode.form must be one of \('expanded', 'absorbed', "
+                     r"'decode'\), got 'cached'"):
+    Mode(form="cached")
   with pytest.raises(ValueError,
                      match=r"Mode.dsa_stage must be one of .*'warmup'.*got 'sparse-ish'"):
     Mode(dsa_stage="sparse-ish")
