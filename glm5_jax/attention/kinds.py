@@ -2,7 +2,7 @@
 
 `model.attention_pattern` holds one letter per layer. Every fact about a letter lives in its
 entry of `ATTENTION_KINDS` and nowhere else: its flax module, the parameters it adds to its
-family's, its KV-cache and recurrent-state sizes, its attention FLOPs, the kind the MTP layer
+family's, its KV-cache and recurrent-state sizes, its decode-cache layout, its attention FLOPs, the kind the MTP layer
 runs after it, and whether it makes or needs a top-k selection. The config validation, the
 decoder, the MTP layer, pattern conversion, the parameter statistics and the FLOPs estimate
 all read it.
