@@ -288,7 +288,8 @@ ATTENTION_KINDS: dict[str, AttentionKind] = {k.letter: k for k in (
                     "\"xla\" / \"pallas\" gather the W window rows per query (O(L x W))",
         module=_swa,
         # The latent of the last `sliding_window` tokens only: bytes per token while the
-        # context fits the window, constant beyond.
+        # context fits the window, constant beyond. (The decode ring adds max_verify - 1 rows
+        # and an int32 position per row, `_swa_cache`; not counted here.)
         cache_numbers_per_token=lambda cfg: {"swa_latent": _mla_latent(cfg)},
         recurrent_state_bytes=_no_state, attention_flops_per_token=_swa_flops,
         mtp_letter="S", decode_cache=_swa_cache),
