@@ -190,14 +190,13 @@ def _decode(qkv, conv_WHX, log_alpha_BLH, beta_BLH, positions_BL, segment_ids_BL
     conv[name] = jax.nn.silu(y_BLHX)
   state_BHKV = jnp.where(starts_B[:, None, None, None], 0.0, cache["state"])
   l = real_BL.shape[1]
-  o_BLHV, state_BHKV, *states = delta_rule.gated_delta_rule_decode(
+  o_BLHV, final_BHKV, *states = delta_rule.gated_delta_rule_decode(
       delta_rule.l2_normalize(conv["q"]), delta_rule.l2_normalize(conv["k"]), conv["v"],
       log_alpha_BLH, beta_BLH, real_BL, state_BHKV, return_states=l > 1)
-  steps = {"state": states[0] if states else state_BHKV[:, None]}
+  steps = {"state": states[0] if states else final_BHKV[:, None]}
   for key, inputs_BLWHX in inputs_steps.items():
     steps[key] = inputs_BLWHX.astype(cache[key].dtype)
   aux = {"cache": {key: value[:, -1] for key, value in steps.items()}}
-  aux["cache"]["state"] = state_BHKV
   if l > 1:
     aux["cache_steps"] = steps
   return o_BLHV, aux
