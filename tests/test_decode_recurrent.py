@@ -23,6 +23,7 @@ from glm5_jax.attention.kinds import (ATTENTION_KINDS, CACHE_BYTES_PER_NUMBER,
                                       STATE_BYTES_PER_NUMBER, swa_ring_rows)
 from glm5_jax.attention.mode import Mode
 from glm5_jax.infer.rollback import rollback
+from glm5_jax.layers import axes
 
 LETTERS = "GSNL"
 WINDOW, MAX_VERIFY, MAX_LEN, LENGTH = 6, 3, 16, 14  # ring: 6 + 3 - 1 = 8 rows, wraps
@@ -247,7 +248,9 @@ def test_decode_cache_sizes_agree_with_the_kind_facts(helpers, letter):
   if hasattr(cfg, "cache_dtype"):
     cfg = kind_config(helpers, letter, cache_dtype="bfloat16", **overrides)
   specs = kind.decode_cache(cfg, 3, MAX_LEN, MAX_VERIFY)
-  assert all(s.shape[0] == 3 and len(s.axes) == len(s.shape) for s in specs.values())
+  for key, s in specs.items():
+    assert s.shape[0] == 3 and len(s.axes) == len(s.shape), key
+    assert axes.check(s.axes, key)[0] == axes.BATCH, key  # names glm5_jax.layers.axes knows
   per_row = lambda s: math.prod(s.shape[2:])
   if letter == "G":
     assert all(s.shape[1] == MAX_LEN for s in specs.values())
