@@ -6,5 +6,8 @@ holds `Mode`, how a forward pass computes. Every kind's module is called as
   module(x_BLD, positions_BL, segment_ids_BL, prev_topk_BLT=None, *, mode=Mode())
 
 and returns `(y_BLD, aux)`, where `aux` is a dict of named auxiliary outputs (possibly empty):
-a DSA layer's `topk_indices`, `index_scores` and `indexer_kl` (see `mla.MLA`).
+a DSA layer's `topk_indices`, `index_scores` and `indexer_kl` (see `mla.MLA`). In
+`Mode(form="decode")` every module also takes `cache=` (the layer's cache dict, laid out by
+`AttentionKind.decode_cache`) and returns the updated one as `aux["cache"]`; recurrent kinds
+add `aux["cache_steps"]` for speculative rollback (`glm5_jax.infer.rollback`).
 """

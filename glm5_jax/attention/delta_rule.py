@@ -120,7 +120,7 @@ def _initial_state(initial_state_BHKV, q_BLHK, v_BLHV):
 
 
 def gated_delta_rule_recurrent(q_BLHK, k_BLHK, v_BLHV, log_alpha_BLH, beta_BLH, segment_ids_BL,
-                               initial_state_BHKV=None):
+                               initial_state_BHKV=None, *, return_states: bool = False):
   """The recurrence position by position (`lax.scan`): the decoding form and the reference.
 
   Args:
@@ -130,8 +130,10 @@ def gated_delta_rule_recurrent(q_BLHK, k_BLHK, v_BLHV, log_alpha_BLH, beta_BLH, 
     beta_BLH: update gates in (0, 1).
     segment_ids_BL: document ids; the state resets where the id changes.
     initial_state_BHKV: the state before position 0 (continues into the first run), default 0.
+    return_states: also return the state after every position (decode's `cache_steps`).
   Returns:
-    `(o_BLHV, final state_BHKV)`, fp32.
+    `(o_BLHV, final state_BHKV)`, fp32; with `return_states`, `(o_BLHV, final state_BHKV,
+    states_BLHKV)`.
   """
   q, k, v, log_alpha, beta = _as_f32(q_BLHK, k_BLHK, v_BLHV, log_alpha_BLH, beta_BLH)
   runs_BL = segment_runs(segment_ids_BL)
@@ -143,13 +145,28 @@ def gated_delta_rule_recurrent(q_BLHK, k_BLHK, v_BLHV, log_alpha_BLH, beta_BLH, 
     state_BHKV = jnp.where(reset_B[:, None, None, None], 0.0, state_BHKV)
     o_BHV, state_BHKV = gated_delta_rule_step(state_BHKV, q_BHK, k_BHK, v_BHV, log_alpha_BH,
                                               beta_BH)
-    return state_BHKV, o_BHV
+    return state_BHKV, ((o_BHV, state_BHKV) if return_states else o_BHV)
 
   time_major = lambda x: jnp.moveaxis(x, 1, 0)
-  final_BHKV, o_LBHV = jax.lax.scan(
+  final_BHKV, ys = jax.lax.scan(
       step, _initial_state(initial_state_BHKV, q, v),
       tuple(map(time_major, (q, k, v, log_alpha, beta, reset_BL))))
-  return time_major(o_LBHV), final_BHKV
+  if return_states:
+    return time_major(ys[0]), final_BHKV, time_major(ys[1])
+  return time_major(ys), final_BHKV
+
+
+def gated_delta_rule_decode(q_BLHK, k_BLHK, v_BLHV, log_alpha_BLH, beta_BLH, real_BL,
+                            state_BHKV, *, return_states: bool):
+  """Cached decoding of L new tokens per slot: the recurrence continued from `state_BHKV`
+  (the cache; zero for a fresh sequence). A padded token (`real_BL` False) gets alpha = 1 and
+  beta = 0, a step that leaves the state exactly unchanged, so padding may sit anywhere. Returns
+  `gated_delta_rule_recurrent`'s result (with `states_BLHKV` when `return_states`)."""
+  no_reset_BL = jnp.ones(real_BL.shape, jnp.int32)  # one sequence per slot: no document resets
+  return gated_delta_rule_recurrent(
+      q_BLHK, k_BLHK, v_BLHV, jnp.where(real_BL[..., None], log_alpha_BLH, 0.0),
+      jnp.where(real_BL[..., None], beta_BLH, 0.0), no_reset_BL, state_BHKV,
+      return_states=return_states)
 
 
 def gated_delta_rule_chunked(q_BLHK, k_BLHK, v_BLHV, log_alpha_BLH, beta_BLH, segment_ids_BL,

@@ -5,12 +5,18 @@ head dim. Kernels: `q_proj [D, H, K]`, `k_proj [D, G, K]`, `v_proj [D, G, K]`, `
 
 Notation (docs/design.md): B batch, L queries, S keys, D hidden, H query heads, G KV heads,
 K head dim (`gqa_head_dim`).
+
+Decode (`Mode(form="decode")`): the cache holds K (rotated) and V per position, row p =
+position p (`kinds._gqa_cache`); the new tokens' rows are written first, then each query
+attends to rows 0..p. Rows beyond p (a rejected draft, an earlier request) are never read, and
+every row <= p was written by this sequence, so neither a rollback nor a reset is needed.
 """
 
 import jax.numpy as jnp
 from flax import linen as nn
 from jax.ad_checkpoint import checkpoint_name
 
+from glm5_jax.attention import decode_rows
 from glm5_jax.attention.common import attend, causal_segment_mask
 from glm5_jax.attention.mode import Mode
 from glm5_jax.config import ModelConfig
@@ -20,14 +26,15 @@ from glm5_jax.layers.rope import apply_interleaved_rope, rope_angles
 
 
 class GQA(nn.Module):
-  """Same call signature as `MLA`; returns an empty aux dict."""
+  """Same call signature as `MLA`; returns an empty aux dict (decode: `{"cache": ...}`)."""
 
   cfg: ModelConfig
 
   @nn.compact
   def __call__(self, x_BLD, positions_BL, segment_ids_BL, prev_topk_BLT=None, *,
-               mode: Mode = Mode()):
-    del prev_topk_BLT, mode  # no selection to reuse, no latent, no indexer: one form
+               mode: Mode = Mode(), cache=None):
+    del prev_topk_BLT  # no selection to reuse, no latent, no indexer: one form besides decode
+    decode_rows.check_cache("GQA", mode.form, cache, ("k", "v"))
     c = self.cfg
     dtype, pdtype = dtypes(c)
     d, h, g, k = x_BLD.shape[-1], c.num_attention_heads, c.num_key_value_heads, c.gqa_head_dim
@@ -45,7 +52,26 @@ class GQA(nn.Module):
     q_BLHK = checkpoint_name(q_BLHK, "query_proj")  # names for `model.remat_policy` save_qkv_*
     k_BSGK = checkpoint_name(k_BSGK, "key_proj")
     v_BSGK = checkpoint_name(v_BSGK, "value_proj")
-    out_BLHK, _ = attend(q_BLHK, k_BSGK, v_BSGK, causal_segment_mask(segment_ids_BL), k ** -0.5)
+    aux = {}
+    if mode.form == "decode":
+      out_BLHK, aux["cache"] = _decode_attention(q_BLHK, k_BSGK, v_BSGK, positions_BL,
+                                                 segment_ids_BL, cache, k ** -0.5)
+    else:
+      out_BLHK, _ = attend(q_BLHK, k_BSGK, v_BSGK, causal_segment_mask(segment_ids_BL),
+                           k ** -0.5)
     out_BLHK = checkpoint_name(out_BLHK, "attention_out")
     w_o_HKD = kernel("o_proj", (h, k, d), (HEADS, HEAD_DIM, EMBED))
-    return jnp.einsum("blhk,hkd->bld", out_BLHK, w_o_HKD), {}
+    return jnp.einsum("blhk,hkd->bld", out_BLHK, w_o_HKD), aux
+
+
+def _decode_attention(q_BLHK, k_BLGK, v_BLGK, positions_BL, segment_ids_BL, cache, scale):
+  """Writes the real new tokens' K / V at their positions, then attends each query to the cache
+  rows at positions <= its own. Returns `(out_BLHK, new cache)`."""
+  real_BL = decode_rows.real_tokens(segment_ids_BL)
+  new = {"k": decode_rows.write_rows(cache["k"], k_BLGK, positions_BL, real_BL),
+         "v": decode_rows.write_rows(cache["v"], v_BLGK, positions_BL, real_BL)}
+  rows_S = jnp.arange(new["k"].shape[1])
+  visible_BLS = rows_S[None, None, :] <= positions_BL[:, :, None]
+  out_BLHK, _ = attend(q_BLHK, new["k"].astype(q_BLHK.dtype), new["v"].astype(q_BLHK.dtype),
+                       visible_BLS, scale)
+  return out_BLHK, new

@@ -2,7 +2,7 @@
 
 `model.attention_pattern` holds one letter per layer. Every fact about a letter lives in its
 entry of `ATTENTION_KINDS` and nowhere else: its flax module, the parameters it adds to its
-family's, its KV-cache and recurrent-state sizes, its attention FLOPs, the kind the MTP layer
+family's, its KV-cache and recurrent-state sizes, its decode-cache layout, its attention FLOPs, the kind the MTP layer
 runs after it, and whether it makes or needs a top-k selection. The config validation, the
 decoder, the MTP layer, pattern conversion, the parameter statistics and the FLOPs estimate
 all read it.
@@ -55,9 +55,14 @@ class AttentionKind:
       following `needs_prev_topk` layer reuses.
     needs_prev_topk: reuses the previous layer's selection, so that layer must provide one.
     decode_cache: (cfg, slots, max_len, max_verify) -> {name: `glm5_jax.infer.cache_spec.
-      CacheSpec`}, the layer's cache for `Mode(form="decode")` (the module reads and returns
-      exactly these arrays, leading dim slots); None while the kind has no decode path
-      (`glm5_jax.infer.cache` then refuses the config).
+      CacheSpec`}, the layer's cache for `Mode(form="decode")` for `slots` sequences of up to
+      `max_len` positions, verifying up to `max_verify` tokens per call (k + 1): the module
+      reads and returns exactly these arrays, leading dim slots; None while the kind has no
+      decode path (`glm5_jax.infer.cache` then refuses the config).
+    decode_steps: the cache is a recurrent state: decode with more than one new token also
+      returns `aux["cache_steps"]` (each entry after each token, `[B, L, ...]`), and a
+      rejected speculative draft is undone by picking a step (`glm5_jax.infer.rollback`);
+      otherwise rejected rows are never read and rollback is a no-op.
   """
 
   letter: str
@@ -74,6 +79,7 @@ class AttentionKind:
   provides_topk: bool = False
   needs_prev_topk: bool = False
   decode_cache: Callable[["ModelConfig", int, int, int], dict[str, Any]] | None = None
+  decode_steps: bool = False
 
   def build(self, cfg: "ModelConfig", name: str):
     """The kind's flax module for `cfg`, named `name` (imported on first use)."""
@@ -148,7 +154,7 @@ def _delta_rule_flops(cfg, seq_len: int) -> float:
   return 2.0 * h * (2 * a * k + a * (k + v) / 2 + a * v + 3 * k * v)
 
 
-# --- decode caches ----------------------------------------------------------------------------
+# --- decode caches (`AttentionKind.decode_cache`) ---------------------------------------------
 
 
 def _mla_decode_cache(cfg, slots: int, max_len: int, max_verify: int) -> dict:
@@ -170,6 +176,63 @@ def _dsa_decode_cache(cfg, slots: int, max_len: int, max_verify: int) -> dict:
   return {**_mla_decode_cache(cfg, slots, max_len, max_verify),
           "index_k": CacheSpec((slots, max_len, cfg.index_head_dim), cfg.cache_dtype,
                                (BATCH, CACHE_LENGTH, None))}
+
+
+def _cache_dtype(cfg) -> str:
+  """The dtype of KV / latent / conv-input caches (recurrent states stay fp32)."""
+  return cfg.cache_dtype
+
+
+def _spec(shape, dtype, axes, fill=0):
+  from glm5_jax.infer.cache_spec import CacheSpec  # pylint: disable=g-import-not-at-top
+  return CacheSpec(tuple(shape), dtype, tuple(axes), fill)
+
+
+def swa_ring_rows(cfg, max_len: int, max_verify: int) -> int:
+  """Rows of the S ring: the window (at most max_len) plus max_verify - 1, so that the rows a
+  rejected draft overwrote never held a position still inside a later query's window."""
+  return min(cfg.sliding_window, max_len) + max_verify - 1
+
+
+def _gqa_cache(cfg, slots, max_len, max_verify):
+  """K and V per position (row p = position p), RoPE applied to K."""
+  del max_verify
+  from glm5_jax.layers import axes  # pylint: disable=g-import-not-at-top
+  shape = (slots, max_len, cfg.num_key_value_heads, cfg.gqa_head_dim)
+  spec = lambda: _spec(shape, _cache_dtype(cfg),
+                       (axes.BATCH, axes.CACHE_LENGTH, axes.KV_HEADS, None))
+  return {"k": spec(), "v": spec()}
+
+
+def _swa_cache(cfg, slots, max_len, max_verify):
+  """A ring of MLA latent rows (`ckv` normed, `k_rope` rotated) and the position each holds
+  (-1 = empty); position p lives in row p mod rows."""
+  from glm5_jax.layers import axes  # pylint: disable=g-import-not-at-top
+  rows = swa_ring_rows(cfg, max_len, max_verify)
+  dtype = _cache_dtype(cfg)
+  return {"ckv": _spec((slots, rows, cfg.kv_lora_rank), dtype, (axes.BATCH, None, axes.KV_LORA)),
+          "k_rope": _spec((slots, rows, cfg.qk_rope_head_dim), dtype, (axes.BATCH, None, None)),
+          "pos": _spec((slots, rows), "int32", (axes.BATCH, None), fill=-1)}
+
+
+def _delta_rule_cache(cfg, slots, max_len, max_verify):
+  """The fp32 delta-rule state `[H, K, V]` per slot."""
+  del max_len, max_verify
+  from glm5_jax.layers import axes  # pylint: disable=g-import-not-at-top
+  h, k, v = cfg.num_attention_heads, cfg.qk_head_dim, cfg.v_head_dim
+  return {"state": _spec((slots, h, k, v), "float32", (axes.BATCH, axes.HEADS, None, None))}
+
+
+def _gdn_cache(cfg, slots, max_len, max_verify):
+  """The delta-rule state and the last `gdn_conv_size - 1` inputs of each conv (q, k, v before
+  the conv, oldest first)."""
+  from glm5_jax.layers import axes  # pylint: disable=g-import-not-at-top
+  h, k, v, taps = (cfg.num_attention_heads, cfg.qk_head_dim, cfg.v_head_dim,
+                   cfg.gdn_conv_size - 1)
+  conv = lambda x: _spec((slots, taps, h, x), _cache_dtype(cfg), (axes.BATCH, None, axes.HEADS,
+                                                                  None))
+  return {**_delta_rule_cache(cfg, slots, max_len, max_verify),
+          "conv_q": conv(k), "conv_k": conv(k), "conv_v": conv(v)}
 
 
 # --- the registry ------------------------------------------------------------------------------
@@ -239,7 +302,7 @@ ATTENTION_KINDS: dict[str, AttentionKind] = {k.letter: k for k in (
         cache_numbers_per_token=lambda cfg: {
             "gqa_kv": 2 * cfg.num_key_value_heads * cfg.gqa_head_dim},
         recurrent_state_bytes=_no_state, attention_flops_per_token=_gqa_flops,
-        mtp_letter="G"),
+        mtp_letter="G", decode_cache=_gqa_cache),
     AttentionKind(
         letter="S", name="swa", family="mla",
         description="sliding-window MLA: the M layer's params and math, each query sees its "
@@ -249,10 +312,11 @@ ATTENTION_KINDS: dict[str, AttentionKind] = {k.letter: k for k in (
                     "\"xla\" / \"pallas\" gather the W window rows per query (O(L x W))",
         module=_swa,
         # The latent of the last `sliding_window` tokens only: bytes per token while the
-        # context fits the window, constant beyond.
+        # context fits the window, constant beyond. (The decode ring adds max_verify - 1 rows
+        # and an int32 position per row, `_swa_cache`; not counted here.)
         cache_numbers_per_token=lambda cfg: {"swa_latent": _mla_latent(cfg)},
         recurrent_state_bytes=_no_state, attention_flops_per_token=_swa_flops,
-        mtp_letter="S"),
+        mtp_letter="S", decode_cache=_swa_cache),
     AttentionKind(
         letter="N", name="gdn", family="mla",
         description="Gated DeltaNet (arXiv 2412.06464) on the M layer's q/k/v/o projections: "
@@ -262,7 +326,8 @@ ATTENTION_KINDS: dict[str, AttentionKind] = {k.letter: k for k in (
         extra_params=frozenset({"q_conv1d", "k_conv1d", "v_conv1d", "a_proj", "b_proj",
                                 "A_log", "dt_bias", "g_proj", "o_norm"}),
         cache_numbers_per_token=_no_cache, recurrent_state_bytes=_gdn_state_bytes,
-        attention_flops_per_token=_delta_rule_flops, mtp_letter="N"),
+        attention_flops_per_token=_delta_rule_flops, mtp_letter="N", decode_cache=_gdn_cache,
+        decode_steps=True),
     AttentionKind(
         letter="L", name="simple_gdn", family="mla",
         description="SimpleGDN: the gated delta rule directly on the M layer's q/k/v/o, no "
@@ -271,7 +336,8 @@ ATTENTION_KINDS: dict[str, AttentionKind] = {k.letter: k for k in (
         module=_simple_gdn,
         extra_params=frozenset({"decay_rate_log", "beta_logit"}),
         cache_numbers_per_token=_no_cache, recurrent_state_bytes=_delta_rule_state_bytes,
-        attention_flops_per_token=_delta_rule_flops, mtp_letter="L"),
+        attention_flops_per_token=_delta_rule_flops, mtp_letter="L",
+        decode_cache=_delta_rule_cache, decode_steps=True),
 )}
 
 KINDS_BY_NAME: dict[str, AttentionKind] = {k.name: k for k in ATTENTION_KINDS.values()}

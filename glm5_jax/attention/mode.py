@@ -25,8 +25,10 @@ class Mode:
                   has one form and ignores it.
       "decode"    cached decoding: the layers read and update a per-layer cache passed as
                   `cache=` (`glm5_jax.infer.cache`); the call's tokens are the new ones of each
-                  slot at absolute `positions`, segment id 0 marks padding. MLA-family layers
-                  attend in the absorbed form over the cached latent rows 0..position.
+                  slot at absolute `positions`, segment id 0 marks padding; each returns its
+                  updated cache as `aux["cache"]` (the layout is its kind's
+                  `AttentionKind.decode_cache`). MLA-family layers attend in the absorbed form
+                  over the cached latent rows 0..position.
     dsa_stage: how DSA layers (D, R) attend (docs/reference.md section 3, "DSA adaptation"):
       "dense"   plain MLA; indexers do not run.
       "warmup"  the indexers run and learn (their KL in aux); attention stays dense.

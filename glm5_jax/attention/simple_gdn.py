@@ -24,6 +24,11 @@ The report leaves the gates open; `model.simple_gdn_gates` picks one of two:
 The parameters are the M layer's (`MLA_PARAMS`) and, in "learned" mode, only those two [H]
 vectors.
 
+Decode (`Mode(form="decode")`): the cache is the fp32 delta-rule state `[H, K, V]`
+(`kinds._delta_rule_cache`), continued by the same recurrence as the absorbed form; a slot whose
+first real token is at position 0 starts from zero; padded tokens leave it unchanged; with
+more than one new token the aux also holds `cache_steps` (the state after each, `[B, L, ...]`).
+
 Notation (docs/design.md): B batch, L length, D hidden, H heads, K key dim (N + R of MLA),
 V value dim.
 """
@@ -35,7 +40,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import linen as nn
 
-from glm5_jax.attention import delta_rule
+from glm5_jax.attention import decode_rows, delta_rule
 from glm5_jax.attention.mla_projections import mla_output, mla_qkv
 from glm5_jax.attention.mode import Mode
 from glm5_jax.config import ModelConfig
@@ -49,16 +54,18 @@ def retnet_log_decays(num_heads: int) -> np.ndarray:
 
 
 class SimpleGatedDeltaNet(nn.Module):
-  """Same call signature and aux contract as `MLA` (returns an empty aux dict)."""
+  """Same call signature and aux contract as `MLA` (returns an empty aux dict; decode:
+  `cache` and, with more than one new token, `cache_steps`)."""
 
   cfg: ModelConfig
 
   @nn.compact
   def __call__(self, x_BLD, positions_BL, segment_ids_BL, prev_topk_BLT=None, *,
-               mode: Mode = Mode()):
+               mode: Mode = Mode(), cache=None):
     """Args as `MLA.__call__`; `prev_topk_BLT` and `mode.dsa_stage` are unused, and `mode.form`
-    "absorbed" selects the recurrent (decode) form of the delta rule. Returns `(y_BLD, {})`."""
+    "absorbed" selects the recurrent (decode) form of the delta rule. Returns `(y_BLD, aux)`."""
     del prev_topk_BLT  # no top-k, no indexer
+    decode_rows.check_cache("SimpleGatedDeltaNet", mode.form, cache, ("state",))
     c = self.cfg
     h = c.num_attention_heads
     q_BLHK, k_BLHK, v_BLHV = mla_qkv(self, c, x_BLD, positions_BL)
@@ -82,7 +89,20 @@ class SimpleGatedDeltaNet(nn.Module):
     log_alpha_BLH = jnp.broadcast_to(log_alpha_H, q_BLHK.shape[:3])
     beta_BLH = jnp.broadcast_to(beta_H, q_BLHK.shape[:3])
 
-    o_BLHV, _ = delta_rule.gated_delta_rule(q_BLHK, k_BLHK, v_BLHV, log_alpha_BLH, beta_BLH,
-                                            segment_ids_BL, recurrent=mode.form == "absorbed",
-                                            chunk_size=c.gdn_chunk_size)
-    return mla_output(self, c, o_BLHV), {}
+    aux = {}
+    if mode.form == "decode":
+      real_BL = decode_rows.real_tokens(segment_ids_BL)
+      starts_B = decode_rows.sequence_starts(positions_BL, real_BL)
+      state_BHKV = jnp.where(starts_B[:, None, None, None], 0.0, cache["state"])
+      multi = real_BL.shape[1] > 1
+      o_BLHV, state_BHKV, *states = delta_rule.gated_delta_rule_decode(
+          q_BLHK, k_BLHK, v_BLHV, log_alpha_BLH, beta_BLH, real_BL, state_BHKV,
+          return_states=multi)
+      aux["cache"] = {"state": state_BHKV}
+      if multi:
+        aux["cache_steps"] = {"state": states[0]}
+    else:
+      o_BLHV, _ = delta_rule.gated_delta_rule(q_BLHK, k_BLHK, v_BLHV, log_alpha_BLH, beta_BLH,
+                                              segment_ids_BL, recurrent=mode.form == "absorbed",
+                                              chunk_size=c.gdn_chunk_size)
+    return mla_output(self, c, o_BLHV), aux
