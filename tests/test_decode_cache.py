@@ -225,3 +225,26 @@ def test_decode_needs_a_cache(helpers):
     glm5_jax.forward(cfg, params, tokens, mode=glm5_jax.Mode(form="decode"))
   with pytest.raises(ValueError, match="cache"):
     glm5_jax.forward(cfg, params, tokens, cache=cache_lib.init_cache(cfg, 2, MAX_LEN))
+
+
+# The schedule without the rejected draft: a recurrent state (N, L) would keep it, and the
+# model-level cache tree is not rolled back here (`glm5_jax.infer.rollback` is per layer).
+SCHEDULE_NO_DRAFT = [(q, [(s, n, False) for s, n, _ in slots]) for q, slots in SCHEDULE]
+SCHEDULE_NO_DRAFT[1] = (4, [(4, 2, False), (3, 4, False)])
+SCHEDULE_NO_DRAFT[2] = (4, [(6, 4, False), (7, 2, False)])
+SCHEDULE_NO_DRAFT[3] = (4, [(10, 0, False), (9, 0, False)])  # both idle for a call
+
+
+@pytest.mark.parametrize("pattern", ["GG", "MS", "NM", "LD"])
+def test_every_kind_decodes_like_the_full_forward_in_the_model(helpers, pattern):
+  """Each of G, S (window 3 < L: the ring wraps), N and L, in a whole model (scanned, MoE
+  second layer, MTP): cached decode equals the full forward."""
+  cfg = helpers.config(num_hidden_layers=2, attention_pattern=pattern, first_k_dense_replace=1,
+                       index_topk=4, sliding_window=3, dsa_impl="xla")
+  params = helpers.random_params(cfg)
+  tokens = tokens_for(cfg)
+  ref = np.asarray(glm5_jax.logits(cfg, params, tokens))
+  schedule = SCHEDULE if pattern in ("GG", "MS") else SCHEDULE_NO_DRAFT
+  got, _ = run_schedule(cfg, params, tokens, schedule, cache_lib.init_cache(cfg, 2, MAX_LEN,
+                                                                             max_verify=4))
+  assert rel_err(got, ref) < 1e-5
