@@ -84,7 +84,7 @@ def validate_generate_args(prompts, *, vocab_size: int, max_len: int, max_new_to
     raise ValueError(f"temperature must be >= 0 (0 = greedy); got {temperature}")
   top_p = _real("top_p", top_p)
   if not 0 < top_p <= 1:
-    raise ValueError(f"top_p must be in (0, 1] (1 = off); got {top_p}")
+    raise ValueError(f"top_p must be in (0, 1]; got {top_p} (1 = off)")
   top_k = _integer("top_k", top_k, low=0)
   seed = _integer("seed", seed, low=0)
   if seed >= SEED_BOUND:
