@@ -38,7 +38,7 @@ def test_greedy_accept_cases():
 def test_verify_at_temperature_zero_is_greedy_accept():
   """Whatever the draft distribution (drafts need not be its argmax), a greedy slot accepts
   exactly the drafts equal to the target's argmax."""
-  y, k, b = 7, 3, 16
+  y, k, b = 9, 3, 8  # the shapes of the next test: one compile
   key_t, key_d, key_m = jax.random.split(jax.random.key(3), 3)
   target = jax.random.normal(key_t, (b, k + 1, y))
   argmax = jnp.argmax(target, -1)
@@ -55,16 +55,19 @@ def test_verify_at_temperature_zero_is_greedy_accept():
 
 
 def test_verify_reproducible_whatever_the_batch():
-  y, k = 9, 3
+  y, k, b = 9, 3, 8
   keys = jax.random.split(jax.random.key(4), 3)
-  target = jax.random.normal(keys[0], (4, k + 1, y))
-  draft_logits = jax.random.normal(keys[1], (4, k, y))
-  drafts = jax.random.randint(keys[2], (4, k), 0, y)
-  params = SamplingParams.create(4, temperature=[1.0, 0.0, 0.7, 1.0], top_k=[0, 0, 4, 0])
-  seeds = jnp.array([11, 12, 13, 14], jnp.uint32)
-  index = jnp.array([5, 0, 2, 9])
+  target = jax.random.normal(keys[0], (b, k + 1, y))
+  draft_logits = jax.random.normal(keys[1], (b, k, y))
+  drafts = jax.random.randint(keys[2], (b, k), 0, y)
+  params = SamplingParams.create(b, temperature=[1.0, 0.0, 0.7, 1.0, 2.0, 0.5, 1.0, 1.0],
+                                 top_k=[0, 0, 4, 0, 0, 2, 0, 0],
+                                 top_p=[1.0, 1.0, 1.0, 0.8, 1.0, 1.0, 1.0, 1.0])
+  seeds = jnp.arange(11, 11 + b, dtype=jnp.uint32)
+  index = jnp.array([5, 0, 2, 9, 1, 1, 3, 0])
   out = verify(drafts, draft_logits, target, params, seeds, index)
-  perm = jnp.array([2, 0, 3, 1])
+  assert 0 < int(jnp.sum(out.accepted)) < b * k
+  perm = jnp.array([2, 0, 3, 1, 7, 6, 4, 5])
   permuted = verify(drafts[perm], draft_logits[perm], target[perm],
                     jax.tree.map(lambda x: x[perm], params), seeds[perm], index[perm])
   for a, b in zip(out, permuted):

@@ -121,22 +121,25 @@ def sampling_logprobs(logits, params: SamplingParams):
 def _filtered_logprobs(z_NY, t_N, k_N, p_N):
   """Steps 1 and 3-6 of the module docstring for rows with t > 0; `[N, Y]`."""
   ids_NY = jax.lax.broadcasted_iota(jnp.int32, z_NY.shape, 1)
-  # Sorting by (-z, id) puts ties in id order; +0.0 and -0.0 must compare equal first.
-  neg_NY, order_NY = jax.lax.sort((-jnp.where(z_NY == 0, 0.0, z_NY), ids_NY), num_keys=2)
+  z_NY = jnp.where(z_NY == 0, 0.0, z_NY)  # +0.0 and -0.0 must tie
+  # Sorting by (-z, id) puts ties in id order.
+  neg_NY, order_NY = jax.lax.sort((-z_NY, ids_NY), num_keys=2)
   sorted_NY = -neg_NY
-  scaled_NY = (sorted_NY - sorted_NY[:, :1]) / t_N[:, None]
   rank_NY = ids_NY  # position in the order
   keep_k_NY = (k_N[:, None] <= 0) | (rank_NY < k_N[:, None])
-  top_k_NY = jnp.where(keep_k_NY, scaled_NY, -jnp.inf)
-  probs_NY = jax.nn.softmax(top_k_NY, axis=-1)
+  probs_NY = jax.nn.softmax(jnp.where(keep_k_NY, (sorted_NY - sorted_NY[:, :1]) / t_N[:, None],
+                                      -jnp.inf), axis=-1)
   mass_before_NY = jnp.pad(jnp.cumsum(probs_NY, axis=-1)[:, :-1], ((0, 0), (1, 0)))
   keep_NY = keep_k_NY & ((mass_before_NY < p_N[:, None]) | (p_N[:, None] >= 1))
   keep_NY |= rank_NY == 0
-  kept_NY = jnp.where(keep_NY, top_k_NY, -jnp.inf)
-  logprobs_sorted_NY = kept_NY - jax.nn.logsumexp(kept_NY, axis=-1, keepdims=True)
-  # Back to vocabulary order: order_NY is a permutation of each row.
-  return jax.vmap(lambda o, v: jnp.zeros_like(v).at[o].set(v, unique_indices=True))(
-      order_NY, logprobs_sorted_NY)
+  # The kept tokens are a prefix of the order (mass_before only grows), so the last one, a
+  # (value, id) pair, decides membership in vocabulary order: no scatter back from the order.
+  last_N1 = jnp.sum(keep_NY, axis=-1, keepdims=True) - 1
+  cut_z_N1 = jnp.take_along_axis(sorted_NY, last_N1, axis=-1)
+  cut_id_N1 = jnp.take_along_axis(order_NY, last_N1, axis=-1)
+  kept_NY = (z_NY > cut_z_N1) | ((z_NY == cut_z_N1) & (ids_NY <= cut_id_N1))
+  scaled_NY = jnp.where(kept_NY, (z_NY - sorted_NY[:, :1]) / t_N[:, None], -jnp.inf)
+  return scaled_NY - jax.nn.logsumexp(scaled_NY, axis=-1, keepdims=True)
 
 
 def sample(logits, params: SamplingParams, seed, index, stream: int = SAMPLE) -> Sampled:
