@@ -28,7 +28,9 @@ What the oracle assumes of the engine: its depth-d draft logits equal the teache
 forward's whenever the tokens they read are the true ones (the MTP cache is exact: the
 "per_depth" scheme, which computes each depth as training does). The "shared" scheme (one MTP
 cache with advancing positions, as vLLM and SGLang) computes different draft logits, and this
-oracle does not describe it. Counting follows `accept_stats` (the prefill token is not a
+oracle does not describe it. (For the per-depth scheme this means: depth d's layer at m-1 also
+attends to its rows m-d+1 .. m-2, which read tokens past t_m, so the step must write those rows
+from its drafts, and a later step rewrite them from the accepted tokens.) Counting follows `accept_stats` (the prefill token is not a
 step; a final step counts what was kept), so the engine's `AcceptStats` for the request must
 equal `greedy_accept_oracle(...).stats` exactly.
 
