@@ -78,6 +78,7 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
       max_position_embeddings=4096,
       attention_pattern=arg.attention,
       dtype="float32",
+      cache_dtype="float32",  # decode equals the full forward to fp32 rounding
   )
   config.data = data.data_config(seq_len=SEQ_LEN, batch_size=8, sources=tiny_data_sources())
   config.optim = optim.optim_config(learning_rate=1e-2, warmup_steps=50)

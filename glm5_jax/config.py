@@ -149,6 +149,9 @@ def model_config(**overrides) -> ml_collections.ConfigDict:
   c.simple_gdn_beta = 0.5  # L layers: the fixed update gate, and the learned one's init
   c.dtype = "bfloat16"  # activations / matmuls
   c.param_dtype = "float32"
+  # Decode caches (MLA latent, indexer keys, K / V): `glm5_jax.infer.cache`. Recurrent state
+  # stays fp32 whatever this says.
+  c.cache_dtype = "bfloat16"
   # Decoder layers run as one `nn.scan` per run of identical layers (`glm5_jax.layer_runs`),
   # params stacked `[layers, ...]`: compile time flat in depth. False: a Python loop over
   # `layers_{i}` (debugging; same numbers, different param layout).
@@ -236,10 +239,11 @@ def interleave_pattern(num_layers: int, every: int, letter: str, base: str,
 # without them (read back from an older checkpoint's meta or config.json) means the defaults of
 # `model_config()`, which cannot change what an older model computes (they only configure the
 # S / N / L layers, which such a model has none of; `scan_layers`, `remat_policy`,
-# `moe_impl` and `moe_transport` change the param layout, memory or collectives, never the numbers).
+# `moe_impl` and `moe_transport` change the param layout, memory or collectives, never the numbers;
+# `cache_dtype` only the decode cache).
 LATER_FIELDS = ("sliding_window", "gdn_conv_size", "gdn_chunk_size", "simple_gdn_gates",
                 "simple_gdn_beta", "scan_layers", "remat_policy", "moe_impl",
-                "moe_transport")
+                "moe_transport", "cache_dtype")
 # Where the behaviour before a field existed differs from its default: checkpoints written
 # before `scan_layers` hold unrolled `layers_{i}` params.
 LATER_FIELD_OLD_VALUES = {"scan_layers": False}

@@ -151,7 +151,7 @@ def validate_model_config(m) -> None:
            f"{m.moe_impl!r}")
   _require(m.moe_transport in MOE_TRANSPORTS, "model.moe_transport",
            f"must be one of {MOE_TRANSPORTS}, got {m.moe_transport!r}")
-  for name in ("dtype", "param_dtype"):
+  for name in ("dtype", "param_dtype", "cache_dtype"):
     _require(m[name] in DTYPES, f"model.{name}", f"must be one of {sorted(DTYPES)}, got "
              f"{m[name]!r}")
   _require(m.simple_gdn_gates in SIMPLE_GDN_GATES, "model.simple_gdn_gates",

@@ -25,13 +25,21 @@ class DecoderLayer(nn.Module):
 
   @nn.compact
   def __call__(self, x_BLD, positions_BL, segment_ids_BL, prev_topk_BLT=None, *,
-               mode: Mode = Mode()):
-    """Returns `(x_BLD, aux)`; aux merges the attention's and the MoE's named outputs."""
+               mode: Mode = Mode(), cache=None):
+    """Returns `(x_BLD, aux)`; aux merges the attention's and the MoE's named outputs.
+
+    In `Mode(form="decode")`, `cache` is this layer's attention cache (a dict of `[B, ...]`
+    arrays, `glm5_jax.infer.cache`), handed to the attention module, and `aux["cache"]` is its
+    update; the FFN / MoE has no cache (padded tokens, segment id 0, are masked out of the
+    MoE's routing as in training)."""
     c = self.cfg
     dtype, pdtype = dtypes(c)
     h_BLD = RMSNorm(c.rms_norm_eps, dtype, pdtype, name="input_layernorm")(x_BLD)
     attention = KINDS_BY_NAME[self.attention_kind].build(c, "self_attn")
-    attn_BLD, aux = attention(h_BLD, positions_BL, segment_ids_BL, prev_topk_BLT, mode=mode)
+    # Only decode passes `cache=`: the training forward calls every kind exactly as before.
+    extra = {"cache": cache} if mode.form == "decode" else {}
+    attn_BLD, aux = attention(h_BLD, positions_BL, segment_ids_BL, prev_topk_BLT, mode=mode,
+                              **extra)
     x_BLD = x_BLD + attn_BLD
     h_BLD = RMSNorm(c.rms_norm_eps, dtype, pdtype, name="post_attention_layernorm")(x_BLD)
     if self.moe:

@@ -42,7 +42,7 @@ class GLM5(nn.Module):
 
   @nn.compact
   def __call__(self, tokens_BL, positions_BL=None, segment_ids_BL=None, *,
-               mode: Mode = Mode(), mtp=True):
+               mode: Mode = Mode(), mtp=True, cache=None):
     """Args:
       tokens_BL: int token ids.
       positions_BL: int positions; default `0..L-1` per row.
@@ -50,14 +50,26 @@ class GLM5(nn.Module):
       mode: how the attention layers compute (`glm5_jax.attention.mode.Mode`): the expanded
         or absorbed (decode) form, and the DSA stage (default: expanded, sparse).
       mtp: also run the MTP depths (when the model has an MTP layer).
+      cache: `Mode(form="decode")` only (and then required): the decode cache tree of
+        `glm5_jax.infer.cache.init_cache`, keys as the param layout (`layers_{i}` or
+        `layers_{first}_{last}`, the latter stacked `[layers, B, ...]`) plus `mtp`. The L
+        tokens are each slot's new ones at absolute `positions_BL` (segment id 1 real, 0
+        padding). Decode runs the main model only: MTP depth d at position p needs token
+        p + d, which a decode call does not have, so the drafter runs the MTP layer on its own
+        (`glm5_jax.infer.step.mtp_step`) and the `mtp` entry passes through unchanged.
     Returns:
       dict with `logits` fp32 `[B, L, Y]`; `mtp_logits` fp32 `[U, B, L, Y]` (depth d
       at position i predicts token i+d+1; absent when MTP is off); `hidden` `[B, L, D]` (after
       the final norm); `aux` = {"layers": {name: aux}, "mtp": [aux per depth]}, one entry per
       unrolled layer (`layers_{i}`) or per scanned run (`layers_{first}_{last}`, every entry
-      stacked on a leading layers axis; see `_scanned_run`).
+      stacked on a leading layers axis; see `_scanned_run`). Decode form: also `cache`, the
+      updated tree (same structure, shapes and dtypes), and no `mtp_logits`.
     """
     c = self.cfg
+    decode = mode.form == "decode"
+    if decode != (cache is not None):
+      raise ValueError("GLM5: pass cache= exactly with Mode(form='decode') (got form "
+                       f"{mode.form!r}, cache {'given' if cache is not None else 'None'})")
     dtype, pdtype = dtypes(c)
     b, l = tokens_BL.shape
     if positions_BL is None:
@@ -71,29 +83,28 @@ class GLM5(nn.Module):
         "lm_head", (c.hidden_size, c.vocab_size), (EMBED, VOCAB))
     final_norm = RMSNorm(c.rms_norm_eps, dtype, pdtype, name="norm")
 
-    def embed(tokens_BL, valid_BL):
-      rows_BLD = jnp.take(embedding_YD, jnp.where(valid_BL, tokens_BL, 0), axis=0)
-      return jnp.where(valid_BL[..., None], rows_BLD, 0).astype(dtype)
+    embed = lambda tokens_BL, valid_BL: embed_tokens(embedding_YD, tokens_BL, valid_BL, dtype)
+    lm_head = lambda h_BLD, valid_BL: lm_head_logits(w_head_DY, h_BLD, valid_BL, dtype)
 
-    def lm_head(h_BLD, valid_BL):
-      # NaN in the [B, L, D] input, not the [B, L, Y] output: the matmul spreads it over the
-      # row at no extra cost.
-      h_BLD = jnp.where(valid_BL[..., None], h_BLD.astype(dtype), jnp.nan)
-      return jnp.einsum("bld,dy->bly", h_BLD, w_head_DY, preferred_element_type=jnp.float32)
-
-    valid_BL = (tokens_BL >= 0) & (tokens_BL < c.vocab_size)
+    valid_BL = valid_tokens(tokens_BL, c.vocab_size)
     x_BLD = embed(tokens_BL, valid_BL)
     run_layers = self._scanned_run if c.scan_layers else self._unrolled_run
     layer_aux, prev_topk_BLT = {}, None
+    new_cache = dict(cache) if decode else None
     runs = layer_runs(c)
     for run, next_run in zip(runs, runs[1:] + (None,)):
       keep_topk = next_run is not None and KINDS_BY_NAME[next_run.attention_kind].needs_prev_topk
-      x_BLD, prev_topk_BLT, aux = run_layers(run, x_BLD, positions_BL, segment_ids_BL,
-                                             prev_topk_BLT, mode, keep_topk)
+      x_BLD, prev_topk_BLT, aux, run_cache = run_layers(
+          run, x_BLD, positions_BL, segment_ids_BL, prev_topk_BLT, mode, keep_topk, cache)
       layer_aux.update(aux)
+      if decode:
+        new_cache.update(run_cache)
     hidden_BLD = final_norm(x_BLD)
     out = {"logits": lm_head(hidden_BLD, valid_BL), "hidden": hidden_BLD,
            "aux": {"layers": layer_aux, "mtp": []}}
+    if decode:
+      out["cache"] = new_cache
+      return out
 
     # Initialization runs one depth (the depths share the layer's params), even when the config
     # has zero depths, so the declared MTP layer's params exist (e.g. to load a checkpoint).
@@ -114,26 +125,36 @@ class GLM5(nn.Module):
     return out
 
   def _unrolled_run(self, run: LayerRun, x_BLD, positions_BL, segment_ids_BL, prev_topk_BLT,
-                    mode: Mode, keep_topk: bool):
+                    mode: Mode, keep_topk: bool, cache):
     """The run's layers one by one, params `layers_{i}`. Returns `(x_BLD, prev_topk_BLT,
-    {"layers_{i}": aux})`; aux as each layer returns it."""
+    {"layers_{i}": aux}, {"layers_{i}": updated layer cache})` (the last {} outside decode);
+    aux as each layer returns it, without its cache."""
     del keep_topk  # every layer's selection is at hand
     step = _rematerialized(_layer_step(positions_BL, segment_ids_BL, mode), self.cfg.remat_policy,
                            prevent_cse=True)
-    layer_aux = {}
+    layer_aux, new_cache = {}, {}
     for i in range(run.first, run.last + 1):
-      layer = DecoderLayer(self.cfg, run.attention_kind, run.moe, name=unrolled_name(i))
-      x_BLD, aux = step(layer, x_BLD, prev_topk_BLT)
+      name = unrolled_name(i)
+      layer = DecoderLayer(self.cfg, run.attention_kind, run.moe, name=name)
+      x_BLD, aux = step(layer, x_BLD, prev_topk_BLT, _run_cache(cache, name))
       prev_topk_BLT = aux.get("topk_indices", prev_topk_BLT)
-      layer_aux[unrolled_name(i)] = aux
-    return x_BLD, prev_topk_BLT, layer_aux
+      if cache is not None:
+        new_cache[name] = aux["cache"]
+      layer_aux[name] = {k: v for k, v in aux.items() if k != "cache"}
+    return x_BLD, prev_topk_BLT, layer_aux, new_cache
 
   def _scanned_run(self, run: LayerRun, x_BLD, positions_BL, segment_ids_BL, prev_topk_BLT,
-                   mode: Mode, keep_topk: bool):
+                   mode: Mode, keep_topk: bool, cache):
     """The run as one `nn.scan` over its stacked layer, params `layers_{first}_{last}` with a
-    leading `[layers]` axis. Returns `(x_BLD, prev_topk_BLT, {run.name: aux})`, each aux
-    entry stacked on a leading `[layers]` axis, without `topk_indices` and `index_scores`
-    (`[B, L, T]` / `[B, L, S]` per layer: only the last selection is needed, by the next run).
+    leading `[layers]` axis. Returns `(x_BLD, prev_topk_BLT, {run.name: aux}, {run.name:
+    updated cache}` (the last {} outside decode), each aux entry stacked on a leading
+    `[layers]` axis, without `topk_indices` and `index_scores` (`[B, L, T]` / `[B, L, S]` per
+    layer: only the last selection is needed, by the next run).
+
+    Decode: the run's cache, stacked `[layers, B, ...]` like its params, is scanned over as
+    the scan's input (layer j reads slice j) and its update comes back stacked as the scan's
+    output, so one compiled body serves every layer; with the cache buffer donated to the
+    jitted step (`glm5_jax.infer.step`) XLA may write the output into the input's buffer.
     """
     kind = KINDS_BY_NAME[run.attention_kind]
     step = _layer_step(positions_BL, segment_ids_BL, mode)
@@ -141,28 +162,28 @@ class GLM5(nn.Module):
     # The carry holds the incoming selection only for a kind that reuses it (its shape is fixed
     # across the run); a kind that makes its own returns each layer's in `ys`, kept only when
     # the next run reuses the last one.
-    def body(layer, carry, _):
+    def body(layer, carry, layer_cache):
       x_BLD, topk_BLT = carry if kind.needs_prev_topk else (carry, None)
-      x_BLD, aux = step(layer, x_BLD, topk_BLT)
+      x_BLD, aux = step(layer, x_BLD, topk_BLT, layer_cache)
       topk_BLT = aux.get("topk_indices", topk_BLT)
-      ys = {k: v for k, v in aux.items() if k not in _PER_LAYER_ONLY}
+      ys = {k: v for k, v in aux.items() if k not in _PER_LAYER_ONLY + ("cache",)}
       if keep_topk and not kind.needs_prev_topk and "topk_indices" in aux:
         ys["topk_indices"] = aux["topk_indices"]
-      return ((x_BLD, topk_BLT) if kind.needs_prev_topk else x_BLD), ys
+      return ((x_BLD, topk_BLT) if kind.needs_prev_topk else x_BLD), (ys, aux.get("cache"))
 
     scan = nn.scan(_rematerialized(body, self.cfg.remat_policy, prevent_cse=False),
                    variable_axes={"params": 0}, split_rngs={"params": True},
                    length=run.length, metadata_params={nn.PARTITION_NAME: LAYERS})
     layer = DecoderLayer(self.cfg, run.attention_kind, run.moe, name=run.name)
     carry = (x_BLD, prev_topk_BLT) if kind.needs_prev_topk else x_BLD
-    carry, ys = scan(layer, carry, None)
+    carry, (ys, run_cache) = scan(layer, carry, _run_cache(cache, run.name))
     if kind.needs_prev_topk:
       x_BLD, prev_topk_BLT = carry
     else:
       x_BLD = carry
       if "topk_indices" in ys:
         prev_topk_BLT = ys.pop("topk_indices")[-1]
-    return x_BLD, prev_topk_BLT, {run.name: ys}
+    return x_BLD, prev_topk_BLT, {run.name: ys}, ({} if cache is None else {run.name: run_cache})
 
 
 # Per-layer aux entries a scanned run does not stack (see `GLM5._scanned_run`).
@@ -170,14 +191,44 @@ _PER_LAYER_ONLY = ("topk_indices", "index_scores")
 
 
 def _layer_step(positions_BL, segment_ids_BL, mode: Mode):
-  """`step(layer, x_BLD, prev_topk_BLT) -> (x_BLD, aux)`: one decoder layer, the residual
-  stream constrained to its sharding at the layer boundary."""
+  """`step(layer, x_BLD, prev_topk_BLT, cache) -> (x_BLD, aux)`: one decoder layer, the residual
+  stream constrained to its sharding at the layer boundary (cache: decode only, else None)."""
 
-  def step(layer, x_BLD, prev_topk_BLT):
+  def step(layer, x_BLD, prev_topk_BLT, cache=None):
     x_BLD = constrain(x_BLD, ACTIVATION_AXES)
-    return layer(x_BLD, positions_BL, segment_ids_BL, prev_topk_BLT, mode=mode)
+    return layer(x_BLD, positions_BL, segment_ids_BL, prev_topk_BLT, mode=mode, cache=cache)
 
   return step
+
+
+def _run_cache(cache, name: str):
+  """The cache entry of one run / layer (None outside decode), or a ValueError naming it."""
+  if cache is None:
+    return None
+  if name not in cache:
+    raise ValueError(f"decode cache has no entry {name!r} (has {sorted(cache)}); build it with "
+                     "glm5_jax.infer.cache.init_cache for this config (same scan_layers)")
+  return cache[name]
+
+
+def valid_tokens(tokens_BL, vocab_size: int):
+  """Boolean `[B, L]`: ids inside `[0, vocab_size)` (others embed as zeros, NaN their logits)."""
+  return (tokens_BL >= 0) & (tokens_BL < vocab_size)
+
+
+def embed_tokens(embedding_YD, tokens_BL, valid_BL, dtype):
+  """Rows of `embed_tokens [Y, D]` in `dtype`; the zero vector for invalid ids (`GLM5`)."""
+  rows_BLD = jnp.take(embedding_YD, jnp.where(valid_BL, tokens_BL, 0), axis=0)
+  return jnp.where(valid_BL[..., None], rows_BLD, 0).astype(dtype)
+
+
+def lm_head_logits(w_head_DY, h_BLD, valid_BL, dtype):
+  """fp32 `[B, L, Y]` logits of `h_BLD`; rows where `valid_BL` is False are NaN (`GLM5`)."""
+  # NaN in the [B, L, D] input, not the [B, L, Y] output: the matmul spreads it over the
+  # row at no extra cost.
+  h_BLD = jnp.where(valid_BL[..., None], h_BLD.astype(dtype), jnp.nan)
+  return jnp.einsum("bld,dy->bly", h_BLD, w_head_DY.astype(dtype),
+                    preferred_element_type=jnp.float32)
 
 
 def _rematerialized(fn, policy_name: str, *, prevent_cse: bool):

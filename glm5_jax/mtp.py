@@ -36,9 +36,11 @@ class MTPLayer(nn.Module):
 
   @nn.compact
   def __call__(self, h_prev_BLD, next_embed_BLD, positions_BL, segment_ids_BL, *,
-               mode: Mode = Mode()):
+               mode: Mode = Mode(), cache=None):
     """Returns `(h_BLD, normed_BLD, aux)`: the depth's output state (input to the next depth)
-    and its `shared_head_norm`-ed version for the LM head."""
+    and its `shared_head_norm`-ed version for the LM head. In `Mode(form="decode")`, `cache`
+    is the layer's attention cache for this depth (`glm5_jax.infer.cache`, "MTP caches") and
+    `aux["cache"]` its update."""
     c = self.cfg
     dtype, pdtype = dtypes(c)
     d = h_prev_BLD.shape[-1]
@@ -50,6 +52,6 @@ class MTPLayer(nn.Module):
     # The last layer's kind, or its `mtp_letter` (an 'R' layer's MTP copy needs an indexer).
     layer = DecoderLayer(c, c.attention_kind(c.num_hidden_layers),
                          c.is_moe_layer(c.num_hidden_layers), name="layer")
-    x_BLD, aux = layer(x_BLD, positions_BL, segment_ids_BL, None, mode=mode)
+    x_BLD, aux = layer(x_BLD, positions_BL, segment_ids_BL, None, mode=mode, cache=cache)
     normed_BLD = RMSNorm(c.rms_norm_eps, dtype, pdtype, name="shared_head_norm")(x_BLD)
     return x_BLD, normed_BLD, aux

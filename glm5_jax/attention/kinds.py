@@ -54,6 +54,10 @@ class AttentionKind:
     provides_topk: returns `topk_indices` in aux (outside the "dense" DSA stage), which a
       following `needs_prev_topk` layer reuses.
     needs_prev_topk: reuses the previous layer's selection, so that layer must provide one.
+    decode_cache: (cfg, slots, max_len, max_verify) -> {name: `glm5_jax.infer.cache_spec.
+      CacheSpec`}, the layer's cache for `Mode(form="decode")` (the module reads and returns
+      exactly these arrays, leading dim slots); None while the kind has no decode path
+      (`glm5_jax.infer.cache` then refuses the config).
   """
 
   letter: str
@@ -69,6 +73,7 @@ class AttentionKind:
   extra_params: frozenset[str] = frozenset()
   provides_topk: bool = False
   needs_prev_topk: bool = False
+  decode_cache: Callable[["ModelConfig", int, int, int], dict[str, Any]] | None = None
 
   def build(self, cfg: "ModelConfig", name: str):
     """The kind's flax module for `cfg`, named `name` (imported on first use)."""
@@ -143,6 +148,30 @@ def _delta_rule_flops(cfg, seq_len: int) -> float:
   return 2.0 * h * (2 * a * k + a * (k + v) / 2 + a * v + 3 * k * v)
 
 
+# --- decode caches ----------------------------------------------------------------------------
+
+
+def _mla_decode_cache(cfg, slots: int, max_len: int, max_verify: int) -> dict:
+  """The compressed latent only, row p = position p: `ckv [B, S, C]` (normed) and
+  `k_rope [B, S, R]` (RoPE applied), C + R = 576 numbers per token for GLM-5; never per-head
+  K / V (decode attends in the absorbed form)."""
+  del max_verify  # rows are positions: a rejected draft's rows are never read
+  from glm5_jax.infer.cache_spec import CacheSpec  # pylint: disable=g-import-not-at-top
+  from glm5_jax.layers.axes import BATCH, CACHE_LENGTH, KV_LORA  # pylint: disable=g-import-not-at-top
+  rows = lambda width: CacheSpec((slots, max_len, width), cfg.cache_dtype,
+                                 (BATCH, CACHE_LENGTH, KV_LORA))
+  return {"ckv": rows(cfg.kv_lora_rank), "k_rope": rows(cfg.qk_rope_head_dim)}
+
+
+def _dsa_decode_cache(cfg, slots: int, max_len: int, max_verify: int) -> dict:
+  """The MLA latent plus the lightning indexer's keys `index_k [B, S, I]` (RoPE applied)."""
+  from glm5_jax.infer.cache_spec import CacheSpec  # pylint: disable=g-import-not-at-top
+  from glm5_jax.layers.axes import BATCH, CACHE_LENGTH  # pylint: disable=g-import-not-at-top
+  return {**_mla_decode_cache(cfg, slots, max_len, max_verify),
+          "index_k": CacheSpec((slots, max_len, cfg.index_head_dim), cfg.cache_dtype,
+                               (BATCH, CACHE_LENGTH, None))}
+
+
 # --- the registry ------------------------------------------------------------------------------
 
 # The module classes, imported when first built (they import glm5_jax.config, which imports
@@ -181,7 +210,7 @@ ATTENTION_KINDS: dict[str, AttentionKind] = {k.letter: k for k in (
         module=_mla, module_kwargs=(("kind", "mla"),),
         cache_numbers_per_token=lambda cfg: {"mla_latent": _mla_latent(cfg)},
         recurrent_state_bytes=_no_state, attention_flops_per_token=_dense_mla_flops,
-        mtp_letter="M"),
+        mtp_letter="M", decode_cache=_mla_decode_cache),
     AttentionKind(
         letter="D", name="dsa", family="mla",
         description="DSA: MLA restricted to the top-k keys chosen by this layer's lightning "
@@ -191,7 +220,7 @@ ATTENTION_KINDS: dict[str, AttentionKind] = {k.letter: k for k in (
         cache_numbers_per_token=lambda cfg: {"mla_latent": _mla_latent(cfg),
                                              "dsa_indexer_keys": cfg.index_head_dim},
         recurrent_state_bytes=_no_state, attention_flops_per_token=_dsa_flops,
-        mtp_letter="D", provides_topk=True),
+        mtp_letter="D", provides_topk=True, decode_cache=_dsa_decode_cache),
     AttentionKind(
         letter="R", name="dsa_shared_topk", family="mla",
         description="DSA that reuses the previous layer's top-k selection and has no indexer "
@@ -200,7 +229,8 @@ ATTENTION_KINDS: dict[str, AttentionKind] = {k.letter: k for k in (
         cache_numbers_per_token=lambda cfg: {"mla_latent": _mla_latent(cfg)},
         recurrent_state_bytes=_no_state, attention_flops_per_token=_dsa_flops,
         # The MTP pass has no previous DSA layer: after an R layer it gets an indexer.
-        mtp_letter="D", provides_topk=True, needs_prev_topk=True),
+        mtp_letter="D", provides_topk=True, needs_prev_topk=True,
+        decode_cache=_mla_decode_cache),
     AttentionKind(
         letter="G", name="gqa", family="gqa",
         description="grouped-query attention with `num_key_value_heads` KV heads of "

@@ -35,6 +35,7 @@ import pallas_kernels
 from glm5_jax.attention.common import attend, causal_segment_mask, MASKED_LOGIT
 from glm5_jax.attention.dsa import (LightningIndexer, indexer_kl_per_query,
                                     restrict_topk_to_visible, topk_mask)
+from glm5_jax.attention.mla_decode import decode_attention
 from glm5_jax.attention.mla_projections import mla_latents, mla_output
 from glm5_jax.attention.mode import Mode
 from glm5_jax.config import ModelConfig
@@ -51,7 +52,7 @@ class MLA(nn.Module):
 
   @nn.compact
   def __call__(self, x_BLD, positions_BL, segment_ids_BL, prev_topk_BLT=None, *,
-               mode: Mode = Mode()):
+               mode: Mode = Mode(), cache=None):
     """Args:
       x_BLD: normalized layer input.
       positions_BL: int positions (RoPE).
@@ -61,12 +62,17 @@ class MLA(nn.Module):
         expanded one; `mode.dsa_stage` is how DSA kinds attend ("dense": plain MLA, the
         indexer does not run; "warmup": the indexer runs and learns, attention stays dense;
         "sparse": attention restricted to the top-k keys). See `glm5_jax.attention.mode`.
+        `mode.form` "decode": the L tokens are new ones at absolute positions (segment id 0 =
+        padding) attending over `cache` (`glm5_jax.attention.mla_decode`).
+      cache: decode form only: this layer's `{"ckv", "k_rope"[, "index_k"]}` (`[B, S, ...]`).
     Returns:
       `(y_BLD, aux)`; for DSA kinds outside "dense" aux holds `topk_indices [B, L, T]`
       (int32, -1 = empty slot), and when this layer ran its indexer `indexer_kl [B, L]`:
       KL(main attention || softmax(index scores)) per query, over the visible keys in "warmup"
       and over the selected keys in "sparse"; and `index_scores [B, L, S]` (fp32) except in the
       "sparse" stage with `dsa_impl` "xla" / "pallas", which never builds that matrix.
+      Decode form: aux holds `cache` (updated) and, for DSA kinds outside "dense",
+      `topk_indices` (cache rows); nothing else.
     """
     c = self.cfg
     dtype, pdtype = dtypes(c)
@@ -82,6 +88,10 @@ class MLA(nn.Module):
     if self.kind not in ("mla", "dsa", "dsa_shared_topk"):
       raise ValueError(f"MLA got unknown kind {self.kind!r}")
     selects = self.kind != "mla" and mode.dsa_stage != "dense"
+    decode = mode.form == "decode"
+    if decode != (cache is not None):
+      raise ValueError("MLA: a cache is given exactly in Mode(form='decode'), got form "
+                       f"{mode.form!r} with cache {'given' if cache is not None else 'None'}")
     index_qkw, given_topk_BLT = None, None
     if self.kind == "dsa" and (selects or self.is_initializing()):
       indexer = LightningIndexer(c.index_n_heads, c.index_head_dim, r, c.indexer_norm_eps,
@@ -96,7 +106,11 @@ class MLA(nn.Module):
 
     latents = _Latents(q_nope_BLHN, q_rope_BLHR, ckv_BSC, k_rope_BSR, w_kb_CHN, w_vb_CHV)
     scale = k ** -0.5
-    if selects and mode.dsa_stage == "sparse" and c.dsa_impl != "dense_mask":
+    if decode:
+      out_BLHV, aux = decode_attention(c, latents, scale, positions_BL, segment_ids_BL,
+                                       index_qkw, given_topk_BLT, cache, mode.dsa_stage,
+                                       _absorbed_attention)
+    elif selects and mode.dsa_stage == "sparse" and c.dsa_impl != "dense_mask":
       out_BLHV, aux = _sparse_stage_attention(c, latents, scale, segment_ids_BL, index_qkw,
                                               given_topk_BLT)
     else:

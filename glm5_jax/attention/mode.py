@@ -7,7 +7,7 @@ jit argument (`jax.jit(..., static_argnames="mode")`).
 
 import dataclasses
 
-FORMS = ("expanded", "absorbed")
+FORMS = ("expanded", "absorbed", "decode")
 DSA_STAGES = ("dense", "warmup", "sparse")
 
 
@@ -23,6 +23,10 @@ class Mode:
                   the shared C + R latent (W_kb folded into the query, W_vb applied after
                   attention), GDN / SimpleGDN step the recurrence position by position. GQA
                   has one form and ignores it.
+      "decode"    cached decoding: the layers read and update a per-layer cache passed as
+                  `cache=` (`glm5_jax.infer.cache`); the call's tokens are the new ones of each
+                  slot at absolute `positions`, segment id 0 marks padding. MLA-family layers
+                  attend in the absorbed form over the cached latent rows 0..position.
     dsa_stage: how DSA layers (D, R) attend (docs/reference.md section 3, "DSA adaptation"):
       "dense"   plain MLA; indexers do not run.
       "warmup"  the indexers run and learn (their KL in aux); attention stays dense.

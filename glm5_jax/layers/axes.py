@@ -21,9 +21,11 @@ EXPERT = "expert"  # E
 EXPERT_MLP = "expert_mlp"  # F of routed experts
 NORM = "norm"  # norm scales and biases
 LAYERS = "layers"  # stacked decoder layers of one scanned run (`glm5_jax.layer_runs`)
+# S of a decode cache (row p = position p, `glm5_jax.infer.cache`); no default rule: replicated.
+CACHE_LENGTH = "cache_length"
 
 ALL = frozenset({BATCH, LENGTH, EMBED, VOCAB, MLP, HEADS, KV_HEADS, HEAD_DIM, Q_LORA, KV_LORA,
-                 INDEX_HEADS, EXPERT, EXPERT_MLP, NORM, LAYERS})
+                 INDEX_HEADS, EXPERT, EXPERT_MLP, NORM, LAYERS, CACHE_LENGTH})
 
 
 def check(axes, what: str) -> tuple:
