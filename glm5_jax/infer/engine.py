@@ -40,24 +40,41 @@ import numpy as np
 from glm5_jax import sharding as sharding_lib
 from glm5_jax.api import abstract_params_and_axes
 from glm5_jax.config import ModelConfig
-from glm5_jax.infer import sampling
+from glm5_jax.infer import sampling, speculate
+from glm5_jax.infer.accept_stats import (NO_LIMIT, AcceptStats, acceptance_rates, add_step,
+                                         init_accept_stats, mean_accept_length)
 from glm5_jax.infer.cache import cache_specs, init_cache
 from glm5_jax.infer.cache_spec import CacheSpec
 from glm5_jax.infer.requests import GenerateResult, Request, validate_generate_args
 from glm5_jax.infer.step import decode_step
 from glm5_jax.layers.axes import BATCH
+from glm5_jax.layers.params import dtypes
 
 
 @dataclasses.dataclass
 class Completion:
-  """One finished request: generated ids, their log-probs (sampling distribution and raw), and
-  the raw logits `[n, Y]` that produced them when the engine keeps logits."""
+  """One finished request: generated ids, their log-probs (sampling distribution and raw), the
+  raw logits `[n, Y]` that produced them when the engine keeps logits, and with speculative
+  decoding its accept counts (`glm5_jax.infer.accept_stats`: verification steps, tokens kept,
+  and per draft position how often it was reached and accepted)."""
 
   request: Request
   tokens: list
   logprobs: list
   raw_logprobs: list
   logits: list | None = None
+  accept: AcceptStats | None = None
+
+  @property
+  def sequence(self) -> list:
+    return list(self.request.prompt) + self.tokens
+
+  def accept_length(self) -> float:
+    """Tokens kept per verification step, the bonus token included (NaN without a step)."""
+    return float(mean_accept_length(self.accept)[0])
+
+  def acceptance_rates(self) -> list:
+    return [float(x) for x in acceptance_rates(self.accept)[0]]
 
 
 def request_seed(seed: int, index: int) -> int:
@@ -76,25 +93,34 @@ class Engine:
     params: the model's params (layout matching `model.scan_layers`), placed as the caller
       wants; with `mesh`, `Engine` shards them by the logical-axis rules.
     slots: B, sequences decoded at once.
-    max_len: cache positions per slot: a request needs `len(prompt) + max_new_tokens - 1`.
+    max_len: cache positions per slot: a request needs `len(prompt) + max_new_tokens - 1`
+      (+ `speculative_steps`: a verification feeds k drafts past the last kept token).
     prefill_chunk: C, prompt tokens per slot per prefill call.
     return_logits: keep each generated token's raw logits (`[Y]` per token, copied to host).
+    speculative_steps: k > 0 decodes with MTP speculation (`glm5_jax.infer.speculate`).
+    mtp_cache: "per_depth" or "shared", the MTP caches' scheme (`glm5_jax.infer.speculate`).
     mesh, rules: serve sharded: params and cache placed by `mesh.logical_axis_rules` (the
       cache's slots split over the batch axes, so B must divide by them).
   """
 
   def __init__(self, config, params, *, slots: int, max_len: int, prefill_chunk: int = 256,
-               return_logits: bool = False, mesh=None, rules=None):
+               return_logits: bool = False, speculative_steps: int = 0,
+               mtp_cache: str = "per_depth", mesh=None, rules=None):
     self.cfg = ModelConfig.from_config(config)
     for name, value in (("slots", slots), ("max_len", max_len), ("prefill_chunk", prefill_chunk)):
       if not isinstance(value, int) or isinstance(value, bool) or value < 1:
         raise ValueError(f"Engine: {name} must be an int >= 1, got {value!r}")
     if (mesh is None) != (rules is None):
       raise ValueError("Engine: give both mesh and rules, or neither")
+    self.k = speculative_steps
+    if self.k:
+      speculate.check_speculative_config(self.cfg, self.k, mtp_cache)
+    self.mtp_cache = mtp_cache
     self.slots, self.max_len, self.return_logits = slots, max_len, return_logits
     self.chunk = min(prefill_chunk, max_len)
     self.mesh, self.rules = mesh, rules
-    specs = cache_specs(self.cfg, slots, max_len, mtp_cache="shared", mtp_depths=0)
+    cache_args = dict(max_verify=self.k + 1, mtp_cache=mtp_cache, mtp_depths=self.k)
+    specs = cache_specs(self.cfg, slots, max_len, **cache_args)
     # The slots axis of every cache array: gathered and scattered when admitting requests.
     self._slot_axes = tuple(s.axes.index(BATCH) for s in jax.tree.leaves(
         specs, is_leaf=lambda x: isinstance(x, CacheSpec)))
@@ -102,7 +128,10 @@ class Engine:
       shapes, logical = abstract_params_and_axes(self.cfg)
       params = jax.device_put(params, sharding_lib.param_shardings(shapes, logical, mesh, rules))
     self.params = params
-    self.cache = init_cache(self.cfg, slots, max_len, mtp_depths=0, mesh=mesh, rules=rules)
+    self.cache = init_cache(self.cfg, slots, max_len, **cache_args, mesh=mesh, rules=rules)
+    # Speculative state: each slot's main-model h at the W positions before its pending token.
+    self.w = speculate.window_size(self.k) if self.k else 0
+    self.hidden = jnp.zeros((slots, self.w, self.cfg.hidden_size), dtypes(self.cfg)[0])
 
   def _context(self):
     if self.mesh is None:
@@ -115,14 +144,13 @@ class Engine:
     """Generates every request (in any order of completion); returns them in input order."""
     requests = list(requests)
     for r in requests:
-      if len(r.prompt) + r.max_new_tokens - 1 > self.max_len:
+      if len(r.prompt) + r.max_new_tokens - 1 + self.k > self.max_len:
         raise ValueError(f"request {r.index}: {len(r.prompt)} prompt tokens + max_new_tokens "
-                         f"{r.max_new_tokens} - 1 exceed the engine's max_len {self.max_len}")
+                         f"{r.max_new_tokens} - 1 + speculative_steps {self.k} exceed the "
+                         f"engine's max_len {self.max_len}")
     queue = collections.deque(requests)
     done: dict[int, Completion] = {}
     slot_of: list[Completion | None] = [None] * self.slots
-    fed = np.zeros(self.slots, np.int32)  # positions in each slot's cache
-    pending = np.zeros(self.slots, np.int32)  # each slot's last token, not yet fed
     with self._context():
       while queue or any(c is not None for c in slot_of):
         free = [s for s in range(self.slots) if slot_of[s] is None]
@@ -130,32 +158,26 @@ class Engine:
         if admitted:
           first = self._admit(admitted)
           for (slot, request), token in zip(admitted, first):
-            completion = Completion(request, [], [], [], [] if self.return_logits else None)
-            slot_of[slot], fed[slot] = completion, len(request.prompt)
-            pending[slot] = self._append(completion, token)
+            completion = Completion(request, [], [], [], [] if self.return_logits else None,
+                                    init_accept_stats(1, self.k) if self.k else None)
+            slot_of[slot] = completion
+            self._keep(completion, [token])
             if self._finished(completion):
               done[id(request)], slot_of[slot] = completion, None
-        if not any(c is not None for c in slot_of):
-          continue
-        active = np.array([c is not None for c in slot_of])
-        out = self._decode(pending, fed, active, slot_of)
-        for slot in np.flatnonzero(active):
-          completion = slot_of[slot]
-          fed[slot] += 1
-          pending[slot] = self._append(completion, _row(out, slot))
-          if self._finished(completion):
-            done[id(completion.request)], slot_of[slot] = completion, None
+        if any(c is not None for c in slot_of):
+          for slot, completion in (self._speculate if self.k else self._decode)(slot_of):
+            if self._finished(completion):
+              done[id(completion.request)], slot_of[slot] = completion, None
     return [done[id(r)] for r in requests]
 
   @staticmethod
-  def _append(completion: Completion, token) -> int:
-    tok, logprob, raw, logits = token
-    completion.tokens.append(int(tok))
-    completion.logprobs.append(float(logprob))
-    completion.raw_logprobs.append(float(raw))
-    if completion.logits is not None:
-      completion.logits.append(np.asarray(logits, np.float32))
-    return int(tok)
+  def _keep(completion: Completion, tokens) -> None:
+    for tok, logprob, raw, logits in tokens:
+      completion.tokens.append(int(tok))
+      completion.logprobs.append(float(logprob))
+      completion.raw_logprobs.append(float(raw))
+      if completion.logits is not None:
+        completion.logits.append(np.asarray(logits, np.float32))
 
   @staticmethod
   def _finished(completion: Completion) -> bool:
@@ -183,19 +205,25 @@ class Engine:
     slot_ids[:len(prompts)] = [leaders[p] for p in prompts]
     lengths = np.zeros(rows, np.int32)
     lengths[:len(prompts)] = [len(p) for p in prompts]
-    tokens = np.zeros((rows, _round_up(int(lengths.max()), self.chunk)), np.int32)
+    # k tokens of lookahead past each chunk: the MTP depths read t_{i+d}.
+    tokens = np.zeros((rows, _round_up(int(lengths.max()), self.chunk) + self.k), np.int32)
     for i, p in enumerate(prompts):
       tokens[i, :len(p)] = p
-    sub = _gather_slots(self.cache, jnp.asarray(slot_ids), self._slot_axes)
+    slot_ids = jnp.asarray(slot_ids)
+    sub = _gather_slots(self.cache, slot_ids, self._slot_axes)
     last_PY = jnp.zeros((rows, self.cfg.vocab_size), jnp.float32)
-    for start in range(0, tokens.shape[1], self.chunk):
-      sub, last_PY = _prefill_chunk(self.cfg, self.params, sub, last_PY,
-                                    jnp.asarray(tokens[:, start:start + self.chunk]),
-                                    jnp.asarray(lengths), jnp.int32(start))
-    self.cache = _scatter_slots(self.cache, sub, jnp.asarray(slot_ids), self._slot_axes)
+    hidden_PWD = jnp.zeros((rows,) + self.hidden.shape[1:], self.hidden.dtype)
+    for start in range(0, tokens.shape[1] - self.k, self.chunk):
+      sub, last_PY, hidden_PWD = _prefill_chunk(
+          self.cfg, self.params, sub, last_PY, hidden_PWD,
+          jnp.asarray(tokens[:, start:start + self.chunk + self.k]), jnp.asarray(lengths),
+          jnp.int32(start), depths=self.k, mtp_cache=self.mtp_cache)
+    self.cache = _scatter_slots(self.cache, sub, slot_ids, self._slot_axes)
+    self.hidden = self.hidden.at[slot_ids].set(hidden_PWD, mode="drop")
     if copies:
       src, dst = (jnp.asarray(x, jnp.int32) for x in zip(*copies))
       self.cache = _copy_slots(self.cache, src, dst, self._slot_axes)
+      self.hidden = self.hidden.at[dst].set(self.hidden[src])
     # First tokens: one row per admitted request, padded to B rows (one compiled shape).
     row_of = {p: i for i, p in enumerate(prompts)}
     requests = [r for _, r in admitted] + [None] * (self.slots - len(admitted))
@@ -207,14 +235,51 @@ class Engine:
 
   # ---- one decode step over every slot -------------------------------------------------------
 
-  def _decode(self, pending, fed, active, slot_of):
+  def _decode(self, slot_of):
+    """One token for every active slot; yields `(slot, completion)` for each."""
     requests = [c.request if c is not None else None for c in slot_of]
-    index = np.array([len(c.tokens) if c is not None else 0 for c in slot_of], np.int32)
+    active = np.array([c is not None for c in slot_of])
+    pending = np.array([c.tokens[-1] if c else 0 for c in slot_of], np.int32)
+    fed = np.array([len(c.sequence) - 1 if c else 0 for c in slot_of], np.int32)
+    index = np.array([len(c.tokens) if c else 0 for c in slot_of], np.int32)
     self.cache, out = _decode_and_sample(
         self.cfg, self.params, self.cache, jnp.asarray(pending), jnp.asarray(fed),
         jnp.asarray(active), _settings(requests), _seeds(requests), jnp.asarray(index),
         return_logits=self.return_logits)
-    return jax.device_get(out)
+    out = jax.device_get(out)
+    for slot in np.flatnonzero(active):
+      self._keep(slot_of[slot], [_row(out, slot)])
+      yield slot, slot_of[slot]
+
+  def _speculate(self, slot_of):
+    """One verification step for every active slot: keeps up to k + 1 tokens per slot (cut at
+    a stop token or the budget) and counts them; yields `(slot, completion)` for each."""
+    requests = [c.request if c is not None else None for c in slot_of]
+    active = np.array([c is not None for c in slot_of])
+    window = np.zeros((self.slots, self.w + 1), np.int32)
+    fed = np.zeros(self.slots, np.int32)
+    for slot, c in enumerate(slot_of):
+      if c is not None:
+        seq = c.sequence
+        fed[slot] = len(seq) - 1
+        tail = seq[max(0, len(seq) - self.w - 1):]
+        window[slot, self.w + 1 - len(tail):] = tail
+    index = np.array([len(c.tokens) if c else 0 for c in slot_of], np.int32)
+    self.cache, self.hidden, out = _speculate_and_sample(
+        self.cfg, self.params, self.cache, self.hidden, jnp.asarray(window), jnp.asarray(fed),
+        jnp.asarray(active), _settings(requests), _seeds(requests), jnp.asarray(index),
+        k=self.k, mtp_cache=self.mtp_cache, return_logits=self.return_logits)
+    accepted, num_emitted, tokens, logprobs, raws, logits = jax.device_get(out)
+    for slot in np.flatnonzero(active):
+      c = slot_of[slot]
+      emitted = [int(t) for t in tokens[slot, :num_emitted[slot]]]
+      stops = [j for j, t in enumerate(emitted) if t in c.request.stop_tokens]
+      limit = min(c.request.max_new_tokens - len(c.tokens), stops[0] + 1 if stops else NO_LIMIT)
+      kept = min(len(emitted), limit)
+      c.accept = add_step(c.accept, accepted[slot:slot + 1], np.array([limit], np.int32))
+      self._keep(c, [(tokens[slot, j], logprobs[slot, j], raws[slot, j],
+                      None if logits is None else logits[slot, j]) for j in range(kept)])
+      yield slot, c
 
 
 # ---- jitted device functions -----------------------------------------------------------------
@@ -269,28 +334,43 @@ def _scatter_slots(cache, sub, slot_ids_P, slot_axes):
                                    zip(leaves, jax.tree.leaves(sub), slot_axes)])
 
 
-@functools.partial(jax.jit, static_argnames=("cfg",), donate_argnames=("sub",))
-def _prefill_chunk(cfg, params, sub, last_PY, tokens_PC, lengths_P, start):
+@functools.partial(jax.jit, static_argnames=("cfg", "depths", "mtp_cache"),
+                   donate_argnames=("sub",))
+def _prefill_chunk(cfg, params, sub, last_PY, hidden_PWD, tokens_PX, lengths_P, start, *,
+                   depths, mtp_cache):
   """One prefill chunk of P prompts, positions `start .. start + C - 1`, into their gathered
-  caches `sub`.
+  caches `sub` (and, with `depths` = k > 0, the MTP caches: `speculate.prefill_mtp`).
 
   Args:
     last_PY: fp32 logits at each prompt's last token, where an earlier chunk held it.
-    tokens_PC: int32 this chunk of each prompt (anything past its length).
+    hidden_PWD: h at each prompt's last W positions, where earlier chunks held them.
+    tokens_PX: int32 this chunk of each prompt and the k tokens after it (anything past the
+      prompt's length), X = C + k.
     lengths_P: int32 prompt lengths (0 for padding rows: nothing written).
   Returns:
-    `(sub, last_PY)`, last_PY updated for prompts ending in this chunk: the logits there
-    predict each prompt's first generated token.
+    `(sub, last_PY, hidden_PWD)`, updated for the prompt positions in this chunk: the logits
+    at a prompt's last token predict its first generated token.
   """
-  p, c = tokens_PC.shape
+  p, c = tokens_PX.shape[0], tokens_PX.shape[1] - depths
   positions_PC = start + jnp.broadcast_to(jnp.arange(c, dtype=jnp.int32), (p, c))
   real_PC = positions_PC < lengths_P[:, None]
-  out = decode_step(cfg, params, sub, tokens_PC, positions_PC, real_PC.astype(jnp.int32))
+  out = decode_step(cfg, params, sub, tokens_PX[:, :c], positions_PC, real_PC.astype(jnp.int32))
+  sub = out.cache
   last_P = lengths_P - 1 - start
   logits_PY = jnp.take_along_axis(out.logits_BQY, jnp.clip(last_P, 0, c - 1)[:, None, None],
                                   axis=1)[:, 0]
   ends_here_P = (last_P >= 0) & (last_P < c)
-  return out.cache, jnp.where(ends_here_P[:, None], logits_PY, last_PY)
+  last_PY = jnp.where(ends_here_P[:, None], logits_PY, last_PY)
+  if depths:
+    sub = speculate.prefill_mtp(cfg, params, sub, out.hidden_BQD, tokens_PX, positions_PC,
+                                lengths_P, depths=depths, mtp_cache=mtp_cache)
+    w = hidden_PWD.shape[1]
+    # Window row of each chunk position (W, dropped, outside the prompt's last W).
+    row_PC = positions_PC - (lengths_P[:, None] - w)
+    row_PC = jnp.where(real_PC & (row_PC >= 0), row_PC, w)
+    hidden_PWD = jax.vmap(lambda h, rows, new: h.at[rows].set(new, mode="drop"))(
+        hidden_PWD, row_PC, out.hidden_BQD.astype(hidden_PWD.dtype))
+  return sub, last_PY, hidden_PWD
 
 
 @functools.partial(jax.jit, static_argnames=("slot_axes",), donate_argnames=("cache",))
@@ -318,10 +398,23 @@ def _decode_and_sample(cfg, params, cache, pending_B, fed_B, active_B, settings,
                             return_logits=return_logits)
 
 
+@functools.partial(jax.jit, static_argnames=("cfg", "k", "mtp_cache", "return_logits"),
+                   donate_argnames=("cache", "hidden_BWD"))
+def _speculate_and_sample(cfg, params, cache, hidden_BWD, window_BX, fed_B, active_B, settings,
+                          seeds_B, index_B, *, k, mtp_cache, return_logits):
+  """`speculate.speculative_step`; returns `(cache, hidden_BWD, (accepted, num_emitted,
+  tokens, logprobs, raw_logprobs, logits or None))`."""
+  out = speculate.speculative_step(cfg, params, cache, hidden_BWD, window_BX, fed_B, active_B,
+                                   settings, seeds_B, index_B, k=k, mtp_cache=mtp_cache)
+  v = out.verified
+  return out.cache, out.hidden_BWD, (v.accepted, v.num_emitted, v.tokens, v.logprobs,
+                                     v.raw_logprobs, out.logits_BQY if return_logits else None)
+
+
 def generate(config, params, prompts, max_new_tokens=32, temperature=0.0, top_p=1.0, top_k=0,
              seed=0, speculative_steps=0, return_logits=False, stop_tokens=(), *,
              slots: int | None = None, max_len: int | None = None, prefill_chunk: int = 256,
-             mesh=None, rules=None) -> GenerateResult:
+             mtp_cache: str = "per_depth", mesh=None, rules=None) -> GenerateResult:
   """Completes every prompt (see the module docstring; `GenerateResult` for the fields).
 
   Args:
@@ -329,33 +422,38 @@ def generate(config, params, prompts, max_new_tokens=32, temperature=0.0, top_p=
     prompts: a list of token-id lists (of any lengths >= 1).
     max_new_tokens, temperature, top_p, top_k, stop_tokens: per request, as `Request`.
     seed: prompt i draws with `request_seed(seed, i)`.
-    speculative_steps: MTP draft steps per verification (0: plain decoding).
+    speculative_steps: MTP draft steps per verification (0: plain decoding). The output has
+      exactly the distribution of plain decoding (greedy: the same tokens).
     return_logits: also return each generated token's raw logits.
     slots: sequences decoded at once (default: all prompts, at most 32).
     max_len: cache positions per slot (default: what the longest request needs).
     prefill_chunk: prompt tokens per slot per prefill call.
+    mtp_cache: the MTP caches' scheme with speculative_steps > 0 (`glm5_jax.infer.speculate`).
     mesh, rules: serve sharded (`Engine`).
   Raises:
     ValueError: a bad argument (`glm5_jax.infer.requests.validate_generate_args`).
   """
   cfg = ModelConfig.from_config(config)
-  if speculative_steps:
-    raise ValueError("speculative_steps > 0: MTP speculative decoding is not in the engine yet; "
-                     "use speculative_steps=0")
-  longest = max((len(p) for p in prompts), default=0) if isinstance(prompts, (list, tuple)) else 0
-  needed = max(longest + max_new_tokens - 1 + speculative_steps, 1) if isinstance(
-      max_new_tokens, int) else 1
-  max_len = needed if max_len is None else max_len
+  if max_len is None:  # what the longest request needs (validation below names bad input)
+    lengths = [len(p) for p in prompts if hasattr(p, "__len__")] if hasattr(
+        prompts, "__iter__") else []
+    extra = max_new_tokens - 1 + speculative_steps if isinstance(
+        max_new_tokens, int) and isinstance(speculative_steps, int) else 0
+    max_len = max(max(lengths, default=1) + max(extra, 0), 1)
   requests = validate_generate_args(
       prompts, vocab_size=cfg.vocab_size, max_len=max_len, max_new_tokens=max_new_tokens,
       temperature=temperature, top_p=top_p, top_k=top_k, seed=seed,
       speculative_steps=speculative_steps, return_logits=return_logits, stop_tokens=stop_tokens)
   requests = [dataclasses.replace(r, seed=request_seed(seed, r.index)) for r in requests]
   engine = Engine(cfg, params, slots=slots or min(len(requests), 32), max_len=max_len,
-                  prefill_chunk=prefill_chunk, return_logits=return_logits, mesh=mesh,
+                  prefill_chunk=prefill_chunk, return_logits=return_logits,
+                  speculative_steps=speculative_steps, mtp_cache=mtp_cache, mesh=mesh,
                   rules=rules)
   done = engine.run(requests)
+  spec = bool(speculative_steps)
   return GenerateResult(
       tokens=[c.tokens for c in done], logprobs=[c.logprobs for c in done],
       raw_logprobs=[c.raw_logprobs for c in done],
-      logits=[np.stack(c.logits) for c in done] if return_logits else None)
+      logits=[np.stack(c.logits) for c in done] if return_logits else None,
+      accept_lengths=[c.accept_length() for c in done] if spec else None,
+      acceptance_rates=[c.acceptance_rates() for c in done] if spec else None)
