@@ -1,0 +1,459 @@
+"""The slot engine: continuous batching and prefix sharing over the cached steps.
+
+A fixed number of slots B share one preallocated cache (`glm5_jax.infer.cache`). The host
+loop keeps a queue of requests and, each iteration:
+
+  1. admits waiting requests into free slots. Requests admitted together that share a prompt
+     (an RL group: one prompt sampled G times) are prefilled once, in the first of their slots,
+     and that slot's cache is copied into the others (`_copy_slots`). Prefill runs in chunks of
+     `prefill_chunk` tokens over the admitted slots only (their caches are gathered out of the
+     whole cache, stepped, and scattered back), padded to a power-of-two number of rows so
+     admission compiles at most log2(B) + 1 programs whatever the traffic;
+  2. samples each admitted request's first token from its prompt's last logits;
+  3. runs one decode step over all B slots (idle slots are padding, `segment_ids` 0, and change
+     nothing), samples one token per slot, and frees the slots whose request ended (a stop token,
+     kept in the output, or `max_new_tokens`). A freed slot takes the next request in the next
+     iteration with no recompile: every shape is fixed by B, max_len and the chunk.
+
+Randomness: token n of a request draws from (its seed, n) only (`glm5_jax.infer.sampling`), so a
+request's tokens do not depend on its slot, on its neighbours, or on when it was admitted:
+continuous batching gives exactly the tokens of generating each request alone.
+
+Every generated token comes with its log-prob under the sampling distribution and under the
+raw model (temperature 1), from the logits that produced it (token-in-token-out: RL trains on
+these ids and log-probs, never on re-tokenized text).
+
+Notation (docs/design.md): B slots, P admitted rows (a power of two <= B), C prefill chunk,
+Q tokens per slot in one call, Y vocab, D hidden.
+"""
+
+import collections
+import contextlib
+import dataclasses
+import functools
+import hashlib
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from glm5_jax import sharding as sharding_lib
+from glm5_jax.api import abstract_params_and_axes
+from glm5_jax.config import ModelConfig
+from glm5_jax.infer import sampling, speculate
+from glm5_jax.infer.accept_stats import (NO_LIMIT, AcceptStats, acceptance_rates, add_step,
+                                         init_accept_stats, mean_accept_length)
+from glm5_jax.infer.cache import cache_specs, init_cache
+from glm5_jax.infer.cache_spec import CacheSpec
+from glm5_jax.infer.requests import GenerateResult, Request, validate_generate_args
+from glm5_jax.infer.step import decode_step
+from glm5_jax.layers.axes import BATCH
+from glm5_jax.layers.params import dtypes
+
+
+@dataclasses.dataclass
+class Completion:
+  """One finished request: generated ids, their log-probs (sampling distribution and raw), the
+  raw logits `[n, Y]` that produced them when the engine keeps logits, and with speculative
+  decoding its accept counts (`glm5_jax.infer.accept_stats`: verification steps, tokens kept,
+  and per draft position how often it was reached and accepted)."""
+
+  request: Request
+  tokens: list
+  logprobs: list
+  raw_logprobs: list
+  logits: list | None = None
+  accept: AcceptStats | None = None
+
+  @property
+  def sequence(self) -> list:
+    return list(self.request.prompt) + self.tokens
+
+  def accept_length(self) -> float:
+    """Tokens kept per verification step, the bonus token included (NaN without a step)."""
+    return float(mean_accept_length(self.accept)[0])
+
+  def acceptance_rates(self) -> list:
+    return [float(x) for x in acceptance_rates(self.accept)[0]]
+
+
+def request_seed(seed: int, index: int) -> int:
+  """The uint32 seed of prompt `index` of a `generate` call with `seed`: a hash of both, so the
+  G copies of one prompt in an RL group draw differently, and a call's streams do not overlap
+  another seed's (as `seed + index` would)."""
+  digest = hashlib.blake2b(f"{seed}:{index}".encode(), digest_size=4).digest()
+  return int.from_bytes(digest, "little")
+
+
+class Engine:
+  """Continuous batching over `slots` sequences of up to `max_len` positions.
+
+  Args:
+    config: the model section or a `ModelConfig`.
+    params: the model's params (layout matching `model.scan_layers`), placed as the caller
+      wants; with `mesh`, `Engine` shards them by the logical-axis rules.
+    slots: B, sequences decoded at once.
+    max_len: cache positions per slot: a request needs `len(prompt) + max_new_tokens - 1`
+      (+ `speculative_steps`: a verification feeds k drafts past the last kept token).
+    prefill_chunk: C, prompt tokens per slot per prefill call.
+    return_logits: keep each generated token's raw logits (`[Y]` per token, copied to host).
+    speculative_steps: k > 0 decodes with MTP speculation (`glm5_jax.infer.speculate`).
+    mtp_cache: "per_depth" or "shared", the MTP caches' scheme (`glm5_jax.infer.speculate`).
+    mesh, rules: serve sharded: params and cache placed by `mesh.logical_axis_rules` (the
+      cache's slots split over the batch axes, so B must divide by them).
+  """
+
+  def __init__(self, config, params, *, slots: int, max_len: int, prefill_chunk: int = 256,
+               return_logits: bool = False, speculative_steps: int = 0,
+               mtp_cache: str = "per_depth", mesh=None, rules=None):
+    self.cfg = ModelConfig.from_config(config)
+    for name, value in (("slots", slots), ("max_len", max_len), ("prefill_chunk", prefill_chunk)):
+      if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+        raise ValueError(f"Engine: {name} must be an int >= 1, got {value!r}")
+    if (mesh is None) != (rules is None):
+      raise ValueError("Engine: give both mesh and rules, or neither")
+    self.k = speculative_steps
+    if self.k:
+      speculate.check_speculative_config(self.cfg, self.k, mtp_cache)
+    self.mtp_cache = mtp_cache
+    self.slots, self.max_len, self.return_logits = slots, max_len, return_logits
+    self.chunk = min(prefill_chunk, max_len)
+    self.mesh, self.rules = mesh, rules
+    cache_args = dict(max_verify=self.k + 1, mtp_cache=mtp_cache, mtp_depths=self.k)
+    specs = cache_specs(self.cfg, slots, max_len, **cache_args)
+    # The slots axis of every cache array: gathered and scattered when admitting requests.
+    self._slot_axes = tuple(s.axes.index(BATCH) for s in jax.tree.leaves(
+        specs, is_leaf=lambda x: isinstance(x, CacheSpec)))
+    if mesh is not None:
+      shapes, logical = abstract_params_and_axes(self.cfg)
+      params = jax.device_put(params, sharding_lib.param_shardings(shapes, logical, mesh, rules))
+    self.params = params
+    self.cache = init_cache(self.cfg, slots, max_len, **cache_args, mesh=mesh, rules=rules)
+    # Speculative state: each slot's main-model h at the W positions before its pending token.
+    self.w = speculate.window_size(self.k) if self.k else 0
+    self.hidden = jnp.zeros((slots, self.w, self.cfg.hidden_size), dtypes(self.cfg)[0])
+
+  def _context(self):
+    if self.mesh is None:
+      return contextlib.nullcontext()
+    return sharding_lib.activation_sharding(self.mesh, self.rules)
+
+  # ---- the host loop -------------------------------------------------------------------------
+
+  def run(self, requests) -> list[Completion]:
+    """Generates every request (in any order of completion); returns them in input order."""
+    requests = list(requests)
+    for r in requests:
+      if len(r.prompt) + r.max_new_tokens - 1 + self.k > self.max_len:
+        raise ValueError(f"request {r.index}: {len(r.prompt)} prompt tokens + max_new_tokens "
+                         f"{r.max_new_tokens} - 1 + speculative_steps {self.k} exceed the "
+                         f"engine's max_len {self.max_len}")
+    queue = collections.deque(requests)
+    done: dict[int, Completion] = {}
+    slot_of: list[Completion | None] = [None] * self.slots
+    with self._context():
+      while queue or any(c is not None for c in slot_of):
+        free = [s for s in range(self.slots) if slot_of[s] is None]
+        admitted = [(s, queue.popleft()) for s in free[:len(queue)]]
+        if admitted:
+          first = self._admit(admitted)
+          for (slot, request), token in zip(admitted, first):
+            completion = Completion(request, [], [], [], [] if self.return_logits else None,
+                                    init_accept_stats(1, self.k) if self.k else None)
+            slot_of[slot] = completion
+            self._keep(completion, [token])
+            if self._finished(completion):
+              done[id(request)], slot_of[slot] = completion, None
+        if any(c is not None for c in slot_of):
+          for slot, completion in (self._speculate if self.k else self._decode)(slot_of):
+            if self._finished(completion):
+              done[id(completion.request)], slot_of[slot] = completion, None
+    return [done[id(r)] for r in requests]
+
+  @staticmethod
+  def _keep(completion: Completion, tokens) -> None:
+    for tok, logprob, raw, logits in tokens:
+      completion.tokens.append(int(tok))
+      completion.logprobs.append(float(logprob))
+      completion.raw_logprobs.append(float(raw))
+      if completion.logits is not None:
+        completion.logits.append(np.asarray(logits, np.float32))
+
+  @staticmethod
+  def _finished(completion: Completion) -> bool:
+    r = completion.request
+    return (len(completion.tokens) >= r.max_new_tokens
+            or completion.tokens[-1] in r.stop_tokens)
+
+  # ---- admission: grouped, chunked prefill ---------------------------------------------------
+
+  def _admit(self, admitted):
+    """Prefills the admitted requests (one prefill per distinct prompt, copied to the group)
+    and samples their first tokens. Returns `(token, logprob, raw_logprob, logits)` per
+    request."""
+    leaders: dict[tuple, int] = {}  # prompt -> slot holding its prefill
+    copies = []  # (source slot, destination slot)
+    for slot, request in admitted:
+      if request.prompt in leaders:
+        copies.append((leaders[request.prompt], slot))
+      else:
+        leaders[request.prompt] = slot
+    prompts = list(leaders)
+    rows = _bucket(len(prompts), self.slots)
+    # Rows past the prompts use slot id B: gathered as zeros, their scatter dropped.
+    slot_ids = np.full(rows, self.slots, np.int32)
+    slot_ids[:len(prompts)] = [leaders[p] for p in prompts]
+    lengths = np.zeros(rows, np.int32)
+    lengths[:len(prompts)] = [len(p) for p in prompts]
+    # k tokens of lookahead past each chunk: the MTP depths read t_{i+d}.
+    tokens = np.zeros((rows, _round_up(int(lengths.max()), self.chunk) + self.k), np.int32)
+    for i, p in enumerate(prompts):
+      tokens[i, :len(p)] = p
+    slot_ids = jnp.asarray(slot_ids)
+    sub = _gather_slots(self.cache, slot_ids, self._slot_axes)
+    last_PY = jnp.zeros((rows, self.cfg.vocab_size), jnp.float32)
+    hidden_PWD = jnp.zeros((rows,) + self.hidden.shape[1:], self.hidden.dtype)
+    for start in range(0, tokens.shape[1] - self.k, self.chunk):
+      sub, last_PY, hidden_PWD = _prefill_chunk(
+          self.cfg, self.params, sub, last_PY, hidden_PWD,
+          jnp.asarray(tokens[:, start:start + self.chunk + self.k]), jnp.asarray(lengths),
+          jnp.int32(start), depths=self.k, mtp_cache=self.mtp_cache)
+    self.cache = _scatter_slots(self.cache, sub, slot_ids, self._slot_axes)
+    self.hidden = self.hidden.at[slot_ids].set(hidden_PWD, mode="drop")
+    if copies:
+      src, dst = (jnp.asarray(x, jnp.int32) for x in zip(*copies))
+      self.cache = _copy_slots(self.cache, src, dst, self._slot_axes)
+      self.hidden = self.hidden.at[dst].set(self.hidden[src])
+    # First tokens: one row per admitted request, padded to B rows (one compiled shape).
+    row_of = {p: i for i, p in enumerate(prompts)}
+    requests = [r for _, r in admitted] + [None] * (self.slots - len(admitted))
+    rows_B = np.array([row_of[r.prompt] if r else 0 for r in requests], np.int32)
+    out = _sample(last_PY[jnp.asarray(rows_B)], _settings(requests), _seeds(requests),
+                  jnp.zeros(self.slots, jnp.int32), return_logits=self.return_logits)
+    out = jax.device_get(out)
+    return [_row(out, i) for i in range(len(admitted))]
+
+  # ---- one decode step over every slot -------------------------------------------------------
+
+  def _decode(self, slot_of):
+    """One token for every active slot; yields `(slot, completion)` for each."""
+    requests = [c.request if c is not None else None for c in slot_of]
+    active = np.array([c is not None for c in slot_of])
+    pending = np.array([c.tokens[-1] if c else 0 for c in slot_of], np.int32)
+    fed = np.array([len(c.sequence) - 1 if c else 0 for c in slot_of], np.int32)
+    index = np.array([len(c.tokens) if c else 0 for c in slot_of], np.int32)
+    self.cache, out = _decode_and_sample(
+        self.cfg, self.params, self.cache, jnp.asarray(pending), jnp.asarray(fed),
+        jnp.asarray(active), _settings(requests), _seeds(requests), jnp.asarray(index),
+        return_logits=self.return_logits)
+    out = jax.device_get(out)
+    for slot in np.flatnonzero(active):
+      self._keep(slot_of[slot], [_row(out, slot)])
+      yield slot, slot_of[slot]
+
+  def _speculate(self, slot_of):
+    """One verification step for every active slot: keeps up to k + 1 tokens per slot (cut at
+    a stop token or the budget) and counts them; yields `(slot, completion)` for each."""
+    requests = [c.request if c is not None else None for c in slot_of]
+    active = np.array([c is not None for c in slot_of])
+    window = np.zeros((self.slots, self.w + 1), np.int32)
+    fed = np.zeros(self.slots, np.int32)
+    for slot, c in enumerate(slot_of):
+      if c is not None:
+        seq = c.sequence
+        fed[slot] = len(seq) - 1
+        tail = seq[max(0, len(seq) - self.w - 1):]
+        window[slot, self.w + 1 - len(tail):] = tail
+    index = np.array([len(c.tokens) if c else 0 for c in slot_of], np.int32)
+    self.cache, self.hidden, out = _speculate_and_sample(
+        self.cfg, self.params, self.cache, self.hidden, jnp.asarray(window), jnp.asarray(fed),
+        jnp.asarray(active), _settings(requests), _seeds(requests), jnp.asarray(index),
+        k=self.k, mtp_cache=self.mtp_cache, return_logits=self.return_logits)
+    accepted, num_emitted, tokens, logprobs, raws, logits = jax.device_get(out)
+    for slot in np.flatnonzero(active):
+      c = slot_of[slot]
+      emitted = [int(t) for t in tokens[slot, :num_emitted[slot]]]
+      stops = [j for j, t in enumerate(emitted) if t in c.request.stop_tokens]
+      limit = min(c.request.max_new_tokens - len(c.tokens), stops[0] + 1 if stops else NO_LIMIT)
+      kept = min(len(emitted), limit)
+      c.accept = add_step(c.accept, accepted[slot:slot + 1], np.array([limit], np.int32))
+      self._keep(c, [(tokens[slot, j], logprobs[slot, j], raws[slot, j],
+                      None if logits is None else logits[slot, j]) for j in range(kept)])
+      yield slot, c
+
+
+# ---- jitted device functions -----------------------------------------------------------------
+
+
+def _settings(requests) -> sampling.SamplingParams:
+  """Per-slot sampling settings; None (an idle slot) samples greedily, unused."""
+  return sampling.SamplingParams.create(
+      len(requests), [r.temperature if r else 0.0 for r in requests],
+      [r.top_k if r else 0 for r in requests], [r.top_p if r else 1.0 for r in requests])
+
+
+def _seeds(requests):
+  return jnp.asarray([r.seed if r else 0 for r in requests], jnp.uint32)
+
+
+def _row(out, i):
+  tokens, logprobs, raw, logits = out
+  return tokens[i], logprobs[i], raw[i], None if logits is None else logits[i]
+
+
+def _bucket(n: int, limit: int) -> int:
+  """The smallest power of two >= n, at most `limit` (compiled prefill shapes stay few)."""
+  return min(1 << (n - 1).bit_length(), limit) if n > 1 else 1
+
+
+def _round_up(n: int, multiple: int) -> int:
+  return -(-n // multiple) * multiple
+
+
+@functools.partial(jax.jit, static_argnames=("slot_axes",))
+def _gather_slots(cache, slot_ids_P, slot_axes):
+  """The caches of slots `slot_ids_P` (ids >= B give zeros), the slots axis in place.
+
+  `slot_axes`: each cache leaf's slots axis, in `jax.tree.leaves` order."""
+  leaves, tree = jax.tree.flatten(cache)
+  return jax.tree.unflatten(tree, [
+      jnp.take(x, slot_ids_P, axis=axis, mode="fill", fill_value=0)
+      for x, axis in zip(leaves, slot_axes)])
+
+
+@functools.partial(jax.jit, static_argnames=("slot_axes",), donate_argnames=("cache",))
+def _scatter_slots(cache, sub, slot_ids_P, slot_axes):
+  """`cache` with slots `slot_ids_P` replaced by `sub`'s (ids >= B dropped)."""
+
+  def put(x, rows, axis):
+    x, rows = jnp.moveaxis(x, axis, 0), jnp.moveaxis(rows, axis, 0)
+    return jnp.moveaxis(x.at[slot_ids_P].set(rows, mode="drop"), 0, axis)
+
+  leaves, tree = jax.tree.flatten(cache)
+  return jax.tree.unflatten(tree, [put(x, rows, axis) for x, rows, axis in
+                                   zip(leaves, jax.tree.leaves(sub), slot_axes)])
+
+
+@functools.partial(jax.jit, static_argnames=("cfg", "depths", "mtp_cache"),
+                   donate_argnames=("sub",))
+def _prefill_chunk(cfg, params, sub, last_PY, hidden_PWD, tokens_PX, lengths_P, start, *,
+                   depths, mtp_cache):
+  """One prefill chunk of P prompts, positions `start .. start + C - 1`, into their gathered
+  caches `sub` (and, with `depths` = k > 0, the MTP caches: `speculate.prefill_mtp`).
+
+  Args:
+    last_PY: fp32 logits at each prompt's last token, where an earlier chunk held it.
+    hidden_PWD: h at each prompt's last W positions, where earlier chunks held them.
+    tokens_PX: int32 this chunk of each prompt and the k tokens after it (anything past the
+      prompt's length), X = C + k.
+    lengths_P: int32 prompt lengths (0 for padding rows: nothing written).
+  Returns:
+    `(sub, last_PY, hidden_PWD)`, updated for the prompt positions in this chunk: the logits
+    at a prompt's last token predict its first generated token.
+  """
+  p, c = tokens_PX.shape[0], tokens_PX.shape[1] - depths
+  positions_PC = start + jnp.broadcast_to(jnp.arange(c, dtype=jnp.int32), (p, c))
+  real_PC = positions_PC < lengths_P[:, None]
+  out = decode_step(cfg, params, sub, tokens_PX[:, :c], positions_PC, real_PC.astype(jnp.int32))
+  sub = out.cache
+  last_P = lengths_P - 1 - start
+  logits_PY = jnp.take_along_axis(out.logits_BQY, jnp.clip(last_P, 0, c - 1)[:, None, None],
+                                  axis=1)[:, 0]
+  ends_here_P = (last_P >= 0) & (last_P < c)
+  last_PY = jnp.where(ends_here_P[:, None], logits_PY, last_PY)
+  if depths:
+    sub = speculate.prefill_mtp(cfg, params, sub, out.hidden_BQD, tokens_PX, positions_PC,
+                                lengths_P, depths=depths, mtp_cache=mtp_cache)
+    w = hidden_PWD.shape[1]
+    # Window row of each chunk position (W, dropped, outside the prompt's last W).
+    row_PC = positions_PC - (lengths_P[:, None] - w)
+    row_PC = jnp.where(real_PC & (row_PC >= 0), row_PC, w)
+    hidden_PWD = jax.vmap(lambda h, rows, new: h.at[rows].set(new, mode="drop"))(
+        hidden_PWD, row_PC, out.hidden_BQD.astype(hidden_PWD.dtype))
+  return sub, last_PY, hidden_PWD
+
+
+@functools.partial(jax.jit, static_argnames=("slot_axes",), donate_argnames=("cache",))
+def _copy_slots(cache, src_G, dst_G, slot_axes):
+  """Prefix sharing: slot `dst_G[i]` gets a copy of slot `src_G[i]`'s cache."""
+  sub = _gather_slots(cache, src_G, slot_axes)
+  return _scatter_slots(cache, sub, dst_G, slot_axes)
+
+
+@functools.partial(jax.jit, static_argnames=("return_logits",))
+def _sample(logits_BY, settings, seeds_B, index_B, *, return_logits):
+  out = sampling.sample(logits_BY, settings, seeds_B, index_B)
+  return out.tokens, out.logprobs, out.raw_logprobs, logits_BY if return_logits else None
+
+
+@functools.partial(jax.jit, static_argnames=("cfg", "return_logits"),
+                   donate_argnames=("cache",))
+def _decode_and_sample(cfg, params, cache, pending_B, fed_B, active_B, settings, seeds_B,
+                       index_B, *, return_logits):
+  """Feeds each active slot's pending token at its next position and samples token
+  `index_B` of its request. Returns `(cache, (tokens, logprobs, raw_logprobs, logits))`."""
+  out = decode_step(cfg, params, cache, pending_B[:, None], fed_B[:, None],
+                    active_B[:, None].astype(jnp.int32))
+  return out.cache, _sample(out.logits_BQY[:, 0], settings, seeds_B, index_B,
+                            return_logits=return_logits)
+
+
+@functools.partial(jax.jit, static_argnames=("cfg", "k", "mtp_cache", "return_logits"),
+                   donate_argnames=("cache", "hidden_BWD"))
+def _speculate_and_sample(cfg, params, cache, hidden_BWD, window_BX, fed_B, active_B, settings,
+                          seeds_B, index_B, *, k, mtp_cache, return_logits):
+  """`speculate.speculative_step`; returns `(cache, hidden_BWD, (accepted, num_emitted,
+  tokens, logprobs, raw_logprobs, logits or None))`."""
+  out = speculate.speculative_step(cfg, params, cache, hidden_BWD, window_BX, fed_B, active_B,
+                                   settings, seeds_B, index_B, k=k, mtp_cache=mtp_cache)
+  v = out.verified
+  return out.cache, out.hidden_BWD, (v.accepted, v.num_emitted, v.tokens, v.logprobs,
+                                     v.raw_logprobs, out.logits_BQY if return_logits else None)
+
+
+def generate(config, params, prompts, max_new_tokens=32, temperature=0.0, top_p=1.0, top_k=0,
+             seed=0, speculative_steps=0, return_logits=False, stop_tokens=(), *,
+             slots: int | None = None, max_len: int | None = None, prefill_chunk: int = 256,
+             mtp_cache: str = "per_depth", mesh=None, rules=None) -> GenerateResult:
+  """Completes every prompt (see the module docstring; `GenerateResult` for the fields).
+
+  Args:
+    config: the model section or a `ModelConfig`. params: its params.
+    prompts: a list of token-id lists (of any lengths >= 1).
+    max_new_tokens, temperature, top_p, top_k, stop_tokens: per request, as `Request`.
+    seed: prompt i draws with `request_seed(seed, i)`.
+    speculative_steps: MTP draft steps per verification (0: plain decoding). The output has
+      exactly the distribution of plain decoding (greedy: the same tokens).
+    return_logits: also return each generated token's raw logits.
+    slots: sequences decoded at once (default: all prompts, at most 32).
+    max_len: cache positions per slot (default: what the longest request needs).
+    prefill_chunk: prompt tokens per slot per prefill call.
+    mtp_cache: the MTP caches' scheme with speculative_steps > 0 (`glm5_jax.infer.speculate`).
+    mesh, rules: serve sharded (`Engine`).
+  Raises:
+    ValueError: a bad argument (`glm5_jax.infer.requests.validate_generate_args`).
+  """
+  cfg = ModelConfig.from_config(config)
+  if max_len is None:  # what the longest request needs (validation below names bad input)
+    lengths = [len(p) for p in prompts if hasattr(p, "__len__")] if hasattr(
+        prompts, "__iter__") else []
+    extra = max_new_tokens - 1 + speculative_steps if isinstance(
+        max_new_tokens, int) and isinstance(speculative_steps, int) else 0
+    max_len = max(max(lengths, default=1) + max(extra, 0), 1)
+  requests = validate_generate_args(
+      prompts, vocab_size=cfg.vocab_size, max_len=max_len, max_new_tokens=max_new_tokens,
+      temperature=temperature, top_p=top_p, top_k=top_k, seed=seed,
+      speculative_steps=speculative_steps, return_logits=return_logits, stop_tokens=stop_tokens)
+  requests = [dataclasses.replace(r, seed=request_seed(seed, r.index)) for r in requests]
+  engine = Engine(cfg, params, slots=slots or min(len(requests), 32), max_len=max_len,
+                  prefill_chunk=prefill_chunk, return_logits=return_logits,
+                  speculative_steps=speculative_steps, mtp_cache=mtp_cache, mesh=mesh,
+                  rules=rules)
+  done = engine.run(requests)
+  spec = bool(speculative_steps)
+  return GenerateResult(
+      tokens=[c.tokens for c in done], logprobs=[c.logprobs for c in done],
+      raw_logprobs=[c.raw_logprobs for c in done],
+      logits=[np.stack(c.logits) for c in done] if return_logits else None,
+      accept_lengths=[c.accept_length() for c in done] if spec else None,
+      acceptance_rates=[c.acceptance_rates() for c in done] if spec else None)
