@@ -106,6 +106,20 @@ def _stop_tokens(tokenizer) -> tuple:
   return tuple(dict.fromkeys(stop))
 
 
+def _text(tokenizer, ids) -> str:
+  """`ids` decoded; ids the model can emit but the tokenizer lacks (a model vocab padded past
+  the tokenizer's, as the tiny model's 384 over the byte tokenizer's 272) show as
+  `<|unk:ID|>` rather than failing the decode or vanishing."""
+  parts, run = [], []
+  for i in ids:
+    if i < tokenizer.vocab_size:
+      run.append(i)
+      continue
+    parts += [tokenizer.decode(run), f"<|unk:{i}|>"]
+    run = []
+  return "".join(parts + [tokenizer.decode(run)])
+
+
 def _timed(fn):
   start = time.perf_counter()
   out = fn()  # generate returns host lists: every device result is already read back
@@ -150,7 +164,7 @@ def _generate_and_print(served, prompts):
   records = []
   for prompt, tokens, logprobs, raw in zip(prompts, result.tokens, result.logprobs,
                                            result.raw_logprobs):
-    text = tok.decode(tokens) if tok is not None else None
+    text = _text(tok, tokens) if tok is not None else None
     print(f"\n== [{prompt.id}] {len(prompt.tokens)} prompt tokens -> {len(tokens)} generated")
     if prompt.text is not None:
       print(f"prompt: {prompt.text!r}")
