@@ -50,8 +50,9 @@ _WORKDIR = flags.DEFINE_string("workdir", None, "Training run workdir: serve its
 _HF_PATH = flags.DEFINE_string("hf_path", None, "HF GLM-5 checkpoint directory to serve.")
 _RANDOM_INIT = flags.DEFINE_bool("random_init", False, "Serve --config's model with random "
                                  "params (smoke tests of the serving path only).")
-_CONFIG = config_flags.DEFINE_config_file("config", "configs/tiny.py",
-                                          "Run config for --random_init (model, tokenizer).")
+_CONFIG = config_flags.DEFINE_config_file(
+    "config", None, "Run config for --random_init (its model and data.tokenizer), e.g. "
+    "configs/tiny.py.", lock_config=False)
 _MODEL = config_flags.DEFINE_config_dict(
     "model", model_config(), "Served-model fields to change, e.g. --model.dsa_impl=pallas; only "
     "fields given here apply.")
@@ -71,6 +72,9 @@ _STOP_TOKENS = flags.DEFINE_list("stop_tokens", [], "Token ids that end a comple
 _STOP_AT_EOS = flags.DEFINE_bool("stop_at_eos", True, "The tokenizer's eos ends a completion.")
 _SPECULATIVE = flags.DEFINE_integer("speculative_steps", 0, "MTP draft tokens per verification "
                                     "step (0 = plain decoding; 3 is GLM-5's setting).")
+_MTP_CACHE = flags.DEFINE_enum("mtp_cache", "per_depth", ["per_depth", "shared"], "The MTP "
+                               "drafter's cache scheme with --speculative_steps > 0 "
+                               "(glm5_jax.infer.cache).")
 _SLOTS = flags.DEFINE_integer("slots", 0, "Sequences decoded at once (0: every prompt, at most "
                               "32).")
 _MAX_LEN = flags.DEFINE_integer("max_len", 0, "Cache positions per slot (0: what the longest "
@@ -131,6 +135,12 @@ def main(argv):
     raise app.UsageError(f"unexpected arguments {argv[1:]}")
   console.quiet_library_info()
   try:
+    if _RANDOM_INIT.value and _CONFIG.value is None:
+      raise ValueError("--random_init needs --config (e.g. --config=configs/tiny.py): the model "
+                       "to initialize")
+    if _CONFIG.value is not None and not _RANDOM_INIT.value:
+      raise ValueError("--config is for --random_init only: a --workdir or --hf_path model is "
+                       "the checkpoint's own (change fields with --model.<field>=...)")
     served = load_model(workdir=_WORKDIR.value, hf_path=_HF_PATH.value,
                         random_init_config=_CONFIG.value if _RANDOM_INIT.value else None,
                         model_overrides=config_flags.get_override_values(flags.FLAGS["model"]),
@@ -149,6 +159,8 @@ def _generate_and_print(served, prompts):
   common = dict(temperature=_TEMPERATURE.value, top_p=_TOP_P.value, top_k=_TOP_K.value,
                 seed=_SEED.value, speculative_steps=k, stop_tokens=_stop_tokens(served.tokenizer),
                 slots=_SLOTS.value or None, max_len=max_len, prefill_chunk=_PREFILL_CHUNK.value)
+  if k:
+    common["mtp_cache"] = _MTP_CACHE.value
   full = lambda: infer.generate(served.model, served.params, ids, max_new_tokens=_MAX_NEW.value,
                                 **common)
   prefill = lambda: infer.generate(served.model, served.params, ids, max_new_tokens=1, **common)
@@ -186,7 +198,7 @@ def _generate_and_print(served, prompts):
     print(f"decode: {decode_tokens} tokens after the first in {decode_s:.3f}s = "
           f"{decode_tokens / decode_s:,.1f} tokens/s")
   if k:
-    print(f"speculative ({k} draft steps): mean accept length "
+    print(f"speculative ({k} draft steps, {_MTP_CACHE.value} MTP cache): mean accept length "
           f"{np.mean(result.accept_lengths):.3f} tokens per verification step "
           f"(per prompt: {[round(a, 3) for a in result.accept_lengths]})")
     for record, accept in zip(records, result.accept_lengths):

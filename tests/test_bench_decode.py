@@ -21,7 +21,7 @@ def test_bench_runs_on_a_one_layer_tiny_model():
   params = bench_decode.random_params(bench_decode.ModelConfig.from_config(model), seed=0)
   out = bench_decode.run_bench(
       model, params, batch_sizes=[1, 2], prompt_len=16, prefill_chunk=8, decode_steps=2,
-      speculative_steps=[], spec_prompts=1, spec_new_tokens=2, gqa_kv_heads=8, seed=0)
+      speculative_steps=[], mtp_cache=[], spec_prompts=1, spec_new_tokens=2, gqa_kv_heads=8, seed=0)
   assert out["model"]["layers"] == 1 and out["cache"]["layers"]["layers_0"]["values"] == 88
   assert out["cache"]["gqa"]["kv_heads"] == 2  # 8 KV heads do not fit the tiny model's 4
   for row in out["throughput"].values():

@@ -159,6 +159,7 @@ def test_cli_generates_from_a_trained_run(tmp_path):
   # Bad input: the cause is the last line on stderr, exit status 1.
   bad = _write(tmp_path / "bad.jsonl", ['{"tokens": [1]}', '{"prompt": 5}'])
   for flags, message in [((), "exactly one model source"),
+                         (("--random_init",), "--random_init needs --config"),
                          ((f"--workdir={tmp_path}",), "no checkpoint under"),
                          ((f"--workdir={workdir}",), "no prompts: give --prompt"),
                          ((f"--workdir={workdir}", f"--prompts_file={bad}"),

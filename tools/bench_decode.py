@@ -20,7 +20,8 @@ Sections (every time is taken after a compiling warm-up call of the same shapes,
                size B in `--batch_sizes`, and the ratio to the smallest B.
   speculative  `infer.generate` with `speculative_steps=k` against k = 0 on the same prompts
                (greedy): wall-clock speed-up and mean accept length (tokens per verification
-               step, the bonus token included); `--speculative_steps=` (empty) skips it.
+               step, the bonus token included), for each MTP cache scheme in `--mtp_cache`
+               ("per_depth", "shared"); `--speculative_steps=` (empty, the default) skips it.
                Random params accept ~1 token: use `--workdir` of a trained run.
 
 Params: `--workdir` (a training run's latest checkpoint, `glm5_jax.infer.loading`) or random
@@ -66,6 +67,8 @@ _PREFILL_CHUNK = flags.DEFINE_integer("prefill_chunk", 64, "Prompt tokens per sl
 _DECODE_STEPS = flags.DEFINE_integer("decode_steps", 16, "Timed decode steps per batch size.")
 _SPECULATIVE = flags.DEFINE_list("speculative_steps", [], "Draft steps k to compare with plain "
                                  "decoding (e.g. 1,2,3,4); empty: skip.")
+_MTP_CACHE = flags.DEFINE_list("mtp_cache", ["per_depth", "shared"], "MTP cache schemes to "
+                               "measure in the speculative section.")
 _SPEC_PROMPTS = flags.DEFINE_integer("spec_prompts", 4, "Prompts of the speculative section.")
 _SPEC_NEW = flags.DEFINE_integer("spec_new_tokens", 32, "Tokens generated per prompt there.")
 _GQA_KV_HEADS = flags.DEFINE_integer("gqa_kv_heads", 8, "KV heads of the GQA comparison.")
@@ -218,16 +221,17 @@ def throughput_section(cfg, params, batch_sizes, prompt_len, chunk, steps, seed)
 # ---- speculative decoding --------------------------------------------------------------------
 
 
-def speculative_section(cfg, params, ks, n_prompts, prompt_len, new_tokens, seed) -> dict:
+def speculative_section(cfg, params, ks, schemes, n_prompts, prompt_len, new_tokens,
+                        seed) -> dict:
   prompts = np.random.default_rng(seed).integers(0, cfg.vocab_size, (n_prompts, prompt_len))
   prompts = [p.tolist() for p in prompts]
   max_len = prompt_len + new_tokens + max(ks)
   print(f"\n== speculative decoding ({n_prompts} prompts of {prompt_len} tokens, "
         f"{new_tokens} new tokens each, greedy)")
 
-  def timed(k):
+  def timed(k, **scheme):
     run = lambda: infer.generate(cfg, params, prompts, max_new_tokens=new_tokens,
-                                 speculative_steps=k, max_len=max_len)
+                                 speculative_steps=k, max_len=max_len, **scheme)
     run()  # compiles
     start = time.perf_counter()
     result = run()
@@ -235,22 +239,25 @@ def speculative_section(cfg, params, ks, n_prompts, prompt_len, new_tokens, seed
 
   plain, plain_s = timed(0)
   tokens = sum(len(t) for t in plain.tokens)
-  print(f"k=0: {plain_s:.3f}s = {tokens / plain_s:,.1f} tokens/s")
-  rows = {0: dict(seconds=plain_s, tokens_per_s=tokens / plain_s)}
-  for k in ks:
-    result, seconds = timed(k)
-    accept = float(np.mean(result.accept_lengths))
-    rows[k] = dict(seconds=seconds, tokens_per_s=sum(len(t) for t in result.tokens) / seconds,
-                   speedup=plain_s / seconds, accept_length=accept,
-                   same_tokens=result.tokens == plain.tokens)
-    print(f"k={k}: {seconds:.3f}s = {rows[k]['tokens_per_s']:,.1f} tokens/s, speed-up "
-          f"x{rows[k]['speedup']:.2f}, mean accept length {accept:.3f}; output "
-          f"{'equals' if rows[k]['same_tokens'] else 'DIFFERS FROM'} plain greedy")
+  print(f"    plain k=0: {plain_s:.3f}s = {tokens / plain_s:,.1f} tokens/s")
+  rows = {"plain": dict(seconds=plain_s, tokens_per_s=tokens / plain_s)}
+  for scheme in schemes:
+    for k in ks:
+      result, seconds = timed(k, mtp_cache=scheme)
+      accept = float(np.mean(result.accept_lengths))
+      row = rows[f"{scheme}/k={k}"] = dict(
+          seconds=seconds, tokens_per_s=sum(len(t) for t in result.tokens) / seconds,
+          speedup=plain_s / seconds, accept_length=accept,
+          same_tokens=result.tokens == plain.tokens)
+      print(f"{scheme:>9s} k={k}: {seconds:.3f}s = {row['tokens_per_s']:,.1f} tokens/s, "
+            f"speed-up x{row['speedup']:.2f}, mean accept length {accept:.3f}; output "
+            f"{'equals' if row['same_tokens'] else 'DIFFERS FROM'} plain greedy")
   return rows
 
 
 def run_bench(model, params, *, batch_sizes, prompt_len, prefill_chunk, decode_steps,
-              speculative_steps, spec_prompts, spec_new_tokens, gqa_kv_heads, seed) -> dict:
+              speculative_steps, mtp_cache, spec_prompts, spec_new_tokens, gqa_kv_heads,
+              seed) -> dict:
   """Every section (module docstring) for `model` (a model ConfigDict) and its params."""
   cfg = ModelConfig.from_config(model)
   n_params = sum(x.size for x in jax.tree.leaves(params))
@@ -262,8 +269,8 @@ def run_bench(model, params, *, batch_sizes, prompt_len, prefill_chunk, decode_s
   out["throughput"] = throughput_section(cfg, params, batch_sizes, prompt_len,
                                          min(prefill_chunk, prompt_len), decode_steps, seed)
   if speculative_steps:
-    out["speculative"] = speculative_section(cfg, params, speculative_steps, spec_prompts,
-                                             prompt_len, spec_new_tokens, seed)
+    out["speculative"] = speculative_section(cfg, params, speculative_steps, mtp_cache,
+                                             spec_prompts, prompt_len, spec_new_tokens, seed)
   return out
 
 
@@ -284,6 +291,7 @@ def main(argv):
                   prompt_len=_PROMPT_LEN.value, prefill_chunk=_PREFILL_CHUNK.value,
                   decode_steps=_DECODE_STEPS.value,
                   speculative_steps=[int(k) for k in _SPECULATIVE.value],
+                  mtp_cache=_MTP_CACHE.value,
                   spec_prompts=_SPEC_PROMPTS.value, spec_new_tokens=_SPEC_NEW.value,
                   gqa_kv_heads=_GQA_KV_HEADS.value, seed=_SEED.value)
   print(json.dumps(out, default=str))
