@@ -77,3 +77,28 @@ def test_indivisible_parameter_is_a_clear_error():
     sharding.param_mesh_specs(*glm5_jax.abstract_params_and_axes(cfg.model), three_way_tensor,
                               [("heads", "tensor")])
   assert mesh.shape == {"data": 1, "fsdp": 1, "expert": 1, "tensor": 1}
+
+
+def test_every_matrix_is_sharded_over_fsdp(helpers):
+  """Under a pure fsdp mesh every parameter with two or more (non-layer) dimensions is split
+  over fsdp. The MLA and indexer up-projections (`q_b_proj [Q, H, K]`, `k_b_proj` / `v_b_proj
+  [C, H, N]`, `wq_b [Q, J, I]`) have no embed dimension and were replicated on every device
+  until `q_lora` and `kv_lora` got rules (16.5 GiB of the 744B model's 28 GiB of fp32 params
+  per device on fsdp 64 x expert 4: docs/scaling.md)."""
+  import jax
+  import glm5_jax
+  from glm5_jax import sharding
+
+  cfg = helpers.config(attention_pattern="MDRR", first_k_dense_replace=1)
+  shapes, logical_axes = glm5_jax.abstract_params_and_axes(cfg)
+  fsdp = {"data": 1, "fsdp": 2, "expert": 1, "tensor": 1}
+  specs = sharding.param_mesh_specs(shapes, logical_axes, fsdp,
+                                    sharding.default_logical_axis_rules())
+  is_spec = lambda x: isinstance(x, jax.sharding.PartitionSpec)
+  replicated = []
+  for (path, spec), logical in zip(jax.tree_util.tree_leaves_with_path(specs, is_leaf=is_spec),
+                                   jax.tree_util.tree_leaves(logical_axes, is_leaf=is_spec)):
+    matrix_dims = [a for a in logical if a != "layers"]
+    if len(matrix_dims) >= 2 and "fsdp" not in jax.tree_util.tree_leaves(tuple(spec)):
+      replicated.append(jax.tree_util.keystr(path))
+  assert not replicated, f"replicated over fsdp: {replicated}"
