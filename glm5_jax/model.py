@@ -73,7 +73,10 @@ class GLM5(nn.Module):
 
     def embed(tokens_BL, valid_BL):
       rows_BLD = jnp.take(embedding_YD, jnp.where(valid_BL, tokens_BL, 0), axis=0)
-      return jnp.where(valid_BL[..., None], rows_BLD, 0).astype(dtype)
+      # Pinned to the residual stream's sharding (see MTPLayer: left free, the lookup's output
+      # could take the table's embed sharding and be replicated over the batch).
+      return constrain(jnp.where(valid_BL[..., None], rows_BLD, 0).astype(dtype),
+                       ACTIVATION_AXES)
 
     def lm_head(h_BLD, valid_BL):
       # NaN in the [B, L, D] input, not the [B, L, Y] output: the matmul spreads it over the
