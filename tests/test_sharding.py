@@ -102,3 +102,50 @@ def test_every_matrix_is_sharded_over_fsdp(helpers):
     if len(matrix_dims) >= 2 and "fsdp" not in jax.tree_util.tree_leaves(tuple(spec)):
       replicated.append(jax.tree_util.keystr(path))
   assert not replicated, f"replicated over fsdp: {replicated}"
+
+
+_WHOLE_BATCH_GATHERS = r"""
+import json, jax, jax.numpy as jnp
+from configs import tiny
+import glm5_jax
+from glm5_jax import planner, sharding
+from glm5_jax.config import ModelConfig
+cfg = tiny.get_config()
+cfg.model.num_hidden_layers = 2
+cfg.model.mtp_depths = 2
+cfg.mesh.shape.update(data=1, fsdp=2, expert=2, tensor=2)
+rules = cfg.mesh.logical_axis_rules
+mesh = sharding.make_mesh(cfg.mesh)
+model = ModelConfig.from_config(cfg.model)
+shapes, axes = glm5_jax.abstract_params_and_axes(cfg.model)
+sh = sharding.param_shardings(shapes, axes, mesh, rules)
+params = jax.tree_util.tree_map(lambda s, x: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=x), shapes, sh)
+B, L = 8, 32
+tokens = jax.ShapeDtypeStruct((B, L), jnp.int32, sharding=sharding.batch_sharding(mesh, rules))
+def loss(p, t):
+  out = glm5_jax.forward(model, p, t)
+  return out["mtp_logits"].sum() + out["logits"].sum()
+with sharding.activation_sharding(mesh, rules):
+  text = jax.jit(jax.grad(loss)).lower(params, tokens).compile().as_text()
+D = cfg.model.hidden_size
+whole = [c.result_type for c in planner.collectives(text) if c.kind == "all-gather" and f"[{B},{L},{D}]" in c.result_type.replace(" ", "")]
+print(json.dumps({"whole_batch_gathers": whole}))
+"""
+
+
+@pytest.mark.slow  # a subprocess with 8 host devices compiling a tiny forward + backward
+def test_mtp_embeddings_are_not_gathered_over_the_batch():
+  """The MTP inputs, `eh_proj`'s output and the embedding lookup are pinned to the residual
+  stream's sharding. Left free, the SPMD partitioner gave them `eh_proj`'s embed (fsdp)
+  sharding and, the batch being on fsdp too, all-gathered whole-batch `[B, L, D]` activations
+  on every device: 5 x `f32[64, 4096, 6144]` (30 GiB) per device for the 744B model on fsdp 16
+  x expert 4 x tensor 4, and 20-odd whole-batch all-gathers in this tiny step (3 remain,
+  outside the MTP inputs)."""
+  root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+  env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=8",
+             JAX_PLATFORMS="cpu", PYTHONPATH=root)
+  proc = subprocess.run([sys.executable, "-c", _WHOLE_BATCH_GATHERS], cwd=root, env=env,
+                        capture_output=True, text=True, timeout=600)
+  assert proc.returncode == 0, proc.stderr[-4000:]
+  result = json.loads(proc.stdout.strip().splitlines()[-1])
+  assert len(result["whole_batch_gathers"]) <= 3, result
