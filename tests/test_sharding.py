@@ -57,7 +57,9 @@ def test_sharded_forward_matches_single_device():
   # [layers, E, D, F]: the scanned run's layers axis stays whole on every device.
   assert result["expert_spec"] == ["None", "expert", "fsdp", "tensor"], result
   assert result["param_devices"] == 8, result
-  assert result["logits_spec"][0] == "fsdp", result  # batch stays sharded to the output
+  # batch stays sharded to the output, over the `batch` rule's axes (expert-parallel devices
+  # are data-parallel too)
+  assert result["logits_spec"][0] == str(("fsdp", "expert")), result
 
 
 def test_indivisible_parameter_is_a_clear_error():
