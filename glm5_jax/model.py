@@ -83,7 +83,10 @@ class GLM5(nn.Module):
         "lm_head", (c.hidden_size, c.vocab_size), (EMBED, VOCAB))
     final_norm = RMSNorm(c.rms_norm_eps, dtype, pdtype, name="norm")
 
-    embed = lambda tokens_BL, valid_BL: embed_tokens(embedding_YD, tokens_BL, valid_BL, dtype)
+    # The lookup pinned to the residual stream's sharding (see MTPLayer: left free, its output
+    # could take the table's embed sharding and be replicated over the batch).
+    embed = lambda tokens_BL, valid_BL: constrain(
+        embed_tokens(embedding_YD, tokens_BL, valid_BL, dtype), ACTIVATION_AXES)
     lm_head = lambda h_BLD, valid_BL: lm_head_logits(w_head_DY, h_BLD, valid_BL, dtype)
 
     valid_BL = valid_tokens(tokens_BL, c.vocab_size)

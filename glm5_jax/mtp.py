@@ -19,8 +19,8 @@ from glm5_jax.attention.mode import Mode
 from glm5_jax.config import ModelConfig
 from glm5_jax.decoder import DecoderLayer
 from glm5_jax.layers.norms import RMSNorm
-from glm5_jax.layers.axes import EMBED
-from glm5_jax.layers.params import dtypes, kernels
+from glm5_jax.layers.axes import BATCH, EMBED, LENGTH
+from glm5_jax.layers.params import constrain, dtypes, kernels
 
 
 def shift_tokens_left(tokens_BL, d: int):
@@ -44,11 +44,18 @@ class MTPLayer(nn.Module):
     c = self.cfg
     dtype, pdtype = dtypes(c)
     d = h_prev_BLD.shape[-1]
+    # The inputs and `eh_proj`'s output stay sharded like the residual stream: left free, the
+    # SPMD partitioner took `eh_proj`'s embed sharding (fsdp) for its output and, batch being
+    # on fsdp too, replicated the embedding lookup of the whole global batch on every device
+    # (`f32[64, 4096, 6144]` x 5 on fsdp 16 x expert 4 x tensor 4; docs/scaling.md).
+    next_embed_BLD = constrain(next_embed_BLD, (BATCH, LENGTH, EMBED))
+    h_prev_BLD = constrain(h_prev_BLD, (BATCH, LENGTH, EMBED))
     e_BLD = RMSNorm(c.rms_norm_eps, dtype, pdtype, name="enorm")(next_embed_BLD)
     h_BLD = RMSNorm(c.rms_norm_eps, dtype, pdtype, name="hnorm")(h_prev_BLD)
     w_eh_2DD = kernels(self, c.initializer_range, pdtype, dtype)("eh_proj", (2 * d, d),
                                                                  (None, EMBED))
-    x_BLD = jnp.concatenate([e_BLD, h_BLD], axis=-1) @ w_eh_2DD
+    x_BLD = constrain(jnp.concatenate([e_BLD, h_BLD], axis=-1) @ w_eh_2DD,
+                      (BATCH, LENGTH, EMBED))
     # The last layer's kind, or its `mtp_letter` (an 'R' layer's MTP copy needs an indexer).
     layer = DecoderLayer(c, c.attention_kind(c.num_hidden_layers),
                          c.is_moe_layer(c.num_hidden_layers), name="layer")

@@ -38,6 +38,7 @@ from glm5_jax import cpu_standins
 from glm5_jax.api import abstract_params_and_axes, forward
 from glm5_jax.config import ModelConfig, require
 from glm5_jax.data.packing import BATCH_KEYS
+from glm5_jax.param_stats import kv_cache_bytes_per_token
 from glm5_jax.sharding import (activation_sharding, batch_mesh_axes, batch_sharding, make_mesh,
                                param_shardings, state_shardings, validate_mesh_config)
 from glm5_jax.train.step import StepConfig, make_train_step
@@ -272,6 +273,20 @@ def serve_program(config) -> Program:
                                       tokens.sharding))
   return Program(fn, (params, tokens), mesh, rules, sharded_bytes((params, tokens)),
                  _needs_moe_standin(config))
+
+
+def kv_cache_bytes(config) -> int:
+  """Per-device bytes of the serving KV cache for `data.batch_size` sequences of
+  `data.seq_len` tokens (the prefill's batch, each slot filled to its length), computed, not
+  compiled: `glm5_jax.param_stats.kv_cache_bytes_per_token` (bf16; MLA's 576-number latent per
+  token and layer, plus the DSA indexer's keys) of the main layers, times the tokens, over the
+  devices the batch is split across (`batch_mesh_axes`). The cache is replicated over the
+  other axes (`tensor`: an MLA latent is shared by every head). MTP's own layer is not counted
+  (one more layer's worth when speculative decoding runs it)."""
+  model = ModelConfig.from_config(config.model)
+  ways = math.prod(config.mesh.shape[a] for a in batch_mesh_axes(config.mesh.logical_axis_rules))
+  tokens = config.data.batch_size * config.data.seq_len
+  return int(math.ceil(kv_cache_bytes_per_token(model)["total"] * tokens / ways))
 
 
 @dataclasses.dataclass(frozen=True)

@@ -45,6 +45,12 @@ def default_logical_axis_rules():
       # then exchanges tokens inside the expert axis instead of gathering the layer's output.
       (logical_axes.BATCH, ("data", "fsdp", "expert")),
       (logical_axes.EMBED, "fsdp"),
+      # MLA's and the indexer's up-projections ([Q, H, K], [C, H, N], [Q, J, I]) have no embed
+      # dimension; without these two rules they were replicated on every device (16.5 of
+      # GLM-5's 28 GiB of fp32 params per device on fsdp 64 x expert 4). A kernel that also has
+      # an embed dimension keeps fsdp there (a mesh axis shards one dimension at most).
+      (logical_axes.Q_LORA, "fsdp"),
+      (logical_axes.KV_LORA, "fsdp"),
       (logical_axes.VOCAB, "tensor"),
       (logical_axes.MLP, "tensor"),
       (logical_axes.HEADS, "tensor"),

@@ -213,3 +213,32 @@ def test_ragged_dot_standin_has_ragged_dots_shapes_and_is_undone():
   assert "ragged_dot" not in text and "5x16" in text  # C = ceil(37 / 8) = 5 rows per expert
   assert jax.eval_shape(jax.lax.ragged_dot, *args) == real
   assert "ragged_dot" in jax.jit(jax.lax.ragged_dot).lower(*args).as_text()  # restored
+
+
+def test_serve_program_compiles_prefill_and_counts_the_kv_cache():
+  """`--mode=serve`: the prefill compiles from abstract params (no optimizer state) to
+  next-token logits `[B, Y]`, its arguments are exactly the params' and prompts' bytes, and the
+  KV cache it adds is `param_stats`' bytes per token (MLA's 576-number latent at GLM-5 width,
+  plus the DSA indexer keys) times the batch's tokens over the devices the batch splits over."""
+  import jax
+  from configs import tiny
+  from glm5_jax.config import ModelConfig
+  from glm5_jax.param_stats import kv_cache_bytes_per_token
+
+  config = tiny.get_config()
+  config.model.num_hidden_layers = 2
+  config.model.attention_pattern = "D"
+  config = planner.with_layout(config, jax.device_count(), {}, seq_len=32, per_device_batch=3)
+  program = planner.serve_program(config)
+  figures = planner.compile_program(program)
+  assert figures.memory.argument == program.state_bytes
+  params = sum(x.size * x.dtype.itemsize for x in jax.tree_util.tree_leaves(program.args[0]))
+  assert program.state_bytes == params + 3 * jax.device_count() * 32 * 4  # + int32 prompts
+  assert figures.memory.temp > 0
+  logits = jax.eval_shape(program.fn, *program.args)
+  assert logits.shape == (3 * jax.device_count(), config.model.vocab_size)
+  model = ModelConfig.from_config(config.model)
+  per_token = kv_cache_bytes_per_token(model)["total"]
+  # 2 DSA layers: (64 latent + 8 rope + 16 indexer-key numbers) x 2 bytes each.
+  assert per_token == 2 * (64 + 8 + 16) * 2
+  assert planner.kv_cache_bytes(config) == per_token * 3 * 32

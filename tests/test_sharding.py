@@ -78,3 +78,75 @@ def test_indivisible_parameter_is_a_clear_error():
     sharding.param_mesh_specs(*glm5_jax.abstract_params_and_axes(cfg.model), three_way_tensor,
                               [("heads", "tensor")])
   assert mesh.shape == {"data": 1, "fsdp": 1, "expert": 1, "tensor": 1}
+
+
+def test_every_matrix_is_sharded_over_fsdp(helpers):
+  """Under a pure fsdp mesh every parameter with two or more (non-layer) dimensions is split
+  over fsdp. The MLA and indexer up-projections (`q_b_proj [Q, H, K]`, `k_b_proj` / `v_b_proj
+  [C, H, N]`, `wq_b [Q, J, I]`) have no embed dimension and were replicated on every device
+  until `q_lora` and `kv_lora` got rules (16.5 GiB of the 744B model's 28 GiB of fp32 params
+  per device on fsdp 64 x expert 4: docs/scaling.md)."""
+  import jax
+  import glm5_jax
+  from glm5_jax import sharding
+
+  cfg = helpers.config(attention_pattern="MDRR", first_k_dense_replace=1)
+  shapes, logical_axes = glm5_jax.abstract_params_and_axes(cfg)
+  fsdp = {"data": 1, "fsdp": 2, "expert": 1, "tensor": 1}
+  specs = sharding.param_mesh_specs(shapes, logical_axes, fsdp,
+                                    sharding.default_logical_axis_rules())
+  is_spec = lambda x: isinstance(x, jax.sharding.PartitionSpec)
+  replicated = []
+  for (path, spec), logical in zip(jax.tree_util.tree_leaves_with_path(specs, is_leaf=is_spec),
+                                   jax.tree_util.tree_leaves(logical_axes, is_leaf=is_spec)):
+    matrix_dims = [a for a in logical if a != "layers"]
+    if len(matrix_dims) >= 2 and "fsdp" not in jax.tree_util.tree_leaves(tuple(spec)):
+      replicated.append(jax.tree_util.keystr(path))
+  assert not replicated, f"replicated over fsdp: {replicated}"
+
+
+_WHOLE_BATCH_GATHERS = r"""
+import json, jax, jax.numpy as jnp
+from configs import tiny
+import glm5_jax
+from glm5_jax import planner, sharding
+from glm5_jax.config import ModelConfig
+cfg = tiny.get_config()
+cfg.model.num_hidden_layers = 2
+cfg.model.mtp_depths = 2
+cfg.mesh.shape.update(data=1, fsdp=2, expert=2, tensor=2)
+rules = cfg.mesh.logical_axis_rules
+mesh = sharding.make_mesh(cfg.mesh)
+model = ModelConfig.from_config(cfg.model)
+shapes, axes = glm5_jax.abstract_params_and_axes(cfg.model)
+sh = sharding.param_shardings(shapes, axes, mesh, rules)
+params = jax.tree_util.tree_map(lambda s, x: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=x), shapes, sh)
+B, L = 8, 32
+tokens = jax.ShapeDtypeStruct((B, L), jnp.int32, sharding=sharding.batch_sharding(mesh, rules))
+def loss(p, t):
+  out = glm5_jax.forward(model, p, t)
+  return out["mtp_logits"].sum() + out["logits"].sum()
+with sharding.activation_sharding(mesh, rules):
+  text = jax.jit(jax.grad(loss)).lower(params, tokens).compile().as_text()
+D = cfg.model.hidden_size
+whole = [c.result_type for c in planner.collectives(text) if c.kind == "all-gather" and f"[{B},{L},{D}]" in c.result_type.replace(" ", "")]
+print(json.dumps({"whole_batch_gathers": whole}))
+"""
+
+
+@pytest.mark.slow  # a subprocess with 8 host devices compiling a tiny forward + backward
+def test_mtp_embeddings_are_not_gathered_over_the_batch():
+  """The MTP inputs, `eh_proj`'s output and the embedding lookup are pinned to the residual
+  stream's sharding. Left free, the SPMD partitioner gave them `eh_proj`'s embed (fsdp)
+  sharding and, the batch being on fsdp too, all-gathered whole-batch `[B, L, D]` activations
+  on every device: 5 x `f32[64, 4096, 6144]` (30 GiB) per device for the 744B model on fsdp 16
+  x expert 4 x tensor 4, and 20-odd whole-batch all-gathers in this tiny step (3 remain,
+  outside the MTP inputs)."""
+  root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+  env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=8",
+             JAX_PLATFORMS="cpu", PYTHONPATH=root)
+  proc = subprocess.run([sys.executable, "-c", _WHOLE_BATCH_GATHERS], cwd=root, env=env,
+                        capture_output=True, text=True, timeout=600)
+  assert proc.returncode == 0, proc.stderr[-4000:]
+  result = json.loads(proc.stdout.strip().splitlines()[-1])
+  assert len(result["whole_batch_gathers"]) <= 3, result

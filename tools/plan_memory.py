@@ -10,7 +10,9 @@ Simulates `--devices` CPU devices (`--xla_force_host_platform_device_count`, set
 starts), builds the mesh from the config's `mesh` section with `--mesh` axis sizes on top, and
 compiles the real step from abstract inputs (`glm5_jax.planner`): nothing is allocated or run.
 Prints per-device argument / output / alias / temp / generated-code bytes, their total against
-v5p / v6e / H100 / H200 HBM, and the collectives of the optimized HLO.
+v5p / v6e / H100 / H200 HBM, and the collectives of the optimized HLO. `--mode=serve` adds the
+KV cache of the prefill's batch (computed from `glm5_jax.param_stats`, not compiled) to the
+verdict.
 
 `--layers=2,4,8` compiles those depths (1 dense + k-1 MoE layers) and extrapolates linearly to
 the config's depth; the argument bytes at full depth are exact (abstract shapes, no compile).
@@ -162,6 +164,14 @@ def main(argv):
 
   verdict_depth = full_depth if extrapolated or depths[-1] == full_depth else depths[-1]
   total = extra["total"] if extrapolated else rows["total"][-1]
+  cache = 0
+  if _MODE.value == "serve":
+    cache_cfg, _ = planner.with_depth(config, verdict_depth)
+    cache = planner.kv_cache_bytes(cache_cfg)
+    print(f"  {'+ KV cache (computed, bf16)':<30}   {_gib(cache)}  for {config.data.batch_size} "
+          f"sequences x {config.data.seq_len} tokens at depth {verdict_depth} "
+          "(glm5_jax.param_stats; not part of the compiled prefill)")
+    total += cache
   verdict = planner.fits(total)
   how = "extrapolated" if extrapolated else "compiled"
   print(f"\nfits HBM (depth {verdict_depth}, {how}: {total / planner.GIB:.2f} GiB per device):")
@@ -184,7 +194,8 @@ def main(argv):
     print(json.dumps({
         "mode": _MODE.value, "devices": jax.device_count(), "mesh": dict(config.mesh.shape),
         "accelerator": _ACCELERATOR.value, "depth": full_depth, "extrapolated": extrapolated,
-        "verdict_depth": verdict_depth, "total": total, "moe_standin": program.moe_standin,
+        "verdict_depth": verdict_depth, "total": total, "kv_cache": cache,
+        "moe_standin": program.moe_standin,
         "compiled": [{"layers": k, "compile_s": r.compile_s, "hlo_chars": r.hlo_chars,
                       "memory": {**dataclasses_asdict(r.memory), "total": r.memory.total},
                       "collectives": planner.summarize_collectives(r.collectives)}
