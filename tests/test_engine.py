@@ -73,9 +73,10 @@ def test_prefix_sharing_copies_one_prefill_into_the_group(params, monkeypatch):
   prefilled_rows = []
   original = engine_lib._prefill_chunk
 
-  def counting(cfg, params, sub, last, tokens, lengths, start):
-    prefilled_rows.append(int((np.asarray(lengths) > 0).sum()))
-    return original(cfg, params, sub, last, tokens, lengths, start)
+  def counting(*args, **kwargs):
+    lengths_P = args[6]
+    prefilled_rows.append(int((np.asarray(lengths_P) > 0).sum()))
+    return original(*args, **kwargs)
 
   monkeypatch.setattr(engine_lib, "_prefill_chunk", counting)
   prompt = [5, 17, 3, 99, 42]
