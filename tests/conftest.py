@@ -8,7 +8,11 @@ bias), so attention is far from uniform and top-k selections matter.
 
 import functools
 import importlib
+import json
+import os
 import pathlib
+import subprocess
+import sys
 import types
 
 import jax
@@ -22,6 +26,18 @@ from glm5_jax.config import ModelConfig
 
 REPO_ROOT = pathlib.Path(__file__).resolve().parents[1]
 CONFIG_DIR = REPO_ROOT / "configs"
+
+
+def run_on_host_devices(script: str, devices: int = 8, timeout: int = 900) -> dict:
+  """Runs python `script` in a subprocess with `devices` simulated CPU devices (they must be
+  requested before jax initializes, hence the subprocess) and returns the JSON object its last
+  stdout line holds; a failure shows the script's stderr."""
+  env = dict(os.environ, XLA_FLAGS=f"--xla_force_host_platform_device_count={devices}",
+             JAX_PLATFORMS="cpu", PYTHONPATH=str(REPO_ROOT))
+  proc = subprocess.run([sys.executable, "-c", script], cwd=REPO_ROOT, env=env,
+                        capture_output=True, text=True, timeout=timeout)
+  assert proc.returncode == 0, proc.stderr[-4000:]
+  return json.loads(proc.stdout.strip().splitlines()[-1])
 
 
 def load_config_module(path):

@@ -2,12 +2,9 @@
 a mesh places params and cache by the logical-axis rules and gives the same tokens and log-probs,
 greedy and sampled."""
 
-import json
-import os
-import subprocess
-import sys
-
 import pytest
+
+from tests.conftest import run_on_host_devices
 
 _SCRIPT = r"""
 import json, jax, numpy as np
@@ -45,13 +42,7 @@ print(json.dumps(out))
 
 @pytest.mark.slow  # a subprocess with 8 host devices
 def test_sharded_generate_matches_single_device():
-  root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-  env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=8",
-             JAX_PLATFORMS="cpu", PYTHONPATH=root)
-  proc = subprocess.run([sys.executable, "-c", _SCRIPT], cwd=root, env=env,
-                        capture_output=True, text=True, timeout=900)
-  assert proc.returncode == 0, proc.stderr[-4000:]
-  result = json.loads(proc.stdout.strip().splitlines()[-1])
+  result = run_on_host_devices(_SCRIPT, timeout=900)
   assert result["param_devices"] == 8, result
   # Every cache array splits its slots over the batch axes.
   assert all("('data', 'fsdp', 'expert')" in spec for spec in result["cache_specs"]), result

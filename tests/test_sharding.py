@@ -1,14 +1,10 @@
 """Sharded forward on 8 simulated CPU devices equals the single-device forward."""
 
-import json
-import os
-import subprocess
-import sys
-
 import pytest
 
 from glm5_jax.config import ConfigError
 from glm5_jax.sharding import mesh_config
+from tests.conftest import run_on_host_devices
 
 _SCRIPT = r"""
 import json, jax, numpy as np
@@ -45,13 +41,7 @@ print(json.dumps({
 
 @pytest.mark.slow  # a subprocess with 8 host devices
 def test_sharded_forward_matches_single_device():
-  root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-  env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=8",
-             JAX_PLATFORMS="cpu", PYTHONPATH=root)
-  proc = subprocess.run([sys.executable, "-c", _SCRIPT], cwd=root, env=env,
-                        capture_output=True, text=True, timeout=600)
-  assert proc.returncode == 0, proc.stderr[-4000:]
-  result = json.loads(proc.stdout.strip().splitlines()[-1])
+  result = run_on_host_devices(_SCRIPT, timeout=600)
   assert result["logits"] < 1e-5, result
   assert result["mtp"] < 1e-5, result
   # [layers, E, D, F]: the scanned run's layers axis stays whole on every device.
@@ -142,11 +132,5 @@ def test_mtp_embeddings_are_not_gathered_over_the_batch():
   on every device: 5 x `f32[64, 4096, 6144]` (30 GiB) per device for the 744B model on fsdp 16
   x expert 4 x tensor 4, and 20-odd whole-batch all-gathers in this tiny step (3 remain,
   outside the MTP inputs)."""
-  root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-  env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=8",
-             JAX_PLATFORMS="cpu", PYTHONPATH=root)
-  proc = subprocess.run([sys.executable, "-c", _WHOLE_BATCH_GATHERS], cwd=root, env=env,
-                        capture_output=True, text=True, timeout=600)
-  assert proc.returncode == 0, proc.stderr[-4000:]
-  result = json.loads(proc.stdout.strip().splitlines()[-1])
+  result = run_on_host_devices(_WHOLE_BATCH_GATHERS, timeout=600)
   assert len(result["whole_batch_gathers"]) <= 3, result
