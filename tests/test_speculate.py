@@ -86,8 +86,24 @@ def test_speculative_sampling_keeps_the_plain_distribution(params):
   assert (plain != spec).any()  # the two used different randomness
 
 
-def test_speculation_refuses_recurrent_kinds_and_models_without_mtp():
-  with pytest.raises(ValueError, match="recurrent attention kinds"):
+@pytest.mark.parametrize("pattern", ["NM", "LD"])
+def test_recurrent_layers_roll_back_rejected_drafts(pattern):
+  """N / L layers keep only the tokens that stand (their per-token states, `rollback_cache`):
+  speculative greedy equals plain greedy, with drafts both accepted and rejected."""
+  cfg = tiny_model_config(num_hidden_layers=2, attention_pattern=pattern,
+                          first_k_dense_replace=1, index_topk=4, mtp_depths=2, vocab_size=6)
+  params = random_params(cfg, seed=5, std=0.5)
+  prompts = [[5, 1, 3, 2, 4], [2, 3]]
+  plain = infer.generate(cfg, params, prompts, max_new_tokens=12, prefill_chunk=4)
+  spec = infer.generate(cfg, params, prompts, max_new_tokens=12, prefill_chunk=4,
+                        speculative_steps=2)
+  assert spec.tokens == plain.tokens
+  rates = np.array(spec.acceptance_rates, np.float64)
+  assert np.nanmax(rates) > 0 and np.nanmin(rates) < 1, rates
+
+
+def test_speculation_refuses_a_recurrent_mtp_layer_and_models_without_mtp():
+  with pytest.raises(ValueError, match="MTP layer runs the recurrent kind N"):
     engine_lib.Engine(tiny_model_config(num_hidden_layers=2, attention_pattern="MN",
                                         first_k_dense_replace=2), None, slots=1, max_len=8,
                       speculative_steps=2)

@@ -16,9 +16,11 @@ must be as if only those had been fed:
 Notation (docs/design.md): B slots, L tokens of the call.
 """
 
+import jax
 import jax.numpy as jnp
 
 from glm5_jax.attention.kinds import ATTENTION_KINDS, KINDS_BY_NAME, AttentionKind
+from glm5_jax.layer_runs import layer_runs, unrolled_name
 
 
 def _kind(kind) -> AttentionKind:
@@ -66,4 +68,33 @@ def rollback(kind, cache_before: dict, cache_after: dict, cache_steps: dict | No
           steps_BL, index_B.reshape((-1, 1) + (1,) * (steps_BL.ndim - 2)), axis=1)[:, 0]
     none_kept = (kept_B == 0).reshape((-1,) + (1,) * (before.ndim - 1))
     out[key] = jnp.where(none_kept, before, picked).astype(cache_after[key].dtype)
+  return out
+
+
+def rollback_cache(cfg, cache_before: dict, cache_after: dict, cache_steps: dict, kept_B) -> dict:
+  """The whole model's cache tree as if only the first `kept_B` tokens of the last
+  `glm5_jax.infer.step.decode_step` call were fed: `rollback` per layer, vmapped over a
+  scanned run's stacked layers.
+
+  Args:
+    cfg: the `ModelConfig` the cache was built for.
+    cache_before: the tree the call was given. cache_after: its returned tree.
+    cache_steps: its `StepOutput.cache_steps` ({} for a one-token call).
+    kept_B: int `[B]`, tokens of the call that stand per slot.
+  Returns:
+    The tree; entries without a recurrent state are `cache_after`'s, untouched.
+  """
+  out = dict(cache_after)
+  for run in layer_runs(cfg):
+    kind = ATTENTION_KINDS[cfg.attention_pattern[run.first]]
+    if not kind.decode_steps:
+      continue
+    names = [run.name] if cfg.scan_layers else [unrolled_name(i)
+                                                 for i in range(run.first, run.last + 1)]
+    for name in names:
+      steps = cache_steps.get(name)
+      one = lambda before, after, steps: rollback(kind, before, after, steps, kept_B)
+      if cfg.scan_layers:
+        one = jax.vmap(one, in_axes=(0, 0, None if steps is None else 0))
+      out[name] = one(cache_before[name], cache_after[name], steps)
   return out

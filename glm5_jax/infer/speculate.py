@@ -15,8 +15,9 @@ final hidden states h_i at the W = 2k + 1 positions i = F-W .. F-1 (`window_size
           a + 1. Main-cache rows F+a+1 .. F+k hold rejected drafts; rows are positions and a
           query at p reads rows <= p, so they are never read and the next step overwrites them
           (the DSA indexer's key rows likewise; SWA rings are sized for them). Recurrent kinds
-          (N, L) would need their state rolled back (`glm5_jax.infer.rollback`), which the
-          model's cache tree does not carry yet: `check_speculative_config` refuses them.
+          (N, L) take back the rejected tokens from their per-token states
+          (`rollback.rollback_cache`); an MTP layer of such a kind is refused
+          (`check_speculative_config`): its window re-feeds positions.
 
 MTP caches (`glm5_jax.infer.cache`, `mtp_cache`):
   "per_depth"  k caches. Each step runs depth d over the WINDOW of positions F-W .. F-1 (not
@@ -47,10 +48,11 @@ import typing
 import jax
 import jax.numpy as jnp
 
-from glm5_jax.attention.kinds import ATTENTION_KINDS
+from glm5_jax.attention.kinds import layer_kind
 from glm5_jax.config import ModelConfig
 from glm5_jax.infer import sampling, speculative
 from glm5_jax.infer.cache import MTP_CACHE_SCHEMES
+from glm5_jax.infer.rollback import rollback_cache
 from glm5_jax.infer.step import decode_step, mtp_step
 
 
@@ -78,12 +80,13 @@ def check_speculative_config(cfg: ModelConfig, k: int, mtp_cache: str) -> None:
                      "(model.num_nextn_predict_layers = 0)")
   if mtp_cache not in MTP_CACHE_SCHEMES:
     raise ValueError(f"mtp_cache must be one of {MTP_CACHE_SCHEMES}, got {mtp_cache!r}")
-  recurrent = sorted({letter for letter in cfg.attention_pattern
-                      if ATTENTION_KINDS[letter].name in ("gdn", "simple_gdn")})
-  if recurrent:
-    raise ValueError(f"speculative decoding with recurrent attention kinds {recurrent} needs "
-                     "their state rolled back after a rejected draft, which the engine does "
-                     "not do yet; use speculative_steps=0 for this pattern")
+  mtp_kind = layer_kind(cfg.attention_pattern, cfg.num_hidden_layers)
+  if mtp_kind.decode_steps:
+    raise ValueError(
+        f"speculative decoding: the MTP layer runs the recurrent kind {mtp_kind.letter} "
+        f"({mtp_kind.name}, after the last layer's {cfg.attention_pattern[-1]!r}); its drafting "
+        "window re-feeds positions, which a recurrent state cannot take back. Use a pattern "
+        "whose last layer is not N / L, or speculative_steps=0")
 
 
 def window_size(k: int) -> int:
@@ -144,11 +147,13 @@ def speculative_step(cfg: ModelConfig, params, cache, hidden_BWD, window_BX, fed
                     jnp.broadcast_to(active_B1, verify_BQ.shape))
   verified = speculative.verify(drafts_Bk, jnp.stack(draft_logits, axis=1), out.logits_BQY,
                                 settings, seeds_B, index_B)
+  # Recurrent states (N, L) keep only the tokens that stand: x and the accepted drafts.
+  new_cache = rollback_cache(cfg, cache, out.cache, out.cache_steps, verified.accepted + 1)
   # The new window ends at F + a: h at F-W .. F-1 then the verified rows F .. F+k.
   all_hidden = jnp.concatenate([hidden_BWD.astype(out.hidden_BQD.dtype), out.hidden_BQD], 1)
   take_BW = verified.accepted[:, None] + 1 + jnp.arange(w, dtype=jnp.int32)
   hidden_BWD = jnp.take_along_axis(all_hidden, take_BW[..., None], axis=1)
-  return SpecOutput(verified, hidden_BWD, out.logits_BQY, out.cache)
+  return SpecOutput(verified, hidden_BWD, out.logits_BQY, new_cache)
 
 
 def prefill_mtp(cfg: ModelConfig, params, cache, hidden_PCD, tokens_PX, positions_PC,

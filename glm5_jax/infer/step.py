@@ -37,11 +37,16 @@ class StepOutput(typing.NamedTuple):
     state after the final norm (h^0, the MTP layer's input at depth 1); `mtp_step` the depth's
     output state h^d (the input of depth d + 1).
   cache: the updated cache tree.
+  cache_steps: `decode_step` with Q > 1: for each layer (or scanned run, stacked
+    `[layers, ...]`) with a recurrent state (`AttentionKind.decode_steps`), every state entry
+    after each of the Q tokens, `[B, Q, ...]`, for `glm5_jax.infer.rollback.rollback_cache`;
+    {} otherwise. Unused entries cost nothing: XLA drops what the caller does not return.
   """
 
   logits_BQY: jax.Array
   hidden_BQD: jax.Array
   cache: dict
+  cache_steps: dict = {}
 
 
 def _check(cfg: ModelConfig, tokens_BQ, positions_BQ, segment_ids_BQ, dsa_stage: str):
@@ -57,7 +62,9 @@ def _check(cfg: ModelConfig, tokens_BQ, positions_BQ, segment_ids_BQ, dsa_stage:
 def _decode_step(params, cache, tokens_BQ, positions_BQ, segment_ids_BQ, *, cfg, dsa_stage):
   out = GLM5(cfg).apply({"params": params}, tokens_BQ, positions_BQ, segment_ids_BQ,
                         mode=Mode(form="decode", dsa_stage=dsa_stage), mtp=False, cache=cache)
-  return StepOutput(out["logits"], out["hidden"], out["cache"])
+  steps = {name: aux["cache_steps"] for name, aux in out["aux"]["layers"].items()
+           if "cache_steps" in aux}
+  return StepOutput(out["logits"], out["hidden"], out["cache"], steps)
 
 
 def decode_step(config, params, cache, tokens_BQ, positions_BQ, segment_ids_BQ, *,
@@ -73,7 +80,8 @@ def decode_step(config, params, cache, tokens_BQ, positions_BQ, segment_ids_BQ, 
     segment_ids_BQ: int32, 1 real token, 0 padding.
     dsa_stage: `Mode.dsa_stage` (inference: "sparse").
   Returns:
-    `StepOutput(logits_BQY fp32, hidden_BQD, cache)`; logits at position p predict p + 1.
+    `StepOutput(logits_BQY fp32, hidden_BQD, cache, cache_steps)`; logits at position p
+    predict p + 1.
   """
   cfg = ModelConfig.from_config(config)
   tokens_BQ, positions_BQ, segment_ids_BQ = (jnp.asarray(x, jnp.int32) for x in
