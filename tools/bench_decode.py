@@ -1,7 +1,8 @@
 """Decode cost, measured side by side in one run on the current backend.
 
   python tools/bench_decode.py                                   # tiny GLM-5 on CPU, < 1 min
-  python tools/bench_decode.py --workdir=/tmp/glm5_tiny --speculative_steps=1,2,3,4
+  python tools/bench_decode.py --workdir=/tmp/glm5_tiny --speculative_steps=1,2,3,4 \
+      --spec_prompts_from=stdlib
   python tools/bench_decode.py --config=configs/glm5_744b.py --layers=1 \
       --config.model.num_nextn_predict_layers=0 --config.model.mtp_depths=0 \
       --batch_sizes=1,4 --prompt_len=32 --decode_steps=3      # one GLM-5 layer, compiled
@@ -49,6 +50,7 @@ import numpy as np
 from ml_collections import config_flags
 
 import glm5_jax
+from glm5_jax import data as data_lib
 from glm5_jax import infer
 from glm5_jax.config import ModelConfig, expand_pattern
 from glm5_jax.attention.kinds import layer_kind
@@ -73,6 +75,10 @@ _SPEC_PROMPTS = flags.DEFINE_integer("spec_prompts", 4, "Prompts of the speculat
 _SPEC_NEW = flags.DEFINE_integer("spec_new_tokens", 32, "Tokens generated per prompt there.")
 _GQA_KV_HEADS = flags.DEFINE_integer("gqa_kv_heads", 8, "KV heads of the GQA comparison.")
 _SEED = flags.DEFINE_integer("seed", 0, "Params and prompt seed.")
+_SPEC_FROM = flags.DEFINE_enum("spec_prompts_from", "random", ["random", "stdlib"],
+                               "Speculative prompts: random token ids, or windows of the Python "
+                               "standard library's source (the tiny runs' training text) through "
+                               "the run's tokenizer.")
 
 
 def keep_layers(model: ml_collections.ConfigDict, n: int) -> ml_collections.ConfigDict:
@@ -221,10 +227,27 @@ def throughput_section(cfg, params, batch_sizes, prompt_len, chunk, steps, seed)
 # ---- speculative decoding --------------------------------------------------------------------
 
 
-def speculative_section(cfg, params, ks, schemes, n_prompts, prompt_len, new_tokens,
-                        seed) -> dict:
-  prompts = np.random.default_rng(seed).integers(0, cfg.vocab_size, (n_prompts, prompt_len))
-  prompts = [p.tolist() for p in prompts]
+def stdlib_prompts(tokenizer, n_prompts: int, prompt_len: int, seed: int) -> list:
+  """`n_prompts` windows of `prompt_len` tokens of the Python standard library's source (the
+  text the tiny runs train on), from files and offsets drawn with `seed`."""
+  if tokenizer is None:
+    raise app.UsageError("--spec_prompts_from=stdlib needs a tokenizer (a --workdir run's, or "
+                         "--config's data.tokenizer)")
+  root = os.path.dirname(os.__file__)
+  files = sorted(os.path.join(root, f) for f in os.listdir(root) if f.endswith(".py"))
+  rng = np.random.default_rng(seed)
+  prompts = []
+  while len(prompts) < n_prompts:
+    with open(files[rng.integers(len(files))], encoding="utf-8", errors="replace") as f:
+      ids = list(tokenizer.encode(f.read()))
+    if len(ids) > prompt_len:
+      start = int(rng.integers(len(ids) - prompt_len))
+      prompts.append(ids[start:start + prompt_len])
+  return prompts
+
+
+def speculative_section(cfg, params, ks, schemes, prompts, new_tokens) -> dict:
+  n_prompts, prompt_len = len(prompts), max(len(p) for p in prompts)
   max_len = prompt_len + new_tokens + max(ks)
   print(f"\n== speculative decoding ({n_prompts} prompts of {prompt_len} tokens, "
         f"{new_tokens} new tokens each, greedy)")
@@ -258,7 +281,9 @@ def speculative_section(cfg, params, ks, schemes, n_prompts, prompt_len, new_tok
 def run_bench(model, params, *, batch_sizes, prompt_len, prefill_chunk, decode_steps,
               speculative_steps, mtp_cache, spec_prompts, spec_new_tokens, gqa_kv_heads,
               seed) -> dict:
-  """Every section (module docstring) for `model` (a model ConfigDict) and its params."""
+  """Every section (module docstring) for `model` (a model ConfigDict) and its params.
+  `spec_prompts`: the speculative section's prompts (token-id lists), or how many random ones
+  of `prompt_len` tokens."""
   cfg = ModelConfig.from_config(model)
   n_params = sum(x.size for x in jax.tree.leaves(params))
   print(f"model: {cfg.num_hidden_layers} layers, pattern {cfg.attention_pattern}, hidden "
@@ -269,17 +294,21 @@ def run_bench(model, params, *, batch_sizes, prompt_len, prefill_chunk, decode_s
   out["throughput"] = throughput_section(cfg, params, batch_sizes, prompt_len,
                                          min(prefill_chunk, prompt_len), decode_steps, seed)
   if speculative_steps:
+    if isinstance(spec_prompts, int):  # random token ids
+      spec_prompts = np.random.default_rng(seed).integers(
+          0, cfg.vocab_size, (spec_prompts, prompt_len)).tolist()
     out["speculative"] = speculative_section(cfg, params, speculative_steps, mtp_cache,
-                                             spec_prompts, prompt_len, spec_new_tokens, seed)
+                                             spec_prompts, spec_new_tokens)
   return out
 
 
 def main(argv):
   if len(argv) > 1:
     raise app.UsageError(f"unexpected arguments {argv[1:]}")
+  tokenizer = None
   if _WORKDIR.value:
     served = load_model(workdir=_WORKDIR.value)
-    model, params = served.model, served.params
+    model, params, tokenizer = served.model, served.params, served.tokenizer
     if _LAYERS.value:
       raise app.UsageError("--layers cuts a random-init model; a --workdir run is served whole")
   else:
@@ -287,12 +316,17 @@ def main(argv):
     if _LAYERS.value:
       model = keep_layers(model, _LAYERS.value)
     params = random_params(ModelConfig.from_config(model), _SEED.value)
+    if _SPEC_FROM.value == "stdlib":
+      tokenizer = data_lib.make_tokenizer(_CONFIG.value.data.tokenizer)
+  spec_prompts = _SPEC_PROMPTS.value
+  if _SPEC_FROM.value == "stdlib" and _SPECULATIVE.value:
+    spec_prompts = stdlib_prompts(tokenizer, spec_prompts, _PROMPT_LEN.value, _SEED.value)
   out = run_bench(model, params, batch_sizes=[int(b) for b in _BATCH_SIZES.value],
                   prompt_len=_PROMPT_LEN.value, prefill_chunk=_PREFILL_CHUNK.value,
                   decode_steps=_DECODE_STEPS.value,
                   speculative_steps=[int(k) for k in _SPECULATIVE.value],
                   mtp_cache=_MTP_CACHE.value,
-                  spec_prompts=_SPEC_PROMPTS.value, spec_new_tokens=_SPEC_NEW.value,
+                  spec_prompts=spec_prompts, spec_new_tokens=_SPEC_NEW.value,
                   gqa_kv_heads=_GQA_KV_HEADS.value, seed=_SEED.value)
   print(json.dumps(out, default=str))
 
