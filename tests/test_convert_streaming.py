@@ -131,7 +131,8 @@ from glm5_jax.convert.converted import layout_shardings, load_converted
 from glm5_jax.sharding import make_mesh, mesh_config
 hf, out = sys.argv[1], sys.argv[2]
 assert jax.device_count() == 8
-write_mesh = make_mesh(mesh_config(data=1, fsdp=8))
+# data 2 x fsdp 4: the tiny checkpoint's q_lora (28) splits 4 ways, not 8.
+write_mesh = make_mesh(mesh_config(data=2, fsdp=4))
 read_mesh = make_mesh(mesh_config(data=1, expert=4, fsdp=2))
 streaming.convert_streaming(hf, out, mesh=write_mesh, progress=lambda _: None)
 config, params = load_converted(out, mesh=read_mesh)

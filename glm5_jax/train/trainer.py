@@ -85,13 +85,17 @@ def build_trainer(config) -> Trainer:
                                             process_count=jax.process_count())
 
   # ---- abstract state, shardings (the params' shapes and logical axes: one shape-only trace)
-  optimizer, schedule, params_sharding, _ = optimizer_and_param_shardings(
+  optimizer, schedule, params_sharding, shapes = optimizer_and_param_shardings(
       config, model, step_cfg, mesh)
   init_state = make_init_state(model, optimizer, params_sharding)
   rng_data = jax.random.key_data(jax.random.key(config.seed))
   # Stated, not left to propagation: XLA would replicate every optimizer moment
   # (`state_shardings`).
-  state_sharding = state_shardings(jax.eval_shape(init_state, rng_data), params_sharding, mesh)
+  # (From the param shapes already traced: tracing `init_state` again would trace the model.)
+  abstract = TrainState(step=jax.ShapeDtypeStruct((), jnp.int32), params=shapes,
+                        opt_state=jax.eval_shape(optimizer.init, shapes),
+                        rng=jax.ShapeDtypeStruct(rng_data.shape, rng_data.dtype))
+  state_sharding = state_shardings(abstract, params_sharding, mesh)
   with activation_sharding(mesh, rules):
     init_compiled = jax.jit(init_state, out_shardings=state_sharding).lower(rng_data).compile()
   abstract_state = jax.tree_util.tree_map(
