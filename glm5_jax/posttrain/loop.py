@@ -26,8 +26,6 @@ clip fractions, IcePop-masked fraction, entropy, the train/rollout log-prob mism
 and generation and train seconds; held-out accuracy as split "eval".
 """
 
-import dataclasses
-import functools
 import hashlib
 import json
 import time
@@ -44,7 +42,7 @@ from glm5_jax.data import check_vocab, make_tokenizer
 from glm5_jax.eval.checkpoints import load_run
 from glm5_jax.posttrain import envs, grpo, rollout, rl_step
 from glm5_jax.posttrain.rl_config_checks import validate_rl_experiment
-from glm5_jax.sharding import activation_sharding, make_mesh
+from glm5_jax.sharding import activation_sharding
 from glm5_jax.train import checkpoint as ckpt
 from glm5_jax.train import integrity
 from glm5_jax.train.metrics import MetricWriter
@@ -104,16 +102,15 @@ def _rl_train(config, workdir, stop_after_steps, initial_params):
   check_vocab(tokenizer, model.vocab_size)
   env = envs.make(rl.env, **rl.env_options.to_dict())
   shapes = abstract_params(config.model)
-  t = _trainer(config, shapes)
-  optimizer, state_sharding, batch_sharding, train_step = (
-      t.optimizer, t.state_sharding, t.batch_sharding, t.train_step)
+  t = rl_step.build_rl_trainer(config, shapes)
+  batch_sharding, train_step = t.batch_sharding, t.train_step
   mesh, rules = t.mesh, config.mesh.logical_axis_rules
   teacher = _load_teacher(rl.teacher, tokenizer) if rl.loss == "distill" else None
   manager = ckpt.make_manager(workdir, every_steps=config.ckpt.every_steps,
                               keep=config.ckpt.keep, async_save=config.ckpt.async_save)
   writer = MetricWriter(workdir)
   try:
-    state = _init_or_restore(config, manager, optimizer, shapes, state_sharding, initial_params)
+    state = _init_or_restore(config, manager, t, shapes, initial_params)
     start = int(state.step)
     evals, last_metrics = {}, None
     with activation_sharding(mesh, rules):
@@ -239,14 +236,13 @@ def _restore(manager, abstract_state: TrainState, config) -> TrainState | None:
                     opt_state=restored["opt_state"], rng=jnp.asarray(meta["rng"], jnp.uint32))
 
 
-def _init_or_restore(config, manager, optimizer, shapes, state_sharding,
-                     params=None) -> TrainState:
-  abstract = jax.eval_shape(lambda p: rl_step.init_rl_state(p, optimizer), shapes)
+def _init_or_restore(config, manager, t: rl_step.RLTrainer, shapes, params=None) -> TrainState:
+  abstract = jax.eval_shape(lambda p: rl_step.init_rl_state(p, t.optimizer), shapes)
   abstract = jax.tree.map(lambda s, sh: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=sh),
-                          abstract, state_sharding)
+                          abstract, t.state_sharding)
   state = _restore(manager, abstract, config)
   if state is not None:  # placed as the step's outputs are (another placement recompiles it)
-    return jax.device_put(state, state_sharding)
+    return jax.device_put(state, t.state_sharding)
   if params is not None:
     if config.rl.init_from:
       raise ValueError(f"rl_train: params given and rl.init_from={config.rl.init_from!r}; give "
@@ -259,37 +255,4 @@ def _init_or_restore(config, manager, optimizer, shapes, state_sharding,
     logging.warning("rl.init_from is empty: RL starts from freshly initialized params (seed %d)",
                     config.seed)
     params = init_params(config.model, jax.random.key(config.seed))
-  return _trainer(config, shapes).init_state(params)
-
-
-@dataclasses.dataclass(frozen=True)
-class _Trainer:
-  optimizer: object
-  mesh: jax.sharding.Mesh
-  state_sharding: object
-  batch_sharding: object
-  train_step: object  # jitted (state, batch) -> (state, metrics)
-  init_state: object  # jitted params -> TrainState at step 0
-
-
-# Built (and compiled) once per config in a process, as jax caches its module-level jitted
-# functions: a resumed run, a distillation run after its teacher's, and tests call `rl_train`
-# several times, and a new closure would compile the step again (most of a short run's time).
-_TRAINERS: dict[str, _Trainer] = {}
-
-
-def _trainer(config, shapes) -> _Trainer:
-  key = json.dumps([rl_fingerprint(config), json.loads(config.train.to_json()),
-                    json.loads(config.mesh.to_json())], sort_keys=True)
-  if key not in _TRAINERS:
-    optimizer, schedule = rl_step.build_rl_optimizer(config, shapes)
-    mesh = make_mesh(config.mesh)
-    state_sharding, batch_sharding = rl_step.rl_shardings(config, optimizer, mesh)
-    train_step = rl_step.make_rl_train_step(config, optimizer, schedule,
-                                            state_sharding=state_sharding,
-                                            batch_sharding=batch_sharding)
-    init_state = jax.jit(functools.partial(rl_step.init_rl_state, optimizer=optimizer,
-                                           seed=config.rl.seed), out_shardings=state_sharding)
-    _TRAINERS[key] = _Trainer(optimizer, mesh, state_sharding, batch_sharding, train_step,
-                              init_state)
-  return _TRAINERS[key]
+  return t.init_state(params)

@@ -32,6 +32,7 @@ Notation (docs/design.md): B batch, L sequence, Y vocab.
 
 import dataclasses
 import functools
+from typing import Any, Callable
 
 import jax
 import jax.numpy as jnp
@@ -43,7 +44,7 @@ from glm5_jax.api import abstract_params_and_axes, check_token_ids, forward
 from glm5_jax.attention.mode import Mode
 from glm5_jax.config import ModelConfig, require
 from glm5_jax.posttrain import grpo
-from glm5_jax.sharding import batch_sharding, param_shardings, state_shardings
+from glm5_jax.sharding import batch_sharding, make_mesh, param_shardings, state_shardings
 from glm5_jax.train import losses
 from glm5_jax.train.state import TrainState
 from glm5_jax.train.step import apply_gradients
@@ -222,6 +223,33 @@ def make_rl_train_step(config, optimizer, schedule, *, state_sharding=None,
     return jax.jit(rl_train_step, donate_argnums=0)
   return jax.jit(rl_train_step, in_shardings=(state_sharding, batch_sharding),
                  out_shardings=(state_sharding, None), donate_argnums=0)
+
+
+@dataclasses.dataclass(frozen=True)
+class RLTrainer:
+  """What an RL run needs to train, built once per run by `build_rl_trainer`."""
+  optimizer: Any
+  mesh: jax.sharding.Mesh
+  state_sharding: Any
+  batch_sharding: Any
+  train_step: Callable  # jitted (state, batch) -> (state, metrics), donates state
+  init_state: Callable  # jitted params -> TrainState at step 0, placed by state_sharding
+
+
+def build_rl_trainer(config, shapes) -> RLTrainer:
+  """The optimizer, mesh, shardings and jitted steps of an RL run from its (validated) config
+  and the params' `shapes` (`glm5_jax.api.abstract_params`), as `glm5_jax.train.trainer.
+  build_trainer` does for pre-training. Built per run, not cached: a second run in the same
+  process traces again and finds the compiled executables in jax's persistent compilation
+  cache when one is configured (the tests configure one)."""
+  optimizer, schedule = build_rl_optimizer(config, shapes)
+  mesh = make_mesh(config.mesh)
+  state_sharding, batch_sharding = rl_shardings(config, optimizer, mesh)
+  train_step = make_rl_train_step(config, optimizer, schedule, state_sharding=state_sharding,
+                                  batch_sharding=batch_sharding)
+  init_state = jax.jit(functools.partial(init_rl_state, optimizer=optimizer, seed=config.rl.seed),
+                       out_shardings=state_sharding)
+  return RLTrainer(optimizer, mesh, state_sharding, batch_sharding, train_step, init_state)
 
 
 def check_rl_batch(batch, *, vocab_size: int | None = None) -> None:
