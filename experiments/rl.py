@@ -76,14 +76,23 @@ def main(argv):
     print(f"SFT: {out['sft']['steps']} steps, loss {out['sft']['first_loss']:.3f} -> "
           f"{out['sft']['last_loss']:.3f}, {out['sft_seconds']:.0f} s")
   print(f"RL: {rl['steps']} of {rl['total_steps']} steps, {out['rl_seconds']:.0f} s")
+  c = _CONFIG.value.rl
   for step, metrics in sorted(rl["eval"].items()):
-    print(f"held-out accuracy at RL step {step}: {metrics['accuracy']:.3f} "
-          f"({_CONFIG.value.rl.eval_tasks} eval tasks, greedy)")
+    sampled = (f", sampled {metrics['sampled_accuracy']:.3f} (T={c.temperature:g}), "
+               f"pass@{c.eval_samples} {metrics['pass_at_k']:.3f}"
+               if "sampled_accuracy" in metrics else "")
+    print(f"held-out accuracy at RL step {step} ({c.eval_tasks} eval tasks): greedy "
+          f"{metrics['accuracy']:.3f}{sampled}")
   if rl["first_eval"] is not None:
-    print(f"held-out accuracy: {rl['first_eval']:.3f} before RL -> {rl['last_eval']:.3f} after")
+    print(f"held-out greedy accuracy: {rl['first_eval']:.3f} before RL -> "
+          f"{rl['last_eval']:.3f} after")
+  if rl["first_sampled_eval"] is not None:
+    print(f"held-out sampled accuracy: {rl['first_sampled_eval']:.3f} before RL -> "
+          f"{rl['last_sampled_eval']:.3f} after")
   print(f"wall time: {time.time() - start:.0f} s; metrics: {rl['metrics_file']}")
-  print(json.dumps({"first_eval": rl["first_eval"], "last_eval": rl["last_eval"],
-                    "steps": rl["steps"], "seconds": time.time() - start}))
+  print(json.dumps({k: rl[k] for k in ("first_eval", "last_eval", "first_sampled_eval",
+                                       "last_sampled_eval", "steps")}
+                   | {"seconds": time.time() - start}))
 
 
 if __name__ == "__main__":

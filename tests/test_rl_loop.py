@@ -5,6 +5,7 @@ observation's rendering, masked), exact resume, a short RL run that raises the r
 trivially learnable environment, distillation's advantage, and the CLI (slow).
 """
 
+import copy
 import json
 import os
 import subprocess
@@ -176,6 +177,22 @@ def final_params(workdir, config):
   return step, meta, restored["params"]
 
 
+def test_evaluate_reports_greedy_and_sampled_accuracy(small):
+  """Held-out evaluation: greedy metrics, and k samples per task at the rollout temperature
+  (`rl.eval_samples`), whose pass@k bounds their mean from above; a rerun is identical."""
+  config, params = small
+  config = copy.deepcopy(config)
+  config.rl.eval_samples = 3
+  config.rl.eval_tasks = 4
+  env = envs.make("addition")
+  metrics = loop.evaluate(config, params, env, TOKENIZER, num_tasks=4)
+  assert {"accuracy", "reward", "sampled_accuracy", "sampled_reward", "pass_at_k"} <= set(metrics)
+  assert 0 <= metrics["sampled_accuracy"] <= metrics["pass_at_k"] <= 1
+  assert loop.evaluate(config, params, env, TOKENIZER, num_tasks=4) == metrics
+  config.rl.eval_samples = 0
+  assert "sampled_accuracy" not in loop.evaluate(config, params, env, TOKENIZER, num_tasks=4)
+
+
 @pytest.mark.slow
 def test_resume_is_exact(small, uninterrupted, tmp_path, stop_early):
   whole, summary = uninterrupted
@@ -258,7 +275,7 @@ def test_cli_runs_sft_then_rl(tmp_path):
           "--config.sft.data.batch_size=4", "--config.sft.eval.every_steps=0",
           "--config.sft.ckpt.every_steps=2", "--config.rl.steps=2",
           "--config.rl.prompts_per_step=2", "--config.rl.group_size=2",
-          "--config.rl.max_new_tokens=8", "--config.rl.eval_tasks=4",
+          "--config.rl.max_new_tokens=8", "--config.rl.eval_tasks=4", "--config.rl.eval_samples=2",
           "--config.rl.eval_every_steps=2", "--config.optim.warmup_steps=0",
           "--config.data.seq_len=32"]
   env = dict(os.environ, PYTHONPATH=REPO, JAX_PLATFORMS="cpu")
@@ -266,5 +283,6 @@ def test_cli_runs_sft_then_rl(tmp_path):
   assert proc.returncode == 0, proc.stderr[-3000:]
   result = json.loads(proc.stdout.strip().splitlines()[-1])
   assert result["steps"] == 2 and 0 <= result["first_eval"] <= 1
+  assert 0 <= result["first_sampled_eval"] <= 1 and 0 <= result["last_sampled_eval"] <= 1
   assert os.path.isfile(tmp_path / "sft" / "sft_builtin.jsonl")
   assert "rl step 2/2" in proc.stderr

@@ -36,6 +36,7 @@ def rl_config(**overrides) -> ml_collections.ConfigDict:
   c.init_from = ""  # workdir of the run (e.g. SFT) whose latest params RL starts from
   c.eval_every_steps = 10  # held-out accuracy every this many steps; 0 disables
   c.eval_tasks = 64  # held-out tasks per evaluation
+  c.eval_samples = 8  # also sample each eval task this many times at `temperature`; 0: greedy only
   c.seed = 0  # rollout sampling and task order
   c.update(overrides)
   return c
@@ -80,3 +81,5 @@ def validate_rl_config(c) -> None:
   require(c.eval_tasks >= (1 if c.eval_every_steps else 0), "rl.eval_tasks",
           f"must be >= 1 when evaluation is on (rl.eval_every_steps={c.eval_every_steps}), "
           f"got {c.eval_tasks}")
+  require(c.eval_samples >= 0, "rl.eval_samples",
+          f"must be >= 0 (0: greedy evaluation only), got {c.eval_samples}")

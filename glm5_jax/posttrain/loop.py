@@ -9,8 +9,9 @@ Each step n:
      `rl.loss="distill"`, the teacher's per-token gap `stopgrad(logp_teacher - logp_rollout)`
      (`grpo.distill_advantages`, the teacher being `rl.teacher`'s latest checkpoint);
   3. one update (`rl_step.make_rl_train_step`).
-Held-out accuracy (greedy, one sample per task, the first `rl.eval_tasks` eval-split tasks) is
-measured before the first step, every `rl.eval_every_steps` and after the last.
+Held-out accuracy (the first `rl.eval_tasks` eval-split tasks: greedy, one sample per task,
+and `rl.eval_samples` samples per task at the rollout temperature; `evaluate`) is measured
+before the first step, every `rl.eval_every_steps` and after the last.
 
 Exact resume: the rollouts of step n are a function of (rl.seed, n, params) only, and the state
 (params, optimizer state, step) is checkpointed with orbax (`<workdir>/checkpoints/<step>`, the
@@ -51,7 +52,7 @@ from glm5_jax.train.workdir_lock import hold_workdir
 
 EVAL_SEED = 0  # greedy decoding draws nothing; the seed only names the requests
 # Fields of `rl` a resume may change: they decide how long and how often, not what is computed.
-RESUMABLE_RL_FIELDS = ("steps", "eval_every_steps", "eval_tasks", "init_from")
+RESUMABLE_RL_FIELDS = ("steps", "eval_every_steps", "eval_tasks", "eval_samples", "init_from")
 
 
 def step_seed(seed: int, step: int) -> int:
@@ -70,11 +71,23 @@ def rl_fingerprint(config) -> dict:
 
 
 def evaluate(config, params, env, tokenizer, *, num_tasks: int) -> dict:
-  """Greedy held-out accuracy: one sample of each of the first `num_tasks` eval tasks."""
+  """Held-out metrics on the first `num_tasks` eval tasks: greedy (one sample per task:
+  `accuracy`, `reward`, `response_length`, ...) and, with `rl.eval_samples` = k > 0, k samples
+  per task at the rollout temperature: `sampled_accuracy` (their mean, what RL maximizes),
+  `sampled_reward` and `pass_at_k` (a task solved by any of its k samples)."""
   tasks = [env.task(i, "eval") for i in range(num_tasks)]
-  samples = rollout.generate_samples(config, params, env, tasks, seed=EVAL_SEED, group_size=1,
-                                     temperature=0.0, tokenizer=tokenizer)
-  return rollout.rollout_metrics(samples)
+  greedy = rollout.generate_samples(config, params, env, tasks, seed=EVAL_SEED, group_size=1,
+                                    temperature=0.0, tokenizer=tokenizer)
+  metrics = rollout.rollout_metrics(greedy)
+  k = config.rl.eval_samples
+  if k:
+    sampled = rollout.generate_samples(config, params, env, tasks, seed=EVAL_SEED, group_size=k,
+                                       tokenizer=tokenizer)
+    correct_NK = np.asarray([s.correct for s in sampled], np.float32).reshape(num_tasks, k)
+    metrics.update(sampled_accuracy=float(correct_NK.mean()),
+                   sampled_reward=float(np.mean([s.reward for s in sampled])),
+                   pass_at_k=float(correct_NK.max(axis=1).mean()))
+  return metrics
 
 
 def rl_train(config, workdir: str, *, stop_after_steps: int | None = None,
@@ -88,7 +101,8 @@ def rl_train(config, workdir: str, *, stop_after_steps: int | None = None,
       (which must then be empty); e.g. a caller's own model, or tests' random params.
   Returns:
     `steps`, `total_steps`, `eval` ({step: held-out metrics}), `first_eval` / `last_eval`
-    (accuracy), `last_metrics`, `checkpoints` and `metrics_file`.
+    (greedy accuracy), `first_sampled_eval` / `last_sampled_eval` (sampled accuracy; None
+    without `rl.eval_samples`), `last_metrics`, `checkpoints` and `metrics_file`.
   """
   validate_rl_experiment(config)
   with hold_workdir(workdir, "RL"):
@@ -146,9 +160,11 @@ def _rl_train(config, workdir, stop_after_steps, initial_params):
   finally:
     manager.close()
     writer.close()
-  first, last = (evals[min(evals)], evals[max(evals)]) if evals else (None, None)
+  first, last = (evals[min(evals)], evals[max(evals)]) if evals else ({}, {})
   return {"steps": int(state.step), "total_steps": rl.steps, "eval": evals,
-          "first_eval": first and first["accuracy"], "last_eval": last and last["accuracy"],
+          "first_eval": first.get("accuracy"), "last_eval": last.get("accuracy"),
+          "first_sampled_eval": first.get("sampled_accuracy"),
+          "last_sampled_eval": last.get("sampled_accuracy"),
           "last_metrics": last_metrics, "checkpoints": str(manager.directory),
           "metrics_file": writer.path}
 
@@ -185,8 +201,13 @@ def _evaluate(config, params, env, tokenizer, writer, step) -> dict:
   t0 = time.time()
   metrics = evaluate(config, params, env, tokenizer, num_tasks=config.rl.eval_tasks)
   metrics["seconds"] = time.time() - t0
-  logging.info("rl eval at step %d: accuracy %.3f on %d %s eval tasks (greedy), response "
-               "length %.1f", step, metrics["accuracy"], config.rl.eval_tasks, env.name,
+  sampled = ""
+  if "sampled_accuracy" in metrics:
+    sampled = (f"; sampled (T={config.rl.temperature:g}, {config.rl.eval_samples} per task) "
+               f"{metrics['sampled_accuracy']:.3f}, pass@{config.rl.eval_samples} "
+               f"{metrics['pass_at_k']:.3f}")
+  logging.info("rl eval at step %d on %d %s eval tasks: greedy accuracy %.3f%s; response "
+               "length %.1f", step, config.rl.eval_tasks, env.name, metrics["accuracy"], sampled,
                metrics["response_length"])
   writer.write(step, metrics, prefix="eval")
   return metrics
