@@ -216,6 +216,31 @@ def test_resume_is_exact(small, uninterrupted, tmp_path, stop_early):
 
 
 @pytest.mark.slow
+def test_minibatches_update_per_minibatch_against_old_logp_and_resume_exactly(small, tmp_path,
+                                                                             stop_early):
+  """`rl.minibatches=2`: two updates per RL step (the checkpoint counts 2 x steps), the second
+  scored against the log-probs from before the first, so its ratio departs from 1 (the first
+  update's ratio is 1 to rounding); a run stopped after step 1 and resumed equals a whole run."""
+  def run(workdir, **kwargs):
+    config = small_config(env="stop_early", steps=2, minibatches=2)
+    return loop.rl_train(config, str(workdir), params=small[1], **kwargs), config
+
+  whole, config = run(tmp_path / "whole")
+  assert whole["steps"] == 2
+  assert run(tmp_path / "parts", stop_after_steps=1)[0]["steps"] == 1
+  assert run(tmp_path / "parts")[0]["steps"] == 2
+  (step_a, meta, params_a), (step_b, _, params_b) = (final_params(tmp_path / w, config)
+                                                     for w in ("whole", "parts"))
+  assert step_a == step_b == 2 and meta["updates"] == 4
+  for a, b in zip(jax.tree.leaves(params_a), jax.tree.leaves(params_b)):
+    np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+  rows = [json.loads(line) for line in open(tmp_path / "whole" / "metrics.jsonl")]
+  ratio_means = [r["ratio_mean"] for r in rows if r["split"] == "train"]
+  # the mean over the two updates: (1 + r2) / 2, with r2 the second update's mean ratio
+  assert all(abs(r - 1.0) > 1e-4 for r in ratio_means), ratio_means
+
+
+@pytest.mark.slow
 def test_resume_refuses_a_different_config(small, uninterrupted, stop_early):
   config = small_config(env="stop_early", temperature=0.7)
   with pytest.raises(loop.ckpt.CheckpointMismatchError, match="rl.temperature"):

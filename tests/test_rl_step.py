@@ -8,10 +8,11 @@ import numpy as np
 import pytest
 from flax import traverse_util
 
-from configs import tiny
+from configs import rl_tiny, tiny
 from glm5_jax.config import ConfigError, ModelConfig
 from glm5_jax.posttrain import grpo, rl_step
 from glm5_jax.posttrain.config import rl_config, validate_rl_config
+from glm5_jax.posttrain.rl_config_checks import validate_rl_experiment
 from glm5_jax.sharding import activation_sharding, make_mesh
 
 B, L, PROMPT = 4, 24, 8
@@ -169,6 +170,20 @@ def test_rl_config_validation():
     validate_rl_config(rl_config(icepop_beta=1.0))
   with pytest.raises(ConfigError, match="did you mean 'eps_low'"):
     validate_rl_config(rl_config(eps_lo=0.1))
+  with pytest.raises(ConfigError, match="config.rl.minibatches"):
+    validate_rl_config(rl_config(minibatches=0))
+  with pytest.raises(ConfigError, match="config.rl.eval_samples"):
+    validate_rl_config(rl_config(eval_samples=-1))
+
+
+def test_rl_experiment_rows_must_split_into_minibatches():
+  config = rl_tiny.get_config()
+  del config["sft"]
+  config.rl.update(prompts_per_step=3, group_size=4, minibatches=2)
+  validate_rl_experiment(config)  # 12 rows, 2 minibatches of 6
+  config.rl.minibatches = 5
+  with pytest.raises(ConfigError, match="config.rl.prompts_per_step: .* rl.minibatches=5"):
+    validate_rl_experiment(config)
 
 
 @pytest.mark.slow

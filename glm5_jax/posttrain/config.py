@@ -29,6 +29,10 @@ def rl_config(**overrides) -> ml_collections.ConfigDict:
   c.eps_low = 0.2  # PPO clip range [1 - eps_low, 1 + eps_high] (docs/reference.md section 4)
   c.eps_high = 0.28
   c.icepop_beta = 2.0  # IcePop keeps tokens with pi_train / pi_rollout in [1/beta, beta]
+  # Optimizer updates per rollout batch: its rows are split into this many minibatches (rows
+  # m, m + k, m + 2k, ...), each one update, all with old_logp = the log-probs before the first
+  # update, so PPO's clip binds from the second update on. 1: one update, old_logp = logp.
+  c.minibatches = 1
   c.normalize_std = True  # GRPO: divide advantages by the group's std (False: Dr. GRPO)
   c.mtp_loss_weight = 0.0  # > 0: keep training the MTP head on the response tokens
   c.steps = 100  # RL steps (also the length of the learning-rate schedule)
@@ -63,6 +67,7 @@ def validate_rl_config(c) -> None:
             "group of 1 always has advantage 0)")
   require(c.prompts_per_step >= 1, "rl.prompts_per_step",
           f"must be >= 1, got {c.prompts_per_step}")
+  require(c.minibatches >= 1, "rl.minibatches", f"must be >= 1, got {c.minibatches}")
   require(c.max_new_tokens >= 1, "rl.max_new_tokens", f"must be >= 1, got {c.max_new_tokens}")
   require(math.isfinite(c.temperature) and c.temperature > 0, "rl.temperature",
           f"must be > 0 (RL samples; greedy rollouts of a group are identical), got "

@@ -117,7 +117,6 @@ def _rl_train(config, workdir, stop_after_steps, initial_params):
   env = envs.make(rl.env, **rl.env_options.to_dict())
   shapes = abstract_params(config.model)
   t = rl_step.build_rl_trainer(config, shapes)
-  batch_sharding, train_step = t.batch_sharding, t.train_step
   mesh, rules = t.mesh, config.mesh.logical_axis_rules
   teacher = _load_teacher(rl.teacher, tokenizer) if rl.loss == "distill" else None
   manager = ckpt.make_manager(workdir, every_steps=config.ckpt.every_steps,
@@ -125,7 +124,7 @@ def _rl_train(config, workdir, stop_after_steps, initial_params):
   writer = MetricWriter(workdir)
   try:
     state = _init_or_restore(config, manager, t, shapes, initial_params)
-    start = int(state.step)
+    start = int(state.step) // rl.minibatches
     evals, last_metrics = {}, None
     with activation_sharding(mesh, rules):
       if start == 0 and rl.eval_every_steps:
@@ -138,9 +137,7 @@ def _rl_train(config, workdir, stop_after_steps, initial_params):
                                            seed=step_seed(rl.seed, step), tokenizer=tokenizer)
         t1 = time.time()
         batch = score(config, samples, teacher)
-        device_batch = {k: jax.device_put(v, batch_sharding) for k, v in batch.items()}
-        state, metrics = train_step(state, device_batch)
-        metrics = {k: float(v) for k, v in jax.device_get(metrics).items()}
+        state, metrics = train_on_batch(t, state, batch, rl.minibatches)
         t2 = time.time()
         if not np.isfinite(metrics["loss"]):
           raise FloatingPointError(f"RL step {step + 1}: non-finite loss {metrics['loss']}")
@@ -161,7 +158,7 @@ def _rl_train(config, workdir, stop_after_steps, initial_params):
     manager.close()
     writer.close()
   first, last = (evals[min(evals)], evals[max(evals)]) if evals else ({}, {})
-  return {"steps": int(state.step), "total_steps": rl.steps, "eval": evals,
+  return {"steps": int(state.step) // rl.minibatches, "total_steps": rl.steps, "eval": evals,
           "first_eval": first.get("accuracy"), "last_eval": last.get("accuracy"),
           "first_sampled_eval": first.get("sampled_accuracy"),
           "last_sampled_eval": last.get("sampled_accuracy"),
@@ -184,6 +181,30 @@ def score(config, samples, teacher=None) -> dict:
   gap = np.asarray(grpo.distill_advantages(teacher_logp, batch["rollout_logp"]))
   batch["advantages"] = (gap * batch["loss_mask"]).astype(np.float32)
   return batch
+
+
+def train_on_batch(t: rl_step.RLTrainer, state: TrainState, batch, minibatches: int):
+  """The updates of one RL step on a host rollout `batch` (`rl.minibatches`, in `rl_config`).
+
+  With one minibatch: one update on the whole batch, old_logp = stopgrad(logp). With k > 1: the
+  policy's log-probs of the batch before any update become `old_logp`, and the rows are split
+  into k strided minibatches (rows m, m + k, ...: a prompt's samples spread over all of them),
+  one update each; from the second on, the ratio to old_logp departs from 1 and PPO's clip
+  binds. Returns `(state, metrics)`: float means over the updates, except `loss_tokens` (the
+  sum) and `logp_mismatch_max` (the max).
+  """
+  put = lambda b: {k: jax.device_put(v, t.batch_sharding) for k, v in b.items()}
+  if minibatches > 1:
+    old_logp = np.asarray(jax.device_get(t.policy_logp(state.params, put(batch))))
+    batch = {**batch, "old_logp": (old_logp * batch["loss_mask"]).astype(np.float32)}
+  per_update = []
+  for m in range(minibatches):
+    state, metrics = t.train_step(state, put({k: v[m::minibatches] for k, v in batch.items()}))
+    per_update.append({k: float(v) for k, v in jax.device_get(metrics).items()})
+  metrics = {k: float(np.mean([u[k] for u in per_update])) for k in per_update[0]}
+  metrics["loss_tokens"] = float(sum(u["loss_tokens"] for u in per_update))
+  metrics["logp_mismatch_max"] = max(u["logp_mismatch_max"] for u in per_update)
+  return state, metrics
 
 
 def progress_line(step: int, total: int, m: dict) -> str:
@@ -224,14 +245,16 @@ def _load_teacher(workdir: str, tokenizer):
 
 
 def save(manager, state: TrainState, config) -> None:
-  """Saves the RL state at `state.step`: params, optimizer state, and a meta item with the
-  config fingerprint and array checksums (`glm5_jax.train.integrity`), as pre-training does
-  (there is no data iterator: the rollouts are a function of the step)."""
-  meta = {"step": int(state.step), "rng": np.asarray(state.rng).tolist(),
+  """Saves the RL state as checkpoint `<RL step>` (`state.step` counts optimizer updates,
+  `rl.minibatches` per RL step): params, optimizer state, and a meta item with the RL step, the
+  update count, the config fingerprint and array checksums (`glm5_jax.train.integrity`), as
+  pre-training does (there is no data iterator: the rollouts are a function of the step)."""
+  step = int(state.step) // config.rl.minibatches
+  meta = {"step": step, "updates": int(state.step), "rng": np.asarray(state.rng).tolist(),
           "config": rl_fingerprint(config),
           "fingerprint": {"params": integrity.tree_fingerprint(state.params),
                           "opt_state": integrity.tree_fingerprint(state.opt_state)}}
-  manager.save(int(state.step), args=ocp.args.Composite(
+  manager.save(step, args=ocp.args.Composite(
       params=ocp.args.StandardSave(state.params),
       opt_state=ocp.args.StandardSave(state.opt_state), meta=ocp.args.JsonSave(meta)),
       force=True)
@@ -253,7 +276,8 @@ def _restore(manager, abstract_state: TrainState, config) -> TrainState | None:
       opt_state=ocp.args.StandardRestore(abstract_state.opt_state)))
   ckpt._verify(meta, where, restored["params"], restored["opt_state"])  # pylint: disable=protected-access
   logging.info("resumed RL from %s", where)
-  return TrainState(step=jnp.asarray(meta["step"], jnp.int32), params=restored["params"],
+  updates = meta.get("updates", meta["step"])  # checkpoints from before rl.minibatches
+  return TrainState(step=jnp.asarray(updates, jnp.int32), params=restored["params"],
                     opt_state=restored["opt_state"], rng=jnp.asarray(meta["rng"], jnp.uint32))
 
 

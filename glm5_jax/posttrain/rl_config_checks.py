@@ -4,7 +4,7 @@ the whole config (`validate_rl_experiment`) that `loop.rl_train` runs before bui
 Sections (configs/rl_tiny.py builds them all):
   model, optim, train, ckpt, mesh   as in pre-training (`train` only for `dsa_stage`,
                                     `balance_bias_rate`, `microbatches`; `optim`'s schedule runs
-                                    over `rl.steps`)
+                                    over `rl.steps` x `rl.minibatches` updates)
   data                              `tokenizer` and `seq_len` (each sample's row: prompt and
                                     every turn must fit it) only: rollouts are the data
   rl                                `glm5_jax.posttrain.config.rl_config`
@@ -44,13 +44,15 @@ def validate_rl_experiment(config) -> None:
   mesh_sizes = validate_mesh_config(config.mesh, jax.device_count())
   validate_train_config(config.train)
   validate_rl_config(config.rl)
-  validate_optim_config(config.optim, total_steps=config.rl.steps)
+  validate_optim_config(config.optim, total_steps=config.rl.steps * config.rl.minibatches)
   validate_ckpt_config(config.ckpt)
   check_fields(config.data, rl_data_config(), "data")
   require(config.data.seq_len >= 2, "data.seq_len", f"must be >= 2, got {config.data.seq_len}")
   axes = batch_mesh_axes(config.mesh.logical_axis_rules)
   ways = math.prod(mesh_sizes[axis] for axis in axes)
   rows = config.rl.prompts_per_step * config.rl.group_size
-  require(rows % ways == 0, "rl.prompts_per_step",
-          f"prompts_per_step x group_size = {rows} rollout rows do not split over the {ways} "
-          "data-parallel devices; use a multiple")
+  minibatches = config.rl.minibatches
+  require(rows % (ways * minibatches) == 0, "rl.prompts_per_step",
+          f"prompts_per_step x group_size = {rows} rollout rows do not split into "
+          f"rl.minibatches={minibatches} minibatches over the {ways} data-parallel devices; use "
+          "a multiple")

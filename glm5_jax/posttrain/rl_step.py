@@ -165,12 +165,14 @@ def rl_trainable_mask(params, *, train_mtp: bool):
 
 def build_rl_optimizer(config, params):
   """`(optimizer, schedule)` of `glm5_jax.optim.build_optimizer` from `config.optim`, over
-  `rl.steps` steps, with `rl_trainable_mask` frozen. `params` may be ShapeDtypeStructs."""
-  require(config.optim.warmup_steps <= config.rl.steps, "optim.warmup_steps",
-          f"{config.optim.warmup_steps} warm-up steps do not fit in rl.steps={config.rl.steps}")
+  `rl.steps` x `rl.minibatches` updates (its warm-up counts updates too), with
+  `rl_trainable_mask` frozen. `params` may be ShapeDtypeStructs."""
+  updates = config.rl.steps * config.rl.minibatches
+  require(config.optim.warmup_steps <= updates, "optim.warmup_steps",
+          f"{config.optim.warmup_steps} warm-up updates do not fit in rl.steps x "
+          f"rl.minibatches = {updates}")
   trainable = rl_trainable_mask(params, train_mtp=config.rl.mtp_loss_weight > 0)
-  return optim.build_optimizer(config.optim, params, total_steps=config.rl.steps,
-                               trainable=trainable)
+  return optim.build_optimizer(config.optim, params, total_steps=updates, trainable=trainable)
 
 
 def init_rl_state(params, optimizer, *, seed: int = 0) -> TrainState:
@@ -234,6 +236,7 @@ class RLTrainer:
   batch_sharding: Any
   train_step: Callable  # jitted (state, batch) -> (state, metrics), donates state
   init_state: Callable  # jitted params -> TrainState at step 0, placed by state_sharding
+  policy_logp: Callable  # jitted (params, batch) -> logp_BL (`policy_logprobs`)
 
 
 def build_rl_trainer(config, shapes) -> RLTrainer:
@@ -249,7 +252,12 @@ def build_rl_trainer(config, shapes) -> RLTrainer:
                                   batch_sharding=batch_sharding)
   init_state = jax.jit(functools.partial(init_rl_state, optimizer=optimizer, seed=config.rl.seed),
                        out_shardings=state_sharding)
-  return RLTrainer(optimizer, mesh, state_sharding, batch_sharding, train_step, init_state)
+  model = ModelConfig.from_config(config.model)
+  logp = functools.partial(policy_logprobs, model, dsa_stage=config.train.dsa_stage)
+  policy_logp = jax.jit(lambda params, batch: logp(params, batch),
+                        in_shardings=(state_sharding.params, batch_sharding))
+  return RLTrainer(optimizer, mesh, state_sharding, batch_sharding, train_step, init_state,
+                   policy_logp)
 
 
 def check_rl_batch(batch, *, vocab_size: int | None = None) -> None:
