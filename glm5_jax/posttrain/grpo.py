@@ -101,10 +101,11 @@ def policy_loss(logp_BL, old_logp_BL, rollout_logp_BL, advantages_BL, loss_mask_
   denominator). Where the clip is active (A > 0 and r > 1 + eps_high, or A < 0 and
   r < 1 - eps_low) the min picks the constant clipped branch and the token has no gradient.
 
-  In the synchronous loop (one update per rollout batch) old_logp = stopgrad(logp): r is 1 in
+  With one update per rollout batch (the loop's default) old_logp = stopgrad(logp): r is 1 in
   value (nothing is clipped) and its gradient is that of logp, so the loss is the plain
   policy gradient `-A_t * grad logp_t` on IcePop's kept tokens; the clip matters when a batch
-  is used for several updates and old_logp is the log-probs from before the first.
+  is used for several updates (`rl.minibatches` > 1, `loop.train_on_batch`) and old_logp is
+  the log-probs from before the first.
 
   Args:
     logp_BL: the policy's log-probs of each token (differentiable).
