@@ -39,7 +39,8 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
                         temperature=1.0, eps_low=0.2, eps_high=0.28, icepop_beta=2.0,
                         steps=arg.steps, eval_every_steps=25, eval_tasks=200, eval_samples=4)
   # Measured from the default SFT checkpoint (greedy 34.5% on 200 held-out tasks), runs of 90
-  # steps x 256 samples: Muon Split 1e-3 -> 51.0% (T=1), AdamW 2e-4 at T=0.7 -> 51.0%. With
+  # steps x 256 samples: Muon Split 1e-3 -> 51.0% (T=1), AdamW 2e-4 at T=0.7 -> 51.0%; Muon
+  # Split 2e-3 collapsed (1% at step 25). The default run (100 steps): 44.5%. With
   # 64 samples per step, 30 steps: Muon Split 2e-4 -> 31.5%, 2e-3 collapsed (reward 0 by step
   # 10), AdamW 1e-4 / 3e-4 -> 24.5% / 15%. Held-out greedy accuracy dips over the first ~30
   # steps (29% at step 30) before it climbs: the train reward starts rising near step 40.
