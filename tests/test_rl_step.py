@@ -206,3 +206,35 @@ def test_mtp_loss_weight_keeps_the_mtp_head_training(setup):
   changed = {k for k in old if not np.array_equal(old[k], new[k])}
   assert ("mtp", "eh_proj") in changed and ("mtp", "layer", "self_attn", "q_a_proj") in changed
   assert not any("indexer" in k for k in changed)
+
+
+def test_microbatches_accumulate_to_the_one_pass_result(setup):
+  """`train.microbatches=2` (strided halves, one of them with more loss tokens than the other)
+  gives the one-pass loss, metrics and gradients to float rounding, with IcePop masking some
+  tokens (so `ratio_mean`'s kept-token mean differs from a loss-token mean), ratios away from 1
+  (an `old_logp` from another policy) and the MTP loss on (its own per-depth denominators)."""
+  _, model, params, _, _ = setup
+  batch = make_batch(model, params, [1.0, -0.5, 0.25, -1.0])
+  rng = np.random.default_rng(1)
+  mask = batch["loss_mask"]
+  batch["old_logp"] = ((batch["rollout_logp"] + rng.normal(0, 0.1, mask.shape)) * mask
+                       ).astype(np.float32).clip(max=0.0)
+  far = (rng.random(mask.shape) < 0.2) & (mask > 0)  # IcePop masks these: |mismatch| > log 2
+  batch["old_logp"] = np.where(far, batch["old_logp"] - 1.0, batch["old_logp"]).astype(np.float32)
+  one_pass = rl_step.RLStepConfig(mtp_loss_weight=0.3, dsa_stage="sparse")
+  split = rl_step.RLStepConfig(mtp_loss_weight=0.3, dsa_stage="sparse", microbatches=2)
+  run = jax.jit(rl_step.rl_loss_and_grads, static_argnums=(0, 1))
+  metrics_1, counts_1, grads_1 = run(model, one_pass, params, batch)
+  metrics_2, counts_2, grads_2 = run(model, split, params, batch)
+  assert 0 < float(metrics_1["icepop_masked_fraction"]) < 1
+  assert abs(float(metrics_1["ratio_mean"]) - 1.0) > 1e-3
+  assert "mtp_loss" in metrics_1 and set(metrics_1) == set(metrics_2)
+  for name in metrics_1:  # (the log-probs of a half batch differ from the whole's by ~1e-6)
+    np.testing.assert_allclose(float(metrics_2[name]), float(metrics_1[name]), rtol=2e-5,
+                               atol=2e-6, err_msg=name)
+  for a, b in zip(jax.tree.leaves(counts_1), jax.tree.leaves(counts_2)):
+    np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+  for path, g1 in traverse_util.flatten_dict(grads_1).items():
+    g2 = traverse_util.flatten_dict(grads_2)[path]
+    np.testing.assert_allclose(np.asarray(g2), np.asarray(g1), rtol=1e-4,
+                               atol=1e-6 * float(np.abs(g1).max() + 1e-12), err_msg=str(path))

@@ -81,7 +81,8 @@ def distill_advantages(teacher_logp_BL, student_logp_BL):
 
 
 def policy_loss(logp_BL, old_logp_BL, rollout_logp_BL, advantages_BL, loss_mask_BL, *,
-                eps_low: float = 0.2, eps_high: float = 0.28, icepop_beta: float = 2.0):
+                eps_low: float = 0.2, eps_high: float = 0.28, icepop_beta: float = 2.0,
+                denominator=None):
   """Token-level PPO clipped surrogate with IcePop masking (docs/reference.md section 4).
 
   Per token t (position t of the `[B, L]` arrays), with A_t its advantage and m_t its loss mask:
@@ -115,13 +116,17 @@ def policy_loss(logp_BL, old_logp_BL, rollout_logp_BL, advantages_BL, loss_mask_
     loss_mask_BL: 1 on the tokens trained on (generated tokens), else 0.
     eps_low, eps_high: the asymmetric clip range [1 - eps_low, 1 + eps_high].
     icepop_beta: IcePop's band [1/beta, beta] for k (> 1).
+    denominator: what the loss and the per-token means divide by; None: this batch's
+      `max(sum_t m_t, 1)`. A microbatch of a larger batch passes the whole batch's, so the
+      microbatches' losses and metrics add up to the batch's (`rl_step.rl_loss_and_grads`).
   Returns:
     `(loss, metrics)`; metrics (float32 scalars, fractions and means over loss tokens):
       clip_low_fraction, clip_high_fraction: tokens kept by IcePop whose clip is active on the
         low side (A < 0, r < 1 - eps_low) or the high side (A > 0, r > 1 + eps_high);
       icepop_masked_fraction: tokens IcePop zeroed;
       logp_mismatch_mean, logp_mismatch_max: |logp - rollout_logp| (train vs rollout);
-      ratio_mean: mean r over the tokens IcePop keeps; loss_tokens: sum of the loss mask.
+      ratio_mean: mean r over the tokens IcePop keeps; loss_tokens: sum of the loss mask;
+      kept_tokens: the loss tokens IcePop keeps.
   """
   f32 = lambda x: jnp.asarray(x, jnp.float32)
   inputs = {"logp_BL": logp_BL, "old_logp_BL": old_logp_BL, "rollout_logp_BL": rollout_logp_BL,
@@ -146,7 +151,7 @@ def policy_loss(logp_BL, old_logp_BL, rollout_logp_BL, advantages_BL, loss_mask_
   clipped_BL = jnp.clip(ratio_BL, 1.0 - eps_low, 1.0 + eps_high)
   token_loss_BL = -jnp.minimum(ratio_BL * advantages_BL, clipped_BL * advantages_BL)
   loss_tokens = mask_BL.sum()
-  denominator = jnp.maximum(loss_tokens, 1.0)
+  denominator = jnp.maximum(loss_tokens, 1.0) if denominator is None else denominator
   loss = jnp.where(active_BL, token_loss_BL * mask_BL, 0.0).sum() / denominator
 
   def fraction(token_BL):
@@ -165,5 +170,6 @@ def policy_loss(logp_BL, old_logp_BL, rollout_logp_BL, advantages_BL, loss_mask_
       "ratio_mean": (jnp.where(active_BL, ratio_value_BL * mask_BL, 0.0).sum()
                      / jnp.maximum(jnp.where(active_BL, mask_BL, 0.0).sum(), 1.0)),
       "loss_tokens": loss_tokens,
+      "kept_tokens": jnp.where(active_BL, mask_BL, 0.0).sum(),
   }
   return loss, metrics

@@ -3,7 +3,8 @@ the whole config (`validate_rl_experiment`) that `loop.rl_train` runs before bui
 
 Sections (configs/rl_tiny.py builds them all):
   model, optim, train, ckpt, mesh   as in pre-training (`train` only for `dsa_stage`,
-                                    `balance_bias_rate`, `microbatches`; `optim`'s schedule runs
+                                    `balance_bias_rate`, `microbatches` (gradient
+                                    accumulation within each update); `optim`'s schedule runs
                                     over `rl.steps` x `rl.minibatches` updates)
   data                              `tokenizer` and `seq_len` (each sample's row: prompt and
                                     every turn must fit it) only: rollouts are the data
@@ -51,8 +52,8 @@ def validate_rl_experiment(config) -> None:
   axes = batch_mesh_axes(config.mesh.logical_axis_rules)
   ways = math.prod(mesh_sizes[axis] for axis in axes)
   rows = config.rl.prompts_per_step * config.rl.group_size
-  minibatches = config.rl.minibatches
-  require(rows % (ways * minibatches) == 0, "rl.prompts_per_step",
+  minibatches, microbatches = config.rl.minibatches, config.train.microbatches
+  require(rows % (ways * minibatches * microbatches) == 0, "rl.prompts_per_step",
           f"prompts_per_step x group_size = {rows} rollout rows do not split into "
-          f"rl.minibatches={minibatches} minibatches over the {ways} data-parallel devices; use "
-          "a multiple")
+          f"rl.minibatches={minibatches} minibatches of train.microbatches={microbatches} "
+          f"microbatches over the {ways} data-parallel devices; use a multiple")

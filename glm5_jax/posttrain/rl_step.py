@@ -47,7 +47,7 @@ from glm5_jax.posttrain import grpo
 from glm5_jax.sharding import batch_sharding, make_mesh, param_shardings, state_shardings
 from glm5_jax.train import losses
 from glm5_jax.train.state import TrainState
-from glm5_jax.train.step import apply_gradients
+from glm5_jax.train.step import apply_gradients, split_microbatches
 
 BATCH_KEYS = ("tokens", "positions", "segment_ids", "loss_mask", "rollout_logp", "advantages")
 OPTIONAL_KEYS = ("old_logp",)
@@ -63,6 +63,7 @@ class RLStepConfig:
   mtp_loss_weight: float = 0.0
   dsa_stage: str = "sparse"  # how DSA layers attend: as the engine does ("sparse"), or "dense"
   balance_bias_rate: float = 1e-3
+  microbatches: int = 1  # gradient accumulation (`rl_loss_and_grads`)
 
   @classmethod
   def from_config(cls, config) -> "RLStepConfig":
@@ -70,13 +71,11 @@ class RLStepConfig:
     require(config.train.dsa_stage != "warmup", "train.dsa_stage",
             "the warm-up stage trains only the indexers; RL needs 'sparse' (as the engine "
             "attends) or 'dense'")
-    require(config.train.microbatches == 1, "train.microbatches",
-            f"the RL step runs the whole rollout batch at once (1), got "
-            f"{config.train.microbatches}")
     rl = config.rl
     return cls(eps_low=rl.eps_low, eps_high=rl.eps_high, icepop_beta=rl.icepop_beta,
                mtp_loss_weight=rl.mtp_loss_weight, dsa_stage=config.train.dsa_stage,
-               balance_bias_rate=config.train.balance_bias_rate)
+               balance_bias_rate=config.train.balance_bias_rate,
+               microbatches=config.train.microbatches)
 
 
 def token_logprobs(logits_BLY, tokens_BL):
@@ -125,19 +124,27 @@ def teacher_logp(teacher_cfg: ModelConfig, teacher_params, batch):
                        batch["segment_ids"])
 
 
-def rl_loss(model: ModelConfig, step_cfg: RLStepConfig, params, batch):
+def rl_loss(model: ModelConfig, step_cfg: RLStepConfig, params, batch, whole=None):
   """`(loss, (metrics, expert_counts))` of one rollout batch: `grpo.policy_loss`
-  (+ `mtp_loss_weight` x the mean MTP cross-entropy on the response tokens)."""
+  (+ `mtp_loss_weight` x the mean MTP cross-entropy on the response tokens).
+
+  `whole` (`rl_denominators` of a larger batch) makes this one microbatch of it: every mean is
+  divided by the whole batch's denominators, so the microbatches' losses, gradients and
+  metrics add up to the batch's (`rl_loss_and_grads`)."""
   train_mtp = step_cfg.mtp_loss_weight > 0
   out = forward(model, params, batch["tokens"], batch["positions"], batch["segment_ids"],
                 mode=Mode(dsa_stage=step_cfg.dsa_stage), mtp=train_mtp)
   logp_BL, entropy_BL = token_logprobs(out["logits"], batch["tokens"])
   old_logp_BL = batch.get("old_logp", jax.lax.stop_gradient(logp_BL))
   mask_BL = batch["loss_mask"].astype(jnp.float32)
+  mask_batch = {**batch, "loss_mask": mask_BL}
+  own = rl_denominators(model, step_cfg, mask_batch)
+  whole = own if whole is None else whole
+  tokens = whole["tokens"]
   policy, metrics = grpo.policy_loss(
       logp_BL, old_logp_BL, batch["rollout_logp"], batch["advantages"], mask_BL,
-      eps_low=step_cfg.eps_low, eps_high=step_cfg.eps_high, icepop_beta=step_cfg.icepop_beta)
-  tokens = jnp.maximum(mask_BL.sum(), 1.0)
+      eps_low=step_cfg.eps_low, eps_high=step_cfg.eps_high, icepop_beta=step_cfg.icepop_beta,
+      denominator=tokens)
   advantages_BL = batch["advantages"].astype(jnp.float32)
   metrics = {**metrics, "policy_loss": policy,
              "entropy": (entropy_BL * mask_BL).sum() / tokens,
@@ -145,15 +152,67 @@ def rl_loss(model: ModelConfig, step_cfg: RLStepConfig, params, batch):
              "advantage_abs_mean": (jnp.abs(advantages_BL) * mask_BL).sum() / tokens}
   total = policy
   if train_mtp:
-    depths = losses.mtp_losses(out, {**batch, "loss_mask": mask_BL})
+    depths = losses.mtp_losses(out, mask_batch)
     if depths:
-      mtp_loss = jnp.mean(jnp.stack([d["ce"] for d in depths]))
+      # `cross_entropy` divides by this batch's targets of each depth; rescale to the whole's
+      shares = [a / b for a, b in zip(own["mtp"], whole["mtp"])]
+      mtp_loss = jnp.mean(jnp.stack([d["ce"] * w for d, w in zip(depths, shares)]))
       total = total + step_cfg.mtp_loss_weight * mtp_loss
       metrics["mtp_loss"] = mtp_loss
-      for d, m in enumerate(depths, start=1):
-        metrics[f"mtp{d}_accuracy"] = m["accuracy"]
+      for d, (m, w) in enumerate(zip(depths, shares), start=1):
+        metrics[f"mtp{d}_accuracy"] = m["accuracy"] * w
   metrics["loss"] = total
   return total, (metrics, losses.expert_counts(out))
+
+
+def rl_denominators(model: ModelConfig, step_cfg: RLStepConfig, batch) -> dict:
+  """What `rl_loss`'s means divide by for `batch`: `tokens` (its loss tokens, at least 1) and
+  `mtp` (each trained MTP depth's targets, `losses.loss_denominators`)."""
+  depths = model.mtp_depths if step_cfg.mtp_loss_weight > 0 and model.num_nextn_predict_layers \
+      else 0
+  mask_BL = batch["loss_mask"].astype(jnp.float32)
+  return {"tokens": jnp.maximum(mask_BL.sum(), 1.0),
+          "mtp": losses.loss_denominators({**batch, "loss_mask": mask_BL}, depths)["mtp"]}
+
+
+def rl_loss_and_grads(model: ModelConfig, step_cfg: RLStepConfig, params, batch):
+  """`(metrics, expert_counts, grads)` of `rl_loss` on `batch`: in one pass or, with
+  `step_cfg.microbatches` = k > 1 (`train.microbatches`), accumulated over k strided
+  microbatches (`glm5_jax.train.step.split_microbatches`) in a `lax.scan`, so only one
+  microbatch's activations (and its `[B/k, L, Y]` float32 log-softmax) are live at a time.
+
+  Accumulation equals one pass to float rounding: each microbatch divides by the whole batch's
+  denominators (`rl_loss`'s `whole`), so losses, gradients and means add up; the maxima
+  (`logp_mismatch_max`) take the max; `ratio_mean`, a mean over IcePop's kept tokens, is
+  carried as a sum and divided by the total kept once; expert counts add exactly.
+  """
+  grad_fn = jax.value_and_grad(rl_loss, argnums=2, has_aux=True)
+  if step_cfg.microbatches == 1:
+    (_, (metrics, counts)), grads = grad_fn(model, step_cfg, params, batch)
+    return metrics, counts, grads
+
+  whole = rl_denominators(model, step_cfg, batch)
+
+  def one(microbatch):
+    (_, (metrics, counts)), grads = grad_fn(model, step_cfg, params, microbatch, whole)
+    metrics = {**metrics, "ratio_mean": metrics["ratio_mean"] * metrics["kept_tokens"]}
+    return jax.tree.map(lambda g: g.astype(jnp.float32), grads), metrics, counts
+
+  def accumulate(sums, microbatch):
+    grads, metrics, counts = one(microbatch)
+    sum_grads, sum_metrics, sum_counts = sums
+    sum_metrics = {k: (jnp.maximum(sum_metrics[k], v) if k == "logp_mismatch_max"
+                       else sum_metrics[k] + v) for k, v in metrics.items()}
+    return (jax.tree.map(jnp.add, sum_grads, grads), sum_metrics,
+            jax.tree.map(jnp.add, sum_counts, counts)), None
+
+  microbatches = split_microbatches(batch, step_cfg.microbatches)
+  first = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape[1:], x.dtype), microbatches)
+  zeros = jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), jax.eval_shape(one, first))
+  (grads, metrics, counts), _ = jax.lax.scan(accumulate, zeros, microbatches)
+  metrics["ratio_mean"] = metrics["ratio_mean"] / jnp.maximum(metrics["kept_tokens"], 1.0)
+  grads = jax.tree.map(lambda g, p: g.astype(p.dtype), grads, params)
+  return metrics, counts, grads
 
 
 def rl_trainable_mask(params, *, train_mtp: bool):
@@ -216,8 +275,7 @@ def make_rl_train_step(config, optimizer, schedule, *, state_sharding=None,
   step_cfg = RLStepConfig.from_config(config)
 
   def rl_train_step(state: TrainState, batch):
-    grad_fn = jax.value_and_grad(rl_loss, argnums=2, has_aux=True)
-    (_, (metrics, counts)), grads = grad_fn(model, step_cfg, state.params, batch)
+    metrics, counts, grads = rl_loss_and_grads(model, step_cfg, state.params, batch)
     return apply_gradients(state, grads, counts, metrics, optimizer, schedule,
                            step_cfg.balance_bias_rate)
 
