@@ -46,6 +46,7 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
   # steps (29% at step 30) before it climbs: the train reward starts rising near step 40.
   config.optim = optim.optim_config(learning_rate=1e-3, warmup_steps=5)
   config.train = train_defaults.train_config(steps=arg.steps)
-  config.ckpt = train_defaults.ckpt_config(every_steps=20, keep=2)
+  # Every step: the asynchronous trainer publishes only checkpointed versions (async_trainer).
+  config.ckpt = train_defaults.ckpt_config(every_steps=1, keep=2)
   config.mesh = mesh_config()
   return config

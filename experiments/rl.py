@@ -16,6 +16,23 @@ accuracy (greedy, `rl.eval_tasks` eval-split tasks) is measured before RL, every
 `rl.eval_every_steps` steps and at the end; the summary prints it before and after. Re-running
 with the same --workdir resumes exactly (orbax checkpoints in `<workdir>/rl/checkpoints`).
 
+Asynchronous mode (`--mode=async`, glm5_jax/rl): the same SFT first, then one trainer process
+and `--rollout_workers` rollout worker processes, sharing only `<workdir>/rl` (orders, rollout
+files, published policy versions, checkpoints; glm5_jax/rl/layout.py):
+
+  python experiments/rl.py --mode=async                      # trainer + 2 workers, ~10 min
+  python experiments/rl.py --mode=async --rollout_workers=3 --config.rl.max_staleness=2
+
+The launcher (this command) restarts a worker that dies; after the trainer dies, rerunning the
+command resumes it from its checkpoint. On a pod each slice runs its role instead, with the
+same config flags and workdir (a local path or gs://):
+
+  python experiments/rl.py --mode=async --role=trainer --rollout_workers=4 --workdir=gs://b/run
+  python experiments/rl.py --mode=async --role=worker --worker=w2 --workdir=gs://b/run
+
+(the SFT run must exist first: `--config.rl.init_from`, or run the launcher once). The workers'
+output goes to `<workdir>/rl/logs/<worker>.log`.
+
 Exit status: 0 done; 1 failed (the last line on stderr is the root cause).
 """
 
@@ -33,32 +50,86 @@ from ml_collections import config_flags  # noqa: E402
 from glm5_jax.config import require  # noqa: E402
 from glm5_jax.posttrain import sft  # noqa: E402
 from glm5_jax.posttrain.loop import rl_train  # noqa: E402
+from glm5_jax.rl import async_trainer, launcher, worker  # noqa: E402
 from glm5_jax.train import console  # noqa: E402
 
 _CONFIG = config_flags.DEFINE_config_file("config", "configs/rl_tiny.py", "RL config.")
 _WORKDIR = flags.DEFINE_string("workdir", "/tmp/glm5_rl", "The SFT run (when rl.init_from is "
                                "empty) goes to <workdir>/sft, RL to <workdir>/rl; resumed.")
+_MODE = flags.DEFINE_enum("mode", "sync", ["sync", "async"], "sync: generate and train in turn "
+                          "in this process; async: a trainer and rollout worker processes.")
+_WORKERS = flags.DEFINE_integer("rollout_workers", 2, "async: rollout worker processes (names "
+                                "w0, w1, ...).")
+_ROLE = flags.DEFINE_enum("role", "launcher", ["launcher", "trainer", "worker"], "async: "
+                          "launcher starts the others on this machine; trainer / worker run "
+                          "one role (one per slice on a pod).")
+_WORKER = flags.DEFINE_string("worker", "", "async --role=worker: this worker's name (w<i>).")
+
+
+def prepare_sft(config, workdir: str, out: dict) -> None:
+  """Runs the config's SFT section into <workdir>/sft unless rl.init_from names a start (or
+  that SFT run already finished), and points rl.init_from at it."""
+  if config.rl.init_from:
+    return
+  require("sft" in config, "rl.init_from", "is empty and the config has no `sft` section to "
+          "train first; name a checkpoint workdir")
+  sft_dir = os.path.join(workdir, "sft")
+  start = time.time()
+  if sft.finished(config.sft, sft_dir):
+    logging.info("SFT in %s already finished: RL starts from it", sft_dir)
+  else:
+    logging.info("SFT (%d steps) into %s", config.sft.train.steps, sft_dir)
+    out["sft"] = sft.run_sft(config.sft, sft_dir)
+  out["sft_seconds"] = time.time() - start
+  config.rl.init_from = sft_dir
 
 
 def run(config, workdir: str) -> dict:
-  """SFT (if needed) then RL; returns both summaries and their wall times."""
+  """SFT (if needed) then synchronous RL; returns both summaries and their wall times."""
   out = {}
-  if not config.rl.init_from:
-    require("sft" in config, "rl.init_from", "is empty and the config has no `sft` section to "
-            "train first; name a checkpoint workdir")
-    sft_dir = os.path.join(workdir, "sft")
-    start = time.time()
-    if sft.finished(config.sft, sft_dir):
-      logging.info("SFT in %s already finished: RL starts from it", sft_dir)
-    else:
-      logging.info("SFT (%d steps) into %s", config.sft.train.steps, sft_dir)
-      out["sft"] = sft.run_sft(config.sft, sft_dir)
-    out["sft_seconds"] = time.time() - start
-    config.rl.init_from = sft_dir
+  prepare_sft(config, workdir, out)
   start = time.time()
   out["rl"] = rl_train(config, os.path.join(workdir, "rl"))
   out["rl_seconds"] = time.time() - start
   return out
+
+
+def run_async(config, workdir: str, argv: list[str]) -> dict:
+  """SFT (if needed) in this process, then the trainer and the workers as subprocesses
+  (`launcher.launch`); returns the summaries (the trainer's is read from its summary file)."""
+  out = {}
+  async_trainer.validate_async_experiment(config)
+  prepare_sft(config, workdir, out)
+  root = os.path.join(workdir, "rl")
+  command = launcher.python_command(os.path.abspath(__file__), [
+      *argv[1:], f"--workdir={workdir}", f"--config.rl.init_from={config.rl.init_from}"])
+  start = time.time()
+  out["launch"] = launcher.launch(command, root, async_trainer.worker_names(_WORKERS.value))
+  out["rl_seconds"] = time.time() - start
+  if out["launch"]["trainer_returncode"] != 0:
+    raise RuntimeError(f"the trainer exited with status {out['launch']['trainer_returncode']} "
+                       "(its error is above); rerun the same command to resume")
+  with open(os.path.join(root, SUMMARY)) as f:
+    out["rl"] = json.load(f)
+  return out
+
+
+SUMMARY = "summary.json"
+
+
+def run_role(config, workdir: str) -> None:
+  """One process of an asynchronous run: the trainer (writes <workdir>/rl/summary.json) or a
+  worker."""
+  root = os.path.join(workdir, "rl")
+  if _ROLE.value == "trainer":
+    summary = async_trainer.run_async_trainer(config, root,
+                                              async_trainer.worker_names(_WORKERS.value))
+    summary["eval"] = {str(k): v for k, v in summary["eval"].items()}
+    with open(os.path.join(root, SUMMARY), "w") as f:
+      json.dump(summary, f)
+  else:
+    require(bool(_WORKER.value), "--worker", "--role=worker needs this worker's name (w<i>)")
+    worker.run_worker(config, root, _WORKER.value)
 
 
 def main(argv):
@@ -67,17 +138,27 @@ def main(argv):
   logging.info("devices: %s", jax.devices())
   start = time.time()
   try:
-    out = run(_CONFIG.value, _WORKDIR.value)
+    if _MODE.value == "async" and _ROLE.value != "launcher":
+      run_role(_CONFIG.value, _WORKDIR.value)
+      return
+    if _MODE.value == "async":
+      out = run_async(_CONFIG.value, _WORKDIR.value, sys.argv)
+    else:
+      out = run(_CONFIG.value, _WORKDIR.value)
   except Exception as e:  # pylint: disable=broad-except
     console.exit_on_failure(e, "RL")
+  print_summary(out, _CONFIG.value, start)
+
+
+def print_summary(out: dict, config, start: float) -> None:
   rl = out["rl"]
   print("\n== RL summary ==")
   if "sft" in out:
     print(f"SFT: {out['sft']['steps']} steps, loss {out['sft']['first_loss']:.3f} -> "
           f"{out['sft']['last_loss']:.3f}, {out['sft_seconds']:.0f} s")
   print(f"RL: {rl['steps']} of {rl['total_steps']} steps, {out['rl_seconds']:.0f} s")
-  c = _CONFIG.value.rl
-  for step, metrics in sorted(rl["eval"].items()):
+  c = config.rl
+  for step, metrics in sorted(rl["eval"].items(), key=lambda kv: int(kv[0])):
     sampled = (f", sampled {metrics['sampled_accuracy']:.3f} (T={c.temperature:g}), "
                f"pass@{c.eval_samples} {metrics['pass_at_k']:.3f}"
                if "sampled_accuracy" in metrics else "")
@@ -89,6 +170,15 @@ def main(argv):
   if rl["first_sampled_eval"] is not None:
     print(f"held-out sampled accuracy: {rl['first_sampled_eval']:.3f} before RL -> "
           f"{rl['last_sampled_eval']:.3f} after")
+  if "staleness" in rl:  # the asynchronous trainer's summary
+    hist = {int(k): v for k, v in rl["staleness"]["histogram"].items()}
+    print(f"policy versions published: {rl['versions_published']}; orders issued: "
+          f"{rl['orders']}; groups rejected as stale: {rl['rejected']} (re-queued "
+          f"{rl['requeued']}), quarantined files: {rl['quarantined']}")
+    print("staleness (version gap of each sample seen: count): "
+          + ", ".join(f"{g}: {c}" for g, c in sorted(hist.items())))
+    print(f"trainer idle fraction: {rl['idle_fraction']:.3f}; worker restarts: "
+          f"{out['launch']['worker_restarts'] or 'none'}")
   print(f"wall time: {time.time() - start:.0f} s; metrics: {rl['metrics_file']}")
   print(json.dumps({k: rl[k] for k in ("first_eval", "last_eval", "first_sampled_eval",
                                        "last_sampled_eval", "steps")}

@@ -52,7 +52,8 @@ from glm5_jax.train.workdir_lock import hold_workdir
 
 EVAL_SEED = 0  # greedy decoding draws nothing; the seed only names the requests
 # Fields of `rl` a resume may change: they decide how long and how often, not what is computed.
-RESUMABLE_RL_FIELDS = ("steps", "eval_every_steps", "eval_tasks", "eval_samples", "init_from")
+RESUMABLE_RL_FIELDS = ("steps", "eval_every_steps", "eval_tasks", "eval_samples", "init_from",
+                       "policy_keep", "worker_groups", "poll_seconds")
 
 
 def step_seed(seed: int, step: int) -> int:
@@ -123,12 +124,12 @@ def _rl_train(config, workdir, stop_after_steps, initial_params):
                               keep=config.ckpt.keep, async_save=config.ckpt.async_save)
   writer = MetricWriter(workdir)
   try:
-    state = _init_or_restore(config, manager, t, shapes, initial_params)
+    state = init_or_restore(config, manager, t, shapes, initial_params)
     start = int(state.step) // rl.minibatches
     evals, last_metrics = {}, None
     with activation_sharding(mesh, rules):
       if start == 0 and rl.eval_every_steps:
-        evals[0] = _evaluate(config, state.params, env, tokenizer, writer, 0)
+        evals[0] = evaluate_and_log(config, state.params, env, tokenizer, writer, 0)
       for step in range(start, rl.steps):
         t0 = time.time()
         tasks = [env.task(step * rl.prompts_per_step + i, "train")
@@ -147,7 +148,7 @@ def _rl_train(config, workdir, stop_after_steps, initial_params):
         logging.info(progress_line(done, rl.steps, last_metrics))
         writer.write(done, last_metrics)
         if rl.eval_every_steps and (done % rl.eval_every_steps == 0 or done == rl.steps):
-          evals[done] = _evaluate(config, state.params, env, tokenizer, writer, done)
+          evals[done] = evaluate_and_log(config, state.params, env, tokenizer, writer, done)
         stop = stop_after_steps is not None and done - start >= stop_after_steps
         if done % config.ckpt.every_steps == 0 or done == rl.steps or stop:
           save(manager, state, config)
@@ -212,13 +213,15 @@ def progress_line(step: int, total: int, m: dict) -> str:
   return " | ".join([
       f"rl step {step}/{total}", f"reward {m['reward']:.3f} acc {m['accuracy']:.3f}",
       f"len {m['response_length']:.1f}", f"loss {m['loss']:.4f}", f"entropy {m['entropy']:.3f}",
-      f"clip {m['clip_low_fraction']:.3f}/{m['clip_high_fraction']:.3f}",
-      f"icepop {m['icepop_masked_fraction']:.3f}", f"mismatch {m['logp_mismatch_mean']:.1e}",
+      *([f"is-masked {m['is_masked_fraction']:.3f}"] if "is_masked_fraction" in m else
+        [f"clip {m['clip_low_fraction']:.3f}/{m['clip_high_fraction']:.3f}",
+         f"icepop {m['icepop_masked_fraction']:.3f}"]),
+      f"mismatch {m['logp_mismatch_mean']:.1e}",
       f"gnorm {m['grad_norm']:.2f}",
       f"gen {m['generate_seconds']:.1f}s train {m['train_seconds']:.1f}s"])
 
 
-def _evaluate(config, params, env, tokenizer, writer, step) -> dict:
+def evaluate_and_log(config, params, env, tokenizer, writer, step) -> dict:
   t0 = time.time()
   metrics = evaluate(config, params, env, tokenizer, num_tasks=config.rl.eval_tasks)
   metrics["seconds"] = time.time() - t0
@@ -244,16 +247,19 @@ def _load_teacher(workdir: str, tokenizer):
 # ---- checkpoints -------------------------------------------------------------------------------
 
 
-def save(manager, state: TrainState, config) -> None:
+def save(manager, state: TrainState, config, extra: dict | None = None) -> None:
   """Saves the RL state as checkpoint `<RL step>` (`state.step` counts optimizer updates,
   `rl.minibatches` per RL step): params, optimizer state, and a meta item with the RL step, the
   update count, the config fingerprint and array checksums (`glm5_jax.train.integrity`), as
-  pre-training does (there is no data iterator: the rollouts are a function of the step)."""
+  pre-training does (there is no data iterator: the rollouts are a function of the step).
+  `extra` (JSON-able) is stored in the meta item too: the asynchronous trainer's ledger of
+  consumed rollout files and its staleness counts (`glm5_jax.rl.async_trainer`)."""
   step = int(state.step) // config.rl.minibatches
   meta = {"step": step, "updates": int(state.step), "rng": np.asarray(state.rng).tolist(),
           "config": rl_fingerprint(config),
           "fingerprint": {"params": integrity.tree_fingerprint(state.params),
-                          "opt_state": integrity.tree_fingerprint(state.opt_state)}}
+                          "opt_state": integrity.tree_fingerprint(state.opt_state)},
+          "extra": extra or {}}
   manager.save(step, args=ocp.args.Composite(
       params=ocp.args.StandardSave(state.params),
       opt_state=ocp.args.StandardSave(state.opt_state), meta=ocp.args.JsonSave(meta)),
@@ -281,7 +287,7 @@ def _restore(manager, abstract_state: TrainState, config) -> TrainState | None:
                     opt_state=restored["opt_state"], rng=jnp.asarray(meta["rng"], jnp.uint32))
 
 
-def _init_or_restore(config, manager, t: rl_step.RLTrainer, shapes, params=None) -> TrainState:
+def init_or_restore(config, manager, t: rl_step.RLTrainer, shapes, params=None) -> TrainState:
   abstract = jax.eval_shape(lambda p: rl_step.init_rl_state(p, t.optimizer), shapes)
   abstract = jax.tree.map(lambda s, sh: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=sh),
                           abstract, t.state_sharding)

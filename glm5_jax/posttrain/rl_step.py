@@ -44,6 +44,8 @@ from glm5_jax.api import abstract_params_and_axes, check_token_ids, forward
 from glm5_jax.attention.mode import Mode
 from glm5_jax.config import ModelConfig, require
 from glm5_jax.posttrain import grpo
+from glm5_jax.posttrain.config import resolve_policy_loss
+from glm5_jax.rl import staleness
 from glm5_jax.sharding import batch_sharding, make_mesh, param_shardings, state_shardings
 from glm5_jax.train import losses
 from glm5_jax.train.state import TrainState
@@ -64,10 +66,12 @@ class RLStepConfig:
   dsa_stage: str = "sparse"  # how DSA layers attend: as the engine does ("sparse"), or "dense"
   balance_bias_rate: float = 1e-3
   microbatches: int = 1  # gradient accumulation (`rl_loss_and_grads`)
+  policy_loss: str = "ppo"  # "ppo" (grpo.policy_loss) or "is" (staleness.is_policy_loss)
 
   @classmethod
-  def from_config(cls, config) -> "RLStepConfig":
-    """From the experiment config's `rl` and `train` sections (validated)."""
+  def from_config(cls, config, *, asynchronous: bool = False) -> "RLStepConfig":
+    """From the experiment config's `rl` and `train` sections (validated); `asynchronous`
+    resolves `rl.policy_loss="auto"` (`posttrain.config.resolve_policy_loss`)."""
     require(config.train.dsa_stage != "warmup", "train.dsa_stage",
             "the warm-up stage trains only the indexers; RL needs 'sparse' (as the engine "
             "attends) or 'dense'")
@@ -75,7 +79,8 @@ class RLStepConfig:
     return cls(eps_low=rl.eps_low, eps_high=rl.eps_high, icepop_beta=rl.icepop_beta,
                mtp_loss_weight=rl.mtp_loss_weight, dsa_stage=config.train.dsa_stage,
                balance_bias_rate=config.train.balance_bias_rate,
-               microbatches=config.train.microbatches)
+               microbatches=config.train.microbatches,
+               policy_loss=resolve_policy_loss(rl, asynchronous))
 
 
 def token_logprobs(logits_BLY, tokens_BL):
@@ -125,8 +130,10 @@ def teacher_logp(teacher_cfg: ModelConfig, teacher_params, batch):
 
 
 def rl_loss(model: ModelConfig, step_cfg: RLStepConfig, params, batch, whole=None):
-  """`(loss, (metrics, expert_counts))` of one rollout batch: `grpo.policy_loss`
-  (+ `mtp_loss_weight` x the mean MTP cross-entropy on the response tokens).
+  """`(loss, (metrics, expert_counts))` of one rollout batch: `grpo.policy_loss` (PPO + IcePop)
+  or, with `step_cfg.policy_loss="is"`, `staleness.is_policy_loss` (the double-sided IS mask
+  against the rollout log-probs: asynchronous RL), + `mtp_loss_weight` x the mean MTP
+  cross-entropy on the response tokens.
 
   `whole` (`rl_denominators` of a larger batch) makes this one microbatch of it: every mean is
   divided by the whole batch's denominators, so the microbatches' losses, gradients and
@@ -141,10 +148,15 @@ def rl_loss(model: ModelConfig, step_cfg: RLStepConfig, params, batch, whole=Non
   own = rl_denominators(model, step_cfg, mask_batch)
   whole = own if whole is None else whole
   tokens = whole["tokens"]
-  policy, metrics = grpo.policy_loss(
-      logp_BL, old_logp_BL, batch["rollout_logp"], batch["advantages"], mask_BL,
-      eps_low=step_cfg.eps_low, eps_high=step_cfg.eps_high, icepop_beta=step_cfg.icepop_beta,
-      denominator=tokens)
+  if step_cfg.policy_loss == "is":
+    policy, metrics = staleness.is_policy_loss(
+        logp_BL, batch["rollout_logp"], batch["advantages"], mask_BL, eps_low=step_cfg.eps_low,
+        eps_high=step_cfg.eps_high, denominator=tokens)
+  else:
+    policy, metrics = grpo.policy_loss(
+        logp_BL, old_logp_BL, batch["rollout_logp"], batch["advantages"], mask_BL,
+        eps_low=step_cfg.eps_low, eps_high=step_cfg.eps_high,
+        icepop_beta=step_cfg.icepop_beta, denominator=tokens)
   advantages_BL = batch["advantages"].astype(jnp.float32)
   metrics = {**metrics, "policy_loss": policy,
              "entropy": (entropy_BL * mask_BL).sum() / tokens,
@@ -258,7 +270,7 @@ def rl_shardings(config, optimizer, mesh: jax.sharding.Mesh):
 
 
 def make_rl_train_step(config, optimizer, schedule, *, state_sharding=None,
-                       batch_sharding=None):
+                       batch_sharding=None, asynchronous: bool = False):
   """The jitted `rl_train_step(state, batch) -> (state, metrics)`; donates `state`.
 
   Args:
@@ -272,7 +284,7 @@ def make_rl_train_step(config, optimizer, schedule, *, state_sharding=None,
     learning rate.
   """
   model = ModelConfig.from_config(config.model)
-  step_cfg = RLStepConfig.from_config(config)
+  step_cfg = RLStepConfig.from_config(config, asynchronous=asynchronous)
 
   def rl_train_step(state: TrainState, batch):
     metrics, counts, grads = rl_loss_and_grads(model, step_cfg, state.params, batch)
@@ -297,7 +309,7 @@ class RLTrainer:
   policy_logp: Callable  # jitted (params, batch) -> logp_BL (`policy_logprobs`)
 
 
-def build_rl_trainer(config, shapes) -> RLTrainer:
+def build_rl_trainer(config, shapes, *, asynchronous: bool = False) -> RLTrainer:
   """The optimizer, mesh, shardings and jitted steps of an RL run from its (validated) config
   and the params' `shapes` (`glm5_jax.api.abstract_params`), as `glm5_jax.train.trainer.
   build_trainer` does for pre-training. Built per run, not cached: a second run in the same
@@ -307,7 +319,7 @@ def build_rl_trainer(config, shapes) -> RLTrainer:
   mesh = make_mesh(config.mesh)
   state_sharding, batch_sharding = rl_shardings(config, optimizer, mesh)
   train_step = make_rl_train_step(config, optimizer, schedule, state_sharding=state_sharding,
-                                  batch_sharding=batch_sharding)
+                                  batch_sharding=batch_sharding, asynchronous=asynchronous)
   init_state = jax.jit(functools.partial(init_rl_state, optimizer=optimizer, seed=config.rl.seed),
                        out_shardings=state_sharding)
   model = ModelConfig.from_config(config.model)

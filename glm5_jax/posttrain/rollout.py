@@ -106,7 +106,8 @@ def observation_tokens(observation: str, tokenizer, *, after_stop: int,
 
 def generate_samples(config, params, env: Env, tasks, *, seed: int, group_size: int | None = None,
                      temperature: float | None = None, tokenizer=None,
-                     thinking_mode: str = "interleaved") -> list[Sample]:
+                     thinking_mode: str = "interleaved",
+                     slots: int | None = None) -> list[Sample]:
   """G samples of each task, played through `env` (module docstring).
 
   Args:
@@ -119,6 +120,9 @@ def generate_samples(config, params, env: Env, tasks, *, seed: int, group_size: 
     group_size, temperature: override `rl.group_size` / `rl.temperature` (held-out evaluation
       plays 1 greedy sample per task: temperature 0).
     tokenizer: the tokenizer of `data.tokenizer`, if already built.
+    slots: the engine's slots (default: one per sample, at most MAX_SLOTS). A caller whose
+      batches vary in size (a rollout worker) passes a fixed number: the engine's steps are
+      compiled per slot count.
   Returns:
     `len(tasks) * G` samples, task-major (the G samples of task i are i*G .. i*G + G - 1).
   """
@@ -138,8 +142,8 @@ def generate_samples(config, params, env: Env, tasks, *, seed: int, group_size: 
                           [dict(m) for m in task.messages]) for j in range(group_size)]
   # One engine for every turn; its shapes (slots, max_len, chunk) depend on the config only, so
   # a later call with new params reuses the compiled steps.
-  engine = Engine(config.model, params, slots=min(len(episodes), MAX_SLOTS), max_len=seq_len,
-                  prefill_chunk=PREFILL_CHUNK)
+  engine = Engine(config.model, params, slots=slots or min(len(episodes), MAX_SLOTS),
+                  max_len=seq_len, prefill_chunk=PREFILL_CHUNK)
   for turn in range(env.max_turns):
     active = [e for e in episodes if e.result is None]
     if not active:

@@ -70,7 +70,7 @@ def _is_remote(path: epath.Path) -> bool:
   return "://" in str(path)
 
 
-def _write_atomic(path: epath.Path, text: str) -> None:
+def write_atomic(path: epath.Path, text: str) -> None:
   """Writes `text` so that readers see all of it or no file (see the module docstring)."""
   if _is_remote(path):
     path.write_text(text)
@@ -192,7 +192,7 @@ class PolicyPublisher:
     self._manager.close()
 
   def _write_marker(self, version: int, marker: dict) -> None:
-    _write_atomic(self.directory / PUBLISHED / f"{version}.json", json.dumps(marker))
+    write_atomic(self.directory / PUBLISHED / f"{version}.json", json.dumps(marker))
 
   def _leased(self) -> set[int]:
     """Versions with a live lease; expired leases are deleted on the way."""
@@ -293,7 +293,7 @@ class PolicySubscriber:
     if not _is_remote(leases):
       leases.mkdir(parents=True, exist_ok=True)
     path = leases / f"{version}.reader-{os.getpid()}-{uuid.uuid4().hex[:12]}"
-    _write_atomic(path, json.dumps({"host": socket.gethostname(), "pid": os.getpid(),
+    write_atomic(path, json.dumps({"host": socket.gethostname(), "pid": os.getpid(),
                                     "time": time.time()}))
     return path
 

@@ -127,6 +127,16 @@ class Router:
     self._load[worker] += 1
     return worker
 
+  def pin(self, rollout_id: str, worker: str) -> None:
+    """Pins `rollout_id` to `worker` as an earlier assignment did (an orchestrator restoring
+    its running rollouts: they stay where their work already is)."""
+    if worker not in self._load:
+      raise KeyError(f"worker {worker!r} is not on the ring (workers: {self.workers})")
+    if rollout_id in self._pinned:
+      raise ValueError(f"rollout {rollout_id!r} is already pinned to {self._pinned[rollout_id]!r}")
+    self._pinned[rollout_id] = worker
+    self._load[worker] += 1
+
   def release(self, rollout_id: str) -> str:
     """The rollout ended: unpins it (its worker may drop the cache); returns that worker."""
     try:

@@ -157,7 +157,7 @@ def is_token_mask(logp_BL, rollout_logp_BL, *, eps_low: float, eps_high: float):
 
 
 def is_policy_loss(logp_BL, rollout_logp_BL, advantages_BL, loss_mask_BL, *,
-                   eps_low: float = 0.2, eps_high: float = 0.28):
+                   eps_low: float = 0.2, eps_high: float = 0.28, denominator=None):
   """The asynchronous policy loss with the double-sided IS mask (module docstring, 3):
 
     r_t    = exp(logp_t - rollout_logp_t)
@@ -167,9 +167,13 @@ def is_policy_loss(logp_BL, rollout_logp_BL, advantages_BL, loss_mask_BL, *,
   so a kept token's gradient is `-r_t * A_t * grad logp_t` and a masked one's exactly 0; the
   denominator is the original loss-token count (masked tokens are not re-weighted away).
 
+  `denominator` replaces `max(sum_t m_t, 1)` for one microbatch of a larger batch (the whole
+  batch's, as `grpo.policy_loss` takes it), so microbatches add up to the batch.
+
   Returns:
-    `(loss, metrics)`: is_masked_fraction (over loss tokens), ratio_mean (over kept tokens),
-    loss_tokens.
+    `(loss, metrics)`: is_masked_fraction, is_low_fraction (r < 1 - eps_low), is_high_fraction
+    (r > 1 + eps_high), logp_mismatch_mean (over loss tokens), logp_mismatch_max, ratio_mean
+    (over kept tokens), loss_tokens, kept_tokens.
   """
   logp_BL = jnp.asarray(logp_BL, jnp.float32)
   rollout_logp_BL = jax.lax.stop_gradient(jnp.asarray(rollout_logp_BL, jnp.float32))
@@ -183,11 +187,19 @@ def is_policy_loss(logp_BL, rollout_logp_BL, advantages_BL, loss_mask_BL, *,
   # `where` before exp: a masked token's ratio may overflow, and 0 * inf would be NaN.
   ratio_BL = jnp.exp(jnp.where(keep_BL, logp_BL - rollout_logp_BL, 0.0))
   loss_tokens = mask_BL.sum()
-  denominator = jnp.maximum(loss_tokens, 1.0)
+  denominator = jnp.maximum(loss_tokens, 1.0) if denominator is None else denominator
   loss = -jnp.where(keep_BL, ratio_BL * advantages_BL * mask_BL, 0.0).sum() / denominator
   kept = jnp.where(keep_BL, mask_BL, 0.0).sum()
+  delta_BL = jax.lax.stop_gradient(logp_BL) - rollout_logp_BL
+  low, high = _log_bounds(eps_low, eps_high)
+  on_BL = mask_BL > 0
+  fraction = lambda x_BL: jnp.where(x_BL & on_BL, mask_BL, 0.0).sum() / denominator
   metrics = {"is_masked_fraction": (loss_tokens - kept) / denominator,
+             "is_low_fraction": fraction(delta_BL < low),
+             "is_high_fraction": fraction(delta_BL > high),
+             "logp_mismatch_mean": (jnp.abs(delta_BL) * mask_BL).sum() / denominator,
+             "logp_mismatch_max": jnp.where(on_BL, jnp.abs(delta_BL), 0.0).max(),
              "ratio_mean": jnp.where(keep_BL, jax.lax.stop_gradient(ratio_BL) * mask_BL,
                                      0.0).sum() / jnp.maximum(kept, 1.0),
-             "loss_tokens": loss_tokens}
+             "loss_tokens": loss_tokens, "kept_tokens": kept}
   return loss, metrics

@@ -1,0 +1,243 @@
+"""The asynchronous RL trainer: consumes rollout files, trains, publishes policy versions.
+
+It runs in its own process(es) on its own mesh (`config.mesh`); the rollout workers
+(`glm5_jax.rl.worker`) are other processes sharing only the run directory (`layout`). Loop,
+at policy version v (= RL steps done):
+
+  1. orchestrate: note the rollout files that arrived, issue new orders within the capacity
+     rule and route them (`orchestrator.Orchestrator`);
+  2. take, in file-name order (order id), the next `rl.prompts_per_step` groups whose samples
+     pass staleness admission (v - oldest token version <= `rl.max_staleness`,
+     `staleness.StalenessAdmission`); a group that fails is not trained on: it is counted,
+     marked consumed and its task re-queued under a fresh id. A damaged file is quarantined
+     and its task re-queued. Too few groups: wait `rl.poll_seconds` (idle time);
+  3. one RL step on them: GRPO group advantages, the double-sided IS loss against the
+     rollout log-probs (`rl.policy_loss="auto"` -> "is"; no pi_old recompute);
+  4. checkpoint v + 1: the state, and in the same orbax step the ledger of consumed files, the
+     staleness counts and the rejected files (`loop.save`'s `extra`), committed before
+  5. publishing v + 1 (`param_sync.PolicyPublisher`, async save + marker). So every published
+     version is a checkpointed one: a trainer killed at any point resumes from its newest
+     checkpoint at a version >= every published one, and every rollout file carries versions
+     the resumed trainer has reached. Files consumed after that checkpoint are pending again
+     and are trained on once in the surviving history: nothing lost, nothing counted twice.
+
+Held-out evaluation (greedy and sampled, `loop.evaluate`) runs in the trainer every
+`rl.eval_every_steps`, as in the synchronous loop; the workers keep generating meanwhile.
+When v reaches `rl.steps` the trainer writes `control/done` and the workers exit.
+"""
+
+import os
+import time
+
+from absl import logging
+import numpy as np
+import orbax.checkpoint as ocp
+
+from glm5_jax.api import abstract_params
+from glm5_jax.config import ModelConfig, require
+from glm5_jax.data import check_vocab, make_tokenizer
+from glm5_jax.posttrain import envs, loop, rl_step
+from glm5_jax.posttrain.rl_config_checks import validate_rl_experiment
+from glm5_jax.posttrain.rollout import Sample
+from glm5_jax.rl import orders as orders_lib
+from glm5_jax.rl import staleness, trajectories
+from glm5_jax.rl.layout import RunDirs, read_json, write_json
+from glm5_jax.rl.orchestrator import Orchestrator
+from glm5_jax.rl.param_sync import PolicyPublisher
+from glm5_jax.sharding import activation_sharding
+from glm5_jax.train import checkpoint as ckpt
+from glm5_jax.train.metrics import MetricWriter
+from glm5_jax.train.workdir_lock import hold_workdir
+
+
+def validate_async_experiment(config) -> None:
+  """`validate_rl_experiment` plus what the asynchronous loop needs (ConfigError naming the
+  field)."""
+  validate_rl_experiment(config)
+  require(config.rl.loss == "grpo", "rl.loss",
+          f"the asynchronous loop trains GRPO; got {config.rl.loss!r} (run distillation with "
+          "--mode=sync)")
+  require(config.ckpt.every_steps == 1, "ckpt.every_steps",
+          f"must be 1 in the asynchronous loop (each published policy version is a committed "
+          f"checkpoint, so a restarted trainer never lags its workers), got "
+          f"{config.ckpt.every_steps}")
+
+
+def worker_names(n: int) -> list[str]:
+  if n < 1:
+    raise ValueError(f"--rollout_workers={n}: expected >= 1")
+  return [f"w{i}" for i in range(n)]
+
+
+def _restored_extra(manager) -> dict:
+  step = manager.latest_step()
+  if step is None:
+    return {}
+  meta = manager.restore(step, args=ocp.args.Composite(meta=ocp.args.JsonRestore()))["meta"]
+  return meta.get("extra", {})
+
+
+def _to_samples(batch: trajectories.TrajectoryBatch, env, group: int) -> list:
+  out = []
+  for r in batch.records:
+    out.append(Sample(task=env.task(int(r.meta["task"]), "train"), group=group, tokens=r.tokens,
+                      rollout_logp=r.logp, loss_mask=r.loss_mask, reward=r.reward,
+                      correct=bool(r.meta.get("correct", False)), turns=int(r.meta["turns"]),
+                      messages=[], info={"truncated": r.meta.get("truncated", False)}))
+  return out
+
+
+def run_async_trainer(config, root, workers, *, stop_after_steps: int | None = None,
+                      params=None) -> dict:
+  """Trains asynchronously in the run directory `root` (module docstring), resuming from its
+  newest checkpoint, with rollouts from `workers` (names; started elsewhere).
+
+  Args:
+    stop_after_steps: stop after this many steps of this call (checkpointed and published),
+      as a job time limit would; a later call resumes.
+    params: the starting params when `root` has no checkpoint, instead of `rl.init_from`.
+  Returns:
+    `steps`, `total_steps`, `eval` ({step: held-out metrics}), `first_eval` / `last_eval`,
+    `first_sampled_eval` / `last_sampled_eval`, `staleness` (counts and the gap histogram),
+    `rejected`, `requeued`, `quarantined`, `versions_published`, `idle_fraction`,
+    `metrics_file`.
+  """
+  validate_async_experiment(config)
+  with hold_workdir(str(root), "asynchronous RL trainer"):
+    return _run(config, RunDirs.at(root), list(workers), stop_after_steps, params)
+
+
+def _run(config, dirs: RunDirs, workers, stop_after_steps, initial_params):
+  rl = config.rl
+  model = ModelConfig.from_config(config.model)
+  tokenizer = make_tokenizer(config.data.tokenizer)
+  check_vocab(tokenizer, model.vocab_size)
+  env = envs.make(rl.env, **rl.env_options.to_dict())
+  shapes = abstract_params(config.model)
+  t = rl_step.build_rl_trainer(config, shapes, asynchronous=True)
+  manager = ckpt.make_manager(str(dirs.root), every_steps=1, keep=config.ckpt.keep,
+                              async_save=False)
+  writer = MetricWriter(str(dirs.root))
+  publisher = None
+  try:
+    state = loop.init_or_restore(config, manager, t, shapes, initial_params)
+    extra = _restored_extra(manager)
+    ledger = trajectories.TrajectoryLedger.from_json(extra["ledger"]) if extra else \
+        trajectories.TrajectoryLedger()
+    admission = staleness.StalenessAdmission.from_json(extra["admission"]) if extra else \
+        staleness.StalenessAdmission(rl.max_staleness)
+    admission.max_staleness = rl.max_staleness
+    rejected = list(extra.get("rejected", []))
+    version = int(state.step) // rl.minibatches
+    start_version = version
+    # Counters carried over restarts (a killed trainer loses only those since its last step).
+    stats = {"idle_seconds": 0.0, "busy_seconds": 0.0, "eval_seconds": 0.0, "starts": 0,
+             **(read_json(dirs.trainer_stats) or {})}
+    stats.update(pid=os.getpid(), version=version, starts=stats["starts"] + 1)
+    write_json(dirs.trainer_stats, stats)
+    publisher = PolicyPublisher(dirs.policy, keep=rl.policy_keep)
+    if version not in publisher.published_versions():
+      publisher.publish(version, state.params, block=True, extra={"step": version})
+      logging.info("published policy version %d", version)
+    orch = Orchestrator(dirs.root, workers, groups_per_step=rl.prompts_per_step,
+                        max_staleness=rl.max_staleness, total_steps=rl.steps,
+                        group_size=rl.group_size, rejected=len(rejected) + len(ledger.quarantined))
+    orch.issue(version)
+    evals = {}
+    with activation_sharding(t.mesh, config.mesh.logical_axis_rules):
+      if version == 0 and rl.eval_every_steps:
+        evals[0] = _timed_eval(config, state.params, env, tokenizer, writer, 0, stats)
+      read = {}  # rollout file name -> TrajectoryBatch, read and not yet trained or rejected
+      wait_start = time.time()
+      while version < rl.steps:
+        publisher.poll()
+        orch.settle(orders_lib.answered(dirs.root))
+        orch.issue(version)
+        for name in trajectories.pending(dirs.rollouts, ledger):
+          if name not in read:
+            try:
+              read[name] = trajectories.read_batch(dirs.rollouts / name)
+            except trajectories.CorruptTrajectoryError as e:
+              trajectories.quarantine(dirs.rollouts, name, ledger, e)
+              orch.requeue(name, version)
+        taken = []
+        for name in sorted(read):
+          if len(taken) == rl.prompts_per_step:
+            break
+          batch = read[name]
+          gaps = [staleness.version_gap(r.versions, r.loss_mask, version) for r in batch.records]
+          if max(gaps, default=0) > rl.max_staleness:
+            for gap in gaps:
+              admission.admit(gap)
+            ledger.mark_consumed(name)
+            rejected.append(name)
+            del read[name]
+            again = orch.requeue(name, version)
+            logging.info("rollout %s is %d versions old (rl.max_staleness=%d): not trained on; "
+                         "task re-queued as %s", name, max(gaps), rl.max_staleness,
+                         again.name if again else "(already re-queued)")
+            continue
+          taken.append((name, gaps))
+        if len(taken) < rl.prompts_per_step:
+          time.sleep(rl.poll_seconds)
+          continue
+        waited = time.time() - wait_start
+        stats["idle_seconds"] += waited
+        t0 = time.time()
+        samples, step_gaps = [], []
+        for group, (name, gaps) in enumerate(taken):
+          for gap in gaps:
+            admission.admit(gap)
+          step_gaps += gaps
+          samples += _to_samples(read.pop(name), env, group)
+        batch = loop.score(config, samples)
+        state, metrics = loop.train_on_batch(t, state, batch, rl.minibatches)
+        if not np.isfinite(metrics["loss"]):
+          raise FloatingPointError(f"RL step {version + 1}: non-finite loss {metrics['loss']}")
+        version += 1
+        ledger.mark_consumed([name for name, _ in taken])
+        loop.save(manager, state, config, extra={
+            "ledger": ledger.to_json(), "admission": admission.to_json(), "rejected": rejected})
+        manager.wait_until_finished()
+        publisher.publish(version, state.params, extra={"step": version})
+        stats["busy_seconds"] += time.time() - t0
+        stats["version"] = version
+        write_json(dirs.trainer_stats, stats)
+        last = {**loop.rollout_metrics(samples), **metrics, "generate_seconds": waited,
+                "train_seconds": time.time() - t0, "version_gap_mean": float(np.mean(step_gaps)),
+                "orders_running": orch.running, "rejected_total": orch.rejected,
+                **admission.metrics()}
+        logging.info(loop.progress_line(version, rl.steps, last).replace("gen ", "wait ")
+                     + f" | gap {last['version_gap_mean']:.2f} running {orch.running}")
+        writer.write(version, last)
+        if rl.eval_every_steps and (version % rl.eval_every_steps == 0 or version == rl.steps):
+          evals[version] = _timed_eval(config, state.params, env, tokenizer, writer, version,
+                                       stats)
+        wait_start = time.time()
+        if stop_after_steps is not None and version - start_version >= stop_after_steps:
+          break
+    publisher.wait()
+    if version >= rl.steps:
+      write_json(dirs.done, {"version": version})
+  finally:
+    if publisher is not None:
+      publisher.close()
+    manager.close()
+    writer.close()
+  busy, idle = stats["busy_seconds"], stats["idle_seconds"]
+  first, last_eval = (evals[min(evals)], evals[max(evals)]) if evals else ({}, {})
+  return {"steps": version, "total_steps": rl.steps, "eval": evals,
+          "first_eval": first.get("accuracy"), "last_eval": last_eval.get("accuracy"),
+          "first_sampled_eval": first.get("sampled_accuracy"),
+          "last_sampled_eval": last_eval.get("sampled_accuracy"),
+          "staleness": admission.to_json(), "rejected": len(rejected),
+          "requeued": len(orch.requeued), "quarantined": len(ledger.quarantined),
+          "versions_published": version + 1, "orders": len(orch.orders),
+          "idle_fraction": idle / max(idle + busy, 1e-9), "metrics_file": writer.path}
+
+
+def _timed_eval(config, params, env, tokenizer, writer, step, stats) -> dict:
+  t0 = time.time()
+  out = loop.evaluate_and_log(config, params, env, tokenizer, writer, step)
+  stats["eval_seconds"] += time.time() - t0
+  return out

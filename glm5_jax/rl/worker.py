@@ -1,0 +1,129 @@
+"""A rollout worker: its own JAX process and mesh, fed by orders, answering with rollout files.
+
+Loop (`run_worker`), until the trainer writes `control/done`:
+  1. its outstanding orders (`orders.outstanding_for`: order files without a rollout file), by
+     id; none: sleep `rl.poll_seconds` (idle time);
+  2. the newest published policy version (`param_sync.PolicySubscriber`), restored into this
+     worker's own shardings (`config.mesh` over this process's devices: orbax reshards from
+     the trainer's layout) when it is newer than the one held. Versions switch only between
+     generation batches, so every token of a rollout has one version;
+  3. up to `rl.worker_groups` orders as one generation batch (`rollout.generate_samples`: the
+     engine plays every turn of each rollout in this process, keeping its cache between turns),
+     each order's group written as one rollout file named by the order id
+     (`trajectories.write_batch`: temporary name, fsync, rename).
+A worker killed at any point loses nothing: on restart it deletes its temporary files and
+answers its outstanding orders again (those it had finished have files and are skipped).
+
+Counters (busy, idle and policy-load seconds, batches, samples, versions loaded) go to
+`<root>/workers/<name>.json` after every batch and are carried over a restart; the benchmark
+reads the idle fraction from them.
+
+Sampling seeds: one per generation batch, a hash of (`rl.seed`, worker, first order id); every
+request's seed also hashes the task index, sample and turn (`rollout.request_seed`).
+"""
+
+import hashlib
+import time
+
+from absl import logging
+import jax
+import numpy as np
+
+from glm5_jax.api import abstract_params_and_axes
+from glm5_jax.config import ModelConfig
+from glm5_jax.data import check_vocab, make_tokenizer
+from glm5_jax.posttrain import envs, rollout
+from glm5_jax.posttrain.rl_config_checks import validate_rl_experiment
+from glm5_jax.rl import orders as orders_lib
+from glm5_jax.rl import trajectories
+from glm5_jax.rl.layout import RunDirs, read_json, write_json
+from glm5_jax.rl.param_sync import PolicySubscriber
+from glm5_jax.sharding import make_mesh, param_shardings
+
+
+def batch_seed(seed: int, worker: str, first_order: int) -> int:
+  digest = hashlib.blake2b(f"rollout:{seed}:{worker}:{first_order}".encode(), digest_size=4)
+  return int.from_bytes(digest.digest(), "little")
+
+
+def abstract_worker_params(config):
+  """ShapeDtypeStructs of the params with this process's shardings (`config.mesh` over its
+  devices, `config.mesh.logical_axis_rules`): what a published version is restored into."""
+  shapes, logical = abstract_params_and_axes(ModelConfig.from_config(config.model))
+  mesh = make_mesh(config.mesh)
+  shardings = param_shardings(shapes, logical, mesh, config.mesh.logical_axis_rules)
+  return jax.tree.map(lambda s, sh: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=sh),
+                      shapes, shardings)
+
+
+def to_records(samples, order: orders_lib.Order, version: int, worker: str) -> list:
+  """The group of `order` as `TrajectoryRecord`s: token ids and raw log-probs exactly as the
+  engine produced them, every generated token tagged with `version`."""
+  out = []
+  for j, s in enumerate(samples):
+    versions = np.where(s.loss_mask > 0, version, -1).astype(np.int32)
+    meta = {"order": order.id, "task": s.task.index, "env": s.task.env, "sample": j,
+            "correct": bool(s.correct), "turns": s.turns, "worker": worker,
+            "requeue_of": order.requeue_of,
+            "truncated": bool(s.info.get("truncated", False))}
+    out.append(trajectories.TrajectoryRecord(s.tokens, s.rollout_logp * s.loss_mask,
+                                             s.loss_mask, versions, float(s.reward), meta))
+  return out
+
+
+def run_worker(config, root, name: str, *, max_batches: int | None = None) -> dict:
+  """Serves orders addressed to `name` in the run directory `root` (module docstring) until
+  the trainer is done (or after `max_batches` generation batches). Returns the counters."""
+  validate_rl_experiment(config)
+  dirs = RunDirs.at(root)
+  rl = config.rl
+  tokenizer = make_tokenizer(config.data.tokenizer)
+  check_vocab(tokenizer, ModelConfig.from_config(config.model).vocab_size)
+  env = envs.make(rl.env, **rl.env_options.to_dict())
+  abstract = abstract_worker_params(config)
+  subscriber = PolicySubscriber(dirs.policy)
+  removed = trajectories.remove_temporaries(dirs.rollouts, name)
+  if removed:
+    logging.info("worker %s: deleted %d temporary rollout files of a previous run", name, removed)
+  stats = read_json(dirs.worker_stats(name)) or {
+      "worker": name, "busy_seconds": 0.0, "idle_seconds": 0.0, "load_seconds": 0.0,
+      "batches": 0, "samples": 0, "starts": 0, "versions_loaded": [],
+      "response_lengths": []}
+  stats["starts"] += 1
+  slots = rl.worker_groups * rl.group_size
+  version, params, batches = None, None, 0
+  while not dirs.done.exists() and (max_batches is None or batches < max_batches):
+    t0 = time.time()
+    todo = orders_lib.outstanding_for(dirs.root, name)
+    latest = subscriber.latest_version()
+    if not todo or latest is None:
+      time.sleep(rl.poll_seconds)
+      stats["idle_seconds"] += time.time() - t0
+      continue
+    if latest != version:
+      version, params = subscriber.restore_latest(abstract)
+      stats["versions_loaded"].append(version)
+      stats["load_seconds"] += time.time() - t0
+      logging.info("worker %s: policy version %d loaded (%.1f s)", name, version,
+                   time.time() - t0)
+    t1 = time.time()
+    batch = todo[:rl.worker_groups]
+    tasks = [env.task(o.task, "train") for o in batch]
+    samples = rollout.generate_samples(config, params, env, tasks,
+                                       seed=batch_seed(rl.seed, name, batch[0].id),
+                                       tokenizer=tokenizer, slots=slots)
+    g = rl.group_size
+    for i, order in enumerate(batch):
+      group = samples[i * g:(i + 1) * g]
+      trajectories.write_batch(dirs.rollouts, to_records(group, order, version, name),
+                               worker=name, batch_index=order.id)
+      stats["response_lengths"] += [s.response_length for s in group]
+    batches += 1
+    stats["batches"] += 1
+    stats["samples"] += len(samples)
+    stats["busy_seconds"] += time.time() - t1
+    write_json(dirs.worker_stats(name), stats)
+    logging.info("worker %s: orders %d..%d (%d samples) with version %d in %.1f s", name,
+                 batch[0].id, batch[-1].id, len(samples), version, time.time() - t1)
+  write_json(dirs.worker_stats(name), stats)
+  return stats
