@@ -38,6 +38,7 @@ from glm5_jax.config import ModelConfig, require
 from glm5_jax.data import check_vocab, make_tokenizer
 from glm5_jax.posttrain import envs, loop, rl_step
 from glm5_jax.posttrain.rl_config_checks import validate_rl_experiment
+from glm5_jax.posttrain import rollout
 from glm5_jax.posttrain.rollout import Sample
 from glm5_jax.rl import orders as orders_lib
 from glm5_jax.rl import staleness, trajectories
@@ -142,7 +143,8 @@ def _run(config, dirs: RunDirs, workers, stop_after_steps, initial_params):
     orch = Orchestrator(dirs.root, workers, groups_per_step=rl.prompts_per_step,
                         max_staleness=rl.max_staleness, total_steps=rl.steps,
                         group_size=rl.group_size, rejected=len(rejected) + len(ledger.quarantined))
-    orch.issue(version)
+    published = version  # the newest version whose marker is written
+    orch.issue(published)
     evals = {}
     with activation_sharding(t.mesh, config.mesh.logical_axis_rules):
       if version == 0 and rl.eval_every_steps:
@@ -150,9 +152,11 @@ def _run(config, dirs: RunDirs, workers, stop_after_steps, initial_params):
       read = {}  # rollout file name -> TrajectoryBatch, read and not yet trained or rejected
       wait_start = time.time()
       while version < rl.steps:
-        publisher.poll()
+        published = publisher.poll() or published
         orch.settle(orders_lib.answered(dirs.root))
-        orch.issue(version)
+        # New orders wait for the marker of the version they are meant for: issued earlier, a
+        # worker would still generate them with the one before.
+        orch.issue(published)
         for name in trajectories.pending(dirs.rollouts, ledger):
           if name not in read:
             try:
@@ -203,7 +207,7 @@ def _run(config, dirs: RunDirs, workers, stop_after_steps, initial_params):
         stats["busy_seconds"] += time.time() - t0
         stats["version"] = version
         write_json(dirs.trainer_stats, stats)
-        last = {**loop.rollout_metrics(samples), **metrics, "generate_seconds": waited,
+        last = {**rollout.rollout_metrics(samples), **metrics, "generate_seconds": waited,
                 "train_seconds": time.time() - t0, "version_gap_mean": float(np.mean(step_gaps)),
                 "orders_running": orch.running, "rejected_total": orch.rejected,
                 **admission.metrics()}

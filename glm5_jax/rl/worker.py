@@ -23,6 +23,7 @@ request's seed also hashes the task index, sample and turn (`rollout.request_see
 """
 
 import hashlib
+import os
 import time
 
 from absl import logging
@@ -89,7 +90,8 @@ def run_worker(config, root, name: str, *, max_batches: int | None = None) -> di
       "worker": name, "busy_seconds": 0.0, "idle_seconds": 0.0, "load_seconds": 0.0,
       "batches": 0, "samples": 0, "starts": 0, "versions_loaded": [],
       "response_lengths": []}
-  stats["starts"] += 1
+  stats.update(starts=stats["starts"] + 1, pid=os.getpid())
+  write_json(dirs.worker_stats(name), stats)
   slots = rl.worker_groups * rl.group_size
   version, params, batches = None, None, 0
   while not dirs.done.exists() and (max_batches is None or batches < max_batches):

@@ -1,0 +1,257 @@
+"""The asynchronous RL system (glm5_jax/rl): orders and the orchestrator, a trainer with two
+workers in one process, and (slow) the launcher's processes killed with SIGKILL: a worker is
+restarted and the run completes; a rerun after the trainer's death resumes it. In every case
+each rollout file answers one order, and each file is trained on (or rejected) exactly once.
+"""
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+
+import numpy as np
+import orbax.checkpoint as ocp
+import pytest
+
+from configs import rl_tiny
+from glm5_jax.config import ModelConfig
+from glm5_jax.rl import async_trainer, orders, trajectories, worker
+from glm5_jax.rl.layout import RunDirs, read_json
+from glm5_jax.rl.orchestrator import Orchestrator
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def small_async_config(**rl):
+  """configs/rl_tiny.py with a 2-layer model, 32-token rows, groups of 4, 2 groups per step."""
+  config = rl_tiny.get_config()
+  del config["sft"]
+  config.model.num_hidden_layers = 2
+  config.data.seq_len = 32
+  config.rl.update({**dict(group_size=4, prompts_per_step=2, max_new_tokens=8, steps=3,
+                          eval_every_steps=0, eval_tasks=0, eval_samples=0, worker_groups=2,
+                          max_staleness=1, poll_seconds=0.05), **rl})
+  config.optim.update(warmup_steps=0, learning_rate=1e-2)
+  config.ckpt.update(every_steps=1, async_save=False)
+  return config
+
+
+def _record(version, reward=1.0):
+  mask = np.float32([0, 1, 1])
+  return trajectories.TrajectoryRecord(np.int32([5, 6, 7]), np.float32([0, -1, -2]), mask,
+                                       np.where(mask > 0, version, -1).astype(np.int32), reward,
+                                       {"task": 0, "turns": 1})
+
+
+def _answer(root, order, version=0):
+  trajectories.write_batch(RunDirs.at(root).rollouts, [_record(version)], worker=order.worker,
+                           batch_index=order.id)
+
+
+def test_capacity_rule_and_state_rebuilt_from_disk(tmp_path):
+  make = lambda rejected=0: Orchestrator(tmp_path, ["w0", "w1"], groups_per_step=2,
+                                         max_staleness=1, total_steps=3, group_size=4,
+                                         rejected=rejected)
+  orch = make()
+  issued = orch.issue(0)  # (0 + 1 + 1) * 2 groups may be live at version 0
+  assert [o.id for o in issued] == [0, 1, 2, 3] and [o.task for o in issued] == [0, 1, 2, 3]
+  assert orch.issue(0) == [] and orch.capacity(0) == 0
+  assert len(orch.issue(1)) == 2  # one more step of room
+  assert orch.issue(5) == []  # never beyond rl.steps x b = 6 groups
+  loads = orch.router.loads()
+  assert sum(loads.values()) == 6 and max(loads.values()) <= 4  # bounded loads
+  for order in issued[:3]:
+    _answer(tmp_path, order)
+  orch.settle(orders.answered(tmp_path))
+  assert orch.running == 3
+  # A new orchestrator (a restarted trainer) rebuilds ids, tasks and pins from the directory.
+  again = make()
+  assert (again.next_id, again.next_task, again.running) == (6, 6, 3)
+  assert again.router.pinned() == {str(o.id): o.worker for o in orch.orders[3:]}
+  for w in ("w0", "w1"):
+    assert [o.id for o in orders.outstanding_for(tmp_path, w)] == \
+        [o.id for o in orch.orders[3:] if o.worker == w]
+
+
+def test_requeue_is_counted_and_idempotent_across_restarts(tmp_path):
+  make = lambda rejected=0: Orchestrator(tmp_path, ["w0"], groups_per_step=1, max_staleness=0,
+                                         total_steps=4, group_size=4, rejected=rejected)
+  orch = make()
+  (first,) = orch.issue(0)
+  _answer(tmp_path, first)
+  orch.settle(orders.answered(tmp_path))
+  again = orch.requeue(first.rollout_name, 1)
+  assert (again.id, again.task, again.requeue_of) == (1, first.task, first.rollout_name)
+  assert orch.live == 1 and orch.capacity(0) == 0  # the re-queue takes the rejected one's place
+  # A trainer restarted from a checkpoint older than the rejection rejects the file again: it
+  # is counted again (the checkpoint did not count it) but not issued twice.
+  restarted = make(rejected=0)
+  assert restarted.requeue(first.rollout_name, 1) is None
+  assert len(restarted.orders) == 2 and restarted.live == 1
+  assert restarted.next_task == 1  # re-queues do not consume new tasks
+  with pytest.raises(ValueError, match="answers no issued order"):
+    restarted.requeue("0000000099-w0.npz", 1)
+
+
+def test_orders_refuse_reuse_and_unknown_workers(tmp_path):
+  order = orders.Order(0, "w0", 3, 4, 0)
+  orders.write_order(tmp_path, order)
+  with pytest.raises(FileExistsError, match="order id 0 was already issued"):
+    orders.write_order(tmp_path, orders.Order(0, "w1", 4, 4, 0))
+  with pytest.raises(ValueError, match="not one of this run's workers"):
+    Orchestrator(tmp_path, ["w5"], groups_per_step=1, max_staleness=0, total_steps=1,
+                 group_size=4)
+  (tmp_path / "orders" / "0000000001-w0.json").write_text("{not json")
+  with pytest.raises(ValueError, match="0000000001-w0.json: not a rollout order"):
+    orders.read_orders(tmp_path)
+
+
+def _final_meta(root):
+  with ocp.CheckpointManager(os.path.join(root, "checkpoints")) as manager:
+    step = manager.latest_step()
+    return manager.restore(step, args=ocp.args.Composite(
+        meta=ocp.args.JsonRestore()))["meta"]
+
+
+def _check_exactly_once(root, config):
+  """Every rollout file answers one issued order; the final ledger consumed each file once,
+  trained rl.steps x b groups, and the rest were rejected as stale (and re-queued)."""
+  rl = config.rl
+  issued = orders.read_orders(root)
+  files = sorted(orders.answered(root))
+  assert set(files) <= {o.rollout_name for o in issued}
+  meta = _final_meta(root)
+  extra = meta["extra"]
+  consumed = extra["ledger"]["consumed"]
+  assert len(consumed) == len(set(consumed))
+  rejected = extra["rejected"]
+  assert set(rejected) <= set(consumed)
+  assert len(consumed) - len(rejected) == rl.steps * rl.prompts_per_step
+  assert set(consumed) == set(files)  # nothing answered is left untrained at the end
+  assert {o.requeue_of for o in issued if o.requeue_of} == set(rejected)
+  hist = {int(g): c for g, c in extra["admission"]["histogram"].items()}
+  assert extra["admission"]["admitted"] == rl.steps * rl.prompts_per_step * rl.group_size
+  return meta, hist
+
+
+def test_trainer_and_two_workers_in_threads(tmp_path, helpers):
+  config = small_async_config()
+  params = helpers.random_params(ModelConfig.from_config(config.model), seed=0)
+  root = str(tmp_path / "rl")
+  errors = []
+
+  def serve(name):
+    try:
+      worker.run_worker(config, root, name)
+    except Exception as e:  # pylint: disable=broad-except
+      errors.append(e)
+
+  threads = [threading.Thread(target=serve, args=(w,), daemon=True) for w in ("w0", "w1")]
+  for t in threads:
+    t.start()
+  summary = async_trainer.run_async_trainer(config, root, ["w0", "w1"], params=params)
+  for t in threads:
+    t.join(timeout=60)
+  assert not errors, errors
+  assert not any(t.is_alive() for t in threads)  # they stopped on control/done
+  assert summary["steps"] == 3 and summary["versions_published"] == 4
+  _, hist = _check_exactly_once(root, config)
+  assert max(hist) <= config.rl.max_staleness + (1 if summary["rejected"] else 0)
+  loaded = [v for w in ("w0", "w1")
+            for v in read_json(RunDirs.at(root).worker_stats(w))["versions_loaded"]]
+  assert 0 in loaded and max(loaded) >= 1  # the workers switched versions during the run
+
+
+# ---- processes killed with SIGKILL (slow) -------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def sft_dir(tmp_path_factory):
+  """A 2-step SFT run of the 2-layer model (the RL runs below start from it)."""
+  from glm5_jax.posttrain import sft  # pylint: disable=import-outside-toplevel
+  config = rl_tiny.get_config().sft
+  config.model.num_hidden_layers = 2
+  config.train.update(steps=2, dsa_dense_steps=1)
+  config.optim.warmup_steps = 1
+  config.sft.num_per_env = 40
+  config.data.batch_size = 4
+  config.eval.every_steps = 0
+  config.ckpt.every_steps = 2
+  workdir = str(tmp_path_factory.mktemp("sft"))
+  sft.run_sft(config, workdir)
+  return workdir
+
+
+def _command(workdir, sft, steps):
+  return [sys.executable, "experiments/rl.py", "--mode=async", "--rollout_workers=2",
+          f"--workdir={workdir}", f"--config.rl.init_from={sft}",
+          "--config.model.num_hidden_layers=2", "--config.data.seq_len=32",
+          f"--config.rl.steps={steps}", "--config.rl.prompts_per_step=2",
+          "--config.rl.group_size=4", "--config.rl.max_new_tokens=8",
+          "--config.rl.eval_every_steps=0", "--config.rl.eval_tasks=0",
+          "--config.rl.eval_samples=0", "--config.rl.worker_groups=1",
+          "--config.rl.poll_seconds=0.05", "--config.optim.warmup_steps=0",
+          "--config.ckpt.async_save=False"]
+
+
+def _env():
+  return dict(os.environ, PYTHONPATH=REPO, JAX_PLATFORMS="cpu")
+
+
+def _wait_for(predicate, proc, timeout=600):
+  deadline = time.time() + timeout
+  while time.time() < deadline:
+    if predicate():
+      return
+    if proc.poll() is not None:
+      raise AssertionError(f"the launcher exited early ({proc.returncode}):\n"
+                           + proc.stderr.read()[-3000:])
+    time.sleep(0.2)
+  raise AssertionError("timed out")
+
+
+def _config_of(steps):
+  config = small_async_config(steps=steps, worker_groups=1)
+  return config
+
+
+@pytest.mark.slow
+def test_killed_worker_is_restarted_and_the_run_completes(tmp_path, sft_dir):
+  steps = 4
+  root = RunDirs.at(tmp_path / "rl")
+  proc = subprocess.Popen(_command(tmp_path, sft_dir, steps), cwd=REPO, env=_env(),
+                          stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+  stats = lambda: read_json(root.worker_stats("w1")) or {}
+  _wait_for(lambda: stats().get("batches", 0) >= 1, proc)  # w1 answered orders
+  os.kill(stats()["pid"], signal.SIGKILL)
+  out, err = proc.communicate(timeout=900)
+  assert proc.returncode == 0, err[-3000:]
+  assert "worker w1" in err and "restarting it (restart 1)" in err
+  assert "worker restarts: {'w1': 1}" in out
+  assert stats()["starts"] == 2
+  _check_exactly_once(str(root.root), _config_of(steps))
+
+
+@pytest.mark.slow
+def test_killed_trainer_resumes_when_the_command_is_rerun(tmp_path, sft_dir):
+  steps = 4
+  root = RunDirs.at(tmp_path / "rl")
+  command = _command(tmp_path, sft_dir, steps)
+  proc = subprocess.Popen(command, cwd=REPO, env=_env(), stdout=subprocess.PIPE,
+                          stderr=subprocess.PIPE, text=True)
+  trainer = lambda: read_json(root.trainer_stats) or {}
+  _wait_for(lambda: trainer().get("version", 0) >= 2, proc)
+  os.kill(trainer()["pid"], signal.SIGKILL)
+  _, err = proc.communicate(timeout=300)
+  assert proc.returncode != 0 and "rerun the same command to resume" in err
+  proc = subprocess.run(command, cwd=REPO, env=_env(), capture_output=True, text=True,
+                        timeout=900)
+  assert proc.returncode == 0, proc.stderr[-3000:]
+  assert "resumed RL from" in proc.stderr
+  result = json.loads(proc.stdout.strip().splitlines()[-1])
+  assert result["steps"] == steps
+  assert trainer()["starts"] == 2
+  _check_exactly_once(str(root.root), _config_of(steps))
