@@ -66,28 +66,9 @@ _ROLE = flags.DEFINE_enum("role", "launcher", ["launcher", "trainer", "worker"],
 _WORKER = flags.DEFINE_string("worker", "", "async --role=worker: this worker's name (w<i>).")
 
 
-def prepare_sft(config, workdir: str, out: dict) -> None:
-  """Runs the config's SFT section into <workdir>/sft unless rl.init_from names a start (or
-  that SFT run already finished), and points rl.init_from at it."""
-  if config.rl.init_from:
-    return
-  require("sft" in config, "rl.init_from", "is empty and the config has no `sft` section to "
-          "train first; name a checkpoint workdir")
-  sft_dir = os.path.join(workdir, "sft")
-  start = time.time()
-  if sft.finished(config.sft, sft_dir):
-    logging.info("SFT in %s already finished: RL starts from it", sft_dir)
-  else:
-    logging.info("SFT (%d steps) into %s", config.sft.train.steps, sft_dir)
-    out["sft"] = sft.run_sft(config.sft, sft_dir)
-  out["sft_seconds"] = time.time() - start
-  config.rl.init_from = sft_dir
-
-
 def run(config, workdir: str) -> dict:
   """SFT (if needed) then synchronous RL; returns both summaries and their wall times."""
-  out = {}
-  prepare_sft(config, workdir, out)
+  out = sft.ensure_sft_start(config, workdir)
   start = time.time()
   out["rl"] = rl_train(config, os.path.join(workdir, "rl"))
   out["rl_seconds"] = time.time() - start
@@ -97,9 +78,8 @@ def run(config, workdir: str) -> dict:
 def run_async(config, workdir: str, argv: list[str]) -> dict:
   """SFT (if needed) in this process, then the trainer and the workers as subprocesses
   (`launcher.launch`); returns the summaries (the trainer's is read from its summary file)."""
-  out = {}
   async_trainer.validate_async_experiment(config)
-  prepare_sft(config, workdir, out)
+  out = sft.ensure_sft_start(config, workdir)
   root = os.path.join(workdir, "rl")
   command = launcher.python_command(os.path.abspath(__file__), [
       *argv[1:], f"--workdir={workdir}", f"--config.rl.init_from={config.rl.init_from}"])

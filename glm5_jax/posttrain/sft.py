@@ -10,6 +10,9 @@ Split, metrics and held-out loss come with the training loop.
 
 import copy
 import os
+import time
+
+from absl import logging
 
 from glm5_jax.config import ConfigError, check_fields, require
 from glm5_jax.posttrain import envs, sft_data
@@ -71,3 +74,25 @@ def run_sft(config, workdir: str, **train_kwargs) -> dict:
   returns the training loop's summary."""
   os.makedirs(workdir, exist_ok=True)
   return train(training_config(config, workdir), workdir, **train_kwargs)
+
+
+def ensure_sft_start(config, workdir: str) -> dict:
+  """Where RL starts, for an RL experiment `config`: with `rl.init_from` set, nothing to do;
+  else trains the config's `sft` section into `<workdir>/sft` (unless that run already
+  finished) and sets `rl.init_from` to it. Returns {"sft": the SFT summary (when it ran),
+  "sft_seconds"} ({} when rl.init_from was given)."""
+  if config.rl.init_from:
+    return {}
+  require("sft" in config, "rl.init_from", "is empty and the config has no `sft` section to "
+          "train first; name a checkpoint workdir")
+  sft_dir = os.path.join(workdir, "sft")
+  start = time.time()
+  out = {}
+  if finished(config.sft, sft_dir):
+    logging.info("SFT in %s already finished: RL starts from it", sft_dir)
+  else:
+    logging.info("SFT (%d steps) into %s", config.sft.train.steps, sft_dir)
+    out["sft"] = run_sft(config.sft, sft_dir)
+  out["sft_seconds"] = time.time() - start
+  config.rl.init_from = sft_dir
+  return out
