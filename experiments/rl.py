@@ -51,6 +51,7 @@ from glm5_jax.config import require  # noqa: E402
 from glm5_jax.posttrain import sft  # noqa: E402
 from glm5_jax.posttrain.loop import rl_train  # noqa: E402
 from glm5_jax.rl import async_trainer, launcher, worker  # noqa: E402
+from glm5_jax.rl.layout import RunDirs, read_json  # noqa: E402
 from glm5_jax.train import console  # noqa: E402
 
 _CONFIG = config_flags.DEFINE_config_file("config", "configs/rl_tiny.py", "RL config.")
@@ -91,6 +92,9 @@ def run_async(config, workdir: str, argv: list[str]) -> dict:
                        "(its error is above); rerun the same command to resume")
   with open(os.path.join(root, SUMMARY)) as f:
     out["rl"] = json.load(f)
+  dirs = RunDirs.at(root)
+  out["workers"] = {w: read_json(dirs.worker_stats(w))
+                    for w in async_trainer.worker_names(_WORKERS.value)}
   return out
 
 
@@ -159,6 +163,14 @@ def print_summary(out: dict, config, start: float) -> None:
           + ", ".join(f"{g}: {c}" for g, c in sorted(hist.items())))
     print(f"trainer idle fraction: {rl['idle_fraction']:.3f}; worker restarts: "
           f"{out['launch']['worker_restarts'] or 'none'}")
+    for name, w in out["workers"].items():
+      if w is None:
+        continue
+      whole = max(w["busy_seconds"] + w["idle_seconds"] + w["load_seconds"], 1e-9)
+      print(f"worker {name}: {w['samples']} samples in {w['batches']} batches, "
+            f"{len(w['versions_loaded'])} policy versions loaded, idle fraction "
+            f"{w['idle_seconds'] / whole:.3f}, prefix-cache hit rate "
+            f"{w['prefix'].get('hit_rate', 0.0):.3f}")
   print(f"wall time: {time.time() - start:.0f} s; metrics: {rl['metrics_file']}")
   print(json.dumps({k: rl[k] for k in ("first_eval", "last_eval", "first_sampled_eval",
                                        "last_sampled_eval", "steps")}

@@ -21,6 +21,7 @@ OPTION_SETS = [
     ("countdown", {"count": 2, "operations": "*/"}),
     ("strings", {}), ("strings", {"op": "sort", "min_len": 1, "max_len": 12}),
     ("calculator", {}), ("calculator", {"digits": 1, "operations": "-", "max_turns": 2}),
+    ("echo", {}), ("echo", {"min_len": 1, "max_len": 80, "alpha": 0.5, "partial": True}),
 ]
 IDS = [f"{name}-{'-'.join(f'{k}={v}' for k, v in opts.items()) or 'default'}"
        for name, opts in OPTION_SETS]
@@ -46,7 +47,7 @@ def assert_malformed(step):
 # Construction, determinism, splits
 
 def test_make_names_and_option_errors():
-  assert envs.NAMES == ("addition", "countdown", "strings", "calculator")
+  assert envs.NAMES == ("addition", "countdown", "strings", "calculator", "echo")
   with pytest.raises(ValueError, match="unknown environment 'chess'"):
     envs.make("chess")
   bad = [("addition", {"digits": 0}, "digits"), ("addition", {"digits": True}, "digits"),
@@ -335,15 +336,16 @@ def test_arith_evaluate():
 def test_write_builtin(tmp_path):
   path = str(tmp_path / "sub" / "sft.jsonl")
   n = sft_data.write_builtin(path, envs.NAMES, 6, seed=3, env_options={"addition": {"digits": 3}})
-  assert n == 24
+  total = 6 * len(envs.NAMES)
+  assert n == total
   lines = open(path, encoding="utf-8").read().splitlines()
-  assert len(lines) == 24 and os.listdir(tmp_path / "sub") == ["sft.jsonl"]
+  assert len(lines) == total and os.listdir(tmp_path / "sub") == ["sft.jsonl"]
   made = {name: envs.make(name, seed=3, **({"digits": 3} if name == "addition" else {}))
           for name in envs.NAMES}
   for i, line in enumerate(lines):
     record = json.loads(line)
     assert list(record) == ["messages"]
-    name, index = envs.NAMES[i % 4], i // 4  # interleaved env by env
+    name, index = envs.NAMES[i % len(envs.NAMES)], i // len(envs.NAMES)  # interleaved env by env
     task = made[name].task(index, "train")
     assert record["messages"] == made[name].worked_solution(task)
     assert envs.replay(made[name], task, record["messages"]).reward == 1.0
@@ -351,7 +353,7 @@ def test_write_builtin(tmp_path):
   # Idempotent: an identical file is not rewritten; a different one is replaced.
   os.utime(path, (1, 1))
   assert sft_data.write_builtin(path, envs.NAMES, 6, seed=3,
-                                env_options={"addition": {"digits": 3}}) == 24
+                                env_options={"addition": {"digits": 3}}) == total
   assert os.stat(path).st_mtime == 1
   sft_data.write_builtin(path, ["strings"], 2, seed=3)
   assert len(open(path).read().splitlines()) == 2 and os.stat(path).st_mtime != 1

@@ -117,6 +117,9 @@ def test_multi_turn_observations_are_rendered_appended_and_masked(small, monkeyp
     def __init__(self, *args, **kwargs):
       pass
 
+    def release(self, session):  # episodes are engine sessions (multi-turn env)
+      return False
+
     def run(self, requests):
       out = []
       for r in requests:

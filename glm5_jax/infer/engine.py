@@ -16,6 +16,13 @@ loop keeps a queue of requests and, each iteration:
      kept in the output, or `max_new_tokens`). A freed slot takes the next request in the next
      iteration with no recompile: every shape is fixed by B, max_len and the chunk.
 
+Sessions (`glm5_jax.infer.sessions`): a request with a `session` id leaves its slot's cache
+held when it ends; the session's next request (its prompt the whole conversation so far)
+continues in that slot and prefills only the tokens past the held ones, each prefill row from
+its own start position. `release(session)` frees the slot; a request that finds no free slot
+evicts the least recently used held session. `prefix_stats()` counts prompt tokens submitted
+and prefilled (group sharing and sessions both save prefill).
+
 Randomness: token n of a request draws from (its seed, n) only (`glm5_jax.infer.sampling`), so a
 request's tokens do not depend on its slot, on its neighbours, or on when it was admitted:
 continuous batching gives exactly the tokens of generating each request alone.
@@ -47,6 +54,7 @@ from glm5_jax.infer.accept_stats import (NO_LIMIT, AcceptStats, acceptance_rates
 from glm5_jax.infer.cache import cache_specs, init_cache
 from glm5_jax.infer.cache_spec import CacheSpec
 from glm5_jax.infer.requests import GenerateResult, Request, validate_generate_args
+from glm5_jax.infer.sessions import PrefixStats, SessionTable, reusable
 from glm5_jax.infer.step import decode_step
 from glm5_jax.layers.axes import BATCH
 from glm5_jax.layers.params import dtypes
@@ -141,6 +149,17 @@ class Engine:
     self.w = speculate.window_size(self.k) if self.k else 0
     self.hidden = jnp.zeros((slots, self.w, self.cfg.hidden_size), dtypes(self.cfg)[0])
     self._slot_arrays_memo = (None, None)
+    self.sessions = SessionTable()
+    self.stats = PrefixStats()
+
+  def release(self, session) -> bool:
+    """Frees a held session's slot; False when the session is not held (evicted, unknown)."""
+    return self.sessions.release(session)
+
+  def prefix_stats(self) -> dict:
+    """{"prompt_tokens", "prefilled_tokens", "hit_rate" = 1 - prefilled / prompt, and the
+    session hits, misses and evictions} since the engine was built."""
+    return self.stats.as_dict()
 
   def _context(self):
     if self.mesh is None:
@@ -152,32 +171,85 @@ class Engine:
   def run(self, requests) -> list[Completion]:
     """Generates every request (in any order of completion); returns them in input order."""
     requests = list(requests)
-    for r in requests:
-      if len(r.prompt) + r.max_new_tokens - 1 + self.k > self.max_len:
-        raise ValueError(f"request {r.index}: {len(r.prompt)} prompt tokens + max_new_tokens "
-                         f"{r.max_new_tokens} - 1 + speculative_steps {self.k} exceed the "
-                         f"engine's max_len {self.max_len}")
+    self._check_requests(requests)
     queue = collections.deque(requests)
     done: dict[int, Completion] = {}
     slot_of: list[Completion | None] = [None] * self.slots
     with self._context():
       while queue or any(c is not None for c in slot_of):
-        free = [s for s in range(self.slots) if slot_of[s] is None]
-        admitted = [(s, queue.popleft()) for s in free[:len(queue)]]
+        admitted = self._place(queue, slot_of)
         if admitted:
           first = self._admit(admitted)
-          for (slot, request), token in zip(admitted, first):
+          for (slot, request, _), token in zip(admitted, first):
             completion = Completion(request, [], [], [], [] if self.return_logits else None,
                                     init_accept_stats(1, self.k) if self.k else None)
             slot_of[slot] = completion
             self._keep(completion, [token])
             if self._finished(completion):
-              done[id(request)], slot_of[slot] = completion, None
+              done[id(request)] = self._end(slot_of, slot)
         if any(c is not None for c in slot_of):
           for slot, completion in (self._speculate if self.k else self._decode)(slot_of):
             if self._finished(completion):
-              done[id(completion.request)], slot_of[slot] = completion, None
+              done[id(completion.request)] = self._end(slot_of, slot)
     return [done[id(r)] for r in requests]
+
+  def _check_requests(self, requests) -> None:
+    sessions = set()
+    for r in requests:
+      if len(r.prompt) + r.max_new_tokens - 1 + self.k > self.max_len:
+        raise ValueError(f"request {r.index}: {len(r.prompt)} prompt tokens + max_new_tokens "
+                         f"{r.max_new_tokens} - 1 + speculative_steps {self.k} exceed the "
+                         f"engine's max_len {self.max_len}")
+      if r.session is None:
+        continue
+      if self.k:  # the MTP caches and h window would need their own continuation
+        raise ValueError(f"request {r.index}: session {r.session!r} with speculative_steps "
+                         f"{self.k}; sessions need plain decoding (speculative_steps=0)")
+      try:
+        hash(r.session)
+      except TypeError:
+        raise ValueError(f"request {r.index}: session must be hashable, got "
+                         f"{type(r.session).__name__}") from None
+      if r.session in sessions:
+        raise ValueError(f"request {r.index}: session {r.session!r} has two requests in one "
+                         "run; a session's next turn waits for its last one to finish")
+      sessions.add(r.session)
+
+  def _place(self, queue, slot_of) -> list:
+    """Pops the requests that start this iteration: `(slot, request, start)`, `start` the cache
+    rows kept (a held session's, else 0). Requests of held sessions go to their slots; the rest
+    take free slots in queue order, evicting held sessions LRU-first when none is free."""
+    held = self.sessions.slots()
+    free = [s for s in range(self.slots) if slot_of[s] is None and s not in held]
+    placed, waiting = [], collections.deque()
+    for r in queue:
+      entry = self.sessions.take(r.session) if r.session is not None else None
+      if entry is None:
+        waiting.append(r)
+      else:
+        placed.append((entry.slot, r, reusable(entry, r.prompt)))
+    queue.clear()
+    while waiting:
+      if not free:
+        slot = self.sessions.evict()
+        if slot is None:
+          break
+        self.stats.evictions += 1
+        free.append(slot)
+      placed.append((free.pop(0), waiting.popleft(), 0))
+    queue.extend(waiting)
+    for _, r, start in placed:
+      if r.session is not None:
+        self.stats.session_hits += start > 0
+        self.stats.session_misses += start == 0
+    return placed
+
+  def _end(self, slot_of, slot) -> Completion:
+    """Frees a finished request's slot, or holds it for the request's session."""
+    completion, slot_of[slot] = slot_of[slot], None
+    if completion.request.session is not None:
+      self.sessions.hold(completion.request.session, slot, tuple(completion.sequence[:-1]))
+    return completion
 
   @staticmethod
   def _keep(completion: Completion, tokens) -> None:
@@ -197,36 +269,46 @@ class Engine:
   # ---- admission: grouped, chunked prefill ---------------------------------------------------
 
   def _admit(self, admitted):
-    """Prefills the admitted requests (one prefill per distinct prompt, copied to the group)
-    and samples their first tokens. Returns `(token, logprob, raw_logprob, logits)` per
-    request."""
-    leaders: dict[tuple, int] = {}  # prompt -> slot holding its prefill
+    """Prefills the admitted `(slot, request, start)`s from position `start` (one prefill per
+    distinct fresh prompt, copied to the group; a session's rows in its own slot) and samples
+    their first tokens. Returns `(token, logprob, raw_logprob, logits)` per request."""
+    row_key = []  # per request: its prefill row's key, (prompt, start) or (prompt, slot)
+    leaders: dict[tuple, tuple] = {}  # row key -> (slot holding its prefill, start)
     copies = []  # (source slot, destination slot)
-    for slot, request in admitted:
-      if request.prompt in leaders:
-        copies.append((leaders[request.prompt], slot))
+    for slot, request, start in admitted:
+      self.stats.prompt_tokens += len(request.prompt)
+      # Only fresh prompts (start 0) are shared: a session's rows are its own slot's.
+      key = (request.prompt, 0) if start == 0 else (request.prompt, -1 - slot)
+      row_key.append(key)
+      if key in leaders:
+        copies.append((leaders[key][0], slot))
       else:
-        leaders[request.prompt] = slot
-    prompts = list(leaders)
-    rows = min(_round_up(_bucket(len(prompts), self.slots), self.row_multiple), self.slots)
+        leaders[key] = (slot, start)
+    keys = list(leaders)
+    rows = min(_round_up(_bucket(len(keys), self.slots), self.row_multiple), self.slots)
     # Rows past the prompts use slot id B: gathered as zeros, their scatter dropped.
     slot_ids = np.full(rows, self.slots, np.int32)
-    slot_ids[:len(prompts)] = [leaders[p] for p in prompts]
+    slot_ids[:len(keys)] = [leaders[k][0] for k in keys]
     lengths = np.zeros(rows, np.int32)
-    lengths[:len(prompts)] = [len(p) for p in prompts]
-    # k tokens of lookahead past each chunk: the MTP depths read t_{i+d}.
-    tokens = np.zeros((rows, _round_up(int(lengths.max()), self.chunk) + self.k), np.int32)
-    for i, p in enumerate(prompts):
-      tokens[i, :len(p)] = p
+    lengths[:len(keys)] = [len(k[0]) for k in keys]
+    starts = np.zeros(rows, np.int32)
+    starts[:len(keys)] = [leaders[k][1] for k in keys]
+    self.stats.prefilled_tokens += int((lengths - starts).sum())
+    # Each row holds its tokens from its own start; k tokens of lookahead past each chunk: the
+    # MTP depths read t_{i+d}.
+    width = _round_up(int((lengths - starts).max()), self.chunk)
+    tokens = np.zeros((rows, width + self.k), np.int32)
+    for i, (prompt, _) in enumerate(keys):
+      tokens[i, :lengths[i] - starts[i]] = prompt[starts[i]:]
     slot_ids = jnp.asarray(slot_ids)
     sub = _gather_slots(self.cache, slot_ids, self._slot_axes)
     last_PY = jnp.zeros((rows, self.cfg.vocab_size), jnp.float32)
     hidden_PWD = jnp.zeros((rows,) + self.hidden.shape[1:], self.hidden.dtype)
-    for start in range(0, tokens.shape[1] - self.k, self.chunk):
+    for offset in range(0, width, self.chunk):
       sub, last_PY, hidden_PWD = _prefill_chunk(
           self.cfg, self.params, sub, last_PY, hidden_PWD,
-          jnp.asarray(tokens[:, start:start + self.chunk + self.k]), jnp.asarray(lengths),
-          jnp.int32(start), depths=self.k, mtp_cache=self.mtp_cache)
+          jnp.asarray(tokens[:, offset:offset + self.chunk + self.k]), jnp.asarray(lengths),
+          jnp.asarray(starts + offset), depths=self.k, mtp_cache=self.mtp_cache)
     self.cache = _scatter_slots(self.cache, sub, slot_ids, self._slot_axes)
     self.hidden = self.hidden.at[slot_ids].set(hidden_PWD, mode="drop")
     if copies:
@@ -234,9 +316,10 @@ class Engine:
       self.cache = _copy_slots(self.cache, src, dst, self._slot_axes)
       self.hidden = self.hidden.at[dst].set(self.hidden[src])
     # First tokens: one row per admitted request, padded to B rows (one compiled shape).
-    row_of = {p: i for i, p in enumerate(prompts)}
-    requests = [r for _, r in admitted] + [None] * (self.slots - len(admitted))
-    rows_B = np.array([row_of[r.prompt] if r else 0 for r in requests], np.int32)
+    row_of = {k: i for i, k in enumerate(keys)}
+    requests = [r for _, r, _ in admitted] + [None] * (self.slots - len(admitted))
+    rows_B = np.array([row_of[k] for k in row_key] + [0] * (self.slots - len(admitted)),
+                      np.int32)
     out = _sample(last_PY[jnp.asarray(rows_B)], _settings(requests), _seeds(requests),
                   jnp.zeros(self.slots, jnp.int32), return_logits=self.return_logits)
     out = jax.device_get(out)
@@ -353,10 +436,12 @@ def _scatter_slots(cache, sub, slot_ids_P, slot_axes):
 
 @functools.partial(jax.jit, static_argnames=("cfg", "depths", "mtp_cache"),
                    donate_argnames=("sub",))
-def _prefill_chunk(cfg, params, sub, last_PY, hidden_PWD, tokens_PX, lengths_P, start, *,
+def _prefill_chunk(cfg, params, sub, last_PY, hidden_PWD, tokens_PX, lengths_P, start_P, *,
                    depths, mtp_cache):
-  """One prefill chunk of P prompts, positions `start .. start + C - 1`, into their gathered
-  caches `sub` (and, with `depths` = k > 0, the MTP caches: `speculate.prefill_mtp`).
+  """One prefill chunk of P prompts, row p at positions `start_P[p] .. start_P[p] + C - 1`,
+  into their gathered caches `sub` (and, with `depths` = k > 0, the MTP caches:
+  `speculate.prefill_mtp`). Rows start where their cache ends: 0 for a fresh prompt, a held
+  session's length for its new tokens.
 
   Args:
     last_PY: fp32 logits at each prompt's last token, where an earlier chunk held it.
@@ -364,16 +449,17 @@ def _prefill_chunk(cfg, params, sub, last_PY, hidden_PWD, tokens_PX, lengths_P, 
     tokens_PX: int32 this chunk of each prompt and the k tokens after it (anything past the
       prompt's length), X = C + k.
     lengths_P: int32 prompt lengths (0 for padding rows: nothing written).
+    start_P: int32 each row's first position in this chunk.
   Returns:
     `(sub, last_PY, hidden_PWD)`, updated for the prompt positions in this chunk: the logits
     at a prompt's last token predict its first generated token.
   """
   p, c = tokens_PX.shape[0], tokens_PX.shape[1] - depths
-  positions_PC = start + jnp.broadcast_to(jnp.arange(c, dtype=jnp.int32), (p, c))
+  positions_PC = start_P[:, None] + jnp.broadcast_to(jnp.arange(c, dtype=jnp.int32), (p, c))
   real_PC = positions_PC < lengths_P[:, None]
   out = decode_step(cfg, params, sub, tokens_PX[:, :c], positions_PC, real_PC.astype(jnp.int32))
   sub = out.cache
-  last_P = lengths_P - 1 - start
+  last_P = lengths_P - 1 - start_P
   logits_PY = jnp.take_along_axis(out.logits_BQY, jnp.clip(last_P, 0, c - 1)[:, None, None],
                                   axis=1)[:, 0]
   ends_here_P = (last_P >= 0) & (last_P < c)

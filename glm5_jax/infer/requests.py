@@ -9,7 +9,7 @@ offending value.
 import dataclasses
 import math
 import numbers
-from typing import Optional, Sequence
+from typing import Hashable, Optional, Sequence
 
 import numpy as np
 
@@ -29,6 +29,10 @@ class Request:
     top_k: >= 0 (0 = off).
     seed: in [0, 2**32); token n of the request draws from (seed, n) only.
     stop_tokens: ids that end the request (the stop token is kept in the output).
+    session: None, or a hashable id: the engine keeps the slot's cache when the request ends,
+      and a later request of the same session whose prompt extends this one's sequence
+      prefills only the new tokens (`glm5_jax.infer.sessions`). The prompt is still the whole
+      context, so an evicted session costs a full prefill, never a wrong answer.
   """
 
   index: int
@@ -39,6 +43,7 @@ class Request:
   top_k: int
   seed: int
   stop_tokens: tuple = ()
+  session: Hashable | None = None
 
 
 @dataclasses.dataclass

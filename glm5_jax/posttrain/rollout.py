@@ -6,7 +6,11 @@ prefills it once and copies the cache), stops each at a turn-ending token (`chat
 parses it (`chat.parse_response`) and asks the environment for a reward. A multi-turn
 environment may answer with an observation instead: its segment alone is rendered and
 appended to the exact ids generated so far, and the next turn is generated from the whole
-context (re-prefilled here; the asynchronous version keeps the caches between turns).
+context. With engine sessions (the default for multi-turn envs) each episode is one session:
+its slot keeps the cache between turns, so the next turn prefills only the last sampled token
+and the observation segment (`glm5_jax.infer.sessions`; an episode evicted for want of slots
+is re-prefilled whole). The samples are the same with or without sessions, to fp32 rounding of
+the log-probs (tests/test_sessions.py); `stats` receives the engine's prefix counters.
 
 Token-in-token-out: a `Sample` holds the ids the engine produced and the raw (temperature 1)
 log-probs it computed for them; generated text is never re-tokenized, so the trainer scores
@@ -106,8 +110,8 @@ def observation_tokens(observation: str, tokenizer, *, after_stop: int,
 
 def generate_samples(config, params, env: Env, tasks, *, seed: int, group_size: int | None = None,
                      temperature: float | None = None, tokenizer=None,
-                     thinking_mode: str = "interleaved",
-                     slots: int | None = None) -> list[Sample]:
+                     thinking_mode: str = "interleaved", sessions: bool | None = None,
+                     stats: dict | None = None, slots: int | None = None) -> list[Sample]:
   """G samples of each task, played through `env` (module docstring).
 
   Args:
@@ -120,6 +124,9 @@ def generate_samples(config, params, env: Env, tasks, *, seed: int, group_size: 
     group_size, temperature: override `rl.group_size` / `rl.temperature` (held-out evaluation
       plays 1 greedy sample per task: temperature 0).
     tokenizer: the tokenizer of `data.tokenizer`, if already built.
+    sessions: keep each episode's cache between turns (default: when `env.max_turns > 1`).
+    stats: a dict to update with the engine's `prefix_stats()` (prompt tokens submitted,
+      tokens prefilled, hit rate, session hits / misses / evictions).
     slots: the engine's slots (default: one per sample, at most MAX_SLOTS). A caller whose
       batches vary in size (a rollout worker) passes a fixed number: the engine's steps are
       compiled per slot count.
@@ -144,17 +151,23 @@ def generate_samples(config, params, env: Env, tasks, *, seed: int, group_size: 
   # a later call with new params reuses the compiled steps.
   engine = Engine(config.model, params, slots=slots or min(len(episodes), MAX_SLOTS),
                   max_len=seq_len, prefill_chunk=PREFILL_CHUNK)
+  sessions = env.max_turns > 1 if sessions is None else sessions
   for turn in range(env.max_turns):
-    active = [e for e in episodes if e.result is None]
+    active = [(n, e) for n, e in enumerate(episodes) if e.result is None]
     if not active:
       break
     requests = [Request(index=k, prompt=tuple(e.tokens),
                         max_new_tokens=min(rl.max_new_tokens, seq_len - len(e.tokens)),
                         temperature=float(temperature), top_p=float(rl.top_p), top_k=0,
-                        seed=request_seed(seed, e.task, e.sample, turn), stop_tokens=stops)
-                for k, e in enumerate(active)]
-    for e, completion in zip(active, engine.run(requests)):
+                        seed=request_seed(seed, e.task, e.sample, turn), stop_tokens=stops,
+                        session=n if sessions else None)
+                for k, (n, e) in enumerate(active)]
+    for (n, e), completion in zip(active, engine.run(requests)):
       _play_turn(e, completion, env, tokenizer, seq_len, thinking_mode)
+      if sessions and e.result is not None:
+        engine.release(n)  # its slot is free for the episodes still playing
+  if stats is not None:
+    stats.update(engine.prefix_stats())
   for e in episodes:
     if e.result is None:  # envs finish themselves by max_turns; never leave one open
       e.result = (0.0, False, {"error": f"no answer within max_turns={env.max_turns}"})

@@ -14,7 +14,9 @@ Loop (`run_worker`), until the trainer writes `control/done`:
 A worker killed at any point loses nothing: on restart it deletes its temporary files and
 answers its outstanding orders again (those it had finished have files and are skipped).
 
-Counters (busy, idle and policy-load seconds, batches, samples, versions loaded) go to
+Counters (busy, idle and policy-load seconds, batches, samples, versions loaded, response
+lengths, and the engine's prefix-cache counters: prompt tokens submitted, tokens actually
+prefilled, hit rate = 1 - prefilled / submitted, session hits / misses / evictions) go to
 `<root>/workers/<name>.json` after every batch and are carried over a restart; the benchmark
 reads the idle fraction from them.
 
@@ -89,7 +91,7 @@ def run_worker(config, root, name: str, *, max_batches: int | None = None) -> di
   stats = read_json(dirs.worker_stats(name)) or {
       "worker": name, "busy_seconds": 0.0, "idle_seconds": 0.0, "load_seconds": 0.0,
       "batches": 0, "samples": 0, "starts": 0, "versions_loaded": [],
-      "response_lengths": []}
+      "response_lengths": [], "prefix": {}}
   stats.update(starts=stats["starts"] + 1, pid=os.getpid())
   write_json(dirs.worker_stats(name), stats)
   slots = rl.worker_groups * rl.group_size
@@ -111,9 +113,16 @@ def run_worker(config, root, name: str, *, max_batches: int | None = None) -> di
     t1 = time.time()
     batch = todo[:rl.worker_groups]
     tasks = [env.task(o.task, "train") for o in batch]
+    prefix = {}
     samples = rollout.generate_samples(config, params, env, tasks,
                                        seed=batch_seed(rl.seed, name, batch[0].id),
-                                       tokenizer=tokenizer, slots=slots)
+                                       tokenizer=tokenizer, slots=slots, stats=prefix)
+    for key in ("prompt_tokens", "prefilled_tokens", "session_hits", "session_misses",
+                "evictions"):
+      stats["prefix"][key] = stats["prefix"].get(key, 0) + int(prefix.get(key, 0))
+    submitted = stats["prefix"]["prompt_tokens"]
+    stats["prefix"]["hit_rate"] = (1 - stats["prefix"]["prefilled_tokens"] / submitted
+                                   if submitted else 0.0)
     g = rl.group_size
     for i, order in enumerate(batch):
       group = samples[i * g:(i + 1) * g]

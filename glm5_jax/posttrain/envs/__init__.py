@@ -1,7 +1,7 @@
 """Verifiable environments: deterministic tasks, rewards and worked solutions (see `base`).
 
   make(name, **options) -> Env     one of NAMES, options validated (ValueError naming the option)
-  NAMES                            "addition", "countdown", "strings", "calculator"
+  NAMES                            "addition", "countdown", "strings", "calculator", "echo"
   Env.task(index, split) -> Task   deterministic; train and eval never share a problem
   Env.step(task, messages) -> Step reward in [0, 1] or an observation; never raises on model text
   Env.worked_solution(task)        the conversation (short thinking) that earns reward 1
@@ -9,16 +9,18 @@
 
 Examples (prompt -> answer): addition "23+45=" -> "68"; countdown "Make 17 from 3 4 5 with
 + - * /" -> "3*4+5"; strings "reverse: abcde" -> "edcba"; calculator "What is 483*271?" ->
-tool call "calc(483*271)", observation "130893", answer "130893".
+tool call "calc(483*271)", observation "130893", answer "130893"; echo "copy: qwhzk" -> "qwhzk"
+(heavy-tailed lengths, for benchmarking long-tailed rollouts).
 """
 
 from glm5_jax.posttrain.envs.addition import Addition
 from glm5_jax.posttrain.envs.base import SPLITS, Env, Step, Task, replay, split_of
 from glm5_jax.posttrain.envs.calculator import Calculator
 from glm5_jax.posttrain.envs.countdown import Countdown
+from glm5_jax.posttrain.envs.echo import Echo
 from glm5_jax.posttrain.envs.strings import Strings
 
-REGISTRY = {env.name: env for env in (Addition, Countdown, Strings, Calculator)}
+REGISTRY = {env.name: env for env in (Addition, Countdown, Strings, Calculator, Echo)}
 NAMES = tuple(REGISTRY)
 
 
