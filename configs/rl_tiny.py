@@ -11,7 +11,12 @@ The `sft` section is the SFT run experiments/rl.py makes first when `rl.init_fro
 not all, leaving RL room to improve.
 
 `arg` (configs.common.parse_arg): `env` (default "addition"), `steps` (RL steps, default 100),
-`sft_steps` (default 160).
+`sft_steps` (default 160), `seq_len` (each sample's row, default 64; the echo env of
+tools/bench_rl.py needs 128: a 32-letter prompt and its copy).
+
+Asynchronous mode (`experiments/rl.py --mode=async`) reads the same config: `rl.max_staleness`,
+`rl.worker_groups`, `rl.policy_keep`, `rl.poll_seconds`; checkpoints every step (each published
+policy version is a committed checkpoint).
 """
 
 import ml_collections
@@ -26,13 +31,13 @@ from glm5_jax.train import config as train_defaults
 
 
 def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
-  arg = parse_arg(arg, env="addition", steps=100, sft_steps=160)
+  arg = parse_arg(arg, env="addition", steps=100, sft_steps=160, seq_len=64)
   config = ml_collections.ConfigDict()
   config.seed = 0
   config.sft = sft_tiny.get_config(f"envs={arg.env},steps={arg.sft_steps}")
   config.model = config.sft.model
   # Addition's prompt is 11 tokens and its worked answer at most 37: 64 holds a 48-token turn.
-  config.data = rl_data_config(seq_len=64)
+  config.data = rl_data_config(seq_len=arg.seq_len)
   # 32 prompts x 8 samples: with 8 prompts (64 samples) a step's gradient was mostly noise and
   # held-out accuracy fell under every optimizer tried (below); 256 samples make it climb.
   config.rl = rl_config(env=arg.env, group_size=8, prompts_per_step=32, max_new_tokens=48,

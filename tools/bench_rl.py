@@ -1,7 +1,7 @@
 """Synchronous vs asynchronous RL: wall-clock for the same trained samples, and idle fractions.
 
   python tools/bench_rl.py                         # echo env (long-tailed lengths), 2 workers
-  python tools/bench_rl.py --steps=10 --rollout_workers=1 --config=configs/rl_tiny.py:env=echo
+  python tools/bench_rl.py --steps=10 --rollout_workers=1 --config=configs/rl_tiny.py:env=echo,seq_len=128
 
 Both runs start from one SFT run of the config (`<workdir>/sft`, trained once and reused) and
 train `--steps` RL steps of `rl.prompts_per_step x rl.group_size` samples, evaluation off:
@@ -43,7 +43,7 @@ from glm5_jax.rl.layout import RunDirs, read_json  # noqa: E402
 from glm5_jax.train import console  # noqa: E402
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-_CONFIG = config_flags.DEFINE_config_file("config", "configs/rl_tiny.py:env=echo", "RL config.")
+_CONFIG = config_flags.DEFINE_config_file("config", "configs/rl_tiny.py:env=echo,seq_len=128", "RL config.")
 _WORKDIR = flags.DEFINE_string("workdir", "/tmp/glm5_bench_rl", "SFT (reused), sync and async "
                                "runs go under it; the sync and async runs are started afresh.")
 _STEPS = flags.DEFINE_integer("steps", 16, "RL steps of each run.")
