@@ -35,6 +35,9 @@ def rl_config(**overrides) -> ml_collections.ConfigDict:
   c.minibatches = 1
   c.normalize_std = True  # GRPO: divide advantages by the group's std (False: Dr. GRPO)
   c.mtp_loss_weight = 0.0  # > 0: keep training the MTP head on the response tokens
+  # Rollouts record each token's MoE experts and DSA top-k keys and the trainer replays them,
+  # so its log-probs of a rollout are the engine's (glm5_jax.routing_replay).
+  c.routing_replay = False
   c.steps = 100  # RL steps (also the length of the learning-rate schedule)
   c.teacher = ""  # workdir of the teacher checkpoint for loss "distill"; "" for "grpo"
   c.init_from = ""  # workdir of the run (e.g. SFT) whose latest params RL starts from
@@ -80,6 +83,8 @@ def validate_rl_config(c) -> None:
           f"must be a finite number > 1 (the band [1/beta, beta]), got {c.icepop_beta}")
   require(math.isfinite(c.mtp_loss_weight) and c.mtp_loss_weight >= 0, "rl.mtp_loss_weight",
           f"must be a finite number >= 0, got {c.mtp_loss_weight}")
+  require(isinstance(c.routing_replay, bool), "rl.routing_replay",
+          f"must be True or False, got {c.routing_replay!r}")
   require(c.steps >= 1, "rl.steps", f"must be >= 1, got {c.steps}")
   require(c.eval_every_steps >= 0, "rl.eval_every_steps",
           f"must be >= 0 (0 disables evaluation), got {c.eval_every_steps}")
