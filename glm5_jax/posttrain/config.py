@@ -83,8 +83,6 @@ def validate_rl_config(c) -> None:
           f"must be a finite number > 1 (the band [1/beta, beta]), got {c.icepop_beta}")
   require(math.isfinite(c.mtp_loss_weight) and c.mtp_loss_weight >= 0, "rl.mtp_loss_weight",
           f"must be a finite number >= 0, got {c.mtp_loss_weight}")
-  require(isinstance(c.routing_replay, bool), "rl.routing_replay",
-          f"must be True or False, got {c.routing_replay!r}")
   require(c.steps >= 1, "rl.steps", f"must be >= 1, got {c.steps}")
   require(c.eval_every_steps >= 0, "rl.eval_every_steps",
           f"must be >= 0 (0 disables evaluation), got {c.eval_every_steps}")
