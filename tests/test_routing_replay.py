@@ -14,6 +14,7 @@ import glm5_jax
 from glm5_jax.config import ConfigError
 from glm5_jax.infer.engine import Engine
 from glm5_jax.infer.requests import Request
+from glm5_jax.moe import MoE
 from glm5_jax.posttrain import rl_step, rollout
 from glm5_jax.posttrain.config import rl_config, validate_rl_config
 from glm5_jax.rl import trajectories as tj
@@ -109,25 +110,31 @@ def test_replayed_gates_keep_the_router_gradient(helpers):
   """Under replay the gate weights are the current router scores at the recorded experts:
   the router's gradient is the one of a forward that chose those experts itself."""
   cfg = helpers.config()
-  params = helpers.random_params(cfg)
-  tokens = jnp.asarray(np.random.default_rng(1).integers(0, cfg.vocab_size, (2, 20)), jnp.int32)
-  own = glm5_jax.forward(cfg, params, tokens, mtp=False, return_routing=True)["routing"]
+  module = MoE(cfg)
+  x_BLD = jnp.asarray(np.random.default_rng(1).standard_normal((2, 12, cfg.hidden_size)),
+                      jnp.float32)
+  params = helpers.random_tree(jax.eval_shape(lambda: module.init(jax.random.key(0), x_BLD)),
+                               seed=2, std=0.3)["params"]
 
   @jax.jit
-  @jax.grad
-  def grad(p, routing):
-    logits = glm5_jax.forward(cfg, p, tokens, mtp=False, routing=routing)["logits"]
-    return jax.nn.log_softmax(logits).mean()
+  def run(p, recorded):
+    def loss(p):
+      y_BLD, aux = module.apply({"params": p}, x_BLD, None, recorded)
+      return jnp.sin(y_BLD).sum(), aux["experts"]
+    return jax.grad(loss, has_aux=True)(p)
 
-  replayed = grad(params, own)
-  chosen = grad(params, None)
-  gate = replayed["layers_1_3"]["mlp"]["gate"]
-  assert (jnp.abs(gate).sum(axis=(1, 2)) > 0).all()  # every MoE layer's router learns
-  np.testing.assert_allclose(gate, chosen["layers_1_3"]["mlp"]["gate"], rtol=1e-4, atol=1e-9)
-  # Replaying other experts changes the router's gradient (the recorded ids are used).
-  other = {"moe": (own["moe"] + 1) % cfg.n_routed_experts}
-  moved = grad(params, other)["layers_1_3"]["mlp"]["gate"]
-  assert float(jnp.abs(moved - gate).max()) > 1e-6
+  own_grads, own = run(params, None)
+  grads, used = run(params, own)
+  np.testing.assert_array_equal(used, own)
+  gate = grads["gate"]
+  assert float(jnp.abs(gate).sum()) > 0
+  np.testing.assert_allclose(gate, own_grads["gate"], rtol=1e-5, atol=1e-7)
+  # Replaying other experts uses them, and the router's gradient follows (-1 rows: its own).
+  other = ((own + 1) % cfg.n_routed_experts).at[0, :3].set(-1)
+  moved_grads, used = run(params, other)
+  np.testing.assert_array_equal(used[0, :3], own[0, :3])
+  np.testing.assert_array_equal(used[0, 3:], other[0, 3:])
+  assert float(jnp.abs(moved_grads["gate"] - gate).max()) > 1e-4
 
 
 def test_routing_checks_name_the_entry(helpers):
