@@ -6,8 +6,9 @@ each MoE layer's top-X experts (a near-tie of biased router scores, or a correct
 moved after the rollout) and each DSA layer's top-T keys (the indexer's scores; the indexer
 does not train on the policy loss, but its ties are just as fragile). One flipped choice
 changes that token's output, and the trainer's ratio pi_theta / pi_rollout then measures the
-flip, not the policy. Replaying the rollout's choices in the trainer removes that source of
-mismatch (docs/reference.md section 4, "Routing replay").
+flip, not the policy (the ratio `exp(logp_theta - logp_rollout)` of docs/reference.md
+section 4). Replaying the rollout's choices in the trainer removes that source of mismatch;
+tools/replay_mismatch.py measures it.
 
 Format, independent of the param layout (scanned runs or unrolled layers):
 
