@@ -87,7 +87,7 @@ def check_token_ids(tokens_BL, vocab_size: int) -> None:
 
 
 def forward(config, params, tokens_BL, positions_BL=None, segment_ids_BL=None, *,
-            mode: Mode = Mode(), mtp=True, cache=None):
+            mode: Mode = Mode(), mtp=True, cache=None, routing=None, return_routing=False):
   """Full model outputs (main logits, MTP logits, final hidden state, aux); see `GLM5`.
 
   `mode` (`glm5_jax.Mode`) picks the attention form and DSA stage, e.g.
@@ -95,12 +95,14 @@ def forward(config, params, tokens_BL, positions_BL=None, segment_ids_BL=None, *
   Concrete `tokens_BL` must lie in `[0, vocab_size)` (`check_token_ids`); under jit, an id
   outside makes the logits that read it NaN and leaves the others finite (`GLM5`).
   `Mode(form="decode")` takes the decode `cache` (`glm5_jax.infer.cache`) and returns its update
-  in `out["cache"]` (the jitted steps are `glm5_jax.infer.step`).
+  in `out["cache"]` (the jitted steps are `glm5_jax.infer.step`). `routing` replays recorded
+  MoE experts / DSA keys and `return_routing` returns the ones used as `out["routing"]`
+  (`glm5_jax.routing_replay`).
   """
   model = build_model(config)
   check_token_ids(tokens_BL, model.cfg.vocab_size)
   return model.apply({"params": params}, tokens_BL, positions_BL, segment_ids_BL, mode=mode,
-                     mtp=mtp, cache=cache)
+                     mtp=mtp, cache=cache, routing=routing, return_routing=return_routing)
 
 
 @functools.partial(jax.jit, static_argnums=0)

@@ -9,6 +9,7 @@ from glm5_jax.layers.ffn import SwiGLU
 from glm5_jax.layers.norms import RMSNorm
 from glm5_jax.layers.params import dtypes
 from glm5_jax.moe import MoE
+from glm5_jax.routing_replay import selects_own_topk
 
 
 class DecoderLayer(nn.Module):
@@ -25,8 +26,13 @@ class DecoderLayer(nn.Module):
 
   @nn.compact
   def __call__(self, x_BLD, positions_BL, segment_ids_BL, prev_topk_BLT=None, *,
-               mode: Mode = Mode(), cache=None):
+               mode: Mode = Mode(), cache=None, routing=None, return_routing=False):
     """Returns `(x_BLD, aux)`; aux merges the attention's and the MoE's named outputs.
+
+    Routing replay (`glm5_jax.routing_replay`): `routing` is this layer's `{"moe": [B, L, X],
+    "dsa": [B, L, T]}` (either may be absent) to replay; `return_routing` adds the choices this
+    layer used as `aux["routing"]` with the same keys (only the kinds this layer has: "moe" for
+    an MoE FFN, "dsa" for a layer that selects its own top-k outside the "dense" stage).
 
     In `Mode(form="decode")`, `cache` is this layer's attention cache (a dict of `[B, ...]`
     arrays, `glm5_jax.infer.cache`), handed to the attention module, and `aux["cache"]` is its
@@ -38,13 +44,24 @@ class DecoderLayer(nn.Module):
     attention = KINDS_BY_NAME[self.attention_kind].build(c, "self_attn")
     # Only decode passes `cache=`: the training forward calls every kind exactly as before.
     extra = {"cache": cache} if mode.form == "decode" else {}
+    routing = routing or {}
+    if "dsa" in routing:
+      extra["recorded_topk_BLT"] = routing["dsa"]
     attn_BLD, aux = attention(h_BLD, positions_BL, segment_ids_BL, prev_topk_BLT, mode=mode,
                               **extra)
     x_BLD = x_BLD + attn_BLD
     h_BLD = RMSNorm(c.rms_norm_eps, dtype, pdtype, name="post_attention_layernorm")(x_BLD)
+    used = {}
+    if return_routing and selects_own_topk(self.attention_kind) and "topk_indices" in aux:
+      used["dsa"] = aux["topk_indices"]
     if self.moe:
-      ffn_BLD, moe_aux = MoE(c, name="mlp")(h_BLD, segment_ids_BL != 0)
+      ffn_BLD, moe_aux = MoE(c, name="mlp")(h_BLD, segment_ids_BL != 0, routing.get("moe"))
+      experts_BLX = moe_aux.pop("experts")
+      if return_routing:
+        used["moe"] = experts_BLX
       aux = {**aux, **moe_aux}
     else:
       ffn_BLD = SwiGLU(c.intermediate_size, c.initializer_range, dtype, pdtype, name="mlp")(h_BLD)
+    if return_routing:
+      aux["routing"] = used
     return x_BLD + ffn_BLD, aux

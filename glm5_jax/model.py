@@ -7,6 +7,7 @@ import jax
 import jax.numpy as jnp
 from flax import linen as nn
 
+from glm5_jax import routing_replay
 from glm5_jax.attention.kinds import KINDS_BY_NAME
 from glm5_jax.attention.mode import Mode
 from glm5_jax.config import ModelConfig
@@ -43,7 +44,7 @@ class GLM5(nn.Module):
 
   @nn.compact
   def __call__(self, tokens_BL, positions_BL=None, segment_ids_BL=None, *,
-               mode: Mode = Mode(), mtp=True, cache=None):
+               mode: Mode = Mode(), mtp=True, cache=None, routing=None, return_routing=False):
     """Args:
       tokens_BL: int token ids.
       positions_BL: int positions; default `0..L-1` per row.
@@ -58,6 +59,11 @@ class GLM5(nn.Module):
         padding). Decode runs the main model only: MTP depth d at position p needs token
         p + d, which a decode call does not have, so the drafter runs the MTP layer on its own
         (`glm5_jax.infer.step.mtp_step`) and the `mtp` entry passes through unchanged.
+      routing: routing replay (`glm5_jax.routing_replay`, not in decode): `{"moe": int32
+        [B, L, N_moe, X], "dsa": int32 [B, L, N_dsa, T]}` (either optional), the decoder layers'
+        recorded experts / DSA keys, used instead of their own choices (MTP depths choose
+        their own).
+      return_routing: also return the decoder layers' choices as `out["routing"]`, same format.
     Returns:
       dict with `logits` fp32 `[B, L, Y]`; `mtp_logits` fp32 `[U, B, L, Y]` (depth d
       at position i predicts token i+d+1; absent when MTP is off); `hidden` `[B, L, D]` (after
@@ -90,22 +96,30 @@ class GLM5(nn.Module):
         embed_tokens(embedding_YD, tokens_BL, valid_BL, dtype), ACTIVATION_AXES)
     lm_head = lambda h_BLD, valid_BL: lm_head_logits(w_head_DY, h_BLD, valid_BL, dtype)
 
+    if routing is not None:
+      if decode:
+        raise ValueError("GLM5: routing replay is for the training forms, not Mode(form='decode')")
+      routing_replay.check_routing(routing, c, (b, l))
     valid_BL = valid_tokens(tokens_BL, c.vocab_size)
     x_BLD = embed(tokens_BL, valid_BL)
     run_layers = self._scanned_run if c.scan_layers else self._unrolled_run
-    layer_aux, prev_topk_BLT = {}, None
+    layer_aux, prev_topk_BLT, used_routing = {}, None, []
     new_cache = dict(cache) if decode else None
     runs = layer_runs(c)
     for run, next_run in zip(runs, runs[1:] + (None,)):
       keep_topk = next_run is not None and KINDS_BY_NAME[next_run.attention_kind].needs_prev_topk
-      x_BLD, prev_topk_BLT, aux, run_cache = run_layers(
-          run, x_BLD, positions_BL, segment_ids_BL, prev_topk_BLT, mode, keep_topk, cache)
+      x_BLD, prev_topk_BLT, aux, run_cache, run_routing = run_layers(
+          run, x_BLD, positions_BL, segment_ids_BL, prev_topk_BLT, mode, keep_topk, cache,
+          routing_replay.for_layers(routing, c, run.first, run.last), return_routing)
+      used_routing.append(run_routing)
       layer_aux.update(aux)
       if decode:
         new_cache.update(run_cache)
     hidden_BLD = final_norm(x_BLD)
     out = {"logits": lm_head(hidden_BLD, valid_BL), "hidden": hidden_BLD,
            "aux": {"layers": layer_aux, "mtp": []}}
+    if return_routing:
+      out["routing"] = routing_replay.from_layers(used_routing)
     if decode:
       out["cache"] = new_cache
       return out
@@ -129,31 +143,37 @@ class GLM5(nn.Module):
     return out
 
   def _unrolled_run(self, run: LayerRun, x_BLD, positions_BL, segment_ids_BL, prev_topk_BLT,
-                    mode: Mode, keep_topk: bool, cache):
+                    mode: Mode, keep_topk: bool, cache, routing: dict, return_routing: bool):
     """The run's layers one by one, params `layers_{i}`. Returns `(x_BLD, prev_topk_BLT,
-    {"layers_{i}": aux}, {"layers_{i}": updated layer cache})` (the last {} outside decode);
-    aux as each layer returns it, without its cache."""
+    {"layers_{i}": aux}, {"layers_{i}": updated layer cache}, used routing)` (the cache {}
+    outside decode); aux as each layer returns it, without its cache. `routing`: the run's
+    replayed routing, `{kind: [layers, B, L, k]}` (`routing_replay.for_layers`); the used
+    routing has that format ({} without `return_routing`)."""
     del keep_topk  # every layer's selection is at hand
-    step = _rematerialized(_layer_step(positions_BL, segment_ids_BL, mode), self.cfg.remat_policy,
-                           prevent_cse=True)
-    layer_aux, new_cache = {}, {}
+    step = _rematerialized(_layer_step(positions_BL, segment_ids_BL, mode, return_routing),
+                           self.cfg.remat_policy, prevent_cse=True)
+    layer_aux, new_cache, used = {}, {}, []
     for i in range(run.first, run.last + 1):
       name = unrolled_name(i)
       layer = DecoderLayer(self.cfg, run.attention_kind, run.moe, name=name)
-      x_BLD, aux = step(layer, x_BLD, prev_topk_BLT, _run_cache(cache, name))
+      layer_routing = {kind: r[i - run.first] for kind, r in routing.items()}
+      x_BLD, aux = step(layer, x_BLD, prev_topk_BLT, _run_cache(cache, name), layer_routing)
       prev_topk_BLT = aux.get("topk_indices", prev_topk_BLT)
       if cache is not None:
         new_cache[name] = aux["cache"]
-      layer_aux[name] = {k: v for k, v in aux.items() if k != "cache"}
-    return x_BLD, prev_topk_BLT, layer_aux, new_cache
+      layer_aux[name] = {k: v for k, v in aux.items() if k not in ("cache", "routing")}
+      used.append(aux.get("routing", {}))
+    used = jax.tree.map(lambda *xs: jnp.stack(xs), *used) if return_routing else {}
+    return x_BLD, prev_topk_BLT, layer_aux, new_cache, used
 
   def _scanned_run(self, run: LayerRun, x_BLD, positions_BL, segment_ids_BL, prev_topk_BLT,
-                   mode: Mode, keep_topk: bool, cache):
+                   mode: Mode, keep_topk: bool, cache, routing: dict, return_routing: bool):
     """The run as one `nn.scan` over its stacked layer, params `layers_{first}_{last}` with a
     leading `[layers]` axis. Returns `(x_BLD, prev_topk_BLT, {run.name: aux}, {run.name:
     updated cache}` (the last {} outside decode), each aux entry stacked on a leading
     `[layers]` axis, without `topk_indices` and `index_scores` (`[B, L, T]` / `[B, L, S]` per
-    layer: only the last selection is needed, by the next run).
+    layer: only the last selection is needed, by the next run), and the used routing
+    (`_unrolled_run`).
 
     Decode: the run's cache, stacked `[layers, B, ...]` like its params, rides in the scan's
     carry with the layer index j: layer j reads slice j and writes its update back into the
@@ -163,16 +183,18 @@ class GLM5(nn.Module):
     (measured: tests/test_decode_cache.py, `..._without_copying_the_run`).
     """
     kind = KINDS_BY_NAME[run.attention_kind]
-    step = _layer_step(positions_BL, segment_ids_BL, mode)
+    step = _layer_step(positions_BL, segment_ids_BL, mode, return_routing)
 
     # The carry holds the incoming selection only for a kind that reuses it (its shape is fixed
     # across the run); a kind that makes its own returns each layer's in `ys`, kept only when
     # the next run reuses the last one.
-    def body(layer, carry, _):
+    # Replayed routing (`{kind: [layers, B, L, k]}`) is the scan's input: layer j gets slice j.
+    def body(layer, carry, layer_routing):
       x_BLD, topk_BLT, j, run_cache = carry
       layer_cache = None if run_cache is None else jax.tree.map(
           lambda c: jax.lax.dynamic_index_in_dim(c, j, keepdims=False), run_cache)
-      x_BLD, aux = step(layer, x_BLD, topk_BLT if kind.needs_prev_topk else None, layer_cache)
+      x_BLD, aux = step(layer, x_BLD, topk_BLT if kind.needs_prev_topk else None, layer_cache,
+                        layer_routing)
       if run_cache is not None:
         run_cache = jax.tree.map(lambda c, u: jax.lax.dynamic_update_index_in_dim(c, u, j, 0),
                                  run_cache, aux["cache"])
@@ -188,25 +210,29 @@ class GLM5(nn.Module):
     layer = DecoderLayer(self.cfg, run.attention_kind, run.moe, name=run.name)
     run_cache = None if cache is None else _run_cache(cache, run.name)
     carry = (x_BLD, prev_topk_BLT if kind.needs_prev_topk else None, jnp.int32(0), run_cache)
-    (x_BLD, topk_BLT, _, run_cache), ys = scan(layer, carry, None)
+    (x_BLD, topk_BLT, _, run_cache), ys = scan(layer, carry, routing)
     if kind.needs_prev_topk:
       prev_topk_BLT = topk_BLT
     elif "topk_indices" in ys:
       prev_topk_BLT = ys.pop("topk_indices")[-1]
-    return x_BLD, prev_topk_BLT, {run.name: ys}, ({} if cache is None else {run.name: run_cache})
+    used = ys.pop("routing", {})
+    return (x_BLD, prev_topk_BLT, {run.name: ys}, ({} if cache is None else {run.name: run_cache}),
+            used)
 
 
 # Per-layer aux entries a scanned run does not stack (see `GLM5._scanned_run`).
 _PER_LAYER_ONLY = ("topk_indices", "index_scores")
 
 
-def _layer_step(positions_BL, segment_ids_BL, mode: Mode):
-  """`step(layer, x_BLD, prev_topk_BLT, cache) -> (x_BLD, aux)`: one decoder layer, the residual
-  stream constrained to its sharding at the layer boundary (cache: decode only, else None)."""
+def _layer_step(positions_BL, segment_ids_BL, mode: Mode, return_routing: bool = False):
+  """`step(layer, x_BLD, prev_topk_BLT, cache, routing) -> (x_BLD, aux)`: one decoder layer, the
+  residual stream constrained to its sharding at the layer boundary (cache: decode only, else
+  None; routing: the layer's replayed routing dict, `DecoderLayer`)."""
 
-  def step(layer, x_BLD, prev_topk_BLT, cache=None):
+  def step(layer, x_BLD, prev_topk_BLT, cache=None, routing=None):
     x_BLD = constrain(x_BLD, ACTIVATION_AXES)
-    return layer(x_BLD, positions_BL, segment_ids_BL, prev_topk_BLT, mode=mode, cache=cache)
+    return layer(x_BLD, positions_BL, segment_ids_BL, prev_topk_BLT, mode=mode, cache=cache,
+                 routing=routing, return_routing=return_routing)
 
   return step
 

@@ -26,7 +26,7 @@ import jax
 import jax.numpy as jnp
 from flax import linen as nn
 
-from glm5_jax import moe_parallel
+from glm5_jax import moe_parallel, routing_replay
 from glm5_jax.config import ModelConfig
 from glm5_jax.layers.axes import EMBED, EXPERT, EXPERT_MLP
 from glm5_jax.layers.ffn import SwiGLU
@@ -54,8 +54,12 @@ def sequence_balance_loss(scores_BLE, chosen_BLE, valid_BL, num_experts_per_tok)
 
 
 def route(x_MD, w_gate_DE, bias_E, *, num_experts_per_tok, routed_scaling_factor,
-          norm_topk_prob=True, n_group=1, topk_group=1):
+          norm_topk_prob=True, n_group=1, topk_group=1, recorded_experts_MX=None):
   """Chooses experts per token.
+
+  `recorded_experts_MX` (routing replay, `glm5_jax.routing_replay`): the experts to use instead
+  of the top-X, for every token whose row is not -1; the weights are still the current
+  (unbiased) scores at those experts, normalized, so the router keeps its gradient.
 
   Returns:
     `(weights_MX fp32, experts_MX int32)`.
@@ -71,6 +75,8 @@ def route(x_MD, w_gate_DE, bias_E, *, num_experts_per_tok, routed_scaling_factor
         jnp.arange(m)[:, None], best_groups].set(True)
     choice_ME = jnp.where(jnp.repeat(keep_groups, e // n_group, axis=1), choice_ME, -jnp.inf)
   _, experts_MX = jax.lax.top_k(choice_ME, num_experts_per_tok)
+  if recorded_experts_MX is not None:
+    experts_MX = routing_replay.replay(experts_MX, recorded_experts_MX)
   weights_MX = jnp.take_along_axis(scores_ME, experts_MX, axis=-1)
   if norm_topk_prob:
     weights_MX = weights_MX / (weights_MX.sum(-1, keepdims=True) + 1e-20)
@@ -107,14 +113,16 @@ class MoE(nn.Module):
   cfg: ModelConfig
 
   @nn.compact
-  def __call__(self, x_BLD, valid_BL=None):
+  def __call__(self, x_BLD, valid_BL=None, recorded_experts_BLX=None):
     """Args:
       x_BLD: normalized layer input.
       valid_BL: bool, False for padding tokens (they are routed but not counted as load).
+      recorded_experts_BLX: int32 experts to replay (`route`), -1 rows choose their own.
     Returns:
       `(y_BLD, aux)` with `expert_counts` int32 `[E]` (non-padding tokens routed to each
-      expert, for the loss-free balancing update) and `sequence_balance_loss` (scalar, the
-      DeepSeek-V3 sequence-wise auxiliary loss before its small weight).
+      expert, for the loss-free balancing update), `sequence_balance_loss` (scalar, the
+      DeepSeek-V3 sequence-wise auxiliary loss before its small weight) and `experts` int32
+      `[B, L, X]` (the experts used; callers that do not read it let XLA drop it).
     """
     c = self.cfg
     dtype, pdtype = dtypes(c)
@@ -128,7 +136,9 @@ class MoE(nn.Module):
     weights_MX, experts_MX = route(
         x_MD, w_router_DE, bias_E, num_experts_per_tok=c.num_experts_per_tok,
         routed_scaling_factor=c.routed_scaling_factor, norm_topk_prob=c.norm_topk_prob,
-        n_group=c.n_group, topk_group=c.topk_group)
+        n_group=c.n_group, topk_group=c.topk_group,
+        recorded_experts_MX=None if recorded_experts_BLX is None else
+        recorded_experts_BLX.reshape(b * l, -1))
     experts = ExpertWeights(e, f, c.initializer_range, dtype, pdtype, name="experts")(d)
     if c.moe_impl == "expert_parallel" and moe_parallel.context_mesh() is not None:
       y_MD = moe_parallel.expert_parallel_dispatch(x_MD, weights_MX, experts_MX, *experts,
@@ -145,7 +155,8 @@ class MoE(nn.Module):
     if c.n_shared_experts:
       y_BLD = y_BLD + SwiGLU(f * c.n_shared_experts, c.initializer_range, dtype, pdtype,
                              name="shared_experts")(x_BLD)
-    return y_BLD, {"expert_counts": counts_E, "sequence_balance_loss": balance}
+    return y_BLD, {"expert_counts": counts_E, "sequence_balance_loss": balance,
+                   "experts": experts_MX.reshape(b, l, -1)}
 
 
 class ExpertWeights(nn.Module):

@@ -32,6 +32,7 @@ import jax.numpy as jnp
 from flax import linen as nn
 
 import pallas_kernels
+from glm5_jax import routing_replay
 from glm5_jax.attention.common import attend, causal_segment_mask, MASKED_LOGIT
 from glm5_jax.attention.dsa import (LightningIndexer, indexer_kl_per_query,
                                     restrict_topk_to_visible, topk_mask)
@@ -52,7 +53,7 @@ class MLA(nn.Module):
 
   @nn.compact
   def __call__(self, x_BLD, positions_BL, segment_ids_BL, prev_topk_BLT=None, *,
-               mode: Mode = Mode(), cache=None):
+               mode: Mode = Mode(), cache=None, recorded_topk_BLT=None):
     """Args:
       x_BLD: normalized layer input.
       positions_BL: int positions (RoPE).
@@ -65,6 +66,9 @@ class MLA(nn.Module):
         `mode.form` "decode": the L tokens are new ones at absolute positions (segment id 0 =
         padding) attending over `cache` (`glm5_jax.attention.mla_decode`).
       cache: decode form only: this layer's `{"ckv", "k_rope"[, "index_k"]}` (`[B, S, ...]`).
+      recorded_topk_BLT: kind "dsa", expanded / absorbed forms: a recorded selection (key
+        positions, -1 rows choose their own) used instead of the indexer's top-k
+        (`glm5_jax.routing_replay`); the indexer still runs (its KL is over the selection used).
     Returns:
       `(y_BLD, aux)`; for DSA kinds outside "dense" aux holds `topk_indices [B, L, T]`
       (int32, -1 = empty slot), and when this layer ran its indexer `indexer_kl [B, L]`:
@@ -92,6 +96,9 @@ class MLA(nn.Module):
     if decode != (cache is not None):
       raise ValueError("MLA: a cache is given exactly in Mode(form='decode'), got form "
                        f"{mode.form!r} with cache {'given' if cache is not None else 'None'}")
+    if recorded_topk_BLT is not None and (self.kind != "dsa" or decode):
+      raise ValueError(f"MLA: recorded_topk_BLT replays a 'dsa' layer's own selection outside "
+                       f"decode; got kind {self.kind!r}, form {mode.form!r}")
     index_qkw, given_topk_BLT = None, None
     if self.kind == "dsa" and (selects or self.is_initializing()):
       indexer = LightningIndexer(c.index_n_heads, c.index_head_dim, r, c.indexer_norm_eps,
@@ -112,10 +119,10 @@ class MLA(nn.Module):
                                        _absorbed_attention)
     elif selects and mode.dsa_stage == "sparse" and c.dsa_impl != "dense_mask":
       out_BLHV, aux = _sparse_stage_attention(c, latents, scale, segment_ids_BL, index_qkw,
-                                              given_topk_BLT)
+                                              given_topk_BLT, recorded_topk_BLT)
     else:
       out_BLHV, aux = _dense_attention(c, latents, scale, segment_ids_BL, index_qkw,
-                                       given_topk_BLT, mode)
+                                       given_topk_BLT, mode, recorded_topk_BLT)
     return mla_output(self, c, out_BLHV), aux
 
 
@@ -131,7 +138,7 @@ class _Latents(typing.NamedTuple):
 
 
 def _dense_attention(c, latents: _Latents, scale, segment_ids_BL, index_qkw, given_topk_BLT,
-                     mode: Mode):
+                     mode: Mode, recorded_topk_BLT=None):
   """`dsa_impl="dense_mask"`, the warm-up stage and dense MLA: attention over a `[B, L, S]` mask
   (the top-k selection folded into it in the sparse stage).
 
@@ -139,6 +146,7 @@ def _dense_attention(c, latents: _Latents, scale, segment_ids_BL, index_qkw, giv
     index_qkw: this layer's indexer projections `(q_BLJI, k_BSI, weights_BLJ)`, or None.
     given_topk_BLT: a selection made elsewhere (the previous layer's, a sliding window), or
       None.
+    recorded_topk_BLT: a replayed selection that replaces the indexer's (`MLA.__call__`).
   Returns:
     `(out_BLHV, aux)`, aux with the DSA entries documented in `MLA.__call__`.
   """
@@ -151,6 +159,8 @@ def _dense_attention(c, latents: _Latents, scale, segment_ids_BL, index_qkw, giv
     index_scores_BLS = pallas_kernels.indexer_scores_reference(
         *index_qkw, q_pos_BL, segment_ids_BL, segment_ids_BL, scale=c.index_head_dim ** -0.5)
     topk_BLT, _ = pallas_kernels.select_topk(index_scores_BLS, c.index_topk)
+    if recorded_topk_BLT is not None:
+      topk_BLT = routing_replay.replay(topk_BLT, recorded_topk_BLT)
     aux["index_scores"] = index_scores_BLS
   if topk_BLT is not None:
     aux["topk_indices"] = topk_BLT
@@ -174,7 +184,7 @@ def _dense_attention(c, latents: _Latents, scale, segment_ids_BL, index_qkw, giv
 
 
 def _sparse_stage_attention(c, latents: _Latents, scale, segment_ids_BL, index_qkw,
-                            given_topk_BLT):
+                            given_topk_BLT, recorded_topk_BLT=None):
   """The sparse stage on `pallas_kernels` (`dsa_impl` "xla" | "pallas"), O(L x T) throughout.
 
     1. top-k from the indexer's projections (scores per block of queries), or the given
@@ -196,6 +206,9 @@ def _sparse_stage_attention(c, latents: _Latents, scale, segment_ids_BL, index_q
     topk_BLT, _ = ops.indexer_topk(
         *index_qkw, q_pos_BL, segment_ids_BL, segment_ids_BL, topk=c.index_topk,
         scale=index_scale)
+    if recorded_topk_BLT is not None:  # a record from elsewhere: keep only visible keys
+      topk_BLT = restrict_topk_to_visible(routing_replay.replay(topk_BLT, recorded_topk_BLT),
+                                          segment_ids_BL)
     aux = {"topk_indices": topk_BLT}
   else:  # a selection made elsewhere (previous layer, sliding window): drop invisible keys
     aux = {"topk_indices": given_topk_BLT}

@@ -29,7 +29,10 @@ continuous batching gives exactly the tokens of generating each request alone.
 
 Every generated token comes with its log-prob under the sampling distribution and under the
 raw model (temperature 1), from the logits that produced it (token-in-token-out: RL trains on
-these ids and log-probs, never on re-tokenized text).
+these ids and log-probs, never on re-tokenized text). With `record_routing`, each request also
+returns the routing its tokens went through (MoE experts, DSA keys; `glm5_jax.routing_replay`)
+so the trainer can replay it: prompt tokens from the prefill chunk that fed them, each
+generated token from the decode step that fed it.
 
 Notation (docs/design.md): B slots, P admitted rows (a power of two <= B), C prefill chunk,
 Q tokens per slot in one call, Y vocab, D hidden.
@@ -65,7 +68,12 @@ class Completion:
   """One finished request: generated ids, their log-probs (sampling distribution and raw), the
   raw logits `[n, Y]` that produced them when the engine keeps logits, and with speculative
   decoding its accept counts (`glm5_jax.infer.accept_stats`: verification steps, tokens kept,
-  and per draft position how often it was reached and accepted)."""
+  and per draft position how often it was reached and accepted).
+
+  `routing` (engine with `record_routing`): `{"moe": int32 [n, N_moe, X], "dsa": int32
+  [n, N_dsa, T]}` over the n = len(prompt) + len(tokens) tokens of `sequence`
+  (`glm5_jax.routing_replay`; DSA keys are positions). The last generated token was never fed
+  to the model: its row is -1 (not recorded)."""
 
   request: Request
   tokens: list
@@ -73,6 +81,7 @@ class Completion:
   raw_logprobs: list
   logits: list | None = None
   accept: AcceptStats | None = None
+  routing: dict | None = None
 
   @property
   def sequence(self) -> list:
@@ -110,11 +119,14 @@ class Engine:
     mtp_cache: "per_depth" or "shared", the MTP caches' scheme (`glm5_jax.infer.speculate`).
     mesh, rules: serve sharded: params and cache placed by `mesh.logical_axis_rules` (the
       cache's slots split over the batch axes, so B must divide by them).
+    record_routing: return each request's routing (`Completion.routing`), for routing
+      replay in RL; plain decoding only (not with `speculative_steps`).
   """
 
   def __init__(self, config, params, *, slots: int, max_len: int, prefill_chunk: int = 256,
                return_logits: bool = False, speculative_steps: int = 0,
-               mtp_cache: str = "per_depth", mesh=None, rules=None):
+               mtp_cache: str = "per_depth", mesh=None, rules=None,
+               record_routing: bool = False):
     self.cfg = ModelConfig.from_config(config)
     for name, value in (("slots", slots), ("max_len", max_len), ("prefill_chunk", prefill_chunk)):
       if not isinstance(value, int) or isinstance(value, bool) or value < 1:
@@ -122,6 +134,12 @@ class Engine:
     if (mesh is None) != (rules is None):
       raise ValueError("Engine: give both mesh and rules, or neither")
     self.k = speculative_steps
+    if record_routing and self.k:
+      raise ValueError(f"Engine: record_routing=True records the routing of one decode step per "
+                       f"token; with speculative_steps={self.k} a verification step feeds k + 1 "
+                       "tokens of which only some are kept. Use speculative_steps=0 to record")
+    self.record_routing = bool(record_routing)
+    self._prompt_routing = []  # per request of the last `_admit`: its prefill routing
     if self.k:
       speculate.check_speculative_config(self.cfg, self.k, mtp_cache)
     self.mtp_cache = mtp_cache
@@ -180,9 +198,12 @@ class Engine:
         admitted = self._place(queue, slot_of)
         if admitted:
           first = self._admit(admitted)
-          for (slot, request, _), token in zip(admitted, first):
+          for i, ((slot, request, _), token) in enumerate(zip(admitted, first)):
             completion = Completion(request, [], [], [], [] if self.return_logits else None,
                                     init_accept_stats(1, self.k) if self.k else None)
+            if self.record_routing:
+              completion.routing = {kind: [rows] for kind, rows in
+                                    self._prompt_routing[i].items()}
             slot_of[slot] = completion
             self._keep(completion, [token])
             if self._finished(completion):
@@ -191,6 +212,9 @@ class Engine:
           for slot, completion in (self._speculate if self.k else self._decode)(slot_of):
             if self._finished(completion):
               done[id(completion.request)] = self._end(slot_of, slot)
+    if self.record_routing:
+      for completion in done.values():
+        completion.routing = _finish_routing(completion.routing)
     return [done[id(r)] for r in requests]
 
   def _check_requests(self, requests) -> None:
@@ -304,11 +328,28 @@ class Engine:
     sub = _gather_slots(self.cache, slot_ids, self._slot_axes)
     last_PY = jnp.zeros((rows, self.cfg.vocab_size), jnp.float32)
     hidden_PWD = jnp.zeros((rows,) + self.hidden.shape[1:], self.hidden.dtype)
+    chunk_routing = []
     for offset in range(0, width, self.chunk):
-      sub, last_PY, hidden_PWD = _prefill_chunk(
+      sub, last_PY, hidden_PWD, routing = _prefill_chunk(
           self.cfg, self.params, sub, last_PY, hidden_PWD,
           jnp.asarray(tokens[:, offset:offset + self.chunk + self.k]), jnp.asarray(lengths),
-          jnp.asarray(starts + offset), depths=self.k, mtp_cache=self.mtp_cache)
+          jnp.asarray(starts + offset), depths=self.k, mtp_cache=self.mtp_cache,
+          record_routing=self.record_routing)
+      chunk_routing.append(routing)
+    if self.record_routing:
+      # Each admitted request's rows [len(prompt), N, k]: the rows it prefilled here; a held
+      # session's earlier rows are -1 (recorded by the turns that fed them).
+      chunk_routing = jax.device_get(chunk_routing)
+      prefilled = {}
+      for i, key in enumerate(keys):
+        prompt, start = key[0], int(starts[i])
+        prefilled[key] = {}
+        for kind in chunk_routing[0]:
+          rows = np.concatenate([r[kind][i] for r in chunk_routing])[:len(prompt) - start]
+          full = np.full((len(prompt),) + rows.shape[1:], -1, rows.dtype)
+          full[start:] = rows
+          prefilled[key][kind] = full
+      self._prompt_routing = [prefilled[k] for k in row_key]
     self.cache = _scatter_slots(self.cache, sub, slot_ids, self._slot_axes)
     self.hidden = self.hidden.at[slot_ids].set(hidden_PWD, mode="drop")
     if copies:
@@ -342,13 +383,15 @@ class Engine:
     pending = np.array([c.tokens[-1] if c else 0 for c in slot_of], np.int32)
     fed = np.array([len(c.sequence) - 1 if c else 0 for c in slot_of], np.int32)
     index = np.array([len(c.tokens) if c else 0 for c in slot_of], np.int32)
-    self.cache, out = _decode_and_sample(
+    self.cache, out, routing = _decode_and_sample(
         self.cfg, self.params, self.cache, jnp.asarray(pending), jnp.asarray(fed),
         jnp.asarray(active), *self._slot_arrays(requests), jnp.asarray(index),
-        return_logits=self.return_logits)
-    out = jax.device_get(out)
+        return_logits=self.return_logits, record_routing=self.record_routing)
+    out, routing = jax.device_get((out, routing))
     for slot in np.flatnonzero(active):
       self._keep(slot_of[slot], [_row(out, slot)])
+      for kind, rows in routing.items():  # [B, 1, N, k]: the routing of the fed pending token
+        slot_of[slot].routing[kind].append(rows[slot])
       yield slot, slot_of[slot]
 
   def _speculate(self, slot_of):
@@ -401,6 +444,15 @@ def _row(out, i):
   return tokens[i], logprobs[i], raw[i], None if logits is None else logits[i]
 
 
+def _finish_routing(routing: dict) -> dict:
+  """Recorded row blocks -> `{kind: [n, N, k]}` with a -1 row for the last token (never fed)."""
+  out = {}
+  for kind, blocks in routing.items():
+    unfed = np.full((1,) + blocks[0].shape[1:], -1, np.int32)
+    out[kind] = np.concatenate([np.asarray(b, np.int32) for b in blocks] + [unfed])
+  return out
+
+
 def _bucket(n: int, limit: int) -> int:
   """The smallest power of two >= n, at most `limit` (compiled prefill shapes stay few)."""
   return min(1 << (n - 1).bit_length(), limit) if n > 1 else 1
@@ -434,10 +486,10 @@ def _scatter_slots(cache, sub, slot_ids_P, slot_axes):
                                    zip(leaves, jax.tree.leaves(sub), slot_axes)])
 
 
-@functools.partial(jax.jit, static_argnames=("cfg", "depths", "mtp_cache"),
+@functools.partial(jax.jit, static_argnames=("cfg", "depths", "mtp_cache", "record_routing"),
                    donate_argnames=("sub",))
 def _prefill_chunk(cfg, params, sub, last_PY, hidden_PWD, tokens_PX, lengths_P, start_P, *,
-                   depths, mtp_cache):
+                   depths, mtp_cache, record_routing=False):
   """One prefill chunk of P prompts, row p at positions `start_P[p] .. start_P[p] + C - 1`,
   into their gathered caches `sub` (and, with `depths` = k > 0, the MTP caches:
   `speculate.prefill_mtp`). Rows start where their cache ends: 0 for a fresh prompt, a held
@@ -451,13 +503,15 @@ def _prefill_chunk(cfg, params, sub, last_PY, hidden_PWD, tokens_PX, lengths_P, 
     lengths_P: int32 prompt lengths (0 for padding rows: nothing written).
     start_P: int32 each row's first position in this chunk.
   Returns:
-    `(sub, last_PY, hidden_PWD)`, updated for the prompt positions in this chunk: the logits
-    at a prompt's last token predict its first generated token.
+    `(sub, last_PY, hidden_PWD, routing)`, updated for the prompt positions in this chunk: the
+    logits at a prompt's last token predict its first generated token; routing (with
+    `record_routing`, else {}) `{kind: [P, C, N, k]}` of the chunk's tokens.
   """
   p, c = tokens_PX.shape[0], tokens_PX.shape[1] - depths
   positions_PC = start_P[:, None] + jnp.broadcast_to(jnp.arange(c, dtype=jnp.int32), (p, c))
   real_PC = positions_PC < lengths_P[:, None]
-  out = decode_step(cfg, params, sub, tokens_PX[:, :c], positions_PC, real_PC.astype(jnp.int32))
+  out = decode_step(cfg, params, sub, tokens_PX[:, :c], positions_PC, real_PC.astype(jnp.int32),
+                    return_routing=record_routing)
   sub = out.cache
   last_P = lengths_P - 1 - start_P
   logits_PY = jnp.take_along_axis(out.logits_BQY, jnp.clip(last_P, 0, c - 1)[:, None, None],
@@ -473,7 +527,7 @@ def _prefill_chunk(cfg, params, sub, last_PY, hidden_PWD, tokens_PX, lengths_P, 
     row_PC = jnp.where(real_PC & (row_PC >= 0), row_PC, w)
     hidden_PWD = jax.vmap(lambda h, rows, new: h.at[rows].set(new, mode="drop"))(
         hidden_PWD, row_PC, out.hidden_BQD.astype(hidden_PWD.dtype))
-  return sub, last_PY, hidden_PWD
+  return sub, last_PY, hidden_PWD, out.routing
 
 
 @functools.partial(jax.jit, static_argnames=("slot_axes",), donate_argnames=("cache",))
@@ -489,16 +543,17 @@ def _sample(logits_BY, settings, seeds_B, index_B, *, return_logits):
   return out.tokens, out.logprobs, out.raw_logprobs, logits_BY if return_logits else None
 
 
-@functools.partial(jax.jit, static_argnames=("cfg", "return_logits"),
+@functools.partial(jax.jit, static_argnames=("cfg", "return_logits", "record_routing"),
                    donate_argnames=("cache",))
 def _decode_and_sample(cfg, params, cache, pending_B, fed_B, active_B, settings, seeds_B,
-                       index_B, *, return_logits):
+                       index_B, *, return_logits, record_routing=False):
   """Feeds each active slot's pending token at its next position and samples token
-  `index_B` of its request. Returns `(cache, (tokens, logprobs, raw_logprobs, logits))`."""
+  `index_B` of its request. Returns `(cache, (tokens, logprobs, raw_logprobs, logits),
+  routing)` (routing `{kind: [B, 1, N, k]}` with `record_routing`, else {})."""
   out = decode_step(cfg, params, cache, pending_B[:, None], fed_B[:, None],
-                    active_B[:, None].astype(jnp.int32))
+                    active_B[:, None].astype(jnp.int32), return_routing=record_routing)
   return out.cache, _sample(out.logits_BQY[:, 0], settings, seeds_B, index_B,
-                            return_logits=return_logits)
+                            return_logits=return_logits), out.routing
 
 
 @functools.partial(jax.jit, static_argnames=("cfg", "k", "mtp_cache", "return_logits"),

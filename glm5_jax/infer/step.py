@@ -41,12 +41,16 @@ class StepOutput(typing.NamedTuple):
     `[layers, ...]`) with a recurrent state (`AttentionKind.decode_steps`), every state entry
     after each of the Q tokens, `[B, Q, ...]`, for `glm5_jax.infer.rollback.rollback_cache`;
     {} otherwise. Unused entries cost nothing: XLA drops what the caller does not return.
+  routing: `decode_step(return_routing=True)`: the main model's routing of the Q tokens,
+    `{"moe": int32 [B, Q, N_moe, X], "dsa": int32 [B, Q, N_dsa, T]}` (DSA keys are cache rows,
+    i.e. positions; `glm5_jax.routing_replay`); {} otherwise.
   """
 
   logits_BQY: jax.Array
   hidden_BQD: jax.Array
   cache: dict
   cache_steps: dict = {}
+  routing: dict = {}
 
 
 def _check(cfg: ModelConfig, tokens_BQ, positions_BQ, segment_ids_BQ, dsa_stage: str):
@@ -58,17 +62,20 @@ def _check(cfg: ModelConfig, tokens_BQ, positions_BQ, segment_ids_BQ, dsa_stage:
     raise ValueError(f"dsa_stage must be one of {DSA_STAGES}, got {dsa_stage!r}")
 
 
-@functools.partial(jax.jit, static_argnames=("cfg", "dsa_stage"), donate_argnames=("cache",))
-def _decode_step(params, cache, tokens_BQ, positions_BQ, segment_ids_BQ, *, cfg, dsa_stage):
+@functools.partial(jax.jit, static_argnames=("cfg", "dsa_stage", "return_routing"),
+                   donate_argnames=("cache",))
+def _decode_step(params, cache, tokens_BQ, positions_BQ, segment_ids_BQ, *, cfg, dsa_stage,
+                 return_routing=False):
   out = GLM5(cfg).apply({"params": params}, tokens_BQ, positions_BQ, segment_ids_BQ,
-                        mode=Mode(form="decode", dsa_stage=dsa_stage), mtp=False, cache=cache)
+                        mode=Mode(form="decode", dsa_stage=dsa_stage), mtp=False, cache=cache,
+                        return_routing=return_routing)
   steps = {name: aux["cache_steps"] for name, aux in out["aux"]["layers"].items()
            if "cache_steps" in aux}
-  return StepOutput(out["logits"], out["hidden"], out["cache"], steps)
+  return StepOutput(out["logits"], out["hidden"], out["cache"], steps, out.get("routing", {}))
 
 
 def decode_step(config, params, cache, tokens_BQ, positions_BQ, segment_ids_BQ, *,
-                dsa_stage: str = "sparse") -> StepOutput:
+                dsa_stage: str = "sparse", return_routing: bool = False) -> StepOutput:
   """The main model over each slot's Q new tokens, with the cache (donated).
 
   Args:
@@ -79,16 +86,17 @@ def decode_step(config, params, cache, tokens_BQ, positions_BQ, segment_ids_BQ, 
       max_len: a row past it is silently dropped, so the engine must refuse such requests).
     segment_ids_BQ: int32, 1 real token, 0 padding.
     dsa_stage: `Mode.dsa_stage` (inference: "sparse").
+    return_routing: also return the routing of the Q tokens (`StepOutput.routing`).
   Returns:
-    `StepOutput(logits_BQY fp32, hidden_BQD, cache, cache_steps)`; logits at position p
-    predict p + 1.
+    `StepOutput(logits_BQY fp32, hidden_BQD, cache, cache_steps, routing)`; logits at
+    position p predict p + 1.
   """
   cfg = ModelConfig.from_config(config)
   tokens_BQ, positions_BQ, segment_ids_BQ = (jnp.asarray(x, jnp.int32) for x in
                                              (tokens_BQ, positions_BQ, segment_ids_BQ))
   _check(cfg, tokens_BQ, positions_BQ, segment_ids_BQ, dsa_stage)
   return _decode_step(params, cache, tokens_BQ, positions_BQ, segment_ids_BQ, cfg=cfg,
-                      dsa_stage=dsa_stage)
+                      dsa_stage=dsa_stage, return_routing=return_routing)
 
 
 @functools.partial(jax.jit, static_argnames=("cfg", "dsa_stage", "mtp_cache"),

@@ -48,6 +48,9 @@ def rl_config(**overrides) -> ml_collections.ConfigDict:
   c.poll_seconds = 0.2  # how often the trainer and the workers look for new files
   c.normalize_std = True  # GRPO: divide advantages by the group's std (False: Dr. GRPO)
   c.mtp_loss_weight = 0.0  # > 0: keep training the MTP head on the response tokens
+  # Rollouts record each token's MoE experts and DSA top-k keys and the trainer replays them,
+  # so its log-probs of a rollout are the engine's (glm5_jax.routing_replay).
+  c.routing_replay = False
   c.steps = 100  # RL steps (also the length of the learning-rate schedule)
   c.teacher = ""  # workdir of the teacher checkpoint for loss "distill"; "" for "grpo"
   c.init_from = ""  # workdir of the run (e.g. SFT) whose latest params RL starts from

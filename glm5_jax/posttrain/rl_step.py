@@ -11,6 +11,9 @@ A rollout batch (numpy or device arrays, all `[B, L]`; position i is token i):
   advantages    float32  per token (GRPO broadcasts a sample's advantage over its tokens)
   old_logp      float32  optional: the pre-update policy's log-probs, for several updates on one
                          batch; without it old_logp = stopgrad(logp) (one update per batch)
+  routing_moe   int32    optional `[B, L, N_moe, X]`, with `routing_dsa` `[B, L, N_dsa, T]`:
+                         the rollout's routing, replayed by the forward (`rl.routing_replay`,
+                         `glm5_jax.routing_replay`; -1 rows are not replayed)
 `check_rl_batch` checks one on the host.
 
 What the step trains (docs/reference.md section 4): the policy loss alone, by default. The
@@ -39,7 +42,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import traverse_util
 
-from glm5_jax import optim
+from glm5_jax import optim, routing_replay
 from glm5_jax.api import abstract_params_and_axes, check_token_ids, forward
 from glm5_jax.attention.mode import Mode
 from glm5_jax.config import ModelConfig, require
@@ -53,6 +56,14 @@ from glm5_jax.train.step import apply_gradients, split_microbatches
 
 BATCH_KEYS = ("tokens", "positions", "segment_ids", "loss_mask", "rollout_logp", "advantages")
 OPTIONAL_KEYS = ("old_logp",)
+ROUTING_KEYS = tuple(f"routing_{kind}" for kind in routing_replay.KINDS)
+
+
+def batch_routing(batch) -> dict | None:
+  """The routing to replay from a batch's `routing_*` entries, or None (no replay)."""
+  routing = {kind: batch[f"routing_{kind}"] for kind in routing_replay.KINDS
+             if f"routing_{kind}" in batch}
+  return routing or None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -104,7 +115,7 @@ def token_logprobs(logits_BLY, tokens_BL):
 def policy_logprobs(model: ModelConfig, params, batch, *, dsa_stage: str = "sparse"):
   """Token log-probs `[B, L]` of `batch["tokens"]` under `params` (`token_logprobs`)."""
   out = forward(model, params, batch["tokens"], batch["positions"], batch["segment_ids"],
-                mode=Mode(dsa_stage=dsa_stage), mtp=False)
+                mode=Mode(dsa_stage=dsa_stage), mtp=False, routing=batch_routing(batch))
   return token_logprobs(out["logits"], batch["tokens"])[0]
 
 
@@ -140,7 +151,8 @@ def rl_loss(model: ModelConfig, step_cfg: RLStepConfig, params, batch, whole=Non
   metrics add up to the batch's (`rl_loss_and_grads`)."""
   train_mtp = step_cfg.mtp_loss_weight > 0
   out = forward(model, params, batch["tokens"], batch["positions"], batch["segment_ids"],
-                mode=Mode(dsa_stage=step_cfg.dsa_stage), mtp=train_mtp)
+                mode=Mode(dsa_stage=step_cfg.dsa_stage), mtp=train_mtp,
+                routing=batch_routing(batch))
   logp_BL, entropy_BL = token_logprobs(out["logits"], batch["tokens"])
   old_logp_BL = batch.get("old_logp", jax.lax.stop_gradient(logp_BL))
   mask_BL = batch["loss_mask"].astype(jnp.float32)
@@ -336,12 +348,18 @@ def check_rl_batch(batch, *, vocab_size: int | None = None) -> None:
   and never at position 0, finite log-probs <= 0 that are 0 off the mask, finite advantages,
   token ids inside `vocab_size` (when given)."""
   missing = [k for k in BATCH_KEYS if k not in batch]
-  unknown = sorted(set(batch) - set(BATCH_KEYS) - set(OPTIONAL_KEYS))
+  unknown = sorted(set(batch) - set(BATCH_KEYS) - set(OPTIONAL_KEYS) - set(ROUTING_KEYS))
   if missing or unknown:
     raise ValueError(f"rollout batch: missing keys {missing}, unknown keys {unknown}; expected "
                      f"{BATCH_KEYS} (+ optional {OPTIONAL_KEYS})")
   arrays = {k: np.asarray(v) for k, v in batch.items()}
   shape = arrays["tokens"].shape
+  for key in ROUTING_KEYS:
+    x = arrays.pop(key, None)
+    if x is not None and (x.ndim != 4 or x.shape[:2] != shape
+                          or not np.issubdtype(x.dtype, np.integer)):
+      raise ValueError(f"rollout batch[{key!r}]: shape {x.shape} dtype {x.dtype}, expected int32 "
+                       f"[B, L, layers, k] with [B, L] = {shape}")
   for key, x in arrays.items():
     if x.shape != shape or x.ndim != 2:
       raise ValueError(f"rollout batch[{key!r}]: shape {x.shape}, expected [B, L] = {shape}")

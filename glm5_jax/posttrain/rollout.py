@@ -34,6 +34,7 @@ import hashlib
 
 import numpy as np
 
+from glm5_jax import routing_replay
 from glm5_jax.data import chat, make_tokenizer
 from glm5_jax.infer.engine import Engine
 from glm5_jax.infer.requests import Request
@@ -54,6 +55,9 @@ class Sample:
   group: the task's position in the `tasks` list (GRPO's group id).
   messages: the conversation as message dicts (prompt, parsed assistant turns, observations):
     what the environment scored; for inspection only (the trainer reads `tokens`).
+  routing: with `rl.routing_replay`, `{"moe": int32 [n, N_moe, X], "dsa": int32 [n, N_dsa, T]}`
+    the routing each token went through in the engine (`glm5_jax.routing_replay`; -1 rows: not
+    recorded); None otherwise. Multi-turn: `_merge_routing`.
   """
 
   task: Task
@@ -66,6 +70,7 @@ class Sample:
   turns: int
   messages: list
   info: dict
+  routing: dict | None = None
 
   @property
   def response_length(self) -> int:
@@ -84,6 +89,7 @@ class _Episode:
   messages: list
   turns: int = 0
   result: tuple | None = None  # (reward, correct, info) once finished
+  routing: dict | None = None  # `Sample.routing`, so far
 
 
 def request_seed(seed: int, task: Task, sample: int, turn: int) -> int:
@@ -150,7 +156,8 @@ def generate_samples(config, params, env: Env, tasks, *, seed: int, group_size: 
   # One engine for every turn; its shapes (slots, max_len, chunk) depend on the config only, so
   # a later call with new params reuses the compiled steps.
   engine = Engine(config.model, params, slots=slots or min(len(episodes), MAX_SLOTS),
-                  max_len=seq_len, prefill_chunk=PREFILL_CHUNK)
+                  max_len=seq_len, prefill_chunk=PREFILL_CHUNK,
+                  record_routing=bool(rl.get("routing_replay")))
   sessions = env.max_turns > 1 if sessions is None else sessions
   for turn in range(env.max_turns):
     active = [(n, e) for n, e in enumerate(episodes) if e.result is None]
@@ -176,6 +183,8 @@ def generate_samples(config, params, env: Env, tasks, *, seed: int, group_size: 
 
 def _play_turn(e: _Episode, completion, env: Env, tokenizer, seq_len: int,
                thinking_mode: str) -> None:
+  if completion.routing is not None:
+    e.routing = _merge_routing(e.routing, completion.routing)
   e.tokens += completion.tokens
   e.logp += completion.raw_logprobs
   e.mask += [1.0] * len(completion.tokens)
@@ -205,18 +214,36 @@ def _play_turn(e: _Episode, completion, env: Env, tokenizer, seq_len: int,
   e.mask += [0.0] * len(segment)
 
 
+def _merge_routing(old: dict | None, new: dict) -> dict:
+  """The episode's routing after a turn: earlier rows where recorded (the earlier turns'
+  log-probs came from them), this turn's elsewhere (the previous turn's unfed last token, the
+  observation, this turn's tokens). This turn re-prefilled the earlier tokens and may have
+  routed some differently: its log-probs then saw that routing, which one forward cannot
+  replay together with the earlier one. With engine sessions (the default for multi-turn
+  envs) no token is fed twice, so every row comes from the one forward that used it."""
+  if old is None:
+    return new
+  out = {}
+  for kind, rows in new.items():
+    n = len(old[kind])
+    kept = np.where(old[kind][:, :, :1] >= 0, old[kind], rows[:n])
+    out[kind] = np.concatenate([kept, rows[n:]])
+  return out
+
+
 def _sample(e: _Episode) -> Sample:
   reward, correct, info = e.result
   return Sample(task=e.task, group=e.group, tokens=np.asarray(e.tokens, np.int32),
                 rollout_logp=np.asarray(e.logp, np.float32),
                 loss_mask=np.asarray(e.mask, np.float32), reward=reward, correct=correct,
-                turns=e.turns, messages=e.messages, info=info)
+                turns=e.turns, messages=e.messages, info=info, routing=e.routing)
 
 
 def to_batch(samples, seq_len: int, advantages_N=None) -> dict:
   """The rollout batch of `glm5_jax.posttrain.rl_step` (numpy, every array `[B, L]`, B =
   len(samples), L = seq_len): each sample in its own row, left-aligned, padded with
-  segment id 0.
+  segment id 0. When the samples carry routing (`rl.routing_replay`), also `routing_moe`
+  `[B, L, N_moe, X]` and `routing_dsa` `[B, L, N_dsa, T]` (int32, -1 = not recorded).
 
   Args:
     samples: `Sample`s.
@@ -245,6 +272,14 @@ def to_batch(samples, seq_len: int, advantages_N=None) -> dict:
     batch["rollout_logp"][i, :n] = s.rollout_logp * s.loss_mask
     if advantages_N is not None:
       batch["advantages"][i, :n] = float(advantages_N[i]) * s.loss_mask
+  recorded = [s.routing is not None for s in samples]
+  if any(recorded):
+    if not all(recorded):
+      raise ValueError(f"to_batch: samples {[i for i, r in enumerate(recorded) if not r][:5]} "
+                       "have no routing while others do (one engine setting per batch)")
+    for kind in samples[0].routing:
+      batch[f"routing_{kind}"] = routing_replay.pad_rows([s.routing[kind] for s in samples],
+                                                         seq_len)
   return batch
 
 

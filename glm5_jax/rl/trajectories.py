@@ -23,6 +23,9 @@ n is `[offsets[n], offsets[n + 1])`):
   versions    int32 [sum n]    the policy version that generated each token (-1 off the mask);
                                with partial rollouts one sample holds several versions
   reward      float32 [N]      the environment's reward of each sample
+  routing_<kind>  int32 [sum n, layers, k]   optional (routing replay, `glm5_jax.routing_replay`:
+                               kinds "moe", "dsa"), present when every record carries routing;
+                               files without it read as routing None
   meta        uint8 JSON: {"worker", "batch_index", "samples": [per-sample dict, ...]}
 
 The trainer's `TrajectoryLedger` is the set of files it has trained on. It is saved in the same
@@ -59,13 +62,15 @@ class CorruptTrajectoryError(ValueError):
 @dataclasses.dataclass
 class TrajectoryRecord:
   """One sample. Arrays `[n]`: tokens (int32), logp (float32), loss_mask (float32), versions
-  (int32); reward: the env's reward; meta: JSON-able (env, task index, rollout id, group, ...)."""
+  (int32); reward: the env's reward; meta: JSON-able (env, task index, rollout id, group, ...);
+  routing: None, or `{kind: int32 [n, layers, k]}` (`glm5_jax.posttrain.rollout.Sample`)."""
   tokens: np.ndarray
   logp: np.ndarray
   loss_mask: np.ndarray
   versions: np.ndarray
   reward: float
   meta: dict = dataclasses.field(default_factory=dict)
+  routing: dict | None = None
 
 
 @dataclasses.dataclass
@@ -95,11 +100,36 @@ def _encode(records, worker, batch_index) -> dict:
   lengths = [len(r.tokens) for r in records]
   out = {f: (np.concatenate([np.asarray(getattr(r, f), t) for r in records]) if records
              else np.zeros((0,), t)) for f, t in fields.items()}
+  out.update(_encode_routing(records))
   meta = {"worker": worker, "batch_index": batch_index, "samples": [r.meta for r in records]}
   out.update(format=np.asarray(FORMAT, np.int64),
              offsets=np.concatenate([[0], np.cumsum(lengths, dtype=np.int64)]).astype(np.int64),
              reward=np.asarray([r.reward for r in records], np.float32),
              meta=np.frombuffer(json.dumps(meta).encode(), np.uint8))
+  return out
+
+
+def _encode_routing(records) -> dict:
+  """`routing_<kind>` members (module docstring), or {} when no record has routing."""
+  has = [r.routing is not None for r in records]
+  if not any(has):
+    return {}
+  if not all(has):
+    raise ValueError(f"write_batch: records {[i for i, h in enumerate(has) if not h][:5]} have no "
+                     "routing while others do")
+  kinds = set(records[0].routing)
+  out = {}
+  for i, r in enumerate(records):
+    if set(r.routing) != kinds:
+      raise ValueError(f"write_batch: record {i} has routing {sorted(r.routing)}, record 0 "
+                       f"{sorted(kinds)}")
+    for kind, x in r.routing.items():
+      if np.ndim(x) != 3 or len(x) != len(r.tokens):
+        raise ValueError(f"write_batch: record {i} routing[{kind!r}] has shape {np.shape(x)}, "
+                         f"expected [n, layers, k] with n = {len(r.tokens)} tokens")
+  for kind in sorted(kinds):
+    out[f"routing_{kind}"] = np.concatenate([np.asarray(r.routing[kind], np.int32)
+                                             for r in records])
   return out
 
 
@@ -181,6 +211,10 @@ def read_batch(path) -> TrajectoryBatch:
         or np.any(np.diff(offsets) < 0) or len(meta["samples"]) != n
         or any(len(data[f]) != total for f in ("logp", "loss_mask", "versions"))):
       raise ValueError("inconsistent offsets or field lengths")
+    routing_kinds = [k[len("routing_"):] for k in data if k.startswith("routing_")]
+    if any(data[f"routing_{k}"].ndim != 3 or len(data[f"routing_{k}"]) != total
+           for k in routing_kinds):
+      raise ValueError("inconsistent routing lengths")
     if (meta["worker"], meta["batch_index"]) != (m.group(2), int(m.group(1))):
       raise ValueError(f"its meta says worker {meta['worker']!r} batch {meta['batch_index']}")
   except FileNotFoundError:
@@ -188,7 +222,9 @@ def read_batch(path) -> TrajectoryBatch:
   except Exception as e:  # zipfile, numpy and json raise many types for damaged bytes
     raise CorruptTrajectoryError(f"{path}: damaged rollout file ({type(e).__name__}: {e})") from e
   records = [TrajectoryRecord(*(data[f][a:b] for f in ("tokens", "logp", "loss_mask", "versions")),
-                              reward=float(data["reward"][i]), meta=meta["samples"][i])
+                              reward=float(data["reward"][i]), meta=meta["samples"][i],
+                              routing={k: data[f"routing_{k}"][a:b] for k in routing_kinds}
+                              if routing_kinds else None)
              for i, (a, b) in enumerate(zip(offsets[:-1], offsets[1:]))]
   return TrajectoryBatch(path.name, m.group(2), int(m.group(1)), records)
 
