@@ -138,7 +138,8 @@ def _check_exactly_once(root, config):
 
 
 def test_trainer_and_two_workers_in_threads(tmp_path, helpers):
-  config = small_async_config()
+  """Also with routing replay on: the files carry each token's routing into the train step."""
+  config = small_async_config(routing_replay=True)
   params = helpers.random_params(ModelConfig.from_config(config.model), seed=0)
   root = str(tmp_path / "rl")
   errors = []
@@ -163,6 +164,15 @@ def test_trainer_and_two_workers_in_threads(tmp_path, helpers):
   loaded = [v for w in ("w0", "w1")
             for v in read_json(RunDirs.at(root).worker_stats(w))["versions_loaded"]]
   assert 0 in loaded and max(loaded) >= 1  # the workers switched versions during the run
+  files = sorted(orders.answered(root))
+  record = trajectories.read_batch(RunDirs.at(root).rollouts / files[0]).records[0]
+  assert set(record.routing) == {"moe", "dsa"}
+  assert record.routing["moe"].shape[0] == len(record.tokens)
+  with open(os.path.join(root, "metrics.jsonl")) as f:
+    first = json.loads(f.readline())
+  # Step 1 trains version-0 samples at version 0 with their routing replayed: the trainer's
+  # log-probs are the engine's.
+  assert first["logp_mismatch_max"] < 1e-4
 
 
 # ---- processes killed with SIGKILL (slow) -------------------------------------------------------

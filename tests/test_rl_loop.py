@@ -128,7 +128,8 @@ def test_multi_turn_observations_are_rendered_appended_and_masked(small, monkeyp
         end = p + int(np.argmin(full.loss_mask[p:] > 0)) if (full.loss_mask[p:] == 0).any() \
             else len(full.ids)
         tokens = full.ids[p:end].tolist()
-        out.append(type("C", (), dict(tokens=tokens, raw_logprobs=[-0.5] * len(tokens)))())
+        out.append(type("C", (), dict(tokens=tokens, raw_logprobs=[-0.5] * len(tokens),
+                                      routing=None))())
       return out
 
   monkeypatch.setattr(rollout, "Engine", Scripted)

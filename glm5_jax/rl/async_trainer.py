@@ -5,14 +5,18 @@ It runs in its own process(es) on its own mesh (`config.mesh`); the rollout work
 at policy version v (= RL steps done):
 
   1. orchestrate: note the rollout files that arrived, issue new orders within the capacity
-     rule and route them (`orchestrator.Orchestrator`);
+     rule at the newest version whose marker is written (an order issued before its version
+     is visible would be generated with the one before) and route them
+     (`orchestrator.Orchestrator`);
   2. take, in file-name order (order id), the next `rl.prompts_per_step` groups whose samples
      pass staleness admission (v - oldest token version <= `rl.max_staleness`,
      `staleness.StalenessAdmission`); a group that fails is not trained on: it is counted,
      marked consumed and its task re-queued under a fresh id. A damaged file is quarantined
      and its task re-queued. Too few groups: wait `rl.poll_seconds` (idle time);
   3. one RL step on them: GRPO group advantages, the double-sided IS loss against the
-     rollout log-probs (`rl.policy_loss="auto"` -> "is"; no pi_old recompute);
+     rollout log-probs (`rl.policy_loss="auto"` -> "is"; no pi_old recompute); with
+     `rl.routing_replay` the files carry each token's MoE experts and DSA top-k from the
+     engine and the step's forward replays them (`glm5_jax.routing_replay`);
   4. checkpoint v + 1: the state, and in the same orbax step the ledger of consumed files, the
      staleness counts and the rejected files (`loop.save`'s `extra`), committed before
   5. publishing v + 1 (`param_sync.PolicyPublisher`, async save + marker). So every published
@@ -84,7 +88,8 @@ def _to_samples(batch: trajectories.TrajectoryBatch, env, group: int) -> list:
     out.append(Sample(task=env.task(int(r.meta["task"]), "train"), group=group, tokens=r.tokens,
                       rollout_logp=r.logp, loss_mask=r.loss_mask, reward=r.reward,
                       correct=bool(r.meta.get("correct", False)), turns=int(r.meta["turns"]),
-                      messages=[], info={"truncated": r.meta.get("truncated", False)}))
+                      messages=[], info={"truncated": r.meta.get("truncated", False)},
+                      routing=r.routing))
   return out
 
 

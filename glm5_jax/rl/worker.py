@@ -61,7 +61,8 @@ def abstract_worker_params(config):
 
 def to_records(samples, order: orders_lib.Order, version: int, worker: str) -> list:
   """The group of `order` as `TrajectoryRecord`s: token ids and raw log-probs exactly as the
-  engine produced them, every generated token tagged with `version`."""
+  engine produced them, every generated token tagged with `version`, and with
+  `rl.routing_replay` each token's MoE experts and DSA top-k (`Sample.routing`)."""
   out = []
   for j, s in enumerate(samples):
     versions = np.where(s.loss_mask > 0, version, -1).astype(np.int32)
@@ -70,7 +71,8 @@ def to_records(samples, order: orders_lib.Order, version: int, worker: str) -> l
             "requeue_of": order.requeue_of,
             "truncated": bool(s.info.get("truncated", False))}
     out.append(trajectories.TrajectoryRecord(s.tokens, s.rollout_logp * s.loss_mask,
-                                             s.loss_mask, versions, float(s.reward), meta))
+                                             s.loss_mask, versions, float(s.reward), meta,
+                                             routing=s.routing))
   return out
 
 
