@@ -10,7 +10,9 @@ train `--steps` RL steps of `rl.prompts_per_step x rl.group_size` samples, evalu
   async  experiments/rl.py --mode=async as a subprocess: one trainer process and
          `--rollout_workers` worker processes (glm5_jax/rl).
 Printed side by side: wall-clock of each (process start and compilation included in both),
-their ratio, and idle fractions:
+their ratio, the steady-state seconds per step (after the first step) and their ratio, the
+overlap bound `(generation + training) / max(generation, training)` of the sync run's phases
+(what full overlap on separate hardware could gain; computed, not run), and idle fractions:
   trainer idle   sync: generation time / total (the trainer waits for the rollouts); async:
                  time waiting for enough admissible groups / (waiting + training), from
                  `<run>/control/trainer.json`;
@@ -58,6 +60,14 @@ def _percentiles(lengths) -> dict:
           "max": float(x.max()), "mean": float(x.mean()), "n": int(x.size)}
 
 
+def _steady_seconds_per_step(metrics_file: str) -> float:
+  """Wall seconds per RL step after the first (compilation and process start excluded), from
+  the `time` of the train records in metrics.jsonl."""
+  with open(metrics_file) as f:
+    times = [r["time"] for r in map(json.loads, f) if r.get("split") == "train"]
+  return (times[-1] - times[0]) / max(len(times) - 1, 1)
+
+
 def run_sync(config, workdir: str) -> dict:
   start = time.time()
   summary = rl_train(config, workdir)
@@ -69,7 +79,11 @@ def run_sync(config, workdir: str) -> dict:
   train = sum(m["train_seconds"] for m in steps)
   return {"wall_seconds": wall, "steps": summary["steps"], "generate_seconds": generate,
           "train_seconds": train, "trainer_idle_fraction": generate / wall,
-          "worker_idle_fraction": train / wall}
+          "worker_idle_fraction": train / wall,
+          "steady_seconds_per_step": _steady_seconds_per_step(summary["metrics_file"]),
+          # With trainer and rollouts on their own hardware and perfect overlap, a step takes
+          # the longer of its two phases: the most asynchrony could gain (computed, not run).
+          "overlap_bound": (generate + train) / max(generate, train)}
 
 
 def run_async(config, workdir: str, steps: int, workers: int) -> dict:
@@ -91,6 +105,7 @@ def run_async(config, workdir: str, steps: int, workers: int) -> dict:
   busy, idle = trainer["busy_seconds"], trainer["idle_seconds"]
   summary = read_json(dirs.root / "summary.json")
   out = {"wall_seconds": wall, "steps": summary["steps"],
+         "steady_seconds_per_step": _steady_seconds_per_step(str(dirs.root / "metrics.jsonl")),
          "trainer_idle_fraction": idle / max(busy + idle, 1e-9),
          "staleness_histogram": summary["staleness"]["histogram"],
          "rejected": summary["rejected"], "versions_published": summary["versions_published"],
@@ -130,6 +145,12 @@ def main(argv):
         "samples each ==")
   print(f"wall-clock   sync {sync['wall_seconds']:.1f} s   async {asyn['wall_seconds']:.1f} s   "
         f"sync/async {ratio:.2f}x   (AReaL: 2.77x on separate accelerators)")
+  print(f"steady state (s per step after the first)   sync "
+        f"{sync['steady_seconds_per_step']:.2f}   async {asyn['steady_seconds_per_step']:.2f}   "
+        f"sync/async {sync['steady_seconds_per_step'] / asyn['steady_seconds_per_step']:.2f}x")
+  print(f"overlap bound (sync generation + training) / max of the two: "
+        f"{sync['overlap_bound']:.2f}x, the most asynchrony gains when trainer and rollouts "
+        "have their own hardware (computed from the sync phases, not run)")
   print(f"trainer idle sync {sync['trainer_idle_fraction']:.3f}   async "
         f"{asyn['trainer_idle_fraction']:.3f}")
   print(f"worker idle  sync {sync['worker_idle_fraction']:.3f}   async "
