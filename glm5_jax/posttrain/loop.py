@@ -110,14 +110,20 @@ def rl_train(config, workdir: str, *, stop_after_steps: int | None = None,
     return _rl_train(config, workdir, stop_after_steps, params)
 
 
+def build_rl_run(config, *, asynchronous: bool = False):
+  """`(tokenizer, env, shapes, trainer)` of an RL run: the tokenizer (checked against the
+  model's vocabulary), `rl.env`, the params' shapes and `rl_step.build_rl_trainer`'s trainer."""
+  tokenizer = make_tokenizer(config.data.tokenizer)
+  check_vocab(tokenizer, ModelConfig.from_config(config.model).vocab_size)
+  env = envs.make(config.rl.env, **config.rl.env_options.to_dict())
+  shapes = abstract_params(config.model)
+  return tokenizer, env, shapes, rl_step.build_rl_trainer(config, shapes,
+                                                          asynchronous=asynchronous)
+
+
 def _rl_train(config, workdir, stop_after_steps, initial_params):
   rl = config.rl
-  model = ModelConfig.from_config(config.model)
-  tokenizer = make_tokenizer(config.data.tokenizer)
-  check_vocab(tokenizer, model.vocab_size)
-  env = envs.make(rl.env, **rl.env_options.to_dict())
-  shapes = abstract_params(config.model)
-  t = rl_step.build_rl_trainer(config, shapes)
+  tokenizer, env, shapes, t = build_rl_run(config)
   mesh, rules = t.mesh, config.mesh.logical_axis_rules
   teacher = _load_teacher(rl.teacher, tokenizer) if rl.loss == "distill" else None
   manager = ckpt.make_manager(workdir, every_steps=config.ckpt.every_steps,

@@ -37,12 +37,9 @@ from absl import logging
 import numpy as np
 import orbax.checkpoint as ocp
 
-from glm5_jax.api import abstract_params
-from glm5_jax.config import ModelConfig, require
-from glm5_jax.data import check_vocab, make_tokenizer
-from glm5_jax.posttrain import envs, loop, rl_step
+from glm5_jax.config import require
+from glm5_jax.posttrain import loop, rollout
 from glm5_jax.posttrain.rl_config_checks import validate_rl_experiment
-from glm5_jax.posttrain import rollout
 from glm5_jax.posttrain.rollout import Sample
 from glm5_jax.rl import orders as orders_lib
 from glm5_jax.rl import staleness, trajectories
@@ -115,12 +112,7 @@ def run_async_trainer(config, root, workers, *, stop_after_steps: int | None = N
 
 def _run(config, dirs: RunDirs, workers, stop_after_steps, initial_params):
   rl = config.rl
-  model = ModelConfig.from_config(config.model)
-  tokenizer = make_tokenizer(config.data.tokenizer)
-  check_vocab(tokenizer, model.vocab_size)
-  env = envs.make(rl.env, **rl.env_options.to_dict())
-  shapes = abstract_params(config.model)
-  t = rl_step.build_rl_trainer(config, shapes, asynchronous=True)
+  tokenizer, env, shapes, t = loop.build_rl_run(config, asynchronous=True)
   manager = ckpt.make_manager(str(dirs.root), every_steps=1, keep=config.ckpt.keep,
                               async_save=False)
   writer = MetricWriter(str(dirs.root))
