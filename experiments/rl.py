@@ -30,8 +30,10 @@ same config flags and workdir (a local path or gs://):
   python experiments/rl.py --mode=async --role=trainer --rollout_workers=4 --workdir=gs://b/run
   python experiments/rl.py --mode=async --role=worker --worker=w2 --workdir=gs://b/run
 
-(the SFT run must exist first: `--config.rl.init_from`, or run the launcher once). The workers'
-output goes to `<workdir>/rl/logs/<worker>.log`.
+(the SFT run must exist first: `--config.rl.init_from`, or run the launcher once). Each role is
+one JAX process for now (a single-host slice, its mesh over that host's devices); a role
+launched as several processes is refused. The workers' output goes to
+`<workdir>/rl/logs/<worker>.log`.
 
 Exit status: 0 done; 1 failed (the last line on stderr is the root cause).
 """
@@ -52,7 +54,7 @@ from glm5_jax.posttrain import sft  # noqa: E402
 from glm5_jax.posttrain.loop import rl_train  # noqa: E402
 from glm5_jax.rl import async_trainer, launcher, worker  # noqa: E402
 from glm5_jax.rl.layout import RunDirs, read_json  # noqa: E402
-from glm5_jax.train import console  # noqa: E402
+from glm5_jax.train import console, multiprocess  # noqa: E402
 
 _CONFIG = config_flags.DEFINE_config_file("config", "configs/rl_tiny.py", "RL config.")
 _WORKDIR = flags.DEFINE_string("workdir", "/tmp/glm5_rl", "The SFT run (when rl.init_from is "
@@ -104,6 +106,14 @@ SUMMARY = "summary.json"
 def run_role(config, workdir: str) -> None:
   """One process of an asynchronous run: the trainer (writes <workdir>/rl/summary.json) or a
   worker."""
+  if multiprocess.launched_multiprocess():
+    # Several processes of one role would each decide on their own which files to train on
+    # and write orders, stats and summaries: a role is one JAX process (its mesh spans that
+    # host's devices) until process 0's decisions are broadcast.
+    raise ValueError(f"--role={_ROLE.value} was launched as one of several JAX processes "
+                     "(a multi-process launcher's environment is set); each asynchronous RL "
+                     "role is one JAX process for now (a single-host slice: its mesh spans "
+                     "that host's devices)")
   root = os.path.join(workdir, "rl")
   if _ROLE.value == "trainer":
     summary = async_trainer.run_async_trainer(config, root,
