@@ -265,3 +265,15 @@ def test_killed_trainer_resumes_when_the_command_is_rerun(tmp_path, sft_dir):
   assert result["steps"] == steps
   assert trainer()["starts"] == 2
   _check_exactly_once(str(root.root), _config_of(steps))
+
+
+def test_a_role_launched_as_several_processes_is_refused(tmp_path):
+  env = dict(_env(), JAX_COORDINATOR_ADDRESS="localhost:1", JAX_NUM_PROCESSES="2",
+             JAX_PROCESS_ID="0")
+  proc = subprocess.run([sys.executable, "experiments/rl.py", "--mode=async", "--role=trainer",
+                         f"--workdir={tmp_path}"], cwd=REPO, env=env, capture_output=True,
+                        text=True, timeout=300)
+  assert proc.returncode == 1
+  assert proc.stderr.strip().splitlines()[-1].endswith(
+      "each asynchronous RL role is one JAX process for now (a single-host slice: its mesh "
+      "spans that host's devices)")
