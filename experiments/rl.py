@@ -30,10 +30,11 @@ same config flags and workdir (a local path or gs://):
   python experiments/rl.py --mode=async --role=trainer --rollout_workers=4 --workdir=gs://b/run
   python experiments/rl.py --mode=async --role=worker --worker=w2 --workdir=gs://b/run
 
-(the SFT run must exist first: `--config.rl.init_from`, or run the launcher once). Each role is
-one JAX process for now (a single-host slice, its mesh over that host's devices); a role
-launched as several processes is refused. The workers' output goes to
-`<workdir>/rl/logs/<worker>.log`.
+(the SFT run must exist first: `--config.rl.init_from`, or run the launcher once). The trainer
+may run as several JAX processes (a multi-host slice; `jax.distributed.initialize()` as in
+experiments/train.py, held-out evaluation off: `--config.rl.eval_every_steps=0`); a rollout
+worker is one JAX process (a single-host slice, its mesh over that host's devices). The
+workers' output goes to `<workdir>/rl/logs/<worker>.log`.
 
 Exit status: 0 done; 1 failed (the last line on stderr is the root cause).
 """
@@ -107,20 +108,20 @@ def run_role(config, workdir: str) -> None:
   """One process of an asynchronous run: the trainer (writes <workdir>/rl/summary.json) or a
   worker."""
   if multiprocess.launched_multiprocess():
-    # Several processes of one role would each decide on their own which files to train on
-    # and write orders, stats and summaries: a role is one JAX process (its mesh spans that
-    # host's devices) until process 0's decisions are broadcast.
-    raise ValueError(f"--role={_ROLE.value} was launched as one of several JAX processes "
-                     "(a multi-process launcher's environment is set); each asynchronous RL "
-                     "role is one JAX process for now (a single-host slice: its mesh spans "
-                     "that host's devices)")
+    # A worker's engine is single-process; a trainer of several processes agrees on process
+    # 0's choices (glm5_jax.rl.async_trainer.agree).
+    require(_ROLE.value == "trainer", "--role", f"{_ROLE.value} was launched as one of several "
+            "JAX processes; only the trainer runs on several (a rollout worker is one JAX "
+            "process: a single-host slice, its mesh over that host's devices)")
+    multiprocess.initialize_distributed()
   root = os.path.join(workdir, "rl")
   if _ROLE.value == "trainer":
     summary = async_trainer.run_async_trainer(config, root,
                                               async_trainer.worker_names(_WORKERS.value))
     summary["eval"] = {str(k): v for k, v in summary["eval"].items()}
-    with open(os.path.join(root, SUMMARY), "w") as f:
-      json.dump(summary, f)
+    if jax.process_index() == 0:
+      with open(os.path.join(root, SUMMARY), "w") as f:
+        json.dump(summary, f)
   else:
     require(bool(_WORKER.value), "--worker", "--role=worker needs this worker's name (w<i>)")
     worker.run_worker(config, root, _WORKER.value)
@@ -136,6 +137,9 @@ def main(argv):
       run_role(_CONFIG.value, _WORKDIR.value)
       return
     if _MODE.value == "async":
+      require(not multiprocess.launched_multiprocess(), "--role", "the launcher starts every "
+              "process on this machine itself; on a multi-process launcher start each role "
+              "with --role=trainer / --role=worker")
       out = run_async(_CONFIG.value, _WORKDIR.value, sys.argv)
     else:
       out = run(_CONFIG.value, _WORKDIR.value)

@@ -7,6 +7,7 @@ each rollout file answers one order, and each file is trained on (or rejected) e
 import json
 import os
 import signal
+import socket
 import subprocess
 import sys
 import threading
@@ -267,13 +268,49 @@ def test_killed_trainer_resumes_when_the_command_is_rerun(tmp_path, sft_dir):
   _check_exactly_once(str(root.root), _config_of(steps))
 
 
-def test_a_role_launched_as_several_processes_is_refused(tmp_path):
+def test_a_worker_launched_as_several_processes_is_refused(tmp_path):
   env = dict(_env(), JAX_COORDINATOR_ADDRESS="localhost:1", JAX_NUM_PROCESSES="2",
              JAX_PROCESS_ID="0")
-  proc = subprocess.run([sys.executable, "experiments/rl.py", "--mode=async", "--role=trainer",
-                         f"--workdir={tmp_path}"], cwd=REPO, env=env, capture_output=True,
-                        text=True, timeout=300)
+  proc = subprocess.run([sys.executable, "experiments/rl.py", "--mode=async", "--role=worker",
+                         "--worker=w0", f"--workdir={tmp_path}"], cwd=REPO, env=env,
+                        capture_output=True, text=True, timeout=300)
   assert proc.returncode == 1
   assert proc.stderr.strip().splitlines()[-1].endswith(
-      "each asynchronous RL role is one JAX process for now (a single-host slice: its mesh "
-      "spans that host's devices)")
+      "only the trainer runs on several (a rollout worker is one JAX process: a single-host "
+      "slice, its mesh over that host's devices)")
+
+
+def _free_port() -> int:
+  with socket.socket() as s:
+    s.bind(("localhost", 0))
+    return s.getsockname()[1]
+
+
+@pytest.mark.slow
+def test_trainer_of_two_processes_and_a_worker(tmp_path):
+  """The trainer as two JAX processes (one CPU device each, a 2-device mesh): process 0 plans,
+  both train on the same groups, one summary; every file consumed once."""
+  steps, port = 3, _free_port()
+  command = _command(tmp_path, "", steps)
+  command = [c.replace("--rollout_workers=2", "--rollout_workers=1") for c in command]
+  # No compilation cache for the trainer's processes (tests/test_multihost.py's _env says why).
+  base = {k: v for k, v in _env().items() if not k.startswith("JAX_") or k == "JAX_PLATFORMS"}
+  procs = [subprocess.Popen(command + ["--role=trainer"], cwd=REPO, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True,
+                            env=dict(base, JAX_COORDINATOR_ADDRESS=f"localhost:{port}",
+                                     JAX_NUM_PROCESSES="2", JAX_PROCESS_ID=str(i)))
+           for i in range(2)]
+  procs.append(subprocess.Popen(command + ["--role=worker", "--worker=w0"], cwd=REPO,
+                                env=_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                                text=True))
+  try:
+    outputs = [p.communicate(timeout=900) for p in procs]
+  finally:
+    for p in procs:
+      if p.poll() is None:
+        p.kill()
+  for p, (_, err) in zip(procs, outputs):
+    assert p.returncode == 0, err[-3000:]
+  root = str(tmp_path / "rl")
+  assert read_json(RunDirs.at(root).root / "summary.json")["steps"] == steps
+  _check_exactly_once(root, _config_of(steps))
