@@ -107,13 +107,6 @@ SUMMARY = "summary.json"
 def run_role(config, workdir: str) -> None:
   """One process of an asynchronous run: the trainer (writes <workdir>/rl/summary.json) or a
   worker."""
-  if multiprocess.launched_multiprocess():
-    # A worker's engine is single-process; a trainer of several processes agrees on process
-    # 0's choices (glm5_jax.rl.async_trainer.agree).
-    require(_ROLE.value == "trainer", "--role", f"{_ROLE.value} was launched as one of several "
-            "JAX processes; only the trainer runs on several (a rollout worker is one JAX "
-            "process: a single-host slice, its mesh over that host's devices)")
-    multiprocess.initialize_distributed()
   root = os.path.join(workdir, "rl")
   if _ROLE.value == "trainer":
     summary = async_trainer.run_async_trainer(config, root,
@@ -127,19 +120,30 @@ def run_role(config, workdir: str) -> None:
     worker.run_worker(config, root, _WORKER.value)
 
 
+def join_processes() -> None:
+  """Under a multi-process launcher: joins the other processes (before anything touches the
+  backend), for the trainer role only. A worker's engine is single-process; the launcher
+  starts every process on this machine itself."""
+  if not multiprocess.launched_multiprocess():
+    return
+  role = _ROLE.value if _MODE.value == "async" else "sync"
+  require(role == "trainer", "--role", f"{role} was launched as one of several JAX processes; "
+          "only --mode=async --role=trainer runs on several (a rollout worker is one JAX "
+          "process: a single-host slice, its mesh over that host's devices)")
+  multiprocess.initialize_distributed()
+
+
 def main(argv):
   del argv
   console.quiet_library_info()
-  logging.info("devices: %s", jax.devices())
   start = time.time()
   try:
+    join_processes()
+    logging.info("devices: %s", jax.devices())
     if _MODE.value == "async" and _ROLE.value != "launcher":
       run_role(_CONFIG.value, _WORKDIR.value)
       return
     if _MODE.value == "async":
-      require(not multiprocess.launched_multiprocess(), "--role", "the launcher starts every "
-              "process on this machine itself; on a multi-process launcher start each role "
-              "with --role=trainer / --role=worker")
       out = run_async(_CONFIG.value, _WORKDIR.value, sys.argv)
     else:
       out = run(_CONFIG.value, _WORKDIR.value)

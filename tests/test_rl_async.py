@@ -276,8 +276,8 @@ def test_a_worker_launched_as_several_processes_is_refused(tmp_path):
                         capture_output=True, text=True, timeout=300)
   assert proc.returncode == 1
   assert proc.stderr.strip().splitlines()[-1].endswith(
-      "only the trainer runs on several (a rollout worker is one JAX process: a single-host "
-      "slice, its mesh over that host's devices)")
+      "only --mode=async --role=trainer runs on several (a rollout worker is one JAX process: "
+      "a single-host slice, its mesh over that host's devices)")
 
 
 def _free_port() -> int:
@@ -295,22 +295,27 @@ def test_trainer_of_two_processes_and_a_worker(tmp_path):
   command = [c.replace("--rollout_workers=2", "--rollout_workers=1") for c in command]
   # No compilation cache for the trainer's processes (tests/test_multihost.py's _env says why).
   base = {k: v for k, v in _env().items() if not k.startswith("JAX_") or k == "JAX_PLATFORMS"}
-  procs = [subprocess.Popen(command + ["--role=trainer"], cwd=REPO, stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, text=True,
-                            env=dict(base, JAX_COORDINATOR_ADDRESS=f"localhost:{port}",
-                                     JAX_NUM_PROCESSES="2", JAX_PROCESS_ID=str(i)))
-           for i in range(2)]
-  procs.append(subprocess.Popen(command + ["--role=worker", "--worker=w0"], cwd=REPO,
-                                env=_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                                text=True))
-  try:
-    outputs = [p.communicate(timeout=900) for p in procs]
+  roles = [(["--role=trainer"], dict(base, JAX_COORDINATOR_ADDRESS=f"localhost:{port}",
+                                      JAX_NUM_PROCESSES="2", JAX_PROCESS_ID=str(i)))
+           for i in range(2)] + [(["--role=worker", "--worker=w0"], _env())]
+  logs = [tmp_path / f"process{i}.log" for i in range(len(roles))]
+  procs = []
+  for (flags, env), log in zip(roles, logs):
+    with open(log, "w") as f:  # files, not pipes: a full pipe would block a process
+      procs.append(subprocess.Popen(command + flags, cwd=REPO, env=env, stdout=f,
+                                    stderr=subprocess.STDOUT))
+  deadline = time.time() + 900
+  try:  # the worker exits on control/done; a failed process stops the others
+    while any(p.poll() is None for p in procs) and time.time() < deadline:
+      if any(p.returncode not in (None, 0) for p in procs):
+        break
+      time.sleep(0.5)
   finally:
     for p in procs:
       if p.poll() is None:
         p.kill()
-  for p, (_, err) in zip(procs, outputs):
-    assert p.returncode == 0, err[-3000:]
+  for i, p in enumerate(procs):
+    assert p.returncode == 0, f"process {i}: " + logs[i].read_text()[-3000:]
   root = str(tmp_path / "rl")
   assert read_json(RunDirs.at(root).root / "summary.json")["steps"] == steps
   _check_exactly_once(root, _config_of(steps))
