@@ -54,7 +54,7 @@ from glm5_jax.config import require  # noqa: E402
 from glm5_jax.posttrain import sft  # noqa: E402
 from glm5_jax.posttrain.loop import rl_train  # noqa: E402
 from glm5_jax.rl import async_trainer, launcher, worker  # noqa: E402
-from glm5_jax.rl.layout import RunDirs, read_json  # noqa: E402
+from glm5_jax.rl.layout import RunDirs, read_json, write_json  # noqa: E402
 from glm5_jax.train import console, multiprocess  # noqa: E402
 
 _CONFIG = config_flags.DEFINE_config_file("config", "configs/rl_tiny.py", "RL config.")
@@ -93,9 +93,8 @@ def run_async(config, workdir: str, argv: list[str]) -> dict:
   if out["launch"]["trainer_returncode"] != 0:
     raise RuntimeError(f"the trainer exited with status {out['launch']['trainer_returncode']} "
                        "(its error is above); rerun the same command to resume")
-  with open(os.path.join(root, SUMMARY)) as f:
-    out["rl"] = json.load(f)
   dirs = RunDirs.at(root)
+  out["rl"] = read_json(dirs.root / SUMMARY)
   out["workers"] = {w: read_json(dirs.worker_stats(w))
                     for w in async_trainer.worker_names(_WORKERS.value)}
   return out
@@ -113,8 +112,7 @@ def run_role(config, workdir: str) -> None:
                                               async_trainer.worker_names(_WORKERS.value))
     summary["eval"] = {str(k): v for k, v in summary["eval"].items()}
     if jax.process_index() == 0:
-      with open(os.path.join(root, SUMMARY), "w") as f:
-        json.dump(summary, f)
+      write_json(RunDirs.at(root).root / SUMMARY, summary)
   else:
     require(bool(_WORKER.value), "--worker", "--role=worker needs this worker's name (w<i>)")
     worker.run_worker(config, root, _WORKER.value)

@@ -319,3 +319,22 @@ def test_trainer_of_two_processes_and_a_worker(tmp_path):
   root = str(tmp_path / "rl")
   assert read_json(RunDirs.at(root).root / "summary.json")["steps"] == steps
   _check_exactly_once(root, _config_of(steps))
+
+
+def test_metric_writer_on_a_remote_workdir(tmp_path, monkeypatch):
+  """A gs:// workdir (etils' mock file system here): metrics.jsonl is rewritten whole after each
+  record, a reopened writer continues it, a torn last line is dropped."""
+  from etils import epath  # pylint: disable=import-outside-toplevel
+  from etils.epath import testing  # pylint: disable=import-outside-toplevel
+  from glm5_jax.train.metrics import MetricWriter  # pylint: disable=import-outside-toplevel
+  monkeypatch.chdir(tmp_path)  # the mock maps gs://bucket/... to ./gs:/bucket/...
+  with testing.mock_epath():
+    writer = MetricWriter("gs://bucket/run")
+    writer.write(1, {"loss": 1.5})
+    writer.close()
+    path = epath.Path("gs://bucket/run/metrics.jsonl")
+    path.write_text(path.read_text() + '{"step": 2, "spl')  # a writer died mid-upload
+    writer = MetricWriter("gs://bucket/run")
+    writer.write(2, {"loss": 1.25})
+    records = [json.loads(line) for line in path.read_text().splitlines()]
+  assert [(r["step"], r["loss"]) for r in records] == [(1, 1.5), (2, 1.25)]
