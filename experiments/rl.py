@@ -30,8 +30,11 @@ same config flags and workdir (a local path or gs://):
   python experiments/rl.py --mode=async --role=trainer --rollout_workers=4 --workdir=gs://b/run
   python experiments/rl.py --mode=async --role=worker --worker=w2 --workdir=gs://b/run
 
-(the SFT run must exist first: `--config.rl.init_from`, or run the launcher once). The workers'
-output goes to `<workdir>/rl/logs/<worker>.log`.
+(the SFT run must exist first: `--config.rl.init_from`, or run the launcher once). The trainer
+may run as several JAX processes (a multi-host slice; `jax.distributed.initialize()` as in
+experiments/train.py, held-out evaluation off: `--config.rl.eval_every_steps=0`); a rollout
+worker is one JAX process (a single-host slice, its mesh over that host's devices). The
+workers' output goes to `<workdir>/rl/logs/<worker>.log`.
 
 Exit status: 0 done; 1 failed (the last line on stderr is the root cause).
 """
@@ -51,8 +54,8 @@ from glm5_jax.config import require  # noqa: E402
 from glm5_jax.posttrain import sft  # noqa: E402
 from glm5_jax.posttrain.loop import rl_train  # noqa: E402
 from glm5_jax.rl import async_trainer, launcher, worker  # noqa: E402
-from glm5_jax.rl.layout import RunDirs, read_json  # noqa: E402
-from glm5_jax.train import console  # noqa: E402
+from glm5_jax.rl.layout import RunDirs, read_json, write_json  # noqa: E402
+from glm5_jax.train import console, multiprocess  # noqa: E402
 
 _CONFIG = config_flags.DEFINE_config_file("config", "configs/rl_tiny.py", "RL config.")
 _WORKDIR = flags.DEFINE_string("workdir", "/tmp/glm5_rl", "The SFT run (when rl.init_from is "
@@ -90,9 +93,8 @@ def run_async(config, workdir: str, argv: list[str]) -> dict:
   if out["launch"]["trainer_returncode"] != 0:
     raise RuntimeError(f"the trainer exited with status {out['launch']['trainer_returncode']} "
                        "(its error is above); rerun the same command to resume")
-  with open(os.path.join(root, SUMMARY)) as f:
-    out["rl"] = json.load(f)
   dirs = RunDirs.at(root)
+  out["rl"] = read_json(dirs.root / SUMMARY)
   out["workers"] = {w: read_json(dirs.worker_stats(w))
                     for w in async_trainer.worker_names(_WORKERS.value)}
   return out
@@ -109,19 +111,33 @@ def run_role(config, workdir: str) -> None:
     summary = async_trainer.run_async_trainer(config, root,
                                               async_trainer.worker_names(_WORKERS.value))
     summary["eval"] = {str(k): v for k, v in summary["eval"].items()}
-    with open(os.path.join(root, SUMMARY), "w") as f:
-      json.dump(summary, f)
+    if jax.process_index() == 0:
+      write_json(RunDirs.at(root).root / SUMMARY, summary)
   else:
     require(bool(_WORKER.value), "--worker", "--role=worker needs this worker's name (w<i>)")
     worker.run_worker(config, root, _WORKER.value)
 
 
+def join_processes() -> None:
+  """Under a multi-process launcher: joins the other processes (before anything touches the
+  backend), for the trainer role only. A worker's engine is single-process; the launcher
+  starts every process on this machine itself."""
+  if not multiprocess.launched_multiprocess():
+    return
+  role = _ROLE.value if _MODE.value == "async" else "sync"
+  require(role == "trainer", "--role", f"{role} was launched as one of several JAX processes; "
+          "only --mode=async --role=trainer runs on several (a rollout worker is one JAX "
+          "process: a single-host slice, its mesh over that host's devices)")
+  multiprocess.initialize_distributed()
+
+
 def main(argv):
   del argv
   console.quiet_library_info()
-  logging.info("devices: %s", jax.devices())
   start = time.time()
   try:
+    join_processes()
+    logging.info("devices: %s", jax.devices())
     if _MODE.value == "async" and _ROLE.value != "launcher":
       run_role(_CONFIG.value, _WORKDIR.value)
       return

@@ -37,7 +37,7 @@ from absl import app, flags, logging
 import jax
 from ml_collections import config_flags
 
-from glm5_jax.train import console
+from glm5_jax.train import console, multiprocess
 from glm5_jax.train.loop import train
 from glm5_jax.train.stopping import EXIT_STOPPED_EARLY
 
@@ -46,35 +46,10 @@ _WORKDIR = flags.DEFINE_string("workdir", "workdir/tiny", "Checkpoints, metrics.
                                "TensorBoard logs go here; an existing one is resumed.")
 
 
-def _is_multiprocess() -> bool:
-  """True under a multi-process launcher (TPU pod, SLURM, explicit coordinator)."""
-  markers = ("JAX_COORDINATOR_ADDRESS", "JAX_NUM_PROCESSES", "TPU_WORKER_HOSTNAMES",
-             "MEGASCALE_COORDINATOR_ADDRESS")
-  return any(m in os.environ for m in markers) or int(os.environ.get("SLURM_NTASKS", "1")) > 1
-
-
-def _initialize_distributed():
-  """`jax.distributed.initialize()`, given the process count and id from JAX_NUM_PROCESSES and
-  JAX_PROCESS_ID where a launcher sets them: jax reads JAX_COORDINATOR_ADDRESS itself but takes
-  those two only from a detected cluster (TPU, SLURM, Open MPI, Kubernetes), so without them a
-  CPU run fails with "Number of processes must be defined"."""
-  given = [name for name in ("JAX_NUM_PROCESSES", "JAX_PROCESS_ID") if name in os.environ]
-  if len(given) == 1:
-    raise ValueError(f"{given[0]} is set but not "
-                     f"{({'JAX_NUM_PROCESSES', 'JAX_PROCESS_ID'} - set(given)).pop()}; a "
-                     "multi-process launch outside a cluster sets both (and "
-                     "JAX_COORDINATOR_ADDRESS)")
-  if given:
-    jax.distributed.initialize(num_processes=int(os.environ["JAX_NUM_PROCESSES"]),
-                               process_id=int(os.environ["JAX_PROCESS_ID"]))
-  else:
-    jax.distributed.initialize()
-
-
 def main(argv):
   del argv
-  if _is_multiprocess():
-    _initialize_distributed()
+  if multiprocess.launched_multiprocess():
+    multiprocess.initialize_distributed()
   console.quiet_library_info()
   logging.info("devices: %s", jax.devices())
   try:

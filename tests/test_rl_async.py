@@ -7,6 +7,7 @@ each rollout file answers one order, and each file is trained on (or rejected) e
 import json
 import os
 import signal
+import socket
 import subprocess
 import sys
 import threading
@@ -265,3 +266,75 @@ def test_killed_trainer_resumes_when_the_command_is_rerun(tmp_path, sft_dir):
   assert result["steps"] == steps
   assert trainer()["starts"] == 2
   _check_exactly_once(str(root.root), _config_of(steps))
+
+
+def test_a_worker_launched_as_several_processes_is_refused(tmp_path):
+  env = dict(_env(), JAX_COORDINATOR_ADDRESS="localhost:1", JAX_NUM_PROCESSES="2",
+             JAX_PROCESS_ID="0")
+  proc = subprocess.run([sys.executable, "experiments/rl.py", "--mode=async", "--role=worker",
+                         "--worker=w0", f"--workdir={tmp_path}"], cwd=REPO, env=env,
+                        capture_output=True, text=True, timeout=300)
+  assert proc.returncode == 1
+  assert proc.stderr.strip().splitlines()[-1].endswith(
+      "only --mode=async --role=trainer runs on several (a rollout worker is one JAX process: "
+      "a single-host slice, its mesh over that host's devices)")
+
+
+def _free_port() -> int:
+  with socket.socket() as s:
+    s.bind(("localhost", 0))
+    return s.getsockname()[1]
+
+
+@pytest.mark.slow
+def test_trainer_of_two_processes_and_a_worker(tmp_path):
+  """The trainer as two JAX processes (one CPU device each, a 2-device mesh): process 0 plans,
+  both train on the same groups, one summary; every file consumed once."""
+  steps, port = 3, _free_port()
+  command = _command(tmp_path, "", steps)
+  command = [c.replace("--rollout_workers=2", "--rollout_workers=1") for c in command]
+  # No compilation cache for the trainer's processes (tests/test_multihost.py's _env says why).
+  base = {k: v for k, v in _env().items() if not k.startswith("JAX_") or k == "JAX_PLATFORMS"}
+  roles = [(["--role=trainer"], dict(base, JAX_COORDINATOR_ADDRESS=f"localhost:{port}",
+                                      JAX_NUM_PROCESSES="2", JAX_PROCESS_ID=str(i)))
+           for i in range(2)] + [(["--role=worker", "--worker=w0"], _env())]
+  logs = [tmp_path / f"process{i}.log" for i in range(len(roles))]
+  procs = []
+  for (flags, env), log in zip(roles, logs):
+    with open(log, "w") as f:  # files, not pipes: a full pipe would block a process
+      procs.append(subprocess.Popen(command + flags, cwd=REPO, env=env, stdout=f,
+                                    stderr=subprocess.STDOUT))
+  deadline = time.time() + 900
+  try:  # the worker exits on control/done; a failed process stops the others
+    while any(p.poll() is None for p in procs) and time.time() < deadline:
+      if any(p.returncode not in (None, 0) for p in procs):
+        break
+      time.sleep(0.5)
+  finally:
+    for p in procs:
+      if p.poll() is None:
+        p.kill()
+  for i, p in enumerate(procs):
+    assert p.returncode == 0, f"process {i}: " + logs[i].read_text()[-3000:]
+  root = str(tmp_path / "rl")
+  assert read_json(RunDirs.at(root).root / "summary.json")["steps"] == steps
+  _check_exactly_once(root, _config_of(steps))
+
+
+def test_metric_writer_on_a_remote_workdir(tmp_path, monkeypatch):
+  """A gs:// workdir (etils' mock file system here): metrics.jsonl is rewritten whole after each
+  record, a reopened writer continues it, a torn last line is dropped."""
+  from etils import epath  # pylint: disable=import-outside-toplevel
+  from etils.epath import testing  # pylint: disable=import-outside-toplevel
+  from glm5_jax.train.metrics import MetricWriter  # pylint: disable=import-outside-toplevel
+  monkeypatch.chdir(tmp_path)  # the mock maps gs://bucket/... to ./gs:/bucket/...
+  with testing.mock_epath():
+    writer = MetricWriter("gs://bucket/run")
+    writer.write(1, {"loss": 1.5})
+    writer.close()
+    path = epath.Path("gs://bucket/run/metrics.jsonl")
+    path.write_text(path.read_text() + '{"step": 2, "spl')  # a writer died mid-upload
+    writer = MetricWriter("gs://bucket/run")
+    writer.write(2, {"loss": 1.25})
+    records = [json.loads(line) for line in path.read_text().splitlines()]
+  assert [(r["step"], r["loss"]) for r in records] == [(1, 1.5), (2, 1.25)]

@@ -200,9 +200,13 @@ def train_on_batch(t: rl_step.RLTrainer, state: TrainState, batch, minibatches: 
   binds. Returns `(state, metrics)`: float means over the updates, except `loss_tokens` (the
   sum) and `logp_mismatch_max` (the max).
   """
-  put = lambda b: {k: jax.device_put(v, t.batch_sharding) for k, v in b.items()}
+  # Every process holds the whole host batch; each device takes its rows (several processes
+  # included: a trainer launched as one JAX process per host).
+  put = lambda b: {k: jax.make_array_from_callback(v.shape, t.batch_sharding,
+                                                   lambda index, v=v: v[index])
+                   for k, v in b.items()}
   if minibatches > 1:
-    old_logp = np.asarray(jax.device_get(t.policy_logp(state.params, put(batch))))
+    old_logp = integrity.to_host(t.policy_logp(state.params, put(batch)))
     batch = {**batch, "old_logp": (old_logp * batch["loss_mask"]).astype(np.float32)}
   per_update = []
   for m in range(minibatches):
@@ -312,4 +316,5 @@ def init_or_restore(config, manager, t: rl_step.RLTrainer, shapes, params=None) 
     logging.warning("rl.init_from is empty: RL starts from freshly initialized params (seed %d)",
                     config.seed)
     params = init_params(config.model, jax.random.key(config.seed))
-  return t.init_state(params)
+  # Placed first: the params come from one process's devices (a fresh init, or restored).
+  return t.init_state(jax.device_put(params, t.state_sharding.params))

@@ -30,10 +30,13 @@ Held-out evaluation (greedy and sampled, `loop.evaluate`) runs in the trainer ev
 When v reaches `rl.steps` the trainer writes `control/done` and the workers exit.
 """
 
+import json
 import os
 import time
 
 from absl import logging
+import jax
+from jax.experimental import multihost_utils
 import numpy as np
 import orbax.checkpoint as ocp
 
@@ -110,8 +113,73 @@ def run_async_trainer(config, root, workers, *, stop_after_steps: int | None = N
     return _run(config, RunDirs.at(root), list(workers), stop_after_steps, params)
 
 
+def agree(plan):
+  """Process 0's `plan` (JSON-able) on every process; with one process, `plan` itself. A
+  collective: every process calls it (the others pass None)."""
+  if jax.process_count() == 1:
+    return plan
+  primary = jax.process_index() == 0
+  data = np.frombuffer(json.dumps(plan).encode(), np.uint8) if primary else None
+  size = int(multihost_utils.broadcast_one_to_all(np.int32(len(data) if primary else 0)))
+  data = multihost_utils.broadcast_one_to_all(data if primary else np.zeros(size, np.uint8))
+  return json.loads(np.asarray(data).tobytes().decode())
+
+
+class _Intake:
+  """Process 0's side of each iteration: orders, reading and judging the rollout files. Its
+  `plan` names what every process then applies (`agree`): files quarantined (unreadable),
+  rejected (too stale: their gaps) and taken for the next step (their gaps; empty until
+  `rl.prompts_per_step` admissible groups are there)."""
+
+  def __init__(self, config, dirs, orch, ledger):
+    self.rl, self.dirs, self.orch, self.ledger = config.rl, dirs, orch, ledger
+    self.read = {}  # rollout file name -> TrajectoryBatch, read and not yet trained or rejected
+
+  def plan(self, version: int, published: int) -> dict:
+    rl, orch = self.rl, self.orch
+    orch.settle(orders_lib.answered(self.dirs.root))
+    # New orders wait for the marker of the version they are meant for: issued earlier, a
+    # worker would still generate them with the one before.
+    orch.issue(published)
+    quarantined = {}
+    for name in trajectories.pending(self.dirs.rollouts, self.ledger):
+      if name not in self.read:
+        try:
+          self.read[name] = trajectories.read_batch(self.dirs.rollouts / name)
+        except trajectories.CorruptTrajectoryError as e:
+          trajectories.quarantine(self.dirs.rollouts, name, self.ledger, e)
+          quarantined[name] = str(e)
+          orch.requeue(name, version)
+    take, reject = [], []
+    for name in sorted(self.read):
+      if len(take) == rl.prompts_per_step:
+        break
+      gaps = [staleness.version_gap(r.versions, r.loss_mask, version)
+              for r in self.read[name].records]
+      if max(gaps, default=0) > rl.max_staleness:
+        reject.append([name, gaps])
+        del self.read[name]
+        again = orch.requeue(name, version)
+        logging.info("rollout %s is %d versions old (rl.max_staleness=%d): not trained on; task "
+                     "re-queued as %s", name, max(gaps), rl.max_staleness,
+                     again.name if again else "(already re-queued)")
+        continue
+      take.append([name, gaps])
+    if len(take) < rl.prompts_per_step:
+      take = []
+    return {"quarantined": quarantined, "reject": reject, "take": take}
+
+  def batch(self, name: str) -> trajectories.TrajectoryBatch:
+    return self.read.pop(name)
+
+
 def _run(config, dirs: RunDirs, workers, stop_after_steps, initial_params):
   rl = config.rl
+  primary = jax.process_index() == 0
+  require(jax.process_count() == 1 or not rl.eval_every_steps, "rl.eval_every_steps",
+          f"must be 0 with a trainer of {jax.process_count()} processes: held-out evaluation "
+          "runs the inference engine, which is single-process (evaluate the published "
+          "versions from one process instead)")
   tokenizer, env, shapes, t = loop.build_rl_run(config, asynchronous=True)
   manager = ckpt.make_manager(str(dirs.root), every_steps=1, keep=config.ckpt.keep,
                               async_save=False)
@@ -132,84 +200,76 @@ def _run(config, dirs: RunDirs, workers, stop_after_steps, initial_params):
     stats = {"idle_seconds": 0.0, "busy_seconds": 0.0, "eval_seconds": 0.0, "starts": 0,
              **(read_json(dirs.trainer_stats) or {})}
     stats.update(pid=os.getpid(), version=version, starts=stats["starts"] + 1)
-    write_json(dirs.trainer_stats, stats)
-    publisher = PolicyPublisher(dirs.policy, keep=rl.policy_keep)
-    if version not in publisher.published_versions():
+    if primary:
+      write_json(dirs.trainer_stats, stats)
+    # Several processes publish synchronously: the marker is then written (by process 0) before
+    # publish returns on every process, with no pending save to agree on.
+    single = jax.process_count() == 1
+    publisher = PolicyPublisher(dirs.policy, keep=rl.policy_keep, async_save=single)
+    if agree(version not in publisher.published_versions() if primary else None):
       publisher.publish(version, state.params, block=True, extra={"step": version})
       logging.info("published policy version %d", version)
     orch = Orchestrator(dirs.root, workers, groups_per_step=rl.prompts_per_step,
                         max_staleness=rl.max_staleness, total_steps=rl.steps,
-                        group_size=rl.group_size, rejected=len(rejected) + len(ledger.quarantined))
+                        group_size=rl.group_size,
+                        rejected=len(rejected) + len(ledger.quarantined)) if primary else None
+    intake = _Intake(config, dirs, orch, ledger) if primary else None
     published = version  # the newest version whose marker is written
-    orch.issue(published)
     evals = {}
     with activation_sharding(t.mesh, config.mesh.logical_axis_rules):
+      if primary:
+        orch.issue(published)
       if version == 0 and rl.eval_every_steps:
         evals[0] = _timed_eval(config, state.params, env, tokenizer, writer, 0, stats)
-      read = {}  # rollout file name -> TrajectoryBatch, read and not yet trained or rejected
       wait_start = time.time()
       while version < rl.steps:
-        published = publisher.poll() or published
-        orch.settle(orders_lib.answered(dirs.root))
-        # New orders wait for the marker of the version they are meant for: issued earlier, a
-        # worker would still generate them with the one before.
-        orch.issue(published)
-        for name in trajectories.pending(dirs.rollouts, ledger):
-          if name not in read:
-            try:
-              read[name] = trajectories.read_batch(dirs.rollouts / name)
-            except trajectories.CorruptTrajectoryError as e:
-              trajectories.quarantine(dirs.rollouts, name, ledger, e)
-              orch.requeue(name, version)
-        taken = []
-        for name in sorted(read):
-          if len(taken) == rl.prompts_per_step:
-            break
-          batch = read[name]
-          gaps = [staleness.version_gap(r.versions, r.loss_mask, version) for r in batch.records]
-          if max(gaps, default=0) > rl.max_staleness:
-            for gap in gaps:
-              admission.admit(gap)
-            ledger.mark_consumed(name)
-            rejected.append(name)
-            del read[name]
-            again = orch.requeue(name, version)
-            logging.info("rollout %s is %d versions old (rl.max_staleness=%d): not trained on; "
-                         "task re-queued as %s", name, max(gaps), rl.max_staleness,
-                         again.name if again else "(already re-queued)")
-            continue
-          taken.append((name, gaps))
-        if len(taken) < rl.prompts_per_step:
+        if primary and single:
+          published = publisher.poll() or published
+        plan = agree(intake.plan(version, published) if primary else None)
+        for name, error in plan["quarantined"].items():
+          ledger.quarantined.setdefault(name, error)
+        for name, gaps in plan["reject"]:
+          for gap in gaps:
+            admission.admit(gap)
+          ledger.mark_consumed(name)
+          rejected.append(name)
+        if not plan["take"]:
           time.sleep(rl.poll_seconds)
           continue
         waited = time.time() - wait_start
         stats["idle_seconds"] += waited
         t0 = time.time()
         samples, step_gaps = [], []
-        for group, (name, gaps) in enumerate(taken):
+        for group, (name, gaps) in enumerate(plan["take"]):
           for gap in gaps:
             admission.admit(gap)
           step_gaps += gaps
-          samples += _to_samples(read.pop(name), env, group)
+          batch = intake.batch(name) if primary else \
+              trajectories.read_batch(dirs.rollouts / name)
+          samples += _to_samples(batch, env, group)
         batch = loop.score(config, samples)
         state, metrics = loop.train_on_batch(t, state, batch, rl.minibatches)
         if not np.isfinite(metrics["loss"]):
           raise FloatingPointError(f"RL step {version + 1}: non-finite loss {metrics['loss']}")
         version += 1
-        ledger.mark_consumed([name for name, _ in taken])
+        ledger.mark_consumed([name for name, _ in plan["take"]])
         loop.save(manager, state, config, extra={
             "ledger": ledger.to_json(), "admission": admission.to_json(), "rejected": rejected})
         manager.wait_until_finished()
-        publisher.publish(version, state.params, extra={"step": version})
+        publisher.publish(version, state.params, block=not single, extra={"step": version})
+        if not single:
+          published = version
         stats["busy_seconds"] += time.time() - t0
         stats["version"] = version
-        write_json(dirs.trainer_stats, stats)
+        if primary:
+          write_json(dirs.trainer_stats, stats)
         last = {**rollout.rollout_metrics(samples), **metrics, "generate_seconds": waited,
                 "train_seconds": time.time() - t0, "version_gap_mean": float(np.mean(step_gaps)),
-                "orders_running": orch.running, "rejected_total": orch.rejected,
                 **admission.metrics()}
-        logging.info(loop.progress_line(version, rl.steps, last).replace("gen ", "wait ")
-                     + f" | gap {last['version_gap_mean']:.2f} running {orch.running}")
+        if primary:
+          last.update(orders_running=orch.running, rejected_total=orch.rejected)
+          logging.info(loop.progress_line(version, rl.steps, last).replace("gen ", "wait ")
+                       + f" | gap {last['version_gap_mean']:.2f} running {orch.running}")
         writer.write(version, last)
         if rl.eval_every_steps and (version % rl.eval_every_steps == 0 or version == rl.steps):
           evals[version] = _timed_eval(config, state.params, env, tokenizer, writer, version,
@@ -218,7 +278,7 @@ def _run(config, dirs: RunDirs, workers, stop_after_steps, initial_params):
         if stop_after_steps is not None and version - start_version >= stop_after_steps:
           break
     publisher.wait()
-    if version >= rl.steps:
+    if version >= rl.steps and primary:
       write_json(dirs.done, {"version": version})
   finally:
     if publisher is not None:
@@ -232,8 +292,9 @@ def _run(config, dirs: RunDirs, workers, stop_after_steps, initial_params):
           "first_sampled_eval": first.get("sampled_accuracy"),
           "last_sampled_eval": last_eval.get("sampled_accuracy"),
           "staleness": admission.to_json(), "rejected": len(rejected),
-          "requeued": len(orch.requeued), "quarantined": len(ledger.quarantined),
-          "versions_published": version + 1, "orders": len(orch.orders),
+          "requeued": len(orch.requeued) if primary else None,
+          "quarantined": len(ledger.quarantined), "versions_published": version + 1,
+          "orders": len(orch.orders) if primary else None,
           "idle_fraction": idle / max(idle + busy, 1e-9), "metrics_file": writer.path}
 
 

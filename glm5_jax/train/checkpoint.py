@@ -52,8 +52,11 @@ class CheckpointCorruptError(CheckpointMismatchError):
 
 
 def make_manager(workdir: str, *, every_steps: int, keep: int, async_save: bool = True):
+  # A remote workdir (gs://...) is orbax's to resolve; abspath would turn it into a local path.
+  directory = (f"{workdir.rstrip('/')}/checkpoints" if "://" in workdir
+               else os.path.join(os.path.abspath(workdir), "checkpoints"))
   return ocp.CheckpointManager(
-      os.path.join(os.path.abspath(workdir), "checkpoints"),
+      directory,
       options=ocp.CheckpointManagerOptions(max_to_keep=keep, save_interval_steps=every_steps,
                                            enable_async_checkpointing=async_save,
                                            create=True),

@@ -43,7 +43,9 @@ def _all_checksums(leaves):
   return jnp.stack([_checksums(x) for x in leaves]) if leaves else jnp.zeros((0, 2), jnp.uint32)
 
 
-def _host(x: jax.Array) -> np.ndarray:
+def to_host(x: jax.Array) -> np.ndarray:
+  """The whole of global array `x` on this host (a collective when other processes hold parts
+  of it: every process calls it)."""
   if x.is_fully_addressable or x.is_fully_replicated:
     return np.asarray(x)
   return np.asarray(multihost_utils.process_allgather(x, tiled=True))
@@ -52,7 +54,7 @@ def _host(x: jax.Array) -> np.ndarray:
 def tree_fingerprint(tree) -> dict[str, list[int]]:
   """`{keystr(path): [sum, weighted]}` for every array leaf of `tree` (global arrays)."""
   paths_leaves = jax.tree_util.tree_flatten_with_path(tree)[0]
-  sums = _host(_all_checksums([leaf for _, leaf in paths_leaves]))
+  sums = to_host(_all_checksums([leaf for _, leaf in paths_leaves]))
   return {jax.tree_util.keystr(path): [int(a), int(b)]
           for (path, _), (a, b) in zip(paths_leaves, sums)}
 

@@ -15,6 +15,7 @@ import os
 import time
 
 from absl import logging
+from etils import epath
 import jax
 import numpy as np
 
@@ -56,25 +57,46 @@ def peak_flops_per_device() -> float | None:
 
 class MetricWriter:
   """Appends one JSON object per record to `<workdir>/metrics.jsonl` and mirrors scalars to
-  TensorBoard under `<workdir>/tensorboard` (process 0 only)."""
+  TensorBoard under `<workdir>/tensorboard` (process 0 only).
+
+  A remote workdir (`gs://...`, through etils) cannot be appended to: the whole file is
+  uploaded again after each record (it holds one line per step: small), and the TensorBoard
+  mirror is off (a warning says so)."""
 
   def __init__(self, workdir: str):
     self.enabled = jax.process_index() == 0
-    self.path = os.path.join(workdir, "metrics.jsonl")
+    self.remote = "://" in workdir
+    self.path = f"{workdir.rstrip('/')}/metrics.jsonl" if self.remote else \
+        os.path.join(workdir, "metrics.jsonl")
     self._tb = None
-    if self.enabled:
-      os.makedirs(workdir, exist_ok=True)
-      _cut_torn_last_line(self.path)
-      from tensorboardX import SummaryWriter  # imported here: only process 0 writes
-      self._tb = SummaryWriter(os.path.join(workdir, "tensorboard"))
+    self._text = ""
+    if not self.enabled:
+      return
+    if self.remote:
+      path = epath.Path(self.path)
+      path.parent.mkdir(parents=True, exist_ok=True)
+      self._text = path.read_text() if path.exists() else ""
+      self._text = self._text[:self._text.rfind("\n") + 1]  # a torn last line, if any
+      logging.warning("%s is remote: no TensorBoard mirror; metrics go to metrics.jsonl only",
+                      workdir)
+      return
+    os.makedirs(workdir, exist_ok=True)
+    _cut_torn_last_line(self.path)
+    from tensorboardX import SummaryWriter  # imported here: only process 0 writes
+    self._tb = SummaryWriter(os.path.join(workdir, "tensorboard"))
 
   def write(self, step: int, metrics: dict, prefix: str = "train"):
     if not self.enabled:
       return
     record = {"step": step, "split": prefix, "time": time.time(),
               **{k: _plain(v) for k, v in metrics.items()}}
+    line = json.dumps(record) + "\n"
+    if self.remote:
+      self._text += line
+      epath.Path(self.path).write_text(self._text)
+      return
     with open(self.path, "a") as f:
-      f.write(json.dumps(record) + "\n")
+      f.write(line)
     for name, value in record.items():
       if name not in ("step", "split", "time") and isinstance(value, (int, float)):
         self._tb.add_scalar(f"{prefix}/{name}", value, step)
