@@ -7,7 +7,6 @@ each rollout file answers one order, and each file is trained on (or rejected) e
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
 import threading
@@ -22,6 +21,7 @@ from glm5_jax.config import ModelConfig
 from glm5_jax.rl import async_trainer, orders, trajectories, worker
 from glm5_jax.rl.layout import RunDirs, read_json
 from glm5_jax.rl.orchestrator import Orchestrator
+from test_multihost import _free_port, _run_together  # pylint: disable=import-error
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -280,12 +280,6 @@ def test_a_worker_launched_as_several_processes_is_refused(tmp_path):
       "a single-host slice, its mesh over that host's devices)")
 
 
-def _free_port() -> int:
-  with socket.socket() as s:
-    s.bind(("localhost", 0))
-    return s.getsockname()[1]
-
-
 @pytest.mark.slow
 def test_trainer_of_two_processes_and_a_worker(tmp_path):
   """The trainer as two JAX processes (one CPU device each, a 2-device mesh): process 0 plans,
@@ -295,27 +289,12 @@ def test_trainer_of_two_processes_and_a_worker(tmp_path):
   command = [c.replace("--rollout_workers=2", "--rollout_workers=1") for c in command]
   # No compilation cache for the trainer's processes (tests/test_multihost.py's _env says why).
   base = {k: v for k, v in _env().items() if not k.startswith("JAX_") or k == "JAX_PLATFORMS"}
-  roles = [(["--role=trainer"], dict(base, JAX_COORDINATOR_ADDRESS=f"localhost:{port}",
-                                      JAX_NUM_PROCESSES="2", JAX_PROCESS_ID=str(i)))
-           for i in range(2)] + [(["--role=worker", "--worker=w0"], _env())]
-  logs = [tmp_path / f"process{i}.log" for i in range(len(roles))]
-  procs = []
-  for (flags, env), log in zip(roles, logs):
-    with open(log, "w") as f:  # files, not pipes: a full pipe would block a process
-      procs.append(subprocess.Popen(command + flags, cwd=REPO, env=env, stdout=f,
-                                    stderr=subprocess.STDOUT))
-  deadline = time.time() + 900
-  try:  # the worker exits on control/done; a failed process stops the others
-    while any(p.poll() is None for p in procs) and time.time() < deadline:
-      if any(p.returncode not in (None, 0) for p in procs):
-        break
-      time.sleep(0.5)
-  finally:
-    for p in procs:
-      if p.poll() is None:
-        p.kill()
-  for i, p in enumerate(procs):
-    assert p.returncode == 0, f"process {i}: " + logs[i].read_text()[-3000:]
+  commands = [(command + ["--role=trainer"],
+               dict(base, JAX_COORDINATOR_ADDRESS=f"localhost:{port}", JAX_NUM_PROCESSES="2",
+                    JAX_PROCESS_ID=str(i))) for i in range(2)]
+  # The worker exits on control/done; a failed process stops the others.
+  _run_together(commands + [(command + ["--role=worker", "--worker=w0"], _env())], tmp_path,
+                "async_two_process_trainer")
   root = str(tmp_path / "rl")
   assert read_json(RunDirs.at(root).root / "summary.json")["steps"] == steps
   _check_exactly_once(root, _config_of(steps))
