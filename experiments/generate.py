@@ -112,7 +112,7 @@ def _stop_tokens(tokenizer) -> tuple:
 
 def _text(tokenizer, ids) -> str:
   """`ids` decoded; ids the model can emit but the tokenizer lacks (a model vocab padded past
-  the tokenizer's, as the tiny model's 384 over the byte tokenizer's 272) show as
+  the tokenizer's, as the tiny model's 384 over the byte tokenizer's 276) show as
   `<|unk:ID|>` rather than failing the decode or vanishing."""
   parts, run = [], []
   for i in ids:

@@ -149,7 +149,7 @@ def test_cli_generates_from_a_trained_run(tmp_path):
   assert records[0]["prompt_tokens"] == [TOK.bos_id] + TOK.encode("def f(")
   for r in records:
     assert len(r["tokens"]) == len(r["logprobs"]) == len(r["raw_logprobs"]) == 5
-    # Ids past the byte tokenizer's 272 (the model's vocab is 384) show as <|unk:ID|>.
+    # Ids past the byte tokenizer's 276 (the model's vocab is 384) show as <|unk:ID|>.
     pieces = re.split(r"<\|unk:(\d+)\|>", r["text"])
     unknown = [int(i) for i in pieces[1::2]]
     assert unknown == [t for t in r["tokens"] if t >= TOK.vocab_size], r
