@@ -334,11 +334,14 @@ def test_chat_jsonl_overlong_and_errors(tmp_path, caplog):
   bad = {"not json": "b.jsonl:3: not a JSON object with a field 'messages'",
          json.dumps({"msgs": short}): "b.jsonl:3: not a JSON object with a field 'messages'",
          json.dumps({"messages": short[:1] + [asst("a")]}):
-             r"b.jsonl:3: messages\[1\].thinking: interleaved mode thinks"}
+             r"b.jsonl:3: messages\[1\].thinking: interleaved mode thinks",
+         json.dumps({"messages": short[:1]}): "b.jsonl:3: messages: no assistant message",
+         json.dumps({"messages": short + short[:1]}):
+             "b.jsonl:3: messages: no assistant turn is trained in interleaved mode"}
   for line, match in bad.items():
     (tmp_path / "b.jsonl").write_text(f"{json.dumps({'messages': short})}\n\n{line}\n")
-    with pytest.raises(ValueError, match=match):
-      take(data.make_train_iterator(chat_config(str(tmp_path / "b.jsonl"))), 2)
+    with pytest.raises(ValueError, match=match):  # found up front, before any batch
+      data.make_train_iterator(chat_config(str(tmp_path / "b.jsonl")))
   # The messages field is an option, and so is the thinking mode.
   (tmp_path / "c.jsonl").write_text(json.dumps({"conv": short[:1] + [asst("a")]}) + "\n")
   cfg = chat_config(str(tmp_path / "c.jsonl"), messages_field="conv", thinking_mode="turn_level")

@@ -418,6 +418,35 @@ def test_jsonl_and_array_record_sources(tmp_path):
   assert TOK.decode(next(segments(batches[0]))[1]).endswith(("line", "record"))
 
 
+def test_bad_files_are_named(tmp_path):
+  """A malformed jsonl line (file:line), a binary file among text files, a file that is not an
+  ArrayRecord, a token record of the wrong size: each error names the source and the file."""
+  def build(kind, glob, **options):
+    source = data.source_config(kind, glob=str(tmp_path / glob), holdout_fraction=0.0, **options)
+    return data.make_train_iterator(data.data_config(seq_len=64, batch_size=2, prefetch=0,
+                                                     sources=dict(bad=source)))
+
+  (tmp_path / "a.jsonl").write_text('{"text": "fine"}\n\n{"text": 3}\n{"txt": "x"}\n')
+  with pytest.raises(ValueError, match=r"source 'bad': .*a.jsonl:3: field 'text' is int"):
+    next(build("jsonl", "a.jsonl"))
+  (tmp_path / "t").mkdir()
+  (tmp_path / "t" / "ok.txt").write_text("text " * 20)
+  (tmp_path / "t" / "img.txt").write_bytes(bytes(range(256)) * 4)
+  with pytest.raises(ValueError, match=r"source 'bad' \(text_files\): .*img.txt: not a UTF-8 "
+                     "text file"):
+    build("text_files", "t/*.txt")  # refused when opened, before any batch
+  (tmp_path / "x.array_record").write_text("not an array record")
+  with pytest.raises(ValueError, match=r"source 'bad' \(array_record\): .*x.array_record: not "
+                     "a readable ArrayRecord file"):
+    build("array_record", "x.array_record")
+  from array_record.python import array_record_module  # pylint: disable=g-import-not-at-top
+  writer = array_record_module.ArrayRecordWriter(str(tmp_path / "ids.array_record"), "")
+  writer.write(b"\1\0\0")
+  writer.close()
+  with pytest.raises(ValueError, match="record 0 has 3 bytes, not a multiple of 4"):
+    next(build("array_record", "ids.array_record", format="tokens"))
+
+
 def test_config_errors(tmp_path):
   def build(**source):
     cfg = data.data_config(sources=dict(bad=source))

@@ -260,6 +260,26 @@ def _join(pieces) -> Rendered:
   return Rendered(ids, mask)
 
 
+def check_trainable(messages, *, thinking_mode: str = "interleaved") -> None:
+  """ValueError unless `messages` is a valid conversation (`render`'s checks) with a trained
+  assistant turn: SFT data with nothing to train is a mistake (no assistant message, or only
+  turns whose thinking the context drops, e.g. a conversation that ends with a user message)."""
+  _check(messages, thinking_mode)
+  if not messages:
+    raise ValueError("messages: empty conversation")
+  last_user = max((i for i, m in enumerate(messages) if m["role"] == "user"), default=-1)
+  turns = [i for i, m in enumerate(messages) if m["role"] == "assistant"]
+  if not turns:
+    raise ValueError("messages: no assistant message, so nothing to train (SFT trains the "
+                     "assistant's turns)")
+  if not any(not messages[i].get("thinking") or thinking_mode == "preserved" or i > last_user
+             for i in turns):
+    raise ValueError(f"messages: no assistant turn is trained in {thinking_mode} mode (each "
+                     "one's thinking is dropped from the context: none follows the last user "
+                     "message); end the conversation with an assistant turn, or use "
+                     "thinking_mode='preserved'")
+
+
 def render(messages, tokenizer, *, thinking_mode: str = "interleaved") -> Rendered:
   """The whole conversation as `Rendered(ids int32 [n], loss_mask float32 [n])` (layout, mask
   and modes in the module docstring). ValueError naming the message index and field on bad
