@@ -135,6 +135,9 @@ def main(argv):
     raise app.UsageError(f"unexpected arguments {argv[1:]}")
   console.quiet_library_info()
   try:
+    output_dir = os.path.dirname(os.path.abspath(_OUTPUT.value or "."))
+    if _OUTPUT.value and not os.path.isdir(output_dir):  # found before any generating
+      raise FileNotFoundError(f"--output={_OUTPUT.value}: no directory {output_dir}")
     if _RANDOM_INIT.value and _CONFIG.value is None:
       raise ValueError("--random_init needs --config (e.g. --config=configs/tiny.py): the model "
                        "to initialize")
@@ -147,6 +150,9 @@ def main(argv):
                         tokenizer=_TOKENIZER.value, seed=_SEED.value)
     prompts = _prompts(served)
     _generate_and_print(served, prompts)
+  except (ValueError, FileNotFoundError) as e:  # the user's input: its message, no traceback
+    sys.stderr.write("\n".join(console.failure_lines(e, "generation")) + "\n")
+    sys.exit(console.EXIT_FAILED)
   except Exception as e:  # pylint: disable=broad-except
     console.exit_on_failure(e, "generation")
 

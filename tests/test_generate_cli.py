@@ -163,7 +163,10 @@ def test_cli_generates_from_a_trained_run(tmp_path):
                          ((f"--workdir={tmp_path}",), "no checkpoint under"),
                          ((f"--workdir={workdir}",), "no prompts: give --prompt"),
                          ((f"--workdir={workdir}", f"--prompts_file={bad}"),
-                          "bad.jsonl:2: the prompt must be a non-empty string")]:
+                          "bad.jsonl:2: the prompt must be a non-empty string"),
+                         ((f"--workdir={workdir}", "--prompt=x", f"--output={tmp_path}/no/o.jsonl"),
+                          f"--output={tmp_path}/no/o.jsonl: no directory {tmp_path}/no")]:
     proc = _cli(*flags, "--warmup=False")
     assert proc.returncode == 1, (flags, proc.stdout[-2000:])
     assert message in proc.stderr.strip().splitlines()[-1], (flags, proc.stderr[-2000:])
+    assert "Traceback" not in proc.stderr and "== [" not in proc.stdout, flags
