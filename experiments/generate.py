@@ -39,6 +39,7 @@ import jax
 import numpy as np
 from ml_collections import config_flags
 
+from configs import overrides
 from glm5_jax import infer
 from glm5_jax.config import model_config
 from glm5_jax.infer.loading import load_model
@@ -50,10 +51,10 @@ _WORKDIR = flags.DEFINE_string("workdir", None, "Training run workdir: serve its
 _HF_PATH = flags.DEFINE_string("hf_path", None, "HF GLM-5 checkpoint directory to serve.")
 _RANDOM_INIT = flags.DEFINE_bool("random_init", False, "Serve --config's model with random "
                                  "params (smoke tests of the serving path only).")
-_CONFIG = config_flags.DEFINE_config_file(
+_CONFIG = overrides.define_config_file(
     "config", None, "Run config for --random_init (its model and data.tokenizer), e.g. "
     "configs/tiny.py.", lock_config=False)
-_MODEL = config_flags.DEFINE_config_dict(
+_MODEL = overrides.define_config_dict(
     "model", model_config(), "Served-model fields to change, e.g. --model.dsa_impl=pallas; only "
     "fields given here apply.")
 _TOKENIZER = flags.DEFINE_string("tokenizer", None, "'byte' or a tokenizer.json path instead of "
@@ -217,4 +218,4 @@ def _generate_and_print(served, prompts):
 
 
 if __name__ == "__main__":
-  app.run(main)
+  app.run(main, flags_parser=overrides.parse_flags)
