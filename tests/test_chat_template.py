@@ -1,9 +1,12 @@
 """`glm5_jax.data.chat` against GLM-5's official chat template, token for token.
 
 The fixture tests/fixtures/glm47_chat_template.jinja is the `chat_template.jinja` of
-https://huggingface.co/zai-org/GLM-4.7/blob/main/chat_template.jinja (revision ed30813), the
-template family GLM-5 ships (`[gMASK]<sop>`, no newlines, a lone `</think>` for a turn without
-thinking, `clear_thinking` / `enable_thinking`). It is rendered here by transformers'
+https://huggingface.co/zai-org/GLM-4.7/blob/main/chat_template.jinja (revision ed30813, as
+mirrored in public copies), the template family GLM-5 ships (`[gMASK]<sop>`, no newlines, a lone
+`</think>` for a turn without thinking, `clear_thinking` / `enable_thinking`). GLM-5's own file
+(https://huggingface.co/zai-org/GLM-5/blob/main/chat_template.jinja) was not reachable verbatim;
+PrimeIntellect-ai/renderers' `renderers/glm5.py`, tested against `apply_chat_template` of
+zai-org/GLM-5, renders what this template renders. It is rendered here by transformers'
 `apply_chat_template` (its jinja2 environment: trim_blocks, lstrip_blocks, `tojson`), the
 rendered string is tokenized with specials parsed, and the ids must equal `chat.render` (without
 its final eos) and `chat.render_prompt`.

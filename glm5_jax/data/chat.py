@@ -1,7 +1,8 @@
 """GLM-5's chat format: conversations -> token ids + loss mask, prompts, and responses back.
 
-The layout is GLM-5's `chat_template.jinja` (the GLM-4.7 family; tests/test_chat.py renders the
-official template, stored in tests/fixtures/, with transformers and compares token for token):
+The layout is GLM-5's `chat_template.jinja` (the GLM-4.7 family; tests/test_chat_template.py
+renders the official template, stored in tests/fixtures/, with transformers and compares token
+for token in every mode):
 
   [gMASK]<sop>
   <|system|>{content}                                       system message
