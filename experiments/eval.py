@@ -28,19 +28,21 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from absl import app, flags, logging
 from ml_collections import config_flags
 
+from configs import overrides
 from glm5_jax.config import model_config
 from glm5_jax.data import make_tokenizer
 from glm5_jax.eval.evaluate import evaluate_run
 from glm5_jax.eval.report import write_suite_results
 from glm5_jax.eval.suite import suite_config
+from glm5_jax.train import console
 
 _WORKDIR = flags.DEFINE_string("workdir", None, "Training run workdir (its checkpoints/).",
                                required=True)
-_CONFIG = config_flags.DEFINE_config_file(
+_CONFIG = overrides.define_config_file(
     "config", None, "Optional run config; its model section is the model evaluated.",
     lock_config=False)
-_SUITE = config_flags.DEFINE_config_dict("suite", suite_config(), "Retrieval suite settings.")
-_MODEL = config_flags.DEFINE_config_dict(
+_SUITE = overrides.define_config_dict("suite", suite_config(), "Retrieval suite settings.")
+_MODEL = overrides.define_config_dict(
     "model", model_config(), "Model fields to change, e.g. --model.attention_pattern=SMSM "
     "--model.sliding_window=64 (training-free conversion); only fields given here apply.")
 _SEED = flags.DEFINE_integer("seed", 0, "Init seed of parts a conversion adds.")
@@ -51,12 +53,16 @@ _NAME = flags.DEFINE_string("name", "", "Output file stem (default eval_<pattern
 def main(argv):
   del argv
   config = _CONFIG.value
-  overrides = config_flags.get_override_values(flags.FLAGS["model"])
-  results = evaluate_run(
-      _WORKDIR.value, _SUITE.value, target_model=config.model if config else None,
-      model_overrides=overrides, seed=_SEED.value,
-      train_length=config.data.seq_len if config else None,
-      tokenizer=make_tokenizer(config.data.tokenizer) if config else None)
+  model_overrides = config_flags.get_override_values(flags.FLAGS["model"])
+  try:
+    results = evaluate_run(
+        _WORKDIR.value, _SUITE.value, target_model=config.model if config else None,
+        model_overrides=model_overrides, seed=_SEED.value,
+        train_length=config.data.seq_len if config else None,
+        tokenizer=make_tokenizer(config.data.tokenizer) if config else None)
+  except (ValueError, FileNotFoundError) as e:  # the user's input: its message, no traceback
+    sys.stderr.write("\n".join(console.failure_lines(e, "evaluation")) + "\n")
+    sys.exit(console.EXIT_FAILED)
   name = _NAME.value or f"eval_{results['meta']['attention_pattern']}"
   out_dir = _OUT_DIR.value or f"{_WORKDIR.value}/eval"
   json_path, md_path = write_suite_results(results, out_dir, name)
@@ -67,4 +73,4 @@ def main(argv):
 
 
 if __name__ == "__main__":
-  app.run(main)
+  app.run(main, flags_parser=overrides.parse_flags)

@@ -23,15 +23,15 @@ from absl import app, flags
 import jax
 import jax.numpy as jnp
 import numpy as np
-from ml_collections import config_flags
 
 import glm5_jax
+from configs import overrides
 from glm5_jax.config import ModelConfig
 from glm5_jax.config_validation import validate_config
 from glm5_jax.layer_runs import layer_indices, unrolled_name
 from glm5_jax.train import losses
 
-_CONFIG = config_flags.DEFINE_config_file("config", "configs/tiny.py", "Experiment config.")
+_CONFIG = overrides.define_config_file("config", "configs/tiny.py", "Experiment config.")
 _BATCH = flags.DEFINE_integer("batch", 2, "Batch size.")
 _SEQ = flags.DEFINE_integer("seq", 64, "Sequence length.")
 
@@ -81,4 +81,4 @@ def main(argv):
         print(f"  layer {layer}: " + "; ".join(parts))
 
 if __name__ == "__main__":
-  app.run(main)
+  app.run(main, flags_parser=overrides.parse_flags)

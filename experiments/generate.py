@@ -39,6 +39,7 @@ import jax
 import numpy as np
 from ml_collections import config_flags
 
+from configs import overrides
 from glm5_jax import infer
 from glm5_jax.config import model_config
 from glm5_jax.infer.loading import load_model
@@ -50,10 +51,10 @@ _WORKDIR = flags.DEFINE_string("workdir", None, "Training run workdir: serve its
 _HF_PATH = flags.DEFINE_string("hf_path", None, "HF GLM-5 checkpoint directory to serve.")
 _RANDOM_INIT = flags.DEFINE_bool("random_init", False, "Serve --config's model with random "
                                  "params (smoke tests of the serving path only).")
-_CONFIG = config_flags.DEFINE_config_file(
+_CONFIG = overrides.define_config_file(
     "config", None, "Run config for --random_init (its model and data.tokenizer), e.g. "
     "configs/tiny.py.", lock_config=False)
-_MODEL = config_flags.DEFINE_config_dict(
+_MODEL = overrides.define_config_dict(
     "model", model_config(), "Served-model fields to change, e.g. --model.dsa_impl=pallas; only "
     "fields given here apply.")
 _TOKENIZER = flags.DEFINE_string("tokenizer", None, "'byte' or a tokenizer.json path instead of "
@@ -112,7 +113,7 @@ def _stop_tokens(tokenizer) -> tuple:
 
 def _text(tokenizer, ids) -> str:
   """`ids` decoded; ids the model can emit but the tokenizer lacks (a model vocab padded past
-  the tokenizer's, as the tiny model's 384 over the byte tokenizer's 272) show as
+  the tokenizer's, as the tiny model's 384 over the byte tokenizer's 276) show as
   `<|unk:ID|>` rather than failing the decode or vanishing."""
   parts, run = [], []
   for i in ids:
@@ -135,6 +136,9 @@ def main(argv):
     raise app.UsageError(f"unexpected arguments {argv[1:]}")
   console.quiet_library_info()
   try:
+    output_dir = os.path.dirname(os.path.abspath(_OUTPUT.value or "."))
+    if _OUTPUT.value and not os.path.isdir(output_dir):  # found before any generating
+      raise FileNotFoundError(f"--output={_OUTPUT.value}: no directory {output_dir}")
     if _RANDOM_INIT.value and _CONFIG.value is None:
       raise ValueError("--random_init needs --config (e.g. --config=configs/tiny.py): the model "
                        "to initialize")
@@ -147,6 +151,9 @@ def main(argv):
                         tokenizer=_TOKENIZER.value, seed=_SEED.value)
     prompts = _prompts(served)
     _generate_and_print(served, prompts)
+  except (ValueError, FileNotFoundError) as e:  # the user's input: its message, no traceback
+    sys.stderr.write("\n".join(console.failure_lines(e, "generation")) + "\n")
+    sys.exit(console.EXIT_FAILED)
   except Exception as e:  # pylint: disable=broad-except
     console.exit_on_failure(e, "generation")
 
@@ -211,4 +218,4 @@ def _generate_and_print(served, prompts):
 
 
 if __name__ == "__main__":
-  app.run(main)
+  app.run(main, flags_parser=overrides.parse_flags)

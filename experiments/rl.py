@@ -48,8 +48,8 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from absl import app, flags, logging  # noqa: E402
 import jax  # noqa: E402
-from ml_collections import config_flags  # noqa: E402
 
+from configs import overrides  # noqa: E402
 from glm5_jax.config import require  # noqa: E402
 from glm5_jax.posttrain import sft  # noqa: E402
 from glm5_jax.posttrain.loop import rl_train  # noqa: E402
@@ -57,7 +57,7 @@ from glm5_jax.rl import async_trainer, launcher, worker  # noqa: E402
 from glm5_jax.rl.layout import RunDirs, read_json, write_json  # noqa: E402
 from glm5_jax.train import console, multiprocess  # noqa: E402
 
-_CONFIG = config_flags.DEFINE_config_file("config", "configs/rl_tiny.py", "RL config.")
+_CONFIG = overrides.define_config_file("config", "configs/rl_tiny.py", "RL config.")
 _WORKDIR = flags.DEFINE_string("workdir", "/tmp/glm5_rl", "The SFT run (when rl.init_from is "
                                "empty) goes to <workdir>/sft, RL to <workdir>/rl; resumed.")
 _MODE = flags.DEFINE_enum("mode", "sync", ["sync", "async"], "sync: generate and train in turn "
@@ -194,4 +194,4 @@ def print_summary(out: dict, config, start: float) -> None:
 
 
 if __name__ == "__main__":
-  app.run(main)
+  app.run(main, flags_parser=overrides.parse_flags)

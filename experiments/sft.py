@@ -23,14 +23,14 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from absl import app, flags, logging  # noqa: E402
 import jax  # noqa: E402
-from ml_collections import config_flags  # noqa: E402
 
 import json  # noqa: E402
+from configs import overrides
 from glm5_jax.posttrain.sft import run_sft  # noqa: E402
 from glm5_jax.train import console  # noqa: E402
 from glm5_jax.train.stopping import EXIT_STOPPED_EARLY  # noqa: E402
 
-_CONFIG = config_flags.DEFINE_config_file("config", "configs/sft_tiny.py", "SFT config.")
+_CONFIG = overrides.define_config_file("config", "configs/sft_tiny.py", "SFT config.")
 _WORKDIR = flags.DEFINE_string("workdir", "/tmp/glm5_sft", "Checkpoints, metrics.jsonl and the "
                                "built-in dataset go here; an existing one is resumed.")
 
@@ -50,4 +50,4 @@ def main(argv):
 
 
 if __name__ == "__main__":
-  app.run(main)
+  app.run(main, flags_parser=overrides.parse_flags)

@@ -41,7 +41,8 @@ _SWEEP = config_flags.DEFINE_config_file(
     "sweep", None, "Sweep config (configs/sweeps/*.py[:quick]).", lock_config=False)
 _SWEEP_DIR = flags.DEFINE_string("sweep_dir", "", "Output directory (default "
                                  "workdir/sweeps/<name>[_<arg>]).")
-_PARALLEL = flags.DEFINE_integer("parallel", 1, "Runs at a time; > 1 uses worker processes.")
+_PARALLEL = flags.DEFINE_integer("parallel", 1, "Runs at a time; > 1 uses worker processes.",
+                                 lower_bound=1)
 _ONLY = flags.DEFINE_list("only", [], "Run only these runs (and what they depend on).")
 _ON_CHANGE = flags.DEFINE_enum("on_change", "error", ["error", "redo"], "A finished run whose "
                                "spec changed: stop with an error, or redo it.")
@@ -61,6 +62,9 @@ def main(argv):
   suffix = "_" + re.sub(r"[^A-Za-z0-9_.-]+", "_", arg) if arg else ""
   sweep_dir = _SWEEP_DIR.value or os.path.join("workdir", "sweeps", sweep.name + suffix)
   if _REPORT_ONLY.value:
+    if not os.path.isdir(sweep_dir):  # a report of nothing; and never create the directory
+      raise app.UsageError(f"--report_only: no sweep directory {sweep_dir!r} (run the sweep "
+                           "first, or pass its --sweep_dir)")
     runs = parse_runs(sweep)
     results = sweep_runner.finished_results(sweep_dir, runs, "error")
     outcome = sweep_runner.SweepOutcome(runs=runs, results=results, failed={})

@@ -35,13 +35,13 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from absl import app, flags, logging
 import jax
-from ml_collections import config_flags
 
+from configs import overrides
 from glm5_jax.train import console, multiprocess
 from glm5_jax.train.loop import train
 from glm5_jax.train.stopping import EXIT_STOPPED_EARLY
 
-_CONFIG = config_flags.DEFINE_config_file("config", "configs/tiny.py", "Experiment config.")
+_CONFIG = overrides.define_config_file("config", "configs/tiny.py", "Experiment config.")
 _WORKDIR = flags.DEFINE_string("workdir", "workdir/tiny", "Checkpoints, metrics.jsonl and "
                                "TensorBoard logs go here; an existing one is resumed.")
 
@@ -79,4 +79,4 @@ def _print_summary(summary: dict):
 
 
 if __name__ == "__main__":
-  app.run(main)
+  app.run(main, flags_parser=overrides.parse_flags)

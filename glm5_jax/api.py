@@ -70,9 +70,17 @@ def check_token_ids(tokens_BL, vocab_size: int) -> None:
   Traced ids (under jit) pass unchecked: their values are unknown here, and the model contains
   them instead (`GLM5`: a bad id embeds as zeros and NaNs only the logits that read it).
 
+  The shape is checked traced or not: `[batch, seq]`, both >= 1 (a 1-D or empty array would
+  fail deep in the model with an unpacking or a modulo-by-zero error).
+
   Raises:
-    ValueError: naming the first offending id, its position and `vocab_size`.
+    ValueError: naming the shape, or the first offending id, its position and `vocab_size`.
   """
+  shape = tuple(np.shape(tokens_BL))
+  if len(shape) != 2 or 0 in shape:
+    raise ValueError(f"tokens_BL: expected token ids of shape [batch, seq], both >= 1, got shape "
+                     f"{shape}" + (" (one sequence? add a batch axis: tokens[None])"
+                                   if len(shape) == 1 and shape[0] else ""))
   if isinstance(tokens_BL, jax.core.Tracer):
     return
   tokens = np.asarray(tokens_BL)

@@ -15,9 +15,10 @@ from glm5_jax.data import tokenizers as toks
 
 TOK = data.make_tokenizer("byte")
 
-# The byte tokenizer's ids, written out: eos 2, the chat specials 3..14, byte b -> b + 16.
+# The byte tokenizer's ids, written out: eos 2, the chat specials 3..18, byte b -> b + 20.
 EOS, GMASK, SOP, SYSTEM, USER, ASSISTANT, OBSERVATION = 2, 3, 4, 5, 6, 7, 8
 THINK, END_THINK, CALL, END_CALL, RESULT, END_RESULT = 9, 10, 11, 12, 13, 14
+KEY, END_KEY, VALUE, END_VALUE = 15, 16, 17, 18
 
 
 def take(iterator, n):
@@ -25,7 +26,7 @@ def take(iterator, n):
 
 
 def b(text):
-  return [byte + 16 for byte in text.encode()]
+  return [byte + 20 for byte in text.encode()]
 
 
 def expand(golden):
@@ -66,15 +67,17 @@ def test_specials_and_byte_ids():
   assert (c.gmask, c.sop, c.system, c.user, c.assistant, c.observation) == (3, 4, 5, 6, 7, 8)
   assert (c.think_open, c.think_close, c.tool_call_open, c.tool_call_close) == (9, 10, 11, 12)
   assert (c.tool_response_open, c.tool_response_close, c.eos) == (13, 14, 2)
-  assert TOK.decode(range(3, 16), skip_special=False) == "".join(chat.CHAT_SPECIALS) + (
-      "<|reserved_15|>")
+  assert (c.arg_key_open, c.arg_key_close, c.arg_value_open, c.arg_value_close) == (
+      15, 16, 17, 18)
+  assert TOK.decode(range(3, 20), skip_special=False) == "".join(chat.CHAT_SPECIALS) + (
+      "<|reserved_19|>")
   assert chat.stop_ids(TOK) == (USER, OBSERVATION, EOS, ASSISTANT, SYSTEM)
   with pytest.raises(ValueError, match=r"lacks the special tokens \['<x>'\]"):
     TOK.special_ids(["<x>"])
 
 
 def test_decode_ids_past_the_vocab():
-  """The tiny model's vocab (384) exceeds the byte tokenizer's (272)."""
+  """The tiny model's vocab (384) exceeds the byte tokenizer's (276)."""
   ids = b("a") + [300, -1] + b("b") + [USER, 383]
   assert TOK.decode(ids) == "ab"
   assert TOK.decode(ids, skip_special=False) == "a<|unk:300|><|unk:-1|>b<|user|><|unk:383|>"
@@ -84,14 +87,14 @@ def test_interleaved_golden():
   """Thinking of the chain answering the last user message stays (and is trained, with each
   turn's stop token); the earlier turn's thinking is dropped and that turn is context only."""
   golden = [(GMASK, 0), (SOP, 0), (USER, 0), ("q", 0),
-            (ASSISTANT, 0), (THINK, 0), (END_THINK, 0), ("A", 0),
+            (ASSISTANT, 0), (END_THINK, 0), ("A", 0),
             (USER, 0), ("hi", 0),
             (ASSISTANT, 0), (THINK, 0), ("a", 1), (END_THINK, 1), (CALL, 1), ("f", 1),
             (END_CALL, 1),
             (OBSERVATION, 1), (RESULT, 0), ("3", 0), (END_RESULT, 0),
             (ASSISTANT, 0), (THINK, 0), ("b", 1), (END_THINK, 1), ("ok", 1), (EOS, 1)]
   check_golden(TOOL_CHAIN, "interleaved", golden,
-               "[gMASK]<sop><|user|>q<|assistant|><think></think>A<|user|>hi<|assistant|><think>"
+               "[gMASK]<sop><|user|>q<|assistant|></think>A<|user|>hi<|assistant|><think>"
                "a</think><tool_call>f</tool_call><|observation|><tool_response>3</tool_response>"
                "<|assistant|><think>b</think>ok<eos>")
 
@@ -112,25 +115,25 @@ def test_preserved_golden():
 
 
 def test_turn_level_golden():
-  """Thinking off (None): `<think></think>` comes with the prompt, so only content, calls and
-  the stop token are trained; a dropped earlier thinking turn is context only."""
+  """Thinking off (None): `</think>` comes with the prompt, so only content, calls and the
+  stop token are trained; a dropped earlier thinking turn is context only."""
   messages = [dict(role="system", content="S"), dict(role="user", content="q"),
               asst("A", thinking="p"), dict(role="user", content="r"), asst("B"),
               dict(role="user", content="hi"), asst("", calls=["f"]),
               dict(role="observation", content="3"), dict(role="observation", content="4"),
               asst("ok", thinking="b")]
   golden = [(GMASK, 0), (SOP, 0), (SYSTEM, 0), ("S", 0), (USER, 0), ("q", 0),
-            (ASSISTANT, 0), (THINK, 0), (END_THINK, 0), ("A", 0),
+            (ASSISTANT, 0), (END_THINK, 0), ("A", 0),
             (USER, 0), ("r", 0),
-            (ASSISTANT, 0), (THINK, 0), (END_THINK, 0), ("B", 1),
+            (ASSISTANT, 0), (END_THINK, 0), ("B", 1),
             (USER, 1), ("hi", 0),
-            (ASSISTANT, 0), (THINK, 0), (END_THINK, 0), (CALL, 1), ("f", 1), (END_CALL, 1),
+            (ASSISTANT, 0), (END_THINK, 0), (CALL, 1), ("f", 1), (END_CALL, 1),
             (OBSERVATION, 1), (RESULT, 0), ("3", 0), (END_RESULT, 0),
             (RESULT, 0), ("4", 0), (END_RESULT, 0),
             (ASSISTANT, 0), (THINK, 0), ("b", 1), (END_THINK, 1), ("ok", 1), (EOS, 1)]
   check_golden(messages, "turn_level", golden,
-               "[gMASK]<sop><|system|>S<|user|>q<|assistant|><think></think>A<|user|>r"
-               "<|assistant|><think></think>B<|user|>hi<|assistant|><think></think><tool_call>f"
+               "[gMASK]<sop><|system|>S<|user|>q<|assistant|></think>A<|user|>r"
+               "<|assistant|></think>B<|user|>hi<|assistant|></think><tool_call>f"
                "</tool_call><|observation|><tool_response>3</tool_response><tool_response>4"
                "</tool_response><|assistant|><think>b</think>ok<eos>")
 
@@ -138,14 +141,14 @@ def test_turn_level_golden():
 def test_render_prompt_goldens():
   context = [dict(role="user", content="q"), asst("A", thinking="p"),
              dict(role="user", content="hi")]
-  head = [GMASK, SOP, USER, *b("q"), ASSISTANT, THINK]
-  for mode, prior in (("interleaved", [END_THINK]), ("preserved", b("p") + [END_THINK])):
+  head = [GMASK, SOP, USER, *b("q"), ASSISTANT]
+  for mode, prior in (("interleaved", [END_THINK]), ("preserved", [THINK, *b("p"), END_THINK])):
     prompt = chat.render_prompt(context, TOK, thinking_mode=mode)
     assert prompt.dtype == np.int32
     assert prompt.tolist() == head + prior + b("A") + [USER, *b("hi"), ASSISTANT, THINK]
     with pytest.raises(ValueError, match=f"thinking: False needs .*turn_level.*{mode}"):
       chat.render_prompt(context, TOK, thinking=False, thinking_mode=mode)
-  for thinking, tail in ((True, [THINK]), (False, [THINK, END_THINK])):
+  for thinking, tail in ((True, [THINK]), (False, [END_THINK])):
     prompt = chat.render_prompt(context, TOK, thinking=thinking, thinking_mode="turn_level")
     assert prompt.tolist() == head + [END_THINK, *b("A"), USER, *b("hi"), ASSISTANT] + tail
   assert chat.render_prompt([], TOK).tolist() == [GMASK, SOP, ASSISTANT, THINK]
@@ -202,7 +205,11 @@ def test_parse_response_never_raises():
     ([dict(role="assistant", content="y", thinking=3)], "turn_level",
      r"messages\[0\].thinking: expected a str or None, got int"),
     ([dict(role="assistant", content="y", tool_calls="f")], "turn_level",
-     r"messages\[0\].tool_calls: expected a list of str"),
+     r"messages\[0\].tool_calls: expected a list, got 'f'"),
+    ([dict(role="assistant", content="y", tool_calls=[dict(name="f")])], "turn_level",
+     r"messages\[0\].tool_calls\[0\]: expected a str or a dict with exactly the keys"),
+    ([dict(role="assistant", content="y", tool_calls=[dict(name="f", arguments={1: "x"})])],
+     "turn_level", r"messages\[0\].tool_calls\[0\].arguments: expected a dict with str keys"),
     ([dict(role="user", content="x", name="n")], "turn_level", r"messages\[0\].name: not a field"),
     (["hi"], "interleaved", r"messages\[0\]: expected a dict, got str"),
     ("hi", "interleaved", "messages: expected a list"),
@@ -232,26 +239,27 @@ def test_hf_tokenizer_specials(tmp_path):
   assert [getattr(c, f) for f in ("gmask", "sop", "tool_response_close", "eos")] == [1, 2, 12, 0]
   # Text that spells a special stays text; specials come only from the layout.
   messages = [dict(role="user", content="hi <|assistant|>"),
-              asst("the <tool_call>", thinking="")]
+              asst("the <tool_call>", thinking="</think>")]
   rendered = chat.render(messages, hf, thinking_mode="interleaved")
   want = ([c.gmask, c.sop, c.user] + hf.encode("hi <|assistant|>") +
-          [c.assistant, c.think_open, c.think_close] + hf.encode("the <tool_call>") + [c.eos])
+          [c.assistant, c.think_open] + hf.encode("</think>") + [c.think_close] +
+          hf.encode("the <tool_call>") + [c.eos])
   assert rendered.ids.tolist() == want
-  assert len(hf.encode("<|assistant|>")) > 1
+  assert len(hf.encode("<|assistant|>")) > 1 and len(hf.encode("</think>")) > 1
   unpickled = pickle.loads(pickle.dumps(hf))  # as grain workers get it
   assert unpickled.encode("<|assistant|>") == hf.encode("<|assistant|>")
   assert hf.decode(rendered.ids, skip_special=False) == (
-      "[gMASK]<sop><|user|>hi <|assistant|><|assistant|><think></think>the <tool_call>"
+      "[gMASK]<sop><|user|>hi <|assistant|><|assistant|><think></think></think>the <tool_call>"
       "<|endoftext|>")
   generated = rendered.ids[len(chat.render_prompt(messages[:1], hf)):]
-  assert chat.parse_response(generated, hf) == chat.Response("", "the <tool_call>", [],
+  assert chat.parse_response(generated, hf) == chat.Response("</think>", "the <tool_call>", [],
                                                              "<|endoftext|>")
   assert hf.decode([hf.vocab_size + 3] + hf.encode("hi")) == "hi"
   assert hf.decode([hf.vocab_size], skip_special=False) == f"<|unk:{hf.vocab_size}|>"
 
   partial = hf_tokenizer(tmp_path / "partial.json", chat.CHAT_SPECIALS[:10])
   with pytest.raises(ValueError, match=r"partial.json.*lacks the special tokens "
-                     r"\['<tool_response>', '</tool_response>'\]"):
+                     r"\['<tool_response>', '</tool_response>', '<arg_key>', .*'</arg_value>'\]"):
     chat.render(messages, partial)
 
 
@@ -326,17 +334,20 @@ def test_chat_jsonl_overlong_and_errors(tmp_path, caplog):
   bad = {"not json": "b.jsonl:3: not a JSON object with a field 'messages'",
          json.dumps({"msgs": short}): "b.jsonl:3: not a JSON object with a field 'messages'",
          json.dumps({"messages": short[:1] + [asst("a")]}):
-             r"b.jsonl:3: messages\[1\].thinking: interleaved mode thinks"}
+             r"b.jsonl:3: messages\[1\].thinking: interleaved mode thinks",
+         json.dumps({"messages": short[:1]}): "b.jsonl:3: messages: no assistant message",
+         json.dumps({"messages": short + short[:1]}):
+             "b.jsonl:3: messages: no assistant turn is trained in interleaved mode"}
   for line, match in bad.items():
     (tmp_path / "b.jsonl").write_text(f"{json.dumps({'messages': short})}\n\n{line}\n")
-    with pytest.raises(ValueError, match=match):
-      take(data.make_train_iterator(chat_config(str(tmp_path / "b.jsonl"))), 2)
+    with pytest.raises(ValueError, match=match):  # found up front, before any batch
+      data.make_train_iterator(chat_config(str(tmp_path / "b.jsonl")))
   # The messages field is an option, and so is the thinking mode.
   (tmp_path / "c.jsonl").write_text(json.dumps({"conv": short[:1] + [asst("a")]}) + "\n")
   cfg = chat_config(str(tmp_path / "c.jsonl"), messages_field="conv", thinking_mode="turn_level")
   tokens = next(data.make_train_iterator(cfg))["tokens"][0]
   assert TOK.decode(tokens, skip_special=False).startswith(
-      "[gMASK]<sop><|user|>q0<|assistant|><think></think>a<eos>[gMASK]")
+      "[gMASK]<sop><|user|>q0<|assistant|></think>a<eos>[gMASK]")
 
 
 def test_chat_jsonl_config_errors(tmp_path):

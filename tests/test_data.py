@@ -101,7 +101,7 @@ def test_byte_tokenizer_round_trip():
   assert TOK.decode([TOK.bos_id] + ids, skip_special=False) == "<bos>" + text
   assert TOK.encode("<bos>") == TOK.encode("<") + TOK.encode("bos>")  # text never makes specials
   data.check_vocab(TOK, 384)
-  with pytest.raises(ValueError, match="vocab_size 272 > model vocab_size 256"):
+  with pytest.raises(ValueError, match="vocab_size 276 > model vocab_size 256"):
     data.check_vocab(TOK, 256)
 
 
@@ -416,6 +416,35 @@ def test_jsonl_and_array_record_sources(tmp_path):
     check_packing(batch, cfg.seq_len)
   assert doc_ids(batches) == set(range(20)) | set(range(100, 110)) | set(range(200, 210))
   assert TOK.decode(next(segments(batches[0]))[1]).endswith(("line", "record"))
+
+
+def test_bad_files_are_named(tmp_path):
+  """A malformed jsonl line (file:line), a binary file among text files, a file that is not an
+  ArrayRecord, a token record of the wrong size: each error names the source and the file."""
+  def build(kind, glob, **options):
+    source = data.source_config(kind, glob=str(tmp_path / glob), holdout_fraction=0.0, **options)
+    return data.make_train_iterator(data.data_config(seq_len=64, batch_size=2, prefetch=0,
+                                                     sources=dict(bad=source)))
+
+  (tmp_path / "a.jsonl").write_text('{"text": "fine"}\n\n{"text": 3}\n{"txt": "x"}\n')
+  with pytest.raises(ValueError, match=r"source 'bad': .*a.jsonl:3: field 'text' is int"):
+    next(build("jsonl", "a.jsonl"))
+  (tmp_path / "t").mkdir()
+  (tmp_path / "t" / "ok.txt").write_text("text " * 20)
+  (tmp_path / "t" / "img.txt").write_bytes(bytes(range(256)) * 4)
+  with pytest.raises(ValueError, match=r"source 'bad' \(text_files\): .*img.txt: not a UTF-8 "
+                     "text file"):
+    build("text_files", "t/*.txt")  # refused when opened, before any batch
+  (tmp_path / "x.array_record").write_text("not an array record")
+  with pytest.raises(ValueError, match=r"source 'bad' \(array_record\): .*x.array_record: not "
+                     "a readable ArrayRecord file"):
+    build("array_record", "x.array_record")
+  from array_record.python import array_record_module  # pylint: disable=g-import-not-at-top
+  writer = array_record_module.ArrayRecordWriter(str(tmp_path / "ids.array_record"), "")
+  writer.write(b"\1\0\0")
+  writer.close()
+  with pytest.raises(ValueError, match="record 0 has 3 bytes, not a multiple of 4"):
+    next(build("array_record", "ids.array_record", format="tokens"))
 
 
 def test_config_errors(tmp_path):

@@ -149,7 +149,7 @@ def test_cli_generates_from_a_trained_run(tmp_path):
   assert records[0]["prompt_tokens"] == [TOK.bos_id] + TOK.encode("def f(")
   for r in records:
     assert len(r["tokens"]) == len(r["logprobs"]) == len(r["raw_logprobs"]) == 5
-    # Ids past the byte tokenizer's 272 (the model's vocab is 384) show as <|unk:ID|>.
+    # Ids past the byte tokenizer's 276 (the model's vocab is 384) show as <|unk:ID|>.
     pieces = re.split(r"<\|unk:(\d+)\|>", r["text"])
     unknown = [int(i) for i in pieces[1::2]]
     assert unknown == [t for t in r["tokens"] if t >= TOK.vocab_size], r
@@ -163,7 +163,10 @@ def test_cli_generates_from_a_trained_run(tmp_path):
                          ((f"--workdir={tmp_path}",), "no checkpoint under"),
                          ((f"--workdir={workdir}",), "no prompts: give --prompt"),
                          ((f"--workdir={workdir}", f"--prompts_file={bad}"),
-                          "bad.jsonl:2: the prompt must be a non-empty string")]:
+                          "bad.jsonl:2: the prompt must be a non-empty string"),
+                         ((f"--workdir={workdir}", "--prompt=x", f"--output={tmp_path}/no/o.jsonl"),
+                          f"--output={tmp_path}/no/o.jsonl: no directory {tmp_path}/no")]:
     proc = _cli(*flags, "--warmup=False")
     assert proc.returncode == 1, (flags, proc.stdout[-2000:])
     assert message in proc.stderr.strip().splitlines()[-1], (flags, proc.stderr[-2000:])
+    assert "Traceback" not in proc.stderr and "== [" not in proc.stdout, flags

@@ -273,6 +273,18 @@ def test_missing_and_unknown_tensors_are_listed(tmp_path):
   assert "model.layers.1.self_attn.surprise.weight" in str(err.value)
 
 
+def test_non_finite_weights_are_named(tmp_path, caplog):
+  hf_model = _hf_model({}, seed=0)
+  state = _per_expert_state(dict(hf_model.state_dict()))
+  state["model.layers.0.self_attn.q_a_proj.weight"][0, :3] = float("nan")
+  state["model.layers.0.self_attn.q_a_proj.weight"][1, 0] = float("inf")
+  _write_checkpoint(str(tmp_path), hf_model, state, "keep", 1)
+  glm5_jax.load_hf(str(tmp_path))
+  warnings = [r.getMessage() for r in caplog.records if "non-finite" in r.getMessage()]
+  assert len(warnings) == 1 and "4 non-finite values (NaN/inf) in " in warnings[0], warnings
+  assert "model.layers.0.self_attn.q_a_proj.weight" in warnings[0]
+
+
 def test_wrong_shape_names_the_tensor(tmp_path):
   hf_model = _hf_model({}, seed=0)
   state = _per_expert_state(dict(hf_model.state_dict()))
@@ -292,6 +304,18 @@ def test_bad_directory_errors(tmp_path):
               {"quantization_config": {"quant_method": "fp8"}}, {"hidden_act": "gelu"}):
     (tmp_path / "config.json").write_text(json.dumps({"model_type": "glm_moe_dsa", **bad}))
     with pytest.raises(CheckpointError, match=next(iter(bad))):
+      glm5_jax.load_hf(str(tmp_path))
+  # Sizes: required (never the 744B defaults), and of the right type.
+  sizes = dict(model_type="glm_moe_dsa", vocab_size=64, hidden_size=48, num_hidden_layers=2,
+               num_attention_heads=2)
+  for bad, match in ((dict(hidden_size=None), r"config.json: no hidden_size; "),
+                     (dict(hidden_size="48"), r"config.json: hidden_size is '48' \(str\); "
+                      "expected an integer >= 0"),
+                     (dict(attention_bias=1), r"attention_bias is 1 \(int\); expected true"),
+                     (dict(rms_norm_eps="x"), r"rms_norm_eps is 'x' \(str\); expected a number")):
+    config = {k: v for k, v in {**sizes, **bad}.items() if v is not None}
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    with pytest.raises(CheckpointError, match=match):
       glm5_jax.load_hf(str(tmp_path))
 
 

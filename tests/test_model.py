@@ -10,6 +10,7 @@ Notation: B batch, L length, S keys, T top-k, V vocab, D hidden, P MTP depths.
 """
 
 import inspect
+import re
 
 import jax
 import jax.numpy as jnp
@@ -437,6 +438,10 @@ def test_concrete_bad_token_id_is_refused(tiny_cfg, tiny_params, bad_id, name):
     glm5_jax.forward(tiny_cfg, tiny_params, jnp.asarray(tokens, jnp.int32))
   with pytest.raises(ValueError, match="must be integers"):
     glm5_jax.logits(tiny_cfg, tiny_params, tokens.astype(np.float32))
+  for shape in ((5,), (0,), (1, 0), (0, 4), (1, 2, 3)):
+    with pytest.raises(ValueError, match=rf"expected token ids of shape \[batch, seq\], both >= 1, "
+                       rf"got shape {re.escape(str(shape))}"):
+      glm5_jax.logits(tiny_cfg, tiny_params, np.zeros(shape, np.int32))
 
 
 def test_traced_bad_token_id_marks_only_the_logits_that_read_it(helpers, tiny_cfg, tiny_params):

@@ -47,9 +47,9 @@ import jax
 import jax.numpy as jnp
 import ml_collections
 import numpy as np
-from ml_collections import config_flags
 
 import glm5_jax
+from configs import overrides
 from glm5_jax import data as data_lib
 from glm5_jax.data import sources as data_sources
 from glm5_jax import infer
@@ -60,7 +60,7 @@ from glm5_jax.infer.loading import load_model
 from glm5_jax.infer.step import decode_step
 from glm5_jax.layers.axes import CACHE_LENGTH
 
-_CONFIG = config_flags.DEFINE_config_file("config", "configs/tiny.py", "Experiment config (its "
+_CONFIG = overrides.define_config_file("config", "configs/tiny.py", "Experiment config (its "
                                           "model is benchmarked unless --workdir is given).")
 _WORKDIR = flags.DEFINE_string("workdir", None, "A training run: benchmark its latest params.")
 _LAYERS = flags.DEFINE_integer("layers", 0, "Keep only the first N layers (0: all).")
@@ -337,4 +337,4 @@ def main(argv):
 
 
 if __name__ == "__main__":
-  app.run(main)
+  app.run(main, flags_parser=overrides.parse_flags)

@@ -39,13 +39,14 @@ from absl import app, flags, logging  # noqa: E402
 import numpy as np  # noqa: E402
 from ml_collections import config_flags  # noqa: E402
 
+from configs import overrides  # noqa: E402
 from glm5_jax.posttrain import sft  # noqa: E402
 from glm5_jax.posttrain.loop import rl_train  # noqa: E402
 from glm5_jax.rl.layout import RunDirs, read_json  # noqa: E402
 from glm5_jax.train import console  # noqa: E402
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-_CONFIG = config_flags.DEFINE_config_file("config", "configs/rl_tiny.py:env=echo,seq_len=128", "RL config.")
+_CONFIG = overrides.define_config_file("config", "configs/rl_tiny.py:env=echo,seq_len=128", "RL config.")
 _WORKDIR = flags.DEFINE_string("workdir", "/tmp/glm5_bench_rl", "SFT (reused), sync and async "
                                "runs go under it; the sync and async runs are started afresh.")
 _STEPS = flags.DEFINE_integer("steps", 16, "RL steps of each run.")
@@ -166,4 +167,4 @@ def main(argv):
 
 
 if __name__ == "__main__":
-  app.run(main)
+  app.run(main, flags_parser=overrides.parse_flags)

@@ -21,13 +21,13 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from absl import app, flags
 import jax
-from ml_collections import config_flags
 
+from configs import overrides
 from glm5_jax.sharding import activation_sharding
 from glm5_jax.train.metrics import flops_per_token, peak_flops_per_device
 from glm5_jax.train.trainer import build_trainer
 
-_CONFIG = config_flags.DEFINE_config_file("config", "configs/tiny.py", "Experiment config.")
+_CONFIG = overrides.define_config_file("config", "configs/tiny.py", "Experiment config.")
 _STEPS = flags.DEFINE_integer("steps", 20, "Timed steps.")
 _WARMUP = flags.DEFINE_integer("warmup", 3, "Untimed steps after compilation.")
 _JSON = flags.DEFINE_bool("json", False, "Also print the results as one JSON line.")
@@ -90,4 +90,4 @@ def main(argv):
 
 
 if __name__ == "__main__":
-  app.run(main)
+  app.run(main, flags_parser=overrides.parse_flags)

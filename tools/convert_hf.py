@@ -32,13 +32,16 @@ _MESH = flags.DEFINE_string("mesh", "fsdp=-1", "Mesh the leaves are sharded over
                             "(axes data, fsdp, expert, tensor; unnamed axes 1, -1: the rest).")
 _PARAM_DTYPE = flags.DEFINE_enum("param_dtype", None, ["float32", "bfloat16", "float16"],
                                  "Param dtype; default: as stored.")
-_MTP_DEPTHS = flags.DEFINE_integer("mtp_depths", 3, "MTP depths sharing the MTP layer.")
+_MTP_DEPTHS = flags.DEFINE_integer("mtp_depths", 3, "MTP depths sharing the MTP layer (0: "
+                                   "none).", lower_bound=0)
 _SCAN_LAYERS = flags.DEFINE_bool("scan_layers", True, "Write the scanned param layout "
                                  "(stacked runs of layers); else one entry per layer.")
 _DISTRIBUTED = flags.DEFINE_bool("distributed", False, "Call jax.distributed.initialize() "
                                   "first (one process per host of a pod).")
 _GROUP_MB = flags.DEFINE_float("group_mb", None, "Most MB of leaves written per orbax save; "
                                "default: the largest leaf's size.")
+flags.register_validator("group_mb", lambda mb: mb is None or mb > 0,
+                         message="--group_mb must be > 0 (MB of leaves per orbax save)")
 
 
 def parse_mesh(spec: str):

@@ -21,11 +21,11 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from absl import app
 from absl import flags
-from ml_collections import config_flags
 
+from configs import overrides
 from glm5_jax.param_stats import summarize
 
-_CONFIG = config_flags.DEFINE_config_file(
+_CONFIG = overrides.define_config_file(
     "config", None, "Experiment config file (its `model` section is counted).")
 _JSON = flags.DEFINE_bool("json", False, "Print one JSON object instead of a table.")
 
@@ -70,4 +70,4 @@ def main(argv):
 
 if __name__ == "__main__":
   flags.mark_flag_as_required("config")
-  app.run(main)
+  app.run(main, flags_parser=overrides.parse_flags)

@@ -51,13 +51,14 @@ from absl import app, flags  # pylint: disable=g-import-not-at-top
 import jax  # pylint: disable=g-import-not-at-top
 from ml_collections import config_flags  # pylint: disable=g-import-not-at-top
 
+from configs import overrides
 from glm5_jax import planner  # pylint: disable=g-import-not-at-top
 from glm5_jax.config import ConfigError  # pylint: disable=g-import-not-at-top
 from glm5_jax.config_validation import validate_config  # pylint: disable=g-import-not-at-top
 from glm5_jax.sharding import MESH_AXES  # pylint: disable=g-import-not-at-top
 from glm5_jax.train import console  # pylint: disable=g-import-not-at-top
 
-_CONFIG = config_flags.DEFINE_config_file("config", "configs/tiny.py", "Experiment config.")
+_CONFIG = overrides.define_config_file("config", "configs/tiny.py", "Experiment config.")
 _DEVICES_FLAG = flags.DEFINE_integer("devices", None, "Simulated devices (the mesh's size).",
                                      required=True)
 _MESH = flags.DEFINE_string("mesh", "", "Mesh axis sizes over the config's, e.g. "
@@ -209,4 +210,4 @@ def dataclasses_asdict(x):
 
 
 if __name__ == "__main__":
-  app.run(main)
+  app.run(main, flags_parser=overrides.parse_flags)

@@ -19,6 +19,7 @@ import json
 from absl import app, flags
 from ml_collections import config_flags
 
+from configs import overrides
 from glm5_jax.config import model_config
 from glm5_jax.eval.evaluate import search_swa_pattern
 from glm5_jax.eval.report import write_json
@@ -28,7 +29,7 @@ RETRIEVAL_TASKS = ("niah_single", "niah_multikey", "niah_multivalue", "niah_mult
 
 _WORKDIR = flags.DEFINE_string("workdir", None, "Full-attention training run to convert.",
                                required=True)
-_SUITE = config_flags.DEFINE_config_dict(
+_SUITE = overrides.define_config_dict(
     "suite", suite_config(tasks=RETRIEVAL_TASKS, depths=(0.0, 0.5, 1.0), examples_per_cell=2),
     "Retrieval suite that scores each candidate (its lengths are replaced by --length).")
 _LENGTH = flags.DEFINE_integer("length", 0, "Context length scored; 0 = --length_multiple x "
@@ -38,7 +39,7 @@ _NUM_CONVERT = flags.DEFINE_integer("num_convert", -1, "Layers to convert; -1 = 
 _BEAM_WIDTH = flags.DEFINE_integer("beam_width", 8, "Patterns kept per step.")
 _LAYERS_PER_STEP = flags.DEFINE_integer("layers_per_step", 2, "Layers converted per step.")
 _LETTER = flags.DEFINE_string("letter", "S", "Attention letter of converted layers.")
-_MODEL = config_flags.DEFINE_config_dict(
+_MODEL = overrides.define_config_dict(
     "model", model_config(), "Model fields to change in the converted model, e.g. "
     "--model.sliding_window=64; only fields given here apply.")
 _SEED = flags.DEFINE_integer("seed", 0, "Init seed of parts a conversion adds (none for SWA).")
@@ -69,4 +70,4 @@ def main(argv):
 
 
 if __name__ == "__main__":
-  app.run(main)
+  app.run(main, flags_parser=overrides.parse_flags)

@@ -23,6 +23,26 @@ _SAME_NAME_FIELDS = (
     "first_k_dense_replace", "max_position_embeddings", "rms_norm_eps", "initializer_range",
 )
 _FLOAT_FIELDS = ("routed_scaling_factor", "rms_norm_eps", "initializer_range")
+_BOOL_FIELDS = ("attention_bias", "norm_topk_prob")
+# The sizes that make a model: never taken from the 744B defaults when config.json lacks them.
+_REQUIRED_FIELDS = ("vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads")
+
+
+def _checked_value(hf: dict, name: str):
+  """config.json's `name`, of the type our field has; CheckpointError naming it otherwise."""
+  value = hf[name]
+  if name in _FLOAT_FIELDS:
+    ok, want = isinstance(value, (int, float)) and not isinstance(value, bool), "a number"
+    value = float(value) if ok else value
+  elif name in _BOOL_FIELDS:
+    ok, want = isinstance(value, bool), "true or false"
+  else:
+    ok, want = isinstance(value, int) and not isinstance(value, bool) and value >= 0, (
+        "an integer >= 0")
+  if not ok:
+    raise CheckpointError(f"config.json: {name} is {value!r} ({type(value).__name__}); expected "
+                          f"{want}")
+  return value
 
 
 def config_from_hf(hf: dict, tensor_names=(), mtp_depths: int = 3) -> ml_collections.ConfigDict:
@@ -31,7 +51,7 @@ def config_from_hf(hf: dict, tensor_names=(), mtp_depths: int = 3) -> ml_collect
   config = model_config()
   for name in _SAME_NAME_FIELDS:
     if name in hf:
-      config[name] = float(hf[name]) if name in _FLOAT_FIELDS else hf[name]
+      config[name] = _checked_value(hf, name)
   rope = hf.get("rope_parameters") or {}
   config.rope_theta = float(rope.get("rope_theta", hf.get("rope_theta", 10000.0)))
 
@@ -83,6 +103,12 @@ def check_supported(hf: dict) -> None:
   if hf.get("q_lora_rank", 1) is None:
     raise CheckpointError("config.json: q_lora_rank is null; GLM-5's MLA and indexer need a "
                           "query latent")
+  if missing := [name for name in _REQUIRED_FIELDS if name not in hf]:
+    raise CheckpointError(f"config.json: no {', '.join(missing)}; a glm_moe_dsa config.json "
+                          f"states the model's sizes ({', '.join(_REQUIRED_FIELDS)})")
+  for name in _SAME_NAME_FIELDS:
+    if name in hf:
+      _checked_value(hf, name)
 
 
 def _indexer_types(hf: dict, num_layers: int) -> list[str]:

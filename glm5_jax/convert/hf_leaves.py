@@ -18,6 +18,7 @@ in-memory `load_hf` and the streaming converter (`streaming.py`) build every lea
 import dataclasses
 from typing import Callable
 
+from absl import logging
 import jax
 import numpy as np
 
@@ -106,6 +107,10 @@ def _entry_slice(entry, read, dtype, index: Index, shape: tuple, origin: str) ->
   if array.shape != want:
     raise CheckpointError(f"{origin}: {names[0]} gives {'/'.join(dest)} shape {array.shape}, but "
                           f"config.json implies {want}")
+  bad = array.size - int(np.count_nonzero(np.isfinite(array)))
+  if bad:  # loaded as stored, but a run from these weights would be NaN from the first step
+    logging.warning("%s: %d non-finite values (NaN/inf) in %s (param %s)", origin, bad,
+                    head(list(names)), "/".join(dest))
   if all(s == slice(None) or (s.start == 0 and s.stop == n) for s, n in zip(index, want)):
     return array
   return array[index].copy()  # a copy, so the whole tensor is freed now rather than viewed

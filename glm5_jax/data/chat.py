@@ -1,21 +1,39 @@
 """GLM-5's chat format: conversations -> token ids + loss mask, prompts, and responses back.
 
-Layout (GLM-4.7 / GLM-5 `chat_template.jinja`, which drops GLM-4.5's newlines):
+The layout is GLM-5's `chat_template.jinja` (the GLM-4.7 family; tests/test_chat_template.py
+renders the official template, stored in tests/fixtures/, with transformers and compares token
+for token in every mode):
 
   [gMASK]<sop>
   <|system|>{content}                                       system message
   <|user|>{content}                                         user message
-  <|assistant|><think>{thinking}</think>{content}           assistant message, then one
-      <tool_call>{call}</tool_call>...                      `<tool_call>` per entry of tool_calls
+  <|assistant|><think>{thinking}</think>{content}           assistant turn with thinking kept
+  <|assistant|></think>{content}                            non-thinking (or cleared) turn
+      <tool_call>{name}<arg_key>{k}</arg_key><arg_value>{v}</arg_value>...</tool_call>
+                                                            one per entry of tool_calls
   <|observation|><tool_response>{content}</tool_response>   observation (a tool result);
       <tool_response>{content}</tool_response>              consecutive ones share one role token
   ...
-  <eos>                                                     after a final assistant turn
+  <eos>                                                     after a final assistant turn (`render`)
 
-with no separators between the pieces: each special is one id, inserted as an id, and each text
-piece is tokenized on its own (`tokenizer.encode`, which never turns text into a special), so a
-message that spells "<|user|>" cannot forge a role token. A non-thinking assistant turn (and a
-turn whose thinking is dropped from the context) renders as an empty pair `<think></think>`.
+with no separators between the pieces. As the template does, an assistant turn's thinking and
+content are `.strip()`ped (an empty content writes nothing), the thinking block is written only
+for a non-empty thinking string (an empty one is a non-thinking turn: a lone `</think>`), and a
+tool call's argument values are written as they are when str, else as JSON (`ensure_ascii=False`).
+A tool call is `{"name": str, "arguments": {str: value}}`, or a str: a call with no arguments
+(`<tool_call>{text}</tool_call>`), the free-text form the built-in environments use.
+
+Where this differs from the template, on purpose:
+  - escaping: each special is inserted as an id and each text piece is tokenized on its own
+    (`tokenizer.encode`, which never turns text into a special), so a message that spells
+    "<|user|>" or "</think>" stays text and cannot forge a role token or close a block. The
+    template concatenates text and tokenizes the string, so there such text becomes specials
+    (and assistant content holding `</think>` is split into reasoning and content);
+  - `render` ends a conversation whose last message is an assistant turn with eos, its trained
+    stop token (the template writes no eos). A prompt (`render_prompt`) never holds eos: turns
+    inside a conversation end at the next role token;
+  - roles and fields are this module's (`observation` for the template's `tool`, `thinking` for
+    its `reasoning_content`); there is no tools block in the system message.
 
 An assistant turn ends at the next role token (consecutive observations share the first), or at
 eos when it is the conversation's last message; that token is the turn's stop token
@@ -24,58 +42,49 @@ eos when it is the conversation's last message; that token is the turn's stop to
 Loss mask: 1 on exactly the tokens the model itself generates for a trained assistant turn,
 i.e. everything after the generation prompt `render_prompt` ends with: the thinking text and
 `</think>` (thinking turns; the prompt supplies `<|assistant|><think>`), the content, the tool
-calls, and the stop token. On a non-thinking turn the prompt supplies `<|assistant|><think>
-</think>`, so only content, calls and stop are trained: supervising the `</think>` after a
-bare `<think>` would teach the model to skip thinking whenever it is asked to think. SFT thus
-trains the same tokens that RL's rollouts generate. Everything else (system, user and
-observation messages, role tokens that start a turn, `[gMASK]<sop>`) is 0.
+calls, and the stop token. On a non-thinking turn the prompt supplies `<|assistant|></think>`,
+so only content, calls and stop are trained. SFT thus trains the same tokens that RL's rollouts
+generate. Everything else (system, user and observation messages, role tokens that start a turn,
+`[gMASK]<sop>`) is 0.
 
 Thinking modes (`THINKING_MODES`; "the current trajectory" = the messages after the last user
 message, i.e. the assistant / observation chain answering it):
   interleaved  the model thinks before every reply and every tool call: every assistant
                message must carry `thinking` (a str). Thinking of turns in the current
                trajectory stays in the context (so each step after a tool result still sees
-               the reasoning that made the call); earlier turns' thinking is dropped (GLM's
-               default, `clear_thinking` unset). Prompts always open `<think>`.
+               the reasoning that made the call); earlier turns' thinking is dropped (the
+               template's default, `clear_thinking` unset). Prompts always open `<think>`.
   preserved    every assistant message must carry `thinking`, and every earlier turn keeps it
-               in the context (GLM-4.7+'s `clear_thinking=False`: the multi-turn coding-agent
-               mode, whose context only ever grows, so rendering is prefix-stable across user
-               turns too). Prompts always open `<think>`.
+               in the context (the template's `clear_thinking=False`: the multi-turn
+               coding-agent mode, whose context only ever grows, so rendering is prefix-stable
+               across user turns too). Prompts always open `<think>`.
   turn_level   thinking is switched on or off per turn: `thinking` None (or absent) is a
-               non-thinking turn (`<think></think>`), a str a thinking turn; `render_prompt`'s
-               `thinking` chooses for the next turn. The context rule is interleaved's.
+               non-thinking turn, a str a thinking turn; `render_prompt`'s `thinking` chooses
+               for the next turn (the template's `enable_thinking`). The context rule is
+               interleaved's.
 A turn whose thinking the context drops is not trained (its loss mask is all 0): its target
 would be an answer without the reasoning that produced it, which teaches guessing. To train
 every turn of a long multi-user conversation in interleaved mode, write one conversation per
-user turn (prefixes), or use preserved.
+user turn (prefixes), or use preserved. A turn with an empty thinking string renders as a
+non-thinking turn (template), so it is trained as one, after `<|assistant|></think>`.
 
 Consistency with token-in-token-out rollouts: within a trajectory the context never changes
 (no user message is added), so `render_prompt(messages)` + the generated tokens (ending with
 their stop token) + the observation's rendering is exactly `render_prompt` of the extended
-conversation.
-
-Where this differs from the HF templates:
-  - the text inside `<tool_call>...</tool_call>` is free text here (the env defines it); GLM
-    writes `name<arg_key>k</arg_key><arg_value>v</arg_value>...` with `<arg_key>`/`<arg_value>`
-    specials, which this vocabulary lacks. There is no tools block in the system message;
-  - a non-thinking or cleared turn is `<think></think>` (GLM-4.5: `\\n<think></think>`, GLM-4.7 /
-    GLM-5: a lone `</think>`); the generation prompt is `<|assistant|><think>` or
-    `<|assistant|><think></think>` (GLM-4.7 / GLM-5: `<think>` or `</think>`);
-  - text is kept byte for byte (the templates `.strip()` thinking and content), and no
-    `/nothink` suffix is appended to user messages;
-  - the templates emit no eos; here a final assistant turn ends with eos (trained);
-  - an empty thinking string stays a thinking turn with an empty block (the templates treat it
-    as no thinking).
+conversation, as long as the generated text is what the template writes back (no whitespace
+around thinking or content, a non-empty thinking).
 """
 
 import dataclasses
+import json
 from typing import NamedTuple
 
 import numpy as np
 
 CHAT_SPECIALS = ("[gMASK]", "<sop>", "<|system|>", "<|user|>", "<|assistant|>",
                  "<|observation|>", "<think>", "</think>", "<tool_call>", "</tool_call>",
-                 "<tool_response>", "</tool_response>")  # the byte tokenizer's ids 3..14
+                 "<tool_response>", "</tool_response>", "<arg_key>", "</arg_key>", "<arg_value>",
+                 "</arg_value>")  # the byte tokenizer's ids 3..18
 THINKING_MODES = ("interleaved", "preserved", "turn_level")
 ROLES = ("system", "user", "assistant", "observation")
 # Fields each role may have; content is required.
@@ -99,6 +108,10 @@ class ChatIds:
   tool_call_close: int
   tool_response_open: int
   tool_response_close: int
+  arg_key_open: int
+  arg_key_close: int
+  arg_value_open: int
+  arg_value_close: int
   eos: int
 
   def role(self, role: str) -> int:
@@ -113,7 +126,7 @@ class Rendered(NamedTuple):
 class Response(NamedTuple):
   thinking: str | None  # None: the turn closed no thinking block
   content: str
-  tool_calls: list[str]
+  tool_calls: list  # str (no arguments) or {"name": str, "arguments": {str: str}} each
   stop: str | None  # the stop token's name ("<|observation|>", ...); None: never ended
 
 
@@ -134,6 +147,25 @@ def stop_ids(tokenizer) -> tuple[int, ...]:
 # ---------------------------------------------------------------------------------------------
 # Rendering
 # ---------------------------------------------------------------------------------------------
+
+
+def _check_call(call, where):
+  if isinstance(call, str):
+    return
+  if not isinstance(call, dict) or set(call) != {"name", "arguments"}:
+    raise ValueError(f"{where}: expected a str or a dict with exactly the keys 'name' and "
+                     f"'arguments', got {call!r:.80}")
+  if not isinstance(call["name"], str):
+    raise ValueError(f"{where}.name: expected a str, got {type(call['name']).__name__}")
+  args = call["arguments"]
+  if not isinstance(args, dict) or not all(isinstance(k, str) for k in args):
+    raise ValueError(f"{where}.arguments: expected a dict with str keys, got {args!r:.80}")
+  for k, v in args.items():
+    if not isinstance(v, str):
+      try:
+        json.dumps(v)
+      except (TypeError, ValueError) as e:
+        raise ValueError(f"{where}.arguments[{k!r}]: not JSON-serializable ({e})") from None
 
 
 def _check(messages, thinking_mode):
@@ -165,8 +197,10 @@ def _check(messages, thinking_mode):
     if thinking is not None and not isinstance(thinking, str):
       raise ValueError(f"{where}.thinking: expected a str or None, got {type(thinking).__name__}")
     calls = m.get("tool_calls", [])
-    if not isinstance(calls, (list, tuple)) or not all(isinstance(c, str) for c in calls):
-      raise ValueError(f"{where}.tool_calls: expected a list of str, got {calls!r:.80}")
+    if not isinstance(calls, (list, tuple)):
+      raise ValueError(f"{where}.tool_calls: expected a list, got {calls!r:.80}")
+    for k, call in enumerate(calls):
+      _check_call(call, f"{where}.tool_calls[{k}]")
 
 
 def _pieces(messages, tokenizer, c: ChatIds, thinking_mode):
@@ -192,18 +226,30 @@ def _pieces(messages, tokenizer, c: ChatIds, thinking_mode):
       text(m["content"], 0.0)
     else:
       thinking = m.get("thinking")
-      keep = thinking is not None and (thinking_mode == "preserved" or i > last_user)
-      trained = float(thinking is None or keep)
-      pieces.append(([c.think_open], 0.0))
-      if keep:
-        text(thinking, trained)
+      # An empty thinking string is no thinking (the template tests `reasoning_content`).
+      keep = bool(thinking) and (thinking_mode == "preserved" or i > last_user)
+      trained = float(not thinking or keep)
+      if keep:  # `<think>` ends the prompt; thinking and `</think>` are generated
+        pieces.append(([c.think_open], 0.0))
+        text(thinking.strip(), trained)
         pieces.append(([c.think_close], trained))
-      else:  # supplied by the prompt (non-thinking turn), or context only (dropped thinking)
+      else:  # ends the prompt (non-thinking turn), or context only (dropped thinking)
         pieces.append(([c.think_close], 0.0))
-      text(m["content"], trained)
+      if m["content"].strip():
+        text(m["content"].strip(), trained)
       for call in m.get("tool_calls", []):
         pieces.append(([c.tool_call_open], trained))
-        text(call, trained)
+        if isinstance(call, str):
+          text(call, trained)
+        else:
+          text(call["name"], trained)
+          for key, value in call["arguments"].items():
+            value = value if isinstance(value, str) else json.dumps(value, ensure_ascii=False)
+            pieces.append(([c.arg_key_open], trained))
+            text(key, trained)
+            pieces.append(([c.arg_key_close, c.arg_value_open], trained))
+            text(value, trained)
+            pieces.append(([c.arg_value_close], trained))
         pieces.append(([c.tool_call_close], trained))
       open_trained = bool(trained)
   return pieces, open_trained
@@ -213,6 +259,26 @@ def _join(pieces) -> Rendered:
   ids = np.concatenate([np.asarray(p, np.int32) for p, _ in pieces])
   mask = np.concatenate([np.full(len(p), m, np.float32) for p, m in pieces])
   return Rendered(ids, mask)
+
+
+def check_trainable(messages, *, thinking_mode: str = "interleaved") -> None:
+  """ValueError unless `messages` is a valid conversation (`render`'s checks) with a trained
+  assistant turn: SFT data with nothing to train is a mistake (no assistant message, or only
+  turns whose thinking the context drops, e.g. a conversation that ends with a user message)."""
+  _check(messages, thinking_mode)
+  if not messages:
+    raise ValueError("messages: empty conversation")
+  last_user = max((i for i, m in enumerate(messages) if m["role"] == "user"), default=-1)
+  turns = [i for i, m in enumerate(messages) if m["role"] == "assistant"]
+  if not turns:
+    raise ValueError("messages: no assistant message, so nothing to train (SFT trains the "
+                     "assistant's turns)")
+  if not any(not messages[i].get("thinking") or thinking_mode == "preserved" or i > last_user
+             for i in turns):
+    raise ValueError(f"messages: no assistant turn is trained in {thinking_mode} mode (each "
+                     "one's thinking is dropped from the context: none follows the last user "
+                     "message); end the conversation with an assistant turn, or use "
+                     "thinking_mode='preserved'")
 
 
 def render(messages, tokenizer, *, thinking_mode: str = "interleaved") -> Rendered:
@@ -232,14 +298,14 @@ def render(messages, tokenizer, *, thinking_mode: str = "interleaved") -> Render
 def render_prompt(messages, tokenizer, *, thinking: bool = True,
                   thinking_mode: str = "interleaved") -> np.ndarray:
   """int32 [n]: the context for the next assistant turn, ending with `<|assistant|><think>`
-  (thinking) or `<|assistant|><think></think>` (not; turn_level mode only)."""
+  (thinking) or `<|assistant|></think>` (not; turn_level mode only). Never holds eos."""
   _check(messages, thinking_mode)
   if not thinking and thinking_mode != "turn_level":
     raise ValueError(f"thinking: False needs thinking_mode='turn_level' ({thinking_mode} mode "
                      "thinks on every assistant turn)")
   c = special_ids(tokenizer)
   pieces, _ = _pieces(messages, tokenizer, c, thinking_mode)
-  pieces.append(([c.assistant, c.think_open] + [c.think_close] * (not thinking), 0.0))
+  pieces.append(([c.assistant, c.think_open if thinking else c.think_close], 0.0))
   return _join(pieces).ids
 
 
@@ -248,15 +314,37 @@ def render_prompt(messages, tokenizer, *, thinking: bool = True,
 # ---------------------------------------------------------------------------------------------
 
 
+def _parse_call(ids, tokenizer, c: ChatIds):
+  """One call's ids (between `<tool_call>` and `</tool_call>`) -> its str (no `<arg_key>`), or
+  {"name", "arguments": {key: value str}}; arguments not in well-formed key/value pairs: the
+  call's text with the specials dropped."""
+  if c.arg_key_open not in ids:
+    return tokenizer.decode(ids)
+  k = ids.index(c.arg_key_open)
+  name, rest, arguments = tokenizer.decode(ids[:k]), ids[k:], {}
+  while rest:
+    try:
+      key_end = rest.index(c.arg_key_close)
+      value_end = rest.index(c.arg_value_close)
+    except ValueError:
+      return tokenizer.decode(ids)
+    if rest[0] != c.arg_key_open or rest[key_end + 1:key_end + 2] != [c.arg_value_open] or (
+        value_end < key_end):
+      return tokenizer.decode(ids)
+    arguments[tokenizer.decode(rest[1:key_end])] = tokenizer.decode(rest[key_end + 2:value_end])
+    rest = rest[value_end + 1:]
+  return {"name": name, "arguments": arguments}
+
+
 def parse_response(ids, tokenizer) -> Response:
   """One generated assistant turn (prompt excluded; its stop token last, if any) -> parts.
 
   The turn ends at its first stop token (later ids are ignored). Thinking is the text before
   the first `</think>` (after a leading `<think>`, when the model wrote one itself); with no
   `</think>` the turn closed no thinking block: thinking None. Each closed
-  `<tool_call>...</tool_call>` is a tool call; the rest is content (an unclosed call's text
-  included). Other specials and ids past the vocab are dropped from the text. Never raises on
-  garbage.
+  `<tool_call>...</tool_call>` is a tool call (`_parse_call`: argument values come back as
+  text); the rest is content (an unclosed call's text included). Other specials and ids past
+  the vocab are dropped from the text. Never raises on garbage.
   """
   c = special_ids(tokenizer)
   ids = [int(i) for i in np.asarray(ids, np.int64).ravel()]
@@ -277,7 +365,7 @@ def parse_response(ids, tokenizer) -> Response:
       content += call or []
       call = []
     elif i == c.tool_call_close and call is not None:
-      calls.append(tokenizer.decode(call))
+      calls.append(_parse_call(call, tokenizer, c))
       call = None
     elif call is not None:
       call.append(i)

@@ -6,7 +6,8 @@ A source is one entry of `data.sources` (name -> {kind, weight, ...options}). Ki
                  (`sysconfig.get_paths()["stdlib"]`, `*-packages` excluded): real code text that
                  every Python install has. Held out by file: hash of the path relative to the
                  stdlib root. Deterministic given the same Python version.
-  text_files     `glob` of UTF-8 text files, one document per file; held out by file.
+  text_files     `glob` of UTF-8 text files, one document per file; held out by file. A binary
+                 file (NUL bytes or invalid UTF-8 at its start) is refused, named.
   jsonl          `glob` of JSON-lines files; each line's `text_field` string is a document; held
                  out by part (see below), so a single file still gets a held-out share.
   chat_jsonl     `glob` of JSON-lines files of conversations for SFT: each line is an object whose
@@ -18,8 +19,10 @@ A source is one entry of `data.sources` (name -> {kind, weight, ...options}). Ki
                  (`overlong="truncate"`; the prefix keeps every kept token's context, where
                  splitting it like a text document would train later turns without their
                  prompt), each cut logged with file:line and a running count; or refused
-                 (`overlong="error"`, naming file:line). A malformed line (not JSON, no such
-                 field, a bad message) raises naming file:line.
+                 (`overlong="error"`, naming file:line). Every line is checked when the source
+                 is opened, before any training: a malformed line (not JSON, no such field, a
+                 bad message) or one with nothing to train (no assistant turn) raises naming
+                 file:line.
   array_record   `glob` of ArrayRecord files, one document per record; held out by record.
                  `format="text"`: records are UTF-8 text. `format="tokens"`: records are the raw
                  little-endian int32 token ids of one document (`np.asarray(ids, "<i4")
@@ -55,7 +58,7 @@ import ml_collections
 import numpy as np
 
 from glm5_jax.config import ConfigError, check_fields, require
-from glm5_jax.data import chat, liveness, synthetic
+from glm5_jax.data import chat, file_checks, liveness, synthetic
 
 FILE_KINDS = ("python_stdlib", "text_files", "jsonl", "chat_jsonl")
 KIND_OPTIONS = {
@@ -198,11 +201,18 @@ def _in_split(hash_value, fraction, split):
 
 
 def file_part_records(name, spec, seq_len, split) -> list[tuple[str, int, int]]:
-  """(path, part, num_parts) records of a file-based source in `split` (see module doc)."""
+  """(path, part, num_parts) records of a file-based source in `split` (see module doc).
+  text_files and chat_jsonl files are checked first (`file_checks.check_file`)."""
   root, paths = list_files(name, spec)
   part_bytes = spec["part_bytes"] or 4 * seq_len
   fraction = spec["holdout_fraction"]
   records = []
+  if spec["kind"] in ("text_files", "chat_jsonl"):
+    options = tuple((k, spec[k]) for k in ("messages_field", "thinking_mode") if k in spec)
+    for path in paths:
+      stat = os.stat(path)
+      file_checks.check_file(name, spec["kind"], options, path, stat.st_size,
+                             stat.st_mtime_ns)
   for path in paths:
     rel = os.path.relpath(os.path.abspath(path), root)
     num_parts = -(-os.path.getsize(path) // part_bytes)
@@ -219,7 +229,11 @@ def array_record_records(name, spec, split):
   root, paths = list_files(name, spec)
   indices, offset = [], 0
   for path in paths:
-    n = len(grain.sources.ArrayRecordDataSource([path]))
+    try:
+      n = len(grain.sources.ArrayRecordDataSource([path]))
+    except Exception as e:  # pylint: disable=broad-except  # array_record raises bare errors
+      raise ValueError(f"source {name!r} (array_record): {path}: not a readable ArrayRecord "
+                       f"file ({type(e).__name__}: {e}); narrow the glob") from None
     keep = _in_split(_unit_hash_array(os.path.relpath(path, root), n),
                      spec["holdout_fraction"], split)
     indices.append(offset + np.nonzero(keep)[0])
@@ -311,27 +325,31 @@ class _ReadRecord(grain.transforms.Map):
       start, data = read_part_at(path, part, self._part_bytes)
       return [self._conversation(line, path, start, k)
               for k, line in enumerate(data.split(b"\n")) if line.strip()]
-    data = read_part(path, part, self._part_bytes)
+    start, data = read_part_at(path, part, self._part_bytes)
     if kind == "jsonl":
-      texts = [self._json_text(line, path) for line in data.splitlines() if line.strip()]
+      texts = [self._json_text(line, path, start, k) for k, line in enumerate(data.split(b"\n"))
+               if line.strip()]
       return [_document(self._with_specials(self._tok.encode_array(t)),
                         source_id=self._source_id) for t in texts]
     if not data:
       return []
+    if b"\0" in data:
+      raise ValueError(f"source {self._name!r} ({kind}): {path}: binary data (a NUL byte) in a "
+                       "text file; text_files reads text only: narrow the glob")
     ids = self._tok.encode_array(data.decode("utf-8", errors="replace"))
     ids = self._with_specials(ids, bos=part == 0, eos=part == num_parts - 1)
     return [_document(ids, source_id=self._source_id)]
 
-  def _json_text(self, line, path):
+  def _json_text(self, line, path, offset, k):
     field = self._spec["text_field"]
     try:
       text = json.loads(line)[field]
-    except (ValueError, KeyError, TypeError) as e:
-      raise ValueError(f"source {self._name!r}: {path}: a line is not a JSON object with a "
-                       f"string field {field!r} ({e!r})") from None
+    except (ValueError, KeyError, TypeError, IndexError) as e:
+      raise ValueError(f"source {self._name!r}: {path}:{line_number(path, offset, k)}: not a "
+                       f"JSON object with a string field {field!r} ({e!r})") from None
     if not isinstance(text, str):
-      raise ValueError(f"source {self._name!r}: {path}: field {field!r} is "
-                       f"{type(text).__name__}, not a string")
+      raise ValueError(f"source {self._name!r}: {path}:{line_number(path, offset, k)}: field "
+                       f"{field!r} is {type(text).__name__}, not a string")
     return text
 
   def _conversation(self, line, path, offset, k):
@@ -364,6 +382,9 @@ class _ReadRecord(grain.transforms.Map):
   def _record_ids(self, data, index):
     if self._spec["format"] == "text":
       return self._tok.encode_array(data.decode("utf-8", errors="replace"))
+    if len(data) % 4:
+      raise ValueError(f"source {self._name!r}: record {index} has {len(data)} bytes, not a "
+                       "multiple of 4: format='tokens' records are little-endian int32 ids")
     ids = np.frombuffer(data, "<i4").astype(np.int32)
     if len(ids) and (ids.min() < 0 or ids.max() >= self._tok.vocab_size):
       raise ValueError(f"source {self._name!r}: record {index} has token ids outside "

@@ -7,16 +7,17 @@ Both expose one small interface, all the data pipeline needs:
   special_ids(names) -> {name: id}   special tokens by name; ValueError naming any missing
   vocab_size, bos_id, eos_id, pad_id
 
-Byte-level layout (vocab 272, fits the tiny model's 384):
-  0 pad, 1 bos, 2 eos, 3..14 the chat specials (`glm5_jax.data.chat.CHAT_SPECIALS`, in order:
-  3 `[gMASK]`, 4 `<sop>`, 5 `<|system|>`, ... 14 `</tool_response>`), 15 reserved
-  (`<|reserved_15|>`), 16..271 the byte values 0..255 (id = byte + 16).
+Byte-level layout (vocab 276, fits the tiny model's 384):
+  0 pad, 1 bos, 2 eos, 3..18 the chat specials (`glm5_jax.data.chat.CHAT_SPECIALS`, in order:
+  3 `[gMASK]`, 4 `<sop>`, 5 `<|system|>`, ... 14 `</tool_response>`, 15 `<arg_key>`, ...
+  18 `</arg_value>`), 19 reserved (`<|reserved_19|>`), 20..275 the byte values 0..255
+  (id = byte + 20).
 `encode` maps UTF-8 bytes only, so text that spells a special's name never becomes a special.
 An HF tokenizer is made to do the same (`encode_special_tokens`): a user message that contains
 the text "<|assistant|>" must not forge a role token.
 
 `decode` never fails on ids outside [0, vocab_size) (a model vocab padded past the tokenizer's
-can emit them, as the tiny model's 384 over the byte tokenizer's 272): they are dropped, or
+can emit them, as the tiny model's 384 over the byte tokenizer's 276): they are dropped, or
 written as `<|unk:ID|>` when `skip_special=False`.
 """
 
@@ -26,12 +27,13 @@ import os
 import numpy as np
 import tokenizers
 
-BYTE_OFFSET = 16
+BYTE_OFFSET = 20
 # `glm5_jax.data.chat.CHAT_SPECIALS` (tests/test_chat.py checks they agree), spelled out here so
 # that the tokenizers do not depend on the chat format.
 CHAT_SPECIAL_NAMES = (
     "[gMASK]", "<sop>", "<|system|>", "<|user|>", "<|assistant|>", "<|observation|>", "<think>",
-    "</think>", "<tool_call>", "</tool_call>", "<tool_response>", "</tool_response>")
+    "</think>", "<tool_call>", "</tool_call>", "<tool_response>", "</tool_response>", "<arg_key>",
+    "</arg_key>", "<arg_value>", "</arg_value>")
 SPECIAL_NAMES = ("<pad>", "<bos>", "<eos>") + CHAT_SPECIAL_NAMES + tuple(
     f"<|reserved_{i}|>" for i in range(3 + len(CHAT_SPECIAL_NAMES), BYTE_OFFSET))
 assert len(SPECIAL_NAMES) == BYTE_OFFSET
@@ -79,7 +81,7 @@ class ByteTokenizer:
   special_names = SPECIAL_NAMES
 
   def __repr__(self):
-    return "ByteTokenizer(vocab_size=272)"
+    return f"ByteTokenizer(vocab_size={self.vocab_size})"
 
   def encode_array(self, text: str) -> np.ndarray:
     data = np.frombuffer(text.encode("utf-8"), np.uint8)

@@ -63,6 +63,9 @@ def apply_model_overrides(model, overrides: dict | None, what: str = "model over
 def read_run_meta(workdir: str) -> dict:
   """The `meta` item (step, config sections) of the latest checkpoint under `workdir`."""
   directory = os.path.join(os.path.abspath(workdir), "checkpoints")
+  if not os.path.isdir(directory):  # checked first: a CheckpointManager would create it
+    raise FileNotFoundError(f"no checkpoint under {directory} (no such directory; expected a "
+                            "workdir written by experiments/train.py)")
   manager = ocp.CheckpointManager(directory)
   try:
     step = manager.latest_step()

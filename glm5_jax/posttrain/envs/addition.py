@@ -60,7 +60,8 @@ class Addition(base.SingleTurnEnv):
       a, b = b, a
     prompt = f"{a}{op}{b}="
     result = a + b if op == "+" else a - b
-    return prompt, ({"role": "user", "content": prompt},), str(result), {"a": a, "b": b, "op": op}
+    return (base.commutative_key(a, op, b), ({"role": "user", "content": prompt},), str(result),
+            {"a": a, "b": b, "op": op})
 
   def _score(self, task, content):
     error = base.check_integer(content)

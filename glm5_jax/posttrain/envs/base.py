@@ -2,11 +2,13 @@
 
 Tasks. `Env.task(index, split)` draws a problem from a numpy Generator seeded by a hash of
 (env name, options, split, index, draw); it keeps the first draw whose problem belongs to
-`split`. A problem's split is a hash of (env name, problem key) alone (`split_of`), where the
-key is the problem written canonically (e.g. "23+45=", countdown's numbers sorted), so one
-problem is in the same split under every option set and seed: train and eval never share a
-problem, and re-drawing costs ~1 / EVAL_SHARE draws for an eval task. Any task can be rebuilt
-alone from its index.
+`split`. A problem's split is a hash of (env name, canonical key) alone (`split_of`). The
+canonical key is the same for every problem that is the same fact written another way (each
+env's `_problem` says how: commutative operands sorted, "45+23=" and "23+45=" -> "23+45";
+countdown's numbers sorted; a string and its reverse for reversal, the letters' multiset for
+sorting), so a held-out problem never has a twin in train. It is in the same split under every
+option set and seed, and re-drawing costs ~1 / EVAL_SHARE draws for an eval task. Any task can
+be rebuilt alone from its index.
 
 Options. Each env lists its options with defaults (`defaults`); every env also takes `seed`
 (int, default 0), which only selects another stream of tasks (the split of a problem never
@@ -60,8 +62,15 @@ def stable_hash(*parts) -> int:
   return int.from_bytes(digest[:8], "little")
 
 
+def commutative_key(a: int, op: str, b: int) -> str:
+  """"a op b" with the operands of + and * sorted: the key of a binary arithmetic problem."""
+  if op in "+*":
+    a, b = sorted((a, b))
+  return f"{a}{op}{b}"
+
+
 def split_of(env_name: str, problem_key: str) -> str:
-  """The split a problem belongs to: a property of the problem alone."""
+  """The split a problem belongs to: a property of its canonical key alone."""
   return "eval" if stable_hash("split", env_name, problem_key) % EVAL_SHARE == 0 else "train"
 
 
@@ -182,7 +191,8 @@ class Env:
     raise NotImplementedError
 
   def _problem(self, rng: np.random.Generator) -> tuple[str, tuple[dict, ...], Any, dict]:
-    """Draws one problem: (key, prompt messages, answer, info)."""
+    """Draws one problem: (canonical key, prompt messages, answer, info); the key is shared by
+    the problem's twins (module docstring)."""
     raise NotImplementedError
 
   def task(self, index: int, split: str) -> Task:

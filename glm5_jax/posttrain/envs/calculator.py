@@ -78,7 +78,7 @@ class Calculator(base.Env):
     result = {"+": a + b, "-": a - b, "*": a * b}[op]
     messages = ({"role": "system", "content": SYSTEM},
                 {"role": "user", "content": f"What is {expr}?"})
-    return expr, messages, str(result), {"expression": expr}
+    return base.commutative_key(a, op, b), messages, str(result), {"expression": expr}
 
   def step(self, task, messages):
     turns, error = base.assistant_messages(messages)

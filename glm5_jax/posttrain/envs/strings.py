@@ -37,7 +37,9 @@ class Strings(base.SingleTurnEnv):
     text = "".join(ALPHABET[i] for i in rng.integers(len(ALPHABET), size=n))
     result = text[::-1] if op == "reverse" else "".join(sorted(text))
     prompt = f"{op}: {text}"
-    return prompt, ({"role": "user", "content": prompt},), result, {"op": op, "text": text}
+    # Twins: reversing a string and its reverse is one fact; sorting depends on the letters only.
+    key = min(text, text[::-1]) if op == "reverse" else result
+    return f"{op}: {key}", ({"role": "user", "content": prompt},), result, {"op": op, "text": text}
 
   def _score(self, task, content):
     if not content.strip():
