@@ -21,8 +21,7 @@ from jax.sharding import PartitionSpec
 
 from glm5_jax import layer_runs
 from glm5_jax.api import abstract_params_and_axes
-from glm5_jax.config import ModelConfig
-from glm5_jax.config_validation import validate_model_config
+from glm5_jax.config import ModelConfig, validate_model_config
 from glm5_jax.layers.axes import LAYERS
 from glm5_jax.sharding import default_logical_axis_rules, param_shardings
 

@@ -37,7 +37,7 @@ from jax.sharding import NamedSharding, PartitionSpec
 
 from glm5_jax.attention.kinds import layer_kind
 from glm5_jax.config import ModelConfig
-from glm5_jax.infer.cache_spec import CacheSpec
+from glm5_jax.attention.cache_spec import CacheSpec
 from glm5_jax.layer_runs import layer_runs, unrolled_name
 from glm5_jax.layers.axes import CACHE_LENGTH, LAYERS
 from glm5_jax.sharding import logical_to_mesh_spec

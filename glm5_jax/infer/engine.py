@@ -55,7 +55,7 @@ from glm5_jax.infer import sampling, speculate
 from glm5_jax.infer.accept_stats import (NO_LIMIT, AcceptStats, acceptance_rates, add_step,
                                          init_accept_stats, mean_accept_length)
 from glm5_jax.infer.cache import cache_specs, init_cache
-from glm5_jax.infer.cache_spec import CacheSpec
+from glm5_jax.attention.cache_spec import CacheSpec
 from glm5_jax.infer.requests import GenerateResult, Request, validate_generate_args
 from glm5_jax.infer.sessions import PrefixStats, SessionTable, reusable
 from glm5_jax.infer.step import decode_step
