@@ -10,7 +10,7 @@ from flax import traverse_util
 
 from configs import rl_tiny, tiny
 from glm5_jax.config import ConfigError, ModelConfig
-from glm5_jax.posttrain import grpo, rl_step
+from glm5_jax.posttrain import algorithms, rl_step
 from glm5_jax.posttrain.config import rl_config, validate_rl_config
 from glm5_jax.posttrain.rl_config_checks import validate_rl_experiment
 from glm5_jax.sharding import activation_sharding, make_mesh
@@ -136,11 +136,11 @@ def test_distill_advantage_of_identical_teacher_is_zero(setup, helpers):
   config, model, params, _, _ = setup
   batch = make_batch(model, params, [0.0] * B)
   teacher = rl_step.teacher_logp(model, params, batch)
-  advantages = grpo.distill_advantages(teacher, batch["rollout_logp"]) * batch["loss_mask"]
+  advantages = algorithms.distill_advantages(teacher, batch["rollout_logp"]) * batch["loss_mask"]
   assert (np.asarray(advantages) == 0).all()
   # A different teacher disagrees on the student's tokens.
   other = rl_step.teacher_logp(model, helpers.random_params(model, seed=1, std=0.05), batch)
-  advantages = grpo.distill_advantages(other, batch["rollout_logp"]) * batch["loss_mask"]
+  advantages = algorithms.distill_advantages(other, batch["rollout_logp"]) * batch["loss_mask"]
   assert np.abs(np.asarray(advantages)).sum() > 0
 
 

@@ -5,9 +5,9 @@ Each step n:
   1. rollouts: `rl.prompts_per_step` train tasks (indices n*P .. n*P + P - 1 of the env), G =
      `rl.group_size` samples each, through the engine with the current params
      (`rollout.generate_samples`, seed `step_seed(rl.seed, n)`);
-  2. scoring: GRPO's group advantages of the rewards (`grpo.group_advantages`), or, with
+  2. scoring: GRPO's group advantages of the rewards (`algorithms.group_advantages`), or, with
      `rl.loss="distill"`, the teacher's per-token gap `stopgrad(logp_teacher - logp_rollout)`
-     (`grpo.distill_advantages`, the teacher being `rl.teacher`'s latest checkpoint);
+     (`algorithms.distill_advantages`, the teacher being `rl.teacher`'s latest checkpoint);
   3. one update (`rl_step.make_rl_train_step`).
 Held-out accuracy (the first `rl.eval_tasks` eval-split tasks: greedy, one sample per task,
 and `rl.eval_samples` samples per task at the rollout temperature; `evaluate`) is measured
@@ -41,7 +41,7 @@ from glm5_jax.api import abstract_params, init_params
 from glm5_jax.config import ModelConfig
 from glm5_jax.data import check_vocab, make_tokenizer
 from glm5_jax.eval.checkpoints import load_run
-from glm5_jax.posttrain import envs, grpo, rollout, rl_step
+from glm5_jax.posttrain import algorithms, envs, rollout, rl_step
 from glm5_jax.posttrain.rl_config_checks import validate_rl_experiment
 from glm5_jax.sharding import activation_sharding
 from glm5_jax.train import checkpoint as ckpt
@@ -179,13 +179,13 @@ def score(config, samples, teacher=None) -> dict:
   if teacher is None:
     rewards = np.asarray([s.reward for s in samples], np.float32)
     groups = np.asarray([s.group for s in samples], np.int32)
-    advantages = np.asarray(grpo.group_advantages(rewards, groups,
-                                                  normalize_std=config.rl.normalize_std))
+    advantages = np.asarray(algorithms.group_advantages(
+        rewards, groups, normalize_std=config.rl.normalize_std, std=config.rl.group_std))
     return rollout.to_batch(samples, config.data.seq_len, advantages)
   batch = rollout.to_batch(samples, config.data.seq_len)
   teacher_cfg, teacher_params = teacher
   teacher_logp = rl_step.teacher_logp(teacher_cfg, teacher_params, batch)
-  gap = np.asarray(grpo.distill_advantages(teacher_logp, batch["rollout_logp"]))
+  gap = np.asarray(algorithms.distill_advantages(teacher_logp, batch["rollout_logp"]))
   batch["advantages"] = (gap * batch["loss_mask"]).astype(np.float32)
   return batch
 

@@ -1,4 +1,5 @@
-"""The jitted RL train step: token log-probs of a rollout batch, `grpo.policy_loss`, the
+"""The jitted RL train step: token log-probs of a rollout batch, the policy loss (by name from
+`glm5_jax.posttrain.algorithms.POLICY_LOSSES`), the
 optimizer, loss-free balancing; and the teacher's log-probs for on-policy distillation.
 
 A rollout batch (numpy or device arrays, all `[B, L]`; position i is token i):
@@ -46,9 +47,8 @@ from glm5_jax import optim, routing_replay
 from glm5_jax.api import abstract_params_and_axes, check_token_ids, forward
 from glm5_jax.attention.mode import Mode
 from glm5_jax.config import ModelConfig, require
-from glm5_jax.posttrain import grpo
+from glm5_jax.posttrain import algorithms
 from glm5_jax.posttrain.config import resolve_policy_loss
-from glm5_jax.rl import staleness
 from glm5_jax.sharding import batch_sharding, make_mesh, param_shardings, state_shardings
 from glm5_jax.train import losses
 from glm5_jax.train.state import TrainState
@@ -73,11 +73,13 @@ class RLStepConfig:
   eps_low: float = 0.2
   eps_high: float = 0.28
   icepop_beta: float = 2.0
+  icepop: str = "weight"  # kept tokens weighted by k ("weight") or only masked ("mask")
+  loss_normalization: str = "token"  # "token" or "sample" (`algorithms.loss_weights`)
   mtp_loss_weight: float = 0.0
   dsa_stage: str = "sparse"  # how DSA layers attend: as the engine does ("sparse"), or "dense"
   balance_bias_rate: float = 1e-3
   microbatches: int = 1  # gradient accumulation (`rl_loss_and_grads`)
-  policy_loss: str = "ppo"  # "ppo" (grpo.policy_loss) or "is" (staleness.is_policy_loss)
+  policy_loss: str = "ppo"  # a name of `algorithms.POLICY_LOSSES`: "ppo" or "is"
 
   @classmethod
   def from_config(cls, config, *, asynchronous: bool = False) -> "RLStepConfig":
@@ -88,6 +90,7 @@ class RLStepConfig:
             "attends) or 'dense'")
     rl = config.rl
     return cls(eps_low=rl.eps_low, eps_high=rl.eps_high, icepop_beta=rl.icepop_beta,
+               icepop=rl.icepop, loss_normalization=rl.loss_normalization,
                mtp_loss_weight=rl.mtp_loss_weight, dsa_stage=config.train.dsa_stage,
                balance_bias_rate=config.train.balance_bias_rate,
                microbatches=config.train.microbatches,
@@ -131,7 +134,7 @@ def teacher_logp(teacher_cfg: ModelConfig, teacher_params, batch):
   compilation per teacher config and batch shape), attending as the engine does ("sparse").
 
   On-policy distillation (docs/reference.md section 4) then takes
-  `grpo.distill_advantages(teacher_logp(...), batch["rollout_logp"])` as the batch's advantages:
+  `algorithms.distill_advantages(teacher_logp(...), batch["rollout_logp"])` as the batch's advantages:
   the student's log-probs are those it sampled with (token in, token out; no extra forward).
   The teacher must share the student's tokenizer; an id outside its vocabulary is an error.
   """
@@ -141,8 +144,8 @@ def teacher_logp(teacher_cfg: ModelConfig, teacher_params, batch):
 
 
 def rl_loss(model: ModelConfig, step_cfg: RLStepConfig, params, batch, whole=None):
-  """`(loss, (metrics, expert_counts))` of one rollout batch: `grpo.policy_loss` (PPO + IcePop)
-  or, with `step_cfg.policy_loss="is"`, `staleness.is_policy_loss` (the double-sided IS mask
+  """`(loss, (metrics, expert_counts))` of one rollout batch: `algorithms.ppo_policy_loss` (PPO +
+  IcePop) or, with `step_cfg.policy_loss="is"`, `algorithms.is_policy_loss` (the double-sided IS mask
   against the rollout log-probs: asynchronous RL), + `mtp_loss_weight` x the mean MTP
   cross-entropy on the response tokens.
 
@@ -160,15 +163,17 @@ def rl_loss(model: ModelConfig, step_cfg: RLStepConfig, params, batch, whole=Non
   own = rl_denominators(model, step_cfg, mask_batch)
   whole = own if whole is None else whole
   tokens = whole["tokens"]
+  common = dict(eps_low=step_cfg.eps_low, eps_high=step_cfg.eps_high,
+                normalization=step_cfg.loss_normalization,
+                denominators={"tokens": tokens, "samples": whole["samples"]})
+  loss_fn = algorithms.POLICY_LOSSES[step_cfg.policy_loss]
   if step_cfg.policy_loss == "is":
-    policy, metrics = staleness.is_policy_loss(
-        logp_BL, batch["rollout_logp"], batch["advantages"], mask_BL, eps_low=step_cfg.eps_low,
-        eps_high=step_cfg.eps_high, denominator=tokens)
+    policy, metrics = loss_fn(logp_BL, batch["rollout_logp"], batch["advantages"], mask_BL,
+                              **common)
   else:
-    policy, metrics = grpo.policy_loss(
-        logp_BL, old_logp_BL, batch["rollout_logp"], batch["advantages"], mask_BL,
-        eps_low=step_cfg.eps_low, eps_high=step_cfg.eps_high,
-        icepop_beta=step_cfg.icepop_beta, denominator=tokens)
+    policy, metrics = loss_fn(logp_BL, old_logp_BL, batch["rollout_logp"], batch["advantages"],
+                              mask_BL, icepop_beta=step_cfg.icepop_beta, icepop=step_cfg.icepop,
+                              **common)
   advantages_BL = batch["advantages"].astype(jnp.float32)
   metrics = {**metrics, "policy_loss": policy,
              "entropy": (entropy_BL * mask_BL).sum() / tokens,
@@ -190,12 +195,13 @@ def rl_loss(model: ModelConfig, step_cfg: RLStepConfig, params, batch, whole=Non
 
 
 def rl_denominators(model: ModelConfig, step_cfg: RLStepConfig, batch) -> dict:
-  """What `rl_loss`'s means divide by for `batch`: `tokens` (its loss tokens, at least 1) and
-  `mtp` (each trained MTP depth's targets, `losses.loss_denominators`)."""
+  """What `rl_loss`'s means divide by for `batch`: `tokens` (its loss tokens, at least 1),
+  `samples` (its rows with a loss token, at least 1; `algorithms.batch_denominators`) and `mtp`
+  (each trained MTP depth's targets, `losses.loss_denominators`)."""
   depths = model.mtp_depths if step_cfg.mtp_loss_weight > 0 and model.num_nextn_predict_layers \
       else 0
   mask_BL = batch["loss_mask"].astype(jnp.float32)
-  return {"tokens": jnp.maximum(mask_BL.sum(), 1.0),
+  return {**algorithms.batch_denominators(mask_BL),
           "mtp": losses.loss_denominators({**batch, "loss_mask": mask_BL}, depths)["mtp"]}
 
 
