@@ -21,9 +21,6 @@ any DSA layer) differs from the engine's when the trainer chooses its own:
 """
 
 import os
-import sys
-
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from absl import app, flags
 import jax
