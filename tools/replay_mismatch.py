@@ -31,6 +31,7 @@ from flax import traverse_util
 import glm5_jax
 from glm5_jax.config import ModelConfig
 from glm5_jax.posttrain import envs, rl_step, rollout
+from glm5_jax.train import losses
 
 _CONFIG = flags.DEFINE_string("config", "configs/rl_tiny.py", "RL config file.")
 _PROMPTS = flags.DEFINE_integer("prompts", 8, "Tasks rolled out.")
@@ -79,7 +80,7 @@ def _scored(cfg, params, batch):
 def _scored_impl(params, batch, *, cfg):
   out = glm5_jax.forward(cfg, params, batch["tokens"], batch["positions"], batch["segment_ids"],
                          mtp=False, routing=rl_step.batch_routing(batch), return_routing=True)
-  return rl_step.token_logprobs(out["logits"], batch["tokens"])[0], out["routing"]
+  return losses.token_logprobs(out["logits"], batch["tokens"])[0], out["routing"]
 
 
 _SCORED = jax.jit(_scored_impl, static_argnames="cfg")

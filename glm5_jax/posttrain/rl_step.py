@@ -97,29 +97,11 @@ class RLStepConfig:
                policy_loss=resolve_policy_loss(rl, asynchronous))
 
 
-def token_logprobs(logits_BLY, tokens_BL):
-  """Log-prob and entropy of the main head's distribution for each token, float32.
-
-  Position i's logits score token i + 1, so token i's entry comes from position i - 1; token 0
-  has none and gets 0 (it is never a loss token).
-
-  Returns:
-    `(logp_BL, entropy_BL)`: `logp_BL[:, i] = log softmax(logits[:, i-1])[tokens[:, i]]`,
-    `entropy_BL[:, i]` the entropy of that distribution (no gradient; a metric).
-  """
-  logprobs_BLY = jax.nn.log_softmax(logits_BLY[:, :-1].astype(jnp.float32), axis=-1)
-  logp_BL = jnp.take_along_axis(logprobs_BLY, tokens_BL[:, 1:, None], axis=-1)[..., 0]
-  probs_BLY = jax.lax.stop_gradient(jnp.exp(logprobs_BLY))
-  entropy_BL = -(probs_BLY * jax.lax.stop_gradient(logprobs_BLY)).sum(-1)
-  pad = lambda x_BL: jnp.pad(x_BL, ((0, 0), (1, 0)))
-  return pad(logp_BL), pad(entropy_BL)
-
-
 def policy_logprobs(model: ModelConfig, params, batch, *, dsa_stage: str = "sparse"):
-  """Token log-probs `[B, L]` of `batch["tokens"]` under `params` (`token_logprobs`)."""
+  """Token log-probs `[B, L]` of `batch["tokens"]` under `params` (`losses.token_logprobs`, aligned to the tokens)."""
   out = forward(model, params, batch["tokens"], batch["positions"], batch["segment_ids"],
                 mode=Mode(dsa_stage=dsa_stage), mtp=False, routing=batch_routing(batch))
-  return token_logprobs(out["logits"], batch["tokens"])[0]
+  return losses.token_logprobs(out["logits"], batch["tokens"])[0]
 
 
 @functools.partial(jax.jit, static_argnums=0)
@@ -156,7 +138,7 @@ def rl_loss(model: ModelConfig, step_cfg: RLStepConfig, params, batch, whole=Non
   out = forward(model, params, batch["tokens"], batch["positions"], batch["segment_ids"],
                 mode=Mode(dsa_stage=step_cfg.dsa_stage), mtp=train_mtp,
                 routing=batch_routing(batch))
-  logp_BL, entropy_BL = token_logprobs(out["logits"], batch["tokens"])
+  logp_BL, entropy_BL = losses.token_logprobs(out["logits"], batch["tokens"])
   old_logp_BL = batch.get("old_logp", jax.lax.stop_gradient(logp_BL))
   mask_BL = batch["loss_mask"].astype(jnp.float32)
   mask_batch = {**batch, "loss_mask": mask_BL}
