@@ -35,6 +35,7 @@ import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec
 
 from glm5_jax import cpu_standins
+from glm5_jax.accelerators import ACCELERATORS
 from glm5_jax.api import abstract_params_and_axes, forward
 from glm5_jax.config import ModelConfig, require
 from glm5_jax.data.packing import BATCH_KEYS
@@ -45,8 +46,9 @@ from glm5_jax.train.step import StepConfig, make_train_step
 from glm5_jax.train.trainer import make_init_state, optimizer_and_param_shardings
 
 GIB = 1024 ** 3
-# HBM per chip (per GPU), GiB.
-ACCELERATOR_HBM_GIB = {"v5p": 95, "v6e": 32, "h100": 80, "h200": 141}
+# The chips a plan is checked against, and their HBM per chip (per GPU), GiB.
+PLANNED_ACCELERATORS = ("v5p", "v6e", "h100", "h200")
+ACCELERATOR_HBM_GIB = {name: ACCELERATORS[name].hbm_gib for name in PLANNED_ACCELERATORS}
 
 COLLECTIVE_KINDS = ("all-gather", "all-reduce", "reduce-scatter", "all-to-all",
                     "ragged-all-to-all", "collective-permute")
