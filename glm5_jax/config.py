@@ -214,6 +214,20 @@ ModelConfig = dataclasses.make_dataclass(
     frozen=True)
 
 
+def require_model_config(model, where: str) -> "ModelConfig":
+  """`model` itself if it is a `ModelConfig`, else a TypeError naming `where`.
+
+  Below the entry points (experiments/, tools/, `glm5_jax.api`, the builders' public entries)
+  everything takes the `ModelConfig` built once by `ModelConfig.from_config`, never the `model`
+  ConfigDict (docs/design.md, Dependency direction): validating and expanding it again in every
+  function is what this refuses.
+  """
+  if not isinstance(model, ModelConfig):
+    raise TypeError(f"{where}: expected the ModelConfig built at the entry point "
+                    f"(ModelConfig.from_config(config.model)), got {type(model).__name__}")
+  return model
+
+
 def expand_pattern(pattern: str, num_layers: int) -> str:
   return pattern * num_layers if len(pattern) == 1 else pattern
 

@@ -34,9 +34,9 @@ def setup(helpers):
   optimizer, schedule = rl_step.build_rl_optimizer(config, params)
   # The sharded step as a run builds it, on the default mesh (one device here).
   mesh = make_mesh(config.mesh)
-  state_sharding, batch_sharding = rl_step.rl_shardings(config, optimizer, mesh)
-  jitted = rl_step.make_rl_train_step(config, optimizer, schedule, state_sharding=state_sharding,
-                                      batch_sharding=batch_sharding)
+  state_sharding, batch_sharding = rl_step.rl_shardings(config, model, optimizer, mesh)
+  jitted = rl_step.make_rl_train_step(config, model, optimizer, schedule,
+                                      state_sharding=state_sharding, batch_sharding=batch_sharding)
 
   def step(state, batch):
     with activation_sharding(mesh, config.mesh.logical_axis_rules):
@@ -193,7 +193,8 @@ def test_mtp_loss_weight_keeps_the_mtp_head_training(setup):
   config.rl.mtp_loss_weight = 0.3
   config.model.mtp_depths = 1  # the same params (one shared MTP layer); a third of the compile
   optimizer, schedule = rl_step.build_rl_optimizer(config, params)
-  step = rl_step.make_rl_train_step(config, optimizer, schedule)
+  step = rl_step.make_rl_train_step(config, ModelConfig.from_config(config.model), optimizer,
+                                    schedule)
   batch = make_batch(model, params, [1.0, -1.0, 0.0, 0.0])
   # Unsharded (no mesh): the path of `make_rl_train_step` without shardings.
   state = rl_step.init_rl_state(jax.tree.map(jnp.copy, params), optimizer)

@@ -109,7 +109,7 @@ def main(argv):
   rows["bf16 cache"] = mismatch(cfg, params, rollout_batch(bf16, params, env, _SEED.value))
 
   optimizer, schedule = rl_step.build_rl_optimizer(config, params)
-  train_step = rl_step.make_rl_train_step(config, optimizer, schedule)
+  train_step = rl_step.make_rl_train_step(config, cfg, optimizer, schedule)
   rng = np.random.default_rng(_SEED.value)
   advantages = rng.standard_normal((len(batch["tokens"]), 1)).astype(np.float32)
   train_batch = {**batch, "advantages": advantages * batch["loss_mask"]}

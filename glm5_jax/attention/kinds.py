@@ -3,8 +3,8 @@
 `model.attention_pattern` holds one letter per layer. Every fact about a letter lives in its
 entry of `ATTENTION_KINDS` and nowhere else (its flax module class is in
 `glm5_jax.attention.modules`, the one table above the modules): the parameters it adds to its
-family's, its KV-cache and recurrent-state sizes, its decode-cache layout, its attention FLOPs, the kind the MTP layer
-runs after it, and whether it makes or needs a top-k selection. The config validation, the
+family's, its KV-cache and recurrent-state sizes, its decode-cache layout, its attention
+FLOPs, the kind the MTP layer runs after it, and whether it makes or needs a top-k selection. The config validation, the
 decoder, the MTP layer, pattern conversion, the parameter statistics and the FLOPs estimate
 all read it.
 
@@ -23,7 +23,7 @@ from glm5_jax.attention.cache_spec import CacheSpec
 from glm5_jax.layers import axes
 from glm5_jax.layers.axes import BATCH, CACHE_LENGTH, KV_LORA
 
-if TYPE_CHECKING:  # never runs: config.py imports this module (docs/design.md, Dependency direction)
+if TYPE_CHECKING:  # never runs: config.py imports this module (docs/design.md)
   from glm5_jax.config import ModelConfig
 
 FAMILIES = ("mla", "gqa")

@@ -113,11 +113,12 @@ def rl_train(config, workdir: str, *, stop_after_steps: int | None = None,
 def build_rl_run(config, *, asynchronous: bool = False):
   """`(tokenizer, env, shapes, trainer)` of an RL run: the tokenizer (checked against the
   model's vocabulary), `rl.env`, the params' shapes and `rl_step.build_rl_trainer`'s trainer."""
+  model = ModelConfig.from_config(config.model)  # validated and expanded once per run
   tokenizer = make_tokenizer(config.data.tokenizer)
-  check_vocab(tokenizer, ModelConfig.from_config(config.model).vocab_size)
+  check_vocab(tokenizer, model.vocab_size)
   env = envs.make(config.rl.env, **config.rl.env_options.to_dict())
-  shapes = abstract_params(config.model)
-  return tokenizer, env, shapes, rl_step.build_rl_trainer(config, shapes,
+  shapes = abstract_params(model)
+  return tokenizer, env, shapes, rl_step.build_rl_trainer(config, model, shapes,
                                                           asynchronous=asynchronous)
 
 

@@ -46,7 +46,7 @@ from flax import traverse_util
 from glm5_jax import optim, routing_replay
 from glm5_jax.api import abstract_params_and_axes, check_token_ids, forward
 from glm5_jax.attention.mode import Mode
-from glm5_jax.config import ModelConfig, require
+from glm5_jax.config import ModelConfig, require, require_model_config
 from glm5_jax.posttrain import algorithms
 from glm5_jax.posttrain.config import resolve_policy_loss
 from glm5_jax.sharding import batch_sharding, make_mesh, param_shardings, state_shardings
@@ -98,7 +98,8 @@ class RLStepConfig:
 
 
 def policy_logprobs(model: ModelConfig, params, batch, *, dsa_stage: str = "sparse"):
-  """Token log-probs `[B, L]` of `batch["tokens"]` under `params` (`losses.token_logprobs`, aligned to the tokens)."""
+  """Token log-probs `[B, L]` of `batch["tokens"]` under `params` (`losses.token_logprobs`:
+  entry i is token i's)."""
   out = forward(model, params, batch["tokens"], batch["positions"], batch["segment_ids"],
                 mode=Mode(dsa_stage=dsa_stage), mtp=False, routing=batch_routing(batch))
   return losses.token_logprobs(out["logits"], batch["tokens"])[0]
@@ -116,7 +117,8 @@ def teacher_logp(teacher_cfg: ModelConfig, teacher_params, batch):
   compilation per teacher config and batch shape), attending as the engine does ("sparse").
 
   On-policy distillation (docs/reference.md section 4) then takes
-  `algorithms.distill_advantages(teacher_logp(...), batch["rollout_logp"])` as the batch's advantages:
+  `algorithms.distill_advantages(teacher_logp(...), batch["rollout_logp"])` as the batch's
+  advantages:
   the student's log-probs are those it sampled with (token in, token out; no extra forward).
   The teacher must share the student's tokenizer; an id outside its vocabulary is an error.
   """
@@ -127,8 +129,8 @@ def teacher_logp(teacher_cfg: ModelConfig, teacher_params, batch):
 
 def rl_loss(model: ModelConfig, step_cfg: RLStepConfig, params, batch, whole=None):
   """`(loss, (metrics, expert_counts))` of one rollout batch: `algorithms.ppo_policy_loss` (PPO +
-  IcePop) or, with `step_cfg.policy_loss="is"`, `algorithms.is_policy_loss` (the double-sided IS mask
-  against the rollout log-probs: asynchronous RL), + `mtp_loss_weight` x the mean MTP
+  IcePop) or, with `step_cfg.policy_loss="is"`, `algorithms.is_policy_loss` (the double-sided
+  IS mask against the rollout log-probs: asynchronous RL), + `mtp_loss_weight` x the mean MTP
   cross-entropy on the response tokens.
 
   `whole` (`rl_denominators` of a larger batch) makes this one microbatch of it: every mean is
@@ -254,7 +256,7 @@ def init_rl_state(params, optimizer, *, seed: int = 0) -> TrainState:
                     rng=jax.random.key_data(jax.random.key(seed)))
 
 
-def rl_shardings(config, optimizer, mesh: jax.sharding.Mesh):
+def rl_shardings(config, model: ModelConfig, optimizer, mesh: jax.sharding.Mesh):
   """`(state_sharding, batch_sharding)` for `make_rl_train_step` on `mesh`, as pre-training
   shards its state: params by `config.mesh.logical_axis_rules`, every optimizer moment like its
   param (`glm5_jax.sharding.state_shardings`), batch rows over the data-parallel axes. Place
@@ -263,19 +265,20 @@ def rl_shardings(config, optimizer, mesh: jax.sharding.Mesh):
   `glm5_jax.sharding.activation_sharding(mesh, rules)` so the model's activation constraints
   apply."""
   rules = config.mesh.logical_axis_rules
-  shapes, logical_axes = abstract_params_and_axes(ModelConfig.from_config(config.model))
+  shapes, logical_axes = abstract_params_and_axes(require_model_config(model, "rl_shardings"))
   abstract = jax.eval_shape(lambda p: init_rl_state(p, optimizer), shapes)
   return (state_shardings(abstract, param_shardings(shapes, logical_axes, mesh, rules), mesh),
           batch_sharding(mesh, rules))
 
 
-def make_rl_train_step(config, optimizer, schedule, *, state_sharding=None,
+def make_rl_train_step(config, model: ModelConfig, optimizer, schedule, *, state_sharding=None,
                        batch_sharding=None, asynchronous: bool = False):
   """The jitted `rl_train_step(state, batch) -> (state, metrics)`; donates `state`.
 
   Args:
-    config: the experiment config (validated): `model`, `rl` (clip range, IcePop beta, MTP
+    config: the experiment config (validated): `rl` (clip range, IcePop, normalization, MTP
       weight) and `train` (`dsa_stage`, `balance_bias_rate`).
+    model: the run's `ModelConfig` (built once, by the caller).
     optimizer, schedule: from `build_rl_optimizer` (schedule only for the logged rate).
     state_sharding, batch_sharding: from `rl_shardings` (the state's, and one for every
       `[B, L]` batch array); None leaves placement to jit (one device).
@@ -283,7 +286,7 @@ def make_rl_train_step(config, optimizer, schedule, *, state_sharding=None,
     the jitted step; metrics are `rl_loss`'s, expert load, grad / update / param norms and the
     learning rate.
   """
-  model = ModelConfig.from_config(config.model)
+  require_model_config(model, "make_rl_train_step")
   step_cfg = RLStepConfig.from_config(config, asynchronous=asynchronous)
 
   def rl_train_step(state: TrainState, batch):
@@ -309,20 +312,20 @@ class RLTrainer:
   policy_logp: Callable  # jitted (params, batch) -> logp_BL (`policy_logprobs`)
 
 
-def build_rl_trainer(config, shapes, *, asynchronous: bool = False) -> RLTrainer:
-  """The optimizer, mesh, shardings and jitted steps of an RL run from its (validated) config
-  and the params' `shapes` (`glm5_jax.api.abstract_params`), as `glm5_jax.train.trainer.
-  build_trainer` does for pre-training. Built per run, not cached: a second run in the same
-  process traces again and finds the compiled executables in jax's persistent compilation
-  cache when one is configured (the tests configure one)."""
+def build_rl_trainer(config, model: ModelConfig, shapes, *,
+                     asynchronous: bool = False) -> RLTrainer:
+  """The optimizer, mesh, shardings and jitted steps of an RL run from its (validated) config,
+  its `ModelConfig` and the params' `shapes` (`glm5_jax.api.abstract_params`), as
+  `glm5_jax.train.trainer.build_trainer` does for pre-training. Built per run, not cached: a
+  second run in the same process traces again and finds the compiled executables in jax's
+  persistent compilation cache when one is configured (the tests configure one)."""
   optimizer, schedule = build_rl_optimizer(config, shapes)
   mesh = make_mesh(config.mesh)
-  state_sharding, batch_sharding = rl_shardings(config, optimizer, mesh)
-  train_step = make_rl_train_step(config, optimizer, schedule, state_sharding=state_sharding,
+  state_sharding, batch_sharding = rl_shardings(config, model, optimizer, mesh)
+  train_step = make_rl_train_step(config, model, optimizer, schedule, state_sharding=state_sharding,
                                   batch_sharding=batch_sharding, asynchronous=asynchronous)
   init_state = jax.jit(functools.partial(init_rl_state, optimizer=optimizer, seed=config.rl.seed),
                        out_shardings=state_sharding)
-  model = ModelConfig.from_config(config.model)
   logp = functools.partial(policy_logprobs, model, dsa_stage=config.train.dsa_stage)
   policy_logp = jax.jit(lambda params, batch: logp(params, batch),
                         in_shardings=(state_sharding.params, batch_sharding))

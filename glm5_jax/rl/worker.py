@@ -33,7 +33,7 @@ import jax
 import numpy as np
 
 from glm5_jax.api import abstract_params_and_axes
-from glm5_jax.config import ModelConfig
+from glm5_jax.config import ModelConfig, require_model_config
 from glm5_jax.data import check_vocab, make_tokenizer
 from glm5_jax.posttrain import envs, rollout
 from glm5_jax.posttrain.rl_config_checks import validate_rl_experiment
@@ -49,10 +49,11 @@ def batch_seed(seed: int, worker: str, first_order: int) -> int:
   return int.from_bytes(digest.digest(), "little")
 
 
-def abstract_worker_params(config):
-  """ShapeDtypeStructs of the params with this process's shardings (`config.mesh` over its
-  devices, `config.mesh.logical_axis_rules`): what a published version is restored into."""
-  shapes, logical = abstract_params_and_axes(ModelConfig.from_config(config.model))
+def abstract_worker_params(config, model: ModelConfig):
+  """ShapeDtypeStructs of `model`'s params with this process's shardings (`config.mesh` over
+  its devices, `config.mesh.logical_axis_rules`): what a published version is restored into."""
+  require_model_config(model, "abstract_worker_params")
+  shapes, logical = abstract_params_and_axes(model)
   mesh = make_mesh(config.mesh)
   shardings = param_shardings(shapes, logical, mesh, config.mesh.logical_axis_rules)
   return jax.tree.map(lambda s, sh: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=sh),
@@ -82,10 +83,11 @@ def run_worker(config, root, name: str, *, max_batches: int | None = None) -> di
   validate_rl_experiment(config)
   dirs = RunDirs.at(root)
   rl = config.rl
+  model = ModelConfig.from_config(config.model)  # once per worker
   tokenizer = make_tokenizer(config.data.tokenizer)
-  check_vocab(tokenizer, ModelConfig.from_config(config.model).vocab_size)
+  check_vocab(tokenizer, model.vocab_size)
   env = envs.make(rl.env, **rl.env_options.to_dict())
-  abstract = abstract_worker_params(config)
+  abstract = abstract_worker_params(config, model)
   subscriber = PolicySubscriber(dirs.policy)
   removed = trajectories.remove_temporaries(dirs.rollouts, name)
   if removed:
