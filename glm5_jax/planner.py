@@ -219,8 +219,8 @@ class Program:
   moe_standin: bool = False
 
 
-def _needs_moe_standin(config) -> bool:
-  return jax.default_backend() == "cpu" and "E" in ModelConfig.from_config(config.model).mlp_pattern
+def _needs_moe_standin(model: ModelConfig) -> bool:
+  return jax.default_backend() == "cpu" and "E" in model.mlp_pattern
 
 
 def _with_shardings(tree, shardings):
@@ -255,7 +255,7 @@ def train_program(config) -> Program:
                in_shardings=(state_sharding, batch["tokens"].sharding),
                out_shardings=(state_sharding, None), donate_argnums=0)
   return Program(fn, (state, batch), mesh, config.mesh.logical_axis_rules,
-                 sharded_bytes((state, batch)), _needs_moe_standin(config))
+                 sharded_bytes((state, batch)), _needs_moe_standin(model))
 
 
 def serve_program(config) -> Program:
@@ -274,7 +274,7 @@ def serve_program(config) -> Program:
   fn = jax.jit(prefill, keep_unused=True, in_shardings=(jax.tree_util.tree_map(lambda p: p.sharding, params),
                                       tokens.sharding))
   return Program(fn, (params, tokens), mesh, rules, sharded_bytes((params, tokens)),
-                 _needs_moe_standin(config))
+                 _needs_moe_standin(model))
 
 
 def kv_cache_bytes(config) -> int:
