@@ -27,7 +27,6 @@ clip fractions, IcePop-masked fraction, entropy, the train/rollout log-prob mism
 and generation and train seconds; held-out accuracy as split "eval".
 """
 
-import hashlib
 import json
 import time
 
@@ -43,6 +42,7 @@ from glm5_jax.data import check_vocab, make_tokenizer
 from glm5_jax.eval.checkpoints import load_run
 from glm5_jax.posttrain import algorithms, envs, rollout, rl_step
 from glm5_jax.posttrain.rl_config_checks import validate_rl_experiment
+from glm5_jax.seeds import derive_seed
 from glm5_jax.sharding import activation_sharding
 from glm5_jax.train import checkpoint as ckpt
 from glm5_jax.train import integrity
@@ -58,8 +58,7 @@ RESUMABLE_RL_FIELDS = ("steps", "eval_every_steps", "eval_tasks", "eval_samples"
 
 def step_seed(seed: int, step: int) -> int:
   """The rollout seed of step `step` (a hash: steps never share sampling streams)."""
-  digest = hashlib.blake2b(f"rl:{seed}:{step}".encode(), digest_size=4).digest()
-  return int.from_bytes(digest, "little")
+  return derive_seed("rl", seed, step)
 
 
 def rl_fingerprint(config) -> dict:

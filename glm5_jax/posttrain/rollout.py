@@ -30,7 +30,6 @@ Notation (docs/design.md): B samples (rows), L sequence (`seq_len`); N samples a
 """
 
 import dataclasses
-import hashlib
 
 import numpy as np
 
@@ -39,6 +38,7 @@ from glm5_jax.data import chat, make_tokenizer
 from glm5_jax.infer.engine import Engine
 from glm5_jax.infer.requests import Request
 from glm5_jax.posttrain.envs import Env, Task
+from glm5_jax.seeds import derive_seed
 
 MAX_SLOTS = 64  # sequences decoded at once: bounds the cache; more requests wait for a slot
 PREFILL_CHUNK = 32  # prompt tokens per prefill call (prompts here are short)
@@ -94,8 +94,7 @@ class _Episode:
 
 def request_seed(seed: int, task: Task, sample: int, turn: int) -> int:
   """The uint32 sampling seed of one turn of one sample (module docstring)."""
-  key = f"{seed}:{task.env}:{task.split}:{task.index}:{sample}:{turn}".encode()
-  return int.from_bytes(hashlib.blake2b(key, digest_size=4).digest(), "little")
+  return derive_seed(seed, task.env, task.split, task.index, sample, turn)
 
 
 def observation_tokens(observation: str, tokenizer, *, after_stop: int,

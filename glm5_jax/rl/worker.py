@@ -24,7 +24,6 @@ Sampling seeds: one per generation batch, a hash of (`rl.seed`, worker, first or
 request's seed also hashes the task index, sample and turn (`rollout.request_seed`).
 """
 
-import hashlib
 import os
 import time
 
@@ -41,12 +40,12 @@ from glm5_jax.rl import orders as orders_lib
 from glm5_jax.rl import trajectories
 from glm5_jax.rl.layout import RunDirs, read_json, write_json
 from glm5_jax.rl.param_sync import PolicySubscriber
+from glm5_jax.seeds import derive_seed
 from glm5_jax.sharding import make_mesh, param_shardings
 
 
 def batch_seed(seed: int, worker: str, first_order: int) -> int:
-  digest = hashlib.blake2b(f"rollout:{seed}:{worker}:{first_order}".encode(), digest_size=4)
-  return int.from_bytes(digest.digest(), "little")
+  return derive_seed("rollout", seed, worker, first_order)
 
 
 def abstract_worker_params(config, model: ModelConfig):
