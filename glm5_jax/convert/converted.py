@@ -37,7 +37,7 @@ def layout_shapes_and_axes(config):
   leading `layers` axis (logical name `LAYERS`, replicated by the default rules).
   """
   cfg = ModelConfig.from_config(config)
-  shapes, axes = abstract_params_and_axes(config)
+  shapes, axes = abstract_params_and_axes(cfg)
   if cfg.scan_layers and not layer_runs.is_scanned(shapes):
     unrolled = axes
     axes = {k: v for k, v in unrolled.items() if not layer_runs.is_layer_module(k)}
