@@ -239,3 +239,19 @@ def test_microbatches_accumulate_to_the_one_pass_result(setup):
     g2 = traverse_util.flatten_dict(grads_2)[path]
     np.testing.assert_allclose(np.asarray(g2), np.asarray(g1), rtol=1e-4,
                                atol=1e-6 * float(np.abs(g1).max() + 1e-12), err_msg=str(path))
+
+
+def test_build_rl_run_converts_the_model_config_once(monkeypatch):
+  """The RL builders take the ModelConfig built once in `build_rl_run` (it was validated and
+  expanded 5 times there); a ConfigDict below them is refused."""
+  from glm5_jax import config as config_lib  # pylint: disable=g-import-not-at-top
+  from glm5_jax.posttrain import loop  # pylint: disable=g-import-not-at-top
+  calls = []
+  original = config_lib.validate_model_config
+  monkeypatch.setattr(config_lib, "validate_model_config",
+                      lambda m: calls.append(1) or original(m))
+  config = rl_tiny.get_config()
+  _, _, shapes, trainer = loop.build_rl_run(config)
+  assert len(calls) == 1
+  with pytest.raises(TypeError, match="make_rl_train_step: expected the ModelConfig"):
+    rl_step.make_rl_train_step(config, config.model, trainer.optimizer, None)
