@@ -141,7 +141,8 @@ def _rl_train(config, workdir, stop_after_steps, initial_params):
         tasks = [env.task(step * rl.prompts_per_step + i, "train")
                  for i in range(rl.prompts_per_step)]
         samples = rollout.generate_samples(config, state.params, env, tasks,
-                                           seed=step_seed(rl.seed, step), tokenizer=tokenizer)
+                                           seed=step_seed(rl.seed, step), tokenizer=tokenizer,
+                                           model=t.model)
         t1 = time.time()
         batch = score(config, samples, teacher)
         state, metrics = train_on_batch(t, state, batch, rl.minibatches)

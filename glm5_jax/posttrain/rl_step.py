@@ -303,6 +303,7 @@ def make_rl_train_step(config, model: ModelConfig, optimizer, schedule, *, state
 @dataclasses.dataclass(frozen=True)
 class RLTrainer:
   """What an RL run needs to train, built once per run by `build_rl_trainer`."""
+  model: ModelConfig  # the run's, converted once (`posttrain.loop.build_rl_run`)
   optimizer: Any
   mesh: jax.sharding.Mesh
   state_sharding: Any
@@ -329,8 +330,8 @@ def build_rl_trainer(config, model: ModelConfig, shapes, *,
   logp = functools.partial(policy_logprobs, model, dsa_stage=config.train.dsa_stage)
   policy_logp = jax.jit(lambda params, batch: logp(params, batch),
                         in_shardings=(state_sharding.params, batch_sharding))
-  return RLTrainer(optimizer, mesh, state_sharding, batch_sharding, train_step, init_state,
-                   policy_logp)
+  return RLTrainer(model, optimizer, mesh, state_sharding, batch_sharding, train_step,
+                   init_state, policy_logp)
 
 
 def check_rl_batch(batch, *, vocab_size: int | None = None) -> None:

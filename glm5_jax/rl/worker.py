@@ -119,7 +119,8 @@ def run_worker(config, root, name: str, *, max_batches: int | None = None) -> di
     prefix = {}
     samples = rollout.generate_samples(config, params, env, tasks,
                                        seed=batch_seed(rl.seed, name, batch[0].id),
-                                       tokenizer=tokenizer, slots=slots, stats=prefix)
+                                       tokenizer=tokenizer, slots=slots, stats=prefix,
+                                       model=model)
     for key in ("prompt_tokens", "prefilled_tokens", "session_hits", "session_misses",
                 "evictions"):
       stats["prefix"][key] = stats["prefix"].get(key, 0) + int(prefix.get(key, 0))
