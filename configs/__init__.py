@@ -3,7 +3,6 @@
 Import them as modules (`from configs import tiny; tiny.get_config("attention=M")`) or name
 them by path to an entry point (`--config=configs/tiny.py:attention=M`, which ml_collections
 loads by path). Either way a config that imports its siblings (`configs.common`,
-`configs.tiny`) needs the directory holding `configs/` on `sys.path`: the entry points in
-experiments/ and tools/ put the working directory there, so run them from the repository root
-(or set PYTHONPATH to it); the tests get it from `pythonpath = .` in setup.cfg.
+`configs.tiny`) imports the installed `configs` package: setup.cfg installs it beside
+`glm5_jax` (`pip install -e .` or a normal install), so no entry point edits `sys.path`.
 """

@@ -18,15 +18,9 @@ Lengths default to 1x, 2x, 4x and 8x the run's training length (`data.seq_len`).
 and prints the markdown.
 """
 
-import os
 import sys
 
-# configs/*.py import each other as `configs.*`, and config flags load them while this module
-# is imported: the repository root goes on sys.path before anything else.
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-
 from absl import app, flags, logging
-from ml_collections import config_flags
 
 from configs import overrides
 from glm5_jax.config import model_config

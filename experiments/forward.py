@@ -11,13 +11,7 @@ keeps (the last only with `--config.model.scan_layers=False`: a scanned run does
 layers' selections).
 """
 
-import os
-import sys
 import time
-
-# configs/*.py import each other as `configs.*`, and config flags load them while this module
-# is imported: the repository root goes on sys.path before anything else.
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from absl import app, flags
 import jax

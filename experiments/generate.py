@@ -30,14 +30,9 @@ import os
 import sys
 import time
 
-# configs/*.py import each other as `configs.*`, and config flags load them while this module
-# is imported: the repository root goes on sys.path before anything else.
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-
 from absl import app, flags
 import jax
 import numpy as np
-from ml_collections import config_flags
 
 from configs import overrides
 from glm5_jax import infer

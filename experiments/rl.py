@@ -44,18 +44,16 @@ import os
 import sys
 import time
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from absl import app, flags, logging
+import jax
 
-from absl import app, flags, logging  # noqa: E402
-import jax  # noqa: E402
-
-from configs import overrides  # noqa: E402
-from glm5_jax.config import require  # noqa: E402
-from glm5_jax.posttrain import sft  # noqa: E402
-from glm5_jax.posttrain.loop import rl_train  # noqa: E402
-from glm5_jax.rl import async_trainer, launcher, worker  # noqa: E402
-from glm5_jax.rl.layout import RunDirs, read_json, write_json  # noqa: E402
-from glm5_jax.train import console, multiprocess  # noqa: E402
+from configs import overrides
+from glm5_jax.config import require
+from glm5_jax.posttrain import sft
+from glm5_jax.posttrain.loop import rl_train
+from glm5_jax.rl import async_trainer, launcher, worker
+from glm5_jax.rl.layout import RunDirs, read_json, write_json
+from glm5_jax.train import console, multiprocess
 
 _CONFIG = overrides.define_config_file("config", "configs/rl_tiny.py", "RL config.")
 _WORKDIR = flags.DEFINE_string("workdir", "/tmp/glm5_rl", "The SFT run (when rl.init_from is "

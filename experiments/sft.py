@@ -16,19 +16,16 @@ The result is the starting point of experiments/rl.py (`--config.rl.init_from=<w
 Exit status: 0 trained to `train.steps`; 75 stopped early (SIGTERM), rerun to resume; 1 failed.
 """
 
-import os
+import json
 import sys
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from absl import app, flags, logging
+import jax
 
-from absl import app, flags, logging  # noqa: E402
-import jax  # noqa: E402
-
-import json  # noqa: E402
 from configs import overrides
-from glm5_jax.posttrain.sft import run_sft  # noqa: E402
-from glm5_jax.train import console  # noqa: E402
-from glm5_jax.train.stopping import EXIT_STOPPED_EARLY  # noqa: E402
+from glm5_jax.posttrain.sft import run_sft
+from glm5_jax.train import console
+from glm5_jax.train.stopping import EXIT_STOPPED_EARLY
 
 _CONFIG = overrides.define_config_file("config", "configs/sft_tiny.py", "SFT config.")
 _WORKDIR = flags.DEFINE_string("workdir", "/tmp/glm5_sft", "Checkpoints, metrics.jsonl and the "

@@ -7,8 +7,9 @@
   python experiments/sweep.py --sweep=configs/sweeps/muon_split.py \
       --sweep.size.train_steps=1200 --sweep.suite.examples_per_cell=8
 
-Run from the repository root: the sweep configs import `configs.common` and name experiment
-configs as modules (`configs.tiny`), so the working directory goes on `sys.path`.
+The sweep configs import `configs.common` and name experiment configs as modules
+(`configs.tiny`): the `configs` package is installed with `glm5_jax` (setup.cfg). The paths in
+the examples above are relative to the repository root.
 
 Runs execute in dependency order (glm5_jax.sweeps.spec), one after another in this process
 or, with --parallel=N, up to N worker processes at a time. Everything goes under --sweep_dir
@@ -26,10 +27,6 @@ recorded as finished, and the command exits non-zero; re-running it resumes them
 import os
 import re
 import sys
-
-# configs/*.py import each other as `configs.*`, and config flags load them while this module
-# is imported: the repository root goes on sys.path before anything else.
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from absl import app, flags, logging
 from ml_collections import config_flags

@@ -11,7 +11,8 @@ layer) out of M D R G S N L; what each letter is, and every fact about it, lives
 The long-context ablation (docs/reference.md section 3) converts half the layers of a
 full-attention model to S / N / L; `interleave_pattern` writes such patterns.
 
-Every section of an experiment config is validated once, up front, by
+The `model` section's checks (`validate_model_config`) live here, beside `ModelConfig`, which
+runs them. Every section of an experiment config is validated once, up front, by
 `glm5_jax.config_validation.validate_config`; `ConfigError`, `require` and `check_fields` here
 are what each section's validator raises with.
 """
@@ -22,7 +23,9 @@ from typing import Any
 
 import ml_collections
 
-from glm5_jax.attention.kinds import ATTENTION_KINDS, layer_kind
+from glm5_jax.attention.kinds import ATTENTION_KINDS, layer_kind, pattern_error
+from glm5_jax.layers.params import DTYPES
+from glm5_jax.layers.remat import REMAT_POLICIES
 
 SIMPLE_GDN_GATES = ("fixed", "learned")
 MLP_LETTERS = {"F": "dense", "E": "moe"}
@@ -178,9 +181,7 @@ class _ModelConfigMethods:
     """Builds from a `model` ConfigDict (or an existing ModelConfig), validating first."""
     if isinstance(config, cls):
       return config
-    # Deferred: config_validation imports this module, and the modules of every section.
-    from glm5_jax import config_validation  # pylint: disable=g-import-not-at-top
-    config_validation.validate_model_config(config)
+    validate_model_config(config)
     config = with_later_field_defaults(config)
     values = {f.name: config[f.name] for f in dataclasses.fields(cls)}
     values["attention_pattern"] = expand_pattern(config.attention_pattern, config.num_hidden_layers)
@@ -211,6 +212,20 @@ ModelConfig = dataclasses.make_dataclass(
     "ModelConfig", [(name, type(value)) for name, value in model_config().items()],
     bases=(_ModelConfigMethods,), namespace={"__module__": __name__, "__doc__": _MODEL_CONFIG_DOC},
     frozen=True)
+
+
+def require_model_config(model, where: str) -> "ModelConfig":
+  """`model` itself if it is a `ModelConfig`, else a TypeError naming `where`.
+
+  Below the entry points (experiments/, tools/, `glm5_jax.api`, the builders' public entries)
+  everything takes the `ModelConfig` built once by `ModelConfig.from_config`, never the `model`
+  ConfigDict (docs/design.md, Dependency direction): validating and expanding it again in every
+  function is what this refuses.
+  """
+  if not isinstance(model, ModelConfig):
+    raise TypeError(f"{where}: expected the ModelConfig built at the entry point "
+                    f"(ModelConfig.from_config(config.model)), got {type(model).__name__}")
+  return model
 
 
 def expand_pattern(pattern: str, num_layers: int) -> str:
@@ -266,3 +281,100 @@ def mlp_layer_pattern(config) -> str:
     return config.mlp_pattern
   n_dense = min(config.first_k_dense_replace, config.num_hidden_layers)
   return "F" * n_dense + "E" * (config.num_hidden_layers - n_dense)
+
+
+def validate_model_config(m) -> None:
+  """Rejects impossible model configs with a `ConfigError` naming the field.
+
+  Args:
+    m: the `model` ConfigDict (as from `model_config()` or `glm5_jax.load_hf`).
+  """
+  check_fields(m, model_config(), "model", optional=LATER_FIELDS)
+  m = with_later_field_defaults(m)
+  positive = [
+      "vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
+      "num_attention_heads", "num_key_value_heads", "gqa_head_dim", "q_lora_rank",
+      "kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim", "index_n_heads",
+      "index_head_dim", "n_routed_experts", "moe_intermediate_size", "n_group", "topk_group",
+      "max_position_embeddings", "sliding_window", "gdn_conv_size", "gdn_chunk_size",
+  ]
+  for name in positive:
+    require(isinstance(m[name], int) and m[name] >= 1, f"model.{name}",
+             f"must be a positive integer, got {m[name]!r}")
+  require(isinstance(m.index_topk, int) and m.index_topk >= 1, "model.index_topk",
+           f"top-k must be an integer >= 1, got {m.index_topk!r}")
+  require(m.qk_rope_head_dim % 2 == 0, "model.qk_rope_head_dim",
+           f"RoPE rotates pairs of dims, so it must be even, got {m.qk_rope_head_dim}")
+  require(m.index_head_dim >= m.qk_rope_head_dim, "model.index_head_dim",
+           f"the indexer applies RoPE to its first qk_rope_head_dim={m.qk_rope_head_dim} dims, "
+           f"so index_head_dim must be at least that, got {m.index_head_dim}")
+  require(1 <= m.num_experts_per_tok <= m.n_routed_experts, "model.num_experts_per_tok",
+           f"must be in [1, n_routed_experts={m.n_routed_experts}], got {m.num_experts_per_tok}")
+  require(m.n_shared_experts >= 0, "model.n_shared_experts",
+           f"must be >= 0, got {m.n_shared_experts}")
+  require(m.n_routed_experts % m.n_group == 0, "model.n_group",
+           f"must divide n_routed_experts={m.n_routed_experts}, got {m.n_group}")
+  require(1 <= m.topk_group <= m.n_group, "model.topk_group",
+           f"must be in [1, n_group={m.n_group}], got {m.topk_group}")
+  if m.n_group > 1:
+    per_group = m.n_routed_experts // m.n_group
+    require(per_group >= 2, "model.n_group", "group-limited routing scores a group by its top-2 "
+             f"experts, so each group needs >= 2 experts; got {per_group}")
+    require(m.num_experts_per_tok <= m.topk_group * per_group, "model.num_experts_per_tok",
+             f"cannot pick {m.num_experts_per_tok} experts from topk_group={m.topk_group} groups "
+             f"of {per_group}")
+  require(0 <= m.first_k_dense_replace, "model.first_k_dense_replace",
+           f"must be >= 0, got {m.first_k_dense_replace}")
+  require(m.num_nextn_predict_layers in (0, 1), "model.num_nextn_predict_layers",
+           f"GLM-5 stores one MTP layer shared by all depths; 0 or 1 supported, got "
+           f"{m.num_nextn_predict_layers}")
+  require(m.mtp_depths >= 0, "model.mtp_depths", f"must be >= 0, got {m.mtp_depths}")
+  require(m.mtp_depths == 0 or m.num_nextn_predict_layers == 1, "model.mtp_depths",
+           "MTP depths need an MTP layer: set num_nextn_predict_layers=1 or mtp_depths=0")
+  require(m.rope_theta > 0, "model.rope_theta", f"must be > 0, got {m.rope_theta}")
+  require(m.routed_scaling_factor > 0, "model.routed_scaling_factor",
+           f"must be > 0, got {m.routed_scaling_factor}")
+  require(m.initializer_range >= 0, "model.initializer_range",
+           f"the init std must be >= 0, got {m.initializer_range}")
+  for name in ("rms_norm_eps", "latent_norm_eps", "indexer_norm_eps"):
+    require(m[name] > 0, f"model.{name}", f"must be > 0, got {m[name]}")
+  require(m.dsa_impl in DSA_IMPLS, "model.dsa_impl", f"must be one of {DSA_IMPLS}, got "
+           f"{m.dsa_impl!r}")
+  require(m.remat_policy in REMAT_POLICIES, "model.remat_policy",
+           f"must be one of {REMAT_POLICIES}, got {m.remat_policy!r}")
+  require(m.moe_impl in MOE_IMPLS, "model.moe_impl", f"must be one of {MOE_IMPLS}, got "
+           f"{m.moe_impl!r}")
+  require(m.moe_transport in MOE_TRANSPORTS, "model.moe_transport",
+           f"must be one of {MOE_TRANSPORTS}, got {m.moe_transport!r}")
+  for name in ("dtype", "param_dtype", "cache_dtype"):
+    require(m[name] in DTYPES, f"model.{name}", f"must be one of {sorted(DTYPES)}, got "
+             f"{m[name]!r}")
+  require(m.simple_gdn_gates in SIMPLE_GDN_GATES, "model.simple_gdn_gates",
+           f"must be one of {SIMPLE_GDN_GATES}, got {m.simple_gdn_gates!r}")
+  # Strictly inside (0, 1): the learned gate starts at sigmoid^-1(simple_gdn_beta).
+  require(0 < m.simple_gdn_beta < 1,
+           "model.simple_gdn_beta", f"the update gate must lie in (0, 1), got "
+           f"{m.simple_gdn_beta!r}")
+
+  pattern = m.attention_pattern
+  require(isinstance(pattern, str) and len(pattern) in (1, m.num_hidden_layers),
+           "model.attention_pattern", f"needs one letter per layer ({m.num_hidden_layers}) or a "
+           f"single letter for all layers, got {pattern!r}")
+  pattern = expand_pattern(pattern, m.num_hidden_layers)
+  problem = pattern_error(pattern)
+  require(problem is None, "model.attention_pattern", problem)
+
+  if any(ATTENTION_KINDS[letter].family == "gqa" for letter in pattern):  # GQA-only fields
+    require(m.gqa_head_dim % 2 == 0, "model.gqa_head_dim",
+             f"RoPE rotates pairs of dims, so it must be even, got {m.gqa_head_dim}")
+    require(m.num_attention_heads % m.num_key_value_heads == 0, "model.num_key_value_heads",
+             f"must divide num_attention_heads={m.num_attention_heads}, got "
+             f"{m.num_key_value_heads}")
+
+  mlp = m.mlp_pattern
+  if mlp:
+    require(len(mlp) == m.num_hidden_layers, "model.mlp_pattern",
+             f"needs one letter per layer ({m.num_hidden_layers}), got {len(mlp)}")
+    unknown = sorted(set(mlp) - set(MLP_LETTERS))
+    require(not unknown, "model.mlp_pattern", f"unknown letters {unknown}; allowed "
+             f"{MLP_LETTERS}")

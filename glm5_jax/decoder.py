@@ -2,8 +2,8 @@
 
 from flax import linen as nn
 
-from glm5_jax.attention.kinds import KINDS_BY_NAME
 from glm5_jax.attention.mode import Mode
+from glm5_jax.attention.modules import build_attention
 from glm5_jax.config import ModelConfig
 from glm5_jax.layers.ffn import SwiGLU
 from glm5_jax.layers.norms import RMSNorm
@@ -41,7 +41,7 @@ class DecoderLayer(nn.Module):
     c = self.cfg
     dtype, pdtype = dtypes(c)
     h_BLD = RMSNorm(c.rms_norm_eps, dtype, pdtype, name="input_layernorm")(x_BLD)
-    attention = KINDS_BY_NAME[self.attention_kind].build(c, "self_attn")
+    attention = build_attention(self.attention_kind, c, "self_attn")
     # Only decode passes `cache=`: the training forward calls every kind exactly as before.
     extra = {"cache": cache} if mode.form == "decode" else {}
     routing = routing or {}

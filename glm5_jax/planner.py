@@ -35,6 +35,7 @@ import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec
 
 from glm5_jax import cpu_standins
+from glm5_jax.accelerators import ACCELERATORS
 from glm5_jax.api import abstract_params_and_axes, forward
 from glm5_jax.config import ModelConfig, require
 from glm5_jax.data.packing import BATCH_KEYS
@@ -45,8 +46,9 @@ from glm5_jax.train.step import StepConfig, make_train_step
 from glm5_jax.train.trainer import make_init_state, optimizer_and_param_shardings
 
 GIB = 1024 ** 3
-# HBM per chip (per GPU), GiB.
-ACCELERATOR_HBM_GIB = {"v5p": 95, "v6e": 32, "h100": 80, "h200": 141}
+# The chips a plan is checked against, and their HBM per chip (per GPU), GiB.
+PLANNED_ACCELERATORS = ("v5p", "v6e", "h100", "h200")
+ACCELERATOR_HBM_GIB = {name: ACCELERATORS[name].hbm_gib for name in PLANNED_ACCELERATORS}
 
 COLLECTIVE_KINDS = ("all-gather", "all-reduce", "reduce-scatter", "all-to-all",
                     "ragged-all-to-all", "collective-permute")
@@ -217,8 +219,8 @@ class Program:
   moe_standin: bool = False
 
 
-def _needs_moe_standin(config) -> bool:
-  return jax.default_backend() == "cpu" and "E" in ModelConfig.from_config(config.model).mlp_pattern
+def _needs_moe_standin(model: ModelConfig) -> bool:
+  return jax.default_backend() == "cpu" and "E" in model.mlp_pattern
 
 
 def _with_shardings(tree, shardings):
@@ -253,7 +255,7 @@ def train_program(config) -> Program:
                in_shardings=(state_sharding, batch["tokens"].sharding),
                out_shardings=(state_sharding, None), donate_argnums=0)
   return Program(fn, (state, batch), mesh, config.mesh.logical_axis_rules,
-                 sharded_bytes((state, batch)), _needs_moe_standin(config))
+                 sharded_bytes((state, batch)), _needs_moe_standin(model))
 
 
 def serve_program(config) -> Program:
@@ -272,7 +274,7 @@ def serve_program(config) -> Program:
   fn = jax.jit(prefill, keep_unused=True, in_shardings=(jax.tree_util.tree_map(lambda p: p.sharding, params),
                                       tokens.sharding))
   return Program(fn, (params, tokens), mesh, rules, sharded_bytes((params, tokens)),
-                 _needs_moe_standin(config))
+                 _needs_moe_standin(model))
 
 
 def kv_cache_bytes(config) -> int:

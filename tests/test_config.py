@@ -10,8 +10,8 @@ import numpy as np
 import pytest
 
 import glm5_jax
-from glm5_jax.config import ConfigError, ModelConfig
-from glm5_jax.config_validation import validate_config, validate_model_config
+from glm5_jax.config import ConfigError, ModelConfig, validate_model_config
+from glm5_jax.config_validation import validate_config
 from glm5_jax.sharding import mesh_config, validate_mesh_config
 
 CONFIG_DIR = pathlib.Path(__file__).resolve().parents[1] / "configs"

@@ -53,8 +53,9 @@ def test_dsa_adaptation_stages():
 
 
 def test_param_count_loads_a_config_that_imports_its_siblings_by_path():
-  """tools/param_count.py run from the repository root, as the README does, with no
-  PYTHONPATH: configs/dsa_adaptation.py imports configs.tiny and configs.common."""
+  """tools/param_count.py run as the README does, with no PYTHONPATH and no sys.path edit in
+  the tool: configs/dsa_adaptation.py imports configs.tiny and configs.common from the
+  `configs` package installed with glm5_jax (setup.cfg; `pip install -e .` provides it)."""
   env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
   proc = subprocess.run([sys.executable, "tools/param_count.py",
                          "--config=configs/dsa_adaptation.py:stage=sparse", "--json"],

@@ -22,6 +22,7 @@ import pytest
 from glm5_jax.attention.kinds import (ATTENTION_KINDS, CACHE_BYTES_PER_NUMBER,
                                       STATE_BYTES_PER_NUMBER, swa_ring_rows)
 from glm5_jax.attention.mode import Mode
+from glm5_jax.attention.modules import build_attention
 from glm5_jax.infer.rollback import rollback
 from glm5_jax.layers import axes
 
@@ -45,7 +46,7 @@ class Harness:
   def __init__(self, helpers, letter):
     self.kind = ATTENTION_KINDS[letter]
     self.cfg = kind_config(helpers, letter)
-    self.module = self.kind.build(self.cfg, "self_attn")
+    self.module = build_attention(self.kind.name, self.cfg, "self_attn")
     self.d = self.cfg.hidden_size
     x, pos, seg = self.inputs(np.zeros((SLOTS, LENGTH, self.d)))
     abstract = jax.eval_shape(self.module.init, jax.random.key(0), x, pos, seg)

@@ -26,8 +26,7 @@ import glm5_jax
 import pallas_kernels as pk
 from glm5_jax.attention.dsa import restrict_topk_to_visible
 from glm5_jax.attention.mla import MLA
-from glm5_jax.config import ConfigError, model_config
-from glm5_jax.config_validation import validate_model_config
+from glm5_jax.config import ConfigError, model_config, validate_model_config
 
 # Small blocks (illegal on TPU, fine in interpret mode) so tiny shapes still span several query,
 # key and slot blocks, partial last blocks and skipped causal blocks.

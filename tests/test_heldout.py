@@ -15,9 +15,10 @@ def test_per_source_scores_count_each_packed_document():
       loss_mask=np.array([[1, 1, 1, 0, 0, 1, 1, 0]], np.float32),
       source_id=np.array([[0, 0, 0, 1, 1, 1, 1, -1]]),
   )
-  # Position i predicts token i+1. Targets counted: 11, 12 (doc 1) and 22, 23 (doc 2).
-  predictions = np.array([[11, 99, 0, 0, 22, 23, 0]])  # doc 1 half right, doc 2 all right
-  nll = np.array([[1.0, 3.0, 9.0, 9.0, 0.5, 1.5, 9.0]])
+  # Entry i is token i's (guess, nll); entry 0 has none. Targets counted: 11, 12 (doc 1) and
+  # 22, 23 (doc 2).
+  predictions = np.array([[-1, 11, 99, 0, 0, 22, 23, 0]])  # doc 1 half right, doc 2 all right
+  nll = np.array([[0.0, 1.0, 3.0, 9.0, 9.0, 0.5, 1.5, 9.0]])
 
   def eval_step(params, device_batch):
     assert params == "params" and device_batch is batch

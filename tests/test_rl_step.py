@@ -10,7 +10,7 @@ from flax import traverse_util
 
 from configs import rl_tiny, tiny
 from glm5_jax.config import ConfigError, ModelConfig
-from glm5_jax.posttrain import grpo, rl_step
+from glm5_jax.posttrain import algorithms, rl_step
 from glm5_jax.posttrain.config import rl_config, validate_rl_config
 from glm5_jax.posttrain.rl_config_checks import validate_rl_experiment
 from glm5_jax.sharding import activation_sharding, make_mesh
@@ -34,9 +34,9 @@ def setup(helpers):
   optimizer, schedule = rl_step.build_rl_optimizer(config, params)
   # The sharded step as a run builds it, on the default mesh (one device here).
   mesh = make_mesh(config.mesh)
-  state_sharding, batch_sharding = rl_step.rl_shardings(config, optimizer, mesh)
-  jitted = rl_step.make_rl_train_step(config, optimizer, schedule, state_sharding=state_sharding,
-                                      batch_sharding=batch_sharding)
+  state_sharding, batch_sharding = rl_step.rl_shardings(config, model, optimizer, mesh)
+  jitted = rl_step.make_rl_train_step(config, model, optimizer, schedule,
+                                      state_sharding=state_sharding, batch_sharding=batch_sharding)
 
   def step(state, batch):
     with activation_sharding(mesh, config.mesh.logical_axis_rules):
@@ -136,11 +136,11 @@ def test_distill_advantage_of_identical_teacher_is_zero(setup, helpers):
   config, model, params, _, _ = setup
   batch = make_batch(model, params, [0.0] * B)
   teacher = rl_step.teacher_logp(model, params, batch)
-  advantages = grpo.distill_advantages(teacher, batch["rollout_logp"]) * batch["loss_mask"]
+  advantages = algorithms.distill_advantages(teacher, batch["rollout_logp"]) * batch["loss_mask"]
   assert (np.asarray(advantages) == 0).all()
   # A different teacher disagrees on the student's tokens.
   other = rl_step.teacher_logp(model, helpers.random_params(model, seed=1, std=0.05), batch)
-  advantages = grpo.distill_advantages(other, batch["rollout_logp"]) * batch["loss_mask"]
+  advantages = algorithms.distill_advantages(other, batch["rollout_logp"]) * batch["loss_mask"]
   assert np.abs(np.asarray(advantages)).sum() > 0
 
 
@@ -193,7 +193,8 @@ def test_mtp_loss_weight_keeps_the_mtp_head_training(setup):
   config.rl.mtp_loss_weight = 0.3
   config.model.mtp_depths = 1  # the same params (one shared MTP layer); a third of the compile
   optimizer, schedule = rl_step.build_rl_optimizer(config, params)
-  step = rl_step.make_rl_train_step(config, optimizer, schedule)
+  step = rl_step.make_rl_train_step(config, ModelConfig.from_config(config.model), optimizer,
+                                    schedule)
   batch = make_batch(model, params, [1.0, -1.0, 0.0, 0.0])
   # Unsharded (no mesh): the path of `make_rl_train_step` without shardings.
   state = rl_step.init_rl_state(jax.tree.map(jnp.copy, params), optimizer)
@@ -238,3 +239,19 @@ def test_microbatches_accumulate_to_the_one_pass_result(setup):
     g2 = traverse_util.flatten_dict(grads_2)[path]
     np.testing.assert_allclose(np.asarray(g2), np.asarray(g1), rtol=1e-4,
                                atol=1e-6 * float(np.abs(g1).max() + 1e-12), err_msg=str(path))
+
+
+def test_build_rl_run_converts_the_model_config_once(monkeypatch):
+  """The RL builders take the ModelConfig built once in `build_rl_run` (it was validated and
+  expanded 5 times there); a ConfigDict below them is refused."""
+  from glm5_jax import config as config_lib  # pylint: disable=g-import-not-at-top
+  from glm5_jax.posttrain import loop  # pylint: disable=g-import-not-at-top
+  calls = []
+  original = config_lib.validate_model_config
+  monkeypatch.setattr(config_lib, "validate_model_config",
+                      lambda m: calls.append(1) or original(m))
+  config = rl_tiny.get_config()
+  _, _, shapes, trainer = loop.build_rl_run(config)
+  assert len(calls) == 1
+  with pytest.raises(TypeError, match="make_rl_train_step: expected the ModelConfig"):
+    rl_step.make_rl_train_step(config, config.model, trainer.optimizer, None)

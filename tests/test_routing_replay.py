@@ -18,6 +18,7 @@ from glm5_jax.moe import MoE
 from glm5_jax.posttrain import rl_step, rollout
 from glm5_jax.posttrain.config import rl_config, validate_rl_config
 from glm5_jax.rl import trajectories as tj
+from glm5_jax.train import losses
 
 MAX_LEN = 40
 
@@ -61,7 +62,7 @@ def _scored(cfg, params, batch):
   """Log-probs `[B, L]` and the routing the forward used."""
   out = glm5_jax.forward(cfg, params, batch["tokens"], batch["positions"], batch["segment_ids"],
                          mtp=False, routing=rl_step.batch_routing(batch), return_routing=True)
-  return rl_step.token_logprobs(out["logits"], batch["tokens"])[0], out["routing"]
+  return losses.token_logprobs(out["logits"], batch["tokens"])[0], out["routing"]
 
 
 @pytest.mark.parametrize("dsa_impl,scan_layers", [("dense_mask", True), ("xla", False)])

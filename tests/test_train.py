@@ -336,7 +336,7 @@ def test_compute_loss_weighs_and_sums_its_terms(helpers):
   batch = _packed_batch(model.vocab_size, seed=1)
   step_cfg = StepConfig(dsa_stage="sparse", mtp_loss_weight=0.37, z_loss_weight=0.013,
                         indexer_loss_weight=1.9, sequence_balance_weight=0.21)
-  total, (metrics, _, _, _) = jax.jit(compute_loss, static_argnums=(0, 1))(
+  total, (metrics, _, predictions, token_nll) = jax.jit(compute_loss, static_argnums=(0, 1))(
       model, step_cfg, params, batch)
   out = helpers.forward(model, params, batch["tokens"], batch["positions"], batch["segment_ids"])
 
@@ -353,6 +353,15 @@ def test_compute_loss_weighs_and_sums_its_terms(helpers):
         weights.sum())
 
   lm, z_loss = ce_and_z(out["logits"], 1)
+  # The eval outputs are aligned to the tokens (losses.token_logprobs): entry i is token i's;
+  # the weighted mean of the nll is the LM cross-entropy.
+  token_weights = np.pad(loss_mask[:, 1:] * (segments[:, 1:] == segments[:, :-1])
+                         * (segments[:, 1:] != 0), ((0, 0), (1, 0)))
+  np.testing.assert_allclose((np.asarray(token_nll) * token_weights).sum() / token_weights.sum(),
+                             lm, rtol=1e-5)
+  assert (np.asarray(predictions)[:, 0] == -1).all() and (np.asarray(token_nll)[:, 0] == 0).all()
+  np.testing.assert_array_equal(np.asarray(predictions)[:, 1:],
+                                np.argmax(np.asarray(out["logits"])[:, :-1], -1))
   mtp = [ce_and_z(logits, d + 1)[0]  # depth d predicts token i + d + 1
          for d, logits in enumerate(out["mtp_logits"], start=1)]
   assert len(mtp) == 2

@@ -34,12 +34,7 @@ Notation: B slots (batch), C prefill chunk, Q tokens per slot per call.
 
 import json
 import os
-import sys
 import time
-
-# configs/*.py import each other as `configs.*`, and config flags load them while this module
-# is imported: the repository root goes on sys.path before anything else.
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from absl import app, flags
 from flax import linen as nn

@@ -43,6 +43,7 @@ import jax.numpy as jnp
 import numpy as np
 
 import pallas_kernels as pk
+from glm5_jax.accelerators import accelerator_of
 from glm5_jax.attention.common import attend, causal_segment_mask
 from glm5_jax.attention.dsa import topk_mask
 from glm5_jax.train.metrics import peak_flops_per_device
@@ -62,12 +63,6 @@ _INTERPRET_MAX = flags.DEFINE_integer("interpret_max_len", 2048, "Longest L for 
                                       "paths in interpret mode (off TPU).")
 _QUICK = flags.DEFINE_bool("quick", False, "Seconds-long smoke run: L = 256, 512, tiny dims.")
 _JSON = flags.DEFINE_bool("json", False, "Also print every row as one JSON line.")
-
-# HBM bandwidth, bytes/s, by device kind (public spec sheets).
-PEAK_HBM = {"TPU v4": 1.2e12, "TPU v5 lite": 0.82e12, "TPU v5e": 0.82e12, "TPU v5p": 2.76e12,
-            "TPU v5": 2.76e12, "TPU v6": 1.64e12, "H100": 3.35e12, "H200": 4.8e12,
-            "A100": 2.0e12}
-
 
 @dataclasses.dataclass(frozen=True)
 class Dims:
@@ -201,7 +196,8 @@ def main(argv):
   lens, d = resolve_dims(backend)
   interpret = backend != "tpu"
   peak_flops = peak_flops_per_device()
-  peak_hbm = next((v for k, v in PEAK_HBM.items() if k.lower() in device.lower()), None)
+  accelerator = accelerator_of(device)
+  peak_hbm = accelerator.hbm_bytes_per_s if accelerator else None
   best_sparse = "pallas" if backend == "tpu" else "xla"
   best_indexer = "indexer_" + best_sparse
   print(f"backend {backend} ({device}); batch {d.batch}, heads {d.heads}, dense head dim "

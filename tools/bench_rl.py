@@ -33,17 +33,15 @@ import subprocess
 import sys
 import time
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from absl import app, flags, logging
+import numpy as np
+from ml_collections import config_flags
 
-from absl import app, flags, logging  # noqa: E402
-import numpy as np  # noqa: E402
-from ml_collections import config_flags  # noqa: E402
-
-from configs import overrides  # noqa: E402
-from glm5_jax.posttrain import sft  # noqa: E402
-from glm5_jax.posttrain.loop import rl_train  # noqa: E402
-from glm5_jax.rl.layout import RunDirs, read_json  # noqa: E402
-from glm5_jax.train import console  # noqa: E402
+from configs import overrides
+from glm5_jax.posttrain import sft
+from glm5_jax.posttrain.loop import rl_train
+from glm5_jax.rl.layout import RunDirs, read_json
+from glm5_jax.train import console
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 _CONFIG = overrides.define_config_file("config", "configs/rl_tiny.py:env=echo,seq_len=128", "RL config.")

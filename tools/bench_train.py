@@ -11,13 +11,7 @@ device's peak is known (not on CPU).
 """
 
 import json
-import os
-import sys
 import time
-
-# configs/*.py import each other as `configs.*`, and config flags load them while this module
-# is imported: the repository root goes on sys.path before anything else.
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from absl import app, flags
 import jax

@@ -10,11 +10,6 @@ one call, then decode the rest one token at a time, and compare every position's
 (`index_topk` < length) and SWA's window is shorter than the sequence (its ring wraps).
 """
 
-import os
-import sys
-
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-
 from absl import app, flags
 import jax
 import numpy as np

@@ -11,17 +11,13 @@ not the model. On a pod, run it on every host with --distributed (`jax.distribut
 with its cluster auto-detection): each process then reads only its own devices' slices.
 """
 
-import os
-import sys
 import time
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from absl import app, flags, logging
+import jax
 
-from absl import app, flags, logging  # noqa: E402
-import jax  # noqa: E402
-
-from glm5_jax.convert.streaming import convert_streaming  # noqa: E402
-from glm5_jax.sharding import make_mesh, mesh_config  # noqa: E402
+from glm5_jax.convert.streaming import convert_streaming
+from glm5_jax.sharding import make_mesh, mesh_config
 
 _HF_DIR = flags.DEFINE_string("hf_dir", None, "HF checkpoint directory (config.json + "
                               "*.safetensors).", required=True)

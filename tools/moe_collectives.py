@@ -20,9 +20,7 @@ collectives in f32, so TPU/GPU bytes are half these.
 
 import argparse
 import os
-import sys
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
 def compile_moe_layer(model_cfg, mesh, rules, batch: int, seq: int, grad: bool = True) -> str:

@@ -12,12 +12,6 @@ What is counted: see `glm5_jax.param_stats`.
 """
 
 import json
-import os
-import sys
-
-# configs/*.py import each other as `configs.*`, and config flags load them while this module
-# is imported: the repository root goes on sys.path before anything else.
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from absl import app
 from absl import flags

@@ -43,13 +43,8 @@ if _DEVICES is not None and _DEVICES.isdigit():
                              f" --xla_force_host_platform_device_count={_DEVICES}").strip()
   os.environ["JAX_PLATFORMS"] = "cpu"
 
-# configs/*.py import each other as `configs.*`, and config flags load them while this module
-# is imported: the repository root goes on sys.path before anything else.
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-
 from absl import app, flags  # pylint: disable=g-import-not-at-top
 import jax  # pylint: disable=g-import-not-at-top
-from ml_collections import config_flags  # pylint: disable=g-import-not-at-top
 
 from configs import overrides
 from glm5_jax import planner  # pylint: disable=g-import-not-at-top

@@ -18,10 +18,6 @@ calculator env, whose episodes do call the tool) or random params of configs/rl_
 """
 
 import json
-import os
-import sys
-
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from absl import app, flags
 from flax import linen as nn

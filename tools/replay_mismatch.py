@@ -21,9 +21,6 @@ any DSA layer) differs from the engine's when the trainer chooses its own:
 """
 
 import os
-import sys
-
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from absl import app, flags
 import jax
@@ -34,6 +31,7 @@ from flax import traverse_util
 import glm5_jax
 from glm5_jax.config import ModelConfig
 from glm5_jax.posttrain import envs, rl_step, rollout
+from glm5_jax.train import losses
 
 _CONFIG = flags.DEFINE_string("config", "configs/rl_tiny.py", "RL config file.")
 _PROMPTS = flags.DEFINE_integer("prompts", 8, "Tasks rolled out.")
@@ -82,7 +80,7 @@ def _scored(cfg, params, batch):
 def _scored_impl(params, batch, *, cfg):
   out = glm5_jax.forward(cfg, params, batch["tokens"], batch["positions"], batch["segment_ids"],
                          mtp=False, routing=rl_step.batch_routing(batch), return_routing=True)
-  return rl_step.token_logprobs(out["logits"], batch["tokens"])[0], out["routing"]
+  return losses.token_logprobs(out["logits"], batch["tokens"])[0], out["routing"]
 
 
 _SCORED = jax.jit(_scored_impl, static_argnames="cfg")
@@ -111,7 +109,7 @@ def main(argv):
   rows["bf16 cache"] = mismatch(cfg, params, rollout_batch(bf16, params, env, _SEED.value))
 
   optimizer, schedule = rl_step.build_rl_optimizer(config, params)
-  train_step = rl_step.make_rl_train_step(config, optimizer, schedule)
+  train_step = rl_step.make_rl_train_step(config, cfg, optimizer, schedule)
   rng = np.random.default_rng(_SEED.value)
   advantages = rng.standard_normal((len(batch["tokens"]), 1)).astype(np.float32)
   train_batch = {**batch, "advantages": advantages * batch["loss_mask"]}

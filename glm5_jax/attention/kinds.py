@@ -1,16 +1,15 @@
 """The attention kinds: one `AttentionKind` per pattern letter, and everything known about it.
 
 `model.attention_pattern` holds one letter per layer. Every fact about a letter lives in its
-entry of `ATTENTION_KINDS` and nowhere else: its flax module, the parameters it adds to its
-family's, its KV-cache and recurrent-state sizes, its decode-cache layout, its attention FLOPs, the kind the MTP layer
-runs after it, and whether it makes or needs a top-k selection. The config validation, the
+entry of `ATTENTION_KINDS` and nowhere else (its flax module class is in
+`glm5_jax.attention.modules`, the one table above the modules): the parameters it adds to its
+family's, its KV-cache and recurrent-state sizes, its decode-cache layout, its attention
+FLOPs, the kind the MTP layer runs after it, and whether it makes or needs a top-k selection. The config validation, the
 decoder, the MTP layer, pattern conversion, the parameter statistics and the FLOPs estimate
 all read it.
 
-This module imports no flax and nothing of `glm5_jax` at import time, so `glm5_jax.config` can
-validate patterns with it while the attention modules import `glm5_jax.config`: each entry's
-`module` is a small function whose body imports the class (plain import statements, so "go to
-definition" still works; no module paths in strings).
+This module imports only `glm5_jax.layers.axes` and `glm5_jax.attention.cache_spec`, so
+`glm5_jax.config` (below the attention modules, which import it) can validate patterns with it.
 
 Notation (docs/design.md): L sequence length, H heads, K = N + R query/key head dim, V value
 head dim, C kv latent, R RoPE dim, I index head dim, G KV heads (GQA), W window or conv taps,
@@ -20,7 +19,11 @@ A delta-rule chunk length.
 import dataclasses
 from typing import TYPE_CHECKING, Any, Callable
 
-if TYPE_CHECKING:  # config.py imports this module
+from glm5_jax.attention.cache_spec import CacheSpec
+from glm5_jax.layers import axes
+from glm5_jax.layers.axes import BATCH, CACHE_LENGTH, KV_LORA
+
+if TYPE_CHECKING:  # never runs: config.py imports this module (docs/design.md)
   from glm5_jax.config import ModelConfig
 
 FAMILIES = ("mla", "gqa")
@@ -38,10 +41,6 @@ class AttentionKind:
     family: "mla" (stores the M layer's projections, `mla_projections.MLA_PARAMS`) or "gqa".
       Layers convert within a family only (`glm5_jax.convert.attention_pattern`).
     description: what the layer computes, one paragraph.
-    module: () -> the kind's flax module class (deferred import); every module is called as
-      `module(x_BLD, positions_BL, segment_ids_BL, prev_topk_BLT, mode=Mode)` and returns
-      `(y_BLD, aux)`.
-    module_kwargs: extra constructor arguments, as (name, value) pairs.
     extra_params: children of `self_attn` only this kind has, beyond its family's (fresh
       init when a layer converts to the kind, dropped when it converts away). Names are unique
       across kinds, so a param tree says which kinds it holds.
@@ -54,7 +53,7 @@ class AttentionKind:
     provides_topk: returns `topk_indices` in aux (outside the "dense" DSA stage), which a
       following `needs_prev_topk` layer reuses.
     needs_prev_topk: reuses the previous layer's selection, so that layer must provide one.
-    decode_cache: (cfg, slots, max_len, max_verify) -> {name: `glm5_jax.infer.cache_spec.
+    decode_cache: (cfg, slots, max_len, max_verify) -> {name: `glm5_jax.attention.cache_spec.
       CacheSpec`}, the layer's cache for `Mode(form="decode")` for `slots` sequences of up to
       `max_len` positions, verifying up to `max_verify` tokens per call (k + 1): the module
       reads and returns exactly these arrays, leading dim slots; None while the kind has no
@@ -69,21 +68,15 @@ class AttentionKind:
   name: str
   family: str
   description: str
-  module: Callable[[], type]
   cache_numbers_per_token: Callable[["ModelConfig"], dict[str, int]]
   recurrent_state_bytes: Callable[["ModelConfig"], int]
   attention_flops_per_token: Callable[["ModelConfig", int], float]
   mtp_letter: str
-  module_kwargs: tuple[tuple[str, Any], ...] = ()
   extra_params: frozenset[str] = frozenset()
   provides_topk: bool = False
   needs_prev_topk: bool = False
   decode_cache: Callable[["ModelConfig", int, int, int], dict[str, Any]] | None = None
   decode_steps: bool = False
-
-  def build(self, cfg: "ModelConfig", name: str):
-    """The kind's flax module for `cfg`, named `name` (imported on first use)."""
-    return self.module()(cfg, name=name, **dict(self.module_kwargs))
 
 
 # --- sizes and FLOPs, as functions of the config ----------------------------------------------
@@ -162,8 +155,6 @@ def _mla_decode_cache(cfg, slots: int, max_len: int, max_verify: int) -> dict:
   `k_rope [B, S, R]` (RoPE applied), C + R = 576 numbers per token for GLM-5; never per-head
   K / V (decode attends in the absorbed form)."""
   del max_verify  # rows are positions: a rejected draft's rows are never read
-  from glm5_jax.infer.cache_spec import CacheSpec  # pylint: disable=g-import-not-at-top
-  from glm5_jax.layers.axes import BATCH, CACHE_LENGTH, KV_LORA  # pylint: disable=g-import-not-at-top
   rows = lambda width: CacheSpec((slots, max_len, width), cfg.cache_dtype,
                                  (BATCH, CACHE_LENGTH, KV_LORA))
   return {"ckv": rows(cfg.kv_lora_rank), "k_rope": rows(cfg.qk_rope_head_dim)}
@@ -171,8 +162,6 @@ def _mla_decode_cache(cfg, slots: int, max_len: int, max_verify: int) -> dict:
 
 def _dsa_decode_cache(cfg, slots: int, max_len: int, max_verify: int) -> dict:
   """The MLA latent plus the lightning indexer's keys `index_k [B, S, I]` (RoPE applied)."""
-  from glm5_jax.infer.cache_spec import CacheSpec  # pylint: disable=g-import-not-at-top
-  from glm5_jax.layers.axes import BATCH, CACHE_LENGTH  # pylint: disable=g-import-not-at-top
   return {**_mla_decode_cache(cfg, slots, max_len, max_verify),
           "index_k": CacheSpec((slots, max_len, cfg.index_head_dim), cfg.cache_dtype,
                                (BATCH, CACHE_LENGTH, None))}
@@ -184,7 +173,6 @@ def _cache_dtype(cfg) -> str:
 
 
 def _spec(shape, dtype, axes, fill=0):
-  from glm5_jax.infer.cache_spec import CacheSpec  # pylint: disable=g-import-not-at-top
   return CacheSpec(tuple(shape), dtype, tuple(axes), fill)
 
 
@@ -197,7 +185,6 @@ def swa_ring_rows(cfg, max_len: int, max_verify: int) -> int:
 def _gqa_cache(cfg, slots, max_len, max_verify):
   """K and V per position (row p = position p), RoPE applied to K."""
   del max_verify
-  from glm5_jax.layers import axes  # pylint: disable=g-import-not-at-top
   shape = (slots, max_len, cfg.num_key_value_heads, cfg.gqa_head_dim)
   spec = lambda: _spec(shape, _cache_dtype(cfg),
                        (axes.BATCH, axes.CACHE_LENGTH, axes.KV_HEADS, None))
@@ -207,7 +194,6 @@ def _gqa_cache(cfg, slots, max_len, max_verify):
 def _swa_cache(cfg, slots, max_len, max_verify):
   """A ring of MLA latent rows (`ckv` normed, `k_rope` rotated) and the position each holds
   (-1 = empty); position p lives in row p mod rows."""
-  from glm5_jax.layers import axes  # pylint: disable=g-import-not-at-top
   rows = swa_ring_rows(cfg, max_len, max_verify)
   dtype = _cache_dtype(cfg)
   return {"ckv": _spec((slots, rows, cfg.kv_lora_rank), dtype, (axes.BATCH, None, axes.KV_LORA)),
@@ -218,7 +204,6 @@ def _swa_cache(cfg, slots, max_len, max_verify):
 def _delta_rule_cache(cfg, slots, max_len, max_verify):
   """The fp32 delta-rule state `[H, K, V]` per slot."""
   del max_len, max_verify
-  from glm5_jax.layers import axes  # pylint: disable=g-import-not-at-top
   h, k, v = cfg.num_attention_heads, cfg.qk_head_dim, cfg.v_head_dim
   return {"state": _spec((slots, h, k, v), "float32", (axes.BATCH, axes.HEADS, None, None))}
 
@@ -226,7 +211,6 @@ def _delta_rule_cache(cfg, slots, max_len, max_verify):
 def _gdn_cache(cfg, slots, max_len, max_verify):
   """The delta-rule state and the last `gdn_conv_size - 1` inputs of each conv (q, k, v before
   the conv, oldest first)."""
-  from glm5_jax.layers import axes  # pylint: disable=g-import-not-at-top
   h, k, v, taps = (cfg.num_attention_heads, cfg.qk_head_dim, cfg.v_head_dim,
                    cfg.gdn_conv_size - 1)
   conv = lambda x: _spec((slots, taps, h, x), _cache_dtype(cfg), (axes.BATCH, None, axes.HEADS,
@@ -237,40 +221,10 @@ def _gdn_cache(cfg, slots, max_len, max_verify):
 
 # --- the registry ------------------------------------------------------------------------------
 
-# The module classes, imported when first built (they import glm5_jax.config, which imports
-# this registry).
-
-
-def _mla():
-  from glm5_jax.attention.mla import MLA  # pylint: disable=g-import-not-at-top
-  return MLA
-
-
-def _gqa():
-  from glm5_jax.attention.gqa import GQA  # pylint: disable=g-import-not-at-top
-  return GQA
-
-
-def _swa():
-  from glm5_jax.attention.swa import SlidingWindowMLA  # pylint: disable=g-import-not-at-top
-  return SlidingWindowMLA
-
-
-def _gdn():
-  from glm5_jax.attention.gdn import GatedDeltaNet  # pylint: disable=g-import-not-at-top
-  return GatedDeltaNet
-
-
-def _simple_gdn():
-  from glm5_jax.attention.simple_gdn import SimpleGatedDeltaNet  # pylint: disable=g-import-not-at-top
-  return SimpleGatedDeltaNet
-
-
 ATTENTION_KINDS: dict[str, AttentionKind] = {k.letter: k for k in (
     AttentionKind(
         letter="M", name="mla", family="mla",
         description="dense multi-head latent attention (docs/reference.md section 2, MLA)",
-        module=_mla, module_kwargs=(("kind", "mla"),),
         cache_numbers_per_token=lambda cfg: {"mla_latent": _mla_latent(cfg)},
         recurrent_state_bytes=_no_state, attention_flops_per_token=_dense_mla_flops,
         mtp_letter="M", decode_cache=_mla_decode_cache),
@@ -278,7 +232,6 @@ ATTENTION_KINDS: dict[str, AttentionKind] = {k.letter: k for k in (
         letter="D", name="dsa", family="mla",
         description="DSA: MLA restricted to the top-k keys chosen by this layer's lightning "
                     "indexer; `model.dsa_impl` picks how the sparse stage runs",
-        module=_mla, module_kwargs=(("kind", "dsa"),),
         extra_params=frozenset({"indexer"}),
         cache_numbers_per_token=lambda cfg: {"mla_latent": _mla_latent(cfg),
                                              "dsa_indexer_keys": cfg.index_head_dim},
@@ -288,7 +241,6 @@ ATTENTION_KINDS: dict[str, AttentionKind] = {k.letter: k for k in (
         letter="R", name="dsa_shared_topk", family="mla",
         description="DSA that reuses the previous layer's top-k selection and has no indexer "
                     "of its own (HF `indexer_types = \"shared\"`)",
-        module=_mla, module_kwargs=(("kind", "dsa_shared_topk"),),
         cache_numbers_per_token=lambda cfg: {"mla_latent": _mla_latent(cfg)},
         recurrent_state_bytes=_no_state, attention_flops_per_token=_dsa_flops,
         # The MTP pass has no previous DSA layer: after an R layer it gets an indexer.
@@ -298,7 +250,6 @@ ATTENTION_KINDS: dict[str, AttentionKind] = {k.letter: k for k in (
         letter="G", name="gqa", family="gqa",
         description="grouped-query attention with `num_key_value_heads` KV heads of "
                     "`gqa_head_dim` (the GQA-8 baseline)",
-        module=_gqa,
         cache_numbers_per_token=lambda cfg: {
             "gqa_kv": 2 * cfg.num_key_value_heads * cfg.gqa_head_dim},
         recurrent_state_bytes=_no_state, attention_flops_per_token=_gqa_flops,
@@ -310,7 +261,6 @@ ATTENTION_KINDS: dict[str, AttentionKind] = {k.letter: k for k in (
                     "DSA layer handed the window as its selection, so `model.dsa_impl` also "
                     "picks how S layers attend: \"dense_mask\" masks a dense [L, S] attention, "
                     "\"xla\" / \"pallas\" gather the W window rows per query (O(L x W))",
-        module=_swa,
         # The latent of the last `sliding_window` tokens only: bytes per token while the
         # context fits the window, constant beyond. (The decode ring adds max_verify - 1 rows
         # and an int32 position per row, `_swa_cache`; not counted here.)
@@ -322,7 +272,6 @@ ATTENTION_KINDS: dict[str, AttentionKind] = {k.letter: k for k in (
         description="Gated DeltaNet (arXiv 2412.06464) on the M layer's q/k/v/o projections: "
                     "short causal convs, data-dependent decay and update gates, gated output "
                     "norm",
-        module=_gdn,
         extra_params=frozenset({"q_conv1d", "k_conv1d", "v_conv1d", "a_proj", "b_proj",
                                 "A_log", "dt_bias", "g_proj", "o_norm"}),
         cache_numbers_per_token=_no_cache, recurrent_state_bytes=_gdn_state_bytes,
@@ -333,7 +282,6 @@ ATTENTION_KINDS: dict[str, AttentionKind] = {k.letter: k for k in (
         description="SimpleGDN: the gated delta rule directly on the M layer's q/k/v/o, no "
                     "conv, per-head gates fixed (`simple_gdn_gates=\"fixed\"`) or two learned "
                     "scalars per head (\"learned\", the only case with extra params)",
-        module=_simple_gdn,
         extra_params=frozenset({"decay_rate_log", "beta_logit"}),
         cache_numbers_per_token=_no_cache, recurrent_state_bytes=_delta_rule_state_bytes,
         attention_flops_per_token=_delta_rule_flops, mtp_letter="L",

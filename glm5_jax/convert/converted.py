@@ -21,8 +21,7 @@ from jax.sharding import PartitionSpec
 
 from glm5_jax import layer_runs
 from glm5_jax.api import abstract_params_and_axes
-from glm5_jax.config import ModelConfig
-from glm5_jax.config_validation import validate_model_config
+from glm5_jax.config import ModelConfig, validate_model_config
 from glm5_jax.layers.axes import LAYERS
 from glm5_jax.sharding import default_logical_axis_rules, param_shardings
 
@@ -38,7 +37,7 @@ def layout_shapes_and_axes(config):
   leading `layers` axis (logical name `LAYERS`, replicated by the default rules).
   """
   cfg = ModelConfig.from_config(config)
-  shapes, axes = abstract_params_and_axes(config)
+  shapes, axes = abstract_params_and_axes(cfg)
   if cfg.scan_layers and not layer_runs.is_scanned(shapes):
     unrolled = axes
     axes = {k: v for k, v in unrolled.items() if not layer_runs.is_layer_module(k)}

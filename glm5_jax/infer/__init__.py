@@ -2,7 +2,7 @@
 
   generate(config, params, prompts, ...) -> GenerateResult     the public entry point
   Engine                       slots, continuous batching, prefix sharing (`engine`)
-  cache, cache_spec            the decode caches; step: the jitted cached steps
+  cache                        the decode caches (per-array specs: attention/cache_spec.py); step: the jitted cached steps
   sampling, speculative, accept_stats, oracle, requests: sampling and its bookkeeping
 """
 

@@ -36,8 +36,8 @@ import jax.numpy as jnp
 from jax.sharding import NamedSharding, PartitionSpec
 
 from glm5_jax.attention.kinds import layer_kind
-from glm5_jax.config import ModelConfig
-from glm5_jax.infer.cache_spec import CacheSpec
+from glm5_jax.config import ModelConfig, require_model_config
+from glm5_jax.attention.cache_spec import CacheSpec
 from glm5_jax.layer_runs import layer_runs, unrolled_name
 from glm5_jax.layers.axes import CACHE_LENGTH, LAYERS
 from glm5_jax.sharding import logical_to_mesh_spec
@@ -70,7 +70,7 @@ def cache_specs(config, slots: int, max_len: int, max_verify: int = 1,
   """The cache tree of `CacheSpec`s (module docstring), nothing allocated.
 
   Args:
-    config: the model section or a `ModelConfig`.
+    config: the run's `ModelConfig` (built once by the caller).
     slots: sequences decoded at once (B).
     max_len: cache rows per slot (S): positions 0..max_len - 1 fit.
     max_verify: the most tokens one call brings per slot (k + 1 for verification; sizes ring
@@ -81,7 +81,7 @@ def cache_specs(config, slots: int, max_len: int, max_verify: int = 1,
   Raises:
     ValueError: a bad argument, or a layer kind without a decode cache.
   """
-  cfg = ModelConfig.from_config(config)
+  cfg = require_model_config(config, "cache_specs")
   _positive_int(slots, "slots")
   _positive_int(max_len, "max_len")
   _positive_int(max_verify, "max_verify")
@@ -159,7 +159,7 @@ def init_cache(config, slots: int, max_len: int, max_verify: int = 1,
 def cache_numbers_per_token(config) -> dict[str, int]:
   """Numbers one token adds to each layer's cache (`layers_{i}`, and `mtp`), read from the
   specs: per position-indexed array (one with a `cache_length` axis), its size per row."""
-  cfg = ModelConfig.from_config(config)
+  cfg = require_model_config(config, "cache_numbers_per_token")
   out = {}
   for layer in range(cfg.num_hidden_layers + cfg.num_nextn_predict_layers):
     specs = layer_cache_specs(cfg, layer, 1, 1)

@@ -42,7 +42,6 @@ import collections
 import contextlib
 import dataclasses
 import functools
-import hashlib
 
 import jax
 import jax.numpy as jnp
@@ -55,12 +54,13 @@ from glm5_jax.infer import sampling, speculate
 from glm5_jax.infer.accept_stats import (NO_LIMIT, AcceptStats, acceptance_rates, add_step,
                                          init_accept_stats, mean_accept_length)
 from glm5_jax.infer.cache import cache_specs, init_cache
-from glm5_jax.infer.cache_spec import CacheSpec
+from glm5_jax.attention.cache_spec import CacheSpec
 from glm5_jax.infer.requests import GenerateResult, Request, validate_generate_args
 from glm5_jax.infer.sessions import PrefixStats, SessionTable, reusable
 from glm5_jax.infer.step import decode_step
 from glm5_jax.layers.axes import BATCH
 from glm5_jax.layers.params import dtypes
+from glm5_jax.seeds import derive_seed
 
 
 @dataclasses.dataclass
@@ -99,8 +99,7 @@ def request_seed(seed: int, index: int) -> int:
   """The uint32 seed of prompt `index` of a `generate` call with `seed`: a hash of both, so the
   G copies of one prompt in an RL group draw differently, and a call's streams do not overlap
   another seed's (as `seed + index` would)."""
-  digest = hashlib.blake2b(f"{seed}:{index}".encode(), digest_size=4).digest()
-  return int.from_bytes(digest, "little")
+  return derive_seed(seed, index)
 
 
 class Engine:

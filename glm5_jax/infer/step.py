@@ -21,7 +21,7 @@ import jax
 import jax.numpy as jnp
 
 from glm5_jax.attention.mode import DSA_STAGES, Mode
-from glm5_jax.config import ModelConfig
+from glm5_jax.config import ModelConfig, require_model_config
 from glm5_jax.infer.cache import MTP_CACHE_SCHEMES, layer_cache_specs
 from glm5_jax.layers.params import dtypes
 from glm5_jax.model import GLM5, embed_tokens, lm_head_logits, valid_tokens
@@ -79,7 +79,7 @@ def decode_step(config, params, cache, tokens_BQ, positions_BQ, segment_ids_BQ, 
   """The main model over each slot's Q new tokens, with the cache (donated).
 
   Args:
-    config: the model section or a `ModelConfig`.
+    config: the run's `ModelConfig` (built once by the caller).
     params: the model params (either layout; it must match `model.scan_layers` and the cache).
     cache: the cache tree (`init_cache`); donated: use the returned one.
     tokens_BQ: int32 token ids. positions_BQ: int32 absolute positions (< the cache's
@@ -91,7 +91,7 @@ def decode_step(config, params, cache, tokens_BQ, positions_BQ, segment_ids_BQ, 
     `StepOutput(logits_BQY fp32, hidden_BQD, cache, cache_steps, routing)`; logits at
     position p predict p + 1.
   """
-  cfg = ModelConfig.from_config(config)
+  cfg = require_model_config(config, "decode_step")
   tokens_BQ, positions_BQ, segment_ids_BQ = (jnp.asarray(x, jnp.int32) for x in
                                              (tokens_BQ, positions_BQ, segment_ids_BQ))
   _check(cfg, tokens_BQ, positions_BQ, segment_ids_BQ, dsa_stage)
@@ -139,7 +139,7 @@ def mtp_step(config, params, cache, h_prev_BQD, tokens_BQ, positions_BQ, segment
   Returns:
     `StepOutput(logits_BQY fp32, h^d [B, Q, D], cache)`.
   """
-  cfg = ModelConfig.from_config(config)
+  cfg = require_model_config(config, "mtp_step")
   if mtp_cache not in MTP_CACHE_SCHEMES:
     raise ValueError(f"mtp_cache must be one of {MTP_CACHE_SCHEMES}, got {mtp_cache!r}")
   if "mtp" not in cache:

@@ -4,7 +4,7 @@ Modules:
   envs      verifiable environments (addition, countdown, strings, calculator): tasks, rewards,
             worked solutions; `envs.make(name, **options)`
   sft_data  the built-in SFT set: worked solutions of the environments written as jsonl
-  grpo      GRPO / IcePop / on-policy distillation losses and advantages
+  algorithms  every policy loss and advantage (PPO + IcePop, the IS mask, GRPO, distillation)
   rl_step   the jitted RL train step on a rollout batch
   rollout   samples through the inference engine (token in, token out) and the batch builder
   loop      the synchronous generate -> score -> train loop

@@ -5,9 +5,9 @@ Each step n:
   1. rollouts: `rl.prompts_per_step` train tasks (indices n*P .. n*P + P - 1 of the env), G =
      `rl.group_size` samples each, through the engine with the current params
      (`rollout.generate_samples`, seed `step_seed(rl.seed, n)`);
-  2. scoring: GRPO's group advantages of the rewards (`grpo.group_advantages`), or, with
+  2. scoring: GRPO's group advantages of the rewards (`algorithms.group_advantages`), or, with
      `rl.loss="distill"`, the teacher's per-token gap `stopgrad(logp_teacher - logp_rollout)`
-     (`grpo.distill_advantages`, the teacher being `rl.teacher`'s latest checkpoint);
+     (`algorithms.distill_advantages`, the teacher being `rl.teacher`'s latest checkpoint);
   3. one update (`rl_step.make_rl_train_step`).
 Held-out accuracy (the first `rl.eval_tasks` eval-split tasks: greedy, one sample per task,
 and `rl.eval_samples` samples per task at the rollout temperature; `evaluate`) is measured
@@ -27,7 +27,6 @@ clip fractions, IcePop-masked fraction, entropy, the train/rollout log-prob mism
 and generation and train seconds; held-out accuracy as split "eval".
 """
 
-import hashlib
 import json
 import time
 
@@ -41,8 +40,9 @@ from glm5_jax.api import abstract_params, init_params
 from glm5_jax.config import ModelConfig
 from glm5_jax.data import check_vocab, make_tokenizer
 from glm5_jax.eval.checkpoints import load_run
-from glm5_jax.posttrain import envs, grpo, rollout, rl_step
+from glm5_jax.posttrain import algorithms, envs, rollout, rl_step
 from glm5_jax.posttrain.rl_config_checks import validate_rl_experiment
+from glm5_jax.seeds import derive_seed
 from glm5_jax.sharding import activation_sharding
 from glm5_jax.train import checkpoint as ckpt
 from glm5_jax.train import integrity
@@ -58,8 +58,7 @@ RESUMABLE_RL_FIELDS = ("steps", "eval_every_steps", "eval_tasks", "eval_samples"
 
 def step_seed(seed: int, step: int) -> int:
   """The rollout seed of step `step` (a hash: steps never share sampling streams)."""
-  digest = hashlib.blake2b(f"rl:{seed}:{step}".encode(), digest_size=4).digest()
-  return int.from_bytes(digest, "little")
+  return derive_seed("rl", seed, step)
 
 
 def rl_fingerprint(config) -> dict:
@@ -113,11 +112,12 @@ def rl_train(config, workdir: str, *, stop_after_steps: int | None = None,
 def build_rl_run(config, *, asynchronous: bool = False):
   """`(tokenizer, env, shapes, trainer)` of an RL run: the tokenizer (checked against the
   model's vocabulary), `rl.env`, the params' shapes and `rl_step.build_rl_trainer`'s trainer."""
+  model = ModelConfig.from_config(config.model)  # validated and expanded once per run
   tokenizer = make_tokenizer(config.data.tokenizer)
-  check_vocab(tokenizer, ModelConfig.from_config(config.model).vocab_size)
+  check_vocab(tokenizer, model.vocab_size)
   env = envs.make(config.rl.env, **config.rl.env_options.to_dict())
-  shapes = abstract_params(config.model)
-  return tokenizer, env, shapes, rl_step.build_rl_trainer(config, shapes,
+  shapes = abstract_params(model)
+  return tokenizer, env, shapes, rl_step.build_rl_trainer(config, model, shapes,
                                                           asynchronous=asynchronous)
 
 
@@ -141,7 +141,8 @@ def _rl_train(config, workdir, stop_after_steps, initial_params):
         tasks = [env.task(step * rl.prompts_per_step + i, "train")
                  for i in range(rl.prompts_per_step)]
         samples = rollout.generate_samples(config, state.params, env, tasks,
-                                           seed=step_seed(rl.seed, step), tokenizer=tokenizer)
+                                           seed=step_seed(rl.seed, step), tokenizer=tokenizer,
+                                           model=t.model)
         t1 = time.time()
         batch = score(config, samples, teacher)
         state, metrics = train_on_batch(t, state, batch, rl.minibatches)
@@ -179,13 +180,13 @@ def score(config, samples, teacher=None) -> dict:
   if teacher is None:
     rewards = np.asarray([s.reward for s in samples], np.float32)
     groups = np.asarray([s.group for s in samples], np.int32)
-    advantages = np.asarray(grpo.group_advantages(rewards, groups,
-                                                  normalize_std=config.rl.normalize_std))
+    advantages = np.asarray(algorithms.group_advantages(
+        rewards, groups, normalize_std=config.rl.normalize_std, std=config.rl.group_std))
     return rollout.to_batch(samples, config.data.seq_len, advantages)
   batch = rollout.to_batch(samples, config.data.seq_len)
   teacher_cfg, teacher_params = teacher
   teacher_logp = rl_step.teacher_logp(teacher_cfg, teacher_params, batch)
-  gap = np.asarray(grpo.distill_advantages(teacher_logp, batch["rollout_logp"]))
+  gap = np.asarray(algorithms.distill_advantages(teacher_logp, batch["rollout_logp"]))
   batch["advantages"] = (gap * batch["loss_mask"]).astype(np.float32)
   return batch
 

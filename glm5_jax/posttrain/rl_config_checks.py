@@ -18,8 +18,7 @@ import math
 import jax
 import ml_collections
 
-from glm5_jax.config import check_fields, require
-from glm5_jax.config_validation import validate_model_config
+from glm5_jax.config import check_fields, require, validate_model_config
 from glm5_jax.optim.build import validate_optim_config
 from glm5_jax.posttrain.config import validate_rl_config
 from glm5_jax.sharding import batch_mesh_axes, validate_mesh_config

@@ -1,4 +1,5 @@
-"""The jitted RL train step: token log-probs of a rollout batch, `grpo.policy_loss`, the
+"""The jitted RL train step: token log-probs of a rollout batch, the policy loss (by name from
+`glm5_jax.posttrain.algorithms.POLICY_LOSSES`), the
 optimizer, loss-free balancing; and the teacher's log-probs for on-policy distillation.
 
 A rollout batch (numpy or device arrays, all `[B, L]`; position i is token i):
@@ -45,10 +46,9 @@ from flax import traverse_util
 from glm5_jax import optim, routing_replay
 from glm5_jax.api import abstract_params_and_axes, check_token_ids, forward
 from glm5_jax.attention.mode import Mode
-from glm5_jax.config import ModelConfig, require
-from glm5_jax.posttrain import grpo
+from glm5_jax.config import ModelConfig, require, require_model_config
+from glm5_jax.posttrain import algorithms
 from glm5_jax.posttrain.config import resolve_policy_loss
-from glm5_jax.rl import staleness
 from glm5_jax.sharding import batch_sharding, make_mesh, param_shardings, state_shardings
 from glm5_jax.train import losses
 from glm5_jax.train.state import TrainState
@@ -73,11 +73,13 @@ class RLStepConfig:
   eps_low: float = 0.2
   eps_high: float = 0.28
   icepop_beta: float = 2.0
+  icepop: str = "weight"  # kept tokens weighted by k ("weight") or only masked ("mask")
+  loss_normalization: str = "token"  # "token" or "sample" (`algorithms.loss_weights`)
   mtp_loss_weight: float = 0.0
   dsa_stage: str = "sparse"  # how DSA layers attend: as the engine does ("sparse"), or "dense"
   balance_bias_rate: float = 1e-3
   microbatches: int = 1  # gradient accumulation (`rl_loss_and_grads`)
-  policy_loss: str = "ppo"  # "ppo" (grpo.policy_loss) or "is" (staleness.is_policy_loss)
+  policy_loss: str = "ppo"  # a name of `algorithms.POLICY_LOSSES`: "ppo" or "is"
 
   @classmethod
   def from_config(cls, config, *, asynchronous: bool = False) -> "RLStepConfig":
@@ -88,35 +90,19 @@ class RLStepConfig:
             "attends) or 'dense'")
     rl = config.rl
     return cls(eps_low=rl.eps_low, eps_high=rl.eps_high, icepop_beta=rl.icepop_beta,
+               icepop=rl.icepop, loss_normalization=rl.loss_normalization,
                mtp_loss_weight=rl.mtp_loss_weight, dsa_stage=config.train.dsa_stage,
                balance_bias_rate=config.train.balance_bias_rate,
                microbatches=config.train.microbatches,
                policy_loss=resolve_policy_loss(rl, asynchronous))
 
 
-def token_logprobs(logits_BLY, tokens_BL):
-  """Log-prob and entropy of the main head's distribution for each token, float32.
-
-  Position i's logits score token i + 1, so token i's entry comes from position i - 1; token 0
-  has none and gets 0 (it is never a loss token).
-
-  Returns:
-    `(logp_BL, entropy_BL)`: `logp_BL[:, i] = log softmax(logits[:, i-1])[tokens[:, i]]`,
-    `entropy_BL[:, i]` the entropy of that distribution (no gradient; a metric).
-  """
-  logprobs_BLY = jax.nn.log_softmax(logits_BLY[:, :-1].astype(jnp.float32), axis=-1)
-  logp_BL = jnp.take_along_axis(logprobs_BLY, tokens_BL[:, 1:, None], axis=-1)[..., 0]
-  probs_BLY = jax.lax.stop_gradient(jnp.exp(logprobs_BLY))
-  entropy_BL = -(probs_BLY * jax.lax.stop_gradient(logprobs_BLY)).sum(-1)
-  pad = lambda x_BL: jnp.pad(x_BL, ((0, 0), (1, 0)))
-  return pad(logp_BL), pad(entropy_BL)
-
-
 def policy_logprobs(model: ModelConfig, params, batch, *, dsa_stage: str = "sparse"):
-  """Token log-probs `[B, L]` of `batch["tokens"]` under `params` (`token_logprobs`)."""
+  """Token log-probs `[B, L]` of `batch["tokens"]` under `params` (`losses.token_logprobs`:
+  entry i is token i's)."""
   out = forward(model, params, batch["tokens"], batch["positions"], batch["segment_ids"],
                 mode=Mode(dsa_stage=dsa_stage), mtp=False, routing=batch_routing(batch))
-  return token_logprobs(out["logits"], batch["tokens"])[0]
+  return losses.token_logprobs(out["logits"], batch["tokens"])[0]
 
 
 @functools.partial(jax.jit, static_argnums=0)
@@ -131,7 +117,8 @@ def teacher_logp(teacher_cfg: ModelConfig, teacher_params, batch):
   compilation per teacher config and batch shape), attending as the engine does ("sparse").
 
   On-policy distillation (docs/reference.md section 4) then takes
-  `grpo.distill_advantages(teacher_logp(...), batch["rollout_logp"])` as the batch's advantages:
+  `algorithms.distill_advantages(teacher_logp(...), batch["rollout_logp"])` as the batch's
+  advantages:
   the student's log-probs are those it sampled with (token in, token out; no extra forward).
   The teacher must share the student's tokenizer; an id outside its vocabulary is an error.
   """
@@ -141,9 +128,9 @@ def teacher_logp(teacher_cfg: ModelConfig, teacher_params, batch):
 
 
 def rl_loss(model: ModelConfig, step_cfg: RLStepConfig, params, batch, whole=None):
-  """`(loss, (metrics, expert_counts))` of one rollout batch: `grpo.policy_loss` (PPO + IcePop)
-  or, with `step_cfg.policy_loss="is"`, `staleness.is_policy_loss` (the double-sided IS mask
-  against the rollout log-probs: asynchronous RL), + `mtp_loss_weight` x the mean MTP
+  """`(loss, (metrics, expert_counts))` of one rollout batch: `algorithms.ppo_policy_loss` (PPO +
+  IcePop) or, with `step_cfg.policy_loss="is"`, `algorithms.is_policy_loss` (the double-sided
+  IS mask against the rollout log-probs: asynchronous RL), + `mtp_loss_weight` x the mean MTP
   cross-entropy on the response tokens.
 
   `whole` (`rl_denominators` of a larger batch) makes this one microbatch of it: every mean is
@@ -153,22 +140,24 @@ def rl_loss(model: ModelConfig, step_cfg: RLStepConfig, params, batch, whole=Non
   out = forward(model, params, batch["tokens"], batch["positions"], batch["segment_ids"],
                 mode=Mode(dsa_stage=step_cfg.dsa_stage), mtp=train_mtp,
                 routing=batch_routing(batch))
-  logp_BL, entropy_BL = token_logprobs(out["logits"], batch["tokens"])
+  logp_BL, entropy_BL = losses.token_logprobs(out["logits"], batch["tokens"])
   old_logp_BL = batch.get("old_logp", jax.lax.stop_gradient(logp_BL))
   mask_BL = batch["loss_mask"].astype(jnp.float32)
   mask_batch = {**batch, "loss_mask": mask_BL}
   own = rl_denominators(model, step_cfg, mask_batch)
   whole = own if whole is None else whole
   tokens = whole["tokens"]
+  common = dict(eps_low=step_cfg.eps_low, eps_high=step_cfg.eps_high,
+                normalization=step_cfg.loss_normalization,
+                denominators={"tokens": tokens, "samples": whole["samples"]})
+  loss_fn = algorithms.POLICY_LOSSES[step_cfg.policy_loss]
   if step_cfg.policy_loss == "is":
-    policy, metrics = staleness.is_policy_loss(
-        logp_BL, batch["rollout_logp"], batch["advantages"], mask_BL, eps_low=step_cfg.eps_low,
-        eps_high=step_cfg.eps_high, denominator=tokens)
+    policy, metrics = loss_fn(logp_BL, batch["rollout_logp"], batch["advantages"], mask_BL,
+                              **common)
   else:
-    policy, metrics = grpo.policy_loss(
-        logp_BL, old_logp_BL, batch["rollout_logp"], batch["advantages"], mask_BL,
-        eps_low=step_cfg.eps_low, eps_high=step_cfg.eps_high,
-        icepop_beta=step_cfg.icepop_beta, denominator=tokens)
+    policy, metrics = loss_fn(logp_BL, old_logp_BL, batch["rollout_logp"], batch["advantages"],
+                              mask_BL, icepop_beta=step_cfg.icepop_beta, icepop=step_cfg.icepop,
+                              **common)
   advantages_BL = batch["advantages"].astype(jnp.float32)
   metrics = {**metrics, "policy_loss": policy,
              "entropy": (entropy_BL * mask_BL).sum() / tokens,
@@ -190,12 +179,13 @@ def rl_loss(model: ModelConfig, step_cfg: RLStepConfig, params, batch, whole=Non
 
 
 def rl_denominators(model: ModelConfig, step_cfg: RLStepConfig, batch) -> dict:
-  """What `rl_loss`'s means divide by for `batch`: `tokens` (its loss tokens, at least 1) and
-  `mtp` (each trained MTP depth's targets, `losses.loss_denominators`)."""
+  """What `rl_loss`'s means divide by for `batch`: `tokens` (its loss tokens, at least 1),
+  `samples` (its rows with a loss token, at least 1; `algorithms.batch_denominators`) and `mtp`
+  (each trained MTP depth's targets, `losses.loss_denominators`)."""
   depths = model.mtp_depths if step_cfg.mtp_loss_weight > 0 and model.num_nextn_predict_layers \
       else 0
   mask_BL = batch["loss_mask"].astype(jnp.float32)
-  return {"tokens": jnp.maximum(mask_BL.sum(), 1.0),
+  return {**algorithms.batch_denominators(mask_BL),
           "mtp": losses.loss_denominators({**batch, "loss_mask": mask_BL}, depths)["mtp"]}
 
 
@@ -266,7 +256,7 @@ def init_rl_state(params, optimizer, *, seed: int = 0) -> TrainState:
                     rng=jax.random.key_data(jax.random.key(seed)))
 
 
-def rl_shardings(config, optimizer, mesh: jax.sharding.Mesh):
+def rl_shardings(config, model: ModelConfig, optimizer, mesh: jax.sharding.Mesh):
   """`(state_sharding, batch_sharding)` for `make_rl_train_step` on `mesh`, as pre-training
   shards its state: params by `config.mesh.logical_axis_rules`, every optimizer moment like its
   param (`glm5_jax.sharding.state_shardings`), batch rows over the data-parallel axes. Place
@@ -275,19 +265,20 @@ def rl_shardings(config, optimizer, mesh: jax.sharding.Mesh):
   `glm5_jax.sharding.activation_sharding(mesh, rules)` so the model's activation constraints
   apply."""
   rules = config.mesh.logical_axis_rules
-  shapes, logical_axes = abstract_params_and_axes(ModelConfig.from_config(config.model))
+  shapes, logical_axes = abstract_params_and_axes(require_model_config(model, "rl_shardings"))
   abstract = jax.eval_shape(lambda p: init_rl_state(p, optimizer), shapes)
   return (state_shardings(abstract, param_shardings(shapes, logical_axes, mesh, rules), mesh),
           batch_sharding(mesh, rules))
 
 
-def make_rl_train_step(config, optimizer, schedule, *, state_sharding=None,
+def make_rl_train_step(config, model: ModelConfig, optimizer, schedule, *, state_sharding=None,
                        batch_sharding=None, asynchronous: bool = False):
   """The jitted `rl_train_step(state, batch) -> (state, metrics)`; donates `state`.
 
   Args:
-    config: the experiment config (validated): `model`, `rl` (clip range, IcePop beta, MTP
+    config: the experiment config (validated): `rl` (clip range, IcePop, normalization, MTP
       weight) and `train` (`dsa_stage`, `balance_bias_rate`).
+    model: the run's `ModelConfig` (built once, by the caller).
     optimizer, schedule: from `build_rl_optimizer` (schedule only for the logged rate).
     state_sharding, batch_sharding: from `rl_shardings` (the state's, and one for every
       `[B, L]` batch array); None leaves placement to jit (one device).
@@ -295,7 +286,7 @@ def make_rl_train_step(config, optimizer, schedule, *, state_sharding=None,
     the jitted step; metrics are `rl_loss`'s, expert load, grad / update / param norms and the
     learning rate.
   """
-  model = ModelConfig.from_config(config.model)
+  require_model_config(model, "make_rl_train_step")
   step_cfg = RLStepConfig.from_config(config, asynchronous=asynchronous)
 
   def rl_train_step(state: TrainState, batch):
@@ -312,6 +303,7 @@ def make_rl_train_step(config, optimizer, schedule, *, state_sharding=None,
 @dataclasses.dataclass(frozen=True)
 class RLTrainer:
   """What an RL run needs to train, built once per run by `build_rl_trainer`."""
+  model: ModelConfig  # the run's, converted once (`posttrain.loop.build_rl_run`)
   optimizer: Any
   mesh: jax.sharding.Mesh
   state_sharding: Any
@@ -321,25 +313,25 @@ class RLTrainer:
   policy_logp: Callable  # jitted (params, batch) -> logp_BL (`policy_logprobs`)
 
 
-def build_rl_trainer(config, shapes, *, asynchronous: bool = False) -> RLTrainer:
-  """The optimizer, mesh, shardings and jitted steps of an RL run from its (validated) config
-  and the params' `shapes` (`glm5_jax.api.abstract_params`), as `glm5_jax.train.trainer.
-  build_trainer` does for pre-training. Built per run, not cached: a second run in the same
-  process traces again and finds the compiled executables in jax's persistent compilation
-  cache when one is configured (the tests configure one)."""
+def build_rl_trainer(config, model: ModelConfig, shapes, *,
+                     asynchronous: bool = False) -> RLTrainer:
+  """The optimizer, mesh, shardings and jitted steps of an RL run from its (validated) config,
+  its `ModelConfig` and the params' `shapes` (`glm5_jax.api.abstract_params`), as
+  `glm5_jax.train.trainer.build_trainer` does for pre-training. Built per run, not cached: a
+  second run in the same process traces again and finds the compiled executables in jax's
+  persistent compilation cache when one is configured (the tests configure one)."""
   optimizer, schedule = build_rl_optimizer(config, shapes)
   mesh = make_mesh(config.mesh)
-  state_sharding, batch_sharding = rl_shardings(config, optimizer, mesh)
-  train_step = make_rl_train_step(config, optimizer, schedule, state_sharding=state_sharding,
+  state_sharding, batch_sharding = rl_shardings(config, model, optimizer, mesh)
+  train_step = make_rl_train_step(config, model, optimizer, schedule, state_sharding=state_sharding,
                                   batch_sharding=batch_sharding, asynchronous=asynchronous)
   init_state = jax.jit(functools.partial(init_rl_state, optimizer=optimizer, seed=config.rl.seed),
                        out_shardings=state_sharding)
-  model = ModelConfig.from_config(config.model)
   logp = functools.partial(policy_logprobs, model, dsa_stage=config.train.dsa_stage)
   policy_logp = jax.jit(lambda params, batch: logp(params, batch),
                         in_shardings=(state_sharding.params, batch_sharding))
-  return RLTrainer(optimizer, mesh, state_sharding, batch_sharding, train_step, init_state,
-                   policy_logp)
+  return RLTrainer(model, optimizer, mesh, state_sharding, batch_sharding, train_step,
+                   init_state, policy_logp)
 
 
 def check_rl_batch(batch, *, vocab_size: int | None = None) -> None:

@@ -30,15 +30,16 @@ Notation (docs/design.md): B samples (rows), L sequence (`seq_len`); N samples a
 """
 
 import dataclasses
-import hashlib
 
 import numpy as np
 
 from glm5_jax import routing_replay
+from glm5_jax.config import ModelConfig
 from glm5_jax.data import chat, make_tokenizer
 from glm5_jax.infer.engine import Engine
 from glm5_jax.infer.requests import Request
 from glm5_jax.posttrain.envs import Env, Task
+from glm5_jax.seeds import derive_seed
 
 MAX_SLOTS = 64  # sequences decoded at once: bounds the cache; more requests wait for a slot
 PREFILL_CHUNK = 32  # prompt tokens per prefill call (prompts here are short)
@@ -94,8 +95,7 @@ class _Episode:
 
 def request_seed(seed: int, task: Task, sample: int, turn: int) -> int:
   """The uint32 sampling seed of one turn of one sample (module docstring)."""
-  key = f"{seed}:{task.env}:{task.split}:{task.index}:{sample}:{turn}".encode()
-  return int.from_bytes(hashlib.blake2b(key, digest_size=4).digest(), "little")
+  return derive_seed(seed, task.env, task.split, task.index, sample, turn)
 
 
 def observation_tokens(observation: str, tokenizer, *, after_stop: int,
@@ -117,7 +117,8 @@ def observation_tokens(observation: str, tokenizer, *, after_stop: int,
 def generate_samples(config, params, env: Env, tasks, *, seed: int, group_size: int | None = None,
                      temperature: float | None = None, tokenizer=None,
                      thinking_mode: str = "interleaved", sessions: bool | None = None,
-                     stats: dict | None = None, slots: int | None = None) -> list[Sample]:
+                     stats: dict | None = None, slots: int | None = None,
+                     model: ModelConfig | None = None) -> list[Sample]:
   """G samples of each task, played through `env` (module docstring).
 
   Args:
@@ -136,6 +137,8 @@ def generate_samples(config, params, env: Env, tasks, *, seed: int, group_size: 
     slots: the engine's slots (default: one per sample, at most MAX_SLOTS). A caller whose
       batches vary in size (a rollout worker) passes a fixed number: the engine's steps are
       compiled per slot count.
+    model: the run's `ModelConfig` of `config.model`, if already built (the RL loop's and a
+      worker's), so a rollout does not convert and validate the model section again.
   Returns:
     `len(tasks) * G` samples, task-major (the G samples of task i are i*G .. i*G + G - 1).
   """
@@ -155,7 +158,7 @@ def generate_samples(config, params, env: Env, tasks, *, seed: int, group_size: 
                           [dict(m) for m in task.messages]) for j in range(group_size)]
   # One engine for every turn; its shapes (slots, max_len, chunk) depend on the config only, so
   # a later call with new params reuses the compiled steps.
-  engine = Engine(config.model, params, slots=slots or min(len(episodes), MAX_SLOTS),
+  engine = Engine(config.model if model is None else model, params, slots=slots or min(len(episodes), MAX_SLOTS),
                   max_len=seq_len, prefill_chunk=PREFILL_CHUNK,
                   record_routing=bool(rl.get("routing_replay")))
   sessions = env.max_turns > 1 if sessions is None else sessions

@@ -4,6 +4,6 @@ launcher share.
   param_sync     the trainer publishes policy versions through orbax; workers restore them
                  with their own shardings (PolicyPublisher, PolicySubscriber)
   trajectories   durable rollout batch files and the trainer's exactly-once ledger
-  staleness      version-gap admission, AReaL's capacity rule, the double-sided IS token mask
+  staleness      version-gap admission, AReaL's capacity rule (the IS loss: posttrain/algorithms.py)
   routing        rollout id -> worker by consistent hashing with bounded loads
 """

@@ -22,21 +22,19 @@ rollouts switch versions mid-sample).
    consumes samples in launch order, every sample's gap is then <= s, so nothing has to be
    dropped; with out-of-order completion a rollout much slower than its peers can still
    overshoot, and (1) catches it and counts it.
-3. The double-sided importance-sampling mask (`is_token_mask`, `is_policy_loss`): with
-   `r = exp(logp_theta - logp_rollout)` against the engine's log-probs (no recomputed pi_old),
-   a token with r outside [1 - eps_low, 1 + eps_high] gets zero gradient, whatever the sign of
-   its advantage. It differs from `glm5_jax.posttrain.grpo.policy_loss`, whose PPO clip is
-   one-sided per advantage sign and whose IcePop band compares pi_old with the rollout.
+3. The double-sided importance-sampling mask (`glm5_jax.posttrain.algorithms.is_policy_loss`,
+   with every other policy loss): with `r = exp(logp_theta - logp_rollout)` against the
+   engine's log-probs (no recomputed pi_old), a token with r outside [1 - eps_low, 1 + eps_high]
+   gets zero gradient, whatever the sign of its advantage. It differs from
+   `algorithms.ppo_policy_loss`, whose PPO clip is one-sided per advantage sign and whose IcePop
+   band compares pi_old with the rollout.
 
 Notation (docs/design.md): B batch (samples), L sequence.
 """
 
 import collections
 import dataclasses
-import math
 
-import jax
-import jax.numpy as jnp
 import numpy as np
 
 
@@ -137,69 +135,3 @@ class RolloutCapacity:
 
   def to_json(self) -> dict:
     return dataclasses.asdict(self)
-
-
-def _log_bounds(eps_low: float, eps_high: float) -> tuple[float, float]:
-  if not (0.0 <= eps_low <= 1.0 and eps_high >= 0.0):
-    raise ValueError(f"importance-sampling band: eps_low={eps_low} (expected in [0, 1]), "
-                     f"eps_high={eps_high} (expected >= 0)")
-  # Rounded once to float32, so that a log-ratio equal to the bound is kept exactly.
-  low = -math.inf if eps_low == 1.0 else float(np.float32(math.log1p(-eps_low)))
-  return low, float(np.float32(math.log1p(eps_high)))
-
-
-def is_token_mask(logp_BL, rollout_logp_BL, *, eps_low: float, eps_high: float):
-  """True where `r = exp(logp - rollout_logp)` lies in [1 - eps_low, 1 + eps_high] (inclusive;
-  tested in log space: log(1 - eps_low) <= logp - rollout_logp <= log(1 + eps_high))."""
-  low, high = _log_bounds(eps_low, eps_high)
-  delta_BL = (jnp.asarray(logp_BL, jnp.float32) - jnp.asarray(rollout_logp_BL, jnp.float32))
-  return (delta_BL >= low) & (delta_BL <= high)
-
-
-def is_policy_loss(logp_BL, rollout_logp_BL, advantages_BL, loss_mask_BL, *,
-                   eps_low: float = 0.2, eps_high: float = 0.28, denominator=None):
-  """The asynchronous policy loss with the double-sided IS mask (module docstring, 3):
-
-    r_t    = exp(logp_t - rollout_logp_t)
-    keep_t = 1 - eps_low <= r_t <= 1 + eps_high
-    loss   = -sum_t m_t * keep_t * r_t * A_t / max(sum_t m_t, 1)
-
-  so a kept token's gradient is `-r_t * A_t * grad logp_t` and a masked one's exactly 0; the
-  denominator is the original loss-token count (masked tokens are not re-weighted away).
-
-  `denominator` replaces `max(sum_t m_t, 1)` for one microbatch of a larger batch (the whole
-  batch's, as `grpo.policy_loss` takes it), so microbatches add up to the batch.
-
-  Returns:
-    `(loss, metrics)`: is_masked_fraction, is_low_fraction (r < 1 - eps_low), is_high_fraction
-    (r > 1 + eps_high), logp_mismatch_mean (over loss tokens), logp_mismatch_max, ratio_mean
-    (over kept tokens), loss_tokens, kept_tokens.
-  """
-  logp_BL = jnp.asarray(logp_BL, jnp.float32)
-  rollout_logp_BL = jax.lax.stop_gradient(jnp.asarray(rollout_logp_BL, jnp.float32))
-  advantages_BL = jax.lax.stop_gradient(jnp.asarray(advantages_BL, jnp.float32))
-  mask_BL = jnp.asarray(loss_mask_BL, jnp.float32)
-  shapes = {jnp.shape(x) for x in (logp_BL, rollout_logp_BL, advantages_BL, mask_BL)}
-  if len(shapes) != 1:
-    raise ValueError(f"is_policy_loss: inputs must share one shape, got {sorted(shapes)}")
-  keep_BL = is_token_mask(jax.lax.stop_gradient(logp_BL), rollout_logp_BL, eps_low=eps_low,
-                          eps_high=eps_high) & (mask_BL > 0)
-  # `where` before exp: a masked token's ratio may overflow, and 0 * inf would be NaN.
-  ratio_BL = jnp.exp(jnp.where(keep_BL, logp_BL - rollout_logp_BL, 0.0))
-  loss_tokens = mask_BL.sum()
-  denominator = jnp.maximum(loss_tokens, 1.0) if denominator is None else denominator
-  loss = -jnp.where(keep_BL, ratio_BL * advantages_BL * mask_BL, 0.0).sum() / denominator
-  kept = jnp.where(keep_BL, mask_BL, 0.0).sum()
-  delta_BL = jax.lax.stop_gradient(logp_BL) - rollout_logp_BL
-  low, high = _log_bounds(eps_low, eps_high)
-  on_BL = mask_BL > 0
-  fraction = lambda x_BL: jnp.where(x_BL & on_BL, mask_BL, 0.0).sum() / denominator
-  metrics = {"is_masked_fraction": (loss_tokens - kept) / denominator,
-             "is_low_fraction": fraction(delta_BL < low),
-             "is_high_fraction": fraction(delta_BL > high),
-             "logp_mismatch_mean": (jnp.abs(delta_BL) * mask_BL).sum() / denominator,
-             "logp_mismatch_max": jnp.where(on_BL, jnp.abs(delta_BL), 0.0).max(),
-             "ratio_mean": jnp.where(keep_BL, jax.lax.stop_gradient(ratio_BL) * mask_BL,
-                                     0.0).sum() / jnp.maximum(kept, 1.0),
-             "loss_tokens": loss_tokens, "kept_tokens": kept}
-  return loss, metrics

@@ -24,7 +24,6 @@ Sampling seeds: one per generation batch, a hash of (`rl.seed`, worker, first or
 request's seed also hashes the task index, sample and turn (`rollout.request_seed`).
 """
 
-import hashlib
 import os
 import time
 
@@ -33,7 +32,7 @@ import jax
 import numpy as np
 
 from glm5_jax.api import abstract_params_and_axes
-from glm5_jax.config import ModelConfig
+from glm5_jax.config import ModelConfig, require_model_config
 from glm5_jax.data import check_vocab, make_tokenizer
 from glm5_jax.posttrain import envs, rollout
 from glm5_jax.posttrain.rl_config_checks import validate_rl_experiment
@@ -41,18 +40,19 @@ from glm5_jax.rl import orders as orders_lib
 from glm5_jax.rl import trajectories
 from glm5_jax.rl.layout import RunDirs, read_json, write_json
 from glm5_jax.rl.param_sync import PolicySubscriber
+from glm5_jax.seeds import derive_seed
 from glm5_jax.sharding import make_mesh, param_shardings
 
 
 def batch_seed(seed: int, worker: str, first_order: int) -> int:
-  digest = hashlib.blake2b(f"rollout:{seed}:{worker}:{first_order}".encode(), digest_size=4)
-  return int.from_bytes(digest.digest(), "little")
+  return derive_seed("rollout", seed, worker, first_order)
 
 
-def abstract_worker_params(config):
-  """ShapeDtypeStructs of the params with this process's shardings (`config.mesh` over its
-  devices, `config.mesh.logical_axis_rules`): what a published version is restored into."""
-  shapes, logical = abstract_params_and_axes(ModelConfig.from_config(config.model))
+def abstract_worker_params(config, model: ModelConfig):
+  """ShapeDtypeStructs of `model`'s params with this process's shardings (`config.mesh` over
+  its devices, `config.mesh.logical_axis_rules`): what a published version is restored into."""
+  require_model_config(model, "abstract_worker_params")
+  shapes, logical = abstract_params_and_axes(model)
   mesh = make_mesh(config.mesh)
   shardings = param_shardings(shapes, logical, mesh, config.mesh.logical_axis_rules)
   return jax.tree.map(lambda s, sh: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=sh),
@@ -82,10 +82,11 @@ def run_worker(config, root, name: str, *, max_batches: int | None = None) -> di
   validate_rl_experiment(config)
   dirs = RunDirs.at(root)
   rl = config.rl
+  model = ModelConfig.from_config(config.model)  # once per worker
   tokenizer = make_tokenizer(config.data.tokenizer)
-  check_vocab(tokenizer, ModelConfig.from_config(config.model).vocab_size)
+  check_vocab(tokenizer, model.vocab_size)
   env = envs.make(rl.env, **rl.env_options.to_dict())
-  abstract = abstract_worker_params(config)
+  abstract = abstract_worker_params(config, model)
   subscriber = PolicySubscriber(dirs.policy)
   removed = trajectories.remove_temporaries(dirs.rollouts, name)
   if removed:
@@ -118,7 +119,8 @@ def run_worker(config, root, name: str, *, max_batches: int | None = None) -> di
     prefix = {}
     samples = rollout.generate_samples(config, params, env, tasks,
                                        seed=batch_seed(rl.seed, name, batch[0].id),
-                                       tokenizer=tokenizer, slots=slots, stats=prefix)
+                                       tokenizer=tokenizer, slots=slots, stats=prefix,
+                                       model=model)
     for key in ("prompt_tokens", "prefilled_tokens", "session_hits", "session_misses",
                 "evictions"):
       stats["prefix"][key] = stats["prefix"].get(key, 0) + int(prefix.get(key, 0))

@@ -9,9 +9,13 @@ import os
 from absl import logging
 
 from glm5_jax.eval.evaluate import evaluate_run, search_swa_pattern
-from glm5_jax.sweeps.runner import RunInterrupted
 from glm5_jax.sweeps.spec import apply_overrides, load_config
 from glm5_jax.train.loop import train
+
+
+class RunInterrupted(RuntimeError):
+  """A run stopped before it finished (SIGTERM, preemption); it is not recorded as finished,
+  and the next attempt resumes it."""
 
 
 def read_metrics(workdir: str) -> tuple[list[dict], list[dict]]:

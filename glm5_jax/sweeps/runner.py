@@ -40,7 +40,8 @@ from absl import logging
 import ml_collections
 
 from glm5_jax.eval.report import write_json, write_suite_results
-from glm5_jax.sweeps import workers
+from glm5_jax.sweeps import jobs, workers
+from glm5_jax.sweeps.jobs import RunInterrupted
 from glm5_jax.sweeps.spec import Run, apply_overrides, parse_runs, resolve_config_ref, substitute
 from glm5_jax.train.workdir_lock import WorkdirLock
 
@@ -49,11 +50,6 @@ RESULT_FILE = "result.json"
 
 class SweepError(RuntimeError):
   """Some runs failed, were blocked or were interrupted; the message lists them."""
-
-
-class RunInterrupted(RuntimeError):
-  """A run stopped before it finished (SIGTERM, preemption); it is not recorded as finished,
-  and the next attempt resumes it."""
 
 
 def run_dir(sweep_dir: str, name: str) -> str:
@@ -115,7 +111,6 @@ def execute_run(job: dict) -> dict:
     WorkdirLockedError: another live process executes this run.
     RunInterrupted: the run stopped before finishing (no result written).
   """
-  from glm5_jax.sweeps import jobs  # pylint: disable=g-import-not-at-top
   with WorkdirLock(job["lock_dir"], f"sweep run {job['name']}"):
     spec, workdir = job["spec"], job["workdir"]
     os.makedirs(workdir, exist_ok=True)

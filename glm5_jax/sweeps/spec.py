@@ -15,8 +15,8 @@ A sweep config (`get_config(arg)` -> ConfigDict; `arg` "quick" is the few-step s
 Config references (`base_config`, a train run's `config`): a module of the `configs` package
 (`"configs.tiny:attention=M"`, imported; the part after `:` is `get_config`'s argument) or a
 file (`"configs/tiny.py:attention=M"`: relative to the working directory, else to the sweep
-config's directory; or absolute). The shipped sweeps use modules, which need the directory
-holding `configs/` on `sys.path` (experiments/sweep.py adds the working directory).
+config's directory; or absolute). The shipped sweeps use modules, imported from the `configs`
+package installed with `glm5_jax` (setup.cfg).
 
 Run kinds:
   train       experiments/train.py's `train(config, workdir)` on `config` (default
@@ -143,8 +143,9 @@ def load_config(ref: str, where: str = "config") -> ml_collections.ConfigDict:
       if e.name is None or not target.startswith(e.name):
         raise  # the config itself imports something missing
       raise ModuleNotFoundError(
-          f"{where}: config module {target!r} not found ({e}); run from the directory that "
-          "holds configs/ (the repository root) or add it to PYTHONPATH") from e
+          f"{where}: config module {target!r} not found ({e}); the `configs` package is "
+          "installed with glm5_jax (`pip install -e .` in the repository root; reinstall after "
+          "pulling a setup.cfg that added it)") from e
   return module.get_config(arg) if sep else module.get_config()
 
 

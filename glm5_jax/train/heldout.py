@@ -19,8 +19,9 @@ def score_heldout(eval_step, params, batches, to_device, source_names,
   """Scores `params` on the held-out `batches`.
 
   Args:
-    eval_step: jitted `(params, device batch) -> (metrics, predictions int [B, L-1],
-      token nll float [B, L-1])` (`glm5_jax.train.step.make_eval_step`).
+    eval_step: jitted `(params, device batch) -> (metrics, predictions int [B, L],
+      token nll float [B, L])`, aligned to the tokens (entry i: the guess for and the nll of
+      token i; `glm5_jax.train.losses.token_logprobs`), as `glm5_jax.train.step.make_eval_step`.
     batches: local numpy batches (`glm5_jax.data.make_eval_batches`).
     to_device: local numpy batch -> global device arrays.
     source_names: what a batch's `source_id` indexes.
@@ -53,10 +54,12 @@ def score_heldout(eval_step, params, batches, to_device, source_names,
 
 def _accumulate_per_document(batch, predictions_BL, nll_BL, source_names, totals):
   """Adds each packed document's (nll, correct, targets, all-correct, 1) to its source's row."""
-  weights_BL = np.asarray(target_weights(batch["segment_ids"], batch["loss_mask"], 1)) > 0
-  targets_BL = batch["tokens"][:, 1:]
-  segments_BL = batch["segment_ids"][:, 1:]
-  sources_BL = batch["source_id"][:, 1:]
+  # Token 0 of a row is never a target: nothing predicts it.
+  weights_BL = np.pad(np.asarray(target_weights(batch["segment_ids"], batch["loss_mask"], 1)),
+                      ((0, 0), (1, 0))) > 0
+  targets_BL = batch["tokens"]
+  segments_BL = batch["segment_ids"]
+  sources_BL = batch["source_id"]
   for row in range(targets_BL.shape[0]):
     for segment in np.unique(segments_BL[row][weights_BL[row]]):
       sel = weights_BL[row] & (segments_BL[row] == segment)

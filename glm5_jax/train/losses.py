@@ -6,11 +6,41 @@ MTP depth d at position i predicts token i+d+1. A prediction counts only when it
 training target of the same document as position i (so nothing is predicted across packed
 documents or from padding).
 
+Per-token log-probs have one function and one alignment, `token_logprobs`: index i of a
+`[B, L]` array is token i (its log-prob given tokens < i, from position i - 1's logits; index 0,
+which nothing predicts, holds 0). The RL losses, the trainer's held-out scoring and the tools
+all use it; `cross_entropy` is the fused training loss over `[B, L - offset]` position-aligned
+slices (position i's logits against token i + offset), which never leave this module.
+
 Notation (docs/design.md): B batch, L sequence, Y vocab.
 """
 
 import jax
 import jax.numpy as jnp
+
+
+def token_logprobs(logits_BLY, tokens_BL):
+  """Log-prob and entropy of the main head's distribution for each token, float32, aligned to
+  the tokens (module docstring).
+
+  Position i's logits score token i + 1, so token i's entry comes from position i - 1; token 0
+  has none and gets 0 (it is never a loss or a scored token).
+
+  Returns:
+    `(logp_BL, entropy_BL)`: `logp_BL[:, i] = log softmax(logits[:, i-1])[tokens[:, i]]`,
+    `entropy_BL[:, i]` the entropy of that distribution (no gradient; a metric).
+  """
+  logprobs_BLY = jax.nn.log_softmax(logits_BLY[:, :-1].astype(jnp.float32), axis=-1)
+  logp_BL = jnp.take_along_axis(logprobs_BLY, tokens_BL[:, 1:, None], axis=-1)[..., 0]
+  probs_BLY = jax.lax.stop_gradient(jnp.exp(logprobs_BLY))
+  entropy_BL = -(probs_BLY * jax.lax.stop_gradient(logprobs_BLY)).sum(-1)
+  return to_tokens(logp_BL, 0.0), to_tokens(entropy_BL, 0.0)
+
+
+def to_tokens(x_BL, fill):
+  """A `[B, L - 1]` array of position i's prediction of token i + 1, re-indexed by token:
+  `[B, L]`, column 0 (no prediction) holding `fill`."""
+  return jnp.pad(x_BL, ((0, 0), (1, 0)), constant_values=fill)
 
 
 def target_weights(segment_ids_BL, loss_mask_BL, offset: int):

@@ -19,15 +19,11 @@ from etils import epath
 import jax
 import numpy as np
 
+from glm5_jax.accelerators import accelerator_of
 from glm5_jax.attention.kinds import layer_kind
 from glm5_jax.config import ModelConfig
 from glm5_jax.param_stats import summarize
 
-# Dense bf16 peak FLOP/s per device, by `device_kind` substring.
-PEAK_FLOPS = {
-    "TPU v4": 275e12, "TPU v5 lite": 197e12, "TPU v5e": 197e12, "TPU v5p": 459e12,
-    "TPU v5": 459e12, "TPU v6": 918e12, "H100": 989e12, "H200": 989e12, "A100": 312e12,
-}
 
 
 def flops_per_token(model: ModelConfig, seq_len: int) -> float:
@@ -48,11 +44,9 @@ def flops_per_token(model: ModelConfig, seq_len: int) -> float:
 
 
 def peak_flops_per_device() -> float | None:
-  kind = jax.devices()[0].device_kind
-  for name, flops in PEAK_FLOPS.items():
-    if name.lower() in kind.lower():
-      return flops
-  return None
+  """Dense bf16 peak FLOP/s of this process's first device (`glm5_jax.accelerators`), or None."""
+  accelerator = accelerator_of(jax.devices()[0].device_kind)
+  return accelerator.peak_flops if accelerator else None
 
 
 class MetricWriter:

@@ -59,8 +59,9 @@ class StepConfig:
 
 def compute_loss(model: ModelConfig, step_cfg: StepConfig, params, batch):
   """Returns `(total_loss, (metrics, expert_counts, predictions_BL, token_nll_BL))`:
-  the main head's argmax and negative log-likelihood of token i+1 at position i (`[B, L-1]`,
-  used by evaluation; training ignores them, so they are compiled away)."""
+  the main head's guess (argmax) for token i and token i's negative log-likelihood, `[B, L]`
+  aligned to the tokens as `losses.token_logprobs` (column 0: -1 and 0, nothing predicts
+  token 0); used by evaluation, ignored by training, so they are compiled away."""
   out = forward(model, params, batch["tokens"], batch["positions"], batch["segment_ids"],
                 mode=Mode(dsa_stage=step_cfg.dsa_stage))
   lm = losses.lm_losses(out, batch, z_loss_weight=step_cfg.z_loss_weight)
@@ -76,10 +77,9 @@ def compute_loss(model: ModelConfig, step_cfg: StepConfig, params, batch):
   for d, m in enumerate(mtp, start=1):
     metrics[f"mtp{d}_loss"] = m["ce"]
     metrics[f"mtp{d}_accuracy"] = m["accuracy"]
-  logits_BLY = out["logits"][:, :-1]
-  predictions_BL = jnp.argmax(logits_BLY, axis=-1).astype(jnp.int32)
-  token_nll_BL = -jnp.take_along_axis(jax.nn.log_softmax(logits_BLY, axis=-1),
-                                      batch["tokens"][:, 1:, None], axis=-1)[..., 0]
+  predictions_BL = losses.to_tokens(
+      jnp.argmax(out["logits"][:, :-1], axis=-1).astype(jnp.int32), -1)
+  token_nll_BL = -losses.token_logprobs(out["logits"], batch["tokens"])[0]
   return total, (metrics, losses.expert_counts(out), predictions_BL, token_nll_BL)
 
 

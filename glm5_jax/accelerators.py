@@ -1,0 +1,49 @@
+"""The one table of accelerators: peak dense bf16 FLOP/s, HBM bandwidth and HBM size per chip
+(public spec sheets), and which table entry a `jax.Device.device_kind` is.
+
+Read by the MFU of the training loop and `tools/bench_train.py`
+(`glm5_jax.train.metrics.peak_flops_per_device`), the bandwidth rate of `tools/bench_dsa.py`
+and the fit check of the memory planner (`glm5_jax.planner.ACCELERATOR_HBM_GIB`).
+"""
+
+import dataclasses
+
+
+@dataclasses.dataclass(frozen=True)
+class Accelerator:
+  """One chip (one GPU).
+
+  Attributes:
+    kinds: substrings of `jax.Device.device_kind` that name it (case-insensitive).
+    peak_flops: dense bf16 FLOP/s.
+    hbm_bytes_per_s: HBM bandwidth.
+    hbm_gib: HBM size, GiB; None where the kind string does not tell the variant.
+  """
+
+  kinds: tuple[str, ...]
+  peak_flops: float
+  hbm_bytes_per_s: float
+  hbm_gib: float | None
+
+
+# Order matters: a device kind is the first entry with a matching substring ("TPU v5 lite" is
+# a v5e, so v5e comes before v5p's bare "TPU v5").
+ACCELERATORS = {
+    "v4": Accelerator(("TPU v4",), 275e12, 1.2e12, 32),
+    "v5e": Accelerator(("TPU v5 lite", "TPU v5e"), 197e12, 0.82e12, 16),
+    "v5p": Accelerator(("TPU v5p", "TPU v5"), 459e12, 2.76e12, 95),
+    "v6e": Accelerator(("TPU v6",), 918e12, 1.64e12, 32),
+    "h100": Accelerator(("H100",), 989e12, 3.35e12, 80),
+    "h200": Accelerator(("H200",), 989e12, 4.8e12, 141),
+    "a100": Accelerator(("A100",), 312e12, 2.0e12, None),  # 40 or 80 GiB
+}
+
+
+def accelerator_of(device_kind: str) -> Accelerator | None:
+  """The table entry of a `device_kind` (e.g. "TPU v5 lite", "NVIDIA H100 80GB HBM3"), or None
+  (a CPU, or a chip not in the table)."""
+  kind = device_kind.lower()
+  for accelerator in ACCELERATORS.values():
+    if any(name.lower() in kind for name in accelerator.kinds):
+      return accelerator
+  return None
