@@ -21,6 +21,7 @@ and prints the markdown.
 import sys
 
 from absl import app, flags, logging
+from ml_collections import config_flags
 
 from configs import overrides
 from glm5_jax.config import model_config

@@ -33,6 +33,7 @@ import time
 from absl import app, flags
 import jax
 import numpy as np
+from ml_collections import config_flags
 
 from configs import overrides
 from glm5_jax import infer
