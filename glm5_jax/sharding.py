@@ -110,6 +110,8 @@ def make_mesh(mesh_config, devices=None) -> Mesh:
   axis_types = (AxisType.Auto,) * len(MESH_AXES)
   if devices == jax.devices():  # topology-aware device order on TPU/GPU
     return jax.make_mesh(shape, MESH_AXES, axis_types=axis_types)
+  if devices[0].platform == "tpu":  # an ahead-of-time TPU slice (glm5_jax.aot_targets)
+    return jax.make_mesh(shape, MESH_AXES, axis_types=axis_types, devices=devices)
   return Mesh(np.asarray(devices).reshape(shape), MESH_AXES, axis_types=axis_types)
 
 
