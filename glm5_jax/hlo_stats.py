@@ -244,14 +244,64 @@ def summarize_step(found: list[StepCollective], key: str = "op") -> dict[str, di
 
 
 _CONTRACTING = re.compile(r"lhs_contracting_dims=\{([0-9,]*)\}")
-_DIM_LABELS = re.compile(r"dim_labels=[^_]*_([^-]*)->")
+_DIM_LABELS = re.compile(r"dim_labels=([^_]*)_([^-]*)->(\S+?)[,\s]")
+_WINDOW = re.compile(r"window=\{([^}]*)\}")
+
+
+def _convolution_flops(instr, lhs, kernel, result) -> float:
+  """2 x output batch x output features x input features x the (output, window) position pairs
+  that land on a real input element (padding and lhs dilation holes skipped), as XLA's
+  HloCostAnalysis counts them: the TPU compiler writes some matmuls, e.g. `ragged_dot`'s weight
+  gradient, as dilated convolutions over a window."""
+  labels = _DIM_LABELS.search(instr.attributes + " ")
+  lhs_l, kernel_l, out_l = labels[1], labels[2], labels[3]
+  fields = {}
+  if window := _WINDOW.search(instr.attributes):
+    for item in window[1].split():
+      key, _, value = item.partition("=")
+      fields[key] = value.split("x")
+  spatial = [c for c in kernel_l if c not in "io"]
+  pairs = 1
+  for n, dim in enumerate(spatial):
+    get = lambda key, default, n=n: (int(fields[key][n]) if key in fields else default)
+    pad = fields["pad"][n].split("_") if "pad" in fields else ("0", "0")
+    size, stride = get("size", kernel[kernel_l.index(dim)]), get("stride", 1)
+    lhs_dilate, rhs_dilate = get("lhs_dilate", 1), get("rhs_dilate", 1)
+    inputs = lhs[lhs_l.index(dim)]
+    outputs = result[out_l.index(dim)]
+    pos = (np.arange(outputs)[:, None] * stride + np.arange(size)[None] * rhs_dilate
+           - int(pad[0]))
+    pairs *= int(((pos >= 0) & (pos <= (inputs - 1) * lhs_dilate) & (pos % lhs_dilate == 0)).sum())
+  batch, features = result[out_l.index("b")], result[out_l.index("f")]
+  return 2.0 * batch * features * kernel[kernel_l.index("i")] * pairs
+
+
+def _ragged_dot_flops(instr, shapes) -> float | None:
+  """FLOPs of the TPU compiler's `ragged-dot` custom call (`jax.lax.ragged_dot` and its
+  transposes): 2 x rows x K x N, every row multiplied by one group's `[K, N]` matrix. Forward
+  and input gradient: a 2-D result `[M, .]` and a 3-D `[G, K, N]` operand; weight gradient: a
+  3-D result `[G, K, N]` and 2-D `[M, K]` / `[M, N]` operands."""
+  arrays = _arrays(instr.operand_text) or sum((shapes.get(n, ()) for n in instr.operands), ())
+  floats = [shape for dtype, shape in arrays if dtype.startswith(("bf", "f"))]
+  result = _arrays(instr.result_type)[0][1]
+  if len(result) == 2:
+    groups = [s for s in floats if len(s) == 3]
+    return 2.0 * result[0] * groups[0][1] * groups[0][2] if groups else None
+  if len(result) == 3:
+    _, k, n = result
+    for shape in (s for s in floats if len(s) == 2):
+      if shape[1] in (k, n) or shape[0] in (k, n):
+        rows = shape[0] if shape[1] in (k, n) else shape[1]
+        return 2.0 * rows * k * n
+  return None
 
 
 def step_dot_flops(hlo_text: str, module=None) -> dict[str, float]:
   """Matmul FLOPs per step of an optimized module: every `dot` (2 x result elements x
   contracted size) and `convolution` (2 x result elements x kernel elements per output
-  feature) times its executions per step. Elementwise work is not counted (MFU counts
-  matmuls), nor what custom calls (Pallas kernels) compute: `custom_calls` says how many ran."""
+  feature) and TPU `ragged-dot` custom call (`_ragged_dot_flops`) times its executions per
+  step. Elementwise work is not counted (MFU counts matmuls), nor what other custom calls
+  (Pallas kernels) compute: `custom_calls` says how many ran."""
   module = module or hlo_loops.parse_module(hlo_text)
   runs = module.executions()
   shapes = {i.name: _arrays(i.result_type) for instrs in module.computations.values()
@@ -263,7 +313,12 @@ def step_dot_flops(hlo_text: str, module=None) -> dict[str, float]:
       if not times or instr.op not in ("dot", "convolution", "custom-call"):
         continue
       if instr.op == "custom-call":
-        custom_calls += times
+        ragged = _ragged_dot_flops(instr, shapes) if instr.name.startswith("ragged-dot") else None
+        if ragged is None:
+          if "metadata" not in instr.name:
+            custom_calls += times
+          continue
+        flops += ragged * times
         continue
       inline = _arrays(instr.operand_text)
       operands = inline if len(inline) >= 2 else [shapes[n][0] for n in instr.operands[:2]]
@@ -273,9 +328,7 @@ def step_dot_flops(hlo_text: str, module=None) -> dict[str, float]:
         lhs = operands[0][1]
         contracted = int(np.prod([lhs[int(d)] for d in dims[1].split(",") if d])) if dims else 1
       else:
-        labels = _DIM_LABELS.search(instr.attributes)
-        kernel = operands[1][1]
-        out_feature = kernel[labels[1].index("o")] if labels else 1
-        contracted = int(np.prod(kernel, dtype=np.int64)) // max(out_feature, 1)
+        flops += _convolution_flops(instr, operands[0][1], operands[1][1], result) * times
+        continue
       flops += 2.0 * float(np.prod(result, dtype=np.float64)) * contracted * times
   return {"flops": flops, "custom_calls": custom_calls, "unknown_loops": len(module.unknown_loops)}

@@ -271,9 +271,9 @@ def _backend_seen_by_model(platform: str):
     jax.default_backend = original
 
 
-def compile_program(program: Program) -> CompiledFigures:
+def compile_program(program: Program, hlo_out: str | None = None) -> CompiledFigures:
   """Lowers and compiles `program` (nothing runs) and reads its memory, per-step collectives
-  and matmul FLOPs."""
+  and matmul FLOPs; `hlo_out`: a file to write the optimized HLO text to."""
   standins = contextlib.ExitStack()
   if program.moe_standin:
     standins.enter_context(cpu_standins.ragged_dot_standin())
@@ -285,6 +285,9 @@ def compile_program(program: Program) -> CompiledFigures:
     compiled = program.fn.lower(*program.args).compile()
   compile_s = time.perf_counter() - start
   text = compiled.as_text()
+  if hlo_out:
+    with open(hlo_out, "w") as f:
+      f.write(text)
   module = hlo_loops.parse_module(text)
   mesh_shape = dict(program.mesh.shape)
   found = hlo_stats.step_collectives(text, mesh_shape, module)

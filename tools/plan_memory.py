@@ -92,6 +92,8 @@ _MODE = flags.DEFINE_enum("mode", "train", ["train", "serve"], "train: the train
                           "optimizer state; serve: prefill logits, params only.")
 _TOP = flags.DEFINE_integer("top", 5, "Largest collectives and sources listed.")
 _JSON = flags.DEFINE_bool("json", False, "Also print every figure as one JSON line.")
+_HLO_OUT = flags.DEFINE_string("hlo_out", None, "Write the deepest compiled program's optimized "
+                               "HLO text to this file.")
 
 
 def _parse_mesh(text: str) -> dict[str, int]:
@@ -159,12 +161,15 @@ def main(argv):
       print("  MoE via stand-in (glm5_jax/cpu_standins.py): ragged_dot as a capacity-padded "
             "grouped einsum [E, ceil(P/E), D] x [E, D, F], ragged-all-to-all as a dense "
             "all-to-all of the send buffer", flush=True)
-    figures = planner.compile_program(program)
+    figures = planner.compile_program(program, hlo_out=_HLO_OUT.value)
     mem = figures.memory
     print(f"  done in {figures.compile_s:.1f} s (HLO {figures.hlo_chars / 1e6:.1f} M chars): "
           f"argument {mem.argument / planner.GIB:.2f}, temp {mem.temp / planner.GIB:.2f}, total "
           f"{mem.total / planner.GIB:.2f} GiB per device", flush=True)
-    if figures.memory.argument != program.state_bytes:
+    if program.platform == "tpu":  # TPU layouts pad arrays to (8, 128) tiles
+      print(f"  argument bytes with TPU tile padding {mem.argument / planner.GIB:.3f} GiB, "
+            f"unpadded shards {program.state_bytes / planner.GIB:.3f} GiB", flush=True)
+    elif figures.memory.argument != program.state_bytes:
       raise SystemExit(f"depth {k}: compiled argument bytes {figures.memory.argument} differ "
                        f"from the abstract inputs' shards {program.state_bytes}")
     results.append((k, figures, program, cfg))
@@ -220,7 +225,7 @@ def main(argv):
 
   if _JSON.value:
     print(json.dumps({
-        "mode": _MODE.value, "devices": jax.device_count(), "mesh": dict(config.mesh.shape),
+        "mode": _MODE.value, "devices": num_devices, "mesh": dict(config.mesh.shape),
         "accelerator": chip, "target": _TARGET.value, "compiler": deepest.compiler,
         "depth": full_depth, "extrapolated": extrapolated,
         "verdict_depth": verdict_depth, "total": total, "kv_cache": cache,
