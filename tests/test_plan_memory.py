@@ -336,3 +336,24 @@ def test_serve_program_compiles_prefill_and_counts_the_kv_cache():
   # 2 DSA layers: (64 latent + 8 rope + 16 indexer-key numbers) x 2 bytes each.
   assert per_token == 2 * (64 + 8 + 16) * 2
   assert planner.kv_cache_bytes(config) == per_token * 3 * 32
+
+
+def test_aot_targets_parse_slices_and_refuse_a_libtpu_that_does_not_match_jax(monkeypatch):
+  from glm5_jax import aot_targets  # pylint: disable=g-import-not-at-top
+  assert aot_targets.parse_target("v5p:8x8x16") == ("v5p", (8, 8, 16))
+  assert aot_targets.parse_target("v6e:16x16") == ("v6e", (16, 16))
+  for bad in ("v5p:8x8", "v4:2x2x1", "v5e:4-4"):
+    with pytest.raises(ValueError, match="--target"):
+      aot_targets.parse_target(bad)
+  assert aot_targets._wrap("v5p", (8, 8, 16)) == (True, True, True)
+  assert aot_targets._wrap("v5p", (2, 2, 1)) == (False, False, False)
+  assert aot_targets._wrap("v6e", (8, 16)) == (False, True, False)
+  metadata = aot_targets.importlib.metadata
+  monkeypatch.setattr(aot_targets.importlib.util, "find_spec", lambda name: object())
+  monkeypatch.setattr(metadata, "requires", lambda name: [
+      'jaxlib==0.10.2', 'libtpu==0.0.42.*; extra == "tpu"'])
+  for have, ok in (("0.0.42.1", True), ("0.0.42", True), ("0.0.43", False), ("0.0.4", False)):
+    monkeypatch.setattr(metadata, "version", lambda name, have=have: have)
+    problem = aot_targets.libtpu_problem()
+    assert (problem is None) == ok, (have, problem)
+  assert "does not match jax" in problem and "libtpu==0.0.42.*" in problem
