@@ -284,6 +284,13 @@ def _step(module: Module, body: str, index: int) -> int | None:
   return const[1] if element[1] == index else None
 
 
+def _passed_through(module: Module, body: str, index: int) -> bool:
+  """Whether the body returns tuple element `index` unchanged (a loop invariant)."""
+  root = module.root(body)
+  return (root.op == "tuple" and index < len(root.operands)
+          and _resolve(module, body, root.operands[index]) == ("element", index))
+
+
 def _trip_count_from_condition(module: Module, loop: Instruction) -> int | None:
   cond, body = _attr(loop, "condition"), _attr(loop, "body")
   if cond not in module.computations or body not in module.computations:
@@ -292,16 +299,29 @@ def _trip_count_from_condition(module: Module, loop: Instruction) -> int | None:
   if compare is None or None in compare[1:]:
     return None
   direction, lhs, rhs = compare
+  if lhs[0] == "element" and rhs[0] == "element" and _passed_through(module, body, lhs[1]):
+    lhs, rhs = rhs, lhs  # i < N with N carried: put the carried bound on the right
+    direction = {"GT": "LT", "GE": "LE", "LT": "GT", "LE": "GE", "NE": "NE"}[direction]
+  init_tuple = module.instruction(loop.computation, loop.operands[0]) if loop.operands else None
+  if init_tuple is None or init_tuple.op != "tuple":
+    return None
+
+  def initial(element):  # a tuple element's value on entry, as a constant if it is one
+    if element >= len(init_tuple.operands):
+      return None
+    return _resolve(module, loop.computation, init_tuple.operands[element])
+
+  if rhs[0] == "element" and _passed_through(module, body, rhs[1]):
+    rhs = initial(rhs[1]) or rhs  # a loop-invariant bound carried in the tuple
+  if lhs[0] == "element" and rhs[0] == "element":
+    return None
   if lhs[0] == "const" and rhs[0] == "element":  # N > i  ==  i < N
     lhs, rhs = rhs, lhs
     direction = {"GT": "LT", "GE": "LE", "LT": "GT", "LE": "GE", "NE": "NE"}[direction]
   if (lhs[0], rhs[0]) != ("element", "const"):
     return None
   index, bound = lhs[1], rhs[1]
-  init_tuple = module.instruction(loop.computation, loop.operands[0]) if loop.operands else None
-  if init_tuple is None or init_tuple.op != "tuple" or index >= len(init_tuple.operands):
-    return None
-  init = _resolve(module, loop.computation, init_tuple.operands[index])
+  init = initial(index)
   step = _step(module, body, index)
   if init is None or init[0] != "const" or not step:
     return None
