@@ -281,7 +281,8 @@ def test_plan_memory_tiny_on_8_devices(tmp_path):
     memory = c["memory"]
     assert min(memory["argument"], memory["output"], memory["temp"]) > 0, memory
     assert 0 < memory["alias"] <= memory["argument"]  # the donated state
-    assert c["compile_s"] > 0 and c["collectives"]["all-reduce"]["count"] > 0
+    assert c["compile_s"] > 0 and c["collectives_per_step"]["op"]["all-reduce"]["count"] > 0
+    assert c["flops_per_step"] > 0 and c["unknown_loops"] == 0
   deeper = [c["memory"]["argument"] for c in result["compiled"]]
   assert deeper[1] > deeper[0]
   # arguments at depth 3 (exact, not compiled) hold one more MoE layer. (Not 2 * d2 - d1: at
@@ -291,6 +292,10 @@ def test_plan_memory_tiny_on_8_devices(tmp_path):
   assert result["extrapolated"] and result["total"] > 0
   assert result["fits"] == planner.fits(result["total"]) and result["fits"]["v6e"]
   assert re.search(r"v6e +32 GiB  fits  <== chosen", out), out
+  # the roofline of the deepest compile, on the chosen chip, labelled as a CPU-compiled estimate
+  assert result["accelerator"] == "v6e" and result["compiler"].startswith("XLA:CPU")
+  assert "roofline on v6e" in out and "an ESTIMATE" in out and "not a measurement" in out
+  assert 0 < result["estimate"]["mfu"]["serial"] <= result["estimate"]["mfu"]["overlap"] < 1
 
 
 def test_ragged_dot_standin_has_ragged_dots_shapes_and_is_undone():
