@@ -35,8 +35,7 @@ _OPERAND_NAME = re.compile(r"%([^\s,()]+)")
 def _balanced(text: str, start: int) -> int:
   """Index just past the bracket group opening at `text[start]` ('(' or '{')."""
   pairs = {"(": ")", "{": "}", "[": "]"}
-  depth, i = 0, start
-  stack = []
+  i, stack = start, []
   while i < len(text):
     ch = text[i]
     if ch in pairs:
@@ -48,7 +47,6 @@ def _balanced(text: str, start: int) -> int:
     elif ch == '"':  # strings (metadata) may hold brackets
       i = text.index('"', i + 1)
     i += 1
-    depth += 1
   raise ValueError(f"unbalanced HLO text from {text[start:start + 80]!r}")
 
 

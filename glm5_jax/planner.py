@@ -36,7 +36,6 @@ import time
 import jax
 import jax.numpy as jnp
 import numpy as np
-from jax.sharding import NamedSharding, PartitionSpec
 
 from glm5_jax import cpu_standins, hlo_loops, hlo_stats, roofline
 from glm5_jax.api import abstract_params_and_axes, forward
