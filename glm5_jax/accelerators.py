@@ -1,12 +1,16 @@
-"""The one table of accelerators: peak dense bf16 FLOP/s, HBM bandwidth and HBM size per chip
-(public spec sheets), and which table entry a `jax.Device.device_kind` is.
+"""The one table of accelerators: peak dense bf16 FLOP/s, HBM bandwidth and size, and the
+interconnect bandwidths per chip (public spec sheets; sources in docs/scaling.md), and which
+table entry a `jax.Device.device_kind` is.
 
 Read by the MFU of the training loop and `tools/bench_train.py`
-(`glm5_jax.train.metrics.peak_flops_per_device`), the bandwidth rate of `tools/bench_dsa.py`
-and the fit check of the memory planner (`glm5_jax.planner.ACCELERATOR_HBM_GIB`).
+(`glm5_jax.train.metrics.peak_flops_per_device`), the bandwidth rate of `tools/bench_dsa.py`,
+the fit check of the memory planner (`glm5_jax.planner.ACCELERATOR_HBM_GIB`) and its roofline
+estimate (`glm5_jax.roofline`).
 """
 
 import dataclasses
+
+_GB = 1e9
 
 
 @dataclasses.dataclass(frozen=True)
@@ -18,23 +22,37 @@ class Accelerator:
     peak_flops: dense bf16 FLOP/s.
     hbm_bytes_per_s: HBM bandwidth.
     hbm_gib: HBM size, GiB; None where the kind string does not tell the variant.
+    ici_bytes_s: TPU ICI or GPU NVLink bandwidth per chip, one direction (half the vendor's
+      bidirectional figure); None where the roofline has no figure for the chip.
+    scale_out_bytes_s: GPU InfiniBand per GPU, one direction (None on a TPU slice).
+    devices_per_node: GPUs per NVLink domain (None on a TPU slice).
+    source: the spec page of the interconnect and HBM figures.
   """
 
   kinds: tuple[str, ...]
   peak_flops: float
   hbm_bytes_per_s: float
   hbm_gib: float | None
+  ici_bytes_s: float | None = None
+  scale_out_bytes_s: float | None = None
+  devices_per_node: int | None = None
+  source: str = ""
 
 
 # Order matters: a device kind is the first entry with a matching substring ("TPU v5 lite" is
 # a v5e, so v5e comes before v5p's bare "TPU v5").
 ACCELERATORS = {
     "v4": Accelerator(("TPU v4",), 275e12, 1.2e12, 32),
-    "v5e": Accelerator(("TPU v5 lite", "TPU v5e"), 197e12, 0.82e12, 16),
-    "v5p": Accelerator(("TPU v5p", "TPU v5"), 459e12, 2.76e12, 95),
-    "v6e": Accelerator(("TPU v6",), 918e12, 1.64e12, 32),
-    "h100": Accelerator(("H100",), 989e12, 3.35e12, 80),
-    "h200": Accelerator(("H200",), 989e12, 4.8e12, 141),
+    "v5e": Accelerator(("TPU v5 lite", "TPU v5e"), 197e12, 0.82e12, 16, 400 * _GB / 2,
+                       source="https://cloud.google.com/tpu/docs/v5e"),
+    "v5p": Accelerator(("TPU v5p", "TPU v5"), 459e12, 2.76e12, 95, 1200 * _GB / 2,
+                       source="https://cloud.google.com/tpu/docs/v5p"),
+    "v6e": Accelerator(("TPU v6",), 918e12, 1.64e12, 32, 800 * _GB / 2,
+                       source="https://cloud.google.com/tpu/docs/v6e"),
+    "h100": Accelerator(("H100",), 989e12, 3.35e12, 80, 900 * _GB / 2, 400 * _GB / 8, 8,
+                        source="https://www.nvidia.com/en-us/data-center/h100/"),
+    "h200": Accelerator(("H200",), 989e12, 4.8e12, 141, 900 * _GB / 2, 400 * _GB / 8, 8,
+                        source="https://www.nvidia.com/en-us/data-center/h200/"),
     "a100": Accelerator(("A100",), 312e12, 2.0e12, None),  # 40 or 80 GiB
 }
 

@@ -4,8 +4,11 @@
     print(c.op, c.dtype, c.shape, c.bytes)
 
 A pure text parse: XLA has no Python API for the optimized module's instructions, and the text
-form is stable across backends. Each instruction is counted once, as written: a collective
-inside a `while` body (a scanned layer) runs once per iteration.
+form is stable across backends. `collectives` counts each instruction once, as written: a
+collective inside a `while` body (a scanned layer) runs once per iteration. `step_collectives`
+and `step_dot_flops` count per execution of the module (a train step): every instruction times
+the trip counts of its enclosing loops (`glm5_jax.hlo_loops`), with each collective's mesh
+axes read back from its replica groups.
 """
 
 import collections
@@ -13,6 +16,8 @@ import re
 from typing import NamedTuple
 
 import numpy as np
+
+from glm5_jax import hlo_loops
 
 OPS = ("all-gather", "all-reduce", "reduce-scatter", "all-to-all", "ragged-all-to-all",
        "collective-permute", "collective-broadcast")
@@ -28,6 +33,10 @@ _OPERAND = re.compile(r"%([^\s,)]+)")
 _GROUPS_LIST = re.compile(r"replica_groups=\{\{([0-9,]*)\}")
 _GROUPS_IOTA = re.compile(r"replica_groups=\[[0-9]+,([0-9]+)\]")
 _GROUPS_MESH = re.compile(r"replica_groups=mesh\[([^\]]*)\]\s*\{([^}]*)\}")
+# ... or with a device order: mesh['a'=2,'b'=4], device_ids=([2,2,2]T(1,0,2)) {'a'}
+_GROUPS_MESH_IDS = re.compile(r"replica_groups=mesh\[(?P<axes>[^\]]*)\]"
+                              r"(?:,\s*device_ids=\((?P<ids>[^)]*(?:\([0-9,]*\))?)\))?"
+                              r"\s*\{(?P<grouped>[^}]*)\}")
 
 
 class Collective(NamedTuple):
@@ -99,3 +108,227 @@ def summarize(found: list[Collective]) -> dict[str, tuple[int, int]]:
     totals[c.op][0] += 1
     totals[c.op][1] += c.bytes
   return {op: tuple(v) for op, v in sorted(totals.items())}
+
+
+# ---------------------------------------------------------------------------- per step
+
+class StepCollective(NamedTuple):
+  """A collective instruction and what it moves per step, per device.
+
+  `bytes`: its largest side per execution (`Collective.bytes`); `runs`: executions per step
+  (the product of its enclosing loops' trip counts); `link_bytes`: what one device sends per
+  execution under the bandwidth-optimal (ring) algorithm over a group of n devices: an
+  all-gather or all-to-all (n-1)/n of its full buffer, a reduce-scatter (n-1)/n of its full
+  operand, an all-reduce twice that (a reduce-scatter then an all-gather), a
+  collective-permute its whole array. `axes`: the mesh axes its groups span ("+"-joined, in
+  mesh order), "" when a group is one device; `source`: its `op_name` metadata."""
+  op: str
+  name: str
+  bytes: int
+  link_bytes: float
+  runs: int
+  group: int
+  axes: str
+  source: str
+
+
+def replica_groups(attributes: str, num_devices: int) -> list[list[int]] | None:
+  """The device groups of a collective's attributes (`replica_groups=` in its explicit, iota
+  or mesh form, or a collective-permute's `source_target_pairs=`), or None when its text has
+  neither. `replica_groups={}` is every device in one group."""
+  if match := re.search(r"source_target_pairs=\{((?:\{[0-9,]*\},?)*)\}", attributes):
+    return [[int(x) for x in g.split(",")] for g in re.findall(r"\{([0-9,]+)\}", match[1])]
+  if match := re.search(r"replica_groups=\{((?:\{[0-9,]*\},?)*)\}", attributes):
+    groups = [[int(x) for x in g.split(",") if x] for g in re.findall(r"\{([0-9,]*)\}",
+                                                                       match[1])]
+    return groups or [list(range(num_devices))]
+  if match := re.search(r"replica_groups=\[([0-9,]+)\]<=\[([0-9,]+)\](?:T\(([0-9,]+)\))?",
+                        attributes):
+    shape = [int(x) for x in match[1].split(",")]
+    ids = np.arange(int(np.prod([int(x) for x in match[2].split(",")])))
+    ids = ids.reshape([int(x) for x in match[2].split(",")])
+    if match[3]:
+      ids = ids.transpose([int(x) for x in match[3].split(",")])
+    return ids.reshape(shape).reshape(-1, shape[-1]).tolist()
+  if match := _GROUPS_MESH_IDS.search(attributes):
+    sizes = [(a, int(s)) for a, s in re.findall(r"'([^']+)'=([0-9]+)", match["axes"])]
+    grouped = re.findall(r"'([^']+)'", match["grouped"])
+    names = [a for a, _ in sizes]
+    ids = _device_ids(match["ids"], int(np.prod([s for _, s in sizes])))
+    ids = ids.reshape([s for _, s in sizes])
+    rest = [names.index(a) for a in names if a not in grouped]
+    ids = ids.transpose(rest + [names.index(a) for a in grouped])
+    return ids.reshape(-1, int(np.prod([dict(sizes)[a] for a in grouped]))).tolist()
+  return None
+
+
+def _device_ids(text: str | None, count: int) -> np.ndarray:
+  """The flat device order of a mesh-form replica group: iota when absent, `[dims]T(perm)` an
+  iota reshaped to dims and transposed, or an explicit list."""
+  if not text:
+    return np.arange(count)
+  if match := re.fullmatch(r"\[([0-9,]+)\](?:<=\[([0-9,]+)\])?(?:T\(([0-9,]+)\))?", text):
+    source = [int(x) for x in (match[2] or match[1]).split(",")]
+    ids = np.arange(int(np.prod(source))).reshape(source)
+    if match[3]:
+      ids = ids.transpose([int(x) for x in match[3].split(",")])
+    return ids.reshape(-1)
+  return np.asarray([int(x) for x in text.split(",")])
+
+
+def mesh_axes_of(groups: list[list[int]], mesh_shape: dict[str, int]) -> str:
+  """The mesh axes along which the devices of any group differ, "+"-joined in mesh order.
+  Device ids are positions in the mesh's flattened device array (jax's device assignment for
+  a `NamedSharding`)."""
+  shape = tuple(mesh_shape.values())
+  total = int(np.prod(shape))
+  varying = np.zeros(len(shape), bool)
+  for group in groups:
+    if max(group) >= total:
+      raise ValueError(f"replica group {group} names a device beyond the mesh's {total}")
+    coords = np.stack(np.unravel_index(np.asarray(group), shape))
+    varying |= (coords != coords[:, :1]).any(axis=1)
+  return "+".join(a for a, v in zip(mesh_shape, varying) if v)
+
+
+def _link_bytes(op: str, size: int, group: int) -> float:
+  if op in ("collective-permute", "collective-broadcast"):
+    return float(size)
+  fraction = (group - 1) / group if group else 1.0
+  return size * fraction * (2 if op == "all-reduce" else 1)
+
+
+def step_collectives(hlo_text: str, mesh_shape: dict[str, int],
+                     module=None) -> list[StepCollective]:
+  """Every data-moving collective of an optimized module with its executions per step and
+  mesh axes (`mesh_shape`: `{axis: size}` in mesh order, the program's mesh)."""
+  module = module or hlo_loops.parse_module(hlo_text)
+  runs = module.executions()
+  shapes = {i.name: _arrays(i.result_type) for instrs in module.computations.values()
+            for i in instrs}
+  num_devices = int(np.prod(list(mesh_shape.values())))
+  found = []
+  for computation, instrs in module.computations.items():
+    for instr in instrs:
+      op = instr.op.removesuffix("-start")
+      if op not in OPS or computation not in runs:
+        continue
+      results = _arrays(instr.result_type)
+      operands = _arrays(instr.operand_text) or sum(
+          (shapes.get(name, ()) for name in instr.operands), ())
+      if instr.op.endswith("-start") and len(results) > len(operands):
+        results = results[len(operands):]
+      groups = replica_groups(instr.attributes, num_devices)
+      if groups is None:
+        raise ValueError(f"collective {instr.name}: no replica groups in {instr.attributes[:200]!r}")
+      group = max(len(g) for g in groups) if op not in ("collective-permute",) else 2
+      axes = mesh_axes_of(groups, mesh_shape)
+      if group == 1 or (op == "collective-permute" and not axes):
+        continue
+      size = max(sum(array_bytes(*a) for a in arrays) for arrays in (results, operands))
+      found.append(StepCollective(op, instr.name, size, _link_bytes(op, size, group),
+                                  runs[computation], group, axes, instr.metadata("op_name")))
+  return found
+
+
+def summarize_step(found: list[StepCollective], key: str = "op") -> dict[str, dict]:
+  """`{value of key: {"count", "bytes", "link_bytes"}}` per step (bytes times runs), largest
+  bytes first; `key` is a `StepCollective` field ("op", "axes", "source")."""
+  totals = collections.defaultdict(lambda: {"count": 0, "bytes": 0, "link_bytes": 0.0})
+  for c in found:
+    entry = totals[getattr(c, key)]
+    entry["count"] += c.runs
+    entry["bytes"] += c.bytes * c.runs
+    entry["link_bytes"] += c.link_bytes * c.runs
+  return dict(sorted(totals.items(), key=lambda kv: -kv[1]["bytes"]))
+
+
+_CONTRACTING = re.compile(r"lhs_contracting_dims=\{([0-9,]*)\}")
+_DIM_LABELS = re.compile(r"dim_labels=([^_]*)_([^-]*)->(\S+?)[,\s]")
+_WINDOW = re.compile(r"window=\{([^}]*)\}")
+
+
+def _convolution_flops(instr, lhs, kernel, result) -> float:
+  """2 x output batch x output features x input features x the (output, window) position pairs
+  that land on a real input element (padding and lhs dilation holes skipped), as XLA's
+  HloCostAnalysis counts them: the TPU compiler writes some matmuls, e.g. `ragged_dot`'s weight
+  gradient, as dilated convolutions over a window."""
+  labels = _DIM_LABELS.search(instr.attributes + " ")
+  lhs_l, kernel_l, out_l = labels[1], labels[2], labels[3]
+  fields = {}
+  if window := _WINDOW.search(instr.attributes):
+    for item in window[1].split():
+      key, _, value = item.partition("=")
+      fields[key] = value.split("x")
+  spatial = [c for c in kernel_l if c not in "io"]
+  pairs = 1
+  for n, dim in enumerate(spatial):
+    get = lambda key, default, n=n: (int(fields[key][n]) if key in fields else default)
+    pad = fields["pad"][n].split("_") if "pad" in fields else ("0", "0")
+    size, stride = get("size", kernel[kernel_l.index(dim)]), get("stride", 1)
+    lhs_dilate, rhs_dilate = get("lhs_dilate", 1), get("rhs_dilate", 1)
+    inputs = lhs[lhs_l.index(dim)]
+    outputs = result[out_l.index(dim)]
+    pos = (np.arange(outputs)[:, None] * stride + np.arange(size)[None] * rhs_dilate
+           - int(pad[0]))
+    pairs *= int(((pos >= 0) & (pos <= (inputs - 1) * lhs_dilate) & (pos % lhs_dilate == 0)).sum())
+  batch, features = result[out_l.index("b")], result[out_l.index("f")]
+  return 2.0 * batch * features * kernel[kernel_l.index("i")] * pairs
+
+
+def _ragged_dot_flops(instr, shapes) -> float | None:
+  """FLOPs of the TPU compiler's `ragged-dot` custom call (`jax.lax.ragged_dot` and its
+  transposes): 2 x rows x K x N, every row multiplied by one group's `[K, N]` matrix. Forward
+  and input gradient: a 2-D result `[M, .]` and a 3-D `[G, K, N]` operand; weight gradient: a
+  3-D result `[G, K, N]` and 2-D `[M, K]` / `[M, N]` operands."""
+  arrays = _arrays(instr.operand_text) or sum((shapes.get(n, ()) for n in instr.operands), ())
+  floats = [shape for dtype, shape in arrays if dtype.startswith(("bf", "f"))]
+  result = _arrays(instr.result_type)[0][1]
+  if len(result) == 2:
+    groups = [s for s in floats if len(s) == 3]
+    return 2.0 * result[0] * groups[0][1] * groups[0][2] if groups else None
+  if len(result) == 3:
+    _, k, n = result
+    for shape in (s for s in floats if len(s) == 2):
+      if shape[1] in (k, n) or shape[0] in (k, n):
+        rows = shape[0] if shape[1] in (k, n) else shape[1]
+        return 2.0 * rows * k * n
+  return None
+
+
+def step_dot_flops(hlo_text: str, module=None) -> dict[str, float]:
+  """Matmul FLOPs per step of an optimized module: every `dot` (2 x result elements x
+  contracted size) and `convolution` (2 x result elements x kernel elements per output
+  feature) and TPU `ragged-dot` custom call (`_ragged_dot_flops`) times its executions per
+  step. Elementwise work is not counted (MFU counts matmuls), nor what other custom calls
+  (Pallas kernels) compute: `custom_calls` says how many ran."""
+  module = module or hlo_loops.parse_module(hlo_text)
+  runs = module.executions()
+  shapes = {i.name: _arrays(i.result_type) for instrs in module.computations.values()
+            for i in instrs}
+  flops, custom_calls = 0.0, 0
+  for computation, instrs in module.computations.items():
+    times = runs.get(computation, 0)
+    for instr in instrs:
+      if not times or instr.op not in ("dot", "convolution", "custom-call"):
+        continue
+      if instr.op == "custom-call":
+        ragged = _ragged_dot_flops(instr, shapes) if instr.name.startswith("ragged-dot") else None
+        if ragged is None:
+          if "metadata" not in instr.name:
+            custom_calls += times
+          continue
+        flops += ragged * times
+        continue
+      inline = _arrays(instr.operand_text)
+      operands = inline if len(inline) >= 2 else [shapes[n][0] for n in instr.operands[:2]]
+      result = _arrays(instr.result_type)[0][1]
+      if instr.op == "dot":
+        dims = _CONTRACTING.search(instr.attributes)
+        lhs = operands[0][1]
+        contracted = int(np.prod([lhs[int(d)] for d in dims[1].split(",") if d])) if dims else 1
+      else:
+        flops += _convolution_flops(instr, operands[0][1], operands[1][1], result) * times
+        continue
+      flops += 2.0 * float(np.prod(result, dtype=np.float64)) * contracted * times
+  return {"flops": flops, "custom_calls": custom_calls, "unknown_loops": len(module.unknown_loops)}

@@ -13,8 +13,13 @@ compiled. XLA then reports, per device (`compiled.memory_analysis()`):
   total      argument + output - alias + temp: the step's peak HBM, before the runtime's own
              reserve and fragmentation
 
-The collectives come from the optimized HLO (`compiled.as_text()`), counted per instruction in
-the text: an instruction inside a loop body counts once however often the loop runs.
+The collectives and matmul FLOPs come from the optimized HLO (`compiled.as_text()`), per step:
+every instruction times the trip counts of its enclosing loops (`glm5_jax.hlo_loops`), each
+collective with the mesh axes its replica groups span (`glm5_jax.hlo_stats.step_collectives`).
+
+Compilers: by default the simulated CPU devices' XLA:CPU, with `glm5_jax.cpu_standins` for
+the MoE ops it lacks; with `devices` from `glm5_jax.aot_targets.tpu_devices` the real TPU
+compiler (libtpu, ahead of time, no TPU needed) and no stand-ins.
 
 Depth: `with_depth` builds the same model with fewer layers (one dense, the rest MoE), so a
 few depths can be compiled and the figures extrapolated linearly in depth (`fit_line`); the
@@ -26,15 +31,13 @@ tools/plan_memory.py is the command line; docs/scaling.md the measured numbers.
 import contextlib
 import dataclasses
 import math
-import re
 import time
 
 import jax
 import jax.numpy as jnp
 import numpy as np
-from jax.sharding import NamedSharding, PartitionSpec
 
-from glm5_jax import cpu_standins
+from glm5_jax import cpu_standins, hlo_loops, hlo_stats, roofline
 from glm5_jax.accelerators import ACCELERATORS
 from glm5_jax.api import abstract_params_and_axes, forward
 from glm5_jax.config import ModelConfig, require
@@ -47,71 +50,8 @@ from glm5_jax.train.trainer import make_init_state, optimizer_and_param_sharding
 
 GIB = 1024 ** 3
 # The chips a plan is checked against, and their HBM per chip (per GPU), GiB.
-PLANNED_ACCELERATORS = ("v5p", "v6e", "h100", "h200")
+PLANNED_ACCELERATORS = ("v5p", "v5e", "v6e", "h100", "h200")
 ACCELERATOR_HBM_GIB = {name: ACCELERATORS[name].hbm_gib for name in PLANNED_ACCELERATORS}
-
-COLLECTIVE_KINDS = ("all-gather", "all-reduce", "reduce-scatter", "all-to-all",
-                    "ragged-all-to-all", "collective-permute")
-_DTYPE_BYTES = {"pred": 1, "s4": 0.5, "u4": 0.5, "s8": 1, "u8": 1, "f8e4m3fn": 1, "f8e5m2": 1,
-                "f8e4m3fnuz": 1, "f8e5m2fnuz": 1, "s16": 2, "u16": 2, "f16": 2, "bf16": 2,
-                "s32": 4, "u32": 4, "f32": 4, "s64": 8, "u64": 8, "f64": 8, "c64": 8,
-                "c128": 16}
-# `name = <result type> <op>(`; async pairs are counted once, at their `-done` (whose result
-# is the collective's output; a `-start` returns a tuple holding the input too).
-_INSTRUCTION = re.compile(
-    r"^\s*(?:ROOT\s+)?%?(?P<name>[\w.\-]+)\s*=\s*(?P<type>.+?)\s+"
-    r"(?P<op>" + "|".join(sorted(COLLECTIVE_KINDS, key=len, reverse=True)) +
-    r")(?P<phase>-start|-done)?\(")
-_ARRAY_TYPE = re.compile(r"\b([a-z]\w*)\[([\d,]*)\]")
-
-
-# ---------------------------------------------------------------------------- collectives
-
-@dataclasses.dataclass(frozen=True)
-class Collective:
-  """One collective instruction of an HLO module: its kind, name, result type and the bytes of
-  its result (per device: the HLO is the per-device SPMD program)."""
-
-  kind: str
-  name: str
-  result_type: str
-  bytes: int
-
-
-def _type_bytes(result_type: str) -> int:
-  total = 0
-  for dtype, dims in _ARRAY_TYPE.findall(result_type):
-    if dtype not in _DTYPE_BYTES:
-      raise ValueError(f"HLO result type {result_type!r}: unknown element type {dtype!r}")
-    total += _DTYPE_BYTES[dtype] * math.prod(int(d) for d in dims.split(",") if d)
-  return int(total)
-
-
-def collectives(hlo_text: str) -> list[Collective]:
-  """Every collective instruction of an HLO module's text (`compiled.as_text()`), in order.
-
-  Kinds: `COLLECTIVE_KINDS`. Async `-start` / `-done` pairs count once (at `-done`). Bytes
-  are those of the result: the gathered array of an all-gather, the reduced one of an
-  all-reduce, the scattered shard of a reduce-scatter, the output buffer of a (ragged)
-  all-to-all, the received array of a collective-permute; a tuple result sums its elements.
-  """
-  found = []
-  for line in hlo_text.splitlines():
-    m = _INSTRUCTION.match(line)
-    if not m or m["phase"] == "-start":
-      continue
-    found.append(Collective(m["op"], m["name"], m["type"].strip(), _type_bytes(m["type"])))
-  return found
-
-
-def summarize_collectives(found: list[Collective]) -> dict[str, dict[str, int]]:
-  """`{kind: {"count", "bytes"}}` over `found`, kinds in `COLLECTIVE_KINDS` order."""
-  summary = {}
-  for kind in COLLECTIVE_KINDS:
-    of_kind = [c for c in found if c.kind == kind]
-    if of_kind:
-      summary[kind] = {"count": len(of_kind), "bytes": sum(c.bytes for c in of_kind)}
-  return summary
 
 
 # ---------------------------------------------------------------------------- memory
@@ -218,9 +158,20 @@ class Program:
   # Traced with `glm5_jax.cpu_standins` (on XLA:CPU): "MoE via stand-in".
   moe_standin: bool = False
 
+  @property
+  def platform(self) -> str:
+    return self.mesh.devices.flat[0].platform
 
-def _needs_moe_standin(model: ModelConfig) -> bool:
-  return jax.default_backend() == "cpu" and "E" in model.mlp_pattern
+  @property
+  def compiler(self) -> str:
+    """Which compiler the figures come from, as the report labels them."""
+    if self.platform == "tpu":
+      return f"TPU compiler (libtpu, ahead of time, {self.mesh.devices.flat[0].device_kind})"
+    return f"XLA:{self.platform.upper()}" + (" with MoE stand-ins" if self.moe_standin else "")
+
+
+def _needs_moe_standin(model: ModelConfig, mesh) -> bool:
+  return mesh.devices.flat[0].platform == "cpu" and "E" in model.mlp_pattern
 
 
 def _with_shardings(tree, shardings):
@@ -236,12 +187,13 @@ def abstract_batch(config, mesh):
                                   sharding=sharding) for k in BATCH_KEYS}
 
 
-def train_program(config) -> Program:
+def train_program(config, devices=None) -> Program:
   """The trainer's train step (`make_train_step`, the config's optimizer, donated state) on
-  `jax.device_count()` devices, with abstract state and batch."""
+  `devices` (default: jax's; or an AOT target's, `glm5_jax.aot_targets`), with abstract state
+  and batch."""
   model = ModelConfig.from_config(config.model)
   step_cfg = StepConfig.from_config(config.train)
-  mesh = make_mesh(config.mesh)
+  mesh = make_mesh(config.mesh, devices)
   optimizer, schedule, params_sharding, _ = optimizer_and_param_shardings(
       config, model, step_cfg, mesh)
   init_state = make_init_state(model, optimizer, params_sharding)
@@ -255,14 +207,14 @@ def train_program(config) -> Program:
                in_shardings=(state_sharding, batch["tokens"].sharding),
                out_shardings=(state_sharding, None), donate_argnums=0)
   return Program(fn, (state, batch), mesh, config.mesh.logical_axis_rules,
-                 sharded_bytes((state, batch)), _needs_moe_standin(model))
+                 sharded_bytes((state, batch)), _needs_moe_standin(model, mesh))
 
 
-def serve_program(config) -> Program:
+def serve_program(config, devices=None) -> Program:
   """Prefill for serving: next-token logits `[B, Y]` (fp32) of a batch of `[B, L]` prompts,
   params only (no optimizer state), no MTP depths, inference's attention mode."""
   model = ModelConfig.from_config(config.model)
-  mesh = make_mesh(config.mesh)
+  mesh = make_mesh(config.mesh, devices)
   rules = config.mesh.logical_axis_rules
   shapes, logical_axes = abstract_params_and_axes(model)
   params = _with_shardings(shapes, param_shardings(shapes, logical_axes, mesh, rules))
@@ -274,7 +226,7 @@ def serve_program(config) -> Program:
   fn = jax.jit(prefill, keep_unused=True, in_shardings=(jax.tree_util.tree_map(lambda p: p.sharding, params),
                                       tokens.sharding))
   return Program(fn, (params, tokens), mesh, rules, sharded_bytes((params, tokens)),
-                 _needs_moe_standin(model))
+                 _needs_moe_standin(model, mesh))
 
 
 def kv_cache_bytes(config) -> int:
@@ -293,23 +245,64 @@ def kv_cache_bytes(config) -> int:
 
 @dataclasses.dataclass(frozen=True)
 class CompiledFigures:
-  """What one compiled program reports."""
+  """What one compiled program reports, per device and per step (loops multiplied)."""
 
   memory: Memory
-  collectives: tuple
+  collectives: tuple  # hlo_stats.StepCollective
+  flops: float  # matmul FLOPs per step (hlo_stats.step_dot_flops)
+  custom_calls: int  # custom-call executions per step, whose FLOPs are not counted
+  cost_analysis_flops: float  # compiled.cost_analysis()["flops"]: loop bodies counted once
+  unknown_loops: tuple  # while loops whose trip count could not be read (counted once)
   compile_s: float
   hlo_chars: int
+  compiler: str
 
 
-def compile_program(program: Program) -> CompiledFigures:
-  """Lowers and compiles `program` (nothing runs) and reads its memory and collectives."""
+@contextlib.contextmanager
+def _backend_seen_by_model(platform: str):
+  """While tracing for an AOT target, `jax.default_backend()` answers the target's platform,
+  so the code's backend choices (`pallas_kernels.blocking`: Pallas kernels compiled rather than
+  interpreted, accelerator-sized query blocks) are the target's, not the host CPU's."""
+  original = jax.default_backend
+  jax.default_backend = lambda: platform
+  try:
+    yield
+  finally:
+    jax.default_backend = original
+
+
+def compile_program(program: Program, hlo_out: str | None = None) -> CompiledFigures:
+  """Lowers and compiles `program` (nothing runs) and reads its memory, per-step collectives
+  and matmul FLOPs; `hlo_out`: a file to write the optimized HLO text to."""
   standins = contextlib.ExitStack()
   if program.moe_standin:
     standins.enter_context(cpu_standins.ragged_dot_standin())
     standins.enter_context(cpu_standins.ragged_all_to_all_standin())
+  if program.platform != jax.default_backend():
+    standins.enter_context(_backend_seen_by_model(program.platform))
   start = time.perf_counter()
   with activation_sharding(program.mesh, program.rules), standins:
     compiled = program.fn.lower(*program.args).compile()
   compile_s = time.perf_counter() - start
   text = compiled.as_text()
-  return CompiledFigures(Memory.of(compiled), tuple(collectives(text)), compile_s, len(text))
+  if hlo_out:
+    with open(hlo_out, "w") as f:
+      f.write(text)
+  module = hlo_loops.parse_module(text)
+  mesh_shape = dict(program.mesh.shape)
+  found = hlo_stats.step_collectives(text, mesh_shape, module)
+  flops = hlo_stats.step_dot_flops(text, module)
+  cost = compiled.cost_analysis()
+  cost = cost[0] if isinstance(cost, (list, tuple)) else cost
+  return CompiledFigures(Memory.of(compiled), tuple(found), flops["flops"], flops["custom_calls"],
+                         float((cost or {}).get("flops", 0.0)), tuple(module.unknown_loops),
+                         compile_s, len(text), program.compiler)
+
+
+def step_estimate(figures: CompiledFigures, program: Program, chip: str, tokens_per_chip: float,
+                  model_flops_per_token: float | None) -> roofline.Estimate:
+  """`roofline.estimate` of a compiled step on `chip` (a `roofline.CHIPS` key)."""
+  by_axes = {axes: s["link_bytes"]
+             for axes, s in hlo_stats.summarize_step(list(figures.collectives), "axes").items()}
+  return roofline.estimate(roofline.CHIPS[chip], figures.flops, by_axes,
+                           dict(program.mesh.shape), tokens_per_chip, model_flops_per_token)

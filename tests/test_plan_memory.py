@@ -9,58 +9,151 @@ import sys
 
 import pytest
 
-from glm5_jax import planner
+from glm5_jax import hlo_stats, planner
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
-_HLO = """
-HloModule jit_step, entry_computation_layout={(f32[4,8]{1,0})->f32[]}
+# Two nested loops in the TPU compiler's form (no `known_trip_count`; the condition compares
+# the induction variable with a constant, the body adds 1 to it), the outer one XLA:CPU's
+# annotated form: 3 x 5 = 15 runs of the inner body's collectives.
+_LOOPS_HLO = """
+HloModule jit_step, entry_computation_layout={(f32[4,8]{1,0})->f32[4,8]{1,0}}
 
 %add (a: f32[], b: f32[]) -> f32[] {
-  ROOT %s = f32[] add(f32[] %a, f32[] %b)
+  %a = f32[] parameter(0)
+  %b = f32[] parameter(1)
+  ROOT %s = f32[] add(%a, %b)
 }
 
-ENTRY %main (p: f32[4,8]) -> f32[] {
-  %p = f32[4,8]{1,0} parameter(0)
-  %all-gather.1 = f32[16,8]{1,0} all-gather(f32[4,8]{1,0} %p), channel_id=1, dimensions={0}
-  %all-reduce.2 = (f32[16,8]{1,0}, bf16[3]{0}) all-reduce(%all-gather.1, %c), to_apply=%add
-  %ags = (bf16[4,8]{1,0}, bf16[16,8]{1,0}) all-gather-start(bf16[4,8]{1,0} %q), dimensions={0}
-  %agd = bf16[16,8]{1,0} all-gather-done((bf16[4,8]{1,0}, bf16[16,8]{1,0}) %ags)
-  %reduce-scatter = f32[1,8]{1,0} reduce-scatter(f32[4,8]{1,0} %p), dimensions={0}, to_apply=%add
-  %a2a = s32[4,8]{1,0} all-to-all(s32[4,8]{1,0} %i), dimensions={0}
-  %r = bf16[64,16]{1,0} ragged-all-to-all(%x, %out, %o1, %s1, %o2, %s2)
-  ROOT %cp = f32[2,2]{1,0} collective-permute(f32[2,2]{1,0} %z), source_target_pairs={{0,1}}
-  %not = f32[16,8]{1,0} add(%all-gather.1, %all-gather.1)
+%inner_body (p: (s32[], f32[4,8])) -> (s32[], f32[4,8]) {
+  %p = (s32[], f32[4,8]{1,0}) parameter(0)
+  %i = s32[] get-tuple-element(%p), index=0
+  %x = f32[4,8]{1,0} get-tuple-element(%p), index=1
+  %one = s32[] constant(1)
+  %next = s32[] add(%i, %one)
+  %ag = f32[16,8]{1,0} all-gather(%x), channel_id=1, replica_groups=[2,4]<=[8], dimensions={0}, metadata={op_name="jit(step)/gather_rows"}
+  %ar = f32[4,8]{1,0} all-reduce(%x), channel_id=2, replica_groups=mesh['axis_0'=2,'axis_1'=4], device_ids=([2,2,2]T(1,0,2)) {'axis_0'}, to_apply=%add, metadata={op_name="jit(step)/sum_a"}
+  %w = f32[8,8]{1,0} broadcast(%one), dimensions={}
+  %d = f32[4,8]{1,0} dot(%ar, %w), lhs_contracting_dims={1}, rhs_contracting_dims={0}
+  ROOT %t = (s32[], f32[4,8]{1,0}) tuple(%next, %d)
+}
+
+%inner_cond (q: (s32[], f32[4,8])) -> pred[] {
+  %q = (s32[], f32[4,8]{1,0}) parameter(0)
+  %k = s32[] get-tuple-element(%q), index=0
+  %five = s32[] constant(5)
+  ROOT %lt = pred[] compare(%k, %five), direction=LT
+}
+
+%outer_body (r: (s32[], f32[4,8])) -> (s32[], f32[4,8]) {
+  %r = (s32[], f32[4,8]{1,0}) parameter(0)
+  %zero = s32[] constant(0)
+  %y = f32[4,8]{1,0} get-tuple-element(%r), index=1
+  %init = (s32[], f32[4,8]{1,0}) tuple(%zero, %y)
+  %loop = (s32[], f32[4,8]{1,0}) while(%init), condition=%inner_cond, body=%inner_body
+  %cp = f32[4,8]{1,0} collective-permute(%y), channel_id=3, source_target_pairs={{0,1},{1,0},{2,3},{3,2}}
+  ROOT %out = (s32[], f32[4,8]{1,0}) tuple(%zero, %cp)
+}
+
+%outer_cond (u: (s32[], f32[4,8])) -> pred[] {
+  %u = (s32[], f32[4,8]{1,0}) parameter(0)
+  ROOT %never = pred[] constant(false)
+}
+
+ENTRY %main (p0: f32[4,8]) -> f32[4,8] {
+  %p0 = f32[4,8]{1,0} parameter(0)
+  %c0 = s32[] constant(0)
+  %start = (s32[], f32[4,8]{1,0}) tuple(%c0, %p0)
+  %outer = (s32[], f32[4,8]{1,0}) while(%start), condition=%outer_cond, body=%outer_body, backend_config={"known_trip_count":{"n":"3"}}
+  %rs = f32[1,8]{1,0} reduce-scatter(%p0), channel_id=4, replica_groups={{0,1,2,3},{4,5,6,7}}, dimensions={0}, to_apply=%add
+  ROOT %res = f32[4,8]{1,0} get-tuple-element(%outer), index=1
 }
 """
 
 
-def test_collectives_parses_every_kind_and_counts_async_once():
-  found = planner.collectives(_HLO)
-  assert [(c.kind, c.name, c.bytes) for c in found] == [
-      ("all-gather", "all-gather.1", 16 * 8 * 4),
-      ("all-reduce", "all-reduce.2", 16 * 8 * 4 + 3 * 2),  # a tuple result sums its elements
-      ("all-gather", "agd", 16 * 8 * 2),  # the -done only, with the gathered output
-      ("reduce-scatter", "reduce-scatter", 8 * 4),
-      ("all-to-all", "a2a", 4 * 8 * 4),
-      ("ragged-all-to-all", "r", 64 * 16 * 2),
-      ("collective-permute", "cp", 2 * 2 * 4),
-  ]
-  summary = planner.summarize_collectives(found)
-  assert summary["all-gather"] == {"count": 2, "bytes": 16 * 8 * 4 + 16 * 8 * 2}
-  assert list(summary) == list(planner.COLLECTIVE_KINDS)
+def test_step_collectives_multiply_nested_loop_trip_counts_and_map_groups_to_axes():
+  from glm5_jax import hlo_loops, hlo_stats  # pylint: disable=g-import-not-at-top
+  module = hlo_loops.parse_module(_LOOPS_HLO)
+  assert module.executions()["inner_body"] == 15 and module.unknown_loops == []
+  found = {c.name: c for c in hlo_stats.step_collectives(_LOOPS_HLO, {"a": 2, "b": 4})}
+  assert (found["ag"].runs, found["ag"].bytes, found["ag"].axes) == (15, 16 * 8 * 4, "b")
+  assert found["ag"].link_bytes == 16 * 8 * 4 * 3 / 4 and found["ag"].source.endswith("rows")
+  # the mesh form with a transposed device order: groups {0,2}, {1,3}, ...: mesh axis "b"
+  assert (found["ar"].runs, found["ar"].group, found["ar"].axes) == (15, 2, "b")
+  assert found["ar"].link_bytes == 4 * 8 * 4 * 2 * 1 / 2  # all-reduce: twice (n-1)/n
+  assert (found["cp"].runs, found["cp"].axes, found["cp"].link_bytes) == (3, "b", 4 * 8 * 4)
+  # reduce-scatter: the full operand, over the devices that differ along "b"
+  assert (found["rs"].runs, found["rs"].bytes, found["rs"].axes) == (1, 4 * 8 * 4, "b")
+  by_kind = hlo_stats.summarize_step(list(found.values()))
+  assert by_kind["all-gather"] == {"count": 15, "bytes": 15 * 512, "link_bytes": 15 * 384.0}
+  assert hlo_stats.step_dot_flops(_LOOPS_HLO)["flops"] == 15 * 2 * 4 * 8 * 8
+  # the outer loop unannotated and its condition unreadable: reported, counted once
+  unknown = hlo_loops.parse_module(_LOOPS_HLO.replace(
+      ', backend_config={"known_trip_count":{"n":"3"}}', ""))
+  assert unknown.executions()["inner_body"] == 5 and unknown.unknown_loops == ["outer"]
 
 
-def test_collectives_rejects_an_unknown_element_type():
-  with pytest.raises(ValueError, match="unknown element type 'q7'"):
-    planner.collectives("  %x = q7[4]{0} all-reduce(%y), to_apply=%add")
+def test_replica_group_forms():
+  from glm5_jax import hlo_stats  # pylint: disable=g-import-not-at-top
+  groups = hlo_stats.replica_groups
+  assert groups("replica_groups={}, x", 4) == [[0, 1, 2, 3]]
+  assert groups("replica_groups=[4,2]<=[2,4]T(1,0), x", 8) == [[0, 4], [1, 5], [2, 6], [3, 7]]
+  assert groups("replica_groups=mesh['axis_0'=2,'axis_1'=4] {'axis_1'}", 8) == [
+      [0, 1, 2, 3], [4, 5, 6, 7]]
+  assert hlo_stats.mesh_axes_of([[0, 4], [1, 5]], {"a": 2, "b": 4}) == "a"
+  assert hlo_stats.mesh_axes_of([[0, 1, 4, 5]], {"a": 2, "b": 2, "c": 2}) == "a+c"
+  assert groups("dimensions={0}", 8) is None
+
+
+_KNOWN_LOOP = r"""
+import json, jax, jax.numpy as jnp
+from jax.sharding import NamedSharding, PartitionSpec as P
+from glm5_jax import hlo_stats
+mesh = jax.make_mesh((2, 4), ("a", "b"), axis_types=(jax.sharding.AxisType.Explicit,) * 2)
+
+def per_device(x_MD, w_DD):  # [32, 32] and [32, 32] on each device
+  def inner(i, c):  # 7 runs per outer step: a [32, 32] matmul and a psum over "b"
+    return c + jax.lax.psum(c @ w_DD, "b") * 0.5
+  def outer(c, _):  # 3 runs: the inner loop, then a psum over "a" of 8 numbers
+    c = jax.lax.fori_loop(0, 7, inner, c)
+    return c, jax.lax.psum(c[0, :8], "a")
+  return jax.lax.scan(outer, x_MD, None, length=3)
+
+fn = jax.jit(jax.shard_map(per_device, mesh=mesh, in_specs=(P("a", "b"), P()),
+                           out_specs=(P("a", "b"), P(None, "b"))))
+x = jax.ShapeDtypeStruct((64, 128), jnp.float32, sharding=NamedSharding(mesh, P("a", "b")))
+w = jax.ShapeDtypeStruct((32, 32), jnp.float32, sharding=NamedSharding(mesh, P()))
+compiled = fn.lower(x, w).compile()
+text = compiled.as_text()
+found = hlo_stats.step_collectives(text, dict(mesh.shape))
+print(json.dumps({"found": sorted([c.op, c.bytes, c.runs, c.group, c.axes, c.link_bytes]
+                                  for c in found),
+                  "flops": hlo_stats.step_dot_flops(text),
+                  "cost_analysis": compiled.cost_analysis()["flops"]}))
+"""
+
+
+@pytest.mark.slow  # a subprocess with 8 host devices (~5 s)
+def test_per_step_accounting_of_a_compiled_program_with_known_loops():
+  """3 x 7 runs of a psum over "b" of a [32, 32] f32 block, 3 of a psum over "a" of 8 numbers,
+  21 [32, 32] x [32, 32] matmuls: exact per-step bytes and FLOPs, which
+  `compiled.cost_analysis()` (loop bodies counted once) does not give."""
+  result = json.loads(_run(None, _KNOWN_LOOP).strip().splitlines()[-1])
+  assert result["found"] == [["all-reduce", 32, 3, 2, "a", 32.0],
+                             ["all-reduce", 32 * 32 * 4, 21, 4, "b", 32 * 32 * 4 * 2 * 3 / 4]]
+  assert result["flops"] == {"flops": 21 * 2 * 32 ** 3, "custom_calls": 0, "unknown_loops": 0}
+  assert result["cost_analysis"] < 2 * 2 * 32 ** 3  # one iteration's worth
 
 
 def test_fits_compares_with_each_accelerators_hbm():
   gib = planner.GIB
-  assert planner.fits(32 * gib) == {"v5p": True, "v6e": True, "h100": True, "h200": True}
-  assert planner.fits(32 * gib + 1) == {"v5p": True, "v6e": False, "h100": True, "h200": True}
-  assert planner.fits(90 * gib) == {"v5p": True, "v6e": False, "h100": False, "h200": True}
+  assert planner.fits(16 * gib) == dict.fromkeys(planner.ACCELERATOR_HBM_GIB, True)
+  assert planner.fits(32 * gib) == {"v5p": True, "v5e": False, "v6e": True, "h100": True,
+                                    "h200": True}
+  assert planner.fits(32 * gib + 1) == {"v5p": True, "v5e": False, "v6e": False, "h100": True,
+                                        "h200": True}
+  assert planner.fits(90 * gib) == {"v5p": True, "v5e": False, "v6e": False, "h100": False,
+                                    "h200": True}
   assert planner.fits(200 * gib) == dict.fromkeys(planner.ACCELERATOR_HBM_GIB, False)
 
 
@@ -97,14 +190,14 @@ def _run(args, script=None, timeout=900):
 _COMPILED_COLLECTIVES = r"""
 import json, jax, jax.numpy as jnp
 from jax.sharding import NamedSharding, PartitionSpec as P
-from glm5_jax import planner
+from glm5_jax import hlo_stats
 mesh = jax.make_mesh((8,), ("fsdp",), axis_types=(jax.sharding.AxisType.Auto,))
 x = jax.ShapeDtypeStruct((64, 16), jnp.float32, sharding=NamedSharding(mesh, P("fsdp")))
 def f(x_MD):  # an all-gather of x to every device, an all-reduce of the column sums
   full = jax.lax.with_sharding_constraint(x_MD * 2, NamedSharding(mesh, P()))
   return full, x_MD.sum(0)
 text = jax.jit(f, out_shardings=NamedSharding(mesh, P())).lower(x).compile().as_text()
-found = planner.collectives(text)
+found = hlo_stats.step_collectives(text, {"fsdp": 8})
 from glm5_jax.cpu_standins import ragged_all_to_all_standin
 def exchange(x_PD, out_RD, sizes_E):  # XLA:CPU cannot compile the real ragged-all-to-all
   return jax.lax.ragged_all_to_all(x_PD, out_RD, sizes_E, sizes_E, sizes_E, sizes_E,
@@ -117,10 +210,11 @@ for out_rows in (6, 20):  # per-device output buffer smaller / larger than the 1
   mapped = jax.shard_map(exchange, mesh=mesh, in_specs=P("fsdp"), out_specs=P("fsdp"))
   with jax.set_mesh(mesh), ragged_all_to_all_standin():
     compiled = jax.jit(mapped).lower(rows(10), rows(out_rows), sizes).compile()
-  standin[out_rows] = [[c.kind, c.bytes] for c in planner.collectives(compiled.as_text())]
+  standin[out_rows] = [[c.op, c.bytes]
+                       for c in hlo_stats.step_collectives(compiled.as_text(), {"fsdp": 8})]
   standin[f"shape{out_rows}"] = list(compiled.out_info.shape)
-print(json.dumps({"found": [[c.kind, c.bytes] for c in found], "standin": standin,
-                  "mentions": {k: text.count(" " + k + "(") for k in planner.COLLECTIVE_KINDS}}))
+print(json.dumps({"found": [[c.op, c.bytes] for c in found], "standin": standin,
+                  "mentions": {k: text.count(" " + k + "(") for k in hlo_stats.OPS}}))
 """
 
 
@@ -131,7 +225,7 @@ def test_collectives_of_a_compiled_8_device_program_and_the_ragged_all_to_all_st
   assert ["all-gather", 64 * 16 * 4] in result["found"], result
   assert any(k == "all-reduce" and b == 16 * 4 for k, b in result["found"]), result
   # every collective instruction the text holds was found, none invented
-  assert {k: kinds.count(k) for k in planner.COLLECTIVE_KINDS} == result["mentions"], result
+  assert {k: kinds.count(k) for k in hlo_stats.OPS} == result["mentions"], result
   # the ragged-all-to-all stand-in: one all-to-all of the (row-padded) send buffer, shaped
   # like the output buffer
   for out_rows in ("6", "20"):
@@ -142,7 +236,7 @@ def test_collectives_of_a_compiled_8_device_program_and_the_ragged_all_to_all_st
 _STATE_SHARDINGS = r"""
 import json, jax
 from configs import tiny
-from glm5_jax import planner
+from glm5_jax import hlo_stats, planner
 from glm5_jax.train.trainer import build_trainer
 config = tiny.get_config()
 config.mesh.shape.update(data=1, fsdp=2, expert=2, tensor=2)
@@ -187,7 +281,8 @@ def test_plan_memory_tiny_on_8_devices(tmp_path):
     memory = c["memory"]
     assert min(memory["argument"], memory["output"], memory["temp"]) > 0, memory
     assert 0 < memory["alias"] <= memory["argument"]  # the donated state
-    assert c["compile_s"] > 0 and c["collectives"]["all-reduce"]["count"] > 0
+    assert c["compile_s"] > 0 and c["collectives_per_step"]["op"]["all-reduce"]["count"] > 0
+    assert c["flops_per_step"] > 0 and c["unknown_loops"] == 0
   deeper = [c["memory"]["argument"] for c in result["compiled"]]
   assert deeper[1] > deeper[0]
   # arguments at depth 3 (exact, not compiled) hold one more MoE layer. (Not 2 * d2 - d1: at
@@ -197,6 +292,10 @@ def test_plan_memory_tiny_on_8_devices(tmp_path):
   assert result["extrapolated"] and result["total"] > 0
   assert result["fits"] == planner.fits(result["total"]) and result["fits"]["v6e"]
   assert re.search(r"v6e +32 GiB  fits  <== chosen", out), out
+  # the roofline of the deepest compile, on the chosen chip, labelled as a CPU-compiled estimate
+  assert result["accelerator"] == "v6e" and result["compiler"].startswith("XLA:CPU")
+  assert "roofline on v6e" in out and "an ESTIMATE" in out and "not a measurement" in out
+  assert 0 < result["estimate"]["mfu"]["serial"] <= result["estimate"]["mfu"]["overlap"] < 1
 
 
 def test_ragged_dot_standin_has_ragged_dots_shapes_and_is_undone():
@@ -242,3 +341,24 @@ def test_serve_program_compiles_prefill_and_counts_the_kv_cache():
   # 2 DSA layers: (64 latent + 8 rope + 16 indexer-key numbers) x 2 bytes each.
   assert per_token == 2 * (64 + 8 + 16) * 2
   assert planner.kv_cache_bytes(config) == per_token * 3 * 32
+
+
+def test_aot_targets_parse_slices_and_refuse_a_libtpu_that_does_not_match_jax(monkeypatch):
+  from glm5_jax import aot_targets  # pylint: disable=g-import-not-at-top
+  assert aot_targets.parse_target("v5p:8x8x16") == ("v5p", (8, 8, 16))
+  assert aot_targets.parse_target("v6e:16x16") == ("v6e", (16, 16))
+  for bad in ("v5p:8x8", "v4:2x2x1", "v5e:4-4"):
+    with pytest.raises(ValueError, match="--target"):
+      aot_targets.parse_target(bad)
+  assert aot_targets._wrap("v5p", (8, 8, 16)) == (True, True, True)
+  assert aot_targets._wrap("v5p", (2, 2, 1)) == (False, False, False)
+  assert aot_targets._wrap("v6e", (8, 16)) == (False, True, False)
+  metadata = aot_targets.importlib.metadata
+  monkeypatch.setattr(aot_targets.importlib.util, "find_spec", lambda name: object())
+  monkeypatch.setattr(metadata, "requires", lambda name: [
+      'jaxlib==0.10.2', 'libtpu==0.0.42.*; extra == "tpu"'])
+  for have, ok in (("0.0.42.1", True), ("0.0.42", True), ("0.0.43", False), ("0.0.4", False)):
+    monkeypatch.setattr(metadata, "version", lambda name, have=have: have)
+    problem = aot_targets.libtpu_problem()
+    assert (problem is None) == ok, (have, problem)
+  assert "does not match jax" in problem and "libtpu==0.0.42.*" in problem

@@ -99,7 +99,7 @@ _WHOLE_BATCH_GATHERS = r"""
 import json, jax, jax.numpy as jnp
 from configs import tiny
 import glm5_jax
-from glm5_jax import planner, sharding
+from glm5_jax import hlo_stats, sharding
 from glm5_jax.config import ModelConfig
 cfg = tiny.get_config()
 cfg.model.num_hidden_layers = 2
@@ -119,7 +119,8 @@ def loss(p, t):
 with sharding.activation_sharding(mesh, rules):
   text = jax.jit(jax.grad(loss)).lower(params, tokens).compile().as_text()
 D = cfg.model.hidden_size
-whole = [c.result_type for c in planner.collectives(text) if c.kind == "all-gather" and f"[{B},{L},{D}]" in c.result_type.replace(" ", "")]
+whole = [f"{c.dtype}{list(c.shape)}" for c in hlo_stats.collectives(text)
+         if c.op == "all-gather" and c.shape == (B, L, D)]
 print(json.dumps({"whole_batch_gathers": whole}))
 """
 

@@ -1,0 +1,86 @@
+"""Ahead-of-time targets: the devices of an abstract TPU slice, compiled for by the real TPU
+compiler on a host without a TPU.
+
+  devices = tpu_devices("v5p:8x8x16")     # 1024 compile-only v5p devices
+  mesh = glm5_jax.sharding.make_mesh(config.mesh, devices)
+
+`jax.experimental.topologies.get_topology_desc` asks libtpu for a slice's devices; a program
+jitted over a mesh of them lowers and compiles for that TPU (`compiled.memory_analysis()`,
+`compiled.as_text()` are the TPU compiler's), nothing runs. It needs the `libtpu` that matches
+the installed jax (the `tpu-aot` install extra, `pip install -e .[tpu-aot]`): a newer libtpu
+than jaxlib returns HLO that jaxlib cannot read back, so a mismatch is an error here, not a
+warning. Targets: `v5p:XxYxZ` (3D torus, two TensorCores per chip as one megacore device),
+`v5e:XxY` and `v6e:XxY` (2D, one core per chip), the slice shapes Cloud TPU offers.
+"""
+
+import importlib.metadata
+import importlib.util
+import math
+import re
+
+# chip -> (libtpu's topology prefix, chip_config_name, dimensions)
+TPU_CHIPS = {"v5p": ("v5", "megacore", 3), "v5e": ("v5e", "default", 2),
+             "v6e": ("v6e", "default", 2)}
+
+
+def parse_target(target: str) -> tuple[str, tuple[int, ...]]:
+  """`"v5p:8x8x16"` -> `("v5p", (8, 8, 16))`; a ValueError names the accepted forms."""
+  chip, _, shape = target.partition(":")
+  if chip not in TPU_CHIPS or not re.fullmatch(r"\d+(x\d+)*", shape):
+    raise ValueError(f"--target={target!r}: expected <chip>:<shape> with chip one of "
+                     f"{sorted(TPU_CHIPS)}, e.g. v5p:8x8x16, v5e:16x16, v6e:8x16")
+  dims = tuple(int(d) for d in shape.split("x"))
+  if len(dims) != TPU_CHIPS[chip][2]:
+    raise ValueError(f"--target={target!r}: {chip} slices are {TPU_CHIPS[chip][2]}-D "
+                     f"(e.g. {'8x8x16' if chip == 'v5p' else '16x16'})")
+  return chip, dims
+
+
+def _wrap(chip: str, dims: tuple[int, ...]) -> tuple[bool, bool, bool]:
+  """Which dimensions close into a torus: v5p slices of whole 4x4x4 cubes wrap in every
+  dimension (Cloud TPU's full-cube shapes); v5e / v6e wrap a dimension of 16 chips (the pod's
+  edge). A mesh axis over a wrapped dimension gets twice the links of an open one."""
+  if chip == "v5p":
+    cubes = all(d % 4 == 0 for d in dims)
+    return (cubes,) * 3
+  return tuple(d == 16 for d in dims) + (False,)
+
+
+def libtpu_problem() -> str | None:
+  """Why an ahead-of-time TPU compile cannot run here (None when it can): libtpu missing, or
+  not the version the installed jax requires (`jax[tpu]`'s pin)."""
+  if importlib.util.find_spec("libtpu") is None:
+    return ("libtpu is not installed: `pip install -e .[tpu-aot]` installs the one matching "
+            "the installed jax (the TPU compiler runs on this host; no TPU is needed)")
+  try:
+    have = importlib.metadata.version("libtpu")
+  except importlib.metadata.PackageNotFoundError:
+    return None  # a libtpu module without package metadata (a source build): trusted as is
+  wanted = [r for r in importlib.metadata.requires("jax") or []
+            if r.startswith("libtpu") and 'extra == "tpu"' in r]
+  for requirement in wanted:
+    pin = re.search(r"==\s*([\w.]+?)(\.\*)?\s*(;|$)", requirement)
+    if pin and not (have == pin[1] or (pin[2] and have.startswith(pin[1] + "."))):
+      return (f"libtpu {have} does not match jax {importlib.metadata.version('jax')}, which "
+              f"requires {requirement.split(';')[0].strip()}: a libtpu newer than jaxlib "
+              "returns HLO that jaxlib cannot read (pip install -e .[tpu-aot])")
+  return None
+
+
+def tpu_devices(target: str):
+  """The compile-only devices of the TPU slice `target` (`parse_target`), in libtpu's order
+  (`glm5_jax.sharding.make_mesh` lays a mesh over them along the torus)."""
+  problem = libtpu_problem()
+  if problem:
+    raise RuntimeError(f"--target={target}: {problem}")
+  chip, dims = parse_target(target)
+  prefix, chip_config, _ = TPU_CHIPS[chip]
+  from jax.experimental import topologies  # pylint: disable=g-import-not-at-top
+  topology = topologies.get_topology_desc(
+      f"{prefix}:{'x'.join(map(str, dims))}", platform="tpu", chip_config_name=chip_config,
+      chips_per_host_bounds=(2, 2, 1), num_slices=1, wrap=_wrap(chip, dims))
+  devices = list(topology.devices)
+  if len(devices) != math.prod(dims):
+    raise RuntimeError(f"--target={target}: libtpu gave {len(devices)} devices for "
+                       f"{math.prod(dims)} chips")
+  return devices

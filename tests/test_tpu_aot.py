@@ -1,0 +1,97 @@
+"""The real TPU compiler, ahead of time on this host (`glm5_jax.aot_targets`): the Pallas TPU
+kernels compiled by Mosaic (elsewhere they are only lowered), and the planner's train step on a
+small v5p slice with no CPU stand-ins. Runs where the `tpu-aot` extra (libtpu matching jax) is
+installed; skipped, with the reason, where it is not. Each case is a subprocess with
+`JAX_PLATFORMS=cpu`: jax itself must not try to open a local TPU."""
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+from glm5_jax import aot_targets
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+_PROBLEM = aot_targets.libtpu_problem()
+pytestmark = [pytest.mark.slow,
+              pytest.mark.skipif(_PROBLEM is not None, reason=f"no TPU compiler: {_PROBLEM}")]
+
+
+def _run(args, timeout=900):
+  path = os.pathsep.join(p for p in (ROOT, os.environ.get("PYTHONPATH", "")) if p)
+  env = dict(os.environ, JAX_PLATFORMS="cpu", PYTHONPATH=path)
+  env.pop("XLA_FLAGS", None)
+  proc = subprocess.run([sys.executable, *args], cwd=ROOT, env=env, capture_output=True,
+                        text=True, timeout=timeout)
+  assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+  return proc.stdout
+
+
+_KERNEL = r"""
+import functools, json, sys, jax, jax.numpy as jnp
+import pallas_kernels as pk
+from glm5_jax import aot_targets
+device = aot_targets.tpu_devices("v5p:2x2x1")[0]
+on_tpu = jax.sharding.SingleDeviceSharding(device)
+sds = lambda shape, dtype: jax.ShapeDtypeStruct(shape, dtype, sharding=on_tpu)
+b, l, s, j, i, h, c, r, t = 1, 256, 1024, 8, 128, 16, 512, 64, 640  # t: not a multiple of 512
+bf16, i32 = jnp.bfloat16, jnp.int32
+
+def sparse_mla(q, q_rope, kv, k_rope, topk):  # forward and backward kernels
+  def loss(*arrays):
+    out, lse = pk.sparse_mla_pallas(*arrays, topk, scale=0.07, interpret=False)
+    return out.astype(jnp.float32).sum() + lse.sum()
+  return jax.grad(loss, argnums=(0, 1, 2, 3))(q, q_rope, kv, k_rope)
+
+programs = {
+    "indexer": (functools.partial(pk.indexer_topk_pallas, topk=t, scale=i ** -0.5,
+                                  interpret=False),
+                (sds((b, l, j, i), bf16), sds((b, s, i), bf16), sds((b, l, j), jnp.float32),
+                 sds((b, l), i32), sds((b, l), i32), sds((b, s), i32))),
+    "sparse_mla": (sparse_mla, (sds((b, l, h, c), bf16), sds((b, l, h, r), bf16),
+                                sds((b, s, c), bf16), sds((b, s, r), bf16),
+                                sds((b, l, t), i32))),
+}
+fn, args = programs[sys.argv[1]]
+compiled = jax.jit(fn).lower(*args).compile()
+print(json.dumps({"kernels": compiled.as_text().count('custom_call_target="tpu_custom_call"'),
+                  "kind": device.device_kind,
+                  "temp": compiled.memory_analysis().temp_size_in_bytes}))
+"""
+
+
+def test_indexer_kernel_compiles_for_tpu():
+  result = json.loads(_run(["-c", _KERNEL, "indexer"]).strip().splitlines()[-1])
+  assert result["kernels"] >= 1 and result["kind"].startswith("TPU v5"), result
+  assert result["temp"] > 0
+
+
+@pytest.mark.xfail(strict=True, raises=AssertionError, reason=(
+    "Mosaic rejects the sparse MLA kernel (forward and backward), found by this test on "
+    "libtpu 0.0.42.1: 'Offsets along tiled dimensions must be aligned to tiles' on the "
+    "one-row tpu.memref_slice of its [2, 512, 512] bf16 VMEM gather buffer (tile (8, 128)); "
+    "lowering alone (tests/test_dsa_kernels.py) does not see it. Strict: passes once fixed."))
+def test_sparse_mla_kernels_compile_for_tpu():
+  result = json.loads(_run(["-c", _KERNEL, "sparse_mla"]).strip().splitlines()[-1])
+  assert result["kernels"] >= 2, result
+
+
+def test_plan_memory_compiles_the_train_step_with_the_tpu_compiler():
+  """The tiny model's train step (one MoE layer, expert-parallel with the real
+  ragged-all-to-all and ragged_dot, MTP) on a v5p 2x2x1 slice: the TPU compiler's memory,
+  per-step collectives with every loop's trip count read from its text, and the roofline."""
+  out = _run([os.path.join("tools", "plan_memory.py"), "--config=configs/tiny.py",
+              "--target=v5p:2x2x1", "--mesh=fsdp=2,expert=2", "--json",
+              "--config.model.num_hidden_layers=2", "--config.model.mtp_depths=1",
+              "--config.model.moe_impl=expert_parallel"])
+  result = json.loads(out.strip().splitlines()[-1])
+  assert result["compiler"].startswith("TPU compiler") and not result["moe_standin"], result
+  assert result["devices"] == 4 and result["accelerator"] == "v5p"
+  compiled = result["compiled"][0]
+  assert compiled["memory"]["temp"] > 0 and compiled["unknown_loops"] == 0
+  assert "ragged-all-to-all" in compiled["collectives_per_step"]["op"], compiled
+  assert set(compiled["collectives_per_step"]["axes"]) <= {"fsdp", "expert", "fsdp+expert"}
+  assert compiled["flops_per_step"] > 0 and 0 < result["estimate"]["mfu"]["serial"] < 1
+  assert "MoE via stand-in" not in out and "an ESTIMATE" in out
