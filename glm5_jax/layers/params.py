@@ -52,3 +52,19 @@ def kernels(module: nn.Module, std: float, param_dtype,
 def constrain(x, axes):
   """`nn.with_logical_constraint` with the names checked against `layers.axes`."""
   return nn.with_logical_constraint(x, axes_lib.check(axes, "activation constraint"))
+
+
+def context_split(name: str) -> int:
+  """How many ways the context mesh (`jax.set_mesh`, as `glm5_jax.sharding.activation_sharding`
+  sets it) and logical axis rules split logical axis `name`; 1 outside a mesh or without a rule.
+  For code that must size a layout to the split, e.g. the sparse attention backward's head
+  groups (`pallas_kernels.sparse_mla_xla`)."""
+  mesh = jax.sharding.get_abstract_mesh()
+  if mesh is None or mesh.empty:
+    return 1
+  axes = nn.logical_to_mesh_axes(axes_lib.check((name,), "context_split"))[0]
+  axes = () if axes is None else (axes,) if isinstance(axes, str) else tuple(axes)
+  split = 1
+  for axis in axes:
+    split *= mesh.shape[axis]
+  return split
