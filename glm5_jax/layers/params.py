@@ -40,11 +40,16 @@ def normal_kernel(module, name, shape, axes, std, dtype):
 def kernels(module: nn.Module, std: float, param_dtype,
             dtype=None) -> Callable[[str, tuple, tuple], jax.Array]:
   """`kernel(name, shape, axes)`: declares an N(0, std^2) weight on `module` (call from its
-  compact method), stored in `param_dtype` and returned cast to `dtype` (as stored if None)."""
+  compact method), stored in `param_dtype` and returned cast to `dtype` (as stored if None).
+
+  The cast is pinned to the param's own sharding (`constrain` with its logical axes): left free,
+  XLA gave the convert the sharding its consumer wants and all-gathered the fp32 param over
+  fsdp before casting (issue 25: the 744B model's routed experts moved twice the bytes). Pinned,
+  an all-gather a consumer needs moves `dtype`."""
 
   def kernel(name, shape, axes):
     w = normal_kernel(module, name, shape, axes, std, param_dtype)
-    return w if dtype is None else w.astype(dtype)
+    return w if dtype is None else constrain(w.astype(dtype), axes)
 
   return kernel
 
