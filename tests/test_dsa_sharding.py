@@ -155,6 +155,31 @@ for impl in ("xla", "pallas"):
                   "grad_error": max(float(np.abs(np.asarray(g) - np.asarray(w)).max()
                                           / np.abs(np.asarray(w)).max())
                                     for g, w in zip(got, want))}
+
+# The indexer's top-k as the sparse stage calls it: J = 4 index heads over tensor.
+J, I, K = 4, 8, 8
+q_pos = np.broadcast_to(np.arange(L, dtype=np.int32), (B, L))
+segments = np.where(np.arange(L) < L // 2 + 3, 1, 2).astype(np.int32)[None].repeat(B, 0)
+index_values = [rng.integers(-2, 3, shape).astype(np.float32)  # exact scores, many ties
+                for shape in ((B, L, J, I), (B, L, I), (B, L, J))] + [q_pos, segments, segments]
+index_specs = (P(batch, None, "tensor"), P(batch), P(batch, None, "tensor"), P(batch), P(batch),
+               P(batch))
+index_args = [jax.device_put(x, NamedSharding(mesh, spec))
+              for x, spec in zip(index_values, index_specs)]
+want_topk = pk.indexer_topk_reference(*index_values, topk=K, scale=0.5)[0]
+index_blocks = {"xla": dict(query_block=8, key_block=16),
+                "pallas": dict(block_q=8, block_s=16, query_block=16)}
+for impl in ("xla", "pallas"):
+  with activation_sharding(mesh, mesh_config().logical_axis_rules):
+    select = jax.jit(lambda *a: mla._indexer_topk_on_mesh(impl, topk=K, scale=0.5,
+                                                          **index_blocks[impl])(*a)[0])
+    text = select.lower(*index_args).compile().as_text()
+    got = select(*index_args)
+  result["indexer_" + impl] = {
+      "all": summary(hlo_stats.collectives(text)),
+      "in_loops": summary(hlo_stats.collectives(loop_body_text(text))),
+      "loops": text.count(" while("),
+      "same_topk": bool((np.asarray(got) == np.asarray(want_topk)).all())}
 print(json.dumps(result))
 """
 
@@ -176,3 +201,14 @@ def test_sharded_backward_has_no_per_block_batch_or_head_collectives():
     # [B/4, S, C] (+ [B/4, S, R]) key gradients after the loop.
     assert found["in_loops"] == [], found
     assert found["all"] == [["all-reduce", "f32", [2, 32, 16], 2]], found
+  # The indexer: its top-k all-gathered the global batch's scores (`f32[8,8,32]` per query block
+  # on the XLA path: XLA's SPMD partitioner does not split a TopK op over batch dimensions; the
+  # Pallas path gathered every input of the kernels). What may remain per block is the XLA
+  # path's sum of the partial scores over the index-head shards, over tensor, on local rows.
+  for impl in ("xla", "pallas"):
+    found = result["indexer_" + impl]
+    assert found["loops"] >= 1 and found["same_topk"], found
+    assert not [c for c in found["all"] if c[2][:1] == [8]], found
+    assert all(c[0] == "all-reduce" and c[3] == 2 for c in found["in_loops"]
+               if c[2]), found
+  assert result["indexer_pallas"]["in_loops"] == [], result["indexer_pallas"]

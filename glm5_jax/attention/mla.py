@@ -200,15 +200,13 @@ def _sparse_stage_attention(c, latents: _Latents, scale, segment_ids_BL, index_q
   indexer, `indexer_kl` (no `index_scores`: that would be the `[B, L, S]` matrix this path
   exists to avoid).
   """
-  ops = pallas_kernels.DSA_OPS[c.dsa_impl]
   q_nope_BLHN, q_rope_BLHR, ckv_BSC, k_rope_BSR, w_kb_CHN, w_vb_CHV = latents
   b, l = segment_ids_BL.shape
   index_scale = c.index_head_dim ** -0.5
   if index_qkw is not None:
     q_pos_BL = jnp.broadcast_to(jnp.arange(l, dtype=jnp.int32), (b, l))
-    topk_BLT, _ = ops.indexer_topk(
-        *index_qkw, q_pos_BL, segment_ids_BL, segment_ids_BL, topk=c.index_topk,
-        scale=index_scale)
+    topk_BLT, _ = _indexer_topk_on_mesh(c.dsa_impl, topk=c.index_topk, scale=index_scale)(
+        *index_qkw, q_pos_BL, segment_ids_BL, segment_ids_BL)
     if recorded_topk_BLT is not None:  # a record from elsewhere: keep only visible keys
       topk_BLT = restrict_topk_to_visible(routing_replay.replay(topk_BLT, recorded_topk_BLT),
                                           segment_ids_BL)
@@ -225,6 +223,20 @@ def _sparse_stage_attention(c, latents: _Latents, scale, segment_ids_BL, index_q
         q_latent_BLHC, q_rope_BLHR, ckv_BSC, k_rope_BSR, topk_BLT, lse_BLH, scale=scale)
     aux["indexer_kl"] = indexer_kl_per_query(scores_BLT, target_BLT, topk_BLT >= 0)
   return jnp.einsum("blhc,chv->blhv", out_latent_BLHC, w_vb_CHV), aux
+
+
+def _indexer_topk_on_mesh(impl: str, **options):
+  """`pallas_kernels.DSA_OPS[impl].indexer_topk(..., **options)` laid out for the context mesh:
+  "xla" partitioned by XLA (its top-k is a sort, which stays on the batch's devices); "pallas"
+  per device on its batch rows under `mesh_shards.per_shard` (a pallas_call would gather the
+  whole batch), the index heads gathered (the kernel sums over all of them)."""
+  op = functools.partial(pallas_kernels.DSA_OPS[impl].indexer_topk, **options)
+  if impl != "pallas":
+    return op
+  rows, positions = (BATCH, None, None), (BATCH, None)
+  return per_shard(op, in_axes=((BATCH, None, None, None), rows, rows, positions, positions,
+                                positions),
+                   out_axes=(rows, rows), name="indexer_topk_pallas")
 
 
 def _sparse_mla_on_mesh(impl: str, scale: float, **options):
