@@ -174,8 +174,9 @@ print(json.dumps({"expert_gathers": gathers}))
 @pytest.mark.slow  # a subprocess with 8 host devices compiling a tiny forward
 def test_routed_experts_are_gathered_in_the_compute_dtype():
   """fp32 params, bf16 compute: the expert kernels' fsdp all-gather moves bf16. Before the cast
-  was pinned to the param's sharding (`layers.params.kernels`), XLA gathered the fp32 kernels
-  and cast after the gather: `f32[4,64,16]` x 2 and `f32[4,16,64]` here."""
+  was pinned to the param's sharding (`layers.params.kernels`), the open-source SPMD partitioner
+  gathered the fp32 kernels and cast after the gather: `f32[4,64,16]` x 2 and `f32[4,16,64]`
+  here (the TPU compiler's own passes gathered bf16 even then)."""
   result = run_on_host_devices(_EXPERT_GATHERS, timeout=600)
   gathers = result["expert_gathers"]
   assert len(gathers) == 3 and all(dtype == "bf16" for dtype, _ in gathers), result

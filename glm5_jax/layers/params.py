@@ -43,9 +43,10 @@ def kernels(module: nn.Module, std: float, param_dtype,
   compact method), stored in `param_dtype` and returned cast to `dtype` (as stored if None).
 
   The cast is pinned to the param's own sharding (`constrain` with its logical axes): left free,
-  XLA gave the convert the sharding its consumer wants and all-gathered the fp32 param over
-  fsdp before casting (issue 25: the 744B model's routed experts moved twice the bytes). Pinned,
-  an all-gather a consumer needs moves `dtype`."""
+  XLA's open-source SPMD partitioner (CPU; GPU uses the same) gave the convert the sharding its
+  consumer wants and all-gathered the fp32 param over fsdp before casting (issue 25: the routed
+  experts). Pinned, an all-gather a consumer needs moves `dtype`. (The TPU compiler already
+  gathered bf16 either way: AOT compile for v5p, libtpu 0.0.42.)"""
 
   def kernel(name, shape, axes):
     w = normal_kernel(module, name, shape, axes, std, param_dtype)
