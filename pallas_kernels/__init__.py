@@ -25,7 +25,7 @@ Index contract (every op, reference, XLA and Pallas, forward and backward):
   of a single copy with logit + log 2, and it receives the gradients of both slots (scatter-add);
   `indexer_scores_at` and `sparse_mla_head_mean_probs` give each copy the same score /
   probability (the probabilities of a row still sum to 1 over its slots). The indexer's own
-  top-k never selects a key twice (`lax.top_k` returns distinct positions), so duplicates only
+  top-k never selects a key twice (`select_topk` returns distinct positions), so duplicates only
   come from a selection made elsewhere. (The model's "dense_mask" path builds a boolean mask
   from the selection and so counts a duplicated key once: the paths agree only on distinct
   selections, which is what the model produces.)
@@ -35,7 +35,7 @@ Index contract (every op, reference, XLA and Pallas, forward and backward):
   come from a linear projection, so they take either sign); a negative scale flips which dot
   products pass the ReLU. Negative and zero scores of visible keys are ordinary candidates,
   ranked above every invisible key (-inf). +0.0 and -0.0 are one score: `select_topk` maps
-  -0.0 to +0.0 before `lax.top_k` (whose float order ranks +0.0 higher), so signed zeros,
+  -0.0 to +0.0 before sorting (a float sort ranks +0.0 above -0.0), so signed zeros,
   which depend on a backend's accumulation order, cannot change which key wins a tie.
 
 `tests/test_dsa_kernels.py` checks each point on every path.

@@ -22,12 +22,12 @@ L < S queries at the end of S cached keys (`q_pos = S - L + arange(L)`). Padded 
 q_pos = -1 and see nothing.
 
 Implementations (same signature, same outputs):
-  `indexer_topk_reference`  dense [B, L, S] scores, then `lax.top_k`.
+  `indexer_topk_reference`  dense [B, L, S] scores, then `select_topk`.
   `indexer_topk_xla`        the reference per block of queries and key tiles, skipping key
                             tiles after a query block's last position: O(query_block x S)
                             memory.
   `indexer_topk_pallas`     (lightning_indexer_pallas.py) a fused Pallas score kernel per query
-                            block, selection by `lax.top_k`.
+                            block, selection by `select_topk`.
 `indexer_scores_at` recomputes I at the selected keys only ([B, L, T], differentiable in q, k
 and w): the sparse-stage indexer KL needs nothing more, so no path materializes [B, L, S] for
 training.
@@ -70,11 +70,22 @@ def select_topk(scores_BLS, topk: int):
     where fewer than `topk` keys are visible (T = min(topk, S)); their scores, -inf at -1 slots.
     Indices are distinct: a key is never selected twice.
   """
-  # `lax.top_k` orders floats totally, +0.0 above -0.0, but they are the same score: which sign
-  # a zero sum gets (negative weights times ReLU zeros) depends on how a backend accumulates, so
+  # Sorting orders floats totally, +0.0 above -0.0, but they are the same score: which sign a
+  # zero sum gets (negative weights times ReLU zeros) depends on how a backend accumulates, so
   # without this the tie rule would differ between paths.
   scores_BLS = jnp.where(scores_BLS == 0, 0.0, scores_BLS)
-  values_BLT, indices_BLT = jax.lax.top_k(scores_BLS, min(topk, scores_BLS.shape[-1]))
+  # `lax.top_k`'s contract (best first, ties to the lower index) as a stable ascending sort of
+  # the negated scores carrying the key positions. Not `lax.top_k` itself: the open-source SPMD
+  # partitioner (XLA:CPU, and GPU's is the same) does not split its TopK op over the batch
+  # dimensions and all-gathered the whole batch's scores to every device, per query block in
+  # `indexer_topk_xla` (issue 25); a sort stays on the batch's devices. The TPU compiler
+  # partitions either, and compiles a top-2048 to one sort as well (AOT for v5p, libtpu 0.0.42).
+  axis = scores_BLS.ndim - 1
+  positions_BLS = jax.lax.broadcasted_iota(jnp.int32, scores_BLS.shape, axis)
+  negated_BLS, order_BLS = jax.lax.sort((-scores_BLS, positions_BLS), dimension=axis,
+                                        is_stable=True, num_keys=1)
+  t = min(topk, scores_BLS.shape[-1])
+  values_BLT, indices_BLT = -negated_BLS[..., :t], order_BLS[..., :t]
   invalid_BLT = values_BLT == -jnp.inf
   return jnp.where(invalid_BLT, -1, indices_BLT).astype(jnp.int32), values_BLT
 
@@ -118,7 +129,7 @@ def indexer_topk_xla(q_BLJI, k_BSI, weights_BLJ, q_pos_BL, q_seg_BL, k_seg_BS, *
   For each block of queries a `[query_block, S]` fp32 score buffer starts at -inf and a
   `fori_loop` fills it one `key_block` tile at a time, stopping after the block holding the
   query block's last position (a prefill query block skips every later key, half the work on
-  average); then `lax.top_k` selects from the buffer. Memory: O(query_block x (S +
+  average); then `select_topk` selects from the buffer. Memory: O(query_block x (S +
   J x key_block)); `query_block` None: 512 or what fits (`blocking.default_query_block`).
   Same results as the reference (each score is the same per-pair arithmetic).
   """

@@ -11,9 +11,9 @@ skipped steps re-use the last fetched key block instead of streaming unused keys
 Why top-k is not in the kernel: an exact, deterministic (ties to the earlier position) top-2048
 over 128K candidates needs either a full sort or a bitonic merge network per query row, which is
 slow on the TPU's vector unit and hard to keep tie-exact across key blocks (per-block top-k
-lists must be re-merged by (score, position), not by score alone). `lax.top_k` on the
-`[query_block, S]` tile is exact, has the required tie rule by contract, and XLA already emits a
-tuned sort for it. The scores tile is written once and read once, so the price of the split is
+lists must be re-merged by (score, position), not by score alone). `select_topk` (a stable
+sort) on the `[query_block, S]` tile is exact, has the required tie rule, and XLA already emits
+a tuned sort for it. The scores tile is written once and read once, so the price of the split is
 one HBM round trip of `query_block x S x 4` bytes per block; memory stays O(query_block x S).
 
 Backends: TPU (Mosaic) compiled; elsewhere interpret mode (tests, CPU). There is no GPU
@@ -147,7 +147,7 @@ def indexer_topk_pallas(q_BLJI, k_BSI, weights_BLJ, q_pos_BL, q_seg_BL, k_seg_BS
 
   Each block of `query_block` queries (a multiple of `block_q`; None = 512, fewer if the scores
   tile would pass 256 MiB) gets its `[query_block, S]` scores from the kernel and its top-k from
-  `lax.top_k`, so memory is O(query_block x S) at any sequence length.
+  `select_topk`, so memory is O(query_block x S) at any sequence length.
   Returns `(topk_BLT, scores_BLT)` exactly as the reference (inputs detached).
   """
   check_indexer_inputs(q_BLJI, k_BSI, weights_BLJ, q_pos_BL, q_seg_BL, k_seg_BS)

@@ -133,11 +133,18 @@ def sparse_mla_backward_block(q_BLHC, q_rope_BLHR, kv_BSC, k_rope_BSR, topk_BLT,
 
 def scatter_add_rows(acc_BS, topk_BLT, rows_BLT):
   """`acc[b, topk[b, l, t]] += rows[b, l, t]` (`[B, S, ...]` += `[B, L, T, ...]`): duplicate
-  indices accumulate; slots outside [0, S) are dropped, never wrapped around or clamped."""
-  b, s = acc_BS.shape[:2]
+  indices accumulate; slots outside [0, S) are dropped, never wrapped around or clamped.
+
+  The batch is a vmapped (batching) dimension of the scatter, not an index coordinate: with the
+  batch as an index (`acc.at[arange(B)[:, None, None], topk]`) the SPMD partitioner cannot prove
+  that batch row b only writes acc[b], so under a batch-sharded mesh it kept the whole-batch
+  accumulator on every device and all-reduced it over the batch devices in every query block
+  of the backward (issue 25: ~47,000 GiB per step for the 744B layout).
+  """
+  s = acc_BS.shape[1]
   safe_BLT = jnp.where(topk_BLT < 0, s, topk_BLT)  # s is out of range: mode="drop" skips it
-  batch_B11 = jnp.arange(b)[:, None, None]
-  return acc_BS.at[batch_B11, safe_BLT].add(rows_BLT, mode="drop")
+  add = lambda acc_S, idx_LT, rows_LT: acc_S.at[idx_LT].add(rows_LT, mode="drop")
+  return jax.vmap(add)(acc_BS, safe_BLT, rows_BLT)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -147,11 +154,14 @@ class SparseMLAKernels:
   forward: `(q, q_rope, kv, k_rope, topk, scale) -> (out, lse)` over every query.
   backward_block: `sparse_mla_backward_block`'s signature, for one block of queries.
   backward_query_block: queries per backward block (bounds the per-slot contributions).
+  head_groups: G, the key-row gradients are accumulated per group of H / G heads and summed
+    over the groups once, after the query-block loop (`_vjp_backward`).
   """
 
   forward: Callable
   backward_block: Callable
   backward_query_block: int | None
+  head_groups: int = 1
 
 
 def sparse_mla_custom_vjp(kernels, q_BLHC, q_rope_BLHR, kv_BSC, k_rope_BSR, topk_BLT, scale):
@@ -160,6 +170,9 @@ def sparse_mla_custom_vjp(kernels, q_BLHC, q_rope_BLHR, kv_BSC, k_rope_BSR, topk
   Indices outside [0, S) become -1 here, once, so the forward kernels, the residuals and the
   backward all see the same selection (and no Pallas DMA reads past the key rows).
   """
+  if kernels.head_groups < 1 or q_BLHC.shape[2] % kernels.head_groups:
+    raise ValueError(f"head_groups={kernels.head_groups} must be >= 1 and divide the "
+                     f"{q_BLHC.shape[2]} heads of q {q_BLHC.shape} [B, L, H, C]")
   topk_BLT = empty_out_of_range(topk_BLT, kv_BSC.shape[1])
   return _sparse_mla_with_vjp(kernels, q_BLHC, q_rope_BLHR, kv_BSC, k_rope_BSR, topk_BLT, scale)
 
@@ -175,6 +188,30 @@ def _vjp_forward(kernels, q_BLHC, q_rope_BLHR, kv_BSC, k_rope_BSR, topk_BLT, sca
                                lse_BLH)
 
 
+def _grouped_backward_block(kernels, q_BLHC, q_rope_BLHR, kv_BSC, k_rope_BSR, topk_BLT,
+                            dout_BLHC, lse_BLH, delta_BLH, scale):
+  """`kernels.backward_block` on each group of H / G heads (G = `kernels.head_groups`).
+
+  Returns `(dq_BLHC, dq_rope_BLHR, dkv_BLTGC, dk_rope_BLTGR)`: the key-row contributions of
+  each group's heads, not yet summed over the groups. With the heads split over a mesh axis
+  and G its size, each device holds one group, so the per-slot contributions stay device-local
+  partial sums; summing them here would be an all-reduce of `[B, Lq, T, C + R]` in every query
+  block, where `_vjp_backward` sums the `[B, S, C + R]` accumulator over the groups once.
+  """
+  g, h = kernels.head_groups, q_BLHC.shape[2]
+  if g == 1:
+    dq, dq_rope, dkv_BLTC, dk_rope_BLTR = kernels.backward_block(
+        q_BLHC, q_rope_BLHR, kv_BSC, k_rope_BSR, topk_BLT, dout_BLHC, lse_BLH, delta_BLH, scale)
+    return dq, dq_rope, dkv_BLTC[:, :, :, None], dk_rope_BLTR[:, :, :, None]
+  split = lambda x: x.reshape(x.shape[:2] + (g, h // g) + x.shape[3:])  # [B, L, G, H/G, ...]
+  merge = lambda x: x.reshape(x.shape[:2] + (h,) + x.shape[4:])
+  block = lambda q, q_rope, dout, lse, delta: kernels.backward_block(
+      q, q_rope, kv_BSC, k_rope_BSR, topk_BLT, dout, lse, delta, scale)
+  dq, dq_rope, dkv_BLTGC, dk_rope_BLTGR = jax.vmap(block, in_axes=2, out_axes=(2, 2, 3, 3))(
+      split(q_BLHC), split(q_rope_BLHR), split(dout_BLHC), split(lse_BLH), split(delta_BLH))
+  return merge(dq), merge(dq_rope), dkv_BLTGC, dk_rope_BLTGR
+
+
 def _vjp_backward(kernels, scale, residuals, cotangents):
   q_BLHC, q_rope_BLHR, kv_BSC, k_rope_BSR, topk_BLT, out_BLHC, lse_BLH = residuals
   dout_BLHC, dlse_BLH = cotangents
@@ -187,18 +224,22 @@ def _vjp_backward(kernels, scale, residuals, cotangents):
               (delta_BLH, 0.0))]
 
   def one_block(carry, xs):
-    dkv_BSC, dk_rope_BSR = carry
+    dkv_BSGC, dk_rope_BSGR = carry
     q, q_rope, topk, dout, lse, delta = xs
-    dq, dq_rope, dkv_rows, dk_rope_rows = kernels.backward_block(
-        q, q_rope, kv_BSC, k_rope_BSR, topk, dout, lse, delta, scale)
-    carry = (scatter_add_rows(dkv_BSC, topk, dkv_rows),
-             scatter_add_rows(dk_rope_BSR, topk, dk_rope_rows))
+    dq, dq_rope, dkv_rows, dk_rope_rows = _grouped_backward_block(
+        kernels, q, q_rope, kv_BSC, k_rope_BSR, topk, dout, lse, delta, scale)
+    carry = (scatter_add_rows(dkv_BSGC, topk, dkv_rows),
+             scatter_add_rows(dk_rope_BSGR, topk, dk_rope_rows))
     return carry, (dq.astype(q_BLHC.dtype), dq_rope.astype(q_rope_BLHR.dtype))
 
-  zeros = (jnp.zeros(kv_BSC.shape, jnp.float32), jnp.zeros(k_rope_BSR.shape, jnp.float32))
-  (dkv_BSC, dk_rope_BSR), (dq_nBLHC, dq_rope_nBLHR) = jax.lax.scan(one_block, zeros, blocked)
+  g = kernels.head_groups
+  (b, s, c), r = kv_BSC.shape, k_rope_BSR.shape[-1]
+  zeros = (jnp.zeros((b, s, g, c), jnp.float32), jnp.zeros((b, s, g, r), jnp.float32))
+  (dkv_BSGC, dk_rope_BSGR), (dq_nBLHC, dq_rope_nBLHR) = jax.lax.scan(one_block, zeros, blocked)
+  # The one sum over the head groups (with the heads split over a mesh axis: one all-reduce).
   return (from_query_blocks(dq_nBLHC, l), from_query_blocks(dq_rope_nBLHR, l),
-          dkv_BSC.astype(kv_BSC.dtype), dk_rope_BSR.astype(k_rope_BSR.dtype), None)
+          dkv_BSGC.sum(2).astype(kv_BSC.dtype), dk_rope_BSGR.sum(2).astype(k_rope_BSR.dtype),
+          None)
 
 
 _sparse_mla_with_vjp.defvjp(_vjp_forward, _vjp_backward)
@@ -212,13 +253,17 @@ def _default_query_block(kv_BSC, k_rope_BSR, topk_BLT, heads):
 
 
 def sparse_mla_xla(q_BLHC, q_rope_BLHR, kv_BSC, k_rope_BSR, topk_BLT, *, scale: float,
-                   query_block: int | None = None):
+                   query_block: int | None = None, head_groups: int = 1):
   """Sparse MLA without Pallas: per block of queries, `take` of the selected rows, then
   attention over them; O(L x T) work and O(query_block x T x (C + H)) memory, forward and
   backward (custom VJP). The default on GPU and CPU, and the baseline the kernels are measured
   against. Same arguments and results as `sparse_mla_reference` (index contract included:
   out-of-range slots are empty, duplicates count twice); `query_block` None: see
-  `blocking.default_query_block`."""
+  `blocking.default_query_block`. `head_groups`: the backward's head grouping
+  (`SparseMLAKernels`); pass the number of devices the heads are split over (the caller's mesh),
+  1 when they are not split. Any value that divides H gives the same gradients (up to fp32
+  summation order); each group costs one `[B, S, C + R]` fp32 accumulator, so a larger value
+  than the split only spends memory."""
   check_sparse_mla_inputs(q_BLHC, q_rope_BLHR, kv_BSC, k_rope_BSR, topk_BLT)
   if query_block is None:
     query_block = _default_query_block(kv_BSC, k_rope_BSR, topk_BLT, q_BLHC.shape[2])
@@ -228,7 +273,7 @@ def sparse_mla_xla(q_BLHC, q_rope_BLHR, kv_BSC, k_rope_BSR, topk_BLT, *, scale: 
       return sparse_mla_reference(q, q_rope, kv_BSC, k_rope_BSR, topk, scale=scale)
     return map_query_blocks(one_block, query_block, [q_BLHC, q_rope_BLHR, topk_BLT], [0, 0, -1])
 
-  kernels = SparseMLAKernels(forward, sparse_mla_backward_block, query_block)
+  kernels = SparseMLAKernels(forward, sparse_mla_backward_block, query_block, head_groups)
   return sparse_mla_custom_vjp(kernels, q_BLHC, q_rope_BLHR, kv_BSC, k_rope_BSR, topk_BLT, scale)
 
 

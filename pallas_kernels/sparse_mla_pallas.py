@@ -237,7 +237,7 @@ def _backward_block(q_BLHC, q_rope_BLHR, kv_BSC, k_rope_BSR, topk_BLT, dout_BLHC
 
 def sparse_mla_pallas(q_BLHC, q_rope_BLHR, kv_BSC, k_rope_BSR, topk_BLT, *, scale: float,
                       block_t: int = 512, backward_query_block: int | None = None,
-                      interpret: bool | None = None):
+                      head_groups: int = 1, interpret: bool | None = None):
   """`sparse_mla_reference` (same arguments and results) on the Pallas kernels, differentiable.
 
   Same index contract (package docstring): slots outside [0, S) are empty, duplicates count
@@ -248,6 +248,7 @@ def sparse_mla_pallas(q_BLHC, q_rope_BLHR, kv_BSC, k_rope_BSR, topk_BLT, *, scal
     block_t: slots per grid step (a multiple of 128 on TPU when smaller than T).
     backward_query_block: queries per backward kernel call, bounding the fp32 per-slot dkv
       contributions `[B, block, T, C + R]`; None: `blocking.default_query_block`.
+    head_groups: as `sparse_mla_xla`'s (the backward kernel runs once per group of H / G heads).
     interpret: None = compiled on TPU, interpret mode elsewhere.
   """
   check_sparse_mla_inputs(q_BLHC, q_rope_BLHR, kv_BSC, k_rope_BSR, topk_BLT)
@@ -259,5 +260,5 @@ def sparse_mla_pallas(q_BLHC, q_rope_BLHR, kv_BSC, k_rope_BSR, topk_BLT, *, scal
   kernels = SparseMLAKernels(
       forward=functools.partial(_forward, block_t=block_t, interpret=interpret),
       backward_block=functools.partial(_backward_block, block_t=block_t, interpret=interpret),
-      backward_query_block=backward_query_block)
+      backward_query_block=backward_query_block, head_groups=head_groups)
   return sparse_mla_custom_vjp(kernels, q_BLHC, q_rope_BLHR, kv_BSC, k_rope_BSR, topk_BLT, scale)

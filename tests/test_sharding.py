@@ -135,3 +135,49 @@ def test_mtp_embeddings_are_not_gathered_over_the_batch():
   outside the MTP inputs)."""
   result = run_on_host_devices(_WHOLE_BATCH_GATHERS, timeout=600)
   assert len(result["whole_batch_gathers"]) <= 3, result
+
+
+_EXPERT_GATHERS = r"""
+import glob, json, os, re, tempfile
+dump = tempfile.mkdtemp()
+# The partitioner's own output: XLA:CPU later runs bf16 collectives in fp32 (it converts around
+# them), so the optimized module would hide the dtype a TPU or GPU all-gather moves.
+os.environ["XLA_FLAGS"] += (f" --xla_dump_to={dump}"
+                            " --xla_dump_hlo_pass_re=spmd-partitioning")
+import jax, jax.numpy as jnp
+from configs import tiny
+import glm5_jax
+from glm5_jax import sharding
+from glm5_jax.config import ModelConfig
+cfg = tiny.get_config()
+cfg.model.update(num_hidden_layers=2, first_k_dense_replace=1, dtype="bfloat16",
+                 param_dtype="float32", moe_impl="expert_parallel", moe_transport="all_to_all")
+cfg.mesh.shape.update(data=1, fsdp=2, expert=2, tensor=2)
+rules = cfg.mesh.logical_axis_rules
+mesh = sharding.make_mesh(cfg.mesh)
+model = ModelConfig.from_config(cfg.model)
+shapes, axes = glm5_jax.abstract_params_and_axes(cfg.model)
+sh = sharding.param_shardings(shapes, axes, mesh, rules)
+params = jax.tree_util.tree_map(lambda s, x: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=x),
+                                shapes, sh)
+tokens = jax.ShapeDtypeStruct((8, 16), jnp.int32, sharding=sharding.batch_sharding(mesh, rules))
+with sharding.activation_sharding(mesh, rules):
+  jax.jit(lambda p, t: glm5_jax.forward(model, p, t, mtp=False)["logits"]).lower(
+      params, tokens).compile()
+text = open(glob.glob(f"{dump}/*after_spmd-partitioning*")[0]).read()
+# The routed experts' [E, D, F] / [E, F, D] kernels, local over expert and tensor (E 8 / 2,
+# F 32 / 2), gathered over fsdp (D 64) for the expert-parallel shard_map.
+gathers = re.findall(r"= (\w+)\[(4,64,16|4,16,64)\]\S* all-gather\(", text)
+print(json.dumps({"expert_gathers": gathers}))
+"""
+
+
+@pytest.mark.slow  # a subprocess with 8 host devices compiling a tiny forward
+def test_routed_experts_are_gathered_in_the_compute_dtype():
+  """fp32 params, bf16 compute: the expert kernels' fsdp all-gather moves bf16. Before the cast
+  was pinned to the param's sharding (`layers.params.kernels`), the open-source SPMD partitioner
+  gathered the fp32 kernels and cast after the gather: `f32[4,64,16]` x 2 and `f32[4,16,64]`
+  here (the TPU compiler's own passes gathered bf16 even then)."""
+  result = run_on_host_devices(_EXPERT_GATHERS, timeout=600)
+  gathers = result["expert_gathers"]
+  assert len(gathers) == 3 and all(dtype == "bf16" for dtype, _ in gathers), result

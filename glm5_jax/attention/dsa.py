@@ -11,9 +11,10 @@ Reproduces docs/reference.md section 2 ("Lightning indexer"). For query t and ke
 
 Steps 1-3 are `LightningIndexer` here; steps 4-5 are `pallas_kernels` ops, whose jnp reference
 (`indexer_scores_reference`, `select_topk`) is the one definition of the scores and of the
-deterministic top-k: `lax.top_k` breaks ties towards the lower index (its documented contract),
-i.e. the earlier position, so identical inputs select identical keys on every call. ReLU makes
-exact ties common, and RL collapses without this (report, DSA RL notes).
+deterministic top-k: ties go to the lower index (`lax.top_k`'s documented contract, which
+`select_topk` keeps as a stable sort), i.e. the earlier position, so identical inputs select
+identical keys on every call. ReLU makes exact ties common, and RL collapses without this
+(report, DSA RL notes).
 
 Notation (docs/design.md): B batch, L queries, S keys, J index heads, I index head dim,
 D hidden, Q q latent, T top-k.
@@ -25,7 +26,7 @@ layers and for the sliding-window S layers (which run as R layers handed their w
   "xla"         `pallas_kernels` blockwise gather path: scores per block of queries, attention
                 over the T selected latent rows only (O(L x T));
   "pallas"      the same with Pallas TPU kernels (interpret mode off TPU).
-All three select identical keys: same scores, same tie rule (`lax.top_k`).
+All three select identical keys: same scores, same tie rule (`select_topk`).
 """
 
 import jax

@@ -25,6 +25,7 @@ latent, N nope head dim, R rope dim, K = N + R, V value head dim, J index heads,
 dim, T top-k.
 """
 
+import functools
 import typing
 
 import jax
@@ -38,9 +39,11 @@ from glm5_jax.attention.dsa import (LightningIndexer, indexer_kl_per_query,
                                     restrict_topk_to_visible, topk_mask)
 from glm5_jax.attention.mla_decode import decode_attention
 from glm5_jax.attention.mla_projections import mla_latents, mla_output
+from glm5_jax.attention.mesh_shards import per_shard
 from glm5_jax.attention.mode import Mode
 from glm5_jax.config import ModelConfig
-from glm5_jax.layers.params import dtypes
+from glm5_jax.layers.axes import BATCH, HEADS
+from glm5_jax.layers.params import context_split, dtypes
 from glm5_jax.layers.rope import apply_interleaved_rope, rope_angles
 
 
@@ -197,15 +200,13 @@ def _sparse_stage_attention(c, latents: _Latents, scale, segment_ids_BL, index_q
   indexer, `indexer_kl` (no `index_scores`: that would be the `[B, L, S]` matrix this path
   exists to avoid).
   """
-  ops = pallas_kernels.DSA_OPS[c.dsa_impl]
   q_nope_BLHN, q_rope_BLHR, ckv_BSC, k_rope_BSR, w_kb_CHN, w_vb_CHV = latents
   b, l = segment_ids_BL.shape
   index_scale = c.index_head_dim ** -0.5
   if index_qkw is not None:
     q_pos_BL = jnp.broadcast_to(jnp.arange(l, dtype=jnp.int32), (b, l))
-    topk_BLT, _ = ops.indexer_topk(
-        *index_qkw, q_pos_BL, segment_ids_BL, segment_ids_BL, topk=c.index_topk,
-        scale=index_scale)
+    topk_BLT, _ = _indexer_topk_on_mesh(c.dsa_impl, topk=c.index_topk, scale=index_scale)(
+        *index_qkw, q_pos_BL, segment_ids_BL, segment_ids_BL)
     if recorded_topk_BLT is not None:  # a record from elsewhere: keep only visible keys
       topk_BLT = restrict_topk_to_visible(routing_replay.replay(topk_BLT, recorded_topk_BLT),
                                           segment_ids_BL)
@@ -214,14 +215,49 @@ def _sparse_stage_attention(c, latents: _Latents, scale, segment_ids_BL, index_q
     aux = {"topk_indices": given_topk_BLT}
     topk_BLT = restrict_topk_to_visible(given_topk_BLT, segment_ids_BL)
   q_latent_BLHC = jnp.einsum("blhn,chn->blhc", q_nope_BLHN, w_kb_CHN)
-  out_latent_BLHC, lse_BLH = ops.sparse_mla(q_latent_BLHC, q_rope_BLHR, ckv_BSC, k_rope_BSR,
-                                            topk_BLT, scale=scale)
+  out_latent_BLHC, lse_BLH = _sparse_mla_on_mesh(c.dsa_impl, scale)(
+      q_latent_BLHC, q_rope_BLHR, ckv_BSC, k_rope_BSR, topk_BLT)
   if index_qkw is not None:
     scores_BLT = pallas_kernels.indexer_scores_at(*index_qkw, topk_BLT, scale=index_scale)
     target_BLT = pallas_kernels.sparse_mla_head_mean_probs(
         q_latent_BLHC, q_rope_BLHR, ckv_BSC, k_rope_BSR, topk_BLT, lse_BLH, scale=scale)
     aux["indexer_kl"] = indexer_kl_per_query(scores_BLT, target_BLT, topk_BLT >= 0)
   return jnp.einsum("blhc,chv->blhv", out_latent_BLHC, w_vb_CHV), aux
+
+
+def _indexer_topk_on_mesh(impl: str, **options):
+  """`pallas_kernels.DSA_OPS[impl].indexer_topk(..., **options)` laid out for the context mesh:
+  "xla" partitioned by XLA (its top-k is a sort, which stays on the batch's devices); "pallas"
+  per device on its batch rows under `mesh_shards.per_shard` (a pallas_call would gather the
+  whole batch), the index heads gathered (the kernel sums over all of them)."""
+  op = functools.partial(pallas_kernels.DSA_OPS[impl].indexer_topk, **options)
+  if impl != "pallas":
+    return op
+  rows, positions = (BATCH, None, None), (BATCH, None)
+  return per_shard(op, in_axes=((BATCH, None, None, None), rows, rows, positions, positions,
+                                positions),
+                   out_axes=(rows, rows), name="indexer_topk_pallas")
+
+
+def _sparse_mla_on_mesh(impl: str, scale: float, **options):
+  """`pallas_kernels.DSA_OPS[impl].sparse_mla` laid out for the context mesh (if any), batch and
+  heads kept on their devices, the key gradients summed over the head shards once per layer:
+
+    "xla"     partitioned by XLA; the backward keeps one key-gradient accumulator per device's
+              share of the heads (`head_groups` = the heads' split) and sums them after its
+              query-block loop, not per block.
+    "pallas"  a pallas_call is opaque to the partitioner (it would gather the whole batch to
+              every device), so the kernels run per device under `mesh_shards.per_shard`.
+  `options`: the op's own keyword arguments (block sizes).
+  """
+  ops = pallas_kernels.DSA_OPS[impl]
+  if impl == "pallas":
+    q_axes, rows_axes = (BATCH, None, HEADS, None), (BATCH, None, None)
+    return per_shard(functools.partial(ops.sparse_mla, scale=scale, **options),
+                     in_axes=(q_axes, q_axes, rows_axes, rows_axes, rows_axes),
+                     out_axes=(q_axes, (BATCH, None, HEADS)), name="sparse_mla_pallas")
+  return functools.partial(ops.sparse_mla, scale=scale, head_groups=context_split(HEADS),
+                           **options)
 
 
 def _absorbed_attention(latents: _Latents, visible_BLS, scale):

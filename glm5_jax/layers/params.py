@@ -40,11 +40,17 @@ def normal_kernel(module, name, shape, axes, std, dtype):
 def kernels(module: nn.Module, std: float, param_dtype,
             dtype=None) -> Callable[[str, tuple, tuple], jax.Array]:
   """`kernel(name, shape, axes)`: declares an N(0, std^2) weight on `module` (call from its
-  compact method), stored in `param_dtype` and returned cast to `dtype` (as stored if None)."""
+  compact method), stored in `param_dtype` and returned cast to `dtype` (as stored if None).
+
+  The cast is pinned to the param's own sharding (`constrain` with its logical axes): left free,
+  XLA's open-source SPMD partitioner (CPU; GPU uses the same) gave the convert the sharding its
+  consumer wants and all-gathered the fp32 param over fsdp before casting (issue 25: the routed
+  experts). Pinned, an all-gather a consumer needs moves `dtype`. (The TPU compiler already
+  gathered bf16 either way: AOT compile for v5p, libtpu 0.0.42.)"""
 
   def kernel(name, shape, axes):
     w = normal_kernel(module, name, shape, axes, std, param_dtype)
-    return w if dtype is None else w.astype(dtype)
+    return w if dtype is None else constrain(w.astype(dtype), axes)
 
   return kernel
 
@@ -52,3 +58,19 @@ def kernels(module: nn.Module, std: float, param_dtype,
 def constrain(x, axes):
   """`nn.with_logical_constraint` with the names checked against `layers.axes`."""
   return nn.with_logical_constraint(x, axes_lib.check(axes, "activation constraint"))
+
+
+def context_split(name: str) -> int:
+  """How many ways the context mesh (`jax.set_mesh`, as `glm5_jax.sharding.activation_sharding`
+  sets it) and logical axis rules split logical axis `name`; 1 outside a mesh or without a rule.
+  For code that must size a layout to the split, e.g. the sparse attention backward's head
+  groups (`pallas_kernels.sparse_mla_xla`)."""
+  mesh = jax.sharding.get_abstract_mesh()
+  if mesh is None or mesh.empty:
+    return 1
+  axes = nn.logical_to_mesh_axes(axes_lib.check((name,), "context_split"))[0]
+  axes = () if axes is None else (axes,) if isinstance(axes, str) else tuple(axes)
+  split = 1
+  for axis in axes:
+    split *= mesh.shape[axis]
+  return split

@@ -1,0 +1,216 @@
+"""DSA ops under a sharded mesh: batch and heads stay on their devices inside the loops.
+
+Issue 25: with the batch as an index coordinate of the key-gradient scatter-add, the SPMD
+partitioner kept the whole-batch `[B, S, C]` accumulator on every device and all-reduced it over
+the batch devices in every query block of the sparse MLA backward; with the heads split over
+`tensor`, every query block also all-reduced its `[B, Lq, T, C]` per-slot row gradients; the
+indexer's `lax.top_k` all-gathered the global batch's scores per query block; the Pallas kernels
+(not partitionable) gathered every input. The compiled programs, as the model's sparse stage
+calls the ops (`glm5_jax.attention.mla`), must now hold no collective with a whole-batch operand
+inside any while loop, and the sparse MLA backward one reduction over the head shards after its
+loop. Shapes are tiny: B 8 over data x fsdp (2 x 2), H 4 over tensor (2), L = S = 32 in query
+blocks of 4 (8 loop iterations).
+
+Notation (docs/design.md): B batch, L queries, S keys, H heads, C latent dim, R RoPE dim,
+T top-k slots, G head groups, J index heads, I index head dim.
+"""
+
+import re
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import pallas_kernels as pk
+from pallas_kernels.sparse_mla import scatter_add_rows
+from tests.conftest import run_on_host_devices
+
+_COMPUTATION_START = re.compile(r"^(?:ENTRY\s+)?%([^\s(]+)\s*\(.*\{\s*$")
+_CALLED = re.compile(r"\b(?:body|condition|to_apply|calls|true_computation|false_computation)"
+                     r"=%([^\s,)}]+)")
+_CALLED_LISTS = re.compile(r"\b(?:branch_computations|called_computations)=\{([^}]*)\}")
+
+
+def loop_body_text(hlo_text: str) -> str:
+  """The instructions of every `while` body of an optimized HLO module, with every computation
+  they call (fusions, reductions, nested loops), so `hlo_stats.collectives` of the result is
+  every collective that runs once per loop iteration."""
+  computations, name = {}, None
+  for line in hlo_text.splitlines():
+    if name is None and (match := _COMPUTATION_START.match(line)):
+      name, computations[match[1]] = match[1], []
+    elif name is not None and line.strip() == "}":
+      name = None
+    elif name is not None:
+      computations[name].append(line)
+
+  def called(lines):
+    text = "\n".join(lines)
+    lists = [n.strip().lstrip("%") for group in _CALLED_LISTS.findall(text)
+             for n in group.split(",")]
+    return set(_CALLED.findall(text)) | {n for n in lists if n}
+
+  todo = {m for lines in computations.values() for line in lines if " while(" in line
+          for m in re.findall(r"\bbody=%([^\s,)}]+)", line)}
+  seen = set()
+  while todo:
+    current = todo.pop()
+    if current in seen or current not in computations:
+      continue
+    seen.add(current)
+    todo |= called(computations[current])
+  assert seen or " while(" not in hlo_text, "while bodies not found: the HLO text format moved"
+  return "\n".join(line for n in sorted(seen) for line in computations[n])
+
+
+def test_loop_body_text_finds_the_scan_and_its_fusions():
+  """The walker on a scan whose body has a fusion: the body's instructions are found, the
+  instructions outside the loop are not."""
+  def f(x):
+    return jax.lax.scan(lambda c, _: (jnp.sin(c) * 3.0, None), x, None, length=5)[0] + 7.0
+  text = jax.jit(f).lower(jnp.ones(4)).compile().as_text()
+  body = loop_body_text(text)
+  assert "sine(" in body, body
+  assert "constant(7)" in text and "constant(7)" not in body, body
+
+
+def test_scatter_add_rows_equals_the_batch_indexed_scatter_bit_for_bit():
+  """The vmapped scatter-add is the old batch-indexed one (`acc.at[arange(B), topk]`) bit for
+  bit, -1 / negative / duplicate slots included, fp32 and bf16."""
+  rng = np.random.default_rng(0)
+  b, s, l, t, c = 3, 7, 5, 6, 4
+  topk_BLT = rng.integers(-2, s, (b, l, t))
+  topk_BLT[:, :, 1] = topk_BLT[:, :, 0]  # every query selects one row twice (or -1 twice)
+  topk_BLT = jnp.asarray(topk_BLT, jnp.int32)
+  assert (topk_BLT < 0).any() and (topk_BLT[..., 0] >= 0).any()
+  for dtype in (jnp.float32, jnp.bfloat16):
+    acc_BSC = jnp.asarray(rng.standard_normal((b, s, c)), dtype)
+    rows_BLTC = jnp.asarray(rng.standard_normal((b, l, t, c)), dtype)
+    safe_BLT = jnp.where(topk_BLT < 0, s, topk_BLT)
+    want = acc_BSC.at[jnp.arange(b)[:, None, None], safe_BLT].add(rows_BLTC, mode="drop")
+    got = jax.jit(scatter_add_rows)(acc_BSC, topk_BLT, rows_BLTC)
+    np.testing.assert_array_equal(np.asarray(got).view(np.uint16 if dtype == jnp.bfloat16
+                                                        else np.uint32),
+                                  np.asarray(want).view(np.uint16 if dtype == jnp.bfloat16
+                                                        else np.uint32))
+
+
+def test_head_groups_give_the_same_gradients():
+  """G = 2 head groups (the tensor-split layout: the backward kernel vmapped over the groups) and
+  G = 1 agree to fp32 rounding on the Pallas path, -1 and duplicate slots included; G must
+  divide H. (The XLA path's G = 2 is checked against the reference in the sharded test.)"""
+  rng = np.random.default_rng(1)
+  b, l, s, h, c, r, t = 2, 6, 9, 4, 8, 4, 5
+  args = [jnp.asarray(rng.standard_normal(shape), jnp.float32)
+          for shape in ((b, l, h, c), (b, l, h, r), (b, s, c), (b, s, r))]
+  topk = rng.integers(-1, s, (b, l, t))
+  topk[:, :, 2] = topk[:, :, 3]
+  topk = jnp.asarray(topk, jnp.int32)
+
+  def grads(groups):
+    loss = lambda *a: (pk.sparse_mla_pallas(*a, topk, scale=0.3, block_t=4,
+                                            backward_query_block=4, head_groups=groups)[0]
+                       ** 2).sum()
+    return jax.grad(loss, argnums=(0, 1, 2, 3))(*args)
+
+  for one, two in zip(grads(1), grads(2)):
+    np.testing.assert_allclose(two, one, rtol=1e-5, atol=1e-6)
+  with pytest.raises(ValueError, match="head_groups=3"):
+    grads(3)
+
+
+_SHARDED_BACKWARD = r"""
+import json, jax, jax.numpy as jnp, numpy as np
+from jax.sharding import AxisType, NamedSharding, PartitionSpec as P
+import pallas_kernels as pk
+from glm5_jax import hlo_stats
+from glm5_jax.attention import mla
+from glm5_jax.sharding import activation_sharding, mesh_config
+from tests.test_dsa_sharding import loop_body_text
+
+mesh = jax.make_mesh((2, 2, 1, 2), ("data", "fsdp", "expert", "tensor"),
+                     axis_types=(AxisType.Auto,) * 4)
+B, L, S, H, C, R, T = 8, 32, 32, 4, 16, 8, 8
+batch = ("data", "fsdp")
+specs = (P(batch, None, "tensor"), P(batch, None, "tensor"), P(batch), P(batch), P(batch))
+rng = np.random.default_rng(0)
+topk = rng.integers(-1, S, (B, L, T))
+topk[:, :, 1] = topk[:, :, 0]  # duplicate slots
+values = [rng.standard_normal(shape).astype(np.float32)
+          for shape in ((B, L, H, C), (B, L, H, R), (B, S, C), (B, S, R))] + [topk.astype(np.int32)]
+args = [jax.device_put(x, NamedSharding(mesh, spec)) for x, spec in zip(values, specs)]
+grad = lambda op: jax.jit(jax.grad(lambda *a: (op(*a)[0] ** 2).sum(), argnums=(0, 1, 2, 3)))
+want = grad(lambda *a: pk.sparse_mla_reference(*a, scale=0.3))(*values)
+# The op as the model's sparse stage calls it, with small blocks (8 backward query blocks).
+blocks = {"xla": dict(query_block=4), "pallas": dict(block_t=4, backward_query_block=4)}
+result = {}
+for impl in ("xla", "pallas"):
+  with activation_sharding(mesh, mesh_config().logical_axis_rules):
+    step = grad(mla._sparse_mla_on_mesh(impl, 0.3, **blocks[impl]))
+    text = step.lower(*args).compile().as_text()
+    got = step(*args)
+  summary = lambda cs: [[c.op, c.dtype, list(c.shape), c.group] for c in cs]
+  result[impl] = {"all": summary(hlo_stats.collectives(text)),
+                  "in_loops": summary(hlo_stats.collectives(loop_body_text(text))),
+                  "loops": text.count(" while("),
+                  "grad_error": max(float(np.abs(np.asarray(g) - np.asarray(w)).max()
+                                          / np.abs(np.asarray(w)).max())
+                                    for g, w in zip(got, want))}
+
+# The indexer's top-k as the sparse stage calls it: J = 4 index heads over tensor.
+J, I, K = 4, 8, 8
+q_pos = np.broadcast_to(np.arange(L, dtype=np.int32), (B, L))
+segments = np.where(np.arange(L) < L // 2 + 3, 1, 2).astype(np.int32)[None].repeat(B, 0)
+index_values = [rng.integers(-2, 3, shape).astype(np.float32)  # exact scores, many ties
+                for shape in ((B, L, J, I), (B, L, I), (B, L, J))] + [q_pos, segments, segments]
+index_specs = (P(batch, None, "tensor"), P(batch), P(batch, None, "tensor"), P(batch), P(batch),
+               P(batch))
+index_args = [jax.device_put(x, NamedSharding(mesh, spec))
+              for x, spec in zip(index_values, index_specs)]
+want_topk = pk.indexer_topk_reference(*index_values, topk=K, scale=0.5)[0]
+index_blocks = {"xla": dict(query_block=8, key_block=16),
+                "pallas": dict(block_q=8, block_s=16, query_block=16)}
+for impl in ("xla", "pallas"):
+  with activation_sharding(mesh, mesh_config().logical_axis_rules):
+    select = jax.jit(lambda *a: mla._indexer_topk_on_mesh(impl, topk=K, scale=0.5,
+                                                          **index_blocks[impl])(*a)[0])
+    text = select.lower(*index_args).compile().as_text()
+    got = select(*index_args)
+  result["indexer_" + impl] = {
+      "all": summary(hlo_stats.collectives(text)),
+      "in_loops": summary(hlo_stats.collectives(loop_body_text(text))),
+      "loops": text.count(" while("),
+      "same_topk": bool((np.asarray(got) == np.asarray(want_topk)).all())}
+print(json.dumps(result))
+"""
+
+
+@pytest.mark.slow  # a subprocess with 8 host devices
+def test_sharded_dsa_ops_have_no_per_block_batch_or_head_collectives():
+  """Compiled on 8 simulated devices (batch over data x fsdp, heads over tensor), through the
+  model's `mla._sparse_mla_on_mesh`, and checked against the single-device reference gradients.
+  Before the fix the XLA path's loop held `all-reduce f32[8,32,16]` (+ `f32[8,32,8]`: the whole
+  batch's key gradients, over the 4 batch devices) and `all-reduce f32[2,4,8,16]` (+ 2 more:
+  each block's row gradients, over tensor); the Pallas path the same whole-batch all-reduce and
+  all-gathers of the whole batch's inputs (`[8,32,16]` keys, `[8,32,2,16]` queries, ...) for
+  the kernels, which XLA does not partition."""
+  result = run_on_host_devices(_SHARDED_BACKWARD, timeout=600)
+  for impl in ("xla", "pallas"):
+    found = result[impl]
+    assert found["loops"] >= 1 and found["grad_error"] < 1e-5, found
+    # Nothing per query block; one all-reduce over tensor (2 devices) of the device's
+    # [B/4, S, C] (+ [B/4, S, R]) key gradients after the loop.
+    assert found["in_loops"] == [], found
+    assert found["all"] == [["all-reduce", "f32", [2, 32, 16], 2]], found
+  # The indexer: its top-k all-gathered the global batch's scores (`f32[8,8,32]` per query block
+  # on the XLA path: XLA's SPMD partitioner does not split a TopK op over batch dimensions; the
+  # Pallas path gathered every input of the kernels). What may remain per block is the XLA
+  # path's sum of the partial scores over the index-head shards, over tensor, on local rows.
+  for impl in ("xla", "pallas"):
+    found = result["indexer_" + impl]
+    assert found["loops"] >= 1 and found["same_topk"], found
+    assert not [c for c in found["all"] if c[2][:1] == [8]], found
+    assert all(c[0] == "all-reduce" and c[3] == 2 for c in found["in_loops"]
+               if c[2]), found
+  assert result["indexer_pallas"]["in_loops"] == [], result["indexer_pallas"]
