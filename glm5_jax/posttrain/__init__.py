@@ -1,13 +1,17 @@
 """Post-training (issue 14): SFT, verifiable environments and synchronous RL.
 
 Modules:
-  envs      verifiable environments (addition, countdown, strings, calculator): tasks, rewards,
-            worked solutions; `envs.make(name, **options)`
-  sft_data  the built-in SFT set: worked solutions of the environments written as jsonl
-  algorithms  every policy loss and advantage (PPO + IcePop, the IS mask, GRPO, distillation)
-  rl_step   the jitted RL train step on a rollout batch
-  rollout   samples through the inference engine (token in, token out) and the batch builder
-  loop      the synchronous generate -> score -> train loop
+  envs        verifiable environments (addition, countdown, strings, calculator, echo): tasks,
+              rewards, worked solutions; `envs.make(name, **options)`
+  sft         SFT: the pre-training loop on chat_jsonl sources, with the `sft` section
+  sft_data    the built-in SFT set: worked solutions of the environments written as jsonl
+  config      the `rl` section: defaults (`rl_config`) and checks (`validate_rl_config`)
+  rl_config_checks  the whole RL experiment config, checked once before anything is built
+  algorithms  every policy loss and advantage by name (PPO + IcePop, the IS loss of
+              asynchronous RL, GRPO, distillation); `glm5_jax.rl` imports it, never the reverse
+  rl_step     the jitted RL train step on a rollout batch, and the teacher's log-probs
+  rollout     samples through the inference engine (token in, token out) and the batch builder
+  loop        the synchronous generate -> score -> train loop
 
 The chat format (roles, thinking blocks, tool calls, rendering and loss masks) lives in
 `glm5_jax.data.chat`, because the data pipeline renders conversations for SFT and `data` may not
