@@ -258,6 +258,13 @@ def quarantine(directory, name: str, ledger: TrajectoryLedger, error: Exception)
   return target
 
 
+def quarantined_names(directory) -> set[str]:
+  """Names of the rollout files in `<directory>/quarantine/`."""
+  directory = epath.Path(directory) / QUARANTINE
+  return {p.name for p in (directory.iterdir() if directory.exists() else ())
+          if _NAME.match(p.name)}
+
+
 def load_pending(directory, ledger: TrajectoryLedger, max_files: int | None = None) -> list:
   """The next pending batches (up to `max_files`), in order; damaged files are quarantined on
   the way. The caller marks the names consumed once they are in a train step whose state is
