@@ -247,24 +247,37 @@ def test_killed_worker_is_restarted_and_the_run_completes(tmp_path, sft_dir):
 
 
 @pytest.mark.slow
-def test_killed_trainer_resumes_when_the_command_is_rerun(tmp_path, sft_dir):
-  steps = 4
+def test_killed_or_signalled_trainer_resumes_when_the_command_is_rerun(tmp_path, sft_dir):
+  """SIGKILL to the trainer: the launcher says so (no error of its own is above) and a rerun
+  resumes; SIGTERM to the trainer: it saves its current step and the command exits 75; a rerun
+  completes, every rollout file trained on exactly once."""
+  steps = 5
   root = RunDirs.at(tmp_path / "rl")
   command = _command(tmp_path, sft_dir, steps)
-  proc = subprocess.Popen(command, cwd=REPO, env=_env(), stdout=subprocess.PIPE,
-                          stderr=subprocess.PIPE, text=True)
   trainer = lambda: read_json(root.trainer_stats) or {}
-  _wait_for(lambda: trainer().get("version", 0) >= 2, proc)
-  os.kill(trainer()["pid"], signal.SIGKILL)
-  _, err = proc.communicate(timeout=300)
-  assert proc.returncode != 0 and "rerun the same command to resume" in err
+
+  def run_until(version, signum):
+    proc = subprocess.Popen(command, cwd=REPO, env=_env(), stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True)
+    _wait_for(lambda: trainer().get("version", 0) >= version, proc)
+    os.kill(trainer()["pid"], signum)
+    _, err = proc.communicate(timeout=300)
+    return proc.returncode, err
+
+  code, err = run_until(2, signal.SIGKILL)
+  assert code == 1 and "the trainer was killed by signal 9 (SIGKILL" in err, err[-3000:]
+  assert "rerun the same command to resume" in err
+  code, err = run_until(3, signal.SIGTERM)
+  assert code == 75, err[-3000:]
+  assert "resumed from " in err and "stopped early (SIGTERM)" in err
+  stopped_at = trainer()["version"]
+  assert stopped_at < steps and _final_meta(str(root.root))["step"] == stopped_at
   proc = subprocess.run(command, cwd=REPO, env=_env(), capture_output=True, text=True,
                         timeout=900)
   assert proc.returncode == 0, proc.stderr[-3000:]
-  assert "resumed from " in proc.stderr
   result = json.loads(proc.stdout.strip().splitlines()[-1])
   assert result["steps"] == steps
-  assert trainer()["starts"] == 2
+  assert trainer()["starts"] == 3
   _check_exactly_once(str(root.root), _config_of(steps))
 
 

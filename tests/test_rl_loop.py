@@ -346,24 +346,50 @@ def test_distillation_advantage_is_the_teacher_gap(small, uninterrupted, tmp_pat
 
 
 @pytest.mark.slow
-def test_cli_runs_sft_then_rl(tmp_path):
-  """experiments/rl.py with no rl.init_from: a 2-step SFT, then 2 RL steps from it; a second
-  invocation finds both done."""
-  small_model = ["--config.model.num_hidden_layers=2", "--config.sft.model.num_hidden_layers=2"]
-  args = [sys.executable, "experiments/rl.py", f"--workdir={tmp_path}", *small_model,
-          "--config.sft.train.steps=2", "--config.sft.train.dsa_dense_steps=1",
-          "--config.sft.optim.warmup_steps=1", "--config.sft.sft.num_per_env=40",
-          "--config.sft.data.batch_size=4", "--config.sft.eval.every_steps=0",
-          "--config.sft.ckpt.every_steps=2", "--config.rl.steps=2",
+def test_cli_stops_and_resumes_each_stage_and_checks_the_rl_config_first(tmp_path):
+  """experiments/rl.py with no rl.init_from: a 2-step SFT, then 2 RL steps from it.
+
+  A bad RL config fails before any SFT step. SIGTERM during SFT step 1 stops the pipeline
+  (exit 75, RL never starts on the partial SFT model); the rerun resumes the SFT, finishes it,
+  starts RL and (SIGTERM again) stops after RL step 1 with it saved (75); the third run
+  resumes RL, and its "before RL" figure is step 0's evaluation, made by the second run."""
+  args = [sys.executable, "tests/train_cli.py", "--script=experiments/rl.py",
+          f"--workdir={tmp_path}", "--config.model.num_hidden_layers=2",
+          "--config.sft.model.num_hidden_layers=2", "--config.sft.train.steps=2",
+          "--config.sft.train.dsa_dense_steps=1", "--config.sft.optim.warmup_steps=1",
+          "--config.sft.sft.num_per_env=40", "--config.sft.data.batch_size=4",
+          "--config.sft.eval.every_steps=0", "--config.sft.ckpt.every_steps=2",
+          "--config.sft.train.log_every_steps=1", "--config.rl.steps=2",
           "--config.rl.prompts_per_step=2", "--config.rl.group_size=2",
           "--config.rl.max_new_tokens=8", "--config.rl.eval_tasks=4", "--config.rl.eval_samples=2",
           "--config.rl.eval_every_steps=2", "--config.optim.warmup_steps=0",
           "--config.data.seq_len=32"]
   env = dict(os.environ, PYTHONPATH=REPO, JAX_PLATFORMS="cpu")
-  proc = subprocess.run(args, cwd=REPO, env=env, capture_output=True, text=True, timeout=600)
+  run = lambda *extra, hook=(): subprocess.run(
+      args[:2] + [f"--hook={h}" for h in hook] + args[2:] + list(extra), cwd=REPO, env=env,
+      capture_output=True, text=True, timeout=600)
+  proc = run("--config.rl.group_size=1")
+  assert proc.returncode == 1 and "rl.group_size" in proc.stderr, proc.stderr[-3000:]
+  assert not os.path.exists(tmp_path / "sft")
+
+  proc = run(hook=["sigterm_after_log:1"])
+  assert proc.returncode == 75, proc.stderr[-3000:]
+  assert "SFT stopped early" in proc.stdout and not os.path.exists(tmp_path / "rl")
+  assert [d for d in os.listdir(tmp_path / "sft" / "checkpoints") if d.isdigit()] == ["1"]
+
+  proc = run(hook=["sigterm_after_log:1"])  # SFT writes step 2 only; RL step 1 gets the signal
+  assert proc.returncode == 75, proc.stderr[-3000:]
+  assert "step 2/2" in proc.stderr and "rl step 1/2" in proc.stderr
+  assert "RL stopped early" in proc.stdout
+  assert [d for d in os.listdir(tmp_path / "rl" / "checkpoints") if d.isdigit()] == ["1"]
+
+  proc = run()
   assert proc.returncode == 0, proc.stderr[-3000:]
   result = json.loads(proc.stdout.strip().splitlines()[-1])
-  assert result["steps"] == 2 and 0 <= result["first_eval"] <= 1
-  assert 0 <= result["first_sampled_eval"] <= 1 and 0 <= result["last_sampled_eval"] <= 1
+  assert result["steps"] == 2 and "rl step 2/2" in proc.stderr and "rl step 1/2" not in proc.stderr
+  evals = {r["step"]: r for r in map(json.loads, open(tmp_path / "rl" / "metrics.jsonl"))
+           if r["split"] == "eval"}
+  assert set(evals) == {0, 2}
+  assert result["first_eval"] == evals[0]["accuracy"]
+  assert result["first_sampled_eval"] == evals[0]["sampled_accuracy"]
   assert os.path.isfile(tmp_path / "sft" / "sft_builtin.jsonl")
-  assert "rl step 2/2" in proc.stderr

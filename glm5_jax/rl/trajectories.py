@@ -46,7 +46,7 @@ from absl import logging
 from etils import epath
 import numpy as np
 
-from glm5_jax.files import is_temporary, write_atomic
+from glm5_jax.files import TEMPORARY_INFIX, is_temporary, write_atomic
 
 FORMAT = 1
 QUARANTINE = "quarantine"
@@ -170,7 +170,8 @@ def remove_temporaries(directory, worker: str) -> int:
   it writes); returns how many."""
   directory = epath.Path(directory)
   stale = [p for p in (directory.iterdir() if directory.exists() else ())
-           if is_temporary(p.name) and (m := _NAME.match(p.name[1:p.name.rindex(".tmp-")]))
+           if is_temporary(p.name)
+           and (m := _NAME.match(p.name[1:p.name.rindex(TEMPORARY_INFIX)]))
            and m.group(2) == worker]
   for p in stale:
     p.unlink(missing_ok=True)

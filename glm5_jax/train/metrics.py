@@ -21,6 +21,7 @@ import numpy as np
 
 from glm5_jax.attention.kinds import layer_kind
 from glm5_jax.config import ModelConfig
+from glm5_jax.files import write_atomic
 from glm5_jax.param_stats import summarize
 
 # Dense bf16 peak FLOP/s per device, by `device_kind` substring.
@@ -93,7 +94,7 @@ class MetricWriter:
     line = json.dumps(record) + "\n"
     if self.remote:
       self._text += line
-      epath.Path(self.path).write_text(self._text)
+      write_atomic(self.path, self._text)
       return
     with open(self.path, "a") as f:
       f.write(line)
