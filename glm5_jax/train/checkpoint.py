@@ -5,7 +5,10 @@ One checkpoint per saved step under `<workdir>/checkpoints/<step>/`, items:
   opt_state  the optimizer state (StandardSave)
   meta       JSON: step, RNG key data, the config fields that must match on resume, and the
              fingerprint of params, opt_state and data (`glm5_jax.train.integrity`)
-  data       the grain iterator position (grain's own checkpoint handler)
+  data       the grain iterator position (grain's own checkpoint handler); absent in RL runs,
+             whose rollouts are a function of the step (RL saves through the same `save` /
+             `restore_latest` with its own fingerprint, numbers checkpoints by RL step and
+             records the optimizer updates and its `extra` state in `meta`)
 Orbax writes each step to a temporary directory and renames it when every item is complete,
 so a checkpoint is whole or absent. Saves are asynchronous: training continues while the last
 step is written.
