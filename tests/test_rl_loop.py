@@ -347,24 +347,25 @@ def test_distillation_advantage_is_the_teacher_gap(small, uninterrupted, tmp_pat
 
 @pytest.mark.slow
 def test_cli_stops_and_resumes_each_stage_and_checks_the_rl_config_first(tmp_path):
-  """experiments/rl.py with no rl.init_from: a 3-step SFT, then 3 RL steps from it.
+  """experiments/rl.py with no rl.init_from: a 3-step SFT, then 2 RL steps from it.
 
   A bad RL config fails before any SFT step. A SIGTERM during SFT step 1 (after that step's
   stop decision: it stops at step 2, saved) stops the pipeline with exit 75, and RL never
   starts on the partial SFT model; the rerun resumes the SFT, finishes it, starts RL and
-  (SIGTERM again, in RL step 1) stops after RL step 2 with it saved (75); the third run resumes
-  RL, and its "before RL" figure is step 0's evaluation, made by the second run."""
+  (SIGTERM again, at RL step 1's metrics, before its stop decision) stops after RL step 1 with
+  it saved (75); the third run resumes RL, and its "before RL" figure is step 0's evaluation,
+  made by the second run."""
   args = [sys.executable, "tests/train_cli.py", "--script=experiments/rl.py",
           f"--workdir={tmp_path}", "--config.model.num_hidden_layers=2",
           "--config.sft.model.num_hidden_layers=2", "--config.sft.train.steps=3",
           "--config.sft.train.dsa_dense_steps=1", "--config.sft.optim.warmup_steps=1",
           "--config.sft.sft.num_per_env=40", "--config.sft.data.batch_size=4",
           "--config.sft.eval.every_steps=0", "--config.sft.ckpt.every_steps=3",
-          "--config.sft.train.log_every_steps=1", "--config.rl.steps=3",
+          "--config.sft.train.log_every_steps=1", "--config.rl.steps=2",
           "--config.rl.prompts_per_step=2", "--config.rl.group_size=2",
           "--config.rl.max_new_tokens=8", "--config.rl.eval_tasks=4", "--config.rl.eval_samples=2",
           "--config.rl.eval_every_steps=2", "--config.optim.warmup_steps=0",
-          "--config.ckpt.every_steps=3", "--config.data.seq_len=32"]
+          "--config.ckpt.every_steps=2", "--config.data.seq_len=32"]
   env = dict(os.environ, PYTHONPATH=REPO, JAX_PLATFORMS="cpu")
   run = lambda *extra, hook=(): subprocess.run(
       args[:2] + [f"--hook={h}" for h in hook] + args[2:] + list(extra), cwd=REPO, env=env,
@@ -382,17 +383,17 @@ def test_cli_stops_and_resumes_each_stage_and_checks_the_rl_config_first(tmp_pat
 
   proc = run(hook=["sigterm_after_log:1"])  # SFT writes step 3 only; RL step 1 gets the signal
   assert proc.returncode == 75, proc.stderr[-3000:]
-  assert "step 3/3" in proc.stderr and "rl step 2/3" in proc.stderr
-  assert "RL stopped early" in proc.stdout and steps_saved("rl") == ["2"]
+  assert "step 3/3" in proc.stderr and "rl step 1/2" in proc.stderr
+  assert "RL stopped early" in proc.stdout and steps_saved("rl") == ["1"]
 
   proc = run()
   assert proc.returncode == 0, proc.stderr[-3000:]
   result = json.loads(proc.stdout.strip().splitlines()[-1])
-  assert result["steps"] == 3 and "rl step 3/3" in proc.stderr
-  assert "rl step 2/3" not in proc.stderr
+  assert result["steps"] == 2 and "rl step 2/2" in proc.stderr
+  assert "rl step 1/2" not in proc.stderr
   evals = {r["step"]: r for r in map(json.loads, open(tmp_path / "rl" / "metrics.jsonl"))
            if r["split"] == "eval"}
-  assert set(evals) == {0, 2, 3}
+  assert set(evals) == {0, 2}
   assert result["first_eval"] == evals[0]["accuracy"]
   assert result["first_sampled_eval"] == evals[0]["sampled_accuracy"]
   assert os.path.isfile(tmp_path / "sft" / "sft_builtin.jsonl")
