@@ -1,7 +1,9 @@
 """The asynchronous RL system (glm5_jax/rl): orders and the orchestrator, a trainer with two
-workers in one process, and (slow) the launcher's processes killed with SIGKILL: a worker is
-restarted and the run completes; a rerun after the trainer's death resumes it. In every case
-each rollout file answers one order, and each file is trained on (or rejected) exactly once.
+workers in one process, restart repair and stall detection, and (slow) the launcher's
+processes killed with SIGKILL or stopped with SIGTERM: a worker is restarted and the run
+completes; a rerun after the trainer's death or stop resumes it; roles stop with (and die with)
+the launcher. In every case each rollout file answers one order, and each file is trained on
+(or rejected) exactly once.
 """
 
 import json
@@ -230,27 +232,11 @@ def _config_of(steps):
 
 
 @pytest.mark.slow
-def test_killed_worker_is_restarted_and_the_run_completes(tmp_path, sft_dir):
-  steps = 4
-  root = RunDirs.at(tmp_path / "rl")
-  proc = subprocess.Popen(_command(tmp_path, sft_dir, steps), cwd=REPO, env=_env(),
-                          stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-  stats = lambda: read_json(root.worker_stats("w1")) or {}
-  _wait_for(lambda: stats().get("batches", 0) >= 1, proc)  # w1 answered orders
-  os.kill(stats()["pid"], signal.SIGKILL)
-  out, err = proc.communicate(timeout=900)
-  assert proc.returncode == 0, err[-3000:]
-  assert "worker w1" in err and "restarting it (restart 1)" in err
-  assert "worker restarts: {'w1': 1}" in out
-  assert stats()["starts"] == 2
-  _check_exactly_once(str(root.root), _config_of(steps))
-
-
-@pytest.mark.slow
-def test_killed_or_signalled_trainer_resumes_when_the_command_is_rerun(tmp_path, sft_dir):
+def test_killed_or_signalled_roles_and_reruns_complete_the_run(tmp_path, sft_dir):
   """SIGKILL to the trainer: the launcher says so (no error of its own is above) and a rerun
-  resumes; SIGTERM to the trainer: it saves its current step and the command exits 75; a rerun
-  completes, every rollout file trained on exactly once."""
+  resumes; SIGTERM to the trainer: it saves its current step and the command exits 75; the
+  last rerun completes although a worker is killed (it is restarted), every rollout file
+  trained on exactly once."""
   steps = 5
   root = RunDirs.at(tmp_path / "rl")
   command = _command(tmp_path, sft_dir, steps)
@@ -272,12 +258,18 @@ def test_killed_or_signalled_trainer_resumes_when_the_command_is_rerun(tmp_path,
   assert "resumed from " in err and "stopped early (SIGTERM)" in err
   stopped_at = trainer()["version"]
   assert stopped_at < steps and _final_meta(str(root.root))["step"] == stopped_at
-  proc = subprocess.run(command, cwd=REPO, env=_env(), capture_output=True, text=True,
-                        timeout=900)
-  assert proc.returncode == 0, proc.stderr[-3000:]
-  result = json.loads(proc.stdout.strip().splitlines()[-1])
+  proc = subprocess.Popen(command, cwd=REPO, env=_env(), stdout=subprocess.PIPE,
+                          stderr=subprocess.PIPE, text=True)
+  w1 = lambda: read_json(root.worker_stats("w1")) or {}
+  _wait_for(lambda: w1().get("starts", 0) == 3, proc)  # this run's w1 is up
+  os.kill(w1()["pid"], signal.SIGKILL)
+  out, err = proc.communicate(timeout=900)
+  assert proc.returncode == 0, err[-3000:]
+  assert "worker w1" in err and "restarting it (restart 1)" in err
+  assert "worker restarts: {'w1': 1}" in out
+  result = json.loads(out.strip().splitlines()[-1])
   assert result["steps"] == steps
-  assert trainer()["starts"] == 3
+  assert trainer()["starts"] == 3 and w1()["starts"] == 4
   _check_exactly_once(str(root.root), _config_of(steps))
 
 
