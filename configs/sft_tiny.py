@@ -47,7 +47,8 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
   config.data = data.data_config(seq_len=SEQ_LEN, batch_size=16, sources=dict(
       sft=data.source_config("chat_jsonl", glob="", weight=1.0, overlong="error",
                              holdout_fraction=0.02)))
-  config.optim = optim.optim_config(learning_rate=1e-2, warmup_steps=30)
+  # 30 warmup steps, fewer in a run too short for them (the schedule needs warmup < steps).
+  config.optim = optim.optim_config(learning_rate=1e-2, warmup_steps=min(30, arg.steps // 2))
   config.train = train_defaults.train_config(steps=arg.steps, dsa_dense_steps=arg.steps // 2,
                                              log_every_steps=25)
   config.ckpt = train_defaults.ckpt_config(every_steps=100, keep=2)

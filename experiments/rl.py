@@ -36,7 +36,13 @@ experiments/train.py, held-out evaluation off: `--config.rl.eval_every_steps=0`)
 worker is one JAX process (a single-host slice, its mesh over that host's devices). The
 workers' output goes to `<workdir>/rl/logs/<worker>.log`.
 
-Exit status: 0 done; 1 failed (the last line on stderr is the root cause).
+Stopping: SIGTERM (to this command; in async mode it is forwarded to the trainer and the
+workers, which also die with it) stops the current stage after its current step, whose
+checkpoint is committed: the SFT (RL then does not start: it never runs on a partial SFT model)
+or RL. Rerunning the same command resumes the stage where it stopped.
+
+Exit status: 0 done; 75 stopped early (SIGTERM), rerun to resume; 1 failed (the last line on
+stderr is the root cause).
 """
 
 import json
@@ -51,9 +57,11 @@ from configs import overrides
 from glm5_jax.config import require
 from glm5_jax.posttrain import sft
 from glm5_jax.posttrain.loop import rl_train
+from glm5_jax.posttrain.rl_config_checks import validate_rl_experiment
 from glm5_jax.rl import async_trainer, launcher, worker
 from glm5_jax.rl.layout import RunDirs, read_json, write_json
 from glm5_jax.train import console, multiprocess
+from glm5_jax.train.stopping import EXIT_STOPPED_EARLY, StopSignal
 
 _CONFIG = overrides.define_config_file("config", "configs/rl_tiny.py", "RL config.")
 _WORKDIR = flags.DEFINE_string("workdir", "/tmp/glm5_rl", "The SFT run (when rl.init_from is "
@@ -69,11 +77,16 @@ _WORKER = flags.DEFINE_string("worker", "", "async --role=worker: this worker's 
 
 
 def run(config, workdir: str) -> dict:
-  """SFT (if needed) then synchronous RL; returns both summaries and their wall times."""
+  """SFT (if needed) then synchronous RL; returns both summaries and their wall times, and
+  `stopped` (the stage SIGTERM stopped, or None)."""
+  validate_rl_experiment(config)  # before the SFT, which may take hours
   out = sft.ensure_sft_start(config, workdir)
+  if out.get("stopped"):
+    return out
   start = time.time()
   out["rl"] = rl_train(config, os.path.join(workdir, "rl"))
   out["rl_seconds"] = time.time() - start
+  out["stopped"] = "RL" if out["rl"]["stopped_early"] else None
   return out
 
 
@@ -82,15 +95,24 @@ def run_async(config, workdir: str, argv: list[str]) -> dict:
   (`launcher.launch`); returns the summaries (the trainer's is read from its summary file)."""
   async_trainer.validate_async_experiment(config)
   out = sft.ensure_sft_start(config, workdir)
+  if out.get("stopped"):
+    return out
   root = os.path.join(workdir, "rl")
   command = launcher.python_command(os.path.abspath(__file__), [
       *argv[1:], f"--workdir={workdir}", f"--config.rl.init_from={config.rl.init_from}"])
   start = time.time()
   out["launch"] = launcher.launch(command, root, async_trainer.worker_names(_WORKERS.value))
   out["rl_seconds"] = time.time() - start
-  if out["launch"]["trainer_returncode"] != 0:
-    raise RuntimeError(f"the trainer exited with status {out['launch']['trainer_returncode']} "
-                       "(its error is above); rerun the same command to resume")
+  code = out["launch"]["trainer_returncode"]
+  if out["launch"]["stopped"] or code == EXIT_STOPPED_EARLY:
+    out["stopped"] = "RL"
+    logging.warning("async RL stopped early (trainer exit status %s); rerun the same command "
+                    "to resume", code)
+    return out
+  if code != 0:
+    raise RuntimeError(f"the trainer {launcher.describe_exit(code)}; rerun the same command "
+                       "to resume")
+  out["stopped"] = None
   dirs = RunDirs.at(root)
   out["rl"] = read_json(dirs.root / SUMMARY)
   out["workers"] = {w: read_json(dirs.worker_stats(w))
@@ -101,19 +123,19 @@ def run_async(config, workdir: str, argv: list[str]) -> dict:
 SUMMARY = "summary.json"
 
 
-def run_role(config, workdir: str) -> None:
-  """One process of an asynchronous run: the trainer (writes <workdir>/rl/summary.json) or a
-  worker."""
+def run_role(config, workdir: str) -> bool:
+  """One process of an asynchronous run: the trainer (writes <workdir>/rl/summary.json when
+  it finished) or a worker. Returns whether SIGTERM stopped it early."""
   root = os.path.join(workdir, "rl")
   if _ROLE.value == "trainer":
     summary = async_trainer.run_async_trainer(config, root,
                                               async_trainer.worker_names(_WORKERS.value))
     summary["eval"] = {str(k): v for k, v in summary["eval"].items()}
-    if jax.process_index() == 0:
+    if jax.process_index() == 0 and not summary["stopped_early"]:
       write_json(RunDirs.at(root).root / SUMMARY, summary)
-  else:
-    require(bool(_WORKER.value), "--worker", "--role=worker needs this worker's name (w<i>)")
-    worker.run_worker(config, root, _WORKER.value)
+    return summary["stopped_early"]
+  require(bool(_WORKER.value), "--worker", "--role=worker needs this worker's name (w<i>)")
+  return worker.run_worker(config, root, _WORKER.value)["stopped_early"]
 
 
 def join_processes() -> None:
@@ -133,18 +155,27 @@ def main(argv):
   del argv
   console.quiet_library_info()
   start = time.time()
-  try:
-    join_processes()
-    logging.info("devices: %s", jax.devices())
-    if _MODE.value == "async" and _ROLE.value != "launcher":
-      run_role(_CONFIG.value, _WORKDIR.value)
-      return
-    if _MODE.value == "async":
-      out = run_async(_CONFIG.value, _WORKDIR.value, sys.argv)
-    else:
-      out = run(_CONFIG.value, _WORKDIR.value)
-  except Exception as e:  # pylint: disable=broad-except
-    console.exit_on_failure(e, "RL")
+  # One SIGTERM flag for every stage: a signal between the SFT and RL (or while RL is built)
+  # stops RL at its first step instead of being lost (glm5_jax.train.stopping).
+  with StopSignal():
+    try:
+      join_processes()
+      logging.info("devices: %s", jax.devices())
+      if _MODE.value == "async" and _ROLE.value != "launcher":
+        if run_role(_CONFIG.value, _WORKDIR.value):
+          sys.exit(EXIT_STOPPED_EARLY)
+        return
+      if _MODE.value == "async":
+        out = run_async(_CONFIG.value, _WORKDIR.value, sys.argv)
+      else:
+        out = run(_CONFIG.value, _WORKDIR.value)
+    except Exception as e:  # pylint: disable=broad-except
+      console.exit_on_failure(e, "RL")
+  if out["stopped"]:
+    print(f"\n{out['stopped']} stopped early (SIGTERM): its checkpoint is committed; rerun the "
+          "same command to resume" + ("; RL starts after the SFT finishes"
+                                      if out["stopped"] == "SFT" else ""))
+    sys.exit(EXIT_STOPPED_EARLY)
   print_summary(out, _CONFIG.value, start)
 
 

@@ -91,7 +91,8 @@ class _TinyRun:
   def restore(self, **kwargs):
     abstract = jax.tree_util.tree_map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype),
                                       self.state(0))
-    return ckpt.restore_latest(self.manager, abstract, self.data, self.config, **kwargs)
+    state, _ = ckpt.restore_latest(self.manager, abstract, self.data, self.config, **kwargs)
+    return state
 
 
 def test_unreadable_or_damaged_steps_name_their_directory(tmp_path, caplog):

@@ -1,7 +1,9 @@
 """The asynchronous RL system (glm5_jax/rl): orders and the orchestrator, a trainer with two
-workers in one process, and (slow) the launcher's processes killed with SIGKILL: a worker is
-restarted and the run completes; a rerun after the trainer's death resumes it. In every case
-each rollout file answers one order, and each file is trained on (or rejected) exactly once.
+workers in one process, restart repair and stall detection, and (slow) the launcher's
+processes killed with SIGKILL or stopped with SIGTERM: a worker is restarted and the run
+completes; a rerun after the trainer's death or stop resumes it; roles stop with (and die with)
+the launcher. In every case each rollout file answers one order, and each file is trained on
+(or rejected) exactly once.
 """
 
 import json
@@ -18,7 +20,7 @@ import pytest
 
 from configs import rl_tiny
 from glm5_jax.config import ModelConfig
-from glm5_jax.rl import async_trainer, orders, trajectories, worker
+from glm5_jax.rl import async_trainer, launcher, orders, trajectories, worker
 from glm5_jax.rl.layout import RunDirs, read_json
 from glm5_jax.rl.orchestrator import Orchestrator
 from test_multihost import _free_port, _run_together  # pylint: disable=import-error
@@ -230,41 +232,44 @@ def _config_of(steps):
 
 
 @pytest.mark.slow
-def test_killed_worker_is_restarted_and_the_run_completes(tmp_path, sft_dir):
-  steps = 4
+def test_killed_or_signalled_roles_and_reruns_complete_the_run(tmp_path, sft_dir):
+  """SIGKILL to the trainer: the launcher says so (no error of its own is above) and a rerun
+  resumes; SIGTERM to the trainer: it saves its current step and the command exits 75; the
+  last rerun completes although a worker is killed (it is restarted), every rollout file
+  trained on exactly once."""
+  steps = 5
   root = RunDirs.at(tmp_path / "rl")
-  proc = subprocess.Popen(_command(tmp_path, sft_dir, steps), cwd=REPO, env=_env(),
-                          stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-  stats = lambda: read_json(root.worker_stats("w1")) or {}
-  _wait_for(lambda: stats().get("batches", 0) >= 1, proc)  # w1 answered orders
-  os.kill(stats()["pid"], signal.SIGKILL)
+  command = _command(tmp_path, sft_dir, steps)
+  trainer = lambda: read_json(root.trainer_stats) or {}
+
+  def run_until(version, signum):
+    proc = subprocess.Popen(command, cwd=REPO, env=_env(), stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True)
+    _wait_for(lambda: trainer().get("version", 0) >= version, proc)
+    os.kill(trainer()["pid"], signum)
+    _, err = proc.communicate(timeout=300)
+    return proc.returncode, err
+
+  code, err = run_until(2, signal.SIGKILL)
+  assert code == 1 and "the trainer was killed by signal 9 (SIGKILL" in err, err[-3000:]
+  assert "rerun the same command to resume" in err
+  code, err = run_until(3, signal.SIGTERM)
+  assert code == 75, err[-3000:]
+  assert "resumed from " in err and "stopped early (SIGTERM)" in err
+  stopped_at = trainer()["version"]
+  assert stopped_at < steps and _final_meta(str(root.root))["step"] == stopped_at
+  proc = subprocess.Popen(command, cwd=REPO, env=_env(), stdout=subprocess.PIPE,
+                          stderr=subprocess.PIPE, text=True)
+  w1 = lambda: read_json(root.worker_stats("w1")) or {}
+  _wait_for(lambda: w1().get("starts", 0) == 3, proc)  # this run's w1 is up
+  os.kill(w1()["pid"], signal.SIGKILL)
   out, err = proc.communicate(timeout=900)
   assert proc.returncode == 0, err[-3000:]
   assert "worker w1" in err and "restarting it (restart 1)" in err
   assert "worker restarts: {'w1': 1}" in out
-  assert stats()["starts"] == 2
-  _check_exactly_once(str(root.root), _config_of(steps))
-
-
-@pytest.mark.slow
-def test_killed_trainer_resumes_when_the_command_is_rerun(tmp_path, sft_dir):
-  steps = 4
-  root = RunDirs.at(tmp_path / "rl")
-  command = _command(tmp_path, sft_dir, steps)
-  proc = subprocess.Popen(command, cwd=REPO, env=_env(), stdout=subprocess.PIPE,
-                          stderr=subprocess.PIPE, text=True)
-  trainer = lambda: read_json(root.trainer_stats) or {}
-  _wait_for(lambda: trainer().get("version", 0) >= 2, proc)
-  os.kill(trainer()["pid"], signal.SIGKILL)
-  _, err = proc.communicate(timeout=300)
-  assert proc.returncode != 0 and "rerun the same command to resume" in err
-  proc = subprocess.run(command, cwd=REPO, env=_env(), capture_output=True, text=True,
-                        timeout=900)
-  assert proc.returncode == 0, proc.stderr[-3000:]
-  assert "resumed RL from" in proc.stderr
-  result = json.loads(proc.stdout.strip().splitlines()[-1])
+  result = json.loads(out.strip().splitlines()[-1])
   assert result["steps"] == steps
-  assert trainer()["starts"] == 2
+  assert trainer()["starts"] == 3 and w1()["starts"] == 4
   _check_exactly_once(str(root.root), _config_of(steps))
 
 
@@ -317,3 +322,126 @@ def test_metric_writer_on_a_remote_workdir(tmp_path, monkeypatch):
     writer.write(2, {"loss": 1.25})
     records = [json.loads(line) for line in path.read_text().splitlines()]
   assert [(r["step"], r["loss"]) for r in records] == [(1, 1.5), (2, 1.25)]
+
+
+# ---- restart repair and stall detection (no JAX) -------------------------------------------------
+
+
+def _intake(root, ledger, version=0, **rl):
+  config = small_async_config(**rl)
+  orch = Orchestrator(root, ["w0"], groups_per_step=2, max_staleness=1, total_steps=3,
+                      group_size=4, rejected=len(ledger.quarantined))
+  return async_trainer._Intake(config, RunDirs.at(root), orch, ledger, version), orch  # pylint: disable=protected-access
+
+
+def test_a_quarantined_file_the_ledger_missed_is_recorded_and_requeued_on_restart(tmp_path):
+  """The issue's repro: the trainer is killed after quarantining a file and before writing its
+  re-queue order (and before a checkpoint records it). Unrepaired, the last step's group never
+  arrives and the run waits forever; at restart the intake records it and re-queues its task."""
+  intake, orch = _intake(tmp_path, trajectories.TrajectoryLedger())
+  first = orch.issue(0)
+  for order in first:
+    _answer(tmp_path, order)
+  rollouts = RunDirs.at(tmp_path).rollouts
+  (rollouts / trajectories.QUARANTINE).mkdir()
+  (rollouts / first[0].rollout_name).rename(rollouts / trajectories.QUARANTINE /
+                                            first[0].rollout_name)
+  ledger = trajectories.TrajectoryLedger()  # as restored from the checkpoint before it
+  intake, orch = _intake(tmp_path, ledger)
+  assert orch.rejected == 1 and first[0].rollout_name in orch.requeued
+  requeue = [o for o in orch.orders if o.requeue_of == first[0].rollout_name]
+  assert len(requeue) == 1 and requeue[0].task == first[0].task
+  plan = intake.plan(0, 0)
+  assert set(plan["quarantined"]) == {first[0].rollout_name} and plan["stalled"] is None
+  # A second restart before any checkpoint: the same repair, no second re-queue.
+  _, orch = _intake(tmp_path, trajectories.TrajectoryLedger())
+  assert orch.rejected == 1 and len([o for o in orch.orders if o.requeue_of]) == 1
+
+
+def test_no_progress_for_stall_seconds_names_the_missing_orders(tmp_path, monkeypatch):
+  intake, _ = _intake(tmp_path, trajectories.TrajectoryLedger(), stall_seconds=5.0)
+  now = [1000.0]
+  monkeypatch.setattr(async_trainer.time, "time", lambda: now[0])
+  intake.progressed()
+  assert intake.plan(0, 0)["stalled"] is None  # orders issued, nothing arrived yet
+  now[0] += 6
+  stalled = intake.plan(0, 0)["stalled"]
+  assert "no progress for 5 s (rl.stall_seconds) at version 0 of 3" in stalled
+  assert "outstanding orders {'w0': [0, 1, 2, 3]}" in stalled
+
+
+# ---- the launcher's roles die with it and stop on its SIGTERM (stand-in roles, no JAX) ---------
+
+# A role that records its pid, and on SIGTERM records that and exits 75 as the real roles do.
+_FAKE_ROLE = r"""
+import os, signal, sys, time
+out, role = sys.argv[1], sys.argv[2].split("=")[1]
+name = sys.argv[3].split("=")[1] if role == "worker" else "trainer"
+stop = []
+signal.signal(signal.SIGTERM, lambda *_: stop.append(1))
+open(os.path.join(out, name + ".pid"), "w").write(str(os.getpid()))
+while not stop:
+  time.sleep(0.02)
+open(os.path.join(out, name + ".stopped"), "w").write("")
+sys.exit(75)
+"""
+_NAMES = ("trainer", "w0", "w1")
+
+
+def _wait_for_files(out, suffix, timeout=60):
+  deadline = time.time() + timeout
+  while not all((out / f"{n}{suffix}").exists() for n in _NAMES):
+    assert time.time() < deadline, f"timed out waiting for {suffix}: {os.listdir(out)}"
+    time.sleep(0.05)
+
+
+def _alive(pid):
+  try:
+    os.kill(pid, 0)
+  except ProcessLookupError:
+    return False
+  with open(f"/proc/{pid}/stat") as f:  # a zombie has exited
+    return f.read().split(")")[-1].split()[0] != "Z"
+
+
+def test_sigterm_to_the_launcher_is_forwarded_and_every_role_stops(tmp_path):
+  out = tmp_path / "out"
+  out.mkdir()
+
+  def signal_when_started():
+    _wait_for_files(out, ".pid")
+    os.kill(os.getpid(), signal.SIGTERM)
+
+  threading.Thread(target=signal_when_started, daemon=True).start()
+  result = launcher.launch([sys.executable, "-c", _FAKE_ROLE, str(out)], tmp_path / "rl",
+                           ["w0", "w1"], poll_seconds=0.05)
+  assert result["stopped"] and result["trainer_returncode"] == 75
+  assert not result["worker_restarts"]
+  _wait_for_files(out, ".stopped", timeout=1)
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="PR_SET_PDEATHSIG is Linux's")
+def test_roles_die_with_a_launcher_killed_by_sigkill(tmp_path):
+  out = tmp_path / "out"
+  out.mkdir()
+  script = ("import sys; from glm5_jax.rl import launcher; launcher.launch(sys.argv[1:-1], "
+            "sys.argv[-1], ['w0', 'w1'], poll_seconds=0.05)")
+  parent = subprocess.Popen([sys.executable, "-c", script, sys.executable, "-c", _FAKE_ROLE,
+                             str(out), str(tmp_path / "rl")], cwd=REPO, env=_env())
+  try:
+    _wait_for_files(out, ".pid")
+  finally:
+    parent.kill()
+    parent.wait()
+  _wait_for_files(out, ".stopped")  # each got SIGTERM from the kernel, and stopped
+  pids = [int((out / f"{n}.pid").read_text()) for n in _NAMES]
+  deadline = time.time() + 30
+  while any(_alive(p) for p in pids):
+    assert time.time() < deadline, "orphaned roles still running"
+    time.sleep(0.05)
+
+
+def test_a_role_killed_by_a_signal_is_described_as_such():
+  assert launcher.describe_exit(-9).startswith("was killed by signal 9 (SIGKILL")
+  assert launcher.describe_exit(1) == "exited with status 1 (its error is above)"

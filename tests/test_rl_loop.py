@@ -8,20 +8,28 @@ trivially learnable environment, distillation's advantage, and the CLI (slow).
 import copy
 import json
 import os
+import shutil
+import signal
 import subprocess
 import sys
 
 import jax
 import numpy as np
+import orbax.checkpoint as ocp
 import pytest
 
 from configs import rl_tiny
+from glm5_jax.api import abstract_params
 from glm5_jax.config import ModelConfig
 from glm5_jax.data import chat, make_tokenizer
 from glm5_jax.infer.engine import Engine
 from glm5_jax.infer.requests import Request
+from glm5_jax.optim.build import validate_optim_config
 from glm5_jax.posttrain import envs, loop, rl_step, rollout
 from glm5_jax.posttrain.envs import base
+from glm5_jax.train import checkpoint as ckpt
+from glm5_jax.train.metrics import MetricWriter
+from test_checkpoint_integrity import _flip_bytes as flip_bytes  # pylint: disable=import-error
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TOKENIZER = make_tokenizer("byte")
@@ -56,6 +64,14 @@ class StopEarly(base.SingleTurnEnv):
 
   def _score(self, task, content):
     return True, None
+
+
+@pytest.mark.parametrize("sft_steps", [2, 20, 30, 160])
+def test_rl_tiny_short_sft_warms_up_within_its_steps(sft_steps):
+  """configs/rl_tiny.py:sft_steps <= 30 once failed on a fixed SFT warmup of 30 steps."""
+  config = rl_tiny.get_config(f"sft_steps={sft_steps}")
+  validate_optim_config(config.sft.optim, total_steps=config.sft.train.steps)
+  assert config.sft.optim.warmup_steps == min(30, sft_steps // 2)
 
 
 @pytest.fixture
@@ -169,13 +185,13 @@ def uninterrupted(small, tmp_path_factory):
 
 
 def final_params(workdir, config):
-  manager = loop.ckpt.make_manager(str(workdir), every_steps=1, keep=1, async_save=False)
+  manager = ckpt.make_manager(str(workdir), every_steps=1, keep=1, async_save=False)
   try:
     step = manager.latest_step()
-    meta = manager.restore(step, args=loop.ocp.args.Composite(
-        meta=loop.ocp.args.JsonRestore()))["meta"]
-    restored = manager.restore(step, args=loop.ocp.args.Composite(
-        params=loop.ocp.args.StandardRestore(loop.abstract_params(config.model))))
+    meta = manager.restore(step, args=ocp.args.Composite(
+        meta=ocp.args.JsonRestore()))["meta"]
+    restored = manager.restore(step, args=ocp.args.Composite(
+        params=ocp.args.StandardRestore(abstract_params(config.model))))
   finally:
     manager.close()
   return step, meta, restored["params"]
@@ -197,26 +213,62 @@ def test_evaluate_reports_greedy_and_sampled_accuracy(small):
   assert "sampled_accuracy" not in loop.evaluate(config, params, env, TOKENIZER, num_tasks=4)
 
 
-@pytest.mark.slow
-def test_resume_is_exact(small, uninterrupted, tmp_path, stop_early):
-  whole, summary = uninterrupted
-  assert summary["steps"] == 4
-  first = run_rl(tmp_path, small[1], stop_after_steps=2)
-  assert first["steps"] == 2
-  second = run_rl(tmp_path, small[1])  # resumes at step 2 (params ignored: a checkpoint wins)
-  assert second["steps"] == 4
+def assert_same_params(workdir_a, workdir_b, step):
   config = small_config(env="stop_early")
-  step_a, _, params_a = final_params(whole, config)
-  step_b, _, params_b = final_params(tmp_path, config)
-  assert step_a == step_b == 4
+  (step_a, _, params_a), (step_b, _, params_b) = (final_params(w, config)
+                                                  for w in (workdir_a, workdir_b))
+  assert step_a == step_b == step
   for a, b in zip(jax.tree.leaves(params_a), jax.tree.leaves(params_b)):
     np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+
+
+@pytest.mark.slow
+def test_sigterm_saves_the_current_step_and_resume_is_exact(small, uninterrupted, tmp_path,
+                                                            stop_early):
+  """A real SIGTERM during step 1 (ckpt.every_steps=2): step 1 is saved all the same, the run
+  stops (the CLI exits 75 on `stopped_early`), and the resumed run equals an uninterrupted
+  one."""
+  whole, summary = uninterrupted
+  assert summary["steps"] == 4 and not summary["stopped_early"]
+  write = MetricWriter.write
+
+  def write_then_sigterm(self, step, values, prefix="train"):
+    write(self, step, values, prefix=prefix)
+    if prefix == "train" and step == 1:
+      os.kill(os.getpid(), signal.SIGTERM)
+
+  with pytest.MonkeyPatch.context() as patch:
+    patch.setattr(MetricWriter, "write", write_then_sigterm)
+    first = run_rl(tmp_path, small[1])
+  assert (first["steps"], first["stopped_early"], first["stop_reason"]) == (1, True, "SIGTERM")
+  assert sorted(int(d) for d in os.listdir(tmp_path / "checkpoints") if d.isdigit()) == [1]
+  second = run_rl(tmp_path, small[1])  # resumes at step 1 (params ignored: a checkpoint wins)
+  assert second["steps"] == 4 and not second["stopped_early"]
+  assert_same_params(whole, tmp_path, 4)
   # The metrics of the resumed steps equal the uninterrupted run's.
   rows = lambda w: [json.loads(line) for line in open(os.path.join(w, "metrics.jsonl"))]
   whole_rows = {r["step"]: r for r in rows(whole)}
   for r in rows(tmp_path):
     assert r["reward"] == whole_rows[r["step"]]["reward"]
     assert r["loss"] == whole_rows[r["step"]]["loss"]
+
+
+@pytest.mark.slow
+def test_restore_fallback_moves_a_damaged_step_aside_and_resumes_the_one_before(
+    small, uninterrupted, tmp_path, stop_early):
+  """The last step's params damaged: refused by default; with ckpt.restore_fallback the step
+  goes to checkpoints_damaged/ and RL resumes from step 2, reaching the uninterrupted params."""
+  workdir = tmp_path / "rl"
+  shutil.copytree(uninterrupted[0], workdir)
+  flip_bytes(workdir / "checkpoints" / "4")
+  config = small_config(env="stop_early")
+  with pytest.raises(ckpt.CheckpointCorruptError, match="restore_fallback"):
+    loop.rl_train(config, str(workdir))
+  config.ckpt.restore_fallback = True
+  summary = loop.rl_train(config, str(workdir))
+  assert summary["steps"] == 4
+  assert os.listdir(workdir / "checkpoints_damaged") == ["4"]
+  assert_same_params(uninterrupted[0], workdir, 4)
 
 
 @pytest.mark.slow
@@ -247,7 +299,7 @@ def test_minibatches_update_per_minibatch_against_old_logp_and_resume_exactly(sm
 @pytest.mark.slow
 def test_resume_refuses_a_different_config(small, uninterrupted, stop_early):
   config = small_config(env="stop_early", temperature=0.7)
-  with pytest.raises(loop.ckpt.CheckpointMismatchError, match="rl.temperature"):
+  with pytest.raises(ckpt.CheckpointMismatchError, match="rl.temperature"):
     loop.rl_train(config, str(uninterrupted[0]))
 
 
@@ -294,24 +346,54 @@ def test_distillation_advantage_is_the_teacher_gap(small, uninterrupted, tmp_pat
 
 
 @pytest.mark.slow
-def test_cli_runs_sft_then_rl(tmp_path):
-  """experiments/rl.py with no rl.init_from: a 2-step SFT, then 2 RL steps from it; a second
-  invocation finds both done."""
-  small_model = ["--config.model.num_hidden_layers=2", "--config.sft.model.num_hidden_layers=2"]
-  args = [sys.executable, "experiments/rl.py", f"--workdir={tmp_path}", *small_model,
-          "--config.sft.train.steps=2", "--config.sft.train.dsa_dense_steps=1",
-          "--config.sft.optim.warmup_steps=1", "--config.sft.sft.num_per_env=40",
-          "--config.sft.data.batch_size=4", "--config.sft.eval.every_steps=0",
-          "--config.sft.ckpt.every_steps=2", "--config.rl.steps=2",
+def test_cli_stops_and_resumes_each_stage_and_checks_the_rl_config_first(tmp_path):
+  """experiments/rl.py with no rl.init_from: a 3-step SFT, then 2 RL steps from it.
+
+  A bad RL config fails before any SFT step. A SIGTERM during SFT step 1 (after that step's
+  stop decision: it stops at step 2, saved) stops the pipeline with exit 75, and RL never
+  starts on the partial SFT model; the rerun resumes the SFT, finishes it, starts RL and
+  (SIGTERM again, at RL step 1's metrics, before its stop decision) stops after RL step 1 with
+  it saved (75); the third run resumes RL, and its "before RL" figure is step 0's evaluation,
+  made by the second run."""
+  args = [sys.executable, "tests/train_cli.py", "--script=experiments/rl.py",
+          f"--workdir={tmp_path}", "--config.model.num_hidden_layers=2",
+          "--config.sft.model.num_hidden_layers=2", "--config.sft.train.steps=3",
+          "--config.sft.train.dsa_dense_steps=1", "--config.sft.optim.warmup_steps=1",
+          "--config.sft.sft.num_per_env=40", "--config.sft.data.batch_size=4",
+          "--config.sft.eval.every_steps=0", "--config.sft.ckpt.every_steps=3",
+          "--config.sft.train.log_every_steps=1", "--config.rl.steps=2",
           "--config.rl.prompts_per_step=2", "--config.rl.group_size=2",
           "--config.rl.max_new_tokens=8", "--config.rl.eval_tasks=4", "--config.rl.eval_samples=2",
           "--config.rl.eval_every_steps=2", "--config.optim.warmup_steps=0",
-          "--config.data.seq_len=32"]
+          "--config.ckpt.every_steps=2", "--config.data.seq_len=32"]
   env = dict(os.environ, PYTHONPATH=REPO, JAX_PLATFORMS="cpu")
-  proc = subprocess.run(args, cwd=REPO, env=env, capture_output=True, text=True, timeout=600)
+  run = lambda *extra, hook=(): subprocess.run(
+      args[:2] + [f"--hook={h}" for h in hook] + args[2:] + list(extra), cwd=REPO, env=env,
+      capture_output=True, text=True, timeout=600)
+  steps_saved = lambda stage: [d for d in os.listdir(tmp_path / stage / "checkpoints")
+                               if d.isdigit()]
+  proc = run("--config.rl.group_size=1")
+  assert proc.returncode == 1 and "rl.group_size" in proc.stderr, proc.stderr[-3000:]
+  assert not os.path.exists(tmp_path / "sft")
+
+  proc = run(hook=["sigterm_after_log:1"])
+  assert proc.returncode == 75, proc.stderr[-3000:]
+  assert "SFT stopped early" in proc.stdout and not os.path.exists(tmp_path / "rl")
+  assert steps_saved("sft") == ["2"]
+
+  proc = run(hook=["sigterm_after_log:1"])  # SFT writes step 3 only; RL step 1 gets the signal
+  assert proc.returncode == 75, proc.stderr[-3000:]
+  assert "step 3/3" in proc.stderr and "rl step 1/2" in proc.stderr
+  assert "RL stopped early" in proc.stdout and steps_saved("rl") == ["1"]
+
+  proc = run()
   assert proc.returncode == 0, proc.stderr[-3000:]
   result = json.loads(proc.stdout.strip().splitlines()[-1])
-  assert result["steps"] == 2 and 0 <= result["first_eval"] <= 1
-  assert 0 <= result["first_sampled_eval"] <= 1 and 0 <= result["last_sampled_eval"] <= 1
+  assert result["steps"] == 2 and "rl step 2/2" in proc.stderr
+  assert "rl step 1/2" not in proc.stderr
+  evals = {r["step"]: r for r in map(json.loads, open(tmp_path / "rl" / "metrics.jsonl"))
+           if r["split"] == "eval"}
+  assert set(evals) == {0, 2}
+  assert result["first_eval"] == evals[0]["accuracy"]
+  assert result["first_sampled_eval"] == evals[0]["sampled_accuracy"]
   assert os.path.isfile(tmp_path / "sft" / "sft_builtin.jsonl")
-  assert "rl step 2/2" in proc.stderr

@@ -76,12 +76,12 @@ def test_temporaries_never_listed(tmp_path):
   tj.write_batch(tmp_path, _records(0), worker="w0", batch_index=0)
   # A worker killed mid-write leaves a temporary file (here: half of a real batch).
   whole = (tmp_path / "0000000000-w0.npz").read_bytes()
-  (tmp_path / ".tmp-0000000001-w0.npz-0123abcd").write_bytes(whole[:len(whole) // 2])
+  (tmp_path / ".0000000001-w0.npz.tmp-0123abcd").write_bytes(whole[:len(whole) // 2])
   (tmp_path / "notes.txt").write_text("not a batch")
   assert tj.pending(tmp_path, tj.TrajectoryLedger()) == ["0000000000-w0.npz"]
   assert tj.remove_temporaries(tmp_path, "w1") == 0
   assert tj.remove_temporaries(tmp_path, "w0") == 1
-  assert not (tmp_path / ".tmp-0000000001-w0.npz-0123abcd").exists()
+  assert not (tmp_path / ".0000000001-w0.npz.tmp-0123abcd").exists()
 
 
 @pytest.mark.parametrize("damage", ["truncate", "flip"])

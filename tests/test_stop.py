@@ -4,13 +4,16 @@ exits with the documented code, and resumes there; all processes agree on the st
 import json
 import os
 import re
+import signal
 import socket
 import subprocess
 import sys
 
+import ml_collections
 import pytest
 
 from glm5_jax.train import stopping
+from glm5_jax.train.harness import RunHarness
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import train_cli  # pylint: disable=g-import-not-at-top,wrong-import-position
@@ -39,6 +42,26 @@ def test_sigterm_between_save_decision_and_break_saves_that_step(tmp_path):
   assert resumed.returncode == 0, log[-3000:]
   assert re.search(rf"resumed from \S+ at step {claims[-1]}\b", log), log[-3000:]
   assert '"steps": 8' in resumed.stdout and '"stopped_early": false' in resumed.stdout
+
+
+def test_harness_stop_decision_sees_a_signal_from_before_it_existed(tmp_path):
+  """The one stop decision of every loop (`RunHarness.stop_reason`): a SIGTERM that arrived
+  while an enclosing StopSignal was active (a sweep, the RL pipeline) and the run was still
+  being built stops the run at its first step; the last step never stops early; a step budget
+  counts the steps of this call; nested handlers are restored and the flag cleared."""
+  ckpt = ml_collections.ConfigDict(dict(every_steps=4, keep=1, async_save=False,
+                                        restore_fallback=False))
+  handler = signal.getsignal(signal.SIGTERM)
+  with stopping.StopSignal():
+    os.kill(os.getpid(), signal.SIGTERM)
+    with RunHarness(str(tmp_path / "a"), "test", ckpt, total_steps=3) as run:
+      assert run.stop_reason(1) == "SIGTERM" and run.save_due(1, "SIGTERM")
+      assert run.stop_reason(3) is None
+  assert signal.getsignal(signal.SIGTERM) is handler
+  with RunHarness(str(tmp_path / "b"), "test", ckpt, total_steps=10, stop_after_steps=2) as run:
+    assert run.stop_reason(5) is None and run.stop_reason(6) == "stop_after_steps"
+    assert run.due(8, 4) and run.due(10, 4) and not run.due(9, 4) and not run.due(10, 0)
+    assert run.save_due(4, None) and not run.save_due(5, None)
 
 
 def test_one_process_stop_flag_needs_no_communication():

@@ -2,7 +2,8 @@
 
 - a train run whose training stopped early writes no result, stops the sweep (nothing new
   starts), makes it fail, and the next attempt finishes it;
-- SIGTERM to an in-process sweep lets the running run finish and starts nothing else;
+- SIGTERM to an in-process sweep lets the running run finish and starts nothing else; one
+  that lands while a run builds stops that run;
 - SIGTERM to a parallel sweep's parent is forwarded to its workers;
 - a parallel sweep's workers die with a parent killed by SIGKILL, and until they are gone
   their run locks refuse a rerun's second copies (naming pid and host); then a rerun works;
@@ -24,6 +25,7 @@ import pytest
 
 from glm5_jax.sweeps import jobs, runner, spec
 from glm5_jax.train.metrics import MetricWriter
+from glm5_jax.train.stopping import StopSignal
 from glm5_jax.train.workdir_lock import WorkdirLock, WorkdirLockedError
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -77,6 +79,29 @@ def test_sigterm_stops_an_in_process_sweep_after_the_running_run(tmp_path, monke
   assert result_exists(sweep_dir, "a") and not result_exists(sweep_dir, "b")
   with pytest.raises(runner.SweepError, match="stopped early"):
     outcome.raise_if_failed()
+
+
+def test_sigterm_while_an_in_process_run_builds_stops_that_run(tmp_path, monkeypatch):
+  """A SIGTERM that lands while a run is still building or compiling (before its training loop
+  installs its own handler) once went to the sweep's handler alone, and the run trained on to
+  train.steps. The flag is one per process (`StopSignal`): the run's loop sees it at once."""
+  sweep_dir = str(tmp_path / "sweep")
+  train = lambda steps: spec.train_run(overrides=dict(train=dict(steps=steps)), evaluate=False)
+  sweep = make_sweep(first=train(3), second=train(4))
+
+  def fake_train(config, workdir):
+    os.kill(os.getpid(), signal.SIGTERM)  # "while building": before the loop's StopSignal
+    with StopSignal() as stop:  # what train() installs around its loop
+      reached = 1 if stop.take() else config.train.steps
+    return dict(steps=reached)
+
+  monkeypatch.setattr(jobs, "train", fake_train)
+  outcome = runner.run_sweep(sweep, sweep_dir)
+  assert outcome.interrupted and set(outcome.failed) == {"first"}
+  assert "training stopped at step 1 of 3" in outcome.failed["first"]
+  assert not os.path.exists(os.path.join(sweep_dir, "runs", "second"))  # never started
+  with StopSignal() as stop:  # the flag is cleared once the sweep's handler is gone
+    assert not stop.take()
 
 
 def test_a_locked_sweep_dir_is_refused(tmp_path):

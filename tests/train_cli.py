@@ -1,7 +1,9 @@
 """Runs experiments/train.py as a user would, in a subprocess, on a 2-layer tiny config; with
 optional fault hooks installed first (the tests' way of making a fault land at a chosen moment).
 
-  python tests/train_cli.py [--hook=NAME:ARG ...] [experiments/train.py flags...]
+  python tests/train_cli.py [--hook=NAME:ARG ...] [--script=experiments/rl.py] [flags...]
+
+(`--script`: another entry point than experiments/train.py, with its own flags.)
 
 Hooks (test-only, installed by monkeypatching before the script runs):
   sigterm_after_log:N   a real SIGTERM to this process right after step N's metrics are
@@ -122,6 +124,9 @@ if __name__ == "__main__":
   argv = sys.argv[1:]
   while argv and argv[0].startswith("--hook="):
     _install(argv.pop(0).split("=", 1)[1])
+  script = "experiments/train.py"
+  if argv and argv[0].startswith("--script="):
+    script = argv.pop(0).split("=", 1)[1]
   sys.path.insert(0, ROOT)
-  sys.argv = [os.path.join(ROOT, "experiments", "train.py")] + argv
+  sys.argv = [os.path.join(ROOT, script)] + argv
   runpy.run_path(sys.argv[0], run_name="__main__")

@@ -42,6 +42,7 @@ from glm5_jax.posttrain import sft
 from glm5_jax.posttrain.loop import rl_train
 from glm5_jax.rl.layout import RunDirs, read_json
 from glm5_jax.train import console
+from glm5_jax.train.stopping import EXIT_STOPPED_EARLY
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 _CONFIG = overrides.define_config_file("config", "configs/rl_tiny.py:env=echo,seq_len=128", "RL config.")
@@ -130,7 +131,8 @@ def main(argv):
   config.rl.steps = _STEPS.value
   config.rl.eval_every_steps = 0
   workdir = _WORKDIR.value
-  sft.ensure_sft_start(config, workdir)
+  if sft.ensure_sft_start(config, workdir).get("stopped"):
+    sys.exit(EXIT_STOPPED_EARLY)  # SIGTERM during the SFT: never benchmark a partial model
   for mode in ("sync", "async"):
     subprocess.run(["rm", "-rf", os.path.join(workdir, mode)], check=True)
   samples = _STEPS.value * config.rl.prompts_per_step * config.rl.group_size

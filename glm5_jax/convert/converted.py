@@ -22,6 +22,7 @@ from jax.sharding import PartitionSpec
 from glm5_jax import layer_runs
 from glm5_jax.api import abstract_params_and_axes
 from glm5_jax.config import ModelConfig, validate_model_config
+from glm5_jax.files import write_atomic
 from glm5_jax.layers.axes import LAYERS
 from glm5_jax.sharding import default_logical_axis_rules, param_shardings
 
@@ -71,10 +72,7 @@ def save_converted(directory: str, config: ml_collections.ConfigDict, params) ->
 
 def write_config(directory: str, config: ml_collections.ConfigDict) -> None:
   """`<directory>/config.json`, atomically (the marker of a finished conversion)."""
-  tmp = os.path.join(directory, CONFIG_FILE + ".tmp")
-  with open(tmp, "w") as f:
-    f.write(config.to_json(indent=2))
-  os.replace(tmp, os.path.join(directory, CONFIG_FILE))
+  write_atomic(os.path.join(directory, CONFIG_FILE), config.to_json(indent=2))
 
 
 def load_converted(directory: str, shardings=None, *, mesh: jax.sharding.Mesh | None = None,

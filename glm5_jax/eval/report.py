@@ -5,6 +5,8 @@ import os
 
 import numpy as np
 
+from glm5_jax.files import write_atomic
+
 
 def percent(value) -> str:
   return "-" if value is None else f"{100 * value:.1f}"
@@ -47,13 +49,8 @@ def suite_markdown(results: dict, title: str = "Retrieval suite") -> str:
 
 
 def write_json(path: str, data) -> None:
-  """Writes `data` as indented JSON atomically (temp file + rename)."""
-  os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
-  tmp = f"{path}.tmp"
-  with open(tmp, "w") as f:
-    json.dump(data, f, indent=1, default=str)
-    f.write("\n")
-  os.replace(tmp, path)
+  """Writes `data` as indented JSON atomically (`glm5_jax.files.write_atomic`)."""
+  write_atomic(path, json.dumps(data, indent=1, default=str) + "\n")
 
 
 def write_suite_results(results: dict, out_dir: str, name: str = "eval",

@@ -54,6 +54,9 @@ def rl_config(**overrides) -> ml_collections.ConfigDict:
   c.policy_keep = 3  # published policy versions kept in <workdir>/rl/policy
   c.worker_groups = 8  # groups (of group_size samples) a rollout worker generates at once
   c.poll_seconds = 0.2  # how often the trainer and the workers look for new files
+  # The asynchronous trainer fails (naming the orders it waits for) after this long without
+  # progress: no step, no rollout file arriving. 0 waits forever.
+  c.stall_seconds = 1800.0
   c.normalize_std = True  # GRPO: divide advantages by the group's std (False: Dr. GRPO)
   # That std: "population" (/ G) or "bessel" (/ (G - 1), torch.std, as GLM's RL scripts).
   c.group_std = "population"
@@ -100,6 +103,8 @@ def validate_rl_config(c) -> None:
   require(c.worker_groups >= 1, "rl.worker_groups", f"must be >= 1, got {c.worker_groups}")
   require(math.isfinite(c.poll_seconds) and c.poll_seconds > 0, "rl.poll_seconds",
           f"must be a finite number > 0, got {c.poll_seconds}")
+  require(math.isfinite(c.stall_seconds) and c.stall_seconds >= 0, "rl.stall_seconds",
+          f"must be a finite number >= 0 (0: no stall detection), got {c.stall_seconds}")
   require(c.minibatches >= 1, "rl.minibatches", f"must be >= 1, got {c.minibatches}")
   require(c.max_new_tokens >= 1, "rl.max_new_tokens", f"must be >= 1, got {c.max_new_tokens}")
   require(math.isfinite(c.temperature) and c.temperature > 0, "rl.temperature",

@@ -14,9 +14,10 @@ and `rl.eval_samples` samples per task at the rollout temperature; `evaluate`) i
 before the first step, every `rl.eval_every_steps` and after the last.
 
 Exact resume: the rollouts of step n are a function of (rl.seed, n, params) only, and the state
-(params, optimizer state, step) is checkpointed with orbax (`<workdir>/checkpoints/<step>`, the
-same fingerprint verification as pre-training: `glm5_jax.train.checkpoint`), so a run stopped
-after step k and resumed reaches the params of an uninterrupted run.
+(params, optimizer state, step) is checkpointed with orbax (`<workdir>/checkpoints/<step>`,
+through the run harness every loop shares, `glm5_jax.train.harness`: fingerprints,
+`ckpt.restore_fallback`, the workdir lock, SIGTERM), so a run stopped after step k and resumed
+reaches the params of an uninterrupted run.
 
 Start: the workdir's latest checkpoint; else `rl.init_from`'s latest params (an SFT run, loaded
 into `config.model`); else (tests only) a fresh init from `config.seed`.
@@ -32,9 +33,7 @@ import time
 
 from absl import logging
 import jax
-import jax.numpy as jnp
 import numpy as np
-import orbax.checkpoint as ocp
 
 from glm5_jax.api import abstract_params, init_params
 from glm5_jax.config import ModelConfig
@@ -44,16 +43,14 @@ from glm5_jax.posttrain import algorithms, envs, rollout, rl_step
 from glm5_jax.posttrain.rl_config_checks import validate_rl_experiment
 from glm5_jax.seeds import derive_seed
 from glm5_jax.sharding import activation_sharding
-from glm5_jax.train import checkpoint as ckpt
 from glm5_jax.train import integrity
-from glm5_jax.train.metrics import MetricWriter
+from glm5_jax.train.harness import RunHarness, check_finite
 from glm5_jax.train.state import TrainState
-from glm5_jax.train.workdir_lock import hold_workdir
 
 EVAL_SEED = 0  # greedy decoding draws nothing; the seed only names the requests
 # Fields of `rl` a resume may change: they decide how long and how often, not what is computed.
 RESUMABLE_RL_FIELDS = ("steps", "eval_every_steps", "eval_tasks", "eval_samples", "init_from",
-                       "policy_keep", "worker_groups", "poll_seconds")
+                       "policy_keep", "worker_groups", "poll_seconds", "stall_seconds")
 
 
 def step_seed(seed: int, step: int) -> int:
@@ -94,19 +91,24 @@ def rl_train(config, workdir: str, *, stop_after_steps: int | None = None,
              params=None) -> dict:
   """Runs RL per `config` in `workdir` (resuming from its latest checkpoint).
 
+  Stopping early (`glm5_jax.train.harness.RunHarness`): SIGTERM (also while the run is being
+  built), a preemption sync point or `stop_after_steps` ends the run after the current step,
+  once that step's checkpoint is committed; a later call resumes exactly.
+
   Args:
-    stop_after_steps: stop after this many steps of this call (its checkpoint committed), as a
-      job time limit would; a later call resumes exactly.
+    stop_after_steps: stop after this many steps of this call, as a job time limit would.
     params: the starting params when the workdir has no checkpoint, instead of `rl.init_from`
       (which must then be empty); e.g. a caller's own model, or tests' random params.
   Returns:
-    `steps`, `total_steps`, `eval` ({step: held-out metrics}), `first_eval` / `last_eval`
-    (greedy accuracy), `first_sampled_eval` / `last_sampled_eval` (sampled accuracy; None
-    without `rl.eval_samples`), `last_metrics`, `checkpoints` and `metrics_file`.
+    `steps`, `total_steps`, `stopped_early`, `stop_reason`, `eval` ({step: held-out metrics},
+    those of earlier calls included), `first_eval` / `last_eval` (greedy accuracy),
+    `first_sampled_eval` / `last_sampled_eval` (sampled accuracy; None without
+    `rl.eval_samples`), `last_metrics`, `checkpoints` and `metrics_file`.
   """
   validate_rl_experiment(config)
-  with hold_workdir(workdir, "RL"):
-    return _rl_train(config, workdir, stop_after_steps, params)
+  with RunHarness(workdir, "RL", config.ckpt, total_steps=config.rl.steps,
+                  stop_after_steps=stop_after_steps) as run:
+    return _rl_train(config, run, params)
 
 
 def build_rl_run(config, *, asynchronous: bool = False):
@@ -121,57 +123,51 @@ def build_rl_run(config, *, asynchronous: bool = False):
                                                           asynchronous=asynchronous)
 
 
-def _rl_train(config, workdir, stop_after_steps, initial_params):
+def _rl_train(config, run: RunHarness, initial_params):
   rl = config.rl
   tokenizer, env, shapes, t = build_rl_run(config)
-  mesh, rules = t.mesh, config.mesh.logical_axis_rules
   teacher = _load_teacher(rl.teacher, tokenizer) if rl.loss == "distill" else None
-  manager = ckpt.make_manager(workdir, every_steps=config.ckpt.every_steps,
-                              keep=config.ckpt.keep, async_save=config.ckpt.async_save)
-  writer = MetricWriter(workdir)
-  try:
-    state = init_or_restore(config, manager, t, shapes, initial_params)
-    start = int(state.step) // rl.minibatches
-    evals, last_metrics = {}, None
-    with activation_sharding(mesh, rules):
-      if start == 0 and rl.eval_every_steps:
-        evals[0] = evaluate_and_log(config, state.params, env, tokenizer, writer, 0)
-      for step in range(start, rl.steps):
-        t0 = time.time()
-        tasks = [env.task(step * rl.prompts_per_step + i, "train")
-                 for i in range(rl.prompts_per_step)]
-        samples = rollout.generate_samples(config, state.params, env, tasks,
-                                           seed=step_seed(rl.seed, step), tokenizer=tokenizer,
-                                           model=t.model)
-        t1 = time.time()
-        batch = score(config, samples, teacher)
-        state, metrics = train_on_batch(t, state, batch, rl.minibatches)
-        t2 = time.time()
-        if not np.isfinite(metrics["loss"]):
-          raise FloatingPointError(f"RL step {step + 1}: non-finite loss {metrics['loss']}")
-        done = step + 1
-        last_metrics = {**rollout.rollout_metrics(samples), **metrics,
-                        "generate_seconds": t1 - t0, "train_seconds": t2 - t1}
-        logging.info(progress_line(done, rl.steps, last_metrics))
-        writer.write(done, last_metrics)
-        if rl.eval_every_steps and (done % rl.eval_every_steps == 0 or done == rl.steps):
-          evals[done] = evaluate_and_log(config, state.params, env, tokenizer, writer, done)
-        stop = stop_after_steps is not None and done - start >= stop_after_steps
-        if done % config.ckpt.every_steps == 0 or done == rl.steps or stop:
-          save(manager, state, config)
-        if stop:
-          break
-    manager.wait_until_finished()
-  finally:
-    manager.close()
-    writer.close()
+  state, extra = init_or_restore(config, run, t, shapes, initial_params)
+  start = int(state.step) // rl.minibatches
+  # Earlier calls' evaluations come with the checkpoint: "before RL" is step 0's on a resume.
+  evals = {int(k): v for k, v in extra.get("evals", {}).items()}
+  last_metrics = stop = None
+  with activation_sharding(t.mesh, config.mesh.logical_axis_rules):
+    if start == 0 and rl.eval_every_steps:
+      evals[0] = evaluate_and_log(config, state.params, env, tokenizer, run.writer, 0)
+    for step in range(start, rl.steps):
+      t0 = time.time()
+      tasks = [env.task(step * rl.prompts_per_step + i, "train")
+               for i in range(rl.prompts_per_step)]
+      samples = rollout.generate_samples(config, state.params, env, tasks,
+                                         seed=step_seed(rl.seed, step), tokenizer=tokenizer,
+                                         model=t.model)
+      t1 = time.time()
+      batch = score(config, samples, teacher)
+      state, metrics = train_on_batch(t, state, batch, rl.minibatches)
+      t2 = time.time()
+      done = step + 1
+      check_finite(done, metrics)
+      last_metrics = {**rollout.rollout_metrics(samples), **metrics,
+                      "generate_seconds": t1 - t0, "train_seconds": t2 - t1}
+      logging.info(progress_line(done, rl.steps, last_metrics))
+      run.writer.write(done, last_metrics)
+      if run.due(done, rl.eval_every_steps):
+        evals[done] = evaluate_and_log(config, state.params, env, tokenizer, run.writer, done)
+      stop = run.stop_reason(done)
+      if run.save_due(done, stop):
+        save(run, state, config, extra={"evals": evals})
+      if stop:
+        run.stopped(done, stop)
+        break
   first, last = (evals[min(evals)], evals[max(evals)]) if evals else ({}, {})
-  return {"steps": int(state.step) // rl.minibatches, "total_steps": rl.steps, "eval": evals,
+  return {"steps": int(state.step) // rl.minibatches, "total_steps": rl.steps,
+          "stopped_early": stop is not None, "stop_reason": stop, "eval": evals,
           "first_eval": first.get("accuracy"), "last_eval": last.get("accuracy"),
           "first_sampled_eval": first.get("sampled_accuracy"),
           "last_sampled_eval": last.get("sampled_accuracy"),
-          "last_metrics": last_metrics, "checkpoints": str(manager.directory),
-          "metrics_file": writer.path}
+          "last_metrics": last_metrics, "checkpoints": str(run.manager.directory),
+          "metrics_file": run.writer.path}
 
 
 def score(config, samples, teacher=None) -> dict:
@@ -258,64 +254,41 @@ def _load_teacher(workdir: str, tokenizer):
 # ---- checkpoints -------------------------------------------------------------------------------
 
 
-def save(manager, state: TrainState, config, extra: dict | None = None) -> None:
+def save(run: RunHarness, state: TrainState, config, extra: dict | None = None) -> None:
   """Saves the RL state as checkpoint `<RL step>` (`state.step` counts optimizer updates,
-  `rl.minibatches` per RL step): params, optimizer state, and a meta item with the RL step, the
-  update count, the config fingerprint and array checksums (`glm5_jax.train.integrity`), as
-  pre-training does (there is no data iterator: the rollouts are a function of the step).
-  `extra` (JSON-able) is stored in the meta item too: the asynchronous trainer's ledger of
-  consumed rollout files and its staleness counts (`glm5_jax.rl.async_trainer`)."""
-  step = int(state.step) // config.rl.minibatches
-  meta = {"step": step, "updates": int(state.step), "rng": np.asarray(state.rng).tolist(),
-          "config": rl_fingerprint(config),
-          "fingerprint": {"params": integrity.tree_fingerprint(state.params),
-                          "opt_state": integrity.tree_fingerprint(state.opt_state)},
-          "extra": extra or {}}
-  manager.save(step, args=ocp.args.Composite(
-      params=ocp.args.StandardSave(state.params),
-      opt_state=ocp.args.StandardSave(state.opt_state), meta=ocp.args.JsonSave(meta)),
-      force=True)
+  `rl.minibatches` per RL step; the meta item records both): params, optimizer state, and as
+  in pre-training the config fingerprint (`rl_fingerprint`) and array checksums
+  (`glm5_jax.train.checkpoint.save`); there is no data iterator, the rollouts being a function
+  of the step. `extra` (JSON-able) is stored in the meta item too: the held-out evaluations so
+  far, and the asynchronous trainer's ledger of consumed rollout files and staleness counts
+  (`glm5_jax.rl.async_trainer`)."""
+  run.save(state, None, config, step=int(state.step) // config.rl.minibatches,
+           fingerprint=rl_fingerprint(config), extra=extra or {})
 
 
-def _restore(manager, abstract_state: TrainState, config) -> TrainState | None:
-  step = manager.latest_step()
-  if step is None:
-    return None
-  where = f"{manager.directory}/{step}"
-  meta = manager.restore(step, args=ocp.args.Composite(meta=ocp.args.JsonRestore()))["meta"]
-  differences = ckpt._differences(meta["config"], rl_fingerprint(config))  # pylint: disable=protected-access
-  if differences:
-    raise ckpt.CheckpointMismatchError(
-        f"{where} was written with a different config; resuming would not be exact. Use a new "
-        "--workdir, or restore the old values:\n  " + "\n  ".join(differences[:30]))
-  restored = manager.restore(step, args=ocp.args.Composite(
-      params=ocp.args.StandardRestore(abstract_state.params),
-      opt_state=ocp.args.StandardRestore(abstract_state.opt_state)))
-  ckpt._verify(meta, where, restored["params"], restored["opt_state"])  # pylint: disable=protected-access
-  logging.info("resumed RL from %s", where)
-  updates = meta.get("updates", meta["step"])  # checkpoints from before rl.minibatches
-  return TrainState(step=jnp.asarray(updates, jnp.int32), params=restored["params"],
-                    opt_state=restored["opt_state"], rng=jnp.asarray(meta["rng"], jnp.uint32))
-
-
-def init_or_restore(config, manager, t: rl_step.RLTrainer, shapes, params=None) -> TrainState:
+def init_or_restore(config, run: RunHarness, t: rl_step.RLTrainer, shapes,
+                    params=None) -> tuple[TrainState, dict]:
+  """`(state, extra)`: the workdir's latest intact checkpoint (with `ckpt.restore_fallback`, a
+  damaged latest step is moved aside and the one before resumed) and the `extra` saved with
+  it; else `params`, `rl.init_from`'s latest params or (tests only) a fresh init, and {}."""
   abstract = jax.eval_shape(lambda p: rl_step.init_rl_state(p, t.optimizer), shapes)
   abstract = jax.tree.map(lambda s, sh: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=sh),
                           abstract, t.state_sharding)
-  state = _restore(manager, abstract, config)
-  if state is not None:  # placed as the step's outputs are (another placement recompiles it)
-    return jax.device_put(state, t.state_sharding)
+  restored = run.restore(abstract, None, config, fingerprint=rl_fingerprint(config))
+  if restored is not None:  # placed as the step's outputs are (another placement recompiles it)
+    state, meta = restored
+    return jax.device_put(state, t.state_sharding), meta.get("extra", {})
   if params is not None:
     if config.rl.init_from:
       raise ValueError(f"rl_train: params given and rl.init_from={config.rl.init_from!r}; give "
                        "one starting point")
   elif config.rl.init_from:
-    run = load_run(config.rl.init_from, target_model=config.model)
-    params = run.params
-    logging.info("RL starts from %s (step %d)", config.rl.init_from, run.step)
+    source = load_run(config.rl.init_from, target_model=config.model)
+    params = source.params
+    logging.info("RL starts from %s (step %d)", config.rl.init_from, source.step)
   else:
     logging.warning("rl.init_from is empty: RL starts from freshly initialized params (seed %d)",
                     config.seed)
     params = init_params(config.model, jax.random.key(config.seed))
   # Placed first: the params come from one process's devices (a fresh init, or restored).
-  return t.init_state(jax.device_put(params, t.state_sharding.params))
+  return t.init_state(jax.device_put(params, t.state_sharding.params)), {}

@@ -80,7 +80,9 @@ def ensure_sft_start(config, workdir: str) -> dict:
   """Where RL starts, for an RL experiment `config`: with `rl.init_from` set, nothing to do;
   else trains the config's `sft` section into `<workdir>/sft` (unless that run already
   finished) and sets `rl.init_from` to it. Returns {"sft": the SFT summary (when it ran),
-  "sft_seconds"} ({} when rl.init_from was given)."""
+  "sft_seconds", "stopped": "SFT" when it stopped early (SIGTERM), else None} ({} when
+  rl.init_from was given). A stopped SFT leaves `rl.init_from` empty: RL must not start from a
+  partial SFT model; rerunning resumes the SFT."""
   if config.rl.init_from:
     return {}
   require("sft" in config, "rl.init_from", "is empty and the config has no `sft` section to "
@@ -94,5 +96,10 @@ def ensure_sft_start(config, workdir: str) -> dict:
     logging.info("SFT (%d steps) into %s", config.sft.train.steps, sft_dir)
     out["sft"] = run_sft(config.sft, sft_dir)
   out["sft_seconds"] = time.time() - start
+  out["stopped"] = "SFT" if out.get("sft", {}).get("stopped_early") else None
+  if out["stopped"]:
+    logging.warning("SFT stopped early at step %d of %d: RL does not start; rerun to resume "
+                    "the SFT", out["sft"]["steps"], config.sft.train.steps)
+    return out
   config.rl.init_from = sft_dir
   return out

@@ -13,8 +13,8 @@ so a reader never sees a half-written file.
 
 import json
 import os
-import tempfile
 
+from glm5_jax.files import write_atomic
 from glm5_jax.posttrain import envs
 
 
@@ -66,15 +66,5 @@ def write_builtin(path: str, env_names, num_per_env: int, *, seed: int,
     with open(path, "rb") as f:
       if f.read() == data:
         return len(lines)
-  directory = os.path.dirname(os.path.abspath(path))
-  os.makedirs(directory, exist_ok=True)
-  fd, tmp = tempfile.mkstemp(dir=directory, prefix=os.path.basename(path) + ".", suffix=".tmp")
-  try:
-    with os.fdopen(fd, "wb") as f:
-      f.write(data)
-    os.chmod(tmp, 0o644)  # mkstemp makes it 0600
-    os.replace(tmp, path)
-  except BaseException:
-    os.unlink(tmp)
-    raise
+  write_atomic(path, data)
   return len(lines)

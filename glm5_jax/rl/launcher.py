@@ -8,6 +8,12 @@ goes to the console, and one process per worker, whose output goes to
 name and answers its outstanding orders (`glm5_jax.rl.worker`). When the trainer exits the
 workers are stopped: after success they exit by themselves on `control/done`; after a failure
 they are terminated, and rerunning the command resumes the trainer from its checkpoint.
+
+The roles die with the launcher: SIGTERM to the launcher is forwarded to every role (the
+trainer stops after its current step, whose checkpoint is committed; a worker after its current
+generation batch), and on Linux each role asks the kernel for SIGTERM when the launcher dies
+(`stopping.die_with_parent`), so even a launcher killed with SIGKILL leaves no orphan holding
+the run's locks.
 """
 
 import collections
@@ -20,6 +26,7 @@ import time
 from absl import logging
 
 from glm5_jax.rl.layout import RunDirs
+from glm5_jax.train.stopping import StopSignal, die_with_parent
 
 STOP_GRACE_SECONDS = 60
 
@@ -44,7 +51,8 @@ def launch(command: list[str], root, workers, *, max_restarts: int = 10,
     workers: worker names.
     max_restarts: restarts allowed per worker before the run is stopped as failing.
   Returns:
-    {"trainer_returncode", "worker_restarts": {name: count}}.
+    {"trainer_returncode", "worker_restarts": {name: count}, "stopped": whether SIGTERM to
+    this process stopped the run (forwarded to every role, which were then waited for)}.
   """
   dirs = RunDirs.at(root)
   logs = os.path.join(str(dirs.root), "logs")
@@ -56,16 +64,34 @@ def launch(command: list[str], root, workers, *, max_restarts: int = 10,
     log = open(os.path.join(logs, f"{name}.log"), "ab")  # pylint: disable=consider-using-with
     try:
       return subprocess.Popen(command + ["--role=worker", f"--worker={name}"], stdout=log,
-                              stderr=subprocess.STDOUT)
+                              stderr=subprocess.STDOUT, preexec_fn=die_with_parent(os.getpid()))
     finally:
       log.close()
 
-  trainer = subprocess.Popen(command + ["--role=trainer"])
-  procs = {name: start_worker(name) for name in workers}
-  logging.info("async RL: trainer pid %d, workers %s (logs in %s)", trainer.pid,
-               {n: p.pid for n, p in procs.items()}, logs)
+  with StopSignal() as stop:
+    trainer = subprocess.Popen(command + ["--role=trainer"],
+                               preexec_fn=die_with_parent(os.getpid()))
+    procs = {name: start_worker(name) for name in workers}
+    logging.info("async RL: trainer pid %d, workers %s (logs in %s)", trainer.pid,
+                 {n: p.pid for n, p in procs.items()}, logs)
+    stopped = _supervise(trainer, procs, start_worker, stop, dirs, logs, restarts, max_restarts,
+                         poll_seconds)
+  return {"trainer_returncode": trainer.returncode, "worker_restarts": dict(restarts),
+          "stopped": stopped}
+
+
+def _supervise(trainer, procs, start_worker, stop, dirs, logs, restarts, max_restarts,
+               poll_seconds) -> bool:
+  """Restarts dead workers until the trainer exits or SIGTERM arrives (then returns True);
+  stops every role on the way out."""
+  stopped = False
   try:
     while trainer.poll() is None:
+      if stop.take():
+        stopped = True
+        logging.warning("async RL launcher: SIGTERM: stopping the trainer (it saves its current "
+                        "step) and the workers; rerun the same command to resume")
+        break
       for name, proc in procs.items():
         if proc.poll() is not None and not dirs.done.exists():
           restarts[name] += 1
@@ -78,25 +104,44 @@ def launch(command: list[str], root, workers, *, max_restarts: int = 10,
           procs[name] = start_worker(name)
       time.sleep(poll_seconds)
   finally:
-    _stop(trainer, procs, graceful=trainer.poll() == 0)
-  return {"trainer_returncode": trainer.returncode, "worker_restarts": dict(restarts)}
+    _stop(trainer, procs, graceful=trainer.poll() == 0, forward=stopped)
+  return stopped
 
 
-def _stop(trainer, procs, *, graceful: bool) -> None:
+def _stop(trainer, procs, *, graceful: bool, forward: bool = False) -> None:
+  """After success, waits for the workers to exit on `control/done`; after SIGTERM to the
+  launcher (`forward`), sends it to every role and waits for them to stop by themselves; after
+  a failure, terminates them. A role still running after the grace period is killed."""
   if trainer.poll() is None:
     trainer.send_signal(signal.SIGTERM)
-  deadline = time.time() + (STOP_GRACE_SECONDS if graceful else 0)
+  if forward:
+    for proc in procs.values():
+      if proc.poll() is None:
+        proc.send_signal(signal.SIGTERM)
+  deadline = time.time() + (STOP_GRACE_SECONDS if graceful or forward else 0)
   for proc in procs.values():
-    while graceful and proc.poll() is None and time.time() < deadline:
+    while (graceful or forward) and proc.poll() is None and time.time() < deadline:
       time.sleep(0.2)
     if proc.poll() is None:
       proc.terminate()
   for proc in [trainer, *procs.values()]:
     try:
-      proc.wait(timeout=30)
+      proc.wait(timeout=STOP_GRACE_SECONDS if forward else 30)
     except subprocess.TimeoutExpired:
       proc.kill()
       proc.wait()
+
+
+def describe_exit(returncode: int) -> str:
+  """How a role process ended, for the message after it failed: killed by a signal (then it
+  printed no error of its own), or its exit status (its error is above)."""
+  if returncode < 0:
+    try:
+      name = signal.Signals(-returncode).name
+    except ValueError:
+      name = "unknown signal"
+    return f"was killed by signal {-returncode} ({name}; it printed no error of its own)"
+  return f"exited with status {returncode} (its error is above)"
 
 
 def python_command(script: str, argv: list[str]) -> list[str]:

@@ -18,7 +18,7 @@ import json
 
 from etils import epath
 
-from glm5_jax.rl.param_sync import write_atomic
+from glm5_jax.files import write_atomic
 
 
 @dataclasses.dataclass(frozen=True)

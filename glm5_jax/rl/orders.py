@@ -2,7 +2,7 @@
 
 The trainer is the orchestrator. Each GRPO group (one train task, `rl.group_size` samples) is
 one ORDER, a small JSON file `<workdir>/orders/<id>-<worker>.json` (`write_order`: atomic, see
-`param_sync.write_atomic`), and one answer: the rollout file `<workdir>/rollouts/<id>-<worker>.npz`
+`glm5_jax.files.write_atomic`), and one answer: the rollout file `<workdir>/rollouts/<id>-<worker>.npz`
 (`trajectories.write_batch` with batch_index = id). The order id is the rollout id: the
 router pins it to the worker named in the file (consistent hashing, `routing.Router`), and that
 worker plays every turn of it with the rollout's cache kept between turns.
@@ -29,7 +29,7 @@ import re
 from etils import epath
 
 from glm5_jax.rl import trajectories
-from glm5_jax.rl.param_sync import write_atomic
+from glm5_jax.files import write_atomic
 
 ORDERS = "orders"
 _NAME = re.compile(r"^(\d{10})-([A-Za-z0-9_]+)\.json$")

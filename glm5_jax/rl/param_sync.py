@@ -31,11 +31,9 @@ Protocol.
   versions are published in increasing order only (a version that already has a marker is
   refused: the trainer resumes from its checkpoint and publishes only later versions).
 
-Atomic small files. Locally a marker or lease is written to a temporary name in the same
-directory, fsynced and `os.replace`d: a reader sees the whole file or nothing. On GCS rename is
-a copy and a delete (not atomic), but an object becomes visible only once its upload is
-complete, so there markers and leases are written in place, in one upload; the lease's
-liveness by pid cannot be checked across hosts, hence the TTL.
+Atomic small files: markers and leases are written with `glm5_jax.files.write_atomic` (a
+reader sees the whole file or nothing; on GCS in place, in one upload). The lease's liveness by
+pid cannot be checked across hosts, hence the TTL.
 
 Several trainer processes: the save and the fingerprint are collectives (every process calls
 `publish`); process 0 alone writes markers and deletes old versions.
@@ -53,6 +51,7 @@ from etils import epath
 import jax
 import orbax.checkpoint as ocp
 
+from glm5_jax.files import write_atomic
 from glm5_jax.train import integrity
 
 STEPS, PUBLISHED, LEASES = "steps", "published", "leases"
@@ -68,24 +67,6 @@ class PolicyMismatchError(ValueError):
 
 def _is_remote(path: epath.Path) -> bool:
   return "://" in str(path)
-
-
-def write_atomic(path: epath.Path, text: str) -> None:
-  """Writes `text` so that readers see all of it or no file (see the module docstring)."""
-  if _is_remote(path):
-    path.write_text(text)
-    return
-  tmp = path.parent / f".{path.name}.tmp-{uuid.uuid4().hex[:8]}"
-  with open(tmp, "w") as f:
-    f.write(text)
-    f.flush()
-    os.fsync(f.fileno())
-  os.replace(tmp, path)
-  fd = os.open(path.parent, os.O_RDONLY)
-  try:
-    os.fsync(fd)  # the rename itself survives a crash
-  finally:
-    os.close(fd)
 
 
 def _versions(directory: epath.Path) -> list[int]:

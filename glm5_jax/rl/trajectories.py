@@ -1,10 +1,10 @@
 """Rollout batches from the workers to the trainer: durable files, consumed exactly once.
 
 A rollout worker writes each generation batch as ONE file `<rollouts>/<batch_index>-<worker>.npz`
-(`write_batch`): to a temporary name in the same directory (`.tmp-...`, never listed), fsynced,
-then renamed to its final name, so a listed file is complete. On GCS, where rename is a copy
-and a delete, it is uploaded under its final name directly: an object becomes visible only when
-its upload completes. Names sort by batch index first (zero-padded), then worker, so the
+(`write_batch`, `glm5_jax.files.write_atomic`): to a temporary dot name in the same directory
+(never listed), fsynced, then renamed to its final name, so a listed file is complete; on GCS
+uploaded under its final name directly (an object becomes visible only when its upload
+completes). Names sort by batch index first (zero-padded), then worker, so the
 trainer's order interleaves the workers and is the same for every listing of the same files.
 
 Why npz: numpy reads it with no other dependency; every member is stored raw with its dtype
@@ -40,18 +40,17 @@ warning. Losing one batch of samples costs RL little; halting every slice for it
 import dataclasses
 import io
 import json
-import os
 import re
-import uuid
 
 from absl import logging
 from etils import epath
 import numpy as np
 
+from glm5_jax.files import TEMPORARY_INFIX, is_temporary, write_atomic
+
 FORMAT = 1
 QUARANTINE = "quarantine"
 _NAME = re.compile(r"^(\d{10})-([A-Za-z0-9_]+)\.npz$")
-_TEMPORARY = re.compile(r"^\.tmp-(\d{10})-([A-Za-z0-9_]+)\.npz-[0-9a-f]+$")
 _WORKER = re.compile(r"^[A-Za-z0-9_]+$")
 
 
@@ -146,26 +145,11 @@ def write_batch(directory, records, *, worker: str, batch_index: int) -> epath.P
   final = directory / name
   buffer = io.BytesIO()
   np.savez(buffer, **_encode(records, worker, batch_index))
-  if "://" in str(directory):
-    if final.exists():
-      raise FileExistsError(f"{final} exists")
-    final.write_bytes(buffer.getvalue())
-    return final
-  directory.mkdir(parents=True, exist_ok=True)
-  tmp = directory / f".tmp-{name}-{uuid.uuid4().hex[:8]}"
-  with open(tmp, "wb") as f:
-    f.write(buffer.getvalue())
-    f.flush()
-    os.fsync(f.fileno())
-  if final.exists():
-    os.unlink(tmp)
-    raise FileExistsError(f"{final} exists: worker {worker!r} already wrote batch {batch_index}")
-  os.replace(tmp, final)
-  fd = os.open(directory, os.O_RDONLY)
   try:
-    os.fsync(fd)
-  finally:
-    os.close(fd)
+    write_atomic(final, buffer.getvalue(), exclusive=True)
+  except FileExistsError as e:
+    raise FileExistsError(f"{final} exists: worker {worker!r} already wrote batch "
+                          f"{batch_index}") from e
   return final
 
 
@@ -186,7 +170,9 @@ def remove_temporaries(directory, worker: str) -> int:
   it writes); returns how many."""
   directory = epath.Path(directory)
   stale = [p for p in (directory.iterdir() if directory.exists() else ())
-           if (m := _TEMPORARY.match(p.name)) and m.group(2) == worker]
+           if is_temporary(p.name)
+           and (m := _NAME.match(p.name[1:p.name.rindex(TEMPORARY_INFIX)]))
+           and m.group(2) == worker]
   for p in stale:
     p.unlink(missing_ok=True)
   return len(stale)
@@ -271,6 +257,13 @@ def quarantine(directory, name: str, ledger: TrajectoryLedger, error: Exception)
   ledger.quarantined[name] = str(error)
   logging.warning("quarantined the damaged rollout file %s (moved to %s): %s", name, target, error)
   return target
+
+
+def quarantined_names(directory) -> set[str]:
+  """Names of the rollout files in `<directory>/quarantine/`."""
+  directory = epath.Path(directory) / QUARANTINE
+  return {p.name for p in (directory.iterdir() if directory.exists() else ())
+          if _NAME.match(p.name)}
 
 
 def load_pending(directory, ledger: TrajectoryLedger, max_files: int | None = None) -> list:

@@ -42,6 +42,7 @@ from glm5_jax.rl.layout import RunDirs, read_json, write_json
 from glm5_jax.rl.param_sync import PolicySubscriber
 from glm5_jax.seeds import derive_seed
 from glm5_jax.sharding import make_mesh, param_shardings
+from glm5_jax.train.stopping import StopSignal
 
 
 def batch_seed(seed: int, worker: str, first_order: int) -> int:
@@ -78,7 +79,8 @@ def to_records(samples, order: orders_lib.Order, version: int, worker: str) -> l
 
 def run_worker(config, root, name: str, *, max_batches: int | None = None) -> dict:
   """Serves orders addressed to `name` in the run directory `root` (module docstring) until
-  the trainer is done (or after `max_batches` generation batches). Returns the counters."""
+  the trainer is done, SIGTERM arrives (it stops between generation batches: `stopped_early`
+  in the counters) or after `max_batches` generation batches. Returns the counters."""
   validate_rl_experiment(config)
   dirs = RunDirs.at(root)
   rl = config.rl
@@ -98,8 +100,23 @@ def run_worker(config, root, name: str, *, max_batches: int | None = None) -> di
   stats.update(starts=stats["starts"] + 1, pid=os.getpid())
   write_json(dirs.worker_stats(name), stats)
   slots = rl.worker_groups * rl.group_size
+  with StopSignal() as stop:
+    stats["stopped_early"] = _serve(config, model, dirs, name, env, tokenizer, abstract,
+                                    subscriber, stats, slots, max_batches, stop)
+  write_json(dirs.worker_stats(name), stats)
+  return stats
+
+
+def _serve(config, model: ModelConfig, dirs, name, env, tokenizer, abstract, subscriber, stats,
+           slots, max_batches, stop) -> bool:
+  """The loop of the module docstring; returns whether SIGTERM stopped it (between batches)."""
+  rl = config.rl
   version, params, batches = None, None, 0
   while not dirs.done.exists() and (max_batches is None or batches < max_batches):
+    if stop.take():
+      logging.warning("worker %s: SIGTERM: stopping (its outstanding orders stay for its next "
+                      "start)", name)
+      return True
     t0 = time.time()
     todo = orders_lib.outstanding_for(dirs.root, name)
     latest = subscriber.latest_version()
@@ -140,5 +157,4 @@ def run_worker(config, root, name: str, *, max_batches: int | None = None) -> di
     write_json(dirs.worker_stats(name), stats)
     logging.info("worker %s: orders %d..%d (%d samples) with version %d in %.1f s", name,
                  batch[0].id, batch[-1].id, len(samples), version, time.time() - t1)
-  write_json(dirs.worker_stats(name), stats)
-  return stats
+  return False

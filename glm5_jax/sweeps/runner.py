@@ -43,6 +43,7 @@ from glm5_jax.eval.report import write_json, write_suite_results
 from glm5_jax.sweeps import jobs, workers
 from glm5_jax.sweeps.jobs import RunInterrupted
 from glm5_jax.sweeps.spec import Run, apply_overrides, parse_runs, resolve_config_ref, substitute
+from glm5_jax.train.stopping import StopSignal
 from glm5_jax.train.workdir_lock import WorkdirLock
 
 RESULT_FILE = "result.json"
@@ -190,7 +191,7 @@ def run_sweep(sweep, sweep_dir: str, *, parallel: int = 1, on_change: str = "err
   if parallel > 1 and not worker_command:
     raise ValueError("parallel > 1 needs a worker command (experiments/sweep.py provides it)")
   os.makedirs(sweep_dir, exist_ok=True)
-  with WorkdirLock(sweep_dir, "sweep"), workers.StopRequest() as stop:
+  with WorkdirLock(sweep_dir, "sweep"), StopSignal() as stop:
     write_json(os.path.join(sweep_dir, "sweep.json"), json.loads(sweep.to_json()))
     results = finished_results(sweep_dir, runs, on_change)
     if results:
@@ -202,8 +203,10 @@ def run_sweep(sweep, sweep_dir: str, *, parallel: int = 1, on_change: str = "err
     job = lambda run: resolved_spec(sweep, run, results, sweep_dir, config_dir)
     stopping = False
     while pending or running:
-      if stop.requested and not stopping:
+      if stop.take() and not stopping:
         stopping = True
+        logging.warning("sweep: stop requested (SIGTERM, or a run stopped early): running runs "
+                        "stop and resume on the next attempt; nothing new starts")
         workers.interrupt(running.values())
       if not stopping:
         ready = _ready(pending, results, failed)
@@ -221,7 +224,8 @@ def run_sweep(sweep, sweep_dir: str, *, parallel: int = 1, on_change: str = "err
       elif not running:
         break
       _collect_workers(running, sweep_dir, results, failed, stop, stopping)
-  return SweepOutcome(runs=runs, results=results, failed=failed, interrupted=stop.requested)
+    interrupted = stop.take()  # read inside: the outermost StopSignal clears it on exit
+  return SweepOutcome(runs=runs, results=results, failed=failed, interrupted=interrupted)
 
 
 def _ready(pending: list[Run], results: dict, failed: dict) -> list[Run]:
@@ -233,14 +237,14 @@ def _ready(pending: list[Run], results: dict, failed: dict) -> list[Run]:
   return [r for r in pending if all(d in results for d in r.depends_on)]
 
 
-def _run_here(run: Run, job, results: dict, failed: dict, stop: workers.StopRequest) -> None:
+def _run_here(run: Run, job, results: dict, failed: dict, stop: StopSignal) -> None:
   try:
     results[run.name] = execute_run(job(run))
     logging.info("sweep: finished %s in %.0f s", run.name, results[run.name]["seconds"])
   except RunInterrupted as e:
     logging.warning("sweep: run %s interrupted: %s", run.name, e)
     failed[run.name] = f"interrupted: {e}"
-    stop.requested = True
+    stop.request()
   except Exception as e:  # pylint: disable=broad-except
     logging.error("sweep: run %s failed: %s", run.name, e)
     failed[run.name] = f"{type(e).__name__}: {e}"
@@ -261,7 +265,7 @@ def _start_worker(run: Run, job, worker_command: list[str], running: dict,
 
 
 def _collect_workers(running: dict, sweep_dir: str, results: dict, failed: dict,
-                     stop: workers.StopRequest, stopping: bool) -> None:
+                     stop: StopSignal, stopping: bool) -> None:
   """Waits a moment, then moves every exited worker's run to `results` (exit 0 and a result)
   or `failed`; an interrupted worker (or any, once stopping) stops the sweep."""
   if running:
@@ -279,7 +283,7 @@ def _collect_workers(running: dict, sweep_dir: str, results: dict, failed: dict,
     reason = workers.last_line(worker.log_path)
     if code == workers.EXIT_INTERRUPTED or stopping:
       failed[name] = f"interrupted (worker exit code {code}): {reason}"
-      stop.requested = True
+      stop.request()
     else:
       failed[name] = f"worker exited with {code}: {reason} (see {worker.log_path})"
     logging.error("sweep: run %s: %s", name, failed[name])

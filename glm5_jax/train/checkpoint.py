@@ -5,7 +5,10 @@ One checkpoint per saved step under `<workdir>/checkpoints/<step>/`, items:
   opt_state  the optimizer state (StandardSave)
   meta       JSON: step, RNG key data, the config fields that must match on resume, and the
              fingerprint of params, opt_state and data (`glm5_jax.train.integrity`)
-  data       the grain iterator position (grain's own checkpoint handler)
+  data       the grain iterator position (grain's own checkpoint handler); absent in RL runs,
+             whose rollouts are a function of the step (RL saves through the same `save` /
+             `restore_latest` with its own fingerprint, numbers checkpoints by RL step and
+             records the optimizer updates and its `extra` state in `meta`)
 Orbax writes each step to a temporary directory and renames it when every item is complete,
 so a checkpoint is whole or absent. Saves are asynchronous: training continues while the last
 step is written.
@@ -72,23 +75,40 @@ def config_fingerprint(config) -> dict:
   return out
 
 
-def save(manager, state: TrainState, data_iterator, config, *, force: bool = False) -> bool:
-  """Saves `state` at `state.step` if due (or `force`); returns whether a save started."""
-  step = int(state.step)
+def save(manager, state: TrainState, data_iterator, config, *, force: bool = False,
+         step: int | None = None, fingerprint: dict | None = None,
+         extra: dict | None = None) -> bool:
+  """Saves `state` as checkpoint `step` if due (or `force`); returns whether a save started.
+
+  Args:
+    data_iterator: the grain iterator saved with the state, or None (RL: its rollouts are a
+      function of the step, there is no data position).
+    config: the experiment config; `config_fingerprint(config)` is what a resume must match,
+      unless `fingerprint` (JSON) is given instead (RL's `rl_fingerprint`).
+    step: the checkpoint's number when it is not `state.step` (RL counts RL steps, `state.step`
+      optimizer updates; the meta item records both, and restore returns `state.step` as saved).
+    extra: JSON-able, stored in the meta item (restored as `meta["extra"]`).
+  """
+  updates = int(state.step)
+  step = updates if step is None else step
   if not (force or manager.should_save(step)):
     return False
+  prints = {"params": integrity.tree_fingerprint(state.params),
+            "opt_state": integrity.tree_fingerprint(state.opt_state)}
+  items = dict(params=ocp.args.StandardSave(state.params),
+               opt_state=ocp.args.StandardSave(state.opt_state))
+  if data_iterator is not None:
+    prints["data"] = integrity.process_data_fingerprints(data_iterator.get_state())
+    items["data"] = grain.checkpoint.CheckpointSave(data_iterator)
   meta = {"step": step, "rng": np.asarray(state.rng).tolist(),
-          "config": config_fingerprint(config),
-          "fingerprint": {"params": integrity.tree_fingerprint(state.params),
-                          "opt_state": integrity.tree_fingerprint(state.opt_state),
-                          "data": integrity.process_data_fingerprints(
-                              data_iterator.get_state())}}
-  return manager.save(step, args=ocp.args.Composite(
-      params=ocp.args.StandardSave(state.params),
-      opt_state=ocp.args.StandardSave(state.opt_state),
-      meta=ocp.args.JsonSave(meta),
-      data=grain.checkpoint.CheckpointSave(data_iterator),
-  ), force=force)
+          "config": config_fingerprint(config) if fingerprint is None else fingerprint,
+          "fingerprint": prints}
+  if step != updates:
+    meta["updates"] = updates
+  if extra is not None:
+    meta["extra"] = extra
+  return manager.save(step, args=ocp.args.Composite(**items, meta=ocp.args.JsonSave(meta)),
+                      force=force)
 
 
 def _differences(saved, current, prefix=""):
@@ -103,16 +123,19 @@ def _differences(saved, current, prefix=""):
 
 
 def restore_latest(manager, abstract_state: TrainState, data_iterator, config, *,
-                   fallback: bool = False):
+                   fallback: bool = False, fingerprint: dict | None = None):
   """Restores the latest checkpoint into `abstract_state`'s structure and shardings, verified
   against its fingerprint.
 
   Args:
+    data_iterator: moved to the saved position in place; None when the run has none (`save`).
     fallback: when the latest step is damaged, move it to `<workdir>/checkpoints_damaged/`
       (logging a warning that names it) and try the step before, and so on.
+    fingerprint: what the checkpoint's config must match, when not `config_fingerprint(config)`
+      (as given to `save`).
   Returns:
-    the restored `TrainState`, or None when the workdir has no checkpoint. `data_iterator` is
-    moved to the saved position in place.
+    `(TrainState, meta)` of the restored step (meta: the JSON item `save` wrote; `extra` in
+    it), or None when the workdir has no checkpoint.
   Raises:
     CheckpointMismatchError: the checkpoint's config differs.
     CheckpointCorruptError: the step cannot be read or fails its fingerprint (and `fallback` is
@@ -123,7 +146,8 @@ def restore_latest(manager, abstract_state: TrainState, data_iterator, config, *
     where = os.path.join(str(manager.directory), str(step))
     error = None
     try:
-      state = _restore_step(manager, step, where, abstract_state, data_iterator, config)
+      restored = _restore_step(manager, step, where, abstract_state, data_iterator,
+                               config_fingerprint(config) if fingerprint is None else fingerprint)
     except CheckpointCorruptError as e:
       error = e
     # Every process must take the same branch (a damaged shard may be read by one host only).
@@ -131,7 +155,7 @@ def restore_latest(manager, abstract_state: TrainState, data_iterator, config, *
       if i:
         logging.warning("ckpt.restore_fallback: resumed from step %d, the latest intact one",
                         step)
-      return state
+      return restored
     error = error or CheckpointCorruptError(f"{where}: damaged on another process")
     if not fallback:
       hint = ("To resume from the step before it, set --config.ckpt.restore_fallback=True (the "
@@ -147,12 +171,12 @@ def restore_latest(manager, abstract_state: TrainState, data_iterator, config, *
   return None
 
 
-def _restore_step(manager, step, where, abstract_state, data_iterator, config) -> TrainState:
+def _restore_step(manager, step, where, abstract_state, data_iterator, current: dict):
   try:
     meta = manager.restore(step, args=ocp.args.Composite(meta=ocp.args.JsonRestore()))["meta"]
   except Exception as e:  # orbax raises many types for a damaged directory
     raise CheckpointCorruptError(f"{where}: unreadable checkpoint metadata ({e})") from e
-  saved_config, current = meta.get("config", {}), config_fingerprint(config)
+  saved_config, current = meta.get("config", {}), dict(current)
   for section, _ in RESUME_FIELDS:  # a checkpoint from before that field was recorded
     if section not in saved_config:
       current.pop(section, None)
@@ -162,17 +186,18 @@ def _restore_step(manager, step, where, abstract_state, data_iterator, config) -
         f"{where} was written with a different config; resuming would not be exact. Use a new "
         "--workdir, or restore the old values:\n  " + "\n  ".join(differences[:30]))
   try:
-    restored = manager.restore(step, args=ocp.args.Composite(
-        params=ocp.args.StandardRestore(abstract_state.params),
-        opt_state=ocp.args.StandardRestore(abstract_state.opt_state),
-        data=grain.checkpoint.CheckpointRestore(data_iterator),
-    ))
+    items = dict(params=ocp.args.StandardRestore(abstract_state.params),
+                 opt_state=ocp.args.StandardRestore(abstract_state.opt_state))
+    if data_iterator is not None:
+      items["data"] = grain.checkpoint.CheckpointRestore(data_iterator)
+    restored = manager.restore(step, args=ocp.args.Composite(**items))
   except Exception as e:  # tensorstore / orbax errors for missing or undecodable files
     raise CheckpointCorruptError(f"{where}: could not restore ({e})") from e
   _verify(meta, where, restored["params"], restored["opt_state"], data_iterator)
-  return TrainState(step=jax.numpy.asarray(meta["step"], jax.numpy.int32),
-                    params=restored["params"], opt_state=restored["opt_state"],
-                    rng=jax.numpy.asarray(meta["rng"], jax.numpy.uint32))
+  state = TrainState(step=jax.numpy.asarray(meta.get("updates", meta["step"]), jax.numpy.int32),
+                     params=restored["params"], opt_state=restored["opt_state"],
+                     rng=jax.numpy.asarray(meta["rng"], jax.numpy.uint32))
+  return state, meta
 
 
 def _verify(meta, where, params, opt_state, data_iterator=None):

@@ -22,6 +22,7 @@ import numpy as np
 from glm5_jax.accelerators import accelerator_of
 from glm5_jax.attention.kinds import layer_kind
 from glm5_jax.config import ModelConfig
+from glm5_jax.files import write_atomic
 from glm5_jax.param_stats import summarize
 
 
@@ -87,7 +88,7 @@ class MetricWriter:
     line = json.dumps(record) + "\n"
     if self.remote:
       self._text += line
-      epath.Path(self.path).write_text(self._text)
+      write_atomic(self.path, self._text)
       return
     with open(self.path, "a") as f:
       f.write(line)
