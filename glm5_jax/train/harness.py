@@ -92,7 +92,7 @@ class RunHarness:
     self.every_steps = ckpt_config.every_steps if every_steps is None else every_steps
     self.async_save = ckpt_config.async_save if async_save is None else async_save
     self.keep, self.fallback = ckpt_config.keep, ckpt_config.restore_fallback
-    self.manager = self.writer = self.signal = None
+    self._manager = self._writer = self.signal = None
     self._closers = []
     self._stack = contextlib.ExitStack()
     self._steps_taken = 0  # calls of stop_reason: steps of this call
@@ -101,15 +101,26 @@ class RunHarness:
     with contextlib.ExitStack() as stack:  # unwound here only when something below fails
       stack.enter_context(hold_workdir(self.workdir, self.role))
       self.signal = stack.enter_context(StopSignal())
-      self.manager = ckpt.make_manager(self.workdir, every_steps=self.every_steps,
-                                       keep=self.keep, async_save=self.async_save)
-      try:
-        self.writer = MetricWriter(self.workdir)
-      except BaseException:
-        self.manager.close()
-        raise
       self._stack = stack.pop_all()  # the lock and the flag, released by __exit__
     return self
+
+  # The checkpoint manager and the metrics writer are made on first use, after the loop has
+  # built (and so validated) its run: a config refused while building leaves no
+  # `checkpoints/` or metrics behind in the workdir.
+  @property
+  def manager(self):
+    """The workdir's orbax CheckpointManager (`checkpoint.make_manager`)."""
+    if self._manager is None:
+      self._manager = ckpt.make_manager(self.workdir, every_steps=self.every_steps,
+                                        keep=self.keep, async_save=self.async_save)
+    return self._manager
+
+  @property
+  def writer(self) -> MetricWriter:
+    """The workdir's metrics writer (metrics.jsonl, TensorBoard)."""
+    if self._writer is None:
+      self._writer = MetricWriter(self.workdir)
+    return self._writer
 
   def on_close(self, close) -> None:
     """Registers `close()` to run when the harness exits (after the checkpoint manager's last
@@ -120,8 +131,10 @@ class RunHarness:
     # Still commit what can be committed after a failure, but never let a second failure (the
     # same full disk, say) replace the first or skip the rest of the cleanup.
     try:
-      close_all(self.manager.wait_until_finished, self.manager.close, self.writer.close,
-                *self._closers, raise_first=exc_type is None)
+      made = [c for c in (self._manager, self._writer) if c is not None]
+      waits = [self._manager.wait_until_finished] if self._manager is not None else []
+      close_all(*waits, *(c.close for c in made), *self._closers,
+                raise_first=exc_type is None)
     finally:
       self._stack.close()
 
