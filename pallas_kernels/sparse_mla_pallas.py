@@ -28,8 +28,15 @@ gather path (`sparse_mla_xla`) is the supported one.
 TPU block rules: `bt` is the whole (padded) slot count or a multiple of 128; the top-k row is
 laid out `[B, L, 1, T]` so its blocks are `(1, bt)`; lse and delta are `[B, L, H, 1]`.
 
+bf16 keys travel as 32-bit words: Mosaic slices VMEM only at whole sublane tiles, and a bf16
+tile is 16 rows, so a one-row DMA into row i of a bf16 buffer is rejected ("offsets along tiled
+dimensions must be aligned"); a 32-bit buffer takes it. `_pack_halves` stores column k and
+column k + C/2 of a row in one uint32 (XLA, outside the kernel), and `_unpack_halves` rebuilds
+the bf16 row in VMEM (shift / mask / bitcast, exact), so the kernel math is unchanged.
+
 Notation (docs/design.md): B batch, L queries, S keys, H heads, C latent dim, R RoPE dim,
-T top-k slots, bt slots per block, nT slot blocks.
+T top-k slots, bt slots per block, nT slot blocks, K 32-bit words per gathered row (C / 2 or R / 2
+for bf16 keys, C or R for 32-bit ones).
 """
 
 import functools
@@ -54,6 +61,29 @@ def _slot_blocks(t: int, block_t: int):
   return block_t, -(-t // block_t) * block_t
 
 
+def _pack_halves(x_BSC):
+  """`[B, S, C]` bf16 -> `[B, S, K]` uint32 (low half: column k, high: column k + C/2);
+  32-bit arrays pass unchanged."""
+  if x_BSC.dtype.itemsize == 4:
+    return x_BSC
+  if x_BSC.dtype != jnp.bfloat16 or x_BSC.shape[-1] % 2:
+    # `_unpack_halves` reads a word's half as the top of an f32, which is bf16's layout only
+    raise ValueError(f"sparse_mla_pallas: kv / k_rope must be 32-bit, or bfloat16 with an even "
+                     f"last dim, got {x_BSC.dtype} {x_BSC.shape}")
+  half = x_BSC.shape[-1] // 2
+  bits = jax.lax.bitcast_convert_type(x_BSC, jnp.uint16).astype(jnp.uint32)
+  return bits[..., :half] | (bits[..., half:] << 16)
+
+
+def _unpack_halves(words_TK, dtype):
+  """Inverse of `_pack_halves` on a VMEM block: `[bt, K]` uint32 -> `[bt, 2K]` `dtype`."""
+  if words_TK.dtype == dtype:
+    return words_TK
+  low = jax.lax.bitcast_convert_type(words_TK << 16, jnp.float32)  # bf16 bits = f32's top half
+  high = jax.lax.bitcast_convert_type(words_TK & jnp.uint32(0xFFFF0000), jnp.float32)
+  return jnp.concatenate([low, high], axis=1).astype(dtype)  # exact: bf16 values in f32
+
+
 def _copy_rows(topk_smem, kv_hbm, k_rope_hbm, kv_buf, k_rope_buf, sems, b, block, slot, wait):
   """Starts (or waits for) the DMAs of slot block `block` into half `slot` of the buffers."""
   block_t = kv_buf.shape[1]
@@ -72,9 +102,9 @@ def _copy_rows(topk_smem, kv_hbm, k_rope_hbm, kv_buf, k_rope_buf, sems, b, block
   jax.lax.fori_loop(0, block_t, one_row, 0)
 
 
-def _gathered_logits(refs, b, j, num_blocks, scale):
-  """Double-buffered gather of slot block j; returns (kv `[bt, C]`, k_rope `[bt, R]`, masked
-  logits `[H, bt]` fp32, valid `[1, bt]`)."""
+def _gathered_logits(refs, b, j, num_blocks, scale, key_dtypes):
+  """Double-buffered gather of slot block j; returns (kv `[bt, C]`, k_rope `[bt, R]` in
+  `key_dtypes`, masked logits `[H, bt]` fp32, valid `[1, bt]`)."""
   topk_smem, topk_ref, q_ref, q_rope_ref, kv_hbm, k_rope_hbm, kv_buf, k_rope_buf, sems = refs
   # lax.rem, not %: jnp.remainder lowers through `sign`, whose Mosaic rule needs chip info
   # (so TPU export from a CPU host fails on it).
@@ -90,7 +120,8 @@ def _gathered_logits(refs, b, j, num_blocks, scale):
     copy(j + 1, 1 - slot, wait=False)
 
   copy(j, slot, wait=True)
-  kv_TC, k_rope_TR = kv_buf[slot], k_rope_buf[slot]
+  kv_TC = _unpack_halves(kv_buf[slot], key_dtypes[0])
+  k_rope_TR = _unpack_halves(k_rope_buf[slot], key_dtypes[1])
   logits_HT = (
       jax.lax.dot_general(q_ref[...], kv_TC, _NT, preferred_element_type=jnp.float32)
       + jax.lax.dot_general(q_rope_ref[...], k_rope_TR, _NT, preferred_element_type=jnp.float32)
@@ -100,7 +131,8 @@ def _gathered_logits(refs, b, j, num_blocks, scale):
 
 
 def _forward_kernel(topk_smem, topk_ref, q_ref, q_rope_ref, kv_hbm, k_rope_hbm, out_ref, lse_ref,
-                    kv_buf, k_rope_buf, sems, m_ref, l_ref, acc_ref, *, scale, num_blocks):
+                    kv_buf, k_rope_buf, sems, m_ref, l_ref, acc_ref, *, scale, num_blocks,
+                    key_dtypes):
   b, j = pl.program_id(0), pl.program_id(2)
 
   @pl.when(j == 0)
@@ -110,7 +142,7 @@ def _forward_kernel(topk_smem, topk_ref, q_ref, q_rope_ref, kv_hbm, k_rope_hbm, 
     acc_ref[...] = jnp.zeros(acc_ref.shape, jnp.float32)
 
   refs = (topk_smem, topk_ref, q_ref, q_rope_ref, kv_hbm, k_rope_hbm, kv_buf, k_rope_buf, sems)
-  kv_TC, _, logits_HT, valid_1T = _gathered_logits(refs, b, j, num_blocks, scale)
+  kv_TC, _, logits_HT, valid_1T = _gathered_logits(refs, b, j, num_blocks, scale, key_dtypes)
   m_prev_H1 = m_ref[...]
   m_next_H1 = jnp.maximum(m_prev_H1, logits_HT.max(axis=1, keepdims=True))
   alpha_H1 = jnp.exp(m_prev_H1 - m_next_H1)
@@ -130,7 +162,7 @@ def _forward_kernel(topk_smem, topk_ref, q_ref, q_rope_ref, kv_hbm, k_rope_hbm, 
 
 def _backward_kernel(topk_smem, topk_ref, q_ref, q_rope_ref, dout_ref, lse_ref, delta_ref, kv_hbm,
                      k_rope_hbm, dq_ref, dq_rope_ref, dkv_ref, dk_rope_ref, kv_buf, k_rope_buf,
-                     sems, *, scale, num_blocks):
+                     sems, *, scale, num_blocks, key_dtypes):
   b, j = pl.program_id(0), pl.program_id(2)
 
   @pl.when(j == 0)
@@ -139,7 +171,8 @@ def _backward_kernel(topk_smem, topk_ref, q_ref, q_rope_ref, dout_ref, lse_ref, 
     dq_rope_ref[...] = jnp.zeros(dq_rope_ref.shape, jnp.float32)
 
   refs = (topk_smem, topk_ref, q_ref, q_rope_ref, kv_hbm, k_rope_hbm, kv_buf, k_rope_buf, sems)
-  kv_TC, k_rope_TR, logits_HT, valid_1T = _gathered_logits(refs, b, j, num_blocks, scale)
+  kv_TC, k_rope_TR, logits_HT, valid_1T = _gathered_logits(refs, b, j, num_blocks, scale,
+                                                           key_dtypes)
   q_HC, q_rope_HR, dout_HC = q_ref[...], q_rope_ref[...], dout_ref[...]
   p_HT = jnp.where(valid_1T, jnp.exp(logits_HT - lse_ref[...]), 0.0)
   dp_HT = jax.lax.dot_general(dout_HC, kv_TC, _NT, preferred_element_type=jnp.float32)
@@ -167,8 +200,10 @@ def _common_specs(t_pad, bt, h, c, r):
   ], [pl.BlockSpec(memory_space=pl.ANY), pl.BlockSpec(memory_space=pl.ANY)]
 
 
-def _scratch(bt, c, r, kv_dtype, rope_dtype):
-  return [pltpu.VMEM((2, bt, c), kv_dtype), pltpu.VMEM((2, bt, r), rope_dtype),
+def _scratch(bt, kv_words_BSK, k_rope_words_BSK):
+  """Double buffers for the gathered rows, in the HBM arrays' (`_pack_halves`) word type."""
+  return [pltpu.VMEM((2, bt, kv_words_BSK.shape[-1]), kv_words_BSK.dtype),
+          pltpu.VMEM((2, bt, k_rope_words_BSK.shape[-1]), k_rope_words_BSK.dtype),
           pltpu.SemaphoreType.DMA((2, 2))]
 
 
@@ -180,6 +215,7 @@ def _forward(q_BLHC, q_rope_BLHR, kv_BSC, k_rope_BSR, topk_BLT, scale, *, block_
   r, t = q_rope_BLHR.shape[-1], topk_BLT.shape[-1]
   bt, t_pad = _slot_blocks(t, block_t)
   topk_BL1T = pad_axis(topk_BLT.astype(jnp.int32), 2, t_pad, -1)[:, :, None, :]
+  kv_words, k_rope_words = _pack_halves(kv_BSC), _pack_halves(k_rope_BSR)
   in_specs, hbm_specs = _common_specs(t_pad, bt, h, c, r)
   row = lambda b, l, j: (b, l, 0, 0)
   itemsize = kv_BSC.dtype.itemsize
@@ -187,20 +223,21 @@ def _forward(q_BLHC, q_rope_BLHR, kv_BSC, k_rope_BSR, topk_BLT, scale, *, block_
       flops=2 * b * l * t_pad * h * (2 * c + r), transcendentals=b * l * t_pad * h,
       bytes_accessed=b * l * (t_pad * (c + r) + 2 * h * c + h * r) * itemsize)
   out_BLHC, lse_BLH1 = pl.pallas_call(
-      functools.partial(_forward_kernel, scale=scale, num_blocks=t_pad // bt),
+      functools.partial(_forward_kernel, scale=scale, num_blocks=t_pad // bt,
+                        key_dtypes=(kv_BSC.dtype, k_rope_BSR.dtype)),
       out_shape=(jax.ShapeDtypeStruct((b, l, h, c), kv_BSC.dtype),
                  jax.ShapeDtypeStruct((b, l, h, 1), jnp.float32)),
       grid=(b, l, t_pad // bt),
       in_specs=in_specs + hbm_specs,
       out_specs=(pl.BlockSpec((None, None, h, c), row), pl.BlockSpec((None, None, h, 1), row)),
-      scratch_shapes=_scratch(bt, c, r, kv_BSC.dtype, k_rope_BSR.dtype) + [
+      scratch_shapes=_scratch(bt, kv_words, k_rope_words) + [
           pltpu.VMEM((h, 1), jnp.float32), pltpu.VMEM((h, 1), jnp.float32),
           pltpu.VMEM((h, c), jnp.float32)],
       compiler_params=_PARAMS,
       cost_estimate=cost,
       interpret=interpret,
       name="sparse_mla_forward",
-  )(topk_BL1T, topk_BL1T, q_BLHC, q_rope_BLHR, kv_BSC, k_rope_BSR)
+  )(topk_BL1T, topk_BL1T, q_BLHC, q_rope_BLHR, kv_words, k_rope_words)
   return out_BLHC, lse_BLH1[..., 0]
 
 
@@ -211,11 +248,13 @@ def _backward_block(q_BLHC, q_rope_BLHR, kv_BSC, k_rope_BSR, topk_BLT, dout_BLHC
   r, t = q_rope_BLHR.shape[-1], topk_BLT.shape[-1]
   bt, t_pad = _slot_blocks(t, block_t)
   topk_BL1T = pad_axis(topk_BLT.astype(jnp.int32), 2, t_pad, -1)[:, :, None, :]
+  kv_words, k_rope_words = _pack_halves(kv_BSC), _pack_halves(k_rope_BSR)
   in_specs, hbm_specs = _common_specs(t_pad, bt, h, c, r)
   row = lambda b, l, j: (b, l, 0, 0)
   slot = lambda b, l, j: (b, l, j, 0)
   dq, dq_rope, dkv_rows, dk_rope_rows = pl.pallas_call(
-      functools.partial(_backward_kernel, scale=scale, num_blocks=t_pad // bt),
+      functools.partial(_backward_kernel, scale=scale, num_blocks=t_pad // bt,
+                        key_dtypes=(kv_BSC.dtype, k_rope_BSR.dtype)),
       out_shape=(jax.ShapeDtypeStruct((b, l, h, c), jnp.float32),
                  jax.ShapeDtypeStruct((b, l, h, r), jnp.float32),
                  jax.ShapeDtypeStruct((b, l, t_pad, c), jnp.float32),
@@ -226,12 +265,12 @@ def _backward_block(q_BLHC, q_rope_BLHR, kv_BSC, k_rope_BSR, topk_BLT, dout_BLHC
                            pl.BlockSpec((None, None, h, 1), row)] + hbm_specs,
       out_specs=(pl.BlockSpec((None, None, h, c), row), pl.BlockSpec((None, None, h, r), row),
                  pl.BlockSpec((None, None, bt, c), slot), pl.BlockSpec((None, None, bt, r), slot)),
-      scratch_shapes=_scratch(bt, c, r, kv_BSC.dtype, k_rope_BSR.dtype),
+      scratch_shapes=_scratch(bt, kv_words, k_rope_words),
       compiler_params=_PARAMS,
       interpret=interpret,
       name="sparse_mla_backward",
   )(topk_BL1T, topk_BL1T, q_BLHC, q_rope_BLHR, dout_BLHC, lse_BLH[..., None],
-    delta_BLH[..., None], kv_BSC, k_rope_BSR)
+    delta_BLH[..., None], kv_words, k_rope_words)
   return dq, dq_rope, dkv_rows[:, :, :t], dk_rope_rows[:, :, :t]
 
 

@@ -197,6 +197,22 @@ def test_sparse_mla_gradients_match_reference_autodiff(impl, dtype, tol):
                                err_msg=f"{impl} d{name}")
 
 
+def test_sparse_mla_pallas_bf16_key_words_round_trip_exactly():
+  """The kernel gathers bf16 keys as uint32 words (Mosaic's bf16 tile rule); unpacking must
+  give back every bit: signed zeros, subnormals, infinities, the extremes."""
+  from pallas_kernels.sparse_mla_pallas import _pack_halves, _unpack_halves
+  special = [0.0, -0.0, 1e-40, -1e-40, np.inf, -np.inf, 3.3e38, -3.3e38, 1.0, -2.5]
+  values = np.concatenate([special, np.random.default_rng(0).standard_normal(54)])
+  kv = jnp.asarray(values.reshape(1, 2, 32), jnp.bfloat16)
+  words = _pack_halves(kv)
+  assert words.dtype == jnp.uint32 and words.shape == (1, 2, 16)
+  back = _unpack_halves(words[0], jnp.bfloat16)
+  np.testing.assert_array_equal(jax.lax.bitcast_convert_type(back, jnp.uint16),
+                                jax.lax.bitcast_convert_type(kv[0], jnp.uint16))
+  with pytest.raises(ValueError, match="kv / k_rope must be 32-bit, or bfloat16"):
+    _pack_halves(kv.astype(jnp.float16))
+
+
 @pytest.mark.parametrize("impl", ["xla", "pallas"])
 def test_sparse_mla_check_grads(impl):
   """Finite differences on a small fp32 case (no empty rows: lse -inf is not differentiable)."""
