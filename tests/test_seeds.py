@@ -28,3 +28,24 @@ def test_the_run_seeds_are_derive_seed():
   assert request_seed(7, 3) == _blake(b"7:3")
   assert step_seed(1, 5) == _blake(b"rl:1:5")
   assert batch_seed(1, "w0", 4) == _blake(b"rollout:1:w0:4")
+
+
+def test_the_data_and_split_hashes_keep_their_values():
+  """Moved into seeds.py bit for bit: data order, held-out files and env splits of existing
+  runs depend on these values (pinned here as the formulas they had in their old homes)."""
+  import zlib  # pylint: disable=import-outside-toplevel
+
+  from glm5_jax.data.sources import shuffle_seed  # pylint: disable=import-outside-toplevel
+  from glm5_jax.posttrain.envs.base import EVAL_SHARE, split_of  # pylint: disable=import-outside-toplevel
+  from glm5_jax.seeds import crc32_seed, problem_hash, unit_hash  # pylint: disable=import-outside-toplevel
+
+  assert crc32_seed(0, "copy", "train") == zlib.crc32(b"0/copy/train")
+  assert shuffle_seed(3, "stdlib", "heldout") == zlib.crc32(b"3/stdlib/heldout")
+  assert crc32_seed("needle") == zlib.crc32(b"needle")
+  assert unit_hash("a.py") == int.from_bytes(hashlib.sha1(b"a.py").digest()[:8], "little") / 2**64
+  assert problem_hash("split", "addition", "3+5") == int.from_bytes(
+      hashlib.sha256(repr(("split", "addition", "3+5")).encode()).digest()[:8], "little")
+  for key in ("3+5", "12+40", "7*9"):
+    digest = hashlib.sha256(repr(("split", "addition", key)).encode()).digest()[:8]
+    held_out = int.from_bytes(digest, "little") % EVAL_SHARE == 0
+    assert split_of("addition", key) == ("eval" if held_out else "train")

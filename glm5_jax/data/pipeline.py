@@ -40,7 +40,6 @@ Batch (local rows B = batch_size // process_count, L = seq_len), all numpy:
 
 import atexit
 import weakref
-import zlib
 
 import grain
 import ml_collections
@@ -48,6 +47,7 @@ import ml_collections
 from glm5_jax.config import check_fields, require
 from glm5_jax.data import packing, sources
 from glm5_jax.data.tokenizers import make_tokenizer
+from glm5_jax.seeds import crc32_seed
 
 SYNTHETIC_TASKS = ("niah_single", "niah_multikey", "niah_multivalue", "niah_multiquery", "mqar")
 
@@ -140,7 +140,7 @@ def make_dataset(data_cfg, *, split: str = "train", process_index: int = 0,
   ds = packing.pack_and_batch(
       grain.IterDataset.mix(mixture, weights), seq_len=data_cfg.seq_len,
       batch_size=local_batch, num_bins=data_cfg.packing_bins or local_batch,
-      seed=zlib.crc32(f"{data_cfg.seed}/pack/{split}".encode()), pad_id=tokenizer.pad_id)
+      seed=crc32_seed(data_cfg.seed, "pack", split), pad_id=tokenizer.pad_id)
   if data_cfg.worker_count:
     ds = ds.mp_prefetch(grain.MultiprocessingOptions(num_workers=data_cfg.worker_count))
   elif data_cfg.prefetch:

@@ -46,11 +46,9 @@ per-source LRU cache (`token_cache_size` records) so later epochs skip reading a
 
 import functools
 import glob as globlib
-import hashlib
 import json
 import os
 import sysconfig
-import zlib
 
 from absl import logging
 import grain
@@ -59,6 +57,7 @@ import numpy as np
 
 from glm5_jax.config import ConfigError, check_fields, require
 from glm5_jax.data import chat, file_checks, liveness, synthetic
+from glm5_jax.seeds import crc32_seed, unit_hash
 
 FILE_KINDS = ("python_stdlib", "text_files", "jsonl", "chat_jsonl")
 KIND_OPTIONS = {
@@ -179,11 +178,6 @@ def list_files(name, spec) -> tuple[str, list[str]]:
   if spec["kind"] == "python_stdlib":
     root = stdlib_root()
   return root, paths
-
-
-def unit_hash(key: str) -> float:
-  """A deterministic hash of `key` in [0, 1)."""
-  return int.from_bytes(hashlib.sha1(key.encode()).digest()[:8], "little") / 2.0**64
 
 
 def _unit_hash_array(key: str, n: int) -> np.ndarray:
@@ -401,7 +395,7 @@ class _SyntheticRecord(grain.transforms.Map):
     self._options = {k: spec[k] for k in synthetic.task_options(self._task)}
     self._length = (spec["min_length"], spec["max_length"])
     self._depth = spec["depth"]
-    self._seed, self._stream, self._salt = seed, SPLITS.index(split), zlib.crc32(name.encode())
+    self._seed, self._stream, self._salt = seed, SPLITS.index(split), crc32_seed(name)
     # Fail at build time, not mid-run, when the task cannot fit: examples built with no filler.
     shortest = max(len(self._generate(i, length=1).tokens) for i in range(64))
     self._check_fits(shortest, "at least ")
@@ -426,7 +420,7 @@ class _SyntheticRecord(grain.transforms.Map):
 
 def shuffle_seed(seed, name, split) -> int:
   """Per-source, per-split shuffle seed in [0, 2**32) (grain's range)."""
-  return zlib.crc32(f"{seed}/{name}/{split}".encode())
+  return crc32_seed(seed, name, split)
 
 
 def document_dataset(name, spec, *, split, source_id, tokenizer, seq_len, seed,

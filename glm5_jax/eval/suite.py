@@ -35,7 +35,6 @@ Results (JSON-able dict):
 
 import functools
 import time
-import zlib
 
 from absl import logging
 import jax
@@ -47,6 +46,7 @@ from glm5_jax.api import forward
 from glm5_jax.attention.mode import Mode
 from glm5_jax.config import ModelConfig
 from glm5_jax.data import synthetic
+from glm5_jax.seeds import crc32_seed
 
 DEFAULT_TASKS = ("niah_single", "niah_multikey", "niah_multivalue", "niah_multiquery",
                  "variable_tracking", "mqar")
@@ -144,7 +144,7 @@ def build_examples(suite, tokenizer, length: int) -> list[tuple[dict, synthetic.
     options = suite.task_options.get(task, None)
     options = options.to_dict() if options is not None else {}
     for depth in depths:
-      salt = zlib.crc32(f"{task}/{length}/{depth}".encode())
+      salt = crc32_seed(task, length, depth)
       for i in range(count):
         try:
           example = synthetic.generate(task, tokenizer, i, length=length, seed=suite.seed,

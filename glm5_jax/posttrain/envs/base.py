@@ -23,11 +23,12 @@ well-formed answer (right or wrong).
 """
 
 import dataclasses
-import hashlib
 import re
 from typing import Any, NamedTuple
 
 import numpy as np
+
+from glm5_jax.seeds import problem_hash
 
 SPLITS = ("train", "eval")
 EVAL_SHARE = 5  # one problem in EVAL_SHARE is held out
@@ -56,12 +57,6 @@ class Step(NamedTuple):
   info: dict
 
 
-def stable_hash(*parts) -> int:
-  """A 64-bit hash of `repr(parts)` that is the same in every process (unlike `hash`)."""
-  digest = hashlib.sha256(repr(parts).encode("utf-8")).digest()
-  return int.from_bytes(digest[:8], "little")
-
-
 def commutative_key(a: int, op: str, b: int) -> str:
   """"a op b" with the operands of + and * sorted: the key of a binary arithmetic problem."""
   if op in "+*":
@@ -71,7 +66,7 @@ def commutative_key(a: int, op: str, b: int) -> str:
 
 def split_of(env_name: str, problem_key: str) -> str:
   """The split a problem belongs to: a property of its canonical key alone."""
-  return "eval" if stable_hash("split", env_name, problem_key) % EVAL_SHARE == 0 else "train"
+  return "eval" if problem_hash("split", env_name, problem_key) % EVAL_SHARE == 0 else "train"
 
 
 def preview(value, limit: int = 40) -> str:
@@ -203,7 +198,7 @@ class Env:
     index = int(index)
     options = tuple(sorted(self.options.items()))
     for draw in range(MAX_DRAWS):
-      rng = np.random.default_rng(stable_hash(self.name, options, self.seed, split, index, draw))
+      rng = np.random.default_rng(problem_hash(self.name, options, self.seed, split, index, draw))
       key, messages, answer, info = self._problem(rng)
       if split_of(self.name, key) == split:
         return Task(self.name, index, split, messages, answer, info)
