@@ -234,18 +234,23 @@ def _compare_in(module: Module, computation: str, instr: Instruction):
     if inner is None or inner.op != "compare":
       return None
     direction = _DIRECTION.search(inner.attributes)
-    params = {}
-    for p in module.computations[fused]:
-      if p.op == "parameter":
-        params[p.name] = int(p.operand_text)
-    resolved = []
-    for o in inner.operands:
-      value = _resolve(module, fused, o)
-      if value is None and o in params:
-        value = _resolve(module, computation, instr.operands[params[o]])
-      resolved.append(value)
+    resolved = _fused_operands(module, computation, instr, fused)
     return (direction[1], *resolved) if direction and len(resolved) == 2 else None
   return None
+
+
+def _fused_operands(module: Module, computation: str, fusion, fused: str) -> list:
+  """`_resolve` of each operand of the fused computation's root, a fusion parameter followed
+  out to the fusion's own operand in `computation`."""
+  params = {p.name: int(p.operand_text) for p in module.computations[fused]
+            if p.op == "parameter"}
+  values = []
+  for o in module.root(fused).operands:
+    value = _resolve(module, fused, o)
+    if value is None and o in params:
+      value = _resolve(module, computation, fusion.operands[params[o]])
+    values.append(value)
+  return values
 
 
 def _step(module: Module, body: str, index: int) -> int | None:
@@ -263,14 +268,7 @@ def _step(module: Module, body: str, index: int) -> int | None:
     inner = module.root(fused)
     if inner.op != "add":
       return None
-    params = {p.name: int(p.operand_text) for p in module.computations[fused]
-              if p.op == "parameter"}
-    values = []
-    for o in inner.operands:
-      value = _resolve(module, fused, o)
-      if value is None and o in params:
-        value = _resolve(module, body, instr.operands[params[o]])
-      values.append(value)
+    values = _fused_operands(module, body, instr, fused)
   elif instr.op == "add":
     values = [_resolve(module, body, o) for o in instr.operands]
   else:

@@ -33,14 +33,8 @@ T top-k.
 import jax.numpy as jnp
 
 import pallas_kernels
+from glm5_jax.attention.decode_rows import write_rows
 from glm5_jax.attention.dsa import topk_mask
-
-
-def write_rows(cache_BS, rows_BQ, values_BQ):
-  """`cache[b, rows[b, q]] = values[b, q]`; rows outside [0, S) are dropped (padding)."""
-  b = cache_BS.shape[0]
-  return cache_BS.at[jnp.arange(b)[:, None], rows_BQ].set(values_BQ.astype(cache_BS.dtype),
-                                                           mode="drop")
 
 
 def restrict_rows_to_positions(topk_BQT, q_pos_BQ):
@@ -75,11 +69,11 @@ def decode_attention(c, latents, scale, positions_BQ, segment_ids_BQ, index_qkw,
                      "it with glm5_jax.infer.cache.init_cache")
   num_rows = cache["ckv"].shape[1]
   real_BQ = segment_ids_BQ != 0
-  rows_BQ = jnp.where(real_BQ, positions_BQ, num_rows).astype(jnp.int32)
   q_pos_BQ = jnp.where(real_BQ, positions_BQ, -1).astype(jnp.int32)
   new_cache = dict(cache)
-  new_cache["ckv"] = write_rows(cache["ckv"], rows_BQ, latents.ckv_BSC)
-  new_cache["k_rope"] = write_rows(cache["k_rope"], rows_BQ, latents.k_rope_BSR)
+  new_cache["ckv"] = write_rows(cache["ckv"], latents.ckv_BSC, positions_BQ, real_BQ)
+  new_cache["k_rope"] = write_rows(cache["k_rope"], latents.k_rope_BSR, positions_BQ,
+                                  real_BQ)
   dtype = latents.q_nope_BLHN.dtype
   ckv_BSC = new_cache["ckv"].astype(dtype)
   k_rope_BSR = new_cache["k_rope"].astype(dtype)
@@ -88,7 +82,7 @@ def decode_attention(c, latents, scale, positions_BQ, segment_ids_BQ, index_qkw,
   topk_BQT = given_topk_BQT
   if index_qkw is not None:
     q_BQJI, k_BQI, weights_BQJ = index_qkw
-    new_cache["index_k"] = write_rows(cache["index_k"], rows_BQ, k_BQI)
+    new_cache["index_k"] = write_rows(cache["index_k"], k_BQI, positions_BQ, real_BQ)
     index_k_BSI = new_cache["index_k"].astype(k_BQI.dtype)
     # Every cached row belongs to the slot's one sequence: causality by position is the mask.
     q_seg_BQ = jnp.ones_like(q_pos_BQ)
