@@ -29,7 +29,8 @@ from glm5_jax.layers.remat import REMAT_POLICIES
 
 SIMPLE_GDN_GATES = ("fixed", "learned")
 MLP_LETTERS = {"F": "dense", "E": "moe"}
-DSA_IMPLS = ("dense_mask", "xla", "pallas")
+DSA_IMPLS = ("dense_mask", "xla", "pallas", "pallas_interpret")
+ATTENTION_IMPLS = ("xla", "cudnn")
 MOE_IMPLS = ("ragged", "expert_parallel")
 MOE_TRANSPORTS = ("ragged_all_to_all", "all_to_all")
 
@@ -142,9 +143,16 @@ def model_config(**overrides) -> ml_collections.ConfigDict:
   c.indexer_norm_eps = 1e-6  # indexer k_norm (LayerNorm)
   c.initializer_range = 0.02
   c.attention_pattern = "D"
-  # DSA sparse stage: "dense_mask" (reference, [L, S] mask), "xla" (O(L x T) gather path)
-  # or "pallas" (TPU kernels, interpret mode elsewhere); see pallas_kernels/__init__.py
+  # DSA sparse stage: "dense_mask" (reference, [L, S] mask), "xla" (O(L x T) gather path),
+  # "pallas" (the TPU kernels on TPU, the GPU kernels on GPU; an error on CPU) or
+  # "pallas_interpret" (the TPU kernels in interpret mode anywhere: slow, tests); see
+  # pallas_kernels/dispatch.py
   c.dsa_impl = "dense_mask"
+  # Dense attention of MLA-family layers in the expanded form (training, prefill: dense MLA, the
+  # DSA warm-up stage, "dense_mask"): "xla" (einsums + softmax) or "cudnn" (cuDNN flash
+  # attention through jax.nn.dot_product_attention; GPU only, an error elsewhere). The absorbed
+  # and decode forms stay XLA: their latent q.k width C + R = 576 passes cuDNN's 256 limit.
+  c.attention_impl = "xla"
   c.sliding_window = 4096  # S layers: keys each query sees, itself included
   c.gdn_conv_size = 4  # N layers: taps of the causal depthwise conv on q, k and v
   c.gdn_chunk_size = 64  # N and L layers: chunk length of the parallel (WY) training form
@@ -255,10 +263,10 @@ def interleave_pattern(num_layers: int, every: int, letter: str, base: str,
 # `model_config()`, which cannot change what an older model computes (they only configure the
 # S / N / L layers, which such a model has none of; `scan_layers`, `remat_policy`,
 # `moe_impl` and `moe_transport` change the param layout, memory or collectives, never the numbers;
-# `cache_dtype` only the decode cache).
+# `cache_dtype` only the decode cache; `attention_impl` only which kernel computes attention).
 LATER_FIELDS = ("sliding_window", "gdn_conv_size", "gdn_chunk_size", "simple_gdn_gates",
                 "simple_gdn_beta", "scan_layers", "remat_policy", "moe_impl",
-                "moe_transport", "cache_dtype")
+                "moe_transport", "cache_dtype", "attention_impl")
 # Where the behaviour before a field existed differs from its default: checkpoints written
 # before `scan_layers` hold unrolled `layers_{i}` params.
 LATER_FIELD_OLD_VALUES = {"scan_layers": False}
@@ -340,6 +348,8 @@ def validate_model_config(m) -> None:
     require(m[name] > 0, f"model.{name}", f"must be > 0, got {m[name]}")
   require(m.dsa_impl in DSA_IMPLS, "model.dsa_impl", f"must be one of {DSA_IMPLS}, got "
            f"{m.dsa_impl!r}")
+  require(m.attention_impl in ATTENTION_IMPLS, "model.attention_impl",
+           f"must be one of {ATTENTION_IMPLS}, got {m.attention_impl!r}")
   require(m.remat_policy in REMAT_POLICIES, "model.remat_policy",
            f"must be one of {REMAT_POLICIES}, got {m.remat_policy!r}")
   require(m.moe_impl in MOE_IMPLS, "model.moe_impl", f"must be one of {MOE_IMPLS}, got "

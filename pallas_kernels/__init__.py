@@ -1,15 +1,18 @@
 """Pallas kernels for GLM-5's DeepSeek Sparse Attention, each beside a plain-jnp reference.
 
-Two ops, three implementations each, one signature per op:
+Two ops, four implementations each, one signature per op:
 
-| op | reference (jnp, dense) | XLA path (blockwise gather) | Pallas (TPU kernel) |
-|---|---|---|---|
-| indexer top-k | `indexer_topk_reference` | `indexer_topk_xla` | `indexer_topk_pallas` |
-| sparse MLA    | `sparse_mla_reference`   | `sparse_mla_xla`   | `sparse_mla_pallas`   |
+| op         | reference (dense)        | XLA (gather)       | TPU (Mosaic)          | GPU (Triton)          |
+|------------|--------------------------|--------------------|-----------------------|-----------------------|
+| indexer    | `indexer_topk_reference` | `indexer_topk_xla` | `indexer_topk_pallas` | `indexer_topk_triton` |
+| sparse MLA | `sparse_mla_reference`   | `sparse_mla_xla`   | `sparse_mla_pallas`   | `sparse_mla_triton`   |
 
 plus `indexer_scores_at` (differentiable index scores at the selected keys) and
 `sparse_mla_head_mean_probs` (the indexer KL's target), both XLA, which the sparse training
-stage needs on every path. `DSA_OPS[impl]` is what `model.dsa_impl` selects.
+stage needs on every path. `dsa_ops(model.dsa_impl)` (`pallas_kernels.dispatch`) is the row
+that runs: "xla"; "pallas" = the TPU kernels on TPU, the GPU kernels on GPU, an error naming
+`model.dsa_impl` elsewhere; "pallas_interpret" = the TPU kernels in interpret mode (CPU tests).
+The GPU modules are imported on first use, so a build without them fails only where chosen.
 
 Index contract (every op, reference, XLA and Pallas, forward and backward):
 
@@ -40,15 +43,16 @@ Index contract (every op, reference, XLA and Pallas, forward and backward):
 
 `tests/test_dsa_kernels.py` checks each point on every path.
 
-Pallas kernels target TPU (Mosaic) and run in interpret mode elsewhere. There is no GPU Pallas
-variant: no GPU was available when they were written, so on GPU use "xla" (plain XLA, no
-backend-specific code). The TPU kernels are checked by lowering them for TPU from a CPU host
-(`jax.export(..., platforms=["tpu"])`) and by interpret-mode runs; they have not yet been
-compiled or timed on a real TPU. This package imports only jax.
+Every Pallas kernel is compiled for its platform and runs in interpret mode only when asked
+(`interpret=True`, or `model.dsa_impl="pallas_interpret"`): nothing falls back to it silently.
+The TPU kernels are checked by lowering them for TPU from a CPU host
+(`jax.export(..., platforms=["tpu"])`) and by interpret-mode runs; the GPU kernels by lowering
+for CUDA from a CPU host and by interpret-mode runs, and on a GPU by `tools/device_suite.py`.
+This package imports only jax.
 """
 
-import typing
-
+from pallas_kernels.dispatch import (DSA_OPS, PALLAS_IMPLS, DSAOps, dsa_ops,
+                                     indexer_topk_triton, sparse_mla_triton)
 from pallas_kernels.lightning_indexer import (indexer_scores_at, indexer_scores_reference,
                                               indexer_topk_reference, indexer_topk_xla,
                                               select_topk)
@@ -57,22 +61,9 @@ from pallas_kernels.sparse_mla import (sparse_mla_head_mean_probs, sparse_mla_re
                                        sparse_mla_xla)
 from pallas_kernels.sparse_mla_pallas import sparse_mla_pallas
 
-
-class DSAOps(typing.NamedTuple):
-  """One implementation of the two DSA ops (signatures as the references)."""
-
-  indexer_topk: typing.Callable
-  sparse_mla: typing.Callable
-
-
-DSA_OPS = {
-    "reference": DSAOps(indexer_topk_reference, sparse_mla_reference),
-    "xla": DSAOps(indexer_topk_xla, sparse_mla_xla),
-    "pallas": DSAOps(indexer_topk_pallas, sparse_mla_pallas),
-}
-
 __all__ = [
-    "DSAOps", "DSA_OPS", "indexer_scores_at", "indexer_scores_pallas", "indexer_scores_reference",
-    "indexer_topk_pallas", "indexer_topk_reference", "indexer_topk_xla", "select_topk",
-    "sparse_mla_head_mean_probs", "sparse_mla_pallas", "sparse_mla_reference", "sparse_mla_xla",
+    "DSAOps", "DSA_OPS", "PALLAS_IMPLS", "dsa_ops", "indexer_scores_at", "indexer_scores_pallas",
+    "indexer_scores_reference", "indexer_topk_pallas", "indexer_topk_reference",
+    "indexer_topk_triton", "indexer_topk_xla", "select_topk", "sparse_mla_head_mean_probs",
+    "sparse_mla_pallas", "sparse_mla_reference", "sparse_mla_triton", "sparse_mla_xla",
 ]

@@ -20,13 +20,17 @@ def round_up(n: int, multiple: int) -> int:
   return -(-n // multiple) * multiple
 
 
-def default_interpret() -> bool:
-  """Pallas TPU kernels run compiled on TPU and in interpret mode everywhere else.
+def platform() -> str:
+  """"tpu", "gpu" or "cpu": where the computation being traced runs.
 
-  There is no GPU variant of these kernels: on GPU `dsa_impl="pallas"` interprets them (correct,
-  slow); the XLA gather path is the one to use there.
+  The context mesh's devices (`jax.set_mesh`, as the trainer sets it) when there is one, else
+  `jax.default_backend()`. Called at trace time, so it is the platform of the jit being built.
+  "cuda" and "rocm" are both "gpu" (jax's own backend name for them).
   """
-  return jax.default_backend() != "tpu"
+  mesh = jax.sharding.get_abstract_mesh()
+  device = None if mesh is None or mesh.empty else getattr(mesh, "abstract_device", None)
+  name = device.platform if device is not None else jax.default_backend()
+  return "gpu" if name in ("cuda", "rocm") else name
 
 
 def pad_axis(x, axis: int, size: int, value):

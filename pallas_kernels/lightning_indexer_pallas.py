@@ -16,8 +16,9 @@ sort) on the `[query_block, S]` tile is exact, has the required tie rule, and XL
 a tuned sort for it. The scores tile is written once and read once, so the price of the split is
 one HBM round trip of `query_block x S x 4` bytes per block; memory stays O(query_block x S).
 
-Backends: TPU (Mosaic) compiled; elsewhere interpret mode (tests, CPU). There is no GPU
-(Triton / Mosaic-GPU) variant: on GPU use `indexer_topk_xla`.
+Backends: TPU (Mosaic) compiled; interpret mode only when asked for (`interpret=True`, the CPU
+tests). The GPU kernel is `lightning_indexer_triton.indexer_topk_triton`; `model.dsa_impl`
+"pallas" picks by platform (`pallas_kernels.dsa_ops`).
 
 TPU block-shape rules respected: every block's last two dims are multiples of (8, 128) or the
 full array dims; q is laid out `[B, J, L, I]` so each head's `[bq, I]` slice is a clean
@@ -34,8 +35,7 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
-from pallas_kernels.blocking import (default_interpret, default_query_block, map_query_blocks,
-                                     pad_axis, round_up)
+from pallas_kernels.blocking import default_query_block, map_query_blocks, pad_axis, round_up
 from pallas_kernels.lightning_indexer import check_indexer_inputs, select_topk
 
 _NT = (((1,), (1,)), ((), ()))  # dot_general: contract the last dims of both ([m,k] x [n,k])
@@ -77,15 +77,15 @@ def _tile_sizes(length, num_keys, block_q, block_s):
 
 def indexer_scores_pallas(q_BLJI, k_BSI, weights_BLJ, q_pos_BL, q_seg_BL, k_seg_BS, *,
                           scale: float, block_q: int = 128, block_s: int = 512,
-                          interpret: bool | None = None, pad_keys: bool = False):
+                          interpret: bool = False, pad_keys: bool = False):
   """Dense index scores from the Pallas kernel, fp32 `[B, L, S]` (-inf where invisible).
 
   Same math and arguments as `indexer_scores_reference`, any sign of `weights` and `scale`
   (package docstring, "Index contract"). `pad_keys` returns `[B, L, S']` with
   S padded to a multiple of the key block (the extra keys are invisible, -inf), sparing a copy
-  when the caller only runs top-k on it.
+  when the caller only runs top-k on it. `interpret`: run the kernel in Pallas interpret mode
+  (any backend) instead of compiling it for TPU.
   """
-  interpret = default_interpret() if interpret is None else interpret
   b, l, heads, i = q_BLJI.shape
   s = k_BSI.shape[1]
   bq, lp, bs, sp = _tile_sizes(l, s, block_q, block_s)
@@ -142,7 +142,7 @@ def indexer_scores_pallas(q_BLJI, k_BSI, weights_BLJ, q_pos_BL, q_seg_BL, k_seg_
 
 def indexer_topk_pallas(q_BLJI, k_BSI, weights_BLJ, q_pos_BL, q_seg_BL, k_seg_BS, *, topk: int,
                         scale: float, query_block: int | None = None, block_q: int = 128,
-                        block_s: int = 512, interpret: bool | None = None):
+                        block_s: int = 512, interpret: bool = False):
   """`indexer_topk_reference` with the scores from the Pallas kernel, per block of queries.
 
   Each block of `query_block` queries (a multiple of `block_q`; None = 512, fewer if the scores

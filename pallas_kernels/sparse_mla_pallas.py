@@ -21,9 +21,10 @@ Backward, grid (B, Lq, nT) over one block of Lq queries: the same gather and log
 and every slot's dkv / dk_rope contribution `[bt, C]`, `[bt, R]` is written out; XLA
 scatter-adds them into the key rows (`sparse_mla.scatter_add_rows`), since TPUs have no atomics.
 
-Backends: TPU (Mosaic) compiled; elsewhere interpret mode, used by the CPU tests. There is no GPU
-(Triton / Mosaic-GPU) variant here: the gather-by-DMA design is TPU-specific, and on GPU the XLA
-gather path (`sparse_mla_xla`) is the supported one.
+Backends: TPU (Mosaic) compiled; interpret mode only when asked for (`interpret=True`, the CPU
+tests). The gather-by-DMA design is TPU-specific: the GPU kernel is
+`sparse_mla_triton.sparse_mla_triton`, and `model.dsa_impl` "pallas" picks by platform
+(`pallas_kernels.dsa_ops`).
 
 TPU block rules: `bt` is the whole (padded) slot count or a multiple of 128; the top-k row is
 laid out `[B, L, 1, T]` so its blocks are `(1, bt)`; lse and delta are `[B, L, H, 1]`.
@@ -46,7 +47,7 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
-from pallas_kernels.blocking import MASKED_LOGIT, default_interpret, default_query_block, pad_axis
+from pallas_kernels.blocking import MASKED_LOGIT, default_query_block, pad_axis
 from pallas_kernels.sparse_mla import (SparseMLAKernels, check_sparse_mla_inputs,
                                        sparse_mla_custom_vjp)
 
@@ -276,7 +277,7 @@ def _backward_block(q_BLHC, q_rope_BLHR, kv_BSC, k_rope_BSR, topk_BLT, dout_BLHC
 
 def sparse_mla_pallas(q_BLHC, q_rope_BLHR, kv_BSC, k_rope_BSR, topk_BLT, *, scale: float,
                       block_t: int = 512, backward_query_block: int | None = None,
-                      head_groups: int = 1, interpret: bool | None = None):
+                      head_groups: int = 1, interpret: bool = False):
   """`sparse_mla_reference` (same arguments and results) on the Pallas kernels, differentiable.
 
   Same index contract (package docstring): slots outside [0, S) are empty, duplicates count
@@ -288,10 +289,10 @@ def sparse_mla_pallas(q_BLHC, q_rope_BLHR, kv_BSC, k_rope_BSR, topk_BLT, *, scal
     backward_query_block: queries per backward kernel call, bounding the fp32 per-slot dkv
       contributions `[B, block, T, C + R]`; None: `blocking.default_query_block`.
     head_groups: as `sparse_mla_xla`'s (the backward kernel runs once per group of H / G heads).
-    interpret: None = compiled on TPU, interpret mode elsewhere.
+    interpret: run the kernels in Pallas interpret mode (any backend, slow; the CPU tests)
+      instead of compiling them for TPU. Never implied by the platform.
   """
   check_sparse_mla_inputs(q_BLHC, q_rope_BLHR, kv_BSC, k_rope_BSR, topk_BLT)
-  interpret = default_interpret() if interpret is None else interpret
   if backward_query_block is None:
     b, t = kv_BSC.shape[0], _slot_blocks(topk_BLT.shape[-1], block_t)[1]
     backward_query_block = default_query_block(

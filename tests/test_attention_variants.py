@@ -200,7 +200,7 @@ def test_swa_with_window_over_length_is_mla(helpers):
   assert np.abs(narrow - out_m["logits"]).max() > 1e-3  # the window matters
 
 
-@pytest.mark.parametrize("impl", ["xla", "pallas"])
+@pytest.mark.parametrize("impl", ["xla", "pallas_interpret"])
 def test_swa_follows_dsa_impl(helpers, impl):
   """`model.dsa_impl` also drives S layers (they run as shared-top-k DSA layers handed their
   window, see the S entry of `glm5_jax.attention.kinds`): the O(L x W) gather paths give the

@@ -72,7 +72,8 @@ def run_schedule(cfg, params, tokens_BL, schedule, cache):
   return got, cache
 
 
-@pytest.mark.parametrize("impl,scan", [("xla", True), ("pallas", False), ("dense_mask", True)])
+@pytest.mark.parametrize("impl,scan", [("xla", True), ("pallas_interpret", False),
+                                       ("dense_mask", True)])
 def test_decode_equals_full_forward(helpers, impl, scan):
   """Chunked prefill with padding, verification calls, a rejected draft, single steps: every
   position's logits equal `glm5_jax.logits` over the whole sequence."""

@@ -30,8 +30,8 @@ from glm5_jax.config import ConfigError, model_config, validate_model_config
 
 # Small blocks (illegal on TPU, fine in interpret mode) so tiny shapes still span several query,
 # key and slot blocks, partial last blocks and skipped causal blocks.
-INDEXER_BLOCKS = dict(block_q=8, block_s=16, query_block=16)
-MLA_BLOCKS = dict(block_t=4, backward_query_block=4)
+INDEXER_BLOCKS = dict(block_q=8, block_s=16, query_block=16, interpret=True)
+MLA_BLOCKS = dict(block_t=4, backward_query_block=4, interpret=True)
 INDEXER_IMPLS = {
     "xla": functools.partial(pk.indexer_topk_xla, query_block=8, key_block=16),
     "pallas": functools.partial(pk.indexer_topk_pallas, **INDEXER_BLOCKS),
@@ -105,7 +105,8 @@ def test_indexer_scores_pallas_random_fp32():
   q_seg = jnp.asarray(rng.integers(0, 2, (b, l)), jnp.int32)
   k_seg = jnp.asarray(rng.integers(0, 2, (b, s)), jnp.int32)
   ref = pk.indexer_scores_reference(q, k, w, q_pos, q_seg, k_seg, scale=0.3)
-  got = pk.indexer_scores_pallas(q, k, w, q_pos, q_seg, k_seg, scale=0.3, block_q=8, block_s=16)
+  got = pk.indexer_scores_pallas(q, k, w, q_pos, q_seg, k_seg, scale=0.3, block_q=8, block_s=16,
+                                 interpret=True)
   np.testing.assert_array_equal(np.isneginf(got), np.isneginf(ref))
   finite = np.isfinite(np.asarray(ref))
   np.testing.assert_allclose(np.asarray(got)[finite], np.asarray(ref)[finite], rtol=1e-5,
@@ -447,12 +448,12 @@ def test_kernels_lower_for_tpu(l, s):
 
 
 # ---------------------------------------------------------------------------------------------
-# The model: model.dsa_impl = dense_mask | xla | pallas
+# The model: model.dsa_impl = dense_mask | xla | pallas_interpret (the TPU kernels interpreted)
 # ---------------------------------------------------------------------------------------------
 
 
 def test_dsa_impl_validation():
-  for impl in ("dense_mask", "xla", "pallas"):
+  for impl in ("dense_mask", "xla", "pallas", "pallas_interpret"):
     validate_model_config(model_config(dsa_impl=impl))
   with pytest.raises(ConfigError, match=r"model\.dsa_impl.*dense_mask.*xla.*pallas.*'sparse'"):
     validate_model_config(model_config(dsa_impl="sparse"))
@@ -482,7 +483,7 @@ def test_dsa_impls_agree_on_tiny_model(helpers):
   dense FFNs), packed rows."""
   b, l = 2, 32
   results = {}
-  for impl in ("dense_mask", "xla", "pallas"):
+  for impl in ("dense_mask", "xla", "pallas_interpret"):
     cfg = helpers.config(dsa_impl=impl, attention_pattern="DR", num_hidden_layers=2,
                          mtp_depths=1, first_k_dense_replace=2)  # dense FFNs: faster compile
     params = helpers.random_params(cfg)
@@ -491,7 +492,7 @@ def test_dsa_impls_agree_on_tiny_model(helpers):
     results[impl] = _loss_and_grads(cfg, params, tokens, segments)
   (ref_loss, (ref_logits, ref_kl, ref_topk)), ref_grads = results["dense_mask"]
   assert float(ref_kl) > 0
-  for impl in ("xla", "pallas"):
+  for impl in ("xla", "pallas_interpret"):
     (loss, (logits, kl, topk)), grads = results[impl]
     for got, want in zip(topk, ref_topk):
       np.testing.assert_array_equal(got, want, err_msg=f"{impl}: top-k differs")
@@ -505,7 +506,7 @@ def test_dsa_impls_agree_on_tiny_model(helpers):
                                  err_msg=f"{impl}: gradient of {jax.tree_util.keystr(path)}")
 
 
-@pytest.mark.parametrize("impl", ["xla", "pallas"])
+@pytest.mark.parametrize("impl", ["xla", "pallas_interpret"])
 def test_given_selection_is_restricted_to_visible_keys(helpers, impl):
   """A shared-top-k layer handed a selection that reaches across documents and into the future
   (as a sliding window over packed rows would) attends exactly as the dense mask path does."""

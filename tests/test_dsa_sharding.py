@@ -110,7 +110,8 @@ def test_head_groups_give_the_same_gradients():
 
   def grads(groups):
     loss = lambda *a: (pk.sparse_mla_pallas(*a, topk, scale=0.3, block_t=4,
-                                            backward_query_block=4, head_groups=groups)[0]
+                                            backward_query_block=4, head_groups=groups,
+                                            interpret=True)[0]
                        ** 2).sum()
     return jax.grad(loss, argnums=(0, 1, 2, 3))(*args)
 
@@ -143,9 +144,10 @@ args = [jax.device_put(x, NamedSharding(mesh, spec)) for x, spec in zip(values, 
 grad = lambda op: jax.jit(jax.grad(lambda *a: (op(*a)[0] ** 2).sum(), argnums=(0, 1, 2, 3)))
 want = grad(lambda *a: pk.sparse_mla_reference(*a, scale=0.3))(*values)
 # The op as the model's sparse stage calls it, with small blocks (8 backward query blocks).
-blocks = {"xla": dict(query_block=4), "pallas": dict(block_t=4, backward_query_block=4)}
+blocks = {"xla": dict(query_block=4),
+          "pallas_interpret": dict(block_t=4, backward_query_block=4)}
 result = {}
-for impl in ("xla", "pallas"):
+for impl in ("xla", "pallas_interpret"):
   with activation_sharding(mesh, mesh_config().logical_axis_rules):
     step = grad(mla._sparse_mla_on_mesh(impl, 0.3, **blocks[impl]))
     text = step.lower(*args).compile().as_text()
@@ -170,8 +172,8 @@ index_args = [jax.device_put(x, NamedSharding(mesh, spec))
               for x, spec in zip(index_values, index_specs)]
 want_topk = pk.indexer_topk_reference(*index_values, topk=K, scale=0.5)[0]
 index_blocks = {"xla": dict(query_block=8, key_block=16),
-                "pallas": dict(block_q=8, block_s=16, query_block=16)}
-for impl in ("xla", "pallas"):
+                "pallas_interpret": dict(block_q=8, block_s=16, query_block=16)}
+for impl in ("xla", "pallas_interpret"):
   with activation_sharding(mesh, mesh_config().logical_axis_rules):
     select = jax.jit(lambda *a: mla._indexer_topk_on_mesh(impl, topk=K, scale=0.5,
                                                           **index_blocks[impl])(*a)[0])
@@ -196,7 +198,7 @@ def test_sharded_dsa_ops_have_no_per_block_batch_or_head_collectives():
   all-gathers of the whole batch's inputs (`[8,32,16]` keys, `[8,32,2,16]` queries, ...) for
   the kernels, which XLA does not partition."""
   result = run_on_host_devices(_SHARDED_BACKWARD, timeout=600)
-  for impl in ("xla", "pallas"):
+  for impl in ("xla", "pallas_interpret"):
     found = result[impl]
     assert found["loops"] >= 1 and found["grad_error"] < 1e-5, found
     # Nothing per query block; one all-reduce over tensor (2 devices) of the device's
@@ -207,10 +209,11 @@ def test_sharded_dsa_ops_have_no_per_block_batch_or_head_collectives():
   # on the XLA path: XLA's SPMD partitioner does not split a TopK op over batch dimensions; the
   # Pallas path gathered every input of the kernels). What may remain per block is the XLA
   # path's sum of the partial scores over the index-head shards, over tensor, on local rows.
-  for impl in ("xla", "pallas"):
+  for impl in ("xla", "pallas_interpret"):
     found = result["indexer_" + impl]
     assert found["loops"] >= 1 and found["same_topk"], found
     assert not [c for c in found["all"] if c[2][:1] == [8]], found
     assert all(c[0] == "all-reduce" and c[3] == 2 for c in found["in_loops"]
                if c[2]), found
-  assert result["indexer_pallas"]["in_loops"] == [], result["indexer_pallas"]
+  found = result["indexer_pallas_interpret"]
+  assert found["in_loops"] == [], found

@@ -51,3 +51,34 @@ def attend(q_BLHK, k_BSGK, v_BSGV, mask_BLS, scale: float):
   probs_BGRLS = jax.nn.softmax(logits_BGRLS, axis=-1)
   out_BLGRV = jnp.einsum("bgrls,bsgv->blgrv", probs_BGRLS.astype(v_BSGV.dtype), v_BSGV)
   return out_BLGRV.reshape(b, l, h, v_BSGV.shape[-1]), probs_BGRLS.mean(axis=(1, 2))
+
+
+def attend_flash(q_BLHK, k_BSHK, v_BSHV, causal_mask_BLS, scale: float, implementation: str):
+  """`attend`'s output through `jax.nn.dot_product_attention(implementation=...)`, no probs.
+
+  "cudnn" is cuDNN's flash attention (GPU, bf16 / fp16): nothing `[B, H, L, S]` in HBM; "xla"
+  is jax's XLA version of the same call (what a CPU test compares with `attend`).
+
+  Head dims: the call takes one head dim for q, k and v, so the q.k width K and the value width
+  V are zero-padded to D = max(K, V) rounded up to 8 (cuDNN needs a multiple of 8, at most 256
+  on Hopper): zero columns add nothing to any logit (the scale is passed, not derived from D),
+  and the output is cut back to V. GLM-5's MLA has K = N + R = 192 + 64 = 256 = V: nothing is
+  padded. The mask goes in as the call's boolean `[B, 1, L, S]` mask together with
+  `is_causal=True` (cuDNN skips the blocks above the diagonal); jax turns the mask into an
+  additive bias that cuDNN reads, so a packed-document mask costs `B x L x S` bias values in
+  HBM, not a per-head score matrix.
+
+  Args:
+    q_BLHK, k_BSHK, v_BSHV: one K/V head per query head (G = H); same dtype.
+    causal_mask_BLS: visible keys; must be causal (s <= l), as every mask of the model is.
+    scale: the softmax scale (MLA: K^-0.5 of the unpadded K).
+  Returns:
+    `out_BLHV` in q's dtype.
+  """
+  k, v = q_BLHK.shape[-1], v_BSHV.shape[-1]
+  d = -(-max(k, v) // 8) * 8
+  pad = lambda x: jnp.pad(x, [(0, 0)] * 3 + [(0, d - x.shape[-1])]) if x.shape[-1] < d else x
+  out_BLHD = jax.nn.dot_product_attention(
+      pad(q_BLHK), pad(k_BSHK), pad(v_BSHV), mask=causal_mask_BLS[:, None], scale=scale,
+      is_causal=True, implementation=implementation)
+  return out_BLHD[..., :v]

@@ -25,8 +25,10 @@ layers and for the sliding-window S layers (which run as R layers handed their w
                 to the selection (`topk_mask`), so its cost is still quadratic;
   "xla"         `pallas_kernels` blockwise gather path: scores per block of queries, attention
                 over the T selected latent rows only (O(L x T));
-  "pallas"      the same with Pallas TPU kernels (interpret mode off TPU).
-All three select identical keys: same scores, same tie rule (`select_topk`).
+  "pallas"      the same with Pallas kernels: TPU (Mosaic) on TPU, GPU (Triton) on GPU, an
+                error elsewhere (`pallas_kernels.dsa_ops`);
+  "pallas_interpret"  the TPU kernels in Pallas interpret mode on any backend (tests).
+All of them select identical keys: same scores, same tie rule (`select_topk`).
 """
 
 import jax

@@ -12,10 +12,12 @@ Expanded form (training / prefill) materializes per-head keys and values. Absorb
 folds W_kb into the query and W_vb after attention, so attention runs over the C + R = 576-wide
 latent that a KV cache stores; both give the same output.
 
-DSA's sparse stage with `model.dsa_impl` "xla" or "pallas" always runs the absorbed form: all
+DSA's sparse stage with `model.dsa_impl` "xla" or "pallas*" always runs the absorbed form: all
 heads of a token share its T selected latent rows (MQA), so the op gathers T rows of C + R
 values per query instead of T x H per-head keys, and nothing `[B, L, S]`-shaped is built
 (`pallas_kernels.sparse_mla_*`). "dense_mask" masks the dense attention of either form.
+`model.attention_impl` "cudnn" runs the expanded form's dense attention (dense MLA, the DSA
+warm-up stage, "dense_mask") as cuDNN flash attention (`common.attend_flash`).
 
 Kernels are stored per head, 3-D: `q_b_proj [Q, H, N + R]`, `k_b_proj [C, H, N]`,
 `v_b_proj [C, H, V]`, `o_proj [H, V, D]`, so an optimizer can treat each head's slice alone.
@@ -34,17 +36,18 @@ from flax import linen as nn
 
 import pallas_kernels
 from glm5_jax import routing_replay
-from glm5_jax.attention.common import attend, causal_segment_mask, MASKED_LOGIT
+from glm5_jax.attention.common import attend, attend_flash, causal_segment_mask, MASKED_LOGIT
 from glm5_jax.attention.dsa import (LightningIndexer, indexer_kl_per_query,
                                     restrict_topk_to_visible, topk_mask)
 from glm5_jax.attention.mla_decode import decode_attention
 from glm5_jax.attention.mla_projections import mla_latents, mla_output
 from glm5_jax.attention.mesh_shards import per_shard
 from glm5_jax.attention.mode import Mode
-from glm5_jax.config import ModelConfig
+from glm5_jax.config import ConfigError, ModelConfig
 from glm5_jax.layers.axes import BATCH, HEADS
 from glm5_jax.layers.params import context_split, dtypes
 from glm5_jax.layers.rope import apply_interleaved_rope, rope_angles
+from pallas_kernels.blocking import platform
 
 
 class MLA(nn.Module):
@@ -179,16 +182,37 @@ def _dense_attention(c, latents: _Latents, scale, segment_ids_BL, index_qkw, giv
     k_rope_BSHR = jnp.broadcast_to(k_rope_BSR[:, :, None, :], k_nope_BSHN.shape[:3] + (r,))
     q_BLHK = jnp.concatenate([q_nope_BLHN, q_rope_BLHR], axis=-1)
     k_BSHK = jnp.concatenate([k_nope_BSHN, k_rope_BSHR], axis=-1)
-    out_BLHV, probs_BLS = attend(q_BLHK, k_BSHK, v_BSHV, visible_BLS, scale)
+    if c.attention_impl == "cudnn":
+      _check_cudnn(c)
+      out_BLHV = attend_flash(q_BLHK, k_BSHK, v_BSHV, visible_BLS, scale, "cudnn")
+      # cuDNN returns no probabilities; the indexer KL's (detached) target recomputes them in
+      # XLA, forward only (the warm-up stage builds `[B, L, S]` index scores anyway).
+      probs_BLS = None if index_qkw is None else jax.lax.stop_gradient(
+          attend(q_BLHK, k_BSHK, v_BSHV, visible_BLS, scale)[1])
+    else:
+      out_BLHV, probs_BLS = attend(q_BLHK, k_BSHK, v_BSHV, visible_BLS, scale)
   if index_qkw is not None:
     aux["indexer_kl"] = indexer_kl_per_query(
         aux["index_scores"], jax.lax.stop_gradient(probs_BLS), visible_BLS)
   return out_BLHV, aux
 
 
+def _check_cudnn(c):
+  """`model.attention_impl="cudnn"` needs a GPU and a 16-bit `model.dtype` (cuDNN's flash
+  attention takes bf16 / fp16), checked when the attention is traced."""
+  where = platform()
+  if where != "gpu":
+    raise ConfigError(f"config.model.attention_impl: 'cudnn' (cuDNN flash attention) runs on "
+                      f"GPU only, and this computation is for {where!r}; use 'xla' there")
+  if c.dtype not in ("bfloat16", "float16"):
+    raise ConfigError(f"config.model.attention_impl: 'cudnn' needs model.dtype 'bfloat16' or "
+                      f"'float16' (cuDNN flash attention), got {c.dtype!r}")
+
+
 def _sparse_stage_attention(c, latents: _Latents, scale, segment_ids_BL, index_qkw,
                             given_topk_BLT, recorded_topk_BLT=None):
-  """The sparse stage on `pallas_kernels` (`dsa_impl` "xla" | "pallas"), O(L x T) throughout.
+  """The sparse stage on `pallas_kernels` (`dsa_impl` "xla" | "pallas" | "pallas_interpret"),
+  O(L x T) throughout.
 
     1. top-k from the indexer's projections (scores per block of queries), or the given
        selection restricted to causally visible same-document keys;
@@ -226,12 +250,12 @@ def _sparse_stage_attention(c, latents: _Latents, scale, segment_ids_BL, index_q
 
 
 def _indexer_topk_on_mesh(impl: str, **options):
-  """`pallas_kernels.DSA_OPS[impl].indexer_topk(..., **options)` laid out for the context mesh:
-  "xla" partitioned by XLA (its top-k is a sort, which stays on the batch's devices); "pallas"
-  per device on its batch rows under `mesh_shards.per_shard` (a pallas_call would gather the
-  whole batch), the index heads gathered (the kernel sums over all of them)."""
-  op = functools.partial(pallas_kernels.DSA_OPS[impl].indexer_topk, **options)
-  if impl != "pallas":
+  """`pallas_kernels.dsa_ops(impl).indexer_topk(..., **options)` laid out for the context mesh:
+  "xla" partitioned by XLA (its top-k is a sort, which stays on the batch's devices); the Pallas
+  impls per device on its batch rows under `mesh_shards.per_shard` (a pallas_call would gather
+  the whole batch), the index heads gathered (the kernel sums over all of them)."""
+  op = functools.partial(pallas_kernels.dsa_ops(impl).indexer_topk, **options)
+  if impl not in pallas_kernels.PALLAS_IMPLS:
     return op
   rows, positions = (BATCH, None, None), (BATCH, None)
   return per_shard(op, in_axes=((BATCH, None, None, None), rows, rows, positions, positions,
@@ -240,18 +264,19 @@ def _indexer_topk_on_mesh(impl: str, **options):
 
 
 def _sparse_mla_on_mesh(impl: str, scale: float, **options):
-  """`pallas_kernels.DSA_OPS[impl].sparse_mla` laid out for the context mesh (if any), batch and
+  """`pallas_kernels.dsa_ops(impl).sparse_mla` laid out for the context mesh (if any), batch and
   heads kept on their devices, the key gradients summed over the head shards once per layer:
 
     "xla"     partitioned by XLA; the backward keeps one key-gradient accumulator per device's
               share of the heads (`head_groups` = the heads' split) and sums them after its
               query-block loop, not per block.
-    "pallas"  a pallas_call is opaque to the partitioner (it would gather the whole batch to
-              every device), so the kernels run per device under `mesh_shards.per_shard`.
+    "pallas", "pallas_interpret"  a pallas_call is opaque to the partitioner (it would gather
+              the whole batch to every device), so the kernels run per device under
+              `mesh_shards.per_shard`.
   `options`: the op's own keyword arguments (block sizes).
   """
-  ops = pallas_kernels.DSA_OPS[impl]
-  if impl == "pallas":
+  ops = pallas_kernels.dsa_ops(impl)
+  if impl in pallas_kernels.PALLAS_IMPLS:
     q_axes, rows_axes = (BATCH, None, HEADS, None), (BATCH, None, None)
     return per_shard(functools.partial(ops.sparse_mla, scale=scale, **options),
                      in_axes=(q_axes, q_axes, rows_axes, rows_axes, rows_axes),

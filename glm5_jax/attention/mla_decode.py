@@ -17,7 +17,8 @@ DSA (sparse stage): the indexer scores the new queries against every cached inde
 `q_pos` = the query's position (`pallas_kernels`: key row s visible iff s <= q_pos; padded
 queries get q_pos -1 and see nothing), takes the deterministic top-k (the training tie rule,
 `select_topk`), and attends over the selected latent rows through `model.dsa_impl`'s
-`sparse_mla` ("xla", "pallas"), or masks the dense absorbed attention ("dense_mask"). An R layer
+`sparse_mla` ("xla", "pallas", "pallas_interpret"), or masks the dense absorbed attention
+("dense_mask"). An R layer
 reuses the previous layer's selection (cache rows), restricted to rows <= q_pos. The training
 forward and decode see the same keys with the same scores, so they select the same top-k (the
 selection has T = min(index_topk, S) slots here against min(index_topk, L) in training: the
@@ -89,7 +90,7 @@ def decode_attention(c, latents, scale, positions_BQ, segment_ids_BQ, index_qkw,
     k_seg_BS = jnp.ones(index_k_BSI.shape[:2], jnp.int32)
     index_scale = c.index_head_dim ** -0.5
     if sparse_ops:
-      topk_BQT, _ = pallas_kernels.DSA_OPS[c.dsa_impl].indexer_topk(
+      topk_BQT, _ = pallas_kernels.dsa_ops(c.dsa_impl).indexer_topk(
           q_BQJI, index_k_BSI, weights_BQJ, q_pos_BQ, q_seg_BQ, k_seg_BS, topk=c.index_topk,
           scale=index_scale)
     else:
@@ -103,7 +104,7 @@ def decode_attention(c, latents, scale, positions_BQ, segment_ids_BQ, index_qkw,
   if topk_BQT is not None and sparse_ops:
     visible_topk_BQT = restrict_rows_to_positions(topk_BQT, q_pos_BQ)
     q_latent_BQHC = jnp.einsum("bqhn,chn->bqhc", latents.q_nope_BLHN, latents.w_kb_CHN)
-    out_latent_BQHC, _ = pallas_kernels.DSA_OPS[c.dsa_impl].sparse_mla(
+    out_latent_BQHC, _ = pallas_kernels.dsa_ops(c.dsa_impl).sparse_mla(
         q_latent_BQHC, latents.q_rope_BLHR, ckv_BSC, k_rope_BSR, visible_topk_BQT, scale=scale)
     return jnp.einsum("bqhc,chv->bqhv", out_latent_BQHC, latents.w_vb_CHV), aux
 
