@@ -2,10 +2,10 @@
 
 Two ops, four implementations each, one signature per op:
 
-| op         | reference (dense)        | XLA (gather)       | TPU (Mosaic)          | GPU (Triton)          |
-|------------|--------------------------|--------------------|-----------------------|-----------------------|
-| indexer    | `indexer_topk_reference` | `indexer_topk_xla` | `indexer_topk_pallas` | `indexer_topk_triton` |
-| sparse MLA | `sparse_mla_reference`   | `sparse_mla_xla`   | `sparse_mla_pallas`   | `sparse_mla_triton`   |
+| op (function prefix)           | reference (dense) | XLA (gather) | TPU (Mosaic) | GPU (Triton) |
+|--------------------------------|-------------------|--------------|--------------|--------------|
+| indexer top-k `indexer_topk_*` | `_reference`      | `_xla`       | `_pallas`    | `_triton`    |
+| sparse MLA `sparse_mla_*`      | `_reference`      | `_xla`       | `_pallas`    | `_triton`    |
 
 plus `indexer_scores_at` (differentiable index scores at the selected keys) and
 `sparse_mla_head_mean_probs` (the indexer KL's target), both XLA, which the sparse training
