@@ -51,8 +51,9 @@ for CUDA from a CPU host and by interpret-mode runs, and on a GPU by `tools/devi
 This package imports only jax.
 """
 
-from pallas_kernels.dispatch import (DSA_OPS, PALLAS_IMPLS, DSAOps, dsa_ops,
-                                     indexer_topk_triton, sparse_mla_triton)
+# The GPU (Triton) kernels are not imported here: `dispatch` imports them on first use, and
+# their modules' names are the functions' (`pallas_kernels.sparse_mla_triton.sparse_mla_triton`).
+from pallas_kernels.dispatch import DSA_OPS, PALLAS_IMPLS, DSAOps, dsa_ops
 from pallas_kernels.lightning_indexer import (indexer_scores_at, indexer_scores_reference,
                                               indexer_topk_reference, indexer_topk_xla,
                                               select_topk)
@@ -64,6 +65,6 @@ from pallas_kernels.sparse_mla_pallas import sparse_mla_pallas
 __all__ = [
     "DSAOps", "DSA_OPS", "PALLAS_IMPLS", "dsa_ops", "indexer_scores_at", "indexer_scores_pallas",
     "indexer_scores_reference", "indexer_topk_pallas", "indexer_topk_reference",
-    "indexer_topk_triton", "indexer_topk_xla", "select_topk", "sparse_mla_head_mean_probs",
-    "sparse_mla_pallas", "sparse_mla_reference", "sparse_mla_triton", "sparse_mla_xla",
+    "indexer_topk_xla", "select_topk", "sparse_mla_head_mean_probs",
+    "sparse_mla_pallas", "sparse_mla_reference", "sparse_mla_xla",
 ]

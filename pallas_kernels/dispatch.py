@@ -22,7 +22,6 @@ first called, so a build without them fails only where they are chosen.
 """
 
 import functools
-import importlib
 import typing
 
 from pallas_kernels.blocking import platform as current_platform
@@ -45,26 +44,33 @@ class DSAOps(typing.NamedTuple):
   sparse_mla: typing.Callable
 
 
-def _import_lazily(module: str, name: str) -> typing.Callable:
-  """`pallas_kernels.<module>.<name>`, imported at its first call."""
-
-  def op(*args, **kwargs):
-    try:
-      fn = getattr(importlib.import_module(f"pallas_kernels.{module}"), name)
-    except ModuleNotFoundError as e:
-      if e.name != f"pallas_kernels.{module}":  # the module is there; something it imports is not
-        raise
-      raise ModuleNotFoundError(
-          f"pallas_kernels.{module} (the GPU kernel {name}) is not in this build; "
-          f"model.dsa_impl='pallas' on GPU needs it (or use model.dsa_impl='xla')") from e
-    return fn(*args, **kwargs)
-
-  op.__name__ = op.__qualname__ = name
-  return op
+def _missing(module: str, error: ModuleNotFoundError) -> ModuleNotFoundError:
+  """The error for a GPU kernel module absent from this build (re-raised as is when the module
+  is there but something it imports is not)."""
+  if error.name != f"pallas_kernels.{module}":
+    return error
+  return ModuleNotFoundError(f"pallas_kernels.{module} (a GPU kernel) is not in this build; "
+                             "model.dsa_impl='pallas' on GPU needs it (or use 'xla')",
+                             name=error.name)
 
 
-indexer_topk_triton = _import_lazily("lightning_indexer_triton", "indexer_topk_triton")
-sparse_mla_triton = _import_lazily("sparse_mla_triton", "sparse_mla_triton")
+def indexer_topk_triton(*args, **kwargs):
+  """`lightning_indexer_triton.indexer_topk_triton`, imported at the first call."""
+  try:
+    from pallas_kernels.lightning_indexer_triton import indexer_topk_triton as op
+  except ModuleNotFoundError as e:
+    raise _missing("lightning_indexer_triton", e) from e
+  return op(*args, **kwargs)
+
+
+def sparse_mla_triton(*args, **kwargs):
+  """`sparse_mla_triton.sparse_mla_triton`, imported at the first call."""
+  try:
+    from pallas_kernels.sparse_mla_triton import sparse_mla_triton as op
+  except ModuleNotFoundError as e:
+    raise _missing("sparse_mla_triton", e) from e
+  return op(*args, **kwargs)
+
 
 DSA_OPS = {
     "reference": DSAOps(indexer_topk_reference, sparse_mla_reference),

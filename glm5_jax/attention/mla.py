@@ -127,8 +127,11 @@ class MLA(nn.Module):
       out_BLHV, aux = _sparse_stage_attention(c, latents, scale, segment_ids_BL, index_qkw,
                                               given_topk_BLT, recorded_topk_BLT)
     else:
+      # Initialization only needs shapes: it traces the XLA attention, so params can be built
+      # (and counted) on a host without a GPU for an attention_impl="cudnn" model.
+      impl = "xla" if self.is_initializing() else c.attention_impl
       out_BLHV, aux = _dense_attention(c, latents, scale, segment_ids_BL, index_qkw,
-                                       given_topk_BLT, mode, recorded_topk_BLT)
+                                       given_topk_BLT, mode, recorded_topk_BLT, impl)
     return mla_output(self, c, out_BLHV), aux
 
 
@@ -144,7 +147,7 @@ class _Latents(typing.NamedTuple):
 
 
 def _dense_attention(c, latents: _Latents, scale, segment_ids_BL, index_qkw, given_topk_BLT,
-                     mode: Mode, recorded_topk_BLT=None):
+                     mode: Mode, recorded_topk_BLT=None, attention_impl: str = "xla"):
   """`dsa_impl="dense_mask"`, the warm-up stage and dense MLA: attention over a `[B, L, S]` mask
   (the top-k selection folded into it in the sparse stage).
 
@@ -153,6 +156,7 @@ def _dense_attention(c, latents: _Latents, scale, segment_ids_BL, index_qkw, giv
     given_topk_BLT: a selection made elsewhere (the previous layer's, a sliding window), or
       None.
     recorded_topk_BLT: a replayed selection that replaces the indexer's (`MLA.__call__`).
+    attention_impl: "xla" or "cudnn" (`model.attention_impl`), for the expanded form.
   Returns:
     `(out_BLHV, aux)`, aux with the DSA entries documented in `MLA.__call__`.
   """
@@ -182,7 +186,7 @@ def _dense_attention(c, latents: _Latents, scale, segment_ids_BL, index_qkw, giv
     k_rope_BSHR = jnp.broadcast_to(k_rope_BSR[:, :, None, :], k_nope_BSHN.shape[:3] + (r,))
     q_BLHK = jnp.concatenate([q_nope_BLHN, q_rope_BLHR], axis=-1)
     k_BSHK = jnp.concatenate([k_nope_BSHN, k_rope_BSHR], axis=-1)
-    if c.attention_impl == "cudnn":
+    if attention_impl == "cudnn":
       _check_cudnn(c)
       out_BLHV = attend_flash(q_BLHK, k_BSHK, v_BSHV, visible_BLS, scale, "cudnn")
       # cuDNN returns no probabilities; the indexer KL's (detached) target recomputes them in

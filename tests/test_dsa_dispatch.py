@@ -1,0 +1,142 @@
+"""Which kernels `model.dsa_impl` and `model.attention_impl` run (`pallas_kernels.dispatch`,
+`glm5_jax.attention.mla`): the TPU or GPU Pallas kernels by platform, interpret mode only when
+asked for, clear errors naming the field where a platform has no kernel, and cuDNN attention's
+non-cuDNN twin equal to the XLA attention it replaces."""
+
+import functools
+import importlib.util
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import pallas_kernels as pk
+from glm5_jax.attention import common, mla
+from glm5_jax.attention.mla import MLA
+from glm5_jax.attention.mode import Mode
+from glm5_jax.config import ConfigError, model_config, validate_model_config
+from pallas_kernels import blocking, dispatch
+
+
+def test_plain_rows_are_the_table():
+  assert pk.dsa_ops("xla") is pk.DSA_OPS["xla"]
+  assert pk.dsa_ops("reference") is pk.DSA_OPS["reference"]
+  assert pk.DSA_OPS["pallas_tpu"] == (pk.indexer_topk_pallas, pk.sparse_mla_pallas)
+
+
+def test_pallas_picks_kernels_by_platform_compiled():
+  assert pk.dsa_ops("pallas", platform="tpu") is pk.DSA_OPS["pallas_tpu"]
+  gpu = pk.dsa_ops("pallas", platform="gpu")
+  assert gpu is pk.DSA_OPS["pallas_gpu"]
+  assert gpu == (dispatch.indexer_topk_triton, dispatch.sparse_mla_triton)
+
+
+def test_pallas_on_cpu_is_an_error_naming_the_field():
+  assert blocking.platform() == "cpu"
+  with pytest.raises(ValueError, match=r"model\.dsa_impl='pallas'.*'cpu'.*'xla'.*"
+                                       r"'pallas_interpret'"):
+    pk.dsa_ops("pallas")
+  with pytest.raises(ValueError, match=r"model\.dsa_impl.*'sparse'"):
+    pk.dsa_ops("sparse")
+
+
+def test_interpret_only_when_asked():
+  ops = pk.dsa_ops("pallas_interpret")
+  for op, kernel in zip(ops, pk.DSA_OPS["pallas_tpu"]):
+    assert isinstance(op, functools.partial) and op.func is kernel
+    assert op.keywords == {"interpret": True}
+  gpu = pk.dsa_ops("pallas", platform="gpu", interpret=True)
+  assert [op.func for op in gpu] == list(pk.DSA_OPS["pallas_gpu"])
+  assert not hasattr(blocking, "default_interpret")  # the silent fallback is gone
+  # A TPU kernel called on CPU without interpret=True is not interpreted behind our back.
+  b, l, s, h, c, r, t = 1, 8, 8, 2, 8, 4, 4
+  arrays = [jnp.ones(shape, jnp.float32) for shape in ((b, l, h, c), (b, l, h, r), (b, s, c),
+                                                       (b, s, r))]
+  with pytest.raises(ValueError, match="interpret"):
+    pk.sparse_mla_pallas(*arrays, jnp.zeros((b, l, t), jnp.int32), scale=0.1, block_t=4)
+
+
+def test_platform_follows_the_context_mesh():
+  mesh = jax.make_mesh((1,), ("data",))
+  with jax.set_mesh(mesh):
+    assert blocking.platform() == "cpu"
+  assert jax.jit(lambda: jnp.int32(len(blocking.platform())))() == 3
+
+
+@pytest.mark.skipif(importlib.util.find_spec("pallas_kernels.sparse_mla_triton") is not None,
+                    reason="the GPU kernel module is in this build")  # the lead drops this at merge
+def test_missing_gpu_module_fails_only_when_called():
+  with pytest.raises(ModuleNotFoundError, match=r"pallas_kernels\.sparse_mla_triton.*"
+                                                r"model\.dsa_impl='pallas'"):
+    dispatch.sparse_mla_triton()
+
+
+def _dsa_layer(helpers, **overrides):
+  b, l = 1, 16
+  cfg = helpers.config(**overrides)
+  x = jnp.asarray(np.random.default_rng(0).standard_normal((b, l, cfg.hidden_size)), jnp.float32)
+  positions = jnp.broadcast_to(jnp.arange(l), (b, l))
+  segments = jnp.where(jnp.arange(l) >= 6, 2, 1).astype(jnp.int32)[None]
+  module = MLA(cfg, kind="dsa")
+  params = helpers.random_tree(jax.eval_shape(
+      lambda: module.init(jax.random.key(0), x, positions, segments,
+                          mode=Mode(dsa_stage="dense"))))
+  return module, params, (x, positions, segments)
+
+
+def test_model_pallas_on_cpu_names_the_field(helpers):
+  module, params, args = _dsa_layer(helpers, dsa_impl="pallas")
+  with pytest.raises(ValueError, match=r"model\.dsa_impl='pallas'.*'cpu'"):
+    module.apply(params, *args, mode=Mode(dsa_stage="sparse"))
+
+
+# ---- model.attention_impl ---------------------------------------------------------------------
+
+
+def test_attention_impl_validation():
+  for impl in ("xla", "cudnn"):
+    validate_model_config(model_config(attention_impl=impl))
+  with pytest.raises(ConfigError, match=r"model\.attention_impl.*'xla', 'cudnn'.*'flash'"):
+    validate_model_config(model_config(attention_impl="flash"))
+
+
+@pytest.mark.parametrize("k,v", [(20, 16), (24, 24)])  # padded to 24; GLM-5's K = V as is
+def test_flash_call_equals_attend(k, v):
+  """`attend_flash` with implementation="xla" (the same jax.nn.dot_product_attention call that
+  runs cuDNN on GPU) gives `attend`'s output and gradients, packed documents included."""
+  b, l, h = 2, 12, 3
+  rng = np.random.default_rng(0)
+  q, kk, vv = (jnp.asarray(rng.standard_normal(shape), jnp.float32)
+               for shape in ((b, l, h, k), (b, l, h, k), (b, l, h, v)))
+  mask = common.causal_segment_mask(jnp.where(jnp.arange(l) >= 5, 2, 1)[None].repeat(b, 0))
+  want = lambda *a: common.attend(*a, mask, 0.3)[0]
+  got = lambda *a: common.attend_flash(*a, mask, 0.3, "xla")
+  np.testing.assert_allclose(got(q, kk, vv), want(q, kk, vv), rtol=1e-5, atol=1e-6)
+  loss = lambda f: jax.grad(lambda *a: (f(*a) ** 2).sum(), argnums=(0, 1, 2))(q, kk, vv)
+  for g, w in zip(loss(got), loss(want)):
+    np.testing.assert_allclose(g, w, rtol=1e-4, atol=1e-5)
+
+
+def test_cudnn_on_cpu_names_the_field(helpers):
+  module, params, args = _dsa_layer(helpers, attention_impl="cudnn", dtype="bfloat16")
+  with pytest.raises(ConfigError, match=r"model\.attention_impl.*GPU only.*'cpu'"):
+    module.apply(params, *args, mode=Mode(dsa_stage="warmup"))
+
+
+def test_cudnn_wiring_in_the_warmup_stage(helpers, monkeypatch):
+  """The warm-up stage with attention_impl="cudnn", the platform taken as GPU and the cuDNN
+  call swapped for its XLA twin: same output, top-k and indexer KL as "xla" (the KL's target
+  recomputed beside cuDNN)."""
+  monkeypatch.setattr(mla, "platform", lambda: "gpu")
+  monkeypatch.setattr(mla, "attend_flash",
+                      lambda *a: common.attend_flash(*a[:-1], "xla"))
+  outs = {}
+  for impl in ("xla", "cudnn"):
+    module, params, args = _dsa_layer(helpers, attention_impl=impl, dtype="bfloat16")
+    outs[impl] = module.apply(params, *args, mode=Mode(dsa_stage="warmup"))
+  (y, aux), (want_y, want_aux) = outs["cudnn"], outs["xla"]
+  np.testing.assert_allclose(np.asarray(y, np.float32), np.asarray(want_y, np.float32),
+                             rtol=2e-2, atol=2e-2)
+  np.testing.assert_array_equal(aux["topk_indices"], want_aux["topk_indices"])
+  np.testing.assert_allclose(aux["indexer_kl"], want_aux["indexer_kl"], rtol=1e-5, atol=1e-6)
