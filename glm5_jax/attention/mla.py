@@ -27,6 +27,7 @@ latent, N nope head dim, R rope dim, K = N + R, V value head dim, J index heads,
 dim, T top-k.
 """
 
+import dataclasses
 import functools
 import typing
 
@@ -85,6 +86,11 @@ class MLA(nn.Module):
       `topk_indices` (cache rows); nothing else.
     """
     c = self.cfg
+    if self.is_initializing():
+      # Init needs shapes only: it traces the backend-free paths (same params), so a model set
+      # to the GPU / TPU kernels or cuDNN is built and counted on any host.
+      c = dataclasses.replace(c, attention_impl="xla", dsa_impl=(
+          "xla" if c.dsa_impl in pallas_kernels.PALLAS_IMPLS else c.dsa_impl))
     dtype, pdtype = dtypes(c)
     n, r, k = c.qk_nope_head_dim, c.qk_rope_head_dim, c.qk_head_dim
     x_BLD = x_BLD.astype(dtype)
@@ -127,11 +133,8 @@ class MLA(nn.Module):
       out_BLHV, aux = _sparse_stage_attention(c, latents, scale, segment_ids_BL, index_qkw,
                                               given_topk_BLT, recorded_topk_BLT)
     else:
-      # Initialization only needs shapes: it traces the XLA attention, so params can be built
-      # (and counted) on a host without a GPU for an attention_impl="cudnn" model.
-      impl = "xla" if self.is_initializing() else c.attention_impl
       out_BLHV, aux = _dense_attention(c, latents, scale, segment_ids_BL, index_qkw,
-                                       given_topk_BLT, mode, recorded_topk_BLT, impl)
+                                       given_topk_BLT, mode, recorded_topk_BLT)
     return mla_output(self, c, out_BLHV), aux
 
 
@@ -147,7 +150,7 @@ class _Latents(typing.NamedTuple):
 
 
 def _dense_attention(c, latents: _Latents, scale, segment_ids_BL, index_qkw, given_topk_BLT,
-                     mode: Mode, recorded_topk_BLT=None, attention_impl: str = "xla"):
+                     mode: Mode, recorded_topk_BLT=None):
   """`dsa_impl="dense_mask"`, the warm-up stage and dense MLA: attention over a `[B, L, S]` mask
   (the top-k selection folded into it in the sparse stage).
 
@@ -156,7 +159,6 @@ def _dense_attention(c, latents: _Latents, scale, segment_ids_BL, index_qkw, giv
     given_topk_BLT: a selection made elsewhere (the previous layer's, a sliding window), or
       None.
     recorded_topk_BLT: a replayed selection that replaces the indexer's (`MLA.__call__`).
-    attention_impl: "xla" or "cudnn" (`model.attention_impl`), for the expanded form.
   Returns:
     `(out_BLHV, aux)`, aux with the DSA entries documented in `MLA.__call__`.
   """
@@ -186,7 +188,7 @@ def _dense_attention(c, latents: _Latents, scale, segment_ids_BL, index_qkw, giv
     k_rope_BSHR = jnp.broadcast_to(k_rope_BSR[:, :, None, :], k_nope_BSHN.shape[:3] + (r,))
     q_BLHK = jnp.concatenate([q_nope_BLHN, q_rope_BLHR], axis=-1)
     k_BSHK = jnp.concatenate([k_nope_BSHN, k_rope_BSHR], axis=-1)
-    if attention_impl == "cudnn":
+    if c.attention_impl == "cudnn":
       _check_cudnn(c)
       out_BLHV = attend_flash(q_BLHK, k_BSHK, v_BSHV, visible_BLS, scale, "cudnn")
       # cuDNN returns no probabilities; the indexer KL's (detached) target recomputes them in

@@ -1,0 +1,56 @@
+"""A GLM-5-shaped model of 3.0B parameters, 1.9B active, for one H100 / H200 (device_suite).
+
+GLM-5's attention exactly (docs/reference.md section 1): 64 MLA heads of N 192 + R 64 (K = V =
+256), kv latent C 512, q latent 1536 (GLM-5: 2048), a DSA lightning indexer of 32 heads x 128
+on every layer, top-k 2048, so the sparse stage runs the DSA ops at GLM-5's kernel shapes; a
+smaller MoE body (32 routed experts of 512, 4 per token, one shared; the first layer dense),
+12 layers, one MTP layer, GLM-5's vocabulary (`tools/param_count.py`: 3,023,595,136 params,
+2.83B without MTP, 1,858,090,336 active). Scanned layers, full remat, the DSA sparse stage
+from step 0 (a throughput config: the indexer is untrained, so the selection is not a useful
+one, but every op of the sparse step runs).
+
+  python tools/param_count.py --config=configs/glm5_gpu_3b.py
+  python tools/bench_train.py --config=configs/glm5_gpu_3b.py:dsa_impl=pallas   (GPU)
+  python tools/bench_train.py --config=configs/glm5_gpu_3b.py:dsa_impl=xla
+
+`arg` (configs.common.parse_arg): `dsa_impl=` "pallas" (default: the GPU kernels on GPU) |
+"xla" | "dense_mask"; `seq_len=` (default 4096); `batch=` rows per step (default 2: the fp32
+logits of 8K tokens x 155K vocab are 5 GB).
+"""
+
+import ml_collections
+
+from configs.common import parse_arg
+from glm5_jax import data, optim
+from glm5_jax.config import model_config
+from glm5_jax.sharding import mesh_config
+from glm5_jax.train import config as train_defaults
+
+
+def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
+  arg = parse_arg(arg, dsa_impl="pallas", seq_len=4096, batch=2)
+  config = ml_collections.ConfigDict()
+  config.seed = 0
+  config.model = model_config(
+      hidden_size=2048,
+      intermediate_size=6144,
+      num_hidden_layers=12,
+      q_lora_rank=1536,
+      n_routed_experts=32,
+      num_experts_per_tok=4,
+      moe_intermediate_size=512,
+      first_k_dense_replace=1,
+      mtp_depths=1,
+      max_position_embeddings=65536,
+      attention_pattern="D",
+      dsa_impl=arg.dsa_impl,
+      scan_layers=True,
+      remat_policy="full",
+  )
+  config.data = data.data_config(seq_len=arg.seq_len, batch_size=arg.batch)
+  config.optim = optim.optim_config(learning_rate=3e-4, warmup_steps=100)
+  config.train = train_defaults.train_config(steps=1000)
+  config.ckpt = train_defaults.ckpt_config(every_steps=500)
+  config.eval = train_defaults.eval_config(every_steps=0, batches=1)
+  config.mesh = mesh_config()
+  return config
