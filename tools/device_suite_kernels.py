@@ -285,34 +285,48 @@ def dense_forward_backward(q, k, v, cotangent, *, implementation, scale):
 
 def dsa_vs_dense_section(ctx) -> dict:
   """(c) DSA (indexer + top-k + sparse MLA, forward + backward) against cuDNN dense causal
-  attention (forward + backward) per L, and DSA's growth per 4x L."""
-  interpret = require_gpu_kernels(ctx.smoke)
-  d, ops = ctx.dims, gpu_ops(interpret)
-  implementation = "xla" if interpret else "cudnn"
-  rows, dsa_times = [], {}
+  attention (forward + backward) per L: DSA on the GPU kernels ("pallas") and on the XLA path
+  ("xla"; also what runs when the kernel modules are missing), and DSA's growth per 4x L."""
+  on_gpu = jax.default_backend() == "gpu"
+  if not on_gpu and not ctx.smoke:
+    raise RuntimeError("cuDNN needs a GPU; --smoke runs the XLA twin of the call on CPU")
+  implementation = "cudnn" if on_gpu else "xla"
+  try:
+    dsa_impls = {"pallas": gpu_ops(require_gpu_kernels(ctx.smoke)), "xla": pk.DSA_OPS["xla"]}
+  except Missing as e:
+    dsa_impls, missing = {"xla": pk.DSA_OPS["xla"]}, str(e)
+  else:
+    missing = None
+  d, rows, times = ctx.dims, [], {}
   for length in ctx.dense_seq_lens:
-    def case(length=length):
+    def dense_case(length=length):
       keys = jax.random.split(jax.random.key(length), 4)
       shape = (1, length, d.heads, d.dense_head_dim)
-      q, k, v, cot = (jax.random.normal(key, shape, jnp.bfloat16) for key in keys)
-      dense = timed(functools.partial(dense_forward_backward, implementation=implementation,
-                                      scale=d.dense_head_dim ** -0.5), (q, k, v, cot),
-                    ctx.repeats)
-      del q, k, v, cot
-      mla_args, cotangent = mla_inputs(length, d)
-      dsa = timed(functools.partial(dsa_forward_backward, ops=ops, d=d, scale=mla_scale(d),
-                                    index_scale=d.index_dim ** -0.5),
-                  (indexer_inputs(length, d), mla_args[:4], cotangent), ctx.repeats)
-      dsa_times[length] = dsa["median_s"]
-      dense_flops = 3.5 * 4 * d.dense_head_dim * d.heads * length * (length + 1) // 2
-      return dict(L=length, dense=implementation, dense_s=dense["median_s"],
-                  dense_tflops=dense_flops / dense["median_s"] / 1e12, dsa_s=dsa["median_s"],
-                  speedup=dense["median_s"] / dsa["median_s"],
-                  compile_s=dense["compile_s"] + dsa["compile_s"])
-    rows.append(ctx.case(f"dsa vs dense L={length}", case))
-  growth = {f"{l}->{4 * l}": dsa_times[4 * l] / dsa_times[l]
-            for l in dsa_times if 4 * l in dsa_times}
-  return dict(rows=rows, dsa_growth_per_4x_L=growth, interpret=interpret,
+      args = tuple(jax.random.normal(key, shape, jnp.bfloat16) for key in keys)
+      run = timed(functools.partial(dense_forward_backward, implementation=implementation,
+                                    scale=d.dense_head_dim ** -0.5), args, ctx.repeats)
+      times[("dense", length)] = run["median_s"]
+      flops = 3.5 * 4 * d.dense_head_dim * d.heads * length * (length + 1) // 2
+      return ctx.rate(dict(path=f"dense ({implementation})", L=length, **run), flops)
+    rows.append(ctx.case(f"dense L={length}", dense_case))
+    for name, ops in dsa_impls.items():
+      def dsa_case(length=length, name=name, ops=ops):
+        mla_args, cotangent = mla_inputs(length, d)
+        run = timed(functools.partial(dsa_forward_backward, ops=ops, d=d, scale=mla_scale(d),
+                                      index_scale=d.index_dim ** -0.5),
+                    (indexer_inputs(length, d), mla_args[:4], cotangent), ctx.repeats)
+        times[(name, length)] = run["median_s"]
+        dense_s = times.get(("dense", length))
+        flops = (valid_slots(length, d.topk) * d.heads * (2176 + 5504)
+                 + d.index_heads * d.index_dim * length * (length + 1))
+        return ctx.rate(dict(path=f"dsa ({name})", L=length, **run,
+                             speedup_vs_dense=dense_s / run["median_s"] if dense_s else None),
+                        flops)
+      rows.append(ctx.case(f"dsa {name} L={length}", dsa_case))
+  growth = {f"{name} {l}->{4 * l}": times[(name, 4 * l)] / times[(name, l)]
+            for (name, l) in times if (name, 4 * l) in times}
+  return dict(rows=rows, growth_per_4x_L=growth, gpu_kernels=missing or "present",
               note="attention cores only: the latent expansion (dense) and query absorption "
-                   "(DSA) projections are excluded; dense is one head of K = V = "
-                   f"{d.dense_head_dim} per query head")
+                   "(DSA) projections are excluded; dense has one head of K = V = "
+                   f"{d.dense_head_dim} per query head; DSA FLOPs = sparse MLA fwd+bwd on "
+                   "valid slots + the causal indexer scores")

@@ -1,0 +1,105 @@
+"""tools/device_suite.py on CPU (`--smoke`): every section runs or says why not, one failure never
+stops the rest, both reports are written with device / jax / date on every table; and the rules
+its correctness section applies (the causal selection, top-k recall and threshold)."""
+
+import importlib.util
+import json
+import os
+import subprocess
+import sys
+
+import jax
+import numpy as np
+import pytest
+
+from tools import device_suite, device_suite_kernels as kernels
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+GPU_KERNELS = all(importlib.util.find_spec(m) for m in kernels.GPU_MODULES)
+
+
+def _check_report(out_dir, names):
+  with open(os.path.join(out_dir, "device_suite.json")) as f:
+    report = json.load(f)
+  with open(os.path.join(out_dir, "device_suite.md")) as f:
+    text = f.read()
+  assert list(report["sections"]) == names
+  m = report["meta"]
+  assert m["jax"] == jax.__version__ and m["device"] and m["date"] and m["smoke"]
+  tables = text.split("\n## ")[1:]
+  assert len(tables) == len(names)
+  for table in tables:  # each table names the device, the jax version and the date
+    assert f"device {m['device']}" in table and f"jax {m['jax']}" in table and m["date"] in table
+  return report["sections"]
+
+
+def test_smoke_kernel_sections(tmp_path):
+  """The three kernel sections in-process: "missing" while the GPU kernel modules are absent
+  (the lead wires them at merge), else run in interpret mode; the dense baseline (XLA twin of
+  the cuDNN call) and the XLA DSA path always run."""
+  names = ["kernel_correctness", "kernel_timing", "dsa_vs_dense"]
+  device_suite.run(device_suite.smoke_context(), names, 300, str(tmp_path), "test")
+  sections = _check_report(str(tmp_path), names)
+  for name in names[:2]:
+    assert sections[name]["status"] == ("ok" if GPU_KERNELS else "missing"), sections[name]
+  dense = sections["dsa_vs_dense"]
+  assert dense["status"] == "ok", dense
+  paths = [row["path"] for row in dense["rows"]]
+  assert paths == ["dense (xla)"] + ["dsa (pallas)"] * GPU_KERNELS + ["dsa (xla)"]
+  assert all(row["median_s"] > 0 and row["tflops"] > 0 for row in dense["rows"])
+
+
+def test_a_failing_section_is_recorded_and_the_rest_run(tmp_path, monkeypatch):
+  def broken(ctx):
+    raise RuntimeError("boom")
+
+  def partial(ctx):
+    return dict(rows=[ctx.case("fine", lambda: dict(x=1.0)),
+                      ctx.case("bad", lambda: 1 / 0)])
+
+  monkeypatch.setattr(device_suite, "SECTIONS", {"a": (broken, 1.0), "b": (partial, 1.0)})
+  device_suite.run(device_suite.smoke_context(), ["a", "b"], 60, str(tmp_path), "test")
+  sections = _check_report(str(tmp_path), ["a", "b"])
+  assert sections["a"]["status"] == "error" and "boom" in sections["a"]["error"]
+  assert sections["b"]["status"] == "partial: error"
+  assert [r["status"] for r in sections["b"]["rows"]] == ["ok", "error"]
+  assert "ZeroDivisionError" in sections["b"]["rows"][1]["error"]
+
+
+@pytest.mark.slow  # a subprocess: compiles a train step and the decode engine (~1-2 min on CPU)
+def test_smoke_model_sections(tmp_path):
+  out = subprocess.run(
+      [sys.executable, "tools/device_suite.py", "--smoke", "--sections=train_step,decode",
+       f"--out_dir={tmp_path}"], cwd=REPO, capture_output=True, text=True, timeout=900,
+      env=dict(os.environ, PYTHONPATH=REPO))
+  assert out.returncode == 0, out.stderr[-3000:]
+  assert "== train_step" in out.stdout and "== decode" in out.stdout  # progress lines
+  sections = _check_report(str(tmp_path), ["train_step", "decode"])
+  train, decode = sections["train_step"], sections["decode"]
+  assert train["status"] == "ok", train
+  assert train["rows"][0]["dsa_impl"] == "pallas_interpret" and train["rows"][0]["step_s"] > 0
+  assert decode["status"] == "ok", decode
+  assert [r["mode"] for r in decode["rows"]] == ["plain", "MTP k=1"]
+  assert decode["rows"][1]["accept_length"] >= 1 and "meaningless" in decode["note"]
+
+
+def test_causal_selection_is_distinct_and_causal():
+  length, topk = 40, 8
+  sel = np.asarray(kernels.causal_selection(length, topk)[0])
+  for l in range(length):
+    keys = sel[l][sel[l] >= 0]
+    assert len(keys) == min(l + 1, topk) == len(set(keys.tolist()))
+    assert keys.max() <= l
+  assert kernels.valid_slots(length, topk) == int((sel >= 0).sum())
+
+
+def test_topk_rules():
+  """Recall over the reference's keys; a swapped pick passes only as a near-tie."""
+  scores = np.array([[5.0, 4.0, 3.0, 2.999, 1.0]])
+  want, want_scores = np.array([[0, 1, 2]]), np.array([[5.0, 4.0, 3.0]])
+  ok = kernels.topk_agreement(np.array([[0, 1, 3]]), want, want_scores, scores)
+  assert ok["threshold_ok"] and ok["recall"] == pytest.approx(2 / 3) and not ok["ok"]
+  far = kernels.topk_agreement(np.array([[0, 1, 4]]), want, want_scores, scores)
+  assert not far["threshold_ok"]
+  same = kernels.topk_agreement(want, want, want_scores, scores)
+  assert same["ok"] and same["recall"] == 1.0

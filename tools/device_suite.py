@@ -1,0 +1,249 @@
+"""One command that measures the project on an accelerator: the GPU DSA kernels, DSA against
+cuDNN, the train step and decoding; writes `device_suite.json` and `device_suite.md`.
+
+  # on the device machine (wheels from tools/fetch_device_wheels.sh; see docs/performance.md):
+  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
+      --target /tmp/site .whl/*.whl && export PYTHONPATH=/tmp/site && \
+      python3 tools/device_suite.py --out_dir=$OUT
+  python3 tools/device_suite.py --smoke --out_dir=/tmp/suite       # CPU, interpret mode, < 1 min
+
+Sections, in order (each guarded: a failure is recorded in the JSON and the rest still run; a
+kernel module absent from the build is recorded as "missing"):
+  kernel_correctness  (a) each GPU kernel against its reference, forward and backward, bf16,
+                      GLM-5 shapes, L in --seq_lens (rules: tools/device_suite_kernels.py)
+  kernel_timing       (b) each GPU kernel's median time, TFLOP/s, % of the chip's bf16 peak
+  dsa_vs_dense        (c) indexer + top-k + sparse MLA against cuDNN dense causal attention,
+                      forward + backward, L in --dense_seq_lens, and DSA's growth per 4x L
+  train_step          (d) configs/glm5_gpu_3b.py's train step, dsa_impl xla vs pallas:
+                      tokens/s and MFU (tools/device_suite_model.py)
+  decode              (e) engine tokens/s at --decode_slots, plain and MTP-speculative, accept
+                      length (`--workdir`: a trained run; the flag is tools/bench_decode.py's,
+                      whose module this one imports; its other flags are not read here)
+
+Time: `--budget_s` (default 420 s, so the run ends within 8 minutes on one H100 / H200 with
+start-up) is split between the sections by weight (`SECTIONS`); time a section leaves unused
+passes to the next ones. A case that would start past its section's deadline is recorded as
+"skipped (budget)"; a running case is never interrupted, so a slow compile can overrun.
+Both files are rewritten after every section, so a killed run still leaves what it finished.
+Every table's header names the device, the jax version and the date.
+"""
+
+import dataclasses
+import datetime
+import json
+import os
+import sys
+import time
+import traceback
+
+from absl import app, flags
+import jax
+
+from glm5_jax.accelerators import accelerator_of
+from tools import bench_decode  # defines --workdir and --seed, read by the decode section
+from tools import device_suite_kernels as kernels
+from tools import device_suite_model as model_sections
+
+_OUT = flags.DEFINE_string("out_dir", "device_suite_out", "Where the JSON and markdown go.")
+_BUDGET = flags.DEFINE_float("budget_s", 420.0, "Seconds for all sections together.")
+_SMOKE = flags.DEFINE_bool("smoke", False, "Tiny shapes and configs, GPU kernels in interpret "
+                           "mode off GPU: checks the suite itself on CPU (CI).")
+_ONLY = flags.DEFINE_list("sections", [], "Run only these sections (default: all).")
+_SEQ_LENS = flags.DEFINE_list("seq_lens", ["4096", "8192", "16384", "32768", "65536"],
+                              "L of the kernel sections (a), (b).")
+_DENSE_LENS = flags.DEFINE_list("dense_seq_lens", ["8192", "16384", "32768", "65536"],
+                                "L of the DSA vs dense section (c).")
+_REPEATS = flags.DEFINE_integer("repeats", 5, "Timed calls per measurement (median).")
+_TRAIN_STEPS = flags.DEFINE_integer("train_steps", 5, "Timed train steps per dsa_impl.")
+_SLOTS = flags.DEFINE_list("decode_slots", ["1", "32", "128"], "Slot counts of section (e).")
+_NEW_TOKENS = flags.DEFINE_integer("new_tokens", 64, "Tokens generated per slot in (e).")
+_PROMPT_LEN = flags.DEFINE_integer("decode_prompt_len", 128, "Prompt tokens per slot in (e).")
+_SPEC_K = flags.DEFINE_integer("spec_k", 0, "MTP draft steps in (e); 0: the model's mtp_depths.")
+_DECODE_DSA = flags.DEFINE_string("decode_dsa_impl", "pallas", "model.dsa_impl of the random-"
+                                  "init decode model (--smoke: xla).")
+
+# name -> (function, share of the budget)
+SECTIONS = {
+    "kernel_correctness": (kernels.correctness_section, 0.15),
+    "kernel_timing": (kernels.timing_section, 0.15),
+    "dsa_vs_dense": (kernels.dsa_vs_dense_section, 0.2),
+    "train_step": (model_sections.train_section, 0.25),
+    "decode": (model_sections.decode_section, 0.25),
+}
+SMOKE_LENS, SMOKE_DENSE_LENS, SMOKE_SLOTS = (64, 128), (64,), (1,)
+
+
+@dataclasses.dataclass
+class Context:
+  """What the sections read: sizes, budget, and the guarded-case helpers."""
+
+  smoke: bool
+  dims: kernels.Dims
+  seq_lens: tuple
+  dense_seq_lens: tuple
+  repeats: int
+  train_steps: int
+  decode_slots: tuple
+  new_tokens: int
+  prompt_len: int
+  spec_k: int
+  decode_dsa_impl: str
+  workdir: str | None
+  seed: int
+  peak: float | None
+  deadline: float = 0.0
+
+  def left(self) -> float:
+    return self.deadline - time.perf_counter()
+
+  def cases(self, name: str, fn) -> list:
+    """`fn()` -> rows, each marked "ok"; one error row if it raises; a "skipped (budget)" row
+    if the section's time is up. Prints one progress line per case."""
+    if self.left() <= 0:
+      print(f"  {name}: skipped (budget)", flush=True)
+      return [dict(case=name, status="skipped (budget)")]
+    start = time.perf_counter()
+    try:
+      rows = [dict(case=name, status="ok", **row) for row in fn()]
+    except Exception as e:  # recorded, and the suite goes on
+      rows = [dict(case=name, status="error", error=f"{type(e).__name__}: {e}"[:1500])]
+    seconds = time.perf_counter() - start
+    for row in rows:
+      shown = {k: v for k, v in row.items() if k not in ("case", "status")}
+      print(f"  {name}: {row['status']} in {seconds:.1f}s {_short(shown)}", flush=True)
+    return rows
+
+  def case(self, name: str, fn) -> dict:
+    return self.cases(name, lambda: [fn()])[0]
+
+  def rate(self, row: dict, flops: float) -> dict:
+    """`row` with TFLOP/s and % of the chip's bf16 peak for `flops` in `row["median_s"]`."""
+    per_s = flops / row["median_s"]
+    return dict(row, tflop=flops / 1e12, tflops=per_s / 1e12,
+                peak_pct=100 * per_s / self.peak if self.peak else None)
+
+
+def _short(row: dict) -> str:
+  return " ".join(f"{k}={v:.4g}" if isinstance(v, float) else f"{k}={v}"
+                  for k, v in row.items())[:300]
+
+
+def meta() -> dict:
+  device = jax.devices()[0]
+  chip = accelerator_of(device.device_kind)
+  return dict(device=device.device_kind, backend=jax.default_backend(),
+              devices=jax.device_count(), jax=jax.__version__,
+              date=datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
+              peak_bf16_tflops=chip.peak_flops / 1e12 if chip else None)
+
+
+def run_sections(ctx: Context, names, budget_s: float, on_section) -> dict:
+  """Every section in `names` within `budget_s`, by weight; `on_section(results)` after each."""
+  results, end = {}, time.perf_counter() + budget_s
+  for i, name in enumerate(names):
+    fn, weight = SECTIONS[name]
+    rest = sum(SECTIONS[n][1] for n in names[i:])
+    ctx.deadline = time.perf_counter() + max(end - time.perf_counter(), 0) * weight / rest
+    print(f"== {name} ({max(ctx.left(), 0):.0f}s)", flush=True)
+    start = time.perf_counter()
+    try:
+      out = dict(status="ok", **fn(ctx))
+      bad = [r["status"] for r in out.get("rows", []) if r["status"] != "ok"]
+      if bad:
+        out["status"] = "partial: " + ", ".join(sorted(set(bad)))
+    except kernels.Missing as e:
+      out = dict(status="missing", error=str(e))
+    except Exception as e:  # recorded, and the suite goes on
+      out = dict(status="error", error=f"{type(e).__name__}: {e}"[:1500],
+                 traceback=traceback.format_exc()[-3000:])
+    out["seconds"] = time.perf_counter() - start
+    print(f"== {name}: {out['status']} in {out['seconds']:.1f}s", flush=True)
+    results[name] = out
+    on_section(results)
+  return results
+
+
+def markdown(report: dict) -> str:
+  """One table per section, each headed by device, jax version and date."""
+  m = report["meta"]
+  head = (f"device {m['device']} ({m['backend']}, bf16 peak "
+          f"{m['peak_bf16_tflops'] or 'unknown'} TFLOP/s) | jax {m['jax']} | {m['date']}"
+          f"{' | SMOKE (tiny shapes, interpret mode: no speed meaning)' if m['smoke'] else ''}")
+  lines = [f"# tools/device_suite.py: {m['command']}", ""]
+  for name, section in report["sections"].items():
+    lines += [f"## {name}: {section['status']} ({section['seconds']:.0f} s)", "", f"_{head}_", ""]
+    extras = {k: v for k, v in section.items()
+              if k not in ("rows", "status", "seconds", "traceback")}
+    lines += [f"- {k}: {json.dumps(v, default=str)}" for k, v in extras.items()] + [""]
+    rows = section.get("rows", [])
+    columns = list(dict.fromkeys(k for row in rows for k in row))
+    if rows:
+      lines += ["| " + " | ".join(columns) + " |", "|" + "---|" * len(columns)]
+      lines += ["| " + " | ".join(_cell(row.get(c)) for c in columns) + " |" for row in rows]
+      lines.append("")
+  return "\n".join(lines)
+
+
+def _cell(value) -> str:
+  if isinstance(value, float):
+    return f"{value:.4g}"
+  return "" if value is None else str(value).replace("|", "/").replace("\n", " ")
+
+
+def smoke_context(workdir: str | None = None, seed: int = 0) -> Context:
+  """`--smoke`'s fixed tiny sizes (no flag read: tests build it too)."""
+  return Context(smoke=True, dims=kernels.SMOKE_DIMS, seq_lens=SMOKE_LENS,
+                 dense_seq_lens=SMOKE_DENSE_LENS, repeats=1, train_steps=1,
+                 decode_slots=SMOKE_SLOTS, new_tokens=2, prompt_len=8, spec_k=0,
+                 decode_dsa_impl="xla", workdir=workdir, seed=seed, peak=None)
+
+
+def flag_context(peak: float | None) -> Context:
+  """The sections' sizes from the flags (GLM-5 shapes)."""
+  ints = lambda values: tuple(int(v) for v in values)
+  return Context(
+      smoke=False, dims=kernels.GLM5_DIMS, seq_lens=ints(_SEQ_LENS.value),
+      dense_seq_lens=ints(_DENSE_LENS.value), repeats=_REPEATS.value,
+      train_steps=_TRAIN_STEPS.value, decode_slots=ints(_SLOTS.value),
+      new_tokens=_NEW_TOKENS.value, prompt_len=_PROMPT_LEN.value, spec_k=_SPEC_K.value,
+      decode_dsa_impl=_DECODE_DSA.value, workdir=bench_decode._WORKDIR.value,
+      seed=bench_decode._SEED.value, peak=peak)
+
+
+def run(ctx: Context, names, budget_s: float, out_dir: str, command: str) -> dict:
+  """Runs `names`, rewriting `<out_dir>/device_suite.{json,md}` after each; the report."""
+  info = meta()
+  report = dict(meta=dict(info, smoke=ctx.smoke, budget_s=budget_s, command=command),
+                sections={})
+  os.makedirs(out_dir, exist_ok=True)
+  print(f"device_suite: {info['device']} ({info['backend']}), jax {info['jax']}, "
+        f"{info['date']}, budget {budget_s:.0f}s{', SMOKE' if ctx.smoke else ''}", flush=True)
+
+  def write(results):
+    report["sections"] = results
+    with open(os.path.join(out_dir, "device_suite.json"), "w") as f:
+      json.dump(report, f, indent=1, default=str)
+    with open(os.path.join(out_dir, "device_suite.md"), "w") as f:
+      f.write(markdown(report))
+
+  run_sections(ctx, list(names), budget_s, write)
+  print(f"wrote {out_dir}/device_suite.json and device_suite.md", flush=True)
+  return report
+
+
+def main(argv):
+  if len(argv) > 1:
+    raise app.UsageError(f"unexpected arguments {argv[1:]}")
+  names = _ONLY.value or list(SECTIONS)
+  unknown = sorted(set(names) - set(SECTIONS))
+  if unknown:
+    raise app.UsageError(f"--sections: unknown {unknown}; known: {list(SECTIONS)}")
+  peak = meta()["peak_bf16_tflops"]
+  ctx = (smoke_context(bench_decode._WORKDIR.value, bench_decode._SEED.value) if _SMOKE.value
+         else flag_context(peak and peak * 1e12))
+  run(ctx, names, _BUDGET.value, _OUT.value,
+      "python3 tools/device_suite.py " + " ".join(sys.argv[1:]))
+
+
+if __name__ == "__main__":
+  app.run(main)
