@@ -61,8 +61,9 @@ from pallas_kernels.sparse_mla import check_sparse_mla_inputs
 _NT = (((1,), (1,)), ((), ()))  # [m, k] x [n, k] -> [m, n]
 _TN = (((0,), (0,)), ((), ()))  # [k, m] x [k, n] -> [m, n]
 _F32 = jnp.float32
-# Decode splits the slots until about this many programs run: two per SM of a 132-SM H100, so
-# the last wave is not one straggler program per SM.
+# Decode splits the slots until about this many programs run: about two waves on a 132-SM H100
+# (one program per SM fits at the default blocks' ~144 KiB of shared memory), so no SM idles
+# while a few finish a long row.
 _TARGET_PROGRAMS = 256
 
 
@@ -78,8 +79,10 @@ class TritonMLAOptions:
       the 72 KiB query tile stay well under 228 KiB; bt=64 would double that and leave no
       room for a third stage.
     backward_block_t=32, backward_num_warps=8, backward_num_stages=1: the backward keeps q and
-      dout `[64, 512]` (64 KiB each) and the dq accumulator (128 KiB of registers) resident,
-      plus the block's `[32, 512]` fp32 key-row gradients; one stage keeps shared memory in
+      dout `[64, 512]` bf16 (64 KiB each) resident and the dq accumulator (128 KiB of
+      registers), plus the block's `[32, 512]` fp32 key-row gradients (64 KiB, transient): near
+      the 256 KiB register file, so expect some spilling; backward_block_t=16 halves the
+      transient. One stage keeps shared memory (q, dout, one gathered block: ~172 KiB) in
       budget.
     split_k: None = automatic (`_auto_split`); 1 = never split; K = split the slots over K
       programs per token (forward only; the backward is never split).
@@ -355,6 +358,8 @@ def sparse_mla_triton(q_BLHC, q_rope_BLHR, kv_BSC, k_rope_BSR, topk_BLT, *, scal
       backward_block_t, backward_num_warps, backward_num_stages, split_k).
   Returns:
     `(out_BLHC, lse_BLH)`: out in kv's dtype, lse fp32 (-inf for a query with no valid slot).
+  Unlike the reference, the four float inputs must share one dtype (bf16 on GPU; fp32 runs the
+  dots in IEEE fp32, slowly).
   """
   check_sparse_mla_inputs(q_BLHC, q_rope_BLHR, kv_BSC, k_rope_BSR, topk_BLT)
   fields = {f.name for f in dataclasses.fields(TritonMLAOptions)} - {"interpret"}
@@ -362,6 +367,11 @@ def sparse_mla_triton(q_BLHC, q_rope_BLHR, kv_BSC, k_rope_BSR, topk_BLT, *, scal
   if unknown:
     raise TypeError(f"sparse_mla_triton: unknown options {sorted(unknown)}; "
                     f"expected some of {sorted(fields)}")
+  dtypes = {x.dtype for x in (q_BLHC, q_rope_BLHR, kv_BSC, k_rope_BSR)}
+  if len(dtypes) > 1:  # the reference would promote; a Triton dot takes one element type
+    raise ValueError(f"sparse_mla_triton: q, q_rope, kv and k_rope must share one dtype (a "
+                     f"Triton dot takes operands of one element type), got q {q_BLHC.dtype}, "
+                     f"q_rope {q_rope_BLHR.dtype}, kv {kv_BSC.dtype}, k_rope {k_rope_BSR.dtype}")
   opts = TritonMLAOptions(interpret=interpret, **block_options)
   # Out-of-range slots become -1 once, so forward, residuals and backward see one selection.
   topk_BLT = empty_out_of_range(topk_BLT, kv_BSC.shape[1])

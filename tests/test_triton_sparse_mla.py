@@ -123,6 +123,8 @@ def test_options_are_checked():
     sparse_mla_triton(*args, scale=SCALE, interpret=True, block_t=24)
   with pytest.raises(ValueError, match="split_k"):
     sparse_mla_triton(*args, scale=SCALE, interpret=True, split_k=0)
+  with pytest.raises(ValueError, match="share one dtype"):
+    sparse_mla_triton(args[0].astype(jnp.bfloat16), *args[1:], scale=SCALE, interpret=True)
 
 
 def test_flop_formula():
