@@ -116,9 +116,10 @@ def _pow2(n: int, floor: int = 16) -> int:
   return max(floor, 1 << (n - 1).bit_length())
 
 
-def _slot_block(t: int, block_t: int) -> int:
+def _slot_block(t: int, block_t: int, name: str) -> int:
+  """Slots per block: `block_t` (option `name`), or less when T itself is smaller."""
   if block_t < 16 or block_t & (block_t - 1):
-    raise ValueError(f"sparse_mla_triton: block_t={block_t} must be a power of two >= 16 "
+    raise ValueError(f"sparse_mla_triton: {name}={block_t} must be a power of two >= 16 "
                      "(Triton block dims are powers of two; dot operands >= 16)")
   return min(block_t, _pow2(t))
 
@@ -253,7 +254,7 @@ def _merge_splits(out_BLKHC, lse_BLKH):
 
 def _forward(q_BLHC, q_rope_BLHR, kv_BSC, k_rope_BSR, topk_BLT, scale, opts):
   b, l, h, c = q_BLHC.shape
-  bt = _slot_block(topk_BLT.shape[-1], opts.block_t)
+  bt = _slot_block(topk_BLT.shape[-1], opts.block_t, "block_t")
   q, q_rope, kv, k_rope, topk, n_blocks = _padded(q_BLHC, q_rope_BLHR, kv_BSC, k_rope_BSR,
                                                    topk_BLT, bt)
   hp, cp, rp = q.shape[2], q.shape[3], q_rope.shape[3]
@@ -291,7 +292,7 @@ def _backward(q_BLHC, q_rope_BLHR, kv_BSC, k_rope_BSR, topk_BLT, dout_BLHC, lse_
               scale, opts):
   """Returns `(dq, dq_rope, dkv, dk_rope)` in the dtypes of q, q_rope, kv, k_rope."""
   (b, l, h, c), (s, r) = q_BLHC.shape, k_rope_BSR.shape[1:]
-  bt = _slot_block(topk_BLT.shape[-1], opts.backward_block_t)
+  bt = _slot_block(topk_BLT.shape[-1], opts.backward_block_t, "backward_block_t")
   q, q_rope, kv, k_rope, topk, n_blocks = _padded(q_BLHC, q_rope_BLHR, kv_BSC, k_rope_BSR,
                                                    topk_BLT, bt)
   hp, cp, rp = q.shape[2], q.shape[3], q_rope.shape[3]
