@@ -1,0 +1,379 @@
+"""Sparse MLA attention (absorbed / MQA form) as Pallas Triton (GPU) kernels: forward, backward
+and split-k decode.
+
+Same math and contract as `sparse_mla.sparse_mla_reference` (that module's docstring has the
+equations and the gradients; the package docstring the index contract): slots outside [0, S)
+are empty like -1, a row selected twice is two softmax terms and gets the gradients of both, a
+query with no valid slot gets a zero output, lse -inf and no gradient.
+
+Forward, grid (B, L, K), one program per query token (and split, K = 1 unless decoding):
+  1. All H heads of the token are one `[H, C]` (+ `[H, R]`) tile, loaded once (FlashMLA's sparse
+     design): every head attends over the same selected rows, so each gathered row feeds H dot
+     products and the gather is paid once per token, not once per head.
+  2. Loop over the token's slots in blocks of bt: load the bt indices, gather the rows
+     `[bt, C]` from kv and `[bt, R]` from k_rope with array-indexed loads (an empty slot reads
+     row 0 and is masked), logits `[H, bt]` on the tensor cores with fp32 accumulation.
+  3. Online softmax (running max m, sum l `[H]`, accumulator `[H, C]` in fp32 registers); the
+     end writes `out = acc / l`, `lse = m + log l` (-inf where l = 0).
+  The loop stops after the last block that holds a valid slot (`n_blocks_BL`, from XLA): the
+  indexer pads a short causal row with -1 at the end, so early queries do less work.
+Decode (flash-decoding): with few programs (B * L small, e.g. one new token per sequence) the
+  T slots are split over K programs per token; each writes a partial (out, lse) in fp32 and XLA
+  merges them with a log-sum-exp (`_merge_splits`). K is picked from B * L so that about
+  `_TARGET_PROGRAMS` programs run (a Hopper has 132 SMs), or given as `split_k=`.
+Backward (custom VJP), grid (B, L): `delta = rowsum(dout * out) - dlse` in XLA; per token the
+  same gather and logits, `p = exp(logit - lse)`, `ds = p (dout . kv - delta) scale`; dq and
+  dq_rope accumulate in registers over the slot blocks and are written once; each block's
+  key-row gradients `p^T dout + ds^T q` `[bt, C]` and `ds^T q_rope` `[bt, R]` are added into
+  fp32 `[B, S, C]` / `[B, S, R]` buffers with masked `plgpu.atomic_add` (GPUs have atomics, so
+  no per-slot buffer and no XLA scatter as on TPU), cast to the input dtype after. The order
+  in which programs' atomics land varies from run to run, so dkv / dk_rope are bitwise
+  NON-deterministic on GPU (run-to-run differences within fp32 rounding of the sum); dq,
+  dq_rope, out and lse are deterministic. Many queries selecting one key (e.g. the first
+  tokens) serialize their atomics on that row.
+
+Interpret mode (CPU tests): the discharge of a vector `atomic_add` in interpret mode takes no
+mask and, for duplicate addresses within one call, keeps one update (it is gather, add, set),
+so in interpret mode the rows are added one at a time (`_add_rows`); the GPU issues one masked
+vector atomic per block. The CUDA lowering of the vector form is checked on CPU by the tests;
+Triton's own compiler (ptxas) and real-GPU numbers are left to the device suite.
+
+Triton block rules: every block dim a power of two and every dot operand >= 16 per dim, so H,
+C, R are zero-padded to powers of two >= 16 (no-ops at GLM-5's H=64, C=512, R=64; padded heads
+have zero queries and zero cotangents, so they change nothing) and T to a multiple of bt with
+-1 slots.
+
+Notation (docs/design.md): B batch, L queries, S keys, H heads, C latent dim, R RoPE dim,
+T top-k slots, bt slots per block, K splits of the slots per token (decode).
+"""
+
+import dataclasses
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import triton as plgpu
+
+from pallas_kernels.blocking import MASKED_LOGIT, empty_out_of_range, pad_axis, round_up
+from pallas_kernels.sparse_mla import check_sparse_mla_inputs
+
+_NT = (((1,), (1,)), ((), ()))  # [m, k] x [n, k] -> [m, n]
+_TN = (((0,), (0,)), ((), ()))  # [k, m] x [k, n] -> [m, n]
+_F32 = jnp.float32
+# Decode splits the slots until about this many programs run: about two waves on a 132-SM H100
+# (one program per SM fits at the default blocks' ~144 KiB of shared memory), so no SM idles
+# while a few finish a long row.
+_TARGET_PROGRAMS = 256
+
+
+@dataclasses.dataclass(frozen=True)
+class TritonMLAOptions:
+  """Block sizes and launch parameters (keywords of `sparse_mla_triton`).
+
+  Hopper defaults (H100 / H200: 228 KiB shared memory and 64K 32-bit registers per SM), not yet
+  tuned on a GPU; the device suite should sweep block_t in {16, 32, 64} and num_stages {1, 2, 3}:
+    block_t=32, num_warps=8, num_stages=2 (forward): the fp32 accumulator `[64, 512]` is 128 KiB
+      of registers, 128 per thread with 8 warps (4 warps would spill); a gathered block is
+      32 x (512 + 64) bf16 = 36 KiB of shared memory, two of them in flight (num_stages=2) plus
+      the 72 KiB query tile stay well under 228 KiB; bt=64 would double that and leave no
+      room for a third stage.
+    backward_block_t=32, backward_num_warps=8, backward_num_stages=1: the backward keeps q and
+      dout `[64, 512]` bf16 (64 KiB each) resident and the dq accumulator (128 KiB of
+      registers), plus the block's `[32, 512]` fp32 key-row gradients (64 KiB, transient): near
+      the 256 KiB register file, so expect some spilling; backward_block_t=16 halves the
+      transient. One stage keeps shared memory (q, dout, one gathered block: ~172 KiB) in
+      budget.
+    split_k: None = automatic (`_auto_split`); 1 = never split; K = split the slots over K
+      programs per token (forward only; the backward is never split).
+  """
+
+  block_t: int = 32
+  num_warps: int = 8
+  num_stages: int = 2
+  backward_block_t: int = 32
+  backward_num_warps: int = 8
+  backward_num_stages: int = 1
+  split_k: int | None = None
+  interpret: bool = False
+
+
+def sparse_mla_flops(b: int, l: int, h: int, c: int, r: int, t: int, backward: bool = False):
+  """Matmul FLOPs of one pass (2 per multiply-add), for TFLOP/s reports.
+
+  Forward: logits `q . kv + q_rope . k_rope` (C + R) and `p . kv` (C) per (query, head, slot):
+  2 B L H T (2C + R). Backward only (not forward + backward): the recomputed logits (C + R),
+  `dout . kv` (C), dq (C), dq_rope (R), dkv `p dout + ds q` (2C), dk_rope (R):
+  2 B L H T (5C + 3R). Pass as `t` the slots counted: the selection width for nominal FLOP/s,
+  the number of valid slots for achieved ones (the kernels skip trailing empty blocks).
+  """
+  per_slot = (5 * c + 3 * r) if backward else (2 * c + r)
+  return 2 * b * l * h * t * per_slot
+
+
+def _pow2(n: int, floor: int = 16) -> int:
+  """The smallest power of two >= max(n, floor) (Triton blocks; dot operands >= 16)."""
+  return max(floor, 1 << (n - 1).bit_length())
+
+
+def _slot_block(t: int, block_t: int, name: str) -> int:
+  """Slots per block: `block_t` (option `name`), or less when T itself is smaller."""
+  if block_t < 16 or block_t & (block_t - 1):
+    raise ValueError(f"sparse_mla_triton: {name}={block_t} must be a power of two >= 16 "
+                     "(Triton block dims are powers of two; dot operands >= 16)")
+  return min(block_t, _pow2(t))
+
+
+def _auto_split(programs: int, num_blocks: int) -> int:
+  """Splits per token (a power of two, at most one per slot block) so that about
+  `_TARGET_PROGRAMS` programs run; 1 for prefill / training (B * L is large)."""
+  k = 1
+  while programs * k < _TARGET_PROGRAMS and 2 * k <= num_blocks:
+    k *= 2
+  return k
+
+
+def _gather(topk_ref, kv_ref, k_rope_ref, b, l, j, bt):
+  """Slot block j of token (b, l): indices `[bt]`, their validity, rows `[bt, C]`, `[bt, R]`."""
+  rows_T = topk_ref[b, l, pl.ds(j * bt, bt)]
+  valid_T = rows_T >= 0
+  safe_T = jnp.where(valid_T, rows_T, 0)  # an empty slot reads row 0; its logit is masked
+  return safe_T, valid_T, kv_ref[b, safe_T, :], k_rope_ref[b, safe_T, :]
+
+
+def _logits(q_HC, q_rope_HR, kv_TC, k_rope_TR, valid_T, scale):
+  """Masked fp32 logits `[H, bt]` (empty slots MASKED_LOGIT, never -inf: no inf - inf)."""
+  s_HT = (jax.lax.dot_general(q_HC, kv_TC, _NT, preferred_element_type=_F32)
+          + jax.lax.dot_general(q_rope_HR, k_rope_TR, _NT, preferred_element_type=_F32)) * scale
+  return jnp.where(valid_T[None, :], s_HT, MASKED_LOGIT)
+
+
+def _forward_kernel(n_blocks_ref, topk_ref, q_ref, q_rope_ref, kv_ref, k_rope_ref, out_ref,
+                    lse_ref, *, scale, bt, blocks_per_split):
+  b, l, k = pl.program_id(0), pl.program_id(1), pl.program_id(2)
+  q_HC, q_rope_HR = q_ref[...], q_rope_ref[...]
+  h, c = q_HC.shape
+
+  def block(j, carry):
+    m_H, l_H, acc_HC = carry
+    _, valid_T, kv_TC, k_rope_TR = _gather(topk_ref, kv_ref, k_rope_ref, b, l, j, bt)
+    s_HT = _logits(q_HC, q_rope_HR, kv_TC, k_rope_TR, valid_T, scale)
+    m_next_H = jnp.maximum(m_H, s_HT.max(axis=1))
+    alpha_H = jnp.exp(m_H - m_next_H)
+    p_HT = jnp.where(valid_T[None, :], jnp.exp(s_HT - m_next_H[:, None]), 0.0)
+    acc_HC = alpha_H[:, None] * acc_HC + jnp.dot(p_HT.astype(kv_TC.dtype), kv_TC,
+                                                 preferred_element_type=_F32)
+    return m_next_H, alpha_H * l_H + p_HT.sum(axis=1), acc_HC
+
+  # This split's slot blocks, cut at the token's last block with a valid slot.
+  start = k * blocks_per_split
+  stop = jnp.minimum(start + blocks_per_split, n_blocks_ref[b, l])
+  init = (jnp.full((h,), MASKED_LOGIT, _F32), jnp.zeros((h,), _F32), jnp.zeros((h, c), _F32))
+  m_H, l_H, acc_HC = jax.lax.fori_loop(start, stop, block, init)
+  safe_l_H = jnp.where(l_H > 0, l_H, 1.0)
+  out_ref[...] = (acc_HC / safe_l_H[:, None]).astype(out_ref.dtype)
+  lse_ref[...] = jnp.where(l_H > 0, m_H + jnp.log(safe_l_H), -jnp.inf)
+
+
+def _add_rows(acc_ref, b, rows_T, valid_T, vals_TX, interpret):
+  """`acc[b, rows[i]] += vals[i]` for the valid slots i, atomically (duplicates accumulate).
+
+  GPU: one masked vector atomic over `[bt, X]` addresses. Interpret mode: row by row (module
+  docstring: its vector atomic neither takes a mask nor accumulates duplicate addresses)."""
+  if not interpret:
+    cols_X = jax.lax.broadcasted_iota(jnp.int32, (1, vals_TX.shape[1]), 1)
+    mask_TX = jnp.broadcast_to(valid_T[:, None], vals_TX.shape)
+    plgpu.atomic_add(acc_ref, (b, rows_T[:, None], cols_X), vals_TX, mask=mask_TX)
+    return
+
+  def one_row(i, _):
+    val_X = jnp.where(valid_T[i], vals_TX[i], 0.0)
+    plgpu.atomic_add(acc_ref, (b, rows_T[i], slice(None)), val_X)
+
+  jax.lax.fori_loop(0, rows_T.shape[0], one_row, None)
+
+
+def _backward_kernel(n_blocks_ref, topk_ref, q_ref, q_rope_ref, dout_ref, lse_ref, delta_ref,
+                     kv_ref, k_rope_ref, _dkv_in, _dk_rope_in, dq_ref, dq_rope_ref, dkv_ref,
+                     dk_rope_ref, *, scale, bt, interpret):
+  # _dkv_in / _dk_rope_in are the zero buffers aliased to dkv_ref / dk_rope_ref.
+  b, l = pl.program_id(0), pl.program_id(1)
+  q_HC, q_rope_HR, dout_HC = q_ref[...], q_rope_ref[...], dout_ref[...]
+  lse_H, delta_H = lse_ref[...], delta_ref[...]
+
+  def block(j, carry):
+    dq_HC, dq_rope_HR = carry
+    rows_T, valid_T, kv_TC, k_rope_TR = _gather(topk_ref, kv_ref, k_rope_ref, b, l, j, bt)
+    s_HT = _logits(q_HC, q_rope_HR, kv_TC, k_rope_TR, valid_T, scale)
+    p_HT = jnp.where(valid_T[None, :], jnp.exp(s_HT - lse_H[:, None]), 0.0)
+    dp_HT = jax.lax.dot_general(dout_HC, kv_TC, _NT, preferred_element_type=_F32)
+    ds_HT = p_HT * (dp_HT - delta_H[:, None]) * scale  # the logits' scale folded in once
+    dq_HC += jnp.dot(ds_HT.astype(kv_TC.dtype), kv_TC, preferred_element_type=_F32)
+    dq_rope_HR += jnp.dot(ds_HT.astype(k_rope_TR.dtype), k_rope_TR, preferred_element_type=_F32)
+    dkv_TC = (jax.lax.dot_general(p_HT.astype(dout_HC.dtype), dout_HC, _TN,
+                                  preferred_element_type=_F32)
+              + jax.lax.dot_general(ds_HT.astype(q_HC.dtype), q_HC, _TN,
+                                    preferred_element_type=_F32))
+    dk_rope_TR = jax.lax.dot_general(ds_HT.astype(q_rope_HR.dtype), q_rope_HR, _TN,
+                                     preferred_element_type=_F32)
+    _add_rows(dkv_ref, b, rows_T, valid_T, dkv_TC, interpret)
+    _add_rows(dk_rope_ref, b, rows_T, valid_T, dk_rope_TR, interpret)
+    return dq_HC, dq_rope_HR
+
+  init = (jnp.zeros(q_HC.shape, _F32), jnp.zeros(q_rope_HR.shape, _F32))
+  dq_HC, dq_rope_HR = jax.lax.fori_loop(0, n_blocks_ref[b, l], block, init)
+  dq_ref[...] = dq_HC.astype(dq_ref.dtype)
+  dq_rope_ref[...] = dq_rope_HR.astype(dq_rope_ref.dtype)
+
+
+def _padded(q_BLHC, q_rope_BLHR, kv_BSC, k_rope_BSR, topk_BLT, bt):
+  """Inputs padded to Triton blocks (H, C, R to powers of two >= 16, T to a multiple of bt
+  with -1), and `n_blocks_BL`: the slot blocks up to the last valid slot of each token."""
+  hp, cp, rp = (_pow2(n) for n in (q_BLHC.shape[2], q_BLHC.shape[3], q_rope_BLHR.shape[3]))
+  t_pad = round_up(topk_BLT.shape[-1], bt)
+  topk_BLT = pad_axis(topk_BLT.astype(jnp.int32), 2, t_pad, -1)
+  last_BL = jnp.max(jnp.where(topk_BLT >= 0, jnp.arange(t_pad, dtype=jnp.int32), -1), axis=-1)
+  n_blocks_BL = (last_BL + bt) // bt  # 0 for a token with no valid slot
+  pad_hx = lambda x, x_dim: pad_axis(pad_axis(x, 2, hp, 0), 3, x_dim, 0)
+  return (pad_hx(q_BLHC, cp), pad_hx(q_rope_BLHR, rp), pad_axis(kv_BSC, 2, cp, 0),
+          pad_axis(k_rope_BSR, 2, rp, 0), topk_BLT, n_blocks_BL)
+
+
+def _merge_splits(out_BLKHC, lse_BLKH):
+  """Flash-decoding merge of K partial results, each normalized over its own slots:
+  `lse = log sum_k exp(lse_k)`, `out = sum_k exp(lse_k - lse) out_k` (-inf / 0 if all empty)."""
+  m_BLH = jnp.max(lse_BLKH, axis=2)
+  safe_m_BLH = jnp.where(jnp.isfinite(m_BLH), m_BLH, 0.0)
+  w_BLKH = jnp.exp(lse_BLKH - safe_m_BLH[:, :, None])  # exp(-inf) = 0 for an empty split
+  total_BLH = w_BLKH.sum(axis=2)
+  safe_total_BLH = jnp.where(total_BLH > 0, total_BLH, 1.0)
+  out_BLHC = jnp.einsum("blkh,blkhc->blhc", w_BLKH / safe_total_BLH[:, :, None], out_BLKHC)
+  lse_BLH = jnp.where(total_BLH > 0, safe_m_BLH + jnp.log(safe_total_BLH), -jnp.inf)
+  return out_BLHC, lse_BLH
+
+
+def _forward(q_BLHC, q_rope_BLHR, kv_BSC, k_rope_BSR, topk_BLT, scale, opts):
+  b, l, h, c = q_BLHC.shape
+  bt = _slot_block(topk_BLT.shape[-1], opts.block_t, "block_t")
+  q, q_rope, kv, k_rope, topk, n_blocks = _padded(q_BLHC, q_rope_BLHR, kv_BSC, k_rope_BSR,
+                                                   topk_BLT, bt)
+  hp, cp, rp = q.shape[2], q.shape[3], q_rope.shape[3]
+  num_blocks = topk.shape[-1] // bt
+  k = _auto_split(b * l, num_blocks) if opts.split_k is None else opts.split_k
+  if k < 1:
+    raise ValueError(f"sparse_mla_triton: split_k={opts.split_k} must be >= 1 (or None)")
+  token = lambda *block: pl.BlockSpec((None, None) + block, lambda bi, li, ki: (bi, li, 0, 0))
+  split = lambda *block: pl.BlockSpec((None, None, None) + block,
+                                      lambda bi, li, ki: (bi, li, ki) + (0,) * len(block))
+  # One split writes the output directly (kv's dtype); several write fp32 partials to merge.
+  out_dtype = kv_BSC.dtype if k == 1 else _F32
+  out_BLKHC, lse_BLKH = pl.pallas_call(
+      functools.partial(_forward_kernel, scale=scale, bt=bt,
+                        blocks_per_split=-(-num_blocks // k)),
+      out_shape=(jax.ShapeDtypeStruct((b, l, k, hp, cp), out_dtype),
+                 jax.ShapeDtypeStruct((b, l, k, hp), _F32)),
+      grid=(b, l, k),
+      in_specs=[pl.no_block_spec, pl.no_block_spec, token(hp, cp), token(hp, rp),
+                pl.no_block_spec, pl.no_block_spec],
+      out_specs=(split(hp, cp), split(hp)),
+      compiler_params=plgpu.CompilerParams(num_warps=opts.num_warps,
+                                           num_stages=opts.num_stages),
+      interpret=opts.interpret,
+      name="sparse_mla_triton_forward",
+  )(n_blocks, topk, q, q_rope, kv, k_rope)
+  if k == 1:
+    out_BLHC, lse_BLH = out_BLKHC[:, :, 0], lse_BLKH[:, :, 0]
+  else:
+    out_BLHC, lse_BLH = _merge_splits(out_BLKHC, lse_BLKH)
+  return out_BLHC[:, :, :h, :c].astype(kv_BSC.dtype), lse_BLH[:, :, :h]
+
+
+def _backward(q_BLHC, q_rope_BLHR, kv_BSC, k_rope_BSR, topk_BLT, dout_BLHC, lse_BLH, delta_BLH,
+              scale, opts):
+  """Returns `(dq, dq_rope, dkv, dk_rope)` in the dtypes of q, q_rope, kv, k_rope."""
+  (b, l, h, c), (s, r) = q_BLHC.shape, k_rope_BSR.shape[1:]
+  bt = _slot_block(topk_BLT.shape[-1], opts.backward_block_t, "backward_block_t")
+  q, q_rope, kv, k_rope, topk, n_blocks = _padded(q_BLHC, q_rope_BLHR, kv_BSC, k_rope_BSR,
+                                                   topk_BLT, bt)
+  hp, cp, rp = q.shape[2], q.shape[3], q_rope.shape[3]
+  dout = pad_axis(pad_axis(dout_BLHC, 2, hp, 0), 3, cp, 0)
+  # Padded heads: lse 0 and delta 0 with zero q and dout give them p finite, ds = 0.
+  lse, delta = (pad_axis(x.astype(_F32), 2, hp, 0.0) for x in (lse_BLH, delta_BLH))
+  token = lambda *block: pl.BlockSpec((None, None) + block,
+                                      lambda bi, li: (bi, li) + (0,) * len(block))
+  dq, dq_rope, dkv, dk_rope = pl.pallas_call(
+      functools.partial(_backward_kernel, scale=scale, bt=bt, interpret=opts.interpret),
+      out_shape=(jax.ShapeDtypeStruct((b, l, hp, cp), q_BLHC.dtype),
+                 jax.ShapeDtypeStruct((b, l, hp, rp), q_rope_BLHR.dtype),
+                 jax.ShapeDtypeStruct((b, s, cp), _F32),
+                 jax.ShapeDtypeStruct((b, s, rp), _F32)),
+      grid=(b, l),
+      in_specs=[pl.no_block_spec, pl.no_block_spec, token(hp, cp), token(hp, rp),
+                token(hp, cp), token(hp), token(hp)] + [pl.no_block_spec] * 4,
+      out_specs=(token(hp, cp), token(hp, rp), pl.no_block_spec, pl.no_block_spec),
+      input_output_aliases={9: 2, 10: 3},  # the zeroed fp32 accumulators are the dkv outputs
+      compiler_params=plgpu.CompilerParams(num_warps=opts.backward_num_warps,
+                                           num_stages=opts.backward_num_stages),
+      interpret=opts.interpret,
+      name="sparse_mla_triton_backward",
+  )(n_blocks, topk, q, q_rope, dout, lse, delta, kv, k_rope,
+    jnp.zeros((b, s, cp), _F32), jnp.zeros((b, s, rp), _F32))
+  return (dq[:, :, :h, :c], dq_rope[:, :, :h, :r], dkv[:, :, :c].astype(kv_BSC.dtype),
+          dk_rope[:, :, :r].astype(k_rope_BSR.dtype))
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(5, 6))
+def _sparse_mla(q_BLHC, q_rope_BLHR, kv_BSC, k_rope_BSR, topk_BLT, scale, opts):
+  return _forward(q_BLHC, q_rope_BLHR, kv_BSC, k_rope_BSR, topk_BLT, scale, opts)
+
+
+def _vjp_forward(q_BLHC, q_rope_BLHR, kv_BSC, k_rope_BSR, topk_BLT, scale, opts):
+  out_BLHC, lse_BLH = _forward(q_BLHC, q_rope_BLHR, kv_BSC, k_rope_BSR, topk_BLT, scale, opts)
+  return (out_BLHC, lse_BLH), (q_BLHC, q_rope_BLHR, kv_BSC, k_rope_BSR, topk_BLT, out_BLHC,
+                               lse_BLH)
+
+
+def _vjp_backward(scale, opts, residuals, cotangents):
+  q_BLHC, q_rope_BLHR, kv_BSC, k_rope_BSR, topk_BLT, out_BLHC, lse_BLH = residuals
+  dout_BLHC, dlse_BLH = cotangents
+  # d lse / d logit = p, so the lse cotangent enters as a shift of delta.
+  delta_BLH = (jnp.sum(dout_BLHC.astype(_F32) * out_BLHC.astype(_F32), axis=-1)
+               - dlse_BLH.astype(_F32))
+  grads = _backward(q_BLHC, q_rope_BLHR, kv_BSC, k_rope_BSR, topk_BLT,
+                    dout_BLHC.astype(q_BLHC.dtype), lse_BLH, delta_BLH, scale, opts)
+  return grads + (None,)
+
+
+_sparse_mla.defvjp(_vjp_forward, _vjp_backward)
+
+
+def sparse_mla_triton(q_BLHC, q_rope_BLHR, kv_BSC, k_rope_BSR, topk_BLT, *, scale: float,
+                      interpret: bool = False, **block_options):
+  """`sparse_mla_reference` (same arguments, results and index contract) on the Triton kernels
+  of the module docstring; differentiable in q, q_rope, kv, k_rope (custom VJP).
+
+  Args (beyond the reference's):
+    interpret: run the kernels in Pallas interpret mode (CPU tests) instead of compiling them
+      for the GPU.
+    block_options: `TritonMLAOptions` fields (block_t, num_warps, num_stages,
+      backward_block_t, backward_num_warps, backward_num_stages, split_k).
+  Returns:
+    `(out_BLHC, lse_BLH)`: out in kv's dtype, lse fp32 (-inf for a query with no valid slot).
+  Unlike the reference, the four float inputs must share one dtype (bf16 on GPU; fp32 runs the
+  dots in IEEE fp32, slowly).
+  """
+  check_sparse_mla_inputs(q_BLHC, q_rope_BLHR, kv_BSC, k_rope_BSR, topk_BLT)
+  fields = {f.name for f in dataclasses.fields(TritonMLAOptions)} - {"interpret"}
+  unknown = set(block_options) - fields
+  if unknown:
+    raise TypeError(f"sparse_mla_triton: unknown options {sorted(unknown)}; "
+                    f"expected some of {sorted(fields)}")
+  dtypes = {x.dtype for x in (q_BLHC, q_rope_BLHR, kv_BSC, k_rope_BSR)}
+  if len(dtypes) > 1:  # the reference would promote; a Triton dot takes one element type
+    raise ValueError(f"sparse_mla_triton: q, q_rope, kv and k_rope must share one dtype (a "
+                     f"Triton dot takes operands of one element type), got q {q_BLHC.dtype}, "
+                     f"q_rope {q_rope_BLHR.dtype}, kv {kv_BSC.dtype}, k_rope {k_rope_BSR.dtype}")
+  opts = TritonMLAOptions(interpret=interpret, **block_options)
+  # Out-of-range slots become -1 once, so forward, residuals and backward see one selection.
+  topk_BLT = empty_out_of_range(topk_BLT, kv_BSC.shape[1])
+  return _sparse_mla(q_BLHC, q_rope_BLHR, kv_BSC, k_rope_BSR, topk_BLT, float(scale), opts)
