@@ -22,6 +22,7 @@ first called, so a build without them fails only where they are chosen.
 """
 
 import functools
+import importlib
 import typing
 
 from pallas_kernels.blocking import platform as current_platform
@@ -54,22 +55,23 @@ def _missing(module: str, error: ModuleNotFoundError) -> ModuleNotFoundError:
                              name=error.name)
 
 
-def indexer_topk_triton(*args, **kwargs):
-  """`lightning_indexer_triton.indexer_topk_triton`, imported at the first call."""
-  try:
-    from pallas_kernels.lightning_indexer_triton import indexer_topk_triton as op
-  except ModuleNotFoundError as e:
-    raise _missing("lightning_indexer_triton", e) from e
-  return op(*args, **kwargs)
+def _gpu_kernel(module: str, name: str):
+  """`pallas_kernels.<module>.<name>`, imported (by name: the module may be absent) at the first
+  call; the same signature."""
+
+  def op(*args, **kwargs):
+    try:
+      kernel = getattr(importlib.import_module(f"pallas_kernels.{module}"), name)
+    except ModuleNotFoundError as e:
+      raise _missing(module, e) from e
+    return kernel(*args, **kwargs)
+
+  op.__name__ = op.__qualname__ = name
+  return op
 
 
-def sparse_mla_triton(*args, **kwargs):
-  """`sparse_mla_triton.sparse_mla_triton`, imported at the first call."""
-  try:
-    from pallas_kernels.sparse_mla_triton import sparse_mla_triton as op
-  except ModuleNotFoundError as e:
-    raise _missing("sparse_mla_triton", e) from e
-  return op(*args, **kwargs)
+indexer_topk_triton = _gpu_kernel("lightning_indexer_triton", "indexer_topk_triton")
+sparse_mla_triton = _gpu_kernel("sparse_mla_triton", "sparse_mla_triton")
 
 
 DSA_OPS = {

@@ -46,7 +46,9 @@ import pallas_kernels as pk
 MLA_RTOL = 2e-2
 RECALL_MIN = 0.99
 SCORE_ATOL = 1e-2
-GPU_MODULES = ("pallas_kernels.lightning_indexer_triton", "pallas_kernels.sparse_mla_triton")
+# op -> the module of its GPU kernel
+GPU_MODULES = {"indexer_topk": "pallas_kernels.lightning_indexer_triton",
+               "sparse_mla": "pallas_kernels.sparse_mla_triton"}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -69,16 +71,24 @@ class Missing(Exception):
   """A GPU kernel module is not in this build (recorded as status "missing")."""
 
 
-def require_gpu_kernels(smoke: bool) -> bool:
-  """True: run the GPU kernels in interpret mode (smoke, off GPU). Raises `Missing` when a
-  module is absent, RuntimeError off GPU without --smoke."""
-  absent = [m for m in GPU_MODULES if importlib.util.find_spec(m) is None]
-  if absent:
-    raise Missing(f"not in this build: {absent}")
+def present_kernels() -> set:
+  """The ops (`GPU_MODULES` keys) whose GPU kernel module is in this build."""
+  return {op for op, module in GPU_MODULES.items() if importlib.util.find_spec(module)}
+
+
+def require_gpu_kernels(smoke: bool, ops=tuple(GPU_MODULES)) -> bool:
+  """True: run the GPU kernels in interpret mode (smoke, off GPU). Raises `Missing` when none
+  of `ops` has its module, RuntimeError off GPU without --smoke."""
+  if not present_kernels() & set(ops):
+    raise Missing(f"not in this build: {[GPU_MODULES[op] for op in ops]}")
   on_gpu = jax.default_backend() == "gpu"
   if not on_gpu and not smoke:
     raise RuntimeError("the GPU kernels need a GPU; --smoke runs them in interpret mode")
   return not on_gpu
+
+
+def missing_row(name: str, op: str) -> dict:
+  return dict(case=name, status="missing", error=f"not in this build: {GPU_MODULES[op]}")
 
 
 @functools.lru_cache(maxsize=None)
@@ -201,11 +211,13 @@ def topk_agreement(got_LT, want_LT, want_scores_LT, scores_LS) -> dict:
 def correctness_section(ctx) -> dict:
   """(a) each GPU kernel against its reference, forward and backward, per L."""
   interpret = require_gpu_kernels(ctx.smoke)
-  d, ops = ctx.dims, gpu_ops(interpret)
+  d, ops, present = ctx.dims, gpu_ops(interpret), present_kernels()
   rows = []
   for length in ctx.seq_lens:
-    rows.append(ctx.case(f"sparse_mla L={length}", lambda: _check_mla(length, d, ops)))
-    rows.append(ctx.case(f"indexer_topk L={length}", lambda: _check_indexer(length, d, ops)))
+    for op, check in (("sparse_mla", _check_mla), ("indexer_topk", _check_indexer)):
+      name = f"{op} L={length}"
+      rows.append(ctx.case(name, lambda check=check, length=length: check(length, d, ops))
+                  if op in present else missing_row(name, op))
   return dict(rows=rows, rules=dict(mla_rtol=MLA_RTOL, recall_min=RECALL_MIN,
                                     score_atol=SCORE_ATOL, interpret=interpret))
 
@@ -243,7 +255,7 @@ def _check_indexer(length, d, ops, max_rows: int = 256):
 def timing_section(ctx) -> dict:
   """(b) each GPU kernel's median time, TFLOP/s and share of the chip's bf16 peak, per L."""
   interpret = require_gpu_kernels(ctx.smoke)
-  d, ops = ctx.dims, gpu_ops(interpret)
+  d, ops, present = ctx.dims, gpu_ops(interpret), present_kernels()
   scale = mla_scale(d)
   rows = []
   for length in ctx.seq_lens:
@@ -256,14 +268,16 @@ def timing_section(ctx) -> dict:
                    args + (cotangent,), ctx.repeats)
       return [ctx.rate(dict(op="sparse_mla fwd", L=length, **fwd), slots * 2176),
               ctx.rate(dict(op="sparse_mla fwd+bwd", L=length, **both), slots * (2176 + 5504))]
-    rows.extend(ctx.cases(f"sparse_mla L={length}", mla_cases))
+    rows.extend(ctx.cases(f"sparse_mla L={length}", mla_cases) if "sparse_mla" in present
+                else [missing_row(f"sparse_mla L={length}", "sparse_mla")])
     def indexer_case(length=length):
       args = indexer_inputs(length, d)
       fn = functools.partial(indexer_topk, op=ops.indexer_topk, topk=d.topk,
                              scale=d.index_dim ** -0.5)
       flops = 2 * d.index_heads * d.index_dim * length * (length + 1) // 2
       return ctx.rate(dict(op="indexer_topk", L=length, **timed(fn, args, ctx.repeats)), flops)
-    rows.append(ctx.case(f"indexer_topk L={length}", indexer_case))
+    rows.append(ctx.case(f"indexer_topk L={length}", indexer_case) if "indexer_topk" in present
+                else missing_row(f"indexer_topk L={length}", "indexer_topk"))
   return dict(rows=rows, interpret=interpret)
 
 
@@ -291,12 +305,9 @@ def dsa_vs_dense_section(ctx) -> dict:
   if not on_gpu and not ctx.smoke:
     raise RuntimeError("cuDNN needs a GPU; --smoke runs the XLA twin of the call on CPU")
   implementation = "cudnn" if on_gpu else "xla"
-  try:
-    dsa_impls = {"pallas": gpu_ops(require_gpu_kernels(ctx.smoke)), "xla": pk.DSA_OPS["xla"]}
-  except Missing as e:
-    dsa_impls, missing = {"xla": pk.DSA_OPS["xla"]}, str(e)
-  else:
-    missing = None
+  dsa_impls, missing = {"xla": pk.DSA_OPS["xla"]}, sorted(set(GPU_MODULES) - present_kernels())
+  if not missing:  # DSA on the GPU kernels needs both
+    dsa_impls = {"pallas": gpu_ops(require_gpu_kernels(ctx.smoke)), **dsa_impls}
   d, rows, times = ctx.dims, [], {}
   for length in ctx.dense_seq_lens:
     def dense_case(length=length):
@@ -325,7 +336,8 @@ def dsa_vs_dense_section(ctx) -> dict:
       rows.append(ctx.case(f"dsa {name} L={length}", dsa_case))
   growth = {f"{name} {l}->{4 * l}": times[(name, 4 * l)] / times[(name, l)]
             for (name, l) in times if (name, 4 * l) in times}
-  return dict(rows=rows, growth_per_4x_L=growth, gpu_kernels=missing or "present",
+  return dict(rows=rows, growth_per_4x_L=growth,
+              gpu_kernels=f"missing: {missing}" if missing else "present",
               note="attention cores only: the latent expansion (dense) and query absorption "
                    "(DSA) projections are excluded; dense has one head of K = V = "
                    f"{d.dense_head_dim} per query head; DSA FLOPs = sparse MLA fwd+bwd on "
