@@ -65,8 +65,10 @@ def attend_flash(q_BLHK, k_BSHK, v_BSHV, causal_mask_BLS, scale: float, implemen
   and the output is cut back to V. GLM-5's MLA has K = N + R = 192 + 64 = 256 = V: nothing is
   padded. The mask goes in as the call's boolean `[B, 1, L, S]` mask together with
   `is_causal=True` (cuDNN skips the blocks above the diagonal); jax turns the mask into an
-  additive bias that cuDNN reads, so a packed-document mask costs `B x L x S` bias values in
-  HBM, not a per-head score matrix.
+  additive bf16 bias `[B, 1, L, S]` that cuDNN reads (and, in the backward, writes a bias
+  gradient of that shape, unused): the cost of supporting packed documents, `B x L x S` values
+  in HBM rather than a per-head score matrix. (`tools/device_suite.py`'s cuDNN baseline, one
+  document per row, passes `is_causal` alone.)
 
   Args:
     q_BLHK, k_BSHK, v_BSHV: one K/V head per query head (G = H); same dtype.
