@@ -72,23 +72,35 @@ def test_missing_gpu_module_fails_only_when_called():
     dispatch.sparse_mla_triton()
 
 
-def _dsa_layer(helpers, **overrides):
+_LAYER = {}
+
+
+def _layer_params(helpers):
+  """One DSA layer's params and inputs, built once (the fields the tests vary change no
+  param)."""
+  if _LAYER:
+    return _LAYER["params"], _LAYER["args"]
   b, l = 1, 16
-  cfg = helpers.config(**overrides)
+  cfg = helpers.config()
   x = jnp.asarray(np.random.default_rng(0).standard_normal((b, l, cfg.hidden_size)), jnp.float32)
   positions = jnp.broadcast_to(jnp.arange(l), (b, l))
   segments = jnp.where(jnp.arange(l) >= 6, 2, 1).astype(jnp.int32)[None]
-  module = MLA(cfg, kind="dsa")
   params = helpers.random_tree(jax.eval_shape(
-      lambda: module.init(jax.random.key(0), x, positions, segments,
-                          mode=Mode(dsa_stage="dense"))))
-  return module, params, (x, positions, segments)
+      lambda: MLA(cfg, kind="dsa").init(jax.random.key(0), x, positions, segments,
+                                        mode=Mode(dsa_stage="dense"))))
+  _LAYER.update(params=params, args=(x, positions, segments))
+  return params, (x, positions, segments)
+
+
+def _dsa_layer(helpers, **overrides):
+  params, args = _layer_params(helpers)
+  return MLA(helpers.config(**overrides), kind="dsa"), params, args
 
 
 def test_model_pallas_on_cpu_names_the_field(helpers):
   module, params, args = _dsa_layer(helpers, dsa_impl="pallas")
   with pytest.raises(ValueError, match=r"model\.dsa_impl='pallas'.*'cpu'"):
-    module.apply(params, *args, mode=Mode(dsa_stage="sparse"))
+    jax.eval_shape(functools.partial(module.apply, mode=Mode(dsa_stage="sparse")), params, *args)
 
 
 # ---- model.attention_impl ---------------------------------------------------------------------
@@ -112,8 +124,9 @@ def test_flash_call_equals_attend(k, v):
   mask = common.causal_segment_mask(jnp.where(jnp.arange(l) >= 5, 2, 1)[None].repeat(b, 0))
   want = lambda *a: common.attend(*a, mask, 0.3)[0]
   got = lambda *a: common.attend_flash(*a, mask, 0.3, "xla")
-  np.testing.assert_allclose(got(q, kk, vv), want(q, kk, vv), rtol=1e-5, atol=1e-6)
-  loss = lambda f: jax.grad(lambda *a: (f(*a) ** 2).sum(), argnums=(0, 1, 2))(q, kk, vv)
+  np.testing.assert_allclose(jax.jit(got)(q, kk, vv), jax.jit(want)(q, kk, vv), rtol=1e-5,
+                             atol=1e-6)
+  loss = lambda f: jax.jit(jax.grad(lambda *a: (f(*a) ** 2).sum(), argnums=(0, 1, 2)))(q, kk, vv)
   for g, w in zip(loss(got), loss(want)):
     np.testing.assert_allclose(g, w, rtol=1e-4, atol=1e-5)
 
@@ -121,7 +134,7 @@ def test_flash_call_equals_attend(k, v):
 def test_cudnn_on_cpu_names_the_field(helpers):
   module, params, args = _dsa_layer(helpers, attention_impl="cudnn", dtype="bfloat16")
   with pytest.raises(ConfigError, match=r"model\.attention_impl.*GPU only.*'cpu'"):
-    module.apply(params, *args, mode=Mode(dsa_stage="warmup"))
+    jax.eval_shape(functools.partial(module.apply, mode=Mode(dsa_stage="warmup")), params, *args)
 
 
 def test_cudnn_wiring_in_the_warmup_stage(helpers, monkeypatch):
@@ -134,7 +147,8 @@ def test_cudnn_wiring_in_the_warmup_stage(helpers, monkeypatch):
   outs = {}
   for impl in ("xla", "cudnn"):
     module, params, args = _dsa_layer(helpers, attention_impl=impl, dtype="bfloat16")
-    outs[impl] = module.apply(params, *args, mode=Mode(dsa_stage="warmup"))
+    outs[impl] = jax.jit(functools.partial(module.apply, mode=Mode(dsa_stage="warmup")))(
+        params, *args)
   (y, aux), (want_y, want_aux) = outs["cudnn"], outs["xla"]
   np.testing.assert_allclose(np.asarray(y, np.float32), np.asarray(want_y, np.float32),
                              rtol=2e-2, atol=2e-2)

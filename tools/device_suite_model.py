@@ -31,6 +31,7 @@ from glm5_jax.sharding import activation_sharding
 from glm5_jax.train.metrics import flops_per_token, peak_flops_per_device
 from glm5_jax.train.trainer import build_trainer
 from tools import bench_decode
+from tools.device_suite_kernels import GPU_MODULES, present_kernels
 
 
 # --smoke: configs/tiny.py cut to one DSA layer (dense FFN) and one MTP depth, short rows of
@@ -102,16 +103,24 @@ def train_section(ctx) -> dict:
               params=param_stats.summarize(config.model)["total_params"])
 
 
+def decode_dsa_impl(ctx) -> str:
+  """`ctx.decode_dsa_impl`, except "pallas" while a GPU kernel module is missing from the build:
+  then "xla" (the section's output names the impl that ran)."""
+  if ctx.decode_dsa_impl == "pallas" and present_kernels() != set(GPU_MODULES):
+    return "xla"
+  return ctx.decode_dsa_impl
+
+
 def decode_model(ctx):
   """`(model ConfigDict, params, prompt maker, source)` for the decode section."""
   if ctx.workdir:
-    served = load_model(workdir=ctx.workdir)
+    served = load_model(workdir=ctx.workdir, model_overrides={"dsa_impl": decode_dsa_impl(ctx)})
     make_prompts = lambda n: bench_decode.stdlib_prompts(served.tokenizer, n, ctx.prompt_len,
                                                          ctx.seed)
     return served.model, served.params, make_prompts, f"checkpoint {ctx.workdir}"
   model = (smoke_config() if ctx.smoke else glm5_gpu_3b.get_config()).model
   model.param_dtype = "bfloat16"
-  model.dsa_impl = ctx.decode_dsa_impl
+  model.dsa_impl = decode_dsa_impl(ctx)
   cfg = ModelConfig.from_config(model)
   params = glm5_jax.init_params(cfg, jax.random.key(ctx.seed))  # jitted, on the device
   rng = np.random.default_rng(ctx.seed)
@@ -154,6 +163,7 @@ def decode_section(ctx) -> dict:
     if k:
       rows.append(ctx.case(f"decode slots={slots} MTP k={k}", speculative))
   return dict(rows=rows, params_source=source, dsa_impl=model.dsa_impl,
+              dsa_impl_asked=ctx.decode_dsa_impl,
               new_tokens=ctx.new_tokens, prompt_len=ctx.prompt_len,
               note=None if ctx.workdir else "random-init params: the accept length (and so "
               "the MTP speed-up) is meaningless; pass --workdir of a trained run")
