@@ -36,8 +36,12 @@ import sys
 import time
 import traceback
 
-from absl import app, flags
-import jax
+# The device machine runs the checkout as it is, not pip-installed: the repository root must be
+# importable for `python3 tools/device_suite.py` (sys.path[0] is tools/).
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from absl import app, flags  # pylint: disable=g-import-not-at-top,wrong-import-position
+import jax  # pylint: disable=g-import-not-at-top,wrong-import-position
 
 from glm5_jax.accelerators import accelerator_of
 from tools import bench_decode  # defines --workdir and --seed, read by the decode section

@@ -182,9 +182,24 @@ def indexer_topk(q, k, w, pos, q_seg, k_seg, *, op, topk, scale):
   return op(q, k, w, pos, q_seg, k_seg, topk=topk, scale=scale)
 
 
+@jax.jit
+def _relative_error(got, want):
+  got, want = got.astype(jnp.float32), want.astype(jnp.float32)
+  finite = jnp.isfinite(want)  # lse is -inf for a query with no valid slot (none here)
+  diff = jnp.where(finite, jnp.abs(got - want), 0.0)
+  return diff.max() / jnp.maximum(jnp.where(finite, jnp.abs(want), 0.0).max(), 1e-30)
+
+
 def relative_error(got, want) -> float:
-  got, want = np.asarray(got, np.float32), np.asarray(want, np.float32)
-  return float(np.abs(got - want).max() / max(np.abs(want).max(), 1e-30))
+  """max|got - want| / max|want| over finite reference values, computed on the device."""
+  return float(_relative_error(got, want))
+
+
+def mla_flops(d: Dims, backward: bool) -> int:
+  """Per (query, head, valid slot): forward logits over C + R and the output over C;
+  backward recomputed logits, dp, dq (C + R each way) and dkv (C and C + R)."""
+  c, r = d.latent, d.rope
+  return 6 * (c + r) + 4 * c if backward else 2 * (c + r) + 2 * c
 
 
 def topk_agreement(got_LT, want_LT, want_scores_LT, scores_LS) -> dict:
@@ -266,8 +281,10 @@ def timing_section(ctx) -> dict:
                   ctx.repeats)
       both = timed(functools.partial(mla_forward_backward, op=ops.sparse_mla, scale=scale),
                    args + (cotangent,), ctx.repeats)
-      return [ctx.rate(dict(op="sparse_mla fwd", L=length, **fwd), slots * 2176),
-              ctx.rate(dict(op="sparse_mla fwd+bwd", L=length, **both), slots * (2176 + 5504))]
+      forward, backward = mla_flops(d, False), mla_flops(d, True)
+      return [ctx.rate(dict(op="sparse_mla fwd", L=length, **fwd), slots * forward),
+              ctx.rate(dict(op="sparse_mla fwd+bwd", L=length, **both),
+                       slots * (forward + backward))]
     rows.extend(ctx.cases(f"sparse_mla L={length}", mla_cases) if "sparse_mla" in present
                 else [missing_row(f"sparse_mla L={length}", "sparse_mla")])
     def indexer_case(length=length):
@@ -328,7 +345,7 @@ def dsa_vs_dense_section(ctx) -> dict:
                     (indexer_inputs(length, d), mla_args[:4], cotangent), ctx.repeats)
         times[(name, length)] = run["median_s"]
         dense_s = times.get(("dense", length))
-        flops = (valid_slots(length, d.topk) * d.heads * (2176 + 5504)
+        flops = (valid_slots(length, d.topk) * d.heads * (mla_flops(d, False) + mla_flops(d, True))
                  + d.index_heads * d.index_dim * length * (length + 1))
         return ctx.rate(dict(path=f"dsa ({name})", L=length, **run,
                              speedup_vs_dense=dense_s / run["median_s"] if dense_s else None),
