@@ -53,10 +53,12 @@ _BUDGET = flags.DEFINE_float("budget_s", 420.0, "Seconds for all sections togeth
 _SMOKE = flags.DEFINE_bool("smoke", False, "Tiny shapes and configs, GPU kernels in interpret "
                            "mode off GPU: checks the suite itself on CPU (CI).")
 _ONLY = flags.DEFINE_list("sections", [], "Run only these sections (default: all).")
-_SEQ_LENS = flags.DEFINE_list("seq_lens", ["4096", "8192", "16384", "32768", "65536"],
-                              "L of the kernel sections (a), (b).")
-_DENSE_LENS = flags.DEFINE_list("dense_seq_lens", ["8192", "16384", "32768", "65536"],
-                                "L of the DSA vs dense section (c).")
+# Run order: the cheapest first (a broken kernel fails fast), then the goals' lengths, so a
+# section that runs out of budget loses the in-between ones.
+_SEQ_LENS = flags.DEFINE_list("seq_lens", ["4096", "65536", "16384", "32768", "8192"],
+                              "L of the kernel sections (a), (b), in run order.")
+_DENSE_LENS = flags.DEFINE_list("dense_seq_lens", ["16384", "65536", "8192", "32768"],
+                                "L of the DSA vs dense section (c), in run order.")
 _REPEATS = flags.DEFINE_integer("repeats", 5, "Timed calls per measurement (median).")
 _TRAIN_STEPS = flags.DEFINE_integer("train_steps", 5, "Timed train steps per dsa_impl.")
 _SLOTS = flags.DEFINE_list("decode_slots", ["1", "32", "128"], "Slot counts of section (e).")
@@ -169,13 +171,54 @@ def run_sections(ctx: Context, names, budget_s: float, on_section) -> dict:
   return results
 
 
+def _rows(report: dict, section: str, **match) -> list:
+  rows = report["sections"].get(section, {}).get("rows", [])
+  return [r for r in rows if r.get("status") == "ok"
+          and all(r.get(k) == v for k, v in match.items())]
+
+
+def goals(report: dict) -> list:
+  """Issue 26's goals against this run's figures: (goal, measured, met); None = not measured."""
+  value = lambda rows, key: rows[0].get(key) if rows else None
+  top = max(report["meta"]["seq_lens"])
+  peak = [r["peak_pct"] for r in _rows(report, "kernel_timing", op="sparse_mla fwd")
+          if r.get("peak_pct") is not None]
+  speedup = value(_rows(report, "dsa_vs_dense", path="dsa (pallas)", L=65536),
+                  "speedup_vs_dense")
+  growth = report["sections"].get("dsa_vs_dense", {}).get("growth_per_4x_L", {})
+  growth = growth.get("pallas 16384->65536")
+  index_s = value(_rows(report, "kernel_timing", op="indexer_topk", L=top), "median_s")
+  mla_s = value(_rows(report, "kernel_timing", op="sparse_mla fwd", L=top), "median_s")
+  mfu = value(_rows(report, "train_step", dsa_impl="pallas"), "mfu_pct")
+  mtp = [r for r in _rows(report, "decode", slots=1) if r.get("speedup")]
+  trained = bool(report["meta"].get("workdir"))
+  check = lambda x, ok: None if x is None else bool(ok(x))
+  return [
+      ("sparse MLA forward >= 40% of bf16 peak (best L)", max(peak, default=None),
+       check(max(peak, default=None), lambda x: x >= 40)),
+      ("DSA fwd+bwd >= 3x faster than cuDNN dense at 64K", speedup,
+       check(speedup, lambda x: x >= 3)),
+      ("DSA time x4 +/- 20% for 16K -> 64K", growth, check(growth, lambda x: 3.2 <= x <= 4.8)),
+      (f"indexer + top-k time / sparse MLA forward time at L={top} <= 1",
+       index_s / mla_s if index_s and mla_s else None,
+       check(index_s and mla_s and index_s / mla_s, lambda x: x <= 1)),
+      ("train-step MFU >= 35% (dsa_impl pallas)", mfu, check(mfu, lambda x: x >= 35)),
+      ("MTP speculation >= 1.5x decode tokens/s at 1 slot" + ("" if trained else
+       " (random init: not meaningful)"), value(mtp, "speedup"),
+       check(value(mtp, "speedup"), lambda x: x >= 1.5) if trained else None),
+  ]
+
+
 def markdown(report: dict) -> str:
   """One table per section, each headed by device, jax version and date."""
   m = report["meta"]
   head = (f"device {m['device']} ({m['backend']}, bf16 peak "
           f"{m['peak_bf16_tflops'] or 'unknown'} TFLOP/s) | jax {m['jax']} | {m['date']}"
           f"{' | SMOKE (tiny shapes, interpret mode: no speed meaning)' if m['smoke'] else ''}")
-  lines = [f"# tools/device_suite.py: {m['command']}", ""]
+  lines = [f"# tools/device_suite.py: {m['command']}", "", "## goals (issue 26)", "",
+           f"_{head}_", "", "| goal | measured | met |", "|---|---|---|"]
+  lines += [f"| {goal} | {_cell(measured)} | {'' if met is None else 'yes' if met else 'NO'} |"
+            for goal, measured, met in goals(report)] + [""]
   for name, section in report["sections"].items():
     lines += [f"## {name}: {section['status']} ({section['seconds']:.0f} s)", "", f"_{head}_", ""]
     extras = {k: v for k, v in section.items()
@@ -219,8 +262,8 @@ def flag_context(peak: float | None) -> Context:
 def run(ctx: Context, names, budget_s: float, out_dir: str, command: str) -> dict:
   """Runs `names`, rewriting `<out_dir>/device_suite.{json,md}` after each; the report."""
   info = meta()
-  report = dict(meta=dict(info, smoke=ctx.smoke, budget_s=budget_s, command=command),
-                sections={})
+  report = dict(meta=dict(info, smoke=ctx.smoke, budget_s=budget_s, command=command,
+                          seq_lens=list(ctx.seq_lens), workdir=ctx.workdir), sections={})
   os.makedirs(out_dir, exist_ok=True)
   print(f"device_suite: {info['device']} ({info['backend']}), jax {info['jax']}, "
         f"{info['date']}, budget {budget_s:.0f}s{', SMOKE' if ctx.smoke else ''}", flush=True)
