@@ -119,10 +119,11 @@ def _compact(val_ref, idx_ref, count, thr, *, topk, chunk, interpret):
     return keys, c * chunk + lane < count[:, None]
 
   def count_where(pred):  # [bq]: #{valid slots whose key k has pred(k)}, one pass over the row
-    def body(c, acc):
+    def body(c, acc):  # per-lane counts: one cross-lane reduction per pass, not per chunk
       keys, valid = load_keys(c)
-      return acc + jnp.sum((valid & pred(keys)).astype(jnp.int32), axis=1)
-    return jax.lax.fori_loop(0, num_chunks, body, jnp.zeros((bq,), jnp.int32))
+      return acc + (valid & pred(keys)).astype(jnp.int32)
+    return jnp.sum(jax.lax.fori_loop(0, num_chunks, body, jnp.zeros((bq, chunk), jnp.int32)),
+                   axis=1)
 
   def next_bit(b, prefix):  # MSB first: the largest v with #{key >= v} >= topk
     cand = prefix | (_SIGN >> b.astype(jnp.uint32))
