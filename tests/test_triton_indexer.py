@@ -115,9 +115,13 @@ def test_repeated_compaction_keeps_earliest_ties():
   w[0, 4:] *= -1.0                      # queries 4..7: best keys are the earliest ones
   q_pos = np.full((b, l), s - 1, np.int32)
   q_pos[0, 3] = 150                     # a causal cut inside a tile
-  seg = np.zeros((b, s), np.int32)
+  # Query 2 sees only keys 5, 21, 37, ...: fewer than T when the first compaction runs (query 0
+  # fills the buffer after two tiles), so its threshold must stay -inf until it has T keys.
+  k_seg = (np.arange(s) % 16 == 5).astype(np.int32)[None]
+  q_seg = np.zeros((b, l), np.int32)
+  q_seg[0, 2] = 1
   args = (jnp.asarray(q), jnp.asarray(k), jnp.asarray(w), jnp.asarray(q_pos),
-          jnp.zeros((b, l), jnp.int32), jnp.asarray(seg))
+          jnp.asarray(q_seg), jnp.asarray(k_seg))
   idx = _assert_same_selection(args, topk=3, scale=1.0, capacity=32)
   np.testing.assert_array_equal(np.asarray(idx[0, 0]), [198, 199, 195])
 
