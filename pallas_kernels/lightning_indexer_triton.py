@@ -103,7 +103,7 @@ def _partition_slots(keep, first):
   return first[:, None] + slot, num_kept
 
 
-def _compact(val_ref, idx_ref, count, thr, *, topk, chunk, interpret):
+def _compact(val_ref, idx_ref, count, thr, *, topk, chunk, radix_bits, interpret):
   """Keeps each row's top-`topk` of its first `count` slots, in slot (= key index) order.
 
   Rows with count <= topk keep everything; rows with count >= topk get thr = the topk-th best.
@@ -118,20 +118,25 @@ def _compact(val_ref, idx_ref, count, thr, *, topk, chunk, interpret):
     keys = _order_key(val_ref[:, pl.ds(c * chunk, chunk)])
     return keys, c * chunk + lane < count[:, None]
 
-  def count_where(pred):  # [bq]: #{valid slots whose key k has pred(k)}, one pass over the row
-    def body(c, acc):  # per-lane counts: one cross-lane reduction per pass, not per chunk
+  def count_where(*preds):  # per pred [bq]: #{valid slots whose key has pred(key)}; one pass
+    def body(c, accs):  # per-lane counts: one cross-lane reduction per pass, not per chunk
       keys, valid = load_keys(c)
-      return acc + (valid & pred(keys)).astype(jnp.int32)
-    return jnp.sum(jax.lax.fori_loop(0, num_chunks, body, jnp.zeros((bq, chunk), jnp.int32)),
-                   axis=1)
+      return tuple(acc + (valid & pred(keys)).astype(jnp.int32) for acc, pred in zip(accs, preds))
+    zeros = tuple(jnp.zeros((bq, chunk), jnp.int32) for _ in preds)
+    return [jnp.sum(acc, axis=1) for acc in jax.lax.fori_loop(0, num_chunks, body, zeros)]
 
-  def next_bit(b, prefix):  # MSB first: the largest v with #{key >= v} >= topk
-    cand = prefix | (_SIGN >> b.astype(jnp.uint32))
-    return jnp.where(count_where(lambda keys: keys >= cand[:, None]) >= topk, cand, prefix)
+  def next_digit(step, prefix):  # MSB first: the largest v with #{key >= v} >= topk
+    shift = (32 - radix_bits * (step + 1)).astype(jnp.uint32)
+    cands = [prefix | (np.uint32(d) << shift) for d in range(1, 2 ** radix_bits)]
+    counts = count_where(*[lambda keys, cand=cand: keys >= cand[:, None] for cand in cands])
+    # counts fall as d grows, so the digit is the number of candidates still reaching topk
+    digit = sum((n >= topk).astype(jnp.uint32) for n in counts)
+    return prefix | (digit << shift)
 
-  kth = jax.lax.fori_loop(0, 32, next_bit, jnp.zeros((bq,), jnp.uint32))
+  kth = jax.lax.fori_loop(0, 32 // radix_bits, next_digit, jnp.zeros((bq,), jnp.uint32))
   # Rows with count < topk end at kth = 0, below every real key: they keep all their slots.
-  need_equal = topk - count_where(lambda keys: keys > kth[:, None])
+  [num_above] = count_where(lambda keys: keys > kth[:, None])
+  need_equal = topk - num_above
   shrinks = count > topk
 
   def rewrite(c, carry):
@@ -159,7 +164,7 @@ def _compact(val_ref, idx_ref, count, thr, *, topk, chunk, interpret):
 
 def _indexer_topk_kernel(q_ref, w_ref, q_pos_ref, q_seg_ref, k_ref, k_seg_ref,
                          val_ref, idx_ref, count_ref, *, scale, topk, num_keys, block_s, chunk,
-                         precision, interpret):
+                         radix_bits, precision, interpret):
   """One block of queries. Refs: q `[bq*J, I]`, w `[bq*J]` fp32, q_pos and q_seg `[bq]`,
   k `[S', I]`, k_seg `[S']` (S' = S padded to bs); outputs val `[bq, C]` fp32, idx `[bq, C]`
   int32 (slots >= count are garbage), count `[bq]` int32."""
@@ -194,14 +199,14 @@ def _indexer_topk_kernel(q_ref, w_ref, q_pos_ref, q_seg_ref, k_ref, k_seg_ref,
     _barrier(interpret)  # appended slots are visible to a compaction's counting passes
     return jax.lax.cond(jnp.max(count) > capacity - block_s,
                         functools.partial(_compact, val_ref, idx_ref, topk=topk, chunk=chunk,
-                                          interpret=interpret),
+                                          radix_bits=radix_bits, interpret=interpret),
                         lambda count, thr: (count, thr), count, thr)
 
   init = (jnp.zeros((bq,), jnp.int32), jnp.full((bq,), -jnp.inf, jnp.float32))
   count, thr = jax.lax.fori_loop(0, num_tiles, key_tile, init)
   count, _ = jax.lax.cond(jnp.max(count) > topk,
                           functools.partial(_compact, val_ref, idx_ref, topk=topk, chunk=chunk,
-                                          interpret=interpret),
+                                          radix_bits=radix_bits, interpret=interpret),
                           lambda count, thr: (count, thr), count, thr)
   count_ref[...] = count
 
@@ -215,7 +220,7 @@ def _power_of_two(name, value):
 def indexer_topk_triton(q_BLJI, k_BSI, weights_BLJ, q_pos_BL, q_seg_BL, k_seg_BS, *,
                         topk: int, scale: float, interpret: bool = False, block_q: int = 8,
                         block_s: int = 64, chunk: int = 256, capacity: int | None = None,
-                        num_warps: int = 8, num_stages: int = 2):
+                        radix_bits: int = 2, num_warps: int = 8, num_stages: int = 2):
   """`indexer_topk_reference` as one fused Triton kernel (module docstring); no `[L, S]` array.
 
   Args: as `indexer_topk_reference` (q `[B, L, J, I]`, k `[B, S, I]`, weights `[B, L, J]`,
@@ -228,6 +233,9 @@ def indexer_topk_triton(q_BLJI, k_BSI, weights_BLJ, q_pos_BL, q_seg_BL, k_seg_BS
       causal skip fine-grained. chunk: slots per compaction pass (`[bq, chunk]` per load).
     capacity (C): candidate slots per query, default max(2T, T + bs) rounded up to `chunk`;
       larger C compacts less often (module docstring, cost model).
+    radix_bits: bits of the T-th value found per counting pass (32 / radix_bits passes, each
+      counting 2**radix_bits - 1 candidates): 2 halves the passes of a bitwise search for 3
+      per-lane counters; 4 trades 15 counters for a quarter of the passes.
     num_warps / num_stages: Triton launch options (8 warps for the 256-row dot; 2 stages
       prefetch the next key tile, more buy little next to the selection work). Tune on the GPU.
   Returns:
@@ -236,6 +244,8 @@ def indexer_topk_triton(q_BLJI, k_BSI, weights_BLJ, q_pos_BL, q_seg_BL, k_seg_BS
   check_indexer_inputs(q_BLJI, k_BSI, weights_BLJ, q_pos_BL, q_seg_BL, k_seg_BS)
   for name, value in (("block_q", block_q), ("block_s", block_s), ("chunk", chunk)):
     _power_of_two(name, value)
+  if radix_bits not in (1, 2, 4):
+    raise ValueError(f"indexer_topk_triton: radix_bits={radix_bits} must be 1, 2 or 4")
   b, l, heads, i = q_BLJI.shape
   s = k_BSI.shape[1]
   t = min(topk, s)
@@ -262,7 +272,7 @@ def indexer_topk_triton(q_BLJI, k_BSI, weights_BLJ, q_pos_BL, q_seg_BL, k_seg_BS
   # fp32 inputs: HIGHEST makes Triton's dot IEEE fp32 instead of TF32; bf16 is unaffected.
   kernel = functools.partial(
       _indexer_topk_kernel, scale=scale, topk=t, num_keys=s, block_s=block_s, chunk=chunk,
-      precision=jax.lax.Precision.HIGHEST, interpret=interpret)
+      radix_bits=radix_bits, precision=jax.lax.Precision.HIGHEST, interpret=interpret)
   nq = lp // block_q
   # Grid (query blocks, batch): the long axis on CUDA's x dimension (y and z stop at 65535).
   # Query blocks run last first: under causal skipping the late blocks see the most keys, so

@@ -98,7 +98,8 @@ def test_decode_bf16_and_no_gradient():
   assert all(not np.asarray(g, np.float32).any() for g in grads)
 
 
-def test_repeated_compaction_keeps_earliest_ties():
+@pytest.mark.parametrize("radix_bits", [1, 4])  # the default 2 runs in the other tests
+def test_repeated_compaction_keeps_earliest_ties(radix_bits):
   """Scores that rise with the key index in steps of three equal keys: under positive total
   weight every key enters except those tying the threshold (at most two per compaction), so the
   32-slot buffer (T = 3) compacts about (200 - 3) / (32 - 3) ~ 6 times, and the T-th best value
@@ -122,7 +123,7 @@ def test_repeated_compaction_keeps_earliest_ties():
   q_seg[0, 2] = 1
   args = (jnp.asarray(q), jnp.asarray(k), jnp.asarray(w), jnp.asarray(q_pos),
           jnp.asarray(q_seg), jnp.asarray(k_seg))
-  idx = _assert_same_selection(args, topk=3, scale=1.0, capacity=32)
+  idx = _assert_same_selection(args, topk=3, scale=1.0, capacity=32, radix_bits=radix_bits)
   np.testing.assert_array_equal(np.asarray(idx[0, 0]), [198, 199, 195])
 
 
@@ -149,6 +150,7 @@ def test_lowers_for_cuda_at_glm5_shapes():
     (dict(block_q=2), "needs block_q"),
     (dict(capacity=24), "capacity=24 must be a multiple of chunk"),
     (dict(topk=0), "topk=0"),
+    (dict(radix_bits=3), "radix_bits=3"),
 ])
 def test_bad_inputs_raise(change, message):
   b, l, s, heads, dim = 1, 8, 40, 4, 16
