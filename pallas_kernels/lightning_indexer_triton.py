@@ -10,7 +10,8 @@ first, ties to the lower index, +0.0 == -0.0, -1 / -inf in empty slots, inputs d
 `[L, S]` scores never reach HBM: each score tile lives in registers, and only the keys that
 can still be in a query's top-T leave the chip.
 
-Design (one program per block of bq queries of one batch row; grid (B, L / bq)):
+Design (one program per block of bq queries of one batch row; grid (L / bq, B), the last
+query block first, since under causal skipping it has the most keys to score):
 
 1. Score a key tile. q of the block is one `[bq*J, I]` operand (q `[B, L, J, I]` reshaped for
    free), so each key tile costs a single tensor-core dot `[bq*J, I] x [I, bs]` with fp32
@@ -21,24 +22,34 @@ Design (one program per block of bq queries of one batch row; grid (B, L / bq)):
    and a threshold `thr` (-inf until T keys were seen, then the T-th best of the keys seen up
    to the last compaction). A key enters iff its score > thr: a key with score <= thr has T
    earlier keys ranked above it (score >= thr, lower index), so it can never be in the top-T.
-   Entering keys are appended at `count + cumsum(enter) - 1` with a masked scatter store.
+   Entering keys are appended at `count + exclusive cumsum(enter)` (masked scatter store).
 3. Compaction, when the next tile could overflow a row (max count > C - bs): per row, the exact
-   T-th largest score v* by a bitwise binary search on the order-preserving uint32 image of the
-   fp32 scores (32 counting passes over the row, in chunks of `chunk` slots); then, in index
+   T-th largest score v* by a radix search, MSB first, on the order-preserving uint32 image of
+   the fp32 scores: 32 / radix_bits counting passes over the row (in chunks of `chunk` slots),
+   each counting the keys >= each of the 2**radix_bits - 1 candidate digits; then, in index
    order, keep the scores > v* and the first (T - #{> v*}) scores == v* (ties to the lower
    index), written back in place (new slot <= old slot). thr <- v*, count <- T.
 4. Causal skipping: the loop stops at the tile holding the block's last visible position.
 5. After a final compaction the first min(count, T) slots of a row are its top-T in index
    order; a small XLA sort of `[B, L, T]` (score desc, index asc) gives best-first order.
+No sort runs in the kernel (Triton has none): only dot, elementwise ops, cumsum, reductions,
+masked loads / scatter stores, loops and conds.
 
-Cost model per query (S keys seen, J heads, I head dim): scoring is 2*J*I*S tensor-core flops
-and J*S fp32 elementwise ops; the key tile is shared by bq queries, so HBM/L2 reads of k are
-S*I*2/bq bytes per query (bq*J = 256 flops per byte of k at the defaults, about the H100's
-bf16 balance). Selection: with scores in random order about T*ln(S/T) keys enter after the
-first T, so a row compacts about 1 + T*ln(S/T)/(C - T) times (C = 2T: ~4.5 at S = 32T), each
-compaction reading 33 * C values and writing <= C slots (L2-resident). Adversarial order
-(scores increasing with s) makes every key enter: ~S/(C - T) compactions, 33*C*S/(C - T)
-reads, still O(S) per query. HBM scratch: B * L * C * 8 bytes (C = 4096: 2 GiB at L = 64K).
+Cost model per query (S keys seen, J heads, I head dim):
+- Scoring: 2*J*I*S tensor-core flops and ~3*J*S fp32 elementwise ops; k tiles are shared by
+  the bq queries of a program, so k reads are S*I*2/bq bytes per query (bq*J = 256 flops per
+  byte of k at the defaults, about the H100's dense bf16 balance).
+- Selection: with scores in random order about T*ln(S/T) keys enter after the first C - bs, so
+  a block compacts about 1 + T*ln(S/T)/(C - T) times (a NumPy simulation of this policy, 8
+  queries per block, normal scores, T = 2048, C = 4096, bs = 64: 1 compaction at S = 4096, 3
+  at 16K, 5 at 64K), plus the final one. A compaction reads (32 / radix_bits + 2) * C values
+  and C indices and writes <= C slots (L2-resident when the buffers of the running programs
+  fit). Adversarial order (scores rising with s) makes every key enter: ~S/(C - T)
+  compactions (simulated: 7 at S = 16K), still O(S) per query.
+- HBM: scratch B * L * C * 8 bytes (C = 4096: 2 GiB at L = 64K), outputs B * L * T * 8.
+Larger C compacts less often but each compaction reads more; the product is flat around C
+= 2-4T. The selection's L2 traffic can exceed the key reads at long S: the suite's timings
+decide whether radix_bits = 4 or a larger block_q pays.
 
 GPU memory ordering: buffer slots written by one thread are read by others (appends then
 counting passes; in-place compaction), so `plgpu.debug_barrier()` (`__syncthreads`, which also

@@ -127,21 +127,26 @@ def test_repeated_compaction_keeps_earliest_ties(radix_bits):
   np.testing.assert_array_equal(np.asarray(idx[0, 0]), [198, 199, 195])
 
 
-def test_lowers_for_cuda_at_glm5_shapes():
-  """GLM-5 indexer shapes (J = 32, I = 128, T = 2048, bf16) lower to one Triton custom call
-  with the default Hopper blocks, and nothing [L, S]-sized appears in the module (L = S = 8192,
-  the candidate buffer is [L, 4096]). Lowering only: Triton's own compiler (ptxas) is not run."""
-  b, l, s, heads, dim = 1, 8192, 8192, 32, 128
+@pytest.mark.parametrize("b,l,s,dtype,options", [
+    (1, 8192, 8192, jnp.bfloat16, {}),  # prefill, the default Hopper blocks
+    (2, 3, 65536, jnp.float32, dict(block_q=16, block_s=128, radix_bits=4, num_warps=4)),
+])
+def test_lowers_for_cuda_at_glm5_shapes(b, l, s, dtype, options):
+  """GLM-5 indexer shapes (J = 32, I = 128, T = 2048) lower to one Triton custom call, for
+  prefill (L = S) and decode (3 queries, 64K keys, fp32 inputs, other block options); no
+  [L, S]-sized array appears in the module, only the [B, L', C] candidate buffer (L' = L
+  padded to the query block, C = 2T). Lowering only: Triton's own compiler (ptxas) is not run."""
+  heads, dim = 32, 128
   sds = jax.ShapeDtypeStruct
-  shapes = (sds((b, l, heads, dim), jnp.bfloat16), sds((b, s, dim), jnp.bfloat16),
-            sds((b, l, heads), jnp.float32), sds((b, l), jnp.int32), sds((b, l), jnp.int32),
-            sds((b, s), jnp.int32))
-  fn = functools.partial(indexer_topk_triton, topk=2048, scale=128 ** -0.5)
+  shapes = (sds((b, l, heads, dim), dtype), sds((b, s, dim), dtype), sds((b, l, heads), dtype),
+            sds((b, l), jnp.int32), sds((b, l), jnp.int32), sds((b, s), jnp.int32))
+  fn = functools.partial(indexer_topk_triton, topk=2048, scale=128 ** -0.5, **options)
   text = jax.jit(fn).trace(*shapes).lower(lowering_platforms=("cuda",)).as_text()
   assert text.count("__gpu$xla.gpu.triton") == 1, "expected exactly one Triton kernel"
   assert "lightning_indexer_topk" in text
-  assert f"{l}x{s}x" not in text, "an [L, S] array was materialized"
-  assert "tensor<1x8192x4096xf32>" in text  # the candidate buffer: C = 2T
+  padded = -(-l // options.get("block_q", 8)) * options.get("block_q", 8)
+  assert f"tensor<{b}x{padded}x4096xf32>" in text  # the candidate buffer
+  assert f"x{l}x{s}x" not in text and f"<{l}x{s}x" not in text, "an [L, S] array exists"
 
 
 @pytest.mark.parametrize("change,message", [
