@@ -222,6 +222,10 @@ def _indexer_topk_kernel(q_ref, w_ref, q_pos_ref, q_seg_ref, k_ref, k_seg_ref,
   count_ref[...] = count
 
 
+def _next_power_of_two(n):
+  return 1 << max(n - 1, 0).bit_length()
+
+
 def _power_of_two(name, value):
   if value < 1 or value & (value - 1):
     raise ValueError(f"indexer_topk_triton: {name}={value} must be a power of two (Triton "
@@ -262,9 +266,12 @@ def indexer_topk_triton(q_BLJI, k_BSI, weights_BLJ, q_pos_BL, q_seg_BL, k_seg_BS
   t = min(topk, s)
   if t < 1:
     raise ValueError(f"indexer_topk_triton: topk={topk} and S={s} must both be >= 1")
-  if block_q * heads < 16 or i < 16 or block_s < 16:
-    raise ValueError(f"indexer_topk_triton: the Triton dot needs block_q*J ({block_q}*{heads})"
-                     f", I ({i}) and block_s ({block_s}) all >= 16")
+  # Triton tensors have power-of-two shapes and a dot needs >= 16 in each dim: zero heads
+  # (weight 0) and zero feature columns change no score.
+  heads_p, i_p = _next_power_of_two(heads), max(16, _next_power_of_two(i))
+  if block_q * heads_p < 16 or block_s < 16:
+    raise ValueError(f"indexer_topk_triton: the Triton dot needs block_q*J ({block_q}*{heads_p}"
+                     f", J padded to a power of two) and block_s ({block_s}) both >= 16")
   min_capacity = round_up(t + block_s, chunk)
   capacity = max(min_capacity, round_up(2 * t, chunk)) if capacity is None else capacity
   if capacity < min_capacity or capacity % chunk:
@@ -273,11 +280,13 @@ def indexer_topk_triton(q_BLJI, k_BSI, weights_BLJ, q_pos_BL, q_seg_BL, k_seg_BS
   q_BLJI, k_BSI, weights_BLJ = jax.lax.stop_gradient((q_BLJI, k_BSI, weights_BLJ))
   dtype = jnp.bfloat16 if q_BLJI.dtype == k_BSI.dtype == jnp.bfloat16 else jnp.float32
   lp, sp = round_up(l, block_q), round_up(s, block_s)
-  q = pad_axis(q_BLJI.astype(dtype), 1, lp, 0).reshape(b, lp * heads, i)
-  w = pad_axis(weights_BLJ.astype(jnp.float32), 1, lp, 0).reshape(b, lp * heads)
+  q = pad_axis(pad_axis(pad_axis(q_BLJI.astype(dtype), 1, lp, 0), 2, heads_p, 0), 3, i_p, 0)
+  q = q.reshape(b, lp * heads_p, i_p)
+  w = pad_axis(pad_axis(weights_BLJ.astype(jnp.float32), 1, lp, 0), 2, heads_p, 0)
+  w = w.reshape(b, lp * heads_p)
   q_pos = pad_axis(q_pos_BL.astype(jnp.int32), 1, lp, -1)  # padded queries see nothing
   q_seg = pad_axis(q_seg_BL.astype(jnp.int32), 1, lp, 0)
-  k = pad_axis(k_BSI.astype(dtype), 1, sp, 0)
+  k = pad_axis(pad_axis(k_BSI.astype(dtype), 1, sp, 0), 2, i_p, 0)
   k_seg = pad_axis(k_seg_BS.astype(jnp.int32), 1, sp, 0)
 
   # fp32 inputs: HIGHEST makes Triton's dot IEEE fp32 instead of TF32; bf16 is unaffected.
@@ -298,8 +307,8 @@ def indexer_topk_triton(q_BLJI, k_BSI, weights_BLJ, q_pos_BL, q_seg_BL, k_seg_BS
                  jax.ShapeDtypeStruct((b, lp, capacity), jnp.int32),
                  jax.ShapeDtypeStruct((b, lp), jnp.int32)),
       grid=(nq, b),
-      in_specs=[per_block(block_q * heads, i), per_block(block_q * heads),
-                per_block(block_q), per_block(block_q), per_batch(sp, i), per_batch(sp)],
+      in_specs=[per_block(block_q * heads_p, i_p), per_block(block_q * heads_p),
+                per_block(block_q), per_block(block_q), per_batch(sp, i_p), per_batch(sp)],
       out_specs=(per_block(block_q, capacity), per_block(block_q, capacity),
                  per_block(block_q)),
       compiler_params=plgpu.CompilerParams(num_warps=num_warps, num_stages=num_stages),

@@ -74,9 +74,10 @@ def test_packed_prefill_matches_reference(topk, scale, heads):
 
 def test_decode_bf16_and_no_gradient():
   """Decode-like queries at the end of 70 cached keys (q_pos = S - L + l), bf16 inputs, two
-  documents; the scores pass no gradient to q, k or w (inputs detached, as the reference)."""
+  documents, J = 3 and I = 12 (padded inside to 4 and 16); the scores pass no gradient to q, k
+  or w (inputs detached, as the reference)."""
   rng = np.random.default_rng(3)
-  b, l, s, heads, dim = 1, 6, 70, 4, 16
+  b, l, s, heads, dim = 1, 6, 70, 3, 12
   q = jnp.asarray(rng.integers(-2, 3, (b, l, heads, dim)), jnp.bfloat16)
   k = jnp.asarray(rng.integers(-2, 3, (b, s, dim)), jnp.bfloat16)
   w = jnp.asarray(rng.integers(-2, 3, (b, l, heads)) / 2, jnp.float32)
@@ -153,6 +154,7 @@ def test_lowers_for_cuda_at_glm5_shapes(b, l, s, dtype, options):
     (dict(k_BSI=jnp.zeros((1, 40, 8))), "indexer shapes disagree"),
     (dict(block_q=6), "block_q=6 must be a power of two"),
     (dict(block_q=2), "needs block_q"),
+    (dict(block_s=8), "needs block_q"),
     (dict(capacity=24), "capacity=24 must be a multiple of chunk"),
     (dict(topk=0), "topk=0"),
     (dict(radix_bits=3), "radix_bits=3"),
