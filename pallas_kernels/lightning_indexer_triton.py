@@ -234,25 +234,30 @@ def _power_of_two(name, value):
 
 def indexer_topk_triton(q_BLJI, k_BSI, weights_BLJ, q_pos_BL, q_seg_BL, k_seg_BS, *,
                         topk: int, scale: float, interpret: bool = False, block_q: int = 8,
-                        block_s: int = 64, chunk: int = 256, capacity: int | None = None,
-                        radix_bits: int = 2, num_warps: int = 8, num_stages: int = 2):
+                        block_s: int = 32, chunk: int = 64, capacity: int | None = None,
+                        radix_bits: int = 2, num_warps: int = 8, num_stages: int = 1):
   """`indexer_topk_reference` as one fused Triton kernel (module docstring); no `[L, S]` array.
 
   Args: as `indexer_topk_reference` (q `[B, L, J, I]`, k `[B, S, I]`, weights `[B, L, J]`,
     q_pos / q_seg `[B, L]`, k_seg `[B, S]`, `topk`, `scale`), plus
     interpret: run the kernel in Pallas interpret mode (CPU tests).
-    block_q (bq): queries per program. bq*J is the dot's M (>= 16): 8 x 32 heads = 256 rows,
-      enough tensor-core work per key byte (about the H100's bf16 balance) while the fp32
-      `[bq*J, bs]` accumulator stays at 64 registers per thread with 8 warps.
-    block_s (bs): keys per tile, the dot's N; 64 keeps the accumulator in registers and the
-      causal skip fine-grained. chunk: slots per compaction pass (`[bq, chunk]` per load).
-    capacity (C): candidate slots per query, default max(2T, T + bs) rounded up to `chunk`;
-      larger C compacts less often (module docstring, cost model).
+    block_q (bq): queries per program; bq*J is the dot's M (>= 16). 8 x 32 heads = 256 rows:
+      256 flops per byte of k, about the H100's dense bf16 balance.
+    block_s (bs): keys per tile, the dot's N (>= 16). chunk: slots per compaction step (each
+      loads `[bq, chunk]`). capacity (C): candidate slots per query, a multiple of `chunk`,
+      default max(2T, T + bs) rounded up; larger C compacts less often (module docstring).
     radix_bits: bits of the T-th value found per counting pass (32 / radix_bits passes, each
-      counting 2**radix_bits - 1 candidates): 2 halves the passes of a bitwise search for 3
-      per-lane counters; 4 trades 15 counters for a quarter of the passes.
-    num_warps / num_stages: Triton launch options (8 warps for the 256-row dot; 2 stages
-      prefetch the next key tile, more buy little next to the selection work). Tune on the GPU.
+      counting 2**radix_bits - 1 candidates at once): 2 halves the passes of a bitwise search
+      for 3 per-lane counters (same 115 registers as 1); 4 (15 counters) takes 186.
+    num_warps / num_stages: Triton launch options.
+    Hopper defaults (bq 8, bs 32, chunk 64, 8 warps, 1 stage), from compiling the kernel at
+    GLM-5 shapes with Triton 3.6 for sm_90a on a CPU host (ptxas -v; no GPU run yet): they use
+    115 registers per thread and 72 KiB of shared memory (q's `[256, 128]` bf16 operand and a
+    key tile), no spills, so two programs fit on an SM and one can score while the other
+    compacts. bs 64 or chunk >= 128 take 130-240 registers (one program per SM), as do 4 warps
+    (255) for the 256-row accumulator; bq 16 needs 136 KiB. num_stages changes nothing: the key
+    loop holds a cond with nested loops, which Triton's pipeliner leaves alone (identical PTX
+    for 1 and 3 stages). Timings on the GPU decide between these (device suite sweep).
   Returns:
     `(topk_BLT, scores_BLT)` exactly as `indexer_topk_reference` (T = min(topk, S)).
   """
