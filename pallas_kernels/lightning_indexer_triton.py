@@ -41,7 +41,7 @@ Cost model per query (S keys seen, J heads, I head dim):
   byte of k at the defaults, about the H100's dense bf16 balance).
 - Selection: with scores in random order about T*ln(S/T) keys enter after the first C - bs, so
   a block compacts about 1 + T*ln(S/T)/(C - T) times (a NumPy simulation of this policy, 8
-  queries per block, normal scores, T = 2048, C = 4096, bs = 64: 1 compaction at S = 4096, 3
+  queries per block, normal scores, T = 2048, C = 4096, bs = 32: 1 compaction at S = 4096, 3
   at 16K, 5 at 64K), plus the final one. A compaction reads (32 / radix_bits + 2) * C values
   and C indices and writes <= C slots (L2-resident when the buffers of the running programs
   fit). Adversarial order (scores rising with s) makes every key enter: ~S/(C - T)
@@ -58,8 +58,10 @@ Scatter positions of masked-out lanes are kept distinct from the written ones (a
 partition of the tile), so interpret mode, which writes masked lanes back unchanged, can
 never lose a write to a duplicate index.
 
-Checked on CPU only: interpret mode against the reference, and lowering for CUDA (the Triton
-custom call); Triton's own compiler (ptxas) and real-GPU timing are left to the device suite.
+Checked without a GPU: interpret mode against the reference and lowering for CUDA (the Triton
+custom call) in tests/test_triton_indexer.py; compiled once by hand with Triton 3.6 for sm_90a
+down to a cubin (see `indexer_topk_triton`'s defaults). Never run on a GPU yet: races, speed and
+the bf16 recall are the device suite's to measure.
 
 Notation (docs/design.md): B batch, L queries, S keys, J index heads, I index head dim,
 T top-k, C candidate slots per query; bq / bs queries / keys per tile.
