@@ -260,6 +260,8 @@ def indexer_topk_triton(q_BLJI, k_BSI, weights_BLJ, q_pos_BL, q_seg_BL, k_seg_BS
     (255) for the 256-row accumulator; bq 16 needs 136 KiB. num_stages changes nothing: the key
     loop holds a cond with nested loops, which Triton's pipeliner leaves alone (identical PTX
     for 1 and 3 stages). Timings on the GPU decide between these (device suite sweep).
+    fp32 inputs run an IEEE fp32 dot on the CUDA cores (the same compile: 144 KiB of shared
+    memory, register spills): exact but slow, for checks; the model feeds bf16.
   Returns:
     `(topk_BLT, scores_BLT)` exactly as `indexer_topk_reference` (T = min(topk, S)).
   """
