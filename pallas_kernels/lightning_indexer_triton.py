@@ -25,8 +25,9 @@ query block first, since under causal skipping it has the most keys to score):
    Entering keys are appended at `count + exclusive cumsum(enter)` (masked scatter store).
 3. Compaction, when the next tile could overflow a row (max count > C - bs): per row, the exact
    T-th largest score v* by a radix search, MSB first, on the order-preserving uint32 image of
-   the fp32 scores: 32 / radix_bits counting passes over the row (in chunks of `chunk` slots),
-   each counting the keys >= each of the 2**radix_bits - 1 candidate digits; then, in index
+   the fp32 scores: 32 / radix_bits counting passes over the row (`chunk` slots a load, up to
+   8 independent loads a step), each counting the keys >= each of the 2**radix_bits - 1
+   candidate digits in per-lane counters; then, in index
    order, keep the scores > v* and the first (T - #{> v*}) scores == v* (ties to the lower
    index), written back in place (new slot <= old slot). thr <- v*, count <- T.
 4. Causal skipping: the loop stops at the tile holding the block's last visible position.
@@ -122,7 +123,7 @@ def _compact(val_ref, idx_ref, count, thr, *, topk, chunk, radix_bits, interpret
   Rows with count <= topk keep everything; rows with count >= topk get thr = the topk-th best.
   Returns (count, thr), both `[bq]`.
   """
-  bq = count.shape[0]
+  bq, capacity = val_ref.shape
   rows = jax.lax.broadcasted_iota(jnp.int32, (bq, 1), 0)
   lane = jax.lax.broadcasted_iota(jnp.int32, (bq, chunk), 1)
   num_chunks = (jnp.max(count) + chunk - 1) // chunk
@@ -131,12 +132,20 @@ def _compact(val_ref, idx_ref, count, thr, *, topk, chunk, radix_bits, interpret
     keys = _order_key(val_ref[:, pl.ds(c * chunk, chunk)])
     return keys, c * chunk + lane < count[:, None]
 
+  # Counting passes step `unroll` chunks at a time: their loads are independent, so they are
+  # in flight together (one chunk per step would wait out an L2 latency for 2 values a thread).
+  unroll = next(u for u in (8, 4, 2, 1) if (capacity // chunk) % u == 0)
+  num_steps = (jnp.max(count) + chunk * unroll - 1) // (chunk * unroll)
+
   def count_where(*preds):  # per pred [bq]: #{valid slots whose key has pred(key)}; one pass
-    def body(c, accs):  # per-lane counts: one cross-lane reduction per pass, not per chunk
-      keys, valid = load_keys(c)
-      return tuple(acc + (valid & pred(keys)).astype(jnp.int32) for acc, pred in zip(accs, preds))
+    def body(step, accs):  # per-lane counts: one cross-lane reduction per pass, not per chunk
+      for c in range(unroll):
+        keys, valid = load_keys(step * unroll + c)
+        accs = tuple(acc + (valid & pred(keys)).astype(jnp.int32)
+                     for acc, pred in zip(accs, preds))
+      return accs
     zeros = tuple(jnp.zeros((bq, chunk), jnp.int32) for _ in preds)
-    return [jnp.sum(acc, axis=1) for acc in jax.lax.fori_loop(0, num_chunks, body, zeros)]
+    return [jnp.sum(acc, axis=1) for acc in jax.lax.fori_loop(0, num_steps, body, zeros)]
 
   def next_digit(step, prefix):  # MSB first: the largest v with #{key >= v} >= topk
     shift = (32 - radix_bits * (step + 1)).astype(jnp.uint32)
@@ -250,14 +259,14 @@ def indexer_topk_triton(q_BLJI, k_BSI, weights_BLJ, q_pos_BL, q_seg_BL, k_seg_BS
       default max(2T, T + bs) rounded up; larger C compacts less often (module docstring).
     radix_bits: bits of the T-th value found per counting pass (32 / radix_bits passes, each
       counting 2**radix_bits - 1 candidates at once): 2 halves the passes of a bitwise search
-      for 3 per-lane counters (same 115 registers as 1); 4 (15 counters) takes 186.
+      for 3 per-lane counters (114 registers, 110 for 1); 4 (15 counters) takes 198.
     num_warps / num_stages: Triton launch options.
     Hopper defaults (bq 8, bs 32, chunk 64, 8 warps, 1 stage), from compiling the kernel at
     GLM-5 shapes with Triton 3.6 for sm_90a on a CPU host (ptxas -v; no GPU run yet): they use
-    115 registers per thread and 72 KiB of shared memory (q's `[256, 128]` bf16 operand and a
+    114 registers per thread and 72 KiB of shared memory (q's `[256, 128]` bf16 operand and a
     key tile), no spills, so two programs fit on an SM and one can score while the other
-    compacts. bs 64 or chunk >= 128 take 130-240 registers (one program per SM), as do 4 warps
-    (255) for the 256-row accumulator; bq 16 needs 136 KiB. num_stages changes nothing: the key
+    compacts. bs 64 (222 registers), chunk 128 (156) or 4 warps (255) leave one program per
+    SM; bq 16 needs 136 KiB of shared memory. num_stages changes nothing: the key
     loop holds a cond with nested loops, which Triton's pipeliner leaves alone (identical PTX
     for 1 and 3 stages). Timings on the GPU decide between these (device suite sweep).
     fp32 inputs run an IEEE fp32 dot on the CUDA cores (the same compile: 144 KiB of shared

@@ -99,11 +99,14 @@ def test_decode_bf16_and_no_gradient():
   assert all(not np.asarray(g, np.float32).any() for g in grads)
 
 
-@pytest.mark.parametrize("radix_bits", [1, 4])  # the default 2 runs in the other tests
-def test_repeated_compaction_keeps_earliest_ties(radix_bits):
+# radix_bits 2 (the default) runs in the other tests; capacity 32 / 128 is 2 / 8 chunks, so the
+# counting passes step 2 / 8 chunks at a time.
+@pytest.mark.parametrize("radix_bits,capacity", [(1, 32), (4, 128)])
+def test_repeated_compaction_keeps_earliest_ties(radix_bits, capacity):
   """Scores that rise with the key index in steps of three equal keys: under positive total
   weight every key enters except those tying the threshold (at most two per compaction), so the
-  32-slot buffer (T = 3) compacts about (200 - 3) / (32 - 3) ~ 6 times, and the T-th best value
+  32-slot buffer (T = 3) compacts about (200 - 3) / (32 - 3) ~ 6 times (the 128-slot one about
+  twice), and the T-th best value
   is shared by several keys (the earliest must win). Negated weights reverse the order (few keys
   enter after the first ones)."""
   b, l, s, heads, dim = 1, 8, 200, 4, 16
@@ -117,14 +120,16 @@ def test_repeated_compaction_keeps_earliest_ties(radix_bits):
   w[0, 4:] *= -1.0                      # queries 4..7: best keys are the earliest ones
   q_pos = np.full((b, l), s - 1, np.int32)
   q_pos[0, 3] = 150                     # a causal cut inside a tile
-  # Query 2 sees only keys 5, 21, 37, ...: fewer than T when the first compaction runs (query 0
-  # fills the buffer after two tiles), so its threshold must stay -inf until it has T keys.
+  # Query 2 sees only keys 5, 21, 37, ...: fewer than T when the first compaction runs (at
+  # capacity 32 query 0 fills the buffer after two tiles): its threshold must stay -inf until it
+  # has T keys.
   k_seg = (np.arange(s) % 16 == 5).astype(np.int32)[None]
   q_seg = np.zeros((b, l), np.int32)
   q_seg[0, 2] = 1
   args = (jnp.asarray(q), jnp.asarray(k), jnp.asarray(w), jnp.asarray(q_pos),
           jnp.asarray(q_seg), jnp.asarray(k_seg))
-  idx = _assert_same_selection(args, topk=3, scale=1.0, capacity=32, radix_bits=radix_bits)
+  idx = _assert_same_selection(args, topk=3, scale=1.0, capacity=capacity,
+                               radix_bits=radix_bits)
   np.testing.assert_array_equal(np.asarray(idx[0, 0]), [198, 199, 195])
 
 
