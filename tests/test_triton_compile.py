@@ -4,13 +4,14 @@ program at small shapes and its default options lowers for CUDA, compiles to an 
 
 The compiles need the optional `gpu-check` extra (triton 3.6, setup.cfg) and are skipped
 without it, as in CI.
-Here: PYTHONPATH=$PWD:DIR with triton installed into DIR (tools/triton_offline.py says how).
+Or PYTHONPATH=$PWD:DIR with triton installed into DIR (`triton_offline.import_triton` says how).
 No GPU is used: resources only, not numerics (tests/test_triton_*.py) or speed (device suite).
 """
 
 import pytest
 
-from tools import check_triton_compile, triton_offline
+from pallas_kernels import triton_offline
+from tools import check_triton_compile
 
 try:
   triton_offline.import_triton()

@@ -1,12 +1,13 @@
 """Compile every GPU (Pallas Triton) kernel program for sm_90a offline: registers, spills, shared.
 
-  pip install '.[gpu-check]'    # or PYTHONPATH=DIR holding triton 3.6 (tools/triton_offline.py)
+  pip install '.[gpu-check]'   # or PYTHONPATH=DIR holding triton 3.6 (see triton_offline.py)
   python tools/check_triton_compile.py                  # GLM-5 shapes, each kernel's defaults
   python tools/check_triton_compile.py --sweep          # plus the block options the docstrings name
   python tools/check_triton_compile.py --kernels=mla_backward --sweep --json=/tmp/out.json
 
 No GPU needed: jax lowers each kernel for CUDA, Triton 3.x compiles the Triton IR to a cubin
-for sm_90a (H100 / H200) and ptxas -v reports its resources (tools/triton_offline.py). One row
+for sm_90a (H100 / H200) and ptxas -v reports its resources (`pallas_kernels/triton_offline.py`,
+which also holds the one adapter to jax's private lowering). One row
 per (kernel, options): registers per thread, spill stores / loads (bytes), shared memory,
 whether one program fits an SM (shared <= 227 KiB and no spills) and the compile time. A
 compile says nothing about speed or correctness (device suite, interpret-mode tests).
@@ -29,7 +30,7 @@ import jax
 import jax.numpy as jnp
 
 from pallas_kernels import lightning_indexer_triton, sparse_mla_triton
-from tools import triton_offline
+from pallas_kernels import triton_offline
 
 KERNELS = ("indexer", "mla_forward", "mla_backward", "mla_decode")
 _KERNELS = flags.DEFINE_list("kernels", list(KERNELS), f"Kernel programs, of {KERNELS}.")
@@ -163,7 +164,10 @@ def main(argv):
   unknown = set(_KERNELS.value) - set(KERNELS)
   if unknown:
     raise app.UsageError(f"--kernels: unknown {sorted(unknown)}; expected some of {KERNELS}")
-  triton = triton_offline.import_triton()
+  try:
+    triton = triton_offline.import_triton()
+  except ImportError as e:
+    sys.exit(f"check_triton_compile: {e}")
   print(f"jax {jax.__version__}, triton {triton.__version__}, target sm_90a (no GPU run); "
         f"shapes {Shapes()}", flush=True)
   rows = []

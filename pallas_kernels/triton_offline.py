@@ -56,13 +56,15 @@ def import_triton():
 
 def _lowering_module():
   try:
-    from jax._src.pallas.triton import pallas_call_registration  # pylint: disable=g-import-not-at-top
+    # pylint: disable-next=g-import-not-at-top
+    from jax._src.pallas.triton import pallas_call_registration
     module = pallas_call_registration.lowering
     getattr(module, "lower_jaxpr_to_triton_module")
   except (ImportError, AttributeError) as e:
     raise TritonLoweringAdapterError(
-        f"tools/triton_offline.py wraps the private jax function {_ADAPTED} (called through "
-        "jax._src.pallas.triton.pallas_call_registration.lowering) to read the Triton IR; jax "
+        f"pallas_kernels/triton_offline.py wraps the private jax function {_ADAPTED} (called "
+        "through jax._src.pallas.triton.pallas_call_registration.lowering) to read the Triton "
+        "IR; jax "
         f"{jax.__version__} does not have it there ({e}). Find where this jax builds the "
         "Triton module of a pallas_call and adapt `capture_ttir`.") from e
   return module
