@@ -2,15 +2,17 @@
 
 Two steps, each behind one small function:
 
-1. `capture_ttir(fn, *abstract_args)`: the Triton IR (TTIR text) of every `pallas_call` in
-   `fn`, as jax's Pallas Triton lowering builds it for CUDA. Public jax only lowers
+1. `capture_ttir(fn, *abstract_args)`: the Triton IR (TTIR text) of the first `pallas_call`
+   in `fn`, as jax's Pallas Triton lowering builds it for CUDA. Public jax only lowers
    (`jax.jit(fn).trace(*args).lower(lowering_platforms=("cuda",))`), and on jaxlib <= 0.10.2 it
    hands XLA the TTIR as bytecode inside a custom call, while newer jaxlibs compile it right
-   away. Neither exposes the IR, so this adapter wraps the ONE private function that builds it,
+   away (through the CUDA plugin, which a CPU host lacks). Neither exposes the IR, so this
+   adapter wraps the ONE private function that builds it,
    `jax._src.pallas.triton.lowering.lower_jaxpr_to_triton_module` (looked up through
    `jax._src.pallas.triton.pallas_call_registration.lowering`, the module attribute the
-   lowering rule calls), and records the `.module` of its result. If jax moves or renames it,
-   `TritonLoweringAdapterError` names it: the fix is here only.
+   lowering rule calls), takes the `.module` of its result and stops the lowering there. If jax
+   moves or renames it, `TritonLoweringAdapterError` names it: the fix is here only.
+   `backward_program(fn, *args)` makes a custom-VJP backward the first (only) kernel lowered.
 2. `compile_ttir(ttir, num_warps, num_stages)`: `triton.compile` for sm_90a (H100 / H200,
    `GPUTarget("cuda", 90, 32)`) down to a cubin; Triton runs `ptxas -v` itself and its log
    gives registers per thread and spill bytes; the shared memory is Triton's `metadata.shared`.
@@ -76,35 +78,48 @@ class CapturedKernel:
   ttir: str  # TTIR text
 
 
-def capture_ttir(fn, *abstract_args) -> list[CapturedKernel]:
-  """Lowers `jax.jit(fn)` for CUDA on abstract args and returns the Triton module of every
-  pallas_call in it, in lowering order (a VJP: forward, then backward)."""
+class _Captured(Exception):
+  """Stops the lowering once the Triton module is built (carries it out)."""
+
+
+def capture_ttir(fn, *abstract_args) -> CapturedKernel:
+  """Lowers `jax.jit(fn)` for CUDA on abstract args up to its first pallas_call's Triton module
+  and returns that module; the lowering stops there, so what jax does with the module next (on
+  jaxlib > 0.10.2: compile it through the CUDA plugin, absent on a CPU host) never runs. Give
+  `fn` the kernel first (a backward alone: `backward_program`)."""
   module = _lowering_module()
   original = module.lower_jaxpr_to_triton_module
-  captured = []
 
   def recording(*args, **kwargs):
     result = original(*args, **kwargs)
     try:
       op = result.module.operation
       name = str(op.attributes["sym_name"]).strip('"')
-      captured.append(CapturedKernel(name, op.get_asm(enable_debug_info=False)))
+      ttir = op.get_asm(enable_debug_info=False)
     except (AttributeError, KeyError) as e:
       raise TritonLoweringAdapterError(
           f"{_ADAPTED} no longer returns an object with a `.module` holding a named Triton "
           f"module (jax {jax.__version__}): {e}") from e
-    return result
+    raise _Captured(CapturedKernel(name, ttir))
 
   module.lower_jaxpr_to_triton_module = recording
   try:
     jax.jit(fn).trace(*abstract_args).lower(lowering_platforms=("cuda",))
+  except _Captured as captured:
+    return captured.args[0]
   finally:
     module.lower_jaxpr_to_triton_module = original
-  if not captured:
-    raise TritonLoweringAdapterError(
-        f"lowering for CUDA called no {_ADAPTED} (jax {jax.__version__}): either `fn` has no "
-        "Pallas Triton kernel or jax builds the Triton module elsewhere now.")
-  return captured
+  raise TritonLoweringAdapterError(
+      f"lowering for CUDA called no {_ADAPTED} (jax {jax.__version__}): either `fn` has no "
+      "Pallas Triton kernel or jax builds the Triton module elsewhere now.")
+
+
+def backward_program(fn, *abstract_args):
+  """(function, abstract args) of `fn`'s VJP alone, for `capture_ttir`: the forward is traced
+  for its residuals' shapes (`jax.eval_shape`) but not lowered. The cotangents are abstract
+  like `fn`'s outputs."""
+  outputs, vjp_fn = jax.eval_shape(lambda *x: jax.vjp(fn, *x), *abstract_args)
+  return (lambda vjp_fn, cotangents: vjp_fn(cotangents)), (vjp_fn, outputs)
 
 
 @dataclasses.dataclass(frozen=True)

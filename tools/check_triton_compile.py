@@ -119,25 +119,20 @@ def _program(kernel: str, shapes: Shapes, options: dict):
   summary = f"B{b} L{l} S{keys} H{s.heads} C{s.latent} R{s.rope} T{s.topk}"
   if kernel != "mla_backward":
     return mla, args, "sparse_mla_triton_forward", summary
-
-  def backward(q, q_rope, kv, k_rope, topk, dout, dlse):
-    _, vjp = jax.vjp(lambda *x: mla(*x, topk), q, q_rope, kv, k_rope)
-    return vjp((dout, dlse))
-
-  cotangents = (sds((b, l, s.heads, s.latent), bf16), sds((b, l, s.heads), jnp.float32))
-  return backward, args + cotangents, "sparse_mla_triton_backward", summary
+  fn, args = triton_offline.backward_program(lambda *x: mla(*x[:4], x[4]), *args)
+  return fn, args, "sparse_mla_triton_backward", summary
 
 
 def compile_kernel(kernel: str, shapes: Shapes = Shapes(), changes: dict | None = None) -> dict:
   """Lowers and compiles one kernel program; returns its table row (a dict)."""
   options = {**default_options(kernel), **(changes or {})}
   fn, args, name, summary = _program(kernel, shapes, options)
-  found = [k for k in triton_offline.capture_ttir(fn, *args) if k.name == name]
-  if len(found) != 1:
-    raise RuntimeError(f"{kernel}: expected one pallas_call named {name!r} in the lowering, "
-                       f"found {len(found)}")
+  captured = triton_offline.capture_ttir(fn, *args)
+  if captured.name != name:
+    raise RuntimeError(f"{kernel}: expected the pallas_call {name!r} first in the lowering, "
+                       f"got {captured.name!r}")
   num_warps, num_stages = _launch(kernel, options)
-  result = triton_offline.compile_ttir(found[0].ttir, num_warps, num_stages)
+  result = triton_offline.compile_ttir(captured.ttir, num_warps, num_stages)
   return dict(kernel=kernel, shapes=summary, options=options, changed=changes or {},
               registers=result.registers, spill_stores=result.spill_stores,
               spill_loads=result.spill_loads, shared_bytes=result.shared_bytes,
