@@ -1,0 +1,51 @@
+"""Triton's own compiler on the GPU kernels, offline (tools/check_triton_compile.py): each kernel
+program at small shapes and its default options lowers for CUDA, compiles to an sm_90a cubin
+(ptxas included) and, at these shapes, neither spills registers nor overflows shared memory.
+
+The compiles need the optional `gpu-check` extra (triton 3.6, setup.cfg) and are skipped
+without it, as in CI.
+Or PYTHONPATH=$PWD:DIR with triton installed into DIR (`triton_offline.import_triton` says how).
+No GPU is used: resources only, not numerics (tests/test_triton_*.py) or speed (device suite).
+"""
+
+import pytest
+
+from pallas_kernels import triton_offline
+from tools import check_triton_compile
+
+try:
+  triton_offline.import_triton()
+  _SKIP = None
+except ImportError as e:
+  _SKIP = str(e)
+
+# Small but Triton-legal: dot operands >= 16 (block_q * J = 32 for the indexer), several slot
+# blocks per token, and a decode long enough to split.
+SMALL = check_triton_compile.Shapes(length=128, heads=16, latent=64, rope=16, index_heads=4,
+                                    index_dim=32, topk=64, decode_batch=2, decode_keys=512)
+
+
+@pytest.mark.skipif(_SKIP is not None, reason=f"optional extra gpu-check: {_SKIP}")
+@pytest.mark.parametrize("kernel", check_triton_compile.KERNELS)
+def test_compiles_at_defaults_without_spills(kernel):
+  row = check_triton_compile.compile_kernel(kernel, SMALL)
+  assert row["options"] == check_triton_compile.default_options(kernel)
+  assert 0 < row["registers"] <= 255
+  assert (row["spill_stores"], row["spill_loads"]) == (0, 0), row
+  assert 0 < row["shared_bytes"] <= triton_offline.H100_SHARED_LIMIT, row
+  assert row["fits"]
+
+
+def test_table_marks_a_program_that_does_not_fit():
+  row = dict(kernel="k", options=dict(block_t=32), changed={}, registers=255, spill_stores=8,
+             spill_loads=4, shared_bytes=300 * 1024, fits=False, compile_s=1.0)
+  assert check_triton_compile.table([row]).splitlines()[-1] == (
+      "| k | block_t=32 (default) | 255 | 8 / 4 | 300 | NO | 1.0 |")
+
+
+def test_adapter_names_the_jax_function_when_it_moved(monkeypatch):
+  from jax._src.pallas.triton import pallas_call_registration  # pylint: disable=g-import-not-at-top
+  monkeypatch.setattr(pallas_call_registration, "lowering", object())
+  with pytest.raises(triton_offline.TritonLoweringAdapterError,
+                     match="lowering.lower_jaxpr_to_triton_module"):
+    triton_offline.capture_ttir(lambda x: x, 1.0)

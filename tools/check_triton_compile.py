@@ -1,0 +1,190 @@
+"""Compile every GPU (Pallas Triton) kernel program for sm_90a offline: registers, spills, shared.
+
+  pip install '.[gpu-check]'   # or PYTHONPATH=DIR holding triton 3.6 (see triton_offline.py)
+  python tools/check_triton_compile.py                  # GLM-5 shapes, each kernel's defaults
+  python tools/check_triton_compile.py --sweep          # plus the block options the docstrings name
+  python tools/check_triton_compile.py --kernels=mla_backward --sweep --json=/tmp/out.json
+
+No GPU needed: jax lowers each kernel for CUDA, Triton 3.x compiles the Triton IR to a cubin
+for sm_90a (H100 / H200) and ptxas -v reports its resources (`pallas_kernels/triton_offline.py`,
+which also holds the one adapter to jax's private lowering). One row
+per (kernel, options): registers per thread, spill stores / loads (bytes), shared memory,
+whether one program fits an SM (shared <= 227 KiB and no spills) and the compile time. A
+compile says nothing about speed or correctness (device suite, interpret-mode tests).
+
+Kernel programs, bf16, at GLM-5 shapes (`Shapes`): the lightning indexer's fused top-k
+(`indexer`: B 1, L = S = 4096, 32 index heads x 128, top-k 2048), sparse MLA's forward
+(`mla_forward`: 64 heads, C 512, R 64, the same L, S, T) and its backward (`mla_backward`),
+and the split-k decode forward (`mla_decode`: B 8, L 1 over 64K keys, split_k automatic).
+"""
+
+import dataclasses
+import functools
+import inspect
+import itertools
+import json
+import sys
+
+from absl import app, flags
+import jax
+import jax.numpy as jnp
+
+from pallas_kernels import lightning_indexer_triton, sparse_mla_triton
+from pallas_kernels import triton_offline
+
+KERNELS = ("indexer", "mla_forward", "mla_backward", "mla_decode")
+_KERNELS = flags.DEFINE_list("kernels", list(KERNELS), f"Kernel programs, of {KERNELS}.")
+_SWEEP = flags.DEFINE_bool("sweep", False, "Also compile the block options of `SWEEPS`.")
+_JSON = flags.DEFINE_string("json", None, "Write the rows as JSON to this path ('-': stdout).")
+
+
+@dataclasses.dataclass(frozen=True)
+class Shapes:
+  """GLM-5's DSA shapes (defaults); tests pass small ones."""
+  length: int = 4096  # L = S for prefill / training
+  heads: int = 64  # H
+  latent: int = 512  # C
+  rope: int = 64  # R
+  index_heads: int = 32  # J
+  index_dim: int = 128  # I
+  topk: int = 2048  # T
+  softmax_scale: float = 192 ** -0.5  # the model's (qk head dim 192); a constant in the kernel
+  decode_batch: int = 8
+  decode_keys: int = 65536
+
+
+def _defaults(fn, names):
+  params = inspect.signature(fn).parameters
+  return {n: params[n].default for n in names}
+
+
+def default_options(kernel: str) -> dict:
+  """The kernel's own defaults (its signature / options dataclass), for the tuned options."""
+  if kernel == "indexer":
+    return _defaults(lightning_indexer_triton.indexer_topk_triton,
+                     ("block_q", "block_s", "chunk", "radix_bits", "num_warps", "num_stages"))
+  mla = sparse_mla_triton.TritonMLAOptions()
+  if kernel == "mla_backward":
+    return {n: getattr(mla, n) for n in ("backward_block_t", "backward_num_warps",
+                                         "backward_num_stages")}
+  return {n: getattr(mla, n) for n in ("block_t", "num_warps", "num_stages")}
+
+
+def _grid(**axes):
+  return [dict(zip(axes, values)) for values in itertools.product(*axes.values())]
+
+
+# Option sets of --sweep, as changes to the defaults: the alternatives each kernel's docstring
+# names (indexer: one option at a time, as its docstring compares them; sparse MLA: the block_t
+# x num_stages grid TritonMLAOptions asks for, and 4 or 16 warps: the [64, 512] fp32
+# accumulator is 128 registers a thread at 8 warps, 64 at 16).
+SWEEPS = {
+    "indexer": [dict(block_q=16), dict(block_s=64), dict(chunk=128), dict(radix_bits=1),
+                dict(radix_bits=4), dict(num_warps=4), dict(num_stages=3)],
+    "mla_forward": (_grid(block_t=(16, 32, 64), num_stages=(1, 2, 3))
+                    + _grid(block_t=(16, 32), num_warps=(4, 16))),
+    "mla_backward": (_grid(backward_block_t=(16, 32, 64), backward_num_stages=(1, 2))
+                     + _grid(backward_block_t=(16, 32), backward_num_warps=(4, 16))),
+    "mla_decode": (_grid(block_t=(16, 32, 64), num_stages=(1, 2, 3))
+                   + _grid(block_t=(16, 32), num_warps=(16,))),
+}
+
+
+def _launch(kernel: str, options: dict) -> tuple[int, int]:
+  """(num_warps, num_stages) of the compile, from the kernel's options."""
+  prefix = "backward_" if kernel == "mla_backward" else ""
+  return options[prefix + "num_warps"], options[prefix + "num_stages"]
+
+
+def _program(kernel: str, shapes: Shapes, options: dict):
+  """(function, abstract args, pallas_call name, shape summary) of one kernel program."""
+  sds, bf16, i32 = jax.ShapeDtypeStruct, jnp.bfloat16, jnp.int32
+  s = shapes
+  if kernel == "indexer":
+    b, l = 1, s.length
+    args = (sds((b, l, s.index_heads, s.index_dim), bf16), sds((b, l, s.index_dim), bf16),
+            sds((b, l, s.index_heads), jnp.float32), sds((b, l), i32), sds((b, l), i32),
+            sds((b, l), i32))
+    fn = functools.partial(lightning_indexer_triton.indexer_topk_triton, topk=s.topk,
+                           scale=s.index_dim ** -0.5, **options)
+    return fn, args, "lightning_indexer_topk", (
+        f"B1 L=S={l} J{s.index_heads} I{s.index_dim} T{s.topk}")
+  b, l, keys = (s.decode_batch, 1, s.decode_keys) if kernel == "mla_decode" else (
+      1, s.length, s.length)
+  mla = functools.partial(sparse_mla_triton.sparse_mla_triton,
+                          scale=s.softmax_scale, **options)
+  args = (sds((b, l, s.heads, s.latent), bf16), sds((b, l, s.heads, s.rope), bf16),
+          sds((b, keys, s.latent), bf16), sds((b, keys, s.rope), bf16),
+          sds((b, l, s.topk), i32))
+  summary = f"B{b} L{l} S{keys} H{s.heads} C{s.latent} R{s.rope} T{s.topk}"
+  if kernel != "mla_backward":
+    return mla, args, "sparse_mla_triton_forward", summary
+  fn, args = triton_offline.backward_program(lambda *x: mla(*x[:4], x[4]), *args)
+  return fn, args, "sparse_mla_triton_backward", summary
+
+
+def compile_kernel(kernel: str, shapes: Shapes = Shapes(), changes: dict | None = None) -> dict:
+  """Lowers and compiles one kernel program; returns its table row (a dict)."""
+  options = {**default_options(kernel), **(changes or {})}
+  fn, args, name, summary = _program(kernel, shapes, options)
+  captured = triton_offline.capture_ttir(fn, *args)
+  if captured.name != name:
+    raise RuntimeError(f"{kernel}: expected the pallas_call {name!r} first in the lowering, "
+                       f"got {captured.name!r}")
+  num_warps, num_stages = _launch(kernel, options)
+  result = triton_offline.compile_ttir(captured.ttir, num_warps, num_stages)
+  return dict(kernel=kernel, shapes=summary, options=options, changed=changes or {},
+              registers=result.registers, spill_stores=result.spill_stores,
+              spill_loads=result.spill_loads, shared_bytes=result.shared_bytes,
+              fits=result.fits, compile_s=round(result.seconds, 1))
+
+
+def _options_text(row):
+  text = ", ".join(f"{k}={v}" for k, v in row["options"].items())
+  return text + (" (default)" if not row["changed"] else "")
+
+
+def table(rows) -> str:
+  lines = ["| kernel | options | registers/thread | spill stores / loads (B) | shared (KiB) "
+           "| fits | compile (s) |", "|---|---|---|---|---|---|---|"]
+  for r in rows:
+    lines.append(f"| {r['kernel']} | {_options_text(r)} | {r['registers']} | "
+                 f"{r['spill_stores']} / {r['spill_loads']} | {r['shared_bytes'] / 1024:g} | "
+                 f"{'yes' if r['fits'] else 'NO'} | {r['compile_s']} |")
+  return "\n".join(lines)
+
+
+def main(argv):
+  del argv
+  unknown = set(_KERNELS.value) - set(KERNELS)
+  if unknown:
+    raise app.UsageError(f"--kernels: unknown {sorted(unknown)}; expected some of {KERNELS}")
+  try:
+    triton = triton_offline.import_triton()
+  except ImportError as e:
+    sys.exit(f"check_triton_compile: {e}")
+  print(f"jax {jax.__version__}, triton {triton.__version__}, target sm_90a (no GPU run); "
+        f"shapes {Shapes()}", flush=True)
+  rows = []
+  for kernel in _KERNELS.value:
+    for changes in [{}] + (SWEEPS[kernel] if _SWEEP.value else []):
+      if changes and {**default_options(kernel), **changes} == default_options(kernel):
+        continue  # a sweep point equal to the defaults
+      print(f"compiling {kernel} {changes or 'defaults'} ...", flush=True)
+      rows.append(compile_kernel(kernel, changes=changes))
+      r = rows[-1]
+      print(f"  {r['registers']} registers, spills {r['spill_stores']}/{r['spill_loads']} B, "
+            f"shared {r['shared_bytes']} B, {r['compile_s']} s", flush=True)
+  print("\nshapes: " + "; ".join(sorted({f"{r['kernel']}: {r['shapes']}" for r in rows})))
+  print(table(rows))
+  if _JSON.value:
+    text = json.dumps(rows, indent=1)
+    if _JSON.value == "-":
+      sys.stdout.write(text + "\n")
+    else:
+      with open(_JSON.value, "w") as f:
+        f.write(text + "\n")
+
+
+if __name__ == "__main__":
+  app.run(main)
