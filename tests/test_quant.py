@@ -120,12 +120,21 @@ def test_qat_model_exports_and_serves_its_trained_int4_values(model, params):
     w = w[key]
   deq = qat.dequantize_groups(ops.unpack_int4(exported[path]), exported[path + "_scale"])
   np.testing.assert_allclose(qat.fake_quant_int4(w, 16), deq, rtol=1e-6)
-  fq_logits = glm5_jax.logits(qat_model, params, TOKENS)
-  assert np.isfinite(np.asarray(fq_logits)).all()
+  # The QAT forward is the float model with its expert kernels rounded to those INT4 values.
+  rounded = jax.tree_util.tree_map_with_path(
+      lambda p, w: qat.fake_quant_int4(w, 16) if _is_expert_kernel(p) else w, params)
+  np.testing.assert_allclose(glm5_jax.logits(qat_model, params, TOKENS),
+                             glm5_jax.logits(model, rounded, TOKENS), rtol=1e-5, atol=1e-5)
   with pytest.raises(ConfigError, match="quant_group_size: 8 differs"):
     serve.quantize(qat_model, params, "w4a8", group_size=8)
   with pytest.raises(ConfigError, match="qat_int4_group_size: 0"):
     serve.export_int4_experts(model, params)
+
+
+def _is_expert_kernel(path) -> bool:
+  keys = [getattr(k, "key", None) for k in path]
+  return len(keys) >= 2 and keys[-2] == "experts" and keys[-1] in ("gate_proj", "up_proj",
+                                                                   "down_proj")
 
 
 @pytest.mark.parametrize("field,value,match", [
@@ -142,3 +151,18 @@ def test_bad_quantization_fields_are_named(model, field, value, match):
   bad.update(quant="w4a8", quant_group_size=32)
   with pytest.raises(ConfigError, match="model.quant_group_size.*divide hidden_size=48"):
     ModelConfig.from_config(bad)
+
+
+@pytest.mark.slow  # compiles the engine's prefill and decode steps (~40 s on a loaded CPU)
+def test_engine_serves_a_rotated_w4a8_model_as_its_forward_computes(model, params):
+  """The engine's cached decode runs the same quantized projections as the forward: its greedy
+  tokens' logits equal the teacher-forced forward's (per-token activation scales make a token's
+  numbers independent of how many tokens share its call)."""
+  from glm5_jax import infer
+  model_q, params_q = serve.quantize(model, rotation.rotate(model, params), "w4a8")
+  prompts = [list(TOKENS[0, :6])]
+  result = infer.generate(model_q, params_q, prompts, max_new_tokens=3, return_logits=True)
+  for prompt, tokens, logits in zip(prompts, result.tokens, result.logits):
+    full = np.asarray(prompt + list(tokens[:-1]))[None]
+    want = np.asarray(glm5_jax.logits(model_q, params_q, full))[0, len(prompt) - 1:]
+    np.testing.assert_allclose(np.asarray(logits), want, atol=2e-4 * np.abs(want).max())
