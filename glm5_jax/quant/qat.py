@@ -6,16 +6,19 @@ A kernel `w [..., I, O]` (our layout: input axis second to last) is split along 
 replaced by `clip(round(w / s), -8, 7) * s` in the forward, while the backward passes the
 gradient through unchanged (straight-through: `w + stop_gradient(q(w) - w)`), so the optimizer
 keeps updating the full-precision weight. Symmetric scales (`amax / 7`) are what the serving
-path (`ops.quantize_int4`) stores, so a QAT-trained kernel quantizes at export to exactly the
+path (`ops.quantize_int4_groups`) stores, so a QAT-trained kernel quantizes at export to exactly the
 values it was trained with.
 
-Written by hand rather than with qwix (Google's maintained JAX quantization library, which has
-QAT with per-channel / tiled scales): qwix quantizes by intercepting the `dot_general` /
-`einsum` calls of a Flax module it wraps (`qwix.quantize_model` with regex rules over module
-paths), which (1) needs the model rebuilt through its provider at every place this repo builds
-`GLM5` (api.forward, the train and RL steps, the engine), (2) does not see our expert kernels as
-weights of a matmul it intercepts (they enter `jax.lax.ragged_dot` after a sort), and (3) would
-add a dependency for ~20 lines of arithmetic. qwix is also not installed in this environment.
+Written by hand rather than with qwix (Google's maintained JAX quantization library; checked
+against its release 0.1.8, the newest on PyPI here). qwix quantizes by intercepting the
+`dot_general` / `einsum` / `ragged_dot` calls of a Flax module it wraps
+(`qwix.quantize_model(model, QtProvider([QtRule(...)]))`), and its QAT ragged_dot (the op our
+routed experts run through, `moe.dispatch_experts`) quantizes the `[E, I, O]` weight with one
+scale per output channel shared by all experts (`RaggedDotQtConfig` takes only qtypes: no
+`tile_size`, so no per-group scales, and no per-expert ones), which is not the per-group INT4
+of GLM-5's recipe; it would also need the model rebuilt through its provider wherever this repo
+builds `GLM5` (api.forward, the train and RL steps, the engine) and a new dependency, for what
+is ~20 lines of arithmetic here.
 Imports only jax (it sits on the bottom floor, beside `glm5_jax.layers`).
 """
 
