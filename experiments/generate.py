@@ -55,6 +55,13 @@ _MODEL = overrides.define_config_dict(
     "fields given here apply.")
 _TOKENIZER = flags.DEFINE_string("tokenizer", None, "'byte' or a tokenizer.json path instead of "
                                  "the model source's own.")
+_QUANT = flags.DEFINE_enum("quant", "none", ["none", "w8a8", "w4a8"], "Serve quantized: INT8 "
+                           "weights (w8a8) or INT4 routed experts (w4a8), INT8 activations per "
+                           "token (docs/quantization.md).")
+_QUANT_GROUP = flags.DEFINE_integer("quant_group_size", 0, "w4a8's INT4 group size (0: the "
+                                    "model's quant_group_size, 128).")
+_ROTATE = flags.DEFINE_bool("rotate", False, "Fold a Hadamard rotation into the weights before "
+                            "quantizing (QuaRot-style; logits unchanged in full precision).")
 _PROMPT = flags.DEFINE_multi_string("prompt", [], "A text prompt (repeatable).")
 _PROMPTS_FILE = flags.DEFINE_string("prompts_file", None, "jsonl of prompts: {\"prompt\": text} "
                                     "or {\"tokens\": [ids]}, optional \"id\".")
@@ -144,7 +151,8 @@ def main(argv):
     served = load_model(workdir=_WORKDIR.value, hf_path=_HF_PATH.value,
                         random_init_config=_CONFIG.value if _RANDOM_INIT.value else None,
                         model_overrides=config_flags.get_override_values(flags.FLAGS["model"]),
-                        tokenizer=_TOKENIZER.value, seed=_SEED.value)
+                        tokenizer=_TOKENIZER.value, seed=_SEED.value, quant=_QUANT.value,
+                        quant_group_size=_QUANT_GROUP.value or None, rotate=_ROTATE.value)
     prompts = _prompts(served)
     _generate_and_print(served, prompts)
   except (ValueError, FileNotFoundError) as e:  # the user's input: its message, no traceback

@@ -26,6 +26,7 @@ import ml_collections
 from glm5_jax.attention.kinds import ATTENTION_KINDS, layer_kind, pattern_error
 from glm5_jax.layers.params import DTYPES
 from glm5_jax.layers.remat import REMAT_POLICIES
+from glm5_jax.quant.linear import QUANT_FORMATS
 
 SIMPLE_GDN_GATES = ("fixed", "learned")
 MLP_LETTERS = {"F": "dense", "E": "moe"}
@@ -177,6 +178,17 @@ def model_config(**overrides) -> ml_collections.ConfigDict:
   # (exact-size messages; TPU/GPU, XLA:CPU cannot compile it) or "all_to_all" (dense buffers
   # padded to the dropless worst case, expert-axis-size times the bytes; runs everywhere).
   c.moe_transport = "ragged_all_to_all"
+  # INT4 quantization-aware training of the routed experts (`glm5_jax.quant.qat`): 0 = off, else
+  # the group size along each expert kernel's input axis (one scale per group and output
+  # column); must be even and divide hidden_size and moe_intermediate_size (GLM-5 report: INT4
+  # QAT at the SFT stage). Applies wherever the model runs (pre-training, SFT, RL, eval).
+  c.qat_int4_group_size = 0
+  # Quantized serving (`glm5_jax.quant.linear`): "none", "w8a8" (INT8 weights per output
+  # channel, INT8 activations per token, int32 accumulation) or "w4a8" (w8a8, with the routed
+  # experts INT4 per group of `quant_group_size` input rows, packed). A quantized model's params
+  # are made from a float model's by `glm5_jax.quant.serve.quantize`; it serves, never trains.
+  c.quant = "none"
+  c.quant_group_size = 128
   c.update(overrides)
   return c
 
@@ -263,10 +275,12 @@ def interleave_pattern(num_layers: int, every: int, letter: str, base: str,
 # `model_config()`, which cannot change what an older model computes (they only configure the
 # S / N / L layers, which such a model has none of; `scan_layers`, `remat_policy`,
 # `moe_impl` and `moe_transport` change the param layout, memory or collectives, never the numbers;
-# `cache_dtype` only the decode cache; `attention_impl` only which kernel computes attention).
+# `cache_dtype` only the decode cache; `attention_impl` only which kernel computes attention;
+# `qat_int4_group_size` is 0, off, for older models).
 LATER_FIELDS = ("sliding_window", "gdn_conv_size", "gdn_chunk_size", "simple_gdn_gates",
                 "simple_gdn_beta", "scan_layers", "remat_policy", "moe_impl",
-                "moe_transport", "cache_dtype", "attention_impl")
+                "moe_transport", "cache_dtype", "attention_impl", "qat_int4_group_size", "quant",
+                "quant_group_size")
 # Where the behaviour before a field existed differs from its default: checkpoints written
 # before `scan_layers` hold unrolled `layers_{i}` params.
 LATER_FIELD_OLD_VALUES = {"scan_layers": False}
@@ -352,6 +366,25 @@ def validate_model_config(m) -> None:
            f"must be one of {ATTENTION_IMPLS}, got {m.attention_impl!r}")
   require(m.remat_policy in REMAT_POLICIES, "model.remat_policy",
            f"must be one of {REMAT_POLICIES}, got {m.remat_policy!r}")
+  group = m.qat_int4_group_size
+  require(isinstance(group, int) and not isinstance(group, bool) and group >= 0
+          and group % 2 == 0, "model.qat_int4_group_size",
+          f"must be 0 (off) or an even group size (INT4 packs two per byte), got {group!r}")
+  for dim in ("hidden_size", "moe_intermediate_size"):
+    require(not group or m[dim] % group == 0, "model.qat_int4_group_size",
+            f"group size {group} must divide {dim}={m[dim]} (the expert kernels' input dims)")
+  require(m.quant in QUANT_FORMATS, "model.quant",
+          f"must be one of {QUANT_FORMATS}, got {m.quant!r}")
+  if m.quant == "w4a8":
+    group = m.quant_group_size
+    require(isinstance(group, int) and group >= 2 and group % 2 == 0, "model.quant_group_size",
+            f"must be an even positive group size (INT4 packs two per byte), got {group!r}")
+    for dim in ("hidden_size", "moe_intermediate_size"):
+      require(m[dim] % group == 0, "model.quant_group_size",
+              f"group size {group} must divide {dim}={m[dim]} (the expert kernels' input dims)")
+  require(m.quant == "none" or m.moe_impl == "ragged", "model.quant",
+          f"quantized serving ({m.quant!r}) runs the routed experts with moe_impl='ragged', got "
+          f"moe_impl={m.moe_impl!r}")
   require(m.moe_impl in MOE_IMPLS, "model.moe_impl", f"must be one of {MOE_IMPLS}, got "
            f"{m.moe_impl!r}")
   require(m.moe_transport in MOE_TRANSPORTS, "model.moe_transport",

@@ -61,7 +61,8 @@ class DecoderLayer(nn.Module):
         used["moe"] = experts_BLX
       aux = {**aux, **moe_aux}
     else:
-      ffn_BLD = SwiGLU(c.intermediate_size, c.initializer_range, dtype, pdtype, name="mlp")(h_BLD)
+      ffn_BLD = SwiGLU(c.intermediate_size, c.initializer_range, dtype, pdtype, c.quant,
+                       name="mlp")(h_BLD)
     if return_routing:
       aux["routing"] = used
     return x_BLD + ffn_BLD, aux

@@ -30,7 +30,10 @@ from glm5_jax import moe_parallel, routing_replay
 from glm5_jax.config import ModelConfig
 from glm5_jax.layers.axes import EMBED, EXPERT, EXPERT_MLP
 from glm5_jax.layers.ffn import SwiGLU
-from glm5_jax.layers.params import dtypes, kernels, normal_kernel, param
+from glm5_jax.layers.params import constrain, dtypes, kernels, normal_kernel, param
+from glm5_jax.quant.linear import experts_int4, experts_int8, ragged_int_matmul
+from glm5_jax.quant.ops import unpack_int4
+from glm5_jax.quant.qat import fake_quant_int4
 
 
 def router_scores(x_MD, w_gate_DE):
@@ -105,6 +108,25 @@ def dispatch_experts(x_MD, weights_MX, experts_MX, w_gate_EDF, w_up_EDF, w_down_
   return y_MD.astype(x_MD.dtype), counts_E
 
 
+def dispatch_quantized_experts(x_MD, weights_MX, experts_MX, gate, up, down):
+  """`dispatch_experts` over integer expert kernels (`(q int8 [E, I, O], scale [E, G, O])` per
+  projection, G = 1 for INT8 per channel, I / group for INT4): INT8 activations per token and
+  int32 accumulation (`quant.linear.ragged_int_matmul`). Returns `y_MD`."""
+  m, x = experts_MX.shape
+  num_experts = gate[0].shape[0]
+  flat_experts_P = experts_MX.reshape(-1)
+  order_P = jnp.argsort(flat_experts_P, stable=True)
+  counts_E = jnp.bincount(flat_experts_P, length=num_experts).astype(jnp.int32)
+  rows_expert_P = flat_experts_P[order_P]
+  xs_PD = x_MD[order_P // x]
+  mm = lambda h, qs: ragged_int_matmul(h, *qs, counts_E, rows_expert_P, x_MD.dtype)
+  h_PF = jax.nn.silu(mm(xs_PD, gate)) * mm(xs_PD, up)
+  ys_PD = mm(h_PF, down)
+  ys_MXD = ys_PD[jnp.argsort(order_P)].reshape(m, x, -1)
+  y_MD = jnp.einsum("mxd,mx->md", ys_MXD.astype(jnp.float32), weights_MX)
+  return y_MD.astype(x_MD.dtype)
+
+
 class MoE(nn.Module):
   """Routed experts + shared expert(s). HF names: `gate` (router kernel `[D, E]`),
   `e_score_correction_bias [E]` (fp32), `experts.{gate,up}_proj [E, D, F]`,
@@ -139,8 +161,11 @@ class MoE(nn.Module):
         n_group=c.n_group, topk_group=c.topk_group,
         recorded_experts_MX=None if recorded_experts_BLX is None else
         recorded_experts_BLX.reshape(b * l, -1))
-    experts = ExpertWeights(e, f, c.initializer_range, dtype, pdtype, name="experts")(d)
-    if c.moe_impl == "expert_parallel" and moe_parallel.context_mesh() is not None:
+    experts = ExpertWeights(e, f, c.initializer_range, dtype, pdtype, c.qat_int4_group_size,
+                            c.quant, c.quant_group_size, name="experts")(d)
+    if c.quant != "none":  # integer kernels: (q, scale) per projection
+      y_MD = dispatch_quantized_experts(x_MD, weights_MX, experts_MX, *experts)
+    elif c.moe_impl == "expert_parallel" and moe_parallel.context_mesh() is not None:
       y_MD = moe_parallel.expert_parallel_dispatch(x_MD, weights_MX, experts_MX, *experts,
                                                    transport=c.moe_transport)
     else:  # "ragged", or no mesh in context (init, one device): the same numbers, locally
@@ -153,25 +178,50 @@ class MoE(nn.Module):
                                     chosen_BLE, valid_BL, c.num_experts_per_tok)
     y_BLD = y_MD.reshape(b, l, d)
     if c.n_shared_experts:
-      y_BLD = y_BLD + SwiGLU(f * c.n_shared_experts, c.initializer_range, dtype, pdtype,
+      y_BLD = y_BLD + SwiGLU(f * c.n_shared_experts, c.initializer_range, dtype, pdtype, c.quant,
                              name="shared_experts")(x_BLD)
     return y_BLD, {"expert_counts": counts_E, "sequence_balance_loss": balance,
                    "experts": experts_MX.reshape(b, l, -1)}
 
 
 class ExpertWeights(nn.Module):
-  """The stacked expert kernels, stored `[E, in, out]` so each expert is its own matrix."""
+  """The stacked expert kernels, stored `[E, in, out]` so each expert is its own matrix; with
+  `qat_group_size` > 0 each is fake-quantized to INT4 per group of input rows
+  (`glm5_jax.quant.qat`, straight-through gradient) before the cast to `dtype`."""
 
   num_experts: int
   intermediate_size: int
   init_std: float
   dtype: jnp.dtype
   param_dtype: jnp.dtype
+  qat_group_size: int = 0
+  quant: str = "none"  # "w8a8": INT8 per channel; "w4a8": INT4 per group, packed
+  quant_group_size: int = 128
 
   @nn.compact
   def __call__(self, hidden_size):
+    """Returns the three kernels in `dtype`, or for a quantized model `(q int8 [E, I, O], scale
+    [E, G, O])` each (INT4 stored packed, unpacked here)."""
     e, f, d = self.num_experts, self.intermediate_size, hidden_size
-    kernel = kernels(self, self.init_std, self.param_dtype, self.dtype)
+    if self.quant != "none":
+      return tuple(self._quantized(name, shape, axes) for name, shape, axes in (
+          ("gate_proj", (e, d, f), (EXPERT, EMBED, EXPERT_MLP)),
+          ("up_proj", (e, d, f), (EXPERT, EMBED, EXPERT_MLP)),
+          ("down_proj", (e, f, d), (EXPERT, EXPERT_MLP, EMBED))))
+    stored = kernels(self, self.init_std, self.param_dtype)
+
+    def kernel(name, shape, axes):
+      w = stored(name, shape, axes)
+      if self.qat_group_size:
+        w = fake_quant_int4(w, self.qat_group_size)
+      return constrain(w.astype(self.dtype), axes)
+
     return (kernel("gate_proj", (e, d, f), (EXPERT, EMBED, EXPERT_MLP)),
             kernel("up_proj", (e, d, f), (EXPERT, EMBED, EXPERT_MLP)),
             kernel("down_proj", (e, f, d), (EXPERT, EXPERT_MLP, EMBED)))
+
+  def _quantized(self, name, shape, axes):
+    if self.quant == "w4a8":
+      packed, scale = experts_int4(self, name, shape, axes, self.quant_group_size)
+      return unpack_int4(packed), scale
+    return experts_int8(self, name, shape, axes)

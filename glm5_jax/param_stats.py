@@ -31,6 +31,7 @@ reported apart. For comparison, a GQA-8 model with head dim 128 stores `2 * 8 * 
 import collections
 import math
 
+import jax
 from flax import traverse_util
 
 from glm5_jax.api import abstract_params
@@ -72,8 +73,8 @@ def layer_component(names: tuple[str, ...]) -> str | None:
       return "shared_experts"
     if names[1] in ROUTER:
       return "router"
-    if names[1] in DENSE_FFN:
-      return "dense_ffn"
+    if names[1] in DENSE_FFN or names[1].removesuffix("_scale") in DENSE_FFN:
+      return "dense_ffn"  # `<kernel>_scale`: a quantized model's scales (glm5_jax.quant)
   return None
 
 
@@ -144,7 +145,8 @@ def recurrent_state_bytes(cfg: ModelConfig) -> int:
 def summarize(model_config) -> dict:
   """All counts for a `model` ConfigDict (or `ModelConfig`), as one JSON-ready dict."""
   cfg = ModelConfig.from_config(model_config)
-  main, mtp = component_counts(abstract_params(cfg))
+  shapes = abstract_params(cfg)
+  main, mtp = component_counts(shapes)
   without_mtp = sum(main.values())
   active = active_params(main, cfg)
   return {
@@ -157,4 +159,16 @@ def summarize(model_config) -> dict:
       "kv_cache_bytes_per_token": kv_cache_bytes_per_token(cfg),
       "recurrent_state_bytes": recurrent_state_bytes(cfg),
       "num_hidden_layers": cfg.num_hidden_layers,
+      # What the params occupy as stored, by dtype: with `model.quant` (glm5_jax.quant) the
+      # counts above count stored elements (a packed INT4 byte is one, scales included).
+      "param_bytes_by_dtype": param_bytes_by_dtype(shapes),
   }
+
+
+def param_bytes_by_dtype(shapes) -> dict[str, int]:
+  """Bytes of a params (or ShapeDtypeStruct) tree per dtype name, plus "total"."""
+  out: dict[str, int] = {}
+  for leaf in jax.tree_util.tree_leaves(shapes):
+    name = leaf.dtype.name
+    out[name] = out.get(name, 0) + math.prod(leaf.shape) * leaf.dtype.itemsize
+  return {**dict(sorted(out.items())), "total": sum(out.values())}

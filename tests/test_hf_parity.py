@@ -301,7 +301,7 @@ def test_bad_directory_errors(tmp_path):
   with pytest.raises(CheckpointError, match="glm_moe_dsa"):
     glm5_jax.load_hf(str(tmp_path))
   for bad in ({"scoring_func": "softmax"}, {"rope_scaling": {"type": "yarn", "factor": 4}},
-              {"quantization_config": {"quant_method": "fp8"}}, {"hidden_act": "gelu"}):
+              {"quantization_config": {"quant_method": "gptq"}}, {"hidden_act": "gelu"}):
     (tmp_path / "config.json").write_text(json.dumps({"model_type": "glm_moe_dsa", **bad}))
     with pytest.raises(CheckpointError, match=next(iter(bad))):
       glm5_jax.load_hf(str(tmp_path))

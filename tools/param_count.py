@@ -7,6 +7,8 @@ Shapes come from `glm5_jax.abstract_params` (`jax.eval_shape`), so nothing is al
   python tools/param_count.py --config=configs/glm5_744b.py --json
   python -m tools.param_count --config=configs/tiny.py:attention=G
   python -m tools.param_count --config=configs/tiny.py --config.model.num_hidden_layers=2
+  python tools/param_count.py --config=configs/glm5_744b.py --config.model.quant=w4a8 \
+      --config.model.param_dtype=bfloat16     # bytes stored for W4A8 serving (glm5_jax.quant)
 
 What is counted: see `glm5_jax.param_stats`.
 """
@@ -52,6 +54,8 @@ def format_table(summary: dict) -> str:
   lines.append(f"  {'GQA-8 / this model':<32}{kv['gqa8_ratio']:>29.2f}x")
   lines.append(f"  {'GQA-8 / this model w/o indexer':<32}"
                f"{kv['gqa8_ratio_without_indexer']:>29.2f}x")
+  lines += ["", "params as stored (bytes)"]
+  lines += [f"  {name:<32}{n:>30,}" for name, n in summary["param_bytes_by_dtype"].items()]
   return "\n".join(lines)
 
 

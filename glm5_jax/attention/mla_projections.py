@@ -29,6 +29,7 @@ from glm5_jax.config import ModelConfig
 from glm5_jax.layers.norms import RMSNorm
 from glm5_jax.layers.axes import EMBED, HEAD_DIM, HEADS, KV_LORA, Q_LORA
 from glm5_jax.layers.params import dtypes, kernels, param
+from glm5_jax.quant.linear import linear
 from glm5_jax.layers.rope import apply_interleaved_rope, rope_angles
 
 # The parameters (children of `self_attn`) an M layer stores; `attention_bias` adds the `_bias`
@@ -41,6 +42,13 @@ MLA_BIAS_PARAMS = ("q_a_proj_bias", "kv_a_proj_with_mqa_bias", "o_proj_bias")
 def _kernel(module: nn.Module, cfg: ModelConfig, name, shape, axes):
   dtype, pdtype = dtypes(cfg)
   return kernels(module, cfg.initializer_range, pdtype, dtype)(name, shape, axes)
+
+
+def _linear(module: nn.Module, cfg: ModelConfig, name, x, shape, axes, n_in: int = 1):
+  """`x . kernel` over the kernel's first `n_in` axes; INT8 W8A8 when `cfg.quant` says so."""
+  dtype, pdtype = dtypes(cfg)
+  return linear(module, name, x, shape, axes, n_in, quant=cfg.quant, std=cfg.initializer_range,
+                param_dtype=pdtype, dtype=dtype)
 
 
 def _bias(module: nn.Module, cfg: ModelConfig, name, size, axis):
@@ -69,15 +77,15 @@ def mla_latents(module: nn.Module, cfg: ModelConfig, x_BLD):
   n, r, v, k = c.qk_nope_head_dim, c.qk_rope_head_dim, c.v_head_dim, c.qk_head_dim
   x_BLD = x_BLD.astype(dtype)
 
-  w_qa_DQ = _kernel(module, c, "q_a_proj", (d, c.q_lora_rank), (EMBED, Q_LORA))
-  cq_BLQ = x_BLD @ w_qa_DQ + _bias(module, c, "q_a_proj_bias", c.q_lora_rank, Q_LORA)
+  cq_BLQ = (_linear(module, c, "q_a_proj", x_BLD, (d, c.q_lora_rank), (EMBED, Q_LORA))
+            + _bias(module, c, "q_a_proj_bias", c.q_lora_rank, Q_LORA))
   cq_BLQ = RMSNorm(c.latent_norm_eps, dtype, pdtype, name="q_a_layernorm")(cq_BLQ)
-  w_qb_QHK = _kernel(module, c, "q_b_proj", (c.q_lora_rank, h, k), (Q_LORA, HEADS, HEAD_DIM))
-  q_BLHK = checkpoint_name(jnp.einsum("blq,qhk->blhk", cq_BLQ, w_qb_QHK), "query_proj")
+  q_BLHK = checkpoint_name(_linear(module, c, "q_b_proj", cq_BLQ, (c.q_lora_rank, h, k),
+                                   (Q_LORA, HEADS, HEAD_DIM)), "query_proj")
 
-  w_kva_DC = _kernel(module, c, "kv_a_proj_with_mqa", (d, c.kv_lora_rank + r), (EMBED, KV_LORA))
-  ckv_BLC = x_BLD @ w_kva_DC + _bias(module, c, "kv_a_proj_with_mqa_bias", c.kv_lora_rank + r,
-                                     KV_LORA)
+  ckv_BLC = (_linear(module, c, "kv_a_proj_with_mqa", x_BLD, (d, c.kv_lora_rank + r),
+                     (EMBED, KV_LORA))
+             + _bias(module, c, "kv_a_proj_with_mqa_bias", c.kv_lora_rank + r, KV_LORA))
   # The shared latent is MLA's key and value projection (`model.remat_policy` save_qkv_*).
   ckv_BLC = checkpoint_name(ckv_BLC, "key_proj")
   ckv_BLC, k_rope_BLR = ckv_BLC[..., :c.kv_lora_rank], ckv_BLC[..., c.kv_lora_rank:]
@@ -117,7 +125,6 @@ def mla_output(module: nn.Module, cfg: ModelConfig, out_BLHV):
   c = cfg
   h, v = out_BLHV.shape[-2:]
   d = c.hidden_size
-  w_o_HVD = _kernel(module, c, "o_proj", (h, v, d), (HEADS, HEAD_DIM, EMBED))
   out_BLHV = checkpoint_name(out_BLHV.astype(dtypes(c)[0]), "attention_out")
-  return jnp.einsum("blhv,hvd->bld", out_BLHV, w_o_HVD) + _bias(module, c, "o_proj_bias", d,
-                                                                 EMBED)
+  return (_linear(module, c, "o_proj", out_BLHV, (h, v, d), (HEADS, HEAD_DIM, EMBED), 2)
+          + _bias(module, c, "o_proj_bias", d, EMBED))

@@ -9,6 +9,7 @@ otherwise the error lists what was missing or unexpected. The parts:
 
   hf_config.py   config.json -> our model ConfigDict (`config_from_hf`)
   hf_files.py    the directory's files: the shard index, safetensors headers and tensors
+  hf_fp8.py      the FP8 release: block-scaled float8_e4m3fn tensors, dequantized as read
   hf_layout.py   which HF tensors each parameter is built from, and how (the load plan)
   hf_leaves.py   the plan per leaf of the chosen layout; any slice of a leaf read alone
   streaming.py   conversion to a sharded orbax checkpoint, one group of leaves at a time
@@ -23,6 +24,7 @@ import ml_collections
 from glm5_jax.api import abstract_params
 from glm5_jax.config import ModelConfig
 from glm5_jax.convert.hf_config import check_supported, config_from_hf
+from glm5_jax.convert.hf_fp8 import Fp8Format, block_size, check_fp8_tensors
 from glm5_jax.convert.hf_files import (INDEX_FILE, CheckpointError, TensorReader, head,
                                        read_json, stored_dtype, tensor_files)
 from glm5_jax.convert.hf_layout import ignorable_tensors, load_plan
@@ -40,9 +42,11 @@ class HFCheckpoint:
   config: ml_collections.ConfigDict  # as `get_config().model`
   files_by_name: dict[str, str]
   leaves: list[LeafSource]  # in tree order, in the layout `config.scan_layers` selects
+  fp8: Fp8Format | None = None  # an FP8 checkpoint's block size and quantized tensors
 
   def reader(self) -> TensorReader:
-    return TensorReader(self.path, self.files_by_name)
+    """Reads tensors by name; an FP8 tensor comes back dequantized (float32)."""
+    return TensorReader(self.path, self.files_by_name, self.fp8)
 
   def read(self, leaf: LeafSource, reader: TensorReader, index=None):
     """`leaf[index]` (default: all of it) as a numpy array of the param dtype."""
@@ -61,6 +65,7 @@ def open_hf(path: str, *, param_dtype: str | None = None, dtype: str | None = No
   hf_config = read_json(os.path.join(path, "config.json"))
   check_supported(hf_config)
   files_by_name = tensor_files(path)
+  fp8 = check_fp8_tensors(path, files_by_name, block_size(hf_config))
   config = config_from_hf(hf_config, tensor_names=files_by_name.keys(), mtp_depths=mtp_depths)
   stored = stored_dtype(path, files_by_name, "model.embed_tokens.weight")
   config.param_dtype = param_dtype or stored
@@ -71,14 +76,16 @@ def open_hf(path: str, *, param_dtype: str | None = None, dtype: str | None = No
   plan = load_plan(cfg, files_by_name)
   needed = {n for _, names, _ in plan for n in names}
   missing = sorted(needed - files_by_name.keys())
-  unexpected = sorted(set(files_by_name) - needed - set(ignorable_tensors(cfg, files_by_name)))
+  scales = set(fp8.scale_names()) if fp8 else set()  # read with their FP8 tensors
+  unexpected = sorted(set(files_by_name) - needed - scales
+                      - set(ignorable_tensors(cfg, files_by_name)))
   if missing or unexpected:
     raise CheckpointError(
         f"{path}: checkpoint does not match its config.json.\n"
         f"  missing tensors ({len(missing)}): {head(missing)}\n"
         f"  unexpected tensors ({len(unexpected)}): {head(unexpected)}")
   leaves = leaf_sources(cfg, plan, abstract_params(cfg), path)
-  return HFCheckpoint(path, config, files_by_name, leaves)
+  return HFCheckpoint(path, config, files_by_name, leaves, fp8)
 
 
 def load_hf(path: str, *, param_dtype: str | None = None, dtype: str | None = None,
@@ -88,8 +95,8 @@ def load_hf(path: str, *, param_dtype: str | None = None, dtype: str | None = No
 
   Args:
     path: directory with `config.json` and `*.safetensors`.
-    param_dtype: dtype of the returned params; default: the dtype the embedding is stored in.
-      The router kernel, its correction bias and the indexer's `weights_proj` stay fp32.
+    param_dtype: dtype of the returned params; default: the dtype the embedding is stored in
+      (bf16 in the FP8 release, whose FP8 tensors are dequantized, `hf_fp8`). The router kernel, its correction bias and the indexer's `weights_proj` stay fp32.
     dtype: compute dtype recorded in the config; default: the stored dtype, as for params.
     mtp_depths: MTP prediction depths sharing the checkpoint's MTP layer (if it has one).
     scan_layers: the param layout (recorded as `config.scan_layers`): stacked runs

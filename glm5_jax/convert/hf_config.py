@@ -3,8 +3,9 @@
 Field names are HF's wherever `model_config()` has the same field. The per-layer patterns are
 resolved as `transformers`' `GlmMoeDsaConfig.__post_init__` does: `indexer_types` ("full" -> D,
 "shared" -> R) and `mlp_layer_types` ("dense" -> F, "sparse" -> E). Anything that is not a
-plain GLM-5 (another model type, FP8 quantization, RoPE scaling, tied embeddings, ...) is
-refused with a `CheckpointError` naming the key.
+plain GLM-5 (another model type, a quantization other than block FP8, RoPE scaling, tied
+embeddings, ...) is refused with a `CheckpointError` naming the key; the FP8 release's
+`quantization_config` is checked by `hf_fp8.block_size`.
 """
 
 import ml_collections
@@ -12,6 +13,7 @@ from absl import logging
 
 from glm5_jax.config import model_config
 from glm5_jax.convert.hf_files import CheckpointError
+from glm5_jax.convert.hf_fp8 import block_size
 
 # Fields copied verbatim from config.json when present (same names as our model config).
 _SAME_NAME_FIELDS = (
@@ -83,9 +85,7 @@ def check_supported(hf: dict) -> None:
   if hf.get("model_type") != "glm_moe_dsa":
     raise CheckpointError(f"config.json: model_type is {hf.get('model_type')!r}, expected "
                           "'glm_moe_dsa' (GLM-5)")
-  if hf.get("quantization_config"):
-    raise CheckpointError("config.json: quantization_config is set (e.g. the FP8 release); "
-                          "load a bf16/fp32 checkpoint instead")
+  block_size(hf)  # a quantization_config other than block FP8 is refused, naming the field
   # DeepSeek-style routing keys some exports carry; GLM-5's values are the only ones supported.
   for key, expected in (("scoring_func", "sigmoid"), ("topk_method", "noaux_tc")):
     if hf.get(key, expected) != expected:

@@ -84,20 +84,24 @@ def stored_dtype(path: str, files_by_name: dict[str, str], name: str) -> str:
     stored = f.get_slice(name).get_dtype()
   if stored not in SAFETENSORS_DTYPES:
     raise CheckpointError(f"{file}: {name} is stored as {stored}; expected one of "
-                          f"{sorted(SAFETENSORS_DTYPES)} (dequantize FP8 checkpoints first)")
+                          f"{sorted(SAFETENSORS_DTYPES)}")
   return SAFETENSORS_DTYPES[stored]
 
 
 class TensorReader:
-  """Opens each shard once and reads single tensors (or row ranges of them) as numpy arrays."""
+  """Opens each shard once and reads single tensors (or row ranges of them) as numpy arrays;
+  with `fp8` (an `hf_fp8.Fp8Format`), its FP8 tensors come back dequantized, float32."""
 
-  def __init__(self, path: str, files_by_name: dict[str, str]):
+  def __init__(self, path: str, files_by_name: dict[str, str], fp8=None):
     self._path, self._files_by_name, self._open = path, files_by_name, {}
+    self._fp8 = fp8
 
   def read(self, name: str, rows: slice | None = None) -> np.ndarray:
     """Tensor `name`, or only `tensor[rows]` (a slice of its first axis; only those bytes are
     read)."""
     file = os.path.join(self._path, self._files_by_name[name])
+    if self._fp8 is not None and name in self._fp8.shapes:
+      return self._fp8.read(self.read, file, name, rows)
     if file not in self._open:
       self._open[file] = open_safetensors(file)
       self._open[file].__enter__()

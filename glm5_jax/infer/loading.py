@@ -9,6 +9,8 @@
 
 `model_overrides` ({field: value}) change the served model, e.g. {"dsa_impl": "pallas"}; a
 changed attention pattern converts the params training-free, as in experiments/eval.py.
+`quant` ("w8a8" / "w4a8", optionally after `rotate`) quantizes the loaded params for serving
+(`glm5_jax.quant`; docs/quantization.md).
 """
 
 import dataclasses
@@ -20,6 +22,7 @@ import ml_collections
 from glm5_jax.api import init_params
 from glm5_jax.convert.hf import load_hf
 from glm5_jax.data import check_vocab, make_tokenizer
+from glm5_jax.quant import rotation, serve
 from glm5_jax.eval.checkpoints import (apply_model_overrides, complete_model_config,
                                        convert_run_params, load_run)
 
@@ -42,7 +45,8 @@ class ServedModel:
 
 def load_model(*, workdir: str | None = None, hf_path: str | None = None,
                random_init_config=None, model_overrides: dict | None = None,
-               tokenizer: str | None = None, seed: int = 0) -> ServedModel:
+               tokenizer: str | None = None, seed: int = 0, quant: str = "none",
+               quant_group_size: int | None = None, rotate: bool = False) -> ServedModel:
   """The model to serve from exactly one source (module docstring).
 
   Args:
@@ -51,6 +55,9 @@ def load_model(*, workdir: str | None = None, hf_path: str | None = None,
     model_overrides: model fields to change.
     tokenizer: "byte" or a tokenizer.json path, instead of the source's own.
     seed: init seed of random params, and of parts a pattern conversion adds.
+    quant: "none", or serve quantized: "w8a8" / "w4a8" (`glm5_jax.quant.serve.quantize`).
+    quant_group_size: W4A8's INT4 group size (default: the model's `quant_group_size`).
+    rotate: fold a Hadamard rotation into the float weights first (`glm5_jax.quant.rotation`).
   Raises:
     ValueError: no source or several; a tokenizer whose ids do not fit the model's vocab.
     FileNotFoundError: a workdir without checkpoints, a missing HF directory.
@@ -90,6 +97,12 @@ def load_model(*, workdir: str | None = None, hf_path: str | None = None,
     params = init_params(model, jax.random.key(seed))
     own_tokenizer = random_init_config.data.get("tokenizer", "byte")
     source = f"random init (seed {seed}): smoke test, the completions are noise"
+  if rotate:
+    params = rotation.rotate(model, params, seed=seed)
+    source += ", rotated"
+  if quant != "none":
+    model, params = serve.quantize(model, params, quant, quant_group_size)
+    source += f", quantized {quant}"
   name = tokenizer or own_tokenizer
   tok = make_tokenizer(name) if name else None
   if tok is not None:

@@ -1,0 +1,107 @@
+"""Quantized serving measured on a trained run: held-out loss, greedy accuracy on an environment's
+eval tasks, and greedy agreement with the unquantized model, one row per format.
+
+  python tools/quant_eval.py --workdir=/tmp/glm5_sft --env=addition --tasks=200 \
+      --quant_group_size=16
+  python tools/quant_eval.py --workdir=/tmp/sft_qat ...   # a run trained with INT4 QAT
+
+Formats (`--formats`): `float` (the params as trained, in the run's dtype), `w8a8`, `w4a8`,
+`w4a8_rotated` (`glm5_jax.quant`; docs/quantization.md). Every format serves the model without
+its MTP layer (plain greedy decoding never runs it, and the rotation cannot be folded with it).
+
+  held-out loss    mean token NLL of the assistant turns (loss-masked tokens) of the worked
+                   solutions of the env's first `--tasks` eval tasks, teacher-forced
+  accuracy         greedy completions of those tasks scored by the env (the RL eval's metric)
+  agreement        tasks whose whole greedy conversation equals the first format's
+"""
+
+import json
+
+import jax
+import ml_collections
+import numpy as np
+from absl import app
+from absl import flags
+
+import glm5_jax
+from glm5_jax.data import chat
+from glm5_jax.infer.loading import load_model
+from glm5_jax.posttrain import envs, rollout
+from glm5_jax.posttrain.config import rl_config
+from glm5_jax.quant import rotation, serve
+
+_WORKDIR = flags.DEFINE_string("workdir", None, "Training run (SFT or RL) to measure.")
+_ENV = flags.DEFINE_string("env", "addition", "Environment whose eval tasks are played.")
+_TASKS = flags.DEFINE_integer("tasks", 200, "Eval tasks (prompts).")
+_SEQ_LEN = flags.DEFINE_integer("seq_len", 64, "Conversation budget (configs/rl_tiny.py's).")
+_MAX_NEW = flags.DEFINE_integer("max_new_tokens", 48, "Tokens per turn (configs/rl_tiny.py's).")
+_FORMATS = flags.DEFINE_list("formats", ["float", "w8a8", "w4a8", "w4a8_rotated"],
+                             "Formats to measure; the first is the agreement reference.")
+_GROUP = flags.DEFINE_integer("quant_group_size", 128, "W4A8's INT4 group size.")
+
+
+def served_formats(model, params, formats, group):
+  """`{format: (model, params)}` of the run's model without its MTP layer."""
+  model = ml_collections.ConfigDict(model.to_dict())
+  model.update(num_nextn_predict_layers=0, mtp_depths=0)
+  params = {k: v for k, v in params.items() if k != "mtp"}
+  out = {}
+  for fmt in formats:
+    if fmt == "float":
+      out[fmt] = (model, params)
+      continue
+    quant, _, rotated = fmt.partition("_")
+    source = rotation.rotate(model, params) if rotated == "rotated" else params
+    out[fmt] = serve.quantize(model, source, quant, group)
+  return out
+
+
+def heldout_loss(model, params, env, tokenizer, tasks, seq_len) -> float:
+  """Mean NLL of the assistant tokens of the tasks' worked solutions, teacher-forced."""
+  rows = [chat.render(env.worked_solution(t), tokenizer) for t in tasks]
+  n = min(max(len(r.ids) for r in rows), seq_len)
+  ids = np.zeros((len(rows), n), np.int32)
+  mask = np.zeros((len(rows), n), np.float32)
+  for i, r in enumerate(rows):
+    ids[i, :min(len(r.ids), n)] = r.ids[:n]
+    mask[i, :min(len(r.ids), n)] = r.loss_mask[:n]
+  logits = np.asarray(glm5_jax.logits(model, params, ids), np.float32)[:, :-1]
+  logp = jax.nn.log_softmax(logits, axis=-1)
+  nll = -np.take_along_axis(np.asarray(logp), ids[:, 1:, None], axis=-1)[..., 0]
+  return float((nll * mask[:, 1:]).sum() / mask[:, 1:].sum())
+
+
+def main(argv):
+  if len(argv) > 1:
+    raise app.UsageError(f"unexpected arguments {argv[1:]}")
+  served = load_model(workdir=_WORKDIR.value)
+  env = envs.make(_ENV.value)
+  tasks = [env.task(i, "eval") for i in range(_TASKS.value)]
+  config = ml_collections.ConfigDict({
+      "data": {"seq_len": _SEQ_LEN.value, "tokenizer": "byte"},
+      "rl": rl_config(max_new_tokens=_MAX_NEW.value, eval_samples=0)})
+  reference, rows = None, []
+  for fmt, (model, params) in served_formats(served.model, served.params, _FORMATS.value,
+                                             _GROUP.value).items():
+    config.model = model
+    samples = rollout.generate_samples(config, params, env, tasks, seed=0, group_size=1,
+                                       temperature=0.0, tokenizer=served.tokenizer)
+    conversations = [tuple(s.tokens.tolist()) for s in samples]
+    reference = reference or conversations
+    row = {"format": fmt,
+           "heldout_loss": heldout_loss(model, params, env, served.tokenizer, tasks,
+                                        _SEQ_LEN.value),
+           "accuracy": float(np.mean([s.correct for s in samples])),
+           "agreement": float(np.mean([a == b for a, b in zip(conversations, reference)]))}
+    rows.append(row)
+    print(json.dumps(row), flush=True)
+  print(f"\n{served.source}; {_ENV.value}, {_TASKS.value} eval tasks, greedy")
+  print(f"{'format':<16}{'held-out loss':>14}{'accuracy':>10}{'agreement':>11}")
+  for row in rows:
+    print(f"{row['format']:<16}{row['heldout_loss']:>14.4f}{row['accuracy']:>10.3f}"
+          f"{row['agreement']:>11.3f}")
+
+
+if __name__ == "__main__":
+  flags.mark_flag_as_required("workdir")
+  app.run(main)
