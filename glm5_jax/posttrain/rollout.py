@@ -293,3 +293,14 @@ def rollout_metrics(samples) -> dict:
           "response_length": float(np.mean([s.response_length for s in samples])),
           "turns": float(np.mean([s.turns for s in samples])),
           "truncated_fraction": float(np.mean([bool(s.info.get("truncated")) for s in samples]))}
+
+
+def metrics_by_env(samples) -> dict:
+  """`rollout_metrics` of each environment's samples as `<env>/<metric>`, and `<env>/samples`
+  (a task mixture's per-task metrics)."""
+  out = {}
+  for name in sorted({s.task.env for s in samples}):
+    mine = [s for s in samples if s.task.env == name]
+    out.update({f"{name}/{k}": v for k, v in rollout_metrics(mine).items()})
+    out[f"{name}/samples"] = float(len(mine))
+  return out
