@@ -37,6 +37,7 @@ def strip_fence(text: str) -> str:
 
 class Code(base.SingleTurnEnv):
   name = "code"
+  concurrent_steps = True  # each step waits on a sandbox process
   defaults = {"families": code_problems.FAMILIES, "num_tests": 8, "reward": "all",
               "max_code_chars": 2000, "sandbox": {}}
 

@@ -37,6 +37,10 @@ class Mixture(base.Env):
     return "Mixture(" + ", ".join(f"{e!r}: {w:.3f}" for e, w in self.weights.items()) + ")"
 
   @property
+  def concurrent_steps(self):
+    return any(env.concurrent_steps for env in self.envs.values())
+
+  @property
   def max_turns(self):
     return max(env.max_turns for env in self.envs.values())
 

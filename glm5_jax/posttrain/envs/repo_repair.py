@@ -103,6 +103,7 @@ def parse_call(call) -> tuple[str, dict] | str:
 
 class RepoRepair(base.Env):
   name = "repo_repair"
+  concurrent_steps = True  # tool calls and the final tests wait on sandbox processes
   defaults = {"max_turns": 6, "num_tests": 8, "reward": "all", "max_file_chars": 4000,
               "sandbox": {}}
 
