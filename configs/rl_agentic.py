@@ -64,7 +64,7 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
   else:
     config.rl.env = arg.task
     config.rl.env_options.update(options)
-  config.optim = optim.optim_config(learning_rate=1e-3, warmup_steps=5)
+  config.optim = optim.optim_config(learning_rate=1e-3, warmup_steps=min(5, arg.steps // 2))
   config.train = train_defaults.train_config(steps=arg.steps)
   config.ckpt = train_defaults.ckpt_config(every_steps=1, keep=2)
   config.mesh = mesh_config()
