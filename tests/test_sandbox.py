@@ -12,6 +12,7 @@ import shutil
 import signal
 import socket
 import subprocess
+import sys
 import tempfile
 import time
 
@@ -254,10 +255,19 @@ def test_killing_its_parent_and_everyone_leaves_the_caller_working():
 
 
 @isolated
-def test_a_good_program_runs_with_its_files():
+@pytest.mark.parametrize("mode", ["default", "user"])
+def test_a_good_program_runs_with_its_files(mode, monkeypatch):
+  """Also when the caller's cwd is /tmp, and when the interpreter's directory is hidden."""
+  if mode == "user" and not _user_mode_works():
+    pytest.skip("user namespaces are not allowed here")
   files = {"main.py": "import lib\nprint(lib.f(3))\n", "lib.py": "f = lambda x: x * 2\n"}
-  r = sandbox.run_python(files, "main.py", limits=FAST)
-  assert r.ok and r.output == "6\n" and r.mode == ISO.mode, r
+  monkeypatch.chdir("/tmp")
+  for hide in ([], [os.path.dirname(os.path.realpath(sys.base_prefix))]):
+    if mode == "default":
+      r = sandbox.run_python(files, "main.py", limits=FAST, hide=hide)
+    else:
+      r = sandbox._run(files, "main.py", FAST, ["/tmp", *hide], "user")
+    assert r.ok and r.output == "6\n" and r.mode == (ISO.mode if mode == "default" else "user"), r
 
 
 def test_refuses_without_isolation_unless_unsafe(monkeypatch):

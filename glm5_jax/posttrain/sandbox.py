@@ -15,7 +15,7 @@ What a program gets (the child is `sandbox_boot.py`; its docstring has the proce
 Isolation modes (`isolation().mode`, decided once by trying it):
   "root"  the caller is root (a container): new mount, network, pid, IPC and UTS namespaces
           made as root, then the program runs as `Limits.uid`/`gid` (default nobody), without
-          capabilities, seeing the caller's interpreter through a read-only bind mount.
+          capabilities.
   "user"  an unprivileged caller where user namespaces are allowed: the same namespaces inside
           a new user namespace (the caller's uid mapped to 0), the program in a nested one so
           the hiding mounts are locked.
@@ -24,8 +24,9 @@ Isolation modes (`isolation().mode`, decided once by trying it):
   every process the program starts dies with it, setsid or double-fork included; private
   tmpfs /tmp, /var/tmp and /dev/shm (writes there vanish with the run); a new /proc (or an
   empty one where the container forbids it); the caller's cwd and `hide` paths covered by an
-  empty unreadable tmpfs. Elsewhere the program sees the machine's filesystem with the
-  sandbox user's permissions: in mode "root" nobody's (world-readable files stay readable, and
+  empty unreadable tmpfs (paths under the private dirs need none); the caller's interpreter
+  bound read-only at /tmp/.python, so hiding its directory does not stop the program.
+  Elsewhere the program sees the machine's filesystem with the sandbox user's permissions: in mode "root" nobody's (world-readable files stay readable, and
   it can write only where nobody may: its box and the private tmpfs); in mode "user" the
   caller's own permissions, so `hide` must name every directory of the caller's that holds
   secrets. RLIMIT_NPROC counts per user: in mode "root" every process of the sandbox uid on the
@@ -35,9 +36,10 @@ Isolation modes (`isolation().mode`, decided once by trying it):
   "none"  neither works (a seccomp profile that forbids unshare, say): `run_python` refuses
           with a SandboxError unless `allow_unsafe=True`, which runs the program in the
           caller's namespaces with only the rlimits, the cleared environment, the fresh cwd,
-          the timeout and the process-group kill: it CAN reach the network, read every file
-          the caller can (the caller's workdir included) and write wherever the caller can,
-          and a child that calls setsid escapes the group kill. For trusted code only.
+          the timeout and the kill of its descendants (the boot process is their subreaper):
+          it CAN reach the network, read every file the caller can (the caller's workdir
+          included), write wherever the caller can and signal the caller's processes (as
+          root RLIMIT_NPROC does not bind either). For trusted code only.
 """
 
 import dataclasses

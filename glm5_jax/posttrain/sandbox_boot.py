@@ -11,12 +11,14 @@ Process tree of an isolated run (mode "root" or "user"):
      and exits with its status. The caller's wall-clock kill (SIGKILL to B's process group)
      reaches B and I.
   I  pid 1 of the new pid namespace: mounts (new /proc, private /tmp /var/tmp /dev/shm, the
-     box bound at /tmp/box, hidden paths covered), forks P, reaps every orphan and exits with
+     box bound at /tmp/box, the interpreter's prefix bound read-only at /tmp/.python, hidden
+     paths covered), forks P, reaps every orphan and exits with
      P's status once P is gone. When I exits the kernel kills everything left in the
      namespace, so a program that double-forks or calls setsid leaves nothing behind.
   P  drops privileges (mode "root": to the sandbox uid/gid; mode "user": a nested user
      namespace, in which the mounts above are locked and cannot be unmounted), sets the
-     rlimits and execs the interpreter on the program with a cleared environment.
+     rlimits and execs the interpreter (from /tmp/.python) on the program with a cleared
+     environment.
 
 Mode "none" (the caller's explicit unsafe flag): B sets the rlimits and execs the program
 directly, in the caller's namespaces, with the box as its cwd.
@@ -35,7 +37,8 @@ MS_RDONLY, MS_NOSUID, MS_NODEV, MS_NOEXEC = 1, 2, 4, 8
 MS_REMOUNT, MS_BIND, MS_REC, MS_PRIVATE = 32, 4096, 16384, 1 << 18
 PR_SET_CHILD_SUBREAPER, PR_SET_NO_NEW_PRIVS = 36, 38
 BOX = "/tmp/box"
-PYTHON = "/tmp/.python"  # mode "root": the interpreter's prefix, bound read-only
+PYTHON = "/tmp/.python"  # the interpreter's prefix, bound read-only
+PRIVATE = ("/tmp", "/var/tmp", "/dev/shm")  # each a fresh tmpfs
 
 libc = ctypes.CDLL(None, use_errno=True)
 
@@ -87,25 +90,28 @@ def exec_program(spec: dict, python: str, env: dict) -> None:
   os.execve(python, [python, "-E", "-s", "-S", "-B", *spec["argv"]], env)
 
 
-def mount_private_dirs(spec: dict, box_fd: int, python_fd: int | None) -> None:
+def mount_private_dirs(spec: dict, box_fd: int, python_fd: int) -> None:
   """In I (pid 1 of the new namespaces): the mounts every program sees."""
   try:
     mount("proc", "/proc", "proc", MS_NOSUID | MS_NODEV | MS_NOEXEC)
   except OSError:  # a container that masks parts of /proc forbids a new one: hide it whole
     mount("tmpfs", "/proc", "tmpfs", MS_NOSUID | MS_NODEV | MS_NOEXEC | MS_RDONLY, "size=4k")
   size = f"size={spec['tmpfs_bytes']},mode=1777"
-  for path in ("/tmp", "/var/tmp", "/dev/shm"):
+  for path in PRIVATE:
     if os.path.isdir(path):
       mount("tmpfs", path, "tmpfs", MS_NOSUID | MS_NODEV, size)
   os.mkdir(BOX)
   mount(f"/proc/self/fd/{box_fd}", BOX, None, MS_BIND)
   os.close(box_fd)
-  if python_fd is not None:
-    os.mkdir(PYTHON, 0o755)
-    mount(f"/proc/self/fd/{python_fd}", PYTHON, None, MS_BIND | MS_REC)
-    mount(None, PYTHON, None, MS_REMOUNT | MS_BIND | MS_RDONLY | MS_NOSUID)
-    os.close(python_fd)
+  # The interpreter, bound read-only where the program can reach it whatever is hidden or
+  # unreadable (mode "root": nobody cannot enter e.g. /root, where pyenv installs it).
+  os.mkdir(PYTHON, 0o755)
+  mount(f"/proc/self/fd/{python_fd}", PYTHON, None, MS_BIND | MS_REC)
+  mount(None, PYTHON, None, MS_REMOUNT | MS_BIND | MS_RDONLY | MS_NOSUID)
+  os.close(python_fd)
   for path in spec["hide"]:
+    if any(path == d or path.startswith(d + "/") for d in PRIVATE):
+      continue  # private already (and covering /tmp would hide the box)
     if os.path.isdir(path):
       mount("tmpfs", path, "tmpfs", MS_RDONLY | MS_NOSUID | MS_NODEV | MS_NOEXEC,
             "size=4k,mode=000")
@@ -116,12 +122,11 @@ def mount_private_dirs(spec: dict, box_fd: int, python_fd: int | None) -> None:
 def run_program(spec: dict) -> None:
   """In P: drop privileges, set the limits, exec (never returns)."""
   mode = spec["mode"]
-  python = spec["python"]
+  python = PYTHON + spec["python_in_prefix"]
   if mode == "root":
     os.setgroups([])
     os.setresgid(spec["gid"], spec["gid"], spec["gid"])
     os.setresuid(spec["uid"], spec["uid"], spec["uid"])
-    python = PYTHON + spec["python_in_prefix"]
   elif mode == "user":
     # A nested user namespace: the mounts made above become locked (a namespace less
     # privileged than the one that made them cannot unmount them to uncover what they hide).
@@ -129,9 +134,9 @@ def run_program(spec: dict) -> None:
     map_self(0, 0)
   check(libc.prctl(PR_SET_NO_NEW_PRIVS, 1, 0, 0, 0), "prctl(PR_SET_NO_NEW_PRIVS)")
   set_limits(spec["limits"])  # after the namespaces: RLIMIT_NPROC counts in the innermost one
-  env = {"PATH": "/usr/bin:/bin", "HOME": BOX, "LANG": "C.UTF-8", "PYTHONHASHSEED": "0"}
-  if mode == "root":
-    env["LD_LIBRARY_PATH"] = PYTHON + "/lib"  # the interpreter's runpath names the real prefix
+  env = {"PATH": "/usr/bin:/bin", "HOME": BOX, "LANG": "C.UTF-8", "PYTHONHASHSEED": "0",
+         # A shared libpython is found through the runpath, which names the real prefix.
+         "LD_LIBRARY_PATH": PYTHON + "/lib"}
   exec_program(spec, python, env)
 
 
@@ -216,8 +221,7 @@ def main() -> None:
   # Opened in the new mount namespace (a bind from another namespace's mount is refused), and
   # before /tmp is covered: the box and the interpreter stay reachable through these.
   box_fd = os.open(spec["box"], os.O_PATH | os.O_DIRECTORY)
-  python_fd = (os.open(spec["python_prefix"], os.O_PATH | os.O_DIRECTORY)
-               if mode == "root" else None)
+  python_fd = os.open(spec["python_prefix"], os.O_PATH | os.O_DIRECTORY)
   init = fork_child()
   if init:  # B: killing I (pid 1 of the namespace) kills everything inside
     supervise(init, lambda: kill_quietly(init), after=False)
