@@ -123,3 +123,37 @@ def test_short_mixture_run_logs_per_task_metrics_and_held_out_accuracy(tmp_path)
       assert 0 <= evals[f"{name}/accuracy"] <= 1
     assert evals["accuracy"] == pytest.approx((evals["addition/accuracy"] +
                                                evals["strings/accuracy"]) / 2)
+
+
+def test_async_intake_applies_each_tasks_staleness_limit(tmp_path):
+  """Rollouts one version old: the task with max_staleness 0 is re-queued, the one that uses
+  rl.max_staleness (1) is trained on."""
+  import numpy as np  # pylint: disable=import-outside-toplevel
+  from glm5_jax.rl import async_trainer, trajectories  # pylint: disable=import-outside-toplevel
+  from glm5_jax.rl.layout import RunDirs  # pylint: disable=import-outside-toplevel
+  from glm5_jax.rl.orchestrator import Orchestrator  # pylint: disable=import-outside-toplevel
+  from tests.test_rl_async import small_async_config  # pylint: disable=import-outside-toplevel
+  config = small_async_config()
+  config.rl.env = "mixture"
+  config.rl.tasks.addition = tasks.task_config(1.0, max_staleness=0)
+  config.rl.tasks.strings = tasks.task_config(1.0)
+  validate_rl_experiment(config)
+  orch = Orchestrator(tmp_path, ["w0"], groups_per_step=2, max_staleness=1, total_steps=3,
+                      group_size=4)
+  intake = async_trainer._Intake(config, RunDirs.at(tmp_path), orch,  # pylint: disable=protected-access
+                                 trajectories.TrajectoryLedger(), 0)
+  orders = orch.issue(0)
+  assert len(orders) == 4
+  mask = np.float32([0, 1, 1])
+  for k, order in enumerate(orders):
+    env_name = "addition" if k < 2 else "strings"
+    record = trajectories.TrajectoryRecord(
+        np.int32([5, 6, 7]), np.float32([0, -1, -2]), mask, np.int32([-1, 0, 0]), 1.0,
+        {"task": order.task, "turns": 1, "env": env_name})
+    trajectories.write_batch(RunDirs.at(tmp_path).rollouts, [record], worker=order.worker,
+                             batch_index=order.id)
+  plan = intake.plan(1, 1)
+  names = {o.rollout_name: ("addition" if k < 2 else "strings") for k, o in enumerate(orders)}
+  assert sorted(names[n] for n, _, _ in plan["reject"]) == ["addition", "addition"]
+  assert all(limit == 0 for _, _, limit in plan["reject"])
+  assert sorted(names[n] for n, _ in plan["take"]) == ["strings", "strings"]
