@@ -126,7 +126,7 @@ def test_repo_repair_worked_solution_round_trips_the_chat_format():
   env = envs.make("repo_repair", sandbox=QUICK)
   task = env.task(0, "eval")
   conversation = env.worked_solution(task)
-  rebuilt = list(task.messages)
+  rebuilt, step = list(task.messages), None
   for k in range(len(task.messages), len(conversation)):
     if conversation[k]["role"] == "observation":
       rebuilt.append({"role": "observation", "content": step.observation})
