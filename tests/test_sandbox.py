@@ -285,3 +285,19 @@ def test_a_limit_of_zero_or_below_is_an_error_naming_it(field):
   for bad in (0, -1):
     with pytest.raises(ValueError, match=f"sandbox.{field}: must be a finite number > 0"):
       sandbox.run_python({"main.py": ""}, "main.py", limits=Limits(**{field: bad}))
+
+
+@isolated
+def test_paths_hidden_for_the_process_stay_hidden(caller_dir, monkeypatch):
+  """The RL loop registers its workdir (`hide_in_this_process`): later runs cannot read it."""
+  monkeypatch.setattr(sandbox, "_HIDDEN", set())
+  run = caller_dir / "rl_workdir"
+  run.mkdir()
+  (run / "checkpoint").write_text("hunter2")
+  for path in (caller_dir, run, run / "checkpoint"):
+    os.chmod(path, 0o755 if path.is_dir() else 0o644)
+  reader = f"print('ESCAPED', open({str(run / 'checkpoint')!r}).read())\n"
+  sandbox.hide_in_this_process(str(run), "gs://bucket/run", "")
+  assert sandbox._HIDDEN == {str(run)}
+  r = contained(reader)
+  assert "hunter2" not in r.output

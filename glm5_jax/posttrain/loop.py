@@ -39,7 +39,7 @@ from glm5_jax.api import abstract_params, init_params
 from glm5_jax.config import ModelConfig
 from glm5_jax.data import check_vocab, make_tokenizer
 from glm5_jax.eval.checkpoints import load_run
-from glm5_jax.posttrain import algorithms, rollout, rl_step, tasks as tasks_lib
+from glm5_jax.posttrain import algorithms, rollout, rl_step, sandbox, tasks as tasks_lib
 from glm5_jax.posttrain.rl_config_checks import validate_rl_experiment
 from glm5_jax.seeds import derive_seed
 from glm5_jax.sharding import activation_sharding
@@ -123,9 +123,16 @@ def rl_train(config, workdir: str, *, stop_after_steps: int | None = None,
     `rl.eval_samples`), `last_metrics`, `checkpoints` and `metrics_file`.
   """
   validate_rl_experiment(config)
+  hide_run_from_sandbox(config, workdir)
   with RunHarness(workdir, "RL", config.ckpt, total_steps=config.rl.steps,
                   stop_after_steps=stop_after_steps) as run:
     return _rl_train(config, run, params)
+
+
+def hide_run_from_sandbox(config, workdir) -> None:
+  """Model-written code (the code envs) must not see the run: its workdir, the checkpoint it
+  starts from and its teacher are hidden from every sandboxed program of this process."""
+  sandbox.hide_in_this_process(workdir, config.rl.init_from, config.rl.teacher)
 
 
 def build_rl_run(config, *, asynchronous: bool = False):

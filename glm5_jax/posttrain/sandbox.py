@@ -58,6 +58,18 @@ BOOT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "sandbox_boot.py
 MODES = ("root", "user", "none")
 
 
+_HIDDEN: set = set()  # paths every run of this process hides (`hide_in_this_process`)
+
+
+def hide_in_this_process(*paths) -> None:
+  """Hides `paths` (local directories or files; remote URLs like gs://... are ignored) from
+  every later run in this process: the RL loop, trainer and workers register their run's
+  workdir and the checkpoints they read, so a program never sees them."""
+  for path in paths:
+    if path and "://" not in str(path):
+      _HIDDEN.add(os.path.abspath(str(path)))
+
+
 class SandboxError(RuntimeError):
   """The sandbox could not run a program (never raised for what the program itself does)."""
 
@@ -150,8 +162,8 @@ def run_python(files: dict, main: str, *, limits: Limits = Limits(), hide=(),
     files: the program's files; paths relative, without "..".
     main: the file to run (a key of `files`).
     limits: `Limits` (checked: every field > 0).
-    hide: more paths the program must not see (e.g. the run's workdir); the caller's cwd is
-      always hidden.
+    hide: more paths the program must not see; the caller's cwd and the paths registered
+      with `hide_in_this_process` (the RL run's workdir) are always hidden.
     allow_unsafe: where the OS cannot isolate (`isolation().mode == "none"`), run anyway with
       the limits only (module docstring: what that does not contain). Without it: SandboxError.
   Raises:
@@ -167,7 +179,7 @@ def run_python(files: dict, main: str, *, limits: Limits = Limits(), hide=(),
                        "write the caller's files")
   if main not in files:
     raise ValueError(f"sandbox: main {main!r} is not one of the files {sorted(files)}")
-  hidden = [os.getcwd()] + [os.path.abspath(p) for p in hide]
+  hidden = [os.getcwd(), *sorted(_HIDDEN)] + [os.path.abspath(p) for p in hide]
   return _run(files, main, limits, [p for p in hidden if p != "/"], iso.mode)
 
 

@@ -111,6 +111,7 @@ def run_async_trainer(config, root, workers, *, stop_after_steps: int | None = N
       missing).
   """
   validate_async_experiment(config)
+  loop.hide_run_from_sandbox(config, root)
   # Every step is checkpointed, synchronously: each published version is a committed one.
   with RunHarness(str(root), "asynchronous RL trainer", config.ckpt, total_steps=config.rl.steps,
                   stop_after_steps=stop_after_steps, every_steps=1, async_save=False) as run:
