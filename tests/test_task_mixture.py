@@ -106,7 +106,8 @@ def test_short_mixture_run_logs_per_task_metrics_and_held_out_accuracy(tmp_path)
   """One step of a two-task mixture: the step's metrics per task, held-out accuracy per task
   (before and after) and their mean."""
   from tests.test_rl_loop import small_config  # pylint: disable=import-outside-toplevel
-  config = small_config(steps=1, eval_every_steps=1, eval_tasks=2, eval_samples=0)
+  # eval_tasks=4: the engine shapes of test_rl_loop.py's evaluation (compiled once per suite)
+  config = small_config(steps=1, eval_every_steps=1, eval_tasks=4, eval_samples=0)
   config.rl.env = "mixture"
   config.rl.tasks.addition = tasks.task_config(1.0, digits=1)
   config.rl.tasks.strings = tasks.task_config(1.0, min_len=1, max_len=3)
