@@ -7,6 +7,13 @@
       --config.rl.teacher=/tmp/glm5_rl/rl --config.rl.init_from=/tmp/glm5_rl/sft \
       --workdir=/tmp/glm5_distill          # on-policy distillation from a teacher run
 
+Agentic RL (configs/rl_agentic.py: the model's code runs in the sandbox): `:task=code`
+(function synthesis), `:task=repo_repair` (multi-turn tool use on a generated repository) or
+`:task=mixture` (a weighted task mixture, `rl.env="mixture"` with `rl.tasks`; per-task metrics
+and held-out accuracy):
+
+  python experiments/rl.py --config=configs/rl_agentic.py:task=mixture --workdir=/tmp/glm5_mix
+
 With `rl.init_from` empty it first trains the config's `sft` section (configs/sft_tiny.py: the
 tiny GLM-5 on the built-in worked solutions of `rl.env`) into `<workdir>/sft`, unless that run
 already finished, then runs RL from it into `<workdir>/rl`: each step samples
@@ -193,6 +200,9 @@ def print_summary(out: dict, config, start: float) -> None:
                if "sampled_accuracy" in metrics else "")
     print(f"held-out accuracy at RL step {step} ({c.eval_tasks} eval tasks): greedy "
           f"{metrics['accuracy']:.3f}{sampled}")
+    per_task = sorted(k.split("/")[0] for k in metrics if k.endswith("/accuracy"))
+    if per_task:  # a task mixture: each task's greedy accuracy, and the mean above
+      print("  per task: " + ", ".join(f"{n} {metrics[n + '/accuracy']:.3f}" for n in per_task))
   if rl["first_eval"] is not None:
     print(f"held-out greedy accuracy: {rl['first_eval']:.3f} before RL -> "
           f"{rl['last_eval']:.3f} after")

@@ -24,6 +24,11 @@ OPTION_SETS = [
     ("calculator", {}), ("calculator", {"digits": 1, "operations": "-", "max_turns": 2}),
     ("echo", {}), ("echo", {"min_len": 1, "max_len": 80, "alpha": 0.5, "partial": True}),
 ]
+# Envs that run the model's code in the sandbox (tests/test_code_envs.py covers them; each step
+# starts a process, so the generic tests below give them fewer steps), and the rest, whose
+# worked solutions fit the tiny model's 256 tokens.
+SANDBOXED = ("code", "repo_repair")
+PLAIN = tuple(n for n in envs.NAMES if n not in SANDBOXED)
 IDS = [f"{name}-{'-'.join(f'{k}={v}' for k, v in opts.items()) or 'default'}"
        for name, opts in OPTION_SETS]
 
@@ -48,7 +53,8 @@ def assert_malformed(step):
 # Construction, determinism, splits
 
 def test_make_names_and_option_errors():
-  assert envs.NAMES == ("addition", "countdown", "strings", "calculator", "echo")
+  assert envs.NAMES == ("addition", "countdown", "strings", "calculator", "echo", "code",
+                        "repo_repair")
   with pytest.raises(ValueError, match="unknown environment 'chess'"):
     envs.make("chess")
   bad = [("addition", {"digits": 0}, "digits"), ("addition", {"digits": True}, "digits"),
@@ -266,7 +272,7 @@ def test_random_garbage_never_raises(name):
   rng = random.Random(0)
   alphabets = ("0123456789+-*/() ", "calc()0123456789+-*x", "".join(map(chr, range(32, 127))),
                "".join(map(chr, range(0x300, 0x3ff))))
-  for i in range(300):
+  for i in range(12 if name in SANDBOXED else 300):
     chars = alphabets[i % len(alphabets)]
     text = "".join(rng.choice(chars) for _ in range(rng.randrange(0, 80)))
     calls = [text] if name == "calculator" and i % 2 else None
@@ -369,24 +375,24 @@ def test_arith_evaluate():
 
 def test_write_builtin(tmp_path):
   path = str(tmp_path / "sub" / "sft.jsonl")
-  n = sft_data.write_builtin(path, envs.NAMES, 6, seed=3, env_options={"addition": {"digits": 3}})
-  total = 6 * len(envs.NAMES)
+  n = sft_data.write_builtin(path, PLAIN, 6, seed=3, env_options={"addition": {"digits": 3}})
+  total = 6 * len(PLAIN)
   assert n == total
   lines = open(path, encoding="utf-8").read().splitlines()
   assert len(lines) == total and os.listdir(tmp_path / "sub") == ["sft.jsonl"]
   made = {name: envs.make(name, seed=3, **({"digits": 3} if name == "addition" else {}))
-          for name in envs.NAMES}
+          for name in PLAIN}
   for i, line in enumerate(lines):
     record = json.loads(line)
     assert list(record) == ["messages"]
-    name, index = envs.NAMES[i % len(envs.NAMES)], i // len(envs.NAMES)  # interleaved env by env
+    name, index = PLAIN[i % len(PLAIN)], i // len(PLAIN)  # interleaved env by env
     task = made[name].task(index, "train")
     assert record["messages"] == made[name].worked_solution(task)
     assert envs.replay(made[name], task, record["messages"]).reward == 1.0
   assert len(made["addition"].task(0, "train").info["a"].__str__()) == 3  # env_options applied
   # Idempotent: an identical file is not rewritten; a different one is replaced.
   os.utime(path, (1, 1))
-  assert sft_data.write_builtin(path, envs.NAMES, 6, seed=3,
+  assert sft_data.write_builtin(path, PLAIN, 6, seed=3,
                                 env_options={"addition": {"digits": 3}}) == total
   assert os.stat(path).st_mtime == 1
   sft_data.write_builtin(path, ["strings"], 2, seed=3)
@@ -448,7 +454,7 @@ def test_worked_solutions_render_and_round_trip(name, options):
 def test_builtin_set_through_the_chat_jsonl_source(tmp_path):
   """The SFT file feeds `chat_jsonl` whole: no conversation is cut at the tiny seq_len."""
   path = str(tmp_path / "sft.jsonl")
-  sft_data.write_builtin(path, envs.NAMES, 8, seed=0)
+  sft_data.write_builtin(path, PLAIN, 8, seed=0)  # (the sandboxed envs need seq_len 512, 768)
   source = data.source_config("chat_jsonl", glob=path, holdout_fraction=0.0,
                               overlong="error")
   cfg = data.data_config(seq_len=TINY_SEQ_LEN, batch_size=4, prefetch=0,

@@ -10,7 +10,7 @@ import math
 import ml_collections
 
 from glm5_jax.config import check_fields, require
-from glm5_jax.posttrain import algorithms
+from glm5_jax.posttrain import algorithms, tasks
 from glm5_jax.posttrain.algorithms import GROUP_STDS, ICEPOP_MODES, NORMALIZATIONS
 
 RL_LOSSES = tuple(algorithms.ADVANTAGES)  # ("grpo", "distill")
@@ -21,8 +21,13 @@ def rl_config(**overrides) -> ml_collections.ConfigDict:
   """The `rl` section's defaults (tiny-model, CPU scale), with `overrides` applied."""
   c = ml_collections.ConfigDict()
   c.loss = "grpo"  # "grpo" (group-relative rewards) | "distill" (a teacher's log-probs)
-  c.env = "addition"  # a name of glm5_jax.posttrain.envs.NAMES
+  c.env = "addition"  # a name of glm5_jax.posttrain.envs.NAMES, or "mixture" (rl.tasks)
   c.env_options = ml_collections.ConfigDict()  # keyword options of envs.make(env, ...)
+  # With env "mixture": {env name: tasks.task_config(weight=, max_staleness=, **options)}.
+  c.tasks = ml_collections.ConfigDict()
+  # Limits of the sandbox that runs model-written code (envs code, repo_repair): the fields of
+  # glm5_jax.posttrain.sandbox.Limits, and allow_unsafe (docs/posttrain.md, Sandbox).
+  c.sandbox = tasks.sandbox_config()
   # GLM-5 uses 32 prompts x 32 samples (docs/reference.md section 4); CPU-sized here.
   c.group_size = 8  # samples per prompt (G); distillation is usually run with 1
   c.prompts_per_step = 8  # prompts per step; a step trains on prompts_per_step * group_size
@@ -78,12 +83,11 @@ def rl_config(**overrides) -> ml_collections.ConfigDict:
 def validate_rl_config(c) -> None:
   """Rejects a bad `rl` section with a `ConfigError` naming the field (`config.rl.<field>`).
 
-  The environment name is checked where the environment is built (`envs.make`), which knows the
-  registry and each environment's options.
+  The environment (or task mixture) and the sandbox limits are checked by
+  `tasks.validate_tasks`, which builds the environment once to check its options.
   """
   check_fields(c, rl_config(), "rl")
   require(c.loss in RL_LOSSES, "rl.loss", f"must be one of {RL_LOSSES}, got {c.loss!r}")
-  require(bool(c.env), "rl.env", "must name an environment, got ''")
   if c.loss == "distill":
     require(bool(c.teacher), "rl.teacher",
             "loss 'distill' needs the teacher checkpoint's workdir, got ''")
@@ -132,6 +136,7 @@ def validate_rl_config(c) -> None:
           f"got {c.eval_tasks}")
   require(c.eval_samples >= 0, "rl.eval_samples",
           f"must be >= 0 (0: greedy evaluation only), got {c.eval_samples}")
+  tasks.validate_tasks(c)  # last: it reads max_staleness and builds the environment
 
 
 def resolve_policy_loss(rl, asynchronous: bool) -> str:

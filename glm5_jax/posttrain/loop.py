@@ -39,7 +39,7 @@ from glm5_jax.api import abstract_params, init_params
 from glm5_jax.config import ModelConfig
 from glm5_jax.data import check_vocab, make_tokenizer
 from glm5_jax.eval.checkpoints import load_run
-from glm5_jax.posttrain import algorithms, envs, rollout, rl_step
+from glm5_jax.posttrain import algorithms, rollout, rl_step, sandbox, tasks as tasks_lib
 from glm5_jax.posttrain.rl_config_checks import validate_rl_experiment
 from glm5_jax.seeds import derive_seed
 from glm5_jax.sharding import activation_sharding
@@ -71,7 +71,24 @@ def evaluate(config, params, env, tokenizer, *, num_tasks: int) -> dict:
   """Held-out metrics on the first `num_tasks` eval tasks: greedy (one sample per task:
   `accuracy`, `reward`, `response_length`, ...) and, with `rl.eval_samples` = k > 0, k samples
   per task at the rollout temperature: `sampled_accuracy` (their mean, what RL maximizes),
-  `sampled_reward` and `pass_at_k` (a task solved by any of its k samples)."""
+  `sampled_reward` and `pass_at_k` (a task solved by any of its k samples).
+
+  A task mixture is evaluated per environment (`num_tasks` eval tasks of each, weight 0
+  included): each one's metrics as `<env>/<metric>`, and the unweighted means over the
+  environments under the plain names."""
+  members = tasks_lib.member_envs(env)
+  if len(members) == 1 and next(iter(members.values())) is env:
+    return _evaluate_env(config, params, env, tokenizer, num_tasks=num_tasks)
+  out = {}
+  for name, member in members.items():
+    metrics = _evaluate_env(config, params, member, tokenizer, num_tasks=num_tasks)
+    out.update({f"{name}/{k}": v for k, v in metrics.items()})
+  for metric in {k.split("/", 1)[1] for k in out}:
+    out[metric] = tasks_lib.mean_over_envs(out, metric)
+  return out
+
+
+def _evaluate_env(config, params, env, tokenizer, *, num_tasks: int) -> dict:
   tasks = [env.task(i, "eval") for i in range(num_tasks)]
   greedy = rollout.generate_samples(config, params, env, tasks, seed=EVAL_SEED, group_size=1,
                                     temperature=0.0, tokenizer=tokenizer)
@@ -106,9 +123,16 @@ def rl_train(config, workdir: str, *, stop_after_steps: int | None = None,
     `rl.eval_samples`), `last_metrics`, `checkpoints` and `metrics_file`.
   """
   validate_rl_experiment(config)
+  hide_run_from_sandbox(config, workdir)
   with RunHarness(workdir, "RL", config.ckpt, total_steps=config.rl.steps,
                   stop_after_steps=stop_after_steps) as run:
     return _rl_train(config, run, params)
+
+
+def hide_run_from_sandbox(config, workdir) -> None:
+  """Model-written code (the code envs) must not see the run: its workdir, the checkpoint it
+  starts from and its teacher are hidden from every sandboxed program of this process."""
+  sandbox.hide_in_this_process(workdir, config.rl.init_from, config.rl.teacher)
 
 
 def build_rl_run(config, *, asynchronous: bool = False):
@@ -117,7 +141,7 @@ def build_rl_run(config, *, asynchronous: bool = False):
   model = ModelConfig.from_config(config.model)  # validated and expanded once per run
   tokenizer = make_tokenizer(config.data.tokenizer)
   check_vocab(tokenizer, model.vocab_size)
-  env = envs.make(config.rl.env, **config.rl.env_options.to_dict())
+  env = tasks_lib.make_env(config.rl)
   shapes = abstract_params(model)
   return tokenizer, env, shapes, rl_step.build_rl_trainer(config, model, shapes,
                                                           asynchronous=asynchronous)
@@ -150,6 +174,8 @@ def _rl_train(config, run: RunHarness, initial_params):
       check_finite(done, metrics)
       last_metrics = {**rollout.rollout_metrics(samples), **metrics,
                       "generate_seconds": t1 - t0, "train_seconds": t2 - t1}
+      if rl.env == tasks_lib.MIXTURE:
+        last_metrics.update(rollout.metrics_by_env(samples))
       logging.info(progress_line(done, rl.steps, last_metrics))
       run.writer.write(done, last_metrics)
       if run.due(done, rl.eval_every_steps):

@@ -29,6 +29,7 @@ So every sample fits its row, and `to_batch` refuses (never truncates) a longer 
 Notation (docs/design.md): B samples (rows), L sequence (`seq_len`); N samples as a flat axis.
 """
 
+import concurrent.futures
 import dataclasses
 
 import numpy as np
@@ -43,6 +44,7 @@ from glm5_jax.seeds import derive_seed
 
 MAX_SLOTS = 64  # sequences decoded at once: bounds the cache; more requests wait for a slot
 PREFILL_CHUNK = 32  # prompt tokens per prefill call (prompts here are short)
+STEP_THREADS = 8  # episodes scored at once for envs with `concurrent_steps` (sandboxed code)
 
 
 @dataclasses.dataclass
@@ -172,8 +174,15 @@ def generate_samples(config, params, env: Env, tasks, *, seed: int, group_size: 
                         seed=request_seed(seed, e.task, e.sample, turn), stop_tokens=stops,
                         session=n if sessions else None)
                 for k, (n, e) in enumerate(active)]
-    for (n, e), completion in zip(active, engine.run(requests)):
-      _play_turn(e, completion, env, tokenizer, seq_len, thinking_mode)
+    completions = engine.run(requests)
+    play = lambda pair: _play_turn(pair[0][1], pair[1], env, tokenizer, seq_len, thinking_mode)
+    if env.concurrent_steps:  # each step waits on a sandbox process: overlap them
+      with concurrent.futures.ThreadPoolExecutor(STEP_THREADS) as pool:
+        list(pool.map(play, zip(active, completions)))
+    else:
+      for pair in zip(active, completions):
+        play(pair)
+    for n, e in active:
       if sessions and e.result is not None:
         engine.release(n)  # its slot is free for the episodes still playing
   if stats is not None:
@@ -293,3 +302,14 @@ def rollout_metrics(samples) -> dict:
           "response_length": float(np.mean([s.response_length for s in samples])),
           "turns": float(np.mean([s.turns for s in samples])),
           "truncated_fraction": float(np.mean([bool(s.info.get("truncated")) for s in samples]))}
+
+
+def metrics_by_env(samples) -> dict:
+  """`rollout_metrics` of each environment's samples as `<env>/<metric>`, and `<env>/samples`
+  (a task mixture's per-task metrics)."""
+  out = {}
+  for name in sorted({s.task.env for s in samples}):
+    mine = [s for s in samples if s.task.env == name]
+    out.update({f"{name}/{k}": v for k, v in rollout_metrics(mine).items()})
+    out[f"{name}/samples"] = float(len(mine))
+  return out

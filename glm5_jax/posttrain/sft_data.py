@@ -11,11 +11,14 @@ is left untouched (mtime included), anything else is replaced atomically (temp f
 so a reader never sees a half-written file.
 """
 
+import concurrent.futures
 import json
 import os
 
 from glm5_jax.files import write_atomic
 from glm5_jax.posttrain import envs
+
+STEP_THREADS = 8  # concurrent sandbox runs while checking worked solutions (code envs)
 
 
 def builtin_lines(env_names, num_per_env: int, *, seed: int,
@@ -34,17 +37,22 @@ def builtin_lines(env_names, num_per_env: int, *, seed: int,
   if stray:
     raise ValueError(f"sft_data: env_options names environments not in env_names: {stray}")
   made = [envs.make(name, seed=seed, **env_options.get(name, {})) for name in env_names]
-  lines = []
-  for index in range(num_per_env):
-    for env in made:
-      task = env.task(index, "train")
-      messages = env.worked_solution(task)
-      step = envs.replay(env, task, messages)
-      if step.reward != 1.0:
-        raise RuntimeError(f"sft_data: the worked solution of {env!r} task {index} scores "
-                           f"{step.reward} ({step.info})")
-      lines.append(json.dumps({"messages": messages}, ensure_ascii=False))
-  return lines
+
+  def line(env, index):
+    task = env.task(index, "train")
+    messages = env.worked_solution(task)
+    step = envs.replay(env, task, messages)
+    if step.reward != 1.0:
+      raise RuntimeError(f"sft_data: the worked solution of {env!r} task {index} scores "
+                         f"{step.reward} ({step.info})")
+    return json.dumps({"messages": messages}, ensure_ascii=False)
+
+  jobs = [(env, index) for index in range(num_per_env) for env in made]
+  if not any(env.concurrent_steps for env in made):
+    return [line(env, index) for env, index in jobs]
+  # Envs that score in a sandbox process wait on it: overlap those runs (order is kept).
+  with concurrent.futures.ThreadPoolExecutor(STEP_THREADS) as pool:
+    return list(pool.map(lambda job: line(*job), jobs))
 
 
 def write_builtin(path: str, env_names, num_per_env: int, *, seed: int,

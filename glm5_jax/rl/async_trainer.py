@@ -50,7 +50,7 @@ from jax.experimental import multihost_utils
 import numpy as np
 
 from glm5_jax.config import require
-from glm5_jax.posttrain import loop, rollout
+from glm5_jax.posttrain import loop, rollout, tasks
 from glm5_jax.posttrain.rl_config_checks import validate_rl_experiment
 from glm5_jax.posttrain.rollout import Sample
 from glm5_jax.rl import orders as orders_lib
@@ -111,6 +111,7 @@ def run_async_trainer(config, root, workers, *, stop_after_steps: int | None = N
       missing).
   """
   validate_async_experiment(config)
+  loop.hide_run_from_sandbox(config, root)
   # Every step is checkpointed, synchronously: each published version is a committed one.
   with RunHarness(str(root), "asynchronous RL trainer", config.ckpt, total_steps=config.rl.steps,
                   stop_after_steps=stop_after_steps, every_steps=1, async_save=False) as run:
@@ -189,14 +190,17 @@ class _Intake:
     for name in sorted(self.read):
       if len(take) == rl.prompts_per_step:
         break
-      gaps = [staleness.version_gap(r.versions, r.loss_mask, version)
-              for r in self.read[name].records]
-      if max(gaps, default=0) > rl.max_staleness:
-        reject.append([name, gaps])
+      records = self.read[name].records
+      gaps = [staleness.version_gap(r.versions, r.loss_mask, version) for r in records]
+      # A task mixture's task may be stricter than the run (rl.tasks.<env>.max_staleness).
+      env_name = records[0].meta.get("env") if records else None
+      limit = tasks.staleness_limit(rl, env_name)
+      if max(gaps, default=0) > limit:
+        reject.append([name, gaps, limit])
         del self.read[name]
         again = orch.requeue(name, version)
-        logging.info("rollout %s is %d versions old (rl.max_staleness=%d): not trained on; task "
-                     "re-queued as %s", name, max(gaps), rl.max_staleness,
+        logging.info("rollout %s (%s) is %d versions old (staleness limit %d): not trained on; "
+                     "task re-queued as %s", name, env_name, max(gaps), limit,
                      again.name if again else "(already re-queued)")
         continue
       take.append([name, gaps])
@@ -280,9 +284,9 @@ def _run(config, dirs: RunDirs, workers, run: RunHarness, initial_params):
       plan = agree(intake.plan(version, published) if primary else None)
       for name, error in plan["quarantined"].items():
         ledger.quarantined.setdefault(name, error)
-      for name, gaps in plan["reject"]:
+      for name, gaps, limit in plan["reject"]:
         for gap in gaps:
-          admission.admit(gap)
+          admission.admit(gap, limit)
         ledger.mark_consumed(name)
         rejected.append(name)
       if plan["stalled"]:
@@ -324,6 +328,8 @@ def _run(config, dirs: RunDirs, workers, run: RunHarness, initial_params):
       last = {**rollout.rollout_metrics(samples), **metrics, "generate_seconds": waited,
               "train_seconds": time.time() - t0, "version_gap_mean": float(np.mean(step_gaps)),
               **admission.metrics()}
+      if rl.env == tasks.MIXTURE:
+        last.update(rollout.metrics_by_env(samples))
       if primary:
         last.update(orders_running=orch.running, rejected_total=orch.rejected)
         logging.info(loop.progress_line(version, rl.steps, last).replace("gen ", "wait ")

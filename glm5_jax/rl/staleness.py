@@ -65,9 +65,10 @@ class StalenessAdmission:
     if self.max_staleness < 0:
       raise ValueError(f"rl.max_staleness={self.max_staleness}, expected >= 0")
 
-  def admit(self, gap: int) -> bool:
+  def admit(self, gap: int, limit: int | None = None) -> bool:
+    """Counts one sample; `limit` overrides `max_staleness` (a task mixture's stricter task)."""
     self.histogram[int(gap)] += 1
-    ok = gap <= self.max_staleness
+    ok = gap <= (self.max_staleness if limit is None else limit)
     self.admitted += ok
     self.rejected += not ok
     return ok

@@ -34,7 +34,8 @@ import numpy as np
 from glm5_jax.api import abstract_params_and_axes
 from glm5_jax.config import ModelConfig, require_model_config
 from glm5_jax.data import check_vocab, make_tokenizer
-from glm5_jax.posttrain import envs, rollout
+from glm5_jax.posttrain import rollout, tasks
+from glm5_jax.posttrain.loop import hide_run_from_sandbox
 from glm5_jax.posttrain.rl_config_checks import validate_rl_experiment
 from glm5_jax.rl import orders as orders_lib
 from glm5_jax.rl import trajectories
@@ -82,12 +83,13 @@ def run_worker(config, root, name: str, *, max_batches: int | None = None) -> di
   the trainer is done, SIGTERM arrives (it stops between generation batches: `stopped_early`
   in the counters) or after `max_batches` generation batches. Returns the counters."""
   validate_rl_experiment(config)
+  hide_run_from_sandbox(config, root)
   dirs = RunDirs.at(root)
   rl = config.rl
   model = ModelConfig.from_config(config.model)  # once per worker
   tokenizer = make_tokenizer(config.data.tokenizer)
   check_vocab(tokenizer, model.vocab_size)
-  env = envs.make(rl.env, **rl.env_options.to_dict())
+  env = tasks.make_env(rl)
   abstract = abstract_worker_params(config, model)
   subscriber = PolicySubscriber(dirs.policy)
   removed = trajectories.remove_temporaries(dirs.rollouts, name)

@@ -143,6 +143,9 @@ class Env:
   name = ""
   max_turns = 1
   defaults: dict = {}
+  # True where `step` mostly waits on another process (the sandboxed code envs): callers may
+  # then step several episodes at once from threads (rollouts, the built-in SFT set).
+  concurrent_steps = False
 
   def __init__(self, **options):
     allowed = {**self.defaults, "seed": 0}
