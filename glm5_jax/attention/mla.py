@@ -34,6 +34,7 @@ from flax import linen as nn
 
 import pallas_kernels
 from glm5_jax import routing_replay
+from glm5_jax.attention import context_parallel
 from glm5_jax.attention.common import attend, causal_segment_mask, MASKED_LOGIT
 from glm5_jax.attention.dsa import (LightningIndexer, indexer_kl_per_query,
                                     restrict_topk_to_visible, topk_mask)
@@ -114,6 +115,12 @@ class MLA(nn.Module):
         raise ValueError("a dsa_shared_topk layer needs the previous DSA layer's top-k")
       given_topk_BLT = prev_topk_BLT
 
+    if not decode and context_parallel.context_ways() > 1:
+      # Context parallelism: queries stay on their devices; the per-token key state (latent,
+      # RoPE key, indexer key: C + R + I numbers) is gathered over the sequence's devices.
+      ckv_BSC, k_rope_BSR = map(context_parallel.gather_keys, (ckv_BSC, k_rope_BSR))
+      if index_qkw is not None:
+        index_qkw = (index_qkw[0], context_parallel.gather_keys(index_qkw[1]), index_qkw[2])
     latents = _Latents(q_nope_BLHN, q_rope_BLHR, ckv_BSC, k_rope_BSR, w_kb_CHN, w_vb_CHV)
     scale = k ** -0.5
     if decode:
