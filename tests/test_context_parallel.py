@@ -100,3 +100,39 @@ def test_validate_config_checks_the_context_axis():
   cfg.model.attention_pattern = "G"
   with pytest.raises(ConfigError, match=r"mesh.shape.context=4.*'gqa'"):
     validate_config(cfg)
+
+
+_EXPERT_PARALLEL = r"""
+import json, jax, numpy as np
+from configs import tiny
+import glm5_jax
+from glm5_jax import sharding
+from glm5_jax.config import ModelConfig
+cfg = tiny.get_config()
+cfg.model.update(num_hidden_layers=2, attention_pattern="D", dsa_impl="xla",
+                 first_k_dense_replace=1, moe_impl="expert_parallel", moe_transport="all_to_all")
+cfg.mesh.shape.update(data=1, fsdp=2, context=2, expert=2, tensor=1)
+rules = cfg.mesh.logical_axis_rules
+mesh = sharding.make_mesh(cfg.mesh)
+model = ModelConfig.from_config(cfg.model)
+params = glm5_jax.init_params(cfg.model, jax.random.key(0))
+tokens = jax.random.randint(jax.random.key(1), (4, 16), 0, model.vocab_size)
+fwd = jax.jit(lambda p, t: glm5_jax.forward(model, p, t, mtp=False)["logits"])
+ref = fwd(params, tokens)
+shapes, axes = glm5_jax.abstract_params_and_axes(cfg.model)
+sh_params = jax.device_put(params, sharding.param_shardings(shapes, axes, mesh, rules))
+seq = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec(("fsdp", "expert"), "context"))
+with sharding.activation_sharding(mesh, rules):
+  out = fwd(sh_params, jax.device_put(tokens, seq))
+print(json.dumps({"logits": float(np.abs(np.asarray(out) - np.asarray(ref)).max()),
+                  "spec": [str(a) for a in out.sharding.spec]}))
+"""
+
+
+@pytest.mark.slow  # a subprocess with 8 host devices
+def test_expert_parallel_moe_under_context_parallelism():
+  """`moe_impl="expert_parallel"` takes its tokens over the batch and the context axes
+  (fsdp 2 x context 2 x expert 2) and equals the unsharded forward."""
+  result = run_on_host_devices(_EXPERT_PARALLEL, timeout=600)
+  assert result["logits"] < 1e-5, result
+  assert result["spec"][1] == "context", result
