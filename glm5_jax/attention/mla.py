@@ -43,7 +43,7 @@ from glm5_jax.attention.mla_projections import mla_latents, mla_output
 from glm5_jax.attention.mesh_shards import per_shard
 from glm5_jax.attention.mode import Mode
 from glm5_jax.config import ModelConfig
-from glm5_jax.layers.axes import BATCH, HEADS
+from glm5_jax.layers.axes import BATCH, HEADS, LENGTH
 from glm5_jax.layers.params import context_split, dtypes
 from glm5_jax.layers.rope import apply_interleaved_rope, rope_angles
 
@@ -240,10 +240,12 @@ def _indexer_topk_on_mesh(impl: str, **options):
   op = functools.partial(pallas_kernels.DSA_OPS[impl].indexer_topk, **options)
   if impl != "pallas":
     return op
-  rows, positions = (BATCH, None, None), (BATCH, None)
-  return per_shard(op, in_axes=((BATCH, None, None, None), rows, rows, positions, positions,
-                                positions),
-                   out_axes=(rows, rows), name="indexer_topk_pallas")
+  # Queries (and their positions, global key indices) keep the residual stream's sequence
+  # split (context parallelism); keys and their segment ids are whole on every device.
+  q_rows, keys = (BATCH, LENGTH, None), (BATCH, None, None)
+  return per_shard(op, in_axes=((BATCH, LENGTH, None, None), keys, q_rows, (BATCH, LENGTH),
+                                (BATCH, LENGTH), (BATCH, None)),
+                   out_axes=(q_rows, q_rows), name="indexer_topk_pallas")
 
 
 def _sparse_mla_on_mesh(impl: str, scale: float, **options):
@@ -259,10 +261,12 @@ def _sparse_mla_on_mesh(impl: str, scale: float, **options):
   """
   ops = pallas_kernels.DSA_OPS[impl]
   if impl == "pallas":
-    q_axes, rows_axes = (BATCH, None, HEADS, None), (BATCH, None, None)
+    # Queries and their selections keep the sequence split (context parallelism); the key rows
+    # are whole on every device, their cotangents summed over `context` at the boundary.
+    q_axes, rows_axes = (BATCH, LENGTH, HEADS, None), (BATCH, None, None)
     return per_shard(functools.partial(ops.sparse_mla, scale=scale, **options),
-                     in_axes=(q_axes, q_axes, rows_axes, rows_axes, rows_axes),
-                     out_axes=(q_axes, (BATCH, None, HEADS)), name="sparse_mla_pallas")
+                     in_axes=(q_axes, q_axes, rows_axes, rows_axes, (BATCH, LENGTH, None)),
+                     out_axes=(q_axes, (BATCH, LENGTH, HEADS)), name="sparse_mla_pallas")
   return functools.partial(ops.sparse_mla, scale=scale, head_groups=context_split(HEADS),
                            **options)
 
