@@ -22,7 +22,7 @@ yet; docs/scaling.md, "Context parallelism").
 Notation (docs/design.md): B batch, L queries, S keys, C kv latent, R RoPE dim, I index head dim.
 """
 
-from glm5_jax.attention.kinds import KINDS_BY_NAME
+from glm5_jax.attention.kinds import ATTENTION_KINDS, KINDS_BY_NAME
 from glm5_jax.config import ConfigError
 from glm5_jax.layers.axes import BATCH, LENGTH
 from glm5_jax.layers.params import constrain, context_split
@@ -40,7 +40,6 @@ def check_context_parallel(pattern: str, context: int, seq_len: int, seq_len_fie
   """
   if context == 1:
     return
-  from glm5_jax.attention.kinds import ATTENTION_KINDS  # pylint: disable=g-import-not-at-top
   letters = set(pattern) | {ATTENTION_KINDS[pattern[-1]].mtp_letter}
   bad = sorted(ATTENTION_KINDS[x].name for x in letters
                if ATTENTION_KINDS[x].name not in SUPPORTED_KINDS)
