@@ -8,8 +8,9 @@ per-token key state its queries need, the kv latent (`ckv [B, S, C]` and `k_rope
 C + R = 576 per token for GLM-5) and the DSA indexer keys (`k_BSI`, I = 128 per token), never
 per-head keys or values. The gather is stated as sharding constraints (`gather_keys`), and
 XLA's SPMD partitioner places the all-gather; the DSA top-k then runs over every visible key
-of the whole sequence, with the document (segment) ids gathered the same way, so packed
-documents that straddle a shard boundary are respected.
+of the whole sequence; the keys' document (segment) ids reach every device too (the partitioner
+gathers them where the key side reads them), so packed documents that straddle a shard boundary
+are respected.
 
 Supported kinds: `SUPPORTED_KINDS` (MLA, DSA, shared-top-k DSA, and SWA, which runs as
 shared-top-k DSA handed its window). GQA (G) and the recurrent kinds (N, L: a chunked scan over
