@@ -24,9 +24,10 @@ import math
 
 import ml_collections
 
-from glm5_jax.config import check_fields, require as _require, validate_model_config
+from glm5_jax.config import check_fields, expand_pattern, require as _require, validate_model_config
 from glm5_jax.data.pipeline import validate_data_config
 from glm5_jax.optim.build import validate_optim_config
+from glm5_jax.attention.context_parallel import check_context_parallel
 from glm5_jax.sharding import batch_mesh_axes, validate_mesh_config
 from glm5_jax.train.config import (validate_ckpt_config, validate_eval_config,
                                    validate_train_config)
@@ -78,6 +79,11 @@ def validate_config(config, num_devices: int | None = None, *, process_count: in
              f"data.batch_size={config.data.batch_size} rows do not split into {microbatches} "
              f"microbatches spread evenly over the {ways} data-parallel devices; batch_size must "
              f"be a multiple of microbatches * {ways} = {microbatches * ways}")
+  # Sizes left -1 resolve only against a device count; a -1 context axis is then checked there.
+  if mesh_sizes["context"] > 1:
+    check_context_parallel(expand_pattern(config.model.attention_pattern,
+                                          config.model.num_hidden_layers),
+                           mesh_sizes["context"], config.data.seq_len, "data.seq_len")
   if config.eval.every_steps:
     held_out = [name for name, spec in sources.items()
                 if spec["kind"] == "synthetic" or spec["holdout_fraction"] > 0]

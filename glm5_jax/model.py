@@ -8,6 +8,7 @@ import jax.numpy as jnp
 from flax import linen as nn
 
 from glm5_jax import routing_replay
+from glm5_jax.attention import context_parallel
 from glm5_jax.attention.kinds import KINDS_BY_NAME
 from glm5_jax.attention.mode import Mode
 from glm5_jax.config import ModelConfig
@@ -79,6 +80,9 @@ class GLM5(nn.Module):
                        f"{mode.form!r}, cache {'given' if cache is not None else 'None'})")
     dtype, pdtype = dtypes(c)
     b, l = tokens_BL.shape
+    if not decode and context_parallel.context_ways() > 1:
+      context_parallel.check_context_parallel(c.attention_pattern, context_parallel.context_ways(),
+                                              l, "data.seq_len (tokens_BL.shape[1])")
     if positions_BL is None:
       positions_BL = jnp.broadcast_to(jnp.arange(l, dtype=jnp.int32), (b, l))
     if segment_ids_BL is None:

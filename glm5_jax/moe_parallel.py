@@ -92,6 +92,9 @@ def expert_parallel_dispatch(x_MD, weights_MX, experts_MX, w_gate_EDF, w_up_EDF,
   f_axes = _mesh_axes(rules, logical_axes.EXPERT_MLP)
   token_axes = tuple(a for a in _mesh_axes(rules, logical_axes.BATCH) if a != expert_axis)
   token_axes += (expert_axis,)
+  # Context parallelism: a row's tokens are split over the `length` rule's axes too; flattened
+  # [B, L] -> M rows they follow the batch axes (the natural layout, no relayout).
+  token_axes += tuple(a for a in _mesh_axes(rules, logical_axes.LENGTH) if a not in token_axes)
   if set(f_axes) & set(token_axes):
     raise ValueError(f"config.mesh.logical_axis_rules: the expert FFN axes {f_axes} overlap "
                      f"the token axes {token_axes}")

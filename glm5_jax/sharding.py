@@ -3,7 +3,9 @@
 Every parameter carries logical axis names (`glm5_jax.layers.params.param`), and the model
 constrains its residual stream to `("batch", "length", "embed")` at layer boundaries. The
 `mesh.logical_axis_rules` of the config map those names onto the mesh axes
-`data, fsdp, expert, tensor`; names without a rule stay replicated. The same program then runs
+`data, fsdp, context, expert, tensor`; names without a rule stay replicated. `context` splits
+the sequence (`length`) of one row over devices (context parallelism, docs/scaling.md; which
+attention kinds support it: `glm5_jax.context_parallel`). The same program then runs
 on 1 CPU, 8 simulated CPU devices, a GPU, or a multi-host TPU pod.
 
   mesh = make_mesh(config.mesh)
@@ -26,13 +28,13 @@ from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec
 from glm5_jax.config import ConfigError, check_fields, require
 from glm5_jax.layers import axes as logical_axes
 
-MESH_AXES = ("data", "fsdp", "expert", "tensor")
+MESH_AXES = ("data", "fsdp", "context", "expert", "tensor")
 
 
 def mesh_config(**axis_sizes) -> ml_collections.ConfigDict:
   """Mesh axis sizes (-1 on one axis takes the remaining devices) and logical-axis rules."""
   c = ml_collections.ConfigDict()
-  c.shape = ml_collections.ConfigDict(dict(data=-1, fsdp=1, expert=1, tensor=1))
+  c.shape = ml_collections.ConfigDict(dict(data=-1, fsdp=1, context=1, expert=1, tensor=1))
   c.shape.update(axis_sizes)
   c.logical_axis_rules = default_logical_axis_rules()
   return c
@@ -44,6 +46,10 @@ def default_logical_axis_rules():
       # The expert axis carries tokens too (as in DeepSeek / MaxText): an expert-parallel MoE
       # then exchanges tokens inside the expert axis instead of gathering the layer's output.
       (logical_axes.BATCH, ("data", "fsdp", "expert")),
+      # Context parallelism: the residual stream's sequence axis, so every token-wise op (norms,
+      # projections, FFN, MoE) stays token-parallel on its own positions; attention gathers its
+      # keys over `context` (`glm5_jax.context_parallel`).
+      (logical_axes.LENGTH, "context"),
       (logical_axes.EMBED, "fsdp"),
       # MLA's and the indexer's up-projections ([Q, H, K], [C, H, N], [Q, J, I]) have no embed
       # dimension; without these two rules they were replicated on every device (16.5 of
@@ -97,7 +103,7 @@ def validate_mesh_config(mesh, num_devices: int | None = None) -> dict[str, int]
 
 
 def make_mesh(mesh_config, devices=None) -> Mesh:
-  """A mesh with axes `data, fsdp, expert, tensor` sized by `mesh_config.shape`.
+  """A mesh with axes `data, fsdp, context, expert, tensor` sized by `mesh_config.shape`.
 
   Args:
     mesh_config: the config's `mesh` section (`-1` on one axis takes the remaining devices).

@@ -23,7 +23,7 @@ def test_unknown_field_names_the_field_and_the_known_ones():
                         "['logical_axis_rules', 'shape']")
   error = overrides.unknown_field("config", config, ["prog", "--config.shape.pipeline=2"])
   assert str(error) == ("config.shape.pipeline: unknown field (--config.shape.pipeline=2); "
-                        "known fields: ['data', 'expert', 'fsdp', 'tensor']")
+                        "known fields: ['context', 'data', 'expert', 'fsdp', 'tensor']")
 
 
 def _run(script, *flags):

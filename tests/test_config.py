@@ -114,8 +114,8 @@ def test_mesh_rule_with_unknown_axis():
 
 def test_mesh_fill_axis_resolves():
   sizes = validate_mesh_config(mesh_config(data=1, fsdp=-1, tensor=2), 8)
-  assert sizes == dict(data=1, fsdp=4, expert=1, tensor=2)
-  assert validate_mesh_config(mesh_config(), 1) == dict(data=1, fsdp=1, expert=1, tensor=1)
+  assert sizes == dict(data=1, fsdp=4, context=1, expert=1, tensor=2)
+  assert validate_mesh_config(mesh_config(), 1) == dict(data=1, fsdp=1, context=1, expert=1, tensor=1)
 
 
 @pytest.mark.parametrize("path", SHIPPED_CONFIGS, ids=lambda p: p.name)

@@ -67,7 +67,7 @@ def test_indivisible_parameter_is_a_clear_error():
   with pytest.raises(ConfigError, match=r"logical 'heads', size 4\) is not divisible"):
     sharding.param_mesh_specs(*glm5_jax.abstract_params_and_axes(cfg.model), three_way_tensor,
                               [("heads", "tensor")])
-  assert mesh.shape == {"data": 1, "fsdp": 1, "expert": 1, "tensor": 1}
+  assert mesh.shape == {"data": 1, "fsdp": 1, "context": 1, "expert": 1, "tensor": 1}
 
 
 def test_every_matrix_is_sharded_over_fsdp(helpers):

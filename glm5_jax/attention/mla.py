@@ -37,6 +37,7 @@ from flax import linen as nn
 
 import pallas_kernels
 from glm5_jax import routing_replay
+from glm5_jax.attention import context_parallel
 from glm5_jax.attention.common import attend, attend_flash, causal_segment_mask, MASKED_LOGIT
 from glm5_jax.attention.dsa import (LightningIndexer, indexer_kl_per_query,
                                     restrict_topk_to_visible, topk_mask)
@@ -45,7 +46,7 @@ from glm5_jax.attention.mla_projections import mla_latents, mla_output
 from glm5_jax.attention.mesh_shards import per_shard
 from glm5_jax.attention.mode import Mode
 from glm5_jax.config import ConfigError, ModelConfig
-from glm5_jax.layers.axes import BATCH, HEADS
+from glm5_jax.layers.axes import BATCH, HEADS, LENGTH
 from glm5_jax.layers.params import context_split, dtypes
 from glm5_jax.layers.rope import apply_interleaved_rope, rope_angles
 from pallas_kernels.blocking import platform
@@ -123,6 +124,12 @@ class MLA(nn.Module):
         raise ValueError("a dsa_shared_topk layer needs the previous DSA layer's top-k")
       given_topk_BLT = prev_topk_BLT
 
+    if not decode and context_parallel.context_ways() > 1:
+      # Context parallelism: queries stay on their devices; the per-token key state (latent,
+      # RoPE key, indexer key: C + R + I numbers) is gathered over the sequence's devices.
+      ckv_BSC, k_rope_BSR = map(context_parallel.gather_keys, (ckv_BSC, k_rope_BSR))
+      if index_qkw is not None:
+        index_qkw = (index_qkw[0], context_parallel.gather_keys(index_qkw[1]), index_qkw[2])
     latents = _Latents(q_nope_BLHN, q_rope_BLHR, ckv_BSC, k_rope_BSR, w_kb_CHN, w_vb_CHV)
     scale = k ** -0.5
     if decode:
@@ -263,10 +270,12 @@ def _indexer_topk_on_mesh(impl: str, **options):
   op = functools.partial(pallas_kernels.dsa_ops(impl).indexer_topk, **options)
   if impl not in pallas_kernels.PALLAS_IMPLS:
     return op
-  rows, positions = (BATCH, None, None), (BATCH, None)
-  return per_shard(op, in_axes=((BATCH, None, None, None), rows, rows, positions, positions,
-                                positions),
-                   out_axes=(rows, rows), name="indexer_topk_pallas")
+  # Queries (and their positions, global key indices) keep the residual stream's sequence
+  # split (context parallelism); keys and their segment ids are whole on every device.
+  q_rows, keys = (BATCH, LENGTH, None), (BATCH, None, None)
+  return per_shard(op, in_axes=((BATCH, LENGTH, None, None), keys, q_rows, (BATCH, LENGTH),
+                                (BATCH, LENGTH), (BATCH, None)),
+                   out_axes=(q_rows, q_rows), name="indexer_topk_pallas")
 
 
 def _sparse_mla_on_mesh(impl: str, scale: float, **options):
@@ -283,10 +292,12 @@ def _sparse_mla_on_mesh(impl: str, scale: float, **options):
   """
   ops = pallas_kernels.dsa_ops(impl)
   if impl in pallas_kernels.PALLAS_IMPLS:
-    q_axes, rows_axes = (BATCH, None, HEADS, None), (BATCH, None, None)
+    # Queries and their selections keep the sequence split (context parallelism); the key rows
+    # are whole on every device, their cotangents summed over `context` at the boundary.
+    q_axes, rows_axes = (BATCH, LENGTH, HEADS, None), (BATCH, None, None)
     return per_shard(functools.partial(ops.sparse_mla, scale=scale, **options),
-                     in_axes=(q_axes, q_axes, rows_axes, rows_axes, rows_axes),
-                     out_axes=(q_axes, (BATCH, None, HEADS)), name="sparse_mla_pallas")
+                     in_axes=(q_axes, q_axes, rows_axes, rows_axes, (BATCH, LENGTH, None)),
+                     out_axes=(q_axes, (BATCH, LENGTH, HEADS)), name="sparse_mla_pallas")
   return functools.partial(ops.sparse_mla, scale=scale, head_groups=context_split(HEADS),
                            **options)
 
