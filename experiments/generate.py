@@ -55,6 +55,10 @@ _MODEL = overrides.define_config_dict(
     "fields given here apply.")
 _TOKENIZER = flags.DEFINE_string("tokenizer", None, "'byte' or a tokenizer.json path instead of "
                                  "the model source's own.")
+_CACHE_DTYPE = flags.DEFINE_enum(
+    "cache_dtype", None, ["float32", "bfloat16", "float16"], "The decode cache's dtype "
+    "(default: the model's compute dtype, so cached decode equals the full forward; bfloat16 "
+    "under an fp32 model halves the cache and rounds it: docs/inference.md).")
 _PROMPT = flags.DEFINE_multi_string("prompt", [], "A text prompt (repeatable).")
 _PROMPTS_FILE = flags.DEFINE_string("prompts_file", None, "jsonl of prompts: {\"prompt\": text} "
                                     "or {\"tokens\": [ids]}, optional \"id\".")
@@ -144,7 +148,8 @@ def main(argv):
     served = load_model(workdir=_WORKDIR.value, hf_path=_HF_PATH.value,
                         random_init_config=_CONFIG.value if _RANDOM_INIT.value else None,
                         model_overrides=config_flags.get_override_values(flags.FLAGS["model"]),
-                        tokenizer=_TOKENIZER.value, seed=_SEED.value)
+                        tokenizer=_TOKENIZER.value, seed=_SEED.value,
+                        cache_dtype=_CACHE_DTYPE.value)
     prompts = _prompts(served)
     _generate_and_print(served, prompts)
   except (ValueError, FileNotFoundError) as e:  # the user's input: its message, no traceback

@@ -9,6 +9,13 @@
 
 `model_overrides` ({field: value}) change the served model, e.g. {"dsa_impl": "pallas"}; a
 changed attention pattern converts the params training-free, as in experiments/eval.py.
+
+Cache dtype: the served model's `cache_dtype` is its compute `dtype` (an fp32 checkpoint decodes
+with an fp32 cache, a bf16 one with bf16), so cached decode equals the full forward, unless the
+caller chooses one (`cache_dtype=`, or `model_overrides={"cache_dtype": ...}`). A bfloat16 cache
+under an fp32 forward halves the cache's bytes but rounds every cached latent and key to 8
+mantissa bits: decode then leaves the full forward from the first cached token (on small fp32
+checkpoints the relative logits error reached 1.7 and greedy outputs changed; docs/inference.md).
 """
 
 import dataclasses
@@ -42,7 +49,8 @@ class ServedModel:
 
 def load_model(*, workdir: str | None = None, hf_path: str | None = None,
                random_init_config=None, model_overrides: dict | None = None,
-               tokenizer: str | None = None, seed: int = 0) -> ServedModel:
+               tokenizer: str | None = None, seed: int = 0,
+               cache_dtype: str | None = None) -> ServedModel:
   """The model to serve from exactly one source (module docstring).
 
   Args:
@@ -51,11 +59,18 @@ def load_model(*, workdir: str | None = None, hf_path: str | None = None,
     model_overrides: model fields to change.
     tokenizer: "byte" or a tokenizer.json path, instead of the source's own.
     seed: init seed of random params, and of parts a pattern conversion adds.
+    cache_dtype: the decode cache's dtype; default: the model's `dtype` (module docstring).
   Raises:
-    ValueError: no source or several; a tokenizer whose ids do not fit the model's vocab.
+    ValueError: no source or several; a tokenizer whose ids do not fit the model's vocab;
+      `cache_dtype` and a `model_overrides` "cache_dtype" that differ.
     FileNotFoundError: a workdir without checkpoints, a missing HF directory.
     glm5_jax.train.checkpoint.CheckpointCorruptError: a damaged checkpoint step.
   """
+  chosen = (model_overrides or {}).get("cache_dtype")
+  if cache_dtype and chosen and cache_dtype != chosen:
+    raise ValueError(f"cache_dtype={cache_dtype!r} and the model override cache_dtype="
+                     f"{chosen!r} differ; give one")
+  cache_dtype = cache_dtype or chosen
   given = [name for name, value in (("workdir", workdir), ("hf_path", hf_path),
                                     ("random_init", random_init_config)) if value]
   if len(given) != 1:
@@ -90,6 +105,8 @@ def load_model(*, workdir: str | None = None, hf_path: str | None = None,
     params = init_params(model, jax.random.key(seed))
     own_tokenizer = random_init_config.data.get("tokenizer", "byte")
     source = f"random init (seed {seed}): smoke test, the completions are noise"
+  model = apply_model_overrides(model, {"cache_dtype": cache_dtype or model.dtype},
+                                "cache_dtype")
   name = tokenizer or own_tokenizer
   tok = make_tokenizer(name) if name else None
   if tok is not None:
