@@ -42,6 +42,7 @@ import collections
 import contextlib
 import dataclasses
 import functools
+import typing
 
 import jax
 import jax.numpy as jnp
@@ -50,7 +51,7 @@ import numpy as np
 from glm5_jax import sharding as sharding_lib
 from glm5_jax.api import abstract_params_and_axes
 from glm5_jax.config import ModelConfig
-from glm5_jax.infer import sampling, speculate
+from glm5_jax.infer import paged, sampling, speculate
 from glm5_jax.infer.accept_stats import (NO_LIMIT, AcceptStats, acceptance_rates, add_step,
                                          init_accept_stats, mean_accept_length)
 from glm5_jax.infer.cache import cache_specs, init_cache
@@ -485,10 +486,8 @@ def _scatter_slots(cache, sub, slot_ids_P, slot_axes):
                                    zip(leaves, jax.tree.leaves(sub), slot_axes)])
 
 
-@functools.partial(jax.jit, static_argnames=("cfg", "depths", "mtp_cache", "record_routing"),
-                   donate_argnames=("sub",))
-def _prefill_chunk(cfg, params, sub, last_PY, hidden_PWD, tokens_PX, lengths_P, start_P, *,
-                   depths, mtp_cache, record_routing=False):
+def _prefill_chunk_body(cfg, params, sub, last_PY, hidden_PWD, tokens_PX, lengths_P, start_P, *,
+                        depths, mtp_cache, record_routing=False):
   """One prefill chunk of P prompts, row p at positions `start_P[p] .. start_P[p] + C - 1`,
   into their gathered caches `sub` (and, with `depths` = k > 0, the MTP caches:
   `speculate.prefill_mtp`). Rows start where their cache ends: 0 for a fresh prompt, a held
@@ -529,6 +528,49 @@ def _prefill_chunk(cfg, params, sub, last_PY, hidden_PWD, tokens_PX, lengths_P, 
   return sub, last_PY, hidden_PWD, out.routing
 
 
+_prefill_chunk = functools.partial(jax.jit, static_argnames=(
+    "cfg", "depths", "mtp_cache", "record_routing"), donate_argnames=("sub",))(
+        _prefill_chunk_body)
+
+
+@functools.partial(jax.jit, static_argnames=("cfg", "depths", "mtp_cache", "record_routing",
+                                             "paging"), donate_argnames=("cache",))
+def _paged_prefill_chunk(cfg, params, cache, table_PN, slot_ids_P, last_PY, hidden_PWD,
+                         tokens_PX, lengths_P, start_P, *, depths, mtp_cache, record_routing,
+                         paging):
+  """`_prefill_chunk` on the paged cache: rows `slot_ids_P` (ids >= B: padding) read their
+  pages through `table_PN` (`glm5_jax.infer.paged.view`), and the chunk's prompt rows go back
+  into their pages; the per-slot arrays into their slots. Returns `(cache, last_PY,
+  hidden_PWD, routing)`."""
+  sub = paged.view(cache, table_PN, *paging.layout, slot_ids_P)
+  sub, last_PY, hidden_PWD, routing = _prefill_chunk_body(
+      cfg, params, sub, last_PY, hidden_PWD, tokens_PX, lengths_P, start_P, depths=depths,
+      mtp_cache=mtp_cache, record_routing=record_routing)
+  c = tokens_PX.shape[1] - depths
+  rows_PC = start_P[:, None] + jnp.arange(c, dtype=jnp.int32)
+  cache = paged.write_back(cache, sub, table_PN, rows_PC, rows_PC < lengths_P[:, None],
+                           *paging.layout, slot_ids_P)
+  return cache, last_PY, hidden_PWD, _pad_topk(routing, paging.topk_width)
+
+
+class Paging(typing.NamedTuple):
+  """The static facts a paged step needs: `layout` = `paged.page_layout` of the cache specs,
+  and `topk_width`, the DSA selection width of the contiguous cache (min(index_topk,
+  max_len)), to which recorded routing is padded whatever the view's width."""
+  layout: tuple
+  topk_width: int
+
+
+def _pad_topk(routing: dict, width: int) -> dict:
+  """Recorded DSA keys `[..., T]` padded with -1 (empty) to `width`: a view narrower than
+  index_topk selects fewer slots, all else is the same selection."""
+  if "dsa" not in routing:
+    return routing
+  t = routing["dsa"].shape[-1]
+  pad = [(0, 0)] * (routing["dsa"].ndim - 1) + [(0, width - t)]
+  return {**routing, "dsa": jnp.pad(routing["dsa"], pad, constant_values=-1)}
+
+
 @functools.partial(jax.jit, static_argnames=("slot_axes",), donate_argnames=("cache",))
 def _copy_slots(cache, src_G, dst_G, slot_axes):
   """Prefix sharing: slot `dst_G[i]` gets a copy of slot `src_G[i]`'s cache."""
@@ -542,29 +584,48 @@ def _sample(logits_BY, settings, seeds_B, index_B, *, return_logits):
   return out.tokens, out.logprobs, out.raw_logprobs, logits_BY if return_logits else None
 
 
-@functools.partial(jax.jit, static_argnames=("cfg", "return_logits", "record_routing"),
-                   donate_argnames=("cache",))
+@functools.partial(jax.jit, static_argnames=("cfg", "return_logits", "record_routing",
+                                             "paging"), donate_argnames=("cache",))
 def _decode_and_sample(cfg, params, cache, pending_B, fed_B, active_B, settings, seeds_B,
-                       index_B, *, return_logits, record_routing=False):
+                       index_B, table_BN=None, *, return_logits, record_routing=False,
+                       paging=None):
   """Feeds each active slot's pending token at its next position and samples token
   `index_B` of its request. Returns `(cache, (tokens, logprobs, raw_logprobs, logits),
-  routing)` (routing `{kind: [B, 1, N, k]}` with `record_routing`, else {})."""
-  out = decode_step(cfg, params, cache, pending_B[:, None], fed_B[:, None],
+  routing)` (routing `{kind: [B, 1, N, k]}` with `record_routing`, else {}). With `paging`
+  (a `Paging`), `cache` is paged and each slot reads the N pages of `table_BN`."""
+  step_cache = cache if paging is None else paged.view(cache, table_BN, *paging.layout)
+  out = decode_step(cfg, params, step_cache, pending_B[:, None], fed_B[:, None],
                     active_B[:, None].astype(jnp.int32), return_routing=record_routing)
-  return out.cache, _sample(out.logits_BQY[:, 0], settings, seeds_B, index_B,
-                            return_logits=return_logits), out.routing
+  new_cache, routing = out.cache, out.routing
+  if paging is not None:
+    new_cache = paged.write_back(cache, out.cache, table_BN, fed_B[:, None], active_B[:, None],
+                                 *paging.layout)
+    routing = _pad_topk(routing, paging.topk_width)
+  return new_cache, _sample(out.logits_BQY[:, 0], settings, seeds_B, index_B,
+                            return_logits=return_logits), routing
 
 
-@functools.partial(jax.jit, static_argnames=("cfg", "k", "mtp_cache", "return_logits"),
-                   donate_argnames=("cache", "hidden_BWD"))
+@functools.partial(jax.jit, static_argnames=("cfg", "k", "mtp_cache", "return_logits",
+                                             "paging"), donate_argnames=("cache", "hidden_BWD"))
 def _speculate_and_sample(cfg, params, cache, hidden_BWD, window_BX, fed_B, active_B, settings,
-                          seeds_B, index_B, *, k, mtp_cache, return_logits):
+                          seeds_B, index_B, table_BN=None, shared_rows_B=None, *, k, mtp_cache,
+                          return_logits, paging=None):
   """`speculate.speculative_step`; returns `(cache, hidden_BWD, (accepted, num_emitted,
-  tokens, logprobs, raw_logprobs, logits or None))`."""
-  out = speculate.speculative_step(cfg, params, cache, hidden_BWD, window_BX, fed_B, active_B,
-                                   settings, seeds_B, index_B, k=k, mtp_cache=mtp_cache)
+  tokens, logprobs, raw_logprobs, logits or None))`. With `paging`, the step reads the pages
+  of `table_BN` and writes back the rows F-W .. F+k it may have written (never a row below
+  `shared_rows_B`, in pages other slots share)."""
+  step_cache = cache if paging is None else paged.view(cache, table_BN, *paging.layout)
+  out = speculate.speculative_step(cfg, params, step_cache, hidden_BWD, window_BX, fed_B,
+                                   active_B, settings, seeds_B, index_B, k=k,
+                                   mtp_cache=mtp_cache)
+  new_cache = out.cache
+  if paging is not None:
+    w = hidden_BWD.shape[1]
+    rows_BR = fed_B[:, None] + jnp.arange(-w, k + 1, dtype=jnp.int32)
+    keep_BR = active_B[:, None] & (rows_BR >= shared_rows_B[:, None])
+    new_cache = paged.write_back(cache, out.cache, table_BN, rows_BR, keep_BR, *paging.layout)
   v = out.verified
-  return out.cache, out.hidden_BWD, (v.accepted, v.num_emitted, v.tokens, v.logprobs,
+  return new_cache, out.hidden_BWD, (v.accepted, v.num_emitted, v.tokens, v.logprobs,
                                      v.raw_logprobs, out.logits_BQY if return_logits else None)
 
 
