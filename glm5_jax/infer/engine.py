@@ -54,8 +54,9 @@ from glm5_jax.config import ModelConfig
 from glm5_jax.infer import paged, sampling, speculate
 from glm5_jax.infer.accept_stats import (NO_LIMIT, AcceptStats, acceptance_rates, add_step,
                                          init_accept_stats, mean_accept_length)
-from glm5_jax.infer.cache import cache_specs, init_cache
+from glm5_jax.infer.cache import allocate, cache_specs, init_cache
 from glm5_jax.attention.cache_spec import CacheSpec
+from glm5_jax.infer.paged_slots import PagedSlots
 from glm5_jax.infer.requests import GenerateResult, Request, validate_generate_args
 from glm5_jax.infer.sessions import PrefixStats, SessionTable, reusable
 from glm5_jax.infer.step import decode_step
@@ -121,12 +122,19 @@ class Engine:
       cache's slots split over the batch axes, so B must divide by them).
     record_routing: return each request's routing (`Completion.routing`), for routing
       replay in RL; plain decoding only (not with `speculative_steps`).
+    page_size: rows per page of the paged cache (`glm5_jax.infer.paged`): a step reads the
+      live slots' pages only, bucketed; None keeps the contiguous `[B, max_len]` cache, every
+      step reading max_len rows.
+    num_pages: pages in the pool (page 0 reserved); None: `slots * ceil(max_len / page_size)
+      + 1`, every slot at max_len. Fewer makes requests wait for pages (memory follows the
+      live rows, not slots x max_len).
   """
 
   def __init__(self, config, params, *, slots: int, max_len: int, prefill_chunk: int = 256,
                return_logits: bool = False, speculative_steps: int = 0,
                mtp_cache: str = "per_depth", mesh=None, rules=None,
-               record_routing: bool = False):
+               record_routing: bool = False, page_size: int | None = 16,
+               num_pages: int | None = None):
     self.cfg = ModelConfig.from_config(config)
     for name, value in (("slots", slots), ("max_len", max_len), ("prefill_chunk", prefill_chunk)):
       if not isinstance(value, int) or isinstance(value, bool) or value < 1:
@@ -162,17 +170,37 @@ class Engine:
       shapes, logical = abstract_params_and_axes(self.cfg)
       params = jax.device_put(params, sharding_lib.param_shardings(shapes, logical, mesh, rules))
     self.params = params
-    self.cache = init_cache(self.cfg, slots, max_len, **cache_args, mesh=mesh, rules=rules)
     # Speculative state: each slot's main-model h at the W positions before its pending token.
     self.w = speculate.window_size(self.k) if self.k else 0
+    self.pages, self.paging = None, None
+    if page_size is None:
+      self.cache = init_cache(self.cfg, slots, max_len, **cache_args, mesh=mesh, rules=rules)
+    else:
+      self.pages = PagedSlots(specs, slots=slots, max_len=max_len, page_size=page_size,
+                              num_pages=num_pages, window=self.w)
+      self.paging = Paging(self.pages.layout, min(self.cfg.index_topk, max_len))
+      self.cache = allocate(self.pages.specs, mesh=mesh, rules=rules)
     self.hidden = jnp.zeros((slots, self.w, self.cfg.hidden_size), dtypes(self.cfg)[0])
     self._slot_arrays_memo = (None, None)
     self.sessions = SessionTable()
     self.stats = PrefixStats()
 
   def release(self, session) -> bool:
-    """Frees a held session's slot; False when the session is not held (evicted, unknown)."""
-    return self.sessions.release(session)
+    """Frees a held session's slot (and its pages); False when the session is not held
+    (evicted, unknown)."""
+    entry = self.sessions.take(session)
+    if entry is not None:
+      self._free_slot(entry.slot)
+    return entry is not None
+
+  def _free_slot(self, slot: int) -> None:
+    """A slot nobody holds any more: its pages go back to the pool."""
+    if self.pages is not None:
+      self.pages.release(slot)
+
+  def _rows(self, request) -> int:
+    """Cache rows a request can write: its prompt, all but its last token, k drafts."""
+    return len(request.prompt) + request.max_new_tokens - 1 + self.k
 
   def prefix_stats(self) -> dict:
     """{"prompt_tokens", "prefilled_tokens", "hit_rate" = 1 - prefilled / prompt, and the
@@ -183,6 +211,56 @@ class Engine:
     if self.mesh is None:
       return contextlib.nullcontext()
     return sharding_lib.activation_sharding(self.mesh, self.rules)
+
+  def warmup(self) -> None:
+    """Compiles every program the loop can run (paged cache only: every admitted-rows bucket
+    with every page bucket, every decode page bucket), so that no request compiles anything
+    later whatever its lengths. Leaves the engine as built (stats, pages, slots idle)."""
+    if self.pages is None:
+      raise ValueError("Engine.warmup needs the paged cache (page_size); the contiguous cache "
+                       "compiles its few shapes on first use")
+    if any(self.pages.pool.held) or len(self.sessions):
+      raise RuntimeError("Engine.warmup: run it before any request")
+    row_buckets = sorted({min(_round_up(_bucket(n, self.slots), self.row_multiple), self.slots)
+                          for n in range(1, self.slots + 1)})
+    stats = dataclasses.replace(self.stats)
+    token = Request(0, (0,), 1, 0.0, 1.0, 0, 0, ())
+    with self._context():
+      for rows in row_buckets:  # the admission's eager ops and its first page bucket
+        for admitted in ([(s, dataclasses.replace(token, prompt=(s,)), 0) for s in range(rows)],
+                         [(s, token, 0) for s in range(2)] if rows > 1 else []):
+          if admitted:  # distinct prompts, then a group (the copy-on-write path)
+            self._admit(admitted)
+          for slot in range(self.slots):
+            self.pages.release(slot)
+      for rows in row_buckets:
+        ids = np.full(rows, self.slots, np.int32)
+        tokens = jnp.zeros((rows, self.chunk + self.k), jnp.int32)
+        zeros = jnp.zeros(rows, jnp.int32)
+        for n in self.pages.buckets():
+          self.cache, *_ = _paged_prefill_chunk(
+              self.cfg, self.params, self.cache, self.pages.table(ids, n * self.pages.page_size),
+              jnp.asarray(ids), jnp.zeros((rows, self.cfg.vocab_size), jnp.float32),
+              jnp.zeros((rows,) + self.hidden.shape[1:], self.hidden.dtype), tokens, zeros,
+              zeros, depths=self.k, mtp_cache=self.mtp_cache,
+              record_routing=self.record_routing, paging=self.paging)
+      idle = [None] * self.slots
+      zeros = jnp.zeros(self.slots, jnp.int32)
+      inactive = jnp.zeros(self.slots, bool)
+      for n in self.pages.buckets():
+        table = self.pages.table(np.arange(self.slots), n * self.pages.page_size)
+        if self.k:
+          self.cache, self.hidden, _ = _speculate_and_sample(
+              self.cfg, self.params, self.cache, self.hidden,
+              jnp.zeros((self.slots, self.w + 1), jnp.int32), zeros, inactive,
+              *self._slot_arrays(idle), zeros, table, self.pages.shared_rows(), k=self.k,
+              mtp_cache=self.mtp_cache, return_logits=self.return_logits, paging=self.paging)
+        else:
+          self.cache, *_ = _decode_and_sample(
+              self.cfg, self.params, self.cache, zeros, zeros, inactive,
+              *self._slot_arrays(idle), zeros, table, return_logits=self.return_logits,
+              record_routing=self.record_routing, paging=self.paging)
+    self.stats = stats
 
   # ---- the host loop -------------------------------------------------------------------------
 
@@ -224,6 +302,8 @@ class Engine:
         raise ValueError(f"request {r.index}: {len(r.prompt)} prompt tokens + max_new_tokens "
                          f"{r.max_new_tokens} - 1 + speculative_steps {self.k} exceed the "
                          f"engine's max_len {self.max_len}")
+      if self.pages is not None:
+        self.pages.check_fits(r.index, self._rows(r))
       if r.session is None:
         continue
       if self.k:  # the MTP caches and h window would need their own continuation
@@ -245,22 +325,43 @@ class Engine:
     take free slots in queue order, evicting held sessions LRU-first when none is free."""
     held = self.sessions.slots()
     free = [s for s in range(self.slots) if slot_of[s] is None and s not in held]
-    placed, waiting = [], collections.deque()
+    placed, waiting, deferred = [], collections.deque(), []
+    # Paged: pages each placed request takes (all its rows, no credit for group sharing).
+    budget = self.pages.pool.free if self.pages is not None else None
     for r in queue:
       entry = self.sessions.take(r.session) if r.session is not None else None
       if entry is None:
         waiting.append(r)
-      else:
-        placed.append((entry.slot, r, reusable(entry, r.prompt)))
+        continue
+      start = reusable(entry, r.prompt)
+      if self.pages is not None:
+        if not start:  # a miss restarts the slot: its held pages go back first
+          self.pages.release(entry.slot)
+          budget = self.pages.pool.free
+        need = self.pages.new_pages(entry.slot, self._rows(r))
+        if need > budget:  # waits, its session held as it was
+          self.sessions.hold(r.session, entry.slot, entry.tokens if start else ())
+          deferred.append(r)
+          continue
+        budget -= need
+      placed.append((entry.slot, r, start))
     queue.clear()
     while waiting:
-      if not free:
+      need = 0 if self.pages is None else self.pages.pages_needed(self._rows(waiting[0]))
+      if not free or (self.pages is not None and need > budget):
         slot = self.sessions.evict()
         if slot is None:
           break
         self.stats.evictions += 1
+        self._free_slot(slot)
+        budget = None if self.pages is None else self.pages.pool.free - sum(
+            self.pages.new_pages(s, self._rows(r)) for s, r, _ in placed)
         free.append(slot)
+        continue
       placed.append((free.pop(0), waiting.popleft(), 0))
+      if self.pages is not None:
+        budget -= need
+    queue.extend(deferred)
     queue.extend(waiting)
     for _, r, start in placed:
       if r.session is not None:
@@ -273,6 +374,8 @@ class Engine:
     completion, slot_of[slot] = slot_of[slot], None
     if completion.request.session is not None:
       self.sessions.hold(completion.request.session, slot, tuple(completion.sequence[:-1]))
+    else:
+      self._free_slot(slot)
     return completion
 
   @staticmethod
@@ -299,6 +402,7 @@ class Engine:
     row_key = []  # per request: its prefill row's key, (prompt, start) or (prompt, slot)
     leaders: dict[tuple, tuple] = {}  # row key -> (slot holding its prefill, start)
     copies = []  # (source slot, destination slot)
+    page_copies = []  # paged: (source page, destination page), copied after the prefill
     for slot, request, start in admitted:
       self.stats.prompt_tokens += len(request.prompt)
       # Only fresh prompts (start 0) are shared: a session's rows are its own slot's.
@@ -306,8 +410,13 @@ class Engine:
       row_key.append(key)
       if key in leaders:
         copies.append((leaders[key][0], slot))
+        if self.pages is not None:  # the leader's prompt pages by reference
+          page_copies += self.pages.share(leaders[key][0], slot, len(request.prompt),
+                                          self._rows(request))
       else:
         leaders[key] = (slot, start)
+        if self.pages is not None:
+          self.pages.grow(slot, self._rows(request))
     keys = list(leaders)
     rows = min(_round_up(_bucket(len(keys), self.slots), self.row_multiple), self.slots)
     # Rows past the prompts use slot id B: gathered as zeros, their scatter dropped.
@@ -324,17 +433,24 @@ class Engine:
     tokens = np.zeros((rows, width + self.k), np.int32)
     for i, (prompt, _) in enumerate(keys):
       tokens[i, :lengths[i] - starts[i]] = prompt[starts[i]:]
-    slot_ids = jnp.asarray(slot_ids)
-    sub = _gather_slots(self.cache, slot_ids, self._slot_axes)
+    host_slot_ids, slot_ids = slot_ids, jnp.asarray(slot_ids)
+    if self.pages is None:
+      sub = _gather_slots(self.cache, slot_ids, self._slot_axes)
     last_PY = jnp.zeros((rows, self.cfg.vocab_size), jnp.float32)
     hidden_PWD = jnp.zeros((rows,) + self.hidden.shape[1:], self.hidden.dtype)
     chunk_routing = []
     for offset in range(0, width, self.chunk):
-      sub, last_PY, hidden_PWD, routing = _prefill_chunk(
-          self.cfg, self.params, sub, last_PY, hidden_PWD,
-          jnp.asarray(tokens[:, offset:offset + self.chunk + self.k]), jnp.asarray(lengths),
-          jnp.asarray(starts + offset), depths=self.k, mtp_cache=self.mtp_cache,
-          record_routing=self.record_routing)
+      args = (last_PY, hidden_PWD, jnp.asarray(tokens[:, offset:offset + self.chunk + self.k]),
+              jnp.asarray(lengths), jnp.asarray(starts + offset))
+      kwargs = dict(depths=self.k, mtp_cache=self.mtp_cache, record_routing=self.record_routing)
+      if self.pages is None:
+        sub, last_PY, hidden_PWD, routing = _prefill_chunk(self.cfg, self.params, sub, *args,
+                                                           **kwargs)
+      else:  # the pages of the rows this chunk reaches
+        reach = int(np.minimum(lengths, starts + offset + self.chunk).max())
+        self.cache, last_PY, hidden_PWD, routing = _paged_prefill_chunk(
+            self.cfg, self.params, self.cache, self.pages.table(host_slot_ids, reach),
+            slot_ids, *args, **kwargs, paging=self.paging)
       chunk_routing.append(routing)
     if self.record_routing:
       # Each admitted request's rows [len(prompt), N, k]: the rows it prefilled here; a held
@@ -350,9 +466,14 @@ class Engine:
           full[start:] = rows
           prefilled[key][kind] = full
       self._prompt_routing = [prefilled[k] for k in row_key]
-    self.cache = _scatter_slots(self.cache, sub, slot_ids, self._slot_axes)
+    if self.pages is None:
+      self.cache = _scatter_slots(self.cache, sub, slot_ids, self._slot_axes)
     self.hidden = self.hidden.at[slot_ids].set(hidden_PWD, mode="drop")
-    if copies:
+    if copies and self.pages is not None:  # fixed shapes: no compile per group size
+      copy_args = self.pages.copy_args(page_copies, copies, self.slots)
+      self.cache = paged.copy_pages(self.cache, *copy_args, *self.paging.layout)
+      self.hidden = _copy_hidden(self.hidden, *copy_args[2:])
+    elif copies:
       src, dst = (jnp.asarray(x, jnp.int32) for x in zip(*copies))
       self.cache = _copy_slots(self.cache, src, dst, self._slot_axes)
       self.hidden = self.hidden.at[dst].set(self.hidden[src])
@@ -383,10 +504,13 @@ class Engine:
     pending = np.array([c.tokens[-1] if c else 0 for c in slot_of], np.int32)
     fed = np.array([len(c.sequence) - 1 if c else 0 for c in slot_of], np.int32)
     index = np.array([len(c.tokens) if c else 0 for c in slot_of], np.int32)
+    table = None if self.pages is None else self.pages.table(np.arange(self.slots),
+                                                             int(fed.max()) + 1)
     self.cache, out, routing = _decode_and_sample(
         self.cfg, self.params, self.cache, jnp.asarray(pending), jnp.asarray(fed),
-        jnp.asarray(active), *self._slot_arrays(requests), jnp.asarray(index),
-        return_logits=self.return_logits, record_routing=self.record_routing)
+        jnp.asarray(active), *self._slot_arrays(requests), jnp.asarray(index), table,
+        return_logits=self.return_logits, record_routing=self.record_routing,
+        paging=self.paging)
     out, routing = jax.device_get((out, routing))
     for slot in np.flatnonzero(active):
       self._keep(slot_of[slot], [_row(out, slot)])
@@ -408,10 +532,14 @@ class Engine:
         tail = seq[max(0, len(seq) - self.w - 1):]
         window[slot, self.w + 1 - len(tail):] = tail
     index = np.array([len(c.tokens) if c else 0 for c in slot_of], np.int32)
+    paged_args = () if self.pages is None else (
+        self.pages.table(np.arange(self.slots), int(fed.max()) + self.k + 1),
+        self.pages.shared_rows())
     self.cache, self.hidden, out = _speculate_and_sample(
         self.cfg, self.params, self.cache, self.hidden, jnp.asarray(window), jnp.asarray(fed),
-        jnp.asarray(active), *self._slot_arrays(requests), jnp.asarray(index),
-        k=self.k, mtp_cache=self.mtp_cache, return_logits=self.return_logits)
+        jnp.asarray(active), *self._slot_arrays(requests), jnp.asarray(index), *paged_args,
+        k=self.k, mtp_cache=self.mtp_cache, return_logits=self.return_logits,
+        paging=self.paging)
     accepted, num_emitted, tokens, logprobs, raws, logits = jax.device_get(out)
     for slot in np.flatnonzero(active):
       c = slot_of[slot]
@@ -578,6 +706,13 @@ def _copy_slots(cache, src_G, dst_G, slot_axes):
   return _scatter_slots(cache, sub, dst_G, slot_axes)
 
 
+@jax.jit
+def _copy_hidden(hidden_BWD, src_G, dst_G):
+  """Speculative h windows of slots `src_G` copied to `dst_G` (ids >= B: padding, dropped)."""
+  return hidden_BWD.at[dst_G].set(jnp.take(hidden_BWD, src_G, axis=0, mode="fill",
+                                           fill_value=0), mode="drop")
+
+
 @functools.partial(jax.jit, static_argnames=("return_logits",))
 def _sample(logits_BY, settings, seeds_B, index_B, *, return_logits):
   out = sampling.sample(logits_BY, settings, seeds_B, index_B)
@@ -632,7 +767,8 @@ def _speculate_and_sample(cfg, params, cache, hidden_BWD, window_BX, fed_B, acti
 def generate(config, params, prompts, max_new_tokens=32, temperature=0.0, top_p=1.0, top_k=0,
              seed=0, speculative_steps=0, return_logits=False, stop_tokens=(), *,
              slots: int | None = None, max_len: int | None = None, prefill_chunk: int = 256,
-             mtp_cache: str = "per_depth", mesh=None, rules=None) -> GenerateResult:
+             mtp_cache: str = "per_depth", mesh=None, rules=None, page_size: int | None = 16,
+             num_pages: int | None = None) -> GenerateResult:
   """Completes every prompt (see the module docstring; `GenerateResult` for the fields).
 
   Args:
@@ -643,11 +779,15 @@ def generate(config, params, prompts, max_new_tokens=32, temperature=0.0, top_p=
     speculative_steps: MTP draft steps per verification (0: plain decoding). The output has
       exactly the distribution of plain decoding (greedy: the same tokens).
     return_logits: also return each generated token's raw logits.
-    slots: sequences decoded at once (default: all prompts, at most 32).
-    max_len: cache positions per slot (default: what the longest request needs).
+    slots: sequences decoded at once (default: the number of prompts rounded up to a power of
+      two, at most 32: one compiled shape for many call sizes).
+    max_len: cache positions per slot (default: what the longest request needs, rounded up to
+      a power of two, so that new lengths reuse the compiled steps; with the paged cache a
+      larger max_len costs no step time).
     prefill_chunk: prompt tokens per slot per prefill call.
     mtp_cache: the MTP caches' scheme with speculative_steps > 0 (`glm5_jax.infer.speculate`).
     mesh, rules: serve sharded (`Engine`).
+    page_size, num_pages: the paged cache (`Engine`; page_size None: contiguous).
   Raises:
     ValueError: a bad argument (`glm5_jax.infer.requests.validate_generate_args`).
   """
@@ -657,16 +797,16 @@ def generate(config, params, prompts, max_new_tokens=32, temperature=0.0, top_p=
         prompts, "__iter__") else []
     extra = max_new_tokens - 1 + speculative_steps if isinstance(
         max_new_tokens, int) and isinstance(speculative_steps, int) else 0
-    max_len = max(max(lengths, default=1) + max(extra, 0), 1)
+    max_len = _bucket(max(max(lengths, default=1) + max(extra, 0), 1), 1 << 62)
   requests = validate_generate_args(
       prompts, vocab_size=cfg.vocab_size, max_len=max_len, max_new_tokens=max_new_tokens,
       temperature=temperature, top_p=top_p, top_k=top_k, seed=seed,
       speculative_steps=speculative_steps, return_logits=return_logits, stop_tokens=stop_tokens)
   requests = [dataclasses.replace(r, seed=request_seed(seed, r.index)) for r in requests]
-  engine = Engine(cfg, params, slots=slots or min(len(requests), 32), max_len=max_len,
-                  prefill_chunk=prefill_chunk, return_logits=return_logits,
+  engine = Engine(cfg, params, slots=slots or _bucket(min(len(requests), 32), 32),
+                  max_len=max_len, prefill_chunk=prefill_chunk, return_logits=return_logits,
                   speculative_steps=speculative_steps, mtp_cache=mtp_cache, mesh=mesh,
-                  rules=rules)
+                  rules=rules, page_size=page_size, num_pages=num_pages)
   done = engine.run(requests)
   spec = bool(speculative_steps)
   return GenerateResult(

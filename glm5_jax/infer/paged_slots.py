@@ -51,6 +51,11 @@ class PagedSlots:
     self.specs = paged.paged_specs(specs, page_size, num_pages)
     self.pool = PagePool(num_pages, slots, self.max_pages, page_size)
 
+  @property
+  def used(self) -> int:
+    """Pages some slot holds (a shared page once)."""
+    return self.pool.used
+
   def pages_needed(self, rows: int) -> int:
     return paged.pages_for(rows, self.page_size)
 
