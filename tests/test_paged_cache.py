@@ -1,6 +1,9 @@
 """The paged decode cache (`glm5_jax.infer.paged`, `page_pool`, `Engine(page_size=...)`): cached
 decode stays exact, pages are shared by reference within a group and freed when requests end,
-and bucketed shapes stop recompiling after warm-up."""
+and bucketed shapes stop recompiling after warm-up.
+
+Most tests share one engine shape (`SHAPE`: pages of 8 rows, max_len 64, so steps read 1, 2, 4
+or 8 pages) so that they share compiled programs."""
 
 import random
 
@@ -15,13 +18,16 @@ from glm5_jax.infer.paged import page_bucket
 from glm5_jax.infer.requests import Request
 from tests.conftest import forward, random_params, tiny_model_config
 
-# D | D (MoE) | R | M, index_topk 4: top-k is active past 4 tokens (as tests/test_engine.py).
-CFG = tiny_model_config(num_hidden_layers=4, attention_pattern="DDRM", first_k_dense_replace=1,
+# D | R, index_topk 4: the DSA top-k is active past 4 tokens, the R layer reuses it.
+CFG = tiny_model_config(num_hidden_layers=2, attention_pattern="DR", first_k_dense_replace=2,
                         index_topk=4, mtp_depths=1)
 # Every other kind: GQA K / V paged; the SWA ring and the GDN state per slot.
 MIXED = tiny_model_config(num_hidden_layers=3, attention_pattern="GSN", first_k_dense_replace=3,
                           sliding_window=5, mtp_depths=1)
-PROMPTS = [[5, 17, 3, 99, 42, 7, 8, 1, 2, 3], [11], [250, 3, 3, 9], [5, 17, 3, 99, 42, 7, 8, 1, 2, 3]]
+SHAPE = dict(slots=2, max_len=64, prefill_chunk=8)
+PAGED = dict(SHAPE, page_size=8)
+PROMPTS = [[5, 17, 3, 99, 42, 7, 8, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11], [11], [250, 3, 3, 9],
+           [5, 17, 3, 99, 42, 7, 8, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11]]
 
 
 @pytest.fixture(scope="module")
@@ -56,37 +62,38 @@ def test_page_bucket_is_a_power_of_two_capped():
 
 @pytest.mark.parametrize("temperature", [0.0, 1.3])
 def test_paged_engine_equals_contiguous(params, temperature):
-  """Pages of 4 rows (prompts span several, a group of two shares one), 2 slots refilled as
-  requests end: the tokens and log-probs of the contiguous cache."""
+  """Pages of 8 rows (prompts span up to 4, a group of two shares its prompt pages), 2 slots
+  refilled as requests end: the tokens and log-probs of the contiguous cache."""
   prompts = PROMPTS + [[1, 2, 3], [250]]
-  requests = _requests(prompts, (5, 3, 6, 4, 2, 5), temperature)
-  want = engine_lib.Engine(CFG, params, slots=2, max_len=24, prefill_chunk=4,
-                           page_size=None).run(requests)
-  engine = engine_lib.Engine(CFG, params, slots=2, max_len=24, prefill_chunk=4, page_size=4)
+  requests = _requests(prompts, (9, 3, 6, 4, 2, 5), temperature)
+  want = engine_lib.Engine(CFG, params, **SHAPE, page_size=None).run(requests)
+  engine = engine_lib.Engine(CFG, params, **PAGED)
   got = engine.run(requests)
   for g, w in zip(got, want):
     assert g.tokens == w.tokens
-    np.testing.assert_allclose(g.logprobs, w.logprobs, rtol=0, atol=1e-5)
-    np.testing.assert_allclose(g.raw_logprobs, w.raw_logprobs, rtol=0, atol=1e-5)
+    np.testing.assert_allclose(g.logprobs, w.logprobs, rtol=1e-5, atol=1e-5)
+    np.testing.assert_allclose(g.raw_logprobs, w.raw_logprobs, rtol=1e-5, atol=1e-5)
   assert engine.pages.used == 0  # every request ended: every page is back
 
 
 def test_paged_greedy_equals_the_full_forward(params):
-  """A max_len of 64 rows in pages of 4 (the steps read 1 to 4 pages): each greedy token is
-  the full forward's argmax, with its logits."""
-  n, length = 6, 16
-  result = infer.generate(CFG, params, PROMPTS, max_new_tokens=n, return_logits=True,
-                          prefill_chunk=4, max_len=64, page_size=4)
-  for i, prompt in enumerate(PROMPTS):
+  """Each greedy token of the paged engine is the full forward's argmax, with its raw
+  log-prob."""
+  n, length = 12, 32
+  got = engine_lib.Engine(CFG, params, **PAGED).run(_requests(PROMPTS, (n,) * len(PROMPTS)))
+  for prompt, c in zip(PROMPTS, got):
     seq = np.zeros((1, length), np.int32)
-    seq[0, :len(prompt) + n] = list(prompt) + result.tokens[i]
-    logits = np.asarray(forward(CFG, params, seq, mtp=False)["logits"][0])
+    seq[0, :len(prompt) + n] = list(prompt) + c.tokens
+    logits = np.asarray(forward(CFG, params, seq, mtp=False)["logits"][0], np.float64)
     want_LY = logits[len(prompt) - 1:len(prompt) - 1 + n]
-    assert result.tokens[i] == list(np.argmax(want_LY, axis=-1)), i
-    np.testing.assert_allclose(result.logits[i], want_LY, rtol=0,
+    assert c.tokens == list(np.argmax(want_LY, axis=-1))
+    top = want_LY.max(-1, keepdims=True)
+    log_softmax = want_LY - top - np.log(np.exp(want_LY - top).sum(-1, keepdims=True))
+    np.testing.assert_allclose(c.raw_logprobs, log_softmax[np.arange(n), c.tokens], rtol=0,
                                atol=3e-5 * np.abs(want_LY).max())
 
 
+@pytest.mark.slow  # its own configs and shapes compile ~8 programs
 def test_every_kind_paged_equals_contiguous():
   """GQA K / V paged, the sliding-window ring and the GDN state per slot, MTP speculation
   (its caches paged too): the contiguous cache's tokens."""
@@ -101,11 +108,11 @@ def test_every_kind_paged_equals_contiguous():
 
 
 def test_group_shares_the_prompt_pages(params):
-  """G = 4 samples of a 10-token prompt in pages of 4: the two full prompt pages are stored
-  once, the third (2 rows) copied per sample; the samples equal generating each alone."""
+  """G = 2 samples of an 18-token prompt in pages of 8: the two full prompt pages are stored
+  once, the third (2 rows) copied per sample; each sample equals generating it alone."""
   prompt = PROMPTS[0]
-  requests = _requests([prompt] * 4, (3,) * 4, temperature=1.0, seed=5)
-  engine = engine_lib.Engine(CFG, params, slots=4, max_len=16, prefill_chunk=4, page_size=4)
+  requests = _requests([prompt] * 2, (3,) * 2, temperature=1.0, seed=5)
+  engine = engine_lib.Engine(CFG, params, **PAGED)
   used = []
   original = engine._admit
 
@@ -116,46 +123,43 @@ def test_group_shares_the_prompt_pages(params):
 
   engine._admit = admit
   got = engine.run(requests)
-  # Each sample needs 10 + 3 - 1 = 12 rows = 3 pages: 2 shared + 1 own, 4 x 1 + 2 in all.
-  assert used == [6]
+  # Each sample needs 18 + 3 - 1 = 20 rows = 3 pages: 2 shared + 1 own each.
+  assert used == [4]
   for r, g in zip(requests, got):
-    alone = engine_lib.Engine(CFG, params, slots=1, max_len=16, prefill_chunk=4,
-                              page_size=4).run([r])[0]
+    alone = engine_lib.Engine(CFG, params, **PAGED).run([r])[0]
     assert g.tokens == alone.tokens
   assert engine.pages.used == 0
 
 
 def test_sessions_hold_their_pages(params):
-  engine = engine_lib.Engine(CFG, params, slots=2, max_len=32, prefill_chunk=4, page_size=4)
+  engine = engine_lib.Engine(CFG, params, **PAGED)
   first = engine.run(_requests([PROMPTS[0]], (3,), session="a"))[0]
-  held = engine.pages.used
-  assert held == 3  # 10 + 3 - 1 rows
+  assert engine.pages.used == 3  # 18 + 3 - 1 rows, held
   second = list(first.sequence) + [7, 8]
   engine.run(_requests([second], (4,), session="a"))
-  assert engine.pages.used == 4  # 15 + 4 - 1 rows, the held pages kept
+  assert engine.pages.used == 4  # 23 + 4 - 1 rows, the held pages kept
   assert engine.release("a") and engine.pages.used == 0
 
 
+@pytest.mark.slow  # a pool of its own size: its own compiles
 def test_a_small_pool_makes_requests_wait(params):
-  """3 pages for requests of 2 pages each: one runs at a time, all finish, as with ample pages."""
-  requests = _requests([[1, 2, 3, 4, 5]] + [[9, 8, 7]] * 2, (3, 4, 2))
-  small = engine_lib.Engine(CFG, params, slots=2, max_len=16, prefill_chunk=4, page_size=4,
-                            num_pages=3).run(requests)
-  ample = engine_lib.Engine(CFG, params, slots=2, max_len=16, prefill_chunk=4,
-                            page_size=4).run(requests)
+  """3 free pages for requests of 2 pages each: one runs at a time, all finish, as with ample
+  pages."""
+  requests = _requests([[1] * 9] + [[9, 8, 7] * 3] * 2, (3, 4, 2))
+  small = engine_lib.Engine(CFG, params, **PAGED, num_pages=4).run(requests)
+  ample = engine_lib.Engine(CFG, params, **PAGED).run(requests)
   assert [c.tokens for c in small] == [c.tokens for c in ample]
   with pytest.raises(ValueError, match="num_pages"):
-    engine_lib.Engine(CFG, params, slots=2, max_len=16, prefill_chunk=4, page_size=4,
-                      num_pages=2).run(_requests([[1] * 12], (2,)))
+    engine_lib.Engine(CFG, params, **PAGED, num_pages=2).run(_requests([[1] * 12], (2,)))
 
 
 def test_no_compile_after_warmup(params):
-  """After `warmup()`, 100 random requests (prompt lengths 1..20, 1..8 new tokens, groups,
-  2 slots refilled as they end) compile nothing."""
-  engine = engine_lib.Engine(CFG, params, slots=2, max_len=32, prefill_chunk=8, page_size=8)
+  """After `warmup()`, 100 random requests (prompt lengths 1..40, 1..8 new tokens, greedy and
+  sampled, a fifth of them one prompt: groups; 2 slots refilled as they end) compile nothing."""
+  engine = engine_lib.Engine(CFG, params, **PAGED)
   engine.warmup()
   rng = random.Random(0)
-  prompts = [[rng.randrange(CFG.vocab_size) for _ in range(rng.randint(1, 20))]
+  prompts = [[rng.randrange(CFG.vocab_size) for _ in range(rng.randint(1, 40))]
              for _ in range(80)]
   prompts += [prompts[0]] * 20
   requests = [Request(i, tuple(p), rng.randint(1, 8), rng.choice([0.0, 1.0]), 1.0, 0, i, ())
@@ -164,15 +168,16 @@ def test_no_compile_after_warmup(params):
     done = engine.run(requests)
   assert compiles.count == 0
   assert [len(c.tokens) for c in done] == [r.max_new_tokens for r in requests]
+  assert engine.pages.used == 0
 
 
 def test_generate_does_not_recompile_for_new_lengths(params):
-  """`generate` buckets max_len and slots: new prompt lengths and max_new_tokens within the
-  warmed buckets compile nothing."""
-  infer.generate(CFG, params, [[1] * 30], max_new_tokens=2, prefill_chunk=8, page_size=8)
-  infer.generate(CFG, params, [[1] * 3], max_new_tokens=2, prefill_chunk=8, page_size=8)
+  """`generate` buckets max_len (here 64 for every call): new prompt lengths and
+  max_new_tokens reuse the compiled steps."""
+  kwargs = dict(slots=2, prefill_chunk=8, page_size=8)
+  infer.generate(CFG, params, [[1] * 40], max_new_tokens=2, **kwargs)  # 5 chunks: N 1..8
+  infer.generate(CFG, params, [[1] * 3], max_new_tokens=30, **kwargs)  # decode N 1..8
   with count_compiles() as compiles:
-    for length, new in ((5, 3), (9, 7), (17, 2), (2, 20)):
-      infer.generate(CFG, params, [[3] * length], max_new_tokens=new, prefill_chunk=8,
-                     page_size=8)
+    for length, new in ((5, 3), (9, 7), (17, 2), (2, 20), (33, 1)):
+      infer.generate(CFG, params, [[3] * length], max_new_tokens=new, **kwargs)
   assert compiles.count == 0

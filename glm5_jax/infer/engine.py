@@ -97,6 +97,10 @@ class Completion:
     return [float(x) for x in acceptance_rates(self.accept)[0]]
 
 
+# `generate`'s smallest default max_len: short calls share one set of compiled steps.
+MIN_GENERATE_LEN = 64
+
+
 def request_seed(seed: int, index: int) -> int:
   """The uint32 seed of prompt `index` of a `generate` call with `seed`: a hash of both, so the
   G copies of one prompt in an RL group draw differently, and a call's streams do not overlap
@@ -782,8 +786,8 @@ def generate(config, params, prompts, max_new_tokens=32, temperature=0.0, top_p=
     slots: sequences decoded at once (default: the number of prompts rounded up to a power of
       two, at most 32: one compiled shape for many call sizes).
     max_len: cache positions per slot (default: what the longest request needs, rounded up to
-      a power of two, so that new lengths reuse the compiled steps; with the paged cache a
-      larger max_len costs no step time).
+      a power of two of at least `MIN_GENERATE_LEN`, so that new lengths reuse the compiled
+      steps; with the paged cache a larger max_len costs no step time).
     prefill_chunk: prompt tokens per slot per prefill call.
     mtp_cache: the MTP caches' scheme with speculative_steps > 0 (`glm5_jax.infer.speculate`).
     mesh, rules: serve sharded (`Engine`).
@@ -797,7 +801,8 @@ def generate(config, params, prompts, max_new_tokens=32, temperature=0.0, top_p=
         prompts, "__iter__") else []
     extra = max_new_tokens - 1 + speculative_steps if isinstance(
         max_new_tokens, int) and isinstance(speculative_steps, int) else 0
-    max_len = _bucket(max(max(lengths, default=1) + max(extra, 0), 1), 1 << 62)
+    max_len = max(_bucket(max(max(lengths, default=1) + max(extra, 0), 1), 1 << 62),
+                  MIN_GENERATE_LEN)
   requests = validate_generate_args(
       prompts, vocab_size=cfg.vocab_size, max_len=max_len, max_new_tokens=max_new_tokens,
       temperature=temperature, top_p=top_p, top_k=top_k, seed=seed,
