@@ -21,8 +21,9 @@ from tests.conftest import forward, random_params, tiny_model_config
 # D | R, index_topk 4: the DSA top-k is active past 4 tokens, the R layer reuses it.
 CFG = tiny_model_config(num_hidden_layers=2, attention_pattern="DR", first_k_dense_replace=2,
                         index_topk=4, mtp_depths=1)
-# Every other kind: GQA K / V paged; the SWA ring and the GDN state per slot.
-MIXED = tiny_model_config(num_hidden_layers=3, attention_pattern="GSN", first_k_dense_replace=3,
+# Every other kind: GQA K / V paged; the GDN state and the SWA ring (also the MTP layer's kind)
+# per slot.
+MIXED = tiny_model_config(num_hidden_layers=3, attention_pattern="NGS", first_k_dense_replace=3,
                           sliding_window=5, mtp_depths=1)
 SHAPE = dict(slots=2, max_len=64, prefill_chunk=8)
 PAGED = dict(SHAPE, page_size=8)
