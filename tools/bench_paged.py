@@ -12,8 +12,9 @@ Sections:
               above `--contiguous_max`, whose cache would not fit), and each one's ratio to the
               smallest max_len.
   compiles    XLA compilations during `--requests` random requests (prompt lengths 1 ..
-              `--random_prompt`, 1 .. `--random_new` new tokens, a fifth of them repeating
-              one prompt: groups) after `Engine.warmup()`, at the largest max_len; goal 0.
+              `--random_prompt`, 1 .. `--random_new` new tokens, greedy and sampled, a fifth
+              of them repeating one prompt: groups) after `Engine.warmup(max_rows)` for such
+              requests, at the largest max_len; goal 0.
 
 The last output line is all figures as JSON.
 """
@@ -75,7 +76,7 @@ def compile_count(cfg, params, *, max_len, page_size, slots, n, longest, most_ne
   engine = Engine(cfg, params, slots=slots, max_len=max_len, prefill_chunk=64,
                   page_size=page_size)
   warm_start = time.perf_counter()
-  engine.warmup()
+  engine.warmup(max_rows=longest + most_new - 1)
   warm_s = time.perf_counter() - warm_start
   rng = random.Random(seed)
   prompts = [tuple(rng.randrange(cfg.vocab_size) for _ in range(rng.randint(1, longest)))

@@ -216,15 +216,18 @@ class Engine:
       return contextlib.nullcontext()
     return sharding_lib.activation_sharding(self.mesh, self.rules)
 
-  def warmup(self) -> None:
+  def warmup(self, max_rows: int | None = None) -> None:
     """Compiles every program the loop can run (paged cache only: every admitted-rows bucket
     with every page bucket, every decode page bucket), so that no request compiles anything
-    later whatever its lengths. Leaves the engine as built (stats, pages, slots idle)."""
+    later whatever its lengths. `max_rows`: only the page buckets of requests of up to that
+    many rows (prompt + max_new_tokens - 1 + k; default max_len). Leaves the engine as built
+    (stats, pages, slots idle)."""
     if self.pages is None:
       raise ValueError("Engine.warmup needs the paged cache (page_size); the contiguous cache "
                        "compiles its few shapes on first use")
     if any(self.pages.pool.held) or len(self.sessions):
       raise RuntimeError("Engine.warmup: run it before any request")
+    buckets = self.pages.buckets(self.max_len if max_rows is None else max_rows)
     row_buckets = sorted({min(_round_up(_bucket(n, self.slots), self.row_multiple), self.slots)
                           for n in range(1, self.slots + 1)})
     stats = dataclasses.replace(self.stats)
@@ -241,7 +244,7 @@ class Engine:
         ids = np.full(rows, self.slots, np.int32)
         tokens = jnp.zeros((rows, self.chunk + self.k), jnp.int32)
         zeros = jnp.zeros(rows, jnp.int32)
-        for n in self.pages.buckets():
+        for n in buckets:
           self.cache, *_ = _paged_prefill_chunk(
               self.cfg, self.params, self.cache, self.pages.table(ids, n * self.pages.page_size),
               jnp.asarray(ids), jnp.zeros((rows, self.cfg.vocab_size), jnp.float32),
@@ -251,7 +254,7 @@ class Engine:
       idle = [None] * self.slots
       zeros = jnp.zeros(self.slots, jnp.int32)
       inactive = jnp.zeros(self.slots, bool)
-      for n in self.pages.buckets():
+      for n in buckets:
         table = self.pages.table(np.arange(self.slots), n * self.pages.page_size)
         if self.k:
           self.cache, self.hidden, _ = _speculate_and_sample(

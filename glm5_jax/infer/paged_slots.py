@@ -98,13 +98,15 @@ class PagedSlots:
   def shared_rows(self):
     return jnp.asarray(self.pool.shared_rows)
 
-  def buckets(self) -> list[int]:
-    """Every N a step may read, smallest first (warm-up compiles each)."""
+  def buckets(self, rows: int) -> list[int]:
+    """Every N a step of slots of up to `rows` rows may read, smallest first (warm-up
+    compiles each)."""
+    last = paged.page_bucket(rows, self.page_size, self.max_pages)
     out, n = [], 1
-    while n < self.max_pages:
+    while n < last:
       out.append(n)
       n *= 2
-    return out + [self.max_pages]
+    return out + [last]
 
   def copy_args(self, pairs, slot_pairs, slots: int):
     """`paged.copy_pages`'s index arrays, padded to fixed lengths (one compiled shape): ids
