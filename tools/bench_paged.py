@@ -5,9 +5,9 @@ and bucketed shapes stop compiling after warm-up.
   python tools/bench_paged.py --max_lens=4096,65536 --live_len=512 --slots=8
 
 Sections:
-  step time   the engine's decode step (`Engine.step` with every slot decoding, the host round
-              trip included; median of `--steps`) for `--slots` requests of `--live_len`
-              prompt tokens, at each `--max_lens`, with the paged cache (pool sized for the
+  step time   the engine's decode step (every slot decoding, the host round trip included:
+              a run of `--steps` + 1 tokens per slot minus a run of 1, over `--steps`) for
+              `--slots` requests of `--live_len` prompt tokens, at each `--max_lens`, with the paged cache (pool sized for the
               live rows, `--page_size`) and with the contiguous cache (`page_size=None`; skipped
               above `--contiguous_max`, whose cache would not fit), and each one's ratio to the
               smallest max_len.
@@ -40,7 +40,7 @@ _CONFIG = overrides.define_config_file("config", "configs/tiny.py", "Experiment 
 _MAX_LENS = flags.DEFINE_list("max_lens", ["4096", "65536"], "Engine max_len values to compare.")
 _LIVE_LEN = flags.DEFINE_integer("live_len", 256, "Prompt tokens of every slot.")
 _SLOTS = flags.DEFINE_integer("slots", 4, "Slots B, all decoding.")
-_STEPS = flags.DEFINE_integer("steps", 16, "Timed decode steps.")
+_STEPS = flags.DEFINE_integer("steps", 16, "Timed decode steps per run.")
 _PAGE_SIZE = flags.DEFINE_integer("page_size", 16, "Rows per page.")
 _CONTIGUOUS_MAX = flags.DEFINE_integer("contiguous_max", 65536, "Largest max_len the contiguous "
                                        "cache is timed at.")
@@ -51,25 +51,27 @@ _SEED = flags.DEFINE_integer("seed", 0, "Params and prompt seed.")
 
 
 def step_time(cfg, params, *, max_len, page_size, slots, live_len, steps, seed) -> float:
-  """Median seconds of one `Engine.step` with all `slots` decoding (after two warm steps)."""
-  rows = live_len + steps + 3
+  """Seconds per decode step with all `slots` decoding: (a run generating steps + 1 tokens per
+  slot - a run generating 1, the prefill and first token) / steps, each the median of 3 runs
+  after a compiling one."""
+  rows = live_len + steps
   num_pages = None if page_size is None else slots * pages_for(rows, page_size) + 1
   engine = Engine(cfg, params, slots=slots, max_len=max_len, prefill_chunk=256,
                   page_size=page_size, num_pages=num_pages)
   rng = random.Random(seed)
-  for i in range(slots):
-    prompt = tuple(rng.randrange(cfg.vocab_size) for _ in range(live_len))
-    engine.submit(Request(i, prompt, steps + 3, 0.0, 1.0, 0, i, ()))
-  engine.step()  # admission + the first decode step (compiles)
-  engine.step()
-  times = []
-  for _ in range(steps):
-    start = time.perf_counter()
-    engine.step()  # returns host values: the step is done
-    times.append(time.perf_counter() - start)
-  while engine.busy:
-    engine.step()
-  return statistics.median(times)
+  prompts = [tuple(rng.randrange(cfg.vocab_size) for _ in range(live_len)) for _ in range(slots)]
+
+  def run(new_tokens):
+    requests = [Request(i, p, new_tokens, 0.0, 1.0, 0, i, ()) for i, p in enumerate(prompts)]
+    engine.run(requests)  # warm
+    times = []
+    for _ in range(3):
+      start = time.perf_counter()
+      engine.run(requests)  # returns host values: every step is done
+      times.append(time.perf_counter() - start)
+    return statistics.median(times)
+
+  return (run(steps + 1) - run(1)) / steps
 
 
 def compile_count(cfg, params, *, max_len, page_size, slots, n, longest, most_new, seed):
