@@ -7,9 +7,11 @@ and bucketed shapes stop compiling after warm-up.
 Sections:
   step time   the engine's decode step (every slot decoding, the host round trip included:
               a run of `--steps` + 1 tokens per slot minus a run of 1, over `--steps`) for
-              `--slots` requests of `--live_len` prompt tokens, at each `--max_lens`, with the paged cache (pool sized for the
-              live rows, `--page_size`) and with the contiguous cache (`page_size=None`; skipped
-              above `--contiguous_max`, whose cache would not fit), and each one's ratio to the
+              `--slots` requests of `--live_len` prompt tokens, at each `--max_lens` (the
+              least of `--rounds` rounds that alternate the engines: the machine's load hits
+              them alike), with the paged cache (pool sized for the live rows,
+              `--page_size`) and with the contiguous cache (`page_size=None`; skipped above
+              `--contiguous_max`, whose cache would not fit), and each one's ratio to the
               smallest max_len.
   compiles    XLA compilations during `--requests` random requests (prompt lengths 1 ..
               `--random_prompt`, 1 .. `--random_new` new tokens, greedy and sampled, a fifth
@@ -21,7 +23,6 @@ The last output line is all figures as JSON.
 
 import json
 import random
-import statistics
 import time
 
 from absl import app, flags
@@ -41,6 +42,7 @@ _MAX_LENS = flags.DEFINE_list("max_lens", ["4096", "65536"], "Engine max_len val
 _LIVE_LEN = flags.DEFINE_integer("live_len", 256, "Prompt tokens of every slot.")
 _SLOTS = flags.DEFINE_integer("slots", 4, "Slots B, all decoding.")
 _STEPS = flags.DEFINE_integer("steps", 16, "Timed decode steps per run.")
+_ROUNDS = flags.DEFINE_integer("rounds", 5, "Timing rounds (the least time counts).")
 _PAGE_SIZE = flags.DEFINE_integer("page_size", 16, "Rows per page.")
 _CONTIGUOUS_MAX = flags.DEFINE_integer("contiguous_max", 65536, "Largest max_len the contiguous "
                                        "cache is timed at.")
@@ -50,28 +52,32 @@ _RANDOM_NEW = flags.DEFINE_integer("random_new", 16, "Most new tokens of a rando
 _SEED = flags.DEFINE_integer("seed", 0, "Params and prompt seed.")
 
 
-def step_time(cfg, params, *, max_len, page_size, slots, live_len, steps, seed) -> float:
-  """Seconds per decode step with all `slots` decoding: (a run generating steps + 1 tokens per
-  slot - a run generating 1, the prefill and first token) / steps, each the median of 3 runs
-  after a compiling one."""
-  rows = live_len + steps
-  num_pages = None if page_size is None else slots * pages_for(rows, page_size) + 1
-  engine = Engine(cfg, params, slots=slots, max_len=max_len, prefill_chunk=256,
-                  page_size=page_size, num_pages=num_pages)
-  rng = random.Random(seed)
-  prompts = [tuple(rng.randrange(cfg.vocab_size) for _ in range(live_len)) for _ in range(slots)]
+class StepTimer:
+  """One engine of `slots` requests of `live_len` prompt tokens; `time()` is the seconds per
+  decode step with every slot decoding: (a run generating steps + 1 tokens per slot - a run
+  generating 1, the prefill and first token) / steps."""
 
-  def run(new_tokens):
-    requests = [Request(i, p, new_tokens, 0.0, 1.0, 0, i, ()) for i, p in enumerate(prompts)]
-    engine.run(requests)  # warm
-    times = []
-    for _ in range(3):
-      start = time.perf_counter()
-      engine.run(requests)  # returns host values: every step is done
-      times.append(time.perf_counter() - start)
-    return statistics.median(times)
+  def __init__(self, cfg, params, *, max_len, page_size, slots, live_len, steps, seed):
+    rows = live_len + steps
+    num_pages = None if page_size is None else slots * pages_for(rows, page_size) + 1
+    self.engine = Engine(cfg, params, slots=slots, max_len=max_len, prefill_chunk=256,
+                         page_size=page_size, num_pages=num_pages)
+    rng = random.Random(seed)
+    prompts = [tuple(rng.randrange(cfg.vocab_size) for _ in range(live_len))
+               for _ in range(slots)]
+    self.steps = steps
+    self.requests = {n: [Request(i, p, n, 0.0, 1.0, 0, i, ()) for i, p in enumerate(prompts)]
+                     for n in (1, steps + 1)}
+    for requests in self.requests.values():
+      self.engine.run(requests)  # compiles
 
-  return (run(steps + 1) - run(1)) / steps
+  def _run(self, n) -> float:
+    start = time.perf_counter()
+    self.engine.run(self.requests[n])  # returns host values: every step is done
+    return time.perf_counter() - start
+
+  def time(self) -> float:
+    return (self._run(self.steps + 1) - self._run(1)) / self.steps
 
 
 def compile_count(cfg, params, *, max_len, page_size, slots, n, longest, most_new, seed):
@@ -102,17 +108,24 @@ def main(argv):
   print(f"backend {jax.default_backend()}; pattern {cfg.attention_pattern}, "
         f"{cfg.num_hidden_layers} layers; {_SLOTS.value} slots of {_LIVE_LEN.value} live rows")
   figures = {"step_ms": {}}
-  for name, page_size in (("paged", _PAGE_SIZE.value), ("contiguous", None)):
-    times = {}
-    for max_len in max_lens:
-      if page_size is None and max_len > _CONTIGUOUS_MAX.value:
-        continue
-      times[max_len] = step_time(cfg, params, max_len=max_len, page_size=page_size, **common)
-    base = times[min(times)] if times else None
-    for max_len, t in times.items():
+  timers = {(name, m): StepTimer(cfg, params, max_len=m, page_size=page_size, **common)
+            for name, page_size in (("paged", _PAGE_SIZE.value), ("contiguous", None))
+            for m in max_lens if page_size or m <= _CONTIGUOUS_MAX.value}
+  # Rounds alternate the engines (the machine's load hits all alike); the least time of each
+  # is its figure.
+  times = {key: float("inf") for key in timers}
+  for _ in range(_ROUNDS.value):
+    for key, timer in timers.items():
+      times[key] = min(times[key], timer.time())
+  for name in ("paged", "contiguous"):
+    mine = {m: t for (n, m), t in times.items() if n == name}
+    if not mine:
+      continue
+    base = mine[min(mine)]
+    for max_len, t in sorted(mine.items()):
       print(f"{name:>10}  max_len {max_len:>6}: decode step {1e3 * t:8.2f} ms  "
-            f"({t / base:.2f}x of max_len {min(times)})")
-    figures["step_ms"][name] = {m: round(1e3 * t, 3) for m, t in times.items()}
+            f"({t / base:.2f}x of max_len {min(mine)})")
+    figures["step_ms"][name] = {m: round(1e3 * t, 3) for m, t in sorted(mine.items())}
   count, warm_s, run_s = compile_count(
       cfg, params, max_len=max_lens[-1], page_size=_PAGE_SIZE.value, slots=_SLOTS.value,
       n=_REQUESTS.value, longest=_RANDOM_PROMPT.value, most_new=_RANDOM_NEW.value,

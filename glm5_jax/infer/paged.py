@@ -13,8 +13,9 @@ window or constant, so paging them would save nothing.
 A slot's page table `table_BN` (int32 `[B, N]`) lists its pages in row order: row p of the
 slot lives in page `table[b, p // PG]`, row `p % PG`. Page 0 is never handed out (the pool
 reserves it, `glm5_jax.infer.page_pool`): table entries past a slot's pages point there, so a
-view of N pages is always defined. Page 0 holds whatever was last written through a padded
-entry; it is only ever read at rows past a query's position, which no attention reads.
+view of N pages is always defined. Nothing writes page 0 (a real row always lies in a page its
+slot holds; every other write is dropped), so it stays empty; it is only read at rows past a
+query's position, or by idle slots, whose outputs nobody reads.
 
 A step reads `view`: each paged array gathered through the table into the contiguous layout
 the attention kinds already take (`[..., B, N * PG, ...]`), the per-slot arrays as they are;
@@ -102,12 +103,13 @@ def write_back(cache, stepped, table_BN, rows_BR, keep_BR, paged, slot_axes, slo
   slot_BR = jnp.broadcast_to(jnp.arange(b)[:, None], (b, r))
   for x, y, is_pool, a in zip(leaves, new, paged, slot_axes):
     if is_pool:
-      page_size = x.shape[a + 1]
-      rows_BR = jnp.clip(rows_BR, 0, y.shape[a + 1] - 1)
-      values = y[_lead(a) + (slot_BR, rows_BR)]  # [..., B, R, ...]
-      page_BR = jnp.take_along_axis(table_BN, rows_BR // page_size, axis=1)
-      page_BR = jnp.where(keep_BR, page_BR, x.shape[a])  # out of range: dropped
-      out.append(x.at[_lead(a) + (page_BR, rows_BR % page_size)].set(values, mode="drop"))
+      page_size, view_rows = x.shape[a + 1], y.shape[a + 1]
+      keep_here_BR = keep_BR & (rows_BR >= 0) & (rows_BR < view_rows)
+      safe_BR = jnp.clip(rows_BR, 0, view_rows - 1)
+      values = y[_lead(a) + (slot_BR, safe_BR)]  # [..., B, R, ...]
+      page_BR = jnp.take_along_axis(table_BN, safe_BR // page_size, axis=1)
+      page_BR = jnp.where(keep_here_BR, page_BR, x.shape[a])  # out of range: dropped
+      out.append(x.at[_lead(a) + (page_BR, safe_BR % page_size)].set(values, mode="drop"))
     elif slot_ids_B is None:
       out.append(y)
     else:
