@@ -1,20 +1,26 @@
 """The slot engine: continuous batching and prefix sharing over the cached steps.
 
-A fixed number of slots B share one preallocated cache (`glm5_jax.infer.cache`). The host
-loop keeps a queue of requests and, each iteration:
+A fixed number of slots B share one preallocated cache (`glm5_jax.infer.cache`), by default
+paged (`page_size`; `glm5_jax.infer.paged`, `paged_slots`): the row-indexed caches live in a
+pool of pages reserved per request at admission and returned when it ends, each step reads only
+the live slots' pages (their count bucketed to a power of two), and a group's followers
+reference the leader's prompt pages instead of copying them. `page_size=None` keeps the
+contiguous `[B, max_len]` cache. The host loop keeps a queue of requests and, each iteration:
 
   1. admits waiting requests into free slots. Requests admitted together that share a prompt
      (an RL group: one prompt sampled G times) are prefilled once, in the first of their slots,
-     and that slot's cache is copied into the others (`_copy_slots`). Prefill runs in chunks of
+     and that slot's cache is shared with the others (paged: page references and a copy of
+     the partly filled page; contiguous: `_copy_slots`). Prefill runs in chunks of
      `prefill_chunk` tokens over the admitted slots only (their caches are gathered out of the
      whole cache, stepped, and scattered back), padded to a power-of-two number of rows (at
      least the mesh's batch shards) so admission compiles at most log2(B) + 1 programs
-     whatever the traffic;
+     whatever the traffic (paged: times log2(max_len / page_size) + 1 page buckets);
   2. samples each admitted request's first token from its prompt's last logits;
   3. runs one decode step over all B slots (idle slots are padding, `segment_ids` 0, and change
      nothing), samples one token per slot, and frees the slots whose request ended (a stop token,
      kept in the output, or `max_new_tokens`). A freed slot takes the next request in the next
-     iteration with no recompile: every shape is fixed by B, max_len and the chunk.
+     iteration with no recompile: every shape is fixed by B, max_len and the chunk (paged:
+     and the page bucket; `warmup()` compiles every bucket up front).
 
 Sessions (`glm5_jax.infer.sessions`): a request with a `session` id leaves its slot's cache
 held when it ends; the session's next request (its prompt the whole conversation so far)
