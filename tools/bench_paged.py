@@ -53,9 +53,9 @@ _SEED = flags.DEFINE_integer("seed", 0, "Params and prompt seed.")
 
 
 class StepTimer:
-  """One engine of `slots` requests of `live_len` prompt tokens; `time()` is the seconds per
-  decode step with every slot decoding: (a run generating steps + 1 tokens per slot - a run
-  generating 1, the prefill and first token) / steps."""
+  """One engine of `slots` requests of `live_len` prompt tokens. The seconds per decode step
+  with every slot decoding are (a run generating steps + 1 tokens per slot - a run generating
+  1, the prefill and first token) / steps."""
 
   def __init__(self, cfg, params, *, max_len, page_size, slots, live_len, steps, seed):
     rows = live_len + steps
@@ -76,8 +76,9 @@ class StepTimer:
     self.engine.run(self.requests[n])  # returns host values: every step is done
     return time.perf_counter() - start
 
-  def time(self) -> float:
-    return (self._run(self.steps + 1) - self._run(1)) / self.steps
+  def times(self) -> tuple[float, float]:
+    """Seconds of the long run and of the short one."""
+    return self._run(self.steps + 1), self._run(1)
 
 
 def compile_count(cfg, params, *, max_len, page_size, slots, n, longest, most_new, seed):
@@ -112,11 +113,12 @@ def main(argv):
             for name, page_size in (("paged", _PAGE_SIZE.value), ("contiguous", None))
             for m in max_lens if page_size or m <= _CONTIGUOUS_MAX.value}
   # Rounds alternate the engines (the machine's load hits all alike); the least time of each
-  # is its figure.
-  times = {key: float("inf") for key in timers}
+  # run is its figure.
+  best = {key: (float("inf"), float("inf")) for key in timers}
   for _ in range(_ROUNDS.value):
     for key, timer in timers.items():
-      times[key] = min(times[key], timer.time())
+      best[key] = tuple(map(min, best[key], timer.times()))
+  times = {key: (long - short) / _STEPS.value for key, (long, short) in best.items()}
   for name in ("paged", "contiguous"):
     mine = {m: t for (n, m), t in times.items() if n == name}
     if not mine:
