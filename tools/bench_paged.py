@@ -5,11 +5,10 @@ and bucketed shapes stop compiling after warm-up.
   python tools/bench_paged.py --max_lens=4096,65536 --live_len=512 --slots=8
 
 Sections:
-  step time   the engine's decode step (every slot decoding, the host round trip included:
-              a run of `--steps` + 1 tokens per slot minus a run of 1, over `--steps`) for
-              `--slots` requests of `--live_len` prompt tokens, at each `--max_lens` (the
-              least of `--rounds` rounds that alternate the engines: the machine's load hits
-              them alike), with the paged cache (pool sized for the live rows,
+  step time   the engine's jitted decode step (what it runs per token, to block_until_ready;
+              the least of `--rounds` x `--steps` calls, rounds alternating the engines so the
+              machine's load hits them alike) with `--slots` slots of `--live_len` rows each,
+              at each `--max_lens`, with the paged cache (pool sized for the live rows,
               `--page_size`) and with the contiguous cache (`page_size=None`; skipped above
               `--contiguous_max`, whose cache would not fit), and each one's ratio to the
               smallest max_len.
@@ -27,11 +26,14 @@ import time
 
 from absl import app, flags
 import jax
+import jax.numpy as jnp
+import numpy as np
 
 from configs import overrides
 from glm5_jax.api import init_params
 from glm5_jax.config import ModelConfig
 from glm5_jax.infer.compile_count import count_compiles
+from glm5_jax.infer import engine as engine_lib
 from glm5_jax.infer.engine import Engine
 from glm5_jax.infer.paged import pages_for
 from glm5_jax.infer.requests import Request
@@ -41,7 +43,7 @@ _CONFIG = overrides.define_config_file("config", "configs/tiny.py", "Experiment 
 _MAX_LENS = flags.DEFINE_list("max_lens", ["4096", "65536"], "Engine max_len values to compare.")
 _LIVE_LEN = flags.DEFINE_integer("live_len", 256, "Prompt tokens of every slot.")
 _SLOTS = flags.DEFINE_integer("slots", 4, "Slots B, all decoding.")
-_STEPS = flags.DEFINE_integer("steps", 16, "Timed decode steps per run.")
+_STEPS = flags.DEFINE_integer("steps", 16, "Timed decode steps per round.")
 _ROUNDS = flags.DEFINE_integer("rounds", 5, "Timing rounds (the least time counts).")
 _PAGE_SIZE = flags.DEFINE_integer("page_size", 16, "Rows per page.")
 _CONTIGUOUS_MAX = flags.DEFINE_integer("contiguous_max", 65536, "Largest max_len the contiguous "
@@ -53,32 +55,31 @@ _SEED = flags.DEFINE_integer("seed", 0, "Params and prompt seed.")
 
 
 class StepTimer:
-  """One engine of `slots` requests of `live_len` prompt tokens. The seconds per decode step
-  with every slot decoding are (a run generating steps + 1 tokens per slot - a run generating
-  1, the prefill and first token) / steps."""
+  """The engine's jitted decode step (`engine._decode_and_sample`, what `Engine` runs per
+  token) over `slots` slots that each hold `live_len` rows, timed to `block_until_ready`."""
 
-  def __init__(self, cfg, params, *, max_len, page_size, slots, live_len, steps, seed):
-    rows = live_len + steps
-    num_pages = None if page_size is None else slots * pages_for(rows, page_size) + 1
-    self.engine = Engine(cfg, params, slots=slots, max_len=max_len, prefill_chunk=256,
-                         page_size=page_size, num_pages=num_pages)
-    rng = random.Random(seed)
-    prompts = [tuple(rng.randrange(cfg.vocab_size) for _ in range(live_len))
-               for _ in range(slots)]
-    self.steps = steps
-    self.requests = {n: [Request(i, p, n, 0.0, 1.0, 0, i, ()) for i, p in enumerate(prompts)]
-                     for n in (1, steps + 1)}
-    for requests in self.requests.values():
-      self.engine.run(requests)  # compiles
+  def __init__(self, cfg, params, *, max_len, page_size, slots, live_len):
+    num_pages = None if page_size is None else slots * pages_for(live_len + 1, page_size) + 1
+    self.engine = e = Engine(cfg, params, slots=slots, max_len=max_len, prefill_chunk=256,
+                             page_size=page_size, num_pages=num_pages)
+    table = None
+    if e.pages is not None:  # every slot holds its live rows' pages
+      for slot in range(slots):
+        e.pages.grow(slot, live_len + 1)
+      table = e.pages.table(np.arange(slots), live_len + 1)
+    zeros = jnp.zeros(slots, jnp.int32)
+    self.args = (zeros, jnp.full(slots, live_len, jnp.int32), jnp.ones(slots, bool),
+                 *e._slot_arrays([None] * slots), zeros, table)
+    self.seconds()  # compiles
 
-  def _run(self, n) -> float:
+  def seconds(self) -> float:
+    e = self.engine
     start = time.perf_counter()
-    self.engine.run(self.requests[n])  # returns host values: every step is done
+    e.cache, out, _ = engine_lib._decode_and_sample(
+        e.cfg, e.params, e.cache, *self.args, return_logits=False, record_routing=False,
+        paging=e.paging)
+    jax.block_until_ready(out)
     return time.perf_counter() - start
-
-  def times(self) -> tuple[float, float]:
-    """Seconds of the long run and of the short one."""
-    return self._run(self.steps + 1), self._run(1)
 
 
 def compile_count(cfg, params, *, max_len, page_size, slots, n, longest, most_new, seed):
@@ -104,21 +105,18 @@ def main(argv):
   cfg = ModelConfig.from_config(_CONFIG.value.model)
   params = init_params(cfg, jax.random.key(_SEED.value))
   max_lens = sorted(int(m) for m in _MAX_LENS.value)
-  common = dict(slots=_SLOTS.value, live_len=_LIVE_LEN.value, steps=_STEPS.value,
-                seed=_SEED.value)
+  common = dict(slots=_SLOTS.value, live_len=_LIVE_LEN.value)
   print(f"backend {jax.default_backend()}; pattern {cfg.attention_pattern}, "
         f"{cfg.num_hidden_layers} layers; {_SLOTS.value} slots of {_LIVE_LEN.value} live rows")
   figures = {"step_ms": {}}
   timers = {(name, m): StepTimer(cfg, params, max_len=m, page_size=page_size, **common)
             for name, page_size in (("paged", _PAGE_SIZE.value), ("contiguous", None))
             for m in max_lens if page_size or m <= _CONTIGUOUS_MAX.value}
-  # Rounds alternate the engines (the machine's load hits all alike); the least time of each
-  # run is its figure.
-  best = {key: (float("inf"), float("inf")) for key in timers}
+  times = {key: float("inf") for key in timers}
   for _ in range(_ROUNDS.value):
     for key, timer in timers.items():
-      best[key] = tuple(map(min, best[key], timer.times()))
-  times = {key: (long - short) / _STEPS.value for key, (long, short) in best.items()}
+      for _ in range(_STEPS.value):
+        times[key] = min(times[key], timer.seconds())
   for name in ("paged", "contiguous"):
     mine = {m: t for (n, m), t in times.items() if n == name}
     if not mine:
