@@ -258,8 +258,10 @@ class Engine:
               zeros, depths=self.k, mtp_cache=self.mtp_cache,
               record_routing=self.record_routing, paging=self.paging)
       idle = [None] * self.slots
-      zeros = jnp.zeros(self.slots, jnp.int32)
-      inactive = jnp.zeros(self.slots, bool)
+      # Host arrays as the loop passes them (`jnp.asarray` of a numpy bool array compiles a
+      # staging program of its own once).
+      zeros = jnp.asarray(np.zeros(self.slots, np.int32))
+      inactive = jnp.asarray(np.zeros(self.slots, bool))
       for n in buckets:
         table = self.pages.table(np.arange(self.slots), n * self.pages.page_size)
         if self.k:
