@@ -182,3 +182,14 @@ def test_generate_does_not_recompile_for_new_lengths(params):
     for length, new in ((5, 3), (9, 7), (17, 2), (2, 20), (33, 1)):
       infer.generate(CFG, params, [[3] * length], max_new_tokens=new, **kwargs)
   assert compiles.count == 0
+
+
+def test_cancel_gives_the_pages_back(params):
+  engine = engine_lib.Engine(CFG, params, **PAGED)
+  handles = [engine.submit(r) for r in _requests([PROMPTS[0], PROMPTS[2]], (9, 9))]
+  engine.step()
+  assert engine.pages.used == 4 + 2  # 18 + 9 - 1 rows, 4 + 9 - 1 rows
+  assert engine.cancel(handles[0]) and engine.pages.used == 2
+  while engine.busy:
+    engine.step()
+  assert engine.pages.used == 0

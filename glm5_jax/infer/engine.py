@@ -22,6 +22,12 @@ contiguous `[B, max_len]` cache. The host loop keeps a queue of requests and, ea
      iteration with no recompile: every shape is fixed by B, max_len and the chunk (paged:
      and the page bucket; `warmup()` compiles every bucket up front).
 
+The loop is incremental: `submit(request)` queues a request and returns its handle, `step()`
+runs one iteration (admission, then one decode step) and returns an `Event` per request that
+got tokens (its finished `Completion` on the step that ended it), and `cancel(handle)` drops a
+queued request or frees a running one's slot at once. `run(requests)` is `submit` + `step`
+until idle. A server (`glm5_jax.serve`) calls these from its one engine thread.
+
 Sessions (`glm5_jax.infer.sessions`): a request with a `session` id leaves its slot's cache
 held when it ends; the session's next request (its prompt the whole conversation so far)
 continues in that slot and prefills only the tokens past the held ones, each prefill row from
@@ -90,10 +96,17 @@ class Completion:
   logits: list | None = None
   accept: AcceptStats | None = None
   routing: dict | None = None
+  top_logprobs: list | None = None  # engine with top_logprobs N: per token (ids [N], raw [N])
+  handle: int = -1  # `Engine.submit`'s handle
 
   @property
   def sequence(self) -> list:
     return list(self.request.prompt) + self.tokens
+
+  @property
+  def finish_reason(self) -> str:
+    """"stop" (a stop token ended it) or "length" (max_new_tokens)."""
+    return "stop" if self.tokens and self.tokens[-1] in self.request.stop_tokens else "length"
 
   def accept_length(self) -> float:
     """Tokens kept per verification step, the bonus token included (NaN without a step)."""
@@ -101,6 +114,21 @@ class Completion:
 
   def acceptance_rates(self) -> list:
     return [float(x) for x in acceptance_rates(self.accept)[0]]
+
+
+@dataclasses.dataclass
+class Event:
+  """What one `Engine.step` produced for one submitted request: its new tokens (a request
+  admitted in this step gets its first token and, from the step's decode, its second), their
+  log-probs (sampling distribution and raw), with `top_logprobs` the raw top-N alternatives
+  per token, and `completion` on the step that finished it (else None)."""
+
+  handle: int
+  tokens: list
+  logprobs: list
+  raw_logprobs: list
+  top_logprobs: list | None = None
+  completion: Completion | None = None
 
 
 # `generate`'s smallest default max_len: short calls share one set of compiled steps.
@@ -138,13 +166,15 @@ class Engine:
     num_pages: pages in the pool (page 0 reserved); None: `slots * ceil(max_len / page_size)
       + 1`, every slot at max_len. Fewer makes requests wait for pages (memory follows the
       live rows, not slots x max_len).
+    top_logprobs: N >= 0: keep each generated token's N most likely alternatives under the
+      raw model (ids and log-probs, `Completion.top_logprobs`); plain decoding only.
   """
 
   def __init__(self, config, params, *, slots: int, max_len: int, prefill_chunk: int = 256,
                return_logits: bool = False, speculative_steps: int = 0,
                mtp_cache: str = "per_depth", mesh=None, rules=None,
-               record_routing: bool = False, page_size: int | None = 16,
-               num_pages: int | None = None):
+               record_routing: bool = False, top_logprobs: int = 0,
+               page_size: int | None = 16, num_pages: int | None = None):
     self.cfg = ModelConfig.from_config(config)
     for name, value in (("slots", slots), ("max_len", max_len), ("prefill_chunk", prefill_chunk)):
       if not isinstance(value, int) or isinstance(value, bool) or value < 1:
@@ -157,6 +187,14 @@ class Engine:
                        f"token; with speculative_steps={self.k} a verification step feeds k + 1 "
                        "tokens of which only some are kept. Use speculative_steps=0 to record")
     self.record_routing = bool(record_routing)
+    if not isinstance(top_logprobs, int) or isinstance(top_logprobs, bool) or not (
+        0 <= top_logprobs <= self.cfg.vocab_size):
+      raise ValueError(f"Engine: top_logprobs must be an int in [0, vocab_size "
+                       f"{self.cfg.vocab_size}], got {top_logprobs!r}")
+    if top_logprobs and self.k:
+      raise ValueError(f"Engine: top_logprobs={top_logprobs} needs plain decoding; "
+                       f"speculative_steps={self.k} keeps no alternatives")
+    self.top_n = top_logprobs
     self._prompt_routing = []  # per request of the last `_admit`: its prefill routing
     if self.k:
       speculate.check_speculative_config(self.cfg, self.k, mtp_cache)
@@ -194,6 +232,10 @@ class Engine:
     self._slot_arrays_memo = (None, None)
     self.sessions = SessionTable()
     self.stats = PrefixStats()
+    # The incremental loop's state: waiting (handle, request)s and each slot's Completion.
+    self._queue: collections.deque = collections.deque()
+    self._slot_of: list[Completion | None] = [None] * slots
+    self._next_handle = 0
 
   def release(self, session) -> bool:
     """Frees a held session's slot (and its pages); False when the session is not held
@@ -274,49 +316,122 @@ class Engine:
           self.cache, *_ = _decode_and_sample(
               self.cfg, self.params, self.cache, zeros, zeros, inactive,
               *self._slot_arrays(idle), zeros, table, return_logits=self.return_logits,
-              record_routing=self.record_routing, paging=self.paging)
+              record_routing=self.record_routing, top_n=self.top_n, paging=self.paging)
     self.stats = stats
 
   # ---- the host loop -------------------------------------------------------------------------
 
-  def run(self, requests) -> list[Completion]:
-    """Generates every request (in any order of completion); returns them in input order."""
-    requests = list(requests)
-    self._check_requests(requests)
-    queue = collections.deque(requests)
-    done: dict[int, Completion] = {}
-    slot_of: list[Completion | None] = [None] * self.slots
+  def submit(self, request: Request) -> int:
+    """Queues `request` (admitted by a later `step`); returns its handle. Raises ValueError
+    when it cannot run here (longer than `max_len` or the model's max_position_embeddings, a
+    token id outside the vocab, its session already in flight or unusable)."""
+    self._check_requests([request])
+    return self._enqueue(request)
+
+  def _enqueue(self, request: Request) -> int:
+    handle, self._next_handle = self._next_handle, self._next_handle + 1
+    self._queue.append((handle, request))
+    return handle
+
+  @property
+  def busy(self) -> bool:
+    """Whether a request is waiting or running (held sessions are neither)."""
+    return bool(self._queue) or any(c is not None for c in self._slot_of)
+
+  def waiting(self) -> int:
+    """Requests submitted and not yet admitted to a slot."""
+    return len(self._queue)
+
+  def running(self) -> int:
+    """Slots generating a request now."""
+    return sum(c is not None for c in self._slot_of)
+
+  def cancel(self, handle: int) -> bool:
+    """Drops a waiting request, or frees a running request's slot at once (a session's cache
+    is not held: its next request prefills in full). False when `handle` is not in flight."""
+    for i, (h, _) in enumerate(self._queue):
+      if h == handle:
+        del self._queue[i]
+        return True
+    for slot, c in enumerate(self._slot_of):
+      if c is not None and c.handle == handle:
+        self._slot_of[slot] = None
+        self._free_slot(slot)  # its pages back to the pool
+        return True
+    return False
+
+  def step(self) -> list[Event]:
+    """One iteration of the loop: admits waiting requests into free slots (their first
+    tokens), then one decode (or verification) step over every running slot. Returns one
+    `Event` per request that got tokens, in slot order; [] when nothing is in flight."""
+    if not self.busy:
+      return []
+    slot_of = self._slot_of
+    before: dict[int, int] = {}  # slot -> tokens its completion had before this step
+    finished: dict[int, Completion] = {}
     with self._context():
-      while queue or any(c is not None for c in slot_of):
-        admitted = self._place(queue, slot_of)
-        if admitted:
-          first = self._admit(admitted)
-          for i, ((slot, request, _), token) in enumerate(zip(admitted, first)):
-            completion = Completion(request, [], [], [], [] if self.return_logits else None,
-                                    init_accept_stats(1, self.k) if self.k else None)
-            if self.record_routing:
-              completion.routing = {kind: [rows] for kind, rows in
-                                    self._prompt_routing[i].items()}
-            slot_of[slot] = completion
-            self._keep(completion, [token])
-            if self._finished(completion):
-              done[id(request)] = self._end(slot_of, slot)
-        if any(c is not None for c in slot_of):
-          for slot, completion in (self._speculate if self.k else self._decode)(slot_of):
-            if self._finished(completion):
-              done[id(completion.request)] = self._end(slot_of, slot)
-    if self.record_routing:
-      for completion in done.values():
-        completion.routing = _finish_routing(completion.routing)
-    return [done[id(r)] for r in requests]
+      admitted = self._place(self._queue, slot_of)
+      if admitted:
+        first = self._admit([a[:3] for a in admitted])
+        for i, ((slot, request, _, handle), token) in enumerate(zip(admitted, first)):
+          completion = Completion(request, [], [], [], [] if self.return_logits else None,
+                                  init_accept_stats(1, self.k) if self.k else None,
+                                  top_logprobs=[] if self.top_n else None, handle=handle)
+          if self.record_routing:
+            completion.routing = {kind: [rows] for kind, rows in
+                                  self._prompt_routing[i].items()}
+          slot_of[slot], before[slot] = completion, 0
+          self._keep(completion, [token])
+          if self._finished(completion):
+            finished[slot] = self._end(slot_of, slot)
+      if any(c is not None for c in slot_of):
+        for slot, c in enumerate(slot_of):
+          if c is not None:
+            before.setdefault(slot, len(c.tokens))
+        for slot, completion in (self._speculate if self.k else self._decode)(slot_of):
+          if self._finished(completion):
+            finished[slot] = self._end(slot_of, slot)
+    events = []
+    for slot in sorted(before):
+      c, n = finished.get(slot) or slot_of[slot], before[slot]
+      events.append(Event(c.handle, c.tokens[n:], c.logprobs[n:], c.raw_logprobs[n:],
+                          None if c.top_logprobs is None else c.top_logprobs[n:],
+                          finished.get(slot)))
+    return events
+
+  def run(self, requests) -> list[Completion]:
+    """Generates every request (in any order of completion); returns them in input order.
+    The engine must be idle (nothing submitted and unfinished)."""
+    requests = list(requests)
+    if self.busy:
+      raise RuntimeError(f"Engine.run: {self.waiting()} requests waiting and {self.running()} "
+                         "running from `submit`; drive them with `step` or `cancel` them first")
+    self._check_requests(requests)
+    handles = [self._enqueue(r) for r in requests]
+    done: dict[int, Completion] = {}
+    while self.busy:
+      for event in self.step():
+        if event.completion is not None:
+          done[event.handle] = event.completion
+    return [done[h] for h in handles]
 
   def _check_requests(self, requests) -> None:
+    in_flight = {r.session for _, r in self._queue} | {
+        c.request.session for c in self._slot_of if c is not None}
     sessions = set()
     for r in requests:
       if len(r.prompt) + r.max_new_tokens - 1 + self.k > self.max_len:
         raise ValueError(f"request {r.index}: {len(r.prompt)} prompt tokens + max_new_tokens "
                          f"{r.max_new_tokens} - 1 + speculative_steps {self.k} exceed the "
                          f"engine's max_len {self.max_len}")
+      if len(r.prompt) + r.max_new_tokens - 1 > self.cfg.max_position_embeddings:
+        raise ValueError(f"request {r.index}: {len(r.prompt)} prompt tokens + max_new_tokens "
+                         f"{r.max_new_tokens} - 1 exceed the model's max_position_embeddings "
+                         f"{self.cfg.max_position_embeddings}")
+      bad = [t for t in r.prompt if not 0 <= t < self.cfg.vocab_size]
+      if bad:
+        raise ValueError(f"request {r.index}: prompt token id {bad[0]} is outside the vocab "
+                         f"[0, {self.cfg.vocab_size})")
       if self.pages is not None:
         self.pages.check_fits(r.index, self._rows(r))
       if r.session is None:
@@ -329,24 +444,24 @@ class Engine:
       except TypeError:
         raise ValueError(f"request {r.index}: session must be hashable, got "
                          f"{type(r.session).__name__}") from None
-      if r.session in sessions:
-        raise ValueError(f"request {r.index}: session {r.session!r} has two requests in one "
-                         "run; a session's next turn waits for its last one to finish")
+      if r.session in sessions or r.session in in_flight:
+        raise ValueError(f"request {r.index}: session {r.session!r} has two requests in "
+                         "flight; a session's next turn waits for its last one to finish")
       sessions.add(r.session)
 
   def _place(self, queue, slot_of) -> list:
-    """Pops the requests that start this iteration: `(slot, request, start)`, `start` the cache
-    rows kept (a held session's, else 0). Requests of held sessions go to their slots; the rest
+    """Pops the requests that start this iteration from `queue` (of `(handle, request)`):
+    `(slot, request, start, handle)`, `start` the cache rows kept (a held session's, else 0). Requests of held sessions go to their slots; the rest
     take free slots in queue order, evicting held sessions LRU-first when none is free."""
     held = self.sessions.slots()
     free = [s for s in range(self.slots) if slot_of[s] is None and s not in held]
     placed, waiting, deferred = [], collections.deque(), []
     # Paged: pages each placed request takes (all its rows, no credit for group sharing).
     budget = self.pages.pool.free if self.pages is not None else None
-    for r in queue:
+    for h, r in queue:
       entry = self.sessions.take(r.session) if r.session is not None else None
       if entry is None:
-        waiting.append(r)
+        waiting.append((h, r))
         continue
       start = reusable(entry, r.prompt)
       if self.pages is not None:
@@ -356,10 +471,10 @@ class Engine:
         need = self.pages.new_pages(entry.slot, self._rows(r))
         if need > budget:  # waits, its session held as it was
           self.sessions.hold(r.session, entry.slot, entry.tokens if start else ())
-          deferred.append(r)
+          deferred.append((h, r))
           continue
         budget -= need
-      placed.append((entry.slot, r, start))
+      placed.append((entry.slot, r, start, h))
     queue.clear()
     while waiting:
       need = 0 if self.pages is None else self.pages.pages_needed(self._rows(waiting[0]))
@@ -370,15 +485,16 @@ class Engine:
         self.stats.evictions += 1
         self._free_slot(slot)
         budget = None if self.pages is None else self.pages.pool.free - sum(
-            self.pages.new_pages(s, self._rows(r)) for s, r, _ in placed)
+            self.pages.new_pages(s, self._rows(r)) for s, r, *_ in placed)
         free.append(slot)
         continue
-      placed.append((free.pop(0), waiting.popleft(), 0))
+      h, r = waiting.popleft()
+      placed.append((free.pop(0), r, 0, h))
       if self.pages is not None:
         budget -= need
     queue.extend(deferred)
     queue.extend(waiting)
-    for _, r, start in placed:
+    for _, r, start, _ in placed:
       if r.session is not None:
         self.stats.session_hits += start > 0
         self.stats.session_misses += start == 0
@@ -391,16 +507,20 @@ class Engine:
       self.sessions.hold(completion.request.session, slot, tuple(completion.sequence[:-1]))
     else:
       self._free_slot(slot)
+    if self.record_routing:
+      completion.routing = _finish_routing(completion.routing)
     return completion
 
   @staticmethod
   def _keep(completion: Completion, tokens) -> None:
-    for tok, logprob, raw, logits in tokens:
+    for tok, logprob, raw, logits, *top in tokens:
       completion.tokens.append(int(tok))
       completion.logprobs.append(float(logprob))
       completion.raw_logprobs.append(float(raw))
       if completion.logits is not None:
         completion.logits.append(np.asarray(logits, np.float32))
+      if completion.top_logprobs is not None:
+        completion.top_logprobs.append(top[0])
 
   @staticmethod
   def _finished(completion: Completion) -> bool:
@@ -498,7 +618,8 @@ class Engine:
     rows_B = np.array([row_of[k] for k in row_key] + [0] * (self.slots - len(admitted)),
                       np.int32)
     out = _sample(last_PY[jnp.asarray(rows_B)], _settings(requests), _seeds(requests),
-                  jnp.zeros(self.slots, jnp.int32), return_logits=self.return_logits)
+                  jnp.zeros(self.slots, jnp.int32), return_logits=self.return_logits,
+                  top_n=self.top_n)
     out = jax.device_get(out)
     return [_row(out, i) for i in range(len(admitted))]
 
@@ -525,7 +646,7 @@ class Engine:
         self.cfg, self.params, self.cache, jnp.asarray(pending), jnp.asarray(fed),
         jnp.asarray(active), *self._slot_arrays(requests), jnp.asarray(index), table,
         return_logits=self.return_logits, record_routing=self.record_routing,
-        paging=self.paging)
+        top_n=self.top_n, paging=self.paging)
     out, routing = jax.device_get((out, routing))
     for slot in np.flatnonzero(active):
       self._keep(slot_of[slot], [_row(out, slot)])
@@ -583,8 +704,9 @@ def _seeds(requests):
 
 
 def _row(out, i):
-  tokens, logprobs, raw, logits = out
-  return tokens[i], logprobs[i], raw[i], None if logits is None else logits[i]
+  tokens, logprobs, raw, logits, top = out
+  row = (tokens[i], logprobs[i], raw[i], None if logits is None else logits[i])
+  return row if top is None else row + ((top[0][i], top[1][i]),)
 
 
 def _finish_routing(routing: dict) -> dict:
@@ -728,21 +850,29 @@ def _copy_hidden(hidden_BWD, src_G, dst_G):
                                            fill_value=0), mode="drop")
 
 
-@functools.partial(jax.jit, static_argnames=("return_logits",))
-def _sample(logits_BY, settings, seeds_B, index_B, *, return_logits):
+@functools.partial(jax.jit, static_argnames=("return_logits", "top_n"))
+def _sample(logits_BY, settings, seeds_B, index_B, *, return_logits, top_n=0):
+  """Samples one token per row; returns `(tokens, logprobs, raw_logprobs, logits or None,
+  top or None)`, top = (ids [B, N], raw log-probs [B, N]) of the N most likely tokens."""
   out = sampling.sample(logits_BY, settings, seeds_B, index_B)
-  return out.tokens, out.logprobs, out.raw_logprobs, logits_BY if return_logits else None
+  top = None
+  if top_n:
+    values, ids = jax.lax.top_k(jax.nn.log_softmax(logits_BY.astype(jnp.float32), axis=-1),
+                                top_n)
+    top = (ids, values)
+  return (out.tokens, out.logprobs, out.raw_logprobs, logits_BY if return_logits else None,
+          top)
 
 
-@functools.partial(jax.jit, static_argnames=("cfg", "return_logits", "record_routing",
+@functools.partial(jax.jit, static_argnames=("cfg", "return_logits", "record_routing", "top_n",
                                              "paging"), donate_argnames=("cache",))
 def _decode_and_sample(cfg, params, cache, pending_B, fed_B, active_B, settings, seeds_B,
-                       index_B, table_BN=None, *, return_logits, record_routing=False,
+                       index_B, table_BN=None, *, return_logits, record_routing=False, top_n=0,
                        paging=None):
   """Feeds each active slot's pending token at its next position and samples token
-  `index_B` of its request. Returns `(cache, (tokens, logprobs, raw_logprobs, logits),
-  routing)` (routing `{kind: [B, 1, N, k]}` with `record_routing`, else {}). With `paging`
-  (a `Paging`), `cache` is paged and each slot reads the N pages of `table_BN`."""
+  `index_B` of its request. Returns `(cache, (tokens, logprobs, raw_logprobs, logits,
+  top), routing)` (routing `{kind: [B, 1, N, k]}` with `record_routing`, else {}). With
+  `paging` (a `Paging`), `cache` is paged and each slot reads the N pages of `table_BN`."""
   step_cache = cache if paging is None else paged.view(cache, table_BN, *paging.layout)
   out = decode_step(cfg, params, step_cache, pending_B[:, None], fed_B[:, None],
                     active_B[:, None].astype(jnp.int32), return_routing=record_routing)
@@ -752,7 +882,7 @@ def _decode_and_sample(cfg, params, cache, pending_B, fed_B, active_B, settings,
                                  *paging.layout)
     routing = _pad_topk(routing, paging.topk_width)
   return new_cache, _sample(out.logits_BQY[:, 0], settings, seeds_B, index_B,
-                            return_logits=return_logits), routing
+                            return_logits=return_logits, top_n=top_n), routing
 
 
 @functools.partial(jax.jit, static_argnames=("cfg", "k", "mtp_cache", "return_logits",
@@ -807,6 +937,9 @@ def generate(config, params, prompts, max_new_tokens=32, temperature=0.0, top_p=
     ValueError: a bad argument (`glm5_jax.infer.requests.validate_generate_args`).
   """
   cfg = ModelConfig.from_config(config)
+  if slots is not None and (not isinstance(slots, int) or isinstance(slots, bool) or slots < 1):
+    raise ValueError(f"slots must be None (all prompts, at most 32) or an int >= 1; got "
+                     f"{slots!r}")
   if max_len is None:  # what the longest request needs (validation below names bad input)
     lengths = [len(p) for p in prompts if hasattr(p, "__len__")] if hasattr(
         prompts, "__iter__") else []
@@ -815,7 +948,8 @@ def generate(config, params, prompts, max_new_tokens=32, temperature=0.0, top_p=
     max_len = max(_bucket(max(max(lengths, default=1) + max(extra, 0), 1), 1 << 62),
                   MIN_GENERATE_LEN)
   requests = validate_generate_args(
-      prompts, vocab_size=cfg.vocab_size, max_len=max_len, max_new_tokens=max_new_tokens,
+      prompts, vocab_size=cfg.vocab_size, max_len=max_len,
+      max_positions=cfg.max_position_embeddings, max_new_tokens=max_new_tokens,
       temperature=temperature, top_p=top_p, top_k=top_k, seed=seed,
       speculative_steps=speculative_steps, return_logits=return_logits, stop_tokens=stop_tokens)
   requests = [dataclasses.replace(r, seed=request_seed(seed, r.index)) for r in requests]
