@@ -477,7 +477,7 @@ class Engine:
       placed.append((entry.slot, r, start, h))
     queue.clear()
     while waiting:
-      need = 0 if self.pages is None else self.pages.pages_needed(self._rows(waiting[0]))
+      need = 0 if self.pages is None else self.pages.pages_needed(self._rows(waiting[0][1]))
       if not free or (self.pages is not None and need > budget):
         slot = self.sessions.evict()
         if slot is None:
