@@ -62,6 +62,10 @@ _QUANT_GROUP = flags.DEFINE_integer("quant_group_size", 0, "w4a8's INT4 group si
                                     "model's quant_group_size, 128).")
 _ROTATE = flags.DEFINE_bool("rotate", False, "Fold a Hadamard rotation into the weights before "
                             "quantizing (QuaRot-style; logits unchanged in full precision).")
+_CACHE_DTYPE = flags.DEFINE_enum(
+    "cache_dtype", None, ["float32", "bfloat16", "float16"], "The decode cache's dtype "
+    "(default: the model's compute dtype, so cached decode equals the full forward; bfloat16 "
+    "under an fp32 model halves the cache and rounds it: docs/inference.md).")
 _PROMPT = flags.DEFINE_multi_string("prompt", [], "A text prompt (repeatable).")
 _PROMPTS_FILE = flags.DEFINE_string("prompts_file", None, "jsonl of prompts: {\"prompt\": text} "
                                     "or {\"tokens\": [ids]}, optional \"id\".")
@@ -152,7 +156,8 @@ def main(argv):
                         random_init_config=_CONFIG.value if _RANDOM_INIT.value else None,
                         model_overrides=config_flags.get_override_values(flags.FLAGS["model"]),
                         tokenizer=_TOKENIZER.value, seed=_SEED.value, quant=_QUANT.value,
-                        quant_group_size=_QUANT_GROUP.value or None, rotate=_ROTATE.value)
+                        quant_group_size=_QUANT_GROUP.value or None, rotate=_ROTATE.value,
+                        cache_dtype=_CACHE_DTYPE.value)
     prompts = _prompts(served)
     _generate_and_print(served, prompts)
   except (ValueError, FileNotFoundError) as e:  # the user's input: its message, no traceback

@@ -71,19 +71,19 @@ def test_prefix_sharing_copies_one_prefill_into_the_group(params, monkeypatch):
   """A prompt sampled G = 4 times is prefilled once; the copies decode like separate
   prefills (their samples differ: each has its own seed)."""
   prefilled_rows = []
-  original = engine_lib._prefill_chunk
+  original = engine_lib._paged_prefill_chunk  # the engine's default cache is paged
 
   def counting(*args, **kwargs):
-    lengths_P = args[6]
+    lengths_P = args[8]
     prefilled_rows.append(int((np.asarray(lengths_P) > 0).sum()))
     return original(*args, **kwargs)
 
-  monkeypatch.setattr(engine_lib, "_prefill_chunk", counting)
+  monkeypatch.setattr(engine_lib, "_paged_prefill_chunk", counting)
   prompt = [5, 17, 3, 99, 42]
   group = infer.generate(CFG, params, [prompt] * 4, max_new_tokens=5, temperature=1.0,
                          seed=7, prefill_chunk=4, max_len=16)
   assert prefilled_rows == [1, 1]  # one prompt row, in two chunks of 4
-  monkeypatch.setattr(engine_lib, "_prefill_chunk", original)
+  monkeypatch.setattr(engine_lib, "_paged_prefill_chunk", original)
   for i in range(4):
     alone = engine_lib.Engine(CFG, params, slots=1, max_len=16, prefill_chunk=4).run(
         [Request(i, tuple(prompt), 5, 1.0, 1.0, 0, engine_lib.request_seed(7, i))])[0]
@@ -117,7 +117,52 @@ def test_stop_token_ends_a_request_and_is_kept(params):
     (dict(prompts=[[1, 2, 3]], max_len=2), "longer than max_len"),
     (dict(prompts=[[1]], top_p=0.0), "top_p must be in \\(0, 1\\]"),
     (dict(prompts=[[1]], top_p=1.5), "top_p must be in \\(0, 1\\]"),
+    (dict(prompts=[[1]], slots=0), "slots must be None .* or an int >= 1; got 0"),
+    # Refused before a cache of 10**7 positions is allocated (was RESOURCE_EXHAUSTED).
+    (dict(prompts=[[1, 2]], max_new_tokens=10**7), "max_new_tokens 10000000 .* "
+     f"max_position_embeddings = {CFG.max_position_embeddings}"),
 ])
 def test_bad_input_is_a_clear_value_error(params, kwargs, match):
   with pytest.raises(ValueError, match=match):
     infer.generate(CFG, params, **kwargs)
+
+
+def test_incremental_api_streams_cancels_and_stays_exact(params):
+  """submit / step / cancel: 4 requests on 2 slots; each step's events carry the new tokens;
+  cancelling a running request frees its slot at once (the waiting one is admitted in the next
+  step), and the others get exactly the tokens of `run` (batching independence)."""
+  requests = _requests(1.3)[:4]
+  want = engine_lib.Engine(CFG, params, slots=2, max_len=16, prefill_chunk=4).run(requests)
+  engine = engine_lib.Engine(CFG, params, slots=2, max_len=16, prefill_chunk=4)
+  handles = [engine.submit(r) for r in requests]
+  streamed = {h: [] for h in handles}
+  done = {}
+  events = engine.step()  # admits requests 0 and 1: first token + one decode token each
+  assert [e.handle for e in events] == handles[:2] and engine.waiting() == 2
+  assert all(len(e.tokens) == 2 and e.completion is None for e in events)
+  for e in events:
+    streamed[e.handle] += e.tokens
+  assert engine.cancel(handles[1]) and engine.running() == 1 and not engine.cancel(handles[1])
+  assert engine.cancel(handles[3]) and engine.waiting() == 1  # dropped from the queue
+  while engine.busy:
+    for e in engine.step():
+      streamed[e.handle] += e.tokens
+      if e.completion is not None:
+        done[e.handle] = e.completion
+  assert set(done) == {handles[0], handles[2]}
+  for h, i in ((handles[0], 0), (handles[2], 2)):
+    assert streamed[h] == done[h].tokens == want[i].tokens, i
+    assert done[h].finish_reason == "length"
+  assert engine.step() == []
+
+
+def test_request_refuses_bad_settings_naming_the_field():
+  good = dict(index=3, prompt=(1, 2), max_new_tokens=2, temperature=1.0, top_p=1.0, top_k=0,
+              seed=0)
+  for field, value, match in (("temperature", -1.0, "temperature must be >= 0"),
+                              ("top_p", 0.0, "top_p must be in \\(0, 1\\]"),
+                              ("top_k", -5, "top_k must be >= 0"),
+                              ("max_new_tokens", 0, "max_new_tokens must be >= 1"),
+                              ("prompt", (), "prompt must be a non-empty tuple")):
+    with pytest.raises(ValueError, match=f"Request 3: {match}"):
+      Request(**{**good, field: value})

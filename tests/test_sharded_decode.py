@@ -24,9 +24,12 @@ model = ModelConfig.from_config(cfg.model)
 params = glm5_jax.init_params(model, jax.random.key(0))
 # 5 prompts over 4 slots (the batch axes data x fsdp x expert = 4 ways): a slot is refilled.
 prompts = [[5, 17, 3, 99, 42, 7, 8], [11], [250, 3, 3, 9], [5, 17, 3, 99, 42, 7, 8], [1, 2, 3]]
-engine = infer.Engine(model, params, slots=4, max_len=16, mesh=mesh, rules=rules)
+engine = infer.Engine(model, params, slots=4, max_len=16, mesh=mesh, rules=rules,
+                      page_size=None)
+paged = infer.Engine(model, params, slots=4, max_len=16, mesh=mesh, rules=rules, page_size=4)
 out = {"param_devices": len(engine.params["lm_head"].sharding.device_set),
-       "cache_specs": sorted({str(x.sharding.spec) for x in jax.tree.leaves(engine.cache)})}
+       "cache_specs": sorted({str(x.sharding.spec) for x in jax.tree.leaves(engine.cache)}),
+       "pool_specs": sorted({str(x.sharding.spec) for x in jax.tree.leaves(paged.cache)})}
 for temperature in (0.0, 1.0):
   kw = dict(max_new_tokens=6, temperature=temperature, top_p=0.9 if temperature else 1.0,
             seed=7, slots=4, max_len=16, prefill_chunk=4)
@@ -44,8 +47,11 @@ print(json.dumps(out))
 def test_sharded_generate_matches_single_device():
   result = run_on_host_devices(_SCRIPT, timeout=900)
   assert result["param_devices"] == 8, result
-  # Every cache array splits its slots over the batch axes.
+  # Every contiguous cache array splits its slots over the batch axes; a paged pool's pages
+  # belong to no slot: replicated over the batch axes, the latent axis still split.
   assert all("('data', 'fsdp', 'expert')" in spec for spec in result["cache_specs"]), result
+  assert result["pool_specs"] == ["P(None, None, None, 'fsdp')", "P(None, None, None, None)"], (
+      result)
   for temperature in ("0.0", "1.0"):
     r = result[temperature]
     assert r["same_tokens"] and r["distinct"] >= 4, result

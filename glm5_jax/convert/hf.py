@@ -55,7 +55,8 @@ class HFCheckpoint:
 
 
 def open_hf(path: str, *, param_dtype: str | None = None, dtype: str | None = None,
-            mtp_depths: int = 3, scan_layers: bool = True) -> HFCheckpoint:
+            mtp_depths: int = 3, scan_layers: bool = True,
+            cache_dtype: str | None = None) -> HFCheckpoint:
   """Reads config.json and the safetensors headers and checks every tensor is accounted for.
 
   Args: as `load_hf`.
@@ -70,6 +71,9 @@ def open_hf(path: str, *, param_dtype: str | None = None, dtype: str | None = No
   stored = stored_dtype(path, files_by_name, "model.embed_tokens.weight")
   config.param_dtype = param_dtype or stored
   config.dtype = dtype or stored
+  # The decode cache holds what the forward computes in: a narrower cache makes cached decode
+  # leave the full forward from the first token (docs/inference.md, "Cache dtype").
+  config.cache_dtype = cache_dtype or config.dtype
   config.scan_layers = scan_layers
   cfg = ModelConfig.from_config(config)
 
@@ -89,7 +93,7 @@ def open_hf(path: str, *, param_dtype: str | None = None, dtype: str | None = No
 
 
 def load_hf(path: str, *, param_dtype: str | None = None, dtype: str | None = None,
-            mtp_depths: int = 3, scan_layers: bool = True):
+            mtp_depths: int = 3, scan_layers: bool = True, cache_dtype: str | None = None):
   """Reads a GLM-5 HF checkpoint directory into memory (see `streaming.py` for models larger
   than one host's memory).
 
@@ -98,6 +102,9 @@ def load_hf(path: str, *, param_dtype: str | None = None, dtype: str | None = No
     param_dtype: dtype of the returned params; default: the dtype the embedding is stored in
       (bf16 in the FP8 release, whose FP8 tensors are dequantized, `hf_fp8`). The router kernel, its correction bias and the indexer's `weights_proj` stay fp32.
     dtype: compute dtype recorded in the config; default: the stored dtype, as for params.
+    cache_dtype: the decode cache's dtype (`model.cache_dtype`); default: `dtype`, so cached
+      decode equals the full forward (bfloat16 under an fp32 forward halves the cache and
+      rounds every cached latent / key: docs/inference.md).
     mtp_depths: MTP prediction depths sharing the checkpoint's MTP layer (if it has one).
     scan_layers: the param layout (recorded as `config.scan_layers`): stacked runs
       `layers_{a}_{b}` (True) or `layers_{i}` (False); see `glm5_jax.layer_runs`.
@@ -108,7 +115,7 @@ def load_hf(path: str, *, param_dtype: str | None = None, dtype: str | None = No
     CheckpointError: naming the file (config.json, the index or a shard) and what is wrong.
   """
   checkpoint = open_hf(path, param_dtype=param_dtype, dtype=dtype, mtp_depths=mtp_depths,
-                       scan_layers=scan_layers)
+                       scan_layers=scan_layers, cache_dtype=cache_dtype)
   params = {}
   with checkpoint.reader() as reader:
     for leaf in checkpoint.leaves:  # each leaf goes to the device before the next is read

@@ -144,6 +144,12 @@ def init_cache(config, slots: int, max_len: int, max_verify: int = 1,
   with its spec's `fill`; sharded on `mesh` by `rules` (`mesh.logical_axis_rules`) when given.
   """
   specs = cache_specs(config, slots, max_len, max_verify, mtp_cache, mtp_depths=mtp_depths)
+  return allocate(specs, mesh=mesh, rules=rules)
+
+
+def allocate(specs, *, mesh=None, rules=None) -> dict:
+  """The arrays of a tree of `CacheSpec`s (`cache_specs`, or `glm5_jax.infer.paged.
+  paged_specs`), each filled with its spec's `fill`; sharded on `mesh` by `rules` when given."""
   if (mesh is None) != (rules is None):
     raise ValueError("init_cache: give both mesh and rules, or neither")
 

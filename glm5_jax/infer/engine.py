@@ -1,20 +1,32 @@
 """The slot engine: continuous batching and prefix sharing over the cached steps.
 
-A fixed number of slots B share one preallocated cache (`glm5_jax.infer.cache`). The host
-loop keeps a queue of requests and, each iteration:
+A fixed number of slots B share one preallocated cache (`glm5_jax.infer.cache`), by default
+paged (`page_size`; `glm5_jax.infer.paged`, `paged_slots`): the row-indexed caches live in a
+pool of pages reserved per request at admission and returned when it ends, each step reads only
+the live slots' pages (their count bucketed to a power of two), and a group's followers
+reference the leader's prompt pages instead of copying them. `page_size=None` keeps the
+contiguous `[B, max_len]` cache. The host loop keeps a queue of requests and, each iteration:
 
   1. admits waiting requests into free slots. Requests admitted together that share a prompt
      (an RL group: one prompt sampled G times) are prefilled once, in the first of their slots,
-     and that slot's cache is copied into the others (`_copy_slots`). Prefill runs in chunks of
+     and that slot's cache is shared with the others (paged: page references and a copy of
+     the partly filled page; contiguous: `_copy_slots`). Prefill runs in chunks of
      `prefill_chunk` tokens over the admitted slots only (their caches are gathered out of the
      whole cache, stepped, and scattered back), padded to a power-of-two number of rows (at
      least the mesh's batch shards) so admission compiles at most log2(B) + 1 programs
-     whatever the traffic;
+     whatever the traffic (paged: times log2(max_len / page_size) + 1 page buckets);
   2. samples each admitted request's first token from its prompt's last logits;
   3. runs one decode step over all B slots (idle slots are padding, `segment_ids` 0, and change
      nothing), samples one token per slot, and frees the slots whose request ended (a stop token,
      kept in the output, or `max_new_tokens`). A freed slot takes the next request in the next
-     iteration with no recompile: every shape is fixed by B, max_len and the chunk.
+     iteration with no recompile: every shape is fixed by B, max_len and the chunk (paged:
+     and the page bucket; `warmup()` compiles every bucket up front).
+
+The loop is incremental: `submit(request)` queues a request and returns its handle, `step()`
+runs one iteration (admission, then one decode step) and returns an `Event` per request that
+got tokens (its finished `Completion` on the step that ended it), and `cancel(handle)` drops a
+queued request or frees a running one's slot at once. `run(requests)` is `submit` + `step`
+until idle. A server (`glm5_jax.serve`) calls these from its one engine thread.
 
 Sessions (`glm5_jax.infer.sessions`): a request with a `session` id leaves its slot's cache
 held when it ends; the session's next request (its prompt the whole conversation so far)
@@ -42,6 +54,7 @@ import collections
 import contextlib
 import dataclasses
 import functools
+import typing
 
 import jax
 import jax.numpy as jnp
@@ -50,11 +63,12 @@ import numpy as np
 from glm5_jax import sharding as sharding_lib
 from glm5_jax.api import abstract_params_and_axes
 from glm5_jax.config import ModelConfig
-from glm5_jax.infer import sampling, speculate
+from glm5_jax.infer import paged, sampling, speculate
 from glm5_jax.infer.accept_stats import (NO_LIMIT, AcceptStats, acceptance_rates, add_step,
                                          init_accept_stats, mean_accept_length)
-from glm5_jax.infer.cache import cache_specs, init_cache
+from glm5_jax.infer.cache import allocate, cache_specs, init_cache
 from glm5_jax.attention.cache_spec import CacheSpec
+from glm5_jax.infer.paged_slots import PagedSlots
 from glm5_jax.infer.requests import GenerateResult, Request, validate_generate_args
 from glm5_jax.infer.sessions import PrefixStats, SessionTable, reusable
 from glm5_jax.infer.step import decode_step
@@ -82,10 +96,17 @@ class Completion:
   logits: list | None = None
   accept: AcceptStats | None = None
   routing: dict | None = None
+  top_logprobs: list | None = None  # engine with top_logprobs N: per token (ids [N], raw [N])
+  handle: int = -1  # `Engine.submit`'s handle
 
   @property
   def sequence(self) -> list:
     return list(self.request.prompt) + self.tokens
+
+  @property
+  def finish_reason(self) -> str:
+    """"stop" (a stop token ended it) or "length" (max_new_tokens)."""
+    return "stop" if self.tokens and self.tokens[-1] in self.request.stop_tokens else "length"
 
   def accept_length(self) -> float:
     """Tokens kept per verification step, the bonus token included (NaN without a step)."""
@@ -93,6 +114,25 @@ class Completion:
 
   def acceptance_rates(self) -> list:
     return [float(x) for x in acceptance_rates(self.accept)[0]]
+
+
+@dataclasses.dataclass
+class Event:
+  """What one `Engine.step` produced for one submitted request: its new tokens (a request
+  admitted in this step gets its first token and, from the step's decode, its second), their
+  log-probs (sampling distribution and raw), with `top_logprobs` the raw top-N alternatives
+  per token, and `completion` on the step that finished it (else None)."""
+
+  handle: int
+  tokens: list
+  logprobs: list
+  raw_logprobs: list
+  top_logprobs: list | None = None
+  completion: Completion | None = None
+
+
+# `generate`'s smallest default max_len: short calls share one set of compiled steps.
+MIN_GENERATE_LEN = 64
 
 
 def request_seed(seed: int, index: int) -> int:
@@ -120,12 +160,21 @@ class Engine:
       cache's slots split over the batch axes, so B must divide by them).
     record_routing: return each request's routing (`Completion.routing`), for routing
       replay in RL; plain decoding only (not with `speculative_steps`).
+    page_size: rows per page of the paged cache (`glm5_jax.infer.paged`): a step reads the
+      live slots' pages only, bucketed; None keeps the contiguous `[B, max_len]` cache, every
+      step reading max_len rows.
+    num_pages: pages in the pool (page 0 reserved); None: `slots * ceil(max_len / page_size)
+      + 1`, every slot at max_len. Fewer makes requests wait for pages (memory follows the
+      live rows, not slots x max_len).
+    top_logprobs: N >= 0: keep each generated token's N most likely alternatives under the
+      raw model (ids and log-probs, `Completion.top_logprobs`); plain decoding only.
   """
 
   def __init__(self, config, params, *, slots: int, max_len: int, prefill_chunk: int = 256,
                return_logits: bool = False, speculative_steps: int = 0,
                mtp_cache: str = "per_depth", mesh=None, rules=None,
-               record_routing: bool = False):
+               record_routing: bool = False, top_logprobs: int = 0,
+               page_size: int | None = 16, num_pages: int | None = None):
     self.cfg = ModelConfig.from_config(config)
     for name, value in (("slots", slots), ("max_len", max_len), ("prefill_chunk", prefill_chunk)):
       if not isinstance(value, int) or isinstance(value, bool) or value < 1:
@@ -138,6 +187,14 @@ class Engine:
                        f"token; with speculative_steps={self.k} a verification step feeds k + 1 "
                        "tokens of which only some are kept. Use speculative_steps=0 to record")
     self.record_routing = bool(record_routing)
+    if not isinstance(top_logprobs, int) or isinstance(top_logprobs, bool) or not (
+        0 <= top_logprobs <= self.cfg.vocab_size):
+      raise ValueError(f"Engine: top_logprobs must be an int in [0, vocab_size "
+                       f"{self.cfg.vocab_size}], got {top_logprobs!r}")
+    if top_logprobs and self.k:
+      raise ValueError(f"Engine: top_logprobs={top_logprobs} needs plain decoding; "
+                       f"speculative_steps={self.k} keeps no alternatives")
+    self.top_n = top_logprobs
     self._prompt_routing = []  # per request of the last `_admit`: its prefill routing
     if self.k:
       speculate.check_speculative_config(self.cfg, self.k, mtp_cache)
@@ -161,17 +218,41 @@ class Engine:
       shapes, logical = abstract_params_and_axes(self.cfg)
       params = jax.device_put(params, sharding_lib.param_shardings(shapes, logical, mesh, rules))
     self.params = params
-    self.cache = init_cache(self.cfg, slots, max_len, **cache_args, mesh=mesh, rules=rules)
     # Speculative state: each slot's main-model h at the W positions before its pending token.
     self.w = speculate.window_size(self.k) if self.k else 0
+    self.pages, self.paging = None, None
+    if page_size is None:
+      self.cache = init_cache(self.cfg, slots, max_len, **cache_args, mesh=mesh, rules=rules)
+    else:
+      self.pages = PagedSlots(specs, slots=slots, max_len=max_len, page_size=page_size,
+                              num_pages=num_pages, window=self.w)
+      self.paging = Paging(self.pages.layout, min(self.cfg.index_topk, max_len))
+      self.cache = allocate(self.pages.specs, mesh=mesh, rules=rules)
     self.hidden = jnp.zeros((slots, self.w, self.cfg.hidden_size), dtypes(self.cfg)[0])
     self._slot_arrays_memo = (None, None)
     self.sessions = SessionTable()
     self.stats = PrefixStats()
+    # The incremental loop's state: waiting (handle, request)s and each slot's Completion.
+    self._queue: collections.deque = collections.deque()
+    self._slot_of: list[Completion | None] = [None] * slots
+    self._next_handle = 0
 
   def release(self, session) -> bool:
-    """Frees a held session's slot; False when the session is not held (evicted, unknown)."""
-    return self.sessions.release(session)
+    """Frees a held session's slot (and its pages); False when the session is not held
+    (evicted, unknown)."""
+    entry = self.sessions.take(session)
+    if entry is not None:
+      self._free_slot(entry.slot)
+    return entry is not None
+
+  def _free_slot(self, slot: int) -> None:
+    """A slot nobody holds any more: its pages go back to the pool."""
+    if self.pages is not None:
+      self.pages.release(slot)
+
+  def _rows(self, request) -> int:
+    """Cache rows a request can write: its prompt, all but its last token, k drafts."""
+    return len(request.prompt) + request.max_new_tokens - 1 + self.k
 
   def prefix_stats(self) -> dict:
     """{"prompt_tokens", "prefilled_tokens", "hit_rate" = 1 - prefilled / prompt, and the
@@ -183,46 +264,176 @@ class Engine:
       return contextlib.nullcontext()
     return sharding_lib.activation_sharding(self.mesh, self.rules)
 
+  def warmup(self, max_rows: int | None = None) -> None:
+    """Compiles every program the loop can run (paged cache only: every admitted-rows bucket
+    with every page bucket, every decode page bucket), so that no request compiles anything
+    later whatever its lengths. `max_rows`: only the page buckets of requests of up to that
+    many rows (prompt + max_new_tokens - 1 + k; default max_len). Leaves the engine as built
+    (stats, pages, slots idle)."""
+    if self.pages is None:
+      raise ValueError("Engine.warmup needs the paged cache (page_size); the contiguous cache "
+                       "compiles its few shapes on first use")
+    if any(self.pages.pool.held) or len(self.sessions):
+      raise RuntimeError("Engine.warmup: run it before any request")
+    buckets = self.pages.buckets(self.max_len if max_rows is None else max_rows)
+    row_buckets = sorted({min(_round_up(_bucket(n, self.slots), self.row_multiple), self.slots)
+                          for n in range(1, self.slots + 1)})
+    stats = dataclasses.replace(self.stats)
+    token = Request(0, (0,), 1, 0.0, 1.0, 0, 0, ())
+    with self._context():
+      for rows in row_buckets:  # the admission's eager ops and its first page bucket
+        for admitted in ([(s, dataclasses.replace(token, prompt=(s,)), 0) for s in range(rows)],
+                         [(s, token, 0) for s in range(2)] if rows > 1 else []):
+          if admitted:  # distinct prompts, then a group (the copy-on-write path)
+            self._admit(admitted)
+          for slot in range(self.slots):
+            self.pages.release(slot)
+      for rows in row_buckets:
+        ids = np.full(rows, self.slots, np.int32)
+        tokens = jnp.zeros((rows, self.chunk + self.k), jnp.int32)
+        zeros = jnp.zeros(rows, jnp.int32)
+        for n in buckets:
+          self.cache, *_ = _paged_prefill_chunk(
+              self.cfg, self.params, self.cache, self.pages.table(ids, n * self.pages.page_size),
+              jnp.asarray(ids), jnp.zeros((rows, self.cfg.vocab_size), jnp.float32),
+              jnp.zeros((rows,) + self.hidden.shape[1:], self.hidden.dtype), tokens, zeros,
+              zeros, depths=self.k, mtp_cache=self.mtp_cache,
+              record_routing=self.record_routing, paging=self.paging)
+      idle = [None] * self.slots
+      # Host arrays as the loop passes them (`jnp.asarray` of a numpy bool array compiles a
+      # staging program of its own once).
+      zeros = jnp.asarray(np.zeros(self.slots, np.int32))
+      inactive = jnp.asarray(np.zeros(self.slots, bool))
+      for n in buckets:
+        table = self.pages.table(np.arange(self.slots), n * self.pages.page_size)
+        if self.k:
+          self.cache, self.hidden, _ = _speculate_and_sample(
+              self.cfg, self.params, self.cache, self.hidden,
+              jnp.zeros((self.slots, self.w + 1), jnp.int32), zeros, inactive,
+              *self._slot_arrays(idle), zeros, table, self.pages.shared_rows(), k=self.k,
+              mtp_cache=self.mtp_cache, return_logits=self.return_logits, paging=self.paging)
+        else:
+          self.cache, *_ = _decode_and_sample(
+              self.cfg, self.params, self.cache, zeros, zeros, inactive,
+              *self._slot_arrays(idle), zeros, table, return_logits=self.return_logits,
+              record_routing=self.record_routing, top_n=self.top_n, paging=self.paging)
+    self.stats = stats
+
   # ---- the host loop -------------------------------------------------------------------------
 
-  def run(self, requests) -> list[Completion]:
-    """Generates every request (in any order of completion); returns them in input order."""
-    requests = list(requests)
-    self._check_requests(requests)
-    queue = collections.deque(requests)
-    done: dict[int, Completion] = {}
-    slot_of: list[Completion | None] = [None] * self.slots
+  def submit(self, request: Request) -> int:
+    """Queues `request` (admitted by a later `step`); returns its handle. Raises ValueError
+    when it cannot run here (longer than `max_len` or the model's max_position_embeddings, a
+    token id outside the vocab, its session already in flight or unusable)."""
+    self._check_requests([request])
+    return self._enqueue(request)
+
+  def _enqueue(self, request: Request) -> int:
+    handle, self._next_handle = self._next_handle, self._next_handle + 1
+    self._queue.append((handle, request))
+    return handle
+
+  @property
+  def busy(self) -> bool:
+    """Whether a request is waiting or running (held sessions are neither)."""
+    return bool(self._queue) or any(c is not None for c in self._slot_of)
+
+  def waiting(self) -> int:
+    """Requests submitted and not yet admitted to a slot."""
+    return len(self._queue)
+
+  def running(self) -> int:
+    """Slots generating a request now."""
+    return sum(c is not None for c in self._slot_of)
+
+  def cancel(self, handle: int) -> bool:
+    """Drops a waiting request, or frees a running request's slot at once (a session's cache
+    is not held: its next request prefills in full). False when `handle` is not in flight."""
+    for i, (h, _) in enumerate(self._queue):
+      if h == handle:
+        del self._queue[i]
+        return True
+    for slot, c in enumerate(self._slot_of):
+      if c is not None and c.handle == handle:
+        self._slot_of[slot] = None
+        self._free_slot(slot)  # its pages back to the pool
+        return True
+    return False
+
+  def step(self) -> list[Event]:
+    """One iteration of the loop: admits waiting requests into free slots (their first
+    tokens), then one decode (or verification) step over every running slot. Returns one
+    `Event` per request that got tokens, in slot order; [] when nothing is in flight."""
+    if not self.busy:
+      return []
+    slot_of = self._slot_of
+    before: dict[int, int] = {}  # slot -> tokens its completion had before this step
+    finished: dict[int, Completion] = {}
     with self._context():
-      while queue or any(c is not None for c in slot_of):
-        admitted = self._place(queue, slot_of)
-        if admitted:
-          first = self._admit(admitted)
-          for i, ((slot, request, _), token) in enumerate(zip(admitted, first)):
-            completion = Completion(request, [], [], [], [] if self.return_logits else None,
-                                    init_accept_stats(1, self.k) if self.k else None)
-            if self.record_routing:
-              completion.routing = {kind: [rows] for kind, rows in
-                                    self._prompt_routing[i].items()}
-            slot_of[slot] = completion
-            self._keep(completion, [token])
-            if self._finished(completion):
-              done[id(request)] = self._end(slot_of, slot)
-        if any(c is not None for c in slot_of):
-          for slot, completion in (self._speculate if self.k else self._decode)(slot_of):
-            if self._finished(completion):
-              done[id(completion.request)] = self._end(slot_of, slot)
-    if self.record_routing:
-      for completion in done.values():
-        completion.routing = _finish_routing(completion.routing)
-    return [done[id(r)] for r in requests]
+      admitted = self._place(self._queue, slot_of)
+      if admitted:
+        first = self._admit([a[:3] for a in admitted])
+        for i, ((slot, request, _, handle), token) in enumerate(zip(admitted, first)):
+          completion = Completion(request, [], [], [], [] if self.return_logits else None,
+                                  init_accept_stats(1, self.k) if self.k else None,
+                                  top_logprobs=[] if self.top_n else None, handle=handle)
+          if self.record_routing:
+            completion.routing = {kind: [rows] for kind, rows in
+                                  self._prompt_routing[i].items()}
+          slot_of[slot], before[slot] = completion, 0
+          self._keep(completion, [token])
+          if self._finished(completion):
+            finished[slot] = self._end(slot_of, slot)
+      if any(c is not None for c in slot_of):
+        for slot, c in enumerate(slot_of):
+          if c is not None:
+            before.setdefault(slot, len(c.tokens))
+        for slot, completion in (self._speculate if self.k else self._decode)(slot_of):
+          if self._finished(completion):
+            finished[slot] = self._end(slot_of, slot)
+    events = []
+    for slot in sorted(before):
+      c, n = finished.get(slot) or slot_of[slot], before[slot]
+      events.append(Event(c.handle, c.tokens[n:], c.logprobs[n:], c.raw_logprobs[n:],
+                          None if c.top_logprobs is None else c.top_logprobs[n:],
+                          finished.get(slot)))
+    return events
+
+  def run(self, requests) -> list[Completion]:
+    """Generates every request (in any order of completion); returns them in input order.
+    The engine must be idle (nothing submitted and unfinished)."""
+    requests = list(requests)
+    if self.busy:
+      raise RuntimeError(f"Engine.run: {self.waiting()} requests waiting and {self.running()} "
+                         "running from `submit`; drive them with `step` or `cancel` them first")
+    self._check_requests(requests)
+    handles = [self._enqueue(r) for r in requests]
+    done: dict[int, Completion] = {}
+    while self.busy:
+      for event in self.step():
+        if event.completion is not None:
+          done[event.handle] = event.completion
+    return [done[h] for h in handles]
 
   def _check_requests(self, requests) -> None:
+    in_flight = {r.session for _, r in self._queue} | {
+        c.request.session for c in self._slot_of if c is not None}
     sessions = set()
     for r in requests:
       if len(r.prompt) + r.max_new_tokens - 1 + self.k > self.max_len:
         raise ValueError(f"request {r.index}: {len(r.prompt)} prompt tokens + max_new_tokens "
                          f"{r.max_new_tokens} - 1 + speculative_steps {self.k} exceed the "
                          f"engine's max_len {self.max_len}")
+      if len(r.prompt) + r.max_new_tokens - 1 > self.cfg.max_position_embeddings:
+        raise ValueError(f"request {r.index}: {len(r.prompt)} prompt tokens + max_new_tokens "
+                         f"{r.max_new_tokens} - 1 exceed the model's max_position_embeddings "
+                         f"{self.cfg.max_position_embeddings}")
+      bad = [t for t in r.prompt if not 0 <= t < self.cfg.vocab_size]
+      if bad:
+        raise ValueError(f"request {r.index}: prompt token id {bad[0]} is outside the vocab "
+                         f"[0, {self.cfg.vocab_size})")
+      if self.pages is not None:
+        self.pages.check_fits(r.index, self._rows(r))
       if r.session is None:
         continue
       if self.k:  # the MTP caches and h window would need their own continuation
@@ -233,35 +444,57 @@ class Engine:
       except TypeError:
         raise ValueError(f"request {r.index}: session must be hashable, got "
                          f"{type(r.session).__name__}") from None
-      if r.session in sessions:
-        raise ValueError(f"request {r.index}: session {r.session!r} has two requests in one "
-                         "run; a session's next turn waits for its last one to finish")
+      if r.session in sessions or r.session in in_flight:
+        raise ValueError(f"request {r.index}: session {r.session!r} has two requests in "
+                         "flight; a session's next turn waits for its last one to finish")
       sessions.add(r.session)
 
   def _place(self, queue, slot_of) -> list:
-    """Pops the requests that start this iteration: `(slot, request, start)`, `start` the cache
-    rows kept (a held session's, else 0). Requests of held sessions go to their slots; the rest
+    """Pops the requests that start this iteration from `queue` (of `(handle, request)`):
+    `(slot, request, start, handle)`, `start` the cache rows kept (a held session's, else 0). Requests of held sessions go to their slots; the rest
     take free slots in queue order, evicting held sessions LRU-first when none is free."""
     held = self.sessions.slots()
     free = [s for s in range(self.slots) if slot_of[s] is None and s not in held]
-    placed, waiting = [], collections.deque()
-    for r in queue:
+    placed, waiting, deferred = [], collections.deque(), []
+    # Paged: pages each placed request takes (all its rows, no credit for group sharing).
+    budget = self.pages.pool.free if self.pages is not None else None
+    for h, r in queue:
       entry = self.sessions.take(r.session) if r.session is not None else None
       if entry is None:
-        waiting.append(r)
-      else:
-        placed.append((entry.slot, r, reusable(entry, r.prompt)))
+        waiting.append((h, r))
+        continue
+      start = reusable(entry, r.prompt)
+      if self.pages is not None:
+        if not start:  # a miss restarts the slot: its held pages go back first
+          self.pages.release(entry.slot)
+          budget = self.pages.pool.free
+        need = self.pages.new_pages(entry.slot, self._rows(r))
+        if need > budget:  # waits, its session held as it was
+          self.sessions.hold(r.session, entry.slot, entry.tokens if start else ())
+          deferred.append((h, r))
+          continue
+        budget -= need
+      placed.append((entry.slot, r, start, h))
     queue.clear()
     while waiting:
-      if not free:
+      need = 0 if self.pages is None else self.pages.pages_needed(self._rows(waiting[0][1]))
+      if not free or (self.pages is not None and need > budget):
         slot = self.sessions.evict()
         if slot is None:
           break
         self.stats.evictions += 1
+        self._free_slot(slot)
+        budget = None if self.pages is None else self.pages.pool.free - sum(
+            self.pages.new_pages(s, self._rows(r)) for s, r, *_ in placed)
         free.append(slot)
-      placed.append((free.pop(0), waiting.popleft(), 0))
+        continue
+      h, r = waiting.popleft()
+      placed.append((free.pop(0), r, 0, h))
+      if self.pages is not None:
+        budget -= need
+    queue.extend(deferred)
     queue.extend(waiting)
-    for _, r, start in placed:
+    for _, r, start, _ in placed:
       if r.session is not None:
         self.stats.session_hits += start > 0
         self.stats.session_misses += start == 0
@@ -272,16 +505,22 @@ class Engine:
     completion, slot_of[slot] = slot_of[slot], None
     if completion.request.session is not None:
       self.sessions.hold(completion.request.session, slot, tuple(completion.sequence[:-1]))
+    else:
+      self._free_slot(slot)
+    if self.record_routing:
+      completion.routing = _finish_routing(completion.routing)
     return completion
 
   @staticmethod
   def _keep(completion: Completion, tokens) -> None:
-    for tok, logprob, raw, logits in tokens:
+    for tok, logprob, raw, logits, *top in tokens:
       completion.tokens.append(int(tok))
       completion.logprobs.append(float(logprob))
       completion.raw_logprobs.append(float(raw))
       if completion.logits is not None:
         completion.logits.append(np.asarray(logits, np.float32))
+      if completion.top_logprobs is not None:
+        completion.top_logprobs.append(top[0])
 
   @staticmethod
   def _finished(completion: Completion) -> bool:
@@ -298,6 +537,7 @@ class Engine:
     row_key = []  # per request: its prefill row's key, (prompt, start) or (prompt, slot)
     leaders: dict[tuple, tuple] = {}  # row key -> (slot holding its prefill, start)
     copies = []  # (source slot, destination slot)
+    page_copies = []  # paged: (source page, destination page), copied after the prefill
     for slot, request, start in admitted:
       self.stats.prompt_tokens += len(request.prompt)
       # Only fresh prompts (start 0) are shared: a session's rows are its own slot's.
@@ -305,8 +545,13 @@ class Engine:
       row_key.append(key)
       if key in leaders:
         copies.append((leaders[key][0], slot))
+        if self.pages is not None:  # the leader's prompt pages by reference
+          page_copies += self.pages.share(leaders[key][0], slot, len(request.prompt),
+                                          self._rows(request))
       else:
         leaders[key] = (slot, start)
+        if self.pages is not None:
+          self.pages.grow(slot, self._rows(request))
     keys = list(leaders)
     rows = min(_round_up(_bucket(len(keys), self.slots), self.row_multiple), self.slots)
     # Rows past the prompts use slot id B: gathered as zeros, their scatter dropped.
@@ -323,17 +568,24 @@ class Engine:
     tokens = np.zeros((rows, width + self.k), np.int32)
     for i, (prompt, _) in enumerate(keys):
       tokens[i, :lengths[i] - starts[i]] = prompt[starts[i]:]
-    slot_ids = jnp.asarray(slot_ids)
-    sub = _gather_slots(self.cache, slot_ids, self._slot_axes)
+    host_slot_ids, slot_ids = slot_ids, jnp.asarray(slot_ids)
+    if self.pages is None:
+      sub = _gather_slots(self.cache, slot_ids, self._slot_axes)
     last_PY = jnp.zeros((rows, self.cfg.vocab_size), jnp.float32)
     hidden_PWD = jnp.zeros((rows,) + self.hidden.shape[1:], self.hidden.dtype)
     chunk_routing = []
     for offset in range(0, width, self.chunk):
-      sub, last_PY, hidden_PWD, routing = _prefill_chunk(
-          self.cfg, self.params, sub, last_PY, hidden_PWD,
-          jnp.asarray(tokens[:, offset:offset + self.chunk + self.k]), jnp.asarray(lengths),
-          jnp.asarray(starts + offset), depths=self.k, mtp_cache=self.mtp_cache,
-          record_routing=self.record_routing)
+      args = (last_PY, hidden_PWD, jnp.asarray(tokens[:, offset:offset + self.chunk + self.k]),
+              jnp.asarray(lengths), jnp.asarray(starts + offset))
+      kwargs = dict(depths=self.k, mtp_cache=self.mtp_cache, record_routing=self.record_routing)
+      if self.pages is None:
+        sub, last_PY, hidden_PWD, routing = _prefill_chunk(self.cfg, self.params, sub, *args,
+                                                           **kwargs)
+      else:  # the pages of the rows this chunk reaches
+        reach = int(np.minimum(lengths, starts + offset + self.chunk).max())
+        self.cache, last_PY, hidden_PWD, routing = _paged_prefill_chunk(
+            self.cfg, self.params, self.cache, self.pages.table(host_slot_ids, reach),
+            slot_ids, *args, **kwargs, paging=self.paging)
       chunk_routing.append(routing)
     if self.record_routing:
       # Each admitted request's rows [len(prompt), N, k]: the rows it prefilled here; a held
@@ -349,9 +601,14 @@ class Engine:
           full[start:] = rows
           prefilled[key][kind] = full
       self._prompt_routing = [prefilled[k] for k in row_key]
-    self.cache = _scatter_slots(self.cache, sub, slot_ids, self._slot_axes)
+    if self.pages is None:
+      self.cache = _scatter_slots(self.cache, sub, slot_ids, self._slot_axes)
     self.hidden = self.hidden.at[slot_ids].set(hidden_PWD, mode="drop")
-    if copies:
+    if copies and self.pages is not None:  # fixed shapes: no compile per group size
+      copy_args = self.pages.copy_args(page_copies, copies, self.slots)
+      self.cache = paged.copy_pages(self.cache, *copy_args, *self.paging.layout)
+      self.hidden = _copy_hidden(self.hidden, *copy_args[2:])
+    elif copies:
       src, dst = (jnp.asarray(x, jnp.int32) for x in zip(*copies))
       self.cache = _copy_slots(self.cache, src, dst, self._slot_axes)
       self.hidden = self.hidden.at[dst].set(self.hidden[src])
@@ -361,7 +618,8 @@ class Engine:
     rows_B = np.array([row_of[k] for k in row_key] + [0] * (self.slots - len(admitted)),
                       np.int32)
     out = _sample(last_PY[jnp.asarray(rows_B)], _settings(requests), _seeds(requests),
-                  jnp.zeros(self.slots, jnp.int32), return_logits=self.return_logits)
+                  jnp.zeros(self.slots, jnp.int32), return_logits=self.return_logits,
+                  top_n=self.top_n)
     out = jax.device_get(out)
     return [_row(out, i) for i in range(len(admitted))]
 
@@ -382,10 +640,13 @@ class Engine:
     pending = np.array([c.tokens[-1] if c else 0 for c in slot_of], np.int32)
     fed = np.array([len(c.sequence) - 1 if c else 0 for c in slot_of], np.int32)
     index = np.array([len(c.tokens) if c else 0 for c in slot_of], np.int32)
+    table = None if self.pages is None else self.pages.table(np.arange(self.slots),
+                                                             int(fed.max()) + 1)
     self.cache, out, routing = _decode_and_sample(
         self.cfg, self.params, self.cache, jnp.asarray(pending), jnp.asarray(fed),
-        jnp.asarray(active), *self._slot_arrays(requests), jnp.asarray(index),
-        return_logits=self.return_logits, record_routing=self.record_routing)
+        jnp.asarray(active), *self._slot_arrays(requests), jnp.asarray(index), table,
+        return_logits=self.return_logits, record_routing=self.record_routing,
+        top_n=self.top_n, paging=self.paging)
     out, routing = jax.device_get((out, routing))
     for slot in np.flatnonzero(active):
       self._keep(slot_of[slot], [_row(out, slot)])
@@ -407,10 +668,14 @@ class Engine:
         tail = seq[max(0, len(seq) - self.w - 1):]
         window[slot, self.w + 1 - len(tail):] = tail
     index = np.array([len(c.tokens) if c else 0 for c in slot_of], np.int32)
+    paged_args = () if self.pages is None else (
+        self.pages.table(np.arange(self.slots), int(fed.max()) + self.k + 1),
+        self.pages.shared_rows())
     self.cache, self.hidden, out = _speculate_and_sample(
         self.cfg, self.params, self.cache, self.hidden, jnp.asarray(window), jnp.asarray(fed),
-        jnp.asarray(active), *self._slot_arrays(requests), jnp.asarray(index),
-        k=self.k, mtp_cache=self.mtp_cache, return_logits=self.return_logits)
+        jnp.asarray(active), *self._slot_arrays(requests), jnp.asarray(index), *paged_args,
+        k=self.k, mtp_cache=self.mtp_cache, return_logits=self.return_logits,
+        paging=self.paging)
     accepted, num_emitted, tokens, logprobs, raws, logits = jax.device_get(out)
     for slot in np.flatnonzero(active):
       c = slot_of[slot]
@@ -439,8 +704,9 @@ def _seeds(requests):
 
 
 def _row(out, i):
-  tokens, logprobs, raw, logits = out
-  return tokens[i], logprobs[i], raw[i], None if logits is None else logits[i]
+  tokens, logprobs, raw, logits, top = out
+  row = (tokens[i], logprobs[i], raw[i], None if logits is None else logits[i])
+  return row if top is None else row + ((top[0][i], top[1][i]),)
 
 
 def _finish_routing(routing: dict) -> dict:
@@ -485,10 +751,8 @@ def _scatter_slots(cache, sub, slot_ids_P, slot_axes):
                                    zip(leaves, jax.tree.leaves(sub), slot_axes)])
 
 
-@functools.partial(jax.jit, static_argnames=("cfg", "depths", "mtp_cache", "record_routing"),
-                   donate_argnames=("sub",))
-def _prefill_chunk(cfg, params, sub, last_PY, hidden_PWD, tokens_PX, lengths_P, start_P, *,
-                   depths, mtp_cache, record_routing=False):
+def _prefill_chunk_body(cfg, params, sub, last_PY, hidden_PWD, tokens_PX, lengths_P, start_P, *,
+                        depths, mtp_cache, record_routing=False):
   """One prefill chunk of P prompts, row p at positions `start_P[p] .. start_P[p] + C - 1`,
   into their gathered caches `sub` (and, with `depths` = k > 0, the MTP caches:
   `speculate.prefill_mtp`). Rows start where their cache ends: 0 for a fresh prompt, a held
@@ -529,6 +793,49 @@ def _prefill_chunk(cfg, params, sub, last_PY, hidden_PWD, tokens_PX, lengths_P, 
   return sub, last_PY, hidden_PWD, out.routing
 
 
+_prefill_chunk = functools.partial(jax.jit, static_argnames=(
+    "cfg", "depths", "mtp_cache", "record_routing"), donate_argnames=("sub",))(
+        _prefill_chunk_body)
+
+
+@functools.partial(jax.jit, static_argnames=("cfg", "depths", "mtp_cache", "record_routing",
+                                             "paging"), donate_argnames=("cache",))
+def _paged_prefill_chunk(cfg, params, cache, table_PN, slot_ids_P, last_PY, hidden_PWD,
+                         tokens_PX, lengths_P, start_P, *, depths, mtp_cache, record_routing,
+                         paging):
+  """`_prefill_chunk` on the paged cache: rows `slot_ids_P` (ids >= B: padding) read their
+  pages through `table_PN` (`glm5_jax.infer.paged.view`), and the chunk's prompt rows go back
+  into their pages; the per-slot arrays into their slots. Returns `(cache, last_PY,
+  hidden_PWD, routing)`."""
+  sub = paged.view(cache, table_PN, *paging.layout, slot_ids_P)
+  sub, last_PY, hidden_PWD, routing = _prefill_chunk_body(
+      cfg, params, sub, last_PY, hidden_PWD, tokens_PX, lengths_P, start_P, depths=depths,
+      mtp_cache=mtp_cache, record_routing=record_routing)
+  c = tokens_PX.shape[1] - depths
+  rows_PC = start_P[:, None] + jnp.arange(c, dtype=jnp.int32)
+  cache = paged.write_back(cache, sub, table_PN, rows_PC, rows_PC < lengths_P[:, None],
+                           *paging.layout, slot_ids_P)
+  return cache, last_PY, hidden_PWD, _pad_topk(routing, paging.topk_width)
+
+
+class Paging(typing.NamedTuple):
+  """The static facts a paged step needs: `layout` = `paged.page_layout` of the cache specs,
+  and `topk_width`, the DSA selection width of the contiguous cache (min(index_topk,
+  max_len)), to which recorded routing is padded whatever the view's width."""
+  layout: tuple
+  topk_width: int
+
+
+def _pad_topk(routing: dict, width: int) -> dict:
+  """Recorded DSA keys `[..., T]` padded with -1 (empty) to `width`: a view narrower than
+  index_topk selects fewer slots, all else is the same selection."""
+  if "dsa" not in routing:
+    return routing
+  t = routing["dsa"].shape[-1]
+  pad = [(0, 0)] * (routing["dsa"].ndim - 1) + [(0, width - t)]
+  return {**routing, "dsa": jnp.pad(routing["dsa"], pad, constant_values=-1)}
+
+
 @functools.partial(jax.jit, static_argnames=("slot_axes",), donate_argnames=("cache",))
 def _copy_slots(cache, src_G, dst_G, slot_axes):
   """Prefix sharing: slot `dst_G[i]` gets a copy of slot `src_G[i]`'s cache."""
@@ -536,42 +843,77 @@ def _copy_slots(cache, src_G, dst_G, slot_axes):
   return _scatter_slots(cache, sub, dst_G, slot_axes)
 
 
-@functools.partial(jax.jit, static_argnames=("return_logits",))
-def _sample(logits_BY, settings, seeds_B, index_B, *, return_logits):
+@jax.jit
+def _copy_hidden(hidden_BWD, src_G, dst_G):
+  """Speculative h windows of slots `src_G` copied to `dst_G` (ids >= B: padding, dropped)."""
+  return hidden_BWD.at[dst_G].set(jnp.take(hidden_BWD, src_G, axis=0, mode="fill",
+                                           fill_value=0), mode="drop")
+
+
+@functools.partial(jax.jit, static_argnames=("return_logits", "top_n"))
+def _sample(logits_BY, settings, seeds_B, index_B, *, return_logits, top_n=0):
+  """Samples one token per row; returns `(tokens, logprobs, raw_logprobs, logits or None,
+  top or None)`, top = (ids [B, N], raw log-probs [B, N]) of the N most likely tokens."""
   out = sampling.sample(logits_BY, settings, seeds_B, index_B)
-  return out.tokens, out.logprobs, out.raw_logprobs, logits_BY if return_logits else None
+  top = None
+  if top_n:
+    values, ids = jax.lax.top_k(jax.nn.log_softmax(logits_BY.astype(jnp.float32), axis=-1),
+                                top_n)
+    top = (ids, values)
+  return (out.tokens, out.logprobs, out.raw_logprobs, logits_BY if return_logits else None,
+          top)
 
 
-@functools.partial(jax.jit, static_argnames=("cfg", "return_logits", "record_routing"),
-                   donate_argnames=("cache",))
+@functools.partial(jax.jit, static_argnames=("cfg", "return_logits", "record_routing", "top_n",
+                                             "paging"), donate_argnames=("cache",))
 def _decode_and_sample(cfg, params, cache, pending_B, fed_B, active_B, settings, seeds_B,
-                       index_B, *, return_logits, record_routing=False):
+                       index_B, table_BN=None, *, return_logits, record_routing=False, top_n=0,
+                       paging=None):
   """Feeds each active slot's pending token at its next position and samples token
-  `index_B` of its request. Returns `(cache, (tokens, logprobs, raw_logprobs, logits),
-  routing)` (routing `{kind: [B, 1, N, k]}` with `record_routing`, else {})."""
-  out = decode_step(cfg, params, cache, pending_B[:, None], fed_B[:, None],
+  `index_B` of its request. Returns `(cache, (tokens, logprobs, raw_logprobs, logits,
+  top), routing)` (routing `{kind: [B, 1, N, k]}` with `record_routing`, else {}). With
+  `paging` (a `Paging`), `cache` is paged and each slot reads the N pages of `table_BN`."""
+  step_cache = cache if paging is None else paged.view(cache, table_BN, *paging.layout)
+  out = decode_step(cfg, params, step_cache, pending_B[:, None], fed_B[:, None],
                     active_B[:, None].astype(jnp.int32), return_routing=record_routing)
-  return out.cache, _sample(out.logits_BQY[:, 0], settings, seeds_B, index_B,
-                            return_logits=return_logits), out.routing
+  new_cache, routing = out.cache, out.routing
+  if paging is not None:
+    new_cache = paged.write_back(cache, out.cache, table_BN, fed_B[:, None], active_B[:, None],
+                                 *paging.layout)
+    routing = _pad_topk(routing, paging.topk_width)
+  return new_cache, _sample(out.logits_BQY[:, 0], settings, seeds_B, index_B,
+                            return_logits=return_logits, top_n=top_n), routing
 
 
-@functools.partial(jax.jit, static_argnames=("cfg", "k", "mtp_cache", "return_logits"),
-                   donate_argnames=("cache", "hidden_BWD"))
+@functools.partial(jax.jit, static_argnames=("cfg", "k", "mtp_cache", "return_logits",
+                                             "paging"), donate_argnames=("cache", "hidden_BWD"))
 def _speculate_and_sample(cfg, params, cache, hidden_BWD, window_BX, fed_B, active_B, settings,
-                          seeds_B, index_B, *, k, mtp_cache, return_logits):
+                          seeds_B, index_B, table_BN=None, shared_rows_B=None, *, k, mtp_cache,
+                          return_logits, paging=None):
   """`speculate.speculative_step`; returns `(cache, hidden_BWD, (accepted, num_emitted,
-  tokens, logprobs, raw_logprobs, logits or None))`."""
-  out = speculate.speculative_step(cfg, params, cache, hidden_BWD, window_BX, fed_B, active_B,
-                                   settings, seeds_B, index_B, k=k, mtp_cache=mtp_cache)
+  tokens, logprobs, raw_logprobs, logits or None))`. With `paging`, the step reads the pages
+  of `table_BN` and writes back the rows F-W .. F+k it may have written (never a row below
+  `shared_rows_B`, in pages other slots share)."""
+  step_cache = cache if paging is None else paged.view(cache, table_BN, *paging.layout)
+  out = speculate.speculative_step(cfg, params, step_cache, hidden_BWD, window_BX, fed_B,
+                                   active_B, settings, seeds_B, index_B, k=k,
+                                   mtp_cache=mtp_cache)
+  new_cache = out.cache
+  if paging is not None:
+    w = hidden_BWD.shape[1]
+    rows_BR = fed_B[:, None] + jnp.arange(-w, k + 1, dtype=jnp.int32)
+    keep_BR = active_B[:, None] & (rows_BR >= shared_rows_B[:, None])
+    new_cache = paged.write_back(cache, out.cache, table_BN, rows_BR, keep_BR, *paging.layout)
   v = out.verified
-  return out.cache, out.hidden_BWD, (v.accepted, v.num_emitted, v.tokens, v.logprobs,
+  return new_cache, out.hidden_BWD, (v.accepted, v.num_emitted, v.tokens, v.logprobs,
                                      v.raw_logprobs, out.logits_BQY if return_logits else None)
 
 
 def generate(config, params, prompts, max_new_tokens=32, temperature=0.0, top_p=1.0, top_k=0,
              seed=0, speculative_steps=0, return_logits=False, stop_tokens=(), *,
              slots: int | None = None, max_len: int | None = None, prefill_chunk: int = 256,
-             mtp_cache: str = "per_depth", mesh=None, rules=None) -> GenerateResult:
+             mtp_cache: str = "per_depth", mesh=None, rules=None, page_size: int | None = 16,
+             num_pages: int | None = None) -> GenerateResult:
   """Completes every prompt (see the module docstring; `GenerateResult` for the fields).
 
   Args:
@@ -582,30 +924,39 @@ def generate(config, params, prompts, max_new_tokens=32, temperature=0.0, top_p=
     speculative_steps: MTP draft steps per verification (0: plain decoding). The output has
       exactly the distribution of plain decoding (greedy: the same tokens).
     return_logits: also return each generated token's raw logits.
-    slots: sequences decoded at once (default: all prompts, at most 32).
-    max_len: cache positions per slot (default: what the longest request needs).
+    slots: sequences decoded at once (default: the number of prompts rounded up to a power of
+      two, at most 32: one compiled shape for many call sizes).
+    max_len: cache positions per slot (default: what the longest request needs, rounded up to
+      a power of two of at least `MIN_GENERATE_LEN`, so that new lengths reuse the compiled
+      steps; with the paged cache a larger max_len costs no step time).
     prefill_chunk: prompt tokens per slot per prefill call.
     mtp_cache: the MTP caches' scheme with speculative_steps > 0 (`glm5_jax.infer.speculate`).
     mesh, rules: serve sharded (`Engine`).
+    page_size, num_pages: the paged cache (`Engine`; page_size None: contiguous).
   Raises:
     ValueError: a bad argument (`glm5_jax.infer.requests.validate_generate_args`).
   """
   cfg = ModelConfig.from_config(config)
+  if slots is not None and (not isinstance(slots, int) or isinstance(slots, bool) or slots < 1):
+    raise ValueError(f"slots must be None (all prompts, at most 32) or an int >= 1; got "
+                     f"{slots!r}")
   if max_len is None:  # what the longest request needs (validation below names bad input)
     lengths = [len(p) for p in prompts if hasattr(p, "__len__")] if hasattr(
         prompts, "__iter__") else []
     extra = max_new_tokens - 1 + speculative_steps if isinstance(
         max_new_tokens, int) and isinstance(speculative_steps, int) else 0
-    max_len = max(max(lengths, default=1) + max(extra, 0), 1)
+    max_len = max(_bucket(max(max(lengths, default=1) + max(extra, 0), 1), 1 << 62),
+                  MIN_GENERATE_LEN)
   requests = validate_generate_args(
-      prompts, vocab_size=cfg.vocab_size, max_len=max_len, max_new_tokens=max_new_tokens,
+      prompts, vocab_size=cfg.vocab_size, max_len=max_len,
+      max_positions=cfg.max_position_embeddings, max_new_tokens=max_new_tokens,
       temperature=temperature, top_p=top_p, top_k=top_k, seed=seed,
       speculative_steps=speculative_steps, return_logits=return_logits, stop_tokens=stop_tokens)
   requests = [dataclasses.replace(r, seed=request_seed(seed, r.index)) for r in requests]
-  engine = Engine(cfg, params, slots=slots or min(len(requests), 32), max_len=max_len,
-                  prefill_chunk=prefill_chunk, return_logits=return_logits,
+  engine = Engine(cfg, params, slots=slots or _bucket(min(len(requests), 32), 32),
+                  max_len=max_len, prefill_chunk=prefill_chunk, return_logits=return_logits,
                   speculative_steps=speculative_steps, mtp_cache=mtp_cache, mesh=mesh,
-                  rules=rules)
+                  rules=rules, page_size=page_size, num_pages=num_pages)
   done = engine.run(requests)
   spec = bool(speculative_steps)
   return GenerateResult(

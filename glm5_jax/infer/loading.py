@@ -11,6 +11,13 @@
 changed attention pattern converts the params training-free, as in experiments/eval.py.
 `quant` ("w8a8" / "w4a8", optionally after `rotate`) quantizes the loaded params for serving
 (`glm5_jax.quant`; docs/quantization.md).
+
+Cache dtype: the served model's `cache_dtype` is its compute `dtype` (an fp32 checkpoint decodes
+with an fp32 cache, a bf16 one with bf16), so cached decode equals the full forward, unless the
+caller chooses one (`cache_dtype=`, or `model_overrides={"cache_dtype": ...}`). A bfloat16 cache
+under an fp32 forward halves the cache's bytes but rounds every cached latent and key to 8
+mantissa bits: decode then leaves the full forward from the first cached token (on small fp32
+checkpoints the relative logits error reached 1.7 and greedy outputs changed; docs/inference.md).
 """
 
 import dataclasses
@@ -46,7 +53,8 @@ class ServedModel:
 def load_model(*, workdir: str | None = None, hf_path: str | None = None,
                random_init_config=None, model_overrides: dict | None = None,
                tokenizer: str | None = None, seed: int = 0, quant: str = "none",
-               quant_group_size: int | None = None, rotate: bool = False) -> ServedModel:
+               quant_group_size: int | None = None, rotate: bool = False,
+               cache_dtype: str | None = None) -> ServedModel:
   """The model to serve from exactly one source (module docstring).
 
   Args:
@@ -58,11 +66,18 @@ def load_model(*, workdir: str | None = None, hf_path: str | None = None,
     quant: "none", or serve quantized: "w8a8" / "w4a8" (`glm5_jax.quant.serve.quantize`).
     quant_group_size: W4A8's INT4 group size (default: the model's `quant_group_size`).
     rotate: fold a Hadamard rotation into the float weights first (`glm5_jax.quant.rotation`).
+    cache_dtype: the decode cache's dtype; default: the model's `dtype` (module docstring).
   Raises:
-    ValueError: no source or several; a tokenizer whose ids do not fit the model's vocab.
+    ValueError: no source or several; a tokenizer whose ids do not fit the model's vocab;
+      `cache_dtype` and a `model_overrides` "cache_dtype" that differ.
     FileNotFoundError: a workdir without checkpoints, a missing HF directory.
     glm5_jax.train.checkpoint.CheckpointCorruptError: a damaged checkpoint step.
   """
+  chosen = (model_overrides or {}).get("cache_dtype")
+  if cache_dtype and chosen and cache_dtype != chosen:
+    raise ValueError(f"cache_dtype={cache_dtype!r} and the model override cache_dtype="
+                     f"{chosen!r} differ; give one")
+  cache_dtype = cache_dtype or chosen
   given = [name for name, value in (("workdir", workdir), ("hf_path", hf_path),
                                     ("random_init", random_init_config)) if value]
   if len(given) != 1:
@@ -103,6 +118,8 @@ def load_model(*, workdir: str | None = None, hf_path: str | None = None,
   if quant != "none":
     model, params = serve.quantize(model, params, quant, quant_group_size)
     source += f", quantized {quant}"
+  model = apply_model_overrides(model, {"cache_dtype": cache_dtype or model.dtype},
+                                "cache_dtype")
   name = tokenizer or own_tokenizer
   tok = make_tokenizer(name) if name else None
   if tok is not None:

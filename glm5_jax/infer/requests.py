@@ -45,6 +45,22 @@ class Request:
   stop_tokens: tuple = ()
   session: Hashable | None = None
 
+  def __post_init__(self):
+    """Refuses settings outside the ranges above, naming the field (an engine's `submit` checks
+    the prompt against its vocab and lengths)."""
+    where = f"Request {self.index}"
+    _integer(f"{where}: max_new_tokens", self.max_new_tokens, low=1)
+    if _real(f"{where}: temperature", self.temperature) < 0:
+      raise ValueError(f"{where}: temperature must be >= 0 (0 = greedy); got {self.temperature}")
+    if not 0 < _real(f"{where}: top_p", self.top_p) <= 1:
+      raise ValueError(f"{where}: top_p must be in (0, 1]; got {self.top_p} (1 = off)")
+    _integer(f"{where}: top_k", self.top_k, low=0)
+    if not 0 <= _integer(f"{where}: seed", self.seed, low=0) < SEED_BOUND:
+      raise ValueError(f"{where}: seed must be in [0, 2**32); got {self.seed}")
+    if not isinstance(self.prompt, tuple) or not self.prompt:
+      raise ValueError(f"{where}: prompt must be a non-empty tuple of token ids; got "
+                       f"{self.prompt!r:.80}")
+
 
 @dataclasses.dataclass
 class GenerateResult:
@@ -68,7 +84,8 @@ class GenerateResult:
   acceptance_rates: Optional[list] = None
 
 
-def validate_generate_args(prompts, *, vocab_size: int, max_len: int, max_new_tokens=32,
+def validate_generate_args(prompts, *, vocab_size: int, max_len: int,
+                           max_positions: int | None = None, max_new_tokens=32,
                            temperature=0.0, top_p=1.0, top_k=0, seed=0, speculative_steps=0,
                            return_logits=False, stop_tokens: Sequence[int] = ()) -> list:
   """Checks `infer.generate`'s arguments and returns one `Request` per prompt.
@@ -79,6 +96,8 @@ def validate_generate_args(prompts, *, vocab_size: int, max_len: int, max_new_to
     max_len: the cache's positions per slot. A prompt may not be longer, and a request needs
       `len(prompt) + max_new_tokens - 1 + speculative_steps` positions (every token but the last
       generated one is fed to the model; a verification step feeds k drafts past it).
+    max_positions: the model's `max_position_embeddings` (None: unchecked); a request's
+      `len(prompt) + max_new_tokens - 1` fed positions may not exceed it.
     the rest: as `infer.generate` (see `Request` for the accepted ranges).
   Raises:
     ValueError: naming the argument, the prompt index and the value.
@@ -114,6 +133,11 @@ def validate_generate_args(prompts, *, vocab_size: int, max_len: int, max_new_to
           f"prompts[{i}]: {len(ids)} prompt tokens + max_new_tokens {max_new_tokens} - 1 + "
           f"speculative_steps {speculative_steps} = {needed} cache positions, more than "
           f"max_len = {max_len}")
+    if max_positions is not None and len(ids) + max_new_tokens - 1 > max_positions:
+      raise ValueError(
+          f"prompts[{i}]: {len(ids)} prompt tokens + max_new_tokens {max_new_tokens} - 1 = "
+          f"{len(ids) + max_new_tokens - 1} positions, more than the model's "
+          f"max_position_embeddings = {max_positions}")
     requests.append(Request(i, ids, max_new_tokens, temperature, top_p, top_k, seed,
                             stop_tokens))
   return requests

@@ -1,0 +1,82 @@
+"""glm5_jax.serve.engine_loop: requests from many threads through the one engine thread get
+exactly the tokens of `Engine.run`; cancel frees the slot; a full queue refuses at once."""
+
+import threading
+
+import pytest
+
+from glm5_jax.infer import engine as engine_lib
+from glm5_jax.infer.requests import Request
+from glm5_jax.serve.engine_loop import EngineLoop, QueueFull
+from tests.conftest import random_params, tiny_model_config
+
+CFG = tiny_model_config(num_hidden_layers=2, attention_pattern="DD", first_k_dense_replace=2,
+                        mtp_depths=0, num_nextn_predict_layers=0)
+PROMPTS = [(5, 17, 3), (11,), (250, 3, 3, 9), (7, 7), (1, 2, 3, 4, 5)]
+
+
+@pytest.fixture(scope="module")
+def params():
+  return random_params(CFG, seed=1, std=0.5)
+
+
+def _requests(max_new=4):
+  return [Request(i, p, max_new, 1.0, 1.0, 0, engine_lib.request_seed(3, i))
+          for i, p in enumerate(PROMPTS)]
+
+
+def test_concurrent_submitters_get_the_tokens_of_run(params):
+  want = engine_lib.Engine(CFG, params, slots=2, max_len=16, prefill_chunk=4).run(_requests())
+  loop = EngineLoop(engine_lib.Engine(CFG, params, slots=2, max_len=16, prefill_chunk=4))
+  got = {}
+
+  def client(r):
+    events = list(loop.submit(r))
+    got[r.index] = ([t for e in events for t in e.tokens], events[-1].completion)
+
+  threads = [threading.Thread(target=client, args=(r,)) for r in _requests()]
+  for t in threads:
+    t.start()
+  for t in threads:
+    t.join(timeout=120)
+  loop.close()
+  for i, w in enumerate(want):
+    streamed, completion = got[i]
+    assert streamed == completion.tokens == w.tokens, i
+
+
+class _Gated(engine_lib.Engine):
+  """An engine whose every step waits for the test's permission (no race with the thread)."""
+
+  def __init__(self, *args, **kwargs):
+    super().__init__(*args, **kwargs)
+    self.gate = threading.Semaphore(0)
+
+  def step(self):
+    self.gate.acquire()
+    return super().step()
+
+
+def test_cancel_frees_the_slot_and_bad_requests_and_full_queue_are_refused(params):
+  engine = _Gated(CFG, params, slots=1, max_len=16, prefill_chunk=4)
+  loop = EngineLoop(engine, max_queue=2)
+  long = loop.submit(Request(0, (1, 2), 14, 1.0, 1.0, 0, 0))
+  engine.gate.release()
+  assert len(long.get(timeout=120).tokens) == 2  # admitted: first token + one decode token
+  loop.cancel(long)
+  engine.gate.release()  # at most one more step before the thread reads the cancel
+  rest = []
+  while (event := long.get(timeout=120)) is not None:
+    rest.append(event)
+  assert len(rest) <= 1 and all(e.completion is None for e in rest)  # cut short, unfinished
+  assert engine.running() == 0
+  engine.gate.release(100)
+  short = loop.submit(Request(1, (3,), 2, 0.0, 1.0, 0, 0))  # takes the freed slot
+  assert [e.completion for e in short][-1].tokens
+  with pytest.raises(ValueError, match="max_len 16"):
+    list(loop.submit(Request(2, (3,) * 10, 10, 0.0, 1.0, 0, 0)))
+  loop.close()
+  stalled = EngineLoop.__new__(EngineLoop)  # a loop whose thread never drains its queue
+  stalled.max_queue, stalled._pending, stalled._lock = 1, 1, threading.Lock()
+  with pytest.raises(QueueFull, match="max_queue=1"):
+    stalled.submit(Request(3, (3,), 2, 0.0, 1.0, 0, 0))
