@@ -20,7 +20,7 @@ from tests.conftest import random_params, tiny_model_config
 
 CFG = tiny_model_config(num_hidden_layers=2, attention_pattern="DD", first_k_dense_replace=2,
                         mtp_depths=0, num_nextn_predict_layers=0)
-MAX_LEN = 96
+MAX_LEN = 512
 
 
 @pytest.fixture(scope="module")
@@ -93,10 +93,45 @@ def test_errors_are_openai_bodies_naming_the_field(server, body, status, param):
 
 
 def test_a_disconnected_stream_frees_its_slot(server):
+  before = server["loop"].tokens_generated
   with httpx.stream("POST", server["url"] + "/v1/completions", timeout=60, json={
-      "prompt": [1, 2, 3], "max_tokens": 90, "stream": True}) as r:
+      "prompt": [1, 2, 3], "max_tokens": 400, "stream": True, "ignore_eos": True}) as r:
     next(r.iter_lines())  # the first chunk arrived: the request holds a slot
   deadline = time.time() + 30
   while server["loop"].running() and time.time() < deadline:
     time.sleep(0.05)
   assert server["loop"].running() == 0
+  assert server["loop"].tokens_generated - before < 400  # cut short, not run to max_tokens
+
+
+TOOLS = [{"type": "function", "function": {"name": "calc", "description": "evaluate",
+                                           "parameters": {"type": "object"}}}]
+
+
+def test_tools_render_and_tool_turns_are_accepted_and_malformed_tools_refused(server):
+  messages = [{"role": "user", "content": "2*3?"},
+              {"role": "assistant", "content": "", "reasoning_content": "use calc",
+               "tool_calls": [{"id": "c0", "type": "function", "function": {
+                   "name": "calc", "arguments": '{"expr": "2*3"}'}}]},
+              {"role": "tool", "tool_call_id": "c0", "content": "6"}]
+  reply = server["client"].chat.completions.create(model="tiny", messages=messages, tools=TOOLS,
+                                                   max_tokens=3, seed=0)
+  assert reply.usage.prompt_tokens > 200  # the tools block is in the prompt
+  for tools in ([{"type": "function", "function": {}}], "calc"):
+    r = httpx.post(server["url"] + "/v1/chat/completions", timeout=60, json={
+        "messages": messages, "tools": tools, "max_tokens": 2})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "tools", r.text
+
+
+def test_generated_tool_calls_come_back_as_openai_tool_calls(server):
+  """The parse path: GLM's `<tool_call>` ids -> the reply's OpenAI `tool_calls`."""
+  from glm5_jax.data import chat
+  from glm5_jax.serve.app import _tool_call
+  tok = server["tok"]
+  c = chat.special_ids(tok)
+  ids = ([c.think_close, c.tool_call_open] + tok.encode("calc") + [c.arg_key_open]
+         + tok.encode("expr") + [c.arg_key_close, c.arg_value_open] + tok.encode("2*3")
+         + [c.arg_value_close, c.tool_call_close, c.observation])
+  parsed = chat.parse_response(ids, tok)
+  assert [_tool_call(call, 0)["function"] for call in parsed.tool_calls] == [
+      {"name": "calc", "arguments": '{"expr": "2*3"}'}]
