@@ -119,7 +119,7 @@ def create_app(loop: EngineLoop, tokenizer, *, model_name: str, max_body_bytes: 
     streams = []
     try:
       for r in requests:
-        streams.append(loop.submit(r))
+        streams.append(loop.submit(r, asyncio.get_running_loop()))
     except QueueFull as e:
       for s in streams:
         loop.cancel(s)
@@ -127,8 +127,7 @@ def create_app(loop: EngineLoop, tokenizer, *, model_name: str, max_body_bytes: 
     return streams
 
   async def _next(stream):
-    item = await asyncio.to_thread(stream.get)
-    return item
+    return await stream.aget()
 
   def _choice_logprobs(event_tokens, raws, want):
     if not want:
