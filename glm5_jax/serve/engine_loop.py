@@ -9,6 +9,7 @@ through one bounded queue, so the engine is touched by its own thread only; a fu
 `engine.step()` while anything is in flight and blocks on the queue when idle.
 """
 
+import asyncio
 import queue
 import threading
 
@@ -24,9 +25,26 @@ class Stream:
   """One request's events, in order; `None` after its last one (finished or cancelled), or an
   exception the engine raised for it (e.g. a ValueError from `Engine.submit`)."""
 
-  def __init__(self):
+  def __init__(self, aloop=None):
     self._events: queue.Queue = queue.Queue()
     self.handle: int | None = None
+    # With an asyncio loop, events go to an asyncio.Queue (`aget`) instead: a blocked thread
+    # per waiting stream would exhaust the executor with many streams.
+    self._aloop = aloop
+    self._aevents = asyncio.Queue() if aloop is not None else None
+
+  def _put(self, item) -> None:
+    if self._aloop is None:
+      self._events.put(item)
+    else:
+      self._aloop.call_soon_threadsafe(self._aevents.put_nowait, item)
+
+  async def aget(self):
+    """`get` for a stream submitted with an asyncio loop."""
+    item = await self._aevents.get()
+    if isinstance(item, Exception):
+      raise item
+    return item
 
   def get(self, timeout: float | None = None):
     """The next `Event`, `None` at the end; raises what the engine raised for the request."""
@@ -57,12 +75,14 @@ class EngineLoop:
     self._thread = threading.Thread(target=self._run, name="engine-loop", daemon=True)
     self._thread.start()
 
-  def submit(self, request: Request) -> Stream:
+  def submit(self, request: Request, aloop=None) -> Stream:
+    """Queues `request`; its events come back on the returned stream (on `aloop`, an asyncio
+    event loop, when given: read them with `await stream.aget()`)."""
     with self._lock:
       if self._pending >= self.max_queue:
         raise QueueFull(f"{self._pending} requests waiting, max_queue={self.max_queue}")
       self._pending += 1
-    stream = Stream()
+    stream = Stream(aloop)
     self._commands.put(("submit", request, stream))
     return stream
 
@@ -94,7 +114,7 @@ class EngineLoop:
         events = self.engine.step()
       except Exception as e:  # the engine is broken: every request in flight hears why
         for stream in self._streams.values():
-          stream._events.put(e)
+          stream._put(e)
         raise
       with self._lock:
         self._pending = self.engine.waiting() + self._commands.qsize()
@@ -106,10 +126,10 @@ class EngineLoop:
     if stream is None:
       return
     self.tokens_generated += len(event.tokens)
-    stream._events.put(event)
+    stream._put(event)
     if event.completion is not None:
       del self._streams[event.handle]
-      stream._events.put(None)
+      stream._put(None)
 
   def _command(self, kind, request, stream) -> None:
     if kind == "submit":
@@ -119,7 +139,7 @@ class EngineLoop:
       except ValueError as e:
         with self._lock:
           self._pending -= 1
-        stream._events.put(e)
+        stream._put(e)
     elif kind == "cancel" and stream.handle is not None:
       if self.engine.cancel(stream.handle) and self._streams.pop(stream.handle, None):
-        stream._events.put(None)
+        stream._put(None)

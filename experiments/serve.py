@@ -1,0 +1,81 @@
+"""Serve a model over HTTP with the OpenAI API (`glm5_jax.serve`; docs/serving.md).
+
+  python experiments/serve.py --random_init --config=configs/tiny.py --port=8000
+  python experiments/serve.py --workdir=/tmp/glm5_tiny --slots=16 --max_len=2048
+  python experiments/serve.py --hf_path=/ckpt/GLM-5 --cache_dtype=float32
+
+The model comes from `--workdir` (a training run's latest checkpoint), `--hf_path` or
+`--random_init --config=...`, loaded as experiments/generate.py loads it
+(`glm5_jax.infer.loading`). One engine thread batches every request continuously over
+`--slots` sequences of up to `--max_len` positions.
+"""
+
+import sys
+
+from absl import app, flags
+from ml_collections import config_flags
+import uvicorn
+
+from configs import overrides
+from glm5_jax.config import model_config
+from glm5_jax.infer.engine import Engine
+from glm5_jax.infer.loading import load_model
+from glm5_jax.serve.app import create_app
+from glm5_jax.serve.engine_loop import EngineLoop
+from glm5_jax.train import console
+
+_WORKDIR = flags.DEFINE_string("workdir", None, "Training run workdir: serve its latest "
+                               "checkpoint.")
+_HF_PATH = flags.DEFINE_string("hf_path", None, "HF GLM-5 checkpoint directory to serve.")
+_RANDOM_INIT = flags.DEFINE_bool("random_init", False, "Serve --config's model with random "
+                                 "params (smoke tests of the serving path only).")
+_CONFIG = overrides.define_config_file(
+    "config", None, "Run config for --random_init (its model and data.tokenizer), e.g. "
+    "configs/tiny.py.", lock_config=False)
+_MODEL = overrides.define_config_dict(
+    "model", model_config(), "Served-model fields to change; only fields given here apply.")
+_TOKENIZER = flags.DEFINE_string("tokenizer", None, "'byte' or a tokenizer.json path instead of "
+                                 "the model source's own.")
+_CACHE_DTYPE = flags.DEFINE_enum("cache_dtype", None, ["float32", "bfloat16"], "The decode "
+                                 "cache's dtype (default: the model config's).")
+_HOST = flags.DEFINE_string("host", "127.0.0.1", "Address to listen on.")
+_PORT = flags.DEFINE_integer("port", 8000, "Port to listen on.")
+_SLOTS = flags.DEFINE_integer("slots", 8, "Sequences decoded at once.")
+_MAX_LEN = flags.DEFINE_integer("max_len", 1024, "Cache positions per slot (prompt + "
+                                "max_tokens - 1 of one request).")
+_PREFILL_CHUNK = flags.DEFINE_integer("prefill_chunk", 256, "Prompt tokens per slot per "
+                                      "prefill call.")
+_MAX_QUEUE = flags.DEFINE_integer("max_queue", 256, "Requests waiting for a slot before the "
+                                  "server answers 429.")
+_NAME = flags.DEFINE_string("model_name", "glm5-jax", "The model id clients pass as `model`.")
+_SEED = flags.DEFINE_integer("seed", 0, "Init seed of --random_init.")
+
+
+def main(argv):
+  if len(argv) > 1:
+    raise app.UsageError(f"unexpected arguments {argv[1:]}")
+  console.quiet_library_info()
+  try:
+    if _RANDOM_INIT.value and _CONFIG.value is None:
+      raise ValueError("--random_init needs --config (e.g. --config=configs/tiny.py)")
+    model_overrides = dict(config_flags.get_override_values(flags.FLAGS["model"]))
+    if _CACHE_DTYPE.value:
+      model_overrides["cache_dtype"] = _CACHE_DTYPE.value
+    served = load_model(workdir=_WORKDIR.value, hf_path=_HF_PATH.value,
+                        random_init_config=_CONFIG.value if _RANDOM_INIT.value else None,
+                        model_overrides=model_overrides, tokenizer=_TOKENIZER.value,
+                        seed=_SEED.value)
+    if served.tokenizer is None:
+      raise ValueError("the model source has no tokenizer: pass --tokenizer")
+    engine = Engine(served.model, served.params, slots=_SLOTS.value, max_len=_MAX_LEN.value,
+                    prefill_chunk=_PREFILL_CHUNK.value)
+    loop = EngineLoop(engine, max_queue=_MAX_QUEUE.value)
+  except (ValueError, FileNotFoundError) as e:
+    sys.stderr.write("\n".join(console.failure_lines(e, "serving")) + "\n")
+    sys.exit(console.EXIT_FAILED)
+  uvicorn.run(create_app(loop, served.tokenizer, model_name=_NAME.value), host=_HOST.value,
+              port=_PORT.value, log_level="info")
+
+
+if __name__ == "__main__":
+  app.run(main, flags_parser=overrides.parse_flags)
