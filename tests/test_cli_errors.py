@@ -38,7 +38,7 @@ def test_bad_command_lines_are_refused(tmp_path):
   cases = [
       (("experiments/train.py", "--config.mesh.shape.pipeline=2", f"--workdir={missing}"),
        "ConfigError: config.mesh.shape.pipeline: unknown field (--config.mesh.shape.pipeline=2);"
-       " known fields: ['data', 'expert', 'fsdp', 'tensor']"),
+       " known fields: ['context', 'data', 'expert', 'fsdp', 'tensor']"),
       (("experiments/train.py", "--config=configs/tiny.py", "--config.mesh.shape.pipeline=2",
         f"--workdir={missing}"), "ConfigError: config.mesh.shape.pipeline: unknown field"),
       (("experiments/eval.py", f"--workdir={missing}"), f"no checkpoint under {missing}"),
