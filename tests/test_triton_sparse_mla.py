@@ -15,6 +15,7 @@ from pallas_kernels import sparse_mla_reference
 # The functions by name from the module: the package may later export `sparse_mla_triton`, the
 # function, under the module's name.
 from pallas_kernels.sparse_mla_triton import _auto_split, sparse_mla_flops, sparse_mla_triton
+from tests.conftest import lower_for_cuda
 
 SCALE = 0.25
 
@@ -154,7 +155,7 @@ def test_flop_formula():
 
 
 def _lower_for_cuda(fn, *shapes):
-  return jax.jit(fn).trace(*shapes).lower(lowering_platforms=("cuda",)).as_text()
+  return lower_for_cuda(fn, *shapes)
 
 
 def _glm5_shapes(b, l, s=4096, h=64, c=512, r=64, t=2048):
