@@ -36,8 +36,10 @@ _MODEL = overrides.define_config_dict(
     "model", model_config(), "Served-model fields to change; only fields given here apply.")
 _TOKENIZER = flags.DEFINE_string("tokenizer", None, "'byte' or a tokenizer.json path instead of "
                                  "the model source's own.")
-_CACHE_DTYPE = flags.DEFINE_enum("cache_dtype", None, ["float32", "bfloat16"], "The decode "
-                                 "cache's dtype (default: the model config's).")
+_CACHE_DTYPE = flags.DEFINE_enum(
+    "cache_dtype", None, ["float32", "bfloat16", "float16"], "The decode cache's dtype "
+    "(default: the model's compute dtype, so cached decode equals the full forward; bfloat16 "
+    "under an fp32 model halves the cache and rounds it: docs/inference.md).")
 _HOST = flags.DEFINE_string("host", "127.0.0.1", "Address to listen on.")
 _PORT = flags.DEFINE_integer("port", 8000, "Port to listen on.")
 _SLOTS = flags.DEFINE_integer("slots", 8, "Sequences decoded at once.")
@@ -58,13 +60,11 @@ def main(argv):
   try:
     if _RANDOM_INIT.value and _CONFIG.value is None:
       raise ValueError("--random_init needs --config (e.g. --config=configs/tiny.py)")
-    model_overrides = dict(config_flags.get_override_values(flags.FLAGS["model"]))
-    if _CACHE_DTYPE.value:
-      model_overrides["cache_dtype"] = _CACHE_DTYPE.value
     served = load_model(workdir=_WORKDIR.value, hf_path=_HF_PATH.value,
                         random_init_config=_CONFIG.value if _RANDOM_INIT.value else None,
-                        model_overrides=model_overrides, tokenizer=_TOKENIZER.value,
-                        seed=_SEED.value)
+                        model_overrides=config_flags.get_override_values(flags.FLAGS["model"]),
+                        tokenizer=_TOKENIZER.value, seed=_SEED.value,
+                        cache_dtype=_CACHE_DTYPE.value)
     if served.tokenizer is None:
       raise ValueError("the model source has no tokenizer: pass --tokenizer")
     engine = Engine(served.model, served.params, slots=_SLOTS.value, max_len=_MAX_LEN.value,

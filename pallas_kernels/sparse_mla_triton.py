@@ -21,9 +21,10 @@ Decode (flash-decoding): with few programs (B * L small, e.g. one new token per 
   T slots are split over K programs per token; each writes a partial (out, lse) in fp32 and XLA
   merges them with a log-sum-exp (`_merge_splits`). K is picked from B * L so that about
   `_TARGET_PROGRAMS` programs run (a Hopper has 132 SMs), or given as `split_k=`.
-Backward (custom VJP), grid (B, L): `delta = rowsum(dout * out) - dlse` in XLA; per token the
-  same gather and logits, `p = exp(logit - lse)`, `ds = p (dout . kv - delta) scale`; dq and
-  dq_rope accumulate in registers over the slot blocks and are written once; each block's
+Backward (custom VJP), grid (B, L, H / hb): `delta = rowsum(dout * out) - dlse` in XLA; per
+  token and block of hb heads (32 of 64 by default: all 64 do not fit a Hopper SM's shared
+  memory, `TritonMLAOptions`) the same gather and logits, `p = exp(logit - lse)`,
+  `ds = p (dout . kv - delta) scale`; dq and dq_rope accumulate in registers over the slot blocks and are written once; each block's
   key-row gradients `p^T dout + ds^T q` `[bt, C]` and `ds^T q_rope` `[bt, R]` are added into
   fp32 `[B, S, C]` / `[B, S, R]` buffers with masked `plgpu.atomic_add` (GPUs have atomics, so
   no per-slot buffer and no XLA scatter as on TPU), cast to the input dtype after. The order
@@ -78,12 +79,14 @@ class TritonMLAOptions:
       32 x (512 + 64) bf16 = 36 KiB of shared memory, two of them in flight (num_stages=2) plus
       the 72 KiB query tile stay well under 228 KiB; bt=64 would double that and leave no
       room for a third stage.
-    backward_block_t=32, backward_num_warps=8, backward_num_stages=1: the backward keeps q and
-      dout `[64, 512]` bf16 (64 KiB each) resident and the dq accumulator (128 KiB of
-      registers), plus the block's `[32, 512]` fp32 key-row gradients (64 KiB, transient): near
-      the 256 KiB register file, so expect some spilling; backward_block_t=16 halves the
-      transient. One stage keeps shared memory (q, dout, one gathered block: ~172 KiB) in
-      budget.
+    backward_head_block=32, backward_block_t=16, backward_num_warps=8, backward_num_stages=1:
+      with all 64 heads in one program the backward needs 264-408 KiB of shared memory at every
+      block option, over the 227 KiB a Hopper block may use, so it could not launch
+      (`tools/check_triton_compile.py --sweep`, Triton 3.6 for sm_90a). Two programs per token,
+      32 heads each, gather the same rows twice and double the key-row atomics, but fit: at
+      block_t 16, 255 registers, no spills, 100 KiB of shared memory (32 heads at block_t 32
+      spill 28 bytes). Each head block adds its heads' share of the key-row gradients, whose
+      sum over heads is the gradient.
     split_k: None = automatic (`_auto_split`); 1 = never split; K = split the slots over K
       programs per token (forward only; the backward is never split).
   """
@@ -91,7 +94,8 @@ class TritonMLAOptions:
   block_t: int = 32
   num_warps: int = 8
   num_stages: int = 2
-  backward_block_t: int = 32
+  backward_head_block: int = 32
+  backward_block_t: int = 16
   backward_num_warps: int = 8
   backward_num_stages: int = 1
   split_k: int | None = None
@@ -122,6 +126,14 @@ def _slot_block(t: int, block_t: int, name: str) -> int:
     raise ValueError(f"sparse_mla_triton: {name}={block_t} must be a power of two >= 16 "
                      "(Triton block dims are powers of two; dot operands >= 16)")
   return min(block_t, _pow2(t))
+
+
+def _head_block(padded_heads: int, head_block: int) -> int:
+  """Heads per backward program: `backward_head_block`, or all heads when there are fewer."""
+  if head_block < 16 or head_block & (head_block - 1):
+    raise ValueError(f"sparse_mla_triton: backward_head_block={head_block} must be a power of "
+                     "two >= 16 (Triton block dims are powers of two; dot operands >= 16)")
+  return min(head_block, padded_heads)
 
 
 def _auto_split(programs: int, num_blocks: int) -> int:
@@ -296,21 +308,23 @@ def _backward(q_BLHC, q_rope_BLHR, kv_BSC, k_rope_BSR, topk_BLT, dout_BLHC, lse_
   q, q_rope, kv, k_rope, topk, n_blocks = _padded(q_BLHC, q_rope_BLHR, kv_BSC, k_rope_BSR,
                                                    topk_BLT, bt)
   hp, cp, rp = q.shape[2], q.shape[3], q_rope.shape[3]
+  hb = _head_block(hp, opts.backward_head_block)
   dout = pad_axis(pad_axis(dout_BLHC, 2, hp, 0), 3, cp, 0)
   # Padded heads: lse 0 and delta 0 with zero q and dout give them p finite, ds = 0.
   lse, delta = (pad_axis(x.astype(_F32), 2, hp, 0.0) for x in (lse_BLH, delta_BLH))
-  token = lambda *block: pl.BlockSpec((None, None) + block,
-                                      lambda bi, li: (bi, li) + (0,) * len(block))
+  # One program per (token, block of hb heads); the heads axis is the block's first dim.
+  heads = lambda *block: pl.BlockSpec((None, None) + block,
+                                      lambda bi, li, hi: (bi, li, hi) + (0,) * (len(block) - 1))
   dq, dq_rope, dkv, dk_rope = pl.pallas_call(
       functools.partial(_backward_kernel, scale=scale, bt=bt, interpret=opts.interpret),
       out_shape=(jax.ShapeDtypeStruct((b, l, hp, cp), q_BLHC.dtype),
                  jax.ShapeDtypeStruct((b, l, hp, rp), q_rope_BLHR.dtype),
                  jax.ShapeDtypeStruct((b, s, cp), _F32),
                  jax.ShapeDtypeStruct((b, s, rp), _F32)),
-      grid=(b, l),
-      in_specs=[pl.no_block_spec, pl.no_block_spec, token(hp, cp), token(hp, rp),
-                token(hp, cp), token(hp), token(hp)] + [pl.no_block_spec] * 4,
-      out_specs=(token(hp, cp), token(hp, rp), pl.no_block_spec, pl.no_block_spec),
+      grid=(b, l, hp // hb),
+      in_specs=[pl.no_block_spec, pl.no_block_spec, heads(hb, cp), heads(hb, rp),
+                heads(hb, cp), heads(hb), heads(hb)] + [pl.no_block_spec] * 4,
+      out_specs=(heads(hb, cp), heads(hb, rp), pl.no_block_spec, pl.no_block_spec),
       input_output_aliases={9: 2, 10: 3},  # the zeroed fp32 accumulators are the dkv outputs
       compiler_params=plgpu.CompilerParams(num_warps=opts.backward_num_warps,
                                            num_stages=opts.backward_num_stages),
@@ -356,7 +370,7 @@ def sparse_mla_triton(q_BLHC, q_rope_BLHR, kv_BSC, k_rope_BSR, topk_BLT, *, scal
     interpret: run the kernels in Pallas interpret mode (CPU tests) instead of compiling them
       for the GPU.
     block_options: `TritonMLAOptions` fields (block_t, num_warps, num_stages,
-      backward_block_t, backward_num_warps, backward_num_stages, split_k).
+      backward_head_block, backward_block_t, backward_num_warps, backward_num_stages, split_k).
   Returns:
     `(out_BLHC, lse_BLH)`: out in kv's dtype, lse fp32 (-inf for a query with no valid slot).
   Unlike the reference, the four float inputs must share one dtype (bf16 on GPU; fp32 runs the

@@ -140,3 +140,20 @@ def tiny_cfg():
 @pytest.fixture(scope="session")
 def tiny_params(tiny_cfg):
   return random_params(tiny_cfg, seed=0)
+
+
+def lower_for_cuda(fn, *abstract_args) -> str:
+  """StableHLO text of `fn` lowered for CUDA on this (CPU) host: proves a Pallas Triton kernel's
+  lowering (block shapes, primitives) without a GPU.
+
+  jaxlib <= 0.10.2 stops at the Triton IR; newer jaxlibs also compile it during lowering through
+  a handler that only the CUDA plugin registers, so on a CPU-only host with such a jaxlib the
+  test is skipped with that reason (`tools/check_triton_compile.py` compiles the kernels offline
+  there, through Triton itself)."""
+  try:
+    return jax.jit(fn).trace(*abstract_args).lower(lowering_platforms=("cuda",)).as_text()
+  except RuntimeError as e:
+    if "does not have a Triton compilation handler" not in str(e):
+      raise
+    pytest.skip(f"jaxlib {jax.__version__} compiles Triton while lowering and this host has no "
+                f"CUDA plugin to do it ({e}); use tools/check_triton_compile.py")

@@ -23,6 +23,7 @@ import pytest
 
 from pallas_kernels.lightning_indexer import indexer_scores_reference, indexer_topk_reference
 from pallas_kernels.lightning_indexer_triton import indexer_topk_triton
+from tests.conftest import lower_for_cuda
 
 TINY = dict(block_q=4, block_s=16, chunk=16, interpret=True)
 
@@ -147,7 +148,7 @@ def test_lowers_for_cuda_at_glm5_shapes(b, l, s, dtype, options):
   shapes = (sds((b, l, heads, dim), dtype), sds((b, s, dim), dtype), sds((b, l, heads), dtype),
             sds((b, l), jnp.int32), sds((b, l), jnp.int32), sds((b, s), jnp.int32))
   fn = functools.partial(indexer_topk_triton, topk=2048, scale=128 ** -0.5, **options)
-  text = jax.jit(fn).trace(*shapes).lower(lowering_platforms=("cuda",)).as_text()
+  text = lower_for_cuda(fn, *shapes)
   assert text.count("__gpu$xla.gpu.triton") == 1, "expected exactly one Triton kernel"
   assert "lightning_indexer_topk" in text
   padded = -(-l // options.get("block_q", 8)) * options.get("block_q", 8)

@@ -15,6 +15,7 @@ from pallas_kernels import sparse_mla_reference
 # The functions by name from the module: the package may later export `sparse_mla_triton`, the
 # function, under the module's name.
 from pallas_kernels.sparse_mla_triton import _auto_split, sparse_mla_flops, sparse_mla_triton
+from tests.conftest import lower_for_cuda
 
 SCALE = 0.25
 
@@ -89,6 +90,19 @@ def test_gradients_match_reference_autodiff(dtype, tol):
   assert not np.asarray(got[0][0, 0], np.float32).any(), "the empty query gets no gradient"
 
 
+
+def test_backward_split_over_head_blocks_matches_reference():
+  """H = 20 padded to 32 and split into two programs of 16 heads per token (the GLM-5 default
+  splits 64 into 2 x 32 to fit a Hopper SM): each block adds its heads' key-row gradients."""
+  args = mla_inputs(h=20, seed=6)
+  triton = functools.partial(sparse_mla_triton, interpret=True, block_t=16,
+                             backward_block_t=16, backward_head_block=16)
+  got, ref = _grads(triton, args), _grads(sparse_mla_reference, args)
+  for name, g, r in zip(("q", "q_rope", "kv", "k_rope"), got, ref):
+    _close(g, r, 1e-5, f"d{name}")
+  with pytest.raises(ValueError, match="backward_head_block=24"):
+    _grads(functools.partial(triton, backward_head_block=24), args)
+
 def test_bf16_forward_within_bf16_rounding():
   args = mla_inputs(dtype=jnp.bfloat16, seed=5)
   ref_out, ref_lse = sparse_mla_reference(*args, scale=SCALE)
@@ -141,7 +155,7 @@ def test_flop_formula():
 
 
 def _lower_for_cuda(fn, *shapes):
-  return jax.jit(fn).trace(*shapes).lower(lowering_platforms=("cuda",)).as_text()
+  return lower_for_cuda(fn, *shapes)
 
 
 def _glm5_shapes(b, l, s=4096, h=64, c=512, r=64, t=2048):

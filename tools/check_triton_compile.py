@@ -65,8 +65,8 @@ def default_options(kernel: str) -> dict:
                      ("block_q", "block_s", "chunk", "radix_bits", "num_warps", "num_stages"))
   mla = sparse_mla_triton.TritonMLAOptions()
   if kernel == "mla_backward":
-    return {n: getattr(mla, n) for n in ("backward_block_t", "backward_num_warps",
-                                         "backward_num_stages")}
+    return {n: getattr(mla, n) for n in ("backward_head_block", "backward_block_t",
+                                         "backward_num_warps", "backward_num_stages")}
   return {n: getattr(mla, n) for n in ("block_t", "num_warps", "num_stages")}
 
 
@@ -84,7 +84,8 @@ SWEEPS = {
     "mla_forward": (_grid(block_t=(16, 32, 64), num_stages=(1, 2, 3))
                     + _grid(block_t=(16, 32), num_warps=(4, 16))),
     "mla_backward": (_grid(backward_block_t=(16, 32, 64), backward_num_stages=(1, 2))
-                     + _grid(backward_block_t=(16, 32), backward_num_warps=(4, 16))),
+                     + _grid(backward_block_t=(16, 32), backward_num_warps=(4, 16))
+                     + _grid(backward_head_block=(64,), backward_block_t=(16, 32))),
     "mla_decode": (_grid(block_t=(16, 32, 64), num_stages=(1, 2, 3))
                    + _grid(block_t=(16, 32), num_warps=(16,))),
 }
