@@ -434,7 +434,7 @@ def test_worked_solutions_render_and_round_trip(name, options):
     rebuilt = list(task.messages)
     for k in range(len(task.messages), len(conversation)):
       if conversation[k]["role"] == "observation":
-        rebuilt.append({"role": "observation", "content": step.observation})
+        rebuilt.append(conversation[k])  # the tool's reply, as the env gave it
         continue
       prompt = chat.render_prompt(rebuilt, tok)
       turn = chat.render(rebuilt + [conversation[k]], tok)
