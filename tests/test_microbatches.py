@@ -130,17 +130,18 @@ def test_microbatched_loss_and_grads_equal_one_batch(setup, one_batch_grads):
   _assert_trees_close(grads, want_grads)
 
 
-@pytest.mark.slow  # three compiled train steps with Muon Split
+@pytest.mark.slow  # two compiled train steps with Muon Split
 def test_microbatched_train_step_equals_one_batch(setup):
   """Through the whole train step (Muon Split + AdamW, loss-free balancing from the summed
-  expert counts): 2 and 4 microbatches give the one-batch step's metrics (grad norm, expert
-  load, ...), updated params, moved balancing biases and optimizer state."""
+  expert counts): 2 microbatches give the one-batch step's metrics (grad norm, expert load,
+  ...), updated params, moved balancing biases and optimizer state (4 microbatches, with the
+  near-empty one, are checked at the gradients above; the step only sums what they return)."""
   want_state, want_metrics = _step(setup, 1)
   before = setup[3].params
   moved = [not np.array_equal(a, b) for a, b in zip(
       jax.tree.leaves(_biases(want_state.params)), jax.tree.leaves(_biases(before)))]
   assert moved and all(moved)
-  for microbatches in (2, 4):
+  for microbatches in (2,):
     state, metrics = _step(setup, microbatches)
     assert {"grad_norm", "update_norm", "expert_load_max"} <= set(metrics)
     _assert_metrics_equal(metrics, want_metrics)
