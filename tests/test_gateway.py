@@ -164,3 +164,19 @@ def test_agent_episodes_through_the_gateway_become_training_samples(server):
   assert batch["loss_mask"].sum() == sum(s.response_length for s, _ in pairs)
   records = agent_rollout.to_trajectory_records(pairs, worker="w0", order=0)
   assert [r.meta["turns"] for r in records] == [s.turns for s, _ in pairs]
+
+
+def test_a_server_follows_the_published_policy_versions(server, tmp_path):
+  from glm5_jax.rl.param_sync import PolicyPublisher
+  from glm5_jax.rl.serve_policy import PolicyFollower
+  loop, new = server["loop"], random_params(CFG, seed=1, std=0.5)
+  follower = PolicyFollower(loop, tmp_path)
+  assert follower.poll() is None  # nothing published yet
+  publisher = PolicyPublisher(tmp_path, keep=1, async_save=False)
+  publisher.publish(7, new, block=True)
+  assert follower.poll() == 7 and follower.poll() is None
+  reply = httpx.post(server["url"] + "/v1/completions", timeout=60, json={
+      "prompt": [1, 72], "max_tokens": 2, "seed": 1}).json()
+  assert reply["system_fingerprint"] == "v7" and loop.version == 7
+  publisher.close()
+  loop.set_params(server["params"], 8)
