@@ -146,9 +146,12 @@ def test_params_switched_under_a_running_request_tag_each_token(server):
 def test_agent_episodes_through_the_gateway_become_training_samples(server):
   env = envs.make("calculator", max_turns=2)
   tasks = [env.task(0, "train")]
+  hits = server["loop"].engine.prefix_stats()["session_hits"]
   pairs = agent_rollout.agent_samples(server["url"], env, tasks, group_size=2, seed=0,
                                       model="tiny", max_tokens=16)
   assert len(pairs) == 2
+  # Each second turn continued its trajectory's engine session (prefilled only the new tokens).
+  assert server["loop"].engine.prefix_stats()["session_hits"] - hits == 2
   batch = rollout.to_batch([s for s, _ in pairs], MAX_LEN, advantages_N=[1.0, -1.0])
   # The raw log-probs are the served model's for exactly these tokens (one full forward).
   logps = _logprobs(server["params"], [s.tokens for s, _ in pairs])
@@ -180,3 +183,25 @@ def test_a_server_follows_the_published_policy_versions(server, tmp_path):
   assert reply["system_fingerprint"] == "v7" and loop.version == 7
   publisher.close()
   loop.set_params(server["params"], 8)
+
+
+def test_to_sample_merges_each_turns_routing_and_refuses_a_broken_chain():
+  from glm5_jax.serve.gateway import TurnRecord
+
+  def record(prompt, completion, routing):
+    return TurnRecord(prompt, completion, [-1.0] * len(completion), [-0.5] * len(completion),
+                      [3] * len(completion), "stop", False, None, len(prompt), 1,
+                      None if routing is None else {"moe": np.asarray(routing, np.int32)})
+
+  # Turn 0 fed 3 tokens (its last generated one unfed: -1); turn 1 re-fed nothing it had.
+  first = record([5, 6], [7, 8], [[[0]], [[1]], [[2]], [[-1]]])
+  second = record([5, 6, 7, 8, 9], [10], [[[9]], [[9]], [[9]], [[4]], [[5]], [[-1]]])
+  sample, versions = to_sample([first, second], task=None, group=0, reward=0.0, correct=False)
+  assert sample.tokens.tolist() == [5, 6, 7, 8, 9, 10]
+  assert sample.loss_mask.tolist() == [0, 0, 1, 1, 0, 1]
+  assert sample.rollout_logp.tolist() == [0, 0, -0.5, -0.5, 0, -0.5]
+  assert versions.tolist() == [-1, -1, 3, 3, -1, 3]
+  assert sample.routing["moe"][:, 0, 0].tolist() == [0, 1, 2, 4, 5, -1]
+  with pytest.raises(ValueError, match="prefix"):
+    to_sample([first, record([5, 6, 7, 0, 9], [10], None)], task=None, group=0, reward=0.0,
+              correct=False)

@@ -21,7 +21,8 @@ does the same). When that differs from rendering the whole conversation, the cal
 as a mismatch (`TurnRecord.mismatch`, the first differing position, the trajectory's
 `mismatches`, `glm5_gateway_mismatches_total` in /metrics); generation uses the recorded
 tokens either way. The earlier messages must be those of the previous call, unchanged (400
-otherwise: a trajectory only grows).
+otherwise: a trajectory only grows). Each trajectory is an engine session (plain decoding), so
+a later turn prefills only the tokens past the previous call's.
 
 Reading records: `GET /v1/trajectories/{id}`, `POST /v1/trajectories/{id}/finish` (no more
 calls; returns the records), `DELETE /v1/trajectories/{id}`; or in Python, `Gateway.records`
@@ -181,6 +182,8 @@ class Gateway:
         self._make_room()
         self._trajectories[t.id] = t
       t.pending, t.touched = True, time.time()
+    if getattr(self.loop.engine, "k", 0) == 0:  # sessions need plain decoding
+      requests = [dataclasses.replace(requests[0], session=_session(t.id))]
     self.loop.watch(requests[0], lambda completion, versions: self._end(call, completion,
                                                                          versions))
     try:
@@ -197,8 +200,14 @@ class Gateway:
       if not idle:
         raise GatewayError(503, f"the gateway holds {len(self._trajectories)} trajectories "
                            "with calls in flight (max_trajectories)")
-      del self._trajectories[min(idle, key=lambda t: (not t.finished, t.touched)).id]
+      tid = min(idle, key=lambda t: (not t.finished, t.touched)).id
+      del self._trajectories[tid]
+      self._release(tid)
       self.evicted += 1
+
+  def _release(self, tid: str) -> None:
+    if hasattr(self.loop, "release"):
+      self.loop.release(_session(tid))
 
   def _end(self, call: Call, completion, versions) -> None:
     """On the engine thread: the call's record, or an aborted call."""
@@ -245,12 +254,14 @@ class Gateway:
     t = self.records(tid)
     with self._lock:
       t.finished = True
+    self._release(tid)
     return t
 
   def drop(self, tid: str) -> None:
     self.records(tid)
     with self._lock:
       self._trajectories.pop(tid, None)
+    self._release(tid)
 
   def metric_lines(self) -> list[str]:
     return [f"glm5_gateway_trajectories {len(self._trajectories)}",
@@ -282,6 +293,13 @@ class Gateway:
     async def delete(tid: str):
       self.drop(tid)
       return {"id": tid, "deleted": True}
+
+
+def _session(tid: str) -> tuple:
+  """The engine session of a trajectory: its slot's cache is held between calls, so a turn
+  prefills only the tokens past the previous call's (`glm5_jax.infer.sessions`; evicted when
+  the engine needs the slot, then prefilled whole: never a different answer)."""
+  return ("gateway", tid)
 
 
 def records_from_json(trajectory: dict) -> list[TurnRecord]:

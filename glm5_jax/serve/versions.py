@@ -59,6 +59,10 @@ class VersionedLoop(EngineLoop):
     ends; runs on the engine thread, so it must be quick and must not call the loop."""
     self._watched[id(request)] = (request, callback)
 
+  def release(self, session) -> None:
+    """Frees a held engine session's slot (`Engine.release`) on the engine thread."""
+    self._commands.put(("release", session, None))
+
   def unwatch(self, request) -> None:
     """Forgets a `watch` whose request was never submitted."""
     self._watched.pop(id(request), None)
@@ -66,6 +70,9 @@ class VersionedLoop(EngineLoop):
   def _command(self, kind, request, stream) -> None:
     if kind == "params":
       (self.engine.params, self.version) = request
+      return
+    if kind == "release":
+      self.engine.release(request)
       return
     live = stream is not None and stream.handle in self._streams
     super()._command(kind, request, stream)
