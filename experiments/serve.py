@@ -60,6 +60,9 @@ _POLICY_DIR = flags.DEFINE_string(
     "policy_dir", None, "An async RL run's policy directory (<run>/policy): serve its newest "
     "published version and load newer ones while serving (the model source gives the "
     "architecture and the tokenizer).")
+_RECORD_ROUTING = flags.DEFINE_bool(
+    "record_routing", False, "Record each token's MoE experts and DSA keys in the TITO "
+    "gateway's trajectory records (for RL routing replay; docs/serving.md).")
 _POLICY_POLL_S = flags.DEFINE_float("policy_poll_s", 5.0, "Seconds between checks of "
                                     "--policy_dir for a newer version.")
 
@@ -79,7 +82,7 @@ def main(argv):
     if served.tokenizer is None:
       raise ValueError("the model source has no tokenizer: pass --tokenizer")
     engine = Engine(served.model, served.params, slots=_SLOTS.value, max_len=_MAX_LEN.value,
-                    prefill_chunk=_PREFILL_CHUNK.value)
+                    prefill_chunk=_PREFILL_CHUNK.value, record_routing=_RECORD_ROUTING.value)
     loop = VersionedLoop(engine, max_queue=_MAX_QUEUE.value)
     follower = None
     if _POLICY_DIR.value:

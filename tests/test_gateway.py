@@ -97,12 +97,21 @@ def test_a_text_round_trip_that_retokenizes_differently_keeps_the_sampled_tokens
   assert r1["prompt_ids"][:len(context)] == context  # extends the sampled tokens, not the text
   assert r1["mismatch"] and r1["mismatch_at"] < len(context) and t["mismatches"] == 1
   assert r1["completion_ids"] == two.choices[0].model_extra["token_ids"]
-  sample, versions = to_sample(gateway.finish("rt").records, task=None, group=0, reward=1.0,
-                               correct=True)
-  assert sample.tokens[sample.loss_mask > 0].tolist() == sampled + r1["completion_ids"]
+  # A streamed turn is recorded too (the header form of the id).
+  third = second + [{"role": "assistant", "content": two.choices[0].message.content},
+                    {"role": "user", "content": "more"}]
+  chunks = list(server["client"].chat.completions.create(
+      model="tiny", messages=third, max_tokens=5, seed=3, stream=True, extra_body=NO_THINK,
+      extra_headers={"X-Trajectory-Id": "rt"}))
+  assert chunks[-1].choices[0].finish_reason is not None
+  records = gateway.finish("rt").records
+  assert len(records) == 3 and records[2].prompt_ids[:len(r1["prompt_ids"])] == r1["prompt_ids"]
+  sample, versions = to_sample(records, task=None, group=0, reward=1.0, correct=True)
+  assert sample.tokens[sample.loss_mask > 0].tolist() == (
+      sampled + r1["completion_ids"] + records[2].completion_ids)
   assert (versions[sample.loss_mask > 0] == 0).all() and (versions[sample.loss_mask == 0] < 0).all()
   metrics = httpx.get(server["url"] + "/metrics").text
-  assert "glm5_gateway_mismatches_total 1" in metrics
+  assert f"glm5_gateway_mismatches_total {1 + records[2].mismatch}" in metrics
   # A finished trajectory takes no call; history may only grow; one path (n = 1).
   for messages, tid, extra, param in ((second, "rt", {}, "trajectory_id"),
                                       ([{"role": "user", "content": "bye"}] + second[1:], "rt2",
