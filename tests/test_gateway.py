@@ -18,7 +18,7 @@ from glm5_jax.data.tokenizers import BYTE_OFFSET
 from glm5_jax.infer.engine import Engine
 from glm5_jax.infer.requests import Request
 from glm5_jax.posttrain import envs, rollout
-from glm5_jax.rl import agent_rollout
+from glm5_jax.rl import agent_rollout, staleness, trajectories
 from glm5_jax.serve.app import create_app
 from glm5_jax.serve.gateway import to_sample
 from glm5_jax.serve.versions import VersionedLoop
@@ -152,7 +152,7 @@ def test_params_switched_under_a_running_request_tag_each_token(server):
   loop.set_params(old, 2)  # the fixture's params again, for the tests after this one
 
 
-def test_agent_episodes_through_the_gateway_become_training_samples(server):
+def test_agent_episodes_through_the_gateway_become_training_samples(server, tmp_path):
   env = envs.make("calculator", max_turns=2)
   tasks = [env.task(0, "train")]
   hits = server["loop"].engine.prefix_stats()["session_hits"]
@@ -175,7 +175,11 @@ def test_agent_episodes_through_the_gateway_become_training_samples(server):
                                logps[i][generated[1:]], atol=2e-4)
   assert batch["loss_mask"].sum() == sum(s.response_length for s, _ in pairs)
   records = agent_rollout.to_trajectory_records(pairs, worker="w0", order=0)
-  assert [r.meta["turns"] for r in records] == [s.turns for s, _ in pairs]
+  path = trajectories.write_batch(tmp_path, records, worker="w0", batch_index=0)
+  back = trajectories.read_batch(path).records  # the async trainer's rollout file
+  for r, (sample, versions) in zip(back, pairs):
+    assert r.tokens.tolist() == sample.tokens.tolist() and r.versions.tolist() == versions.tolist()
+    assert staleness.version_gap(r.versions, r.loss_mask, 0) == 0
 
 
 def test_a_server_follows_the_published_policy_versions(server, tmp_path):
