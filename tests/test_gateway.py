@@ -170,7 +170,8 @@ def test_agent_episodes_through_the_gateway_become_training_samples(server, tmp_
     assert sample.turns == 2 and sample.info["mismatches"] == 1 and sample.reward == 0.0
     assert sample.messages[:2] == list(tasks[0].messages)
     generated = sample.loss_mask > 0
-    assert (versions[generated] >= 0).all() and (versions[~generated] == -1).all()
+    assert (versions[generated] == server["loop"].version).all()
+    assert (versions[~generated] == -1).all()
     np.testing.assert_allclose(sample.rollout_logp[1:][generated[1:]],
                                logps[i][generated[1:]], atol=2e-4)
   assert batch["loss_mask"].sum() == sum(s.response_length for s, _ in pairs)
@@ -179,7 +180,7 @@ def test_agent_episodes_through_the_gateway_become_training_samples(server, tmp_
   back = trajectories.read_batch(path).records  # the async trainer's rollout file
   for r, (sample, versions) in zip(back, pairs):
     assert r.tokens.tolist() == sample.tokens.tolist() and r.versions.tolist() == versions.tolist()
-    assert staleness.version_gap(r.versions, r.loss_mask, 0) == 0
+    assert staleness.version_gap(r.versions, r.loss_mask, server["loop"].version) == 0
 
 
 def test_a_server_follows_the_published_policy_versions(server, tmp_path):
