@@ -3,11 +3,15 @@
   python experiments/serve.py --random_init --config=configs/tiny.py --port=8000
   python experiments/serve.py --workdir=/tmp/glm5_tiny --slots=16 --max_len=2048
   python experiments/serve.py --hf_path=/ckpt/GLM-5 --cache_dtype=float32
+  python experiments/serve.py --workdir=/tmp/rl_run/trainer --policy_dir=/tmp/rl_run/policy
 
 The model comes from `--workdir` (a training run's latest checkpoint), `--hf_path` or
 `--random_init --config=...`, loaded as experiments/generate.py loads it
 (`glm5_jax.infer.loading`). One engine thread batches every request continuously over
-`--slots` sequences of up to `--max_len` positions.
+`--slots` sequences of up to `--max_len` positions. Calls with a trajectory id are recorded by
+the TITO gateway (`glm5_jax.serve.gateway`). With `--policy_dir` (an asynchronous RL run's
+policy directory) the server starts from its newest published version and loads each newer one
+between engine steps (`glm5_jax.rl.serve_policy`); responses and records carry the version.
 """
 
 import sys
@@ -21,7 +25,8 @@ from glm5_jax.config import model_config
 from glm5_jax.infer.engine import Engine
 from glm5_jax.infer.loading import load_model
 from glm5_jax.serve.app import create_app
-from glm5_jax.serve.engine_loop import EngineLoop
+from glm5_jax.rl.serve_policy import PolicyFollower
+from glm5_jax.serve.versions import VersionedLoop
 from glm5_jax.train import console
 
 _WORKDIR = flags.DEFINE_string("workdir", None, "Training run workdir: serve its latest "
@@ -51,6 +56,15 @@ _MAX_QUEUE = flags.DEFINE_integer("max_queue", 256, "Requests waiting for a slot
                                   "server answers 429.")
 _NAME = flags.DEFINE_string("model_name", "glm5-jax", "The model id clients pass as `model`.")
 _SEED = flags.DEFINE_integer("seed", 0, "Init seed of --random_init.")
+_POLICY_DIR = flags.DEFINE_string(
+    "policy_dir", None, "An async RL run's policy directory (<run>/policy): serve its newest "
+    "published version and load newer ones while serving (the model source gives the "
+    "architecture and the tokenizer).")
+_RECORD_ROUTING = flags.DEFINE_bool(
+    "record_routing", False, "Record each token's MoE experts and DSA keys in the TITO "
+    "gateway's trajectory records (for RL routing replay; docs/serving.md).")
+_POLICY_POLL_S = flags.DEFINE_float("policy_poll_s", 5.0, "Seconds between checks of "
+                                    "--policy_dir for a newer version.")
 
 
 def main(argv):
@@ -68,8 +82,15 @@ def main(argv):
     if served.tokenizer is None:
       raise ValueError("the model source has no tokenizer: pass --tokenizer")
     engine = Engine(served.model, served.params, slots=_SLOTS.value, max_len=_MAX_LEN.value,
-                    prefill_chunk=_PREFILL_CHUNK.value)
-    loop = EngineLoop(engine, max_queue=_MAX_QUEUE.value)
+                    prefill_chunk=_PREFILL_CHUNK.value, record_routing=_RECORD_ROUTING.value)
+    loop = VersionedLoop(engine, max_queue=_MAX_QUEUE.value)
+    follower = None
+    if _POLICY_DIR.value:
+      follower = PolicyFollower(loop, _POLICY_DIR.value, poll_s=_POLICY_POLL_S.value)
+      if follower.poll() is None:
+        raise ValueError(f"--policy_dir={_POLICY_DIR.value}: no published policy version yet "
+                         "(start the server after the trainer's first publish)")
+      follower.start()
   except (ValueError, FileNotFoundError) as e:
     sys.stderr.write("\n".join(console.failure_lines(e, "serving")) + "\n")
     sys.exit(console.EXIT_FAILED)

@@ -151,7 +151,7 @@ def test_routing_checks_name_the_entry(helpers):
 def test_multi_turn_keeps_earlier_rows():
   old = {"moe": np.array([[[1, 2]], [[3, 4]], [[-1, -1]]], np.int32)}  # last token unfed
   new = {"moe": np.array([[[5, 6]], [[5, 6]], [[7, 0]], [[0, 1]], [[-1, -1]]], np.int32)}
-  merged = rollout._merge_routing(old, new)["moe"][:, 0]
+  merged = rollout.merge_routing(old, new)["moe"][:, 0]
   np.testing.assert_array_equal(merged, [[1, 2], [3, 4], [7, 0], [0, 1], [-1, -1]])
 
 

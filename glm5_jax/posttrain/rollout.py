@@ -60,7 +60,7 @@ class Sample:
     what the environment scored; for inspection only (the trainer reads `tokens`).
   routing: with `rl.routing_replay`, `{"moe": int32 [n, N_moe, X], "dsa": int32 [n, N_dsa, T]}`
     the routing each token went through in the engine (`glm5_jax.routing_replay`; -1 rows: not
-    recorded); None otherwise. Multi-turn: `_merge_routing`.
+    recorded); None otherwise. Multi-turn: `merge_routing`.
   """
 
   task: Task
@@ -196,7 +196,7 @@ def generate_samples(config, params, env: Env, tasks, *, seed: int, group_size: 
 def _play_turn(e: _Episode, completion, env: Env, tokenizer, seq_len: int,
                thinking_mode: str) -> None:
   if completion.routing is not None:
-    e.routing = _merge_routing(e.routing, completion.routing)
+    e.routing = merge_routing(e.routing, completion.routing)
   e.tokens += completion.tokens
   e.logp += completion.raw_logprobs
   e.mask += [1.0] * len(completion.tokens)
@@ -226,7 +226,7 @@ def _play_turn(e: _Episode, completion, env: Env, tokenizer, seq_len: int,
   e.mask += [0.0] * len(segment)
 
 
-def _merge_routing(old: dict | None, new: dict) -> dict:
+def merge_routing(old: dict | None, new: dict) -> dict:
   """The episode's routing after a turn: earlier rows where recorded (the earlier turns'
   log-probs came from them), this turn's elsewhere (the previous turn's unfed last token, the
   observation, this turn's tokens). This turn re-prefilled the earlier tokens and may have

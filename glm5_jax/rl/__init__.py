@@ -13,4 +13,7 @@ the pieces they share through one run directory (`experiments/rl.py --mode=async
   async_trainer  the trainer's loop: consumes rollout files, trains, publishes versions
   worker         a rollout worker's loop: orders in, rollout files out
   launcher       one machine: starts the trainer and the workers, restarts a worker that dies
+  serve_policy   a server that loads each newly published policy version while serving
+  calculator_agent  an example agent program: the `openai` client and a calculator tool
+  agent_rollout  agent episodes against a server, trained from the gateway's records
 """

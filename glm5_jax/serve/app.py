@@ -32,6 +32,7 @@ from glm5_jax.data import chat
 from glm5_jax.infer.engine import request_seed
 from glm5_jax.infer.requests import Request
 from glm5_jax.serve.engine_loop import EngineLoop, QueueFull
+from glm5_jax.serve.gateway import Gateway
 
 
 class ApiError(Exception):
@@ -67,9 +68,15 @@ def _float(body, name, default, low, high, low_open=False):
 
 
 def create_app(loop: EngineLoop, tokenizer, *, model_name: str, max_body_bytes: int = 1 << 20,
-               version=lambda: 0) -> FastAPI:
-  """The app; `version()` gives the param version each response is tagged with."""
+               version=None, gateway: Gateway | None = None) -> FastAPI:
+  """The app; `version()` gives the param version each response is tagged with (default the
+  loop's `version`: `glm5_jax.serve.versions`); `gateway` records trajectories (default a new
+  one: `glm5_jax.serve.gateway`)."""
   app = FastAPI(title="glm5-jax")
+  version = version or (lambda: getattr(loop, "version", 0))
+  gateway = gateway or Gateway(loop, tokenizer)
+  app.state.gateway = gateway
+  gateway.add_routes(app)
   engine = loop.engine
   started, chat_stops = time.time(), tuple(chat.stop_ids(tokenizer))
 
@@ -176,6 +183,9 @@ def create_app(loop: EngineLoop, tokenizer, *, model_name: str, max_body_bytes: 
   @app.post("/v1/completions")
   async def completions(http: HttpRequest):
     body = await _body(http)
+    if gateway.trajectory_id(http.headers, body) is not None:
+      raise ApiError(400, "trajectory ids are recorded on /v1/chat/completions only",
+                     "trajectory_id")
     prompt = body.get("prompt")
     if isinstance(prompt, str):
       prompt = [tokenizer.bos_id] + tokenizer.encode(prompt)
@@ -209,8 +219,11 @@ def create_app(loop: EngineLoop, tokenizer, *, model_name: str, max_body_bytes: 
           thinking_mode="turn_level")]
     except (ValueError, TypeError, KeyError) as e:
       raise ApiError(400, f"messages: {e}", "messages") from None
+    call = gateway.begin(gateway.trajectory_id(http.headers, body), messages, prompt,
+                         thinking=bool(thinking), n=body.get("n") or 1)
+    prompt = prompt if call is None else call.prompt  # TITO: the recorded tokens
     want_lp = bool(body.get("logprobs"))
-    streams = _submit(_requests(body, prompt, chat_stops))
+    streams = gateway.submit(call, _requests(body, prompt, chat_stops), _submit)
     head = {"object": "chat.completion", "model": model_name, "created": int(time.time()),
             "id": f"chatcmpl-{secrets.token_hex(8)}", "system_fingerprint": f"v{version()}"}
     if body.get("stream"):
@@ -233,7 +246,8 @@ def create_app(loop: EngineLoop, tokenizer, *, model_name: str, max_body_bytes: 
             {"token": tokenizer.decode([t], skip_special=False), "logprob": lp}
             for t, lp in zip(tokens, raws)]}
       choices.append(choice)
-    return {**head, "usage": _usage(prompt, results), "choices": choices}
+    return {**head, "usage": _usage(prompt, results), "choices": choices,
+            **gateway.reply_fields(call)}
 
   @app.get("/v1/models")
   async def models():
@@ -250,6 +264,7 @@ def create_app(loop: EngineLoop, tokenizer, *, model_name: str, max_body_bytes: 
     lines = [f"glm5_queue_depth {loop.waiting()}", f"glm5_running_slots {loop.running()}",
              f"glm5_slots {engine.slots}", f"glm5_tokens_generated_total {loop.tokens_generated}",
              f"glm5_tokens_per_second {loop.tokens_generated / uptime:.3f}"]
+    lines += gateway.metric_lines()
     return PlainTextResponse("\n".join(lines) + "\n", media_type="text/plain; version=0.0.4")
 
   return app

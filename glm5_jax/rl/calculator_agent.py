@@ -1,0 +1,93 @@
+"""A built-in example agent: an OpenAI-API program that uses a calculator tool, multi-turn.
+
+It knows nothing of this repository's engine, tokens or chat format: it talks to a server
+only through the `openai` Python client (chat completions with a `calc` function tool), runs
+the tool itself (`posttrain.envs.calculator.run_tool`, the calculator env's tool) and keeps
+the conversation as OpenAI messages. The one thing it adds for RL is the trajectory id of
+every call (`extra_body={"trajectory_id": ...}`), so the server's TITO gateway records the
+exact tokens (`glm5_jax.serve.gateway`); `glm5_jax.rl.agent_rollout` runs it as an RL episode.
+
+One episode, at most `max_turns` calls:
+  - a reply with tool calls: each is run and its result sent back as a `tool` message;
+  - a reply whose content is an integer: the final answer, the episode ends;
+  - any other reply: the agent asks again with a user message (`NUDGE`), a format retry.
+It also keeps the conversation in the calculator env's own form (`transcript`: tool calls as
+`calc(EXPR)` text, results as observations), which the env scores.
+"""
+
+import dataclasses
+import json
+
+from glm5_jax.posttrain.envs import base
+from glm5_jax.posttrain.envs.calculator import run_tool
+from glm5_jax.seeds import derive_seed
+
+CALC_TOOL = {"type": "function", "function": {
+    "name": "calc", "description": "Evaluate an integer expression with + - * and parentheses.",
+    "parameters": {"type": "object", "properties": {"expression": {"type": "string"}},
+                   "required": ["expression"]}}}
+NUDGE = "Call calc(expression), or answer with an integer only."
+
+
+@dataclasses.dataclass
+class AgentResult:
+  messages: list  # the OpenAI conversation, as sent (and the last reply)
+  transcript: list  # the same in the calculator env's message form
+  turns: int
+
+
+def call_text(name: str, arguments: str | None) -> str:
+  """An OpenAI tool call -> the env's `calc(EXPR)` text. GLM's free-text call
+  `<tool_call>calc(2*3)</tool_call>` comes back as the name `calc(2*3)` with no arguments."""
+  try:
+    args = json.loads(arguments or "{}")
+  except ValueError:
+    args = {"arguments": arguments}
+  if name == "calc" and isinstance(args, dict) and set(args) == {"expression"}:
+    return f"calc({args['expression']})"
+  return name if not args else f"{name}({json.dumps(args)})"
+
+
+def run_episode(client, *, model: str, messages, trajectory_id: str, max_turns: int = 3,
+                max_tokens: int = 64, temperature: float = 1.0, seed: int = 0,
+                thinking: bool = True, tools: list | None = None) -> AgentResult:
+  """Plays one episode against `client` (an `openai.OpenAI`) from the prompt `messages`
+  (system / user dicts); every call carries `trajectory_id`. `tools`: the function schemas
+  to send (e.g. `[CALC_TOOL]`); None sends none, so the prompt is the env's own (its system
+  message names the tool, as in the env's SFT data and the engine rollouts), and GLM's
+  free-text calls `calc(EXPR)` still come back as `tool_calls`."""
+  messages = [{"role": m["role"], "content": m["content"]} for m in messages]
+  transcript = [dict(m) for m in messages]
+  turns = 0
+  for turn in range(max_turns):
+    reply = client.chat.completions.create(
+        model=model, messages=messages, max_tokens=max_tokens,
+        temperature=temperature, seed=derive_seed("agent", seed, turn),
+        **({"tools": tools} if tools else {}), extra_body={
+            "trajectory_id": trajectory_id,
+            "chat_template_kwargs": {"enable_thinking": thinking}})
+    turns += 1
+    m = reply.choices[0].message
+    reasoning = (m.model_extra or {}).get("reasoning_content")
+    calls = m.tool_calls or []
+    said = {"role": "assistant", "content": m.content or ""}
+    if reasoning is not None:
+      said["reasoning_content"] = reasoning
+    if calls:
+      said["tool_calls"] = [{"id": c.id, "type": "function", "function": {
+          "name": c.function.name, "arguments": c.function.arguments}} for c in calls]
+    messages.append(said)
+    texts = [call_text(c.function.name, c.function.arguments) for c in calls]
+    transcript.append({"role": "assistant", "content": m.content or "", "thinking": reasoning,
+                       "tool_calls": texts})
+    if calls:
+      for c, text in zip(calls, texts):
+        result, _ = run_tool(text)
+        messages.append({"role": "tool", "tool_call_id": c.id, "content": result})
+        transcript.append({"role": "observation", "content": result})
+      continue
+    if base.INTEGER.fullmatch((m.content or "").strip()) or turn + 1 == max_turns:
+      break
+    messages.append({"role": "user", "content": NUDGE})
+    transcript.append({"role": "user", "content": NUDGE})
+  return AgentResult(messages, transcript, turns)
