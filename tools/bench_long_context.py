@@ -3,7 +3,8 @@ against the context length, DSA (D) beside dense MLA (M), side by side in one ru
 
   python tools/bench_long_context.py                                   # CPU, a few minutes
   python tools/bench_long_context.py --prefill_len=131072 --sections=prefill
-  python tools/bench_long_context.py --contexts=8192,65536 --sections=decode
+  python tools/bench_long_context.py --contexts=8192,65536 --sections=decode,ops
+  python tools/bench_long_context.py --sections=ops --ops_model=glm5    # GLM-5's shapes
 
 Model: configs/tiny.py's (random params), `max_position_embeddings` raised to fit, MTP off
 (the main model's steps), `dsa_impl="xla"`, one slot (B = 1).
@@ -19,10 +20,12 @@ Sections:
             length (random cache contents: the cost does not depend on them), for D and M,
             with the layers unrolled and scanned (`model.scan_layers`): the least time per step
             over `--rounds` rounds of `--steps` steps, and each one's ratio to the shortest
-            context; plus the D layer's two attention ops alone (the indexer's scoring and
+            context.
+  ops       the D layer's two attention ops alone (the indexer's scoring and
             top-k over every cached key, `pallas_kernels.indexer_topk_decode`; the sparse
             attention over its T selected rows, `sparse_mla_xla`) and M's dense absorbed
-            attention over every row, per layer.
+            attention over every row, per layer, with the tiny model's attention shapes or
+            (`--ops_model=glm5`) GLM-5's.
 
 The last output line is all figures as JSON.
 """
@@ -40,11 +43,11 @@ import pallas_kernels
 from configs import tiny
 from glm5_jax.api import init_params
 from glm5_jax.attention.mla import _absorbed_attention, _Latents
-from glm5_jax.config import ModelConfig
+from glm5_jax.config import ModelConfig, model_config as glm5_model_config
 from glm5_jax.infer.cache import init_cache
 from glm5_jax.infer.step import _decode_step, decode_step
 
-_SECTIONS = flags.DEFINE_list("sections", ["prefill", "decode"], "Sections to run.")
+_SECTIONS = flags.DEFINE_list("sections", ["prefill", "decode", "ops"], "Sections to run.")
 _CONTEXTS = flags.DEFINE_list("contexts", ["8192", "65536"], "Decode context lengths.")
 _PREFILL_LEN = flags.DEFINE_integer("prefill_len", 32768, "Prompt tokens of the prefill run.")
 _CHUNKS = flags.DEFINE_list("chunks", ["512", "2048"], "Prefill chunk sizes (the run uses the "
@@ -53,6 +56,9 @@ _ANALYSIS_LENS = flags.DEFINE_list("analysis_lens", ["16384", "131072"], "Cache 
                                    "compiled chunk-step memory analysis.")
 _STEPS = flags.DEFINE_integer("steps", 5, "Timed decode steps per round.")
 _ROUNDS = flags.DEFINE_integer("rounds", 3, "Timing rounds (the least time counts).")
+_OPS_MODEL = flags.DEFINE_enum("ops_model", "tiny", ["tiny", "glm5"], "Attention shapes of the "
+                               "per-layer ops: the tiny model's or GLM-5's (64 heads, C 512, "
+                               "R 64, J 32, I 128, top-k 2048).")
 
 
 def model_config(pattern: str, scan: bool, max_len: int) -> ModelConfig:
@@ -131,9 +137,11 @@ def decode_step_ms(pattern: str, scan: bool, context: int) -> float:
   return 1e3 * least_seconds(one, _ROUNDS.value, _STEPS.value)
 
 
-def attention_ops_ms(context: int) -> dict:
-  """Per layer, one query at the last of `context` rows: D's two ops and M's dense attention."""
-  cfg = model_config("D", True, context)
+def attention_ops_ms(context: int, which: str) -> dict:
+  """Per layer, one query at the last of `context` rows: D's two ops and M's dense attention,
+  with the attention shapes of `which` ("tiny" or "glm5", `--ops_model`)."""
+  cfg = (model_config("D", True, context) if which == "tiny" else
+         ModelConfig.from_config(glm5_model_config()))
   h, c, r = cfg.num_attention_heads, cfg.kv_lora_rank, cfg.qk_rope_head_dim
   j, i, t = cfg.index_n_heads, cfg.index_head_dim, cfg.index_topk
   normal = lambda *shape: jax.random.normal(jax.random.key(len(shape)), shape)
@@ -177,7 +185,7 @@ def main(argv):
                 flush=True)
   if "decode" in _SECTIONS.value:
     contexts = [int(x) for x in _CONTEXTS.value]
-    result["decode_ms"], result["attention_ops_ms"] = {}, {}
+    result["decode_ms"] = {}
     for pattern in ("D", "M"):
       for scan in (False, True):
         name = f"{pattern} {'scanned' if scan else 'unrolled'}"
@@ -186,11 +194,14 @@ def main(argv):
         print(f"decode step {name:11s}: " + "  ".join(
             f"{n}: {ms:8.2f} ms ({ms / times[0]:5.2f}x)" for n, ms in zip(contexts, times)),
             flush=True)
+  if "ops" in _SECTIONS.value:
+    contexts = [int(x) for x in _CONTEXTS.value]
+    result["attention_ops_ms"] = {}
     for n in contexts:
-      result["attention_ops_ms"][str(n)] = attention_ops_ms(n)
+      result["attention_ops_ms"][str(n)] = attention_ops_ms(n, _OPS_MODEL.value)
     for op in ("indexer_topk", "sparse_mla", "dense_mla"):
       times = [result["attention_ops_ms"][str(n)][op] for n in contexts]
-      print(f"per layer {op:12s}: " + "  ".join(
+      print(f"per layer {op:12s} ({_OPS_MODEL.value}): " + "  ".join(
           f"{n}: {ms:8.3f} ms ({ms / times[0]:5.2f}x)" for n, ms in zip(contexts, times)))
   print(json.dumps(result))
 
