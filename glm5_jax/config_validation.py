@@ -79,6 +79,11 @@ def validate_config(config, num_devices: int | None = None, *, process_count: in
              f"data.batch_size={config.data.batch_size} rows do not split into {microbatches} "
              f"microbatches spread evenly over the {ways} data-parallel devices; batch_size must "
              f"be a multiple of microbatches * {ways} = {microbatches * ways}")
+  # A long-context stage (docs/scaling.md) must stay inside the positions the model has RoPE for.
+  _require(config.data.seq_len <= config.model.max_position_embeddings, "data.seq_len",
+           f"{config.data.seq_len} tokens per sequence exceed "
+           f"model.max_position_embeddings={config.model.max_position_embeddings}; shorten the "
+           "sequence or raise max_position_embeddings (with the stage's RoPE settings)")
   # Sizes left -1 resolve only against a device count; a -1 context axis is then checked there.
   if mesh_sizes["context"] > 1:
     check_context_parallel(expand_pattern(config.model.attention_pattern,

@@ -82,9 +82,10 @@ class GLM5(nn.Module):
     b, l = tokens_BL.shape
     if not decode and context_parallel.context_ways() > 1:
       context_parallel.check_context_parallel(c.attention_pattern, context_parallel.context_ways(),
-                                              l, "data.seq_len (tokens_BL.shape[1])")
-    if positions_BL is None:
-      positions_BL = jnp.broadcast_to(jnp.arange(l, dtype=jnp.int32), (b, l))
+                                              l, "data.seq_len (tokens_BL.shape[1])",
+                                              mode.context_layout)
+    if positions_BL is None:  # each slot's sequence index (`Mode.context_layout`)
+      positions_BL = context_parallel.query_index(b, l, mode.context_layout)
     if segment_ids_BL is None:
       segment_ids_BL = jnp.ones((b, l), jnp.int32)
 
@@ -138,7 +139,8 @@ class GLM5(nn.Module):
           lambda layer, h_BLD, e_BLD: layer(h_BLD, e_BLD, positions_BL, segment_ids_BL,
                                             mode=mode), c.remat_policy, prevent_cse=True)
       for depth in range(1, depths + 1):
-        next_tokens_BL = shift_tokens_left(tokens_BL, depth)
+        next_tokens_BL = context_parallel.along_sequence(
+            lambda t_BL: shift_tokens_left(t_BL, depth), tokens_BL, mode.context_layout)
         next_valid_BL = (next_tokens_BL >= 0) & (next_tokens_BL < c.vocab_size)
         h_BLD, normed_BLD, aux = run_mtp(mtp_layer, h_BLD, embed(next_tokens_BL, next_valid_BL))
         mtp_logits.append(lm_head(normed_BLD, valid_BL & next_valid_BL))

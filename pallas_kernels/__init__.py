@@ -55,8 +55,8 @@ This package imports only jax.
 # their modules' names are the functions' (`pallas_kernels.sparse_mla_triton.sparse_mla_triton`).
 from pallas_kernels.dispatch import DSA_OPS, PALLAS_IMPLS, DSAOps, dsa_ops
 from pallas_kernels.lightning_indexer import (indexer_scores_at, indexer_scores_reference,
-                                              indexer_topk_reference, indexer_topk_xla,
-                                              select_topk)
+                                              indexer_topk_decode, indexer_topk_reference,
+                                              indexer_topk_xla, select_topk)
 from pallas_kernels.lightning_indexer_pallas import indexer_scores_pallas, indexer_topk_pallas
 from pallas_kernels.sparse_mla import (sparse_mla_head_mean_probs, sparse_mla_reference,
                                        sparse_mla_xla)
@@ -64,7 +64,8 @@ from pallas_kernels.sparse_mla_pallas import sparse_mla_pallas
 
 __all__ = [
     "DSAOps", "DSA_OPS", "PALLAS_IMPLS", "dsa_ops", "indexer_scores_at", "indexer_scores_pallas",
-    "indexer_scores_reference", "indexer_topk_pallas", "indexer_topk_reference",
+    "indexer_scores_reference", "indexer_topk_decode", "indexer_topk_pallas",
+    "indexer_topk_reference",
     "indexer_topk_xla", "select_topk", "sparse_mla_head_mean_probs",
     "sparse_mla_pallas", "sparse_mla_reference", "sparse_mla_xla",
 ]

@@ -28,6 +28,8 @@ Implementations (same signature, same outputs):
                             memory.
   `indexer_topk_pallas`     (lightning_indexer_pallas.py) a fused Pallas score kernel per query
                             block, selection by `select_topk`.
+  `indexer_topk_decode`     cached decoding's few queries: all keys' scores per query block in
+                            one pass, selection by `lax.top_k` (same tie rule, no sort).
 `indexer_scores_at` recomputes I at the selected keys only ([B, L, T], differentiable in q, k
 and w): the sparse-stage indexer KL needs nothing more, so no path materializes [B, L, S] for
 training.
@@ -162,6 +164,43 @@ def indexer_topk_xla(q_BLJI, k_BSI, weights_BLJ, q_pos_BL, q_seg_BL, k_seg_BS, *
                                    empty_BLS)
     return select_topk(scores_BLS, min(topk, s))
 
+  return map_query_blocks(one_block, query_block, [q_BLJI, weights_BLJ, q_pos_BL, q_seg_BL],
+                          [0, 0, -1, 0])
+
+
+def indexer_topk_decode(q_BLJI, k_BSI, weights_BLJ, q_pos_BL, q_seg_BL, k_seg_BS, *, topk: int,
+                        scale: float, query_block: int | None = None, partial: bool = True):
+  """`indexer_topk_reference` for cached decoding: a few queries (a decode token, a prefill
+  chunk) against S cached keys, which they mostly all see.
+
+  Per block of queries, the scores of every key in one pass (no key-tile loop: there is little
+  causal skipping to gain), then the top-k. `partial` selects with `lax.top_k`, whose
+  documented tie rule (the lower index first) is `select_topk`'s, after the same +0.0 / -0.0
+  merge, so the selection is identical: O(S) per query where `select_topk`'s stable sort is
+  O(S log S) and, on CPU, ~500x slower at S = 8K (measured, docs/scaling.md "Long-context
+  decode"). `partial=False` keeps the sort, for a batch split over devices (the SPMD
+  partitioner does not split a TopK over its batch and would gather every slot's scores, issue
+  25). Memory: O(query_block x J x S); `query_block` None: what fits
+  (`blocking.default_query_block`), and a call with fewer queries runs as one unpadded block.
+  """
+  check_indexer_inputs(q_BLJI, k_BSI, weights_BLJ, q_pos_BL, q_seg_BL, k_seg_BS)
+  b, l, heads, _ = q_BLJI.shape
+  s = k_BSI.shape[1]
+  q_BLJI, k_BSI, weights_BLJ = jax.lax.stop_gradient((q_BLJI, k_BSI, weights_BLJ))
+  if query_block is None:
+    query_block = default_query_block(b * s * (heads + 2) * 4)
+
+  def one_block(q_BLJI, weights_BLJ, q_pos_BL, q_seg_BL):
+    scores_BLS = indexer_scores_reference(q_BLJI, k_BSI, weights_BLJ, q_pos_BL, q_seg_BL,
+                                          k_seg_BS, scale=scale)
+    if not partial:
+      return select_topk(scores_BLS, min(topk, s))
+    values_BLT, indices_BLT = jax.lax.top_k(jnp.where(scores_BLS == 0, 0.0, scores_BLS),
+                                            min(topk, s))
+    return jnp.where(values_BLT == -jnp.inf, -1, indices_BLT).astype(jnp.int32), values_BLT
+
+  if l <= query_block:
+    return one_block(q_BLJI, weights_BLJ, q_pos_BL, q_seg_BL)
   return map_query_blocks(one_block, query_block, [q_BLJI, weights_BLJ, q_pos_BL, q_seg_BL],
                           [0, 0, -1, 0])
 

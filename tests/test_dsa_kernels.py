@@ -35,6 +35,9 @@ MLA_BLOCKS = dict(block_t=4, backward_query_block=4, interpret=True)
 INDEXER_IMPLS = {
     "xla": functools.partial(pk.indexer_topk_xla, query_block=8, key_block=16),
     "pallas": functools.partial(pk.indexer_topk_pallas, **INDEXER_BLOCKS),
+    # Cached decoding's path, both selections (`lax.top_k`, the sort), several query blocks.
+    "decode": functools.partial(pk.indexer_topk_decode, query_block=8),
+    "decode_sort": functools.partial(pk.indexer_topk_decode, query_block=8, partial=False),
 }
 MLA_IMPLS = {
     "xla": functools.partial(pk.sparse_mla_xla, query_block=4),
@@ -76,7 +79,7 @@ def brute_force_topk(q, k, w, q_pos, q_seg, k_seg, topk, scale):
   return out
 
 
-@pytest.mark.parametrize("impl", ["reference", "xla", "pallas"])
+@pytest.mark.parametrize("impl", ["reference", "xla", "pallas", "decode", "decode_sort"])
 @pytest.mark.parametrize("b,l,s,topk,doc_split,dtype", [
     (2, 37, 37, 5, 17, jnp.float32),  # prefill, packed documents, k odd
     (1, 3, 40, 7, None, jnp.bfloat16),  # decode: 3 queries at the end of 40 cached keys
@@ -387,7 +390,7 @@ def test_indexer_scores_at_duplicate_slots_count_twice():
   assert np.abs(np.asarray(got[1])[0, 4]).sum() > 0  # key 4 (three copies) got a gradient
 
 
-@pytest.mark.parametrize("impl", ["reference", "xla", "pallas"])
+@pytest.mark.parametrize("impl", ["reference", "xla", "pallas", "decode"])
 @pytest.mark.parametrize("weight_sign,scale", [(-1, 0.5), (1, -0.5), (-1, -0.5)])
 def test_indexer_topk_any_sign_of_weights_and_scale(impl, weight_sign, scale):
   """Non-positive weights (most scores are then -0.0 or +0.0, depending on how a backend

@@ -12,7 +12,8 @@ import jax.numpy as jnp
 MASKED_LOGIT = -1e30
 
 
-def causal_segment_mask(segment_ids_BL, num_keys=None, window=None):
+def causal_segment_mask(segment_ids_BL, num_keys=None, window=None, *, q_index_BL=None,
+                        key_segment_ids_BS=None):
   """Boolean `[B, L, S]`: key s is visible to query l iff s <= l, both share a segment, and
   (with a `window`) l - window < s, i.e. the query sees at most its `window` latest keys, itself
   included (sliding-window attention, letter S).
@@ -20,19 +21,27 @@ def causal_segment_mask(segment_ids_BL, num_keys=None, window=None):
   Packed rows (several documents in one row) carry distinct segment ids, so no query attends
   across a document boundary. `segment_ids_BL` None means one document per row. `window` None
   (or >= L) is plain causal attention.
+
+  Context parallelism (`glm5_jax.attention.context_parallel`): `q_index_BL` is each query's
+  sequence index (default l) and `key_segment_ids_BS` the whole sequence's document ids in
+  sequence order (default `segment_ids_BL`), for queries that are one device's share of the
+  sequence, in any order.
   """
   if segment_ids_BL is None:
     raise ValueError("segment_ids_BL must be given (use ones for unpacked rows)")
   if window is not None and window < 1:
     raise ValueError(f"window must be >= 1 (model.sliding_window), got {window}")
-  length = segment_ids_BL.shape[1]
-  num_keys = length if num_keys is None else num_keys
-  offset_LS = jnp.arange(length)[:, None] - jnp.arange(num_keys)[None, :]  # l - s
-  visible_LS = offset_LS >= 0
+  if key_segment_ids_BS is None:
+    key_segment_ids_BS = segment_ids_BL
+  num_keys = key_segment_ids_BS.shape[1] if num_keys is None else num_keys
+  if q_index_BL is None:
+    q_index_BL = jnp.arange(segment_ids_BL.shape[1])[None]
+  offset_BLS = q_index_BL[:, :, None] - jnp.arange(num_keys)[None, None, :]  # l - s
+  visible_BLS = offset_BLS >= 0
   if window is not None:
-    visible_LS &= offset_LS < window
-  same_segment_BLS = segment_ids_BL[:, :, None] == segment_ids_BL[:, None, :num_keys]
-  return visible_LS[None] & same_segment_BLS
+    visible_BLS &= offset_BLS < window
+  same_segment_BLS = segment_ids_BL[:, :, None] == key_segment_ids_BS[:, None, :num_keys]
+  return visible_BLS & same_segment_BLS
 
 
 def attend(q_BLHK, k_BSGK, v_BSGV, mask_BLS, scale: float):

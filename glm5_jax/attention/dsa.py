@@ -84,15 +84,20 @@ def _rope_leading_dims(x, cos, sin, rope_dim):
   return jnp.concatenate([rotated, x[..., rope_dim:]], axis=-1)
 
 
-def restrict_topk_to_visible(topk_BLT, segment_ids_BL):
+def restrict_topk_to_visible(topk_BLT, segment_ids_BL, q_index_BL=None, key_segment_ids_BS=None):
   """`topk_BLT` with every slot whose key is not causally visible in the query's document set to
-  -1 (queries and keys are the same L tokens). O(L x T): a selection that did not come from
+  -1 (queries and keys are the same L tokens; under context parallelism `q_index_BL` is each
+  query's sequence index and `key_segment_ids_BS` the whole sequence's document ids, as
+  `common.causal_segment_mask` takes them). O(L x T): a selection that did not come from
   this layer's indexer (a sliding window, say) gets the dense path's causal-segment intersection
   without a `[B, L, S]` mask."""
-  l = topk_BLT.shape[1]
-  safe_BLT = jnp.clip(topk_BLT, 0, segment_ids_BL.shape[1] - 1)
-  key_segment_BLT = jax.vmap(lambda seg_S, idx_LT: seg_S[idx_LT])(segment_ids_BL, safe_BLT)
-  visible_BLT = ((topk_BLT >= 0) & (topk_BLT <= jnp.arange(l)[None, :, None])
+  if key_segment_ids_BS is None:
+    key_segment_ids_BS = segment_ids_BL
+  if q_index_BL is None:
+    q_index_BL = jnp.arange(topk_BLT.shape[1])[None]
+  safe_BLT = jnp.clip(topk_BLT, 0, key_segment_ids_BS.shape[1] - 1)
+  key_segment_BLT = jax.vmap(lambda seg_S, idx_LT: seg_S[idx_LT])(key_segment_ids_BS, safe_BLT)
+  visible_BLT = ((topk_BLT >= 0) & (topk_BLT <= q_index_BL[:, :, None])
                  & (key_segment_BLT == segment_ids_BL[:, :, None]))
   return jnp.where(visible_BLT, topk_BLT, -1)
 

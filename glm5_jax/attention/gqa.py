@@ -12,11 +12,13 @@ attends to rows 0..p. Rows beyond p (a rejected draft, an earlier request) are n
 every row <= p was written by this sequence, so neither a rollback nor a reset is needed.
 """
 
+import functools
+
 import jax.numpy as jnp
 from flax import linen as nn
 from jax.ad_checkpoint import checkpoint_name
 
-from glm5_jax.attention import decode_rows
+from glm5_jax.attention import context_parallel, decode_rows
 from glm5_jax.attention.common import attend, causal_segment_mask
 from glm5_jax.attention.mode import Mode
 from glm5_jax.config import ModelConfig
@@ -57,8 +59,14 @@ class GQA(nn.Module):
       out_BLHK, aux["cache"] = _decode_attention(q_BLHK, k_BSGK, v_BSGK, positions_BL,
                                                  segment_ids_BL, cache, k ** -0.5)
     else:
-      out_BLHK, _ = attend(q_BLHK, k_BSGK, v_BSGK, causal_segment_mask(segment_ids_BL),
-                           k ** -0.5)
+      # Context parallelism: queries stay local; K and V (2 G K numbers per token) and the
+      # keys' document ids are gathered in sequence order (`context_parallel.whole_sequence`).
+      keys = functools.partial(context_parallel.whole_sequence, layout=mode.context_layout)
+      visible_BLS = causal_segment_mask(
+          segment_ids_BL, q_index_BL=context_parallel.query_index(*segment_ids_BL.shape,
+                                                                  mode.context_layout),
+          key_segment_ids_BS=keys(segment_ids_BL))
+      out_BLHK, _ = attend(q_BLHK, keys(k_BSGK), keys(v_BSGK), visible_BLS, k ** -0.5)
     out_BLHK = checkpoint_name(out_BLHK, "attention_out")
     w_o_HKD = kernel("o_proj", (h, k, d), (HEADS, HEAD_DIM, EMBED))
     return jnp.einsum("blhk,hkd->bld", out_BLHK, w_o_HKD), aux

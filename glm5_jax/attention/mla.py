@@ -124,12 +124,19 @@ class MLA(nn.Module):
         raise ValueError("a dsa_shared_topk layer needs the previous DSA layer's top-k")
       given_topk_BLT = prev_topk_BLT
 
-    if not decode and context_parallel.context_ways() > 1:
+    order = None
+    if not decode:
       # Context parallelism: queries stay on their devices; the per-token key state (latent,
-      # RoPE key, indexer key: C + R + I numbers) is gathered over the sequence's devices.
-      ckv_BSC, k_rope_BSR = map(context_parallel.gather_keys, (ckv_BSC, k_rope_BSR))
+      # RoPE key, indexer key: C + R + I numbers) and its document ids are gathered over the
+      # sequence's devices, in sequence order (the striped layout's rows put back), and each
+      # query carries its sequence index. Without a context axis: the arrays as they are.
+      layout = mode.context_layout
+      keys = functools.partial(context_parallel.whole_sequence, layout=layout)
+      order = _Order(context_parallel.query_index(*segment_ids_BL.shape, layout),
+                     keys(segment_ids_BL))
+      ckv_BSC, k_rope_BSR = keys(ckv_BSC), keys(k_rope_BSR)
       if index_qkw is not None:
-        index_qkw = (index_qkw[0], context_parallel.gather_keys(index_qkw[1]), index_qkw[2])
+        index_qkw = (index_qkw[0], keys(index_qkw[1]), index_qkw[2])
     latents = _Latents(q_nope_BLHN, q_rope_BLHR, ckv_BSC, k_rope_BSR, w_kb_CHN, w_vb_CHV)
     scale = k ** -0.5
     if decode:
@@ -137,12 +144,19 @@ class MLA(nn.Module):
                                        index_qkw, given_topk_BLT, cache, mode.dsa_stage,
                                        _absorbed_attention)
     elif selects and mode.dsa_stage == "sparse" and c.dsa_impl != "dense_mask":
-      out_BLHV, aux = _sparse_stage_attention(c, latents, scale, segment_ids_BL, index_qkw,
+      out_BLHV, aux = _sparse_stage_attention(c, latents, scale, segment_ids_BL, order, index_qkw,
                                               given_topk_BLT, recorded_topk_BLT)
     else:
-      out_BLHV, aux = _dense_attention(c, latents, scale, segment_ids_BL, index_qkw,
+      out_BLHV, aux = _dense_attention(c, latents, scale, segment_ids_BL, order, index_qkw,
                                        given_topk_BLT, mode, recorded_topk_BLT)
     return mla_output(self, c, out_BLHV), aux
+
+
+class _Order(typing.NamedTuple):
+  """Where the local queries sit in the sequence (`glm5_jax.attention.context_parallel`)."""
+
+  q_index_BL: jax.Array  # int32 sequence index of each query
+  key_segment_ids_BS: jax.Array  # the whole sequence's document ids, in sequence order
 
 
 class _Latents(typing.NamedTuple):
@@ -156,12 +170,13 @@ class _Latents(typing.NamedTuple):
   w_vb_CHV: jax.Array
 
 
-def _dense_attention(c, latents: _Latents, scale, segment_ids_BL, index_qkw, given_topk_BLT,
-                     mode: Mode, recorded_topk_BLT=None):
+def _dense_attention(c, latents: _Latents, scale, segment_ids_BL, order: _Order, index_qkw,
+                     given_topk_BLT, mode: Mode, recorded_topk_BLT=None):
   """`dsa_impl="dense_mask"`, the warm-up stage and dense MLA: attention over a `[B, L, S]` mask
   (the top-k selection folded into it in the sparse stage).
 
   Args:
+    order: the queries' sequence indices and the keys' document ids (`_Order`).
     index_qkw: this layer's indexer projections `(q_BLJI, k_BSI, weights_BLJ)`, or None.
     given_topk_BLT: a selection made elsewhere (the previous layer's, a sliding window), or
       None.
@@ -170,13 +185,13 @@ def _dense_attention(c, latents: _Latents, scale, segment_ids_BL, index_qkw, giv
     `(out_BLHV, aux)`, aux with the DSA entries documented in `MLA.__call__`.
   """
   aux = {}
-  visible_BLS = causal_segment_mask(segment_ids_BL)
+  visible_BLS = causal_segment_mask(segment_ids_BL, q_index_BL=order.q_index_BL,
+                                    key_segment_ids_BS=order.key_segment_ids_BS)
   topk_BLT = given_topk_BLT
   if index_qkw is not None:
-    b, l = segment_ids_BL.shape
-    q_pos_BL = jnp.broadcast_to(jnp.arange(l, dtype=jnp.int32), (b, l))
     index_scores_BLS = pallas_kernels.indexer_scores_reference(
-        *index_qkw, q_pos_BL, segment_ids_BL, segment_ids_BL, scale=c.index_head_dim ** -0.5)
+        *index_qkw, order.q_index_BL, segment_ids_BL, order.key_segment_ids_BS,
+        scale=c.index_head_dim ** -0.5)
     topk_BLT, _ = pallas_kernels.select_topk(index_scores_BLS, c.index_topk)
     if recorded_topk_BLT is not None:
       topk_BLT = routing_replay.replay(topk_BLT, recorded_topk_BLT)
@@ -222,8 +237,8 @@ def _check_cudnn(c):
                       f"'float16' (cuDNN flash attention), got {c.dtype!r}")
 
 
-def _sparse_stage_attention(c, latents: _Latents, scale, segment_ids_BL, index_qkw,
-                            given_topk_BLT, recorded_topk_BLT=None):
+def _sparse_stage_attention(c, latents: _Latents, scale, segment_ids_BL, order: _Order,
+                            index_qkw, given_topk_BLT, recorded_topk_BLT=None):
   """The sparse stage on `pallas_kernels` (`dsa_impl` "xla" | "pallas" | "pallas_interpret"),
   O(L x T) throughout.
 
@@ -238,19 +253,17 @@ def _sparse_stage_attention(c, latents: _Latents, scale, segment_ids_BL, index_q
   exists to avoid).
   """
   q_nope_BLHN, q_rope_BLHR, ckv_BSC, k_rope_BSR, w_kb_CHN, w_vb_CHV = latents
-  b, l = segment_ids_BL.shape
   index_scale = c.index_head_dim ** -0.5
+  visible = lambda topk_BLT: restrict_topk_to_visible(topk_BLT, segment_ids_BL, *order)
   if index_qkw is not None:
-    q_pos_BL = jnp.broadcast_to(jnp.arange(l, dtype=jnp.int32), (b, l))
     topk_BLT, _ = _indexer_topk_on_mesh(c.dsa_impl, topk=c.index_topk, scale=index_scale)(
-        *index_qkw, q_pos_BL, segment_ids_BL, segment_ids_BL)
+        *index_qkw, order.q_index_BL, segment_ids_BL, order.key_segment_ids_BS)
     if recorded_topk_BLT is not None:  # a record from elsewhere: keep only visible keys
-      topk_BLT = restrict_topk_to_visible(routing_replay.replay(topk_BLT, recorded_topk_BLT),
-                                          segment_ids_BL)
+      topk_BLT = visible(routing_replay.replay(topk_BLT, recorded_topk_BLT))
     aux = {"topk_indices": topk_BLT}
   else:  # a selection made elsewhere (previous layer, sliding window): drop invisible keys
     aux = {"topk_indices": given_topk_BLT}
-    topk_BLT = restrict_topk_to_visible(given_topk_BLT, segment_ids_BL)
+    topk_BLT = visible(given_topk_BLT)
   q_latent_BLHC = jnp.einsum("blhn,chn->blhc", q_nope_BLHN, w_kb_CHN)
   out_latent_BLHC, lse_BLH = _sparse_mla_on_mesh(c.dsa_impl, scale)(
       q_latent_BLHC, q_rope_BLHR, ckv_BSC, k_rope_BSR, topk_BLT)

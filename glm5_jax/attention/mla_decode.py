@@ -16,13 +16,13 @@ never read, so a slot is reused and a speculative step rolled back without touch
 DSA (sparse stage): the indexer scores the new queries against every cached indexer key with
 `q_pos` = the query's position (`pallas_kernels`: key row s visible iff s <= q_pos; padded
 queries get q_pos -1 and see nothing), takes the deterministic top-k (the training tie rule,
-`select_topk`), and attends over the selected latent rows through `model.dsa_impl`'s
-`sparse_mla` ("xla", "pallas", "pallas_interpret"), or masks the dense absorbed attention
-("dense_mask"). An R layer
-reuses the previous layer's selection (cache rows), restricted to rows <= q_pos. The training
-forward and decode see the same keys with the same scores, so they select the same top-k (the
-selection has T = min(index_topk, S) slots here against min(index_topk, L) in training: the
-extra slots are empty).
+`select_topk`; "xla" scores and selects with `pallas_kernels.indexer_topk_decode`: one pass
+over the keys and a partial top-k, the same selection), and attends over the selected latent
+rows through `model.dsa_impl`'s `sparse_mla` ("xla", "pallas", "pallas_interpret"), or masks
+the dense absorbed attention ("dense_mask"). An R layer reuses the previous layer's selection
+(cache rows), restricted to rows <= q_pos. The training forward and decode see the same keys
+with the same scores, so they select the same top-k (the selection has T = min(index_topk, S)
+slots here against min(index_topk, L) in training: the extra slots are empty).
 
 Nothing training-only runs here (no indexer KL, no `index_scores`).
 
@@ -36,6 +36,8 @@ import jax.numpy as jnp
 import pallas_kernels
 from glm5_jax.attention.decode_rows import write_rows
 from glm5_jax.attention.dsa import topk_mask
+from glm5_jax.layers.axes import BATCH
+from glm5_jax.layers.params import context_split
 
 
 def restrict_rows_to_positions(topk_BQT, q_pos_BQ):
@@ -89,7 +91,14 @@ def decode_attention(c, latents, scale, positions_BQ, segment_ids_BQ, index_qkw,
     q_seg_BQ = jnp.ones_like(q_pos_BQ)
     k_seg_BS = jnp.ones(index_k_BSI.shape[:2], jnp.int32)
     index_scale = c.index_head_dim ** -0.5
-    if sparse_ops:
+    if sparse_ops and c.dsa_impl == "xla":
+      # Few queries over every cached key: one scoring pass and a partial top-k, not the
+      # training path's key-tile loop and sort (`indexer_topk_decode`; the same selection).
+      # The sort stays where the slots are split over devices (its docstring).
+      topk_BQT, _ = pallas_kernels.indexer_topk_decode(
+          q_BQJI, index_k_BSI, weights_BQJ, q_pos_BQ, q_seg_BQ, k_seg_BS, topk=c.index_topk,
+          scale=index_scale, partial=context_split(BATCH) == 1)
+    elif sparse_ops:
       topk_BQT, _ = pallas_kernels.dsa_ops(c.dsa_impl).indexer_topk(
           q_BQJI, index_k_BSI, weights_BQJ, q_pos_BQ, q_seg_BQ, k_seg_BS, topk=c.index_topk,
           scale=index_scale)

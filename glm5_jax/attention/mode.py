@@ -9,6 +9,7 @@ import dataclasses
 
 FORMS = ("expanded", "absorbed", "decode")
 DSA_STAGES = ("dense", "warmup", "sparse")
+CONTEXT_LAYOUTS = ("contiguous", "striped")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -34,6 +35,17 @@ class Mode:
       "warmup"  the indexers run and learn (their KL in aux); attention stays dense.
       "sparse"  attention restricted to the top-k keys (inference, and training stage 2).
       S layers apply their window in every stage.
+    context_layout: which sequence index each slot of the L axis holds (training / prefill
+      forms; `glm5_jax.attention.context_parallel`):
+      "contiguous"  slot l holds token l (the usual order);
+      "striped"     the inputs (and so every `[B, L, ...]` output) are in the load-balanced
+                    order `context_parallel.stripe_order(L, c)` for the context axis of c
+                    devices in the mesh in context (the identity when c = 1): the sequence cut
+                    into 2c chunks, device i holding chunks i and 2c - 1 - i, so every device
+                    gets the same causal work. Attention masks, top-k, windows and MTP shifts
+                    follow the tokens' sequence index, not their slot; top-k indices stay
+                    sequence indices. Callers stripe their `[B, L]` inputs with
+                    `context_parallel.stripe` (and unstripe outputs with `unstripe`).
 
   Decode with a cache is the form "decode", one branch per module, nothing else here:
     1. The cache is data, not mode: it travels as an argument (`cache=` on every module's
@@ -50,9 +62,16 @@ class Mode:
 
   form: str = "expanded"
   dsa_stage: str = "sparse"
+  context_layout: str = "contiguous"
 
   def __post_init__(self):
     if self.form not in FORMS:
       raise ValueError(f"Mode.form must be one of {FORMS}, got {self.form!r}")
     if self.dsa_stage not in DSA_STAGES:
       raise ValueError(f"Mode.dsa_stage must be one of {DSA_STAGES}, got {self.dsa_stage!r}")
+    if self.context_layout not in CONTEXT_LAYOUTS:
+      raise ValueError(f"Mode.context_layout must be one of {CONTEXT_LAYOUTS}, got "
+                       f"{self.context_layout!r}")
+    if self.context_layout == "striped" and self.form == "decode":
+      raise ValueError("Mode.context_layout='striped' is for the training / prefill forms; "
+                       "decode runs on the contiguous layout")

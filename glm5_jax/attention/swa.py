@@ -42,7 +42,7 @@ import dataclasses
 import jax.numpy as jnp
 from flax import linen as nn
 
-from glm5_jax.attention import decode_rows
+from glm5_jax.attention import context_parallel, decode_rows
 from glm5_jax.attention.mla import MLA, _absorbed_attention, _Latents
 from glm5_jax.attention.mla_projections import mla_latents, mla_output
 from glm5_jax.attention.mode import Mode
@@ -53,12 +53,14 @@ from glm5_jax.layers.rope import apply_interleaved_rope, rope_angles
 CACHE_KEYS = ("ckv", "k_rope", "pos")
 
 
-def sliding_window_keys(length: int, window: int):
-  """int32 `[L, min(window, L)]`: row l lists keys l - W + 1 .. l; -1 for those before 0 (the
-  empty-slot marker of a top-k selection)."""
+def sliding_window_keys(length: int, window: int, q_index_L=None):
+  """int32 `[L, min(window, L)]`: row l lists keys q - W + 1 .. q for the query's sequence
+  index q (`q_index_L[l]`, default l: context parallelism's striped layout passes its own);
+  -1 for those before 0 (the empty-slot marker of a top-k selection)."""
   w = min(window, length)
-  keys_LW = jnp.arange(length, dtype=jnp.int32)[:, None] - jnp.arange(w - 1, -1, -1,
-                                                                      dtype=jnp.int32)[None, :]
+  if q_index_L is None:
+    q_index_L = jnp.arange(length, dtype=jnp.int32)
+  keys_LW = q_index_L[:, None] - jnp.arange(w - 1, -1, -1, dtype=jnp.int32)[None, :]
   return jnp.where(keys_LW >= 0, keys_LW, -1)
 
 
@@ -78,8 +80,10 @@ class SlidingWindowMLA(nn.Module):
     if mode.form == "decode":
       return _ring_decode(self, self.cfg, x_BLD, positions_BL, segment_ids_BL, cache)
     b, l = segment_ids_BL.shape
-    window_BLW = jnp.broadcast_to(sliding_window_keys(l, self.cfg.sliding_window)[None],
-                                  (b, l, min(self.cfg.sliding_window, l)))
+    q_index_L = context_parallel.query_index(1, l, mode.context_layout)[0]
+    window_BLW = jnp.broadcast_to(
+        sliding_window_keys(l, self.cfg.sliding_window, q_index_L)[None],
+        (b, l, min(self.cfg.sliding_window, l)))
     mla = MLA(self.cfg, kind="dsa_shared_topk", name="mla")
     nn.share_scope(self, mla)  # the M layer's params live directly in this layer's scope
     y_BLD, _ = mla(x_BLD, positions_BL, segment_ids_BL, window_BLW,

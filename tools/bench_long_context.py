@@ -1,0 +1,210 @@
+"""Long-context decode on the tiny model: chunked prefill memory, and decode cost per token
+against the context length, DSA (D) beside dense MLA (M), side by side in one run.
+
+  python tools/bench_long_context.py                                   # CPU, a few minutes
+  python tools/bench_long_context.py --prefill_len=131072 --sections=prefill
+  python tools/bench_long_context.py --contexts=8192,65536 --sections=decode,ops
+  python tools/bench_long_context.py --sections=ops --ops_model=glm5    # GLM-5's shapes
+
+Model: configs/tiny.py's (random params), `max_position_embeddings` raised to fit, MTP off
+(the main model's steps), `dsa_impl="xla"`, one slot (B = 1).
+
+Sections:
+  prefill   (1) the compiled memory of one chunk step (`glm5_jax.infer.step.decode_step` with
+            Q = chunk new tokens over a cache of S rows; XLA's `memory_analysis`): arguments
+            (the cache and params) and temporaries, for each `--chunks` x `--analysis_lens`,
+            D and M: what the chunk costs beyond the cache. (2) D only: a `--prefill_len`-token
+            prompt prefilled in chunks of the first `--chunks` entry, timed, with the process's
+            peak resident memory (`ru_maxrss`) before and after and the cache's own bytes.
+  decode    one-token decode steps (Q = 1) at the last row of a cache of each `--contexts`
+            length (random cache contents: the cost does not depend on them), for D and M,
+            with the layers unrolled and scanned (`model.scan_layers`): the least time per step
+            over `--rounds` rounds of `--steps` steps, and each one's ratio to the shortest
+            context.
+  ops       the D layer's two attention ops alone (the indexer's scoring and
+            top-k over every cached key, `pallas_kernels.indexer_topk_decode`; the sparse
+            attention over its T selected rows, `sparse_mla_xla`) and M's dense absorbed
+            attention over every row, per layer, with the tiny model's attention shapes or
+            (`--ops_model=glm5`) GLM-5's.
+
+The last output line is all figures as JSON.
+"""
+
+import json
+import resource
+import time
+
+from absl import app, flags
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+import pallas_kernels
+from configs import tiny
+from glm5_jax.api import init_params
+from glm5_jax.attention.mla import _absorbed_attention, _Latents
+from glm5_jax.config import ModelConfig, model_config as glm5_model_config
+from glm5_jax.infer.cache import init_cache
+from glm5_jax.infer.step import _decode_step, decode_step
+
+_SECTIONS = flags.DEFINE_list("sections", ["prefill", "decode", "ops"], "Sections to run.")
+_CONTEXTS = flags.DEFINE_list("contexts", ["8192", "65536"], "Decode context lengths.")
+_PREFILL_LEN = flags.DEFINE_integer("prefill_len", 32768, "Prompt tokens of the prefill run.")
+_CHUNKS = flags.DEFINE_list("chunks", ["512", "2048"], "Prefill chunk sizes (the run uses the "
+                            "first).")
+_ANALYSIS_LENS = flags.DEFINE_list("analysis_lens", ["16384", "131072"], "Cache rows S of the "
+                                   "compiled chunk-step memory analysis.")
+_STEPS = flags.DEFINE_integer("steps", 5, "Timed decode steps per round.")
+_ROUNDS = flags.DEFINE_integer("rounds", 3, "Timing rounds (the least time counts).")
+_OPS_MODEL = flags.DEFINE_enum("ops_model", "tiny", ["tiny", "glm5"], "Attention shapes of the "
+                               "per-layer ops: the tiny model's or GLM-5's (64 heads, C 512, "
+                               "R 64, J 32, I 128, top-k 2048).")
+
+
+def model_config(pattern: str, scan: bool, max_len: int) -> ModelConfig:
+  """The tiny model with `pattern` ("D" or "M" for every layer), MTP off."""
+  cfg = tiny.get_config(pattern).model
+  cfg.update(max_position_embeddings=max(max_len, cfg.max_position_embeddings), dsa_impl="xla",
+             num_nextn_predict_layers=0, mtp_depths=0, scan_layers=scan)
+  return ModelConfig.from_config(cfg)
+
+
+def least_seconds(fn, rounds: int, steps: int) -> float:
+  """The least mean time per call of `fn()` (which blocks) over `rounds` rounds of `steps`."""
+  best = float("inf")
+  for _ in range(rounds):
+    start = time.perf_counter()
+    for _ in range(steps):
+      fn()
+    best = min(best, (time.perf_counter() - start) / steps)
+  return best
+
+
+def random_cache(cfg, max_len: int, seed: int = 0):
+  cache = init_cache(cfg, 1, max_len)
+  key = jax.random.key(seed)
+  return jax.tree.map(lambda x: jax.random.normal(key, x.shape, x.dtype)
+                      if jnp.issubdtype(x.dtype, jnp.floating) else x, cache)
+
+
+def tokens_at(positions, vocab: int):
+  positions = jnp.asarray(positions, jnp.int32)[None]
+  return positions % vocab, positions, jnp.ones_like(positions)
+
+
+def chunk_memory(pattern: str, chunk: int, rows: int) -> dict:
+  """`memory_analysis` of one compiled chunk step (abstract cache: nothing allocated)."""
+  cfg = model_config(pattern, True, rows)
+  params = jax.eval_shape(lambda: init_params(cfg, jax.random.key(0)))
+  cache = jax.eval_shape(lambda: init_cache(cfg, 1, rows))
+  q = jax.ShapeDtypeStruct((1, chunk), jnp.int32)
+  stats = _decode_step.lower(params, cache, q, q, q, cfg=cfg, dsa_stage="sparse").compile(
+  ).memory_analysis()
+  return {"argument_MiB": round(stats.argument_size_in_bytes / 2**20, 1),
+          "temp_MiB": round(stats.temp_size_in_bytes / 2**20, 1)}
+
+
+def prefill_run(length: int, chunk: int) -> dict:
+  """D: a `length`-token prompt in chunks, timed; peak RSS before and after."""
+  cfg = model_config("D", True, length)
+  params = init_params(cfg, jax.random.key(0))
+  cache = init_cache(cfg, 1, length)
+  cache_bytes = sum(x.nbytes for x in jax.tree.leaves(cache))
+  rss_before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+  start = time.perf_counter()
+  for first in range(0, length, chunk):
+    out = decode_step(cfg, params, cache, *tokens_at(np.arange(first, first + chunk),
+                                                     cfg.vocab_size))
+    cache = out.cache
+  out.logits_BQY.block_until_ready()
+  return {"prompt": length, "chunk": chunk, "seconds": round(time.perf_counter() - start, 1),
+          "cache_MiB": round(cache_bytes / 2**20, 1), "peak_rss_MiB_before": round(rss_before),
+          "peak_rss_MiB_after": round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024)}
+
+
+def decode_step_ms(pattern: str, scan: bool, context: int) -> float:
+  cfg = model_config(pattern, scan, context)
+  params = init_params(cfg, jax.random.key(0))
+  state = {"cache": random_cache(cfg, context)}
+  args = tokens_at([context - 1], cfg.vocab_size)
+
+  def one():
+    out = decode_step(cfg, params, state["cache"], *args)
+    state["cache"] = out.cache
+    out.logits_BQY.block_until_ready()
+
+  one()  # compiles
+  return 1e3 * least_seconds(one, _ROUNDS.value, _STEPS.value)
+
+
+def attention_ops_ms(context: int, which: str) -> dict:
+  """Per layer, one query at the last of `context` rows: D's two ops and M's dense attention,
+  with the attention shapes of `which` ("tiny" or "glm5", `--ops_model`)."""
+  cfg = (model_config("D", True, context) if which == "tiny" else
+         ModelConfig.from_config(glm5_model_config()))
+  h, c, r = cfg.num_attention_heads, cfg.kv_lora_rank, cfg.qk_rope_head_dim
+  j, i, t = cfg.index_n_heads, cfg.index_head_dim, cfg.index_topk
+  normal = lambda *shape: jax.random.normal(jax.random.key(len(shape)), shape)
+  ckv, k_rope, index_k = normal(1, context, c), normal(1, context, r), normal(1, context, i)
+  q_latent, q_rope = normal(1, 1, h, c), normal(1, 1, h, r)
+  q_pos, ones = jnp.full((1, 1), context - 1, jnp.int32), jnp.ones((1, 1), jnp.int32)
+  k_seg = jnp.ones((1, context), jnp.int32)
+  indexer = jax.jit(lambda q, k, w: pallas_kernels.indexer_topk_decode(
+      q, k, w, q_pos, ones, k_seg, topk=t, scale=i ** -0.5)[0])
+  topk = indexer(normal(1, 1, j, i), index_k, normal(1, 1, j))
+  sparse = jax.jit(lambda *a: pallas_kernels.sparse_mla_xla(*a, scale=0.1)[0])
+  w_kb, w_vb = jnp.eye(c)[:, None, :c].repeat(h, 1), jnp.eye(c)[:, None, :].repeat(h, 1)
+  dense = jax.jit(lambda ql, qr, ckv, kr: _absorbed_attention(
+      _Latents(ql, qr, ckv, kr, w_kb, w_vb),
+      (jnp.arange(context) <= context - 1)[None, None], 0.1)[0])
+  runs = {"indexer_topk": lambda: indexer(normal(1, 1, j, i), index_k, normal(1, 1, j)),
+          "sparse_mla": lambda: sparse(q_latent, q_rope, ckv, k_rope, topk),
+          "dense_mla": lambda: dense(q_latent, q_rope, ckv, k_rope)}
+  out = {}
+  for name, fn in runs.items():
+    fn().block_until_ready()
+    out[name] = round(1e3 * least_seconds(lambda: fn().block_until_ready(), _ROUNDS.value,
+                                          _STEPS.value), 3)
+  return out
+
+
+def main(argv):
+  del argv
+  result = {}
+  if "prefill" in _SECTIONS.value:
+    chunks = [int(x) for x in _CHUNKS.value]
+    result["prefill_run"] = prefill_run(_PREFILL_LEN.value, chunks[0])
+    print("prefill run (D):", result["prefill_run"], flush=True)
+    result["chunk_memory"] = {}
+    for pattern in ("D", "M"):
+      for chunk in chunks:
+        for rows in (int(x) for x in _ANALYSIS_LENS.value):
+          stats = chunk_memory(pattern, chunk, rows)
+          result["chunk_memory"][f"{pattern} chunk={chunk} S={rows}"] = stats
+          print(f"chunk step {pattern}: chunk {chunk:6d}, cache rows {rows:7d}: {stats}",
+                flush=True)
+  if "decode" in _SECTIONS.value:
+    contexts = [int(x) for x in _CONTEXTS.value]
+    result["decode_ms"] = {}
+    for pattern in ("D", "M"):
+      for scan in (False, True):
+        name = f"{pattern} {'scanned' if scan else 'unrolled'}"
+        times = [decode_step_ms(pattern, scan, n) for n in contexts]
+        result["decode_ms"][name] = {str(n): round(ms, 2) for n, ms in zip(contexts, times)}
+        print(f"decode step {name:11s}: " + "  ".join(
+            f"{n}: {ms:8.2f} ms ({ms / times[0]:5.2f}x)" for n, ms in zip(contexts, times)),
+            flush=True)
+  if "ops" in _SECTIONS.value:
+    contexts = [int(x) for x in _CONTEXTS.value]
+    result["attention_ops_ms"] = {}
+    for n in contexts:
+      result["attention_ops_ms"][str(n)] = attention_ops_ms(n, _OPS_MODEL.value)
+    for op in ("indexer_topk", "sparse_mla", "dense_mla"):
+      times = [result["attention_ops_ms"][str(n)][op] for n in contexts]
+      print(f"per layer {op:12s} ({_OPS_MODEL.value}): " + "  ".join(
+          f"{n}: {ms:8.3f} ms ({ms / times[0]:5.2f}x)" for n, ms in zip(contexts, times)))
+  print(json.dumps(result))
+
+
+if __name__ == "__main__":
+  app.run(main)
