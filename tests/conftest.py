@@ -44,6 +44,31 @@ CONFIG_DIR = REPO_ROOT / "configs"
 # In case a plugin imported jax before this file set the variable.
 jax.config.update("jax_compilation_cache_dir", os.environ["JAX_COMPILATION_CACHE_DIR"])
 
+# In this (long-lived, many-test) process, only the trainer's programs are written to the cache.
+# jaxlib 0.10.2's CPU `executable.serialize()` has crashed the process (SIGSEGV in CI, SIGABRT
+# here) on the inference engine's speculative step after a worker's long history of other
+# compiles, never alone or in a fresh process; a dead xdist worker fails the whole run. What
+# the cache saves in-process is the trainer's steps: `build_trainer` makes new jit wrappers on
+# every call, so a test that trains, resumes and trains again would compile each step anew
+# (test_train's dense-phase and resume tests: 237 s of CPU with the cache, 485 s without). The
+# engine's programs are module-level jits, reused within a process by jax's in-memory cache.
+# Subprocesses (the CLIs) do not import this file and write every program as usual.
+_TRAINER_PROGRAMS = ("jit_train_step", "jit_eval_step", "jit_init_state", "jit__all_checksums",
+                     "jit_rl_train_step")
+
+
+def _write_trainer_programs_only(write):
+  def cache_write(*args, **kwargs):
+    name = kwargs.get("module_name", args[2] if len(args) > 2 else None)
+    if not isinstance(name, str) or name.startswith(_TRAINER_PROGRAMS):
+      write(*args, **kwargs)
+  return cache_write
+
+
+from jax._src import compiler as _jax_compiler  # pylint: disable=g-import-not-at-top,wrong-import-position
+if hasattr(_jax_compiler, "_cache_write"):  # a private hook: newer jax may name it otherwise
+  _jax_compiler._cache_write = _write_trainer_programs_only(_jax_compiler._cache_write)
+
 
 def pytest_unconfigure(config):
   del config
