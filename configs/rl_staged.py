@@ -13,8 +13,8 @@ The summary prints the forgetting / recovery table: every task's held-out greedy
 the SFT, after each stage and after the distillation. Rerunning the same command resumes
 (finished stages are skipped, a stopped one resumes from its checkpoint).
 
-`arg` (configs.common.parse_arg): `stage_steps` (RL steps of each stage, default 30),
-`distill_steps` (default 30), `sft_steps` (default 300), `eval_tasks` (held-out tasks per task
+`arg` (configs.common.parse_arg): `stage_steps` (RL steps of each stage, default 20),
+`distill_steps` (default 20), `sft_steps` (default 300), `eval_tasks` (held-out tasks per task
 per table row, default 64), `prompts` (prompts per RL step, default 16).
 """
 
@@ -35,7 +35,7 @@ SEQ_LEN = 160
 
 
 def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
-  arg = parse_arg(arg, stage_steps=30, distill_steps=30, sft_steps=300, eval_tasks=64,
+  arg = parse_arg(arg, stage_steps=20, distill_steps=20, sft_steps=300, eval_tasks=64,
                   prompts=16)
   config = ml_collections.ConfigDict()
   config.seed = 0
