@@ -43,6 +43,13 @@ experiments/train.py, held-out evaluation off: `--config.rl.eval_every_steps=0`)
 worker is one JAX process (a single-host slice, its mesh over that host's devices). The
 workers' output goes to `<workdir>/rl/logs/<worker>.log`.
 
+The staged pipeline (configs/rl_staged.py; glm5_jax/posttrain/pipeline.py): SFT, reasoning RL
+-> agentic RL -> general RL, each from the previous stage's checkpoint, then on-policy
+distillation from the best earlier checkpoint of each task; prints the forgetting / recovery
+table (every task's held-out accuracy after each stage):
+
+  python experiments/rl.py --config=configs/rl_staged.py --workdir=/tmp/glm5_staged
+
 Stopping: SIGTERM (to this command; in async mode it is forwarded to the trainer and the
 workers, which also die with it) stops the current stage after its current step, whose
 checkpoint is committed: the SFT (RL then does not start: it never runs on a partial SFT model)
@@ -62,7 +69,7 @@ import jax
 
 from configs import overrides
 from glm5_jax.config import require
-from glm5_jax.posttrain import sft
+from glm5_jax.posttrain import pipeline, sft
 from glm5_jax.posttrain.loop import rl_train
 from glm5_jax.posttrain.rl_config_checks import validate_rl_experiment
 from glm5_jax.rl import async_trainer, launcher, worker
@@ -85,7 +92,13 @@ _WORKER = flags.DEFINE_string("worker", "", "async --role=worker: this worker's 
 
 def run(config, workdir: str) -> dict:
   """SFT (if needed) then synchronous RL; returns both summaries and their wall times, and
-  `stopped` (the stage SIGTERM stopped, or None)."""
+  `stopped` (the stage SIGTERM stopped, or None). A staged pipeline config (configs/
+  rl_staged.py) runs `pipeline.run_pipeline` instead: its state, `stopped` included."""
+  if "pipeline" in config:
+    if not jax.config.jax_compilation_cache_dir:
+      # Every stage builds its own trainer and engine, the same programs: compiled once.
+      jax.config.update("jax_compilation_cache_dir", os.path.join(workdir, "jax_cache"))
+    return pipeline.run_pipeline(config, workdir)
   validate_rl_experiment(config)  # before the SFT, which may take hours
   out = sft.ensure_sft_start(config, workdir)
   if out.get("stopped"):
@@ -173,6 +186,8 @@ def main(argv):
           sys.exit(EXIT_STOPPED_EARLY)
         return
       if _MODE.value == "async":
+        require("pipeline" not in _CONFIG.value, "pipeline", "the staged pipeline runs "
+                "synchronously (--mode=sync)")
         out = run_async(_CONFIG.value, _WORKDIR.value, sys.argv)
       else:
         out = run(_CONFIG.value, _WORKDIR.value)
@@ -183,6 +198,12 @@ def main(argv):
           "same command to resume" + ("; RL starts after the SFT finishes"
                                       if out["stopped"] == "SFT" else ""))
     sys.exit(EXIT_STOPPED_EARLY)
+  if "pipeline" in _CONFIG.value:
+    print("\n== staged pipeline: held-out greedy accuracy "
+          f"({out['eval_tasks']} eval tasks per task) ==")
+    print(pipeline.format_table(out))
+    print(f"wall time: {time.time() - start:.0f} s")
+    return
   print_summary(out, _CONFIG.value, start)
 
 

@@ -329,7 +329,7 @@ def test_distillation_advantage_is_the_teacher_gap(small, uninterrupted, tmp_pat
                                      group_size=1)
   model = ModelConfig.from_config(config.model)
   teacher_params = helpers.random_params(model, seed=1)
-  batch = loop.score(config, samples, (model, teacher_params))
+  batch = loop.score(config, samples, {loop.ANY_TASK: (model, teacher_params)})
   teacher = np.asarray(rl_step.policy_logprobs(model, teacher_params, batch))
   mask = batch["loss_mask"] > 0
   np.testing.assert_allclose(batch["advantages"][mask],

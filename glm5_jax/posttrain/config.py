@@ -71,6 +71,10 @@ def rl_config(**overrides) -> ml_collections.ConfigDict:
   c.routing_replay = False
   c.steps = 100  # RL steps (also the length of the learning-rate schedule)
   c.teacher = ""  # workdir of the teacher checkpoint for loss "distill"; "" for "grpo"
+  # Loss "distill" with a teacher per task instead (cross-stage distillation,
+  # glm5_jax/posttrain/pipeline.py): {env name: teacher workdir}, one per environment of
+  # rl.env / rl.tasks; each sample is scored by the teacher of its own task.
+  c.teachers = ml_collections.ConfigDict()
   c.init_from = ""  # workdir of the run (e.g. SFT) whose latest params RL starts from
   c.eval_every_steps = 10  # held-out accuracy every this many steps; 0 disables
   c.eval_tasks = 64  # held-out tasks per evaluation
@@ -89,12 +93,16 @@ def validate_rl_config(c) -> None:
   check_fields(c, rl_config(), "rl")
   require(c.loss in RL_LOSSES, "rl.loss", f"must be one of {RL_LOSSES}, got {c.loss!r}")
   if c.loss == "distill":
-    require(bool(c.teacher), "rl.teacher",
-            "loss 'distill' needs the teacher checkpoint's workdir, got ''")
+    require(bool(c.teacher) != bool(c.teachers), "rl.teacher",
+            "loss 'distill' needs one teacher checkpoint's workdir (rl.teacher) or one per task "
+            f"(rl.teachers), not both; got rl.teacher={c.teacher!r}, rl.teachers="
+            f"{dict(c.teachers)}")
     require(c.group_size >= 1, "rl.group_size", f"must be >= 1, got {c.group_size}")
   else:
     require(not c.teacher, "rl.teacher",
             f"only loss 'distill' reads a teacher; got {c.teacher!r} with loss {c.loss!r}")
+    require(not c.teachers, "rl.teachers",
+            f"only loss 'distill' reads teachers; got {dict(c.teachers)} with loss {c.loss!r}")
     require(c.group_size >= 2, "rl.group_size",
             f"GRPO compares samples within a group, so it needs >= 2, got {c.group_size} (a "
             "group of 1 always has advantage 0)")
@@ -137,6 +145,14 @@ def validate_rl_config(c) -> None:
   require(c.eval_samples >= 0, "rl.eval_samples",
           f"must be >= 0 (0: greedy evaluation only), got {c.eval_samples}")
   tasks.validate_tasks(c)  # last: it reads max_staleness and builds the environment
+  if c.teachers:
+    names = sorted(c.tasks) if c.env == tasks.MIXTURE else [c.env]
+    require(sorted(c.teachers) == names, "rl.teachers",
+            f"needs exactly one teacher per environment of the run {names}, got "
+            f"{sorted(c.teachers)}")
+    for name, path in c.teachers.items():
+      require(isinstance(path, str) and bool(path), f"rl.teachers.{name}",
+              f"must be a teacher checkpoint's workdir, got {path!r}")
 
 
 def resolve_policy_loss(rl, asynchronous: bool) -> str:

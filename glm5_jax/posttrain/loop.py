@@ -132,7 +132,8 @@ def rl_train(config, workdir: str, *, stop_after_steps: int | None = None,
 def hide_run_from_sandbox(config, workdir) -> None:
   """Model-written code (the code envs) must not see the run: its workdir, the checkpoint it
   starts from and its teacher are hidden from every sandboxed program of this process."""
-  sandbox.hide_in_this_process(workdir, config.rl.init_from, config.rl.teacher)
+  sandbox.hide_in_this_process(workdir, config.rl.init_from, config.rl.teacher,
+                               *config.rl.teachers.values())
 
 
 def build_rl_run(config, *, asynchronous: bool = False):
@@ -150,7 +151,7 @@ def build_rl_run(config, *, asynchronous: bool = False):
 def _rl_train(config, run: RunHarness, initial_params):
   rl = config.rl
   tokenizer, env, shapes, t = build_rl_run(config)
-  teacher = _load_teacher(rl.teacher, tokenizer) if rl.loss == "distill" else None
+  teacher = load_teachers(rl, tokenizer) if rl.loss == "distill" else None
   state, extra = init_or_restore(config, run, t, shapes, initial_params)
   start = int(state.step) // rl.minibatches
   # Earlier calls' evaluations come with the checkpoint: "before RL" is step 0's on a resume.
@@ -198,7 +199,9 @@ def _rl_train(config, run: RunHarness, initial_params):
 
 def score(config, samples, teacher=None) -> dict:
   """The rollout batch of `samples` with its advantages: GRPO's per-sample group advantages,
-  or (with `teacher` = (model config, params)) distillation's per-token teacher gap."""
+  or, with `teacher` ({env name or ANY_TASK: (model config, params)}, `load_teachers`),
+  distillation's per-token gap `stopgrad(logp_teacher - logp_rollout)` where each sample's
+  teacher is that of its task (`sample.task.env`), else the ANY_TASK one."""
   if teacher is None:
     rewards = np.asarray([s.reward for s in samples], np.float32)
     groups = np.asarray([s.group for s in samples], np.int32)
@@ -206,9 +209,18 @@ def score(config, samples, teacher=None) -> dict:
         rewards, groups, normalize_std=config.rl.normalize_std, std=config.rl.group_std))
     return rollout.to_batch(samples, config.data.seq_len, advantages)
   batch = rollout.to_batch(samples, config.data.seq_len)
-  teacher_cfg, teacher_params = teacher
-  teacher_logp = rl_step.teacher_logp(teacher_cfg, teacher_params, batch)
-  gap = np.asarray(algorithms.distill_advantages(teacher_logp, batch["rollout_logp"]))
+  owner = np.asarray([s.task.env if s.task.env in teacher else ANY_TASK for s in samples])
+  missing = sorted(set(owner) - set(teacher))
+  if missing:
+    raise ValueError(f"score: samples of tasks {sorted({s.task.env for s in samples})} have "
+                     f"no teacher; teachers: {sorted(teacher)}")
+  gap = np.zeros_like(batch["rollout_logp"])
+  for name in sorted(set(owner)):
+    # The whole batch through each teacher (one compiled shape), its own rows kept.
+    teacher_cfg, teacher_params = teacher[name]
+    teacher_logp = rl_step.teacher_logp(teacher_cfg, teacher_params, batch)
+    rows = np.asarray(algorithms.distill_advantages(teacher_logp, batch["rollout_logp"]))
+    gap[owner == name] = rows[owner == name]
   batch["advantages"] = (gap * batch["loss_mask"]).astype(np.float32)
   return batch
 
@@ -268,6 +280,17 @@ def evaluate_and_log(config, params, env, tokenizer, writer, step) -> dict:
                metrics["response_length"])
   writer.write(step, metrics, prefix="eval")
   return metrics
+
+
+ANY_TASK = "*"  # the key of `rl.teacher`, the one teacher of every sample
+
+
+def load_teachers(rl, tokenizer) -> dict:
+  """{env name: (model config, params)} of `rl.teachers`, or {ANY_TASK: ...} of `rl.teacher`;
+  a checkpoint named by several tasks is loaded once."""
+  paths = dict(rl.teachers) if rl.teachers else {ANY_TASK: rl.teacher}
+  loaded = {path: _load_teacher(path, tokenizer) for path in sorted(set(paths.values()))}
+  return {name: loaded[path] for name, path in paths.items()}
 
 
 def _load_teacher(workdir: str, tokenizer):

@@ -1,0 +1,66 @@
+"""GLM-5's staged post-training on the tiny model: SFT, then reasoning RL (addition) ->
+agentic RL (the calculator tool) -> general RL (string reversal), each stage from the previous
+stage's checkpoint, then on-policy distillation of all three tasks into the final student, each
+task against the best earlier checkpoint on it (glm5_jax/posttrain/pipeline.py).
+
+  python experiments/rl.py --config=configs/rl_staged.py --workdir=/tmp/glm5_staged
+  python experiments/rl.py --config=configs/rl_staged.py:stage_steps=1,distill_steps=1,sft_steps=4
+      --workdir=/tmp/glm5_staged_smoke                       # one step per stage
+  python experiments/rl.py --config=configs/rl_staged.py \
+      --config.stages.agentic.rl.steps=40 --config.distill.tasks.strings.teacher=general ...
+
+The summary prints the forgetting / recovery table: every task's held-out greedy accuracy after
+the SFT, after each stage and after the distillation. Rerunning the same command resumes
+(finished stages are skipped, a stopped one resumes from its checkpoint).
+
+`arg` (configs.common.parse_arg): `stage_steps` (RL steps of each stage, default 20),
+`distill_steps` (default 20), `sft_steps` (default 300), `eval_tasks` (held-out tasks per task
+per table row, default 64), `prompts` (prompts per RL step, default 16).
+"""
+
+import ml_collections
+
+from configs import sft_tiny
+from configs.common import parse_arg
+from glm5_jax import optim
+from glm5_jax.posttrain.config import rl_config
+from glm5_jax.posttrain.pipeline_config import (distill_config, distill_task, pipeline_section,
+                                                stage_config)
+from glm5_jax.posttrain.rl_config_checks import rl_data_config
+from glm5_jax.sharding import mesh_config
+from glm5_jax.train import config as train_defaults
+
+ENVS = ("addition", "calculator", "strings")
+SEQ_LEN = 160
+
+
+def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
+  arg = parse_arg(arg, stage_steps=20, distill_steps=20, sft_steps=300, eval_tasks=64,
+                  prompts=16)
+  config = ml_collections.ConfigDict()
+  config.seed = 0
+  config.sft = sft_tiny.get_config(f"envs={'+'.join(ENVS)},steps={arg.sft_steps},"
+                                   "num_per_env=2000")
+  # A calculator episode (system, question, tool call, observation, answer) is up to ~150
+  # tokens (byte tokenizer): SFT and RL rows of 160.
+  config.sft.data.seq_len = SEQ_LEN
+  config.model = config.sft.model
+  config.data = rl_data_config(seq_len=SEQ_LEN)
+  config.rl = rl_config(group_size=8, prompts_per_step=arg.prompts, max_new_tokens=48,
+                        temperature=1.0, steps=arg.stage_steps, eval_every_steps=0,
+                        eval_tasks=arg.eval_tasks, eval_samples=0)
+  config.optim = optim.optim_config(learning_rate=1e-3, warmup_steps=5)
+  config.train = train_defaults.train_config(steps=arg.stage_steps)
+  config.ckpt = train_defaults.ckpt_config(every_steps=10, keep=2)
+  config.mesh = mesh_config()
+  config.pipeline = pipeline_section(("reasoning", "agentic", "general"), arg.eval_tasks)
+  config.stages = ml_collections.ConfigDict()
+  config.stages.reasoning = stage_config("sft", env="addition", steps=arg.stage_steps)
+  config.stages.agentic = stage_config("previous", env="calculator", steps=arg.stage_steps)
+  config.stages.general = stage_config("previous", env="strings", steps=arg.stage_steps)
+  # Group size 1 (GLM-5): the advantage is the teacher's per-token gap, not a group baseline;
+  # as many samples per step as a stage (prompts x 8).
+  config.distill = distill_config(
+      {env: distill_task(weight=1.0, teacher="best") for env in ENVS}, start="previous",
+      steps=arg.distill_steps, group_size=1, prompts_per_step=arg.prompts * 8)
+  return config
