@@ -3,7 +3,6 @@ restore onto another mesh (glm5_jax/rl/param_sync.py)."""
 
 import json
 import os
-import pathlib
 import signal
 import subprocess
 import sys
