@@ -120,12 +120,15 @@ def test_mesh_fill_axis_resolves():
 
 @pytest.mark.parametrize("path", SHIPPED_CONFIGS, ids=lambda p: p.name)
 def test_shipped_config_validates(helpers, path, tmp_path):
-  """Each config is checked by the validator its entry point runs: experiments/rl.py's for an
-  `rl` section (and the SFT run it makes first), experiments/sft.py's for an `sft` section
+  """Each config is checked by the validator its entry point runs: experiments/rl.py's for a
+  staged pipeline or an `rl` section (and the SFT run it makes first), experiments/sft.py's for an `sft` section
   (the training loop's config after the built-in data is written), else the training loop's."""
-  from glm5_jax.posttrain import rl_config_checks, sft
+  from glm5_jax.posttrain import pipeline_config, rl_config_checks, sft
   config = helpers.load_config_module(path).get_config()
-  if "rl" in config:
+  if "pipeline" in config:  # experiments/rl.py runs the staged pipeline's own checks
+    pipeline_config.validate_pipeline(config)
+    validate_config(sft.training_config(config.sft, str(tmp_path)), num_devices=jax.device_count())
+  elif "rl" in config:
     rl_config_checks.validate_rl_experiment(config)
     validate_config(sft.training_config(config.sft, str(tmp_path)), num_devices=jax.device_count())
   elif "sft" in config:
