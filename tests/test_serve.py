@@ -21,13 +21,15 @@ from tests.conftest import random_params, tiny_model_config
 CFG = tiny_model_config(num_hidden_layers=2, attention_pattern="DD", first_k_dense_replace=2,
                         mtp_depths=0, num_nextn_predict_layers=0)
 MAX_LEN = 512
+TOP = 3  # the engine keeps each token's 3 most likely alternatives
 
 
 @pytest.fixture(scope="module")
 def server():
   params = random_params(CFG, seed=0, std=0.5)
   tok = make_tokenizer("byte")
-  loop = EngineLoop(Engine(CFG, params, slots=4, max_len=MAX_LEN, prefill_chunk=32),
+  loop = EngineLoop(Engine(CFG, params, slots=4, max_len=MAX_LEN, prefill_chunk=32,
+                           top_logprobs=TOP),
                     max_queue=64)
   with socket.socket() as s:
     s.bind(("127.0.0.1", 0))

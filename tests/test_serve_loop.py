@@ -78,5 +78,6 @@ def test_cancel_frees_the_slot_and_bad_requests_and_full_queue_are_refused(param
   loop.close()
   stalled = EngineLoop.__new__(EngineLoop)  # a loop whose thread never drains its queue
   stalled.max_queue, stalled._pending, stalled._lock = 1, 1, threading.Lock()
+  stalled._stop, stalled.error = False, None
   with pytest.raises(QueueFull, match="max_queue=1"):
     stalled.submit(Request(3, (3,), 2, 0.0, 1.0, 0, 0))

@@ -31,19 +31,28 @@ from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
 from glm5_jax.data import chat
 from glm5_jax.infer.engine import request_seed
 from glm5_jax.infer.requests import Request
-from glm5_jax.serve.engine_loop import EngineLoop, QueueFull
+from glm5_jax.serve.choices import Choice, batches, chat_logprobs, completion_logprobs
+from glm5_jax.serve.engine_loop import EngineLoop, QueueFull, Stopped
+from glm5_jax.serve.text import ChoiceText
+
+
+MAX_STOPS = 16  # stop strings per request
+RETRY_AFTER_S = 1  # a 503's Retry-After: the queue drains at the engine's pace
 
 
 class ApiError(Exception):
-  def __init__(self, status: int, message: str, param: str | None = None):
+  def __init__(self, status: int, message: str, param: str | None = None, *,
+               code: str | None = None, headers: dict | None = None):
     super().__init__(message)
     self.status, self.message, self.param = status, message, param
+    self.code, self.headers = code, headers
 
 
-def _error_body(status, message, param=None):
+def _error_body(status, message, param=None, code=None):
   kind = {400: "invalid_request_error", 413: "invalid_request_error",
-          429: "rate_limit_exceeded", 404: "not_found"}.get(status, "server_error")
-  return {"error": {"message": message, "type": kind, "param": param, "code": status}}
+          404: "not_found"}.get(status, "server_error")
+  return {"error": {"message": message, "type": kind, "param": param,
+                    "code": code or status}}
 
 
 def _int(body, name, default, low):
@@ -75,7 +84,8 @@ def create_app(loop: EngineLoop, tokenizer, *, model_name: str, max_body_bytes: 
 
   @app.exception_handler(ApiError)
   async def _api_error(_, e: ApiError):
-    return JSONResponse(_error_body(e.status, e.message, e.param), status_code=e.status)
+    return JSONResponse(_error_body(e.status, e.message, e.param, e.code),
+                        status_code=e.status, headers=e.headers)
 
   async def _body(http: HttpRequest) -> dict:
     raw = await http.body()
@@ -115,63 +125,101 @@ def create_app(loop: EngineLoop, tokenizer, *, model_name: str, max_body_bytes: 
     except ValueError as e:
       raise ApiError(400, str(e)) from None
 
-  def _submit(requests):
-    streams = []
+  def _top(body, name) -> int:
+    top = _int(body, name, 0, 0)
+    if top > engine.top_n:
+      raise ApiError(400, f"{name} {top} is more than this server keeps ({engine.top_n}: "
+                     "experiments/serve.py --max_top_logprobs)", name)
+    return top
+
+  def _submit(requests, inbox):
+    streams, aloop = [], asyncio.get_running_loop()
     try:
       for r in requests:
-        streams.append(loop.submit(r, asyncio.get_running_loop()))
-    except QueueFull as e:
+        streams.append(loop.submit(r, aloop, inbox))
+    except (QueueFull, Stopped) as e:
       for s in streams:
         loop.cancel(s)
-      raise ApiError(429, f"server busy: {e}") from None
+      if isinstance(e, QueueFull):  # overload: transient, the client should retry later
+        raise ApiError(503, f"server overloaded, retry later: {e}", code="server_overloaded",
+                       headers={"Retry-After": str(RETRY_AFTER_S)}) from None
+      raise ApiError(503, f"server unavailable: {e}", code="engine_stopped") from None
     return streams
 
-  async def _next(stream):
-    return await stream.aget()
+  def _apply(choice, stream, event, delta, kept) -> None:
+    """One stream item into its choice; a stop string cancels the request at the engine."""
+    if event is None:
+      choice.end(delta)
+      return
+    stopped = choice.finish_reason is not None
+    kept += choice.feed(event, delta)
+    if not stopped and choice.text.stopped is not None:
+      loop.cancel(stream)
 
-  def _choice_logprobs(event_tokens, raws, want):
-    if not want:
-      return None
-    return {"tokens": [tokenizer.decode([t], skip_special=False) for t in event_tokens],
-            "token_ids": event_tokens, "token_logprobs": raws}
-
-  async def _collect(streams):
-    results = []
-    for s in streams:
-      tokens, raws, reason = [], [], "length"
-      while True:
-        try:
-          event = await _next(s)
-        except ValueError as e:
-          raise ApiError(400, str(e)) from None
-        if event is None:
-          break
-        tokens += event.tokens
-        raws += event.raw_logprobs
-        if event.completion is not None:
-          reason = event.completion.finish_reason
-      results.append((tokens, raws, reason))
-    return results
-
-  def _usage(prompt, results):
-    done = sum(len(t) for t, _, _ in results)
-    return {"prompt_tokens": len(prompt), "completion_tokens": done,
-            "total_tokens": len(prompt) + done}
-
-  async def _stream(http, streams, frame):
-    async def events():
+  async def _respond(body, requests, choices, chunk, reply):
+    """Runs `requests` (one per choice); a reply dict, or an SSE response of `chunk(choice,
+    delta, kept, first)` frames. Errors the engine raises before the first event are 400s."""
+    inbox: asyncio.Queue = asyncio.Queue()
+    streams = _submit(requests, inbox)
+    deltas, kept = [{} for _ in choices], [[] for _ in choices]
+    items = aiter(batches(inbox, streams))
+    try:
+      first = await anext(items)
+    except ValueError as e:
+      for s in streams:
+        loop.cancel(s)
+      raise ApiError(400, str(e)) from None
+    except StopAsyncIteration:
+      first = []
+    if not body.get("stream"):
       try:
-        for i, s in enumerate(streams):
-          while (event := await _next(s)) is not None:
-            if await http.is_disconnected():
-              raise asyncio.CancelledError
-            reason = event.completion.finish_reason if event.completion else None
-            yield f"data: {json.dumps(frame(i, event, reason))}\n\n"
+        async for batch in _with_first(first, items):
+          for i, event in batch:
+            _apply(choices[i], streams[i], event, deltas[i], kept[i])
+      finally:
+        for s in streams:
+          loop.cancel(s)
+      return reply(deltas, kept)
+    usage = (body.get("stream_options") or {}).get("include_usage")
+
+    async def events():
+      sent, closed = set(), set()  # choices whose first / last chunk went out
+      try:
+        async for batch in _with_first(first, items):
+          out = {}  # one chunk per choice per batch
+          for i, event in batch:
+            if i not in closed:
+              delta, new = out.setdefault(i, ({}, []))
+              _apply(choices[i], streams[i], event, delta, new)
+          frames = []
+          for i, (delta, new) in out.items():
+            frame = chunk(choices[i], delta, new, i not in sent)
+            frames.append(f"data: {json.dumps(frame)}\n\n")
+            sent.add(i)
+            if choices[i].finish_reason is not None:
+              closed.add(i)
+          if frames:
+            yield "".join(frames)
+        if usage:
+          tail = {**chunk.head, "choices": [], "usage": _usage(requests, choices)}
+          yield f"data: {json.dumps(tail)}\n\n"
         yield "data: [DONE]\n\n"
       finally:
         for s in streams:  # a disconnected client (or one done) frees every slot it held
           loop.cancel(s)
     return StreamingResponse(events(), media_type="text/event-stream")
+
+  def _usage(requests, choices):
+    prompt, done = len(requests[0].prompt), sum(len(c.tokens) for c in choices)
+    return {"prompt_tokens": prompt, "completion_tokens": done, "total_tokens": prompt + done}
+
+  def _stop_reason(choice):
+    if choice.text.stopped is not None:
+      return choice.text.stopped
+    if choice.finish_reason in ("stop", "tool_calls") and choice.tokens and (
+        choice.tokens[-1] in choice.stop_tokens):
+      return choice.tokens[-1]
+    return None
 
   @app.post("/v1/completions")
   async def completions(http: HttpRequest):
@@ -184,56 +232,69 @@ def create_app(loop: EngineLoop, tokenizer, *, model_name: str, max_body_bytes: 
       raise ApiError(400, "prompt must be a non-empty string or a list of token ids in "
                      f"[0, {engine.cfg.vocab_size})", "prompt")
     want_lp = body.get("logprobs") is not None
+    top = _top(body, "logprobs") if want_lp else 0
+    stops = _stop_strings(body)
     requests = _requests(body, prompt, () if body.get("ignore_eos") else (tokenizer.eos_id,))
-    streams = _submit(requests)
+    choices = [Choice(i, ChoiceText(tokenizer, stops), r.stop_tokens, top)
+               for i, r in enumerate(requests)]
     head = {"object": "text_completion", "model": model_name, "created": int(time.time()),
             "id": f"cmpl-{secrets.token_hex(8)}", "system_fingerprint": f"v{version()}"}
-    if body.get("stream"):
-      return await _stream(http, streams, lambda i, e, reason: {**head, "choices": [{
-          "index": i, "text": tokenizer.decode(e.tokens), "finish_reason": reason,
-          "logprobs": _choice_logprobs(e.tokens, e.raw_logprobs, want_lp)}]})
-    results = await _collect(streams)
-    return {**head, "usage": _usage(prompt, results), "choices": [
-        {"index": i, "text": tokenizer.decode(t), "finish_reason": reason, "token_ids": t,
-         "logprobs": _choice_logprobs(t, raws, want_lp)}
-        for i, (t, raws, reason) in enumerate(results)]}
+
+    def chunk(c, delta, kept, first):
+      return {**head, "choices": [{
+          "index": c.index, "text": delta.get("text", ""), "finish_reason": c.finish_reason,
+          "logprobs": completion_logprobs(tokenizer, kept, c) if want_lp else None}]}
+    chunk.head = head
+
+    def reply(deltas, kept):
+      return {**head, "usage": _usage(requests, choices), "choices": [
+          {"index": c.index, "text": d.get("text", ""), "finish_reason": c.finish_reason,
+           "stop_reason": _stop_reason(c), "token_ids": c.tokens,
+           "logprobs": completion_logprobs(tokenizer, k, c) if want_lp else None}
+          for c, d, k in zip(choices, deltas, kept)]}
+    return await _respond(body, requests, choices, chunk, reply)
 
   @app.post("/v1/chat/completions")
   async def chat_completions(http: HttpRequest):
     body = await _body(http)
-    thinking = (body.get("chat_template_kwargs") or {}).get("enable_thinking", True)
+    thinking = bool((body.get("chat_template_kwargs") or {}).get("enable_thinking", True))
     messages = _glm_messages(body.get("messages"), body.get("tools"))
     try:
       prompt = [int(i) for i in chat.render_prompt(
-          messages, tokenizer, thinking=bool(thinking),
-          thinking_mode="turn_level")]
+          messages, tokenizer, thinking=thinking, thinking_mode="turn_level")]
     except (ValueError, TypeError, KeyError) as e:
       raise ApiError(400, f"messages: {e}", "messages") from None
     want_lp = bool(body.get("logprobs"))
-    streams = _submit(_requests(body, prompt, chat_stops))
+    top = _top(body, "top_logprobs")
+    if top and not want_lp:
+      raise ApiError(400, "top_logprobs needs logprobs: true", "top_logprobs")
+    stops = _stop_strings(body)
+    requests = _requests(body, prompt, chat_stops)
+    choices = [Choice(i, ChoiceText(tokenizer, stops, chat_turn=True, thinking=thinking),
+                      r.stop_tokens, top) for i, r in enumerate(requests)]
     head = {"object": "chat.completion", "model": model_name, "created": int(time.time()),
             "id": f"chatcmpl-{secrets.token_hex(8)}", "system_fingerprint": f"v{version()}"}
-    if body.get("stream"):
-      return await _stream(http, streams, lambda i, e, reason: {
-          **head, "object": "chat.completion.chunk", "choices": [{
-              "index": i, "delta": {"content": tokenizer.decode(e.tokens)},
-              "finish_reason": reason}]})
-    results = await _collect(streams)
-    choices = []
-    for i, (tokens, raws, reason) in enumerate(results):
-      parsed = chat.parse_response(tokens, tokenizer)
-      message = {"role": "assistant", "content": parsed.content,
-                 "reasoning_content": parsed.thinking}
-      if parsed.tool_calls:
-        message["tool_calls"] = [_tool_call(c, j) for j, c in enumerate(parsed.tool_calls)]
-        reason = "tool_calls"
-      choice = {"index": i, "message": message, "finish_reason": reason, "token_ids": tokens}
-      if want_lp:
-        choice["logprobs"] = {"content": [
-            {"token": tokenizer.decode([t], skip_special=False), "logprob": lp}
-            for t, lp in zip(tokens, raws)]}
-      choices.append(choice)
-    return {**head, "usage": _usage(prompt, results), "choices": choices}
+
+    def chunk(c, delta, kept, first):
+      return {**head, "object": "chat.completion.chunk", "choices": [{
+          "index": c.index, "delta": {"role": "assistant", **delta} if first else delta,
+          "finish_reason": c.finish_reason,
+          "logprobs": chat_logprobs(tokenizer, kept) if want_lp else None}]}
+    chunk.head = {**head, "object": "chat.completion.chunk"}
+
+    def reply(deltas, kept):
+      out = []
+      for c, d, k in zip(choices, deltas, kept):
+        message = {"role": "assistant", "content": d.get("content", ""),
+                   "reasoning_content": d.get("reasoning_content")}
+        if d.get("tool_calls"):
+          message["tool_calls"] = [{k2: v for k2, v in call.items() if k2 != "index"}
+                                   for call in d["tool_calls"]]
+        out.append({"index": c.index, "message": message, "finish_reason": c.finish_reason,
+                    "stop_reason": _stop_reason(c), "token_ids": c.tokens,
+                    "logprobs": chat_logprobs(tokenizer, k) if want_lp else None})
+      return {**head, "usage": _usage(requests, choices), "choices": out}
+    return await _respond(body, requests, choices, chunk, reply)
 
   @app.get("/v1/models")
   async def models():
@@ -249,10 +310,35 @@ def create_app(loop: EngineLoop, tokenizer, *, model_name: str, max_body_bytes: 
     uptime = max(time.time() - started, 1e-9)
     lines = [f"glm5_queue_depth {loop.waiting()}", f"glm5_running_slots {loop.running()}",
              f"glm5_slots {engine.slots}", f"glm5_tokens_generated_total {loop.tokens_generated}",
-             f"glm5_tokens_per_second {loop.tokens_generated / uptime:.3f}"]
+             f"glm5_tokens_per_second {loop.tokens_generated / uptime:.3f}",
+             f"glm5_engine_steps_total {loop.steps}",
+             f"glm5_engine_slot_steps_total {loop.slot_steps}"]
+    if engine.pages is not None:  # the paged cache's pool (page 0 reserved: not counted)
+      pool = engine.pages.pool
+      lines += [f"glm5_cache_pages_used {pool.used}", f"glm5_cache_pages_free {pool.free}",
+                f"glm5_cache_pages_total {pool.num_pages - 1}",
+                f"glm5_cache_page_size {pool.page_size}"]
     return PlainTextResponse("\n".join(lines) + "\n", media_type="text/plain; version=0.0.4")
 
   return app
+
+
+async def _with_first(first, items):
+  yield first
+  async for batch in items:
+    yield batch
+
+
+def _stop_strings(body) -> tuple:
+  stop = body.get("stop")
+  if stop is None or stop == []:
+    return ()
+  stop = [stop] if isinstance(stop, str) else stop
+  if not isinstance(stop, list) or len(stop) > MAX_STOPS or not all(
+      isinstance(s, str) and s for s in stop):
+    raise ApiError(400, f"stop must be a non-empty string or a list of at most {MAX_STOPS} "
+                   f"non-empty strings; got {stop!r:.80}", "stop")
+  return tuple(stop)
 
 
 def _tool_call(call, j):
