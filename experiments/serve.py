@@ -48,7 +48,13 @@ _MAX_LEN = flags.DEFINE_integer("max_len", 1024, "Cache positions per slot (prom
 _PREFILL_CHUNK = flags.DEFINE_integer("prefill_chunk", 256, "Prompt tokens per slot per "
                                       "prefill call.")
 _MAX_QUEUE = flags.DEFINE_integer("max_queue", 256, "Requests waiting for a slot before the "
-                                  "server answers 429.")
+                                  "server answers 503 (Retry-After).")
+_TOP_LOGPROBS = flags.DEFINE_integer("max_top_logprobs", 20, "Alternatives kept per generated "
+                                     "token: the most a request's top_logprobs (chat) / "
+                                     "logprobs (completions) may ask for; 0 keeps none.")
+_ADMIT_AFTER = flags.DEFINE_integer("admit_after_steps", 0, "While requests decode, hold new "
+                                    "ones and admit them together after at most this many "
+                                    "steps (glm5_jax.serve.engine_loop); 0: at the next step.")
 _NAME = flags.DEFINE_string("model_name", "glm5-jax", "The model id clients pass as `model`.")
 _SEED = flags.DEFINE_integer("seed", 0, "Init seed of --random_init.")
 
@@ -68,8 +74,9 @@ def main(argv):
     if served.tokenizer is None:
       raise ValueError("the model source has no tokenizer: pass --tokenizer")
     engine = Engine(served.model, served.params, slots=_SLOTS.value, max_len=_MAX_LEN.value,
-                    prefill_chunk=_PREFILL_CHUNK.value)
-    loop = EngineLoop(engine, max_queue=_MAX_QUEUE.value)
+                    prefill_chunk=_PREFILL_CHUNK.value, top_logprobs=_TOP_LOGPROBS.value)
+    loop = EngineLoop(engine, max_queue=_MAX_QUEUE.value,
+                      admit_after_steps=_ADMIT_AFTER.value)
   except (ValueError, FileNotFoundError) as e:
     sys.stderr.write("\n".join(console.failure_lines(e, "serving")) + "\n")
     sys.exit(console.EXIT_FAILED)

@@ -127,20 +127,6 @@ def test_tools_render_and_tool_turns_are_accepted_and_malformed_tools_refused(se
     assert r.status_code == 400 and r.json()["error"]["param"] == "tools", r.text
 
 
-def test_generated_tool_calls_come_back_as_openai_tool_calls(server):
-  """The parse path: GLM's `<tool_call>` ids -> the reply's OpenAI `tool_calls`."""
-  from glm5_jax.data import chat
-  from glm5_jax.serve.app import _tool_call
-  tok = server["tok"]
-  c = chat.special_ids(tok)
-  ids = ([c.think_close, c.tool_call_open] + tok.encode("calc") + [c.arg_key_open]
-         + tok.encode("expr") + [c.arg_key_close, c.arg_value_open] + tok.encode("2*3")
-         + [c.arg_value_close, c.tool_call_close, c.observation])
-  parsed = chat.parse_response(ids, tok)
-  assert [_tool_call(call, 0)["function"] for call in parsed.tool_calls] == [
-      {"name": "calc", "arguments": '{"expr": "2*3"}'}]
-
-
 def _sse_texts(url, body, field):
   """The concatenated `field` of every streamed chunk (choice 0), and the last finish reason."""
   text, reason = "", None

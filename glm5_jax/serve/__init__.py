@@ -1,6 +1,13 @@
-"""Serving: the engine behind a server.
+"""Serving: the engine behind an OpenAI-compatible server (docs/serving.md).
 
   engine_loop.py   EngineLoop: the one thread that owns an `infer.Engine`, fed by a bounded
                    queue of submissions and cancels; each request's events come back on its
-                   own `Stream`
+                   own `Stream` (or one asyncio inbox per HTTP request)
+  app.py           the FastAPI app: endpoints, request fields, SSE, /metrics
+  choices.py       one request's choices fed by its events: kept tokens, finish reasons,
+                   log-probs in OpenAI's shapes
+  text.py          generated ids -> text: incremental decode, stop strings, GLM's reasoning /
+                   content / tool-call split
+  messages.py      OpenAI chat messages and tools -> GLM chat messages
+  errors.py        ApiError and OpenAI-style error bodies
 """

@@ -33,26 +33,13 @@ from glm5_jax.infer.engine import request_seed
 from glm5_jax.infer.requests import Request
 from glm5_jax.serve.choices import Choice, batches, chat_logprobs, completion_logprobs
 from glm5_jax.serve.engine_loop import EngineLoop, QueueFull, Stopped
+from glm5_jax.serve.errors import ApiError, error_body
+from glm5_jax.serve.messages import glm_messages
 from glm5_jax.serve.text import ChoiceText
 
 
 MAX_STOPS = 16  # stop strings per request
 RETRY_AFTER_S = 1  # a 503's Retry-After: the queue drains at the engine's pace
-
-
-class ApiError(Exception):
-  def __init__(self, status: int, message: str, param: str | None = None, *,
-               code: str | None = None, headers: dict | None = None):
-    super().__init__(message)
-    self.status, self.message, self.param = status, message, param
-    self.code, self.headers = code, headers
-
-
-def _error_body(status, message, param=None, code=None):
-  kind = {400: "invalid_request_error", 413: "invalid_request_error",
-          404: "not_found"}.get(status, "server_error")
-  return {"error": {"message": message, "type": kind, "param": param,
-                    "code": code or status}}
 
 
 def _int(body, name, default, low):
@@ -84,7 +71,7 @@ def create_app(loop: EngineLoop, tokenizer, *, model_name: str, max_body_bytes: 
 
   @app.exception_handler(ApiError)
   async def _api_error(_, e: ApiError):
-    return JSONResponse(_error_body(e.status, e.message, e.param, e.code),
+    return JSONResponse(error_body(e.status, e.message, e.param, e.code),
                         status_code=e.status, headers=e.headers)
 
   async def _body(http: HttpRequest) -> dict:
@@ -157,8 +144,9 @@ def create_app(loop: EngineLoop, tokenizer, *, model_name: str, max_body_bytes: 
       loop.cancel(stream)
 
   async def _respond(body, requests, choices, chunk, reply):
-    """Runs `requests` (one per choice); a reply dict, or an SSE response of `chunk(choice,
-    delta, kept, first)` frames. Errors the engine raises before the first event are 400s."""
+    """Runs `requests` (one per choice); a reply dict, or an SSE response of chunks:
+    `chunk.head` (the same in every chunk: serialized once) with the choice `chunk(choice,
+    delta, kept, first)`. Errors the engine raises before the first event are 400s."""
     inbox: asyncio.Queue = asyncio.Queue()
     streams = _submit(requests, inbox)
     deltas, kept = [{} for _ in choices], [[] for _ in choices]
@@ -184,6 +172,7 @@ def create_app(loop: EngineLoop, tokenizer, *, model_name: str, max_body_bytes: 
 
     async def events():
       sent, closed = set(), set()  # choices whose first / last chunk went out
+      prefix = "data: " + json.dumps(chunk.head)[:-1] + ', "choices": ['
       try:
         async for batch in _with_first(first, items):
           out = {}  # one chunk per choice per batch
@@ -193,8 +182,8 @@ def create_app(loop: EngineLoop, tokenizer, *, model_name: str, max_body_bytes: 
               _apply(choices[i], streams[i], event, delta, new)
           frames = []
           for i, (delta, new) in out.items():
-            frame = chunk(choices[i], delta, new, i not in sent)
-            frames.append(f"data: {json.dumps(frame)}\n\n")
+            frames.append(prefix + json.dumps(chunk(choices[i], delta, new, i not in sent))
+                          + "]}\n\n")
             sent.add(i)
             if choices[i].finish_reason is not None:
               closed.add(i)
@@ -241,9 +230,8 @@ def create_app(loop: EngineLoop, tokenizer, *, model_name: str, max_body_bytes: 
             "id": f"cmpl-{secrets.token_hex(8)}", "system_fingerprint": f"v{version()}"}
 
     def chunk(c, delta, kept, first):
-      return {**head, "choices": [{
-          "index": c.index, "text": delta.get("text", ""), "finish_reason": c.finish_reason,
-          "logprobs": completion_logprobs(tokenizer, kept, c) if want_lp else None}]}
+      return {"index": c.index, "text": delta.get("text", ""), "finish_reason": c.finish_reason,
+              "logprobs": completion_logprobs(tokenizer, kept, c) if want_lp else None}
     chunk.head = head
 
     def reply(deltas, kept):
@@ -258,7 +246,7 @@ def create_app(loop: EngineLoop, tokenizer, *, model_name: str, max_body_bytes: 
   async def chat_completions(http: HttpRequest):
     body = await _body(http)
     thinking = bool((body.get("chat_template_kwargs") or {}).get("enable_thinking", True))
-    messages = _glm_messages(body.get("messages"), body.get("tools"))
+    messages = glm_messages(body.get("messages"), body.get("tools"))
     try:
       prompt = [int(i) for i in chat.render_prompt(
           messages, tokenizer, thinking=thinking, thinking_mode="turn_level")]
@@ -276,10 +264,9 @@ def create_app(loop: EngineLoop, tokenizer, *, model_name: str, max_body_bytes: 
             "id": f"chatcmpl-{secrets.token_hex(8)}", "system_fingerprint": f"v{version()}"}
 
     def chunk(c, delta, kept, first):
-      return {**head, "object": "chat.completion.chunk", "choices": [{
-          "index": c.index, "delta": {"role": "assistant", **delta} if first else delta,
-          "finish_reason": c.finish_reason,
-          "logprobs": chat_logprobs(tokenizer, kept) if want_lp else None}]}
+      return {"index": c.index, "delta": {"role": "assistant", **delta} if first else delta,
+              "finish_reason": c.finish_reason,
+              "logprobs": chat_logprobs(tokenizer, kept) if want_lp else None}
     chunk.head = {**head, "object": "chat.completion.chunk"}
 
     def reply(deltas, kept):
@@ -339,64 +326,3 @@ def _stop_strings(body) -> tuple:
     raise ApiError(400, f"stop must be a non-empty string or a list of at most {MAX_STOPS} "
                    f"non-empty strings; got {stop!r:.80}", "stop")
   return tuple(stop)
-
-
-def _tool_call(call, j):
-  name, arguments = (call, {}) if isinstance(call, str) else (call["name"], call["arguments"])
-  return {"id": f"call_{j}", "type": "function",
-          "function": {"name": name, "arguments": json.dumps(arguments)}}
-
-
-TOOLS_HEADER = (
-    "# Tools\n\nYou may call one or more functions to assist with the user query.\n\n"
-    "You are provided with function signatures within <tools></tools> XML tags:\n<tools>\n")
-TOOLS_FOOTER = (
-    "\n</tools>\n\nFor each function call, output the function name and arguments within the "
-    "following XML format:\n<tool_call>{function-name}<arg_key>{arg-key-1}</arg_key>"
-    "<arg_value>{arg-value-1}</arg_value>...</tool_call>")
-
-
-def _glm_messages(messages, tools) -> list:
-  """OpenAI messages (and `tools`) -> `glm5_jax.data.chat` messages: role `tool` is
-  `observation`, `reasoning_content` is `thinking`, an assistant's OpenAI `tool_calls` become
-  `{"name", "arguments": dict}`, and the tools' JSON schemas go into the system message in
-  GLM's tools block. ApiError 400 naming `messages[i]` or `tools[i]` on bad input."""
-  if not isinstance(messages, list) or not messages:
-    raise ApiError(400, "messages must be a non-empty list of message objects", "messages")
-  out = []
-  for i, m in enumerate(messages):
-    if not isinstance(m, dict) or not isinstance(m.get("role"), str):
-      raise ApiError(400, f"messages[{i}] must be an object with a str role", "messages")
-    role = {"tool": "observation"}.get(m["role"], m["role"])
-    g = {"role": role, "content": m.get("content") or ""}
-    if role == "assistant":
-      if m.get("reasoning_content"):
-        g["thinking"] = m["reasoning_content"]
-      calls = []
-      for j, call in enumerate(m.get("tool_calls") or []):
-        try:
-          fn = call["function"]
-          args = json.loads(fn.get("arguments") or "{}")
-          calls.append({"name": fn["name"], "arguments": args} if args else fn["name"])
-        except (KeyError, TypeError, AttributeError, ValueError) as e:
-          raise ApiError(400, f"messages[{i}].tool_calls[{j}]: expected {{\"function\": "
-                         f"{{\"name\", \"arguments\": JSON text}}}} ({e})", "messages") from None
-      if calls:
-        g["tool_calls"] = calls
-    out.append(g)
-  if tools:
-    if not isinstance(tools, list):
-      raise ApiError(400, "tools must be a list of {\"type\": \"function\", \"function\": "
-                     "{\"name\", ...}}", "tools")
-    for i, t in enumerate(tools):
-      if not (isinstance(t, dict) and t.get("type") == "function" and isinstance(
-          t.get("function"), dict) and isinstance(t["function"].get("name"), str)):
-        raise ApiError(400, f"tools[{i}] must be {{\"type\": \"function\", \"function\": "
-                       f"{{\"name\": str, ...}}}}; got {t!r:.80}", "tools")
-    block = TOOLS_HEADER + "\n".join(json.dumps(t["function"], ensure_ascii=False)
-                                      for t in tools) + TOOLS_FOOTER
-    if out[0]["role"] == "system":
-      out[0] = {**out[0], "content": out[0]["content"] + "\n\n" + block}
-    else:
-      out.insert(0, {"role": "system", "content": block})
-  return out

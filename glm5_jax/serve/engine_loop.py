@@ -72,13 +72,29 @@ def _put_all(items) -> None:
 
 
 class EngineLoop:
-  """Owns `engine` on a daemon thread. `max_queue`: submissions waiting for the thread (and,
-  counted with them, requests the engine holds waiting for a slot) before `QueueFull`."""
+  """Owns `engine` on a daemon thread.
 
-  def __init__(self, engine: Engine, *, max_queue: int = 256):
+  Args:
+    engine: the engine (touched by the loop's thread only from now on).
+    max_queue: submissions waiting for the thread (and, counted with them, requests held or
+      waiting in the engine for a slot) before `QueueFull`.
+    admit_after_steps: while requests are decoding, new ones are held and handed to the engine
+      together, at the latest after this many steps (at once when the engine is idle or the
+      held requests fill its free slots). Requests arriving one by one would otherwise each
+      cost an admission of their own (a prefill call, its first-token sampling, the
+      host-device round trips), several times a decode step; 0 admits at every step. The
+      policy of text-generation-inference's `max_waiting_tokens`.
+  """
+
+  def __init__(self, engine: Engine, *, max_queue: int = 256, admit_after_steps: int = 0):
     if not isinstance(max_queue, int) or max_queue < 1:
       raise ValueError(f"EngineLoop: max_queue must be an int >= 1, got {max_queue!r}")
-    self.engine, self.max_queue = engine, max_queue
+    if not isinstance(admit_after_steps, int) or admit_after_steps < 0:
+      raise ValueError(f"EngineLoop: admit_after_steps must be an int >= 0, got "
+                       f"{admit_after_steps!r}")
+    self.engine, self.max_queue, self.admit_after = engine, max_queue, admit_after_steps
+    self._held: list = []  # (request, stream) not handed to the engine yet
+    self._held_since = 0  # `steps` when the oldest held request arrived
     self._commands: queue.Queue = queue.Queue()
     self._pending = 0  # submitted, not yet admitted to a slot (commands + engine's waiting)
     self._lock = threading.Lock()
@@ -125,11 +141,12 @@ class EngineLoop:
   def _run(self) -> None:
     while not self._stop:
       try:  # block only when the engine has nothing to do
-        self._command(*self._commands.get(block=not self.engine.busy))
+        self._command(*self._commands.get(block=not (self.engine.busy or self._held)))
         while True:
           self._command(*self._commands.get_nowait())
       except queue.Empty:
         pass
+      self._admit_held()
       self._flush()
       if self._stop or not self.engine.busy:
         continue
@@ -144,7 +161,7 @@ class EngineLoop:
       self.steps += 1
       self.slot_steps += self.engine.running() + sum(e.completion is not None for e in events)
       with self._lock:
-        self._pending = self.engine.waiting() + self._commands.qsize()
+        self._pending = self.engine.waiting() + len(self._held) + self._commands.qsize()
       for event in events:
         self._deliver(event)
       self._flush()
@@ -178,8 +195,17 @@ class EngineLoop:
       del self._streams[event.handle]
       self._put(stream, None)
 
-  def _command(self, kind, request, stream) -> None:
-    if kind == "submit":
+  def _admit_held(self) -> None:
+    """Hands the held requests to the engine when it is idle, when they fill its free slots,
+    or when the oldest has waited `admit_after_steps` steps."""
+    if not self._held:
+      return
+    free = self.engine.slots - self.engine.running() - self.engine.waiting()
+    if self.engine.busy and len(self._held) < free and (
+        self.steps - self._held_since < self.admit_after):
+      return
+    held, self._held = self._held, []
+    for request, stream in held:
       try:
         stream.handle = self.engine.submit(request)
         self._streams[stream.handle] = stream
@@ -187,6 +213,17 @@ class EngineLoop:
         with self._lock:
           self._pending -= 1
         self._put(stream, e)
+
+  def _command(self, kind, request, stream) -> None:
+    if kind == "submit":
+      if not self._held:
+        self._held_since = self.steps
+      self._held.append((request, stream))
+    elif kind == "cancel" and any(s is stream for _, s in self._held):
+      self._held = [(r, s) for r, s in self._held if s is not stream]
+      with self._lock:
+        self._pending -= 1
+      self._put(stream, None)
     elif kind == "cancel" and stream.handle is not None:
       if self.engine.cancel(stream.handle) and self._streams.pop(stream.handle, None):
         self._put(stream, None)
