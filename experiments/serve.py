@@ -55,6 +55,11 @@ _TOP_LOGPROBS = flags.DEFINE_integer("max_top_logprobs", 20, "Alternatives kept 
 _ADMIT_AFTER = flags.DEFINE_integer("admit_after_steps", 0, "While requests decode, hold new "
                                     "ones and admit them together after at most this many "
                                     "steps (glm5_jax.serve.engine_loop); 0: at the next step.")
+_SWITCH = flags.DEFINE_float(
+    "switch_interval_s", 0.0002, "sys.setswitchinterval of the server process. The engine "
+    "thread gives up the GIL at every device call and transfer; at Python's default 0.005 s "
+    "each time the event loop holds it costs the engine up to 5 ms (a busy Python thread "
+    "slowed Engine.run 2-5.7x at 0.005 s, 1.5x at 0.0002 s: docs/serving.md).")
 _NAME = flags.DEFINE_string("model_name", "glm5-jax", "The model id clients pass as `model`.")
 _SEED = flags.DEFINE_integer("seed", 0, "Init seed of --random_init.")
 
@@ -63,6 +68,7 @@ def main(argv):
   if len(argv) > 1:
     raise app.UsageError(f"unexpected arguments {argv[1:]}")
   console.quiet_library_info()
+  sys.setswitchinterval(_SWITCH.value)
   try:
     if _RANDOM_INIT.value and _CONFIG.value is None:
       raise ValueError("--random_init needs --config (e.g. --config=configs/tiny.py)")

@@ -38,12 +38,15 @@ _PER_CLIENT = flags.DEFINE_integer("requests_per_client", 2, "Requests each clie
 _MAX_TOKENS = flags.DEFINE_integer("max_tokens", 16, "Tokens per request.")
 _SLOTS = flags.DEFINE_integer("slots", 32, "Engine slots.")
 _DEADLINE = flags.DEFINE_float("deadline_s", 300, "Stop a level's clients after this long.")
+_GIL_CHECK = flags.DEFINE_bool("gil_check", False, "Only time Engine.run (64 requests, 32 "
+                                "slots) alone and beside a busy pure-Python thread, at switch "
+                                "intervals 0.005 and 0.0002 s (no HTTP).")
 _PROFILE = flags.DEFINE_bool("profile", False, "cProfile the server's event-loop thread and the "
                              "engine thread during the last level; print their top functions.")
 _ADMIT_AFTER = flags.DEFINE_integer("admit_after_steps", 0, "EngineLoop's admit_after_steps "
                                    "(0: every arrival admitted at the next step).")
-_SWITCH = flags.DEFINE_float("switch_interval_s", None, "sys.setswitchinterval for the run "
-                             "(default Python's 0.005 s).")
+_SWITCH = flags.DEFINE_float("switch_interval_s", 0.0002, "sys.setswitchinterval, as "
+                             "experiments/serve.py sets it (Python's default: 0.005).")
 PROMPT = [1, 72, 101, 108, 108, 111]
 
 
@@ -169,15 +172,50 @@ class _Profiles:
       stats.print_callers(3)
 
 
+def _gil_check(cfg, params):
+  """Does a thread running Python (as the event loop does under load) slow the engine thread?
+  It gives up the GIL at every device call and transfer, and waits up to a switch interval for
+  it each time."""
+  requests = [Request(i, tuple(PROMPT), _MAX_TOKENS.value, 1.0, 1.0, 0, request_seed(0, i))
+              for i in range(64)]
+  engine = Engine(cfg, params, slots=32, max_len=64, prefill_chunk=16)
+  engine.run(requests)
+
+  def rate():
+    runs = []
+    for _ in range(3):
+      start = time.perf_counter()
+      engine.run(requests)
+      runs.append(len(requests) * _MAX_TOKENS.value / (time.perf_counter() - start))
+    return float(np.median(runs))
+
+  def spin(stop):
+    while not stop.is_set():
+      pass
+
+  for interval in (0.005, 0.0002):
+    sys.setswitchinterval(interval)
+    alone, stop = rate(), threading.Event()
+    busy = threading.Thread(target=spin, args=(stop,))
+    busy.start()
+    beside = rate()
+    stop.set()
+    busy.join()
+    print(f"switch interval {interval} s: Engine.run alone {alone:.0f} tok/s, beside a busy "
+          f"Python thread {beside:.0f} tok/s ({alone / beside:.1f}x slower)")
+
+
 def main(argv):
   del argv
   logging.getLogger("httpx").setLevel(logging.WARNING)
   cfg, params = _model()
+  if _GIL_CHECK.value:
+    _gil_check(cfg, params)
+    return
   max_rows = len(PROMPT) + _MAX_TOKENS.value - 1
   engine = Engine(cfg, params, slots=_SLOTS.value, max_len=64, prefill_chunk=16)
   engine.warmup(max_rows)  # every program compiled before anything is timed
-  if _SWITCH.value is not None:
-    sys.setswitchinterval(_SWITCH.value)
+  sys.setswitchinterval(_SWITCH.value)
   loop = EngineLoop(engine, max_queue=1024, admit_after_steps=_ADMIT_AFTER.value)
   with socket.socket() as s:
     s.bind(("127.0.0.1", 0))

@@ -35,7 +35,7 @@ class Stream:
   `(stream, item)` pairs: one consumer per HTTP request, whatever its `n`."""
 
   def __init__(self, aloop=None, inbox: asyncio.Queue | None = None):
-    self._events: queue.Queue = queue.Queue()
+    self._events = queue.Queue() if aloop is None else None  # a thread reader's
     self.handle: int | None = None
     # With an asyncio loop, events go to an asyncio.Queue instead: a blocked thread per
     # waiting stream would exhaust the executor with many streams.
