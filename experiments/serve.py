@@ -53,7 +53,18 @@ _MAX_LEN = flags.DEFINE_integer("max_len", 1024, "Cache positions per slot (prom
 _PREFILL_CHUNK = flags.DEFINE_integer("prefill_chunk", 256, "Prompt tokens per slot per "
                                       "prefill call.")
 _MAX_QUEUE = flags.DEFINE_integer("max_queue", 256, "Requests waiting for a slot before the "
-                                  "server answers 429.")
+                                  "server answers 503 (Retry-After).")
+_TOP_LOGPROBS = flags.DEFINE_integer("max_top_logprobs", 20, "Alternatives kept per generated "
+                                     "token: the most a request's top_logprobs (chat) / "
+                                     "logprobs (completions) may ask for; 0 keeps none.")
+_ADMIT_AFTER = flags.DEFINE_integer("admit_after_steps", 0, "While requests decode, hold new "
+                                    "ones and admit them together after at most this many "
+                                    "steps (glm5_jax.serve.engine_loop); 0: at the next step.")
+_SWITCH = flags.DEFINE_float(
+    "switch_interval_s", 0.0002, "sys.setswitchinterval of the server process. The engine "
+    "thread gives up the GIL at every device call and transfer; at Python's default 0.005 s "
+    "each time the event loop holds it costs the engine up to 5 ms (a busy Python thread "
+    "slowed Engine.run 2-5.7x at 0.005 s, 1.5x at 0.0002 s: docs/serving.md).")
 _NAME = flags.DEFINE_string("model_name", "glm5-jax", "The model id clients pass as `model`.")
 _SEED = flags.DEFINE_integer("seed", 0, "Init seed of --random_init.")
 _POLICY_DIR = flags.DEFINE_string(
@@ -71,6 +82,7 @@ def main(argv):
   if len(argv) > 1:
     raise app.UsageError(f"unexpected arguments {argv[1:]}")
   console.quiet_library_info()
+  sys.setswitchinterval(_SWITCH.value)
   try:
     if _RANDOM_INIT.value and _CONFIG.value is None:
       raise ValueError("--random_init needs --config (e.g. --config=configs/tiny.py)")
@@ -82,8 +94,10 @@ def main(argv):
     if served.tokenizer is None:
       raise ValueError("the model source has no tokenizer: pass --tokenizer")
     engine = Engine(served.model, served.params, slots=_SLOTS.value, max_len=_MAX_LEN.value,
-                    prefill_chunk=_PREFILL_CHUNK.value, record_routing=_RECORD_ROUTING.value)
-    loop = VersionedLoop(engine, max_queue=_MAX_QUEUE.value)
+                    prefill_chunk=_PREFILL_CHUNK.value, top_logprobs=_TOP_LOGPROBS.value,
+                    record_routing=_RECORD_ROUTING.value)
+    loop = VersionedLoop(engine, max_queue=_MAX_QUEUE.value,
+                         admit_after_steps=_ADMIT_AFTER.value)
     follower = None
     if _POLICY_DIR.value:
       follower = PolicyFollower(loop, _POLICY_DIR.value, poll_s=_POLICY_POLL_S.value)

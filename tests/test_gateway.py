@@ -66,9 +66,9 @@ def _logprobs(params, sequences):
 NO_THINK = {"chat_template_kwargs": {"enable_thinking": False}}
 
 
-def _chat(server, messages, tid, **kw):
+def _chat(server, messages, tid, max_tokens=12, **kw):
   return server["client"].chat.completions.create(
-      model="tiny", messages=messages, max_tokens=12, seed=3, temperature=1.0,
+      model="tiny", messages=messages, max_tokens=max_tokens, seed=3, temperature=1.0,
       extra_body={**NO_THINK, "trajectory_id": tid}, **kw)
 
 
@@ -103,9 +103,11 @@ def test_a_text_round_trip_that_retokenizes_differently_keeps_the_sampled_tokens
   chunks = list(server["client"].chat.completions.create(
       model="tiny", messages=third, max_tokens=5, seed=3, stream=True, extra_body=NO_THINK,
       extra_headers={"X-Trajectory-Id": "rt"}))
-  assert chunks[-1].choices[0].finish_reason is not None
+  assert chunks[-2].choices[0].finish_reason is not None
+  assert chunks[-1].choices == [] and chunks[-1].model_extra["trajectory"]["turn"] == 2
   records = gateway.finish("rt").records
   assert len(records) == 3 and records[2].prompt_ids[:len(r1["prompt_ids"])] == r1["prompt_ids"]
+  assert chunks[-1].model_extra["trajectory"]["mismatch"] == records[2].mismatch
   sample, versions = to_sample(records, task=None, group=0, reward=1.0, correct=True)
   assert sample.tokens[sample.loss_mask > 0].tolist() == (
       sampled + r1["completion_ids"] + records[2].completion_ids)
@@ -125,6 +127,44 @@ def test_a_text_round_trip_that_retokenizes_differently_keeps_the_sampled_tokens
     assert r.json()["error"]["param"] == ("messages" if tid == "rt2" else param)
 
 
+def test_a_stop_string_ends_a_recorded_call_at_the_token_that_completed_it(server):
+  first = [{"role": "user", "content": "stop"}]
+  full = _chat(server, first, "stop-free", max_tokens=24)
+  text, sampled = full.choices[0].message.content, full.choices[0].model_extra["token_ids"]
+  at = next(i for i, ch in enumerate(text) if i > 0 and ch.isalnum() and text.index(ch) == i)
+  for stream in (False, True):
+    tid = f"stop-{stream}"
+    reply = _chat(server, first, tid, max_tokens=24, stop=[text[at]], stream=stream,
+                  logprobs=True)
+    if stream:
+      chunks = list(reply)
+      content = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+      assert chunks[-1].model_extra["trajectory"]["turn"] == 0
+    else:
+      content, tokens = reply.choices[0].message.content, reply.choices[0].model_extra["token_ids"]
+      assert reply.choices[0].finish_reason == "stop" and reply.model_extra["trajectory"]
+    assert content == text[:at]
+    record, = server["gateway"].records(tid).records
+    kept = record.completion_ids
+    # The reply's tokens (through the one that completed the stop string), not what the engine
+    # sampled after them before the cancel reached it.
+    assert 0 < len(kept) < len(sampled) and kept == sampled[:len(kept)]
+    assert record.finish_reason == "stop" and len(record.raw_logprobs) == len(kept) == len(
+        record.logprobs) == len(record.versions)
+    if not stream:
+      assert kept == tokens
+      np.testing.assert_allclose(record.raw_logprobs,
+                                 [c.logprob for c in reply.choices[0].logprobs.content],
+                                 rtol=1e-6)
+  # The next turn extends exactly the kept tokens.
+  second = first + [{"role": "assistant", "content": text[:at]},
+                    {"role": "user", "content": "go on"}]
+  _chat(server, second, "stop-False", max_tokens=2)
+  r0, r1 = server["gateway"].finish("stop-False").records
+  assert r1.prompt_ids[:len(r0.prompt_ids) + len(r0.completion_ids)] == (
+      r0.prompt_ids + r0.completion_ids)
+
+
 def test_params_switched_under_a_running_request_tag_each_token(server):
   loop, old = server["loop"], server["params"]
   new = random_params(CFG, seed=1, std=0.5)
@@ -132,12 +172,14 @@ def test_params_switched_under_a_running_request_tag_each_token(server):
     loop.set_params(jax.tree.map(lambda x: x[..., :1], old), 1)
   ended = []
   request = Request(0, (1, 72, 105), 40, 1.0, 1.0, 0, seed=5)
-  loop.watch(request, lambda completion, versions: ended.append((completion, versions)))
+  loop.watch(request, lambda completion, versions, cancelled: ended.append(
+      (completion, versions, cancelled)))
   stream = loop.submit(request)
   first = stream.get(timeout=120)  # running: it holds a slot
   loop.set_params(new, 1)
   tokens = first.tokens + [t for e in stream for t in e.tokens]
-  (completion, versions), = ended
+  (completion, versions, cancelled), = ended
+  assert not cancelled
   assert len(tokens) == 40 and completion.tokens == tokens  # not dropped, not restarted
   assert versions[0] == 0 and versions[-1] == 1 and versions == sorted(versions)
   # After the switch, replies are the new params' (their log-probs, by a full forward).

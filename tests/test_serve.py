@@ -1,6 +1,7 @@
 """glm5_jax.serve.app: the real server on a loopback port (uvicorn in a thread, a tiny random
 model), called with the real `openai` client and raw HTTP."""
 
+import json
 import socket
 import threading
 import time
@@ -13,7 +14,8 @@ import uvicorn
 
 from glm5_jax import infer
 from glm5_jax.data import make_tokenizer
-from glm5_jax.infer.engine import Engine
+from glm5_jax.infer.engine import Engine, request_seed
+from glm5_jax.infer.requests import Request
 from glm5_jax.serve.app import create_app
 from glm5_jax.serve.engine_loop import EngineLoop
 from tests.conftest import random_params, tiny_model_config
@@ -21,13 +23,15 @@ from tests.conftest import random_params, tiny_model_config
 CFG = tiny_model_config(num_hidden_layers=2, attention_pattern="DD", first_k_dense_replace=2,
                         mtp_depths=0, num_nextn_predict_layers=0)
 MAX_LEN = 512
+TOP = 3  # the engine keeps each token's 3 most likely alternatives
 
 
 @pytest.fixture(scope="module")
 def server():
   params = random_params(CFG, seed=0, std=0.5)
   tok = make_tokenizer("byte")
-  loop = EngineLoop(Engine(CFG, params, slots=4, max_len=MAX_LEN, prefill_chunk=32),
+  loop = EngineLoop(Engine(CFG, params, slots=4, max_len=MAX_LEN, prefill_chunk=32,
+                           top_logprobs=TOP),
                     max_queue=64)
   with socket.socket() as s:
     s.bind(("127.0.0.1", 0))
@@ -123,15 +127,108 @@ def test_tools_render_and_tool_turns_are_accepted_and_malformed_tools_refused(se
     assert r.status_code == 400 and r.json()["error"]["param"] == "tools", r.text
 
 
-def test_generated_tool_calls_come_back_as_openai_tool_calls(server):
-  """The parse path: GLM's `<tool_call>` ids -> the reply's OpenAI `tool_calls`."""
-  from glm5_jax.data import chat
-  from glm5_jax.serve.app import _tool_call
+def _sse_texts(url, body, field):
+  """The concatenated `field` of every streamed chunk (choice 0), and the last finish reason."""
+  text, reason = "", None
+  with httpx.stream("POST", url, json={**body, "stream": True}, timeout=60) as r:
+    for line in r.iter_lines():
+      if line.startswith("data: {"):
+        choice = json.loads(line[6:])["choices"][0]
+        text += (choice.get("delta") or choice).get(field) or ""
+        reason = choice["finish_reason"] or reason
+  return text, reason
+
+
+@pytest.mark.parametrize("endpoint", ["completions", "chat"])
+def test_stop_strings_cut_the_text_streamed_or_not(server, endpoint):
+  if endpoint == "completions":
+    url, field = server["url"] + "/v1/completions", "text"
+    body = {"prompt": [1, 72, 101], "max_tokens": 24, "seed": 5, "ignore_eos": True}
+  else:
+    url, field = server["url"] + "/v1/chat/completions", "content"
+    body = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 24, "seed": 5,
+            "chat_template_kwargs": {"enable_thinking": False}}
+  full = httpx.post(url, json=body, timeout=60).json()["choices"][0]
+  text = full.get("text", (full.get("message") or {}).get("content"))
+  assert len(text) >= 4, text  # the seed's output is long enough to cut inside
+  stop = text[1:3]  # spans tokens (one byte each)
+  want = text[:text.find(stop)]
+  cut = httpx.post(url, json={**body, "stop": [stop, "never"]}, timeout=60).json()["choices"][0]
+  assert cut.get("text", (cut.get("message") or {}).get("content")) == want
+  assert cut["finish_reason"] == "stop" and cut["stop_reason"] == stop
+  assert cut["token_ids"] == full["token_ids"][:len(cut["token_ids"])]
+  assert _sse_texts(url, {**body, "stop": stop}, field) == (want, "stop")
+
+
+def test_stop_token_ids_end_a_choice_without_their_text(server):
   tok = server["tok"]
-  c = chat.special_ids(tok)
-  ids = ([c.think_close, c.tool_call_open] + tok.encode("calc") + [c.arg_key_open]
-         + tok.encode("expr") + [c.arg_key_close, c.arg_value_open] + tok.encode("2*3")
-         + [c.arg_value_close, c.tool_call_close, c.observation])
-  parsed = chat.parse_response(ids, tok)
-  assert [_tool_call(call, 0)["function"] for call in parsed.tool_calls] == [
-      {"name": "calc", "arguments": '{"expr": "2*3"}'}]
+  body = {"prompt": [1, 72, 101], "max_tokens": 24, "seed": 5, "ignore_eos": True}
+  url = server["url"] + "/v1/completions"
+  full = httpx.post(url, json=body, timeout=60).json()["choices"][0]
+  stop_id = full["token_ids"][4]
+  cut = httpx.post(url, json={**body, "stop_token_ids": [stop_id]}, timeout=60).json()
+  ids = cut["choices"][0]["token_ids"]
+  assert ids == full["token_ids"][:full["token_ids"].index(stop_id) + 1]
+  assert cut["choices"][0]["text"] == tok.decode(ids[:-1])
+  assert cut["choices"][0]["finish_reason"] == "stop"
+
+
+def test_top_logprobs_equal_the_engines_in_openai_shapes(server):
+  """Both endpoints' log-probs and top alternatives against an engine like the server's (the
+  same compiled programs) run directly with the same seed."""
+  client, tok = server["client"], server["tok"]
+  from glm5_jax.data import chat
+  messages = [{"role": "user", "content": "yo"}]
+  prompt = [1, 72, 101, 108]
+  out = client.completions.create(model="tiny", prompt=prompt, max_tokens=4, seed=7,
+                                  logprobs=TOP, extra_body={"ignore_eos": True})
+  reply = client.chat.completions.create(
+      model="tiny", messages=messages, max_tokens=4, seed=7, logprobs=True, top_logprobs=2,
+      extra_body={"chat_template_kwargs": {"enable_thinking": False}})
+  chat_prompt = tuple(int(i) for i in chat.render_prompt(messages, tok, thinking=False,
+                                                         thinking_mode="turn_level"))
+  direct = Engine(CFG, server["params"], slots=4, max_len=MAX_LEN, prefill_chunk=32,
+                  top_logprobs=TOP).run([
+                      Request(0, tuple(prompt), 4, 1.0, 1.0, 0, request_seed(7, 0)),
+                      Request(1, chat_prompt, 4, 1.0, 1.0, 0, request_seed(7, 0),
+                              tuple(chat.stop_ids(tok)))])
+  lp = out.choices[0].logprobs
+  assert out.choices[0].model_extra["token_ids"] == direct[0].tokens
+  np.testing.assert_allclose(lp.token_logprobs, direct[0].raw_logprobs, rtol=1e-4, atol=1e-5)
+  for got, (ids, values) in zip(lp.top_logprobs, direct[0].top_logprobs):
+    want = {tok.decode([int(i)], skip_special=False): float(v) for i, v in zip(ids, values)}
+    assert got.keys() == want.keys()
+    np.testing.assert_allclose(list(got.values()), [want[k] for k in got], rtol=1e-4, atol=1e-5)
+  content = reply.choices[0].logprobs.content
+  assert reply.choices[0].model_extra["token_ids"] == direct[1].tokens
+  np.testing.assert_allclose([e.logprob for e in content], direct[1].raw_logprobs, rtol=1e-4,
+                             atol=1e-5)
+  for entry, (ids, values) in zip(content, direct[1].top_logprobs):
+    assert [t.token for t in entry.top_logprobs] == [
+        tok.decode([int(i)], skip_special=False) for i in ids[:2]]
+    np.testing.assert_allclose([t.logprob for t in entry.top_logprobs], values[:2], rtol=1e-4,
+                               atol=1e-5)
+  r = httpx.post(server["url"] + "/v1/completions", timeout=60,
+                 json={"prompt": prompt, "logprobs": TOP + 1})
+  assert r.status_code == 400 and r.json()["error"]["param"] == "logprobs"
+
+
+def test_streamed_reasoning_equals_the_reply_and_a_full_queue_is_a_503(server):
+  body = {"messages": [{"role": "user", "content": "think"}], "max_tokens": 8, "seed": 3}
+  url = server["url"] + "/v1/chat/completions"
+  message = httpx.post(url, json=body, timeout=60).json()["choices"][0]["message"]
+  assert message["reasoning_content"]  # thinking on: the turn starts inside <think>
+  assert _sse_texts(url, body, "reasoning_content")[0] == message["reasoning_content"]
+  assert _sse_texts(url, body, "content")[0] == message["content"]
+  loop, bound = server["loop"], server["loop"].max_queue
+  loop.max_queue = 0  # every submission finds the queue full
+  try:
+    r = httpx.post(url, json=body, timeout=60)
+  finally:
+    loop.max_queue = bound
+  assert r.status_code == 503 and r.headers["retry-after"] == "1", r.text
+  assert r.json()["error"]["code"] == "server_overloaded"
+  metrics = dict(line.split() for line in httpx.get(server["url"] + "/metrics").text.splitlines())
+  assert int(metrics["glm5_cache_pages_used"]) + int(metrics["glm5_cache_pages_free"]) == int(
+      metrics["glm5_cache_pages_total"])
+  assert int(metrics["glm5_engine_slot_steps_total"]) >= int(metrics["glm5_engine_steps_total"])

@@ -78,5 +78,57 @@ def test_cancel_frees_the_slot_and_bad_requests_and_full_queue_are_refused(param
   loop.close()
   stalled = EngineLoop.__new__(EngineLoop)  # a loop whose thread never drains its queue
   stalled.max_queue, stalled._pending, stalled._lock = 1, 1, threading.Lock()
+  stalled._stop, stalled.error = False, None
   with pytest.raises(QueueFull, match="max_queue=1"):
     stalled.submit(Request(3, (3,), 2, 0.0, 1.0, 0, 0))
+
+
+class _FakeEngine:
+  """What `EngineLoop._admit_held` reads of an engine: slots, running / waiting, submit."""
+
+  def __init__(self, slots, running):
+    self.slots, self.run_count, self.submitted = slots, running, []
+
+  busy = property(lambda self: bool(self.run_count or self.submitted))
+
+  def running(self):
+    return self.run_count
+
+  def waiting(self):
+    return 0
+
+  def submit(self, request):
+    self.submitted.append(request)
+    return len(self.submitted) - 1
+
+
+def _unstarted_loop(engine, admit_after_steps):
+  loop = EngineLoop.__new__(EngineLoop)  # no thread: the test drives the loop's methods
+  loop.engine, loop.admit_after, loop.steps = engine, admit_after_steps, 0
+  loop._held, loop._held_since, loop._streams, loop._outbox = [], 0, {}, []
+  loop._lock, loop._pending = threading.Lock(), 0
+  return loop
+
+
+def test_arrivals_during_decoding_are_admitted_together():
+  from glm5_jax.serve.engine_loop import Stream
+  engine = _FakeEngine(slots=8, running=2)
+  loop = _unstarted_loop(engine, admit_after_steps=3)
+  loop._command("submit", Request(0, (1,), 2, 0.0, 1.0, 0, 0), Stream())
+  loop.steps = 2
+  loop._command("submit", Request(1, (1,), 2, 0.0, 1.0, 0, 0), Stream())
+  loop._admit_held()
+  assert engine.submitted == []  # held: the oldest has waited 2 steps of 3
+  loop.steps = 3
+  loop._admit_held()
+  assert [r.index for r in engine.submitted] == [0, 1]  # both in one admission
+  idle = _FakeEngine(slots=8, running=0)
+  loop = _unstarted_loop(idle, admit_after_steps=3)
+  loop._command("submit", Request(2, (1,), 2, 0.0, 1.0, 0, 0), Stream())
+  loop._admit_held()
+  assert len(idle.submitted) == 1  # an idle engine takes a request at once
+  full = _FakeEngine(slots=3, running=2)
+  loop = _unstarted_loop(full, admit_after_steps=3)
+  loop._command("submit", Request(3, (1,), 2, 0.0, 1.0, 0, 0), Stream())
+  loop._admit_held()
+  assert len(full.submitted) == 1  # the held requests fill the free slot: no reason to wait

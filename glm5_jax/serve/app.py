@@ -16,8 +16,12 @@ the engine's `raw_logprobs`; choice i of a request with `seed` s draws with
 `request_seed(s, i)`, as prompt i of `infer.generate(..., seed=s)` does.
 
 Errors are OpenAI-style bodies `{"error": {"message", "type", "param", "code"}}`: 400 naming
-the field, 413 for a body over `max_body_bytes`, 429 when the engine loop's queue is full. A
-streaming client that disconnects has its requests cancelled (their slots freed).
+the field, 413 for a body over `max_body_bytes`, 503 + Retry-After when the engine loop's queue
+is full. A streaming client that disconnects has its requests cancelled (their slots freed).
+
+A chat call with a trajectory id is recorded by the TITO gateway (`glm5_jax.serve.gateway`):
+its prompt is the gateway's (the recorded tokens), and its reply carries `trajectory` (in a
+stream, in the last chunk before `[DONE]`, whose `choices` is empty).
 """
 
 import asyncio
@@ -31,20 +35,16 @@ from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
 from glm5_jax.data import chat
 from glm5_jax.infer.engine import request_seed
 from glm5_jax.infer.requests import Request
-from glm5_jax.serve.engine_loop import EngineLoop, QueueFull
+from glm5_jax.serve.choices import Choice, batches, chat_logprobs, completion_logprobs
+from glm5_jax.serve.engine_loop import EngineLoop, QueueFull, Stopped
+from glm5_jax.serve.errors import ApiError, error_body
 from glm5_jax.serve.gateway import Gateway
+from glm5_jax.serve.messages import glm_messages
+from glm5_jax.serve.text import ChoiceText
 
 
-class ApiError(Exception):
-  def __init__(self, status: int, message: str, param: str | None = None):
-    super().__init__(message)
-    self.status, self.message, self.param = status, message, param
-
-
-def _error_body(status, message, param=None):
-  kind = {400: "invalid_request_error", 413: "invalid_request_error",
-          429: "rate_limit_exceeded", 404: "not_found"}.get(status, "server_error")
-  return {"error": {"message": message, "type": kind, "param": param, "code": status}}
+MAX_STOPS = 16  # stop strings per request
+RETRY_AFTER_S = 1  # a 503's Retry-After: the queue drains at the engine's pace
 
 
 def _int(body, name, default, low):
@@ -82,7 +82,8 @@ def create_app(loop: EngineLoop, tokenizer, *, model_name: str, max_body_bytes: 
 
   @app.exception_handler(ApiError)
   async def _api_error(_, e: ApiError):
-    return JSONResponse(_error_body(e.status, e.message, e.param), status_code=e.status)
+    return JSONResponse(error_body(e.status, e.message, e.param, e.code),
+                        status_code=e.status, headers=e.headers)
 
   async def _body(http: HttpRequest) -> dict:
     raw = await http.body()
@@ -122,63 +123,108 @@ def create_app(loop: EngineLoop, tokenizer, *, model_name: str, max_body_bytes: 
     except ValueError as e:
       raise ApiError(400, str(e)) from None
 
-  def _submit(requests):
-    streams = []
+  def _top(body, name) -> int:
+    top = _int(body, name, 0, 0)
+    if top > engine.top_n:
+      raise ApiError(400, f"{name} {top} is more than this server keeps ({engine.top_n}: "
+                     "experiments/serve.py --max_top_logprobs)", name)
+    return top
+
+  def _submit(requests, inbox):
+    streams, aloop = [], asyncio.get_running_loop()
     try:
       for r in requests:
-        streams.append(loop.submit(r, asyncio.get_running_loop()))
-    except QueueFull as e:
+        streams.append(loop.submit(r, aloop, inbox))
+    except (QueueFull, Stopped) as e:
       for s in streams:
         loop.cancel(s)
-      raise ApiError(429, f"server busy: {e}") from None
+      if isinstance(e, QueueFull):  # overload: transient, the client should retry later
+        raise ApiError(503, f"server overloaded, retry later: {e}", code="server_overloaded",
+                       headers={"Retry-After": str(RETRY_AFTER_S)}) from None
+      raise ApiError(503, f"server unavailable: {e}", code="engine_stopped") from None
     return streams
 
-  async def _next(stream):
-    return await stream.aget()
+  def _apply(choice, stream, event, delta, kept, call) -> None:
+    """One stream item into its choice; a stop string cancels the request at the engine
+    (a recorded call keeps the tokens up to it: `Gateway.cut`)."""
+    if event is None:
+      choice.end(delta)
+      return
+    stopped = choice.finish_reason is not None
+    kept += choice.feed(event, delta)
+    if not stopped and choice.text.stopped is not None:
+      gateway.cut(call, len(choice.tokens))
+      loop.cancel(stream)
 
-  def _choice_logprobs(event_tokens, raws, want):
-    if not want:
-      return None
-    return {"tokens": [tokenizer.decode([t], skip_special=False) for t in event_tokens],
-            "token_ids": event_tokens, "token_logprobs": raws}
-
-  async def _collect(streams):
-    results = []
-    for s in streams:
-      tokens, raws, reason = [], [], "length"
-      while True:
-        try:
-          event = await _next(s)
-        except ValueError as e:
-          raise ApiError(400, str(e)) from None
-        if event is None:
-          break
-        tokens += event.tokens
-        raws += event.raw_logprobs
-        if event.completion is not None:
-          reason = event.completion.finish_reason
-      results.append((tokens, raws, reason))
-    return results
-
-  def _usage(prompt, results):
-    done = sum(len(t) for t, _, _ in results)
-    return {"prompt_tokens": len(prompt), "completion_tokens": done,
-            "total_tokens": len(prompt) + done}
-
-  async def _stream(http, streams, frame):
-    async def events():
+  async def _respond(body, requests, choices, chunk, reply, call=None):
+    """Runs `requests` (one per choice); a reply dict, or an SSE response of chunks:
+    `chunk.head` (the same in every chunk: serialized once) with the choice `chunk(choice,
+    delta, kept, first)`. Errors the engine raises before the first event are 400s. `call`:
+    the gateway's (None: not recorded); its fields are read once every stream ended (the
+    record is made on the engine thread before a stream's end is delivered)."""
+    inbox: asyncio.Queue = asyncio.Queue()
+    streams = gateway.submit(call, requests, lambda rs: _submit(rs, inbox))
+    deltas, kept = [{} for _ in choices], [[] for _ in choices]
+    items = aiter(batches(inbox, streams))
+    try:
+      first = await anext(items)
+    except ValueError as e:
+      for s in streams:
+        loop.cancel(s)
+      raise ApiError(400, str(e)) from None
+    except StopAsyncIteration:
+      first = []
+    if not body.get("stream"):
       try:
-        for i, s in enumerate(streams):
-          while (event := await _next(s)) is not None:
-            if await http.is_disconnected():
-              raise asyncio.CancelledError
-            reason = event.completion.finish_reason if event.completion else None
-            yield f"data: {json.dumps(frame(i, event, reason))}\n\n"
+        async for batch in _with_first(first, items):
+          for i, event in batch:
+            _apply(choices[i], streams[i], event, deltas[i], kept[i], call)
+      finally:
+        for s in streams:
+          loop.cancel(s)
+      return reply(deltas, kept)
+    usage = (body.get("stream_options") or {}).get("include_usage")
+
+    async def events():
+      sent, closed = set(), set()  # choices whose first / last chunk went out
+      prefix = "data: " + json.dumps(chunk.head)[:-1] + ', "choices": ['
+      try:
+        async for batch in _with_first(first, items):
+          out = {}  # one chunk per choice per batch
+          for i, event in batch:
+            if i not in closed:
+              delta, new = out.setdefault(i, ({}, []))
+              _apply(choices[i], streams[i], event, delta, new, call)
+          frames = []
+          for i, (delta, new) in out.items():
+            frames.append(prefix + json.dumps(chunk(choices[i], delta, new, i not in sent))
+                          + "]}\n\n")
+            sent.add(i)
+            if choices[i].finish_reason is not None:
+              closed.add(i)
+          if frames:
+            yield "".join(frames)
+        tail = {"usage": _usage(requests, choices)} if usage else {}
+        tail.update(gateway.reply_fields(call))
+        if tail:
+          yield f"data: {json.dumps({**chunk.head, 'choices': [], **tail})}\n\n"
         yield "data: [DONE]\n\n"
       finally:
         for s in streams:  # a disconnected client (or one done) frees every slot it held
           loop.cancel(s)
     return StreamingResponse(events(), media_type="text/event-stream")
+
+  def _usage(requests, choices):
+    prompt, done = len(requests[0].prompt), sum(len(c.tokens) for c in choices)
+    return {"prompt_tokens": prompt, "completion_tokens": done, "total_tokens": prompt + done}
+
+  def _stop_reason(choice):
+    if choice.text.stopped is not None:
+      return choice.text.stopped
+    if choice.finish_reason in ("stop", "tool_calls") and choice.tokens and (
+        choice.tokens[-1] in choice.stop_tokens):
+      return choice.tokens[-1]
+    return None
 
   @app.post("/v1/completions")
   async def completions(http: HttpRequest):
@@ -194,60 +240,75 @@ def create_app(loop: EngineLoop, tokenizer, *, model_name: str, max_body_bytes: 
       raise ApiError(400, "prompt must be a non-empty string or a list of token ids in "
                      f"[0, {engine.cfg.vocab_size})", "prompt")
     want_lp = body.get("logprobs") is not None
+    top = _top(body, "logprobs") if want_lp else 0
+    stops = _stop_strings(body)
     requests = _requests(body, prompt, () if body.get("ignore_eos") else (tokenizer.eos_id,))
-    streams = _submit(requests)
+    choices = [Choice(i, ChoiceText(tokenizer, stops), r.stop_tokens, top)
+               for i, r in enumerate(requests)]
     head = {"object": "text_completion", "model": model_name, "created": int(time.time()),
             "id": f"cmpl-{secrets.token_hex(8)}", "system_fingerprint": f"v{version()}"}
-    if body.get("stream"):
-      return await _stream(http, streams, lambda i, e, reason: {**head, "choices": [{
-          "index": i, "text": tokenizer.decode(e.tokens), "finish_reason": reason,
-          "logprobs": _choice_logprobs(e.tokens, e.raw_logprobs, want_lp)}]})
-    results = await _collect(streams)
-    return {**head, "usage": _usage(prompt, results), "choices": [
-        {"index": i, "text": tokenizer.decode(t), "finish_reason": reason, "token_ids": t,
-         "logprobs": _choice_logprobs(t, raws, want_lp)}
-        for i, (t, raws, reason) in enumerate(results)]}
+
+    def chunk(c, delta, kept, first):
+      return {"index": c.index, "text": delta.get("text", ""), "finish_reason": c.finish_reason,
+              "logprobs": completion_logprobs(tokenizer, kept, c) if want_lp else None}
+    chunk.head = head
+
+    def reply(deltas, kept):
+      return {**head, "usage": _usage(requests, choices), "choices": [
+          {"index": c.index, "text": d.get("text", ""), "finish_reason": c.finish_reason,
+           "stop_reason": _stop_reason(c), "token_ids": c.tokens,
+           "logprobs": completion_logprobs(tokenizer, k, c) if want_lp else None}
+          for c, d, k in zip(choices, deltas, kept)]}
+    return await _respond(body, requests, choices, chunk, reply)
 
   @app.post("/v1/chat/completions")
   async def chat_completions(http: HttpRequest):
     body = await _body(http)
-    thinking = (body.get("chat_template_kwargs") or {}).get("enable_thinking", True)
-    messages = _glm_messages(body.get("messages"), body.get("tools"))
+    thinking = bool((body.get("chat_template_kwargs") or {}).get("enable_thinking", True))
+    messages = glm_messages(body.get("messages"), body.get("tools"))
     try:
       prompt = [int(i) for i in chat.render_prompt(
-          messages, tokenizer, thinking=bool(thinking),
-          thinking_mode="turn_level")]
+          messages, tokenizer, thinking=thinking, thinking_mode="turn_level")]
     except (ValueError, TypeError, KeyError) as e:
       raise ApiError(400, f"messages: {e}", "messages") from None
     call = gateway.begin(gateway.trajectory_id(http.headers, body), messages, prompt,
-                         thinking=bool(thinking), n=body.get("n") or 1)
+                         thinking=thinking, n=body.get("n") or 1)
     prompt = prompt if call is None else call.prompt  # TITO: the recorded tokens
     want_lp = bool(body.get("logprobs"))
-    streams = gateway.submit(call, _requests(body, prompt, chat_stops), _submit)
+    top = _top(body, "top_logprobs")
+    if top and not want_lp:
+      raise ApiError(400, "top_logprobs needs logprobs: true", "top_logprobs")
+    stops = _stop_strings(body)
+    if stops and call is not None and engine.record_routing:
+      raise ApiError(400, "stop strings end a recorded call by cancelling it, which loses its "
+                     "routing: this server records routing (--record_routing), so a call with "
+                     "a trajectory id takes stop_token_ids only", "stop")
+    requests = _requests(body, prompt, chat_stops)
+    choices = [Choice(i, ChoiceText(tokenizer, stops, chat_turn=True, thinking=thinking),
+                      r.stop_tokens, top) for i, r in enumerate(requests)]
     head = {"object": "chat.completion", "model": model_name, "created": int(time.time()),
             "id": f"chatcmpl-{secrets.token_hex(8)}", "system_fingerprint": f"v{version()}"}
-    if body.get("stream"):
-      return await _stream(http, streams, lambda i, e, reason: {
-          **head, "object": "chat.completion.chunk", "choices": [{
-              "index": i, "delta": {"content": tokenizer.decode(e.tokens)},
-              "finish_reason": reason}]})
-    results = await _collect(streams)
-    choices = []
-    for i, (tokens, raws, reason) in enumerate(results):
-      parsed = chat.parse_response(tokens, tokenizer)
-      message = {"role": "assistant", "content": parsed.content,
-                 "reasoning_content": parsed.thinking}
-      if parsed.tool_calls:
-        message["tool_calls"] = [_tool_call(c, j) for j, c in enumerate(parsed.tool_calls)]
-        reason = "tool_calls"
-      choice = {"index": i, "message": message, "finish_reason": reason, "token_ids": tokens}
-      if want_lp:
-        choice["logprobs"] = {"content": [
-            {"token": tokenizer.decode([t], skip_special=False), "logprob": lp}
-            for t, lp in zip(tokens, raws)]}
-      choices.append(choice)
-    return {**head, "usage": _usage(prompt, results), "choices": choices,
-            **gateway.reply_fields(call)}
+
+    def chunk(c, delta, kept, first):
+      return {"index": c.index, "delta": {"role": "assistant", **delta} if first else delta,
+              "finish_reason": c.finish_reason,
+              "logprobs": chat_logprobs(tokenizer, kept) if want_lp else None}
+    chunk.head = {**head, "object": "chat.completion.chunk"}
+
+    def reply(deltas, kept):
+      out = []
+      for c, d, k in zip(choices, deltas, kept):
+        message = {"role": "assistant", "content": d.get("content", ""),
+                   "reasoning_content": d.get("reasoning_content")}
+        if d.get("tool_calls"):
+          message["tool_calls"] = [{k2: v for k2, v in call.items() if k2 != "index"}
+                                   for call in d["tool_calls"]]
+        out.append({"index": c.index, "message": message, "finish_reason": c.finish_reason,
+                    "stop_reason": _stop_reason(c), "token_ids": c.tokens,
+                    "logprobs": chat_logprobs(tokenizer, k) if want_lp else None})
+      return {**head, "usage": _usage(requests, choices), "choices": out,
+              **gateway.reply_fields(call)}
+    return await _respond(body, requests, choices, chunk, reply, call)
 
   @app.get("/v1/models")
   async def models():
@@ -263,69 +324,33 @@ def create_app(loop: EngineLoop, tokenizer, *, model_name: str, max_body_bytes: 
     uptime = max(time.time() - started, 1e-9)
     lines = [f"glm5_queue_depth {loop.waiting()}", f"glm5_running_slots {loop.running()}",
              f"glm5_slots {engine.slots}", f"glm5_tokens_generated_total {loop.tokens_generated}",
-             f"glm5_tokens_per_second {loop.tokens_generated / uptime:.3f}"]
+             f"glm5_tokens_per_second {loop.tokens_generated / uptime:.3f}",
+             f"glm5_engine_steps_total {loop.steps}",
+             f"glm5_engine_slot_steps_total {loop.slot_steps}"]
     lines += gateway.metric_lines()
+    if engine.pages is not None:  # the paged cache's pool (page 0 reserved: not counted)
+      pool = engine.pages.pool
+      lines += [f"glm5_cache_pages_used {pool.used}", f"glm5_cache_pages_free {pool.free}",
+                f"glm5_cache_pages_total {pool.num_pages - 1}",
+                f"glm5_cache_page_size {pool.page_size}"]
     return PlainTextResponse("\n".join(lines) + "\n", media_type="text/plain; version=0.0.4")
 
   return app
 
 
-def _tool_call(call, j):
-  name, arguments = (call, {}) if isinstance(call, str) else (call["name"], call["arguments"])
-  return {"id": f"call_{j}", "type": "function",
-          "function": {"name": name, "arguments": json.dumps(arguments)}}
+async def _with_first(first, items):
+  yield first
+  async for batch in items:
+    yield batch
 
 
-TOOLS_HEADER = (
-    "# Tools\n\nYou may call one or more functions to assist with the user query.\n\n"
-    "You are provided with function signatures within <tools></tools> XML tags:\n<tools>\n")
-TOOLS_FOOTER = (
-    "\n</tools>\n\nFor each function call, output the function name and arguments within the "
-    "following XML format:\n<tool_call>{function-name}<arg_key>{arg-key-1}</arg_key>"
-    "<arg_value>{arg-value-1}</arg_value>...</tool_call>")
-
-
-def _glm_messages(messages, tools) -> list:
-  """OpenAI messages (and `tools`) -> `glm5_jax.data.chat` messages: role `tool` is
-  `observation`, `reasoning_content` is `thinking`, an assistant's OpenAI `tool_calls` become
-  `{"name", "arguments": dict}`, and the tools' JSON schemas go into the system message in
-  GLM's tools block. ApiError 400 naming `messages[i]` or `tools[i]` on bad input."""
-  if not isinstance(messages, list) or not messages:
-    raise ApiError(400, "messages must be a non-empty list of message objects", "messages")
-  out = []
-  for i, m in enumerate(messages):
-    if not isinstance(m, dict) or not isinstance(m.get("role"), str):
-      raise ApiError(400, f"messages[{i}] must be an object with a str role", "messages")
-    role = {"tool": "observation"}.get(m["role"], m["role"])
-    g = {"role": role, "content": m.get("content") or ""}
-    if role == "assistant":
-      if m.get("reasoning_content"):
-        g["thinking"] = m["reasoning_content"]
-      calls = []
-      for j, call in enumerate(m.get("tool_calls") or []):
-        try:
-          fn = call["function"]
-          args = json.loads(fn.get("arguments") or "{}")
-          calls.append({"name": fn["name"], "arguments": args} if args else fn["name"])
-        except (KeyError, TypeError, AttributeError, ValueError) as e:
-          raise ApiError(400, f"messages[{i}].tool_calls[{j}]: expected {{\"function\": "
-                         f"{{\"name\", \"arguments\": JSON text}}}} ({e})", "messages") from None
-      if calls:
-        g["tool_calls"] = calls
-    out.append(g)
-  if tools:
-    if not isinstance(tools, list):
-      raise ApiError(400, "tools must be a list of {\"type\": \"function\", \"function\": "
-                     "{\"name\", ...}}", "tools")
-    for i, t in enumerate(tools):
-      if not (isinstance(t, dict) and t.get("type") == "function" and isinstance(
-          t.get("function"), dict) and isinstance(t["function"].get("name"), str)):
-        raise ApiError(400, f"tools[{i}] must be {{\"type\": \"function\", \"function\": "
-                       f"{{\"name\": str, ...}}}}; got {t!r:.80}", "tools")
-    block = TOOLS_HEADER + "\n".join(json.dumps(t["function"], ensure_ascii=False)
-                                      for t in tools) + TOOLS_FOOTER
-    if out[0]["role"] == "system":
-      out[0] = {**out[0], "content": out[0]["content"] + "\n\n" + block}
-    else:
-      out.insert(0, {"role": "system", "content": block})
-  return out
+def _stop_strings(body) -> tuple:
+  stop = body.get("stop")
+  if stop is None or stop == []:
+    return ()
+  stop = [stop] if isinstance(stop, str) else stop
+  if not isinstance(stop, list) or len(stop) > MAX_STOPS or not all(
+      isinstance(s, str) and s for s in stop):
+    raise ApiError(400, f"stop must be a non-empty string or a list of at most {MAX_STOPS} "
+                   f"non-empty strings; got {stop!r:.80}", "stop")
+  return tuple(stop)

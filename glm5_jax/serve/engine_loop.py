@@ -5,7 +5,8 @@ neighbours: `glm5_jax.infer.engine`).
 Callers on any thread `submit` a `Request` and get a `Stream` of its `Event`s; `cancel(stream)`
 frees its slot at the engine's next iteration (a client that disconnects). Commands travel
 through one bounded queue, so the engine is touched by its own thread only; a full queue is
-`QueueFull` at once (a server answers 429/503) instead of an unbounded backlog. The loop runs
+`QueueFull` at once (the server answers 503) instead of an unbounded backlog; a loop whose
+engine raised refuses with `Stopped`. The loop runs
 `engine.step()` while anything is in flight and blocks on the queue when idle.
 """
 
@@ -21,26 +22,33 @@ class QueueFull(Exception):
   """The loop's bounded submission queue is full (`max_queue` waiting)."""
 
 
+class Stopped(Exception):
+  """The loop takes no requests: closed, or its engine raised (`EngineLoop.error`)."""
+
+
 class Stream:
   """One request's events, in order; `None` after its last one (finished or cancelled), or an
-  exception the engine raised for it (e.g. a ValueError from `Engine.submit`)."""
+  exception the engine raised for it (e.g. a ValueError from `Engine.submit`).
 
-  def __init__(self, aloop=None):
-    self._events: queue.Queue = queue.Queue()
+  Read from a thread with `get` / iteration; or, submitted with an asyncio loop, with `await
+  aget()`, or through an `inbox` (an asyncio.Queue several streams share) that receives
+  `(stream, item)` pairs: one consumer per HTTP request, whatever its `n`."""
+
+  def __init__(self, aloop=None, inbox: asyncio.Queue | None = None):
+    self._events = queue.Queue() if aloop is None else None  # a thread reader's
     self.handle: int | None = None
-    # With an asyncio loop, events go to an asyncio.Queue (`aget`) instead: a blocked thread
-    # per waiting stream would exhaust the executor with many streams.
+    # With an asyncio loop, events go to an asyncio.Queue instead: a blocked thread per
+    # waiting stream would exhaust the executor with many streams.
     self._aloop = aloop
-    self._aevents = asyncio.Queue() if aloop is not None else None
+    self._tagged = inbox is not None
+    self._aevents = inbox if inbox is not None else (
+        asyncio.Queue() if aloop is not None else None)
 
-  def _put(self, item) -> None:
-    if self._aloop is None:
-      self._events.put(item)
-    else:
-      self._aloop.call_soon_threadsafe(self._aevents.put_nowait, item)
+  def _item(self, item):
+    return (self, item) if self._tagged else item
 
   async def aget(self):
-    """`get` for a stream submitted with an asyncio loop."""
+    """`get` for a stream submitted with an asyncio loop (and no inbox)."""
     item = await self._aevents.get()
     if isinstance(item, Exception):
       raise item
@@ -58,31 +66,61 @@ class Stream:
       yield event
 
 
-class EngineLoop:
-  """Owns `engine` on a daemon thread. `max_queue`: submissions waiting for the thread (and,
-  counted with them, requests the engine holds waiting for a slot) before `QueueFull`."""
+def _put_all(items) -> None:
+  for inbox, item in items:
+    inbox.put_nowait(item)
 
-  def __init__(self, engine: Engine, *, max_queue: int = 256):
+
+class EngineLoop:
+  """Owns `engine` on a daemon thread.
+
+  Args:
+    engine: the engine (touched by the loop's thread only from now on).
+    max_queue: submissions waiting for the thread (and, counted with them, requests held or
+      waiting in the engine for a slot) before `QueueFull`.
+    admit_after_steps: while requests are decoding, new ones are held and handed to the engine
+      together, at the latest after this many steps (at once when the engine is idle or the
+      held requests fill its free slots). Requests arriving one by one would otherwise each
+      cost an admission of their own (a prefill call, its first-token sampling, the
+      host-device round trips), several times a decode step; 0 admits at every step. The
+      policy of text-generation-inference's `max_waiting_tokens`.
+  """
+
+  def __init__(self, engine: Engine, *, max_queue: int = 256, admit_after_steps: int = 0):
     if not isinstance(max_queue, int) or max_queue < 1:
       raise ValueError(f"EngineLoop: max_queue must be an int >= 1, got {max_queue!r}")
-    self.engine, self.max_queue = engine, max_queue
+    if not isinstance(admit_after_steps, int) or admit_after_steps < 0:
+      raise ValueError(f"EngineLoop: admit_after_steps must be an int >= 0, got "
+                       f"{admit_after_steps!r}")
+    self.engine, self.max_queue, self.admit_after = engine, max_queue, admit_after_steps
+    self._held: list = []  # (request, stream) not handed to the engine yet
+    self._held_since = 0  # `steps` when the oldest held request arrived
     self._commands: queue.Queue = queue.Queue()
     self._pending = 0  # submitted, not yet admitted to a slot (commands + engine's waiting)
     self._lock = threading.Lock()
     self._streams: dict[int, Stream] = {}
     self._stop = False
+    self.error: Exception | None = None  # what broke the engine thread, if anything did
     self.tokens_generated = 0
+    self.steps = 0  # engine steps run, and the running slots summed over them: their ratio is
+    self.slot_steps = 0  # the mean decode batch (are concurrent requests batched?)
+    # Items for streams, delivered after each command batch / step: one wake-up of each
+    # asyncio loop per step (`call_soon_threadsafe` per stream costs a syscall each).
+    self._outbox: list = []
     self._thread = threading.Thread(target=self._run, name="engine-loop", daemon=True)
     self._thread.start()
 
-  def submit(self, request: Request, aloop=None) -> Stream:
+  def submit(self, request: Request, aloop=None, inbox: asyncio.Queue | None = None) -> Stream:
     """Queues `request`; its events come back on the returned stream (on `aloop`, an asyncio
-    event loop, when given: read them with `await stream.aget()`)."""
+    event loop, when given: read them with `await stream.aget()`, or from `inbox`)."""
+    if self._stop or self.error is not None:
+      raise Stopped(f"the engine loop is {'closed' if self._stop else 'broken'}"
+                    + (f": {type(self.error).__name__}: {self.error}" if self.error else ""))
     with self._lock:
       if self._pending >= self.max_queue:
         raise QueueFull(f"{self._pending} requests waiting, max_queue={self.max_queue}")
       self._pending += 1
-    stream = Stream(aloop)
+    stream = Stream(aloop, inbox)
     self._commands.put(("submit", request, stream))
     return stream
 
@@ -103,43 +141,94 @@ class EngineLoop:
   def _run(self) -> None:
     while not self._stop:
       try:  # block only when the engine has nothing to do
-        self._command(*self._commands.get(block=not self.engine.busy))
+        self._command(*self._commands.get(block=not (self.engine.busy or self._held)))
         while True:
           self._command(*self._commands.get_nowait())
       except queue.Empty:
         pass
+      self._admit_held()
+      self._flush()
       if self._stop or not self.engine.busy:
         continue
       try:
         events = self.engine.step()
       except Exception as e:  # the engine is broken: every request in flight hears why
+        self.error = e
         for stream in self._streams.values():
-          stream._put(e)
+          self._put(stream, e)
+        self._flush()
         raise
+      self.steps += 1
+      self.slot_steps += self.engine.running() + sum(e.completion is not None for e in events)
       with self._lock:
-        self._pending = self.engine.waiting() + self._commands.qsize()
+        self._pending = self.engine.waiting() + len(self._held) + self._commands.qsize()
       for event in events:
         self._deliver(event)
+      self._flush()
+
+  def _put(self, stream: Stream, item) -> None:
+    if stream._aloop is None:
+      stream._events.put(item)
+    else:
+      self._outbox.append((stream._aloop, stream._aevents, stream._item(item)))
+
+  def _flush(self) -> None:
+    if not self._outbox:
+      return
+    by_loop: dict = {}
+    for aloop, inbox, item in self._outbox:
+      by_loop.setdefault(aloop, []).append((inbox, item))
+    self._outbox = []
+    for aloop, items in by_loop.items():
+      try:
+        aloop.call_soon_threadsafe(_put_all, items)
+      except RuntimeError:  # that event loop is closed: nobody is listening any more
+        pass
 
   def _deliver(self, event: Event) -> None:
     stream = self._streams.get(event.handle)
     if stream is None:
       return
     self.tokens_generated += len(event.tokens)
-    stream._put(event)
+    self._put(stream, event)
     if event.completion is not None:
       del self._streams[event.handle]
-      stream._put(None)
+      self._put(stream, None)
 
-  def _command(self, kind, request, stream) -> None:
-    if kind == "submit":
+  def _admit_held(self) -> None:
+    """Hands the held requests to the engine when it is idle, when they fill its free slots,
+    or when the oldest has waited `admit_after_steps` steps."""
+    if not self._held:
+      return
+    free = self.engine.slots - self.engine.running() - self.engine.waiting()
+    if self.engine.busy and len(self._held) < free and (
+        self.steps - self._held_since < self.admit_after):
+      return
+    held, self._held = self._held, []
+    for request, stream in held:
       try:
         stream.handle = self.engine.submit(request)
         self._streams[stream.handle] = stream
       except ValueError as e:
         with self._lock:
           self._pending -= 1
-        stream._put(e)
+        self._put(stream, e)
+      self._admitted(request, stream)
+
+  def _admitted(self, request: Request, stream: Stream) -> None:
+    """Called once `request` was handed to the engine: `stream.handle` set, or None when
+    `Engine.submit` refused it (a subclass's hook: `glm5_jax.serve.versions`)."""
+
+  def _command(self, kind, request, stream) -> None:
+    if kind == "submit":
+      if not self._held:
+        self._held_since = self.steps
+      self._held.append((request, stream))
+    elif kind == "cancel" and any(s is stream for _, s in self._held):
+      self._held = [(r, s) for r, s in self._held if s is not stream]
+      with self._lock:
+        self._pending -= 1
+      self._put(stream, None)
     elif kind == "cancel" and stream.handle is not None:
       if self.engine.cancel(stream.handle) and self._streams.pop(stream.handle, None):
-        stream._put(None)
+        self._put(stream, None)

@@ -99,6 +99,7 @@ class Call:
   mismatch_at: int | None
   rendered_length: int
   record: TurnRecord | None = None
+  keep: int | None = None  # a stop string ended the reply after this many tokens (`cut`)
 
 
 class Gateway:
@@ -184,8 +185,8 @@ class Gateway:
       t.pending, t.touched = True, time.time()
     if getattr(self.loop.engine, "k", 0) == 0:  # sessions need plain decoding
       requests = [dataclasses.replace(requests[0], session=_session(t.id))]
-    self.loop.watch(requests[0], lambda completion, versions: self._end(call, completion,
-                                                                         versions))
+    self.loop.watch(requests[0], lambda completion, versions, cancelled: self._end(
+        call, completion, versions, cancelled))
     try:
       return submit(requests)
     except BaseException:
@@ -209,12 +210,13 @@ class Gateway:
     if hasattr(self.loop, "release"):
       self.loop.release(_session(tid))
 
-  def _end(self, call: Call, completion, versions) -> None:
-    """On the engine thread: the call's record, or an aborted call."""
+  def _end(self, call: Call, completion, versions, cancelled: bool) -> None:
+    """On the engine thread: the call's record, or an aborted call (cancelled without a stop
+    string: the client went away)."""
     t = call.trajectory
     with self._lock:
       t.pending, t.touched = False, time.time()
-      if completion is None:
+      if completion is None or (cancelled and call.keep is None):
         t.aborted += 1
         self.aborted += 1
         return
@@ -225,11 +227,25 @@ class Gateway:
           call.mismatch_at is not None, call.mismatch_at, call.rendered_length,
           len(call.messages), None if routing is None else
           {k: np.asarray(v, np.int32) for k, v in routing.items()})
+      if call.keep is not None:
+        _cut(call.record, call.keep)
       t.records.append(call.record)
       t.messages = call.messages
       t.mismatches += call.record.mismatch
       self.calls += 1
       self.mismatches += call.record.mismatch
+
+  def cut(self, call: Call | None, keep: int) -> None:
+    """A stop string ended `call`'s reply after its first `keep` tokens (the app then cancels
+    the engine request): the record holds those tokens only (the client's reply is made of
+    them; what the engine sampled past them is dropped), finish reason "stop". Either order
+    with the record being made on the engine thread."""
+    if call is None:
+      return
+    with self._lock:
+      call.keep = keep
+      if call.record is not None:
+        _cut(call.record, keep)
 
   @staticmethod
   def reply_fields(call: Call | None) -> dict:
@@ -293,6 +309,22 @@ class Gateway:
     async def delete(tid: str):
       self.drop(tid)
       return {"id": tid, "deleted": True}
+
+
+def _cut(record: TurnRecord, keep: int) -> None:
+  """`record` ends after its first `keep` generated tokens. Its routing's rows stop there too,
+  the last one -1 (that token's row came from a forward whose output was dropped: the next
+  turn's prefill routes it, `merge_routing`)."""
+  if keep >= len(record.completion_ids) and record.finish_reason == "stop":
+    return
+  for name in ("completion_ids", "logprobs", "raw_logprobs", "versions"):
+    setattr(record, name, getattr(record, name)[:keep])
+  record.finish_reason = "stop"
+  if record.routing is not None:
+    rows = len(record.prompt_ids) + keep
+    record.routing = {k: v[:rows].copy() for k, v in record.routing.items()}
+    for v in record.routing.values():
+      v[-1] = -1
 
 
 def _session(tid: str) -> tuple:

@@ -16,14 +16,17 @@ version) would need two param sets in memory and would stall the switch behind t
 request.
 
 `watch(request, callback)`, before submitting the request, asks for `callback(completion,
-versions)` on the engine thread when it ends: its `Completion` and one version per token
-(`None, versions` when it was cancelled or refused). The TITO gateway records calls with it
+versions, cancelled)` on the engine thread when it ends: its `Completion` and one version per
+token. A cancelled request (a client gone, a stop string matched) gets a `Completion` of the
+tokens delivered before the cancel (no routing) and `cancelled=True`; a request the engine
+refused gets `None, [], True`. The TITO gateway records calls with it
 (`glm5_jax.serve.gateway`).
 """
 
 import jax
 import numpy as np
 
+from glm5_jax.infer.engine import Completion
 from glm5_jax.serve.engine_loop import EngineLoop
 
 
@@ -33,7 +36,8 @@ class VersionedLoop(EngineLoop):
   def __init__(self, engine, *, version: int = 0, **kwargs):
     self.version = _version(version)
     self._watched: dict[int, tuple] = {}  # id(request) -> (request, callback)
-    self._by_handle: dict[int, tuple] = {}  # handle -> (callback, versions so far)
+    # handle -> (callback, request, and so far: versions, tokens, log-probs, raw log-probs)
+    self._by_handle: dict[int, tuple] = {}
     super().__init__(engine, **kwargs)
 
   def set_params(self, params, version: int) -> None:
@@ -55,8 +59,9 @@ class VersionedLoop(EngineLoop):
     self._commands.put(("params", (params, version), None))
 
   def watch(self, request, callback) -> None:
-    """`callback(completion | None, versions)` when `request` (submitted after this call)
-    ends; runs on the engine thread, so it must be quick and must not call the loop."""
+    """`callback(completion | None, versions, cancelled)` when `request` (submitted after this
+    call) ends (module docstring); runs on the engine thread, so it must be quick and must not
+    call the loop."""
     self._watched[id(request)] = (request, callback)
 
   def release(self, session) -> None:
@@ -74,26 +79,38 @@ class VersionedLoop(EngineLoop):
     if kind == "release":
       self.engine.release(request)
       return
+    held = [r for r, s in self._held if s is stream] if kind == "cancel" else []
     live = stream is not None and stream.handle in self._streams
     super()._command(kind, request, stream)
-    if kind == "submit":
-      _, callback = self._watched.pop(id(request), (None, None))
-      if callback is not None and stream.handle is None:  # refused by Engine.submit
-        callback(None, [])
-      elif callback is not None:
-        self._by_handle[stream.handle] = (callback, [])
-    elif kind == "cancel" and live and stream.handle not in self._streams:
-      callback, versions = self._by_handle.pop(stream.handle, (None, None))
+    if held:  # cancelled before the engine saw it
+      _, callback = self._watched.pop(id(held[0]), (None, None))
       if callback is not None:
-        callback(None, versions)
+        callback(None, [], True)
+    elif kind == "cancel" and live and stream.handle not in self._streams:
+      watched = self._by_handle.pop(stream.handle, None)
+      if watched is not None:
+        callback, request, versions, tokens, logprobs, raws = watched
+        callback(Completion(request, tokens, logprobs, raws, handle=stream.handle), versions,
+                 True)
+
+  def _admitted(self, request, stream) -> None:
+    _, callback = self._watched.pop(id(request), (None, None))
+    if callback is not None and stream.handle is None:  # refused by Engine.submit
+      callback(None, [], True)
+    elif callback is not None:
+      self._by_handle[stream.handle] = (callback, request, [], [], [], [])
 
   def _deliver(self, event) -> None:
     watched = self._by_handle.get(event.handle)
     if watched is not None:
-      watched[1].extend([self.version] * len(event.tokens))
+      _, _, versions, tokens, logprobs, raws = watched
+      versions.extend([self.version] * len(event.tokens))
+      tokens.extend(event.tokens)
+      logprobs.extend(event.logprobs)
+      raws.extend(event.raw_logprobs)
       if event.completion is not None:
         del self._by_handle[event.handle]
-        watched[0](event.completion, watched[1])  # before the client hears it ended
+        watched[0](event.completion, versions, False)  # before the client hears it ended
     super()._deliver(event)
 
 
