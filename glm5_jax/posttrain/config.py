@@ -15,6 +15,10 @@ from glm5_jax.posttrain.algorithms import GROUP_STDS, ICEPOP_MODES, NORMALIZATIO
 
 RL_LOSSES = tuple(algorithms.ADVANTAGES)  # ("grpo", "distill")
 POLICY_LOSSES = ("auto", *algorithms.POLICY_LOSSES)  # ("auto", "ppo", "is")
+ROLLOUT_VIA = ("engine", "gateway")
+# Environments with a built-in agent program for rollout_via "gateway"
+# (glm5_jax.rl.agent_rollout.AGENTS: the calculator agent, glm5_jax/rl/calculator_agent.py).
+AGENT_ENVS = ("calculator",)
 
 
 def rl_config(**overrides) -> ml_collections.ConfigDict:
@@ -58,6 +62,11 @@ def rl_config(**overrides) -> ml_collections.ConfigDict:
   c.max_staleness = 1
   c.policy_keep = 3  # published policy versions kept in <workdir>/rl/policy
   c.worker_groups = 8  # groups (of group_size samples) a rollout worker generates at once
+  # How an asynchronous rollout worker plays episodes: "engine" (its engine plays every turn,
+  # `rollout.generate_samples`) or "gateway" (an agent program talks to an OpenAI-compatible
+  # server over the worker's engine through the `openai` client; the TITO gateway's records
+  # are the samples: glm5_jax.rl.agent_rollout, docs/async_rl.md).
+  c.rollout_via = "engine"
   c.poll_seconds = 0.2  # how often the trainer and the workers look for new files
   # The asynchronous trainer fails (naming the orders it waits for) after this long without
   # progress: no step, no rollout file arriving. 0 waits forever.
@@ -113,6 +122,12 @@ def validate_rl_config(c) -> None:
   require(c.max_staleness >= 0, "rl.max_staleness", f"must be >= 0, got {c.max_staleness}")
   require(c.policy_keep >= 1, "rl.policy_keep", f"must be >= 1, got {c.policy_keep}")
   require(c.worker_groups >= 1, "rl.worker_groups", f"must be >= 1, got {c.worker_groups}")
+  require(c.rollout_via in ROLLOUT_VIA, "rl.rollout_via",
+          f"must be one of {ROLLOUT_VIA}, got {c.rollout_via!r}")
+  if c.rollout_via == "gateway":
+    require(c.env in AGENT_ENVS, "rl.rollout_via",
+            f"'gateway' plays episodes with an agent program, and only the environments "
+            f"{AGENT_ENVS} have one; got rl.env={c.env!r} (use rollout_via 'engine')")
   require(math.isfinite(c.poll_seconds) and c.poll_seconds > 0, "rl.poll_seconds",
           f"must be a finite number > 0, got {c.poll_seconds}")
   require(math.isfinite(c.stall_seconds) and c.stall_seconds >= 0, "rl.stall_seconds",

@@ -36,7 +36,7 @@ import jax
 import numpy as np
 
 from glm5_jax.api import abstract_params, init_params
-from glm5_jax.config import ModelConfig
+from glm5_jax.config import ModelConfig, require
 from glm5_jax.data import check_vocab, make_tokenizer
 from glm5_jax.eval.checkpoints import load_run
 from glm5_jax.posttrain import algorithms, rollout, rl_step, sandbox, tasks as tasks_lib
@@ -123,6 +123,10 @@ def rl_train(config, workdir: str, *, stop_after_steps: int | None = None,
     `rl.eval_samples`), `last_metrics`, `checkpoints` and `metrics_file`.
   """
   validate_rl_experiment(config)
+  require(config.rl.rollout_via == "engine", "rl.rollout_via",
+          f"the synchronous loop plays its rollouts on its own engine; got "
+          f"{config.rl.rollout_via!r}, which the asynchronous rollout workers run "
+          "(experiments/rl.py --mode=async)")
   hide_run_from_sandbox(config, workdir)
   with RunHarness(workdir, "RL", config.ckpt, total_steps=config.rl.steps,
                   stop_after_steps=stop_after_steps) as run:

@@ -10,6 +10,9 @@ records alone (`gateway.to_sample`: the sampled ids and their log-probs, never t
 text). `to_trajectory_records` turns them into the asynchronous trainer's rollout records with
 each token's param version, so a server whose params switched mid-episode
 (`glm5_jax.rl.serve_policy`) gives each token the version that sampled it.
+
+A rollout worker with `rl.rollout_via = "gateway"` runs this against its own server
+(`glm5_jax.rl.agent_server`), with the agent program of the run's environment (`AGENTS`).
 """
 
 import concurrent.futures
@@ -22,6 +25,9 @@ from glm5_jax.rl import calculator_agent
 from glm5_jax.rl.trajectories import TrajectoryRecord
 from glm5_jax.seeds import derive_seed
 from glm5_jax.serve.gateway import records_from_json, to_sample
+
+# The built-in agent program of each environment (`posttrain.config.AGENT_ENVS` names them).
+AGENTS = {"calculator": calculator_agent.run_episode}
 
 
 def score(env, task, transcript) -> tuple[float, bool, dict]:
@@ -40,7 +46,7 @@ def score(env, task, transcript) -> tuple[float, bool, dict]:
 def agent_samples(base_url: str, env, tasks, *, group_size: int, seed: int,
                   model: str = "glm5-jax", agent=calculator_agent.run_episode,
                   max_turns: int | None = None, max_tokens: int = 64, temperature: float = 1.0,
-                  thinking: bool = True, threads: int = 16, run_id: str | None = None,
+                  top_p: float = 1.0, thinking: bool = True, threads: int = 16, run_id: str | None = None,
                   timeout_s: float = 600.0) -> list:
   """`[(Sample, versions int32 [n])]` for G episodes of each task, task-major (module
   docstring). `base_url`: the server's root (`http://host:port`)."""
@@ -54,9 +60,13 @@ def agent_samples(base_url: str, env, tasks, *, group_size: int, seed: int,
     tid = f"{run_id}-{task.env}-{task.split}-{task.index}-{j}"
     result = agent(client, model=model, messages=task.messages, trajectory_id=tid,
                    max_turns=max_turns or env.max_turns, max_tokens=max_tokens,
-                   temperature=temperature, seed=derive_seed(seed, task.env, task.split,
-                                                             task.index, j),
+                   temperature=temperature, top_p=top_p,
+                   seed=derive_seed(seed, task.env, task.split, task.index, j),
                    thinking=thinking)
+    if result.turns == 0:
+      raise ValueError(f"{task.env} task {task.index} ({task.split}): the server refused the "
+                       f"agent's first call: its prompt + max_tokens {max_tokens} do not fit the "
+                       "server's max_len (data.seq_len for a rollout worker)")
     with httpx.Client(base_url=base_url, timeout=timeout_s) as http:
       r = http.post(f"/v1/trajectories/{tid}/finish")
       r.raise_for_status()
@@ -64,7 +74,7 @@ def agent_samples(base_url: str, env, tasks, *, group_size: int, seed: int,
       http.delete(f"/v1/trajectories/{tid}").raise_for_status()
     reward, correct, info = score(env, task, result.transcript)
     info = {**info, "mismatches": body["mismatches"], "aborted_calls": body["aborted"],
-            "trajectory_id": tid}
+            "trajectory_id": tid, "truncated": result.context_full}
     return to_sample(records_from_json(body), task=task, group=g, reward=reward,
                      correct=correct, messages=result.transcript, info=info)
 
@@ -72,13 +82,16 @@ def agent_samples(base_url: str, env, tasks, *, group_size: int, seed: int,
     return list(pool.map(play, episodes))
 
 
-def to_trajectory_records(pairs, *, worker: str, order: int) -> list[TrajectoryRecord]:
+def to_trajectory_records(pairs, *, worker: str, order: int,
+                          requeue_of: str = "") -> list[TrajectoryRecord]:
   """`agent_samples`' pairs -> the trainer's rollout records (`trajectories.write_batch`):
-  tokens, raw log-probs on generated tokens, loss mask, each token's version, reward."""
+  tokens, raw log-probs on generated tokens, loss mask, each token's version, reward; meta as
+  the engine path's (`worker.to_records`) plus `agent` and the gateway's `mismatches`."""
   out = []
   for j, (s, versions) in enumerate(pairs):
     meta = {"order": order, "task": s.task.index, "env": s.task.env, "sample": j,
             "correct": bool(s.correct), "turns": s.turns, "worker": worker, "agent": True,
+            "requeue_of": requeue_of, "truncated": bool(s.info.get("truncated", False)),
             "mismatches": int(s.info.get("mismatches", 0))}
     out.append(TrajectoryRecord(s.tokens, s.rollout_logp * s.loss_mask, s.loss_mask, versions,
                                 float(s.reward), meta, routing=s.routing))

@@ -10,13 +10,17 @@ exact tokens (`glm5_jax.serve.gateway`); `glm5_jax.rl.agent_rollout` runs it as 
 One episode, at most `max_turns` calls:
   - a reply with tool calls: each is run and its result sent back as a `tool` message;
   - a reply whose content is an integer: the final answer, the episode ends;
-  - any other reply: the agent asks again with a user message (`NUDGE`), a format retry.
+  - any other reply: the agent asks again with a user message (`NUDGE`), a format retry;
+  - a call the server refuses for want of room (400 naming `max_tokens`: the conversation has
+    outgrown the context) ends the episode (`context_full`), as it ends an agent's session.
 It also keeps the conversation in the calculator env's own form (`transcript`: tool calls as
 `calc(EXPR)` text, results as observations), which the env scores.
 """
 
 import dataclasses
 import json
+
+import openai
 
 from glm5_jax.posttrain.envs import base
 from glm5_jax.posttrain.envs.calculator import run_tool
@@ -33,7 +37,8 @@ NUDGE = "Call calc(expression), or answer with an integer only."
 class AgentResult:
   messages: list  # the OpenAI conversation, as sent (and the last reply)
   transcript: list  # the same in the calculator env's message form
-  turns: int
+  turns: int  # calls answered
+  context_full: bool = False  # the server refused a call: no room left for max_tokens
 
 
 def call_text(name: str, arguments: str | None) -> str:
@@ -49,8 +54,9 @@ def call_text(name: str, arguments: str | None) -> str:
 
 
 def run_episode(client, *, model: str, messages, trajectory_id: str, max_turns: int = 3,
-                max_tokens: int = 64, temperature: float = 1.0, seed: int = 0,
-                thinking: bool = True, tools: list | None = None) -> AgentResult:
+                max_tokens: int = 64, temperature: float = 1.0, top_p: float = 1.0,
+                seed: int = 0, thinking: bool = True,
+                tools: list | None = None) -> AgentResult:
   """Plays one episode against `client` (an `openai.OpenAI`) from the prompt `messages`
   (system / user dicts); every call carries `trajectory_id`. `tools`: the function schemas
   to send (e.g. `[CALC_TOOL]`); None sends none, so the prompt is the env's own (its system
@@ -60,12 +66,17 @@ def run_episode(client, *, model: str, messages, trajectory_id: str, max_turns: 
   transcript = [dict(m) for m in messages]
   turns = 0
   for turn in range(max_turns):
-    reply = client.chat.completions.create(
-        model=model, messages=messages, max_tokens=max_tokens,
-        temperature=temperature, seed=derive_seed("agent", seed, turn),
-        **({"tools": tools} if tools else {}), extra_body={
-            "trajectory_id": trajectory_id,
-            "chat_template_kwargs": {"enable_thinking": thinking}})
+    try:
+      reply = client.chat.completions.create(
+          model=model, messages=messages, max_tokens=max_tokens, temperature=temperature,
+          top_p=top_p, seed=derive_seed("agent", seed, turn),
+          **({"tools": tools} if tools else {}), extra_body={
+              "trajectory_id": trajectory_id,
+              "chat_template_kwargs": {"enable_thinking": thinking}})
+    except openai.BadRequestError as e:
+      if e.param != "max_tokens":
+        raise
+      return AgentResult(messages, transcript, turns, context_full=True)
     turns += 1
     m = reply.choices[0].message
     reasoning = (m.model_extra or {}).get("reasoning_content")

@@ -7,16 +7,22 @@ Loop (`run_worker`), until the trainer writes `control/done`:
      worker's own shardings (`config.mesh` over this process's devices: orbax reshards from
      the trainer's layout) when it is newer than the one held. Versions switch only between
      generation batches, so every token of a rollout has one version;
-  3. up to `rl.worker_groups` orders as one generation batch (`rollout.generate_samples`: the
-     engine plays every turn of each rollout in this process, keeping its cache between turns),
-     each order's group written as one rollout file named by the order id
-     (`trajectories.write_batch`: temporary name, fsync, rename).
+  3. up to `rl.worker_groups` orders as one generation batch, each order's group written as
+     one rollout file named by the order id (`trajectories.write_batch`: temporary name, fsync,
+     rename). With `rl.rollout_via` "engine" (`rollout.generate_samples`) the engine plays
+     every turn of each rollout in this process, keeping its cache between turns; with
+     "gateway" an agent program plays each episode through the `openai` client against this
+     worker's own OpenAI-compatible server over its engine (`agent_server.AgentServer`,
+     started at the first version, params switched in place), and the TITO gateway's records
+     are the samples (`agent_rollout.agent_samples`: the sampled ids, their log-probs, each
+     token's version).
 A worker killed at any point loses nothing: on restart it deletes its temporary files and
 answers its outstanding orders again (those it had finished have files and are skipped).
 
 Counters (busy, idle and policy-load seconds, batches, samples, versions loaded, response
 lengths, and the engine's prefix-cache counters: prompt tokens submitted, tokens actually
-prefilled, hit rate = 1 - prefilled / submitted, session hits / misses / evictions) go to
+prefilled, hit rate = 1 - prefilled / submitted, session hits / misses / evictions; with the
+gateway also its calls, re-tokenization mismatches and aborted calls under `gateway`) go to
 `<root>/workers/<name>.json` after every batch and are carried over a restart; the benchmark
 reads the idle fraction from them.
 
@@ -113,50 +119,95 @@ def _serve(config, model: ModelConfig, dirs, name, env, tokenizer, abstract, sub
            slots, max_batches, stop) -> bool:
   """The loop of the module docstring; returns whether SIGTERM stopped it (between batches)."""
   rl = config.rl
-  version, params, batches = None, None, 0
-  while not dirs.done.exists() and (max_batches is None or batches < max_batches):
-    if stop.take():
-      logging.warning("worker %s: SIGTERM: stopping (its outstanding orders stay for its next "
-                      "start)", name)
-      return True
-    t0 = time.time()
-    todo = orders_lib.outstanding_for(dirs.root, name)
-    latest = subscriber.latest_version()
-    if not todo or latest is None:
-      time.sleep(rl.poll_seconds)
-      stats["idle_seconds"] += time.time() - t0
-      continue
-    if latest != version:
-      version, params = subscriber.restore_latest(abstract)
-      stats["versions_loaded"].append(version)
-      stats["load_seconds"] += time.time() - t0
-      logging.info("worker %s: policy version %d loaded (%.1f s)", name, version,
-                   time.time() - t0)
-    t1 = time.time()
-    batch = todo[:rl.worker_groups]
-    tasks = [env.task(o.task, "train") for o in batch]
-    prefix = {}
-    samples = rollout.generate_samples(config, params, env, tasks,
-                                       seed=batch_seed(rl.seed, name, batch[0].id),
-                                       tokenizer=tokenizer, slots=slots, stats=prefix,
-                                       model=model)
-    for key in ("prompt_tokens", "prefilled_tokens", "session_hits", "session_misses",
-                "evictions"):
-      stats["prefix"][key] = stats["prefix"].get(key, 0) + int(prefix.get(key, 0))
-    submitted = stats["prefix"]["prompt_tokens"]
-    stats["prefix"]["hit_rate"] = (1 - stats["prefix"]["prefilled_tokens"] / submitted
-                                   if submitted else 0.0)
-    g = rl.group_size
-    for i, order in enumerate(batch):
-      group = samples[i * g:(i + 1) * g]
-      trajectories.write_batch(dirs.rollouts, to_records(group, order, version, name),
-                               worker=name, batch_index=order.id)
-      stats["response_lengths"] += [s.response_length for s in group]
-    batches += 1
-    stats["batches"] += 1
-    stats["samples"] += len(samples)
-    stats["busy_seconds"] += time.time() - t1
-    write_json(dirs.worker_stats(name), stats)
-    logging.info("worker %s: orders %d..%d (%d samples) with version %d in %.1f s", name,
-                 batch[0].id, batch[-1].id, len(samples), version, time.time() - t1)
-  return False
+  version, params, batches, server = None, None, 0, None
+  try:
+    while not dirs.done.exists() and (max_batches is None or batches < max_batches):
+      if stop.take():
+        logging.warning("worker %s: SIGTERM: stopping (its outstanding orders stay for its next "
+                        "start)", name)
+        return True
+      t0 = time.time()
+      todo = orders_lib.outstanding_for(dirs.root, name)
+      latest = subscriber.latest_version()
+      if not todo or latest is None:
+        time.sleep(rl.poll_seconds)
+        stats["idle_seconds"] += time.time() - t0
+        continue
+      if latest != version:
+        version, params = subscriber.restore_latest(abstract)
+        if server is not None:
+          server.set_params(params, version)  # applied before the next batch's first step
+        stats["versions_loaded"].append(version)
+        stats["load_seconds"] += time.time() - t0
+        logging.info("worker %s: policy version %d loaded (%.1f s)", name, version,
+                     time.time() - t0)
+      t1 = time.time()
+      batch = todo[:rl.worker_groups]
+      seed = batch_seed(rl.seed, name, batch[0].id)
+      if rl.rollout_via == "gateway":
+        if server is None:
+          server = _start_server(config, model, params, tokenizer, slots, version)
+        groups, prefix = _gateway_groups(config, server, env, batch, seed, name, stats)
+      else:
+        groups, prefix = _engine_groups(config, model, params, env, batch, seed, name, version,
+                                        tokenizer, slots)
+      for key in ("prompt_tokens", "prefilled_tokens", "session_hits", "session_misses",
+                  "evictions"):
+        stats["prefix"][key] = stats["prefix"].get(key, 0) + int(prefix.get(key, 0))
+      submitted = stats["prefix"]["prompt_tokens"]
+      stats["prefix"]["hit_rate"] = (1 - stats["prefix"]["prefilled_tokens"] / submitted
+                                     if submitted else 0.0)
+      for order, records in zip(batch, groups):
+        trajectories.write_batch(dirs.rollouts, records, worker=name, batch_index=order.id)
+        stats["response_lengths"] += [int(r.loss_mask.sum()) for r in records]
+      batches += 1
+      stats["batches"] += 1
+      stats["samples"] += sum(len(records) for records in groups)
+      stats["busy_seconds"] += time.time() - t1
+      write_json(dirs.worker_stats(name), stats)
+      logging.info("worker %s: orders %d..%d (%d groups) with version %d in %.1f s", name,
+                   batch[0].id, batch[-1].id, len(groups), version, time.time() - t1)
+    return False
+  finally:
+    if server is not None:
+      server.close()
+
+
+def _engine_groups(config, model, params, env, batch, seed, name, version, tokenizer, slots):
+  """`rl.rollout_via` "engine": (one record list per order, the engine's prefix counters)."""
+  prefix = {}
+  samples = rollout.generate_samples(config, params, env,
+                                     [env.task(o.task, "train") for o in batch], seed=seed,
+                                     tokenizer=tokenizer, slots=slots, stats=prefix, model=model)
+  g = config.rl.group_size
+  return [to_records(samples[i * g:(i + 1) * g], order, version, name)
+          for i, order in enumerate(batch)], prefix
+
+
+def _start_server(config, model, params, tokenizer, slots, version):
+  # Imported here: the server's stack (fastapi, uvicorn, openai: the `serve` extra) is needed
+  # by rollout_via "gateway" only.
+  from glm5_jax.rl.agent_server import AgentServer  # pylint: disable=import-outside-toplevel
+  return AgentServer(model, params, tokenizer, slots=slots, seq_len=config.data.seq_len,
+                     version=version, record_routing=bool(config.rl.routing_replay))
+
+
+def _gateway_groups(config, server, env, batch, seed, name, stats):
+  """`rl.rollout_via` "gateway": every episode of the batch played at once by the env's agent
+  program against `server`; (one record list per order, the prefix counters of this batch).
+  Adds the gateway's counters to `stats["gateway"]`."""
+  from glm5_jax.rl import agent_rollout  # pylint: disable=import-outside-toplevel
+  rl, g = config.rl, config.rl.group_size
+  before = server.counters()
+  pairs = agent_rollout.agent_samples(
+      server.url, env, [env.task(o.task, "train") for o in batch], group_size=g, seed=seed,
+      model=server.model_name, agent=agent_rollout.AGENTS[rl.env],
+      max_tokens=rl.max_new_tokens, temperature=rl.temperature, top_p=rl.top_p,
+      threads=len(batch) * g, run_id=f"{name}-o{batch[0].id}")
+  delta = {k: v - before[k] for k, v in server.counters().items()}
+  totals = stats.setdefault("gateway", {})
+  for key in ("calls", "mismatches", "aborted", "tokens_generated"):
+    totals[key] = totals.get(key, 0) + delta[key]
+  return [agent_rollout.to_trajectory_records(pairs[i * g:(i + 1) * g], worker=name,
+                                              order=order.id, requeue_of=order.requeue_of)
+          for i, order in enumerate(batch)], delta
