@@ -30,6 +30,10 @@ files, published policy versions, checkpoints; glm5_jax/rl/layout.py):
   python experiments/rl.py --mode=async                      # trainer + 2 workers, ~10 min
   python experiments/rl.py --mode=async --rollout_workers=3 --config.rl.max_staleness=2
 
+With `--config.rl.rollout_via=gateway` (calculator env) each worker plays its episodes with an
+agent program through the `openai` client against its own OpenAI-compatible server, and
+trains on the TITO gateway's records (docs/async_rl.md).
+
 The launcher (this command) restarts a worker that dies; after the trainer dies, rerunning the
 command resumes it from its checkpoint. On a pod each slice runs its role instead, with the
 same config flags and workdir (a local path or gs://):

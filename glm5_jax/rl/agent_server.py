@@ -15,6 +15,7 @@ with the version whose step sampled it) reuses every compiled program. `max_len`
 one is never fed), so every sample fits the trainer's `seq_len` rows.
 """
 
+import logging
 import socket
 import threading
 import time
@@ -47,6 +48,9 @@ class AgentServer:
     self.loop = VersionedLoop(engine, version=version, max_queue=max(256, 4 * slots))
     self.model_name = MODEL_NAME
     self.app = create_app(self.loop, tokenizer, model_name=MODEL_NAME)
+    # The agents' `openai` clients log every HTTP call at INFO through httpx: thousands of lines
+    # per batch in the worker's log. Their errors still surface as exceptions.
+    logging.getLogger("httpx").setLevel(logging.WARNING)
     self._socket = socket.socket()
     self._socket.bind(("127.0.0.1", 0))
     host, port = self._socket.getsockname()[:2]
