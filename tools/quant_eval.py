@@ -7,7 +7,7 @@ eval tasks, and greedy agreement with the unquantized model, one row per format.
 
 Formats (`--formats`): `float` (the params as trained, in the run's dtype), `w8a8`, `w4a8`,
 `w4a8_rotated` (`glm5_jax.quant`; docs/quantization.md). Every format serves the model without
-its MTP layer (plain greedy decoding never runs it, and the rotation cannot be folded with it).
+its MTP layer (plain greedy decoding never runs it).
 
   held-out loss    mean token NLL of the assistant turns (loss-masked tokens) of the worked
                    solutions of the env's first `--tasks` eval tasks, teacher-forced
@@ -51,8 +51,8 @@ def served_formats(model, params, formats, group):
       out[fmt] = (model, params)
       continue
     quant, _, rotated = fmt.partition("_")
-    source = rotation.rotate(model, params) if rotated == "rotated" else params
-    out[fmt] = serve.quantize(model, source, quant, group)
+    source = rotation.rotate(model, params) if rotated == "rotated" else (model, params)
+    out[fmt] = serve.quantize(*source, quant, group)
   return out
 
 
