@@ -189,6 +189,11 @@ def model_config(**overrides) -> ml_collections.ConfigDict:
   # are made from a float model's by `glm5_jax.quant.serve.quantize`; it serves, never trains.
   c.quant = "none"
   c.quant_group_size = 128
+  # The final norm and the MTP layer's `shared_head_norm` end with a `[D, D]` matrix `mix`. Set by
+  # `glm5_jax.quant.rotation.rotate` for a model with an MTP layer: both norms feed the one shared
+  # lm_head, which cannot absorb two different norm scales, so each keeps its scale as
+  # `Q^T diag(scale) Q` (one D x D matmul per token). False everywhere else.
+  c.head_norm_mix = False
   c.update(overrides)
   return c
 
@@ -276,11 +281,12 @@ def interleave_pattern(num_layers: int, every: int, letter: str, base: str,
 # S / N / L layers, which such a model has none of; `scan_layers`, `remat_policy`,
 # `moe_impl` and `moe_transport` change the param layout, memory or collectives, never the numbers;
 # `cache_dtype` only the decode cache; `attention_impl` only which kernel computes attention;
-# `qat_int4_group_size` is 0, off, for older models).
+# `qat_int4_group_size` is 0, off, for older models; `head_norm_mix` is False: no rotated model
+# predates it).
 LATER_FIELDS = ("sliding_window", "gdn_conv_size", "gdn_chunk_size", "simple_gdn_gates",
                 "simple_gdn_beta", "scan_layers", "remat_policy", "moe_impl",
                 "moe_transport", "cache_dtype", "attention_impl", "qat_int4_group_size", "quant",
-                "quant_group_size")
+                "quant_group_size", "head_norm_mix")
 # Where the behaviour before a field existed differs from its default: checkpoints written
 # before `scan_layers` hold unrolled `layers_{i}` params.
 LATER_FIELD_OLD_VALUES = {"scan_layers": False}
@@ -373,6 +379,8 @@ def validate_model_config(m) -> None:
   for dim in ("hidden_size", "moe_intermediate_size"):
     require(not group or m[dim] % group == 0, "model.qat_int4_group_size",
             f"group size {group} must divide {dim}={m[dim]} (the expert kernels' input dims)")
+  require(isinstance(m.head_norm_mix, bool), "model.head_norm_mix",
+          f"must be True or False, got {m.head_norm_mix!r}")
   require(m.quant in QUANT_FORMATS, "model.quant",
           f"must be one of {QUANT_FORMATS}, got {m.quant!r}")
   if m.quant == "w4a8":

@@ -93,7 +93,7 @@ class GLM5(nn.Module):
                                  (VOCAB, EMBED), c.initializer_range, pdtype)
     w_head_DY = kernels(self, c.initializer_range, pdtype, dtype)(
         "lm_head", (c.hidden_size, c.vocab_size), (EMBED, VOCAB))
-    final_norm = RMSNorm(c.rms_norm_eps, dtype, pdtype, name="norm")
+    final_norm = RMSNorm(c.rms_norm_eps, dtype, pdtype, mix=c.head_norm_mix, name="norm")
 
     # The lookup pinned to the residual stream's sharding (see MTPLayer: left free, its output
     # could take the table's embed sharding and be replicated over the batch).

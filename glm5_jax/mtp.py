@@ -60,5 +60,6 @@ class MTPLayer(nn.Module):
     layer = DecoderLayer(c, c.attention_kind(c.num_hidden_layers),
                          c.is_moe_layer(c.num_hidden_layers), name="layer")
     x_BLD, aux = layer(x_BLD, positions_BL, segment_ids_BL, None, mode=mode, cache=cache)
-    normed_BLD = RMSNorm(c.rms_norm_eps, dtype, pdtype, name="shared_head_norm")(x_BLD)
+    normed_BLD = RMSNorm(c.rms_norm_eps, dtype, pdtype, mix=c.head_norm_mix,
+                         name="shared_head_norm")(x_BLD)
     return x_BLD, normed_BLD, aux

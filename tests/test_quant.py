@@ -73,17 +73,31 @@ def test_int_formats_and_matmuls_equal_their_float_arithmetic():
 
 
 def test_rotated_fp32_model_equals_the_original(model, params, ref_logits):
-  rotated = rotation.rotate(model, params, seed=3)
+  model_r, rotated = rotation.rotate(model, params, seed=3)
+  assert not model_r.head_norm_mix  # no MTP: every norm scale folds into its kernel
   q = rotation.hadamard_rotation(48, seed=3)
   np.testing.assert_allclose(q @ q.T, np.eye(48), atol=1e-12)
-  got = np.asarray(glm5_jax.logits(model, rotated, TOKENS))
+  got = np.asarray(glm5_jax.logits(model_r, rotated, TOKENS))
   assert np.abs(got - ref_logits).max() <= 1e-5 * max(1.0, np.abs(ref_logits).max())
   layer = rotated["layers_0_0"] if "layers_0_0" in rotated else rotated["layers_0"]
   np.testing.assert_array_equal(layer["input_layernorm"]["scale"], 1.0)  # gamma folded
+
+
+def test_rotated_fp32_model_with_mtp_equals_the_original(model, helpers):
+  """The MTP layer's depths too: the final norm and shared_head_norm keep their (random) scales
+  as `mix` matrices, enorm / hnorm fold into eh_proj."""
   mtp = model.copy_and_resolve_references()
-  mtp.update(num_nextn_predict_layers=1, mtp_depths=1)
-  with pytest.raises(ValueError, match="MTP layer"):
-    rotation.rotate(mtp, params)
+  mtp.update(num_nextn_predict_layers=1, mtp_depths=2)
+  params = helpers.random_params(ModelConfig.from_config(mtp), seed=4)
+  want = glm5_jax.forward(mtp, params, TOKENS)
+  model_r, rotated = rotation.rotate(mtp, params, seed=5)
+  assert model_r.head_norm_mix and rotated["mtp"]["shared_head_norm"]["mix"].shape == (48, 48)
+  got = glm5_jax.forward(model_r, rotated, TOKENS)
+  for name in ("logits", "mtp_logits"):
+    ref = np.asarray(want[name])
+    assert np.abs(np.asarray(got[name]) - ref).max() <= 1e-5 * max(1.0, np.abs(ref).max()), name
+  with pytest.raises(ValueError, match="already rotated"):
+    rotation.rotate(model_r, rotated)
 
 
 @pytest.mark.parametrize("fmt", ["w8a8", "w4a8"])
@@ -159,10 +173,24 @@ def test_engine_serves_a_rotated_w4a8_model_as_its_forward_computes(model, param
   tokens' logits equal the teacher-forced forward's (per-token activation scales make a token's
   numbers independent of how many tokens share its call)."""
   from glm5_jax import infer
-  model_q, params_q = serve.quantize(model, rotation.rotate(model, params), "w4a8")
+  model_q, params_q = serve.quantize(*rotation.rotate(model, params), "w4a8")
   prompts = [list(TOKENS[0, :6])]
   result = infer.generate(model_q, params_q, prompts, max_new_tokens=3, return_logits=True)
   for prompt, tokens, logits in zip(prompts, result.tokens, result.logits):
     full = np.asarray(prompt + list(tokens[:-1]))[None]
     want = np.asarray(glm5_jax.logits(model_q, params_q, full))[0, len(prompt) - 1:]
     np.testing.assert_allclose(np.asarray(logits), want, atol=2e-4 * np.abs(want).max())
+
+
+def test_load_model_rotates_a_model_with_mtp(helpers):
+  """`load_model(rotate=True)` (generate.py / serve.py `--rotate`) keeps the MTP layer."""
+  from glm5_jax.infer.loading import load_model
+  config = helpers.load_config_module(helpers.config.__globals__["CONFIG_DIR"] / "tiny.py")
+  config = config.get_config()
+  plain = load_model(random_init_config=config, seed=2)
+  rotated = load_model(random_init_config=config, seed=2, rotate=True)
+  assert ModelConfig.from_config(plain.model).num_nextn_predict_layers  # the tiny model has MTP
+  assert rotated.model.head_norm_mix and "rotated" in rotated.source
+  model_r, want = rotation.rotate(plain.model, plain.params, seed=2)  # numbers: the test above
+  assert model_r.to_dict() == {**rotated.model.to_dict(), "cache_dtype": model_r.cache_dtype}
+  jax.tree_util.tree_map(np.testing.assert_array_equal, rotated.params, want)

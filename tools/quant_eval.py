@@ -4,27 +4,42 @@ eval tasks, and greedy agreement with the unquantized model, one row per format.
   python tools/quant_eval.py --workdir=/tmp/glm5_sft --env=addition --tasks=200 \
       --quant_group_size=16
   python tools/quant_eval.py --workdir=/tmp/sft_qat ...   # a run trained with INT4 QAT
+  python tools/quant_eval.py --workdir=/tmp/glm5_train --suite   # a pre-training run
 
 Formats (`--formats`): `float` (the params as trained, in the run's dtype), `w8a8`, `w4a8`,
 `w4a8_rotated` (`glm5_jax.quant`; docs/quantization.md). Every format serves the model without
-its MTP layer (plain greedy decoding never runs it, and the rotation cannot be folded with it).
+its MTP layer (plain greedy decoding never runs it).
 
   held-out loss    mean token NLL of the assistant turns (loss-masked tokens) of the worked
                    solutions of the env's first `--tasks` eval tasks, teacher-forced
   accuracy         greedy completions of those tasks scored by the env (the RL eval's metric)
   agreement        tasks whose whole greedy conversation equals the first format's
+
+With `--suite` (a pre-training run, which plays no environment) the prompts are the long-context
+retrieval suite's examples at the run's training length (`glm5_jax.eval.suite`, its held-out
+stream; `--suite_examples_per_cell` per task and needle depth):
+  held-out loss    mean next-token NLL over the examples' tokens
+  accuracy         the suite's score: teacher-forced exact match of the answers (for the first
+                   answer, greedy decoding of it)
+  agreement        examples whose argmax predictions at every answer token equal the first
+                   format's
 """
 
 import json
 
 import jax
+import jax.numpy as jnp
 import ml_collections
 import numpy as np
 from absl import app
 from absl import flags
 
 import glm5_jax
+from glm5_jax.attention.mode import Mode
+from glm5_jax.config import ModelConfig
 from glm5_jax.data import chat
+from glm5_jax.eval import suite as suite_lib
+from glm5_jax.eval.checkpoints import read_run_meta
 from glm5_jax.infer.loading import load_model
 from glm5_jax.posttrain import envs, rollout
 from glm5_jax.posttrain.config import rl_config
@@ -38,10 +53,15 @@ _MAX_NEW = flags.DEFINE_integer("max_new_tokens", 48, "Tokens per turn (configs/
 _FORMATS = flags.DEFINE_list("formats", ["float", "w8a8", "w4a8", "w4a8_rotated"],
                              "Formats to measure; the first is the agreement reference.")
 _GROUP = flags.DEFINE_integer("quant_group_size", 128, "W4A8's INT4 group size.")
+_SUITE = flags.DEFINE_bool("suite", False, "Measure on the retrieval suite at the run's training "
+                           "length instead of an environment (a pre-training run).")
+_SUITE_EXAMPLES = flags.DEFINE_integer("suite_examples_per_cell", 8, "With --suite: examples per "
+                                       "task and needle depth.")
 
 
 def served_formats(model, params, formats, group):
-  """`{format: (model, params)}` of the run's model without its MTP layer."""
+  """`{format: (model, params)}` of the run's model without its MTP layer (greedy decoding and the
+  suite never run it)."""
   model = ml_collections.ConfigDict(model.to_dict())
   model.update(num_nextn_predict_layers=0, mtp_depths=0)
   params = {k: v for k, v in params.items() if k != "mtp"}
@@ -51,8 +71,8 @@ def served_formats(model, params, formats, group):
       out[fmt] = (model, params)
       continue
     quant, _, rotated = fmt.partition("_")
-    source = rotation.rotate(model, params) if rotated == "rotated" else params
-    out[fmt] = serve.quantize(model, source, quant, group)
+    source = rotation.rotate(model, params) if rotated == "rotated" else (model, params)
+    out[fmt] = serve.quantize(*source, quant, group)
   return out
 
 
@@ -71,10 +91,63 @@ def heldout_loss(model, params, env, tokenizer, tasks, seq_len) -> float:
   return float((nll * mask[:, 1:]).sum() / mask[:, 1:].sum())
 
 
+def suite_row(model, params, examples, tokenizer, length, dsa_stage) -> tuple[dict, list]:
+  """`(row, answer_predictions)` of one format on the suite's `examples` (all of `length`)."""
+  cfg = ModelConfig.from_config(model)
+
+  @jax.jit
+  def predict(tokens_BL, positions_BL, segment_ids_BL):
+    out = glm5_jax.forward(cfg, params, tokens_BL, positions_BL, segment_ids_BL, mtp=False,
+                           mode=Mode(dsa_stage=dsa_stage))
+    logp_BLY = jax.nn.log_softmax(out["logits"][:, :-1].astype(jnp.float32), axis=-1)
+    nll_BL = -jnp.take_along_axis(logp_BLY, tokens_BL[:, 1:, None], axis=-1)[..., 0]
+    inside_BL = (segment_ids_BL[:, 1:] == 1) & (segment_ids_BL[:, :-1] == 1)
+    return (jnp.argmax(logp_BLY, axis=-1), jnp.where(inside_BL, nll_BL, 0.0).sum(),
+            inside_BL.sum())
+
+  rows = max(1, 8192 // length)
+  scores, answers, nll, count = [], [], 0.0, 0
+  for b in range(0, len(examples), rows):
+    chunk = examples[b:b + rows]
+    batch = suite_lib.pad_examples(chunk, length, rows, tokenizer.pad_id)
+    pred, total, n = predict(batch["tokens"], batch["positions"], batch["segment_ids"])
+    pred = np.asarray(pred)
+    nll, count = nll + float(total), count + int(n)
+    for row, example in enumerate(chunk):
+      scores.append(suite_lib.score_example(example, pred[row]))
+      answers.append([pred[row][start - 1:end - 1].tolist()
+                      for start, end in example.answer_spans])
+  return {"heldout_loss": nll / count,
+          "accuracy": float(np.mean([s["exact_match"] for s in scores]))}, answers
+
+
+def main_suite(served):
+  """The `--suite` table (module docstring)."""
+  meta = read_run_meta(_WORKDIR.value)
+  length = int(meta["config"]["data"]["seq_len"])
+  suite = suite_lib.suite_config(lengths=(length,), examples_per_cell=_SUITE_EXAMPLES.value)
+  examples = [e for _, e in suite_lib.build_examples(suite, served.tokenizer, length)]
+  reference, rows = None, []
+  for fmt, (model, params) in served_formats(served.model, served.params, _FORMATS.value,
+                                             _GROUP.value).items():
+    row, answers = suite_row(model, params, examples, served.tokenizer, length,
+                             suite.dsa_stage)
+    reference = reference or answers
+    row = {"format": fmt, **row,
+           "agreement": float(np.mean([a == b for a, b in zip(answers, reference)]))}
+    rows.append(row)
+    print(json.dumps(row), flush=True)
+  return f"retrieval suite at length {length}, {len(examples)} held-out examples", rows
+
+
 def main(argv):
   if len(argv) > 1:
     raise app.UsageError(f"unexpected arguments {argv[1:]}")
   served = load_model(workdir=_WORKDIR.value)
+  if _SUITE.value:
+    what, rows = main_suite(served)
+    print_table(served.source, what, rows)
+    return
   env = envs.make(_ENV.value)
   tasks = [env.task(i, "eval") for i in range(_TASKS.value)]
   config = ml_collections.ConfigDict({
@@ -95,7 +168,11 @@ def main(argv):
            "agreement": float(np.mean([a == b for a, b in zip(conversations, reference)]))}
     rows.append(row)
     print(json.dumps(row), flush=True)
-  print(f"\n{served.source}; {_ENV.value}, {_TASKS.value} eval tasks, greedy")
+  print_table(served.source, f"{_ENV.value}, {_TASKS.value} eval tasks, greedy", rows)
+
+
+def print_table(source: str, what: str, rows: list[dict]) -> None:
+  print(f"\n{source}; {what}")
   print(f"{'format':<16}{'held-out loss':>14}{'accuracy':>10}{'agreement':>11}")
   for row in rows:
     print(f"{row['format']:<16}{row['heldout_loss']:>14.4f}{row['accuracy']:>10.3f}"

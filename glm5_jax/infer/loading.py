@@ -113,7 +113,7 @@ def load_model(*, workdir: str | None = None, hf_path: str | None = None,
     own_tokenizer = random_init_config.data.get("tokenizer", "byte")
     source = f"random init (seed {seed}): smoke test, the completions are noise"
   if rotate:
-    params = rotation.rotate(model, params, seed=seed)
+    model, params = rotation.rotate(model, params, seed=seed)
     source += ", rotated"
   if quant != "none":
     model, params = serve.quantize(model, params, quant, quant_group_size)

@@ -4,7 +4,7 @@ import jax
 import jax.numpy as jnp
 from flax import linen as nn
 
-from glm5_jax.layers.axes import NORM
+from glm5_jax.layers.axes import EMBED, NORM
 from glm5_jax.layers.params import param
 
 
@@ -12,18 +12,28 @@ class RMSNorm(nn.Module):
   """`x / sqrt(mean(x^2) + eps) * scale`, statistics in fp32, result in `dtype`.
 
   Matches HF `GlmMoeDsaRMSNorm`: normalize in fp32, cast back to the input dtype, then scale.
+  With `mix`, the result is then multiplied by a `[D, D]` param `mix` (identity at init): a
+  rotated model's norm scale that could not be folded into the next kernel
+  (`model.head_norm_mix`, `glm5_jax.quant.rotation`).
   """
 
   eps: float
   dtype: jnp.dtype
   param_dtype: jnp.dtype = jnp.float32
+  mix: bool = False
 
   @nn.compact
   def __call__(self, x):
-    scale = param(self, "scale", (x.shape[-1],), (NORM,), self.param_dtype, nn.initializers.ones)
+    d = x.shape[-1]
+    scale = param(self, "scale", (d,), (NORM,), self.param_dtype, nn.initializers.ones)
     x32 = x.astype(jnp.float32)
     normed = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + self.eps)
-    return (normed.astype(x.dtype) * scale).astype(self.dtype)
+    out = (normed.astype(x.dtype) * scale).astype(self.dtype)
+    if not self.mix:
+      return out
+    mix_DD = param(self, "mix", (d, d), (None, EMBED), self.param_dtype,
+                   lambda key, shape, dtype: jnp.eye(shape[0], dtype=dtype))
+    return out @ mix_DD.astype(self.dtype)
 
 
 class LayerNorm(nn.Module):

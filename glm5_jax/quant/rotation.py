@@ -17,13 +17,23 @@ random orthogonal r x r block (r = 1 for powers of two; GLM-5's D = 6144 = 2^11 
 signs s. Exact in exact arithmetic; in fp32 the logits move by rounding only
 (tests/test_quant.py holds them to 1e-5).
 
-Supported: MLA / DSA layers (pattern letters M, D, R) without an MTP layer (the MTP layer's
-norms `enorm` / `shared_head_norm` share the LM head with the final norm, and one lm_head cannot
-absorb two different scales); anything else is a ValueError naming it.
+With an MTP layer, the final norm and the MTP layer's `shared_head_norm` both feed the one shared
+lm_head, which cannot absorb two different scales; and the MTP layer reads the final norm's
+output (scale included) as its `h^0`. So with MTP, lm_head takes `Q^T lm_head` alone and each of
+the two norms keeps its scale as a `[D, D]` matrix `mix = Q^T diag(gamma) Q` after it
+(`model.head_norm_mix`): RMSNorm(x Q) mix = (RMSNorm(x) diag(gamma)) Q, exact as above, for one
+D x D matmul per token. The MTP layer's `enorm` / `hnorm` scales fold into the two halves of
+`eh_proj`'s input rows, its output columns and its decoder layer rotate like any layer's.
+
+Supported: MLA / DSA layers (pattern letters M, D, R, the MTP layer's kind included); anything
+else is a ValueError naming it.
 """
+
+import dataclasses
 
 import jax
 import jax.numpy as jnp
+import ml_collections
 import numpy as np
 
 from glm5_jax import layer_runs
@@ -45,30 +55,67 @@ def hadamard_rotation(d: int, seed: int = 0) -> np.ndarray:
   return signs[:, None] * np.kron(h / np.sqrt(2.0 ** k), o)
 
 
-def rotate(config, params, seed: int = 0):
-  """`params` (either layout) with the rotation folded in; same tree, same dtypes.
+def rotate(model, params, seed: int = 0):
+  """`(model_r, params_r)`: `params` (either layout) with the rotation folded in, same dtypes, and
+  the model they run with (a copy of `model`, a ConfigDict or a `ModelConfig` as given; with an
+  MTP layer `head_norm_mix=True`, and the two head norms gain a `mix` leaf: module docstring).
 
   Raises:
-    ValueError: an MTP layer, or a layer kind without MLA's projections (`ROTATABLE_KINDS`).
+    ValueError: a layer kind without MLA's projections (`ROTATABLE_KINDS`); a model already
+      rotated (`model.head_norm_mix`).
   """
-  cfg = ModelConfig.from_config(config)
+  cfg = ModelConfig.from_config(model)
+  if cfg.head_norm_mix:
+    raise ValueError("rotate: model.head_norm_mix is set, the model is already rotated")
+  kinds = [(f"layer {i}", cfg.attention_kind(i)) for i in range(cfg.num_hidden_layers)]
   if cfg.num_nextn_predict_layers:
-    raise ValueError("rotate: the model has an MTP layer (model.num_nextn_predict_layers="
-                     f"{cfg.num_nextn_predict_layers}); its norms share lm_head with the final "
-                     "norm, so the rotation cannot be folded")
-  for i in range(cfg.num_hidden_layers):
-    if cfg.attention_kind(i) not in ROTATABLE_KINDS:
-      raise ValueError(f"rotate: layer {i} is {cfg.attention_kind(i)!r} "
-                       f"(model.attention_pattern); only {ROTATABLE_KINDS} are rotated")
+    kinds.append(("the MTP layer", cfg.attention_kind(cfg.num_hidden_layers)))
+  for where, kind in kinds:
+    if kind not in ROTATABLE_KINDS:
+      raise ValueError(f"rotate: {where} is {kind!r} (model.attention_pattern / mtp_letter); "
+                       f"only {ROTATABLE_KINDS} are rotated")
   q = jnp.asarray(hadamard_rotation(cfg.hidden_size, seed), jnp.float32)
   unrolled = layer_runs.as_unrolled(params, cfg)
   out = dict(unrolled)
   out["embed_tokens"] = _cast(unrolled["embed_tokens"].astype(jnp.float32) @ q,
                               unrolled["embed_tokens"])
-  out["lm_head"], out["norm"] = _fold_read(q, unrolled["lm_head"], unrolled["norm"])
   for i in range(cfg.num_hidden_layers):
     out[f"layers_{i}"] = _rotate_layer(q, unrolled[f"layers_{i}"])
-  return layer_runs.as_layout_of(cfg, out) if cfg.scan_layers else out
+  mix = bool(cfg.num_nextn_predict_layers)
+  if mix:
+    out["lm_head"] = _read(q, None, unrolled["lm_head"])
+    out["norm"] = _mixed_norm(q, unrolled["norm"])
+    out["mtp"] = _rotate_mtp(q, unrolled["mtp"])
+  else:
+    out["lm_head"], out["norm"] = _fold_read(q, unrolled["lm_head"], unrolled["norm"])
+  if isinstance(model, ModelConfig):
+    model_r = dataclasses.replace(model, head_norm_mix=mix)
+  else:
+    model_r = ml_collections.ConfigDict(model.to_dict())
+    model_r.head_norm_mix = mix
+    ModelConfig.from_config(model_r)
+  return model_r, (layer_runs.as_layout_of(cfg, out) if cfg.scan_layers else out)
+
+
+def _rotate_mtp(q, mtp: dict) -> dict:
+  """enorm / hnorm folded into `eh_proj`'s two halves of input rows `[2D, D]`, its output
+  rotated; the decoder layer as any layer; `shared_head_norm` keeps its scale as a mix."""
+  w = mtp["eh_proj"]
+  d = q.shape[0]
+  halves = [_rotated_rows(q, mtp[norm]["scale"], w[k * d:(k + 1) * d])
+            for k, norm in enumerate(("enorm", "hnorm"))]
+  eh = jnp.einsum("id,de->ie", jnp.concatenate(halves), q, precision="highest")
+  return {**mtp, "eh_proj": _cast(eh, w), "layer": _rotate_layer(q, mtp["layer"]),
+          "enorm": {"scale": jnp.ones_like(mtp["enorm"]["scale"])},
+          "hnorm": {"scale": jnp.ones_like(mtp["hnorm"]["scale"])},
+          "shared_head_norm": _mixed_norm(q, mtp["shared_head_norm"])}
+
+
+def _mixed_norm(q, norm: dict) -> dict:
+  """`{"scale": 1, "mix": Q^T diag(gamma) Q}`: RMSNorm(x Q) mix = (RMSNorm(x) gamma) Q."""
+  gamma = norm["scale"]
+  mix = jnp.einsum("ed,d,df->ef", q.T, gamma.astype(jnp.float32), q, precision="highest")
+  return {"scale": jnp.ones_like(gamma), "mix": mix.astype(gamma.dtype)}
 
 
 def _rotate_layer(q, layer: dict) -> dict:
@@ -109,9 +156,16 @@ def _fold_read(q, kernel, norm: dict):
 
 
 def _read(q, gamma, w):
-  """`Q^T diag(gamma) w` over w's D axis (the last but one of `[..., D, out]`)."""
-  w32 = w.astype(jnp.float32) * gamma.astype(jnp.float32)[:, None]
-  return _cast(jnp.einsum("de,...dk->...ek", q, w32, precision="highest"), w)
+  """`Q^T diag(gamma) w` over w's D axis (the last but one of `[..., D, out]`); gamma None: 1."""
+  return _cast(_rotated_rows(q, gamma, w), w)
+
+
+def _rotated_rows(q, gamma, w):
+  """`_read` in float32, before the cast back to w's dtype."""
+  w32 = w.astype(jnp.float32)
+  if gamma is not None:
+    w32 = w32 * gamma.astype(jnp.float32)[:, None]
+  return jnp.einsum("de,...dk->...ek", q, w32, precision="highest")
 
 
 def _write(q, w):
