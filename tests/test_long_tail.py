@@ -17,6 +17,7 @@ from glm5_jax.posttrain.config import long_tail_config, rl_config, validate_rl_c
 from glm5_jax.rl import async_trainer, long_tail, orders, trajectories, worker
 from glm5_jax.rl.layout import RunDirs, read_json
 from glm5_jax.rl.orchestrator import Orchestrator
+from test_rl_async import _check_exactly_once, small_async_config  # pylint: disable=import-error
 
 
 def test_rule():
@@ -178,7 +179,6 @@ def test_handoff_file_round_trip_and_who_answers_it(tmp_path):
 def test_trainer_with_a_regular_and_a_long_tail_worker_in_threads(tmp_path, helpers):
   """Every group runs past 3 tokens, so the regular worker hands each off after its 3rd; the
   long-tail worker continues them; exactly once, every trained sample continued."""
-  from test_rl_async import _check_exactly_once, small_async_config  # pylint: disable=import-error,import-outside-toplevel
   config = small_async_config(long_tail=long_tail_config(worker_share=0.5, after_tokens=3))
   params = helpers.random_params(ModelConfig.from_config(config.model), seed=0)
   root = str(tmp_path / "rl")
@@ -207,7 +207,8 @@ def test_trainer_with_a_regular_and_a_long_tail_worker_in_threads(tmp_path, help
              for r in trajectories.read_batch(RunDirs.at(root).rollouts / name).records]
   moved = [r for r in records if r.meta["handed_off_to"] == "w1"]
   assert moved and all(r.meta["worker"] == "w0" for r in records)
-  for r in moved:  # more than the 3 tokens w0 generated, each generated token versioned
-    generated = r.versions[r.loss_mask > 0]
-    assert generated.size > 3 and (generated >= 0).all()
+  for r in moved:  # each generated token versioned
+    assert (r.versions[r.loss_mask > 0] >= 0).all()
+  # The sample that made its group due was continued past the 3 tokens w0 generated.
+  assert max(int(r.loss_mask.sum()) for r in moved) > 3
   assert np.isfinite([r.reward for r in records]).all()

@@ -12,6 +12,10 @@ and the observation segment (`glm5_jax.infer.sessions`; an episode evicted for w
 is re-prefilled whole). The samples are the same with or without sessions, to fp32 rounding of
 the log-probs (tests/test_sessions.py); `stats` receives the engine's prefix counters.
 
+Long-tail hand-off (`play_episodes` with a `handoff.HandOffRule`; asynchronous RL's regular
+workers, glm5_jax/rl/long_tail.py): a group that runs long is stopped where it is and handed
+to another worker, which plays the same `Episode`s on from their ids so far.
+
 Token-in-token-out: a `Sample` holds the ids the engine produced and the raw (temperature 1)
 log-probs it computed for them; generated text is never re-tokenized, so the trainer scores
 exactly the tokens that were sampled. Prompt and observation tokens have loss mask 0.
