@@ -29,6 +29,9 @@ files, published policy versions, checkpoints; glm5_jax/rl/layout.py):
 
   python experiments/rl.py --mode=async                      # trainer + 2 workers, ~10 min
   python experiments/rl.py --mode=async --rollout_workers=3 --config.rl.max_staleness=2
+  # long-tail hand-off: w2 finishes the groups that run past 24 tokens on w0 / w1
+  python experiments/rl.py --mode=async --rollout_workers=3 --config=configs/rl_long_tail.py \
+      --config.rl.long_tail.worker_share=0.34
 
 The launcher (this command) restarts a worker that dies; after the trainer dies, rerunning the
 command resumes it from its checkpoint. On a pod each slice runs its role instead, with the
@@ -37,7 +40,9 @@ same config flags and workdir (a local path or gs://):
   python experiments/rl.py --mode=async --role=trainer --rollout_workers=4 --workdir=gs://b/run
   python experiments/rl.py --mode=async --role=worker --worker=w2 --workdir=gs://b/run
 
-(the SFT run must exist first: `--config.rl.init_from`, or run the launcher once). The trainer
+(the SFT run must exist first: `--config.rl.init_from`, or run the launcher once; with
+`rl.long_tail.worker_share` > 0 every role needs the run's --rollout_workers, which says which
+workers are long-tail). The trainer
 may run as several JAX processes (a multi-host slice; `jax.distributed.initialize()` as in
 experiments/train.py, held-out evaluation off: `--config.rl.eval_every_steps=0`); a rollout
 worker is one JAX process (a single-host slice, its mesh over that host's devices). The
