@@ -29,6 +29,9 @@ files, published policy versions, checkpoints; glm5_jax/rl/layout.py):
 
   python experiments/rl.py --mode=async                      # trainer + 2 workers, ~10 min
   python experiments/rl.py --mode=async --rollout_workers=3 --config.rl.max_staleness=2
+  # long-tail hand-off: w2 finishes the groups that run past 24 tokens on w0 / w1
+  python experiments/rl.py --mode=async --rollout_workers=3 --config=configs/rl_long_tail.py \
+      --config.rl.long_tail.worker_share=0.34
 
 With `--config.rl.rollout_via=gateway` (calculator env) each worker plays its episodes with an
 agent program through the `openai` client against its own OpenAI-compatible server, and
@@ -41,7 +44,9 @@ same config flags and workdir (a local path or gs://):
   python experiments/rl.py --mode=async --role=trainer --rollout_workers=4 --workdir=gs://b/run
   python experiments/rl.py --mode=async --role=worker --worker=w2 --workdir=gs://b/run
 
-(the SFT run must exist first: `--config.rl.init_from`, or run the launcher once). The trainer
+(the SFT run must exist first: `--config.rl.init_from`, or run the launcher once; with
+`rl.long_tail.worker_share` > 0 every role needs the run's --rollout_workers, which says which
+workers are long-tail). The trainer
 may run as several JAX processes (a multi-host slice; `jax.distributed.initialize()` as in
 experiments/train.py, held-out evaluation off: `--config.rl.eval_every_steps=0`); a rollout
 worker is one JAX process (a single-host slice, its mesh over that host's devices). The
@@ -76,7 +81,7 @@ from glm5_jax.config import require
 from glm5_jax.posttrain import pipeline, sft
 from glm5_jax.posttrain.loop import rl_train
 from glm5_jax.posttrain.rl_config_checks import validate_rl_experiment
-from glm5_jax.rl import async_trainer, launcher, worker
+from glm5_jax.rl import async_trainer, launcher, long_tail, worker
 from glm5_jax.rl.layout import RunDirs, read_json, write_json
 from glm5_jax.train import console, multiprocess
 from glm5_jax.train.stopping import EXIT_STOPPED_EARLY, StopSignal
@@ -118,6 +123,9 @@ def run_async(config, workdir: str, argv: list[str]) -> dict:
   """SFT (if needed) in this process, then the trainer and the workers as subprocesses
   (`launcher.launch`); returns the summaries (the trainer's is read from its summary file)."""
   async_trainer.validate_async_experiment(config)
+  # Long-tail workers out of --rollout_workers (a ConfigError before the SFT runs).
+  long_tail.split_workers(async_trainer.worker_names(_WORKERS.value),
+                          config.rl.long_tail.worker_share)
   out = sft.ensure_sft_start(config, workdir)
   if out.get("stopped"):
     return out
@@ -159,7 +167,8 @@ def run_role(config, workdir: str) -> bool:
       write_json(RunDirs.at(root).root / SUMMARY, summary)
     return summary["stopped_early"]
   require(bool(_WORKER.value), "--worker", "--role=worker needs this worker's name (w<i>)")
-  return worker.run_worker(config, root, _WORKER.value)["stopped_early"]
+  return worker.run_worker(config, root, _WORKER.value,
+                           workers=async_trainer.worker_names(_WORKERS.value))["stopped_early"]
 
 
 def join_processes() -> None:
@@ -247,10 +256,11 @@ def print_summary(out: dict, config, start: float) -> None:
       if w is None:
         continue
       whole = max(w["busy_seconds"] + w["idle_seconds"] + w["load_seconds"], 1e-9)
-      print(f"worker {name}: {w['samples']} samples in {w['batches']} batches, "
-            f"{len(w['versions_loaded'])} policy versions loaded, idle fraction "
-            f"{w['idle_seconds'] / whole:.3f}, prefix-cache hit rate "
-            f"{w['prefix'].get('hit_rate', 0.0):.3f}")
+      print(f"worker {name} ({w.get('role', 'regular')}): {w['samples']} samples in "
+            f"{w['batches']} batches, {len(w['versions_loaded'])} policy versions loaded, idle "
+            f"fraction {w['idle_seconds'] / whole:.3f}, prefix-cache hit rate "
+            f"{w['prefix'].get('hit_rate', 0.0):.3f}, groups handed off "
+            f"{w.get('handed_off', 0)}, continued {w.get('continued', 0)}")
   print(f"wall time: {time.time() - start:.0f} s; metrics: {rl['metrics_file']}")
   print(json.dumps({k: rl[k] for k in ("first_eval", "last_eval", "first_sampled_eval",
                                        "last_sampled_eval", "steps")}

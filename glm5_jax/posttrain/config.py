@@ -71,6 +71,9 @@ def rl_config(**overrides) -> ml_collections.ConfigDict:
   # The asynchronous trainer fails (naming the orders it waits for) after this long without
   # progress: no step, no rollout file arriving. 0 waits forever.
   c.stall_seconds = 1800.0
+  # Long-tail hand-off (asynchronous RL, glm5_jax/rl/long_tail.py): a share of the rollout
+  # workers only finish the groups that ran long on the others (`long_tail_config`).
+  c.long_tail = long_tail_config()
   c.normalize_std = True  # GRPO: divide advantages by the group's std (False: Dr. GRPO)
   # That std: "population" (/ G) or "bessel" (/ (G - 1), torch.std, as GLM's RL scripts).
   c.group_std = "population"
@@ -91,6 +94,43 @@ def rl_config(**overrides) -> ml_collections.ConfigDict:
   c.seed = 0  # rollout sampling and task order
   c.update(overrides)
   return c
+
+
+def long_tail_config(**overrides) -> ml_collections.ConfigDict:
+  """`rl.long_tail`. `worker_share`: the share of the rollout workers dedicated to long-tail
+  groups (round(share x workers), at least 1 and leaving 1 regular; 0: off, every worker is
+  regular). A regular worker hands a group's unfinished samples (prompt, tokens so far) to a
+  long-tail worker once one of them has generated `after_tokens` response tokens, or once its
+  generation batch has run `after_seconds` (0 disables a trigger; with a share > 0 at least
+  one trigger is needed)."""
+  c = ml_collections.ConfigDict()
+  c.worker_share = 0.0
+  c.after_tokens = 0
+  c.after_seconds = 0.0
+  c.update(overrides)
+  return c
+
+
+def validate_long_tail(c) -> None:
+  """`rl.long_tail`'s checks (ConfigError naming the field)."""
+  lt = c.long_tail
+  check_fields(lt, long_tail_config(), "rl.long_tail")
+  require(math.isfinite(lt.worker_share) and 0 <= lt.worker_share < 1, "rl.long_tail.worker_share",
+          f"must be in [0, 1) (0: no long-tail workers), got {lt.worker_share}")
+  require(lt.after_tokens >= 0, "rl.long_tail.after_tokens",
+          f"must be >= 0 (0: no length trigger), got {lt.after_tokens}")
+  require(math.isfinite(lt.after_seconds) and lt.after_seconds >= 0, "rl.long_tail.after_seconds",
+          f"must be a finite number >= 0 (0: no time trigger), got {lt.after_seconds}")
+  if lt.worker_share > 0:
+    require(lt.after_tokens > 0 or lt.after_seconds > 0, "rl.long_tail.after_tokens",
+            f"rl.long_tail.worker_share={lt.worker_share} needs a trigger: after_tokens > 0 or "
+            "after_seconds > 0 (both are 0)")
+    require(not c.routing_replay, "rl.long_tail.worker_share",
+            "long-tail hand-off with rl.routing_replay is not supported (a handed-off "
+            "request's routing so far is not kept); set one of them off")
+    require(c.rollout_via == "engine", "rl.long_tail.worker_share",
+            f"long-tail hand-off needs rl.rollout_via='engine' (got {c.rollout_via!r}: an agent "
+            "program's episode cannot move between workers mid-call); set one of them off")
 
 
 def validate_rl_config(c) -> None:
@@ -132,6 +172,7 @@ def validate_rl_config(c) -> None:
           f"must be a finite number > 0, got {c.poll_seconds}")
   require(math.isfinite(c.stall_seconds) and c.stall_seconds >= 0, "rl.stall_seconds",
           f"must be a finite number >= 0 (0: no stall detection), got {c.stall_seconds}")
+  validate_long_tail(c)
   require(c.minibatches >= 1, "rl.minibatches", f"must be >= 1, got {c.minibatches}")
   require(c.max_new_tokens >= 1, "rl.max_new_tokens", f"must be >= 1, got {c.max_new_tokens}")
   require(math.isfinite(c.temperature) and c.temperature > 0, "rl.temperature",

@@ -12,6 +12,10 @@ and the observation segment (`glm5_jax.infer.sessions`; an episode evicted for w
 is re-prefilled whole). The samples are the same with or without sessions, to fp32 rounding of
 the log-probs (tests/test_sessions.py); `stats` receives the engine's prefix counters.
 
+Long-tail hand-off (`play_episodes` with a `handoff.HandOffRule`; asynchronous RL's regular
+workers, glm5_jax/rl/long_tail.py): a group that runs long is stopped where it is and handed
+to another worker, which plays the same `Episode`s on from their ids so far.
+
 Token-in-token-out: a `Sample` holds the ids the engine produced and the raw (temperature 1)
 log-probs it computed for them; generated text is never re-tokenized, so the trainer scores
 exactly the tokens that were sampled. Prompt and observation tokens have loss mask 0.
@@ -31,6 +35,7 @@ Notation (docs/design.md): B samples (rows), L sequence (`seq_len`); N samples a
 
 import concurrent.futures
 import dataclasses
+import time
 
 import numpy as np
 
@@ -39,6 +44,7 @@ from glm5_jax.config import ModelConfig
 from glm5_jax.data import chat, make_tokenizer
 from glm5_jax.infer.engine import Engine
 from glm5_jax.infer.requests import Request
+from glm5_jax.posttrain import handoff
 from glm5_jax.posttrain.envs import Env, Task
 from glm5_jax.seeds import derive_seed
 
@@ -82,7 +88,11 @@ class Sample:
 
 
 @dataclasses.dataclass
-class _Episode:
+class Episode:
+  """A sample being played: its conversation's ids so far (`tokens`, raw log-probs `logp` and
+  `mask` per id, as `Sample`), the messages the env scores, the turns completed, and `partial`:
+  how many of the last ids are an unfinished turn (a hand-off stopped it; its continuation
+  appends the rest). `result` is (reward, correct, info) once finished."""
   task: Task
   group: int
   sample: int
@@ -93,6 +103,18 @@ class _Episode:
   turns: int = 0
   result: tuple | None = None  # (reward, correct, info) once finished
   routing: dict | None = None  # `Sample.routing`, so far
+  partial: int = 0
+
+  @property
+  def response_length(self) -> int:
+    return int(sum(self.mask))
+
+  def keep_partial(self, tokens, raw_logprobs) -> None:
+    """Appends generated ids (of the current, unfinished turn) and their raw log-probs."""
+    self.tokens += [int(t) for t in tokens]
+    self.logp += [float(x) for x in raw_logprobs]
+    self.mask += [1.0] * len(tokens)
+    self.partial += len(tokens)
 
 
 def request_seed(seed: int, task: Task, sample: int, turn: int) -> int:
@@ -144,11 +166,19 @@ def generate_samples(config, params, env: Env, tasks, *, seed: int, group_size: 
   Returns:
     `len(tasks) * G` samples, task-major (the G samples of task i are i*G .. i*G + G - 1).
   """
-  rl, seq_len = config.rl, config.data.seq_len
+  rl = config.rl
   group_size = rl.group_size if group_size is None else group_size
-  temperature = rl.temperature if temperature is None else temperature
   tokenizer = tokenizer or make_tokenizer(config.data.tokenizer)
-  stops = tuple(chat.stop_ids(tokenizer))
+  episodes = new_episodes(tasks, group_size, tokenizer, config.data.seq_len, thinking_mode)
+  samples, _ = play_episodes(config, params, env, episodes, seed=seed, temperature=temperature,
+                             tokenizer=tokenizer, thinking_mode=thinking_mode,
+                             sessions=sessions, stats=stats, slots=slots, model=model)
+  return samples
+
+
+def new_episodes(tasks, group_size: int, tokenizer, seq_len: int,
+                 thinking_mode: str = "interleaved") -> list:
+  """`Episode`s of G samples of each task, task-major, before their first turn."""
   episodes = []
   for g, task in enumerate(tasks):
     prompt = [int(i) for i in chat.render_prompt(list(task.messages), tokenizer,
@@ -156,65 +186,125 @@ def generate_samples(config, params, env: Env, tasks, *, seed: int, group_size: 
     if len(prompt) >= seq_len:
       raise ValueError(f"{task.env} task {task.index} ({task.split}): its prompt has "
                        f"{len(prompt)} tokens, data.seq_len={seq_len} leaves no room to answer")
-    episodes += [_Episode(task, g, j, list(prompt), [0.0] * len(prompt), [0.0] * len(prompt),
-                          [dict(m) for m in task.messages]) for j in range(group_size)]
+    episodes += [Episode(task, g, j, list(prompt), [0.0] * len(prompt), [0.0] * len(prompt),
+                         [dict(m) for m in task.messages]) for j in range(group_size)]
+  return episodes
+
+
+def play_episodes(config, params, env: Env, episodes, *, seed: int,
+                  temperature: float | None = None, tokenizer=None,
+                  thinking_mode: str = "interleaved", sessions: bool | None = None,
+                  stats: dict | None = None, slots: int | None = None,
+                  model: ModelConfig | None = None, hand_off=None,
+                  on_hand_off=None) -> tuple[list, set]:
+  """Plays `episodes` (`new_episodes`, or episodes handed off by another worker, partway
+  through a turn or between turns) to their end through one engine (`generate_samples`'
+  arguments).
+
+  With `hand_off` (a `handoff.HandOffRule`) every turn runs step by step and a group that
+  runs long is stopped where it is (`handoff.run_turn`): its completed turns are played, the
+  tokens of its unfinished turns kept (`Episode.partial`), its sessions released, and
+  `on_hand_off(group, its episodes)` is called at once, so its new worker can start while
+  this batch goes on. Not with `rl.routing_replay` (a cancelled request's routing is lost).
+
+  Returns:
+    (the samples of the groups not handed off, in `episodes` order; the handed-off groups).
+  """
+  rl, seq_len = config.rl, config.data.seq_len
+  temperature = rl.temperature if temperature is None else temperature
+  tokenizer = tokenizer or make_tokenizer(config.data.tokenizer)
+  record_routing = bool(rl.get("routing_replay"))
+  if hand_off is not None and record_routing:
+    raise ValueError("play_episodes: hand-off with rl.routing_replay is not supported (a "
+                     "cancelled request's routing is not kept)")
+  stops = tuple(chat.stop_ids(tokenizer))
   # One engine for every turn; its shapes (slots, max_len, chunk) depend on the config only, so
   # a later call with new params reuses the compiled steps.
-  engine = Engine(config.model if model is None else model, params, slots=slots or min(len(episodes), MAX_SLOTS),
-                  max_len=seq_len, prefill_chunk=PREFILL_CHUNK,
-                  record_routing=bool(rl.get("routing_replay")))
+  engine = Engine(config.model if model is None else model, params,
+                  slots=slots or min(len(episodes), MAX_SLOTS), max_len=seq_len,
+                  prefill_chunk=PREFILL_CHUNK, record_routing=record_routing)
   sessions = env.max_turns > 1 if sessions is None else sessions
-  for turn in range(env.max_turns):
-    active = [(n, e) for n, e in enumerate(episodes) if e.result is None]
+  started, handed = time.monotonic(), set()
+  # Every active episode plays every turn, so all are at the same turn unless some were
+  # handed over mid-episode; each request's seed uses its own episode's turn.
+  while True:
+    active = [(n, e) for n, e in enumerate(episodes)
+              if e.result is None and e.group not in handed and e.turns < env.max_turns]
+    if hand_off is not None:  # the time trigger, between turns
+      due = {e.group for _, e in active
+             if hand_off.due(e.response_length, time.monotonic() - started)}
+      _hand_off(engine, episodes, due, handed, on_hand_off)
+      active = [(n, e) for n, e in active if e.group not in due]
     if not active:
       break
     requests = [Request(index=k, prompt=tuple(e.tokens),
-                        max_new_tokens=min(rl.max_new_tokens, seq_len - len(e.tokens)),
+                        max_new_tokens=min(rl.max_new_tokens - e.partial,
+                                           seq_len - len(e.tokens)),
                         temperature=float(temperature), top_p=float(rl.top_p), top_k=0,
-                        seed=request_seed(seed, e.task, e.sample, turn), stop_tokens=stops,
+                        seed=request_seed(seed, e.task, e.sample, e.turns), stop_tokens=stops,
                         session=n if sessions else None)
                 for k, (n, e) in enumerate(active)]
-    completions = engine.run(requests)
-    play = lambda pair: _play_turn(pair[0][1], pair[1], env, tokenizer, seq_len, thinking_mode)
+    if hand_off is None:
+      turn = handoff.TurnResult(dict(enumerate(engine.run(requests))), {}, set())
+    else:
+      turn = handoff.run_turn(engine, requests, [e.group for _, e in active],
+                              [e.response_length for _, e in active], hand_off, started)
+    done = [(active[k][1], c) for k, c in sorted(turn.completions.items())]
+    play = lambda pair: _play_turn(pair[0], pair[1], env, tokenizer, seq_len, thinking_mode)
     if env.concurrent_steps:  # each step waits on a sandbox process: overlap them
       with concurrent.futures.ThreadPoolExecutor(STEP_THREADS) as pool:
-        list(pool.map(play, zip(active, completions)))
+        list(pool.map(play, done))
     else:
-      for pair in zip(active, completions):
+      for pair in done:
         play(pair)
+    for k, (tokens, raw) in turn.partial.items():
+      active[k][1].keep_partial(tokens, raw)
     for n, e in active:
       if sessions and e.result is not None:
         engine.release(n)  # its slot is free for the episodes still playing
+    _hand_off(engine, episodes, turn.handed, handed, on_hand_off)
   if stats is not None:
     stats.update(engine.prefix_stats())
-  for e in episodes:
+  kept = [e for e in episodes if e.group not in handed]
+  for e in kept:
     if e.result is None:  # envs finish themselves by max_turns; never leave one open
       e.result = (0.0, False, {"error": f"no answer within max_turns={env.max_turns}"})
-  return [_sample(e) for e in episodes]
+  return [_sample(e) for e in kept], handed
 
 
-def _play_turn(e: _Episode, completion, env: Env, tokenizer, seq_len: int,
+def _hand_off(engine, episodes, groups, handed: set, on_hand_off) -> None:
+  """Hands `groups` off: releases their sessions' slots, tells `on_hand_off`."""
+  for group in sorted(groups):
+    handed.add(group)
+    mine = [(n, e) for n, e in enumerate(episodes) if e.group == group]
+    for n, _ in mine:
+      engine.release(n)
+    if on_hand_off is not None:
+      on_hand_off(group, [e for _, e in mine])
+
+
+def _play_turn(e: "Episode", completion, env: Env, tokenizer, seq_len: int,
                thinking_mode: str) -> None:
   if completion.routing is not None:
     e.routing = merge_routing(e.routing, completion.routing)
-  e.tokens += completion.tokens
-  e.logp += completion.raw_logprobs
-  e.mask += [1.0] * len(completion.tokens)
+  e.keep_partial(completion.tokens, completion.raw_logprobs)
+  turn = e.tokens[len(e.tokens) - e.partial:]  # a handed-over turn began on another worker
+  e.partial = 0
   e.turns += 1
-  response = chat.parse_response(completion.tokens, tokenizer)
+  response = chat.parse_response(turn, tokenizer)
   message = {"role": "assistant", "content": response.content, "thinking": response.thinking}
   if response.tool_calls:
     message["tool_calls"] = list(response.tool_calls)
   e.messages.append(message)
   if response.stop is None:
     e.result = (0.0, False, {"error": f"turn {e.turns} did not end within its "
-                             f"{len(completion.tokens)} tokens", "truncated": True})
+                             f"{len(turn)} tokens", "truncated": True})
     return
   step = env.step(e.task, e.messages)
   if step.done:
     e.result = (float(step.reward), bool(step.info.get("correct", False)), dict(step.info))
     return
-  segment = observation_tokens(step.observation, tokenizer, after_stop=completion.tokens[-1],
+  segment = observation_tokens(step.observation, tokenizer, after_stop=turn[-1],
                                thinking_mode=thinking_mode)
   e.messages.append({"role": "observation", "content": step.observation})
   if len(e.tokens) + len(segment) >= seq_len:
@@ -243,7 +333,7 @@ def merge_routing(old: dict | None, new: dict) -> dict:
   return out
 
 
-def _sample(e: _Episode) -> Sample:
+def _sample(e: "Episode") -> Sample:
   reward, correct, info = e.result
   return Sample(task=e.task, group=e.group, tokens=np.asarray(e.tokens, np.int32),
                 rollout_logp=np.asarray(e.logp, np.float32),

@@ -54,7 +54,7 @@ from glm5_jax.posttrain import loop, rollout, tasks
 from glm5_jax.posttrain.rl_config_checks import validate_rl_experiment
 from glm5_jax.posttrain.rollout import Sample
 from glm5_jax.rl import orders as orders_lib
-from glm5_jax.rl import staleness, trajectories
+from glm5_jax.rl import long_tail, staleness, trajectories
 from glm5_jax.rl.layout import RunDirs, read_json, write_json
 from glm5_jax.rl.orchestrator import Orchestrator
 from glm5_jax.rl.param_sync import PolicyPublisher
@@ -145,6 +145,7 @@ class _Intake:
     self.rl, self.dirs, self.orch, self.ledger = config.rl, dirs, orch, ledger
     self.read = {}  # rollout file name -> TrajectoryBatch, read and not yet trained or rejected
     self.answers = set()
+    self.handed = {}  # rollout file name -> long-tail worker, of every hand-off so far
     self.last_progress = time.time()
     self.repaired = self._repair_quarantine(version)
 
@@ -173,7 +174,8 @@ class _Intake:
     if answers != self.answers:  # a rollout file arrived
       self.answers = answers
       self.progressed()
-    orch.settle(answers)
+    self.handed = long_tail.handed_off(self.dirs.root)
+    orch.settle(answers, self.handed)
     # New orders wait for the marker of the version they are meant for: issued earlier, a
     # worker would still generate them with the one before.
     orch.issue(published)
@@ -218,7 +220,7 @@ class _Intake:
     rl, orch = self.rl, self.orch
     waiting = {}
     for order in orders_lib.outstanding(orch.orders, answers):
-      waiting.setdefault(order.worker, []).append(order.id)
+      waiting.setdefault(orch.moved.get(order.rollout_name, order.worker), []).append(order.id)
     what = (f"rollouts of outstanding orders {waiting} (see the workers' logs, "
             f"{self.dirs.root}/logs, and {self.dirs.workers})" if waiting else
             f"no order is outstanding and none may be issued (live orders {orch.live}, "
@@ -265,7 +267,8 @@ def _run(config, dirs: RunDirs, workers, run: RunHarness, initial_params):
   if agree(version not in publisher.published_versions() if primary else None):
     publisher.publish(version, state.params, block=True, extra={"step": version})
     logging.info("published policy version %d", version)
-  orch = Orchestrator(dirs.root, workers, groups_per_step=rl.prompts_per_step,
+  regular, _ = long_tail.split_workers(workers, rl.long_tail.worker_share)
+  orch = Orchestrator(dirs.root, regular, groups_per_step=rl.prompts_per_step,
                       max_staleness=rl.max_staleness, total_steps=rl.steps,
                       group_size=rl.group_size,
                       rejected=len(rejected) + len(ledger.quarantined)) if primary else None
@@ -302,13 +305,14 @@ def _run(config, dirs: RunDirs, workers, run: RunHarness, initial_params):
       waited = time.time() - wait_start
       stats["idle_seconds"] += waited
       t0 = time.time()
-      samples, step_gaps = [], []
+      samples, step_gaps, moved = [], [], 0
       for group, (name, gaps) in enumerate(plan["take"]):
         for gap in gaps:
           admission.admit(gap)
         step_gaps += gaps
         batch = intake.batch(name) if primary else \
             trajectories.read_batch(dirs.rollouts / name)
+        moved += bool(batch.records and batch.records[0].meta.get("handed_off_to"))
         samples += _to_samples(batch, env, group)
       batch = loop.score(config, samples)
       state, metrics = loop.train_on_batch(t, state, batch, rl.minibatches)
@@ -325,13 +329,17 @@ def _run(config, dirs: RunDirs, workers, run: RunHarness, initial_params):
       stats["version"] = version
       if primary:
         write_json(dirs.trainer_stats, stats)
+      # Trainer idle = waiting for admissible groups; step = wall time from the end of the
+      # previous step (or the start) to this step's publish: idle + train + save + publish.
       last = {**rollout.rollout_metrics(samples), **metrics, "generate_seconds": waited,
               "train_seconds": time.time() - t0, "version_gap_mean": float(np.mean(step_gaps)),
-              **admission.metrics()}
+              "trainer/idle_seconds": waited, "trainer/step_seconds": time.time() - wait_start,
+              "long_tail/groups_handed_off": float(moved), **admission.metrics()}
       if rl.env == tasks.MIXTURE:
         last.update(rollout.metrics_by_env(samples))
       if primary:
-        last.update(orders_running=orch.running, rejected_total=orch.rejected)
+        last.update(orders_running=orch.running, rejected_total=orch.rejected,
+                    **{"long_tail/handoffs_total": float(len(intake.handed))})
         logging.info(loop.progress_line(version, rl.steps, last).replace("gen ", "wait ")
                      + f" | gap {last['version_gap_mean']:.2f} running {orch.running}")
       writer.write(version, last)

@@ -16,9 +16,12 @@ separate a group's policy from the trainer's when the trainer consumes in order.
 
 Routing (`routing.Router`): each new order id is placed by consistent hashing with bounded
 loads (a worker holding more than (1 + eps) x the mean of the running orders passes it on) and
-pinned until its rollout file arrives (`settle`).
+pinned until its rollout file arrives (`settle`). Only regular workers receive orders; an order
+its worker handed to a long-tail worker (`long_tail`) leaves its worker's load when the
+hand-off file appears, and stays running until its rollout file arrives.
 """
 
+from glm5_jax.rl import long_tail
 from glm5_jax.rl import orders as orders_lib
 from glm5_jax.rl.routing import Router
 
@@ -28,7 +31,8 @@ class Orchestrator:
 
   Args:
     root: the run directory (`layout.RunDirs.root`).
-    workers: the worker names (their order files name them).
+    workers: the names of the workers that receive orders (the regular ones; their order
+      files name them).
     groups_per_step: b.
     max_staleness: s.
     total_steps: `rl.steps` (no order beyond `total_steps * b` live groups).
@@ -48,12 +52,20 @@ class Orchestrator:
     self.router = Router(list(workers))
     answers = orders_lib.answered(root)
     self._running = {}  # rollout file name -> order
+    self.moved = {}  # rollout file name -> long-tail worker, of the running orders handed off
+    handed = long_tail.handed_off(root)
     for order in orders_lib.outstanding(self.orders, answers):
       if order.worker not in self.router.workers:
         raise ValueError(f"{root}: order {order.name} is addressed to worker {order.worker!r}, "
-                         f"not one of this run's workers {self.router.workers}; restart with "
-                         "the same --rollout_workers")
-      self._pin(order)
+                         f"not one of this run's workers that receive orders (the regular ones) "
+                         f"{self.router.workers}; "
+                         "restart with the same --rollout_workers and "
+                         "rl.long_tail.worker_share")
+      if order.rollout_name in handed:
+        self._running[order.rollout_name] = order
+        self.moved[order.rollout_name] = handed[order.rollout_name]
+      else:
+        self._pin(order)
 
   def _pin(self, order) -> None:
     self.router.pin(str(order.id), order.worker)  # it stays where its work already is
@@ -89,11 +101,16 @@ class Orchestrator:
     self.next_task += 1
     return self.next_task - 1
 
-  def settle(self, answers) -> None:
-    """Unpins the orders whose rollout files (`answers`: names) have arrived."""
+  def settle(self, answers, handed=None) -> None:
+    """Unpins the orders whose rollout files (`answers`: names) have arrived, or which their
+    worker handed off (`handed`: {rollout file name: long-tail worker}); forgets the answered."""
+    for name in sorted(set(handed or {}) & set(self._running) - set(self.moved)):
+      self.moved[name] = handed[name]
+      self.router.release(str(self._running[name].id))
     for name in set(answers) & set(self._running):
       order = self._running.pop(name)
-      self.router.release(str(order.id))
+      if self.moved.pop(name, None) is None:
+        self.router.release(str(order.id))
 
   def order_of(self, rollout_name: str) -> orders_lib.Order | None:
     for order in reversed(self.orders):

@@ -111,11 +111,12 @@ def requeued_files(orders) -> set[str]:
   return {o.requeue_of for o in orders if o.requeue_of}
 
 
-def outstanding_for(workdir, worker: str) -> list[Order]:
-  """`worker`'s orders with no rollout file yet, by id: only their files are parsed (a worker
-  polls this often, while the orders of a long run number thousands)."""
+def outstanding_for(workdir, worker: str, handed=()) -> list[Order]:
+  """`worker`'s orders with no rollout file yet, by id, except those handed to a long-tail
+  worker (`handed`: their rollout file names, `long_tail.handed_off`): only their files are
+  parsed (a worker polls this often, while the orders of a long run number thousands)."""
   directory = epath.Path(workdir) / ORDERS
-  answers = answered(workdir)
+  answers = answered(workdir) | set(handed)
   out = []
   for p in directory.iterdir() if directory.exists() else ():
     m = _NAME.match(p.name)

@@ -19,6 +19,11 @@ Loop (`run_worker`), until the trainer writes `control/done`:
 A worker killed at any point loses nothing: on restart it deletes its temporary files and
 answers its outstanding orders again (those it had finished have files and are skipped).
 
+Long-tail hand-off (`long_tail`, `rl.long_tail.worker_share` > 0): a REGULAR worker plays its
+batch with `posttrain.handoff.HandOffRule` and writes a group that runs long as a hand-off file
+for a long-tail worker the moment it is due, then goes on; a LONG-TAIL worker's outstanding work
+is the hand-offs addressed to it, which it continues and answers with the orders' rollout files.
+
 Counters (busy, idle and policy-load seconds, batches, samples, versions loaded, response
 lengths, and the engine's prefix-cache counters: prompt tokens submitted, tokens actually
 prefilled, hit rate = 1 - prefilled / submitted, session hits / misses / evictions; with the
@@ -40,9 +45,10 @@ import numpy as np
 from glm5_jax.api import abstract_params_and_axes
 from glm5_jax.config import ModelConfig, require_model_config
 from glm5_jax.data import check_vocab, make_tokenizer
-from glm5_jax.posttrain import rollout, tasks
+from glm5_jax.posttrain import handoff, rollout, tasks
 from glm5_jax.posttrain.loop import hide_run_from_sandbox
 from glm5_jax.posttrain.rl_config_checks import validate_rl_experiment
+from glm5_jax.rl import long_tail
 from glm5_jax.rl import orders as orders_lib
 from glm5_jax.rl import trajectories
 from glm5_jax.rl.layout import RunDirs, read_json, write_json
@@ -67,16 +73,19 @@ def abstract_worker_params(config, model: ModelConfig):
                       shapes, shardings)
 
 
-def to_records(samples, order: orders_lib.Order, version: int, worker: str) -> list:
+def to_records(samples, order: orders_lib.Order, version, worker: str,
+               handed_off_to: str = "") -> list:
   """The group of `order` as `TrajectoryRecord`s: token ids and raw log-probs exactly as the
-  engine produced them, every generated token tagged with `version`, and with
+  engine produced them, every generated token tagged with `version` (an int, or per sample an
+  int32 [n] array of each token's version: a group continued after a hand-off), and with
   `rl.routing_replay` each token's MoE experts and DSA top-k (`Sample.routing`)."""
   out = []
   for j, s in enumerate(samples):
-    versions = np.where(s.loss_mask > 0, version, -1).astype(np.int32)
+    versions = (np.where(s.loss_mask > 0, version, -1).astype(np.int32)
+                if isinstance(version, int) else np.asarray(version[j], np.int32))
     meta = {"order": order.id, "task": s.task.index, "env": s.task.env, "sample": j,
             "correct": bool(s.correct), "turns": s.turns, "worker": worker,
-            "requeue_of": order.requeue_of,
+            "requeue_of": order.requeue_of, "handed_off_to": handed_off_to,
             "truncated": bool(s.info.get("truncated", False))}
     out.append(trajectories.TrajectoryRecord(s.tokens, s.rollout_logp * s.loss_mask,
                                              s.loss_mask, versions, float(s.reward), meta,
@@ -84,10 +93,12 @@ def to_records(samples, order: orders_lib.Order, version: int, worker: str) -> l
   return out
 
 
-def run_worker(config, root, name: str, *, max_batches: int | None = None) -> dict:
+def run_worker(config, root, name: str, *, workers=None, max_batches: int | None = None) -> dict:
   """Serves orders addressed to `name` in the run directory `root` (module docstring) until
   the trainer is done, SIGTERM arrives (it stops between generation batches: `stopped_early`
-  in the counters) or after `max_batches` generation batches. Returns the counters."""
+  in the counters) or after `max_batches` generation batches. `workers`: every rollout
+  worker's name (needed with `rl.long_tail.worker_share` > 0: which are long-tail). Returns the
+  counters."""
   validate_rl_experiment(config)
   hide_run_from_sandbox(config, root)
   dirs = RunDirs.at(root)
@@ -104,21 +115,33 @@ def run_worker(config, root, name: str, *, max_batches: int | None = None) -> di
   stats = read_json(dirs.worker_stats(name)) or {
       "worker": name, "busy_seconds": 0.0, "idle_seconds": 0.0, "load_seconds": 0.0,
       "batches": 0, "samples": 0, "starts": 0, "versions_loaded": [],
-      "response_lengths": [], "prefix": {}}
+      "response_lengths": [], "prefix": {}, "handed_off": 0, "continued": 0}
   stats.update(starts=stats["starts"] + 1, pid=os.getpid())
   write_json(dirs.worker_stats(name), stats)
+  share = rl.long_tail.worker_share
+  if share > 0 and workers is None:
+    raise ValueError(f"worker {name}: rl.long_tail.worker_share={share} needs every worker's "
+                     "name (run_worker's workers; --rollout_workers)")
+  regular, tails = long_tail.split_workers(workers or [name], share)
+  if name not in regular + tails:
+    raise ValueError(f"worker {name} is not one of this run's workers {regular + tails}")
+  stats["role"] = "long_tail" if name in tails else "regular"
   slots = rl.worker_groups * rl.group_size
   with StopSignal() as stop:
     stats["stopped_early"] = _serve(config, model, dirs, name, env, tokenizer, abstract,
-                                    subscriber, stats, slots, max_batches, stop)
+                                    subscriber, stats, slots, max_batches, stop, tails)
   write_json(dirs.worker_stats(name), stats)
   return stats
 
 
 def _serve(config, model: ModelConfig, dirs, name, env, tokenizer, abstract, subscriber, stats,
-           slots, max_batches, stop) -> bool:
+           slots, max_batches, stop, tails) -> bool:
   """The loop of the module docstring; returns whether SIGTERM stopped it (between batches)."""
   rl = config.rl
+  lt = rl.long_tail
+  is_tail = name in tails
+  rule = handoff.HandOffRule(lt.after_tokens, lt.after_seconds) if tails and not is_tail \
+      else None
   version, params, batches, server = None, None, 0, None
   try:
     while not dirs.done.exists() and (max_batches is None or batches < max_batches):
@@ -127,7 +150,8 @@ def _serve(config, model: ModelConfig, dirs, name, env, tokenizer, abstract, sub
                         "start)", name)
         return True
       t0 = time.time()
-      todo = orders_lib.outstanding_for(dirs.root, name)
+      todo = (long_tail.pending_for(dirs.root, name) if is_tail else
+              orders_lib.outstanding_for(dirs.root, name, long_tail.handed_off(dirs.root)))
       latest = subscriber.latest_version()
       if not todo or latest is None:
         time.sleep(rl.poll_seconds)
@@ -143,45 +167,109 @@ def _serve(config, model: ModelConfig, dirs, name, env, tokenizer, abstract, sub
                      time.time() - t0)
       t1 = time.time()
       batch = todo[:rl.worker_groups]
-      seed = batch_seed(rl.seed, name, batch[0].id)
       if rl.rollout_via == "gateway":
         if server is None:
           server = _start_server(config, model, params, tokenizer, slots, version)
-        groups, prefix = _gateway_groups(config, server, env, batch, seed, name, stats)
+        groups, prefix = _gateway_groups(config, server, env, batch,
+                                         batch_seed(rl.seed, name, batch[0].id), name, stats)
+        for order, records in zip(batch, groups):
+          trajectories.write_batch(dirs.rollouts, records, worker=name, batch_index=order.id)
+        written, lengths = len(groups), [int(r.loss_mask.sum()) for rs in groups for r in rs]
       else:
-        groups, prefix = _engine_groups(config, model, params, env, batch, seed, name, version,
-                                        tokenizer, slots)
+        prefix = {}
+        play = _continue if is_tail else _generate
+        written, samples = play(config, model, dirs, name, env, tokenizer, params, version,
+                                batch, slots, prefix, stats, rule, tails)
+        lengths = [s.response_length for s in samples]
       for key in ("prompt_tokens", "prefilled_tokens", "session_hits", "session_misses",
                   "evictions"):
         stats["prefix"][key] = stats["prefix"].get(key, 0) + int(prefix.get(key, 0))
       submitted = stats["prefix"]["prompt_tokens"]
       stats["prefix"]["hit_rate"] = (1 - stats["prefix"]["prefilled_tokens"] / submitted
                                      if submitted else 0.0)
-      for order, records in zip(batch, groups):
-        trajectories.write_batch(dirs.rollouts, records, worker=name, batch_index=order.id)
-        stats["response_lengths"] += [int(r.loss_mask.sum()) for r in records]
+      stats["response_lengths"] += lengths
       batches += 1
       stats["batches"] += 1
-      stats["samples"] += sum(len(records) for records in groups)
+      stats["samples"] += len(lengths)
       stats["busy_seconds"] += time.time() - t1
       write_json(dirs.worker_stats(name), stats)
-      logging.info("worker %s: orders %d..%d (%d groups) with version %d in %.1f s", name,
-                   batch[0].id, batch[-1].id, len(groups), version, time.time() - t1)
+      logging.info("worker %s: %d groups written, %d handed off (%d samples) with version %d "
+                   "in %.1f s", name, written, len(batch) - written, len(lengths), version,
+                   time.time() - t1)
     return False
   finally:
     if server is not None:
       server.close()
 
 
-def _engine_groups(config, model, params, env, batch, seed, name, version, tokenizer, slots):
-  """`rl.rollout_via` "engine": (one record list per order, the engine's prefix counters)."""
-  prefix = {}
-  samples = rollout.generate_samples(config, params, env,
-                                     [env.task(o.task, "train") for o in batch], seed=seed,
+def _generate(config, model, dirs, name, env, tokenizer, params, version, batch, slots, prefix,
+              stats, rule, tails):
+  """A regular worker's batch: new groups of `batch` (orders), handing off those that run long
+  (`rule`, None: never) to the long-tail workers `tails`; the rest written as rollout files.
+  Returns (groups written, their samples)."""
+  rl = config.rl
+  episodes = rollout.new_episodes([env.task(o.task, "train") for o in batch], rl.group_size,
+                                  tokenizer, config.data.seq_len)
+
+  def hand_off(group, mine):
+    order = batch[group]
+    to = long_tail.choose(dirs.root, tails, order.id)
+    long_tail.write_handoff(dirs.root, order, to, mine, version)
+    stats["handed_off"] += 1
+    logging.info("worker %s: order %d handed off to %s (%d of %d samples unfinished)", name,
+                 order.id, to, sum(e.result is None for e in mine), len(mine))
+
+  samples, handed = rollout.play_episodes(
+      config, params, env, episodes, seed=batch_seed(rl.seed, name, batch[0].id),
+      tokenizer=tokenizer, slots=slots, stats=prefix, model=model, hand_off=rule,
+      on_hand_off=hand_off)
+  kept = [order for g, order in enumerate(batch) if g not in handed]
+  g = rl.group_size
+  for i, order in enumerate(kept):
+    trajectories.write_batch(dirs.rollouts,
+                             to_records(samples[i * g:(i + 1) * g], order, version, name),
+                             worker=name, batch_index=order.id)
+  return len(kept), samples
+
+
+def _continue(config, model, dirs, name, env, tokenizer, params, version, batch, slots, prefix,
+              stats, rule, tails):
+  """A long-tail worker's batch: the hand-offs `batch` (file names) continued to their end and
+  written as their orders' rollout files. Returns (groups written, their samples)."""
+  del rule, tails
+  rl = config.rl
+  episodes, before, orders = [], [], []
+  issued = {o.rollout_name: o for o in orders_lib.read_orders(dirs.root)}
+  for group, file in enumerate(batch):
+    order = issued.get(file)
+    if order is None:
+      raise ValueError(f"hand-off {file} in {dirs.root}/{long_tail.HANDOFFS}/{name} answers no "
+                       "issued order")
+    try:
+      mine, versions = long_tail.read_handoff(dirs.root, name, file, env)
+    except trajectories.CorruptTrajectoryError as e:
+      long_tail.log_damaged(file, e)
+      mine = rollout.new_episodes([env.task(order.task, "train")], rl.group_size, tokenizer,
+                                  config.data.seq_len)
+      versions = [np.zeros((0,), np.int32)] * len(mine)
+    for e in mine:
+      e.group = group
+    episodes += mine
+    before += versions
+    orders.append(order)
+  samples, _ = rollout.play_episodes(config, params, env, episodes,
+                                     seed=batch_seed(rl.seed, name, orders[0].id),
                                      tokenizer=tokenizer, slots=slots, stats=prefix, model=model)
-  g = config.rl.group_size
-  return [to_records(samples[i * g:(i + 1) * g], order, version, name)
-          for i, order in enumerate(batch)], prefix
+  g = rl.group_size
+  for i, order in enumerate(orders):
+    group = samples[i * g:(i + 1) * g]
+    versions = [long_tail.continued_versions(before[i * g + j], s.loss_mask, version)
+                for j, s in enumerate(group)]
+    trajectories.write_batch(dirs.rollouts,
+                             to_records(group, order, versions, order.worker, handed_off_to=name),
+                             worker=order.worker, batch_index=order.id)
+  stats["continued"] += len(orders)
+  return len(orders), samples
 
 
 def _start_server(config, model, params, tokenizer, slots, version):
