@@ -105,3 +105,12 @@ def dsa_read_bytes(cache, topk: int, cache_len: int) -> int:
     name = str(getattr(path[-1], "key", path[-1]))
     total += shard * min(topk, cache_len) // cache_len if name in _TOPK_READ else shard
   return total
+
+
+def most_sequences(hbm_bytes: float, fixed: float, per_sequence: float, workspace: float,
+                   ways: int) -> int:
+  """The most sequences (a multiple of `ways`, the devices the slots split over) whose decode
+  step fits `hbm_bytes` per device: `fixed` (params and slot arrays) + `per_sequence` x n (the
+  cache, per device per sequence of the total) + `workspace` (temp and unaliased output)."""
+  room = hbm_bytes - fixed - workspace
+  return max(int(room // per_sequence) // ways * ways, 0) if per_sequence > 0 else 0

@@ -339,7 +339,7 @@ def _decode_main(config, devices, where, chip):
         f"per sequence ({_CACHE_LAYOUT.value} cache, {m.cache_dtype}), sequences split over "
         f"{ways} devices; quant {m.quant}, param_dtype {m.param_dtype}, dsa_impl {m.dsa_impl}, "
         f"moe_impl {m.moe_impl}; depth {depth} ({mix}) of {m.num_hidden_layers}", flush=True)
-  results = []
+  results, refused = [], []
   for n in counts:
     program = planner_decode.decode_program(cfg, devices, cache_len=_CACHE_LEN.value,
                                             sequences=n, cache_layout=_CACHE_LAYOUT.value,
@@ -347,7 +347,15 @@ def _decode_main(config, devices, where, chip):
     print(f"compiling the decode step for {n} sequences ...", flush=True)
     if program.moe_standin:
       print("  MoE via stand-in (glm5_jax/cpu_standins.py)", flush=True)
-    figures = planner.compile_program(program, hlo_out=_HLO_OUT.value)
+    try:
+      figures = planner.compile_program(program, hlo_out=_HLO_OUT.value)
+    except jax.errors.JaxRuntimeError as e:  # the TPU compiler refuses a program over its HBM
+      if "RESOURCE_EXHAUSTED" not in str(e):
+        raise
+      print(f"  does not fit {chip}: the compiler refused it: {str(e).splitlines()[0][:300]}",
+            flush=True)
+      refused.append(n)
+      continue
     mem = figures.memory
     print(f"  done in {figures.compile_s:.1f} s (HLO {figures.hlo_chars / 1e6:.1f} M chars)",
           flush=True)
@@ -367,21 +375,28 @@ def _decode_main(config, devices, where, chip):
           "total (arg + out - alias + temp)": lambda f, p: f.memory.total}
   for label, get in rows.items():
     print(f"  {label:<34}" + "".join(f"   {_gib(get(f, p))}" for _, f, p in results))
+  if not results:
+    raise SystemExit(f"no sequence count compiled: {refused} all refused")
+  counts = [n for n, *_ in results]
   totals = [f.memory.total for _, f, _ in results]
   for n, total in zip(counts, totals):
     chips = ", ".join(k for k, ok in planner.fits(total).items() if ok)
     print(f"  {n} sequences: {total / planner.GIB:.2f} GiB, fits {chips or 'none'}")
+  # The most sequences that fit: params and slot arrays as compiled, the cache exact per
+  # sequence, and the largest workspace compiled (temp + unaliased output) taken for any count.
+  fixed = max(f.memory.argument - p.cache_bytes for _, f, p in results)
+  per_sequence = results[-1][2].cache_bytes / counts[-1]
+  work = max(f.memory.total - f.memory.argument for _, f, _ in results)
   most = {}
-  if len(counts) >= 2:
-    slope, intercept = planner.fit_line(counts, totals)
-    print(f"\nline through the compiled totals: {intercept / planner.GIB:.3f} GiB + "
-          f"{slope / planner.GIB:.4f} GiB per sequence (per device); the most sequences that "
-          f"fit (a multiple of the {ways} batch devices, extrapolated):")
-    for name, gib in planner.ACCELERATOR_HBM_GIB.items():
-      n = int((gib * planner.GIB - intercept) // slope) // ways * ways if slope > 0 else None
-      most[name] = max(n, 0) if n is not None else None
-      total = intercept + slope * (most[name] or 0)
-      print(f"  {name:<5} {gib:4d} GiB  {most[name]} sequences ({total / planner.GIB:.2f} GiB)")
+  print(f"\nthe most sequences that fit (a multiple of the {ways} batch devices): params and slot "
+        f"arrays {fixed / planner.GIB:.2f} GiB + cache {per_sequence / planner.GIB:.4f} GiB per "
+        f"sequence (exact) + the largest compiled temp {work / planner.GIB:.2f} GiB, per device:")
+  for name, gib in planner.ACCELERATOR_HBM_GIB.items():
+    most[name] = planner_decode.most_sequences(gib * planner.GIB, fixed, per_sequence, work, ways)
+    if name == chip and refused:  # what the compiler refused bounds it
+      most[name] = min(most[name], min(refused) - ways)
+    total = fixed + work + per_sequence * most[name]
+    print(f"  {name:<5} {gib:4d} GiB  {most[name]:5d} sequences ({total / planner.GIB:.2f} GiB)")
 
   n, figures, program = results[-1]
   hbm = figures.memory.argument - program.cache_bytes + program.read_bytes
@@ -397,7 +412,7 @@ def _decode_main(config, devices, where, chip):
                       "flops_per_step": f.flops, "collectives_per_step": {
                           key: hlo_stats.summarize_step(list(f.collectives), key)
                           for key in ("op", "axes")}} for n, f, p in results],
-        "most_sequences": most, "estimate": dataclasses_asdict(estimate)}))
+        "refused": refused, "most_sequences": most, "estimate": dataclasses_asdict(estimate)}))
 
 
 def dataclasses_asdict(x):
