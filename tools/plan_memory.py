@@ -398,7 +398,10 @@ def _decode_main(config, devices, where, chip):
     total = fixed + work + per_sequence * most[name]
     print(f"  {name:<5} {gib:4d} GiB  {most[name]:5d} sequences ({total / planner.GIB:.2f} GiB)")
 
-  n, figures, program = results[-1]
+  # The roofline of the most sequences compiled that fit the chosen chip (else the fewest).
+  fitting = [r for r in results if planner.fits(r[1].memory.total)[chip]]
+  n, figures, program = fitting[-1] if fitting else results[0]
+  print(f"\nper-step report for {n} sequences ({n / program.mesh.size:g} per device)")
   hbm = figures.memory.argument - program.cache_bytes + program.read_bytes
   estimate = _report_step(depth, figures, program, chip, n / program.mesh.size, None, hbm)
   if _JSON.value:
