@@ -70,3 +70,32 @@ def test_most_sequences_is_a_multiple_of_the_batch_devices_that_fits():
   assert planner_decode.most_sequences(100, 60, 7, 10, 2) == 4
   assert planner_decode.most_sequences(100, 60, 7, 10, 8) == 0
   assert planner_decode.most_sequences(100, 95, 7, 10, 1) == 0  # over already: none
+
+
+@pytest.mark.slow  # the tool in a subprocess, 8 host devices, two small compiles (~40 s)
+def test_plan_memory_decode_mode_on_8_devices():
+  import json  # pylint: disable=g-import-not-at-top
+  import os  # pylint: disable=g-import-not-at-top
+  import subprocess  # pylint: disable=g-import-not-at-top
+  import sys  # pylint: disable=g-import-not-at-top
+  root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+  cmd = [sys.executable, "tools/plan_memory.py", "--config=configs/tiny.py", "--devices=8",
+         "--mesh=expert=8,fsdp=1,data=1", "--mode=decode", "--cache_len=64",
+         "--sequences=8,16", "--accelerator=h200", "--json",
+         "--config.model.attention_pattern=DD", "--config.model.num_hidden_layers=2",
+         "--config.model.dsa_impl=xla", "--config.model.quant=w4a8",
+         "--config.model.quant_group_size=16", "--config.model.param_dtype=bfloat16",
+         "--config.model.cache_dtype=bfloat16", "--config.model.moe_impl=expert_parallel"]
+  proc = subprocess.run(cmd, cwd=root, env=dict(os.environ, PYTHONPATH=root),
+                        capture_output=True, text=True, timeout=900)
+  assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+  result = json.loads(proc.stdout.strip().splitlines()[-1])
+  one, two = result["compiled"]
+  assert (one["sequences"], two["sequences"]) == (8, 16)
+  assert two["cache"] == 2 * one["cache"] > 0  # one and two sequences per device
+  for c in (one, two):
+    assert c["memory"]["alias"] >= c["cache"] and c["flops_per_step"] > 0
+  assert result["most_sequences"]["h200"] > 16 and result["most_sequences"]["h200"] % 8 == 0
+  assert "per-step report for 16 sequences" in proc.stdout and "HBM" in proc.stdout
+  # the expert-parallel exchange (XLA:CPU: the ragged all-to-all's dense stand-in)
+  assert two["collectives_per_step"]["op"]["all-to-all"]["count"] > 0
