@@ -390,9 +390,6 @@ def validate_model_config(m) -> None:
     for dim in ("hidden_size", "moe_intermediate_size"):
       require(m[dim] % group == 0, "model.quant_group_size",
               f"group size {group} must divide {dim}={m[dim]} (the expert kernels' input dims)")
-  require(m.quant == "none" or m.moe_impl == "ragged", "model.quant",
-          f"quantized serving ({m.quant!r}) runs the routed experts with moe_impl='ragged', got "
-          f"moe_impl={m.moe_impl!r}")
   require(m.moe_impl in MOE_IMPLS, "model.moe_impl", f"must be one of {MOE_IMPLS}, got "
            f"{m.moe_impl!r}")
   require(m.moe_transport in MOE_TRANSPORTS, "model.moe_transport",

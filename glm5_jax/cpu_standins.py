@@ -36,6 +36,7 @@ def _grouped_einsum(lhs_PD, rhs_EDF, group_sizes_E, **kwargs):
   """`ragged_dot`'s signature; every expert gets C = ceil(P / E) rows (see the module
   docstring), so the result's values are not the ragged product's."""
   del group_sizes_E
+  preferred = kwargs.pop("preferred_element_type", None)  # the quantized experts' int32 sums
   unsupported = {k: v for k, v in kwargs.items() if v is not None}
   if unsupported:
     raise NotImplementedError(f"ragged_dot stand-in: unsupported arguments {unsupported}")
@@ -47,7 +48,8 @@ def _grouped_einsum(lhs_PD, rhs_EDF, group_sizes_E, **kwargs):
   # device's own: nothing to constrain.
   place = (lambda x: x) if _inside_shard_map() else (
       lambda x: constrain(x, (EXPERT, None, None)))
-  out_ECF = place(jnp.einsum("ecd,edf->ecf", place(lhs_ECD), rhs_EDF))
+  out_ECF = place(jnp.einsum("ecd,edf->ecf", place(lhs_ECD), rhs_EDF,
+                                preferred_element_type=preferred))
   return out_ECF.reshape(e * c, f)[:p]
 
 

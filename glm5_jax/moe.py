@@ -163,11 +163,12 @@ class MoE(nn.Module):
         recorded_experts_BLX.reshape(b * l, -1))
     experts = ExpertWeights(e, f, c.initializer_range, dtype, pdtype, c.qat_int4_group_size,
                             c.quant, c.quant_group_size, name="experts")(d)
-    if c.quant != "none":  # integer kernels: (q, scale) per projection
-      y_MD = dispatch_quantized_experts(x_MD, weights_MX, experts_MX, *experts)
-    elif c.moe_impl == "expert_parallel" and moe_parallel.context_mesh() is not None:
+    if c.moe_impl == "expert_parallel" and moe_parallel.context_mesh() is not None:
+      # float kernels, or integer ones as (q, scale) per projection
       y_MD = moe_parallel.expert_parallel_dispatch(x_MD, weights_MX, experts_MX, *experts,
                                                    transport=c.moe_transport)
+    elif c.quant != "none":  # integer kernels: (q, scale) per projection
+      y_MD = dispatch_quantized_experts(x_MD, weights_MX, experts_MX, *experts)
     else:  # "ragged", or no mesh in context (init, one device): the same numbers, locally
       y_MD, _ = dispatch_experts(x_MD, weights_MX, experts_MX, *experts)
     valid_BL = jnp.ones((b, l), bool) if valid_BL is None else valid_BL

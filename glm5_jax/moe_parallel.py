@@ -14,6 +14,13 @@ expert's weights. Here the layout is explicit, under `jax.shard_map` over the wh
   F           split over the `expert_mlp` rule's axes (tensor); the partial outputs are summed
               over them after the combine (`psum` of `[M/shards, D]`).
 
+A quantized model's kernels (`model.quant`) arrive as `(q int8 [E, I, O], scale [E, G, O])`
+per projection and are split the same way (the scales over `expert` and O's axes), the local
+matmul `glm5_jax.quant.linear.ragged_int_matmul` (per-token INT8 activations, int32 sums per
+scale group). Without this the quantized experts ran one global sharded `ragged_dot` per scale
+group, and the TPU compiler all-gathered every expert's weights for it at every step
+(docs/quantization.md: 675 GiB per device per decode step of the 744B model on 8 v5p chips).
+
 Per shard: sort the local pairs by expert (as the reference), exchange per-expert counts with
 one small all-to-all, send each pair's row to the device holding its expert, sort the received
 rows by local expert, `ragged_dot` over the local experts, un-sort, send back, un-sort, and
@@ -45,6 +52,7 @@ from flax import linen as nn
 from jax.sharding import PartitionSpec
 
 from glm5_jax.layers import axes as logical_axes
+from glm5_jax.quant.linear import ragged_int_matmul
 
 TRANSPORTS = ("ragged_all_to_all", "all_to_all")
 
@@ -66,7 +74,8 @@ def expert_parallel_dispatch(x_MD, weights_MX, experts_MX, w_gate_EDF, w_up_EDF,
 
   Args:
     x_MD, weights_MX, experts_MX: global arrays (any sharding), as for `dispatch_experts`.
-    w_*: the global expert kernels `[E, D, F]`, `[E, D, F]`, `[E, F, D]`.
+    w_*: the global expert kernels `[E, D, F]`, `[E, D, F]`, `[E, F, D]`; or, quantized, each
+      a pair `(q int8, scale [E, G, O])` (module docstring).
     transport: "ragged_all_to_all" or "all_to_all" (see the module docstring).
     mesh: defaults to the context mesh (`jax.set_mesh`); required.
     rules: logical axis rules; default the flax context's (`nn.logical_axis_rules`).
@@ -98,7 +107,14 @@ def expert_parallel_dispatch(x_MD, weights_MX, experts_MX, w_gate_EDF, w_up_EDF,
   if set(f_axes) & set(token_axes):
     raise ValueError(f"config.mesh.logical_axis_rules: the expert FFN axes {f_axes} overlap "
                      f"the token axes {token_axes}")
-  num_experts = w_gate_EDF.shape[0]
+  quantized = isinstance(w_gate_EDF, tuple)
+  if quantized and math.prod(mesh.shape[a] for a in f_axes) > 1:
+    raise ValueError(f"config.mesh.logical_axis_rules: quantized experts (model.quant) run "
+                     f"expert-parallel with their F dimension whole; the expert_mlp rule splits "
+                     f"it over {f_axes} (set those mesh axes to 1)")
+  if quantized:
+    f_axes = ()  # size-1 axes: nothing to split or sum
+  num_experts = (w_gate_EDF[0] if quantized else w_gate_EDF).shape[0]
   n = mesh.shape[expert_axis]
   if num_experts % n:
     raise ValueError(f"model.n_routed_experts: {num_experts} is not divisible by the "
@@ -119,12 +135,13 @@ def expert_parallel_dispatch(x_MD, weights_MX, experts_MX, w_gate_EDF, w_up_EDF,
   f_spec = f_axes if f_axes else None
   local = functools.partial(_local_dispatch, expert_axis=expert_axis, n=n, f_axes=f_axes,
                             transport=transport)
+  kernel_specs = (PartitionSpec(expert_axis, None, f_spec),
+                  PartitionSpec(expert_axis, None, f_spec),
+                  PartitionSpec(expert_axis, f_spec, None))
+  if quantized:  # (q, scale) pairs; the scale's group axis whole (F is, above)
+    kernel_specs = tuple((spec, spec) for spec in kernel_specs)
   y_MD = jax.shard_map(
-      local, mesh=mesh,
-      in_specs=(tokens, tokens, tokens, PartitionSpec(expert_axis, None, f_spec),
-                PartitionSpec(expert_axis, None, f_spec),
-                PartitionSpec(expert_axis, f_spec, None)),
-      out_specs=tokens)(x_MD, weights_MX, experts_MX, w_gate_EDF, w_up_EDF, w_down_EFD)
+      local, mesh=mesh, in_specs=(tokens, tokens, tokens, *kernel_specs), out_specs=tokens)(x_MD, weights_MX, experts_MX, w_gate_EDF, w_up_EDF, w_down_EFD)
   return y_MD[:m]
 
 
@@ -137,7 +154,8 @@ def _local_dispatch(x_MD, weights_MX, experts_MX, w_gate_EDF, w_up_EDF, w_down_E
   """One shard: its m tokens, its E/n experts (`E` here is the local count)."""
   m, x = experts_MX.shape
   d = x_MD.shape[-1]
-  local_experts = w_gate_EDF.shape[0]
+  quantized = isinstance(w_gate_EDF, tuple)
+  local_experts = (w_gate_EDF[0] if quantized else w_gate_EDF).shape[0]
   me = jax.lax.axis_index(expert_axis)
   flat_experts_P = experts_MX.reshape(-1)
   order_P = jnp.argsort(flat_experts_P, stable=True)
@@ -180,9 +198,13 @@ def _local_dispatch(x_MD, weights_MX, experts_MX, w_gate_EDF, w_up_EDF, w_down_E
   order_R = jnp.argsort(expert_R, stable=True)
   group_sizes = recv_counts_NE.sum(0)
   xs_RD = recv_RD[order_R]
-  h_RF = jax.nn.silu(jax.lax.ragged_dot(xs_RD, w_gate_EDF, group_sizes)) * jax.lax.ragged_dot(
-      xs_RD, w_up_EDF, group_sizes)
-  ys_RD = jax.lax.ragged_dot(h_RF, w_down_EFD, group_sizes)[jnp.argsort(order_R)]
+  if quantized:  # rows past the groups (empty slots) get zero sums; their scale index clipped
+    rows_expert_R = jnp.minimum(expert_R[order_R], local_experts - 1)
+    mm = lambda h, w: ragged_int_matmul(h, *w, group_sizes, rows_expert_R, x_MD.dtype)
+  else:
+    mm = lambda h, w: jax.lax.ragged_dot(h, w, group_sizes)
+  h_RF = jax.nn.silu(mm(xs_RD, w_gate_EDF)) * mm(xs_RD, w_up_EDF)
+  ys_RD = mm(h_RF, w_down_EFD)[jnp.argsort(order_R)]
 
   if transport == "ragged_all_to_all":
     ys_PD = jax.lax.ragged_all_to_all(

@@ -157,6 +157,10 @@ class Program:
   state_bytes: int  # per-device bytes of the arguments (exact, from their shardings)
   # Traced with `glm5_jax.cpu_standins` (on XLA:CPU): "MoE via stand-in".
   moe_standin: bool = False
+  # A decode program's (`glm5_jax.planner_decode`), per device: the cache among the arguments,
+  # and the cache bytes one DSA decode step reads.
+  cache_bytes: int = 0
+  read_bytes: int = 0
 
   @property
   def platform(self) -> str:

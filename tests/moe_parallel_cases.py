@@ -9,6 +9,8 @@ output, the aux values, and the gradients w.r.t. the input and every parameter.
 MODE `ragged_transport`: lowers the "ragged_all_to_all" transport and tries to compile it.
 MODE `model`: the tiny model's loss and gradients, expert-parallel on a mesh vs ragged.
 MODE `hlo`: expert-weight all-gathers and all-to-alls in the compiled layer, per impl.
+MODE `quantized`: W4A8 experts expert-parallel vs the unsharded quantized dispatch, and the
+expert-weight all-gathers on the mesh.
 Each prints one JSON line.
 """
 
@@ -172,10 +174,51 @@ def hlo():
   return result
 
 
+def quantized():
+  """Per mesh: the largest difference between W4A8 experts run expert-parallel on the mesh and
+  the unsharded quantized dispatch (forward), and the compiled layer's expert-weight
+  all-gathers."""
+  from glm5_jax import hlo_stats  # pylint: disable=g-import-not-at-top
+  from tools.moe_collectives import expert_weight_gathers  # pylint: disable=g-import-not-at-top
+  rules = sharding.default_logical_axis_rules()
+  x_BLD = jax.random.normal(jax.random.key(0), (8, 12, 64))
+  result = {}
+  for fmt in ("w4a8",):  # W8A8 takes the same path with one scale group
+    cfg = tiny_model_config(**MODEL, quant=fmt, quant_group_size=16)
+    boxed = MoE(cfg).init(jax.random.key(1), x_BLD)["params"]
+    logical, params = nn.get_partition_spec(boxed), nn.meta.unbox(boxed)
+    rng = np.random.default_rng(2)
+    draw = {jnp.uint8: lambda a: rng.integers(0, 256, a.shape).astype(np.uint8),
+            jnp.int8: lambda a: rng.integers(-127, 128, a.shape).astype(np.int8)}
+    params = jax.tree_util.tree_map_with_path(
+        lambda path, a: draw[a.dtype.type](a) if a.dtype.type in draw else
+        rng.uniform(0.01, 0.02, a.shape).astype(np.float32)
+        if jax.tree_util.keystr(path).endswith("_scale']") else a, params)
+    apply = lambda c: jax.jit(lambda p, x: MoE(c).apply({"params": p}, x)[0])
+    ref_y = apply(cfg)(params, x_BLD)
+    for mesh_shape in ({"data": 1, "expert": 8}, {"data": 1, "fsdp": 2, "expert": 4}):
+      mesh = sharding.make_mesh(sharding.mesh_config(**mesh_shape))
+      args = (shard_like(params, logical, mesh, rules),
+              _put(x_BLD, sharding.batch_sharding(mesh, rules, 3)))
+      c = dataclasses.replace(cfg, moe_impl="expert_parallel", moe_transport="all_to_all")
+      with sharding.activation_sharding(mesh, rules):
+        y = apply(c)(*args)
+        lowered = apply(c).lower(*args)
+        text = lowered.compile().as_text()
+      row = {"y": float(np.abs(np.asarray(y) - np.asarray(ref_y)).max()),
+             "expert_weight_gathers": len(expert_weight_gathers(hlo_stats.collectives(text),
+                                                                cfg.n_routed_experts)),
+             "all_to_all_lowered": "all_to_all" in lowered.as_text()}
+      row["y_scale"] = float(np.abs(np.asarray(ref_y)).max())
+      result[f"{fmt} {mesh_shape}"] = row
+  return result
+
+
 if __name__ == "__main__":
   assert jax.device_count() == 8, jax.devices()
   mode = sys.argv[1]
   if mode == "cases":
     print(json.dumps([run_case(case) for case in json.loads(sys.argv[2])]))
   else:
-    print(json.dumps({"ragged_transport": ragged_transport, "model": model, "hlo": hlo}[mode]()))
+    print(json.dumps({"ragged_transport": ragged_transport, "model": model, "hlo": hlo,
+                      "quantized": quantized}[mode]()))

@@ -82,6 +82,18 @@ def test_expert_weights_are_never_all_gathered_across_experts():
   assert [s for s in ep["all_gathers"] if len(s) == 3] == [[4, 64, 32]] * 2 + [[4, 32, 64]], r
 
 
+@pytest.mark.slow  # a subprocess with 8 host devices, three compilations
+def test_quantized_experts_run_expert_parallel_and_equal_the_quantized_dispatch():
+  """W4A8 experts (integer sums, exact) through the expert-parallel shard_map equal the
+  unsharded quantized dispatch; on expert=8 nothing gathers an expert kernel across experts
+  (the TPU compiler all-gathered them all for the global ragged form: docs/quantization.md)."""
+  r = run_worker("quantized")
+  assert len(r) == 2, r
+  for name, row in r.items():
+    assert row["y"] <= 1e-6 * row["y_scale"] and row["all_to_all_lowered"], (name, row)
+  assert r["w4a8 {'data': 1, 'expert': 8}"]["expert_weight_gathers"] == 0, r
+
+
 def _moe_outputs(cfg, params, x_BLD):
   return jax.jit(lambda p, x: MoE(cfg).apply({"params": p}, x))(params, x_BLD)
 

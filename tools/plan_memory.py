@@ -7,6 +7,9 @@
       --layers=2,4 --mode=serve --config.model.param_dtype=bfloat16
   python tools/plan_memory.py --config=configs/glm5_744b.py --target=v5p:8x8x16 \
       --mesh=fsdp=64,expert=4,tensor=4 --seq_len=4096 --remat_policy=full   # the TPU compiler
+  python tools/plan_memory.py --config=configs/glm5_744b.py --target=v5p:2x2x2 --mesh=expert=8 \
+      --mode=decode --cache_len=131072 --sequences=8,16 --config.model.quant=w4a8 \
+      --config.model.moe_impl=ragged --config.model.param_dtype=bfloat16   # a served decode step
 
 Compiler: with `--target=v5p:XxYxZ` (or `v5e:XxY`, `v6e:XxY`) the real TPU compiler compiles
 for that slice ahead of time (`glm5_jax.aot_targets`; needs the `tpu-aot` install extra, no
@@ -20,7 +23,11 @@ each chip's HBM, and per step (every instruction times its loops' trip counts): 
 collectives by kind, mesh axes and source, matmul FLOPs, and a roofline estimate of the step
 time and MFU on the chosen chip (`glm5_jax.roofline`: an estimate, not a measurement).
 `--mode=serve` adds the KV cache of the prefill's batch (computed from `glm5_jax.param_stats`,
-not compiled) to the verdict.
+not compiled) to the verdict. `--mode=decode` compiles the inference engine's decode step
+(`glm5_jax.planner_decode`: one token for each of `--sequences` slots of `--cache_len` cache
+rows, the cache a real sharded argument) at each number of sequences given, fits the total
+bytes per device as a line in the sequences, and prints the most sequences that fit each chip;
+its roofline adds the HBM time of reading the params and the cache rows DSA reads.
 
 `--layers=2,4,8` compiles those depths (1 dense + k-1 MoE layers) and extrapolates linearly to
 the config's depth; the argument bytes at full depth are exact (abstract shapes, no compile).
@@ -31,6 +38,7 @@ depth is compiled. `--config.<field>=...` overrides any config field (e.g.
 
 import functools
 import json
+import math
 import os
 import sys
 
@@ -60,10 +68,10 @@ from absl import app, flags  # pylint: disable=g-import-not-at-top
 import jax  # pylint: disable=g-import-not-at-top
 
 from configs import overrides  # pylint: disable=g-import-not-at-top
-from glm5_jax import aot_targets, hlo_stats, planner, roofline  # pylint: disable=g-import-not-at-top
+from glm5_jax import aot_targets, hlo_stats, planner, planner_decode, roofline  # pylint: disable=g-import-not-at-top
 from glm5_jax.config import ConfigError  # pylint: disable=g-import-not-at-top
 from glm5_jax.config_validation import validate_config  # pylint: disable=g-import-not-at-top
-from glm5_jax.sharding import MESH_AXES  # pylint: disable=g-import-not-at-top
+from glm5_jax.sharding import MESH_AXES, batch_mesh_axes  # pylint: disable=g-import-not-at-top
 from glm5_jax.train import console  # pylint: disable=g-import-not-at-top
 from glm5_jax.train.metrics import flops_per_token  # pylint: disable=g-import-not-at-top
 
@@ -84,8 +92,19 @@ _REMAT = flags.DEFINE_string("remat_policy", None, "model.remat_policy (default:
 _ACCELERATOR = flags.DEFINE_enum("accelerator", None, list(planner.ACCELERATOR_HBM_GIB),
                                  "The chip the verdict and the roofline are for (default: "
                                  "the --target's chip, else v5p).")
-_MODE = flags.DEFINE_enum("mode", "train", ["train", "serve"], "train: the train step with "
-                          "optimizer state; serve: prefill logits, params only.")
+_MODE = flags.DEFINE_enum("mode", "train", ["train", "serve", "decode"], "train: the train "
+                          "step with optimizer state; serve: prefill logits, params only; decode: "
+                          "the engine's decode step with its cache.")
+_CACHE_LEN = flags.DEFINE_integer("cache_len", 131072, "--mode=decode: cache rows per sequence "
+                                  "(the context every slot holds).")
+_SEQUENCES = flags.DEFINE_list("sequences", ["8", "16"], "--mode=decode: sequences (slots) to "
+                               "compile at; two or more also fit a line and give the most that "
+                               "fit. Each a multiple of the batch axes' devices.")
+_CACHE_LAYOUT = flags.DEFINE_enum("cache_layout", "contiguous", planner_decode.CACHE_LAYOUTS,
+                                  "--mode=decode: the engine's contiguous cache, or its paged "
+                                  "pool with page tables.")
+_PAGE_SIZE = flags.DEFINE_integer("page_size", 64, "--mode=decode --cache_layout=paged: rows "
+                                  "per page.")
 _TOP = flags.DEFINE_integer("top", 5, "Largest collectives and sources listed.")
 _JSON = flags.DEFINE_bool("json", False, "Also print every figure as one JSON line.")
 _HLO_OUT = flags.DEFINE_string("hlo_out", None, "Write the deepest compiled program's optimized "
@@ -136,6 +155,8 @@ def main(argv):
   config = planner.with_layout(config, num_devices, _parse_mesh(_MESH.value),
                                _SEQ_LEN.value or config.data.seq_len, _PER_DEVICE_BATCH.value)
   validate_config(config, num_devices)
+  if _MODE.value == "decode":
+    return _decode_main(config, devices, where, chip)
   full_depth = config.model.num_hidden_layers
   depths = sorted({int(k) for k in _LAYERS.value}) or [full_depth]
   build = functools.partial(
@@ -217,7 +238,11 @@ def main(argv):
     print(f"  {name:<5} {gib:4d} GiB  {'fits' if verdict[name] else 'does not fit'}{mark}")
 
   k, deepest, program, cfg = results[-1]
-  estimate = _report_step(k, deepest, program, cfg, chip)
+  per_token = flops_per_token(planner.ModelConfig.from_config(cfg.model), cfg.data.seq_len)
+  if _MODE.value == "serve":
+    per_token /= 3  # a forward pass: a third of training's forward + backward
+  estimate = _report_step(k, deepest, program, chip,
+                          cfg.data.batch_size * cfg.data.seq_len / program.mesh.size, per_token)
 
   if _JSON.value:
     print(json.dumps({
@@ -237,8 +262,10 @@ def main(argv):
         "estimate": dataclasses_asdict(estimate), "full_depth": extra, "fits": verdict}))
 
 
-def _report_step(k, figures, program, cfg, chip):
-  """Prints the per-step collectives, FLOPs and the roofline of the depth-k program."""
+def _report_step(k, figures, program, chip, tokens, per_token, hbm_bytes=None):
+  """Prints the per-step collectives, FLOPs and the roofline of the depth-k program (`tokens`
+  per chip per step, `per_token` model FLOPs or None; `hbm_bytes`: bytes read from HBM per
+  step, for a memory-bound decode step)."""
   found = list(figures.collectives)
   gib = lambda n: f"{n / planner.GIB:10.2f}"
   print(f"\nper step, depth {k}, {figures.compiler}; per device; every instruction times the "
@@ -268,11 +295,6 @@ def _report_step(k, figures, program, cfg, chip):
         f"multiplied); compiled.cost_analysis(): {figures.cost_analysis_flops:.4g} (loop bodies "
         f"once); custom calls per step (FLOPs not counted): {figures.custom_calls}")
 
-  model = planner.ModelConfig.from_config(cfg.model)
-  tokens = cfg.data.batch_size * cfg.data.seq_len / program.mesh.size
-  per_token = flops_per_token(model, cfg.data.seq_len)
-  if _MODE.value == "serve":
-    per_token /= 3  # a forward pass: a third of training's forward + backward
   est = planner.step_estimate(figures, program, chip, tokens, per_token)
   spec = roofline.CHIPS[chip]
   print(f"\nroofline on {chip} ({spec.peak_flops / 1e12:.0f} TFLOP/s bf16, "
@@ -285,10 +307,115 @@ def _report_step(k, figures, program, cfg, chip):
   print(f"  step    {est.overlap_s:8.3f} s with perfect overlap, {est.serial_s:.3f} s without")
   print(f"  {tokens:.0f} tokens per chip per step: {est.tokens_per_s_per_chip['overlap']:.1f} / "
         f"{est.tokens_per_s_per_chip['serial']:.1f} tokens/s per chip (overlap / none)")
-  print(f"  MFU {100 * est.mfu['overlap']:.1f}% / {100 * est.mfu['serial']:.1f}% (overlap / none; "
-        f"model FLOPs {per_token:.4g} per token, glm5_jax.train.metrics.flops_per_token"
-        f"{' / 3' if _MODE.value == 'serve' else ''}, at depth {k})")
+  if per_token is not None:
+    print(f"  MFU {100 * est.mfu['overlap']:.1f}% / {100 * est.mfu['serial']:.1f}% (overlap / "
+          f"none; model FLOPs {per_token:.4g} per token, glm5_jax.train.metrics.flops_per_token"
+          f"{' / 3' if _MODE.value == 'serve' else ''}, at depth {k})")
+  if hbm_bytes is not None:
+    hbm_s = hbm_bytes / spec.hbm_bytes_per_s
+    step = max(est.overlap_s, hbm_s)
+    print(f"  HBM     {hbm_s:8.4f} s   ({hbm_bytes / planner.GIB:.2f} GiB read at "
+          f"{spec.hbm_bytes_per_s / 1e12:.2f} TB/s: every param, the DSA indexer keys of every "
+          "cached row, the latent of the top-k rows)")
+    print(f"  decode step {step:8.4f} s with perfect overlap of compute, communication and HBM, "
+          f"{est.serial_s + hbm_s:.4f} s without: {tokens / step:.1f} / "
+          f"{tokens / (est.serial_s + hbm_s):.1f} tokens/s per chip, "
+          f"{1 / step:.1f} / {1 / (est.serial_s + hbm_s):.1f} tokens/s per sequence")
   return est
+
+
+def _decode_main(config, devices, where, chip):
+  """--mode=decode: the engine's decode step at each --sequences, the line through their totals,
+  the most sequences that fit each chip, and the deepest count's per-step report."""
+  if len(_LAYERS.value) > 1:
+    raise SystemExit("--mode=decode compiles one depth (--layers=k, or none: the full depth) at "
+                     "each of several --sequences")
+  m = config.model
+  depth = int(_LAYERS.value[0]) if _LAYERS.value else m.num_hidden_layers
+  cfg, mix = planner.with_depth(config, depth)
+  counts = sorted({int(n) for n in _SEQUENCES.value})
+  ways = math.prod(config.mesh.shape[a] for a in batch_mesh_axes(config.mesh.logical_axis_rules))
+  print(f"plan: decode, {where}, mesh {dict(config.mesh.shape)}; {_CACHE_LEN.value} cache rows "
+        f"per sequence ({_CACHE_LAYOUT.value} cache, {m.cache_dtype}), sequences split over "
+        f"{ways} devices; quant {m.quant}, param_dtype {m.param_dtype}, dsa_impl {m.dsa_impl}, "
+        f"moe_impl {m.moe_impl}; depth {depth} ({mix}) of {m.num_hidden_layers}", flush=True)
+  results, refused = [], []
+  for n in counts:
+    program = planner_decode.decode_program(cfg, devices, cache_len=_CACHE_LEN.value,
+                                            sequences=n, cache_layout=_CACHE_LAYOUT.value,
+                                            page_size=_PAGE_SIZE.value)
+    print(f"compiling the decode step for {n} sequences ...", flush=True)
+    if program.moe_standin:
+      print("  MoE via stand-in (glm5_jax/cpu_standins.py)", flush=True)
+    try:
+      figures = planner.compile_program(program, hlo_out=_HLO_OUT.value)
+    except jax.errors.JaxRuntimeError as e:  # the TPU compiler refuses a program over its HBM
+      if "RESOURCE_EXHAUSTED" not in str(e):
+        raise
+      print(f"  does not fit {chip}: the compiler refused it: {str(e).splitlines()[0][:300]}",
+            flush=True)
+      refused.append(n)
+      continue
+    mem = figures.memory
+    print(f"  done in {figures.compile_s:.1f} s (HLO {figures.hlo_chars / 1e6:.1f} M chars)",
+          flush=True)
+    if program.platform != "tpu" and mem.argument != program.state_bytes:
+      raise SystemExit(f"{n} sequences: compiled argument bytes {mem.argument} differ from the "
+                       f"abstract inputs' shards {program.state_bytes}")
+    results.append((n, figures, program))
+
+  print(f"\nper-device memory, GiB ({results[-1][1].compiler}, depth {depth}, compiled)"
+        f"{'':4}" + "".join(f"{str(n) + ' seqs':>12}" for n, *_ in results))
+  rows = {"argument": lambda f, p: f.memory.argument,
+          "  of which the cache": lambda f, p: p.cache_bytes,
+          "  of which params + slot arrays": lambda f, p: f.memory.argument - p.cache_bytes,
+          "output": lambda f, p: f.memory.output, "alias": lambda f, p: f.memory.alias,
+          "temp": lambda f, p: f.memory.temp,
+          "generated_code": lambda f, p: f.memory.generated_code,
+          "total (arg + out - alias + temp)": lambda f, p: f.memory.total}
+  for label, get in rows.items():
+    print(f"  {label:<34}" + "".join(f"   {_gib(get(f, p))}" for _, f, p in results))
+  if not results:
+    raise SystemExit(f"no sequence count compiled: {refused} all refused")
+  counts = [n for n, *_ in results]
+  totals = [f.memory.total for _, f, _ in results]
+  for n, total in zip(counts, totals):
+    chips = ", ".join(k for k, ok in planner.fits(total).items() if ok)
+    print(f"  {n} sequences: {total / planner.GIB:.2f} GiB, fits {chips or 'none'}")
+  # The most sequences that fit: params and slot arrays as compiled, the cache exact per
+  # sequence, and the largest workspace compiled (temp + unaliased output) taken for any count.
+  fixed = max(f.memory.argument - p.cache_bytes for _, f, p in results)
+  per_sequence = results[-1][2].cache_bytes / counts[-1]
+  work = max(f.memory.total - f.memory.argument for _, f, _ in results)
+  most = {}
+  print(f"\nthe most sequences that fit (a multiple of the {ways} batch devices): params and slot "
+        f"arrays {fixed / planner.GIB:.2f} GiB + cache {per_sequence / planner.GIB:.4f} GiB per "
+        f"sequence (exact) + the largest compiled temp {work / planner.GIB:.2f} GiB, per device:")
+  for name, gib in planner.ACCELERATOR_HBM_GIB.items():
+    most[name] = planner_decode.most_sequences(gib * planner.GIB, fixed, per_sequence, work, ways)
+    if name == chip and refused:  # what the compiler refused bounds it
+      most[name] = min(most[name], min(refused) - ways)
+    total = fixed + work + per_sequence * most[name]
+    print(f"  {name:<5} {gib:4d} GiB  {most[name]:5d} sequences ({total / planner.GIB:.2f} GiB)")
+
+  # The roofline of the most sequences compiled that fit the chosen chip (else the fewest).
+  fitting = [r for r in results if planner.fits(r[1].memory.total)[chip]]
+  n, figures, program = fitting[-1] if fitting else results[0]
+  print(f"\nper-step report for {n} sequences ({n / program.mesh.size:g} per device)")
+  hbm = figures.memory.argument - program.cache_bytes + program.read_bytes
+  estimate = _report_step(depth, figures, program, chip, n / program.mesh.size, None, hbm)
+  if _JSON.value:
+    print(json.dumps({
+        "mode": "decode", "mesh": dict(config.mesh.shape), "accelerator": chip,
+        "target": _TARGET.value, "compiler": figures.compiler, "depth": depth,
+        "cache_len": _CACHE_LEN.value, "cache_layout": _CACHE_LAYOUT.value,
+        "compiled": [{"sequences": n, "compile_s": f.compile_s, "cache": p.cache_bytes,
+                      "read_bytes": p.read_bytes,
+                      "memory": {**dataclasses_asdict(f.memory), "total": f.memory.total},
+                      "flops_per_step": f.flops, "collectives_per_step": {
+                          key: hlo_stats.summarize_step(list(f.collectives), key)
+                          for key in ("op", "axes")}} for n, f, p in results],
+        "refused": refused, "most_sequences": most, "estimate": dataclasses_asdict(estimate)}))
 
 
 def dataclasses_asdict(x):
