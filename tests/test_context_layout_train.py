@@ -90,9 +90,9 @@ def test_context_layout_is_validated_naming_the_field():
 def test_striped_layout_needs_two_chunks_per_device():
   config = _tiny_config(data=1, context=4)
   config.mesh.context_layout = "striped"
-  config.data.seq_len = 4 * 25  # splits over 4 devices, not into 8 chunks
-  config.model.max_position_embeddings = max(config.model.max_position_embeddings, 100)
-  with pytest.raises(ConfigError, match=r"data\.seq_len=100 does not split over the 8 chunks"):
+  config.data.seq_len = 4 * 65  # splits over 4 devices, not into 8 chunks
+  config.model.max_position_embeddings = max(config.model.max_position_embeddings, 260)
+  with pytest.raises(ConfigError, match=r"data\.seq_len=260 does not split over the 8 chunks"):
     validate_config(config)
   config.mesh.context_layout = "contiguous"
   validate_config(config)
