@@ -51,7 +51,8 @@ RETRIEVAL_TASKS = ("niah_single", "niah_multikey", "niah_multivalue", "niah_mult
 
 def stage_sources(seq_len: int) -> dict:
   """Packed text plus the needle tasks at the stage's length (half to all of `seq_len`
-  tokens): about half the tokens each."""
+  tokens). Weights count drawn documents / examples (`glm5_jax.data`); the token shares they
+  give were not measured. A needle example trains on its answer tokens only."""
   sources = {"python_stdlib": data.source_config("python_stdlib", weight=0.8)}
   options = {"niah_multivalue": dict(num_values=3), "niah_multiquery": dict(num_queries=2)}
   for task in RETRIEVAL_TASKS:
