@@ -2,6 +2,8 @@
 their field, and the tiny model trains a 16K-token stage from the previous stage's checkpoint
 with the context axis over 4 simulated devices, then the retrieval suite scores it at 16K."""
 
+import os
+
 import pytest
 
 from configs import long_context
@@ -42,7 +44,8 @@ def test_unknown_stage_is_refused():
 # The previous stage (one step at 1,024 tokens, to keep it short), then the 16K stage from its
 # checkpoint, one step, one decoder layer and no MTP, context axis over 4 simulated devices;
 # then the retrieval suite at 16,384 tokens (one needle example). Minutes on 2 CPU cores, most
-# of it compiling (the previous stage alone: 99 s on a loaded machine).
+# of it compiling: 99 s for the previous stage and 333 s more for the 16K stage, on a machine
+# shared with other jobs (load average above 10 on 2 cores).
 _SCRIPT = r"""
 import json, time, jax, numpy as np
 from configs import long_context
@@ -76,7 +79,10 @@ print(json.dumps({"step": int(results["meta"]["step"]),
 """
 
 
+# Opt-in: minutes, far over a suite test's budget (docs/training.md "Long context").
 @pytest.mark.slow
+@pytest.mark.skipif(os.environ.get("GLM5_JAX_LONG_CONTEXT_STAGE") != "1",
+                    reason="the 16K stage takes minutes on CPU; set GLM5_JAX_LONG_CONTEXT_STAGE=1")
 def test_tiny_16k_stage_trains_from_the_previous_stage_with_context_parallelism(tmp_path):
   result = run_on_host_devices(_SCRIPT.replace("ROOT", repr(str(tmp_path))), devices=4,
                                timeout=1200)
