@@ -11,6 +11,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import linen as nn
 
+from glm5_jax.attention import context_parallel
 from glm5_jax.attention.mode import Mode
 from glm5_jax.config import ModelConfig
 from glm5_jax.model import GLM5
@@ -23,7 +24,10 @@ def build_model(config) -> GLM5:
 
 
 def _boxed_init(model: GLM5, rng):
-  tokens = jnp.zeros(_INIT_SHAPE, jnp.int32)
+  # Under a mesh with a context axis (the trainer traces the init there) the sequence must
+  # split into 2 chunks per context device; the params do not depend on its length.
+  batch, length = _INIT_SHAPE
+  tokens = jnp.zeros((batch, length * context_parallel.context_ways()), jnp.int32)
   return model.init(rng, tokens)["params"]
 
 

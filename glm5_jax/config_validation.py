@@ -88,7 +88,8 @@ def validate_config(config, num_devices: int | None = None, *, process_count: in
   if mesh_sizes["context"] > 1:
     check_context_parallel(expand_pattern(config.model.attention_pattern,
                                           config.model.num_hidden_layers),
-                           mesh_sizes["context"], config.data.seq_len, "data.seq_len")
+                           mesh_sizes["context"], config.data.seq_len, "data.seq_len",
+                           layout=config.mesh.context_layout)
   if config.eval.every_steps:
     held_out = [name for name, spec in sources.items()
                 if spec["kind"] == "synthetic" or spec["holdout_fraction"] > 0]

@@ -9,6 +9,7 @@ from flax import linen as nn
 
 from glm5_jax import routing_replay
 from glm5_jax.attention import context_parallel
+from glm5_jax.attention.decode_rows import StackedLayerCache
 from glm5_jax.attention.kinds import KINDS_BY_NAME
 from glm5_jax.attention.mode import Mode
 from glm5_jax.config import ModelConfig
@@ -182,11 +183,15 @@ class GLM5(nn.Module):
     (`_unrolled_run`).
 
     Decode: the run's cache, stacked `[layers, B, ...]` like its params, rides in the scan's
-    carry with the layer index j: layer j reads slice j and writes its update back into the
-    same carried buffer, so one compiled body serves every layer and, with the cache donated
-    to the jitted step (`glm5_jax.infer.step`), the update is in place. Scanning the cache as
-    the scan's input and output instead needs a second copy of the run's cache as scratch
-    (measured: tests/test_decode_cache.py, `..._without_copying_the_run`).
+    carry with the layer index j, so one compiled body serves every layer and, with the cache
+    donated to the jitted step (`glm5_jax.infer.step`), the update is in place. A kind with
+    `decode_in_stack` (M, D, R, G, S) gets layer j of the stack (`decode_rows.
+    StackedLayerCache`) and scatters only its new rows into it; the others (the recurrent N, L)
+    read slice j and write it back whole. Slicing, updating and writing back the whole layer
+    copied every cached row per layer per step (D at 64K: 30x the 8K step, docs/scaling.md
+    "Long-context decode"). Scanning the cache as the scan's input and output instead needs a
+    second copy of the run's cache as scratch (tests/test_decode_cache.py,
+    `..._without_copying_the_run`).
     """
     kind = KINDS_BY_NAME[run.attention_kind]
     step = _layer_step(positions_BL, segment_ids_BL, mode, return_routing)
@@ -197,11 +202,18 @@ class GLM5(nn.Module):
     # Replayed routing (`{kind: [layers, B, L, k]}`) is the scan's input: layer j gets slice j.
     def body(layer, carry, layer_routing):
       x_BLD, topk_BLT, j, run_cache = carry
-      layer_cache = None if run_cache is None else jax.tree.map(
-          lambda c: jax.lax.dynamic_index_in_dim(c, j, keepdims=False), run_cache)
+      if run_cache is None:
+        layer_cache = None
+      elif kind.decode_in_stack:
+        layer_cache = StackedLayerCache(run_cache, j)
+      else:
+        layer_cache = jax.tree.map(lambda c: jax.lax.dynamic_index_in_dim(c, j, keepdims=False),
+                                   run_cache)
       x_BLD, aux = step(layer, x_BLD, topk_BLT if kind.needs_prev_topk else None, layer_cache,
                         layer_routing)
-      if run_cache is not None:
+      if run_cache is not None and kind.decode_in_stack:
+        run_cache = aux["cache"].arrays
+      elif run_cache is not None:
         run_cache = jax.tree.map(lambda c, u: jax.lax.dynamic_update_index_in_dim(c, u, j, 0),
                                  run_cache, aux["cache"])
       new_topk_BLT = aux.get("topk_indices", topk_BLT) if kind.needs_prev_topk else topk_BLT

@@ -196,7 +196,7 @@ def train_program(config, devices=None) -> Program:
   `devices` (default: jax's; or an AOT target's, `glm5_jax.aot_targets`), with abstract state
   and batch."""
   model = ModelConfig.from_config(config.model)
-  step_cfg = StepConfig.from_config(config.train)
+  step_cfg = StepConfig.from_config(config.train, config.mesh.context_layout)
   mesh = make_mesh(config.mesh, devices)
   optimizer, schedule, params_sharding, _ = optimizer_and_param_shardings(
       config, model, step_cfg, mesh)

@@ -25,6 +25,7 @@ import numpy as np
 from flax import linen as nn
 from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec
 
+from glm5_jax.attention.mode import CONTEXT_LAYOUTS
 from glm5_jax.config import ConfigError, check_fields, require
 from glm5_jax.layers import axes as logical_axes
 
@@ -37,6 +38,10 @@ def mesh_config(**axis_sizes) -> ml_collections.ConfigDict:
   c.shape = ml_collections.ConfigDict(dict(data=-1, fsdp=1, context=1, expert=1, tensor=1))
   c.shape.update(axis_sizes)
   c.logical_axis_rules = default_logical_axis_rules()
+  # How a sequence's tokens lie over the `context` axis in training: "contiguous" (device i
+  # holds the i-th L / context positions) or "striped" (load-balanced causal work,
+  # `glm5_jax.attention.context_parallel.stripe`); no effect while mesh.shape.context is 1.
+  c.context_layout = "contiguous"
   return c
 
 
@@ -92,6 +97,8 @@ def validate_mesh_config(mesh, num_devices: int | None = None) -> dict[str, int]
   elif num_devices is not None:
     require(fixed == num_devices, "mesh.shape", f"axes {sizes} multiply to {fixed} but there "
             f"are {num_devices} devices")
+  require(mesh.context_layout in CONTEXT_LAYOUTS, "mesh.context_layout",
+          f"must be one of {CONTEXT_LAYOUTS}, got {mesh.context_layout!r}")
   for rule in mesh.logical_axis_rules:
     require(isinstance(rule, (tuple, list)) and len(rule) == 2 and isinstance(rule[0], str),
             "mesh.logical_axis_rules", f"each rule is (logical name, mesh axes), got {rule!r}")

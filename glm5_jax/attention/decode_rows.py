@@ -8,6 +8,7 @@ later real token reads: its rows are scattered to an out-of-range index and drop
 Notation (docs/design.md): B slots, L new tokens this call, S cache rows.
 """
 
+import jax
 import jax.numpy as jnp
 
 
@@ -45,3 +46,45 @@ def write_rows(cache_BS, rows_BL, row_index_BL, keep_BL):
   index_BL = jnp.where(keep_BL, row_index_BL, s)  # s is out of range: dropped
   slot_BL = jnp.broadcast_to(jnp.arange(b)[:, None], index_BL.shape)
   return cache_BS.at[slot_BL, index_BL].set(rows_BL.astype(cache_BS.dtype), mode="drop")
+
+
+class StackedLayerCache:
+  """Layer `layer` of a scanned run's stacked decode cache, `arrays` `{name: [layers, B, ...]}`
+  (`glm5_jax.model.GLM5._scanned_run`), read and written where it lies.
+
+  Reading `cache[name]` gives the layer's `[B, ...]` array (a dynamic slice of the stack, which
+  XLA may fuse into its consumer); `with_rows` scatters new rows straight into the stack at
+  `[layer, slot, row]`. A kind that updates its cache only through `with_rows` thus writes
+  O(new rows) per step: slicing the layer out, updating the slice and writing the whole slice
+  back copied every cached row of every layer each decode step (docs/scaling.md "Long-context
+  decode"). Keys, `in` and iteration are the arrays' names, as for a layer's dict.
+  """
+
+  def __init__(self, arrays: dict, layer):
+    self.arrays, self.layer = arrays, layer
+
+  def keys(self):
+    return self.arrays.keys()
+
+  def __iter__(self):
+    return iter(self.arrays)
+
+  def __contains__(self, name) -> bool:
+    return name in self.arrays
+
+  def __getitem__(self, name: str):
+    return jax.lax.dynamic_index_in_dim(self.arrays[name], self.layer, keepdims=False)
+
+
+def with_rows(cache, name: str, rows_BL, row_index_BL, keep_BL):
+  """The layer cache (a dict of `[B, S, ...]` arrays, or a `StackedLayerCache`) with
+  `write_rows(cache[name], rows_BL, row_index_BL, keep_BL)`, the same type back; the stacked
+  form scatters into the stack in place (rows dropped as `write_rows` drops them)."""
+  if not isinstance(cache, StackedLayerCache):
+    return {**cache, name: write_rows(cache[name], rows_BL, row_index_BL, keep_BL)}
+  stack = cache.arrays[name]
+  b, s = stack.shape[1:3]
+  index_BL = jnp.where(keep_BL, row_index_BL, s)  # s is out of range: dropped
+  slot_BL = jnp.broadcast_to(jnp.arange(b)[:, None], index_BL.shape)
+  stack = stack.at[cache.layer, slot_BL, index_BL].set(rows_BL.astype(stack.dtype), mode="drop")
+  return StackedLayerCache({**cache.arrays, name: stack}, cache.layer)

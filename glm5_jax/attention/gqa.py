@@ -76,8 +76,8 @@ def _decode_attention(q_BLHK, k_BLGK, v_BLGK, positions_BL, segment_ids_BL, cach
   """Writes the real new tokens' K / V at their positions, then attends each query to the cache
   rows at positions <= its own. Returns `(out_BLHK, new cache)`."""
   real_BL = decode_rows.real_tokens(segment_ids_BL)
-  new = {"k": decode_rows.write_rows(cache["k"], k_BLGK, positions_BL, real_BL),
-         "v": decode_rows.write_rows(cache["v"], v_BLGK, positions_BL, real_BL)}
+  new = decode_rows.with_rows(cache, "k", k_BLGK, positions_BL, real_BL)
+  new = decode_rows.with_rows(new, "v", v_BLGK, positions_BL, real_BL)
   rows_S = jnp.arange(new["k"].shape[1])
   visible_BLS = rows_S[None, None, :] <= positions_BL[:, :, None]
   out_BLHK, _ = attend(q_BLHK, new["k"].astype(q_BLHK.dtype), new["v"].astype(q_BLHK.dtype),

@@ -62,6 +62,11 @@ class AttentionKind:
       returns `aux["cache_steps"]` (each entry after each token, `[B, L, ...]`), and a
       rejected speculative draft is undone by picking a step (`glm5_jax.infer.rollback`);
       otherwise rejected rows are never read and rollback is a no-op.
+    decode_in_stack: the decode branch writes its cache only through `decode_rows.with_rows`,
+      so a scanned run hands it its layer of the stacked cache (`decode_rows.
+      StackedLayerCache`) and the new rows land in the stack in place; other kinds get the
+      layer's slice and the run writes it back whole (O(cache) per layer per step: fine for a
+      recurrent state, the N and L kinds).
   """
 
   letter: str
@@ -77,6 +82,7 @@ class AttentionKind:
   needs_prev_topk: bool = False
   decode_cache: Callable[["ModelConfig", int, int, int], dict[str, Any]] | None = None
   decode_steps: bool = False
+  decode_in_stack: bool = False
 
 
 # --- sizes and FLOPs, as functions of the config ----------------------------------------------
@@ -227,7 +233,7 @@ ATTENTION_KINDS: dict[str, AttentionKind] = {k.letter: k for k in (
         description="dense multi-head latent attention (docs/reference.md section 2, MLA)",
         cache_numbers_per_token=lambda cfg: {"mla_latent": _mla_latent(cfg)},
         recurrent_state_bytes=_no_state, attention_flops_per_token=_dense_mla_flops,
-        mtp_letter="M", decode_cache=_mla_decode_cache),
+        mtp_letter="M", decode_cache=_mla_decode_cache, decode_in_stack=True),
     AttentionKind(
         letter="D", name="dsa", family="mla",
         description="DSA: MLA restricted to the top-k keys chosen by this layer's lightning "
@@ -236,7 +242,8 @@ ATTENTION_KINDS: dict[str, AttentionKind] = {k.letter: k for k in (
         cache_numbers_per_token=lambda cfg: {"mla_latent": _mla_latent(cfg),
                                              "dsa_indexer_keys": cfg.index_head_dim},
         recurrent_state_bytes=_no_state, attention_flops_per_token=_dsa_flops,
-        mtp_letter="D", provides_topk=True, decode_cache=_dsa_decode_cache),
+        mtp_letter="D", provides_topk=True, decode_cache=_dsa_decode_cache,
+        decode_in_stack=True),
     AttentionKind(
         letter="R", name="dsa_shared_topk", family="mla",
         description="DSA that reuses the previous layer's top-k selection and has no indexer "
@@ -245,7 +252,7 @@ ATTENTION_KINDS: dict[str, AttentionKind] = {k.letter: k for k in (
         recurrent_state_bytes=_no_state, attention_flops_per_token=_dsa_flops,
         # The MTP pass has no previous DSA layer: after an R layer it gets an indexer.
         mtp_letter="D", provides_topk=True, needs_prev_topk=True,
-        decode_cache=_mla_decode_cache),
+        decode_cache=_mla_decode_cache, decode_in_stack=True),
     AttentionKind(
         letter="G", name="gqa", family="gqa",
         description="grouped-query attention with `num_key_value_heads` KV heads of "
@@ -253,7 +260,7 @@ ATTENTION_KINDS: dict[str, AttentionKind] = {k.letter: k for k in (
         cache_numbers_per_token=lambda cfg: {
             "gqa_kv": 2 * cfg.num_key_value_heads * cfg.gqa_head_dim},
         recurrent_state_bytes=_no_state, attention_flops_per_token=_gqa_flops,
-        mtp_letter="G", decode_cache=_gqa_cache),
+        mtp_letter="G", decode_cache=_gqa_cache, decode_in_stack=True),
     AttentionKind(
         letter="S", name="swa", family="mla",
         description="sliding-window MLA: the M layer's params and math, each query sees its "
@@ -266,7 +273,7 @@ ATTENTION_KINDS: dict[str, AttentionKind] = {k.letter: k for k in (
         # and an int32 position per row, `_swa_cache`; not counted here.)
         cache_numbers_per_token=lambda cfg: {"swa_latent": _mla_latent(cfg)},
         recurrent_state_bytes=_no_state, attention_flops_per_token=_swa_flops,
-        mtp_letter="S", decode_cache=_swa_cache),
+        mtp_letter="S", decode_cache=_swa_cache, decode_in_stack=True),
     AttentionKind(
         letter="N", name="gdn", family="mla",
         description="Gated DeltaNet (arXiv 2412.06464) on the M layer's q/k/v/o projections: "

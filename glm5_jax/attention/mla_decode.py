@@ -34,7 +34,7 @@ T top-k.
 import jax.numpy as jnp
 
 import pallas_kernels
-from glm5_jax.attention.decode_rows import write_rows
+from glm5_jax.attention.decode_rows import with_rows
 from glm5_jax.attention.dsa import topk_mask
 from glm5_jax.layers.axes import BATCH
 from glm5_jax.layers.params import context_split
@@ -58,11 +58,12 @@ def decode_attention(c, latents, scale, positions_BQ, segment_ids_BQ, index_qkw,
     positions_BQ: absolute int positions; segment_ids_BQ: 1 real, 0 padding.
     index_qkw: the indexer's `(q_BQJI, k_BQI, weights_BQJ)` of a D layer that selects, or None.
     given_topk_BQT: an R layer's selection from the previous layer (cache rows), or None.
-    cache: this layer's `{"ckv", "k_rope"[, "index_k"]}`.
+    cache: this layer's `{"ckv", "k_rope"[, "index_k"]}`, a dict or (a scanned run) a
+      `decode_rows.StackedLayerCache`, written in place.
     dsa_stage: `Mode.dsa_stage`; only "sparse" restricts attention to the selection.
     attend_absorbed: `mla._absorbed_attention` (latents over the cache, mask, scale).
   Returns:
-    `(out_BQHV, aux)`: aux holds `cache` (the updated dict, same keys, shapes and dtypes) and,
+    `(out_BQHV, aux)`: aux holds `cache` (updated, same type, keys, shapes and dtypes) and,
     when a selection exists, `topk_indices [B, Q, T]` (cache rows, -1 = empty).
   """
   missing = sorted({"ckv", "k_rope"} - set(cache) | ({"index_k"} - set(cache)
@@ -73,10 +74,8 @@ def decode_attention(c, latents, scale, positions_BQ, segment_ids_BQ, index_qkw,
   num_rows = cache["ckv"].shape[1]
   real_BQ = segment_ids_BQ != 0
   q_pos_BQ = jnp.where(real_BQ, positions_BQ, -1).astype(jnp.int32)
-  new_cache = dict(cache)
-  new_cache["ckv"] = write_rows(cache["ckv"], latents.ckv_BSC, positions_BQ, real_BQ)
-  new_cache["k_rope"] = write_rows(cache["k_rope"], latents.k_rope_BSR, positions_BQ,
-                                  real_BQ)
+  new_cache = with_rows(cache, "ckv", latents.ckv_BSC, positions_BQ, real_BQ)
+  new_cache = with_rows(new_cache, "k_rope", latents.k_rope_BSR, positions_BQ, real_BQ)
   dtype = latents.q_nope_BLHN.dtype
   ckv_BSC = new_cache["ckv"].astype(dtype)
   k_rope_BSR = new_cache["k_rope"].astype(dtype)
@@ -85,7 +84,7 @@ def decode_attention(c, latents, scale, positions_BQ, segment_ids_BQ, index_qkw,
   topk_BQT = given_topk_BQT
   if index_qkw is not None:
     q_BQJI, k_BQI, weights_BQJ = index_qkw
-    new_cache["index_k"] = write_rows(cache["index_k"], k_BQI, positions_BQ, real_BQ)
+    new_cache = with_rows(new_cache, "index_k", k_BQI, positions_BQ, real_BQ)
     index_k_BSI = new_cache["index_k"].astype(k_BQI.dtype)
     # Every cached row belongs to the slot's one sequence: causality by position is the mask.
     q_seg_BQ = jnp.ones_like(q_pos_BQ)

@@ -125,7 +125,7 @@ def _ring_decode(module, c, x_BLD, positions_BL, segment_ids_BL, cache):
   last_B = jnp.max(jnp.where(real_BL, positions_BL, -1), axis=1)
   keep_BL = real_BL & (positions_BL > last_B[:, None] - rows)  # distinct rows mod `rows`
   row_BL = positions_BL % rows
-  new = {"ckv": decode_rows.write_rows(cache["ckv"], ckv_BLC, row_BL, keep_BL),
-         "k_rope": decode_rows.write_rows(cache["k_rope"], k_rope_BLR, row_BL, keep_BL),
-         "pos": decode_rows.write_rows(cache["pos"], positions_BL, row_BL, keep_BL)}
+  new = decode_rows.with_rows(cache, "ckv", ckv_BLC, row_BL, keep_BL)
+  new = decode_rows.with_rows(new, "k_rope", k_rope_BLR, row_BL, keep_BL)
+  new = decode_rows.with_rows(new, "pos", positions_BL, row_BL, keep_BL)
   return mla_output(module, c, out_BLHV), {"cache": new}

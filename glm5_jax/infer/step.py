@@ -20,6 +20,8 @@ import typing
 import jax
 import jax.numpy as jnp
 
+from glm5_jax.attention.decode_rows import StackedLayerCache
+from glm5_jax.attention.kinds import layer_kind
 from glm5_jax.attention.mode import DSA_STAGES, Mode
 from glm5_jax.config import ModelConfig, require_model_config
 from glm5_jax.infer.cache import MTP_CACHE_SCHEMES, layer_cache_specs
@@ -107,13 +109,20 @@ def _mtp_step(params, cache, h_prev_BQD, tokens_BQ, positions_BQ, segment_ids_BQ
   valid_BQ = valid_tokens(tokens_BQ, cfg.vocab_size)
   e_BQD = embed_tokens(params["embed_tokens"], tokens_BQ, valid_BQ, dtype)
   layer_cache = cache["mtp"]
-  if mtp_cache == "per_depth":
+  # "per_depth": the depth's cache is layer depth - 1 of a stack; a kind that writes only its
+  # new rows writes them there in place (as a scanned run does, `GLM5._scanned_run`).
+  in_stack = layer_kind(cfg.attention_pattern, cfg.num_hidden_layers).decode_in_stack
+  if mtp_cache == "per_depth" and in_stack:
+    layer_cache = StackedLayerCache(layer_cache, depth - 1)
+  elif mtp_cache == "per_depth":
     layer_cache = jax.tree.map(lambda x: x[depth - 1], layer_cache)
   h_BQD, normed_BQD, aux = MTPLayer(cfg).apply(
       {"params": params["mtp"]}, h_prev_BQD, e_BQD, positions_BQ, segment_ids_BQ,
       mode=Mode(form="decode", dsa_stage=dsa_stage), cache=layer_cache)
   new_mtp = aux["cache"]
-  if mtp_cache == "per_depth":
+  if mtp_cache == "per_depth" and in_stack:
+    new_mtp = new_mtp.arrays
+  elif mtp_cache == "per_depth":
     new_mtp = jax.tree.map(lambda all_, one: all_.at[depth - 1].set(one), cache["mtp"], new_mtp)
   logits_BQY = lm_head_logits(params["lm_head"], normed_BQD, valid_BQ, dtype)
   return StepOutput(logits_BQY, h_BQD, {**cache, "mtp": new_mtp})

@@ -18,6 +18,8 @@ Notation (docs/design.md): B batch, L sequence, Y vocab.
 import jax
 import jax.numpy as jnp
 
+from glm5_jax.attention import context_parallel
+
 
 def token_logprobs(logits_BLY, tokens_BL):
   """Log-prob and entropy of the main head's distribution for each token, float32, aligned to
@@ -70,21 +72,39 @@ def cross_entropy(logits_BLY, targets_BL, weights_BL, z_loss_weight: float = 0.0
           "accuracy": accuracy, "weight": weight}
 
 
-def lm_losses(out, batch, *, z_loss_weight=0.0):
-  """Main-head next-token loss."""
+def slot_targets(batch, offset: int, ways: int):
+  """`(targets_BL, weights_BL)` in the striped layout for `ways` context devices
+  (`context_parallel.stripe`): for the slot holding sequence index i, token i + offset and
+  `target_weights`' weight of predicting it (0 for the last `offset` indices, which have no
+  target). `batch` is in sequence order."""
+  pad = ((0, 0), (0, offset))
+  targets_BL = jnp.pad(batch["tokens"][:, offset:], pad)
+  weights_BL = jnp.pad(target_weights(batch["segment_ids"], batch["loss_mask"], offset), pad)
+  return (context_parallel.stripe(targets_BL, ways), context_parallel.stripe(weights_BL, ways))
+
+
+def lm_losses(out, batch, *, z_loss_weight=0.0, ways: int = 1):
+  """Main-head next-token loss. `ways` > 1: `out` is in the striped layout for that many
+  context devices, `batch` in sequence order (`slot_targets`)."""
+  if ways > 1:
+    return cross_entropy(out["logits"], *slot_targets(batch, 1, ways), z_loss_weight)
   tokens = batch["tokens"]
   weights = target_weights(batch["segment_ids"], batch["loss_mask"], 1)
   return cross_entropy(out["logits"][:, :-1], tokens[:, 1:], weights, z_loss_weight)
 
 
-def mtp_losses(out, batch):
-  """Per-depth MTP losses: a list of `cross_entropy` dicts, depth 1 first."""
+def mtp_losses(out, batch, *, ways: int = 1):
+  """Per-depth MTP losses: a list of `cross_entropy` dicts, depth 1 first (`ways`: as
+  `lm_losses`)."""
   tokens = batch["tokens"]
   results = []
   for d, logits_BLY in enumerate(out.get("mtp_logits", ()), start=1):
     offset = d + 1
     if offset >= tokens.shape[1]:
       break
+    if ways > 1:
+      results.append(cross_entropy(logits_BLY, *slot_targets(batch, offset, ways)))
+      continue
     weights = target_weights(batch["segment_ids"], batch["loss_mask"], offset)
     results.append(cross_entropy(logits_BLY[:, :-offset], tokens[:, offset:], weights))
   return results

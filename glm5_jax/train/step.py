@@ -20,6 +20,7 @@ import optax
 from flax import traverse_util
 
 from glm5_jax.api import forward
+from glm5_jax.attention import context_parallel
 from glm5_jax.attention.mode import Mode
 from glm5_jax.config import ModelConfig, require
 from glm5_jax.layers.axes import BATCH
@@ -45,12 +46,15 @@ class StepConfig:
   sequence_balance_weight: float = 0.0
   balance_bias_rate: float = 1e-3
   microbatches: int = 1  # gradient accumulation: see `loss_and_grads`
+  context_layout: str = "contiguous"  # `mesh.context_layout`: see `compute_loss`
 
   @classmethod
-  def from_config(cls, train_config) -> "StepConfig":
+  def from_config(cls, train_config, context_layout: str = "contiguous") -> "StepConfig":
+    """From the `train` section and `mesh.context_layout`."""
     fields = {f.name: train_config[f.name] for f in dataclasses.fields(cls)
-              if f.name != "trains_main_model"}
-    return cls(**fields, trains_main_model=train_config.dsa_stage != "warmup")
+              if f.name not in ("trains_main_model", "context_layout")}
+    return cls(**fields, trains_main_model=train_config.dsa_stage != "warmup",
+               context_layout=context_layout)
 
   def dense_phase(self) -> "StepConfig":
     """The step of `train.dsa_dense_steps`: dense attention, indexers learning their KL."""
@@ -61,12 +65,24 @@ def compute_loss(model: ModelConfig, step_cfg: StepConfig, params, batch):
   """Returns `(total_loss, (metrics, expert_counts, predictions_BL, token_nll_BL))`:
   the main head's guess (argmax) for token i and token i's negative log-likelihood, `[B, L]`
   aligned to the tokens as `losses.token_logprobs` (column 0: -1 and 0, nothing predicts
-  token 0); used by evaluation, ignored by training, so they are compiled away."""
-  out = forward(model, params, batch["tokens"], batch["positions"], batch["segment_ids"],
-                mode=Mode(dsa_stage=step_cfg.dsa_stage))
-  lm = losses.lm_losses(out, batch, z_loss_weight=step_cfg.z_loss_weight)
-  mtp = losses.mtp_losses(out, batch)
-  kl = losses.mean_indexer_kl(out, batch)
+  token 0); used by evaluation, ignored by training, so they are compiled away.
+
+  `step_cfg.context_layout` "striped" with a context axis > 1 in the mesh in context: the
+  batch (sequence order) is permuted into the striped layout (`context_parallel.stripe`, int
+  ids only) and the model runs `Mode(context_layout="striped")`; its outputs stay striped and
+  the losses score each slot against its striped target (`losses.lm_losses(ways=...)`), so no
+  `[B, L, Y]` logits are permuted back. The same losses and gradients as the contiguous layout,
+  to float rounding (tests/test_context_layout_train.py)."""
+  ways = (context_parallel.layout_ways(step_cfg.context_layout)
+          if step_cfg.context_layout == "striped" else 1)
+  layout = "striped" if ways > 1 else "contiguous"
+  inputs = {k: batch[k] if ways == 1 else context_parallel.stripe(batch[k], ways)
+            for k in ("tokens", "positions", "segment_ids")}
+  out = forward(model, params, inputs["tokens"], inputs["positions"], inputs["segment_ids"],
+                mode=Mode(dsa_stage=step_cfg.dsa_stage, context_layout=layout))
+  lm = losses.lm_losses(out, batch, z_loss_weight=step_cfg.z_loss_weight, ways=ways)
+  mtp = losses.mtp_losses(out, batch, ways=ways)
+  kl = losses.mean_indexer_kl(out, {**batch, **inputs})
   balance = losses.mean_sequence_balance_loss(out)
   mtp_loss = jnp.mean(jnp.stack([m["ce"] for m in mtp])) if mtp else jnp.zeros(())
   terms = {"lm_loss": lm["ce"], "z_loss": lm["z_loss"],
@@ -77,9 +93,18 @@ def compute_loss(model: ModelConfig, step_cfg: StepConfig, params, batch):
   for d, m in enumerate(mtp, start=1):
     metrics[f"mtp{d}_loss"] = m["ce"]
     metrics[f"mtp{d}_accuracy"] = m["accuracy"]
-  predictions_BL = losses.to_tokens(
-      jnp.argmax(out["logits"][:, :-1], axis=-1).astype(jnp.int32), -1)
-  token_nll_BL = -losses.token_logprobs(out["logits"], batch["tokens"])[0]
+  if ways == 1:
+    predictions_BL = losses.to_tokens(
+        jnp.argmax(out["logits"][:, :-1], axis=-1).astype(jnp.int32), -1)
+    token_nll_BL = -losses.token_logprobs(out["logits"], batch["tokens"])[0]
+  else:  # per slot, then back in sequence order ([B, L] ids and floats, not the logits)
+    targets_BL, _ = losses.slot_targets(batch, 1, ways)
+    logp_BL = jnp.take_along_axis(jax.nn.log_softmax(out["logits"].astype(jnp.float32)),
+                                  targets_BL[..., None], axis=-1)[..., 0]
+    guess_BL = jnp.argmax(out["logits"], axis=-1).astype(jnp.int32)
+    in_order = lambda x_BL: context_parallel.unstripe(x_BL, ways)[:, :-1]
+    predictions_BL = losses.to_tokens(in_order(guess_BL), -1)
+    token_nll_BL = -losses.to_tokens(in_order(logp_BL), 0.0)
   return total, (metrics, losses.expert_counts(out), predictions_BL, token_nll_BL)
 
 

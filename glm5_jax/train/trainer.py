@@ -73,7 +73,7 @@ def build_trainer(config) -> Trainer:
   # ---- config and mesh
   validate_config(config, jax.device_count(), process_count=jax.process_count())
   model = ModelConfig.from_config(config.model)
-  step_cfg = StepConfig.from_config(config.train)
+  step_cfg = StepConfig.from_config(config.train, config.mesh.context_layout)
   mesh = make_mesh(config.mesh)
   rules = config.mesh.logical_axis_rules
   inputs_sharding = batch_sharding(mesh, rules)  # every batch array is [B, L]
