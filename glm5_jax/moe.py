@@ -167,7 +167,8 @@ class MoE(nn.Module):
       y_MD = dispatch_quantized_experts(x_MD, weights_MX, experts_MX, *experts)
     elif c.moe_impl == "expert_parallel" and moe_parallel.context_mesh() is not None:
       y_MD = moe_parallel.expert_parallel_dispatch(x_MD, weights_MX, experts_MX, *experts,
-                                                   transport=c.moe_transport)
+                                                   transport=c.moe_transport,
+                                                   matmul=c.moe_matmul)
     else:  # "ragged", or no mesh in context (init, one device): the same numbers, locally
       y_MD, _ = dispatch_experts(x_MD, weights_MX, experts_MX, *experts)
     valid_BL = jnp.ones((b, l), bool) if valid_BL is None else valid_BL

@@ -16,7 +16,8 @@ expert's weights. Here the layout is explicit, under `jax.shard_map` over the wh
 
 Per shard: sort the local pairs by expert (as the reference), exchange per-expert counts with
 one small all-to-all, send each pair's row to the device holding its expert, sort the received
-rows by local expert, `ragged_dot` over the local experts, un-sort, send back, un-sort, and
+rows by local expert, a grouped matmul over the local experts (`ragged_dot`; megablox on TPU,
+`glm5_jax.grouped_matmul`), un-sort, send back, un-sort, and
 combine with the router weights as the reference (inverse permutation + weighted sum: no
 scatter-add, so deterministic). Routing, `expert_counts` and the balance loss stay in
 `glm5_jax.moe.MoE`, computed on the global token array exactly as for "ragged".
@@ -44,6 +45,7 @@ import jax.numpy as jnp
 from flax import linen as nn
 from jax.sharding import PartitionSpec
 
+from glm5_jax import grouped_matmul
 from glm5_jax.layers import axes as logical_axes
 
 TRANSPORTS = ("ragged_all_to_all", "all_to_all")
@@ -61,13 +63,16 @@ def _mesh_axes(rules, logical_name):
 
 
 def expert_parallel_dispatch(x_MD, weights_MX, experts_MX, w_gate_EDF, w_up_EDF, w_down_EFD,
-                             *, transport="ragged_all_to_all", mesh=None, rules=None):
+                             *, transport="ragged_all_to_all", matmul="auto", mesh=None,
+                             rules=None):
   """`glm5_jax.moe.dispatch_experts`'s mixture `y_MD`, computed expert-parallel.
 
   Args:
     x_MD, weights_MX, experts_MX: global arrays (any sharding), as for `dispatch_experts`.
     w_*: the global expert kernels `[E, D, F]`, `[E, D, F]`, `[E, F, D]`.
     transport: "ragged_all_to_all" or "all_to_all" (see the module docstring).
+    matmul: the local grouped matmul, `model.moe_matmul`: "auto", "ragged_dot" or "megablox"
+      (`glm5_jax.grouped_matmul`).
     mesh: defaults to the context mesh (`jax.set_mesh`); required.
     rules: logical axis rules; default the flax context's (`nn.logical_axis_rules`).
   Returns:
@@ -117,14 +122,21 @@ def expert_parallel_dispatch(x_MD, weights_MX, experts_MX, w_gate_EDF, w_up_EDF,
 
   tokens = PartitionSpec(token_axes, None)
   f_spec = f_axes if f_axes else None
+  impl = grouped_matmul.default_impl() if matmul == "auto" else matmul
   local = functools.partial(_local_dispatch, expert_axis=expert_axis, n=n, f_axes=f_axes,
-                            transport=transport)
+                            transport=transport, matmul=impl)
   y_MD = jax.shard_map(
       local, mesh=mesh,
       in_specs=(tokens, tokens, tokens, PartitionSpec(expert_axis, None, f_spec),
                 PartitionSpec(expert_axis, None, f_spec),
                 PartitionSpec(expert_axis, f_spec, None)),
-      out_specs=tokens)(x_MD, weights_MX, experts_MX, w_gate_EDF, w_up_EDF, w_down_EFD)
+      out_specs=tokens,
+      # megablox's pallas_call states no varying-axes type for its outputs, which check_vma
+      # requires. Without it, shard_map's transpose divides the unmapped output's cotangent by
+      # the unmentioned axes' size, so the psum over F's axes still differentiates exactly
+      # (tests/moe_parallel_cases.py compares the gradients with the reference).
+      check_vma=impl != "megablox")(x_MD, weights_MX, experts_MX, w_gate_EDF, w_up_EDF,
+                                    w_down_EFD)
   return y_MD[:m]
 
 
@@ -133,7 +145,7 @@ def _exclusive_cumsum(a, axis=-1):
 
 
 def _local_dispatch(x_MD, weights_MX, experts_MX, w_gate_EDF, w_up_EDF, w_down_EFD, *,
-                    expert_axis, n, f_axes, transport):
+                    expert_axis, n, f_axes, transport, matmul):
   """One shard: its m tokens, its E/n experts (`E` here is the local count)."""
   m, x = experts_MX.shape
   d = x_MD.shape[-1]
@@ -180,9 +192,11 @@ def _local_dispatch(x_MD, weights_MX, experts_MX, w_gate_EDF, w_up_EDF, w_down_E
   order_R = jnp.argsort(expert_R, stable=True)
   group_sizes = recv_counts_NE.sum(0)
   xs_RD = recv_RD[order_R]
-  h_RF = jax.nn.silu(jax.lax.ragged_dot(xs_RD, w_gate_EDF, group_sizes)) * jax.lax.ragged_dot(
-      xs_RD, w_up_EDF, group_sizes)
-  ys_RD = jax.lax.ragged_dot(h_RF, w_down_EFD, group_sizes)[jnp.argsort(order_R)]
+  # `ragged_dot`, or megablox's grouped matmul on TPU (`glm5_jax.grouped_matmul`: the TPU
+  # compiler's `ragged_dot` weight gradient is dense over the local experts).
+  gmm = functools.partial(grouped_matmul.grouped_matmul, group_sizes_G=group_sizes, impl=matmul)
+  h_RF = jax.nn.silu(gmm(xs_RD, w_gate_EDF)) * gmm(xs_RD, w_up_EDF)
+  ys_RD = gmm(h_RF, w_down_EFD)[jnp.argsort(order_R)]
 
   if transport == "ragged_all_to_all":
     ys_PD = jax.lax.ragged_all_to_all(

@@ -3,7 +3,7 @@
   XLA_FLAGS=--xla_force_host_platform_device_count=8 python tests/moe_parallel_cases.py MODE ARG
 
 MODE `cases`, ARG a JSON list of `{"mesh": {axis: size}, "bias": "none"|"skewed", "batch":
-[B, L]}`: per case, the largest differences between `moe_impl="expert_parallel"` (transport
+[B, L], "matmul": model.moe_matmul}`: per case, the largest differences between `moe_impl="expert_parallel"` (transport
 "all_to_all", sharded on the mesh) and the unsharded `moe_impl="ragged"` reference, for the
 output, the aux values, and the gradients w.r.t. the input and every parameter.
 MODE `ragged_transport`: lowers the "ragged_all_to_all" transport and tries to compile it.
@@ -56,7 +56,8 @@ def _put(x, batch_sharding):
 
 def run_case(case, transport="all_to_all"):
   ref_cfg = tiny_model_config(**MODEL)
-  ep_cfg = dataclasses.replace(ref_cfg, moe_impl="expert_parallel", moe_transport=transport)
+  ep_cfg = dataclasses.replace(ref_cfg, moe_impl="expert_parallel", moe_transport=transport,
+                               moe_matmul=case.get("matmul", "auto"))
   b, l = case.get("batch", (8, 12))
   d = ref_cfg.hidden_size
   keys = jax.random.split(jax.random.key(case.get("seed", 0)), 4)

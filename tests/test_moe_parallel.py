@@ -39,6 +39,10 @@ CASES = [
     {"mesh": {"data": 1, "expert": 4, "fsdp": 2}, "bias": "skewed"},
     {"mesh": {"data": 2, "expert": 2, "fsdp": 2}, "seed": 1},
     {"mesh": {"data": 1, "expert": 2, "fsdp": 2, "tensor": 2}},  # F split: psum of partials
+    # megablox's kernel (interpreted on CPU) under shard_map with check_vma off: the psum over
+    # the F shards must still differentiate exactly.
+    {"mesh": {"data": 1, "expert": 2, "fsdp": 2, "tensor": 2}, "matmul": "megablox",
+     "bias": "skewed"},
 ]
 
 
@@ -117,6 +121,8 @@ def test_missing_expert_rule_is_a_clear_error():
 def test_moe_transport_is_validated():
   with pytest.raises(ConfigError, match="model.moe_transport"):
     ModelConfig.from_config(model_config(moe_transport="nccl"))
+  with pytest.raises(ConfigError, match="model.moe_matmul"):
+    ModelConfig.from_config(model_config(moe_matmul="einsum"))
 
 
 _HLO = """
