@@ -183,6 +183,10 @@ def model_config(**overrides) -> ml_collections.ConfigDict:
   # gmm/tgmm when the backend is TPU, whose compiler makes ragged_dot's weight gradient dense
   # over the local experts; ragged_dot elsewhere), "ragged_dot" or "megablox" (interpreted off TPU).
   c.moe_matmul = "auto"
+  # "expert_parallel" receive-buffer capacity: 0 = dropless (buffers for the worst case, n times
+  # the average); c > 0 = at most ceil(c * pairs per device) rows received per device, the rest
+  # dropped (`glm5_jax.moe_parallel`; the fraction is the `moe_dropped_fraction` metric).
+  c.moe_capacity_factor = 0.0
   # INT4 quantization-aware training of the routed experts (`glm5_jax.quant.qat`): 0 = off, else
   # the group size along each expert kernel's input axis (one scale per group and output
   # column); must be even and divide hidden_size and moe_intermediate_size (GLM-5 report: INT4
@@ -280,13 +284,13 @@ def interleave_pattern(num_layers: int, every: int, letter: str, base: str,
 # `model_config()`, which cannot change what an older model computes (they only configure the
 # S / N / L layers, which such a model has none of; `scan_layers`, `remat_policy`,
 # `moe_impl`, `moe_transport` and `moe_matmul` change the param layout, memory, collectives or
-# kernels, never the numbers;
+# kernels, never the numbers; `moe_capacity_factor` is 0, dropless, for older models;
 # `cache_dtype` only the decode cache; `attention_impl` only which kernel computes attention;
 # `qat_int4_group_size` is 0, off, for older models).
 LATER_FIELDS = ("sliding_window", "gdn_conv_size", "gdn_chunk_size", "simple_gdn_gates",
                 "simple_gdn_beta", "scan_layers", "remat_policy", "moe_impl",
                 "moe_transport", "cache_dtype", "attention_impl", "qat_int4_group_size", "quant",
-                "quant_group_size", "moe_matmul")
+                "quant_group_size", "moe_matmul", "moe_capacity_factor")
 # Where the behaviour before a field existed differs from its default: checkpoints written
 # before `scan_layers` hold unrolled `layers_{i}` params.
 LATER_FIELD_OLD_VALUES = {"scan_layers": False}
@@ -395,6 +399,10 @@ def validate_model_config(m) -> None:
            f"{m.moe_impl!r}")
   require(m.moe_transport in MOE_TRANSPORTS, "model.moe_transport",
            f"must be one of {MOE_TRANSPORTS}, got {m.moe_transport!r}")
+  require(m.moe_capacity_factor == 0 or (m.moe_capacity_factor >= 1 and
+                                          m.moe_impl == "expert_parallel"),
+          "model.moe_capacity_factor", "must be 0 (dropless) or >= 1 with "
+          f"moe_impl='expert_parallel', got {m.moe_capacity_factor!r} with {m.moe_impl!r}")
   require(m.moe_matmul in MOE_MATMULS, "model.moe_matmul",
           f"must be one of {MOE_MATMULS}, got {m.moe_matmul!r}")
   for name in ("dtype", "param_dtype", "cache_dtype"):

@@ -147,3 +147,17 @@ def test_hlo_stats_parses_collectives():
       ("all-gather", (8, 64, 32), "f32", 8 * 64 * 32 * 4, 4),  # the async start
   ]  # the all-reduce over groups of one device moves nothing and is skipped
   assert hlo_stats.summarize(found)["all-gather"] == (2, 2 * 8 * 64 * 32 * 4)
+
+
+@pytest.mark.slow  # a subprocess with 8 host devices
+def test_capacity_factor_drops_the_pairs_its_rule_names():
+  r = run_worker("capacity")
+  assert 0.05 < r["dropped"] == pytest.approx(r["expected_dropped"]), r
+  assert r["y_diff"] < 1e-5, r
+  assert r["big_dropped"] == 0 and r["big_diff"] < 1e-5, r
+
+
+def test_capacity_factor_is_validated():
+  with pytest.raises(ConfigError, match="model.moe_capacity_factor"):
+    ModelConfig.from_config(model_config(moe_capacity_factor=1.25))  # moe_impl 'ragged'
+  ModelConfig.from_config(model_config(moe_capacity_factor=1.25, moe_impl="expert_parallel"))
