@@ -161,3 +161,18 @@ def test_capacity_factor_is_validated():
   with pytest.raises(ConfigError, match="model.moe_capacity_factor"):
     ModelConfig.from_config(model_config(moe_capacity_factor=1.25))  # moe_impl 'ragged'
   ModelConfig.from_config(model_config(moe_capacity_factor=1.25, moe_impl="expert_parallel"))
+
+
+def test_capacity_on_one_device_drops_nothing_and_reports_it():
+  """One expert shard receives at most its own m * X pairs, within any capacity >= 1."""
+  ref_cfg = tiny_model_config(n_routed_experts=8, num_experts_per_tok=3)
+  cap_cfg = dataclasses.replace(ref_cfg, moe_impl="expert_parallel", moe_transport="all_to_all",
+                                moe_capacity_factor=1.0)
+  x_BLD = jax.random.normal(jax.random.key(0), (2, 5, ref_cfg.hidden_size))
+  params = nn.meta.unbox(MoE(ref_cfg).init(jax.random.key(1), x_BLD)["params"])
+  ref_y, _ = _moe_outputs(ref_cfg, params, x_BLD)
+  mesh = sharding.make_mesh(sharding.mesh_config(data=1), jax.devices()[:1])
+  with sharding.activation_sharding(mesh, sharding.default_logical_axis_rules()):
+    y, aux = _moe_outputs(cap_cfg, params, x_BLD)
+  np.testing.assert_allclose(y, ref_y, atol=1e-6)
+  assert float(aux["moe_dropped_fraction"]) == 0.0
