@@ -34,6 +34,7 @@ DSA_IMPLS = ("dense_mask", "xla", "pallas", "pallas_interpret")
 ATTENTION_IMPLS = ("xla", "cudnn")
 MOE_IMPLS = ("ragged", "expert_parallel")
 MOE_TRANSPORTS = ("ragged_all_to_all", "all_to_all")
+MOE_MATMULS = ("auto", "ragged_dot", "megablox")
 
 
 class ConfigError(ValueError):
@@ -178,6 +179,14 @@ def model_config(**overrides) -> ml_collections.ConfigDict:
   # (exact-size messages; TPU/GPU, XLA:CPU cannot compile it) or "all_to_all" (dense buffers
   # padded to the dropless worst case, expert-axis-size times the bytes; runs everywhere).
   c.moe_transport = "ragged_all_to_all"
+  # The expert-parallel grouped matmul (`glm5_jax.grouped_matmul`): "auto" (megablox's Pallas
+  # gmm/tgmm when the backend is TPU, whose compiler makes ragged_dot's weight gradient dense
+  # over the local experts; ragged_dot elsewhere), "ragged_dot" or "megablox" (interpreted off TPU).
+  c.moe_matmul = "auto"
+  # "expert_parallel" receive-buffer capacity: 0 = dropless (buffers for the worst case, n times
+  # the average); c > 0 = at most ceil(c * pairs per device) rows received per device, the rest
+  # dropped (`glm5_jax.moe_parallel`; the fraction is the `moe_dropped_fraction` metric).
+  c.moe_capacity_factor = 0.0
   # INT4 quantization-aware training of the routed experts (`glm5_jax.quant.qat`): 0 = off, else
   # the group size along each expert kernel's input axis (one scale per group and output
   # column); must be even and divide hidden_size and moe_intermediate_size (GLM-5 report: INT4
@@ -279,14 +288,15 @@ def interleave_pattern(num_layers: int, every: int, letter: str, base: str,
 # without them (read back from an older checkpoint's meta or config.json) means the defaults of
 # `model_config()`, which cannot change what an older model computes (they only configure the
 # S / N / L layers, which such a model has none of; `scan_layers`, `remat_policy`,
-# `moe_impl` and `moe_transport` change the param layout, memory or collectives, never the numbers;
+# `moe_impl`, `moe_transport` and `moe_matmul` change the param layout, memory, collectives or
+# kernels, never the numbers; `moe_capacity_factor` is 0, dropless, for older models;
 # `cache_dtype` only the decode cache; `attention_impl` only which kernel computes attention;
 # `qat_int4_group_size` is 0, off, for older models; `head_norm_mix` is False: no rotated model
 # predates it).
 LATER_FIELDS = ("sliding_window", "gdn_conv_size", "gdn_chunk_size", "simple_gdn_gates",
                 "simple_gdn_beta", "scan_layers", "remat_policy", "moe_impl",
                 "moe_transport", "cache_dtype", "attention_impl", "qat_int4_group_size", "quant",
-                "quant_group_size", "head_norm_mix")
+                "quant_group_size", "head_norm_mix", "moe_matmul", "moe_capacity_factor")
 # Where the behaviour before a field existed differs from its default: checkpoints written
 # before `scan_layers` hold unrolled `layers_{i}` params.
 LATER_FIELD_OLD_VALUES = {"scan_layers": False}
@@ -394,6 +404,12 @@ def validate_model_config(m) -> None:
            f"{m.moe_impl!r}")
   require(m.moe_transport in MOE_TRANSPORTS, "model.moe_transport",
            f"must be one of {MOE_TRANSPORTS}, got {m.moe_transport!r}")
+  require(m.moe_capacity_factor == 0 or (m.moe_capacity_factor >= 1 and
+                                          m.moe_impl == "expert_parallel"),
+          "model.moe_capacity_factor", "must be 0 (dropless) or >= 1 with "
+          f"moe_impl='expert_parallel', got {m.moe_capacity_factor!r} with {m.moe_impl!r}")
+  require(m.moe_matmul in MOE_MATMULS, "model.moe_matmul",
+          f"must be one of {MOE_MATMULS}, got {m.moe_matmul!r}")
   for name in ("dtype", "param_dtype", "cache_dtype"):
     require(m[name] in DTYPES, f"model.{name}", f"must be one of {sorted(DTYPES)}, got "
              f"{m[name]!r}")

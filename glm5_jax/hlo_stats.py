@@ -246,6 +246,8 @@ def summarize_step(found: list[StepCollective], key: str = "op") -> dict[str, di
 _CONTRACTING = re.compile(r"lhs_contracting_dims=\{([0-9,]*)\}")
 _DIM_LABELS = re.compile(r"dim_labels=([^_]*)_([^-]*)->(\S+?)[,\s]")
 _WINDOW = re.compile(r"window=\{([^}]*)\}")
+# A Mosaic (Pallas TPU) custom call carries the kernel's `pl.CostEstimate` in its backend config.
+_KERNEL_FLOPS = re.compile(r'cost_estimate\\?"\s*:\s*\{\\?"flops\\?"\s*:\s*\\?"?(\d+)')
 
 
 def _convolution_flops(instr, lhs, kernel, result) -> float:
@@ -299,9 +301,10 @@ def _ragged_dot_flops(instr, shapes) -> float | None:
 def step_dot_flops(hlo_text: str, module=None) -> dict[str, float]:
   """Matmul FLOPs per step of an optimized module: every `dot` (2 x result elements x
   contracted size) and `convolution` (2 x result elements x kernel elements per output
-  feature) and TPU `ragged-dot` custom call (`_ragged_dot_flops`) times its executions per
-  step. Elementwise work is not counted (MFU counts matmuls), nor what other custom calls
-  (Pallas kernels) compute: `custom_calls` says how many ran."""
+  feature) and TPU `ragged-dot` custom call (`_ragged_dot_flops`) and Pallas TPU kernel with a
+  cost estimate (its `flops`, e.g. megablox's `gmm` / `tgmm`: 2 x rows x K x N) times its
+  executions per step. Elementwise work is not counted (MFU counts matmuls), nor what other
+  custom calls compute: `custom_calls` says how many ran."""
   module = module or hlo_loops.parse_module(hlo_text)
   runs = module.executions()
   shapes = {i.name: _arrays(i.result_type) for instrs in module.computations.values()
@@ -314,6 +317,8 @@ def step_dot_flops(hlo_text: str, module=None) -> dict[str, float]:
         continue
       if instr.op == "custom-call":
         ragged = _ragged_dot_flops(instr, shapes) if instr.name.startswith("ragged-dot") else None
+        if ragged is None and (estimate := _KERNEL_FLOPS.search(instr.attributes)):
+          ragged = float(estimate[1])  # a Pallas kernel's own `pl.CostEstimate` (megablox)
         if ragged is None:
           if "metadata" not in instr.name:
             custom_calls += times

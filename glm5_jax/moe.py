@@ -165,12 +165,15 @@ class MoE(nn.Module):
                             c.quant, c.quant_group_size, name="experts")(d)
     if c.moe_impl == "expert_parallel" and moe_parallel.context_mesh() is not None:
       # float kernels, or integer ones as (q, scale) per projection
-      y_MD = moe_parallel.expert_parallel_dispatch(x_MD, weights_MX, experts_MX, *experts,
-                                                   transport=c.moe_transport)
+      y_MD, dropped = moe_parallel.expert_parallel_dispatch(
+          x_MD, weights_MX, experts_MX, *experts, transport=c.moe_transport,
+          matmul=c.moe_matmul, capacity_factor=c.moe_capacity_factor)
     elif c.quant != "none":  # integer kernels: (q, scale) per projection
       y_MD = dispatch_quantized_experts(x_MD, weights_MX, experts_MX, *experts)
+      dropped = jnp.zeros((), jnp.float32)
     else:  # "ragged", or no mesh in context (init, one device): the same numbers, locally
       y_MD, _ = dispatch_experts(x_MD, weights_MX, experts_MX, *experts)
+      dropped = jnp.zeros((), jnp.float32)
     valid_BL = jnp.ones((b, l), bool) if valid_BL is None else valid_BL
     chosen_BLE = jax.nn.one_hot(experts_MX, e, dtype=jnp.float32).sum(1).reshape(b, l, e)
     chosen_BLE = chosen_BLE * valid_BL[..., None]
@@ -181,8 +184,11 @@ class MoE(nn.Module):
     if c.n_shared_experts:
       y_BLD = y_BLD + SwiGLU(f * c.n_shared_experts, c.initializer_range, dtype, pdtype, c.quant,
                              name="shared_experts")(x_BLD)
-    return y_BLD, {"expert_counts": counts_E, "sequence_balance_loss": balance,
-                   "experts": experts_MX.reshape(b, l, -1)}
+    aux = {"expert_counts": counts_E, "sequence_balance_loss": balance,
+           "experts": experts_MX.reshape(b, l, -1)}
+    if c.moe_capacity_factor:  # pairs dropped for capacity (none without a mesh)
+      aux["moe_dropped_fraction"] = dropped
+    return y_BLD, aux
 
 
 class ExpertWeights(nn.Module):

@@ -23,13 +23,21 @@ group, and the TPU compiler all-gathered every expert's weights for it at every 
 
 Per shard: sort the local pairs by expert (as the reference), exchange per-expert counts with
 one small all-to-all, send each pair's row to the device holding its expert, sort the received
-rows by local expert, `ragged_dot` over the local experts, un-sort, send back, un-sort, and
+rows by local expert, a grouped matmul over the local experts (`ragged_dot`; megablox on TPU,
+`glm5_jax.grouped_matmul`), un-sort, send back, un-sort, and
 combine with the router weights as the reference (inverse permutation + weighted sum: no
 scatter-add, so deterministic). Routing, `expert_counts` and the balance loss stay in
 `glm5_jax.moe.MoE`, computed on the global token array exactly as for "ragged".
 
-Dropless, so every buffer is sized for the worst case: a device can receive up to
-`n * m * min(X, E/n)` rows (every local token choosing only its experts; m local tokens).
+Dropless by default, so every buffer is sized for the worst case: a device can receive up to
+`n * m * min(X, E/n)` rows (every local token choosing only its experts; m local tokens), n
+times the `m * X` rows it receives on average. With `model.moe_capacity_factor` c > 0 a device
+receives at most `ceil(c * m * X)` rows (rounded up to 16): each destination takes its sources'
+rows in source order, each source's rows in expert order, until full; the rest are dropped (their
+expert output is zero, as in GShard / Switch capacity), and the dispatch returns the fraction of
+pairs dropped (`moe_dropped_fraction` in the layer's aux and the train metrics). With the
+"ragged_all_to_all" transport the receive buffer and the expert matmuls shrink to that many rows;
+"all_to_all" drops the same pairs but keeps its dense worst-case slots.
 Transport (`model.moe_transport`):
   "ragged_all_to_all"  `jax.lax.ragged_all_to_all`: each message is exactly the pairs it
                        carries, so the bytes on the wire are the real `m * X` rows each way;
@@ -51,6 +59,7 @@ import jax.numpy as jnp
 from flax import linen as nn
 from jax.sharding import PartitionSpec
 
+from glm5_jax import grouped_matmul
 from glm5_jax.layers import axes as logical_axes
 from glm5_jax.quant.linear import ragged_int_matmul
 
@@ -69,7 +78,8 @@ def _mesh_axes(rules, logical_name):
 
 
 def expert_parallel_dispatch(x_MD, weights_MX, experts_MX, w_gate_EDF, w_up_EDF, w_down_EFD,
-                             *, transport="ragged_all_to_all", mesh=None, rules=None):
+                             *, transport="ragged_all_to_all", matmul="auto",
+                             capacity_factor=0.0, mesh=None, rules=None):
   """`glm5_jax.moe.dispatch_experts`'s mixture `y_MD`, computed expert-parallel.
 
   Args:
@@ -77,10 +87,15 @@ def expert_parallel_dispatch(x_MD, weights_MX, experts_MX, w_gate_EDF, w_up_EDF,
     w_*: the global expert kernels `[E, D, F]`, `[E, D, F]`, `[E, F, D]`; or, quantized, each
       a pair `(q int8, scale [E, G, O])` (module docstring).
     transport: "ragged_all_to_all" or "all_to_all" (see the module docstring).
+    matmul: the local grouped matmul, `model.moe_matmul`: "auto", "ragged_dot" or "megablox"
+      (`glm5_jax.grouped_matmul`).
+    capacity_factor: 0 (dropless) or c > 0: receive at most `ceil(c * m * X)` rows per device
+      (module docstring).
     mesh: defaults to the context mesh (`jax.set_mesh`); required.
     rules: logical axis rules; default the flax context's (`nn.logical_axis_rules`).
   Returns:
-    `y_MD`, in `x_MD`'s dtype.
+    `(y_MD, dropped)`: the mixture in `x_MD`'s dtype, and the fraction of (token, expert) pairs
+    dropped for capacity (f32 scalar; 0 when dropless).
   Raises:
     ValueError: no mesh, no mesh axis for the `expert` logical axis, E not divisible by it,
       F's axes overlapping the token axes, or an unknown transport.
@@ -133,16 +148,24 @@ def expert_parallel_dispatch(x_MD, weights_MX, experts_MX, w_gate_EDF, w_up_EDF,
 
   tokens = PartitionSpec(token_axes, None)
   f_spec = f_axes if f_axes else None
+  impl = grouped_matmul.default_impl() if matmul == "auto" else matmul
   local = functools.partial(_local_dispatch, expert_axis=expert_axis, n=n, f_axes=f_axes,
-                            transport=transport)
+                            transport=transport, matmul=impl, capacity_factor=capacity_factor)
   kernel_specs = (PartitionSpec(expert_axis, None, f_spec),
                   PartitionSpec(expert_axis, None, f_spec),
                   PartitionSpec(expert_axis, f_spec, None))
   if quantized:  # (q, scale) pairs; the scale's group axis whole (F is, above)
     kernel_specs = tuple((spec, spec) for spec in kernel_specs)
-  y_MD = jax.shard_map(
-      local, mesh=mesh, in_specs=(tokens, tokens, tokens, *kernel_specs), out_specs=tokens)(x_MD, weights_MX, experts_MX, w_gate_EDF, w_up_EDF, w_down_EFD)
-  return y_MD[:m]
+  y_MD, dropped_S = jax.shard_map(
+      local, mesh=mesh, in_specs=(tokens, tokens, tokens, *kernel_specs),
+      out_specs=(tokens, PartitionSpec(token_axes)),
+      # megablox's pallas_call states no varying-axes type for its outputs, which check_vma
+      # requires. Without it, shard_map's transpose divides the unmapped output's cotangent by
+      # the unmentioned axes' size, so the psum over F's axes still differentiates exactly
+      # (tests/moe_parallel_cases.py compares the gradients with the reference).
+      check_vma=impl != "megablox" or quantized)(x_MD, weights_MX, experts_MX, w_gate_EDF,
+                                                 w_up_EDF, w_down_EFD)
+  return y_MD[:m], dropped_S.sum() / (m * x)
 
 
 def _exclusive_cumsum(a, axis=-1):
@@ -150,7 +173,7 @@ def _exclusive_cumsum(a, axis=-1):
 
 
 def _local_dispatch(x_MD, weights_MX, experts_MX, w_gate_EDF, w_up_EDF, w_down_EFD, *,
-                    expert_axis, n, f_axes, transport):
+                    expert_axis, n, f_axes, transport, matmul, capacity_factor):
   """One shard: its m tokens, its E/n experts (`E` here is the local count)."""
   m, x = experts_MX.shape
   d = x_MD.shape[-1]
@@ -168,22 +191,35 @@ def _local_dispatch(x_MD, weights_MX, experts_MX, w_gate_EDF, w_up_EDF, w_down_E
   recv_counts_NE = jax.lax.all_to_all(counts_NE, expert_axis, 0, 0, tiled=True)
   slot = m * min(x, local_experts)  # most pairs one device can send one device
   rows = n * slot
+  sizes_NN = jax.lax.all_gather(send_N, expert_axis)  # [source, destination]
+  if capacity_factor:
+    cap = min(rows, -(-math.ceil(capacity_factor * m * x) // 16) * 16)
+    # Each destination keeps its sources' rows in source order until `cap`; each source's kept
+    # rows are a prefix of its (expert-sorted) rows for that destination.
+    kept_NN = jnp.clip(cap - _exclusive_cumsum(sizes_NN, axis=0), 0, sizes_NN)
+    keep = lambda counts_NE, kept_N: jnp.clip(
+        kept_N[:, None] - _exclusive_cumsum(counts_NE), 0, counts_NE)
+    recv_counts_NE = keep(recv_counts_NE, kept_NN[:, me])
+    kept_send_N = kept_NN[me]
+    rows = cap if transport == "ragged_all_to_all" else rows
+  else:
+    kept_NN, kept_send_N = sizes_NN, send_N
+  dropped = (send_N - kept_send_N).sum().astype(jnp.float32)
 
   if transport == "ragged_all_to_all":
-    sizes_NN = jax.lax.all_gather(send_N, expert_axis)  # [source, destination]
-    recv_N = sizes_NN[:, me]
+    recv_N = kept_NN[:, me]
     recv_offsets_N = _exclusive_cumsum(recv_N)
     # Where my rows land in each destination's buffer, and where each source's rows came from.
-    dest_offsets_N = _exclusive_cumsum(sizes_NN, axis=0)[me]
+    dest_offsets_N = _exclusive_cumsum(kept_NN, axis=0)[me]
     source_offsets_N = _exclusive_cumsum(sizes_NN, axis=1)[:, me]
     recv_RD = jax.lax.ragged_all_to_all(
-        xs_PD, jnp.zeros((rows, d), xs_PD.dtype), send_offsets_N, send_N, dest_offsets_N,
+        xs_PD, jnp.zeros((rows, d), xs_PD.dtype), send_offsets_N, kept_send_N, dest_offsets_N,
         recv_N, axis_name=expert_axis)
   else:
     recv_offsets_N = jnp.arange(n, dtype=jnp.int32) * slot
     j = jnp.arange(slot)
     take_NS = jnp.minimum(send_offsets_N[:, None] + j, m * x - 1)
-    send_NSD = jnp.where((j < send_N[:, None])[..., None], xs_PD[take_NS], 0)
+    send_NSD = jnp.where((j < kept_send_N[:, None])[..., None], xs_PD[take_NS], 0)
     recv_RD = jax.lax.all_to_all(send_NSD, expert_axis, 0, 0, tiled=True).reshape(rows, d)
 
   # Each received row's local expert: rows of (source i, expert e) sit contiguously from
@@ -202,14 +238,17 @@ def _local_dispatch(x_MD, weights_MX, experts_MX, w_gate_EDF, w_up_EDF, w_down_E
     rows_expert_R = jnp.minimum(expert_R[order_R], local_experts - 1)
     mm = lambda h, w: ragged_int_matmul(h, *w, group_sizes, rows_expert_R, x_MD.dtype)
   else:
-    mm = lambda h, w: jax.lax.ragged_dot(h, w, group_sizes)
+    # `ragged_dot`, or megablox's grouped matmul on TPU (`glm5_jax.grouped_matmul`: the TPU
+    # compiler's `ragged_dot` weight gradient is dense over the local experts).
+    mm = functools.partial(grouped_matmul.grouped_matmul, group_sizes_G=group_sizes,
+                           impl=matmul)
   h_RF = jax.nn.silu(mm(xs_RD, w_gate_EDF)) * mm(xs_RD, w_up_EDF)
   ys_RD = mm(h_RF, w_down_EFD)[jnp.argsort(order_R)]
 
   if transport == "ragged_all_to_all":
     ys_PD = jax.lax.ragged_all_to_all(
         ys_RD, jnp.zeros((m * x, d), ys_RD.dtype), recv_offsets_N, recv_N, source_offsets_N,
-        send_N, axis_name=expert_axis)
+        kept_send_N, axis_name=expert_axis)
   else:
     back_NSD = jax.lax.all_to_all(ys_RD.reshape(n, slot, d), expert_axis, 0, 0, tiled=True)
     dest_P = jnp.sort(flat_experts_P) // local_experts
@@ -220,4 +259,4 @@ def _local_dispatch(x_MD, weights_MX, experts_MX, w_gate_EDF, w_up_EDF, w_down_E
   y_MD = jnp.einsum("mxd,mx->md", ys_MXD.astype(jnp.float32), weights_MX)
   if f_axes:  # partial sums over the F shards
     y_MD = jax.lax.psum(y_MD, f_axes)
-  return y_MD.astype(x_MD.dtype)
+  return y_MD.astype(x_MD.dtype), dropped[None]

@@ -3,9 +3,10 @@
   XLA_FLAGS=--xla_force_host_platform_device_count=8 python tests/moe_parallel_cases.py MODE ARG
 
 MODE `cases`, ARG a JSON list of `{"mesh": {axis: size}, "bias": "none"|"skewed", "batch":
-[B, L]}`: per case, the largest differences between `moe_impl="expert_parallel"` (transport
+[B, L], "matmul": model.moe_matmul}`: per case, the largest differences between `moe_impl="expert_parallel"` (transport
 "all_to_all", sharded on the mesh) and the unsharded `moe_impl="ragged"` reference, for the
 output, the aux values, and the gradients w.r.t. the input and every parameter.
+MODE `capacity`: the capacity factor's drops against the rule, computed in numpy.
 MODE `ragged_transport`: lowers the "ragged_all_to_all" transport and tries to compile it.
 MODE `model`: the tiny model's loss and gradients, expert-parallel on a mesh vs ragged.
 MODE `hlo`: expert-weight all-gathers and all-to-alls in the compiled layer, per impl.
@@ -58,7 +59,8 @@ def _put(x, batch_sharding):
 
 def run_case(case, transport="all_to_all"):
   ref_cfg = tiny_model_config(**MODEL)
-  ep_cfg = dataclasses.replace(ref_cfg, moe_impl="expert_parallel", moe_transport=transport)
+  ep_cfg = dataclasses.replace(ref_cfg, moe_impl="expert_parallel", moe_transport=transport,
+                               moe_matmul=case.get("matmul", "auto"))
   b, l = case.get("batch", (8, 12))
   d = ref_cfg.hidden_size
   keys = jax.random.split(jax.random.key(case.get("seed", 0)), 4)
@@ -99,6 +101,50 @@ def run_case(case, transport="all_to_all"):
       "all_to_all_lowered": "all_to_all" in lowered,
       "expert_grad_sharding": str(gp["experts"]["gate_proj"].sharding.spec),
   }
+
+
+def capacity():
+  """`capacity_factor` 1.0 on expert=8 with skewed routing: the dropped pairs are exactly those
+  the rule names (each destination takes its sources in order, each source's rows in expert
+  order, up to ceil(c * m * X) rounded to 16), and the output equals the dropless reference
+  with those pairs' weights zeroed. A large factor drops nothing."""
+  from glm5_jax import moe_parallel  # pylint: disable=g-import-not-at-top
+  from glm5_jax.moe import dispatch_experts  # pylint: disable=g-import-not-at-top
+  n, e, x, d, f, m_total = 8, 16, 4, 8, 16, 64
+  ks = jax.random.split(jax.random.key(3), 5)
+  x_MD = jax.random.normal(ks[0], (m_total, d))
+  logits = jax.random.normal(ks[1], (m_total, e)).at[:, :4].add(3.0)  # experts 0-3: device 0, 1
+  experts_MX = jax.lax.top_k(logits, x)[1].astype(jnp.int32)
+  weights_MX = jax.random.uniform(ks[2], (m_total, x))
+  w = [jax.random.normal(k, s) * 0.3 for k, s in zip(jax.random.split(ks[3], 3),
+                                                      ((e, d, f), (e, d, f), (e, f, d)))]
+  mesh = sharding.make_mesh(sharding.mesh_config(data=1, expert=n))
+  rules = sharding.default_logical_axis_rules()
+  run = lambda c: jax.jit(functools.partial(
+      moe_parallel.expert_parallel_dispatch, transport="all_to_all", capacity_factor=c,
+      mesh=mesh, rules=rules))(x_MD, weights_MX, experts_MX, *w)
+  y, dropped = run(1.0)
+  y_big, dropped_big = run(8.0)
+  # The rule, in numpy: shard i holds tokens [i*m, (i+1)*m); device k holds experts 2k, 2k+1.
+  m = m_total // n
+  cap = -(-math.ceil(1.0 * m * x) // 16) * 16
+  ex = np.asarray(experts_MX)
+  keep = np.ones_like(ex, bool)
+  filled = np.zeros(n, int)
+  for i in range(n):
+    flat = ex[i * m:(i + 1) * m].reshape(-1)
+    for p in np.argsort(flat, kind="stable"):
+      k = flat[p] // (e // n)
+      if filled[k] < cap:
+        filled[k] += 1
+      else:
+        keep[i * m + p // x, p % x] = False
+  ref, _ = dispatch_experts(x_MD, weights_MX * keep, experts_MX, *w)
+  full, _ = dispatch_experts(x_MD, weights_MX, experts_MX, *w)
+  return {"dropped": float(dropped), "expected_dropped": float((~keep).mean()),
+          "y_diff": float(np.abs(np.asarray(y) - np.asarray(ref)).max()),
+          "big_dropped": float(dropped_big),
+          "big_diff": float(np.abs(np.asarray(y_big) - np.asarray(full)).max())}
 
 
 def ragged_transport():
@@ -221,4 +267,4 @@ if __name__ == "__main__":
     print(json.dumps([run_case(case) for case in json.loads(sys.argv[2])]))
   else:
     print(json.dumps({"ragged_transport": ragged_transport, "model": model, "hlo": hlo,
-                      "quantized": quantized}[mode]()))
+                      "quantized": quantized, "capacity": capacity}[mode]()))

@@ -39,6 +39,10 @@ CASES = [
     {"mesh": {"data": 1, "expert": 4, "fsdp": 2}, "bias": "skewed"},
     {"mesh": {"data": 2, "expert": 2, "fsdp": 2}, "seed": 1},
     {"mesh": {"data": 1, "expert": 2, "fsdp": 2, "tensor": 2}},  # F split: psum of partials
+    # megablox's kernel (interpreted on CPU) under shard_map with check_vma off: the psum over
+    # the F shards must still differentiate exactly.
+    {"mesh": {"data": 1, "expert": 2, "fsdp": 2, "tensor": 2}, "matmul": "megablox",
+     "bias": "skewed"},
 ]
 
 
@@ -129,6 +133,8 @@ def test_missing_expert_rule_is_a_clear_error():
 def test_moe_transport_is_validated():
   with pytest.raises(ConfigError, match="model.moe_transport"):
     ModelConfig.from_config(model_config(moe_transport="nccl"))
+  with pytest.raises(ConfigError, match="model.moe_matmul"):
+    ModelConfig.from_config(model_config(moe_matmul="einsum"))
 
 
 _HLO = """
@@ -153,3 +159,32 @@ def test_hlo_stats_parses_collectives():
       ("all-gather", (8, 64, 32), "f32", 8 * 64 * 32 * 4, 4),  # the async start
   ]  # the all-reduce over groups of one device moves nothing and is skipped
   assert hlo_stats.summarize(found)["all-gather"] == (2, 2 * 8 * 64 * 32 * 4)
+
+
+@pytest.mark.slow  # a subprocess with 8 host devices
+def test_capacity_factor_drops_the_pairs_its_rule_names():
+  r = run_worker("capacity")
+  assert 0.05 < r["dropped"] == pytest.approx(r["expected_dropped"]), r
+  assert r["y_diff"] < 1e-5, r
+  assert r["big_dropped"] == 0 and r["big_diff"] < 1e-5, r
+
+
+def test_capacity_factor_is_validated():
+  with pytest.raises(ConfigError, match="model.moe_capacity_factor"):
+    ModelConfig.from_config(model_config(moe_capacity_factor=1.25))  # moe_impl 'ragged'
+  ModelConfig.from_config(model_config(moe_capacity_factor=1.25, moe_impl="expert_parallel"))
+
+
+def test_capacity_on_one_device_drops_nothing_and_reports_it():
+  """One expert shard receives at most its own m * X pairs, within any capacity >= 1."""
+  ref_cfg = tiny_model_config(n_routed_experts=8, num_experts_per_tok=3)
+  cap_cfg = dataclasses.replace(ref_cfg, moe_impl="expert_parallel", moe_transport="all_to_all",
+                                moe_capacity_factor=1.0)
+  x_BLD = jax.random.normal(jax.random.key(0), (2, 5, ref_cfg.hidden_size))
+  params = nn.meta.unbox(MoE(ref_cfg).init(jax.random.key(1), x_BLD)["params"])
+  ref_y, _ = _moe_outputs(ref_cfg, params, x_BLD)
+  mesh = sharding.make_mesh(sharding.mesh_config(data=1), jax.devices()[:1])
+  with sharding.activation_sharding(mesh, sharding.default_logical_axis_rules()):
+    y, aux = _moe_outputs(cap_cfg, params, x_BLD)
+  np.testing.assert_allclose(y, ref_y, atol=1e-6)
+  assert float(aux["moe_dropped_fraction"]) == 0.0

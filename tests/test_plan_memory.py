@@ -296,6 +296,13 @@ def test_plan_memory_tiny_on_8_devices(tmp_path):
   assert result["accelerator"] == "v6e" and result["compiler"].startswith("XLA:CPU")
   assert "roofline on v6e" in out and "an ESTIMATE" in out and "not a measurement" in out
   assert 0 < result["estimate"]["mfu"]["serial"] <= result["estimate"]["mfu"]["overlap"] < 1
+  # per-step figures at depth 3: each a line through depths 1 and 2, evaluated at 3
+  step, (c1, c2) = result["full_depth_step"], result["compiled"]
+  assert step["depths"] == [1, 2] and "EXTRAPOLATED linearly from depths [1, 2]" in out
+  assert step["flops"] == pytest.approx(2 * c2["flops_per_step"] - c1["flops_per_step"])
+  reduce = lambda c: c["collectives_per_step"]["op"]["all-reduce"]["bytes"]
+  assert step["collectives_by_kind"]["all-reduce"] == pytest.approx(2 * reduce(c2) - reduce(c1))
+  assert 0 < step["estimate"]["mfu"]["serial"] < 1
 
 
 def test_ragged_dot_standin_has_ragged_dots_shapes_and_is_undone():

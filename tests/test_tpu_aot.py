@@ -32,7 +32,7 @@ def _run(args, timeout=900):
 _KERNEL = r"""
 import functools, json, sys, jax, jax.numpy as jnp
 import pallas_kernels as pk
-from glm5_jax import aot_targets
+from glm5_jax import aot_targets, grouped_matmul, hlo_stats
 device = aot_targets.tpu_devices("v5p:2x2x1")[0]
 on_tpu = jax.sharding.SingleDeviceSharding(device)
 sds = lambda shape, dtype: jax.ShapeDtypeStruct(shape, dtype, sharding=on_tpu)
@@ -45,6 +45,12 @@ def sparse_mla(q, q_rope, kv, k_rope, topk):  # forward and backward kernels
     return out.astype(jnp.float32).sum() + lse.sum()
   return jax.grad(loss, argnums=(0, 1, 2, 3))(q, q_rope, kv, k_rope)
 
+def experts(impl, x, w, sizes):  # the routed experts' matmul and both its gradients
+  gmm = functools.partial(grouped_matmul.grouped_matmul, impl=impl, interpret=False)
+  loss = lambda x, w: gmm(x, w, sizes).astype(jnp.float32).sum()
+  return jax.grad(loss, argnums=(0, 1))(x, w)
+
+gmm_args = (sds((4096, 512), bf16), sds((64, 512, 1024), bf16), sds((64,), i32))
 programs = {
     "indexer": (functools.partial(pk.indexer_topk_pallas, topk=t, scale=i ** -0.5,
                                   interpret=False),
@@ -53,10 +59,15 @@ programs = {
     "sparse_mla": (sparse_mla, (sds((b, l, h, c), bf16), sds((b, l, h, r), bf16),
                                 sds((b, s, c), bf16), sds((b, s, r), bf16),
                                 sds((b, l, t), i32))),
+    "megablox": (functools.partial(experts, "megablox"), gmm_args),
+    "ragged_dot": (functools.partial(experts, "ragged_dot"), gmm_args),
 }
 fn, args = programs[sys.argv[1]]
 compiled = jax.jit(fn).lower(*args).compile()
-print(json.dumps({"kernels": compiled.as_text().count('custom_call_target="tpu_custom_call"'),
+text = compiled.as_text()
+print(json.dumps({"kernels": text.count('custom_call_target="tpu_custom_call"'),
+                  "convolutions": text.count(" convolution("),
+                  "flops": hlo_stats.step_dot_flops(text)["flops"],
                   "kind": device.device_kind,
                   "temp": compiled.memory_analysis().temp_size_in_bytes}))
 """
@@ -73,6 +84,16 @@ def test_sparse_mla_kernels_compile_for_tpu():
   (sublane tile of 16 rows), so the kernel gathers 32-bit words (`_pack_halves`)."""
   result = json.loads(_run(["-c", _KERNEL, "sparse_mla"]).strip().splitlines()[-1])
   assert result["kernels"] >= 2, result
+
+
+def test_megablox_experts_gradient_is_grouped_not_dense_over_the_experts():
+  """`ragged_dot`'s weight gradient is a dense dilated convolution over all 64 groups (64x the
+  ragged product); megablox's is `tgmm`: 2 x 2 x 4096 x 512 x 1024 FLOPs for both gradients."""
+  mega = json.loads(_run(["-c", _KERNEL, "megablox"]).strip().splitlines()[-1])
+  ragged = json.loads(_run(["-c", _KERNEL, "ragged_dot"]).strip().splitlines()[-1])
+  assert mega["kernels"] == 2 and mega["convolutions"] == 0, mega
+  assert mega["flops"] == 2 * 2 * 4096 * 512 * 1024, mega
+  assert ragged["convolutions"] == 1 and ragged["flops"] > 30 * mega["flops"], ragged
 
 
 def test_plan_memory_compiles_the_train_step_with_the_tpu_compiler():

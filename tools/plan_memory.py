@@ -243,6 +243,10 @@ def main(argv):
     per_token /= 3  # a forward pass: a third of training's forward + backward
   estimate = _report_step(k, deepest, program, chip,
                           cfg.data.batch_size * cfg.data.seq_len / program.mesh.size, per_token)
+  full_step = None
+  if extrapolated:
+    full_step = _report_extrapolated_step(depths, [r for _, r, *_ in results], full_depth,
+                                          program, cfg, config, chip)
 
   if _JSON.value:
     print(json.dumps({
@@ -259,7 +263,8 @@ def main(argv):
                           key: hlo_stats.summarize_step(list(r.collectives), key)
                           for key in ("op", "axes")}}
                      for k, r, *_ in results],
-        "estimate": dataclasses_asdict(estimate), "full_depth": extra, "fits": verdict}))
+        "estimate": dataclasses_asdict(estimate), "full_depth": extra, "fits": verdict,
+        "full_depth_step": full_step}))
 
 
 def _report_step(k, figures, program, chip, tokens, per_token, hbm_bytes=None):
@@ -416,6 +421,42 @@ def _decode_main(config, devices, where, chip):
                           key: hlo_stats.summarize_step(list(f.collectives), key)
                           for key in ("op", "axes")}} for n, f, p in results],
         "refused": refused, "most_sequences": most, "estimate": dataclasses_asdict(estimate)}))
+
+
+def _report_extrapolated_step(depths, figures, full_depth, program, cfg, config, chip):
+  """The per-step collectives (by kind, and sent bytes by mesh axes) and matmul FLOPs of the
+  compiled depths, each fitted by a line in depth and evaluated at `full_depth` (as the memory
+  columns are: the scanned layers' loop runs once per layer, so each is linear in depth), and
+  the roofline of that step. Returns them for the JSON."""
+  def at_full(ys):
+    slope, intercept = planner.fit_line(depths, ys)
+    return intercept + slope * full_depth
+  summaries = [{key: hlo_stats.summarize_step(list(f.collectives), key) for key in ("op", "axes")}
+               for f in figures]
+  column = lambda key, name, field: [s[key].get(name, {}).get(field, 0.0) for s in summaries]
+  by_kind = {name: at_full(column("op", name, "bytes"))
+             for name in sorted({n for s in summaries for n in s["op"]})}
+  link = {name: at_full(column("axes", name, "link_bytes"))
+          for name in sorted({n for s in summaries for n in s["axes"]})}
+  flops = at_full([f.flops for f in figures])
+  per_token = flops_per_token(planner.ModelConfig.from_config(config.model), cfg.data.seq_len)
+  if _MODE.value == "serve":
+    per_token /= 3
+  tokens = cfg.data.batch_size * cfg.data.seq_len / program.mesh.size
+  est = roofline.estimate(roofline.CHIPS[chip], flops, link, dict(program.mesh.shape), tokens,
+                          per_token)
+  gib = planner.GIB
+  print(f"\nper step at depth {full_depth}, EXTRAPOLATED linearly from depths {depths} "
+        f"(collective GiB by kind, full buffers):")
+  for name, value in by_kind.items():
+    print(f"    {name:<32}{value / gib:10.2f}")
+  print(f"    {'total':<32}{sum(by_kind.values()) / gib:10.2f}")
+  print(f"  matmul FLOPs {flops:.4g}; compute {est.compute_s:.3f} s; comm "
+        + ", ".join(f"{s:.3f} s over {a or '(one device)'}" for a, s in est.comm_s.items()))
+  print(f"  step {est.overlap_s:.3f} s with perfect overlap, {est.serial_s:.3f} s without; MFU "
+        f"{100 * est.mfu['overlap']:.1f}% / {100 * est.mfu['serial']:.1f}% (an ESTIMATE)")
+  return {"depths": list(depths), "flops": flops, "collectives_by_kind": by_kind,
+          "link_bytes_by_axes": link, "estimate": dataclasses_asdict(est)}
 
 
 def dataclasses_asdict(x):

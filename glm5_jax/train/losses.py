@@ -140,6 +140,13 @@ def mean_sequence_balance_loss(out):
   return jnp.zeros((), jnp.float32) if losses_n is None else jnp.mean(losses_n)
 
 
+def mean_dropped_fraction(out):
+  """Mean over MoE layers of the fraction of (token, expert) pairs the expert-parallel dispatch
+  dropped for capacity (`model.moe_capacity_factor`); 0 without any."""
+  dropped_n = _per_layer(out, "moe_dropped_fraction", rank=0)
+  return jnp.zeros((), jnp.float32) if dropped_n is None else jnp.mean(dropped_n)
+
+
 def expert_counts(out):
   """`{path to the MoE block: counts [E]}` (`[layers, E]` for a scanned run, whose block holds
   the stacked biases; the MTP layer's counts summed over depths)."""

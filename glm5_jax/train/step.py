@@ -90,6 +90,8 @@ def compute_loss(model: ModelConfig, step_cfg: StepConfig, params, batch):
            "indexer_kl": kl, "sequence_balance_loss": balance}
   total = total_loss(step_cfg, terms)
   metrics = {"loss": total, **terms}
+  if model.moe_capacity_factor:  # the expert-parallel MoE's capacity drops, mean over layers
+    metrics["moe_dropped_fraction"] = losses.mean_dropped_fraction(out)
   for d, m in enumerate(mtp, start=1):
     metrics[f"mtp{d}_loss"] = m["ce"]
     metrics[f"mtp{d}_accuracy"] = m["accuracy"]
@@ -235,7 +237,7 @@ def _scale_metrics(step_cfg: StepConfig, metrics, shares):
       share = shares["mtp"][int(depth[1]) - 1]
     elif name == "indexer_kl":
       share = shares["indexer"]
-    elif name == "sequence_balance_loss":
+    elif name in ("sequence_balance_loss", "moe_dropped_fraction"):
       share = shares["rows"]
     elif name == "target_tokens":
       share = 1.0  # a count, it simply adds up

@@ -1,0 +1,54 @@
+"""One GLM-5 744B MoE layer (routed experts expert-parallel over ragged_all_to_all, shared
+expert, router), forward + backward, compiled ahead of time by the TPU compiler for a TPU slice
+(`glm5_jax.aot_targets`; needs the `tpu-aot` extra): per-device memory, matmul FLOPs and
+collectives per step, one JSON line. docs/scaling.md ("Making the step fast") has its figures.
+
+  JAX_PLATFORMS=cpu python tools/moe_layer_tpu.py v5p:4x4x4 fsdp=4,expert=16 128 4096 megablox 1.25
+
+argv: target, mesh (axis=size,...), global batch, seq_len, model.moe_matmul,
+model.moe_capacity_factor.
+"""
+import dataclasses
+import json
+import sys
+import time
+
+import jax
+import jax.numpy as jnp
+from flax import linen as nn
+from glm5_jax import aot_targets, hlo_stats, planner, sharding
+from glm5_jax.config import ModelConfig
+from glm5_jax.moe import MoE
+import configs.glm5_744b as c744
+
+target, mesh_s, batch, seq, matmul, cap = sys.argv[1:7]
+batch, seq = int(batch), int(seq)
+shape = {k: int(v) for k, v in (kv.split("=") for kv in mesh_s.split(","))}
+model = dataclasses.replace(ModelConfig.from_config(c744.get_config().model),
+                            moe_impl="expert_parallel", moe_transport="ragged_all_to_all",
+                            moe_matmul=matmul, moe_capacity_factor=float(cap))
+mesh = sharding.make_mesh(sharding.mesh_config(**shape), aot_targets.tpu_devices(target))
+rules = sharding.default_logical_axis_rules()
+module = MoE(model)
+dtype = jnp.dtype(model.dtype)
+x_sh = sharding.batch_sharding(mesh, rules, 3)
+x = jax.ShapeDtypeStruct((batch, seq, model.hidden_size), dtype, sharding=x_sh)
+boxed = jax.eval_shape(lambda: module.init(jax.random.key(0), jnp.zeros(x.shape, dtype)))["params"]
+shapes = nn.meta.unbox(boxed)
+shs = sharding.param_shardings(shapes, nn.get_partition_spec(boxed), mesh, rules)
+params = jax.tree_util.tree_map(lambda s, sh: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=sh), shapes, shs)
+def loss(p, x_BLD):
+  y, aux = module.apply({"params": p}, x_BLD)
+  return y.astype(jnp.float32).sum() + aux["sequence_balance_loss"]
+fn = jax.jit(jax.grad(loss, argnums=(0, 1)), out_shardings=(shs, x_sh))
+t = time.time()
+with planner._backend_seen_by_model("tpu"), sharding.activation_sharding(mesh, rules):
+  compiled = fn.lower(params, x).compile()
+text = compiled.as_text()
+mem = compiled.memory_analysis()
+found = hlo_stats.step_collectives(text, dict(mesh.shape))
+print(json.dumps({"target": target, "mesh": shape, "batch": batch, "seq": seq, "matmul": matmul,
+  "capacity": float(cap), "tokens_per_chip": batch * seq / mesh.size, "compile_s": round(time.time() - t, 1),
+  "temp_GiB": mem.temp_size_in_bytes / 2**30, "argument_GiB": mem.argument_size_in_bytes / 2**30,
+  "flops": hlo_stats.step_dot_flops(text), "convolutions": text.count(" convolution("),
+  "collectives_GiB": {k: round(v["bytes"] / 2**30, 3) for k, v in hlo_stats.summarize_step(found, "op").items()}}))
