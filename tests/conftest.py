@@ -28,6 +28,20 @@ import types
 if "JAX_COMPILATION_CACHE_DIR" not in os.environ:
   os.environ["JAX_COMPILATION_CACHE_DIR"] = tempfile.mkdtemp(prefix="glm5_jax_test_xla_cache_")
   os.environ["GLM5_JAX_TEST_CACHE_OWNER"] = str(os.getpid())
+os.environ.setdefault("GLM5_JAX_TEST_CACHE_ROOT", os.environ["JAX_COMPILATION_CACHE_DIR"])
+# Each xdist worker gets its own directories: one its subprocesses share, one for the worker
+# process itself. jax writes a cache entry in place (`LRUCache.put`: `write_bytes`, no rename),
+# so a process reading an entry another process is still writing can load a truncated
+# executable; and an entry written by a CLI subprocess (other XLA flags, other device counts) was
+# deserialized in a worker once and crashed it (SIGSEGV in `deserialize_executable`, a full run
+# of 2026-11-27). Within a worker, tests and their subprocesses run one at a time, so every entry
+# a process reads was written completely before, by itself or by an earlier subprocess.
+_CACHE_ROOT = os.environ["GLM5_JAX_TEST_CACHE_ROOT"]
+_WORKER = os.environ.get("PYTEST_XDIST_WORKER", "main")
+os.environ["JAX_COMPILATION_CACHE_DIR"] = os.path.join(_CACHE_ROOT, f"{_WORKER}-subprocesses")
+_IN_PROCESS_CACHE_DIR = os.path.join(_CACHE_ROOT, f"{_WORKER}-in-process")
+os.makedirs(os.environ["JAX_COMPILATION_CACHE_DIR"], exist_ok=True)
+os.makedirs(_IN_PROCESS_CACHE_DIR, exist_ok=True)
 
 import jax  # pylint: disable=wrong-import-position
 import jax.numpy as jnp
@@ -42,7 +56,7 @@ REPO_ROOT = pathlib.Path(__file__).resolve().parents[1]
 CONFIG_DIR = REPO_ROOT / "configs"
 
 # In case a plugin imported jax before this file set the variable.
-jax.config.update("jax_compilation_cache_dir", os.environ["JAX_COMPILATION_CACHE_DIR"])
+jax.config.update("jax_compilation_cache_dir", _IN_PROCESS_CACHE_DIR)
 
 # In this (long-lived, many-test) process, only the trainer's programs are written to the cache.
 # jaxlib 0.10.2's CPU `executable.serialize()` has crashed the process (SIGSEGV in CI, SIGABRT
@@ -73,7 +87,7 @@ if hasattr(_jax_compiler, "_cache_write"):  # a private hook: newer jax may name
 def pytest_unconfigure(config):
   del config
   if os.environ.get("GLM5_JAX_TEST_CACHE_OWNER") == str(os.getpid()):
-    shutil.rmtree(os.environ["JAX_COMPILATION_CACHE_DIR"], ignore_errors=True)
+    shutil.rmtree(_CACHE_ROOT, ignore_errors=True)
 
 
 def run_on_host_devices(script: str, devices: int = 8, timeout: int = 900) -> dict:
