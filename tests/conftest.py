@@ -84,6 +84,22 @@ if hasattr(_jax_compiler, "_cache_write"):  # a private hook: newer jax may name
   _jax_compiler._cache_write = _write_trainer_programs_only(_jax_compiler._cache_write)
 
 
+@pytest.fixture(autouse=True, scope="module")
+def _release_compiled_programs():
+  """Drops every compiled program when a test module ends.
+
+  Each XLA:CPU executable holds ~8 memory mappings (JIT code and data pages) for as long as a
+  jit cache references it, and Linux refuses a process's mapping number 65,530
+  (`vm.max_map_count`). A long-lived xdist worker passed 26,000 halfway through the fast tests
+  (a module compiles up to ~7,000), and the full suite's workers died near the end of the run
+  with SIGSEGV in whatever was mapping memory then: a compile, a serialize, a deserialize
+  (four CI and local runs, 2026-11-25..27). A module's programs are rarely needed by the next
+  one; those the persistent cache holds load again in about a second.
+  """
+  yield
+  jax.clear_caches()
+
+
 def pytest_unconfigure(config):
   del config
   if os.environ.get("GLM5_JAX_TEST_CACHE_OWNER") == str(os.getpid()):
