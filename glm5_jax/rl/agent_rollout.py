@@ -3,7 +3,7 @@
 The rollout worker's path for agents written against the OpenAI API (GLM-5's RL setup: the
 agent talks text, the gateway keeps the tokens). `agent_samples` plays G episodes of each task
 at once (threads: the server batches their calls continuously), each as the agent program
-(default `calculator_agent.run_episode`) with its own trajectory id; when an episode ends it
+(default the env's, `AGENTS`) with its own trajectory id; when an episode ends it
 finishes the trajectory on the server (`POST /v1/trajectories/{id}/finish`), reads its records,
 scores the agent's transcript with the environment, and builds the training sample from the
 records alone (`gateway.to_sample`: the sampled ids and their log-probs, never the agent's
@@ -21,13 +21,15 @@ import uuid
 import httpx
 import openai
 
-from glm5_jax.rl import calculator_agent
+from glm5_jax.rl import calculator_agent, repo_repair_agent
 from glm5_jax.rl.trajectories import TrajectoryRecord
 from glm5_jax.seeds import derive_seed
 from glm5_jax.serve.gateway import records_from_json, to_sample
 
-# The built-in agent program of each environment (`posttrain.config.AGENT_ENVS` names them).
-AGENTS = {"calculator": calculator_agent.run_episode}
+# The built-in agent program of each environment (`posttrain.config.AGENT_ENVS` names them):
+# `agent(client, env, task, *, model, trajectory_id, max_turns, max_tokens, temperature, top_p,
+# seed, thinking) -> agent_chat.AgentResult`.
+AGENTS = {"calculator": calculator_agent.play, "repo_repair": repo_repair_agent.play}
 
 
 def score(env, task, transcript) -> tuple[float, bool, dict]:
@@ -44,12 +46,18 @@ def score(env, task, transcript) -> tuple[float, bool, dict]:
 
 
 def agent_samples(base_url: str, env, tasks, *, group_size: int, seed: int,
-                  model: str = "glm5-jax", agent=calculator_agent.run_episode,
+                  model: str = "glm5-jax", agent=None,
                   max_turns: int | None = None, max_tokens: int = 64, temperature: float = 1.0,
                   top_p: float = 1.0, thinking: bool = True, threads: int = 16, run_id: str | None = None,
                   timeout_s: float = 600.0) -> list:
   """`[(Sample, versions int32 [n])]` for G episodes of each task, task-major (module
-  docstring). `base_url`: the server's root (`http://host:port`)."""
+  docstring). `base_url`: the server's root (`http://host:port`); `agent`: the agent program
+  (default `AGENTS[env.name]`)."""
+  if agent is None:
+    if env.name not in AGENTS:
+      raise ValueError(f"agent_samples: env {env.name!r} has no built-in agent program "
+                       f"(AGENTS: {sorted(AGENTS)}); pass agent=")
+    agent = AGENTS[env.name]
   client = openai.OpenAI(base_url=base_url + "/v1", api_key="none", max_retries=0,
                          timeout=timeout_s)
   run_id = run_id or uuid.uuid4().hex[:12]
@@ -58,7 +66,7 @@ def agent_samples(base_url: str, env, tasks, *, group_size: int, seed: int,
   def play(episode):
     g, j, task = episode
     tid = f"{run_id}-{task.env}-{task.split}-{task.index}-{j}"
-    result = agent(client, model=model, messages=task.messages, trajectory_id=tid,
+    result = agent(client, env, task, model=model, trajectory_id=tid,
                    max_turns=max_turns or env.max_turns, max_tokens=max_tokens,
                    temperature=temperature, top_p=top_p,
                    seed=derive_seed(seed, task.env, task.split, task.index, j),

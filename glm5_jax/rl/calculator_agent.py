@@ -17,28 +17,17 @@ It also keeps the conversation in the calculator env's own form (`transcript`: t
 `calc(EXPR)` text, results as observations), which the env scores.
 """
 
-import dataclasses
 import json
-
-import openai
 
 from glm5_jax.posttrain.envs import base
 from glm5_jax.posttrain.envs.calculator import run_tool
-from glm5_jax.seeds import derive_seed
+from glm5_jax.rl.agent_chat import AgentResult, assistant_message, complete
 
 CALC_TOOL = {"type": "function", "function": {
     "name": "calc", "description": "Evaluate an integer expression with + - * and parentheses.",
     "parameters": {"type": "object", "properties": {"expression": {"type": "string"}},
                    "required": ["expression"]}}}
 NUDGE = "Call calc(expression), or answer with an integer only."
-
-
-@dataclasses.dataclass
-class AgentResult:
-  messages: list  # the OpenAI conversation, as sent (and the last reply)
-  transcript: list  # the same in the calculator env's message form
-  turns: int  # calls answered
-  context_full: bool = False  # the server refused a call: no room left for max_tokens
 
 
 def call_text(name: str, arguments: str | None) -> str:
@@ -66,27 +55,14 @@ def run_episode(client, *, model: str, messages, trajectory_id: str, max_turns: 
   transcript = [dict(m) for m in messages]
   turns = 0
   for turn in range(max_turns):
-    try:
-      reply = client.chat.completions.create(
-          model=model, messages=messages, max_tokens=max_tokens, temperature=temperature,
-          top_p=top_p, seed=derive_seed("agent", seed, turn),
-          **({"tools": tools} if tools else {}), extra_body={
-              "trajectory_id": trajectory_id,
-              "chat_template_kwargs": {"enable_thinking": thinking}})
-    except openai.BadRequestError as e:
-      if e.param != "max_tokens":
-        raise
+    m = complete(client, messages, model=model, trajectory_id=trajectory_id, turn=turn,
+                 max_tokens=max_tokens, temperature=temperature, top_p=top_p, seed=seed,
+                 thinking=thinking, tools=tools)
+    if m is None:
       return AgentResult(messages, transcript, turns, context_full=True)
     turns += 1
-    m = reply.choices[0].message
-    reasoning = (m.model_extra or {}).get("reasoning_content")
     calls = m.tool_calls or []
-    said = {"role": "assistant", "content": m.content or ""}
-    if reasoning is not None:
-      said["reasoning_content"] = reasoning
-    if calls:
-      said["tool_calls"] = [{"id": c.id, "type": "function", "function": {
-          "name": c.function.name, "arguments": c.function.arguments}} for c in calls]
+    said, reasoning = assistant_message(m)
     messages.append(said)
     texts = [call_text(c.function.name, c.function.arguments) for c in calls]
     transcript.append({"role": "assistant", "content": m.content or "", "thinking": reasoning,
@@ -102,3 +78,10 @@ def run_episode(client, *, model: str, messages, trajectory_id: str, max_turns: 
     messages.append({"role": "user", "content": NUDGE})
     transcript.append({"role": "user", "content": NUDGE})
   return AgentResult(messages, transcript, turns)
+
+
+def play(client, env, task, **request) -> AgentResult:
+  """`agent_rollout.AGENTS`' entry: an episode of `task` from its prompt (`request`: the keyword
+  arguments of `run_episode` but `messages`). The calculator's tool needs nothing of `env`."""
+  del env
+  return run_episode(client, messages=task.messages, **request)
