@@ -98,6 +98,6 @@ def run_episode(client, env, task, *, model: str, trajectory_id: str,
 def play(client, env, task, **request) -> AgentResult:
   """`agent_rollout.AGENTS`' entry. Sends no `tools`: the policy's prompt is then the engine
   path's and its SFT data's (the env's prompt names the tools; GLM's `<tool_call>`s come back
-  as `tool_calls` either way), and it fits the rows: the tools block adds ~900 byte tokens to
-  a ~225-token prompt, where configs/rl_agentic.py's rows are 1024 for a ~700-token episode."""
+  as `tool_calls` either way), and it fits the rows: with `TOOLS` task 0's prompt is 1273 byte
+  tokens instead of 226, past configs/rl_agentic.py's 1024-token rows (episodes ~700)."""
   return run_episode(client, env, task, tools=None, **request)
