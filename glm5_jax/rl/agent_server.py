@@ -48,9 +48,11 @@ class AgentServer:
     self.loop = VersionedLoop(engine, version=version, max_queue=max(256, 4 * slots))
     self.model_name = MODEL_NAME
     self.app = create_app(self.loop, tokenizer, model_name=MODEL_NAME)
-    # The agents' `openai` clients log every HTTP call at INFO through httpx: thousands of lines
-    # per batch in the worker's log. Their errors still surface as exceptions.
-    logging.getLogger("httpx").setLevel(logging.WARNING)
+    # The agents' `openai` clients log every HTTP call at INFO through httpx ("httpx2" from
+    # openai 3.x on): thousands of lines per batch in the worker's log. Their errors still
+    # surface as exceptions.
+    for name in ("httpx", "httpx2"):
+      logging.getLogger(name).setLevel(logging.WARNING)
     self._socket = socket.socket()
     self._socket.bind(("127.0.0.1", 0))
     host, port = self._socket.getsockname()[:2]
