@@ -2,6 +2,11 @@
 worked solutions earn 1, wrong / hostile / malformed answers 0, the reward modes, the splits,
 option errors, the tool flow, and a repo-repair episode played by the engine with sessions."""
 
+import ast
+import collections
+import sys
+import types
+
 import numpy as np
 import pytest
 
@@ -118,6 +123,49 @@ def test_repo_repair_splits_and_bugs_fail_visible_tests():
   for t in tasks["train"][:10]:
     buggy = t.info["files"][f"{t.info['module']}.py"]
     assert buggy != t.info["fixed"]
+
+
+def defined_names(source: str) -> set:
+  """Every name `source` defines: functions, their arguments, assigned variables."""
+  out = set()
+  for node in ast.walk(ast.parse(source)):
+    if isinstance(node, ast.FunctionDef):
+      out.add(node.name)
+    elif isinstance(node, ast.arg):
+      out.add(node.arg)
+    elif isinstance(node, ast.Name) and isinstance(node.ctx, ast.Store):
+      out.add(node.id)
+  return out
+
+
+def test_repo_repair_bugs_keep_every_name_and_fail_in_the_function(monkeypatch):
+  """No generated bug renames or removes a name (`def running_min(` -> `def running_max(` made
+  the visible test die on an ImportError): the buggy module defines the same names as the fix,
+  and its visible tests (run here in-process, as the sandbox runner does) fail on a wrong value
+  or an error raised inside the function, never a NameError/ImportError."""
+  env = envs.make("repo_repair")
+  failures = collections.Counter()
+  for split in ("train", "eval"):
+    for i in range(300):
+      t = env.task(i, split)
+      module = t.info["module"]
+      buggy = t.info["files"][f"{module}.py"]
+      assert defined_names(buggy) == defined_names(t.info["fixed"]), (split, i, buggy)
+      mod = types.ModuleType(module)
+      exec(compile(buggy, f"{module}.py", "exec"), mod.__dict__)  # pylint: disable=exec-used
+      monkeypatch.setitem(sys.modules, module, mod)
+      scope = {}
+      exec(t.info["files"][f"test_{module}.py"], scope)  # pylint: disable=exec-used
+      kinds = []
+      for name in sorted(n for n in scope if n.startswith("test_")):
+        try:
+          scope[name]()
+        except Exception as e:  # pylint: disable=broad-except  (classified below)
+          kinds.append(type(e))
+      assert kinds, (split, i, "the bug passes its visible tests", buggy)
+      assert not any(issubclass(k, (NameError, ImportError)) for k in kinds), (split, i, buggy)
+      failures.update(k.__name__ for k in kinds)
+  assert failures["AssertionError"] > sum(failures.values()) / 2, failures
 
 
 def test_repo_repair_worked_solution_round_trips_the_chat_format():

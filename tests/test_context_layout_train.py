@@ -14,31 +14,19 @@ from tests.conftest import load_config_module, run_on_host_devices
 # shards and the striped layout's 4-token chunks, a loss mask hiding some targets.
 _SCRIPT = r"""
 import json, jax, jax.numpy as jnp, numpy as np
-from configs import tiny
-import glm5_jax
 from glm5_jax import sharding
-from glm5_jax.config import ModelConfig
 from glm5_jax.train.step import StepConfig, compute_loss, loss_and_grads
+from tests.sharded_tiny import on_mesh, packed_batch
 assert jax.device_count() == 8, jax.devices()
-cfg = tiny.get_config()
-cfg.model.update(num_hidden_layers=2, attention_pattern="MD", dsa_impl="xla", mtp_depths=1,
-                 first_k_dense_replace=1, dtype="float32")
-cfg.mesh.shape.update(data=2, fsdp=1, context=4, expert=1, tensor=1)
+cfg, mesh, model, _, sh_params = on_mesh(
+    dict(data=2, fsdp=1, context=4, expert=1, tensor=1), num_hidden_layers=2,
+    attention_pattern="MD", dsa_impl="xla", mtp_depths=1, first_k_dense_replace=1,
+    dtype="float32")
 rules = cfg.mesh.logical_axis_rules
-mesh = sharding.make_mesh(cfg.mesh)
-model = ModelConfig.from_config(cfg.model)
-params = glm5_jax.init_params(cfg.model, jax.random.key(0))
-B, L = 2, 32
-lengths = [[5, 14, 13], [20, 12]]
-batch = {
-    "tokens": jax.random.randint(jax.random.key(1), (B, L), 0, model.vocab_size),
-    "segment_ids": jnp.asarray([np.repeat(np.arange(1, len(r) + 1), r) for r in lengths],
-                               jnp.int32),
-    "positions": jnp.asarray([np.concatenate([np.arange(n) for n in r]) for r in lengths],
-                             jnp.int32),
-    "loss_mask": jnp.asarray(np.random.default_rng(0).random((B, L)) > 0.2, jnp.float32)}
-shapes, axes = glm5_jax.abstract_params_and_axes(cfg.model)
-sh_params = jax.device_put(params, sharding.param_shardings(shapes, axes, mesh, rules))
+tokens, positions, segments = packed_batch(model.vocab_size)
+B, L = tokens.shape
+batch = {"tokens": tokens, "segment_ids": segments, "positions": positions,
+         "loss_mask": jnp.asarray(np.random.default_rng(0).random((B, L)) > 0.2, jnp.float32)}
 seq = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec("data", "context"))
 sh_batch = jax.device_put(batch, seq)
 out = {}

@@ -18,27 +18,19 @@ from tests.conftest import run_on_host_devices
 # the striped layout's 4-token chunks.
 _SCRIPT = r"""
 import json, jax, jax.numpy as jnp, numpy as np
-from configs import tiny
 import glm5_jax
 from glm5_jax import sharding
 from glm5_jax.attention import context_parallel
 from glm5_jax.attention.mode import Mode
-from glm5_jax.config import ModelConfig
+from tests.sharded_tiny import on_mesh, packed_batch
 assert jax.device_count() == 8, jax.devices()
-cfg = tiny.get_config()
-cfg.model.update(num_hidden_layers=4, attention_pattern="MDGS", sliding_window=8,
-                 dsa_impl="xla", mtp_depths=1, first_k_dense_replace=1,
-                 moe_impl="expert_parallel", moe_transport="all_to_all")
-cfg.mesh.shape.update(data=1, fsdp=1, context=4, expert=2, tensor=1)
+cfg, mesh, model, params, sh_params = on_mesh(
+    dict(data=1, fsdp=1, context=4, expert=2, tensor=1), num_hidden_layers=4,
+    attention_pattern="MDGS", sliding_window=8, dsa_impl="xla", mtp_depths=1,
+    first_k_dense_replace=1, moe_impl="expert_parallel", moe_transport="all_to_all")
 rules = cfg.mesh.logical_axis_rules
-mesh = sharding.make_mesh(cfg.mesh)
-model = ModelConfig.from_config(cfg.model)
-params = glm5_jax.init_params(cfg.model, jax.random.key(0))
-B, L = 2, 32
-tokens = jax.random.randint(jax.random.key(1), (B, L), 0, model.vocab_size)
-lengths = [[5, 14, 13], [20, 12]]
-segments = jnp.asarray([np.repeat(np.arange(1, len(r) + 1), r) for r in lengths], jnp.int32)
-positions = jnp.asarray([np.concatenate([np.arange(n) for n in r]) for r in lengths], jnp.int32)
+tokens, positions, segments = packed_batch(model.vocab_size)
+B, L = tokens.shape
 weights = jax.random.normal(jax.random.key(2), (B, L, model.vocab_size))
 
 def step(layout):
@@ -53,8 +45,6 @@ def step(layout):
 
 (ref_loss, ref_logits), ref_grads = jax.jit(step("contiguous"))(
     params, tokens, positions, segments, weights)
-shapes, axes = glm5_jax.abstract_params_and_axes(cfg.model)
-sh_params = jax.device_put(params, sharding.param_shardings(shapes, axes, mesh, rules))
 seq = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec("expert", "context"))
 diff = lambda a, b: float(np.abs(np.asarray(a) - np.asarray(b)).max())
 scale = lambda a: float(np.abs(np.asarray(a)).max())

@@ -223,24 +223,16 @@ def test_sharded_dsa_ops_have_no_per_block_batch_or_head_collectives():
 # context 4, packed documents crossing the 8-token shards.
 _CONTEXT_PALLAS = r"""
 import json, jax, jax.numpy as jnp, numpy as np
-from configs import tiny
 import glm5_jax
 from glm5_jax import sharding
 from glm5_jax.attention.mode import Mode
-from glm5_jax.config import ModelConfig
-cfg = tiny.get_config()
-cfg.model.update(num_hidden_layers=1, attention_pattern="D", dsa_impl="pallas_interpret", mtp_depths=0,
-                 first_k_dense_replace=1)
-cfg.mesh.shape.update(data=2, fsdp=1, context=4, expert=1, tensor=1)
+from tests.sharded_tiny import on_mesh, packed_batch
+cfg, mesh, model, params, sh_params = on_mesh(
+    dict(data=2, fsdp=1, context=4, expert=1, tensor=1), num_hidden_layers=1,
+    attention_pattern="D", dsa_impl="pallas_interpret", mtp_depths=0, first_k_dense_replace=1)
 rules = cfg.mesh.logical_axis_rules
-mesh = sharding.make_mesh(cfg.mesh)
-model = ModelConfig.from_config(cfg.model)
-params = glm5_jax.init_params(cfg.model, jax.random.key(0))
-B, L = 2, 32
-tokens = jax.random.randint(jax.random.key(1), (B, L), 0, model.vocab_size)
-lengths = [[5, 14, 13], [20, 12]]
-segments = jnp.asarray([np.repeat(np.arange(1, len(r) + 1), r) for r in lengths], jnp.int32)
-positions = jnp.asarray([np.concatenate([np.arange(n) for n in r]) for r in lengths], jnp.int32)
+tokens, positions, segments = packed_batch(model.vocab_size)
+B, L = tokens.shape
 weights = jax.random.normal(jax.random.key(2), (B, L, model.vocab_size))
 def loss(p, t, pos, seg):
   out = glm5_jax.forward(model, p, t, pos, seg, mode=Mode(dsa_stage="sparse"), mtp=False)
@@ -248,8 +240,6 @@ def loss(p, t, pos, seg):
   return jnp.sum(out["logits"] * weights) + kl, out["logits"]
 step = jax.value_and_grad(loss, has_aux=True)
 (ref_loss, ref_logits), ref_grads = jax.jit(step)(params, tokens, positions, segments)
-shapes, axes = glm5_jax.abstract_params_and_axes(cfg.model)
-sh_params = jax.device_put(params, sharding.param_shardings(shapes, axes, mesh, rules))
 seq = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec("data", "context"))
 args = [jax.device_put(x, seq) for x in (tokens, positions, segments)]
 with sharding.activation_sharding(mesh, rules):

@@ -24,18 +24,21 @@ import json
 import os
 import subprocess
 import sys
-import time
+
+# The repository root, for `tools` when run as `python tools/X.py` (sys.path[0] is tools/).
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+# pylint: disable=wrong-import-position
 
 from absl import app, flags, logging
 import numpy as np
 
 from configs import rl_long_tail
 from glm5_jax.posttrain import sft
-from glm5_jax.rl.layout import RunDirs, read_json
+from glm5_jax.rl.layout import read_json
 from glm5_jax.train import console
 from glm5_jax.train.stopping import EXIT_STOPPED_EARLY
+from tools.async_rl_run import REPO, run_async_rl
 
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 CONFIG = os.path.join(REPO, "configs", "rl_long_tail.py")
 _WORKDIR = flags.DEFINE_string("workdir", "/tmp/glm5_bench_long_tail", "SFT (reused) and the "
                                "two runs go under it; the runs are started afresh.")
@@ -56,19 +59,10 @@ def _stats(x) -> dict:
 def run(arm: str, share: float, init_from: str) -> dict:
   workdir = os.path.join(_WORKDIR.value, arm)
   subprocess.run(["rm", "-rf", workdir], check=True)
-  command = [sys.executable, os.path.join(REPO, "experiments", "rl.py"), "--mode=async",
-             f"--rollout_workers={_WORKERS.value}", f"--workdir={workdir}",
-             f"--config={CONFIG}:steps={_STEPS.value},sft_steps={_SFT_STEPS.value}",
-             f"--config.rl.init_from={init_from}",
-             f"--config.rl.long_tail.worker_share={share}",
-             f"--config.rl.long_tail.after_tokens={_AFTER.value}"]
-  start = time.time()
-  proc = subprocess.run(command, cwd=REPO, capture_output=True, text=True)
-  wall = time.time() - start
-  if proc.returncode != 0:
-    raise RuntimeError(f"the {arm} run failed ({proc.returncode}); its last lines:\n"
-                       + proc.stderr[-3000:])
-  dirs = RunDirs.at(os.path.join(workdir, "rl"))
+  wall, dirs = run_async_rl(arm, workdir, _WORKERS.value, [
+      f"--config={CONFIG}:steps={_STEPS.value},sft_steps={_SFT_STEPS.value}",
+      f"--config.rl.init_from={init_from}", f"--config.rl.long_tail.worker_share={share}",
+      f"--config.rl.long_tail.after_tokens={_AFTER.value}"])
   with open(dirs.root / "metrics.jsonl") as f:
     steps = [r for r in map(json.loads, f) if "trainer/step_seconds" in r]
   summary = read_json(dirs.root / "summary.json")

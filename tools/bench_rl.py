@@ -33,6 +33,10 @@ import subprocess
 import sys
 import time
 
+# The repository root, for `tools` when run as `python tools/X.py` (sys.path[0] is tools/).
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+# pylint: disable=wrong-import-position
+
 from absl import app, flags, logging
 import numpy as np
 from ml_collections import config_flags
@@ -40,11 +44,10 @@ from ml_collections import config_flags
 from configs import overrides
 from glm5_jax.posttrain import sft
 from glm5_jax.posttrain.loop import rl_train
-from glm5_jax.rl.layout import RunDirs, read_json
+from glm5_jax.rl.layout import read_json
 from glm5_jax.train import console
 from glm5_jax.train.stopping import EXIT_STOPPED_EARLY
-
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+from tools.async_rl_run import run_async_rl
 _CONFIG = overrides.define_config_file("config", "configs/rl_tiny.py:env=echo,seq_len=128", "RL config.")
 _WORKDIR = flags.DEFINE_string("workdir", "/tmp/glm5_bench_rl", "SFT (reused), sync and async "
                                "runs go under it; the sync and async runs are started afresh.")
@@ -89,18 +92,10 @@ def run_sync(config, workdir: str) -> dict:
 def run_async(config, workdir: str, steps: int, workers: int) -> dict:
   overrides = {"rl.steps": steps, "rl.eval_every_steps": 0, "rl.init_from": config.rl.init_from}
   # The same config file and overrides as this process's, then the bench's own.
-  command = [sys.executable, os.path.join(REPO, "experiments", "rl.py"), "--mode=async",
-             f"--rollout_workers={workers}", f"--workdir={workdir}",
-             f"--config={config_flags.get_config_filename(flags.FLAGS['config'])}",
-             *[a for a in sys.argv[1:] if a.startswith("--config.")],
-             *[f"--config.{k}={v}" for k, v in overrides.items()]]
-  start = time.time()
-  proc = subprocess.run(command, cwd=REPO, capture_output=True, text=True)
-  wall = time.time() - start
-  if proc.returncode != 0:
-    raise RuntimeError(f"the async run failed ({proc.returncode}); its last lines:\n"
-                       + proc.stderr[-3000:])
-  dirs = RunDirs.at(os.path.join(workdir, "rl"))
+  wall, dirs = run_async_rl("async", workdir, workers, [
+      f"--config={config_flags.get_config_filename(flags.FLAGS['config'])}",
+      *[a for a in sys.argv[1:] if a.startswith("--config.")],
+      *[f"--config.{k}={v}" for k, v in overrides.items()]])
   trainer = read_json(dirs.trainer_stats)
   busy, idle = trainer["busy_seconds"], trainer["idle_seconds"]
   summary = read_json(dirs.root / "summary.json")

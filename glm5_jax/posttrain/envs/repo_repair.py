@@ -53,19 +53,24 @@ for n in names:
 print(f"{{ok}}/{{len(names)}} passed")
 """
 NUMBER = re.compile(r"(?<![\w.])(\d+)")
+# (pattern, replacement), applied at the first match. The guards keep a swap off identifiers:
+# `max(` alone would turn `def running_max(` into `def running_min(`, a renamed function (the
+# visible test then dies on an ImportError instead of showing a wrong value).
+SWAPS = tuple((re.compile(pattern), new) for pattern, new in (
+    (r"(?<![\w.])max\(", "min("), (r"(?<![\w.])min\(", "max("),  # builtin calls only
+    (r" \+ ", " - "), (r" - ", " + "), (r"\[::-1\]", ""),
+    (r" == 0(?![\w.])", " != 0"), (r"\breturn ", "return 1 + ")))
 
 
 def mutations(source: str) -> list[str]:
-  """Candidate buggy versions of `source` (each differs in one place)."""
+  """Candidate buggy versions of `source` (each differs in one place; none renames a name)."""
   out = []
   for m in NUMBER.finditer(source):
     out.append(source[:m.start()] + str(int(m.group()) + 1) + source[m.end():])
-  swaps = (("max(", "min("), ("min(", "max("), (" + ", " - "), (" - ", " + "), ("[::-1]", ""),
-           (" == 0", " != 0"), ("return ", "return 1 + "))
-  for old, new in swaps:
-    k = source.find(old)
-    if k >= 0:
-      out.append(source[:k] + new + source[k + len(old):])
+  for pattern, new in SWAPS:
+    m = pattern.search(source)
+    if m:
+      out.append(source[:m.start()] + new + source[m.end():])
   return out
 
 
