@@ -33,6 +33,7 @@ from ml_collections import config_flags
 
 from glm5_jax.sweeps import report as sweep_report, runner as sweep_runner
 from glm5_jax.sweeps.spec import parse_runs
+from glm5_jax.train import console
 
 _SWEEP = config_flags.DEFINE_config_file(
     "sweep", None, "Sweep config (configs/sweeps/*.py[:quick]).", lock_config=False)
@@ -50,6 +51,7 @@ _RUN_SPEC = flags.DEFINE_string("run_spec", "", "Worker mode: execute this runs/
 
 def main(argv):
   del argv
+  console.quiet_library_info()
   if _RUN_SPEC.value:
     return sweep_runner.run_worker(_RUN_SPEC.value)
   sweep = _SWEEP.value

@@ -30,6 +30,7 @@ import glm5_jax
 from configs import rl_tiny
 from glm5_jax.config import ModelConfig
 from glm5_jax.posttrain import envs, rollout
+from glm5_jax.train import console
 
 _INIT_FROM = flags.DEFINE_string("init_from", "", "A training run's workdir (latest params); "
                                  "empty: random params.")
@@ -67,6 +68,7 @@ def random_params(cfg: ModelConfig, seed: int):
 
 def main(argv):
   del argv
+  console.quiet_library_info()
   config = rl_tiny.get_config()
   del config["sft"]
   params, source = load_params(config)

@@ -44,6 +44,7 @@ from glm5_jax.infer.loading import load_model
 from glm5_jax.posttrain import envs, rollout
 from glm5_jax.posttrain.config import rl_config
 from glm5_jax.quant import rotation, serve
+from glm5_jax.train import console
 
 _WORKDIR = flags.DEFINE_string("workdir", None, "Training run (SFT or RL) to measure.")
 _ENV = flags.DEFINE_string("env", "addition", "Environment whose eval tasks are played.")
@@ -143,6 +144,7 @@ def main_suite(served):
 def main(argv):
   if len(argv) > 1:
     raise app.UsageError(f"unexpected arguments {argv[1:]}")
+  console.quiet_library_info()
   served = load_model(workdir=_WORKDIR.value)
   if _SUITE.value:
     what, rows = main_suite(served)

@@ -24,6 +24,7 @@ from glm5_jax.config import model_config
 from glm5_jax.eval.evaluate import search_swa_pattern
 from glm5_jax.eval.report import write_json
 from glm5_jax.eval.suite import suite_config
+from glm5_jax.train import console
 
 RETRIEVAL_TASKS = ("niah_single", "niah_multikey", "niah_multivalue", "niah_multiquery", "mqar")
 
@@ -48,6 +49,7 @@ _OUTPUT = flags.DEFINE_string("output", "", "JSON output (default <workdir>/swa_
 
 def main(argv):
   del argv
+  console.quiet_library_info()
   overrides = config_flags.get_override_values(flags.FLAGS["model"])
   result = search_swa_pattern(
       _WORKDIR.value, _SUITE.value, length=_LENGTH.value or None,

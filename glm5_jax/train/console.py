@@ -18,6 +18,8 @@ from absl import logging
 
 EXIT_FAILED = 1
 _QUIET_PACKAGES = ("orbax",)
+# jax's backend probe: "Unable to initialize backend 'tpu'" at INFO on every machine without one.
+_QUIET_FILES = ("xla_bridge.py",)
 
 
 class _DropLibraryInfo(std_logging.Filter):
@@ -28,11 +30,13 @@ class _DropLibraryInfo(std_logging.Filter):
     if record.levelno >= std_logging.WARNING:
       return True
     parts = record.pathname.split(os.sep)
-    return not any(package in parts for package in _QUIET_PACKAGES)
+    return not (any(package in parts for package in _QUIET_PACKAGES)
+                or parts[-1] in _QUIET_FILES)
 
 
 def quiet_library_info() -> None:
-  """Hides orbax's INFO lines (about 60 per checkpoint save); warnings and errors stay."""
+  """Hides orbax's INFO lines (about 60 per checkpoint save or restore) and jax's backend probe;
+  warnings and errors stay."""
   handler = logging.get_absl_handler()
   if not any(isinstance(f, _DropLibraryInfo) for f in handler.filters):
     handler.addFilter(_DropLibraryInfo())
