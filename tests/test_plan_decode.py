@@ -50,6 +50,19 @@ def test_decode_program_holds_the_quantized_params_and_the_donated_cache():
   assert tokens.shape == (b,) and tokens.dtype == jnp.int32
 
 
+
+def test_read_bytes_take_top_k_rows_only_in_dsa_layers():
+  """A plain MLA layer (M) attends to every cached row: its whole latent is read."""
+  config = _config()
+  config.model.attention_pattern = "MD"
+  ways = 1
+  for axis in batch_mesh_axes(config.mesh.logical_axis_rules):
+    ways *= config.mesh.shape[axis]
+  b = 2 * ways
+  program = planner_decode.decode_program(config, cache_len=S, sequences=b)
+  per_row = 2 * b // ways  # bf16 bytes x slots per device, one layer
+  assert program.read_bytes == per_row * (S * (64 + 8) + S * 16 + 16 * (64 + 8))
+
 def test_paged_decode_program_holds_the_pool_and_page_tables():
   config = _config()
   program = planner_decode.decode_program(config, cache_len=S, sequences=2, cache_layout="paged",
