@@ -234,7 +234,7 @@ def main(argv):
   how = "extrapolated" if extrapolated else "compiled"
   print(f"\nfits HBM (depth {verdict_depth}, {how}: {total / planner.GIB:.2f} GiB per device):")
   for name, gib in planner.ACCELERATOR_HBM_GIB.items():
-    mark = "  <== chosen" if name == _ACCELERATOR.value else ""
+    mark = "  <== chosen" if name == chip else ""
     print(f"  {name:<5} {gib:4d} GiB  {'fits' if verdict[name] else 'does not fit'}{mark}")
 
   k, deepest, program, cfg = results[-1]
