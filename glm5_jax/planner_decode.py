@@ -29,18 +29,21 @@ from jax.sharding import NamedSharding, PartitionSpec
 
 from glm5_jax.api import abstract_params_and_axes
 from glm5_jax.attention.cache_spec import CacheSpec
+from glm5_jax.attention.kinds import layer_kind
 from glm5_jax.config import ModelConfig
 from glm5_jax.infer import paged
 from glm5_jax.infer.cache import cache_shardings, cache_specs
 from glm5_jax.infer.engine import Paging, _decode_and_sample
 from glm5_jax.infer.sampling import SamplingParams
+from glm5_jax.layer_runs import layer_indices
 from glm5_jax.layers.axes import BATCH
 from glm5_jax.planner import Program, _needs_moe_standin, _with_shardings, sharded_bytes
 from glm5_jax.sharding import logical_to_mesh_spec, make_mesh, param_shardings
 
 CACHE_LAYOUTS = ("contiguous", "paged")
-# The cache arrays a DSA decode step reads only at its top-k rows (the indexer keys `index_k`
-# are scored at every row).
+# The cache arrays a DSA decode step (a layer that selects top-k rows, or reuses the previous
+# layer's selection) reads only at its top-k rows (the indexer keys `index_k` are scored at
+# every row); other kinds (M, S, ...) read every row they hold.
 _TOPK_READ = ("ckv", "k_rope")
 
 
@@ -93,17 +96,21 @@ def decode_program(config, devices=None, *, cache_len: int, sequences: int,
                out_shardings=(cache_sharding, None, None), donate_argnums=1)
   return Program(fn, args, mesh, rules, sharded_bytes(args), _needs_moe_standin(model, mesh),
                  cache_bytes=sharded_bytes(cache),
-                 read_bytes=dsa_read_bytes(cache, model.index_topk, cache_len))
+                 read_bytes=dsa_read_bytes(cache, model, cache_len))
 
 
-def dsa_read_bytes(cache, topk: int, cache_len: int) -> int:
-  """Per-device cache bytes one DSA decode step reads at full context: the indexer keys of
-  every row, the latent and RoPE key (`_TOPK_READ`) of the `topk` selected rows only."""
+def dsa_read_bytes(cache, model: ModelConfig, cache_len: int) -> int:
+  """Per-device cache bytes one decode step reads at full context: in a DSA layer the indexer
+  keys of every row, the latent and RoPE key (`_TOPK_READ`) of the `model.index_topk` selected
+  rows only; every other layer's cache whole. `cache`: a `cache_specs` tree without MTP."""
   total = 0
   for path, leaf in jax.tree_util.tree_flatten_with_path(cache)[0]:
     shard = sharded_bytes([leaf])
     name = str(getattr(path[-1], "key", path[-1]))
-    total += shard * min(topk, cache_len) // cache_len if name in _TOPK_READ else shard
+    kind = layer_kind(model.attention_pattern, layer_indices(path[0].key)[0])
+    topk = kind.provides_topk or kind.needs_prev_topk
+    total += (shard * min(model.index_topk, cache_len) // cache_len
+              if topk and name in _TOPK_READ else shard)
   return total
 
 

@@ -50,6 +50,19 @@ def test_decode_program_holds_the_quantized_params_and_the_donated_cache():
   assert tokens.shape == (b,) and tokens.dtype == jnp.int32
 
 
+
+def test_read_bytes_take_top_k_rows_only_in_dsa_layers():
+  """A plain MLA layer (M) attends to every cached row: its whole latent is read."""
+  config = _config()
+  config.model.attention_pattern = "MD"
+  ways = 1
+  for axis in batch_mesh_axes(config.mesh.logical_axis_rules):
+    ways *= config.mesh.shape[axis]
+  b = 2 * ways
+  program = planner_decode.decode_program(config, cache_len=S, sequences=b)
+  per_row = 2 * b // ways  # bf16 bytes x slots per device, one layer
+  assert program.read_bytes == per_row * (S * (64 + 8) + S * 16 + 16 * (64 + 8))
+
 def test_paged_decode_program_holds_the_pool_and_page_tables():
   config = _config()
   program = planner_decode.decode_program(config, cache_len=S, sequences=2, cache_layout="paged",
@@ -99,3 +112,31 @@ def test_plan_memory_decode_mode_on_8_devices():
   assert "per-step report for 16 sequences" in proc.stdout and "HBM" in proc.stdout
   # the expert-parallel exchange (XLA:CPU: the ragged all-to-all's dense stand-in)
   assert two["collectives_per_step"]["op"]["all-to-all"]["count"] > 0
+
+
+_ALL_REFUSED = """
+import runpy, sys
+import jax
+from glm5_jax import planner
+def refuse(*args, **kwargs):  # what the TPU compiler raises for a program over its HBM
+  raise jax.errors.JaxRuntimeError("RESOURCE_EXHAUSTED: over HBM (test)")
+planner.compile_program = refuse
+sys.argv = ["tools/plan_memory.py", "--config=configs/tiny.py", "--devices=1", "--mode=decode",
+            "--cache_len=64", "--sequences=8", "--config.model.num_hidden_layers=2"]
+runpy.run_path("tools/plan_memory.py", run_name="__main__")
+"""
+
+
+@pytest.mark.slow  # the tool in a subprocess, compiles nothing (~3 s)
+def test_plan_memory_decode_mode_says_when_every_count_was_refused():
+  import os  # pylint: disable=g-import-not-at-top
+  import subprocess  # pylint: disable=g-import-not-at-top
+  import sys  # pylint: disable=g-import-not-at-top
+  root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+  proc = subprocess.run([sys.executable, "-c", _ALL_REFUSED], cwd=root,
+                        env=dict(os.environ, PYTHONPATH=root, JAX_PLATFORMS="cpu"),
+                        capture_output=True, text=True, timeout=300)
+  assert proc.returncode == 1, proc.stdout[-2000:] + proc.stderr[-2000:]
+  assert "does not fit v5p: the compiler refused it" in proc.stdout
+  assert "no sequence count compiled: [8] all refused" in proc.stderr, proc.stderr[-2000:]
+  assert "Traceback" not in proc.stderr, proc.stderr[-2000:]

@@ -234,7 +234,7 @@ def main(argv):
   how = "extrapolated" if extrapolated else "compiled"
   print(f"\nfits HBM (depth {verdict_depth}, {how}: {total / planner.GIB:.2f} GiB per device):")
   for name, gib in planner.ACCELERATOR_HBM_GIB.items():
-    mark = "  <== chosen" if name == _ACCELERATOR.value else ""
+    mark = "  <== chosen" if name == chip else ""
     print(f"  {name:<5} {gib:4d} GiB  {'fits' if verdict[name] else 'does not fit'}{mark}")
 
   k, deepest, program, cfg = results[-1]
@@ -369,6 +369,8 @@ def _decode_main(config, devices, where, chip):
                        f"abstract inputs' shards {program.state_bytes}")
     results.append((n, figures, program))
 
+  if not results:
+    raise SystemExit(f"no sequence count compiled: {refused} all refused")
   print(f"\nper-device memory, GiB ({results[-1][1].compiler}, depth {depth}, compiled)"
         f"{'':4}" + "".join(f"{str(n) + ' seqs':>12}" for n, *_ in results))
   rows = {"argument": lambda f, p: f.memory.argument,
@@ -380,8 +382,6 @@ def _decode_main(config, devices, where, chip):
           "total (arg + out - alias + temp)": lambda f, p: f.memory.total}
   for label, get in rows.items():
     print(f"  {label:<34}" + "".join(f"   {_gib(get(f, p))}" for _, f, p in results))
-  if not results:
-    raise SystemExit(f"no sequence count compiled: {refused} all refused")
   counts = [n for n, *_ in results]
   totals = [f.memory.total for _, f, _ in results]
   for n, total in zip(counts, totals):
