@@ -42,6 +42,40 @@ def complete(client, messages, *, model: str, trajectory_id: str, turn: int, max
   return reply.choices[0].message
 
 
+def run_turns(client, prompt, env_call, answer, *, max_turns: int, **request) -> AgentResult:
+  """An episode's calls: from the `prompt` messages (role and content of each kept), up to
+  `max_turns` calls (`take_turn`; `request`: `complete`'s keywords but `turn`). After each reply
+  `answer(turn, reply, messages, transcript)` appends what the agent sends next (tool results, a
+  nudge) to both and returns whether the episode goes on. A call refused for want of room ends
+  it (`context_full`)."""
+  messages = [{"role": m["role"], "content": m["content"]} for m in prompt]
+  transcript = [dict(m) for m in prompt]
+  for turn in range(max_turns):
+    m = take_turn(client, messages, transcript, env_call, turn=turn, **request)
+    if m is None:
+      return AgentResult(messages, transcript, turn, context_full=True)
+    if not answer(turn, m, messages, transcript):
+      return AgentResult(messages, transcript, turn + 1)
+  return AgentResult(messages, transcript, max_turns)
+
+
+def take_turn(client, messages: list, transcript: list, env_call, **request):
+  """One call of an episode: `complete(client, messages, **request)`, then the reply appended to
+  `messages` as it is sent back (`assistant_message`) and to `transcript` in the environment's
+  form (each tool call as `env_call(name, arguments)`). Returns the reply (`openai`
+  ChatCompletionMessage), or None when the server refused the call for want of room (nothing
+  appended)."""
+  m = complete(client, messages, **request)
+  if m is None:
+    return None
+  said, reasoning = assistant_message(m)
+  messages.append(said)
+  transcript.append({"role": "assistant", "content": m.content or "", "thinking": reasoning,
+                     "tool_calls": [env_call(c.function.name, c.function.arguments)
+                                    for c in m.tool_calls or []]})
+  return m
+
+
 def assistant_message(m) -> tuple[dict, str | None]:
   """(the OpenAI assistant message that echoes the reply `m` in the next call, its reasoning
   text or None), with the reasoning and the tool calls as the server sent them (the gateway

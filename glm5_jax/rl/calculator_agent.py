@@ -21,7 +21,7 @@ import json
 
 from glm5_jax.posttrain.envs import base
 from glm5_jax.posttrain.envs.calculator import run_tool
-from glm5_jax.rl.agent_chat import AgentResult, assistant_message, complete
+from glm5_jax.rl.agent_chat import AgentResult, run_turns
 
 CALC_TOOL = {"type": "function", "function": {
     "name": "calc", "description": "Evaluate an integer expression with + - * and parentheses.",
@@ -51,33 +51,23 @@ def run_episode(client, *, model: str, messages, trajectory_id: str, max_turns: 
   to send (e.g. `[CALC_TOOL]`); None sends none, so the prompt is the env's own (its system
   message names the tool, as in the env's SFT data and the engine rollouts), and GLM's
   free-text calls `calc(EXPR)` still come back as `tool_calls`."""
-  messages = [{"role": m["role"], "content": m["content"]} for m in messages]
-  transcript = [dict(m) for m in messages]
-  turns = 0
-  for turn in range(max_turns):
-    m = complete(client, messages, model=model, trajectory_id=trajectory_id, turn=turn,
-                 max_tokens=max_tokens, temperature=temperature, top_p=top_p, seed=seed,
-                 thinking=thinking, tools=tools)
-    if m is None:
-      return AgentResult(messages, transcript, turns, context_full=True)
-    turns += 1
+  def answer(turn, m, messages, transcript):
     calls = m.tool_calls or []
-    said, reasoning = assistant_message(m)
-    messages.append(said)
-    texts = [call_text(c.function.name, c.function.arguments) for c in calls]
-    transcript.append({"role": "assistant", "content": m.content or "", "thinking": reasoning,
-                       "tool_calls": texts})
     if calls:
-      for c, text in zip(calls, texts):
+      for c, text in zip(calls, transcript[-1]["tool_calls"]):
         result, _ = run_tool(text)
         messages.append({"role": "tool", "tool_call_id": c.id, "content": result})
         transcript.append({"role": "observation", "content": result})
-      continue
+      return True
     if base.INTEGER.fullmatch((m.content or "").strip()) or turn + 1 == max_turns:
-      break
+      return False
     messages.append({"role": "user", "content": NUDGE})
     transcript.append({"role": "user", "content": NUDGE})
-  return AgentResult(messages, transcript, turns)
+    return True
+
+  return run_turns(client, messages, call_text, answer, max_turns=max_turns, model=model,
+                   trajectory_id=trajectory_id, max_tokens=max_tokens, temperature=temperature,
+                   top_p=top_p, seed=seed, thinking=thinking, tools=tools)
 
 
 def play(client, env, task, **request) -> AgentResult:

@@ -28,7 +28,7 @@ One episode, at most `max_turns` calls (default the env's):
 
 import json
 
-from glm5_jax.rl.agent_chat import AgentResult, assistant_message, complete
+from glm5_jax.rl.agent_chat import AgentResult, run_turns
 
 
 def _tool(name: str, description: str, **params) -> dict:
@@ -68,31 +68,23 @@ def run_episode(client, env, task, *, model: str, trajectory_id: str,
   `openai.OpenAI`); every call carries `trajectory_id`. `tools`: the function schemas sent
   (default `TOOLS`); None sends none, so the prompt is the env's own (it names the tools),
   as in the env's SFT data and the engine path's rollouts."""
-  messages = [{"role": m["role"], "content": m["content"]} for m in task.messages]
-  transcript = [dict(m) for m in task.messages]
-  turns = 0
-  for turn in range(max_turns or env.max_turns):
-    m = complete(client, messages, model=model, trajectory_id=trajectory_id, turn=turn,
-                 max_tokens=max_tokens, temperature=temperature, top_p=top_p, seed=seed,
-                 thinking=thinking, tools=tools)
-    if m is None:
-      return AgentResult(messages, transcript, turns, context_full=True)
-    turns += 1
-    said, reasoning = assistant_message(m)
-    messages.append(said)
+  def answer(turn, m, messages, transcript):
+    del turn
     calls = m.tool_calls or []
-    transcript.append({"role": "assistant", "content": m.content or "", "thinking": reasoning,
-                       "tool_calls": [env_call(c.function.name, c.function.arguments)
-                                      for c in calls]})
     if not calls:
-      break
+      return False
     step = env.step(task, transcript)
     if step.done:
-      break
+      return False
     transcript.append({"role": "observation", "content": step.observation})
     messages += [{"role": "tool", "tool_call_id": c.id, "content": step.observation}
                  for c in calls]
-  return AgentResult(messages, transcript, turns)
+    return True
+
+  return run_turns(client, task.messages, env_call, answer,
+                   max_turns=max_turns or env.max_turns, model=model,
+                   trajectory_id=trajectory_id, max_tokens=max_tokens, temperature=temperature,
+                   top_p=top_p, seed=seed, thinking=thinking, tools=tools)
 
 
 def play(client, env, task, **request) -> AgentResult:
