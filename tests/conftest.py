@@ -58,14 +58,14 @@ CONFIG_DIR = REPO_ROOT / "configs"
 # In case a plugin imported jax before this file set the variable.
 jax.config.update("jax_compilation_cache_dir", _IN_PROCESS_CACHE_DIR)
 
-# In this (long-lived, many-test) process, only the trainer's programs are written to the cache.
-# jaxlib 0.10.2's CPU `executable.serialize()` has crashed the process (SIGSEGV in CI, SIGABRT
-# here) on the inference engine's speculative step after a worker's long history of other
-# compiles, never alone or in a fresh process; a dead xdist worker fails the whole run. What
-# the cache saves in-process is the trainer's steps: `build_trainer` makes new jit wrappers on
-# every call, so a test that trains, resumes and trains again would compile each step anew
-# (test_train's dense-phase and resume tests: 237 s of CPU with the cache, 485 s without). The
-# engine's programs are module-level jits, reused within a process by jax's in-memory cache.
+# In this (long-lived, many-test) process, only the trainer's programs are written to the cache:
+# those are what the suite compiles again and again (`build_trainer` makes new jit wrappers on
+# every call, so a test that trains, resumes and trains again would compile each step anew:
+# test_train's dense-phase and resume tests took 237 s of CPU with the cache, 485 s without);
+# the engine's programs are module-level jits, reused within a module by jax's in-memory cache,
+# and serializing every one of them would only add time. (This hook was first added after
+# `executable.serialize()` crashed a worker; that crash, like the others of those runs, was the
+# process running out of memory mappings: `_release_compiled_programs` below.)
 # Subprocesses (the CLIs) do not import this file and write every program as usual.
 _TRAINER_PROGRAMS = ("jit_train_step", "jit_eval_step", "jit_init_state", "jit__all_checksums",
                      "jit_rl_train_step")

@@ -29,7 +29,7 @@ MTP caches (`glm5_jax.infer.cache`, `mtp_cache`):
                only once F >= i + k, i.e. with every depth's token known. So whenever the
                drafts a depth reads were accepted, its logits equal the teacher-forced
                forward's `mtp_logits`: the greedy accept lengths equal
-               `oracle.greedy_accept_oracle` exactly (tests/speculate_cases.py).
+               `oracle.greedy_accept_oracle` exactly (tests/test_speculate.py).
   "shared"     one cache, as vLLM and SGLang: depth 1 runs over the window (rows F-W .. F-1,
                depth-1 semantics: (h_i, t_{i+1})), and depth d >= 2 runs at the single
                position F+d-2 (advancing positions), reading the depth-1 rows before it.
