@@ -5,9 +5,12 @@ against the context length, DSA (D) beside dense MLA (M), side by side in one ru
   python tools/bench_long_context.py --prefill_len=131072 --sections=prefill
   python tools/bench_long_context.py --contexts=8192,65536 --sections=decode,ops
   python tools/bench_long_context.py --sections=ops --ops_model=glm5    # GLM-5's shapes
+  python tools/bench_long_context.py --sections=decode --decode_model=glm5   # GLM-5's widths
 
 Model: configs/tiny.py's (random params), `max_position_embeddings` raised to fit, MTP off
-(the main model's steps), `dsa_impl="xla"`, one slot (B = 1).
+(the main model's steps), `dsa_impl="xla"`, one slot (B = 1). `--decode_model=glm5`: the
+decode section's model has GLM-5's widths and `--decode_layers` layers instead
+(`tools/glm5_decode_width.py` says what is real and what is reduced).
 
 Sections:
   prefill   (1) the compiled memory of one chunk step (`glm5_jax.infer.step.decode_step` with
@@ -20,7 +23,13 @@ Sections:
             length (random cache contents: the cost does not depend on them), for D and M,
             with the layers unrolled and scanned (`model.scan_layers`): the least time per step
             over `--rounds` rounds of `--steps` steps, and each one's ratio to the shortest
-            context.
+            context. The tiny model's step is a fraction of a millisecond of constant work, so
+            its ratio is the indexer's (linear in the context by design). `--decode_model=glm5`:
+            GLM-5's per-token widths (scanned layers only), with one layer's FLOPs and bytes
+            read per token split into the constant part and the context-dependent part
+            (attention over the cache, the indexer's scores), counted from the shapes
+            (`glm5_decode_width.layer_work`), and the compiled step's matmul FLOPs
+            (`hlo_stats.step_dot_flops`) to check the count by.
   ops       the D layer's two attention ops alone (the indexer's scoring and
             top-k over every cached key, `pallas_kernels.indexer_topk_decode`; the sparse
             attention over its T selected rows, `sparse_mla_xla`) and M's dense absorbed
@@ -41,11 +50,13 @@ import numpy as np
 
 import pallas_kernels
 from configs import tiny
+from glm5_jax import hlo_stats
 from glm5_jax.api import init_params
 from glm5_jax.attention.mla import _absorbed_attention, _Latents
 from glm5_jax.config import ModelConfig, model_config as glm5_model_config
 from glm5_jax.infer.cache import init_cache
 from glm5_jax.infer.step import _decode_step, decode_step
+from tools import glm5_decode_width
 
 _SECTIONS = flags.DEFINE_list("sections", ["prefill", "decode", "ops"], "Sections to run.")
 _CONTEXTS = flags.DEFINE_list("contexts", ["8192", "65536"], "Decode context lengths.")
@@ -59,6 +70,13 @@ _ROUNDS = flags.DEFINE_integer("rounds", 3, "Timing rounds (the least time count
 _OPS_MODEL = flags.DEFINE_enum("ops_model", "tiny", ["tiny", "glm5"], "Attention shapes of the "
                                "per-layer ops: the tiny model's or GLM-5's (64 heads, C 512, "
                                "R 64, J 32, I 128, top-k 2048).")
+_DECODE_MODEL = flags.DEFINE_enum("decode_model", "tiny", ["tiny", "glm5"], "The decode "
+                                  "section's model: the tiny one, or GLM-5's per-token widths "
+                                  "with --decode_layers layers (tools/glm5_decode_width.py).")
+_DECODE_LAYERS = flags.DEFINE_integer("decode_layers", 1, "Layers of the glm5 decode model.")
+_DECODE_FFN = flags.DEFINE_enum("decode_ffn", "dense", list(glm5_decode_width.FFNS), "The glm5 "
+                                "decode model's FFN: the MoE's active width as one dense SwiGLU, "
+                                "or the MoE with 8 experts (XLA:CPU computes each on every row).")
 
 
 def model_config(pattern: str, scan: bool, max_len: int) -> ModelConfig:
@@ -85,6 +103,17 @@ def random_cache(cfg, max_len: int, seed: int = 0):
   key = jax.random.key(seed)
   return jax.tree.map(lambda x: jax.random.normal(key, x.shape, x.dtype)
                       if jnp.issubdtype(x.dtype, jnp.floating) else x, cache)
+
+
+def random_params(cfg, seed: int = 0):
+  """Params of `cfg`'s shapes, each leaf drawn on its own (no whole-model init temporaries)."""
+  shapes = jax.eval_shape(lambda: init_params(cfg, jax.random.key(seed)))
+  leaves, tree = jax.tree.flatten(shapes)
+  draw = jax.jit(lambda key, shape, dtype: 0.02 * jax.random.normal(key, shape, dtype),
+                 static_argnums=(1, 2))
+  keys = jax.random.split(jax.random.key(seed), len(leaves))
+  return tree.unflatten([draw(k, x.shape, x.dtype) if jnp.issubdtype(x.dtype, jnp.floating) else jnp.zeros(x.shape, x.dtype)
+                         for k, x in zip(keys, leaves)])
 
 
 def tokens_at(positions, vocab: int):
@@ -137,6 +166,40 @@ def decode_step_ms(pattern: str, scan: bool, context: int) -> float:
   return 1e3 * least_seconds(one, _ROUNDS.value, _STEPS.value)
 
 
+def glm5_decode(pattern: str, contexts: list[int]) -> dict:
+  """`pattern` ("D" or "M") at GLM-5's widths (`--decode_layers`, `--decode_ffn`): per
+  context, the least ms per decode step, one real layer's per-token FLOPs and bytes split
+  (`glm5_decode_width.layer_work`, fp32) and the compiled step's matmul GFLOPs (all layers
+  and the reduced LM head)."""
+  cfg = glm5_decode_width.glm5_width_config(pattern, _DECODE_LAYERS.value, max(contexts),
+                                            _DECODE_FFN.value)
+  params = random_params(cfg)
+  out = {}
+  for n in contexts:
+    cache = jax.eval_shape(lambda n=n: init_cache(cfg, 1, n))
+    q = jax.ShapeDtypeStruct((1, 1), jnp.int32)
+    compiled = _decode_step.lower(params, cache, q, q, q, cfg=cfg, dsa_stage="sparse").compile()
+    dot_gflop = hlo_stats.step_dot_flops(compiled.as_text())["flops"] / 1e9
+    del compiled
+    state = {"cache": random_cache(cfg, n)}
+    args = tokens_at([n - 1], cfg.vocab_size)
+
+    def one():
+      step = decode_step(cfg, params, state["cache"], *args)
+      state["cache"] = step.cache
+      step.logits_BQY.block_until_ready()
+
+    one()  # compiles
+    ms = 1e3 * least_seconds(one, _ROUNDS.value, _STEPS.value)
+    state.clear()  # frees this context's cache before the next one's
+    work = glm5_decode_width.layer_work(cfg, pattern, n)
+    out[str(n)] = {"ms": round(ms, 1), "step_dot_gflop": round(dot_gflop, 3),
+                   **{f"layer_g{unit}_{part}": round(work[unit + "s"][part] / 1e9, 3)
+                      for unit in ("flop", "byte") for part in ("constant", "context")},
+                   "peak_rss_MiB": round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024)}
+  return out
+
+
 def attention_ops_ms(context: int, which: str) -> dict:
   """Per layer, one query at the last of `context` rows: D's two ops and M's dense attention,
   with the attention shapes of `which` ("tiny" or "glm5", `--ops_model`)."""
@@ -183,7 +246,27 @@ def main(argv):
           result["chunk_memory"][f"{pattern} chunk={chunk} S={rows}"] = stats
           print(f"chunk step {pattern}: chunk {chunk:6d}, cache rows {rows:7d}: {stats}",
                 flush=True)
-  if "decode" in _SECTIONS.value:
+  if "decode" in _SECTIONS.value and _DECODE_MODEL.value == "glm5":
+    contexts = [int(x) for x in _CONTEXTS.value]
+    print(f"decode at GLM-5's widths: {_DECODE_LAYERS.value} scanned layers, FFN "
+          f"{_DECODE_FFN.value!r}, vocab {glm5_decode_width.VOCAB}, fp32, one slot; one real "
+          "layer's FLOPs and bytes read per token (constant + context-dependent; the real "
+          "MoE's active work), and the compiled step's matmuls", flush=True)
+    result["glm5_decode"] = {}
+    for pattern in ("D", "M"):
+      runs = result["glm5_decode"][pattern] = glm5_decode(pattern, contexts)
+      first = runs[str(contexts[0])]
+      total = lambda r, unit: r[f"layer_g{unit}_constant"] + r[f"layer_g{unit}_context"]
+      for n in contexts:
+        r = runs[str(n)]
+        parts = "; ".join(
+            f"layer G{unit} {r[f'layer_g{unit}_constant']:.3f} constant + "
+            f"{r[f'layer_g{unit}_context']:.3f} context ({total(r, unit) / total(first, unit):.2f}x)"
+            for unit in ("flop", "byte"))
+        print(f"decode step {pattern} (glm5): {n:6d} rows: {r['ms']:8.1f} ms "
+              f"({r['ms'] / first['ms']:5.2f}x); {parts}; step matmuls "
+              f"{r['step_dot_gflop']:.3f} GFLOP; peak RSS {r['peak_rss_MiB']} MiB", flush=True)
+  elif "decode" in _SECTIONS.value:
     contexts = [int(x) for x in _CONTEXTS.value]
     result["decode_ms"] = {}
     for pattern in ("D", "M"):
