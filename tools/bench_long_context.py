@@ -260,9 +260,9 @@ def main(argv):
       for n in contexts:
         r = runs[str(n)]
         parts = "; ".join(
-            f"layer G{unit} {r[f'layer_g{unit}_constant']:.3f} constant + "
+            f"layer {label} {r[f'layer_g{unit}_constant']:.3f} constant + "
             f"{r[f'layer_g{unit}_context']:.3f} context ({total(r, unit) / total(first, unit):.2f}x)"
-            for unit in ("flop", "byte"))
+            for unit, label in (("flop", "GFLOP"), ("byte", "GB read")))
         print(f"decode step {pattern} (glm5): {n:6d} rows: {r['ms']:8.1f} ms "
               f"({r['ms'] / first['ms']:5.2f}x); {parts}; step matmuls "
               f"{r['step_dot_gflop']:.3f} GFLOP; peak RSS {r['peak_rss_MiB']} MiB", flush=True)
