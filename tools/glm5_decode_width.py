@@ -9,20 +9,24 @@ RoPE 64, value 256; the lightning indexer's 32 heads x 128 and top-k 2048; each 
 work per token, the MoE's shared expert + top-8 routed experts of width 2048.
 
 Reduced, so the params fit a CPU machine's memory (fp32, ~2 GiB a layer):
-  layers     `layers` (default 2) of the 78: every layer's work is the same function of the
-             context, so the ratio of two contexts' step times is a per-layer ratio.
-  vocab      2048 (GLM-5: 154880): the LM head is once per token, 2.4% of a 78-layer token's
-             FLOPs (`lm_head_share`); its absence makes the measured ratio slightly *larger*
-             than the real one (less constant work).
+  layers     `layers` of the 78 (the bench's `--decode_layers`, default 1: ~3.4 GiB peak):
+             every layer's work is the same function of the context, so the ratio of two
+             contexts' step times is a per-layer ratio (GLM-5's 3 dense-FFN layers have a
+             little less constant work: the whole model's FLOPs ratio is 1.338x at 64K / 8K
+             where one MoE layer's is 1.342x).
+  vocab      2048 (GLM-5: 154880): the LM head is once per token, 1.3% (64K) to 1.7% (8K)
+             of a 78-layer token's FLOPs (`lm_head_share`); its absence makes the measured
+             ratio slightly *larger* than the real one (less constant work).
   FFN        `ffn="dense"` (default): the MoE's active work per token as one dense SwiGLU of
              width (shared + top-k) x 2048 = 18432: the same multiply-adds and weight bytes
              per token. `ffn="moe"`: the model's MoE with 8 routed experts, top-8 (the same
              active work on paper), but XLA:CPU runs `jax.lax.ragged_dot` as a dense product of
-             every row with every expert (the compiled cost is E x the active work, measured
-             with `cost_analysis`), so on CPU its FFN costs 8x GLM-5's and flattens the ratio.
+             every routed row with every expert, E x the routed work (one D layer at 8K rows:
+             5.63 GFLOP of compiled matmuls against the dense form's 1.41), which on CPU
+             inflates the constant work and flattens the ratio.
   MTP        off (the main model's decode step).
-Compute, params and cache are float32 (XLA:CPU's bf16 dots are slower, not cheaper); the
-split below counts multiply-adds, so it holds for any dtype.
+Compute, params and cache are float32, as configs/tiny.py runs on CPU; the FLOP count holds for
+any dtype, the bytes take the value size (`value_bytes`).
 
 Notation (docs/design.md): S cache rows (context), H heads, C kv latent, R RoPE dim, N nope
 dim, V value dim, Q query latent, D hidden, J index heads, I index head dim, T top-k, F FFN.
