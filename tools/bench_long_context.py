@@ -77,6 +77,8 @@ _DECODE_LAYERS = flags.DEFINE_integer("decode_layers", 1, "Layers of the glm5 de
 _DECODE_FFN = flags.DEFINE_enum("decode_ffn", "dense", list(glm5_decode_width.FFNS), "The glm5 "
                                 "decode model's FFN: the MoE's active width as one dense SwiGLU, "
                                 "or the MoE with 8 experts (XLA:CPU computes each on every row).")
+_DECODE_SLOTS = flags.DEFINE_integer("decode_slots", 1, "Slots (B) of the glm5 decode step, "
+                                     "every one at the context's last row.")
 
 
 def model_config(pattern: str, scan: bool, max_len: int) -> ModelConfig:
@@ -98,11 +100,18 @@ def least_seconds(fn, rounds: int, steps: int) -> float:
   return best
 
 
-def random_cache(cfg, max_len: int, seed: int = 0):
-  cache = init_cache(cfg, 1, max_len)
-  key = jax.random.key(seed)
-  return jax.tree.map(lambda x: jax.random.normal(key, x.shape, x.dtype)
-                      if jnp.issubdtype(x.dtype, jnp.floating) else x, cache)
+def random_cache(cfg, max_len: int, seed: int = 0, slots: int = 1):
+  """A cache of `slots` x `max_len` rows of random numbers, each array drawn in one fused
+  program (no zero-filled cache or random-bits array beside it: at GLM-5's widths and 64K rows
+  a slot's layer is 185 MiB)."""
+  shapes = jax.eval_shape(lambda: init_cache(cfg, slots, max_len))
+  for path, x in jax.tree_util.tree_leaves_with_path(shapes):
+    if not jnp.issubdtype(x.dtype, jnp.floating):
+      raise ValueError(f"random_cache fills float caches only; {jax.tree_util.keystr(path)} is "
+                       f"{x.dtype}")
+  draw = jax.jit(lambda key, shape, dtype: jax.random.normal(key, shape, dtype),
+                 static_argnums=(1, 2))
+  return jax.tree.map(lambda x: draw(jax.random.key(seed), x.shape, x.dtype), shapes)
 
 
 def random_params(cfg, seed: int = 0):
@@ -171,24 +180,28 @@ def glm5_decode(pattern: str, contexts: list[int]) -> dict:
   context, the least ms per decode step, one real layer's per-token FLOPs and bytes split
   (`glm5_decode_width.layer_work`, fp32) and the compiled step's matmul GFLOPs (all layers
   and the reduced LM head). The contexts' caches live side by side and each round times every
-  context in turn, so a burst of load on the shared machine hits them alike."""
+  context in turn, so a burst of load on the shared machine hits them alike. With
+  `--decode_slots` B > 1 every slot decodes at the same row; FLOPs and bytes stay per token,
+  the weights' bytes shared by the B tokens of a step."""
   cfg = glm5_decode_width.glm5_width_config(pattern, _DECODE_LAYERS.value, max(contexts),
                                             _DECODE_FFN.value)
   params = random_params(cfg)
-  q = jax.ShapeDtypeStruct((1, 1), jnp.int32)
+  slots = _DECODE_SLOTS.value
+  q = jax.ShapeDtypeStruct((slots, 1), jnp.int32)
   out, caches, best = {}, {}, {n: float("inf") for n in contexts}
   for n in contexts:
-    compiled = _decode_step.lower(params, jax.eval_shape(lambda n=n: init_cache(cfg, 1, n)), q,
-                                  q, q, cfg=cfg, dsa_stage="sparse").compile()
-    work = glm5_decode_width.layer_work(cfg, pattern, n)
+    compiled = _decode_step.lower(params, jax.eval_shape(lambda n=n: init_cache(cfg, slots, n)),
+                                  q, q, q, cfg=cfg, dsa_stage="sparse").compile()
+    work = glm5_decode_width.layer_work(cfg, pattern, n, slots=slots)
     out[str(n)] = {"step_dot_gflop": round(hlo_stats.step_dot_flops(compiled.as_text())["flops"]
                                            / 1e9, 3),
                    **{f"layer_g{unit}_{part}": round(work[unit + "s"][part] / 1e9, 3)
                       for unit in ("flop", "byte") for part in ("constant", "context")}}
-    caches[n] = random_cache(cfg, n)
+    caches[n] = random_cache(cfg, n, slots=slots)
 
   def one(n):
-    step = decode_step(cfg, params, caches[n], *tokens_at([n - 1], cfg.vocab_size))
+    rows = jnp.full((slots, 1), n - 1, jnp.int32)
+    step = decode_step(cfg, params, caches[n], rows % cfg.vocab_size, rows, jnp.ones_like(rows))
     caches[n] = step.cache
     step.logits_BQY.block_until_ready()
 
@@ -252,8 +265,8 @@ def main(argv):
   if "decode" in _SECTIONS.value and _DECODE_MODEL.value == "glm5":
     contexts = [int(x) for x in _CONTEXTS.value]
     print(f"decode at GLM-5's widths: {_DECODE_LAYERS.value} scanned layers, FFN "
-          f"{_DECODE_FFN.value!r}, vocab {glm5_decode_width.VOCAB}, fp32, one slot; one real "
-          "layer's FLOPs and bytes read per token (constant + context-dependent; the real "
+          f"{_DECODE_FFN.value!r}, vocab {glm5_decode_width.VOCAB}, fp32, "
+          f"{_DECODE_SLOTS.value} slot(s); one real layer's FLOPs and bytes read per token (constant + context-dependent; the real "
           "MoE's active work), and the compiled step's matmuls", flush=True)
     result["glm5_decode"] = {}
     for pattern in ("D", "M"):

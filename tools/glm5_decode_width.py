@@ -59,10 +59,12 @@ def glm5_width_config(letter: str, layers: int, max_len: int, ffn: str = "dense"
   return ModelConfig.from_config(cfg)
 
 
-def layer_work(cfg: ModelConfig, letter: str, context: int, value_bytes: int = 4) -> dict:
-  """FLOPs (2 x multiply-adds) and bytes read of one decode token (one slot) in one layer of
-  GLM-5 (`cfg`'s widths, the real MoE's active work whatever `cfg`'s FFN), at a query that sees
-  `context` cache rows, with params and cache of `value_bytes` each.
+def layer_work(cfg: ModelConfig, letter: str, context: int, value_bytes: int = 4,
+               slots: int = 1) -> dict:
+  """FLOPs (2 x multiply-adds) and bytes read of one decode token in one layer of GLM-5
+  (`cfg`'s widths, the real MoE's active work whatever `cfg`'s FFN), at a query that sees
+  `context` cache rows, with params and cache of `value_bytes` each, in a step of `slots`
+  tokens (one a slot) that read the weights once between them.
 
   Returns `{"flops": {"constant", "context"}, "bytes": {"constant", "context"}}`: "context" is
   the work that depends on S: D, the indexer's scores of every row (S x J x I multiply-adds
@@ -89,7 +91,8 @@ def layer_work(cfg: ModelConfig, letter: str, context: int, value_bytes: int = 4
   else:
     raise ValueError(f"layer_work counts D and M layers, got {letter!r}")
   return {"flops": {"constant": 2 * constant, "context": 2 * context_macs},
-          "bytes": {"constant": value_bytes * constant, "context": value_bytes * context_values}}
+          "bytes": {"constant": value_bytes * constant / slots,
+                    "context": value_bytes * context_values}}
 
 
 def lm_head_share(cfg: ModelConfig, letter: str, context: int, layers: int = 78,
