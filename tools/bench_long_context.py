@@ -29,7 +29,8 @@ Sections:
             read per token split into the constant part and the context-dependent part
             (attention over the cache, the indexer's scores), counted from the shapes
             (`glm5_decode_width.layer_work`), and the compiled step's matmul FLOPs
-            (`hlo_stats.step_dot_flops`) to check the count by.
+            (`hlo_stats.step_dot_flops`) to check the count by; `--decode_slots` B decodes B
+            slots a step, all at the context's last row.
   ops       the D layer's two attention ops alone (the indexer's scoring and
             top-k over every cached key, `pallas_kernels.indexer_topk_decode`; the sparse
             attention over its T selected rows, `sparse_mla_xla`) and M's dense absorbed
