@@ -17,7 +17,8 @@ the mesh and logical axis rules of the trace (`glm5_jax.sharding.activation_shar
   [E, in, out] -> [n_e, E / n_e, in, out]       the experts of each `expert` shard
                -> zero-pad axis 1 to a multiple of n_m (the devices splitting in and out)
                -> constrain to P(expert axes, matrix axes, None, None)   (the all-to-all)
-  Muon (optax's `scale_by_muon`, unchanged) with axes 0 and 1 as batch axes; back the same way.
+               -> [n_e * padded, in, out], P(expert + matrix axes, None, None)
+  Muon (optax's `scale_by_muon`, unchanged) with axis 0 its batch axis; back the same way.
 
 The momentum is stored in the parameter's layout (the state is `scale_by_muon`'s, unchanged: a
 checkpoint restores either way); the padding matrices are zero and orthogonalize to zero. The
@@ -75,19 +76,26 @@ def _owner(path, leaf, dims, mesh) -> _Owner | None:
 
 
 def _to_owner(x, o: _Owner):
-  """`[E, in, out]` -> `[n_e, ceil(E / n_e / n_m) * n_m, in, out]`, whole matrices per device."""
+  """`[E, in, out]` -> `[n_e * ceil(E / n_e / n_m) * n_m, in, out]`: the experts of each
+  `expert` shard, zero-padded to a multiple of n_m, one whole matrix (or several) per device.
+  The padded expert axis stays one axis (split over the expert and matrix axes): Muon's own
+  reshape of several batch axes into one lost the split on the TPU compiler."""
   e, d, f = x.shape
   local = e // o.n_e
   x = x.reshape(o.n_e, local, d, f)
   x = jax.numpy.pad(x, ((0, 0), (0, -local % o.n_m), (0, 0), (0, 0)))
-  spec = PartitionSpec(o.expert_axes or None, o.matrix_axes, None, None)
-  return jax.lax.with_sharding_constraint(x, spec)
+  x = jax.lax.with_sharding_constraint(
+      x, PartitionSpec(o.expert_axes or None, o.matrix_axes, None, None))
+  x = x.reshape((-1, d, f))
+  return jax.lax.with_sharding_constraint(
+      x, PartitionSpec(o.expert_axes + o.matrix_axes, None, None))
 
 
 def _from_owner(y, o: _Owner, e: int):
   """The inverse of `_to_owner`, back in the parameter's layout."""
-  spec = PartitionSpec(o.expert_axes or None, None, *o.spec[1:])
-  y = jax.lax.with_sharding_constraint(y, spec)
+  y = y.reshape((o.n_e, -1) + y.shape[1:])
+  y = jax.lax.with_sharding_constraint(
+      y, PartitionSpec(o.expert_axes or None, None, *o.spec[1:]))
   y = y[:, :e // o.n_e].reshape((e,) + y.shape[2:])
   return jax.lax.with_sharding_constraint(y, o.spec)
 
@@ -119,14 +127,8 @@ def whole_expert_matrices(make_muon, dims) -> optax.GradientTransformation:
     back = lambda tree: jax.tree.map(
         lambda o, y, x: y if o is None else _from_owner(y, o, x.shape[0]), owners, tree,
         updates, is_leaf=is_owner)
-    shifted = jax.tree.map(
-        lambda o, d: d if o is None else MuonDimensionNumbers(
-            _shift(d.reduction_axis), _shift(d.output_axis)), owners, dims, is_leaf=is_owner)
-    out, new_state = make_muon(shifted).update(move(updates), state._replace(mu=move(state.mu)))
+    # The moved leaves keep their rank and matrix axes (the expert axis only grows): `dims`.
+    out, new_state = muon.update(move(updates), state._replace(mu=move(state.mu)))
     return back(out), new_state._replace(mu=back(new_state.mu))
 
   return optax.GradientTransformation(muon.init, update_fn)
-
-
-def _shift(axes):
-  return axes + 1 if isinstance(axes, int) else tuple(a + 1 for a in axes)
