@@ -78,6 +78,14 @@ def _group_size(line: str) -> int:
   return 0
 
 
+def _data_operands(op: str, operands: tuple) -> tuple:
+  """The operands a collective moves. A `ragged-all-to-all`'s are `(input, output,
+  input_offsets, send_sizes, output_offsets, recv_sizes)`: `output` is the receive buffer
+  the result is written into (the result is that buffer again), so only `input` is data sent;
+  counting the receive buffer as an operand as well doubled the instruction's bytes."""
+  return operands[:1] if op == "ragged-all-to-all" else operands
+
+
 def collectives(hlo_text: str) -> list[Collective]:
   """Every collective instruction of `hlo_text` that moves data, in order (groups of one
   device, which XLA leaves for psums over size-1 mesh axes, are skipped)."""
@@ -91,6 +99,7 @@ def collectives(hlo_text: str) -> list[Collective]:
     operands = sum((shapes.get(name, ()) for name in _OPERAND.findall(match["operands"])), ())
     if match["op"].endswith("-start") and len(results) > len(operands):
       results = results[len(operands):]  # an async start's result tuple repeats its inputs
+    operands = _data_operands(op, operands)
     line_end = hlo_text.find("\n", match.end())
     group = _group_size(hlo_text[match.start():line_end if line_end >= 0 else None])
     if group == 1:
@@ -218,6 +227,7 @@ def step_collectives(hlo_text: str, mesh_shape: dict[str, int],
           (shapes.get(name, ()) for name in instr.operands), ())
       if instr.op.endswith("-start") and len(results) > len(operands):
         results = results[len(operands):]
+      operands = _data_operands(op, operands)
       groups = replica_groups(instr.attributes, num_devices)
       if groups is None:
         raise ValueError(f"collective {instr.name}: no replica groups in {instr.attributes[:200]!r}")
@@ -226,7 +236,9 @@ def step_collectives(hlo_text: str, mesh_shape: dict[str, int],
       if group == 1 or (op == "collective-permute" and not axes):
         continue
       size = max(sum(array_bytes(*a) for a in arrays) for arrays in (results, operands))
-      found.append(StepCollective(op, instr.name, size, _link_bytes(op, size, group),
+      # A ragged all-to-all sends at most its input rows (its receive buffer may be larger).
+      sent = sum(array_bytes(*a) for a in operands) if op == "ragged-all-to-all" else size
+      found.append(StepCollective(op, instr.name, size, _link_bytes(op, sent, group),
                                   runs[computation], group, axes, instr.metadata("op_name")))
   return found
 

@@ -55,12 +55,20 @@ def default_logical_axis_rules():
       # projections, FFN, MoE) stays token-parallel on its own positions; attention gathers its
       # keys over `context` (`glm5_jax.context_parallel`).
       (logical_axes.LENGTH, "context"),
+      # Parameters are sharded over `context` as well as `fsdp` (ZeRO-3 over both: a context
+      # shard needs every weight, as a data shard does). Without it a long-context layout
+      # holds `context` copies of the params and optimizer state (GLM-5 at context 16: 16x).
+      # An activation [B, L, D] has `fsdp` and `context` on B and L already, so its D takes
+      # neither (flax skips a rule whose mesh axes are in use and tries the next one).
+      (logical_axes.EMBED, ("fsdp", "context")),
       (logical_axes.EMBED, "fsdp"),
       # MLA's and the indexer's up-projections ([Q, H, K], [C, H, N], [Q, J, I]) have no embed
-      # dimension; without these two rules they were replicated on every device (16.5 of
+      # dimension; without these rules they were replicated on every device (16.5 of
       # GLM-5's 28 GiB of fp32 params per device on fsdp 64 x expert 4). A kernel that also has
       # an embed dimension keeps fsdp there (a mesh axis shards one dimension at most).
+      (logical_axes.Q_LORA, ("fsdp", "context")),
       (logical_axes.Q_LORA, "fsdp"),
+      (logical_axes.KV_LORA, ("fsdp", "context")),
       (logical_axes.KV_LORA, "fsdp"),
       (logical_axes.VOCAB, "tensor"),
       (logical_axes.MLP, "tensor"),

@@ -362,11 +362,14 @@ def test_flops_and_param_stats_accept_every_letter(helpers):
   assert summary["breakdown"]["attention"] > 0
   kv = summary["kv_cache_bytes_per_token"]
   assert kv["swa_latent"] > 0 and summary["recurrent_state_bytes"] > 0
-  # Every new param carries logical axes that shard (heads over "tensor", embed over "fsdp").
+  # Every new param carries logical axes that shard (heads over "tensor", embed over "fsdp"
+  # and "context").
   specs = param_mesh_specs(*glm5_jax.abstract_params_and_axes(cfg),
-                           dict(data=1, fsdp=2, expert=1, tensor=2), default_logical_axis_rules())
+                           dict(data=1, fsdp=2, context=1, expert=1, tensor=2),
+                           default_logical_axis_rules())
   gdn, simple = specs["layers_4"]["self_attn"], specs["layers_5"]["self_attn"]
-  assert tuple(gdn["g_proj"]) == ("fsdp", "tensor", None)
+  embed = ("fsdp", "context")
+  assert tuple(gdn["g_proj"]) == (embed, "tensor", None)
   assert tuple(gdn["q_conv1d"]) == (None, "tensor", None)
-  assert tuple(gdn["a_proj"]) == ("fsdp", "tensor") and tuple(gdn["A_log"]) == ("tensor",)
+  assert tuple(gdn["a_proj"]) == (embed, "tensor") and tuple(gdn["A_log"]) == ("tensor",)
   assert tuple(simple["decay_rate_log"]) == ("tensor",)

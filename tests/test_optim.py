@@ -462,3 +462,61 @@ def test_muon_group_matches_optax_contrib_muon(helpers, name):
   for path, label in labels.items():
     if label == MUON:
       np.testing.assert_allclose(a[path], b[path], rtol=1e-5, atol=1e-6, err_msg=path)
+
+
+_SHARDED_MUON = r"""
+import json, jax, jax.numpy as jnp, numpy as np
+from configs import tiny
+import glm5_jax
+from glm5_jax import hlo_stats, optim, sharding
+from glm5_jax.optim import optim_config
+
+cfg = tiny.get_config()
+cfg.model.update(attention_pattern="DD", num_hidden_layers=2, first_k_dense_replace=0,
+                 n_routed_experts=8, scan_layers=True, dtype="float32")
+cfg.mesh.shape.update(data=1, fsdp=4, expert=2, tensor=1)
+rules = cfg.mesh.logical_axis_rules
+mesh = sharding.make_mesh(cfg.mesh)
+shapes, axes = glm5_jax.abstract_params_and_axes(cfg.model)
+params = glm5_jax.init_params(cfg.model, jax.random.key(0))
+leaves, tree = jax.tree.flatten(params)
+keys = jax.random.split(jax.random.key(1), len(leaves))
+grads = tree.unflatten([jax.random.normal(k, x.shape, x.dtype) for k, x in zip(keys, leaves)])
+tx, _ = optim.build_optimizer(optim_config(warmup_steps=0), params, total_steps=10)
+
+def two_updates(params, grads):
+  state = tx.init(params)
+  u1, state = tx.update(grads, state, params)
+  u2, _ = tx.update(jax.tree.map(lambda g: 0.5 * g, grads), state, params)
+  return u2
+
+want = jax.jit(two_updates)(params, grads)
+shard = sharding.param_shardings(shapes, axes, mesh, rules)
+with sharding.activation_sharding(mesh, rules):
+  fn = jax.jit(two_updates, in_shardings=(shard, shard))
+  text = fn.lower(params, grads).compile().as_text()
+  got = fn(jax.device_put(params, shard), jax.device_put(grads, shard))
+experts = {jax.tree_util.keystr(p): float(np.abs(np.asarray(g) - np.asarray(w)).max())
+           for (p, g), w in zip(jax.tree_util.tree_leaves_with_path(got), jax.tree.leaves(want))
+           if "experts" in jax.tree_util.keystr(p)}
+worst = max(float(np.abs(np.asarray(g) - np.asarray(w)).max())
+            for g, w in zip(jax.tree.leaves(got), jax.tree.leaves(want)))
+# The routed experts' Gram all-reduce: [local experts, F, F] or [local experts, D, D] f32.
+e_local, f, d = 4, cfg.model.moe_intermediate_size, cfg.model.hidden_size
+gram = [c for c in hlo_stats.collectives(text) if c.op == "all-reduce"
+        and tuple(c.shape[-3:]) in ((e_local, f, f), (e_local, d, d))]
+print(json.dumps({"experts": experts, "worst": worst, "gram_all_reduces": len(gram),
+                  "all_to_all": sum(c.op == "all-to-all" for c in hlo_stats.collectives(text))}))
+"""
+
+
+@pytest.mark.slow  # a subprocess with 8 host devices
+def test_sharded_muon_orthogonalizes_whole_expert_matrices_with_unsharded_numbers():
+  """On fsdp 4 x expert 2, the routed experts' momenta go to one device per matrix for the
+  Newton-Schulz iteration (`optim.whole_matrices`): the updates equal the unsharded ones, and
+  no all-reduce of the local experts' Gram matrices is left (they were one per iteration)."""
+  from tests.conftest import run_on_host_devices  # pylint: disable=g-import-not-at-top
+  result = run_on_host_devices(_SHARDED_MUON, timeout=600)
+  assert result["experts"] and max(result["experts"].values()) < 1e-5, result
+  assert result["worst"] < 1e-5, result
+  assert result["gram_all_reduces"] == 0 and result["all_to_all"] > 0, result

@@ -93,6 +93,30 @@ def test_step_collectives_multiply_nested_loop_trip_counts_and_map_groups_to_axe
   assert unknown.executions()["inner_body"] == 5 and unknown.unknown_loops == ["outer"]
 
 
+_RAGGED_HLO = """
+HloModule jit_exchange, entry_computation_layout={(bf16[64,16]{1,0})->bf16[80,16]{1,0}}
+
+ENTRY %main (x: bf16[64,16], out: bf16[80,16], off: s32[4]) -> bf16[80,16] {
+  %x = bf16[64,16]{1,0} parameter(0)
+  %out = bf16[80,16]{1,0} parameter(1)
+  %off = s32[4]{0} parameter(2)
+  ROOT %ra = bf16[80,16]{1,0} ragged-all-to-all(%x, %out, %off, %off, %off, %off), channel_id=1, replica_groups={{0,1,2,3}}
+}
+"""
+
+
+def test_ragged_all_to_all_counts_its_larger_buffer_once_and_sends_its_input():
+  """A ragged-all-to-all's operands are (input, receive buffer, 4 offset vectors): its bytes
+  are the larger of the two buffers, not their sum, and a device sends at most its input."""
+  from glm5_jax import hlo_stats  # pylint: disable=g-import-not-at-top
+  (found,) = hlo_stats.step_collectives(_RAGGED_HLO, {"expert": 4})
+  assert (found.op, found.bytes, found.runs, found.axes) == ("ragged-all-to-all", 80 * 16 * 2,
+                                                             1, "expert")
+  assert found.link_bytes == 64 * 16 * 2 * 3 / 4
+  (listed,) = hlo_stats.collectives(_RAGGED_HLO)
+  assert listed.bytes == 80 * 16 * 2
+
+
 def test_replica_group_forms():
   from glm5_jax import hlo_stats  # pylint: disable=g-import-not-at-top
   groups = hlo_stats.replica_groups

@@ -50,7 +50,8 @@ def test_sharded_generate_matches_single_device():
   # Every contiguous cache array splits its slots over the batch axes; a paged pool's pages
   # belong to no slot: replicated over the batch axes, the latent axis still split.
   assert all("('data', 'fsdp', 'expert')" in spec for spec in result["cache_specs"]), result
-  assert result["pool_specs"] == ["P(None, None, None, 'fsdp')", "P(None, None, None, None)"], (
+  assert result["pool_specs"] == ["P(None, None, None, ('fsdp', 'context'))",
+                                  "P(None, None, None, None)"], (
       result)
   for temperature in ("0.0", "1.0"):
     r = result[temperature]

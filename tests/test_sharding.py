@@ -45,7 +45,7 @@ def test_sharded_forward_matches_single_device():
   assert result["logits"] < 1e-5, result
   assert result["mtp"] < 1e-5, result
   # [layers, E, D, F]: the scanned run's layers axis stays whole on every device.
-  assert result["expert_spec"] == ["None", "expert", "fsdp", "tensor"], result
+  assert result["expert_spec"] == ["None", "expert", str(("fsdp", "context")), "tensor"], result
   assert result["param_devices"] == 8, result
   # The batch stays sharded to the output, over the batch rule's axes (data has size 1).
   assert result["logits_spec"][0] == str(("fsdp", "expert")), result
@@ -70,29 +70,38 @@ def test_indivisible_parameter_is_a_clear_error():
   assert mesh.shape == {"data": 1, "fsdp": 1, "context": 1, "expert": 1, "tensor": 1}
 
 
-def test_every_matrix_is_sharded_over_fsdp(helpers):
-  """Under a pure fsdp mesh every parameter with two or more (non-layer) dimensions is split
-  over fsdp. The MLA and indexer up-projections (`q_b_proj [Q, H, K]`, `k_b_proj` / `v_b_proj
-  [C, H, N]`, `wq_b [Q, J, I]`) have no embed dimension and were replicated on every device
-  until `q_lora` and `kv_lora` got rules (16.5 GiB of the 744B model's 28 GiB of fp32 params
-  per device on fsdp 64 x expert 4: docs/scaling.md)."""
+@pytest.mark.parametrize("context", [1, 4])
+def test_every_matrix_is_sharded_over_fsdp_and_context(helpers, context):
+  """Under an fsdp (x context) mesh every parameter with two or more (non-layer) dimensions is
+  split over fsdp and context. The MLA and indexer up-projections (`q_b_proj [Q, H, K]`,
+  `k_b_proj` / `v_b_proj [C, H, N]`, `wq_b [Q, J, I]`) have no embed dimension and were
+  replicated on every device until `q_lora` and `kv_lora` got rules (16.5 GiB of the 744B
+  model's 28 GiB of fp32 params per device on fsdp 64 x expert 4: docs/scaling.md). A context
+  shard needs every weight, as a data shard does, so params are split over `context` too: a
+  long-context layout would otherwise hold `context` copies of params and optimizer state."""
   import jax
   import glm5_jax
   from glm5_jax import sharding
 
   cfg = helpers.config(attention_pattern="MDRR", first_k_dense_replace=1)
   shapes, logical_axes = glm5_jax.abstract_params_and_axes(cfg)
-  fsdp = {"data": 1, "fsdp": 2, "expert": 1, "tensor": 1}
-  specs = sharding.param_mesh_specs(shapes, logical_axes, fsdp,
+  mesh_shape = {"data": 1, "fsdp": 2, "context": context, "expert": 1, "tensor": 1}
+  specs = sharding.param_mesh_specs(shapes, logical_axes, mesh_shape,
                                     sharding.default_logical_axis_rules())
   is_spec = lambda x: isinstance(x, jax.sharding.PartitionSpec)
   replicated = []
   for (path, spec), logical in zip(jax.tree_util.tree_leaves_with_path(specs, is_leaf=is_spec),
                                    jax.tree_util.tree_leaves(logical_axes, is_leaf=is_spec)):
     matrix_dims = [a for a in logical if a != "layers"]
-    if len(matrix_dims) >= 2 and "fsdp" not in jax.tree_util.tree_leaves(tuple(spec)):
+    axes = jax.tree_util.tree_leaves(tuple(spec))
+    if len(matrix_dims) >= 2 and not {"fsdp", "context"} <= set(axes):
       replicated.append(jax.tree_util.keystr(path))
-  assert not replicated, f"replicated over fsdp: {replicated}"
+  assert not replicated, f"replicated over fsdp or context: {replicated}"
+  # An activation [B, L, D] keeps D whole: fsdp and context are on B and L.
+  activation = sharding.logical_to_mesh_spec(
+      jax.sharding.PartitionSpec("batch", "length", "embed"),
+      sharding.default_logical_axis_rules())
+  assert tuple(activation) == (("data", "fsdp", "expert"), "context", None)
 
 
 _WHOLE_BATCH_GATHERS = r"""

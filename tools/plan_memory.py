@@ -81,7 +81,7 @@ _DEVICES_FLAG = flags.DEFINE_integer("devices", None, "Simulated CPU devices (th
 _TARGET = flags.DEFINE_string("target", None, "Compile with the TPU compiler for this slice, "
                               "e.g. v5p:8x8x16, v5e:16x16, v6e:8x16 (needs the tpu-aot extra).")
 _MESH = flags.DEFINE_string("mesh", "", "Mesh axis sizes over the config's, e.g. "
-                            "'fsdp=64,expert=4' (axes: data, fsdp, expert, tensor).")
+                            "'fsdp=64,expert=4' (axes: data, fsdp, context, expert, tensor).")
 _LAYERS = flags.DEFINE_list("layers", [], "Depths to compile and extrapolate from, e.g. "
                             "2,4,8; empty: compile the config's full depth.")
 _SEQ_LEN = flags.DEFINE_integer("seq_len", None, "data.seq_len (default: the config's).")
@@ -105,6 +105,10 @@ _CACHE_LAYOUT = flags.DEFINE_enum("cache_layout", "contiguous", planner_decode.C
                                   "pool with page tables.")
 _PAGE_SIZE = flags.DEFINE_integer("page_size", 64, "--mode=decode --cache_layout=paged: rows "
                                   "per page.")
+_ARGUMENTS_ONLY = flags.DEFINE_bool("arguments_only", False, "Print the exact per-device "
+                                    "argument bytes (params, optimizer state, batch) at full "
+                                    "depth from the shardings and stop: no compile. A lower "
+                                    "bound that rules a slice out in seconds.")
 _TOP = flags.DEFINE_integer("top", 5, "Largest collectives and sources listed.")
 _JSON = flags.DEFINE_bool("json", False, "Also print every figure as one JSON line.")
 _HLO_OUT = flags.DEFINE_string("hlo_out", None, "Write the deepest compiled program's optimized "
@@ -168,6 +172,15 @@ def main(argv):
         f"{config.data.batch_size} ({_PER_DEVICE_BATCH.value} per device); remat "
         f"{m.remat_policy}, scan_layers {m.scan_layers}, dsa_impl {m.dsa_impl}, moe_impl "
         f"{m.moe_impl}; model depth {full_depth}", flush=True)
+
+  if _ARGUMENTS_ONLY.value:
+    state = build(config).state_bytes
+    hbm = planner.ACCELERATOR_HBM_GIB[chip] * planner.GIB
+    print(f"arguments at depth {full_depth} (exact, from the shardings; not compiled): "
+          f"{state / planner.GIB:.2f} GiB per device, {state / hbm:.0%} of {chip}'s "
+          f"{planner.ACCELERATOR_HBM_GIB[chip]} GiB"
+          + ("" if state < hbm else ": does not fit before any activation"))
+    return
 
   results = []
   for k in depths:

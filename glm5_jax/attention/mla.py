@@ -268,27 +268,65 @@ def _sparse_stage_attention(c, latents: _Latents, scale, segment_ids_BL, order: 
   out_latent_BLHC, lse_BLH = _sparse_mla_on_mesh(c.dsa_impl, scale)(
       q_latent_BLHC, q_rope_BLHR, ckv_BSC, k_rope_BSR, topk_BLT)
   if index_qkw is not None:
-    scores_BLT = pallas_kernels.indexer_scores_at(*index_qkw, topk_BLT, scale=index_scale)
-    target_BLT = pallas_kernels.sparse_mla_head_mean_probs(
-        q_latent_BLHC, q_rope_BLHR, ckv_BSC, k_rope_BSR, topk_BLT, lse_BLH, scale=scale)
+    scores_BLT, target_BLT = _indexer_kl_terms_on_mesh(index_scale, scale)(
+        *index_qkw, topk_BLT, q_latent_BLHC, q_rope_BLHR, ckv_BSC, k_rope_BSR, lse_BLH)
     aux["indexer_kl"] = indexer_kl_per_query(scores_BLT, target_BLT, topk_BLT >= 0)
   return jnp.einsum("blhc,chv->blhv", out_latent_BLHC, w_vb_CHV), aux
 
 
+def _queries_per_shard(impl: str) -> bool:
+  """Whether the sparse stage's ops run per device under `mesh_shards.per_shard`: always for
+  the Pallas impls (a pallas_call is opaque to the partitioner, which would gather the whole
+  batch), and for "xla" under context parallelism. There the ops loop over blocks of queries
+  (`pallas_kernels.blocking.map_query_blocks`), and a loop over a sequence axis split over
+  `context` is one XLA cannot partition: the TPU compiler all-gathered the whole sequence's
+  queries in every iteration and ran every query block on every device (GLM-5 at 128K on
+  context 16: 8 GiB per iteration, 8,192 iterations per layer; docs/scaling.md)."""
+  return impl in pallas_kernels.PALLAS_IMPLS or context_split(LENGTH) > 1
+
+
+def _indexer_kl_terms_on_mesh(index_scale: float, scale: float):
+  """`(indexer_scores_at, sparse_mla_head_mean_probs)` of the indexer KL (`_sparse_stage_attention`
+  step 3), both `[B, L, T]`, per device on its own queries under context parallelism (see
+  `_queries_per_shard`), XLA-partitioned otherwise. Args: the indexer's `(q_BLJI, k_BSI,
+  weights_BLJ)`, `topk_BLT`, then the main attention's `q_latent_BLHC, q_rope_BLHR, ckv_BSC,
+  k_rope_BSR, lse_BLH`."""
+
+  def terms(q_BLJI, k_BSI, weights_BLJ, topk_BLT, q_latent_BLHC, q_rope_BLHR, ckv_BSC,
+            k_rope_BSR, lse_BLH):
+    scores_BLT = pallas_kernels.indexer_scores_at(q_BLJI, k_BSI, weights_BLJ, topk_BLT,
+                                                  scale=index_scale)
+    target_BLT = pallas_kernels.sparse_mla_head_mean_probs(
+        q_latent_BLHC, q_rope_BLHR, ckv_BSC, k_rope_BSR, topk_BLT, lse_BLH, scale=scale)
+    return scores_BLT, target_BLT
+
+  if context_split(LENGTH) == 1:
+    return terms
+  # The head mean needs every head on the device (heads whole: the context layouts have no
+  # `tensor` split to undo); keys whole, their cotangents summed over `context` at the boundary.
+  q_rows = (BATCH, LENGTH, None)
+  queries = (BATCH, LENGTH, None, None)
+  keys = (BATCH, None, None)
+  return per_shard(terms, in_axes=(queries, keys, q_rows, q_rows, queries, queries, keys, keys,
+                                   q_rows),
+                   out_axes=(q_rows, q_rows), name="indexer_kl_terms")
+
+
 def _indexer_topk_on_mesh(impl: str, **options):
   """`pallas_kernels.dsa_ops(impl).indexer_topk(..., **options)` laid out for the context mesh:
-  "xla" partitioned by XLA (its top-k is a sort, which stays on the batch's devices); the Pallas
-  impls per device on its batch rows under `mesh_shards.per_shard` (a pallas_call would gather
-  the whole batch), the index heads gathered (the kernel sums over all of them)."""
+  "xla" partitioned by XLA without context parallelism (its top-k is a sort, which stays on
+  the batch's devices); otherwise (`_queries_per_shard`) per device on its batch rows and
+  queries under `mesh_shards.per_shard`, the index heads gathered (the op sums over all of
+  them)."""
   op = functools.partial(pallas_kernels.dsa_ops(impl).indexer_topk, **options)
-  if impl not in pallas_kernels.PALLAS_IMPLS:
+  if not _queries_per_shard(impl):
     return op
   # Queries (and their positions, global key indices) keep the residual stream's sequence
   # split (context parallelism); keys and their segment ids are whole on every device.
   q_rows, keys = (BATCH, LENGTH, None), (BATCH, None, None)
   return per_shard(op, in_axes=((BATCH, LENGTH, None, None), keys, q_rows, (BATCH, LENGTH),
                                 (BATCH, LENGTH), (BATCH, None)),
-                   out_axes=(q_rows, q_rows), name="indexer_topk_pallas")
+                   out_axes=(q_rows, q_rows), name="indexer_topk")
 
 
 def _sparse_mla_on_mesh(impl: str, scale: float, **options):
@@ -297,14 +335,15 @@ def _sparse_mla_on_mesh(impl: str, scale: float, **options):
 
     "xla"     partitioned by XLA; the backward keeps one key-gradient accumulator per device's
               share of the heads (`head_groups` = the heads' split) and sums them after its
-              query-block loop, not per block.
+              query-block loop, not per block. Under context parallelism it runs per device
+              as the Pallas impls do (`_queries_per_shard`).
     "pallas", "pallas_interpret"  a pallas_call is opaque to the partitioner (it would gather
               the whole batch to every device), so the kernels run per device under
               `mesh_shards.per_shard`.
   `options`: the op's own keyword arguments (block sizes).
   """
   ops = pallas_kernels.dsa_ops(impl)
-  if impl in pallas_kernels.PALLAS_IMPLS:
+  if _queries_per_shard(impl):  # "xla" too under context parallelism
     # Queries and their selections keep the sequence split (context parallelism); the key rows
     # are whole on every device, their cotangents summed over `context` at the boundary.
     q_axes, rows_axes = (BATCH, LENGTH, HEADS, None), (BATCH, None, None)

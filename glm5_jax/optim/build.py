@@ -36,6 +36,7 @@ from glm5_jax.config import ConfigError, check_fields
 from glm5_jax.optim import muon_split
 from glm5_jax.optim.layer_map import map_over_layers
 from glm5_jax.optim.muon_split import ADAM, FROZEN, MUON
+from glm5_jax.optim.whole_matrices import whole_expert_matrices
 
 
 def optim_config(**overrides) -> ml_collections.ConfigDict:
@@ -142,9 +143,12 @@ def build_optimizer(optim_cfg, params, *, total_steps: int, trainable=None):
     dims = muon_split.muon_dimension_numbers(params, split=c.name == "muon_split")
 
     def muon(group_dims):
+      # Routed-expert matrices are orthogonalized whole on one device each (`whole_matrices`).
       return optax.chain(
-          scale_by_muon(ns_coeffs=tuple(c.ns_coeffs), ns_steps=c.ns_steps, beta=c.momentum,
-                        nesterov=c.nesterov, weight_dimension_numbers=group_dims),
+          whole_expert_matrices(
+              lambda d: scale_by_muon(ns_coeffs=tuple(c.ns_coeffs), ns_steps=c.ns_steps,
+                                      beta=c.momentum, nesterov=c.nesterov,
+                                      weight_dimension_numbers=d), group_dims),
           scale_by_shape(group_dims, c.consistent_rms),
           optax.add_decayed_weights(c.weight_decay, mask=decay_mask),
           optax.scale_by_learning_rate(schedule),

@@ -1,0 +1,134 @@
+"""Muon's Newton-Schulz on whole routed-expert matrices: each matrix moved to one device first.
+
+A routed expert's kernel `[E, in, out]` is stored with E over the `expert` mesh axis and its
+matrix dimensions over `fsdp` (and `context`, `tensor`), so every Newton-Schulz step's Gram
+product `X X^T` contracts over a sharded dimension and all-reduces the local experts' Gram
+matrices: for GLM-5 on fsdp 64 x expert 16, `f32[16, 2048, 2048]` (256 MiB) per step of the
+iteration, 5 steps x 3 kernels x 75 layers, 440 GiB per device per train step compiled by the
+TPU compiler (docs/scaling.md, "Making the step fast"). Distributed Muon (Moonlight, Dion)
+instead gives each device whole matrices: the momentum's shards are exchanged within the group
+that splits the matrix dimensions (one all-to-all), each device orthogonalizes its own
+matrices, and the results go back (one more): a few MiB per kernel per layer.
+
+`whole_expert_matrices(make_muon)` wraps the Muon transformation this way. Per routed-expert leaf
+(path `.../experts/{gate,up,down}_proj`, logical axes `(expert, embed | expert_mlp, ...)`), under
+the mesh and logical axis rules of the trace (`glm5_jax.sharding.activation_sharding`):
+
+  [E, in, out] -> [n_e, E / n_e, in, out]       the experts of each `expert` shard
+               -> zero-pad axis 1 to a multiple of n_m (the devices splitting in and out)
+               -> constrain to P(expert axes, matrix axes, None, None)   (the all-to-all)
+               -> [n_e * padded, in, out], P(expert + matrix axes, None, None)
+  Muon (optax's `scale_by_muon`, unchanged) with axis 0 its batch axis; back the same way.
+
+The momentum is stored in the parameter's layout (the state is `scale_by_muon`'s, unchanged: a
+checkpoint restores either way); the padding matrices are zero and orthogonalize to zero. The
+numbers are Muon's: each matrix is orthogonalized on its own as before (`tests/test_optim.py`
+compares with the unsharded update). Outside a mesh, or where nothing splits the matrix
+dimensions, the transformation is `make_muon(dims)` itself. Written here because optax's Muon
+takes no layout for its iteration.
+"""
+
+import math
+import typing
+
+import jax
+import optax
+from flax import linen as nn
+from jax.sharding import PartitionSpec
+from optax.contrib import MuonDimensionNumbers
+
+from glm5_jax.layers import axes as axes_lib
+
+# Routed-expert kernels: name -> logical axes (`glm5_jax.moe`).
+_EXPERT_KERNELS = {
+    "gate_proj": (axes_lib.EXPERT, axes_lib.EMBED, axes_lib.EXPERT_MLP),
+    "up_proj": (axes_lib.EXPERT, axes_lib.EMBED, axes_lib.EXPERT_MLP),
+    "down_proj": (axes_lib.EXPERT, axes_lib.EXPERT_MLP, axes_lib.EMBED),
+}
+
+
+class _Owner(typing.NamedTuple):
+  """How one `[E, in, out]` leaf moves: its param spec, expert axes and matrix axes."""
+  spec: PartitionSpec
+  expert_axes: tuple
+  matrix_axes: tuple
+  n_e: int
+  n_m: int
+
+
+def _axes(entry) -> tuple:
+  return () if entry is None else (entry,) if isinstance(entry, str) else tuple(entry)
+
+
+def _owner(path, leaf, dims, mesh) -> _Owner | None:
+  names = [str(getattr(k, "key", getattr(k, "name", k))) for k in path]
+  if (len(names) < 2 or names[-2] != "experts" or names[-1] not in _EXPERT_KERNELS
+      or not isinstance(dims, MuonDimensionNumbers) or leaf.ndim != 3):
+    return None
+  spec = nn.logical_to_mesh_axes(_EXPERT_KERNELS[names[-1]])
+  expert_axes = _axes(spec[0])
+  matrix_axes = _axes(spec[1]) + _axes(spec[2])
+  n_e = math.prod(mesh.shape[a] for a in expert_axes)
+  n_m = math.prod(mesh.shape[a] for a in matrix_axes)
+  if n_m == 1 or leaf.shape[0] % n_e:
+    return None
+  return _Owner(PartitionSpec(*spec), expert_axes, matrix_axes, n_e, n_m)
+
+
+def _to_owner(x, o: _Owner):
+  """`[E, in, out]` -> `[n_e * ceil(E / n_e / n_m) * n_m, in, out]`: the experts of each
+  `expert` shard, zero-padded to a multiple of n_m, one whole matrix (or several) per device.
+  The padded expert axis stays one axis (split over the expert and matrix axes): Muon's own
+  reshape of several batch axes into one lost the split on the TPU compiler."""
+  e, d, f = x.shape
+  local = e // o.n_e
+  x = x.reshape(o.n_e, local, d, f)
+  x = jax.numpy.pad(x, ((0, 0), (0, -local % o.n_m), (0, 0), (0, 0)))
+  x = jax.lax.with_sharding_constraint(
+      x, PartitionSpec(o.expert_axes or None, o.matrix_axes, None, None))
+  x = x.reshape((-1, d, f))
+  return jax.lax.with_sharding_constraint(
+      x, PartitionSpec(o.expert_axes + o.matrix_axes, None, None))
+
+
+def _from_owner(y, o: _Owner, e: int):
+  """The inverse of `_to_owner`, back in the parameter's layout."""
+  y = y.reshape((o.n_e, -1) + y.shape[1:])
+  y = jax.lax.with_sharding_constraint(
+      y, PartitionSpec(o.expert_axes or None, None, *o.spec[1:]))
+  y = y[:, :e // o.n_e].reshape((e,) + y.shape[2:])
+  return jax.lax.with_sharding_constraint(y, o.spec)
+
+
+def whole_expert_matrices(make_muon, dims) -> optax.GradientTransformation:
+  """`make_muon(dims)` (a transformation whose state is `optax.contrib.MuonState`), with each
+  routed-expert matrix orthogonalized whole on one device (module docstring).
+
+  Args:
+    make_muon: weight dimension numbers tree -> the Muon transformation
+      (`optax.contrib.scale_by_muon` with the run's options).
+    dims: the leaves' `MuonDimensionNumbers` (`optax.MaskedNode` where not Muon).
+  """
+  muon = make_muon(dims)
+  is_dims = lambda x: isinstance(x, MuonDimensionNumbers)
+
+  def update_fn(updates, state, params=None):
+    mesh = jax.sharding.get_abstract_mesh()
+    if mesh is None or mesh.empty:
+      return muon.update(updates, state, params)
+    owners = jax.tree_util.tree_map_with_path(
+        lambda path, leaf, d: _owner(path, leaf, d, mesh), updates, dims, is_leaf=is_dims)
+    if not any(o is not None for o in jax.tree.leaves(
+        owners, is_leaf=lambda x: x is None or isinstance(x, _Owner))):
+      return muon.update(updates, state, params)
+    is_owner = lambda x: x is None or isinstance(x, _Owner)
+    move = lambda tree: jax.tree.map(
+        lambda o, x: x if o is None else _to_owner(x, o), owners, tree, is_leaf=is_owner)
+    back = lambda tree: jax.tree.map(
+        lambda o, y, x: y if o is None else _from_owner(y, o, x.shape[0]), owners, tree,
+        updates, is_leaf=is_owner)
+    # The moved leaves keep their rank and matrix axes (the expert axis only grows): `dims`.
+    out, new_state = muon.update(move(updates), state._replace(mu=move(state.mu)))
+    return back(out), new_state._replace(mu=back(new_state.mu))
+
+  return optax.GradientTransformation(muon.init, update_fn)
