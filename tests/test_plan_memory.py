@@ -393,3 +393,16 @@ def test_aot_targets_parse_slices_and_refuse_a_libtpu_that_does_not_match_jax(mo
     problem = aot_targets.libtpu_problem()
     assert (problem is None) == ok, (have, problem)
   assert "does not match jax" in problem and "libtpu==0.0.42.*" in problem
+
+
+@pytest.mark.slow  # the tool in two subprocesses, 8 host devices, no compile (~15 s)
+def test_arguments_only_reads_the_shardings_without_compiling():
+  """`--arguments_only`: the exact per-device argument bytes from the shardings, no compile; a
+  context axis splits params like fsdp (`sharding.default_logical_axis_rules`), data does not."""
+  gib = {}
+  for mesh in ("data=8", "fsdp=2,context=4"):
+    out = _run(["--config=configs/tiny.py", "--devices=8", f"--mesh={mesh}", "--seq_len=256",
+                "--arguments_only"])
+    assert "compiling" not in out and "not compiled" in out, out
+    gib[mesh] = int(re.search(r"GiB \(([0-9,]+) bytes\) per device", out)[1].replace(",", ""))
+  assert 0 < gib["fsdp=2,context=4"] < gib["data=8"] / 4, gib

@@ -177,7 +177,7 @@ def main(argv):
     state = build(config).state_bytes
     hbm = planner.ACCELERATOR_HBM_GIB[chip] * planner.GIB
     print(f"arguments at depth {full_depth} (exact, from the shardings; not compiled): "
-          f"{state / planner.GIB:.2f} GiB per device, {state / hbm:.0%} of {chip}'s "
+          f"{state / planner.GIB:.2f} GiB ({state:,} bytes) per device, {state / hbm:.0%} of {chip}'s "
           f"{planner.ACCELERATOR_HBM_GIB[chip]} GiB"
           + ("" if state < hbm else ": does not fit before any activation"))
     return
