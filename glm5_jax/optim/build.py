@@ -146,9 +146,9 @@ def build_optimizer(optim_cfg, params, *, total_steps: int, trainable=None):
       # Routed-expert matrices are orthogonalized whole on one device each (`whole_matrices`).
       return optax.chain(
           whole_expert_matrices(
-              lambda d: scale_by_muon(ns_coeffs=tuple(c.ns_coeffs), ns_steps=c.ns_steps,
-                                      beta=c.momentum, nesterov=c.nesterov,
-                                      weight_dimension_numbers=d), group_dims),
+              scale_by_muon(ns_coeffs=tuple(c.ns_coeffs), ns_steps=c.ns_steps, beta=c.momentum,
+                            nesterov=c.nesterov, weight_dimension_numbers=group_dims),
+              group_dims),
           scale_by_shape(group_dims, c.consistent_rms),
           optax.add_decayed_weights(c.weight_decay, mask=decay_mask),
           optax.scale_by_learning_rate(schedule),

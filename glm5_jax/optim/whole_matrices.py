@@ -10,7 +10,7 @@ instead gives each device whole matrices: the momentum's shards are exchanged wi
 that splits the matrix dimensions (one all-to-all), each device orthogonalizes its own
 matrices, and the results go back (one more): a few MiB per kernel per layer.
 
-`whole_expert_matrices(make_muon)` wraps the Muon transformation this way. Per routed-expert leaf
+`whole_expert_matrices(muon, dims)` wraps the Muon transformation this way. Per routed-expert leaf
 (path `.../experts/{gate,up,down}_proj`, logical axes `(expert, embed | expert_mlp, ...)`), under
 the mesh and logical axis rules of the trace (`glm5_jax.sharding.activation_sharding`):
 
@@ -24,7 +24,7 @@ The momentum is stored in the parameter's layout (the state is `scale_by_muon`'s
 checkpoint restores either way); the padding matrices are zero and orthogonalize to zero. The
 numbers are Muon's: each matrix is orthogonalized on its own as before (`tests/test_optim.py`
 compares with the unsharded update). Outside a mesh, or where nothing splits the matrix
-dimensions, the transformation is `make_muon(dims)` itself. Written here because optax's Muon
+dimensions, the transformation is `muon` itself. Written here because optax's Muon
 takes no layout for its iteration.
 """
 
@@ -100,17 +100,18 @@ def _from_owner(y, o: _Owner, e: int):
   return jax.lax.with_sharding_constraint(y, o.spec)
 
 
-def whole_expert_matrices(make_muon, dims) -> optax.GradientTransformation:
-  """`make_muon(dims)` (a transformation whose state is `optax.contrib.MuonState`), with each
-  routed-expert matrix orthogonalized whole on one device (module docstring).
+def whole_expert_matrices(muon: optax.GradientTransformation,
+                          dims) -> optax.GradientTransformation:
+  """`muon` (a transformation whose state is `optax.contrib.MuonState`), with each routed-expert
+  matrix orthogonalized whole on one device (module docstring).
 
   Args:
-    make_muon: weight dimension numbers tree -> the Muon transformation
-      (`optax.contrib.scale_by_muon` with the run's options).
+    muon: the Muon transformation (`optax.contrib.scale_by_muon` with the run's options and
+      `dims`); the moved leaves keep their rank and matrix axes, so `dims` holds for them too.
     dims: the leaves' `MuonDimensionNumbers` (`optax.MaskedNode` where not Muon).
   """
-  muon = make_muon(dims)
   is_dims = lambda x: isinstance(x, MuonDimensionNumbers)
+  is_owner = lambda x: x is None or isinstance(x, _Owner)
 
   def update_fn(updates, state, params=None):
     mesh = jax.sharding.get_abstract_mesh()
@@ -118,16 +119,13 @@ def whole_expert_matrices(make_muon, dims) -> optax.GradientTransformation:
       return muon.update(updates, state, params)
     owners = jax.tree_util.tree_map_with_path(
         lambda path, leaf, d: _owner(path, leaf, d, mesh), updates, dims, is_leaf=is_dims)
-    if not any(o is not None for o in jax.tree.leaves(
-        owners, is_leaf=lambda x: x is None or isinstance(x, _Owner))):
+    if all(o is None for o in jax.tree.leaves(owners, is_leaf=is_owner)):
       return muon.update(updates, state, params)
-    is_owner = lambda x: x is None or isinstance(x, _Owner)
     move = lambda tree: jax.tree.map(
         lambda o, x: x if o is None else _to_owner(x, o), owners, tree, is_leaf=is_owner)
     back = lambda tree: jax.tree.map(
         lambda o, y, x: y if o is None else _from_owner(y, o, x.shape[0]), owners, tree,
         updates, is_leaf=is_owner)
-    # The moved leaves keep their rank and matrix axes (the expert axis only grows): `dims`.
     out, new_state = muon.update(move(updates), state._replace(mu=move(state.mu)))
     return back(out), new_state._replace(mu=back(new_state.mu))
 
