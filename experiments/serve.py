@@ -8,7 +8,9 @@
 The model comes from `--workdir` (a training run's latest checkpoint), `--hf_path` or
 `--random_init --config=...`, loaded as experiments/generate.py loads it
 (`glm5_jax.infer.loading`). One engine thread batches every request continuously over
-`--slots` sequences of up to `--max_len` positions. Calls with a trajectory id are recorded by
+`--slots` sequences of up to `--max_len` positions; by default the engine runs in a process of
+its own (`glm5_jax.serve.engine_process`: the HTTP layer's Python never stalls a decode step),
+which loads the model itself; `--noengine_process` keeps it on a thread of the server. Calls with a trajectory id are recorded by
 the TITO gateway (`glm5_jax.serve.gateway`). With `--policy_dir` (an asynchronous RL run's
 policy directory) the server starts from its newest published version and loads each newer one
 between engine steps (`glm5_jax.rl.serve_policy`); responses and records carry the version.
@@ -17,6 +19,7 @@ between engine steps (`glm5_jax.rl.serve_policy`); responses and records carry t
 import sys
 
 from absl import app, flags
+import jax
 from ml_collections import config_flags
 import uvicorn
 
@@ -25,6 +28,7 @@ from glm5_jax.config import model_config
 from glm5_jax.infer.engine import Engine
 from glm5_jax.infer.loading import load_model
 from glm5_jax.serve.app import create_app
+from glm5_jax.serve.engine_process import EngineProcess, EngineProcessError, served_engine
 from glm5_jax.rl.serve_policy import PolicyFollower
 from glm5_jax.serve.versions import VersionedLoop
 from glm5_jax.train import console
@@ -74,6 +78,11 @@ _POLICY_DIR = flags.DEFINE_string(
 _RECORD_ROUTING = flags.DEFINE_bool(
     "record_routing", False, "Record each token's MoE experts and DSA keys in the TITO "
     "gateway's trajectory records (for RL routing replay; docs/serving.md).")
+_ENGINE_PROCESS = flags.DEFINE_bool(
+    "engine_process", True, "Run the engine in a process of its own (it loads the model; the "
+    "server's process then keeps to the CPU and never holds the accelerator). Off: the engine "
+    "runs on a thread of the server's process, which shares one GIL with the HTTP layer "
+    "(docs/serving.md 'Load test').")
 _POLICY_POLL_S = flags.DEFINE_float("policy_poll_s", 5.0, "Seconds between checks of "
                                     "--policy_dir for a newer version.")
 
@@ -86,16 +95,22 @@ def main(argv):
   try:
     if _RANDOM_INIT.value and _CONFIG.value is None:
       raise ValueError("--random_init needs --config (e.g. --config=configs/tiny.py)")
-    served = load_model(workdir=_WORKDIR.value, hf_path=_HF_PATH.value,
-                        random_init_config=_CONFIG.value if _RANDOM_INIT.value else None,
-                        model_overrides=config_flags.get_override_values(flags.FLAGS["model"]),
-                        tokenizer=_TOKENIZER.value, seed=_SEED.value,
-                        cache_dtype=_CACHE_DTYPE.value)
-    if served.tokenizer is None:
+    load = dict(workdir=_WORKDIR.value, hf_path=_HF_PATH.value,
+                random_init_config=_CONFIG.value if _RANDOM_INIT.value else None,
+                model_overrides=config_flags.get_override_values(flags.FLAGS["model"]),
+                tokenizer=_TOKENIZER.value, seed=_SEED.value, cache_dtype=_CACHE_DTYPE.value)
+    sizes = dict(slots=_SLOTS.value, max_len=_MAX_LEN.value, prefill_chunk=_PREFILL_CHUNK.value,
+                 top_logprobs=_TOP_LOGPROBS.value, record_routing=_RECORD_ROUTING.value)
+    if _ENGINE_PROCESS.value:
+      # Before anything starts a backend here: the accelerator is the engine process's.
+      jax.config.update("jax_platforms", "cpu")
+      engine = EngineProcess(served_engine, load, sizes)
+      tokenizer = engine.extra["tokenizer"]
+    else:
+      served = load_model(**load)
+      engine, tokenizer = Engine(served.model, served.params, **sizes), served.tokenizer
+    if tokenizer is None:
       raise ValueError("the model source has no tokenizer: pass --tokenizer")
-    engine = Engine(served.model, served.params, slots=_SLOTS.value, max_len=_MAX_LEN.value,
-                    prefill_chunk=_PREFILL_CHUNK.value, top_logprobs=_TOP_LOGPROBS.value,
-                    record_routing=_RECORD_ROUTING.value)
     loop = VersionedLoop(engine, max_queue=_MAX_QUEUE.value,
                          admit_after_steps=_ADMIT_AFTER.value)
     follower = None
@@ -105,10 +120,10 @@ def main(argv):
         raise ValueError(f"--policy_dir={_POLICY_DIR.value}: no published policy version yet "
                          "(start the server after the trainer's first publish)")
       follower.start()
-  except (ValueError, FileNotFoundError) as e:
+  except (ValueError, FileNotFoundError, EngineProcessError) as e:
     sys.stderr.write("\n".join(console.failure_lines(e, "serving")) + "\n")
     sys.exit(console.EXIT_FAILED)
-  uvicorn.run(create_app(loop, served.tokenizer, model_name=_NAME.value), host=_HOST.value,
+  uvicorn.run(create_app(loop, tokenizer, model_name=_NAME.value), host=_HOST.value,
               port=_PORT.value, log_level="info")
 
 

@@ -83,6 +83,26 @@ def test_cancel_frees_the_slot_and_bad_requests_and_full_queue_are_refused(param
     stalled.submit(Request(3, (3,), 2, 0.0, 1.0, 0, 0))
 
 
+def test_a_whole_stream_gets_its_tokens_in_one_event_or_what_it_had_when_cancelled(params):
+  want = engine_lib.Engine(CFG, params, slots=2, max_len=16, prefill_chunk=4).run(_requests())
+  engine = _Gated(CFG, params, slots=2, max_len=16, prefill_chunk=4)
+  engine.gate.release(100)
+  loop = EngineLoop(engine)
+  events = list(loop.submit(_requests()[2], whole=True))
+  assert len(events) == 1 and events[0].tokens == events[0].completion.tokens == want[2].tokens
+  assert events[0].raw_logprobs == events[0].completion.raw_logprobs
+  engine.gate = threading.Semaphore(0)
+  long = loop.submit(Request(5, (1, 2), 14, 1.0, 1.0, 0, 0), whole=True)
+  engine.gate.release(2)  # admission + a decode step, then another decode step
+  while engine.gate._value:
+    pass
+  loop.cancel(long)
+  engine.gate.release(100)
+  (had,) = list(long)
+  assert had.completion is None and 3 <= len(had.tokens) < 14
+  loop.close()
+
+
 class _FakeEngine:
   """What `EngineLoop._admit_held` reads of an engine: slots, running / waiting, submit."""
 

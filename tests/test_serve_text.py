@@ -4,6 +4,8 @@ tool-call split (no model: the byte tokenizer and hand-written ids)."""
 
 import json
 
+import pytest
+
 from glm5_jax.data import chat, make_tokenizer
 from glm5_jax.infer.engine import Event
 from glm5_jax.serve.choices import Choice, completion_logprobs
@@ -34,6 +36,17 @@ def test_a_multibyte_character_is_sent_once_complete():
   assert [detok.add(i) for i in ids] == ["h", "", "é", "!"]
   detok.add(TOK.encode("é")[0])
   assert detok.flush() == "\ufffd"  # an unfinished character at the end is shown as such
+
+
+def test_ids_decoded_in_runs_give_the_text_of_ids_decoded_one_by_one():
+  ids = TOK.encode("naïve café ✓ done")
+  one = Detokenizer(TOK)
+  by_one = "".join(one.add(i) for i in ids) + one.flush()
+  runs = Detokenizer(TOK)  # runs that end inside a character (ï, ✓)
+  in_runs = "".join(runs.add_many(ids[a:b]) for a, b in ((0, 3), (3, 4), (4, 13), (13, 40)))
+  assert by_one == in_runs + runs.flush() == "naïve café ✓ done"
+  with pytest.raises(ValueError, match="per token"):  # a stop string needs each id's text
+    ChoiceText(TOK, ("x",)).add_run(ids, {})
 
 
 def test_a_stop_string_split_over_tokens_is_never_sent():

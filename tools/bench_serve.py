@@ -1,12 +1,15 @@
-"""Load test of the HTTP server on loopback: C concurrent streaming clients, throughput, p50 /
-p99 latency, time to first token, and a check that every request is answered exactly once;
-then the same batch through the engine directly, for the HTTP layer's overhead.
+"""Load test of the HTTP server on loopback: C concurrent clients (streaming and/or whole
+replies), throughput, p50 / p99 latency, time to first token, and a check that every request is
+answered exactly once with all its tokens; then the same batch through the engine directly, for
+the HTTP layer's overhead.
 
-  python tools/bench_serve.py --clients=1,8,32 --requests_per_client=2 --max_tokens=16
+  python tools/bench_serve.py --clients=1,32 --requests_per_client=4 --max_tokens=48
+  python tools/bench_serve.py --model=small ...   # a slower step (hidden 256, 4 layers)
+  python tools/bench_serve.py --noengine_process  # the engine on a thread of the server
 
-A tiny random model (tests/conftest.py's size class) in-process; bounded by --clients (at most
-64) and --deadline_s.
-"""
+A random model (`--model`); the engine in a process of its own as experiments/serve.py runs it
+(`glm5_jax.serve.engine_process`), every program compiled first; clients in a process of their
+own; bounded by --clients (at most 64) and --deadline_s."""
 
 import cProfile
 import json
@@ -21,6 +24,7 @@ import time
 from absl import app, flags
 import httpx
 import jax
+import ml_collections
 import numpy as np
 import uvicorn
 
@@ -32,6 +36,7 @@ from glm5_jax.infer.engine import Engine, request_seed
 from glm5_jax.infer.requests import Request
 from glm5_jax.serve.app import create_app
 from glm5_jax.serve.engine_loop import EngineLoop
+from glm5_jax.serve.engine_process import EngineProcess, served_engine
 
 _CLIENTS = flags.DEFINE_list("clients", ["1", "8", "32"], "Concurrent client counts (<= 64).")
 _PER_CLIENT = flags.DEFINE_integer("requests_per_client", 2, "Requests each client sends.")
@@ -45,22 +50,49 @@ _PROFILE = flags.DEFINE_bool("profile", False, "cProfile the server's event-loop
                              "engine thread during the last level; print their top functions.")
 _ADMIT_AFTER = flags.DEFINE_integer("admit_after_steps", 0, "EngineLoop's admit_after_steps "
                                    "(0: every arrival admitted at the next step).")
+_PROCESS = flags.DEFINE_bool("engine_process", True, "Run the engine in a process of its own "
+                             "(glm5_jax.serve.engine_process), as experiments/serve.py does; "
+                             "false: on a thread of the server's process.")
+_MODES = flags.DEFINE_list("modes", ["stream", "whole"], "Client modes: 'stream' (SSE, one chunk "
+                           "per engine step per request) and/or 'whole' (one JSON reply).")
+_MODEL = flags.DEFINE_enum("model", "tiny", ["tiny", "small"], "The random model served "
+                           "(`_model_config`).")
 _SWITCH = flags.DEFINE_float("switch_interval_s", 0.0002, "sys.setswitchinterval, as "
                              "experiments/serve.py sets it (Python's default: 0.005).")
 PROMPT = [1, 72, 101, 108, 108, 111]
 
 
+def _model_config(size):
+  """"tiny": hidden 64, 2 layers (a 32-slot decode step ~1.5 ms on this CPU, ~45 us a token:
+  the HTTP layer's per-token cost shows in full); "small": hidden 256, 4 layers (~11 ms a
+  step, a step time nearer a served model's)."""
+  hidden, layers = {"tiny": (64, 2), "small": (256, 4)}[size]
+  return model_config(vocab_size=384, hidden_size=hidden, num_hidden_layers=layers,
+                      attention_pattern="D" * layers, first_k_dense_replace=layers,
+                      num_attention_heads=4 if size == "tiny" else 8, q_lora_rank=hidden // 2,
+                      kv_lora_rank=hidden // 2 if size == "tiny" else hidden // 4,
+                      qk_nope_head_dim=16 if size == "tiny" else 32,
+                      qk_rope_head_dim=8 if size == "tiny" else 16,
+                      v_head_dim=16 if size == "tiny" else 32, index_n_heads=2,
+                      index_head_dim=16 if size == "tiny" else 32,
+                      index_topk=8 if size == "tiny" else 16, intermediate_size=2 * hidden,
+                      num_nextn_predict_layers=0, mtp_depths=0, dtype="float32",
+                      cache_dtype="float32")
+
+
 def _model():
-  cfg = model_config(vocab_size=384, hidden_size=64, num_hidden_layers=2, attention_pattern="DD",
-                     first_k_dense_replace=2, num_attention_heads=4, q_lora_rank=32,
-                     kv_lora_rank=32, qk_nope_head_dim=16, qk_rope_head_dim=8, v_head_dim=16,
-                     index_n_heads=2, index_head_dim=16, index_topk=8, intermediate_size=128,
-                     num_nextn_predict_layers=0, mtp_depths=0, dtype="float32",
-                     cache_dtype="float32")
+  cfg = _model_config(_MODEL.value)
   return cfg, init_params(cfg, jax.random.key(0))
 
 
-def _client(url, n, results, deadline, max_tokens):
+def _build_engine(size, slots, max_rows):
+  """The engine process's `build`: the bench's model (the same params as `_model`), warm."""
+  run = ml_collections.ConfigDict({"model": _model_config(size), "data": {"tokenizer": "byte"}})
+  return served_engine(dict(random_init_config=run, seed=0),
+                       dict(slots=slots, max_len=64, prefill_chunk=16), max_rows)
+
+
+def _client(url, n, results, deadline, max_tokens, stream):
   with httpx.Client(timeout=120) as http:
     for _ in range(n):
       if time.time() > deadline:
@@ -68,9 +100,15 @@ def _client(url, n, results, deadline, max_tokens):
       start, first = time.perf_counter(), None
       ids = set()
       tokens = 0  # counted when the request finishes (ignore_eos: exactly max_tokens)
-      with http.stream("POST", url, json={"prompt": PROMPT, "max_tokens": max_tokens,
-                                          "stream": True, "ignore_eos": True,
-                                          "temperature": 1.0}) as r:
+      body = {"prompt": PROMPT, "max_tokens": max_tokens, "stream": stream, "ignore_eos": True,
+              "temperature": 1.0}
+      if not stream:  # the whole reply at once: its "time to first token" is its latency
+        reply = http.post(url, json=body).json()
+        first = time.perf_counter()
+        tokens = reply["usage"]["completion_tokens"]
+        results.append(({reply["id"]}, first - start, first - start, tokens))
+        continue
+      with http.stream("POST", url, json=body) as r:
         for line in r.iter_lines():
           if not line.startswith("data: ") or line == "data: [DONE]":
             continue
@@ -82,11 +120,12 @@ def _client(url, n, results, deadline, max_tokens):
       results.append((ids, time.perf_counter() - start, first - start, tokens))
 
 
-def _run_level(url, c, per_client, max_tokens, deadline_s):
+def _run_level(url, c, per_client, max_tokens, deadline_s, stream):
   """C clients x `per_client` requests at once; (results, wall seconds)."""
   results = []
   threads = [threading.Thread(target=_client, args=(url, per_client, results,
-                                                    time.time() + deadline_s, max_tokens))
+                                                    time.time() + deadline_s, max_tokens,
+                                                    stream))
              for _ in range(c)]
   start = time.perf_counter()
   for t in threads:
@@ -96,13 +135,13 @@ def _run_level(url, c, per_client, max_tokens, deadline_s):
   return results, time.perf_counter() - start
 
 
-def _client_process(url, c, per_client, max_tokens, deadline_s, ready, go, out):
+def _client_process(url, c, per_client, max_tokens, deadline_s, stream, ready, go, out):
   """The clients of one level in a process of their own (as real clients are: their JSON and
   HTTP work does not take the server's GIL): an untimed round, then, on `go`, the timed one."""
-  _run_level(url, c, 1, max_tokens, deadline_s)
+  _run_level(url, c, 1, max_tokens, deadline_s, stream)
   ready.set()
   go.wait()
-  out.put(_run_level(url, c, per_client, max_tokens, deadline_s))
+  out.put(_run_level(url, c, per_client, max_tokens, deadline_s, stream))
 
 
 class _StepTimer:
@@ -112,7 +151,7 @@ class _StepTimer:
   def __init__(self, engine):
     self.seconds, self.steps = 0.0, 0
     self.admit_seconds, self.admits = 0.0, 0
-    step, admit = engine.step, engine._admit
+    step, admit = engine.step, getattr(engine, "_admit", None)
 
     def timed_admit(*args):
       start = time.perf_counter()
@@ -121,7 +160,8 @@ class _StepTimer:
       finally:
         self.admit_seconds += time.perf_counter() - start
         self.admits += 1
-    engine._admit = timed_admit
+    if admit is not None:  # in-process engines only (an EngineProcess admits in its child)
+      engine._admit = timed_admit
 
     def timed_step():
       start = time.perf_counter()
@@ -205,6 +245,53 @@ def _gil_check(cfg, params):
           f"Python thread {beside:.0f} tok/s ({alone / beside:.1f}x slower)")
 
 
+def _level(url, c, stream, loop, timer, profiles, last):
+  """One level: C clients, timed; prints its line; returns tokens/s."""
+  spawn = multiprocessing.get_context("spawn")
+  ready, go, out = spawn.Event(), spawn.Event(), spawn.Queue()
+  clients = spawn.Process(target=_client_process, args=(
+      url, c, _PER_CLIENT.value, _MAX_TOKENS.value, _DEADLINE.value, stream, ready, go, out))
+  clients.start()
+  ready.wait()
+  steps, slot_steps = loop.steps, loop.slot_steps
+  step_s, timed_steps = timer.seconds, timer.steps
+  admit_s, admits = timer.admit_seconds, timer.admits
+  child_s = getattr(loop.engine, "step_seconds", None)
+  if profiles and last:
+    profiles.start()
+  with count_compiles() as compiles:
+    go.set()
+    results, wall = out.get()
+  clients.join()
+  if profiles and last:
+    profiles.stop()
+  ids = [i for r in results for i in r[0]]
+  expected = c * _PER_CLIENT.value
+  assert len(results) == expected, f"{expected - len(results)} requests lost"
+  assert len(ids) == len(set(ids)) == expected, "a request answered twice or under two ids"
+  assert all(r[3] == _MAX_TOKENS.value for r in results), "a request with missing tokens"
+  lat = np.array([r[1] for r in results])
+  ttft = np.array([r[2] for r in results])
+  rate = sum(r[3] for r in results) / wall
+  batch = (loop.slot_steps - slot_steps) / max(loop.steps - steps, 1)
+  in_step = timer.seconds - step_s
+  mean_step = 1e3 * in_step / max(timer.steps - timed_steps, 1)
+  admissions = (f"; {timer.admits - admits} admissions, "
+                f"{1e3 * (timer.admit_seconds - admit_s):.0f} ms" if timer.admits else "")
+  if child_s is not None:
+    child_s = loop.engine.step_seconds - child_s
+    per_step = 1e3 * child_s / max(timer.steps - timed_steps, 1)
+    admissions += f"; inside the engine process {per_step:.1f} ms, {100 * child_s / wall:.0f}%"
+  print(f"{'stream' if stream else 'whole'} clients {c:3d}: {rate:8.1f} tok/s  latency p50 "
+        f"{np.percentile(lat, 50):.3f} s p99 {np.percentile(lat, 99):.3f} s  TTFT p50 "
+        f"{np.percentile(ttft, 50):.3f} s p99 {np.percentile(ttft, 99):.3f} s  mean decode batch "
+        f"{batch:.1f}, {timer.steps - timed_steps} steps of {mean_step:.1f} ms "
+        f"({100 * in_step / wall:.0f}% of the wall in engine.step{admissions})  "
+        f"{compiles.count} compiles (server process)  ({expected} requests, none lost or "
+        "repeated)", flush=True)
+  return rate
+
+
 def main(argv):
   del argv
   logging.getLogger("httpx").setLevel(logging.WARNING)
@@ -213,8 +300,14 @@ def main(argv):
     _gil_check(cfg, params)
     return
   max_rows = len(PROMPT) + _MAX_TOKENS.value - 1
-  engine = Engine(cfg, params, slots=_SLOTS.value, max_len=64, prefill_chunk=16)
-  engine.warmup(max_rows)  # every program compiled before anything is timed
+  modes = [m.strip() for m in _MODES.value]
+  if not modes or set(modes) - {"stream", "whole"}:
+    raise app.UsageError(f"--modes: 'stream' and/or 'whole', got {_MODES.value}")
+  if _PROCESS.value:
+    engine = EngineProcess(_build_engine, _MODEL.value, _SLOTS.value, max_rows)
+  else:
+    engine = Engine(cfg, params, slots=_SLOTS.value, max_len=64, prefill_chunk=16)
+    engine.warmup(max_rows)  # every program compiled before anything is timed
   sys.setswitchinterval(_SWITCH.value)
   loop = EngineLoop(engine, max_queue=1024, admit_after_steps=_ADMIT_AFTER.value)
   with socket.socket() as s:
@@ -227,54 +320,30 @@ def main(argv):
   while not server.started:
     time.sleep(0.05)
   url = f"http://127.0.0.1:{port}/v1/completions"
-  _client(url, 2, [], time.time() + 300, _MAX_TOKENS.value)  # first-request one-off costs
+  for stream in (True, False):  # first-request one-off costs
+    _client(url, 2, [], time.time() + 300, _MAX_TOKENS.value, stream)
   profiles = _Profiles(server, engine) if _PROFILE.value else None
   timer = _StepTimer(engine)
   rates, levels = {}, [min(int(x), 64) for x in _CLIENTS.value]
-  spawn = multiprocessing.get_context("spawn")
-  for c in levels:
-    ready, go, out = spawn.Event(), spawn.Event(), spawn.Queue()
-    clients = spawn.Process(target=_client_process, args=(
-        url, c, _PER_CLIENT.value, _MAX_TOKENS.value, _DEADLINE.value, ready, go, out))
-    clients.start()
-    ready.wait()
-    steps, slot_steps = loop.steps, loop.slot_steps
-    step_s, timed_steps = timer.seconds, timer.steps
-    admit_s, admits = timer.admit_seconds, timer.admits
-    if profiles and c == levels[-1]:
-      profiles.start()
-    with count_compiles() as compiles:
-      go.set()
-      results, wall = out.get()
-    clients.join()
-    if profiles and c == levels[-1]:
-      profiles.stop()
-    ids = [i for r in results for i in r[0]]
-    expected = c * _PER_CLIENT.value
-    assert len(results) == expected, f"{expected - len(results)} requests lost"
-    assert len(ids) == len(set(ids)) == expected, "a request answered twice or under two ids"
-    lat = np.array([r[1] for r in results])
-    ttft = np.array([r[2] for r in results])
-    rates[c] = sum(r[3] for r in results) / wall
-    batch = (loop.slot_steps - slot_steps) / max(loop.steps - steps, 1)
-    in_step = timer.seconds - step_s
-    mean_step = 1e3 * in_step / max(timer.steps - timed_steps, 1)
-    print(f"clients {c:3d}: {rates[c]:8.1f} tok/s  latency p50 {np.percentile(lat, 50):.3f} s "
-          f"p99 {np.percentile(lat, 99):.3f} s  TTFT p50 {np.percentile(ttft, 50):.3f} s "
-          f"p99 {np.percentile(ttft, 99):.3f} s  mean decode batch {batch:.1f}, "
-          f"{timer.steps - timed_steps} steps of {mean_step:.1f} ms ({100 * in_step / wall:.0f}% "
-          f"of the wall in engine.step; {timer.admits - admits} admissions, "
-          f"{1e3 * (timer.admit_seconds - admit_s):.0f} ms)  "
-          f"{compiles.count} compiles  ({expected} requests, none lost or repeated)")
-  if 1 in rates and 32 in rates:
-    print(f"throughput 32 clients / 1 client: {rates[32] / rates[1]:.2f}x")
+  for mode in modes:
+    for c in levels:
+      rates[mode, c] = _level(url, c, mode == "stream", loop, timer, profiles,
+                              (mode, c) == (modes[-1], levels[-1]))
+    if 1 in levels and 32 in levels:
+      print(f"{mode}: throughput 32 clients / 1 client: "
+            f"{rates[mode, 32] / rates[mode, 1]:.2f}x")
+  server.should_exit = True
+  loop.close()
+  if _PROCESS.value:
+    engine.close()
   # The same work as the 32-client level (32 x requests_per_client requests, 32 at a time),
-  # submitted at once; the median of 3 runs (the machine's other load varies).
+  # submitted at once, in this process (the server's engine process is closed); the median of
+  # 3 runs (the machine's other load varies).
   n = 32 * _PER_CLIENT.value
   requests = [Request(i, tuple(PROMPT), _MAX_TOKENS.value, 1.0, 1.0, 0, request_seed(0, i))
               for i in range(n)]
   direct = Engine(cfg, params, slots=_SLOTS.value, max_len=64, prefill_chunk=16)
-  direct.run(requests)  # the same programs as the server's engine (compiled above)
+  direct.run(requests)  # compiles its programs
   direct_timer, runs = _StepTimer(direct), []
   for _ in range(3):
     start = time.perf_counter()
@@ -285,13 +354,12 @@ def main(argv):
         f"{', '.join(f'{r:.0f}' for r in runs)}), steps of "
         f"{1e3 * direct_timer.seconds / direct_timer.steps:.1f} ms "
         f"({direct_timer.admits // 3} admissions per run)")
-  if 32 in rates:
-    print(f"HTTP overhead at 32 clients x {_PER_CLIENT.value}: "
-          f"{100 * (1 - rates[32] / direct_rate):.1f}%")
+  for mode in modes:
+    if (mode, 32) in rates:
+      print(f"{mode}: HTTP overhead at 32 clients x {_PER_CLIENT.value}: "
+            f"{100 * (1 - rates[mode, 32] / direct_rate):.1f}%")
   if profiles:
     profiles.report()
-  server.should_exit = True
-  loop.close()
 
 
 if __name__ == "__main__":

@@ -24,7 +24,7 @@ def abstract_served_params(params):
   """ShapeDtypeStructs of `params` with their shardings (one device's when they have none)."""
   device = jax.sharding.SingleDeviceSharding(jax.devices()[0])
   return jax.tree.map(lambda x: jax.ShapeDtypeStruct(
-      np.shape(x), x.dtype, sharding=getattr(x, "sharding", device)), params)
+      np.shape(x), x.dtype, sharding=getattr(x, "sharding", None) or device), params)
 
 
 class PolicyFollower:

@@ -37,23 +37,25 @@ class Choice:
     completion or at a stop string (the caller then cancels its engine request)."""
     if self.finish_reason is not None:
       return []
-    ended = event.completion is not None
-    kept = []
-    for j, token in enumerate(event.tokens):
-      is_stop_token = ended and j == len(event.tokens) - 1 and (
-          event.completion.finish_reason == "stop" and token in self.stop_tokens)
-      if not is_stop_token:
-        before = self.text.kept
-        self.text.add(token, delta)
-        if self.text.kept == before:  # after a stop string: not kept
+    ended, tokens = event.completion is not None, event.tokens
+    textual = len(tokens) - int(ended and bool(tokens) and (
+        event.completion.finish_reason == "stop" and tokens[-1] in self.stop_tokens))
+    if self.text.plain:  # no stop string, no tool call: every token is kept, decoded at once
+      self.text.add_run(tokens[:textual], delta)
+      n = len(tokens)
+    else:
+      n = 0
+      for j, token in enumerate(tokens):
+        if j < textual:
+          before = self.text.kept
+          self.text.add(token, delta)
+          if self.text.kept == before:  # after a stop string: not kept
+            break
+        n = j + 1
+        if self.text.stopped is not None:
           break
-      top = None
-      if self.top and event.top_logprobs is not None:
-        ids, values = event.top_logprobs[j]
-        top = ([int(i) for i in ids[:self.top]], [float(v) for v in values[:self.top]])
-      kept.append((int(token), float(event.raw_logprobs[j]), top))
-      if self.text.stopped is not None:
-        break
+    kept = [(int(tokens[j]), float(event.raw_logprobs[j]), self._top(event, j))
+            for j in range(n)]
     for token, raw, top in kept:
       self.tokens.append(token)
       self.raw_logprobs.append(raw)
@@ -66,6 +68,12 @@ class Choice:
     if self.finish_reason == "stop" and self.text.tool_calls:
       self.finish_reason = "tool_calls"
     return kept
+
+  def _top(self, event, j):
+    if not self.top or event.top_logprobs is None:
+      return None
+    ids, values = event.top_logprobs[j]
+    return [int(i) for i in ids[:self.top]], [float(v) for v in values[:self.top]]
 
   def end(self, delta: dict) -> None:
     """The stream ended without a completion (cancelled): flush, finish as "length"."""

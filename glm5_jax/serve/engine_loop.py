@@ -32,11 +32,16 @@ class Stream:
 
   Read from a thread with `get` / iteration; or, submitted with an asyncio loop, with `await
   aget()`, or through an `inbox` (an asyncio.Queue several streams share) that receives
-  `(stream, item)` pairs: one consumer per HTTP request, whatever its `n`."""
+  `(stream, item)` pairs: one consumer per HTTP request, whatever its `n`. A `whole` stream
+  gets one `Event` with every token (and the completion) when its request ends, or what it had
+  when it is cancelled."""
 
-  def __init__(self, aloop=None, inbox: asyncio.Queue | None = None):
+  def __init__(self, aloop=None, inbox: asyncio.Queue | None = None, whole: bool = False):
     self._events = queue.Queue() if aloop is None else None  # a thread reader's
     self.handle: int | None = None
+    # `whole`: the events are merged into one, delivered when the request ends (a reader
+    # that waits for the whole reply is woken once, not once per step).
+    self.whole, self._merged = whole, []
     # With an asyncio loop, events go to an asyncio.Queue instead: a blocked thread per
     # waiting stream would exhaust the executor with many streams.
     self._aloop = aloop
@@ -64,6 +69,25 @@ class Stream:
   def __iter__(self):
     while (event := self.get()) is not None:
       yield event
+
+
+def _merge(events: list) -> Event:
+  """One request's events as one (its tokens and log-probs in order, the last completion)."""
+  tops = [e.top_logprobs for e in events]
+  return Event(events[0].handle, [t for e in events for t in e.tokens],
+               [x for e in events for x in e.logprobs],
+               [x for e in events for x in e.raw_logprobs],
+               None if tops[0] is None else [x for top in tops for x in top],
+               events[-1].completion)
+
+
+def _drain(commands: queue.Queue) -> list:
+  out = []
+  while True:
+    try:
+      out.append(commands.get_nowait())
+    except queue.Empty:
+      return out
 
 
 def _put_all(items) -> None:
@@ -110,9 +134,11 @@ class EngineLoop:
     self._thread = threading.Thread(target=self._run, name="engine-loop", daemon=True)
     self._thread.start()
 
-  def submit(self, request: Request, aloop=None, inbox: asyncio.Queue | None = None) -> Stream:
+  def submit(self, request: Request, aloop=None, inbox: asyncio.Queue | None = None,
+             whole: bool = False) -> Stream:
     """Queues `request`; its events come back on the returned stream (on `aloop`, an asyncio
-    event loop, when given: read them with `await stream.aget()`, or from `inbox`)."""
+    event loop, when given: read them with `await stream.aget()`, or from `inbox`), merged into
+    one at its end when `whole` (`Stream`)."""
     if self._stop or self.error is not None:
       raise Stopped(f"the engine loop is {'closed' if self._stop else 'broken'}"
                     + (f": {type(self.error).__name__}: {self.error}" if self.error else ""))
@@ -120,7 +146,7 @@ class EngineLoop:
       if self._pending >= self.max_queue:
         raise QueueFull(f"{self._pending} requests waiting, max_queue={self.max_queue}")
       self._pending += 1
-    stream = Stream(aloop, inbox)
+    stream = Stream(aloop, inbox, whole)
     self._commands.put(("submit", request, stream))
     return stream
 
@@ -139,32 +165,36 @@ class EngineLoop:
     self._thread.join()
 
   def _run(self) -> None:
-    while not self._stop:
-      try:  # block only when the engine has nothing to do
-        self._command(*self._commands.get(block=not (self.engine.busy or self._held)))
-        while True:
-          self._command(*self._commands.get_nowait())
-      except queue.Empty:
-        pass
-      self._admit_held()
+    try:
+      while not self._stop:
+        self._iterate()
+    except Exception as e:  # the engine is broken: every request in flight hears why
+      self.error = e  # from now on `submit` refuses
+      waiting = [s for kind, _, s in _drain(self._commands) if kind == "submit"]
+      for stream in [*self._streams.values(), *(s for _, s in self._held), *waiting]:
+        self._put(stream, e)
       self._flush()
-      if self._stop or not self.engine.busy:
-        continue
-      try:
-        events = self.engine.step()
-      except Exception as e:  # the engine is broken: every request in flight hears why
-        self.error = e
-        for stream in self._streams.values():
-          self._put(stream, e)
-        self._flush()
-        raise
-      self.steps += 1
-      self.slot_steps += self.engine.running() + sum(e.completion is not None for e in events)
-      with self._lock:
-        self._pending = self.engine.waiting() + len(self._held) + self._commands.qsize()
-      for event in events:
-        self._deliver(event)
-      self._flush()
+      raise
+
+  def _iterate(self) -> None:
+    try:  # block only when the engine has nothing to do
+      self._command(*self._commands.get(block=not (self.engine.busy or self._held)))
+      while True:
+        self._command(*self._commands.get_nowait())
+    except queue.Empty:
+      pass
+    self._admit_held()
+    self._flush()
+    if self._stop or not self.engine.busy:
+      return
+    events = self.engine.step()
+    self.steps += 1
+    self.slot_steps += self.engine.running() + sum(e.completion is not None for e in events)
+    with self._lock:
+      self._pending = self.engine.waiting() + len(self._held) + self._commands.qsize()
+    for event in events:
+      self._deliver(event)
+    self._flush()
 
   def _put(self, stream: Stream, item) -> None:
     if stream._aloop is None:
@@ -190,6 +220,11 @@ class EngineLoop:
     if stream is None:
       return
     self.tokens_generated += len(event.tokens)
+    if stream.whole:
+      stream._merged.append(event)
+      if event.completion is None:
+        return
+      event = _merge(stream._merged)
     self._put(stream, event)
     if event.completion is not None:
       del self._streams[event.handle]
@@ -205,14 +240,17 @@ class EngineLoop:
         self.steps - self._held_since < self.admit_after):
       return
     held, self._held = self._held, []
-    for request, stream in held:
+    for i, (request, stream) in enumerate(held):
       try:
         stream.handle = self.engine.submit(request)
         self._streams[stream.handle] = stream
-      except ValueError as e:
+      except ValueError as e:  # this request cannot run here
         with self._lock:
           self._pending -= 1
         self._put(stream, e)
+      except Exception:  # the engine broke: the rest are still waiting (`_run` tells them)
+        self._held = held[i:] + self._held
+        raise
       self._admitted(request, stream)
 
   def _admitted(self, request: Request, stream: Stream) -> None:
@@ -231,4 +269,6 @@ class EngineLoop:
       self._put(stream, None)
     elif kind == "cancel" and stream.handle is not None:
       if self.engine.cancel(stream.handle) and self._streams.pop(stream.handle, None):
+        if stream._merged:  # what it had (a reader may still be there)
+          self._put(stream, _merge(stream._merged))
         self._put(stream, None)

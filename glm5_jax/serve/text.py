@@ -30,7 +30,13 @@ class Detokenizer:
     self._prefix = self._read = 0  # ids[prefix:read]: context already emitted
 
   def add(self, token: int) -> str:
-    self.ids.append(token)
+    return self.add_many([token])
+
+  def add_many(self, tokens) -> str:
+    """`add` of several ids at once (one decode of the window instead of one per id)."""
+    if not tokens:
+      return ""
+    self.ids.extend(tokens)
     decode = self.tokenizer.decode
     before = decode(self.ids[self._prefix:self._read]) if self._read > self._prefix else ""
     text = decode(self.ids[self._prefix:])
@@ -102,6 +108,8 @@ class ChoiceText:
         "content" if chat_turn else "text")
     self._detok, self._stop = Detokenizer(tokenizer), StopText(self.stops)
     self._call: list | None = None  # ids of an open `<tool_call>`
+    # Plain text without stop strings: no id needs looking at on its own (`add_run`).
+    self.plain = self.ids is None and not self.stops
     self.tool_calls = 0
     self.kept = 0
     self.stopped: str | None = None
@@ -151,6 +159,13 @@ class ChoiceText:
         self.channel = "reasoning_content" if token == c.think_open else "content"
       return
     self._text(delta, self._detok.add(token))
+
+  def add_run(self, tokens, delta: dict) -> None:
+    """`add` of each of `tokens`, for a `plain` choice."""
+    if not self.plain:
+      raise ValueError("ChoiceText.add_run: a chat turn or stop strings need add() per token")
+    self.kept += len(tokens)
+    self._text(delta, self._detok.add_many(tokens))
 
   def finish(self, delta: dict) -> None:
     if self.stopped is not None:

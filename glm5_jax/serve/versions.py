@@ -54,7 +54,7 @@ class VersionedLoop(EngineLoop):
       if np.shape(a) != np.shape(b) or np.dtype(a.dtype) != np.dtype(b.dtype):
         raise ValueError(f"set_params: leaf {jax.tree_util.keystr(path)} is {np.shape(b)} "
                          f"{b.dtype}; the served one is {np.shape(a)} {a.dtype}")
-    if all(hasattr(a, "sharding") for _, a in old[0]):
+    if all(isinstance(a, jax.Array) for _, a in old[0]):  # (an EngineProcess: shapes only)
       params = jax.device_put(params, jax.tree.map(lambda x: x.sharding, self.engine.params))
     self._commands.put(("params", (params, version), None))
 

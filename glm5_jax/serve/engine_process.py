@@ -1,0 +1,254 @@
+"""An `infer.Engine` in a process of its own, driven by the server's engine thread.
+
+Why a process: in one process the engine thread gives up the GIL at every device call and
+transfer (about 10 per decode step, 30 per admission) and waits for it while the event loop
+runs Python (HTTP parsing, SSE, detokenization); a decode step of 1.4 ms alone took 5-12 ms
+inside the server (docs/serving.md). In its own process the engine's Python never waits for
+the HTTP layer's, and the two use two cores; the server's engine thread waits for each
+step's reply with the GIL released. vLLM's engine core runs the same way.
+
+`EngineProcess(build, *args)` spawns a process that calls `build(*args) -> (engine, extra)`
+(a picklable module-level function: the child loads the params itself, so they are never in
+the HTTP process), and is then what `EngineLoop` needs of an engine: `submit`, `step`,
+`cancel`, `release`, `busy`, `running()`, `waiting()`, `prefix_stats()`, the fields the app
+reads (`cfg`, `slots`, `max_len`, `top_n`, `k`, `record_routing`, `pages.pool` counts) and
+`params` (abstract shapes; assigning host or device arrays ships them to the child, as
+`VersionedLoop` does between steps). `extra` (picklable: the tokenizer, the model's source)
+comes back as `.extra`. Every call is one message each way on a pipe; each reply carries the
+engine's busy / running / waiting counts, so `busy` and the counts cost nothing.
+
+Errors: `Engine`'s ValueErrors (a request that cannot run here) are raised again as
+ValueErrors, and a build's ValueError / FileNotFoundError (a bad flag or path) as itself;
+anything else the child raises comes back as `EngineProcessError` with the
+child's traceback; a child that dies (killed, out of memory) is `EngineProcessError` naming
+its exit code. `close()` stops the child; it also exits when the parent goes away.
+"""
+
+import dataclasses
+import multiprocessing
+import os
+import time
+import traceback
+import types
+
+import jax
+import numpy as np
+
+from glm5_jax.infer.engine import Engine, Event
+from glm5_jax.infer.loading import load_model
+
+
+class EngineProcessError(RuntimeError):
+  """The engine process failed (its traceback in the message) or exited."""
+
+
+@dataclasses.dataclass
+class _State:
+  """What each reply carries besides its value."""
+  busy: bool
+  running: int
+  waiting: int
+  pages_used: int | None
+  pages_free: int | None
+  step_seconds: float  # inside `Engine.step`, summed since the start (the child's own time)
+
+
+def _state(engine, step_seconds: float) -> _State:
+  pool = engine.pages.pool if engine.pages is not None else None
+  return _State(engine.busy, engine.running(), engine.waiting(),
+                None if pool is None else pool.used, None if pool is None else pool.free,
+                step_seconds)
+
+
+def _set_params(engine, params) -> None:
+  """Host (numpy) params in the served ones' placement (the same shardings)."""
+  engine.params = jax.device_put(params, jax.tree.map(lambda x: x.sharding, engine.params))
+
+
+def _step(engine) -> list:
+  """`engine.step()`'s events as tuples (a list of dataclass instances pickles several times
+  slower, on the server's engine thread)."""
+  return [(e.handle, e.tokens, e.logprobs, e.raw_logprobs, e.top_logprobs, e.completion)
+          for e in engine.step()]
+
+
+_METHODS = {
+    "submit": lambda e, request: e.submit(request),
+    "step": _step,
+    "cancel": lambda e, handle: e.cancel(handle),
+    "release": lambda e, session: e.release(session),
+    "prefix_stats": lambda e: e.prefix_stats(),
+    "set_params": _set_params,
+}
+
+
+def _child(conn, build, args, env) -> None:
+  """The engine process: builds the engine, then answers calls until the pipe closes."""
+  os.environ.update(env)  # before the backend starts (XLA_FLAGS is read then)
+  try:
+    engine, extra = build(*args)
+    pool = engine.pages.pool if engine.pages is not None else None
+    info = dict(cfg=engine.cfg, slots=engine.slots, max_len=engine.max_len, top_n=engine.top_n,
+                k=engine.k, record_routing=engine.record_routing, extra=extra,
+                params=jax.tree.map(lambda x: jax.ShapeDtypeStruct(np.shape(x), x.dtype),
+                                    engine.params),
+                pages=None if pool is None else (pool.num_pages, pool.page_size))
+    conn.send(("ok", info, _state(engine, 0.0)))
+  except (ValueError, FileNotFoundError) as e:  # bad input (a flag, a path): the user's error
+    conn.send(("refused", (type(e).__name__, str(e)), None))
+    return
+  except BaseException as e:  # pylint: disable=broad-except
+    conn.send(("raise", _failure(e), None))
+    return
+  step_seconds = 0.0
+  while True:
+    try:
+      method, call_args = conn.recv()
+    except (EOFError, OSError):  # the server is gone
+      return
+    if method == "close":
+      conn.send(("ok", None, None))
+      return
+    start = time.perf_counter()
+    try:
+      reply = ("ok", _METHODS[method](engine, *call_args))
+    except ValueError as e:  # a request the engine refuses: the caller's error
+      reply = ("value_error", str(e))
+    except BaseException as e:  # pylint: disable=broad-except
+      reply = ("raise", _failure(e))
+    if method == "step":
+      step_seconds += time.perf_counter() - start
+    conn.send(reply + (_state(engine, step_seconds),))
+
+
+_REFUSALS = {"ValueError": ValueError, "FileNotFoundError": FileNotFoundError}
+
+
+def _failure(e: BaseException) -> str:
+  return "".join(traceback.format_exception(e)).rstrip()
+
+
+class EngineProcess:
+  """The engine of `build(*args)` in a spawned process (module docstring).
+
+  Args:
+    build: a picklable function returning `(engine, extra)`; runs in the child.
+    *args: its (picklable) arguments.
+    env: environment variables set in the child before its backend starts (e.g. XLA_FLAGS).
+  """
+
+  def __init__(self, build, *args, env: dict | None = None):
+    spawn = multiprocessing.get_context("spawn")  # a fork would copy the parent's threads
+    self._conn, child_conn = spawn.Pipe()
+    self._process = spawn.Process(target=_child, args=(child_conn, build, args, env or {}),
+                                  name="glm5-engine", daemon=True)
+    self._process.start()
+    child_conn.close()  # the child's end: recv sees EOF when the child exits
+    info = self._reply("start")
+    self.cfg, self.slots, self.max_len = info["cfg"], info["slots"], info["max_len"]
+    self.top_n, self.k, self.record_routing = info["top_n"], info["k"], info["record_routing"]
+    self.extra, self._params = info["extra"], info["params"]
+    self.pages = None
+    if info["pages"] is not None:
+      num_pages, page_size = info["pages"]
+      self.pages = types.SimpleNamespace(pool=types.SimpleNamespace(
+          num_pages=num_pages, page_size=page_size, used=0, free=num_pages - 1))
+
+  def _call(self, method: str, *args):
+    if self._conn is None:
+      raise EngineProcessError("the engine process is closed")
+    try:
+      self._conn.send((method, args))
+    except (BrokenPipeError, OSError):
+      self._died(method)
+    return self._reply(method)
+
+  def _reply(self, method: str):
+    try:
+      kind, value, state = self._conn.recv()
+    except (EOFError, OSError):
+      self._died(method)
+    if state is not None:
+      self._state = state
+      if self.__dict__.get("pages") is not None:
+        self.pages.pool.used, self.pages.pool.free = state.pages_used, state.pages_free
+    if kind == "value_error":
+      raise ValueError(value)
+    if kind == "refused":
+      raise _REFUSALS[value[0]](value[1])
+    if kind == "raise":
+      raise EngineProcessError(f"the engine process raised in {method}:\n{value}")
+    return value
+
+  def _died(self, method: str):
+    self._process.join(5)
+    raise EngineProcessError(f"the engine process exited (exit code {self._process.exitcode}) "
+                             f"during {method}") from None
+
+  # ---- what EngineLoop and the app use of an Engine -----------------------------------------
+
+  def submit(self, request) -> int:
+    return self._call("submit", request)
+
+  def step(self) -> list:
+    return [Event(*fields) for fields in self._call("step")]
+
+  def cancel(self, handle: int) -> bool:
+    return self._call("cancel", handle)
+
+  def release(self, session) -> bool:
+    return self._call("release", session)
+
+  def prefix_stats(self) -> dict:
+    return self._call("prefix_stats")
+
+  @property
+  def busy(self) -> bool:
+    return self._state.busy
+
+  def running(self) -> int:
+    return self._state.running
+
+  def waiting(self) -> int:
+    return self._state.waiting
+
+  @property
+  def step_seconds(self) -> float:
+    """Seconds the child spent inside `Engine.step` (without the pipe and the pickling)."""
+    return self._state.step_seconds
+
+  @property
+  def params(self):
+    """The served params' shapes and dtypes (`jax.ShapeDtypeStruct`s)."""
+    return self._params
+
+  @params.setter
+  def params(self, params) -> None:
+    """Serves `params` (host or device arrays of the served tree) from the next step on."""
+    self._call("set_params", jax.device_get(params))
+
+  def close(self) -> None:
+    """Stops the child (idempotent)."""
+    if self._conn is None:
+      return
+    try:
+      self._conn.send(("close", ()))
+      self._conn.recv()
+    except (EOFError, OSError):
+      pass
+    self._conn.close()
+    self._conn = None
+    self._process.join(10)
+    if self._process.is_alive():
+      self._process.kill()
+
+
+def served_engine(load_kwargs: dict, engine_kwargs: dict, warmup_rows: int | None = None):
+  """`build` for a server: `infer.loading.load_model(**load_kwargs)` and an `Engine` of it
+  (`engine_kwargs`), every program compiled first when `warmup_rows` (`Engine.warmup`);
+  extra: `{"model", "tokenizer", "source"}`."""
+  served = load_model(**load_kwargs)
+  engine = Engine(served.model, served.params, **engine_kwargs)
+  if warmup_rows:
+    engine.warmup(warmup_rows)
+  return engine, {"model": served.model, "tokenizer": served.tokenizer, "source": served.source}

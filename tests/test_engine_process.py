@@ -1,0 +1,133 @@
+"""glm5_jax.serve.engine_process: an engine in its own process serves exactly the tokens of the
+same engine in process (through the server's loop, params switched between steps), refuses
+what `Engine` refuses with the same ValueError, and a dead child fails requests with its exit
+code instead of hanging them."""
+
+import socket
+import subprocess
+import sys
+import threading
+import time
+
+import openai
+import pytest
+
+from glm5_jax.infer import engine as engine_lib
+from glm5_jax.infer.requests import Request
+from glm5_jax.serve.engine_loop import Stopped
+from glm5_jax.serve.engine_process import EngineProcess, EngineProcessError
+from glm5_jax.serve.versions import VersionedLoop
+from tests.conftest import REPO_ROOT, random_params, tiny_model_config
+
+CFG = tiny_model_config(num_hidden_layers=2, attention_pattern="DD", first_k_dense_replace=2,
+                        mtp_depths=0, num_nextn_predict_layers=0)
+PROMPTS = [(5, 17, 3), (11,), (250, 3, 3, 9), (7, 7), (1, 2, 3, 4, 5)]
+ENGINE = dict(slots=2, max_len=16, prefill_chunk=4, top_logprobs=2)
+
+
+def _build(seed):
+  """The child's engine (module-level: the spawned process imports it by name)."""
+  return engine_lib.Engine(CFG, random_params(CFG, seed=seed, std=0.5), **ENGINE), {"seed": seed}
+
+
+def _fail_to_build():
+  raise ValueError("--workdir /nowhere has no checkpoint")
+
+
+def _requests(seed):
+  return [Request(i, p, 4, 1.0, 1.0, 0, engine_lib.request_seed(seed, i))
+          for i, p in enumerate(PROMPTS)]
+
+
+def _served(loop, requests, whole_every=2):
+  """Every request from its own thread; per index (tokens, raw log-probs, top ids, events)."""
+  got = {}
+
+  def client(r):
+    events = list(loop.submit(r, whole=r.index % whole_every == 0))
+    got[r.index] = ([t for e in events for t in e.tokens],
+                    [x for e in events for x in e.raw_logprobs],
+                    [list(ids) for e in events for ids, _ in e.top_logprobs], len(events))
+
+  threads = [threading.Thread(target=client, args=(r,)) for r in requests]
+  for t in threads:
+    t.start()
+  for t in threads:
+    t.join(timeout=120)
+  return got
+
+
+def _check(got, want):
+  for i, w in enumerate(want):
+    tokens, raws, tops, n_events = got[i]
+    # Log-probs to float rounding: a request's admission batch (the program's row count)
+    # depends on arrival order, and rows are reduced in another order (tokens are exact).
+    assert tokens == w.tokens and raws == pytest.approx(w.raw_logprobs, abs=1e-5), i
+    assert tops == [list(ids) for ids, _ in w.top_logprobs], i
+    assert n_events == 1 if i % 2 == 0 else n_events == len(w.tokens) - 1, i  # whole: one
+
+
+# The loop's thread ends by raising what broke the engine (the server's console shows it).
+@pytest.mark.filterwarnings("ignore::pytest.PytestUnhandledThreadExceptionWarning")
+def test_engine_process_serves_the_tokens_of_the_engine_in_process():
+  proc = EngineProcess(_build, 1)
+  assert proc.extra == {"seed": 1} and (proc.slots, proc.max_len, proc.top_n) == (2, 16, 2)
+  loop = VersionedLoop(proc)
+  here = engine_lib.Engine(CFG, random_params(CFG, seed=1, std=0.5), **ENGINE)
+  _check(_served(loop, _requests(3)), here.run(_requests(3)))
+  with pytest.raises(ValueError, match="max_len 16"):  # Engine's own refusal, same type
+    list(loop.submit(Request(9, (3,) * 10, 10, 0.0, 1.0, 0, 0)))
+  # New params between steps, shipped to the child: the tokens of an engine built with them.
+  new = random_params(CFG, seed=2, std=0.5)
+  loop.set_params(new, 1)
+  want = engine_lib.Engine(CFG, new, **ENGINE).run(_requests(4))
+  _check(_served(loop, _requests(4)), want)
+  assert loop.version == 1 and proc.pages.pool.used == 0 and not proc.busy
+  assert proc.prefix_stats()["prompt_tokens"] == 2 * sum(map(len, PROMPTS))
+  # The child dies (OOM-killed, say): requests fail with its exit code instead of hanging.
+  proc._process.kill()
+  proc._process.join(30)
+  with pytest.raises(EngineProcessError, match="exit code -9"):
+    list(loop.submit(Request(10, (3,), 2, 0.0, 1.0, 0, 0)))
+  with pytest.raises(Stopped, match="broken: EngineProcessError"):
+    loop.submit(Request(11, (3,), 2, 0.0, 1.0, 0, 0))
+  proc.close()
+
+
+def test_a_build_that_fails_raises_its_error_in_the_server():
+  with pytest.raises(ValueError, match="/nowhere has no checkpoint"):
+    EngineProcess(_fail_to_build)
+
+
+@pytest.mark.slow
+def test_serve_cli_answers_chat_through_its_engine_process_and_names_a_bad_source():
+  """experiments/serve.py as README's "Serve" starts it (engine process on, the default)."""
+  with socket.socket() as s:
+    s.bind(("127.0.0.1", 0))
+    port = s.getsockname()[1]
+  cmd = [sys.executable, str(REPO_ROOT / "experiments" / "serve.py"), "--random_init",
+         f"--config={REPO_ROOT / 'configs' / 'tiny.py'}", "--model.num_hidden_layers=1",
+         "--model.attention_pattern=D", "--model.first_k_dense_replace=1", f"--port={port}",
+         "--slots=2", "--max_len=128", "--prefill_chunk=32"]
+  server = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+  try:
+    client = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="none",
+                           max_retries=0)
+    deadline = time.time() + 240
+    while True:
+      assert server.poll() is None, server.stderr.read()[-3000:]
+      try:
+        reply = client.chat.completions.create(
+            model="glm5-jax", messages=[{"role": "user", "content": "hi"}], max_tokens=8,
+            seed=0, temperature=0.0)
+        break
+      except openai.APIConnectionError:
+        assert time.time() < deadline, "the server did not answer within 240 s"
+        time.sleep(1)
+    assert reply.usage.completion_tokens >= 1 and reply.choices[0].finish_reason
+  finally:
+    server.terminate()
+    server.wait(30)
+  bad = subprocess.run(cmd[:2] + ["--workdir=/nonexistent/run", f"--port={port}"],
+                       capture_output=True, text=True, timeout=120)
+  assert bad.returncode != 0 and "/nonexistent/run" in bad.stderr.strip().splitlines()[-1]
