@@ -9,6 +9,7 @@ import sys
 import threading
 import time
 
+import jax
 import openai
 import pytest
 
@@ -17,7 +18,7 @@ from glm5_jax.infer.requests import Request
 from glm5_jax.serve.engine_loop import Stopped
 from glm5_jax.serve.engine_process import EngineProcess, EngineProcessError
 from glm5_jax.serve.versions import VersionedLoop
-from tests.conftest import REPO_ROOT, random_params, tiny_model_config
+from tests.conftest import REPO_ROOT, forward, random_params, tiny_model_config
 
 CFG = tiny_model_config(num_hidden_layers=2, attention_pattern="DD", first_k_dense_replace=2,
                         mtp_depths=0, num_nextn_predict_layers=0)
@@ -67,12 +68,54 @@ def _check(got, want):
     assert n_events == 1 if i % 2 == 0 else n_events == len(w.tokens) - 1, i  # whole: one
 
 
+@pytest.fixture(scope="module")
+def proc():
+  """One engine process for the module's tests (each drives it with a loop of its own); the
+  last test kills it."""
+  engine = EngineProcess(_build, 1)
+  yield engine
+  engine.close()
+
+
+def test_tokens_sampled_ahead_of_a_param_switch_keep_the_old_version(proc):
+  """The child computes the next step while the server delivers the last (pipelined): the
+  tokens it sampled before a switch must be tagged with the old version. Every old-version
+  token's raw log-prob is the old params' full forward's; no new-version token's is."""
+  assert proc.pipelined and proc.extra == {"seed": 1}
+
+  class SwitchAfterTheFirstEvent(VersionedLoop):
+    """Asks for the switch on the loop's thread: applied before its next step, for sure."""
+    new = random_params(CFG, seed=2, std=0.5)
+
+    def _deliver(self, event):
+      super()._deliver(event)
+      if self.new is not None:
+        self.set_params(self.new, 1)
+        self.new = None
+
+  loop = SwitchAfterTheFirstEvent(proc)
+  request = Request(0, (5, 17, 3), 12, 1.0, 1.0, 0, 7)
+  ended = []
+  loop.watch(request, lambda completion, versions, _: ended.append((completion, versions)))
+  list(loop.submit(request))
+  loop.close()
+  (completion, versions), = ended
+  assert versions[0] == 0 and versions[-1] == 1 and versions == sorted(versions)
+  old = random_params(CFG, seed=1, std=0.5)
+  sequence = list(request.prompt) + completion.tokens
+  logp = jax.nn.log_softmax(forward(CFG, old, [sequence], mtp=False)["logits"][0], -1)
+  for n, (token, raw, version) in enumerate(zip(completion.tokens, completion.raw_logprobs,
+                                                versions)):
+    under_old = float(logp[len(request.prompt) + n - 1, token])
+    assert (abs(raw - under_old) < 1e-4) == (version == 0), (n, version, raw, under_old)
+
+
 # The loop's thread ends by raising what broke the engine (the server's console shows it).
 @pytest.mark.filterwarnings("ignore::pytest.PytestUnhandledThreadExceptionWarning")
-def test_engine_process_serves_the_tokens_of_the_engine_in_process():
-  proc = EngineProcess(_build, 1)
-  assert proc.extra == {"seed": 1} and (proc.slots, proc.max_len, proc.top_n) == (2, 16, 2)
+def test_engine_process_serves_the_tokens_of_the_engine_in_process(proc):
+  assert (proc.slots, proc.max_len, proc.top_n) == (2, 16, 2)
   loop = VersionedLoop(proc)
+  loop.set_params(random_params(CFG, seed=1, std=0.5), 0)
   here = engine_lib.Engine(CFG, random_params(CFG, seed=1, std=0.5), **ENGINE)
   _check(_served(loop, _requests(3)), here.run(_requests(3)))
   with pytest.raises(ValueError, match="max_len 16"):  # Engine's own refusal, same type
@@ -83,7 +126,7 @@ def test_engine_process_serves_the_tokens_of_the_engine_in_process():
   want = engine_lib.Engine(CFG, new, **ENGINE).run(_requests(4))
   _check(_served(loop, _requests(4)), want)
   assert loop.version == 1 and proc.pages.pool.used == 0 and not proc.busy
-  assert proc.prefix_stats()["prompt_tokens"] == 2 * sum(map(len, PROMPTS))
+  assert proc.prefix_stats()["prompt_tokens"] == 3 + 2 * sum(map(len, PROMPTS))
   # The child dies (OOM-killed, say): requests fail with its exit code instead of hanging.
   proc._process.kill()
   proc._process.join(30)
@@ -91,7 +134,6 @@ def test_engine_process_serves_the_tokens_of_the_engine_in_process():
     list(loop.submit(Request(10, (3,), 2, 0.0, 1.0, 0, 0)))
   with pytest.raises(Stopped, match="broken: EngineProcessError"):
     loop.submit(Request(11, (3,), 2, 0.0, 1.0, 0, 0))
-  proc.close()
 
 
 def test_a_build_that_fails_raises_its_error_in_the_server():

@@ -53,6 +53,8 @@ _ADMIT_AFTER = flags.DEFINE_integer("admit_after_steps", 0, "EngineLoop's admit_
 _PROCESS = flags.DEFINE_bool("engine_process", True, "Run the engine in a process of its own "
                              "(glm5_jax.serve.engine_process), as experiments/serve.py does; "
                              "false: on a thread of the server's process.")
+_PIPELINED = flags.DEFINE_bool("pipelined", True, "EngineProcess(pipelined=...): the child "
+                               "computes the next step while the server delivers the last.")
 _MODES = flags.DEFINE_list("modes", ["stream", "whole"], "Client modes: 'stream' (SSE, one chunk "
                            "per engine step per request) and/or 'whole' (one JSON reply).")
 _MODEL = flags.DEFINE_enum("model", "tiny", ["tiny", "small"], "The random model served "
@@ -304,7 +306,8 @@ def main(argv):
   if not modes or set(modes) - {"stream", "whole"}:
     raise app.UsageError(f"--modes: 'stream' and/or 'whole', got {_MODES.value}")
   if _PROCESS.value:
-    engine = EngineProcess(_build_engine, _MODEL.value, _SLOTS.value, max_rows)
+    engine = EngineProcess(_build_engine, _MODEL.value, _SLOTS.value, max_rows,
+                           pipelined=_PIPELINED.value)
   else:
     engine = Engine(cfg, params, slots=_SLOTS.value, max_len=64, prefill_chunk=16)
     engine.warmup(max_rows)  # every program compiled before anything is timed

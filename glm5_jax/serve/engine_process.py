@@ -17,6 +17,15 @@ reads (`cfg`, `slots`, `max_len`, `top_n`, `k`, `record_routing`, `pages.pool` c
 comes back as `.extra`. Every call is one message each way on a pipe; each reply carries the
 engine's busy / running / waiting counts, so `busy` and the counts cost nothing.
 
+Pipelined (the default): when a step leaves the engine busy, the next "step" is sent at once,
+so the child computes step n + 1 while this process unpickles and delivers step n's events and
+handles new requests (otherwise the child waits a round trip per step). A call made meanwhile
+(`submit`, `cancel`, ...) first reads that step's reply and keeps its events for the next
+`step()`: a request submitted then is admitted one step later, a cancel lands one step later
+(the loop drops events of a cancelled request). New params must not be applied to tokens that
+the old ones sampled: `computed_events()` hands over what was computed ahead
+(`serve.versions.VersionedLoop` delivers them, under the old version, before switching).
+
 Errors: `Engine`'s ValueErrors (a request that cannot run here) are raised again as
 ValueErrors, and a build's ValueError / FileNotFoundError (a bad flag or path) as itself;
 anything else the child raises comes back as `EngineProcessError` with the
@@ -112,8 +121,9 @@ def _child(conn, build, args, env) -> None:
     start = time.perf_counter()
     try:
       reply = ("ok", _METHODS[method](engine, *call_args))
-    except ValueError as e:  # a request the engine refuses: the caller's error
-      reply = ("value_error", str(e))
+    except ValueError as e:  # a request (or params) the engine refuses: the caller's error
+      reply = ("value_error", str(e)) if method in ("submit", "set_params") else (
+          "raise", _failure(e))
     except BaseException as e:  # pylint: disable=broad-except
       reply = ("raise", _failure(e))
     if method == "step":
@@ -135,15 +145,20 @@ class EngineProcess:
     build: a picklable function returning `(engine, extra)`; runs in the child.
     *args: its (picklable) arguments.
     env: environment variables set in the child before its backend starts (e.g. XLA_FLAGS).
+    pipelined: when a step leaves the engine busy, ask for the next one at once, so the child
+      computes it while this process delivers the last one's events (module docstring).
   """
 
-  def __init__(self, build, *args, env: dict | None = None):
+  def __init__(self, build, *args, env: dict | None = None, pipelined: bool = True):
     spawn = multiprocessing.get_context("spawn")  # a fork would copy the parent's threads
     self._conn, child_conn = spawn.Pipe()
     self._process = spawn.Process(target=_child, args=(child_conn, build, args, env or {}),
                                   name="glm5-engine", daemon=True)
     self._process.start()
     child_conn.close()  # the child's end: recv sees EOF when the child exits
+    self.pipelined = pipelined
+    self._ahead = False  # a "step" sent whose reply is not read yet
+    self._computed: list | None = None  # events of a step read before they were asked for
     info = self._reply("start")
     self.cfg, self.slots, self.max_len = info["cfg"], info["slots"], info["max_len"]
     self.top_n, self.k, self.record_routing = info["top_n"], info["k"], info["record_routing"]
@@ -157,10 +172,9 @@ class EngineProcess:
   def _call(self, method: str, *args):
     if self._conn is None:
       raise EngineProcessError("the engine process is closed")
-    try:
-      self._conn.send((method, args))
-    except (BrokenPipeError, OSError):
-      self._died(method)
+    if self._ahead:  # replies come in order: the step asked for ahead first
+      self._computed = (self._computed or []) + self._read_step()
+    self._send(method, *args)
     return self._reply(method)
 
   def _reply(self, method: str):
@@ -191,7 +205,34 @@ class EngineProcess:
     return self._call("submit", request)
 
   def step(self) -> list:
-    return [Event(*fields) for fields in self._call("step")]
+    if self._computed is not None:
+      events, self._computed = self._computed, None
+    elif self._ahead:
+      events = self._read_step()
+    else:
+      events = [Event(*fields) for fields in self._call("step")]
+    if self.pipelined and self._state.busy:
+      self._send("step")
+      self._ahead = True
+    return events
+
+  def computed_events(self) -> list:
+    """Events of a step the child ran ahead of the caller (pipelined), now, with no new step:
+    a caller about to change the params delivers them first (they were sampled before)."""
+    if self._ahead:
+      self._computed = (self._computed or []) + self._read_step()
+    events, self._computed = self._computed or [], None
+    return events
+
+  def _read_step(self) -> list:
+    self._ahead = False
+    return [Event(*fields) for fields in self._reply("step")]
+
+  def _send(self, method: str, *args) -> None:
+    try:
+      self._conn.send((method, args))
+    except (BrokenPipeError, OSError):
+      self._died(method)
 
   def cancel(self, handle: int) -> bool:
     return self._call("cancel", handle)
@@ -204,7 +245,8 @@ class EngineProcess:
 
   @property
   def busy(self) -> bool:
-    return self._state.busy
+    """Whether a request is waiting or running, or events computed ahead are not taken yet."""
+    return self._state.busy or self._ahead or self._computed is not None
 
   def running(self) -> int:
     return self._state.running
@@ -233,7 +275,8 @@ class EngineProcess:
       return
     try:
       self._conn.send(("close", ()))
-      self._conn.recv()
+      while self._conn.recv()[2] is not None:  # a step asked for ahead answers first
+        pass
     except (EOFError, OSError):
       pass
     self._conn.close()

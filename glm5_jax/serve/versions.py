@@ -74,6 +74,9 @@ class VersionedLoop(EngineLoop):
 
   def _command(self, kind, request, stream) -> None:
     if kind == "params":
+      # Tokens a pipelined engine process sampled ahead came from the old params: theirs first.
+      for event in getattr(self.engine, "computed_events", list)():
+        self._deliver(event)
       (self.engine.params, self.version) = request
       return
     if kind == "release":
