@@ -143,7 +143,9 @@ def _client_process(url, c, per_client, max_tokens, deadline_s, stream, ready, g
   _run_level(url, c, 1, max_tokens, deadline_s, stream)
   ready.set()
   go.wait()
-  out.put(_run_level(url, c, per_client, max_tokens, deadline_s, stream))
+  cpu = time.process_time()
+  results, wall = _run_level(url, c, per_client, max_tokens, deadline_s, stream)
+  out.put((results, wall, time.process_time() - cpu))
 
 
 class _StepTimer:
@@ -259,11 +261,14 @@ def _level(url, c, stream, loop, timer, profiles, last):
   step_s, timed_steps = timer.seconds, timer.steps
   admit_s, admits = timer.admit_seconds, timer.admits
   child_s = getattr(loop.engine, "step_seconds", None)
+  child_cpu = getattr(loop.engine, "cpu_seconds", None)
   if profiles and last:
     profiles.start()
   with count_compiles() as compiles:
+    server_cpu = time.process_time()
     go.set()
-    results, wall = out.get()
+    results, wall, clients_cpu = out.get()
+    server_cpu = time.process_time() - server_cpu
   clients.join()
   if profiles and last:
     profiles.stop()
@@ -284,13 +289,20 @@ def _level(url, c, stream, loop, timer, profiles, last):
     child_s = loop.engine.step_seconds - child_s
     per_step = 1e3 * child_s / max(timer.steps - timed_steps, 1)
     admissions += f"; inside the engine process {per_step:.1f} ms, {100 * child_s / wall:.0f}%"
+  tokens = sum(r[3] for r in results)
+  # CPU time per generated token of each process (all its threads): what the 2 cores are
+  # shared out to, whatever the machine's other load.
+  cpu = f"CPU us/token: server process {1e6 * server_cpu / tokens:.0f}"
+  if child_cpu is not None:
+    cpu += f", engine process {1e6 * (loop.engine.cpu_seconds - child_cpu) / tokens:.0f}"
+  cpu += f", clients {1e6 * clients_cpu / tokens:.0f}"
   print(f"{'stream' if stream else 'whole'} clients {c:3d}: {rate:8.1f} tok/s  latency p50 "
         f"{np.percentile(lat, 50):.3f} s p99 {np.percentile(lat, 99):.3f} s  TTFT p50 "
         f"{np.percentile(ttft, 50):.3f} s p99 {np.percentile(ttft, 99):.3f} s  mean decode batch "
         f"{batch:.1f}, {timer.steps - timed_steps} steps of {mean_step:.1f} ms "
         f"({100 * in_step / wall:.0f}% of the wall in engine.step{admissions})  "
         f"{compiles.count} compiles (server process)  ({expected} requests, none lost or "
-        "repeated)", flush=True)
+        f"repeated)  {cpu}", flush=True)
   return rate
 
 
@@ -348,15 +360,18 @@ def main(argv):
   direct = Engine(cfg, params, slots=_SLOTS.value, max_len=64, prefill_chunk=16)
   direct.run(requests)  # compiles its programs
   direct_timer, runs = _StepTimer(direct), []
+  cpu = time.process_time()
   for _ in range(3):
     start = time.perf_counter()
     direct.run(requests)
     runs.append(n * _MAX_TOKENS.value / (time.perf_counter() - start))
+  cpu = time.process_time() - cpu
   direct_rate = float(np.median(runs))
   print(f"engine direct, {n} requests, 32 slots: {direct_rate:.1f} tok/s (median of "
         f"{', '.join(f'{r:.0f}' for r in runs)}), steps of "
         f"{1e3 * direct_timer.seconds / direct_timer.steps:.1f} ms "
-        f"({direct_timer.admits // 3} admissions per run)")
+        f"({direct_timer.admits // 3} admissions per run), CPU us/token "
+        f"{1e6 * cpu / (3 * n * _MAX_TOKENS.value):.0f}")
   for mode in modes:
     if (mode, 32) in rates:
       print(f"{mode}: HTTP overhead at 32 clients x {_PER_CLIENT.value}: "

@@ -60,13 +60,14 @@ class _State:
   pages_used: int | None
   pages_free: int | None
   step_seconds: float  # inside `Engine.step`, summed since the start (the child's own time)
+  cpu_seconds: float  # the child's CPU time (all its threads) since it started
 
 
 def _state(engine, step_seconds: float) -> _State:
   pool = engine.pages.pool if engine.pages is not None else None
   return _State(engine.busy, engine.running(), engine.waiting(),
                 None if pool is None else pool.used, None if pool is None else pool.free,
-                step_seconds)
+                step_seconds, time.process_time())
 
 
 def _set_params(engine, params) -> None:
@@ -258,6 +259,11 @@ class EngineProcess:
   def step_seconds(self) -> float:
     """Seconds the child spent inside `Engine.step` (without the pipe and the pickling)."""
     return self._state.step_seconds
+
+  @property
+  def cpu_seconds(self) -> float:
+    """The child's CPU time so far, as of its last reply."""
+    return self._state.cpu_seconds
 
   @property
   def params(self):
