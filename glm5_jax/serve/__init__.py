@@ -3,6 +3,8 @@
   engine_loop.py   EngineLoop: the one thread that owns an `infer.Engine`, fed by a bounded
                    queue of submissions and cancels; each request's events come back on its
                    own `Stream` (or one asyncio inbox per HTTP request)
+  engine_process.py  EngineProcess: the engine in a process of its own behind a pipe (what
+                   experiments/serve.py runs), pipelined one step ahead
   versions.py      VersionedLoop: new params between engine steps, each token tagged with
                    the version that sampled it
   gateway.py       the TITO gateway: trajectory records per call (exact ids, log-probs,
