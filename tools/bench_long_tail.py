@@ -31,24 +31,24 @@ prints each run and the mean over runs of each arm.
 
 import json
 import os
-import time
 import subprocess
 import sys
+import time
 
 # The repository root, for `tools` when run as `python tools/X.py` (sys.path[0] is tools/).
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 # pylint: disable=wrong-import-position
 
 from absl import app, flags, logging
-import numpy as np
-
 import jax
+import numpy as np
 
 from configs import rl_long_tail
 from glm5_jax.api import init_params
+from glm5_jax.config import ModelConfig
 from glm5_jax.infer.compile_count import count_compiles
-from glm5_jax.posttrain import rollout
-from glm5_jax.posttrain import sft
+from glm5_jax.posttrain import rollout, sft
+from glm5_jax.rl import worker
 from glm5_jax.rl.layout import read_json
 from glm5_jax.train import console
 from glm5_jax.train.stopping import EXIT_STOPPED_EARLY
@@ -87,10 +87,13 @@ def use_compile_cache(path: str) -> None:
 
 
 def fill_cache(config) -> dict:
-  """Compiles the rollout workers' engine programs here (same shapes, random params), so
-  that their warm-up loads them from the persistent cache."""
+  """Compiles the rollout workers' engine programs here (random params of the shapes, dtypes
+  and shardings a worker restores a policy into), so that their warm-up loads them from the
+  persistent cache."""
   start = time.time()
-  params = init_params(config.model, jax.random.PRNGKey(0))
+  abstract = worker.abstract_worker_params(config, ModelConfig.from_config(config.model))
+  params = jax.tree.map(lambda p, a: jax.device_put(p.astype(a.dtype), a.sharding),
+                        init_params(config.model, jax.random.PRNGKey(0)), abstract)
   with count_compiles() as compiles:
     rollout.rollout_engine(config, params, config.rl.worker_groups * config.rl.group_size
                            ).warmup()
@@ -155,6 +158,7 @@ def main(argv):
       logging.info("%s: %d steps, %d workers, long_tail.worker_share=%s", name, _STEPS.value,
                    _WORKERS.value, arms[arm])
       runs.append((arm, name, run(arm, arms[arm], config.rl.init_from, name)))
+      print(json.dumps({name: runs[-1][2]}), flush=True)  # each run as it ends
   samples = _STEPS.value * config.rl.prompts_per_step * config.rl.group_size
   print(f"\n== long-tail hand-off off vs on: {_STEPS.value} steps x "
         f"{config.rl.prompts_per_step * config.rl.group_size} samples = {samples} each, "
