@@ -26,7 +26,9 @@ compilation cache, `<workdir>/jax_cache` (--compile_cache), filled before the fi
 warming an engine of the same shapes here, so a worker's warm-up loads its programs instead
 of compiling them. Each worker's compile counts (`compiles.in_batches`: 0 once warm) are
 printed. --repeats=n runs n pairs of arms, alternating their order (off on, on off, ...), and
-prints each run and the mean over runs of each arm.
+prints each run and the mean over runs of each arm. The steady-state rows take only the steps
+that began after every worker's warm-up ended (its `warm_at`): a worker still warming up holds
+back the groups handed to it, which is start-up, not the hand-off.
 """
 
 import json
@@ -101,7 +103,7 @@ def fill_cache(config) -> dict:
           "seconds": time.time() - start}
 
 
-def run(arm: str, share: float, init_from: str, name: str) -> dict:
+def run(share: float, init_from: str, name: str) -> dict:
   workdir = os.path.join(_WORKDIR.value, name)
   subprocess.run(["rm", "-rf", workdir], check=True)
   wall, dirs = run_async_rl(name, workdir, _WORKERS.value, [
@@ -109,21 +111,29 @@ def run(arm: str, share: float, init_from: str, name: str) -> dict:
       f"--config.rl.init_from={init_from}", f"--config.rl.long_tail.worker_share={share}",
       f"--config.rl.long_tail.after_tokens={_AFTER.value}",
       f"--config.rl.worker_warmup={_WARMUP.value}"])
-  del arm
   with open(dirs.root / "metrics.jsonl") as f:
     steps = [r for r in map(json.loads, f) if "trainer/step_seconds" in r]
   summary = read_json(dirs.root / "summary.json")
+  workers = [read_json(dirs.worker_stats(f"w{w}")) for w in range(_WORKERS.value)]
+  # Steady state: the steps that began (the previous publish) after the last worker's warm-up
+  # ended; before it, a regular worker may hand off to a long-tail worker still warming up.
+  warm = max(w.get("warm_at", 0.0) for w in workers)
+  steady = [r for r in steps if r["time"] - r["trainer/step_seconds"] >= warm]
   out = {"wall_seconds": wall, "steps": len(steps),
          "idle_seconds": _stats([r["trainer/idle_seconds"] for r in steps]),
          "step_seconds": _stats([r["trainer/step_seconds"] for r in steps]),
          "train_seconds": _stats([r["train_seconds"] for r in steps]),
+         "steady": {"steps": len(steady), **{
+             key: float(np.sum([r[metric] for r in steady]))
+             for key, metric in (("idle_seconds", "trainer/idle_seconds"),
+                                 ("step_seconds", "trainer/step_seconds"),
+                                 ("train_seconds", "train_seconds"))}},
          "groups_handed_off": int(sum(r["long_tail/groups_handed_off"] for r in steps)),
          "staleness_histogram": summary["staleness"]["histogram"],
          "rejected": summary["rejected"], "reward": float(np.mean([r["reward"] for r in steps])),
          "workers": {}}
   lengths = []
-  for w in range(_WORKERS.value):
-    stats = read_json(dirs.worker_stats(f"w{w}"))
+  for w, stats in enumerate(workers):
     whole = stats["busy_seconds"] + stats["idle_seconds"] + stats["load_seconds"]
     out["workers"][f"w{w}"] = {"role": stats.get("role"), "samples": stats["samples"],
                                "idle_fraction": stats["idle_seconds"] / max(whole, 1e-9),
@@ -157,7 +167,7 @@ def main(argv):
       name = arm if r == 0 else f"{arm}{r + 1}"
       logging.info("%s: %d steps, %d workers, long_tail.worker_share=%s", name, _STEPS.value,
                    _WORKERS.value, arms[arm])
-      runs.append((arm, name, run(arm, arms[arm], config.rl.init_from, name)))
+      runs.append((arm, name, run(arms[arm], config.rl.init_from, name)))
       print(json.dumps({name: runs[-1][2]}), flush=True)  # each run as it ends
   samples = _STEPS.value * config.rl.prompts_per_step * config.rl.group_size
   print(f"\n== long-tail hand-off off vs on: {_STEPS.value} steps x "
@@ -177,6 +187,18 @@ def main(argv):
     mean = {arm: np.mean([get(f) for a, _, f in runs if a == arm]) for arm in arms}
     print(f"{label:38s}" + "".join(f"{get(f):9.2f}" for _, _, f in runs)
           + f"{mean['off']:9.2f}{mean['on']:9.2f}{mean['off'] / max(mean['on'], 1e-9):9.2f}")
+  # Steady state: each run's steps with every worker warm; an arm's figure is per step over
+  # all its runs' such steps.
+  for label, key in (("steps with every worker warm", None),
+                     ("  trainer idle, s/step", "idle_seconds"),
+                     ("  step time, s/step", "step_seconds"),
+                     ("  train time, s/step", "train_seconds")):
+    get = lambda s, key=key: s["steps"] if key is None else s[key] / max(s["steps"], 1)
+    pooled = {arm: {k: sum(f["steady"][k] for a, _, f in runs if a == arm)
+                    for k in runs[0][2]["steady"]} for arm in arms}
+    a, b = get(pooled["off"]), get(pooled["on"])
+    print(f"{label:38s}" + "".join(f"{get(f['steady']):9.2f}" for _, _, f in runs)
+          + f"{a:9.2f}{b:9.2f}{a / max(b, 1e-9):9.2f}")
   for _, name, r in runs:
     print(f"{name}: groups handed off {r['groups_handed_off']}, version gaps "
           f"{r['staleness_histogram']}, rejected {r['rejected']}, train reward "

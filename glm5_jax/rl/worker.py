@@ -31,7 +31,7 @@ gateway also its calls, re-tokenization mismatches and aborted calls under `gate
 `<root>/workers/<name>.json` after every batch and are carried over a restart; the benchmark
 reads the idle fraction from them. `compiles` counts this start's XLA programs (`total`, of
 them `cache_hits` loaded from the persistent compilation cache, `in_batches` during generation
-batches: 0 once warm) and `warmup_seconds`.
+batches: 0 once warm), `warmup_seconds` and `warm_at` (the warm-up's end, Unix time).
 
 Warm-up (`rl.worker_warmup`, engine rollouts): once the first policy version is loaded, the
 worker compiles every program its engine can run (`Engine.warmup` on `rollout.rollout_engine`:
@@ -226,6 +226,7 @@ def _warm_up(config, model, params, slots, name, stats, compiles) -> float:
   rollout.rollout_engine(config, params, slots, model=model).warmup()
   seconds = time.time() - t0
   stats["warmup_seconds"] = stats.get("warmup_seconds", 0.0) + seconds
+  stats["warm_at"] = time.time()  # when it ended (the benchmark's steady state starts after)
   logging.info("worker %s: engine warm-up: %d programs (%d from the persistent cache) in "
                "%.1f s", name, compiles.count - before[0], compiles.cache_hits - before[1],
                seconds)
