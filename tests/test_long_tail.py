@@ -1,8 +1,8 @@
 """Long-tail hand-off (glm5_jax/posttrain/handoff.py, glm5_jax/rl/long_tail.py): the rule, a
 turn played step by step with due groups cancelled (a fake engine), the worker split and its
 config checks, hand-off files and what the orders, the orchestrator and a restarted worker make
-of them; a worker's engine warm-up; and (slow) a trainer with a regular and a long-tail worker in threads: groups are
-handed off, continued, and every rollout file is trained on exactly once.
+of them; a worker's engine warm-up; and (slow) a trainer with a regular and a long-tail worker
+in threads: groups are handed off, continued, and every rollout file is trained on exactly once.
 """
 
 import dataclasses
@@ -238,5 +238,5 @@ def test_worker_warm_up_compiles_every_program_a_batch_runs(helpers):
       rollout.play_episodes(config, params, env, episodes, seed=1, tokenizer=tokenizer,
                             slots=slots, model=model, hand_off=rule,
                             on_hand_off=lambda group, mine: None)
-  assert stats["warmup_seconds"] > 0
+  assert stats["warmup_seconds"] > 0 and stats["warm_at"] > 0
   assert compiles.count == warm, f"{compiles.count - warm} programs compiled after warm-up"

@@ -24,8 +24,8 @@ Compiles are kept out of the measured steps: every worker warms its engine up be
 first batch (`rl.worker_warmup`, --warmup), and all processes share one persistent
 compilation cache, `<workdir>/jax_cache` (--compile_cache), filled before the first run by
 warming an engine of the same shapes here, so a worker's warm-up loads its programs instead
-of compiling them. Each worker's compile counts (`compiles.in_batches`: 0 once warm) are
-printed. --repeats=n runs n pairs of arms, alternating their order (off on, on off, ...), and
+of compiling them. Each worker's compile counts (`compiles.in_batches`: during generation
+batches) are printed. --repeats=n runs n pairs of arms, alternating their order (off on, on off, ...), and
 prints each run and the mean over runs of each arm. The steady-state rows take only the steps
 that began after every worker's warm-up ended (its `warm_at`): a worker still warming up holds
 back the groups handed to it, which is start-up, not the hand-off.

@@ -31,13 +31,14 @@ gateway also its calls, re-tokenization mismatches and aborted calls under `gate
 `<root>/workers/<name>.json` after every batch and are carried over a restart; the benchmark
 reads the idle fraction from them. `compiles` counts this start's XLA programs (`total`, of
 them `cache_hits` loaded from the persistent compilation cache, `in_batches` during generation
-batches: 0 once warm), `warmup_seconds` and `warm_at` (the warm-up's end, Unix time).
+batches), `warmup_seconds` and `warm_at` (the warm-up's end, Unix time).
 
-Warm-up (`rl.worker_warmup`, engine rollouts): once the first policy version is loaded, the
-worker compiles every program its engine can run (`Engine.warmup` on `rollout.rollout_engine`:
-each prefill row and page bucket, each decode page bucket) before its first batch, so no batch
-waits on a compile of a shape it meets first (a cold process otherwise compiles one per new
-bucket, batch after batch). Its time counts as load time, not busy time.
+Warm-up (`rl.worker_warmup`, engine rollouts): as soon as a policy version is published, work
+or not (a long-tail worker has none until the first hand-off), the worker loads it and
+compiles every program its engine can run (`Engine.warmup` on `rollout.rollout_engine`: each
+prefill row and page bucket, each decode page bucket), so no batch waits on a compile of a
+shape it meets first (a cold process otherwise compiles one per new bucket, batch after
+batch). Its time counts as load time, not busy time.
 
 Sampling seeds: one per generation batch, a hash of (`rl.seed`, worker, first order id); every
 request's seed also hashes the task index, sample and turn (`rollout.request_seed`).
@@ -164,7 +165,10 @@ def _serve(config, model: ModelConfig, dirs, name, env, tokenizer, abstract, sub
       todo = (long_tail.pending_for(dirs.root, name) if is_tail else
               orders_lib.outstanding_for(dirs.root, name, long_tail.handed_off(dirs.root)))
       latest = subscriber.latest_version()
-      if not todo or latest is None:
+      # The warm-up needs a policy, not work: a long-tail worker warms up before its first
+      # hand-off arrives instead of holding that group back while it compiles.
+      cold = rl.worker_warmup and rl.rollout_via == "engine" and not warm
+      if latest is None or not (todo or cold):
         time.sleep(rl.poll_seconds)
         stats["idle_seconds"] += time.time() - t0
         continue
@@ -176,9 +180,11 @@ def _serve(config, model: ModelConfig, dirs, name, env, tokenizer, abstract, sub
         stats["load_seconds"] += time.time() - t0
         logging.info("worker %s: policy version %d loaded (%.1f s)", name, version,
                      time.time() - t0)
-        if rl.worker_warmup and rl.rollout_via == "engine" and not warm:
+        if cold:
           stats["load_seconds"] += _warm_up(config, model, params, slots, name, stats, compiles)
           warm = True
+      if not todo:
+        continue
       t1, compiled = time.time(), compiles.count
       batch = todo[:rl.worker_groups]
       if rl.rollout_via == "gateway":
