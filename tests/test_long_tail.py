@@ -219,11 +219,12 @@ def test_trainer_with_a_regular_and_a_long_tail_worker_in_threads(tmp_path, help
   assert np.isfinite([r.reward for r in records]).all()
 
 
+@pytest.mark.slow  # ~50 s at load 8 on the 2-core CPU: ~130 programs
 def test_worker_warm_up_compiles_every_program_a_batch_runs(helpers):
   """`rl.worker_warmup`'s engine (`rollout.rollout_engine`) has the shapes `play_episodes`
-  uses: after the warm-up a batch with hand-offs and one without compile nothing. (The
-  warm-up itself may find programs the threaded test above compiled: slots as there.)"""
-  config = small_async_config()
+  uses: after the warm-up a batch with hand-offs and one without compile nothing. One group
+  a batch (4 slots): the fewest row buckets."""
+  config = small_async_config(worker_groups=1)
   model = ModelConfig.from_config(config.model)
   params = helpers.random_params(model, seed=0)
   env = tasks.make_env(config.rl)
@@ -233,7 +234,7 @@ def test_worker_warm_up_compiles_every_program_a_batch_runs(helpers):
     worker._warm_up(config, model, params, slots, "w0", stats, compiles)  # pylint: disable=protected-access
     warm = compiles.count
     for rule in (handoff.HandOffRule(after_tokens=2), None):
-      episodes = rollout.new_episodes([env.task(i, "train") for i in range(2)],
+      episodes = rollout.new_episodes([env.task(0, "train")],
                                       config.rl.group_size, tokenizer, config.data.seq_len)
       rollout.play_episodes(config, params, env, episodes, seed=1, tokenizer=tokenizer,
                             slots=slots, model=model, hand_off=rule,
