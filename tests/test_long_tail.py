@@ -1,8 +1,8 @@
 """Long-tail hand-off (glm5_jax/posttrain/handoff.py, glm5_jax/rl/long_tail.py): the rule, a
 turn played step by step with due groups cancelled (a fake engine), the worker split and its
 config checks, hand-off files and what the orders, the orchestrator and a restarted worker make
-of them; and (slow) a trainer with a regular and a long-tail worker in threads: groups are
-handed off, continued, and every rollout file is trained on exactly once.
+of them; a worker's engine warm-up; and (slow) a trainer with a regular and a long-tail worker
+in threads: groups are handed off, continued, and every rollout file is trained on exactly once.
 """
 
 import dataclasses
@@ -12,7 +12,9 @@ import numpy as np
 import pytest
 
 from glm5_jax.config import ConfigError, ModelConfig
-from glm5_jax.posttrain import envs, handoff, rollout
+from glm5_jax.data import make_tokenizer
+from glm5_jax.infer.compile_count import count_compiles
+from glm5_jax.posttrain import envs, handoff, rollout, tasks
 from glm5_jax.posttrain.config import long_tail_config, rl_config, validate_rl_config
 from glm5_jax.rl import async_trainer, long_tail, orders, trajectories, worker
 from glm5_jax.rl.layout import RunDirs, read_json
@@ -215,3 +217,27 @@ def test_trainer_with_a_regular_and_a_long_tail_worker_in_threads(tmp_path, help
   # The sample that made its group due was continued past the 3 tokens w0 generated.
   assert max(int(r.loss_mask.sum()) for r in moved) > 3
   assert np.isfinite([r.reward for r in records]).all()
+
+
+@pytest.mark.slow  # ~50 s at load 8 on the 2-core CPU: ~130 programs
+def test_worker_warm_up_compiles_every_program_a_batch_runs(helpers):
+  """`rl.worker_warmup`'s engine (`rollout.rollout_engine`) has the shapes `play_episodes`
+  uses: after the warm-up a batch with hand-offs and one without compile nothing. One group
+  a batch (4 slots): the fewest row buckets."""
+  config = small_async_config(worker_groups=1)
+  model = ModelConfig.from_config(config.model)
+  params = helpers.random_params(model, seed=0)
+  env = tasks.make_env(config.rl)
+  tokenizer = make_tokenizer(config.data.tokenizer)
+  slots, stats = config.rl.worker_groups * config.rl.group_size, {}
+  with count_compiles() as compiles:
+    worker._warm_up(config, model, params, slots, "w0", stats, compiles)  # pylint: disable=protected-access
+    warm = compiles.count
+    for rule in (handoff.HandOffRule(after_tokens=2), None):
+      episodes = rollout.new_episodes([env.task(0, "train")],
+                                      config.rl.group_size, tokenizer, config.data.seq_len)
+      rollout.play_episodes(config, params, env, episodes, seed=1, tokenizer=tokenizer,
+                            slots=slots, model=model, hand_off=rule,
+                            on_hand_off=lambda group, mine: None)
+  assert stats["warmup_seconds"] > 0 and stats["warm_at"] > 0
+  assert compiles.count == warm, f"{compiles.count - warm} programs compiled after warm-up"

@@ -2,7 +2,10 @@
 
 `count_compiles()` is a context manager yielding a counter of the backend compilations that
 finish inside it (JAX's `/jax/core/compile/backend_compile_duration` monitoring event, one per
-program XLA compiles; a jit cache hit records nothing).
+program XLA compiles, or loads from the persistent compilation cache; a jit cache hit records
+nothing). `cache_hits` counts those of them loaded from the persistent cache
+(`jax_compilation_cache_dir`; JAX's `/jax/compilation_cache/cache_hits` event), so
+`count - cache_hits` programs were compiled here.
 """
 
 import contextlib
@@ -10,18 +13,26 @@ import contextlib
 import jax
 
 BACKEND_COMPILE_EVENT = "/jax/core/compile/backend_compile_duration"
+CACHE_HIT_EVENT = "/jax/compilation_cache/cache_hits"
 
 
 class CompileCounter:
-  """`count`: compilations seen so far."""
+  """`count`: compilations seen so far (persistent-cache loads included); `cache_hits`: those
+  loaded from the persistent cache."""
 
   def __init__(self):
     self.count = 0
+    self.cache_hits = 0
 
   def __call__(self, event: str, duration_secs: float, **kwargs) -> None:
     del duration_secs, kwargs
     if event == BACKEND_COMPILE_EVENT:
       self.count += 1
+
+  def on_event(self, event: str, **kwargs) -> None:
+    del kwargs
+    if event == CACHE_HIT_EVENT:
+      self.cache_hits += 1
 
 
 @contextlib.contextmanager
@@ -29,7 +40,9 @@ def count_compiles():
   """Yields a `CompileCounter` that counts compilations until the block ends."""
   counter = CompileCounter()
   jax.monitoring.register_event_duration_secs_listener(counter)
+  jax.monitoring.register_event_listener(counter.on_event)
   try:
     yield counter
   finally:
     jax.monitoring.unregister_event_duration_listener(counter)
+    jax.monitoring.unregister_event_listener(counter.on_event)

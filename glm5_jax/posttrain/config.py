@@ -62,6 +62,9 @@ def rl_config(**overrides) -> ml_collections.ConfigDict:
   c.max_staleness = 1
   c.policy_keep = 3  # published policy versions kept in <workdir>/rl/policy
   c.worker_groups = 8  # groups (of group_size samples) a rollout worker generates at once
+  # A rollout worker compiles all its engine's programs after loading its first policy, before
+  # its first batch (glm5_jax/rl/worker.py, Warm-up); False: each on first use.
+  c.worker_warmup = False
   # How an asynchronous rollout worker plays episodes: "engine" (its engine plays every turn,
   # `rollout.generate_samples`) or "gateway" (an agent program talks to an OpenAI-compatible
   # server over the worker's engine through the `openai` client; the TITO gateway's records

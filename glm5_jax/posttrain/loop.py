@@ -50,7 +50,8 @@ from glm5_jax.train.state import TrainState
 EVAL_SEED = 0  # greedy decoding draws nothing; the seed only names the requests
 # Fields of `rl` a resume may change: they decide how long and how often, not what is computed.
 RESUMABLE_RL_FIELDS = ("steps", "eval_every_steps", "eval_tasks", "eval_samples", "init_from",
-                       "policy_keep", "worker_groups", "poll_seconds", "stall_seconds")
+                       "policy_keep", "worker_groups", "worker_warmup", "poll_seconds",
+                       "stall_seconds")
 
 
 def step_seed(seed: int, step: int) -> int:

@@ -191,6 +191,17 @@ def new_episodes(tasks, group_size: int, tokenizer, seq_len: int,
   return episodes
 
 
+def rollout_engine(config, params, slots: int, *, model: ModelConfig | None = None,
+                   record_routing: bool = False) -> Engine:
+  """The engine `play_episodes` plays every turn of a batch through. Its shapes (slots,
+  max_len = data.seq_len, chunk) depend on the config only, so a later engine with new params
+  reuses the compiled steps, and `Engine.warmup` on one built here compiles them all up front
+  (asynchronous RL's `rl.worker_warmup`)."""
+  return Engine(config.model if model is None else model, params, slots=slots,
+                max_len=config.data.seq_len, prefill_chunk=PREFILL_CHUNK,
+                record_routing=record_routing)
+
+
 def play_episodes(config, params, env: Env, episodes, *, seed: int,
                   temperature: float | None = None, tokenizer=None,
                   thinking_mode: str = "interleaved", sessions: bool | None = None,
@@ -218,11 +229,8 @@ def play_episodes(config, params, env: Env, episodes, *, seed: int,
     raise ValueError("play_episodes: hand-off with rl.routing_replay is not supported (a "
                      "cancelled request's routing is not kept)")
   stops = tuple(chat.stop_ids(tokenizer))
-  # One engine for every turn; its shapes (slots, max_len, chunk) depend on the config only, so
-  # a later call with new params reuses the compiled steps.
-  engine = Engine(config.model if model is None else model, params,
-                  slots=slots or min(len(episodes), MAX_SLOTS), max_len=seq_len,
-                  prefill_chunk=PREFILL_CHUNK, record_routing=record_routing)
+  engine = rollout_engine(config, params, slots or min(len(episodes), MAX_SLOTS), model=model,
+                          record_routing=record_routing)
   sessions = env.max_turns > 1 if sessions is None else sessions
   started, handed = time.monotonic(), set()
   # Every active episode plays every turn, so all are at the same turn unless some were

@@ -29,7 +29,16 @@ lengths, and the engine's prefix-cache counters: prompt tokens submitted, tokens
 prefilled, hit rate = 1 - prefilled / submitted, session hits / misses / evictions; with the
 gateway also its calls, re-tokenization mismatches and aborted calls under `gateway`) go to
 `<root>/workers/<name>.json` after every batch and are carried over a restart; the benchmark
-reads the idle fraction from them.
+reads the idle fraction from them. `compiles` counts this start's XLA programs (`total`, of
+them `cache_hits` loaded from the persistent compilation cache, `in_batches` during generation
+batches), `warmup_seconds` and `warm_at` (the warm-up's end, Unix time).
+
+Warm-up (`rl.worker_warmup`, engine rollouts): as soon as a policy version is published, work
+or not (a long-tail worker has none until the first hand-off), the worker loads it and
+compiles every program its engine can run (`Engine.warmup` on `rollout.rollout_engine`: each
+prefill row and page bucket, each decode page bucket), so no batch waits on a compile of a
+shape it meets first (a cold process otherwise compiles one per new bucket, batch after
+batch). Its time counts as load time, not busy time.
 
 Sampling seeds: one per generation batch, a hash of (`rl.seed`, worker, first order id); every
 request's seed also hashes the task index, sample and turn (`rollout.request_seed`).
@@ -45,6 +54,7 @@ import numpy as np
 from glm5_jax.api import abstract_params_and_axes
 from glm5_jax.config import ModelConfig, require_model_config
 from glm5_jax.data import check_vocab, make_tokenizer
+from glm5_jax.infer.compile_count import count_compiles
 from glm5_jax.posttrain import handoff, rollout, tasks
 from glm5_jax.posttrain.loop import hide_run_from_sandbox
 from glm5_jax.posttrain.rl_config_checks import validate_rl_experiment
@@ -127,22 +137,24 @@ def run_worker(config, root, name: str, *, workers=None, max_batches: int | None
     raise ValueError(f"worker {name} is not one of this run's workers {regular + tails}")
   stats["role"] = "long_tail" if name in tails else "regular"
   slots = rl.worker_groups * rl.group_size
-  with StopSignal() as stop:
+  stats["compiles"] = {"total": 0, "cache_hits": 0, "in_batches": 0}
+  with StopSignal() as stop, count_compiles() as compiles:
     stats["stopped_early"] = _serve(config, model, dirs, name, env, tokenizer, abstract,
-                                    subscriber, stats, slots, max_batches, stop, tails)
+                                    subscriber, stats, slots, max_batches, stop, tails, compiles)
+    stats["compiles"].update(total=compiles.count, cache_hits=compiles.cache_hits)
   write_json(dirs.worker_stats(name), stats)
   return stats
 
 
 def _serve(config, model: ModelConfig, dirs, name, env, tokenizer, abstract, subscriber, stats,
-           slots, max_batches, stop, tails) -> bool:
+           slots, max_batches, stop, tails, compiles) -> bool:
   """The loop of the module docstring; returns whether SIGTERM stopped it (between batches)."""
   rl = config.rl
   lt = rl.long_tail
   is_tail = name in tails
   rule = handoff.HandOffRule(lt.after_tokens, lt.after_seconds) if tails and not is_tail \
       else None
-  version, params, batches, server = None, None, 0, None
+  version, params, batches, server, warm = None, None, 0, None, False
   try:
     while not dirs.done.exists() and (max_batches is None or batches < max_batches):
       if stop.take():
@@ -153,7 +165,10 @@ def _serve(config, model: ModelConfig, dirs, name, env, tokenizer, abstract, sub
       todo = (long_tail.pending_for(dirs.root, name) if is_tail else
               orders_lib.outstanding_for(dirs.root, name, long_tail.handed_off(dirs.root)))
       latest = subscriber.latest_version()
-      if not todo or latest is None:
+      # The warm-up needs a policy, not work: a long-tail worker warms up before its first
+      # hand-off arrives instead of holding that group back while it compiles.
+      cold = rl.worker_warmup and rl.rollout_via == "engine" and not warm
+      if latest is None or not (todo or cold):
         time.sleep(rl.poll_seconds)
         stats["idle_seconds"] += time.time() - t0
         continue
@@ -165,7 +180,12 @@ def _serve(config, model: ModelConfig, dirs, name, env, tokenizer, abstract, sub
         stats["load_seconds"] += time.time() - t0
         logging.info("worker %s: policy version %d loaded (%.1f s)", name, version,
                      time.time() - t0)
-      t1 = time.time()
+        if cold:
+          stats["load_seconds"] += _warm_up(config, model, params, slots, name, stats, compiles)
+          warm = True
+      if not todo:
+        continue
+      t1, compiled = time.time(), compiles.count
       batch = todo[:rl.worker_groups]
       if rl.rollout_via == "gateway":
         if server is None:
@@ -192,6 +212,9 @@ def _serve(config, model: ModelConfig, dirs, name, env, tokenizer, abstract, sub
       stats["batches"] += 1
       stats["samples"] += len(lengths)
       stats["busy_seconds"] += time.time() - t1
+      stats["compiles"].update(total=compiles.count, cache_hits=compiles.cache_hits,
+                               in_batches=stats["compiles"]["in_batches"]
+                               + compiles.count - compiled)
       write_json(dirs.worker_stats(name), stats)
       logging.info("worker %s: %d groups written, %d handed off (%d samples) with version %d "
                    "in %.1f s", name, written, len(batch) - written, len(lengths), version,
@@ -200,6 +223,20 @@ def _serve(config, model: ModelConfig, dirs, name, env, tokenizer, abstract, sub
   finally:
     if server is not None:
       server.close()
+
+
+def _warm_up(config, model, params, slots, name, stats, compiles) -> float:
+  """Compiles every program of this worker's rollout engine (module docstring, Warm-up);
+  returns its seconds (also added to `stats["warmup_seconds"]`)."""
+  t0, before = time.time(), (compiles.count, compiles.cache_hits)
+  rollout.rollout_engine(config, params, slots, model=model).warmup()
+  seconds = time.time() - t0
+  stats["warmup_seconds"] = stats.get("warmup_seconds", 0.0) + seconds
+  stats["warm_at"] = time.time()  # when it ended (the benchmark's steady state starts after)
+  logging.info("worker %s: engine warm-up: %d programs (%d from the persistent cache) in "
+               "%.1f s", name, compiles.count - before[0], compiles.cache_hits - before[1],
+               seconds)
+  return seconds
 
 
 def _generate(config, model, dirs, name, env, tokenizer, params, version, batch, slots, prefix,
