@@ -76,6 +76,7 @@ def test_a_stages_env_options_reach_its_rl_every_rows_evaluation_and_the_distill
   config.stages.agentic.rl.env_options = ml_collections.ConfigDict({"digits": 5})
   config.stages.general.rl.env_options = ml_collections.ConfigDict({"min_len": 12,
                                                                     "max_len": 14})
+  config.lock()  # as experiments/rl.py's flags leave it
   validate_pipeline(config)
   stage = stage_rl_config(config, "agentic", init_from="/s")
   distill = stage_rl_config(config, "distill", init_from="/s",

@@ -102,7 +102,7 @@ def stage_rl_config(config, name: str, init_from: str, teachers: dict | None = N
   stage = config.distill if name == DISTILL else config.stages[name]
   c = base_config(config)
   with c.unlocked():
-    c.rl.update(copy.deepcopy(stage.rl))
+    _set_over(c.rl, stage.rl)
     if name == DISTILL:
       options = task_options(config)
       c.rl.loss = DISTILL
@@ -165,9 +165,18 @@ def _check_task_options(config) -> None:
     tasks_lib.make_one(env, options, config.rl, field)
 
 
+def _set_over(rl, fields) -> None:
+  """Sets each of `fields` in `rl`, a nested section (env_options, tasks) replaced whole: a
+  stage's options for its environment do not merge into the base's for another. Works on a
+  locked config (experiments/rl.py's flags lock it)."""
+  with rl.unlocked():
+    for key, value in fields.items():
+      rl[key] = copy.deepcopy(value)
+
+
 def _merged_rl(config, name):
   rl = copy.deepcopy(config.rl)
-  rl.update(copy.deepcopy(config.stages[name].rl))
+  _set_over(rl, config.stages[name].rl)
   return rl
 
 
