@@ -1,7 +1,8 @@
 """GLM-5's staged post-training on the tiny model: SFT, then reasoning RL (addition) ->
-agentic RL (the calculator tool) -> general RL (string reversal), each stage from the previous
-stage's checkpoint, then on-policy distillation of all three tasks into the final student, each
-task against the best earlier checkpoint on it (glm5_jax/posttrain/pipeline.py).
+agentic RL (the calculator tool, 5 digits) -> general RL (reversal of 12-16 letters), each
+stage from the previous stage's checkpoint, then on-policy distillation of all three tasks into
+the final student, each task against the best earlier checkpoint on it
+(glm5_jax/posttrain/pipeline.py).
 
   python experiments/rl.py --config=configs/rl_staged.py --workdir=/tmp/glm5_staged
   python experiments/rl.py --config=configs/rl_staged.py:stage_steps=1,distill_steps=1,sft_steps=4
@@ -18,13 +19,17 @@ the SFT, after each stage and after the distillation. Rerunning the same command
 each task, default 4000), `eval_tasks` (held-out tasks per task per table row, default 128),
 `prompts` (prompts per RL step, default 32: x 8 samples, configs/rl_tiny.py's 256).
 
-The defaults are the measured run of docs/posttrain.md ("Staged pipeline"). The SFT decides
-what RL can do here: 800 steps give 88% / 100% / 99% held-out greedy (addition / calculator /
-strings) and a train reward RL can climb on addition; 350 steps gave 5% / 5% / 23% and an
-addition reward flat at ~0.05 for 14 GRPO steps; 300 steps of 2,000 conversations each, 6% /
-0% / 6%. Their held-out token accuracies: 0.998, 0.951, 0.874; the 800-step run's train token
-accuracy jumps from 0.82 to 0.96 between steps 200 and 275, so a start in between (20-40%
-greedy) is hard to size in steps.
+The defaults are the measured run of docs/posttrain.md ("Staged pipeline"). Each stage's task
+is sized so that the SFT leaves room for its RL (STAGE_OPTIONS: the stage's rl.env_options,
+which every table row's evaluation and the distillation of that task also use): addition of 2
+digits, the calculator on 5-digit operands, reversal of 12-16 letters. After the 800-step SFT
+(worked solutions of 2-digit addition, 5-digit calculator, 3-16-letter strings) their held-out
+greedy accuracies are 92% / 93% / 95% (128 tasks each), and sampled (T=1) rewards below 1 with
+mixed groups for GRPO. With the default options the calculator (3 digits) was at 100% greedy and
+1.000 sampled after the SFT and strings (3-8 letters) at 99%: no room. Longer than the SFT saw
+(6-7-digit calculator, 17+ letters) scores 0 greedy and 0 sampled: no signal either. Fewer SFT
+steps do not make room: 350 steps gave 5-23% with rewards flat at ~0.05 (the tiny model learns
+these tasks in a phase change).
 """
 
 import ml_collections
@@ -40,7 +45,12 @@ from glm5_jax.sharding import mesh_config
 from glm5_jax.train import config as train_defaults
 
 ENVS = ("addition", "calculator", "strings")
-SEQ_LEN = 160
+SEQ_LEN = 192
+# The SFT's worked solutions (sft.env_options) and the stages' tasks (each stage's
+# rl.env_options: its RL, every table row's evaluation of the task and its distillation).
+SFT_OPTIONS = {"calculator": {"digits": 5}, "strings": {"min_len": 3, "max_len": 16}}
+STAGE_OPTIONS = {"addition": {}, "calculator": {"digits": 5},
+                 "strings": {"min_len": 12, "max_len": 16}}
 
 
 def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
@@ -50,12 +60,14 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
   config.seed = 0
   config.sft = sft_tiny.get_config(f"envs={'+'.join(ENVS)},steps={arg.sft_steps},"
                                    f"num_per_env={arg.num_per_env}")
-  # A calculator episode (system, question, tool call, observation, answer) is up to ~150
-  # tokens (byte tokenizer): SFT and RL rows of 160.
+  # A 5-digit calculator episode (system, question, tool call, observation, answer) is up to
+  # 174 tokens (byte tokenizer): SFT and RL rows of 192; a turn up to 64 new tokens (a
+  # 16-letter reversal's worked answer is 63).
   config.sft.data.seq_len = SEQ_LEN
+  config.sft.sft.env_options = ml_collections.ConfigDict(SFT_OPTIONS)
   config.model = config.sft.model
   config.data = rl_data_config(seq_len=SEQ_LEN)
-  config.rl = rl_config(group_size=8, prompts_per_step=arg.prompts, max_new_tokens=48,
+  config.rl = rl_config(group_size=8, prompts_per_step=arg.prompts, max_new_tokens=64,
                         temperature=1.0, steps=arg.stage_steps, eval_every_steps=0,
                         eval_tasks=arg.eval_tasks, eval_samples=0)
   config.optim = optim.optim_config(learning_rate=1e-3, warmup_steps=5)
@@ -64,9 +76,12 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
   config.mesh = mesh_config()
   config.pipeline = pipeline_section(("reasoning", "agentic", "general"), arg.eval_tasks)
   config.stages = ml_collections.ConfigDict()
-  config.stages.reasoning = stage_config("sft", env="addition", steps=arg.stage_steps)
-  config.stages.agentic = stage_config("previous", env="calculator", steps=arg.stage_steps)
-  config.stages.general = stage_config("previous", env="strings", steps=arg.stage_steps)
+  config.stages.reasoning = stage_config("sft", env="addition", steps=arg.stage_steps,
+                                        env_options=STAGE_OPTIONS["addition"])
+  config.stages.agentic = stage_config("previous", env="calculator", steps=arg.stage_steps,
+                                        env_options=STAGE_OPTIONS["calculator"])
+  config.stages.general = stage_config("previous", env="strings", steps=arg.stage_steps,
+                                        env_options=STAGE_OPTIONS["strings"])
   # Group size 1 (GLM-5): the advantage is the teacher's per-token gap, not a group baseline;
   # as many samples per step as a stage (prompts x 8).
   config.distill = distill_config(

@@ -4,17 +4,21 @@ stage orchestration (start checkpoints, teacher choice, stop and resume) with th
 replaced by recorders. The real run (SFT, three RL stages, distillation) is docs/posttrain.md's
 table; its one-step-per-stage smoke run takes minutes of compilation, over this file's budget."""
 
+import re
+
 import jax
 import jax.numpy as jnp
+import ml_collections
 import numpy as np
 import pytest
 
 from configs import rl_staged
 from glm5_jax.config import ConfigError
-from glm5_jax.posttrain import algorithms, loop, pipeline, rl_step
+from glm5_jax.posttrain import algorithms, envs, loop, pipeline, rl_step, tasks as tasks_lib
 from glm5_jax.posttrain.config import validate_rl_config
 from glm5_jax.posttrain.envs.base import Task
-from glm5_jax.posttrain.pipeline_config import distill_task, stage_config, validate_pipeline
+from glm5_jax.posttrain.pipeline_config import (distill_task, stage_config, stage_rl_config,
+                                                validate_pipeline)
 from glm5_jax.posttrain.rollout import Sample
 
 
@@ -52,12 +56,40 @@ def test_the_shipped_config_is_valid():
     (lambda c: setattr(c.pipeline, "stages", "reasoning,general,reasoning"), "config.pipeline.stages"),
     (lambda c: setattr(c.pipeline, "stages", "reasoning,agentic"), "config.stages"),
     (lambda c: c.stages.update({"extra": stage_config("sft", env="addition")}), "config.stages"),
+    (lambda c: c.stages.agentic.rl.update({"env_options": {"digits": 0}}),
+     "config.stages.agentic.rl.env_options"),
+    (lambda c: c.stages.general.rl.update({"env_options": {"max_lenn": 9}}),
+     "config.stages.general.rl.env_options"),
+    # Two stages training one task with different options: which one would the table show?
+    (lambda c: c.stages.general.rl.update({"env": "calculator", "env_options": {"digits": 2}}),
+     "config.stages.general.rl.env_options"),
 ])
 def test_bad_pipeline_configs_name_the_field(edit, field):
   config = _config()
   edit(config)
   with pytest.raises(ConfigError, match=field.replace(".", r"\.") + r"\b"):
     validate_pipeline(config)
+
+
+def test_a_stages_env_options_reach_its_rl_every_rows_evaluation_and_the_distillation():
+  config = _config()
+  config.stages.agentic.rl.env_options = ml_collections.ConfigDict({"digits": 5})
+  config.stages.general.rl.env_options = ml_collections.ConfigDict({"min_len": 12,
+                                                                    "max_len": 14})
+  config.lock()  # as experiments/rl.py's flags leave it
+  validate_pipeline(config)
+  stage = stage_rl_config(config, "agentic", init_from="/s")
+  distill = stage_rl_config(config, "distill", init_from="/s",
+                            teachers={e: "/t" for e in config.distill.tasks})
+  evaluated = pipeline.eval_rl_config(config)
+  for rl in (stage.rl, distill.rl, evaluated.rl):
+    built = tasks_lib.member_envs(tasks_lib.make_env(rl))
+    calc = built["calculator"].task(0, "eval")
+    assert all(len(x) == 5 for x in re.split(r"[-+*]", calc.info["expression"])), calc
+    if "strings" in built:
+      assert 12 <= len(built["strings"].task(0, "eval").answer) <= 14
+      assert built["addition"].options == envs.make("addition").options  # no stage sets them
+  assert distill.rl.tasks.strings.weight == 1.0 and evaluated.rl.tasks.addition.weight == 1.0
 
 
 def test_a_stage_from_sft_needs_an_sft_section_or_a_checkpoint():

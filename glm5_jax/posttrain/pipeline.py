@@ -35,7 +35,7 @@ from glm5_jax.files import write_atomic
 from glm5_jax.posttrain import loop, sft, tasks as tasks_lib
 from glm5_jax.posttrain.pipeline_config import (BEST, DISTILL, PREVIOUS, START, base_config,
                                                 pipeline_envs, stage_names, stage_rl_config,
-                                                validate_pipeline)
+                                                task_options, validate_pipeline)
 
 STATE_FILE = "pipeline.json"
 
@@ -49,14 +49,16 @@ def run_pipeline(config, workdir: str, *, stop_after_steps: int | None = None) -
   Returns:
     pipeline.json's contents: `rows` ({checkpoint name: {env: greedy accuracy}} for START, each
     stage and DISTILL), `seconds` (each stage's wall time, its evaluation included),
-    `workdirs`, `teachers` ({env: checkpoint name}), `envs`, `eval_tasks`; and `stopped` (the
+    `workdirs`, `teachers` ({env: checkpoint name}), `envs`, `env_options` ({env: the
+    options its stage trains and every row evaluates it with}), `eval_tasks`; and `stopped` (the
     stage stopped early, or None).
   """
   validate_pipeline(config)  # before the SFT, which may take hours
   workdir = os.path.abspath(workdir)
   os.makedirs(workdir, exist_ok=True)
   state = _read_state(workdir) or {"rows": {}, "seconds": {}, "workdirs": {}, "teachers": {}}
-  state.update(envs=pipeline_envs(config), eval_tasks=config.pipeline.eval_tasks, stopped=None)
+  state.update(envs=pipeline_envs(config), env_options=task_options(config),
+               eval_tasks=config.pipeline.eval_tasks, stopped=None)
   tokenizer = make_tokenizer(config.data.tokenizer)
   if START not in state["rows"]:
     start = time.time()
@@ -131,15 +133,24 @@ def choose_teachers(config, rows: dict) -> dict:
   return out
 
 
-def evaluate_all(config, workdir: str, tokenizer) -> dict:
-  """{env: greedy held-out accuracy} of `workdir`'s latest params on the first
-  `pipeline.eval_tasks` eval tasks of every environment of the pipeline."""
+def eval_rl_config(config):
+  """The RL config `evaluate_all` evaluates with: greedy, on the mixture of every task of the
+  pipeline, each built with the options of the stage that trains it (`task_options`)."""
   c = base_config(config)
+  options = task_options(config)
   c.rl.env = tasks_lib.MIXTURE
   c.rl.env_options = ml_collections.ConfigDict()
-  c.rl.tasks = ml_collections.ConfigDict({env: tasks_lib.task_config(weight=1.0)
-                                          for env in pipeline_envs(config)})
+  c.rl.tasks = ml_collections.ConfigDict(
+      {env: tasks_lib.task_config(weight=1.0, **options.get(env, {}))
+       for env in pipeline_envs(config)})
   c.rl.eval_samples = 0
+  return c
+
+
+def evaluate_all(config, workdir: str, tokenizer) -> dict:
+  """{env: greedy held-out accuracy} of `workdir`'s latest params on the first
+  `pipeline.eval_tasks` eval tasks of every environment of the pipeline (`eval_rl_config`)."""
+  c = eval_rl_config(config)
   env = tasks_lib.make_env(c.rl)
   run = load_run(workdir, target_model=c.model)
   metrics = loop.evaluate(c, run.params, env, tokenizer, num_tasks=config.pipeline.eval_tasks)
@@ -154,6 +165,10 @@ def format_table(state: dict) -> str:
   for name, row in state["rows"].items():
     lines.append(f"| {name} | " + " | ".join(f"{row[e]:.3f}" for e in envs)
                  + f" | {state['seconds'].get(name, 0.0):.0f} s |")
+  options = {e: o for e, o in state.get("env_options", {}).items() if o}
+  if options:
+    lines.append("")
+    lines.append("options: " + ", ".join(f"{e} {o}" for e, o in options.items()))
   if state.get("teachers"):
     lines.append("")
     lines.append("teachers: " + ", ".join(f"{e} <- {n}" for e, n in state["teachers"].items()))

@@ -6,8 +6,8 @@ rl, sft) plus three sections (configs/rl_staged.py):
   pipeline.stages = "reasoning,agentic,general"    the RL stages, in order
   pipeline.eval_tasks = 64                         held-out tasks of every task, per table row
   stages.<name> = stage_config(start, **rl)        each stage: where it starts, and its `rl`
-                                                   fields over the config's `rl` (env, tasks,
-                                                   steps, ...)
+                                                   fields over the config's `rl` (env,
+                                                   env_options, tasks, steps, ...)
   distill = distill_config(start, tasks, **rl)     on-policy distillation into the final
                                                    student: tasks {env: distill_task(weight,
                                                    teacher)} and `rl` fields (steps, ...)
@@ -17,14 +17,19 @@ A stage's `start`: "sft" (`rl.init_from`, or the `sft` section trained first int
 workdir (a path that exists, or a gs:// URL). The distillation's `start` is the same ("previous":
 the last stage). A task's `teacher`: "best" (of the start checkpoint and the stages, the one
 with the highest held-out accuracy on that task when the stages finished), "sft", or a stage
-name. Every stage and the distillation is an ordinary RL run (`stage_rl_config` builds its
-config, `glm5_jax.posttrain.loop.rl_train` runs it).
+name. A task's environment options are those of the stage that trains it (`task_options`):
+the table's evaluation of that task after every stage and its distillation build it with them,
+so every row measures the version of the task its stage trained. Every stage and the
+distillation is an ordinary RL run (`stage_rl_config` builds its config,
+`glm5_jax.posttrain.loop.rl_train` runs it).
 
 `validate_pipeline` rejects a bad pipeline before anything is built or compiled, each a
 ConfigError naming the field: an unknown or repeated stage, a stage without a checkpoint to
 start from, a stage or teacher naming a later stage, an unknown environment, a distillation
-weight that is not > 0, and (prefixed by the stage) anything `validate_rl_experiment` rejects in
-a stage's or the distillation's RL config.
+weight that is not > 0, a bad environment option (`stages.<name>.rl.env_options` or
+`...rl.tasks.<env>.options`), two stages building one environment with different options, and
+(prefixed by the stage) anything `validate_rl_experiment` rejects in a stage's or the
+distillation's RL config.
 """
 
 import copy
@@ -97,13 +102,15 @@ def stage_rl_config(config, name: str, init_from: str, teachers: dict | None = N
   stage = config.distill if name == DISTILL else config.stages[name]
   c = base_config(config)
   with c.unlocked():
-    c.rl.update(copy.deepcopy(stage.rl))
+    _set_over(c.rl, stage.rl)
     if name == DISTILL:
+      options = task_options(config)
       c.rl.loss = DISTILL
       c.rl.env = tasks_lib.MIXTURE
       c.rl.env_options = ml_collections.ConfigDict()
       c.rl.tasks = ml_collections.ConfigDict(
-          {env: tasks_lib.task_config(weight=t.weight) for env, t in stage.tasks.items()})
+          {env: tasks_lib.task_config(weight=t.weight, **options.get(env, {}))
+           for env, t in stage.tasks.items()})
       c.rl.teachers = ml_collections.ConfigDict(teachers or {})
     c.rl.init_from = init_from
     c.train.steps = c.rl.steps
@@ -124,9 +131,52 @@ def pipeline_envs(config) -> list[str]:
   return sorted(names)
 
 
+def task_options(config) -> dict:
+  """{env: options} of every environment a stage trains: the options that stage's RL builds
+  it with (`rl.env_options`, or `rl.tasks.<env>.options` of a mixture). The table's
+  evaluation and the distillation build each task with them (an environment no stage trains:
+  its defaults). `validate_pipeline` checks that stages training one environment agree."""
+  return {env: options for env, (options, _) in _task_options(config).items()}
+
+
+def _task_options(config) -> dict:
+  """{env: (options, field of the first stage that sets them)}."""
+  out = {}
+  for name in stage_names(config):
+    rl = _merged_rl(config, name)
+    if rl.env == tasks_lib.MIXTURE:
+      found = {env: (t.options.to_dict(), f"stages.{name}.rl.tasks.{env}.options")
+               for env, t in rl.tasks.items()}
+    else:
+      found = {rl.env: (rl.env_options.to_dict(), f"stages.{name}.rl.env_options")}
+    for env, (options, field) in found.items():
+      if env in out:
+        require(out[env][0] == options, field, f"builds {env!r} with {options}, but "
+                f"config.{out[env][1]} builds it with {out[env][0]}: the table and the "
+                "distillation evaluate one version of each task")
+      else:
+        out[env] = (options, field)
+  return out
+
+
+def _check_task_options(config) -> None:
+  """Stages training one environment agree on its options, and each builds (its field)."""
+  for env, (options, field) in _task_options(config).items():
+    tasks_lib.make_one(env, options, config.rl, field)
+
+
+def _set_over(rl, fields) -> None:
+  """Sets each of `fields` in `rl`, a nested section (env_options, tasks) replaced whole: a
+  stage's options for its environment do not merge into the base's for another. Works on a
+  locked config (experiments/rl.py's flags lock it)."""
+  with rl.unlocked():
+    for key, value in fields.items():
+      rl[key] = copy.deepcopy(value)
+
+
 def _merged_rl(config, name):
   rl = copy.deepcopy(config.rl)
-  rl.update(copy.deepcopy(config.stages[name].rl))
+  _set_over(rl, config.stages[name].rl)
   return rl
 
 
@@ -197,6 +247,7 @@ def validate_pipeline(config) -> None:
     require(rl.loss == "grpo", f"{field}.rl.loss", f"a stage trains GRPO, got {rl.loss!r}")
     require(rl.steps >= 1, f"{field}.rl.steps", f"must be >= 1, got {rl.steps}")
     _check_envs(rl, f"{field}.rl")
+  _check_task_options(config)
   _validate_distill(config, names)
   for name in names:
     _check_rl(config, name, f"stages.{name}.rl")

@@ -54,7 +54,9 @@ def _sandbox_option(rl) -> dict:
   return dict(rl.sandbox.to_dict())
 
 
-def _make(name: str, options: dict, rl, field: str):
+def make_one(name: str, options: dict, rl, field: str) -> envs.Env:
+  """Environment `name` with `options` (and `rl.sandbox`'s limits where it runs code); a bad
+  option is a ConfigError naming `config.<field>`."""
   env_cls = envs.REGISTRY[name]
   if "sandbox" in env_cls.defaults:
     require("sandbox" not in options, f"{field}.sandbox",
@@ -103,8 +105,8 @@ def validate_tasks(rl) -> None:
 def make_env(rl) -> envs.Env:
   """The run's environment: `rl.env` with `rl.env_options`, or the mixture of `rl.tasks`."""
   if rl.env != MIXTURE:
-    return _make(rl.env, rl.env_options.to_dict(), rl, "rl.env_options")
-  return Mixture({name: (_make(name, task.options.to_dict(), rl, f"rl.tasks.{name}.options"),
+    return make_one(rl.env, rl.env_options.to_dict(), rl, "rl.env_options")
+  return Mixture({name: (make_one(name, task.options.to_dict(), rl, f"rl.tasks.{name}.options"),
                          task.weight) for name, task in rl.tasks.items()}, seed=rl.seed)
 
 
