@@ -185,7 +185,7 @@ class EngineProcess:
       self._died(method)
     if state is not None:
       self._state = state
-      if self.__dict__.get("pages") is not None:
+      if getattr(self, "pages", None) is not None:  # (not set yet during the start reply)
         self.pages.pool.used, self.pages.pool.free = state.pages_used, state.pages_free
     if kind == "value_error":
       raise ValueError(value)
