@@ -9,12 +9,17 @@ the HTTP layer's overhead.
 
 A random model (`--model`); the engine in a process of its own as experiments/serve.py runs it
 (`glm5_jax.serve.engine_process`), every program compiled first; clients in a process of their
-own; bounded by --clients (at most 64) and --deadline_s."""
+own; bounded by --clients (at most 64) and --deadline_s.
+
+  # on a machine with more cores: the server, the engine and the direct run on 2 of them, the
+  # load generator on the others, so that it takes no CPU from what it measures
+  python tools/bench_serve.py --server_cpus=0,1 --client_cpus=2-15 ..."""
 
 import cProfile
 import json
 import logging
 import multiprocessing
+import os
 import pstats
 import socket
 import sys
@@ -61,7 +66,28 @@ _MODEL = flags.DEFINE_enum("model", "tiny", ["tiny", "small"], "The random model
                            "(`_model_config`).")
 _SWITCH = flags.DEFINE_float("switch_interval_s", 0.0002, "sys.setswitchinterval, as "
                              "experiments/serve.py sets it (Python's default: 0.005).")
+_SERVER_CPUS = flags.DEFINE_string("server_cpus", "", "CPU ids ('0,1' or '0-1') for the server, "
+                                    "the engine process and the direct run; '': all.")
+_CLIENT_CPUS = flags.DEFINE_string("client_cpus", "", "CPU ids for the clients' processes; '': "
+                                    "all.")
+_CLIENT_PROCESSES = flags.DEFINE_integer("client_processes", 4, "Processes the clients of a level "
+                                         "are spread over (threads within each).")
 PROMPT = [1, 72, 101, 108, 108, 111]
+
+
+def _cpus(flag: str, value: str) -> set[int]:
+  """'0,1' or '2-15' or '0,4-7' -> a set of CPU ids this process may run on."""
+  try:
+    ids = set()
+    for part in value.split(","):
+      lo, _, hi = part.partition("-")
+      ids.update(range(int(lo), int(hi or lo) + 1))
+  except ValueError:
+    raise app.UsageError(f"--{flag}: CPU ids like '0,1' or '2-15', got {value!r}") from None
+  allowed = os.sched_getaffinity(0)
+  if not ids or not ids <= allowed:
+    raise app.UsageError(f"--{flag}={value}: this machine allows CPUs {sorted(allowed)}")
+  return ids
 
 
 def _model_config(size):
@@ -137,15 +163,17 @@ def _run_level(url, c, per_client, max_tokens, deadline_s, stream):
   return results, time.perf_counter() - start
 
 
-def _client_process(url, c, per_client, max_tokens, deadline_s, stream, ready, go, out):
-  """The clients of one level in a process of their own (as real clients are: their JSON and
-  HTTP work does not take the server's GIL): an untimed round, then, on `go`, the timed one."""
+def _client_process(url, c, per_client, max_tokens, deadline_s, stream, ready, go, out, cpus):
+  """C clients (threads) in a process of their own (as real clients are: their JSON and HTTP
+  work does not take the server's GIL): an untimed round, then, on `go`, the timed one."""
+  if cpus:
+    os.sched_setaffinity(0, cpus)
   _run_level(url, c, 1, max_tokens, deadline_s, stream)
-  ready.set()
+  ready.release()
   go.wait()
   cpu = time.process_time()
-  results, wall = _run_level(url, c, per_client, max_tokens, deadline_s, stream)
-  out.put((results, wall, time.process_time() - cpu))
+  results, _ = _run_level(url, c, per_client, max_tokens, deadline_s, stream)
+  out.put((results, time.process_time() - cpu))
 
 
 class _StepTimer:
@@ -249,14 +277,21 @@ def _gil_check(cfg, params):
           f"Python thread {beside:.0f} tok/s ({alone / beside:.1f}x slower)")
 
 
-def _level(url, c, stream, loop, timer, profiles, last):
+def _level(url, c, stream, loop, timer, profiles, last, client_cpus):
   """One level: C clients, timed; prints its line; returns tokens/s."""
   spawn = multiprocessing.get_context("spawn")
-  ready, go, out = spawn.Event(), spawn.Event(), spawn.Queue()
-  clients = spawn.Process(target=_client_process, args=(
-      url, c, _PER_CLIENT.value, _MAX_TOKENS.value, _DEADLINE.value, stream, ready, go, out))
-  clients.start()
-  ready.wait()
+  ready, go, out = spawn.Semaphore(0), spawn.Event(), spawn.Queue()
+  # Clients spread over processes: the threads of one process share its GIL, which on a
+  # many-core machine costs more CPU than the HTTP work itself (one process, 32 threads, 16
+  # cores: ~1.9 ms of client CPU per token against ~0.2 ms on 2 cores).
+  shares = np.array_split(np.arange(c), min(_CLIENT_PROCESSES.value, c))
+  clients = [spawn.Process(target=_client_process, args=(
+      url, len(share), _PER_CLIENT.value, _MAX_TOKENS.value, _DEADLINE.value, stream, ready, go,
+      out, client_cpus)) for share in shares]
+  for p in clients:
+    p.start()
+  for _ in clients:
+    ready.acquire()
   steps, slot_steps = loop.steps, loop.slot_steps
   step_s, timed_steps = timer.seconds, timer.steps
   admit_s, admits = timer.admit_seconds, timer.admits
@@ -266,10 +301,17 @@ def _level(url, c, stream, loop, timer, profiles, last):
     profiles.start()
   with count_compiles() as compiles:
     server_cpu = time.process_time()
+    start = time.perf_counter()
     go.set()
-    results, wall, clients_cpu = out.get()
+    results, clients_cpu = [], 0.0
+    for _ in clients:
+      part, part_cpu = out.get()
+      results += part
+      clients_cpu += part_cpu
+    wall = time.perf_counter() - start
     server_cpu = time.process_time() - server_cpu
-  clients.join()
+  for p in clients:
+    p.join()
   if profiles and last:
     profiles.stop()
   ids = [i for r in results for i in r[0]]
@@ -309,6 +351,14 @@ def _level(url, c, stream, loop, timer, profiles, last):
 def main(argv):
   del argv
   logging.getLogger("httpx").setLevel(logging.WARNING)
+  # Both read before either is set: the clients' process starts from the server's mask.
+  client_cpus = _cpus("client_cpus", _CLIENT_CPUS.value) if _CLIENT_CPUS.value else None
+  if _SERVER_CPUS.value:
+    # Before the first jax computation: XLA sizes its CPU thread pool from the allowed CPUs, and
+    # the engine process (spawned below) inherits the mask.
+    os.sched_setaffinity(0, _cpus("server_cpus", _SERVER_CPUS.value))
+  print(f"CPUs: server {sorted(os.sched_getaffinity(0))}, clients "
+        f"{_CLIENT_CPUS.value or 'all'}", flush=True)
   cfg, params = _model()
   if _GIL_CHECK.value:
     _gil_check(cfg, params)
@@ -343,7 +393,7 @@ def main(argv):
   for mode in modes:
     for c in levels:
       rates[mode, c] = _level(url, c, mode == "stream", loop, timer, profiles,
-                              (mode, c) == (modes[-1], levels[-1]))
+                              (mode, c) == (modes[-1], levels[-1]), client_cpus)
     if 1 in levels and 32 in levels:
       print(f"{mode}: throughput 32 clients / 1 client: "
             f"{rates[mode, 32] / rates[mode, 1]:.2f}x")

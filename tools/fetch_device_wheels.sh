@@ -7,15 +7,17 @@
 # then, on the device machine (the run's `carry` names .whl), from the repository root:
 #
 #   python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
-#       --target /tmp/site .whl/*.whl && export PYTHONPATH=/tmp/site && \
+#       --target /tmp/site .whl/*.whl && export PYTHONPATH=/tmp/site:$PWD && \
 #       python3 tools/device_suite.py --out_dir=$OUT
+#
+# ($PWD: the checkout is not pip-installed there; the other tools import glm5_jax from it.)
 #
 # What is missing there: the image (jax 0.11.2 with CUDA, flax, optax, orbax, tensorstore,
 # absl-py, etils, cloudpickle, numpy, protobuf, pyyaml, psutil, packaging: the device notes'
 # package list) has none of grain, ml_collections, array_record, tensorboardX, nor grain's
-# portpicker. Each wheel is pinned to the version this project is tested with, inside
-# setup.cfg's range; --no-deps, so every missing dependency is named here, one version each
-# (two versions of one package stop the whole install there).
+# portpicker, nor the server's stack (fastapi, uvicorn, pydantic). Each wheel is pinned to the
+# version this project is tested with, inside setup.cfg's range; --no-deps, so every missing
+# dependency is named here, one version each (two versions of one package stop the install).
 set -euo pipefail
 
 cd "$(dirname "$0")/.."
@@ -26,6 +28,16 @@ WHEELS=(
   "ml_collections==1.1.0"   # setup.cfg: ml_collections>=1.0,<2
   "tensorboardX==2.6.5"     # setup.cfg: tensorboardX>=2.6,<3
   "portpicker==1.6.0"       # grain's; needs psutil (in the image)
+  # The server (setup.cfg's serve extra: tools/bench_serve.py, experiments/serve.py); httpx,
+  # anyio, h11, click, typing-extensions and annotated-doc are in the image.
+  "fastapi==0.165.0"        # setup.cfg: fastapi>=0.110,<1
+  "starlette==1.10.0"       # fastapi's
+  "uvicorn==0.54.0"         # setup.cfg: uvicorn>=0.29,<1
+  "pydantic==2.13.4"        # fastapi's
+  "pydantic_core==2.46.4"   # pydantic's, pinned by it
+  "annotated-types==0.7.0"  # pydantic's
+  "typing-inspection==0.4.2"  # pydantic's and fastapi's
+  "opentelemetry-api==1.45.2"  # fastapi 0.165 imports it at import time
 )
 
 mkdir -p "$DEST"
