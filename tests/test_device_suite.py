@@ -130,3 +130,23 @@ def test_goals_read_the_sections():
   assert got["indexer+"] == (1.5, False)
   assert got["train-stepMFU"] == (None, None)
   assert got["MTPspeculation"] == (2.0, None)  # random init: not judged
+
+
+def test_tune_sparse_mla_rows(capsys):
+  """tools/tune_sparse_mla.py's rows (interpret mode, tiny dims): the defaults row has zero
+  error against itself, another block size is timed and checked against it, an unknown option
+  is an error row and the rest still run."""
+  if "sparse_mla" not in PRESENT:
+    pytest.skip("the GPU sparse MLA kernel is not in this build")
+  dims = kernels.Dims(heads=8, latent=32, rope=16, index_heads=2, index_dim=16, topk=16,
+                      dense_head_dim=32)
+  rows = kernels.tune_sparse_mla(32, dims, [{}, {"bogus": 1}, {"block_t": 16}], repeats=1,
+                              budget_s=120, interpret=True)
+  assert [r["status"] for r in rows] == ["ok", "error", "ok"], rows
+  assert "unknown options ['bogus']" in rows[1]["error"]
+  for row in (rows[0], rows[2]):
+    assert row["forward_ms"] > 0 and row["fwd_bwd_ms"] > 0
+    assert max(row[k] for k in ("out", "dq", "dq_rope", "dkv", "dk_rope")) < 1e-2, row
+  assert rows[0]["out"] == 0
+  with pytest.raises(ValueError, match="defaults"):
+    kernels.tune_sparse_mla(32, dims, [{"block_t": 16}], repeats=1, budget_s=1, interpret=True)

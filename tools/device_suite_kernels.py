@@ -41,6 +41,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from glm5_jax.accelerators import accelerator_of
 import pallas_kernels as pk
 
 MLA_RTOL = 2e-2
@@ -218,6 +219,65 @@ def topk_agreement(got_LT, want_LT, want_scores_LT, scores_LS) -> dict:
   recall = float(np.mean(recalls)) if recalls else 1.0
   return dict(recall=recall, threshold_ok=bool(worst_margin >= 0),
               ok=bool(recall >= RECALL_MIN and worst_margin >= 0))
+
+
+# ---- block options ----------------------------------------------------------------------
+
+
+def _grad_errors(got, want) -> dict:
+  (out, _, grads), (out0, _, grads0) = got, want
+  names = ("dq", "dq_rope", "dkv", "dk_rope")
+  errors = {"out": relative_error(out, out0)}
+  errors.update({n: relative_error(g, g0) for n, g, g0 in zip(names, grads, grads0)})
+  return {k: round(v, 6) for k, v in errors.items()}
+
+
+def tune_sparse_mla(length: int, dims: Dims, grid, *, repeats: int, budget_s: float,
+                    interpret: bool = False) -> list[dict]:
+  """tools/tune_sparse_mla.py's rows: one per option dict of `grid` (`sparse_mla_triton` block
+  options; the first must be `{}`, the defaults: every row's errors are against its results),
+  forward and forward + backward timed; prints each row as it is done."""
+  if not grid or grid[0] != {}:
+    raise ValueError(f"grid: the first option set must be {{}} (the defaults), got {grid[:1]}")
+  from pallas_kernels.sparse_mla_triton import sparse_mla_triton  # absent from some builds
+  args, cotangent = mla_inputs(length, dims)
+  scale = mla_scale(dims)
+  chip = accelerator_of(jax.devices()[0].device_kind)
+  slots = valid_slots(length, dims.topk) * dims.heads
+  flops = {b: slots * mla_flops(dims, b) for b in (False, True)}
+  rows, reference, end = [], None, time.perf_counter() + budget_s
+  for options in grid:
+    row = dict(options=options)
+    if time.perf_counter() > end:
+      rows.append(dict(row, status="skipped (budget)"))
+      print(f"  {options}: skipped (budget)", flush=True)
+      continue
+    # A fresh function per option set: the options are static, so each compiles its own 
+    op = lambda *a, scale, o=tuple(sorted(options.items())): sparse_mla_triton(
+        *a, scale=scale, interpret=interpret, **dict(o))
+    try:
+      fwd = timed(lambda *a: mla_forward(*a, op=op, scale=scale), args, repeats)
+      both = timed(
+          lambda *a: mla_forward_backward(*a, cotangent, op=op, scale=scale), args,
+          repeats)
+      result = jax.device_get(mla_forward_backward(*args, cotangent, op=op, scale=scale))
+      reference = reference if reference is not None else result
+      backward_s = both["median_s"] - fwd["median_s"]
+      row.update(status="ok", compile_s=round(fwd["compile_s"] + both["compile_s"], 2),
+                 forward_ms=1e3 * fwd["median_s"], fwd_bwd_ms=1e3 * both["median_s"],
+                 backward_ms=1e3 * backward_s,
+                 forward_tflops=flops[False] / fwd["median_s"] / 1e12,
+                 backward_tflops=flops[True] / backward_s / 1e12 if backward_s > 0 else None,
+                 **_grad_errors(result, reference))
+      if chip:
+        row["forward_peak_pct"] = 100 * flops[False] / fwd["median_s"] / chip.peak_flops
+    except Exception as e:  # recorded: a launch over the shared-memory limit, say
+      row.update(status="error", error=f"{type(e).__name__}: {e}"[:600])
+    rows.append(row)
+    shown = {k: (f"{v:.4g}" if isinstance(v, float) else v) for k, v in row.items()
+             if k != "options"}
+    print(f"  {options}: {shown}", flush=True)
+  return rows
 
 
 # ---- sections --------------------------------------------------------------------------------
