@@ -15,7 +15,7 @@ import pytest
 
 from glm5_jax.infer import engine as engine_lib
 from glm5_jax.infer.requests import Request
-from glm5_jax.serve.engine_loop import Stopped
+from glm5_jax.serve.engine_loop import Refused, Stopped
 from glm5_jax.serve.engine_process import EngineProcess, EngineProcessError
 from glm5_jax.serve.versions import VersionedLoop
 from tests.conftest import REPO_ROOT, forward, random_params, tiny_model_config
@@ -110,10 +110,37 @@ def test_tokens_sampled_ahead_of_a_param_switch_keep_the_old_version(proc):
     assert (abs(raw - under_old) < 1e-4) == (version == 0), (n, version, raw, under_old)
 
 
+def test_submits_travel_with_the_next_step(proc):
+  """Pipelined, `submit` sends nothing (requests arriving one by one never stall the child): a
+  request the engine refuses comes back from a step as `Refused`, the others run, and one
+  cancelled before it was sent never reaches the child."""
+  sent = []
+  send = proc._send
+  proc._send = lambda method, *args: (sent.append(method), send(method, *args))[1]
+  try:
+    ok = proc.submit(Request(0, (5, 17, 3), 3, 0.0, 1.0, 0, 0))
+    bad = proc.submit(Request(1, (3,) * 10, 10, 0.0, 1.0, 0, 0))  # over max_len 16
+    dropped = proc.submit(Request(2, (4,), 3, 0.0, 1.0, 0, 0))
+    assert not sent and proc.busy and proc.waiting() == 3
+    assert proc.cancel(dropped) and not sent
+    items = []
+    while proc.busy:
+      items += proc.step()
+  finally:
+    del proc._send
+  assert set(sent) == {"step"}
+  refused = [i for i in items if isinstance(i, Refused)]
+  assert [r.handle for r in refused] == [bad] and "max_len 16" in refused[0].message
+  events = [i for i in items if not isinstance(i, Refused)]
+  assert {e.handle for e in events} == {ok} and events[-1].completion.handle == ok
+  assert sum(len(e.tokens) for e in events) == 3 and not proc.busy
+
+
 # The loop's thread ends by raising what broke the engine (the server's console shows it).
 @pytest.mark.filterwarnings("ignore::pytest.PytestUnhandledThreadExceptionWarning")
 def test_engine_process_serves_the_tokens_of_the_engine_in_process(proc):
   assert (proc.slots, proc.max_len, proc.top_n) == (2, 16, 2)
+  before = proc.prefix_stats()["prompt_tokens"]  # the earlier tests' on this child
   loop = VersionedLoop(proc)
   loop.set_params(random_params(CFG, seed=1, std=0.5), 0)
   here = engine_lib.Engine(CFG, random_params(CFG, seed=1, std=0.5), **ENGINE)
@@ -126,7 +153,7 @@ def test_engine_process_serves_the_tokens_of_the_engine_in_process(proc):
   want = engine_lib.Engine(CFG, new, **ENGINE).run(_requests(4))
   _check(_served(loop, _requests(4)), want)
   assert loop.version == 1 and proc.pages.pool.used == 0 and not proc.busy
-  assert proc.prefix_stats()["prompt_tokens"] == 3 + 2 * sum(map(len, PROMPTS))
+  assert proc.prefix_stats()["prompt_tokens"] == before + 2 * sum(map(len, PROMPTS))
   # The child dies (OOM-killed, say): requests fail with its exit code instead of hanging.
   proc._process.kill()
   proc._process.join(30)

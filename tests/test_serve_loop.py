@@ -45,6 +45,26 @@ def test_concurrent_submitters_get_the_tokens_of_run(params):
     assert streamed == completion.tokens == w.tokens, i
 
 
+def test_cancelling_an_ended_stream_does_not_ask_the_engine(params):
+  """The app cancels every stream when its reply is done; for an ended one the engine is not
+  asked (an engine process would pay a round trip per request, stalling its pipeline)."""
+
+  class Counting(engine_lib.Engine):
+    cancels = 0
+
+    def cancel(self, handle):
+      self.cancels += 1
+      return super().cancel(handle)
+
+  engine = Counting(CFG, params, slots=2, max_len=16, prefill_chunk=4)
+  loop = EngineLoop(engine)
+  stream = loop.submit(_requests()[0])
+  assert list(stream)[-1].completion is not None
+  loop.cancel(stream)
+  loop.close()  # after every command
+  assert engine.cancels == 0
+
+
 class _Gated(engine_lib.Engine):
   """An engine whose every step waits for the test's permission (no race with the thread)."""
 

@@ -66,6 +66,8 @@ _MODEL = flags.DEFINE_enum("model", "tiny", ["tiny", "small"], "The random model
                            "(`_model_config`).")
 _SWITCH = flags.DEFINE_float("switch_interval_s", 0.0002, "sys.setswitchinterval, as "
                              "experiments/serve.py sets it (Python's default: 0.005).")
+_HTTP = flags.DEFINE_enum("http", "auto", ["auto", "h11", "httptools"], "uvicorn's HTTP "
+                          "protocol ('auto': httptools when installed, as experiments/serve.py).")
 _SERVER_CPUS = flags.DEFINE_string("server_cpus", "", "CPU ids ('0,1' or '0-1') for the server, "
                                     "the engine process and the direct run; '': all.")
 _CLIENT_CPUS = flags.DEFINE_string("client_cpus", "", "CPU ids for the clients' processes; '': "
@@ -380,7 +382,8 @@ def main(argv):
     port = s.getsockname()[1]
   server = uvicorn.Server(uvicorn.Config(create_app(loop, make_tokenizer("byte"),
                                                     model_name="bench"),
-                                         host="127.0.0.1", port=port, log_level="warning"))
+                                         host="127.0.0.1", port=port, log_level="warning",
+                                         http=_HTTP.value))
   threading.Thread(target=server.run, daemon=True).start()
   while not server.started:
     time.sleep(0.05)

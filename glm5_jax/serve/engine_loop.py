@@ -11,6 +11,7 @@ engine raised refuses with `Stopped`. The loop runs
 """
 
 import asyncio
+import dataclasses
 import queue
 import threading
 
@@ -24,6 +25,16 @@ class QueueFull(Exception):
 
 class Stopped(Exception):
   """The loop takes no requests: closed, or its engine raised (`EngineLoop.error`)."""
+
+
+@dataclasses.dataclass(frozen=True)
+class Refused:
+  """An item of `engine.step()`'s list in place of an `Event`: the engine refused the request
+  of `handle` after `submit` returned (an engine in another process checks a request when it
+  receives it, with its next step: `glm5_jax.serve.engine_process`). Its stream gets
+  `ValueError(message)`, as if `submit` had raised it."""
+  handle: int
+  message: str
 
 
 class Stream:
@@ -189,7 +200,8 @@ class EngineLoop:
       return
     events = self.engine.step()
     self.steps += 1
-    self.slot_steps += self.engine.running() + sum(e.completion is not None for e in events)
+    self.slot_steps += self.engine.running() + sum(
+        isinstance(e, Event) and e.completion is not None for e in events)
     with self._lock:
       self._pending = self.engine.waiting() + len(self._held) + self._commands.qsize()
     for event in events:
@@ -215,9 +227,13 @@ class EngineLoop:
       except RuntimeError:  # that event loop is closed: nobody is listening any more
         pass
 
-  def _deliver(self, event: Event) -> None:
+  def _deliver(self, event: Event | Refused) -> None:
     stream = self._streams.get(event.handle)
     if stream is None:
+      return
+    if isinstance(event, Refused):
+      del self._streams[event.handle]
+      self._put(stream, ValueError(event.message))
       return
     self.tokens_generated += len(event.tokens)
     if stream.whole:
@@ -267,7 +283,9 @@ class EngineLoop:
       with self._lock:
         self._pending -= 1
       self._put(stream, None)
-    elif kind == "cancel" and stream.handle is not None:
+    # A stream that ended is not asked of the engine (the app cancels every stream when its
+    # reply is done: for an engine process that would be a round trip per request).
+    elif kind == "cancel" and stream.handle in self._streams:
       if self.engine.cancel(stream.handle) and self._streams.pop(stream.handle, None):
         if stream._merged:  # what it had (a reader may still be there)
           self._put(stream, _merge(stream._merged))

@@ -19,10 +19,13 @@ engine's busy / running / waiting counts, so `busy` and the counts cost nothing.
 
 Pipelined (the default): when a step leaves the engine busy, the next "step" is sent at once,
 so the child computes step n + 1 while this process unpickles and delivers step n's events and
-handles new requests (otherwise the child waits a round trip per step). A call made meanwhile
-(`submit`, `cancel`, ...) first reads that step's reply and keeps its events for the next
-`step()`: a request submitted then is admitted one step later, a cancel lands one step later
-(the loop drops events of a cancelled request). New params must not be applied to tokens that
+handles new requests (otherwise the child waits a round trip per step). Requests are numbered
+here and `submit` sends nothing: they travel with the next step message, so requests arriving
+one by one (as HTTP clients send them) never break the pipeline, and one the engine refuses
+comes back from a later `step()` as `engine_loop.Refused` (its stream gets the ValueError). A
+call made meanwhile (`cancel`, `release`, ...) first reads that step's reply and keeps its
+events for the next `step()`: a cancel lands one step later (the loop drops events of a
+cancelled request). New params must not be applied to tokens that
 the old ones sampled: `computed_events()` hands over what was computed ahead
 (`serve.versions.VersionedLoop` delivers them, under the old version, before switching).
 
@@ -45,6 +48,7 @@ import numpy as np
 
 from glm5_jax.infer.engine import Engine, Event
 from glm5_jax.infer.loading import load_model
+from glm5_jax.serve.engine_loop import Refused
 
 
 class EngineProcessError(RuntimeError):
@@ -75,20 +79,60 @@ def _set_params(engine, params) -> None:
   engine.params = jax.device_put(params, jax.tree.map(lambda x: x.sharding, engine.params))
 
 
-def _step(engine) -> list:
-  """`engine.step()`'s events as tuples (a list of dataclass instances pickles several times
-  slower, on the server's engine thread)."""
-  return [(e.handle, e.tokens, e.logprobs, e.raw_logprobs, e.top_logprobs, e.completion)
-          for e in engine.step()]
+class _Served:
+  """The child's engine, addressed by the server's handles (`EngineProcess.submit` numbers
+  requests itself, so that a submit needs no round trip)."""
+
+  def __init__(self, engine):
+    self.engine = engine
+    self._engine_handle: dict[int, int] = {}  # server handle -> the engine's
+    self._server_handle: dict[int, int] = {}  # and back
+
+  def submit(self, handle: int, request) -> int:
+    engine_handle = self.engine.submit(request)
+    self._engine_handle[handle], self._server_handle[engine_handle] = engine_handle, handle
+    return handle
+
+  def submit_many(self, submits) -> list:
+    """`submit` of each `(handle, request)`; `(handle, message)` of those the engine refused."""
+    refused = []
+    for handle, request in submits:
+      try:
+        self.submit(handle, request)
+      except ValueError as e:
+        refused.append((handle, str(e)))
+    return refused
+
+  def step(self, submits=()) -> tuple:
+    """The `submits`, then `engine.step()`: `(events as tuples, refused)`. Tuples: a list of
+    dataclass instances pickles several times slower, on the server's engine thread."""
+    refused = self.submit_many(submits)
+    events = []
+    for e in self.engine.step():
+      handle = self._server_handle[e.handle]
+      if e.completion is not None:
+        del self._server_handle[e.handle], self._engine_handle[handle]
+        e.completion.handle = handle
+      events.append((handle, e.tokens, e.logprobs, e.raw_logprobs, e.top_logprobs,
+                     e.completion))
+    return events, refused
+
+  def cancel(self, handle: int) -> bool:
+    engine_handle = self._engine_handle.pop(handle, None)
+    if engine_handle is None:
+      return False
+    del self._server_handle[engine_handle]
+    return self.engine.cancel(engine_handle)
 
 
 _METHODS = {
-    "submit": lambda e, request: e.submit(request),
-    "step": _step,
-    "cancel": lambda e, handle: e.cancel(handle),
-    "release": lambda e, session: e.release(session),
-    "prefix_stats": lambda e: e.prefix_stats(),
-    "set_params": _set_params,
+    "submit": lambda s, handle, request: s.submit(handle, request),
+    "submit_many": lambda s, submits: s.submit_many(submits),
+    "step": lambda s, submits: s.step(submits),
+    "cancel": lambda s, handle: s.cancel(handle),
+    "release": lambda s, session: s.engine.release(session),
+    "prefix_stats": lambda s: s.engine.prefix_stats(),
+    "set_params": lambda s, params: _set_params(s.engine, params),
 }
 
 
@@ -110,7 +154,7 @@ def _child(conn, build, args, env) -> None:
   except BaseException as e:  # pylint: disable=broad-except
     conn.send(("raise", _failure(e), None))
     return
-  step_seconds = 0.0
+  served, step_seconds = _Served(engine), 0.0
   while True:
     try:
       method, call_args = conn.recv()
@@ -121,7 +165,7 @@ def _child(conn, build, args, env) -> None:
       return
     start = time.perf_counter()
     try:
-      reply = ("ok", _METHODS[method](engine, *call_args))
+      reply = ("ok", _METHODS[method](served, *call_args))
     except ValueError as e:  # a request (or params) the engine refuses: the caller's error
       reply = ("value_error", str(e)) if method in ("submit", "set_params") else (
           "raise", _failure(e))
@@ -160,6 +204,8 @@ class EngineProcess:
     self.pipelined = pipelined
     self._ahead = False  # a "step" sent whose reply is not read yet
     self._computed: list | None = None  # events of a step read before they were asked for
+    self._submits: list = []  # (handle, request) to send with the next step (pipelined)
+    self._next_handle = 0
     info = self._reply("start")
     self.cfg, self.slots, self.max_len = info["cfg"], info["slots"], info["max_len"]
     self.top_n, self.k, self.record_routing = info["top_n"], info["k"], info["record_routing"]
@@ -174,9 +220,21 @@ class EngineProcess:
     if self._conn is None:
       raise EngineProcessError("the engine process is closed")
     if self._ahead:  # replies come in order: the step asked for ahead first
-      self._computed = (self._computed or []) + self._read_step()
+      self._keep(self._read_step())
+    if self._submits:  # in order: a call may concern a request submitted before it
+      self._send("submit_many", self._take_submits())
+      self._keep([Refused(*r) for r in self._reply("submit_many")])
     self._send(method, *args)
     return self._reply(method)
+
+  def _keep(self, items: list) -> None:
+    """Events (and refusals) read before `step` asked for them: its next return."""
+    if items or self._computed is not None:
+      self._computed = (self._computed or []) + items
+
+  def _take_submits(self) -> list:
+    submits, self._submits = self._submits, []
+    return submits
 
   def _reply(self, method: str):
     try:
@@ -203,17 +261,27 @@ class EngineProcess:
   # ---- what EngineLoop and the app use of an Engine -----------------------------------------
 
   def submit(self, request) -> int:
-    return self._call("submit", request)
+    """Queues `request`; returns its handle. Pipelined, it travels with the next step (no
+    round trip of its own), and a request the engine refuses comes back from a later `step`
+    as `engine_loop.Refused` instead of raising here; otherwise ValueError as `Engine`."""
+    if self._conn is None:
+      raise EngineProcessError("the engine process is closed")
+    handle, self._next_handle = self._next_handle, self._next_handle + 1
+    if self.pipelined:
+      self._submits.append((handle, request))
+      return handle
+    return self._call("submit", handle, request)
 
   def step(self) -> list:
+    """`Engine.step`'s events, and `Refused` for requests refused since the last call."""
     if self._computed is not None:
       events, self._computed = self._computed, None
     elif self._ahead:
       events = self._read_step()
     else:
-      events = [Event(*fields) for fields in self._call("step")]
-    if self.pipelined and self._state.busy:
-      self._send("step")
+      events = self._parse_step(self._call("step", self._take_submits()))
+    if self.pipelined and (self._state.busy or self._submits):
+      self._send("step", self._take_submits())
       self._ahead = True
     return events
 
@@ -221,13 +289,18 @@ class EngineProcess:
     """Events of a step the child ran ahead of the caller (pipelined), now, with no new step:
     a caller about to change the params delivers them first (they were sampled before)."""
     if self._ahead:
-      self._computed = (self._computed or []) + self._read_step()
+      self._keep(self._read_step())
     events, self._computed = self._computed or [], None
     return events
 
   def _read_step(self) -> list:
     self._ahead = False
-    return [Event(*fields) for fields in self._reply("step")]
+    return self._parse_step(self._reply("step"))
+
+  @staticmethod
+  def _parse_step(reply) -> list:
+    events, refused = reply
+    return [Refused(*r) for r in refused] + [Event(*fields) for fields in events]
 
   def _send(self, method: str, *args) -> None:
     try:
@@ -236,6 +309,10 @@ class EngineProcess:
       self._died(method)
 
   def cancel(self, handle: int) -> bool:
+    for i, (pending, _) in enumerate(self._submits):
+      if pending == handle:  # not sent yet: nothing to ask the child
+        del self._submits[i]
+        return True
     return self._call("cancel", handle)
 
   def release(self, session) -> bool:
@@ -247,13 +324,14 @@ class EngineProcess:
   @property
   def busy(self) -> bool:
     """Whether a request is waiting or running, or events computed ahead are not taken yet."""
-    return self._state.busy or self._ahead or self._computed is not None
+    return (self._state.busy or self._ahead or self._computed is not None
+            or bool(self._submits))
 
   def running(self) -> int:
     return self._state.running
 
   def waiting(self) -> int:
-    return self._state.waiting
+    return self._state.waiting + len(self._submits)
 
   @property
   def step_seconds(self) -> float:

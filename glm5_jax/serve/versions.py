@@ -19,15 +19,15 @@ request.
 versions, cancelled)` on the engine thread when it ends: its `Completion` and one version per
 token. A cancelled request (a client gone, a stop string matched) gets a `Completion` of the
 tokens delivered before the cancel (no routing) and `cancelled=True`; a request the engine
-refused gets `None, [], True`. The TITO gateway records calls with it
-(`glm5_jax.serve.gateway`).
+refused (at `submit`, or after it: `engine_loop.Refused`) gets `None, [], True`. The TITO
+gateway records calls with it (`glm5_jax.serve.gateway`).
 """
 
 import jax
 import numpy as np
 
 from glm5_jax.infer.engine import Completion
-from glm5_jax.serve.engine_loop import EngineLoop
+from glm5_jax.serve.engine_loop import EngineLoop, Refused
 
 
 class VersionedLoop(EngineLoop):
@@ -104,6 +104,12 @@ class VersionedLoop(EngineLoop):
       self._by_handle[stream.handle] = (callback, request, [], [], [], [])
 
   def _deliver(self, event) -> None:
+    if isinstance(event, Refused):  # refused after submit returned: as if submit had raised
+      watched = self._by_handle.pop(event.handle, None)
+      if watched is not None:
+        watched[0](None, [], True)
+      super()._deliver(event)
+      return
     watched = self._by_handle.get(event.handle)
     if watched is not None:
       _, _, versions, tokens, logprobs, raws = watched
