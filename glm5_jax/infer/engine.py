@@ -292,16 +292,15 @@ class Engine:
           for slot in range(self.slots):
             self.pages.release(slot)
       idle = [None] * self.slots
-      # Host arrays as the loop passes them (`jnp.asarray` of a numpy bool array compiles a
-      # staging program of its own once).
-      zeros = jnp.asarray(np.zeros(self.slots, np.int32))
-      inactive = jnp.asarray(np.zeros(self.slots, bool))
+      # Host arrays as the loop passes them: numpy.
+      zeros = np.zeros(self.slots, np.int32)
+      inactive = np.zeros(self.slots, bool)
       for n in buckets:
         table = self.pages.table(np.arange(self.slots), n * self.pages.page_size)
         if self.k:
           self.cache, self.hidden, _ = _speculate_and_sample(
               self.cfg, self.params, self.cache, self.hidden,
-              jnp.zeros((self.slots, self.w + 1), jnp.int32), zeros, inactive,
+              np.zeros((self.slots, self.w + 1), np.int32), zeros, inactive,
               *self._slot_arrays(idle), zeros, table, self.pages.shared_rows(), k=self.k,
               mtp_cache=self.mtp_cache, return_logits=self.return_logits, paging=self.paging)
         else:
@@ -682,7 +681,9 @@ class Engine:
     (decode steps in between reuse the device arrays instead of copying them again)."""
     key = tuple(requests)  # by value: equal requests have equal settings
     if self._slot_arrays_memo[0] != key:
-      self._slot_arrays_memo = (key, (_settings(requests), _seeds(requests)))
+      # One transfer for the four arrays (ops building them would be a dispatch each).
+      self._slot_arrays_memo = (key, jax.device_put((_host_settings(requests),
+                                                     _host_seeds(requests))))
     return self._slot_arrays_memo[1]
 
   # ---- one decode step over every slot -------------------------------------------------------
@@ -697,8 +698,8 @@ class Engine:
     table = None if self.pages is None else self.pages.table(np.arange(self.slots),
                                                              int(fed.max()) + 1)
     self.cache, out, routing = _decode_and_sample(
-        self.cfg, self.params, self.cache, jnp.asarray(pending), jnp.asarray(fed),
-        jnp.asarray(active), *self._slot_arrays(requests), jnp.asarray(index), table,
+        self.cfg, self.params, self.cache, pending, fed, active, *self._slot_arrays(requests),
+        index, table,
         return_logits=self.return_logits, record_routing=self.record_routing,
         top_n=self.top_n, paging=self.paging)
     out, routing = jax.device_get((out, routing))
@@ -726,8 +727,8 @@ class Engine:
         self.pages.table(np.arange(self.slots), int(fed.max()) + self.k + 1),
         self.pages.shared_rows())
     self.cache, self.hidden, out = _speculate_and_sample(
-        self.cfg, self.params, self.cache, self.hidden, jnp.asarray(window), jnp.asarray(fed),
-        jnp.asarray(active), *self._slot_arrays(requests), jnp.asarray(index), *paged_args,
+        self.cfg, self.params, self.cache, self.hidden, window, fed, active,
+        *self._slot_arrays(requests), index, *paged_args,
         k=self.k, mtp_cache=self.mtp_cache, return_logits=self.return_logits,
         paging=self.paging)
     accepted, num_emitted, tokens, logprobs, raws, logits = jax.device_get(out)
@@ -746,20 +747,9 @@ class Engine:
 # ---- jitted device functions -----------------------------------------------------------------
 
 
-def _settings(requests) -> sampling.SamplingParams:
-  """Per-slot sampling settings; None (an idle slot) samples greedily, unused."""
-  return sampling.SamplingParams.create(
-      len(requests), [r.temperature if r else 0.0 for r in requests],
-      [r.top_k if r else 0 for r in requests], [r.top_p if r else 1.0 for r in requests])
-
-
-def _seeds(requests):
-  return jnp.asarray([r.seed if r else 0 for r in requests], jnp.uint32)
-
-
 def _host_settings(requests) -> sampling.SamplingParams:
-  """`_settings` as numpy arrays, for a program that takes them once (jit copies them with
-  its call; no op dispatched per array)."""
+  """Per-slot sampling settings as numpy arrays (a program given them copies them with its
+  call: no op dispatched per array); None (an idle slot) samples greedily, unused."""
   return sampling.SamplingParams(
       np.array([r.temperature if r else 0.0 for r in requests], np.float32),
       np.array([r.top_k if r else 0 for r in requests], np.int32),
