@@ -71,19 +71,20 @@ def test_prefix_sharing_copies_one_prefill_into_the_group(params, monkeypatch):
   """A prompt sampled G = 4 times is prefilled once; the copies decode like separate
   prefills (their samples differ: each has its own seed)."""
   prefilled_rows = []
-  original = engine_lib._paged_prefill_chunk  # the engine's default cache is paged
 
-  def counting(*args, **kwargs):
-    lengths_P = args[8]
-    prefilled_rows.append(int((np.asarray(lengths_P) > 0).sum()))
-    return original(*args, **kwargs)
+  original = engine_lib.Engine._paged_chunk  # the engine's default cache is paged
 
-  monkeypatch.setattr(engine_lib, "_paged_prefill_chunk", counting)
+  def counting(self, chunk, *args):
+    lengths_P = chunk[3]
+    prefilled_rows.append(int((lengths_P > 0).sum()))
+    return original(self, chunk, *args)
+
+  monkeypatch.setattr(engine_lib.Engine, "_paged_chunk", counting)
   prompt = [5, 17, 3, 99, 42]
   group = infer.generate(CFG, params, [prompt] * 4, max_new_tokens=5, temperature=1.0,
                          seed=7, prefill_chunk=4, max_len=16)
   assert prefilled_rows == [1, 1]  # one prompt row, in two chunks of 4
-  monkeypatch.setattr(engine_lib, "_paged_prefill_chunk", original)
+  monkeypatch.undo()
   for i in range(4):
     alone = engine_lib.Engine(CFG, params, slots=1, max_len=16, prefill_chunk=4).run(
         [Request(i, tuple(prompt), 5, 1.0, 1.0, 0, engine_lib.request_seed(7, i))])[0]

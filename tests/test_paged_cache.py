@@ -7,6 +7,7 @@ or 8 pages) so that they share compiled programs."""
 
 import random
 
+import jax
 import numpy as np
 import pytest
 
@@ -170,6 +171,28 @@ def test_no_compile_after_warmup(params):
   assert compiles.count == 0
   assert [len(c.tokens) for c in done] == [r.max_new_tokens for r in requests]
   assert engine.pages.used == 0
+
+
+def test_warmup_covers_every_admission_with_placed_params(params):
+  """After `warmup()`, admissions of one-chunk and three-chunk prompts (alone, two distinct:
+  two rows), a group (copy-on-write) and a session's continuation over two chunks compile
+  nothing. The params are placed on a one-device mesh, as an RL worker places them: programs
+  then take committed arrays, the previous chunk's outputs, which fresh arrays do not stand
+  for."""
+  mesh = jax.sharding.Mesh(np.array(jax.devices()[:1]), ("x",))
+  placed = jax.device_put(params, jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec()))
+  engine = engine_lib.Engine(CFG, placed, **dict(PAGED, max_len=32))
+  engine.warmup()
+  long = list(range(1, 20))  # 3 chunks of 8
+  with count_compiles() as compiles:
+    engine.run(_requests([[1, 2, 3]], (3,)))
+    engine.run(_requests([long], (3,)))
+    engine.run(_requests([long, [7] + long], (2, 2)))
+    engine.run(_requests([long, long], (2, 2), temperature=1.0))
+    first = engine.run(_requests([[4, 5, 6, 7, 8]], (2,), session="s"))[0]
+    engine.run(_requests([first.sequence + list(range(30, 40))], (2,), session="s"))  # 11 new
+    assert engine.release("s")
+  assert compiles.count == 0
 
 
 def test_generate_does_not_recompile_for_new_lengths(params):

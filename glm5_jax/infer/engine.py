@@ -230,6 +230,7 @@ class Engine:
       self.cache = allocate(self.pages.specs, mesh=mesh, rules=rules)
     self.hidden = jnp.zeros((slots, self.w, self.cfg.hidden_size), dtypes(self.cfg)[0])
     self._slot_arrays_memo = (None, None)
+    self._carry_zeros = {}  # rows -> `_fresh_carry`
     self.sessions = SessionTable()
     self.stats = PrefixStats()
     # The incremental loop's state: waiting (handle, request)s and each slot's Completion.
@@ -281,35 +282,25 @@ class Engine:
     stats = dataclasses.replace(self.stats)
     token = Request(0, (0,), 1, 0.0, 1.0, 0, 0, ())
     with self._context():
-      for rows in row_buckets:  # the admission's eager ops and its first page bucket
+      for rows in row_buckets:
+        self._warm_admission(rows, buckets)
+      for rows in row_buckets:  # the whole host path: distinct prompts, then a group
         for admitted in ([(s, dataclasses.replace(token, prompt=(s,)), 0) for s in range(rows)],
                          [(s, token, 0) for s in range(2)] if rows > 1 else []):
-          if admitted:  # distinct prompts, then a group (the copy-on-write path)
+          if admitted:
             self._admit(admitted)
           for slot in range(self.slots):
             self.pages.release(slot)
-      for rows in row_buckets:
-        ids = np.full(rows, self.slots, np.int32)
-        tokens = jnp.zeros((rows, self.chunk + self.k), jnp.int32)
-        zeros = jnp.zeros(rows, jnp.int32)
-        for n in buckets:
-          self.cache, *_ = _paged_prefill_chunk(
-              self.cfg, self.params, self.cache, self.pages.table(ids, n * self.pages.page_size),
-              jnp.asarray(ids), jnp.zeros((rows, self.cfg.vocab_size), jnp.float32),
-              jnp.zeros((rows,) + self.hidden.shape[1:], self.hidden.dtype), tokens, zeros,
-              zeros, depths=self.k, mtp_cache=self.mtp_cache,
-              record_routing=self.record_routing, paging=self.paging)
       idle = [None] * self.slots
-      # Host arrays as the loop passes them (`jnp.asarray` of a numpy bool array compiles a
-      # staging program of its own once).
-      zeros = jnp.asarray(np.zeros(self.slots, np.int32))
-      inactive = jnp.asarray(np.zeros(self.slots, bool))
+      # Host arrays as the loop passes them: numpy.
+      zeros = np.zeros(self.slots, np.int32)
+      inactive = np.zeros(self.slots, bool)
       for n in buckets:
         table = self.pages.table(np.arange(self.slots), n * self.pages.page_size)
         if self.k:
           self.cache, self.hidden, _ = _speculate_and_sample(
               self.cfg, self.params, self.cache, self.hidden,
-              jnp.zeros((self.slots, self.w + 1), jnp.int32), zeros, inactive,
+              np.zeros((self.slots, self.w + 1), np.int32), zeros, inactive,
               *self._slot_arrays(idle), zeros, table, self.pages.shared_rows(), k=self.k,
               mtp_cache=self.mtp_cache, return_logits=self.return_logits, paging=self.paging)
         else:
@@ -318,6 +309,31 @@ class Engine:
               *self._slot_arrays(idle), zeros, table, return_logits=self.return_logits,
               record_routing=self.record_routing, top_n=self.top_n, paging=self.paging)
     self.stats = stats
+
+  def _warm_admission(self, rows: int, buckets) -> None:
+    """Compiles the admission program of `rows` prefill rows at each page bucket in `buckets`
+    (`_paged_admit`, on padding rows: nothing written), for a prompt's first chunk and for a
+    later one.
+
+    Where the params are placed on a mesh, a program's outputs are committed arrays, and a
+    program given them is another program than one given fresh arrays. So a first call on
+    fresh arrays (the cache as allocated, zeros) is made before the programs the loop will
+    use, and the first chunk's zeros are then made like the outputs (`jnp.zeros_like` keeps
+    their placement): first and later chunks run one program."""
+    ids = np.full(rows, self.slots, np.int32)
+    zeros = np.zeros(rows, np.int32)
+    tokens = np.zeros((rows, self.chunk + self.k), np.int32)
+    idle = [None] * self.slots
+    first = (np.zeros(self.slots, np.int32), _host_settings(idle), _host_seeds(idle))
+
+    def chunk(n):
+      return (self.pages.table(ids, n * self.pages.page_size), ids, tokens, zeros, zeros)
+
+    carry, _, _ = self._paged_chunk(chunk(buckets[0]), self._fresh_carry(rows), first)
+    self._carry_zeros[rows] = tuple(jnp.zeros_like(x) for x in carry)
+    for n in buckets:
+      carry, _, _ = self._paged_chunk(chunk(n), self._fresh_carry(rows), first)
+      self._paged_chunk(chunk(n), carry, first)
 
   # ---- the host loop -------------------------------------------------------------------------
 
@@ -533,7 +549,25 @@ class Engine:
   def _admit(self, admitted):
     """Prefills the admitted `(slot, request, start)`s from position `start` (one prefill per
     distinct fresh prompt, copied to the group; a session's rows in its own slot) and samples
-    their first tokens. Returns `(token, logprob, raw_logprob, logits)` per request."""
+    their first tokens. Returns `(token, logprob, raw_logprob, logits[, top])` per request.
+
+    Paged, each prefill chunk is one program (`_paged_admit`, the same for every chunk), so an
+    admission whose prompts fit one chunk is one dispatch, plus one for a group's copy-on-write
+    (`_share_prefix`). Host arrays go to the programs as numpy arrays: jit copies them with
+    the call, where `jnp.asarray` would dispatch an op per array."""
+    plan = self._plan(admitted)
+    requests = [r for _, r, _ in admitted] + [None] * (self.slots - len(admitted))
+    first = (plan.rows_B, _host_settings(requests), _host_seeds(requests))
+    prefill = self._contiguous_prefill if self.pages is None else self._paged_prefill
+    out, routing = jax.device_get(prefill(plan, first))
+    if self.record_routing:
+      self._prompt_routing = _prefilled_routing(plan, routing, len(admitted))
+    return [_row(out, i) for i in range(len(admitted))]
+
+  def _plan(self, admitted) -> "_Admission":
+    """The host side of an admission: one prefill row per distinct key (a fresh prompt, shared
+    by its group, or a session's continuation), its pages reserved (a follower's shared with
+    its leader), the prefix stats counted, and the rows' tokens laid out."""
     row_key = []  # per request: its prefill row's key, (prompt, start) or (prompt, slot)
     leaders: dict[tuple, tuple] = {}  # row key -> (slot holding its prefill, start)
     copies = []  # (source slot, destination slot)
@@ -568,67 +602,88 @@ class Engine:
     tokens = np.zeros((rows, width + self.k), np.int32)
     for i, (prompt, _) in enumerate(keys):
       tokens[i, :lengths[i] - starts[i]] = prompt[starts[i]:]
-    host_slot_ids, slot_ids = slot_ids, jnp.asarray(slot_ids)
-    if self.pages is None:
-      sub = _gather_slots(self.cache, slot_ids, self._slot_axes)
-    last_PY = jnp.zeros((rows, self.cfg.vocab_size), jnp.float32)
-    hidden_PWD = jnp.zeros((rows,) + self.hidden.shape[1:], self.hidden.dtype)
-    chunk_routing = []
+    row_of = {k: i for i, k in enumerate(keys)}
+    rows_B = np.zeros(self.slots, np.int32)  # padding requests read row 0, unused
+    rows_B[:len(row_key)] = [row_of[k] for k in row_key]
+    return _Admission(keys, slot_ids, lengths, starts, tokens, rows_B, copies, page_copies)
+
+  def _fresh_carry(self, rows: int):
+    """`(last_PY, hidden_PWD)` zeros, what a prompt's first chunk starts from; made once per
+    row count and kept (no program donates them), so an admission dispatches no op for them
+    (`warmup` remakes them placed like a chunk's outputs: `_warm_admission`)."""
+    if rows not in self._carry_zeros:
+      self._carry_zeros[rows] = (
+          jnp.zeros((rows, self.cfg.vocab_size), jnp.float32),
+          jnp.zeros((rows,) + self.hidden.shape[1:], self.hidden.dtype))
+    return self._carry_zeros[rows]
+
+  def _paged_prefill(self, plan, first):
+    """`plan`'s prefill on the paged cache, chunk by chunk, with its first tokens (`first`:
+    `(rows_B, settings, seeds_B)` of `_first_tokens`, sampled by every chunk, kept from the
+    last) and the groups' copy-on-write. Returns device `(first tokens as _sample's, [routing
+    of each chunk])`."""
+    width = plan.tokens.shape[1] - self.k
+    carry, routing = self._fresh_carry(len(plan.slot_ids_P)), []
     for offset in range(0, width, self.chunk):
-      args = (last_PY, hidden_PWD, jnp.asarray(tokens[:, offset:offset + self.chunk + self.k]),
-              jnp.asarray(lengths), jnp.asarray(starts + offset))
-      kwargs = dict(depths=self.k, mtp_cache=self.mtp_cache, record_routing=self.record_routing)
-      if self.pages is None:
-        sub, last_PY, hidden_PWD, routing = _prefill_chunk(self.cfg, self.params, sub, *args,
-                                                           **kwargs)
-      else:  # the pages of the rows this chunk reaches
-        reach = int(np.minimum(lengths, starts + offset + self.chunk).max())
-        self.cache, last_PY, hidden_PWD, routing = _paged_prefill_chunk(
-            self.cfg, self.params, self.cache, self.pages.table(host_slot_ids, reach),
-            slot_ids, *args, **kwargs, paging=self.paging)
-      chunk_routing.append(routing)
-    if self.record_routing:
-      # Each admitted request's rows [len(prompt), N, k]: the rows it prefilled here; a held
-      # session's earlier rows are -1 (recorded by the turns that fed them).
-      chunk_routing = jax.device_get(chunk_routing)
-      prefilled = {}
-      for i, key in enumerate(keys):
-        prompt, start = key[0], int(starts[i])
-        prefilled[key] = {}
-        for kind in chunk_routing[0]:
-          rows = np.concatenate([r[kind][i] for r in chunk_routing])[:len(prompt) - start]
-          full = np.full((len(prompt),) + rows.shape[1:], -1, rows.dtype)
-          full[start:] = rows
-          prefilled[key][kind] = full
-      self._prompt_routing = [prefilled[k] for k in row_key]
-    if self.pages is None:
-      self.cache = _scatter_slots(self.cache, sub, slot_ids, self._slot_axes)
+      reach = int(np.minimum(plan.lengths_P, plan.starts_P + offset + self.chunk).max())
+      chunk = (self.pages.table(plan.slot_ids_P, reach), plan.slot_ids_P,
+               plan.tokens[:, offset:offset + self.chunk + self.k], plan.lengths_P,
+               plan.starts_P + offset)
+      carry, out, chunk_routing = self._paged_chunk(chunk, carry, first)
+      routing.append(chunk_routing)
+    if plan.copies:
+      self._copy_on_write(plan.page_copies, plan.copies)
+    return out, routing
+
+  def _paged_chunk(self, chunk, carry, first):
+    """One prefill chunk (`_paged_admit`): `chunk` = `(table_PN, slot_ids_P, tokens_PX,
+    lengths_P, start_P)`, `carry` = `(last_PY, hidden_PWD)` of the earlier chunks, `first` as
+    `_paged_prefill`'s. Returns `(carry, first tokens, routing)`."""
+    self.cache, self.hidden, carry, out, routing = _paged_admit(
+        self.cfg, self.params, self.cache, self.hidden, *chunk, *carry, *first, depths=self.k,
+        mtp_cache=self.mtp_cache, record_routing=self.record_routing, paging=self.paging,
+        return_logits=self.return_logits, top_n=self.top_n)
+    return carry, out, routing
+
+  def _copy_on_write(self, page_copies, copies) -> None:
+    """Copies `(source page, destination page)`s and the per-slot state of `(source slot,
+    destination slot)`s (`_share_prefix`; padded to fixed shapes: one program whatever the
+    group sizes)."""
+    self.cache, self.hidden = _share_prefix(
+        self.cache, self.hidden, *self.pages.copy_args(page_copies, copies, self.slots),
+        layout=self.paging.layout)
+
+  def _contiguous_prefill(self, plan, first):
+    """`_paged_prefill` on the contiguous cache: the rows' slots gathered, stepped chunk by
+    chunk, scattered back, then copied to their groups."""
+    slot_ids = jnp.asarray(plan.slot_ids_P)
+    sub = _gather_slots(self.cache, slot_ids, self._slot_axes)
+    last_PY, hidden_PWD = self._fresh_carry(len(plan.slot_ids_P))
+    routing = []
+    for offset in range(0, plan.tokens.shape[1] - self.k, self.chunk):
+      sub, last_PY, hidden_PWD, chunk_routing = _prefill_chunk(
+          self.cfg, self.params, sub, last_PY, hidden_PWD,
+          plan.tokens[:, offset:offset + self.chunk + self.k], plan.lengths_P,
+          plan.starts_P + offset, depths=self.k, mtp_cache=self.mtp_cache,
+          record_routing=self.record_routing)
+      routing.append(chunk_routing)
+    self.cache = _scatter_slots(self.cache, sub, slot_ids, self._slot_axes)
     self.hidden = self.hidden.at[slot_ids].set(hidden_PWD, mode="drop")
-    if copies and self.pages is not None:  # fixed shapes: no compile per group size
-      copy_args = self.pages.copy_args(page_copies, copies, self.slots)
-      self.cache = paged.copy_pages(self.cache, *copy_args, *self.paging.layout)
-      self.hidden = _copy_hidden(self.hidden, *copy_args[2:])
-    elif copies:
-      src, dst = (jnp.asarray(x, jnp.int32) for x in zip(*copies))
+    if plan.copies:
+      src, dst = (jnp.asarray(x, jnp.int32) for x in zip(*plan.copies))
       self.cache = _copy_slots(self.cache, src, dst, self._slot_axes)
       self.hidden = self.hidden.at[dst].set(self.hidden[src])
-    # First tokens: one row per admitted request, padded to B rows (one compiled shape).
-    row_of = {k: i for i, k in enumerate(keys)}
-    requests = [r for _, r, _ in admitted] + [None] * (self.slots - len(admitted))
-    rows_B = np.array([row_of[k] for k in row_key] + [0] * (self.slots - len(admitted)),
-                      np.int32)
-    out = _sample(last_PY[jnp.asarray(rows_B)], _settings(requests), _seeds(requests),
-                  jnp.zeros(self.slots, jnp.int32), return_logits=self.return_logits,
-                  top_n=self.top_n)
-    out = jax.device_get(out)
-    return [_row(out, i) for i in range(len(admitted))]
+    return _first_tokens(last_PY, *first, return_logits=self.return_logits,
+                         top_n=self.top_n), routing
 
   def _slot_arrays(self, requests):
     """`(settings, seeds)` of the slots' requests, rebuilt only when a slot changes hands
     (decode steps in between reuse the device arrays instead of copying them again)."""
     key = tuple(requests)  # by value: equal requests have equal settings
     if self._slot_arrays_memo[0] != key:
-      self._slot_arrays_memo = (key, (_settings(requests), _seeds(requests)))
+      # One transfer for the four arrays (ops building them would be a dispatch each).
+      self._slot_arrays_memo = (key, jax.device_put((_host_settings(requests),
+                                                     _host_seeds(requests))))
     return self._slot_arrays_memo[1]
 
   # ---- one decode step over every slot -------------------------------------------------------
@@ -643,8 +698,8 @@ class Engine:
     table = None if self.pages is None else self.pages.table(np.arange(self.slots),
                                                              int(fed.max()) + 1)
     self.cache, out, routing = _decode_and_sample(
-        self.cfg, self.params, self.cache, jnp.asarray(pending), jnp.asarray(fed),
-        jnp.asarray(active), *self._slot_arrays(requests), jnp.asarray(index), table,
+        self.cfg, self.params, self.cache, pending, fed, active, *self._slot_arrays(requests),
+        index, table,
         return_logits=self.return_logits, record_routing=self.record_routing,
         top_n=self.top_n, paging=self.paging)
     out, routing = jax.device_get((out, routing))
@@ -672,8 +727,8 @@ class Engine:
         self.pages.table(np.arange(self.slots), int(fed.max()) + self.k + 1),
         self.pages.shared_rows())
     self.cache, self.hidden, out = _speculate_and_sample(
-        self.cfg, self.params, self.cache, self.hidden, jnp.asarray(window), jnp.asarray(fed),
-        jnp.asarray(active), *self._slot_arrays(requests), jnp.asarray(index), *paged_args,
+        self.cfg, self.params, self.cache, self.hidden, window, fed, active,
+        *self._slot_arrays(requests), index, *paged_args,
         k=self.k, mtp_cache=self.mtp_cache, return_logits=self.return_logits,
         paging=self.paging)
     accepted, num_emitted, tokens, logprobs, raws, logits = jax.device_get(out)
@@ -692,15 +747,57 @@ class Engine:
 # ---- jitted device functions -----------------------------------------------------------------
 
 
-def _settings(requests) -> sampling.SamplingParams:
-  """Per-slot sampling settings; None (an idle slot) samples greedily, unused."""
-  return sampling.SamplingParams.create(
-      len(requests), [r.temperature if r else 0.0 for r in requests],
-      [r.top_k if r else 0 for r in requests], [r.top_p if r else 1.0 for r in requests])
+def _host_settings(requests) -> sampling.SamplingParams:
+  """Per-slot sampling settings as numpy arrays (a program given them copies them with its
+  call: no op dispatched per array); None (an idle slot) samples greedily, unused."""
+  return sampling.SamplingParams(
+      np.array([r.temperature if r else 0.0 for r in requests], np.float32),
+      np.array([r.top_k if r else 0 for r in requests], np.int32),
+      np.array([r.top_p if r else 1.0 for r in requests], np.float32))
 
 
-def _seeds(requests):
-  return jnp.asarray([r.seed if r else 0 for r in requests], jnp.uint32)
+def _host_seeds(requests):
+  return np.array([r.seed if r else 0 for r in requests], np.uint32)
+
+
+class _Admission(typing.NamedTuple):
+  """One admission laid out for the device (`Engine._plan`): P prefill rows (a power of two;
+  padding rows have slot id B and length 0).
+
+  keys: per real row, its key: `(prompt, 0)` a fresh prompt (its group's one prefill) or
+    `(prompt, -1 - slot)` a session's continuation in its own slot.
+  slot_ids_P, lengths_P, starts_P: int32 each row's slot, prompt length and first position
+    to prefill (a held session's length, else 0).
+  tokens: int32 `[P, n * C + k]`, each row's tokens from its start (n chunks), and k
+    lookahead tokens past the last chunk (the MTP depths read t_{i+d}), zeros past the prompt.
+  rows_B: int32 `[B]` each admitted request's row (its first token's logits), 0 for padding.
+  copies: (source slot, destination slot) per group follower.
+  page_copies: paged: (source page, destination page) per page a follower copies.
+  """
+  keys: list
+  slot_ids_P: np.ndarray
+  lengths_P: np.ndarray
+  starts_P: np.ndarray
+  tokens: np.ndarray
+  rows_B: np.ndarray
+  copies: list
+  page_copies: list
+
+
+def _prefilled_routing(plan: _Admission, chunk_routing: list, admitted: int) -> list:
+  """Each of the first `admitted` requests' prompt routing `{kind: [len(prompt), N, k]}` from
+  its row of the chunks' `{kind: [P, C, N, k]}`: the rows it prefilled here; a held session's
+  earlier rows are -1 (recorded by the turns that fed them)."""
+  per_row = []
+  for i, (prompt, _) in enumerate(plan.keys):
+    start, routing = int(plan.starts_P[i]), {}
+    for kind in chunk_routing[0]:
+      rows = np.concatenate([r[kind][i] for r in chunk_routing])[:len(prompt) - start]
+      full = np.full((len(prompt),) + rows.shape[1:], -1, rows.dtype)
+      full[start:] = rows
+      routing[kind] = full
+    per_row.append(routing)
+  return [per_row[row] for row in plan.rows_B[:admitted]]
 
 
 def _row(out, i):
@@ -799,14 +896,25 @@ _prefill_chunk = functools.partial(jax.jit, static_argnames=(
 
 
 @functools.partial(jax.jit, static_argnames=("cfg", "depths", "mtp_cache", "record_routing",
-                                             "paging"), donate_argnames=("cache",))
-def _paged_prefill_chunk(cfg, params, cache, table_PN, slot_ids_P, last_PY, hidden_PWD,
-                         tokens_PX, lengths_P, start_P, *, depths, mtp_cache, record_routing,
-                         paging):
-  """`_prefill_chunk` on the paged cache: rows `slot_ids_P` (ids >= B: padding) read their
-  pages through `table_PN` (`glm5_jax.infer.paged.view`), and the chunk's prompt rows go back
-  into their pages; the per-slot arrays into their slots. Returns `(cache, last_PY,
-  hidden_PWD, routing)`."""
+                                             "paging", "return_logits", "top_n"),
+                   donate_argnames=("cache", "hidden_BWD"))
+def _paged_admit(cfg, params, cache, hidden_BWD, table_PN, slot_ids_P, tokens_PX, lengths_P,
+                 start_P, last_PY, hidden_PWD, rows_B, settings, seeds_B, *, depths, mtp_cache,
+                 record_routing, paging, return_logits, top_n):
+  """One prefill chunk of an admission with all that follows it, one program, so that an
+  admission of one chunk costs one dispatch and a longer one reruns the same program:
+
+    1. `_prefill_chunk` on the paged cache: rows `slot_ids_P` (ids >= B: padding) read their
+       pages through `table_PN` (`glm5_jax.infer.paged.view`), the chunk's prompt rows go
+       back into their pages, the per-slot arrays into their slots;
+    2. the rows' h windows (`hidden_PWD`, so far) into their slots of `hidden_BWD` (ids >= B
+       dropped; a later chunk rewrites them);
+    3. `_first_tokens` from the prompts' last logits so far (final after the last chunk;
+       the caller keeps the last chunk's).
+
+  Returns `(cache, hidden_BWD, (last_PY, hidden_PWD), first tokens as _sample's, routing)`,
+  routing `{kind: [P, C, N, k]}` padded to the contiguous cache's DSA width (with
+  `record_routing`, else {})."""
   sub = paged.view(cache, table_PN, *paging.layout, slot_ids_P)
   sub, last_PY, hidden_PWD, routing = _prefill_chunk_body(
       cfg, params, sub, last_PY, hidden_PWD, tokens_PX, lengths_P, start_P, depths=depths,
@@ -815,7 +923,10 @@ def _paged_prefill_chunk(cfg, params, cache, table_PN, slot_ids_P, last_PY, hidd
   rows_PC = start_P[:, None] + jnp.arange(c, dtype=jnp.int32)
   cache = paged.write_back(cache, sub, table_PN, rows_PC, rows_PC < lengths_P[:, None],
                            *paging.layout, slot_ids_P)
-  return cache, last_PY, hidden_PWD, _pad_topk(routing, paging.topk_width)
+  hidden_BWD = hidden_BWD.at[slot_ids_P].set(hidden_PWD, mode="drop")
+  out = _first_tokens(last_PY, rows_B, settings, seeds_B, return_logits=return_logits,
+                      top_n=top_n)
+  return cache, hidden_BWD, (last_PY, hidden_PWD), out, _pad_topk(routing, paging.topk_width)
 
 
 class Paging(typing.NamedTuple):
@@ -843,11 +954,23 @@ def _copy_slots(cache, src_G, dst_G, slot_axes):
   return _scatter_slots(cache, sub, dst_G, slot_axes)
 
 
-@jax.jit
-def _copy_hidden(hidden_BWD, src_G, dst_G):
-  """Speculative h windows of slots `src_G` copied to `dst_G` (ids >= B: padding, dropped)."""
-  return hidden_BWD.at[dst_G].set(jnp.take(hidden_BWD, src_G, axis=0, mode="fill",
-                                           fill_value=0), mode="drop")
+@functools.partial(jax.jit, static_argnames=("layout",), donate_argnames=("cache", "hidden_BWD"))
+def _share_prefix(cache, hidden_BWD, src_G, dst_G, src_slots_G, dst_slots_G, *, layout):
+  """A group's copy-on-write after its leader's prefill: `paged.copy_pages` (pages `src_G` to
+  `dst_G`, the per-slot leaves of slots `src_slots_G` to `dst_slots_G`) and the speculative h
+  windows of the same slots (ids past the pool / slots: padding, dropped)."""
+  cache = paged.copy_pages(cache, src_G, dst_G, src_slots_G, dst_slots_G, *layout)
+  hidden_BWD = hidden_BWD.at[dst_slots_G].set(
+      jnp.take(hidden_BWD, src_slots_G, axis=0, mode="fill", fill_value=0), mode="drop")
+  return cache, hidden_BWD
+
+
+@functools.partial(jax.jit, static_argnames=("return_logits", "top_n"))
+def _first_tokens(last_PY, rows_B, settings, seeds_B, *, return_logits, top_n):
+  """Token 0 of each admitted request from the last logits of its prefill row `rows_B`
+  (`[B]`, padding rows sample unused tokens); `_sample`'s outputs, B rows."""
+  return _sample(last_PY[rows_B], settings, seeds_B, jnp.zeros(rows_B.shape, jnp.int32),
+                 return_logits=return_logits, top_n=top_n)
 
 
 @functools.partial(jax.jit, static_argnames=("return_logits", "top_n"))

@@ -86,14 +86,15 @@ class PagedSlots:
     self.pool.release(slot)
 
   def table(self, slot_ids, rows: int):
-    """int32 `[len(slot_ids), N]` device table of `slot_ids` (ids >= B: padding rows, all page
-    0), N = the bucket of `rows`, the most rows any of them reads."""
+    """int32 `[len(slot_ids), N]` table of `slot_ids` (ids >= B: padding rows, all page 0), N =
+    the bucket of `rows`, the most rows any of them reads. A numpy array: the jitted step
+    copies it with its call (cheaper on the host than a `jnp.asarray` of its own)."""
     n = paged.page_bucket(rows, self.page_size, self.max_pages)
     ids = np.asarray(slot_ids)
     out = np.zeros((len(ids), n), np.int32)
     real = ids < self.pool.table.shape[0]
     out[real] = self.pool.table[ids[real], :n]
-    return jnp.asarray(out)
+    return out
 
   def shared_rows(self):
     return jnp.asarray(self.pool.shared_rows)
@@ -109,8 +110,8 @@ class PagedSlots:
     return out + [last]
 
   def copy_args(self, pairs, slot_pairs, slots: int):
-    """`paged.copy_pages`'s index arrays, padded to fixed lengths (one compiled shape): ids
-    past the pool / slots are dropped."""
+    """`paged.copy_pages`'s index arrays (numpy, as `table`), padded to fixed lengths (one
+    compiled shape): ids past the pool / slots are dropped."""
     width = slots * (self.pages_needed(self.window + 1) + 1)
     pages = np.full((2, width), self.pool.num_pages, np.int32)
     if pairs:
@@ -118,4 +119,4 @@ class PagedSlots:
     slot_ids = np.full((2, slots), slots, np.int32)
     if slot_pairs:
       slot_ids[:, :len(slot_pairs)] = np.asarray(slot_pairs, np.int32).T
-    return tuple(jnp.asarray(x) for x in (pages[0], pages[1], slot_ids[0], slot_ids[1]))
+    return pages[0], pages[1], slot_ids[0], slot_ids[1]
