@@ -31,10 +31,10 @@ GRID = (
     {},
     {"block_t": 16}, {"block_t": 64, "num_stages": 1}, {"num_stages": 1}, {"num_stages": 3},
     {"num_warps": 4}, {"block_t": 16, "num_stages": 3},
-    {"backward_block_t": 32}, {"backward_head_block": 16}, {"backward_head_block": 16,
-                                                            "backward_block_t": 32},
+    {"backward_block_t": 16}, {"backward_block_t": 64}, {"backward_head_block": 16},
     {"backward_num_warps": 4}, {"backward_num_stages": 2},
-    {"backward_head_block": 16, "backward_block_t": 64},
+    {"backward_head_block": 16, "backward_block_t": 64}, {"backward_num_stages": 2,
+                                                           "backward_block_t": 16},
 )
 
 _SEQ_LEN = flags.DEFINE_integer("seq_len", 16384, "L = S (one sequence).")
