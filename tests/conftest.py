@@ -25,6 +25,15 @@ import types
 # so what a test proves does not change. A fresh directory per session (set
 # JAX_COMPILATION_CACHE_DIR to keep one across runs); the process that made it removes it.
 # Multi-process (jax.distributed) subprocesses must drop the variable: see test_multihost._env.
+# The suite is compile-bound (most tests run a few steps of programs compiled for them), so its
+# programs are compiled with LLVM's cheap passes only: `jax_disable_most_optimizations` sets XLA's
+# backend optimization level 0 (and no expensive LLVM passes). HLO passes, fusion and buffer
+# assignment are unchanged (what `memory_analysis()` and the HLO tests read); the machine code
+# is slower and its floating-point results may differ from -O2 code in the last bits, which
+# tests comparing two programs see alike. ~17% less CPU per test here (test_sessions,
+# test_train's resume test). Inherited by every subprocess (the CLIs); set
+# JAX_DISABLE_MOST_OPTIMIZATIONS=0 to run the suite on fully optimized code.
+os.environ.setdefault("JAX_DISABLE_MOST_OPTIMIZATIONS", "1")
 if "JAX_COMPILATION_CACHE_DIR" not in os.environ:
   os.environ["JAX_COMPILATION_CACHE_DIR"] = tempfile.mkdtemp(prefix="glm5_jax_test_xla_cache_")
   os.environ["GLM5_JAX_TEST_CACHE_OWNER"] = str(os.getpid())

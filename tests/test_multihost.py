@@ -47,9 +47,10 @@ def _env(process_id=None, port=None, devices=DEVICES_PER_PROCESS) -> dict:
   the coordinator's localhost traffic through them. So is the session's compilation cache
   (conftest.py): jax writes it from process 0 only and on CPU the key differs by process, so
   process 0 would load a step that process 1 still compiles, and wait at the first collective
-  longer than gloo's 30 s setup deadline."""
+  longer than gloo's 30 s setup deadline. (The suite's JAX_DISABLE_MOST_OPTIMIZATIONS stays:
+  every process of a comparison compiles alike.)"""
   env = {k: v for k, v in os.environ.items() if "_proxy" not in k.lower()
-         and not k.startswith("JAX_")}
+         and (not k.startswith("JAX_") or k == "JAX_DISABLE_MOST_OPTIMIZATIONS")}
   env.update(JAX_PLATFORMS="cpu", PYTHONPATH=ROOT,
              XLA_FLAGS=f"--xla_force_host_platform_device_count={devices}")
   if process_id is not None:

@@ -5,6 +5,7 @@ the HTTP layer's overhead.
 
   python tools/bench_serve.py --clients=1,32 --requests_per_client=4 --max_tokens=48
   python tools/bench_serve.py --model=small ...   # a slower step (hidden 256, 4 layers)
+  python tools/bench_serve.py --model=medium ...  # ~75M parameters: a step of tens of ms
   python tools/bench_serve.py --noengine_process  # the engine on a thread of the server
 
 A random model (`--model`); the engine in a process of its own as experiments/serve.py runs it
@@ -15,6 +16,7 @@ own; bounded by --clients (at most 64) and --deadline_s.
   # load generator on the others, so that it takes no CPU from what it measures
   python tools/bench_serve.py --server_cpus=0,1 --client_cpus=2-15 ..."""
 
+import asyncio
 import cProfile
 import json
 import logging
@@ -43,6 +45,12 @@ from glm5_jax.serve.app import create_app
 from glm5_jax.serve.engine_loop import EngineLoop
 from glm5_jax.serve.engine_process import EngineProcess, served_engine
 
+# hidden, layers, heads, kv_lora_rank, qk_nope / qk_rope / v head dims, indexer head dim, top-k
+_SIZES = {"tiny": (64, 2, 4, 32, 16, 8, 16, 16, 8),
+          "small": (256, 4, 8, 64, 32, 16, 32, 32, 16),
+          "medium": (1024, 8, 16, 256, 64, 32, 64, 64, 32)}
+
+
 _CLIENTS = flags.DEFINE_list("clients", ["1", "8", "32"], "Concurrent client counts (<= 64).")
 _PER_CLIENT = flags.DEFINE_integer("requests_per_client", 2, "Requests each client sends.")
 _MAX_TOKENS = flags.DEFINE_integer("max_tokens", 16, "Tokens per request.")
@@ -62,7 +70,7 @@ _PIPELINED = flags.DEFINE_bool("pipelined", True, "EngineProcess(pipelined=...):
                                "computes the next step while the server delivers the last.")
 _MODES = flags.DEFINE_list("modes", ["stream", "whole"], "Client modes: 'stream' (SSE, one chunk "
                            "per engine step per request) and/or 'whole' (one JSON reply).")
-_MODEL = flags.DEFINE_enum("model", "tiny", ["tiny", "small"], "The random model served "
+_MODEL = flags.DEFINE_enum("model", "tiny", list(_SIZES), "The random model served "
                            "(`_model_config`).")
 _SWITCH = flags.DEFINE_float("switch_interval_s", 0.0002, "sys.setswitchinterval, as "
                              "experiments/serve.py sets it (Python's default: 0.005).")
@@ -73,7 +81,7 @@ _SERVER_CPUS = flags.DEFINE_string("server_cpus", "", "CPU ids ('0,1' or '0-1') 
 _CLIENT_CPUS = flags.DEFINE_string("client_cpus", "", "CPU ids for the clients' processes; '': "
                                     "all.")
 _CLIENT_PROCESSES = flags.DEFINE_integer("client_processes", 4, "Processes the clients of a level "
-                                         "are spread over (threads within each).")
+                                         "are spread over (an event loop of clients in each).")
 PROMPT = [1, 72, 101, 108, 108, 111]
 
 
@@ -95,19 +103,16 @@ def _cpus(flag: str, value: str) -> set[int]:
 def _model_config(size):
   """"tiny": hidden 64, 2 layers (a 32-slot decode step ~1.5 ms on this CPU, ~45 us a token:
   the HTTP layer's per-token cost shows in full); "small": hidden 256, 4 layers (~11 ms a
-  step, a step time nearer a served model's)."""
-  hidden, layers = {"tiny": (64, 2), "small": (256, 4)}[size]
+  step); "medium": hidden 1024, 8 layers (~75M parameters; a step of tens of milliseconds,
+  as a served model's decode step is on its accelerator)."""
+  hidden, layers, heads, kv_lora, nope, rope, v, index_dim, topk = _SIZES[size]
   return model_config(vocab_size=384, hidden_size=hidden, num_hidden_layers=layers,
                       attention_pattern="D" * layers, first_k_dense_replace=layers,
-                      num_attention_heads=4 if size == "tiny" else 8, q_lora_rank=hidden // 2,
-                      kv_lora_rank=hidden // 2 if size == "tiny" else hidden // 4,
-                      qk_nope_head_dim=16 if size == "tiny" else 32,
-                      qk_rope_head_dim=8 if size == "tiny" else 16,
-                      v_head_dim=16 if size == "tiny" else 32, index_n_heads=2,
-                      index_head_dim=16 if size == "tiny" else 32,
-                      index_topk=8 if size == "tiny" else 16, intermediate_size=2 * hidden,
-                      num_nextn_predict_layers=0, mtp_depths=0, dtype="float32",
-                      cache_dtype="float32")
+                      num_attention_heads=heads, q_lora_rank=hidden // 2, kv_lora_rank=kv_lora,
+                      qk_nope_head_dim=nope, qk_rope_head_dim=rope, v_head_dim=v,
+                      index_n_heads=2, index_head_dim=index_dim, index_topk=topk,
+                      intermediate_size=2 * hidden, num_nextn_predict_layers=0, mtp_depths=0,
+                      dtype="float32", cache_dtype="float32")
 
 
 def _model():
@@ -122,51 +127,53 @@ def _build_engine(size, slots, max_rows):
                        dict(slots=slots, max_len=64, prefill_chunk=16), max_rows)
 
 
-def _client(url, n, results, deadline, max_tokens, stream):
-  with httpx.Client(timeout=120) as http:
-    for _ in range(n):
-      if time.time() > deadline:
-        return
-      start, first = time.perf_counter(), None
-      ids = set()
-      tokens = 0  # counted when the request finishes (ignore_eos: exactly max_tokens)
-      body = {"prompt": PROMPT, "max_tokens": max_tokens, "stream": stream, "ignore_eos": True,
-              "temperature": 1.0}
-      if not stream:  # the whole reply at once: its "time to first token" is its latency
-        reply = http.post(url, json=body).json()
-        first = time.perf_counter()
-        tokens = reply["usage"]["completion_tokens"]
-        results.append(({reply["id"]}, first - start, first - start, tokens))
-        continue
-      with http.stream("POST", url, json=body) as r:
-        for line in r.iter_lines():
-          if not line.startswith("data: ") or line == "data: [DONE]":
-            continue
-          first = first or time.perf_counter()
-          chunk = json.loads(line[6:])
-          ids.add(chunk["id"])
-          if chunk["choices"][0]["finish_reason"]:
-            tokens = max_tokens
-      results.append((ids, time.perf_counter() - start, first - start, tokens))
+async def _client(http, url, n, results, deadline, max_tokens, stream):
+  """One client: `n` requests one after another; appends `(ids, latency, TTFT, tokens)`."""
+  for _ in range(n):
+    if time.time() > deadline:
+      return
+    start, first = time.perf_counter(), None
+    ids = set()
+    tokens = 0  # counted when the request finishes (ignore_eos: exactly max_tokens)
+    body = {"prompt": PROMPT, "max_tokens": max_tokens, "stream": stream, "ignore_eos": True,
+            "temperature": 1.0}
+    if not stream:  # the whole reply at once: its "time to first token" is its latency
+      reply = (await http.post(url, json=body)).json()
+      first = time.perf_counter()
+      tokens = reply["usage"]["completion_tokens"]
+      results.append(({reply["id"]}, first - start, first - start, tokens))
+      continue
+    async with http.stream("POST", url, json=body) as r:
+      async for line in r.aiter_lines():
+        if not line.startswith("data: ") or line == "data: [DONE]":
+          continue
+        first = first or time.perf_counter()
+        chunk = json.loads(line[6:])
+        ids.add(chunk["id"])
+        if chunk["choices"][0]["finish_reason"]:
+          tokens = max_tokens
+    results.append((ids, time.perf_counter() - start, first - start, tokens))
 
 
 def _run_level(url, c, per_client, max_tokens, deadline_s, stream):
-  """C clients x `per_client` requests at once; (results, wall seconds)."""
+  """C clients x `per_client` requests at once, as coroutines on one event loop (threads of
+  one process contend for its GIL: 32 client threads burned ~1.6-1.9 ms of CPU per token on 16
+  cores, several times the server's work); (results, wall seconds)."""
   results = []
-  threads = [threading.Thread(target=_client, args=(url, per_client, results,
-                                                    time.time() + deadline_s, max_tokens,
-                                                    stream))
-             for _ in range(c)]
+
+  async def clients():
+    limits = httpx.Limits(max_connections=c, max_keepalive_connections=c)
+    async with httpx.AsyncClient(timeout=120, limits=limits) as http:
+      await asyncio.gather(*(_client(http, url, per_client, results, time.time() + deadline_s,
+                                     max_tokens, stream) for _ in range(c)))
+
   start = time.perf_counter()
-  for t in threads:
-    t.start()
-  for t in threads:
-    t.join()
+  asyncio.run(clients())
   return results, time.perf_counter() - start
 
 
 def _client_process(url, c, per_client, max_tokens, deadline_s, stream, ready, go, out, cpus):
-  """C clients (threads) in a process of their own (as real clients are: their JSON and HTTP
+  """C clients (coroutines) in a process of their own (as real clients are: their JSON and HTTP
   work does not take the server's GIL): an untimed round, then, on `go`, the timed one."""
   if cpus:
     os.sched_setaffinity(0, cpus)
@@ -283,9 +290,8 @@ def _level(url, c, stream, loop, timer, profiles, last, client_cpus):
   """One level: C clients, timed; prints its line; returns tokens/s."""
   spawn = multiprocessing.get_context("spawn")
   ready, go, out = spawn.Semaphore(0), spawn.Event(), spawn.Queue()
-  # Clients spread over processes: the threads of one process share its GIL, which on a
-  # many-core machine costs more CPU than the HTTP work itself (one process, 32 threads, 16
-  # cores: ~1.9 ms of client CPU per token against ~0.2 ms on 2 cores).
+  # Clients spread over processes: on a many-core machine one process's event loop (one core)
+  # would limit the load it generates.
   shares = np.array_split(np.arange(c), min(_CLIENT_PROCESSES.value, c))
   clients = [spawn.Process(target=_client_process, args=(
       url, len(share), _PER_CLIENT.value, _MAX_TOKENS.value, _DEADLINE.value, stream, ready, go,
@@ -389,7 +395,7 @@ def main(argv):
     time.sleep(0.05)
   url = f"http://127.0.0.1:{port}/v1/completions"
   for stream in (True, False):  # first-request one-off costs
-    _client(url, 2, [], time.time() + 300, _MAX_TOKENS.value, stream)
+    _run_level(url, 1, 2, _MAX_TOKENS.value, 300, stream)
   profiles = _Profiles(server, engine) if _PROFILE.value else None
   timer = _StepTimer(engine)
   rates, levels = {}, [min(int(x), 64) for x in _CLIENTS.value]
