@@ -27,6 +27,7 @@ import socket
 import sys
 import threading
 import time
+import urllib.parse
 
 from absl import app, flags
 import httpx
@@ -80,6 +81,11 @@ _SERVER_CPUS = flags.DEFINE_string("server_cpus", "", "CPU ids ('0,1' or '0-1') 
                                     "the engine process and the direct run; '': all.")
 _CLIENT_CPUS = flags.DEFINE_string("client_cpus", "", "CPU ids for the clients' processes; '': "
                                     "all.")
+_CLIENT_HTTP = flags.DEFINE_enum("client_http", "asyncio", ["asyncio", "httpx"], "The clients' "
+                                 "HTTP: 'asyncio', a minimal keep-alive HTTP/1.1 client on "
+                                 "asyncio streams (`_Connection`: cheap, so that the load "
+                                 "generator takes little CPU from the server it measures), or "
+                                 "httpx's async client.")
 _CLIENT_PROCESSES = flags.DEFINE_integer("client_processes", 4, "Processes the clients of a level "
                                          "are spread over (an event loop of clients in each).")
 PROMPT = [1, 72, 101, 108, 108, 111]
@@ -127,8 +133,60 @@ def _build_engine(size, slots, max_rows):
                        dict(slots=slots, max_len=64, prefill_chunk=16), max_rows)
 
 
-async def _client(http, url, n, results, deadline, max_tokens, stream):
-  """One client: `n` requests one after another; appends `(ids, latency, TTFT, tokens)`."""
+class _Connection:
+  """One keep-alive HTTP/1.1 connection on asyncio streams: `post(body)` yields the reply's
+  body as it arrives (chunked or sized). Hand-written because the load generator shares the
+  server's 2 cores here: httpx's async client spent ~355 us of CPU per streamed token (~130
+  whole), more than the server's HTTP layer, and the bench measures the server, not itself."""
+
+  def __init__(self, host: str, port: int, path: str):
+    self.host, self.port, self.path = host, port, path
+    self.reader = self.writer = None
+
+  async def post(self, payload: dict):
+    if self.writer is None:
+      self.reader, self.writer = await asyncio.open_connection(self.host, self.port)
+    body = json.dumps(payload).encode()
+    self.writer.write(f"POST {self.path} HTTP/1.1\r\nHost: {self.host}\r\nContent-Type: "
+                      f"application/json\r\nContent-Length: {len(body)}\r\n\r\n".encode() + body)
+    status = await self.reader.readline()
+    length, chunked = None, False
+    while (line := await self.reader.readline()) not in (b"\r\n", b""):
+      name, _, value = line.decode("latin-1").partition(":")
+      name = name.strip().lower()
+      if name == "content-length":
+        length = int(value)
+      elif name == "transfer-encoding":
+        chunked = "chunked" in value.lower()
+    if not chunked:
+      data = await self.reader.readexactly(length or 0)
+      if not status.startswith(b"HTTP/1.1 200"):
+        raise RuntimeError(f"{status.decode().strip()}: {data[:500]!r}")
+      yield data
+      return
+    while size := int((await self.reader.readline()).split(b";")[0], 16):
+      yield (await self.reader.readexactly(size + 2))[:-2]
+    while await self.reader.readline() not in (b"\r\n", b""):  # trailers
+      pass
+
+  def close(self):
+    if self.writer is not None:
+      self.writer.close()
+
+
+def _httpx_post(http, url):
+  async def post(payload):
+    async with http.stream("POST", url, json=payload) as r:
+      if r.status_code != 200:
+        raise RuntimeError(f"HTTP {r.status_code}: {(await r.aread())[:500]!r}")
+      async for piece in r.aiter_raw():
+        yield piece
+  return post
+
+
+async def _client(post, n, results, deadline, max_tokens, stream):
+  """One client: `n` requests one after another through `post` (payload -> the reply's body in
+  pieces); appends `(ids, latency, TTFT, tokens)`."""
   for _ in range(n):
     if time.time() > deadline:
       return
@@ -138,50 +196,64 @@ async def _client(http, url, n, results, deadline, max_tokens, stream):
     body = {"prompt": PROMPT, "max_tokens": max_tokens, "stream": stream, "ignore_eos": True,
             "temperature": 1.0}
     if not stream:  # the whole reply at once: its "time to first token" is its latency
-      reply = (await http.post(url, json=body)).json()
+      reply = json.loads(b"".join([piece async for piece in post(body)]))
       first = time.perf_counter()
       tokens = reply["usage"]["completion_tokens"]
       results.append(({reply["id"]}, first - start, first - start, tokens))
       continue
-    async with http.stream("POST", url, json=body) as r:
-      async for line in r.aiter_lines():
-        if not line.startswith("data: ") or line == "data: [DONE]":
+    pending = b""
+    async for piece in post(body):
+      *events, pending = (pending + piece).split(b"\n\n")
+      for event in events:
+        if not event.startswith(b"data: ") or event == b"data: [DONE]":
           continue
         first = first or time.perf_counter()
-        chunk = json.loads(line[6:])
+        chunk = json.loads(event[6:])
         ids.add(chunk["id"])
         if chunk["choices"][0]["finish_reason"]:
           tokens = max_tokens
     results.append((ids, time.perf_counter() - start, first - start, tokens))
 
 
-def _run_level(url, c, per_client, max_tokens, deadline_s, stream):
+def _run_level(url, c, per_client, max_tokens, deadline_s, stream, client_http):
   """C clients x `per_client` requests at once, as coroutines on one event loop (threads of
   one process contend for its GIL: 32 client threads burned ~1.6-1.9 ms of CPU per token on 16
   cores, several times the server's work); (results, wall seconds)."""
   results = []
+  deadline = time.time() + deadline_s
 
   async def clients():
-    limits = httpx.Limits(max_connections=c, max_keepalive_connections=c)
-    async with httpx.AsyncClient(timeout=120, limits=limits) as http:
-      await asyncio.gather(*(_client(http, url, per_client, results, time.time() + deadline_s,
-                                     max_tokens, stream) for _ in range(c)))
+    if client_http == "httpx":
+      limits = httpx.Limits(max_connections=c, max_keepalive_connections=c)
+      async with httpx.AsyncClient(timeout=120, limits=limits) as http:
+        await asyncio.gather(*(_client(_httpx_post(http, url), per_client, results, deadline,
+                                       max_tokens, stream) for _ in range(c)))
+      return
+    parts = urllib.parse.urlsplit(url)
+    connections = [_Connection(parts.hostname, parts.port, parts.path) for _ in range(c)]
+    try:
+      await asyncio.gather(*(_client(conn.post, per_client, results, deadline, max_tokens,
+                                     stream) for conn in connections))
+    finally:
+      for conn in connections:
+        conn.close()
 
   start = time.perf_counter()
   asyncio.run(clients())
   return results, time.perf_counter() - start
 
 
-def _client_process(url, c, per_client, max_tokens, deadline_s, stream, ready, go, out, cpus):
+def _client_process(url, c, per_client, max_tokens, deadline_s, stream, client_http, ready, go,
+                    out, cpus):
   """C clients (coroutines) in a process of their own (as real clients are: their JSON and HTTP
   work does not take the server's GIL): an untimed round, then, on `go`, the timed one."""
   if cpus:
     os.sched_setaffinity(0, cpus)
-  _run_level(url, c, 1, max_tokens, deadline_s, stream)
+  _run_level(url, c, 1, max_tokens, deadline_s, stream, client_http)
   ready.release()
   go.wait()
   cpu = time.process_time()
-  results, _ = _run_level(url, c, per_client, max_tokens, deadline_s, stream)
+  results, _ = _run_level(url, c, per_client, max_tokens, deadline_s, stream, client_http)
   out.put((results, time.process_time() - cpu))
 
 
@@ -294,8 +366,8 @@ def _level(url, c, stream, loop, timer, profiles, last, client_cpus):
   # would limit the load it generates.
   shares = np.array_split(np.arange(c), min(_CLIENT_PROCESSES.value, c))
   clients = [spawn.Process(target=_client_process, args=(
-      url, len(share), _PER_CLIENT.value, _MAX_TOKENS.value, _DEADLINE.value, stream, ready, go,
-      out, client_cpus)) for share in shares]
+      url, len(share), _PER_CLIENT.value, _MAX_TOKENS.value, _DEADLINE.value, stream,
+      _CLIENT_HTTP.value, ready, go, out, client_cpus)) for share in shares]
   for p in clients:
     p.start()
   for _ in clients:
@@ -395,7 +467,7 @@ def main(argv):
     time.sleep(0.05)
   url = f"http://127.0.0.1:{port}/v1/completions"
   for stream in (True, False):  # first-request one-off costs
-    _run_level(url, 1, 2, _MAX_TOKENS.value, 300, stream)
+    _run_level(url, 1, 2, _MAX_TOKENS.value, 300, stream, _CLIENT_HTTP.value)
   profiles = _Profiles(server, engine) if _PROFILE.value else None
   timer = _StepTimer(engine)
   rates, levels = {}, [min(int(x), 64) for x in _CLIENTS.value]
