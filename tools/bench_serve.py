@@ -158,12 +158,17 @@ class _Connection:
         length = int(value)
       elif name == "transfer-encoding":
         chunked = "chunked" in value.lower()
-    if not chunked:
-      data = await self.reader.readexactly(length or 0)
-      if not status.startswith(b"HTTP/1.1 200"):
-        raise RuntimeError(f"{status.decode().strip()}: {data[:500]!r}")
-      yield data
-      return
+    pieces = self._chunks() if chunked else self._sized(length or 0)
+    if not status.startswith(b"HTTP/1.1 200"):
+      text = b"".join([piece async for piece in pieces])[:500]
+      raise RuntimeError(f"{status.decode().strip()}: {text!r}")
+    async for piece in pieces:
+      yield piece
+
+  async def _sized(self, length: int):
+    yield await self.reader.readexactly(length)
+
+  async def _chunks(self):
     while size := int((await self.reader.readline()).split(b";")[0], 16):
       yield (await self.reader.readexactly(size + 2))[:-2]
     while await self.reader.readline() not in (b"\r\n", b""):  # trailers
