@@ -127,6 +127,30 @@ def test_unreadable_or_damaged_steps_name_their_directory(tmp_path, caplog):
   run.manager.close()
 
 
+def test_a_restored_state_is_placed_as_the_restore_target(tmp_path):
+  """Every leaf comes back with the restore target's sharding (the train step's output
+  shardings), the step counter and rng (read from the JSON meta) included: an unplaced step and
+  rng once made the first step after every resume compile the train step a second time."""
+  run = _TinyRun(str(tmp_path))
+  run.save(1)
+  mesh = jax.make_mesh((len(jax.devices()),), ("data",))
+  spec = lambda x: jax.sharding.PartitionSpec("data") if x.ndim else jax.sharding.PartitionSpec()
+  abstract = jax.tree_util.tree_map(
+      lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype,
+                                     sharding=jax.sharding.NamedSharding(mesh, spec(x))),
+      run.state(0))
+  abstract = abstract.replace(rng=jax.ShapeDtypeStruct(
+      abstract.rng.shape, abstract.rng.dtype,
+      sharding=jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())))
+  state, _ = ckpt.restore_latest(run.manager, abstract, run.data, run.config)
+  targets = jax.tree_util.tree_flatten_with_path(abstract)[0]
+  for (path, target), leaf in zip(targets, jax.tree_util.tree_leaves(state)):
+    assert leaf.sharding == target.sharding, (jax.tree_util.keystr(path), leaf.sharding)
+  assert int(state.step) == 1
+  np.testing.assert_array_equal(state.rng, run.state(1).rng)
+  run.manager.close()
+
+
 def test_a_checkpoint_from_before_fingerprints_restores_with_a_warning(tmp_path, caplog):
   run = _TinyRun(str(tmp_path))
   state = run.state(3)

@@ -329,9 +329,9 @@ def init_or_restore(config, run: RunHarness, t: rl_step.RLTrainer, shapes,
   abstract = jax.tree.map(lambda s, sh: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=sh),
                           abstract, t.state_sharding)
   restored = run.restore(abstract, None, config, fingerprint=rl_fingerprint(config))
-  if restored is not None:  # placed as the step's outputs are (another placement recompiles it)
+  if restored is not None:  # placed as `abstract` is: as the step's outputs
     state, meta = restored
-    return jax.device_put(state, t.state_sharding), meta.get("extra", {})
+    return state, meta.get("extra", {})
   if params is not None:
     if config.rl.init_from:
       raise ValueError(f"rl_train: params given and rl.init_from={config.rl.init_from!r}; give "

@@ -194,10 +194,20 @@ def _restore_step(manager, step, where, abstract_state, data_iterator, current: 
   except Exception as e:  # tensorstore / orbax errors for missing or undecodable files
     raise CheckpointCorruptError(f"{where}: could not restore ({e})") from e
   _verify(meta, where, restored["params"], restored["opt_state"], data_iterator)
-  state = TrainState(step=jax.numpy.asarray(meta.get("updates", meta["step"]), jax.numpy.int32),
+  state = TrainState(step=_placed(meta.get("updates", meta["step"]), abstract_state.step),
                      params=restored["params"], opt_state=restored["opt_state"],
-                     rng=jax.numpy.asarray(meta["rng"], jax.numpy.uint32))
+                     rng=_placed(meta["rng"], abstract_state.rng))
   return state, meta
+
+
+def _placed(value, like: jax.ShapeDtypeStruct) -> jax.Array:
+  """Host `value` as a global array of `like`'s dtype and sharding (replicated on the mesh, like
+  the train step's output): an uncommitted array there made the first step after a resume
+  compile the train step a second time (its input sharding differed from the step's output)."""
+  host = np.asarray(value, like.dtype).reshape(like.shape)
+  if like.sharding is None:
+    return jax.numpy.asarray(host)
+  return jax.make_array_from_callback(like.shape, like.sharding, lambda index: host[index])
 
 
 def _verify(meta, where, params, opt_state, data_iterator=None):
