@@ -154,6 +154,8 @@ def test_engine_process_serves_the_tokens_of_the_engine_in_process(proc):
   _check(_served(loop, _requests(4)), want)
   assert loop.version == 1 and proc.pages.pool.used == 0 and not proc.busy
   assert proc.prefix_stats()["prompt_tokens"] == before + 2 * sum(map(len, PROMPTS))
+  # `run`: the batch in the child, with no step round trips (tools/bench_serve.py's baseline).
+  assert [c.tokens for c in proc.run(_requests(4))] == [c.tokens for c in want]
   # The child dies (OOM-killed, say): requests fail with its exit code instead of hanging.
   proc._process.kill()
   proc._process.join(30)

@@ -142,9 +142,10 @@ class _FakeEngine:
     return len(self.submitted) - 1
 
 
-def _unstarted_loop(engine, admit_after_steps):
+def _unstarted_loop(engine, admit_after_steps, admit_window_s=0.0):
   loop = EngineLoop.__new__(EngineLoop)  # no thread: the test drives the loop's methods
   loop.engine, loop.admit_after, loop.steps = engine, admit_after_steps, 0
+  loop.admit_window, loop._held_at, loop._held_last = admit_window_s, 0.0, 0.0
   loop._held, loop._held_since, loop._streams, loop._outbox = [], 0, {}, []
   loop._lock, loop._pending = threading.Lock(), 0
   return loop
@@ -172,3 +173,43 @@ def test_arrivals_during_decoding_are_admitted_together():
   loop._command("submit", Request(3, (1,), 2, 0.0, 1.0, 0, 0), Stream())
   loop._admit_held()
   assert len(full.submitted) == 1  # the held requests fill the free slot: no reason to wait
+
+
+def test_an_idle_engine_admits_a_burst_of_arrivals_together(monkeypatch):
+  """`admit_window_s`: an idle engine holds arrivals until none has come for the window (each
+  arrival renews it, up to 4 windows after the first) or they fill its slots; the loop waits
+  on its queue no longer than that."""
+  from glm5_jax.serve import engine_loop
+  from glm5_jax.serve.engine_loop import Stream
+  now = [100.0]
+  monkeypatch.setattr(engine_loop.time, "monotonic", lambda: now[0])
+  submit = lambda loop, i: loop._command("submit", Request(i, (1,), 2, 0.0, 1.0, 0, 0), Stream())
+  idle = _FakeEngine(slots=8, running=0)
+  loop = _unstarted_loop(idle, admit_after_steps=0, admit_window_s=0.02)
+  assert loop._wait() == dict(block=True)  # nothing held: sleep until a command comes
+  submit(loop, 0)
+  now[0] += 0.005
+  loop._admit_held()
+  assert idle.submitted == [] and loop._wait()["timeout"] == pytest.approx(0.015)
+  submit(loop, 1)  # renews the window
+  now[0] += 0.015
+  loop._admit_held()
+  assert idle.submitted == [] and loop._wait()["timeout"] == pytest.approx(0.005)
+  now[0] += 0.006
+  assert loop._wait() == dict(block=False)  # quiet for a window: admit now
+  loop._admit_held()
+  assert [r.index for r in idle.submitted] == [0, 1]  # one admission for the two
+  loop = _unstarted_loop(idle, admit_after_steps=0, admit_window_s=0.02)
+  for i in range(2, 7):  # a steady trickle: admitted 4 windows after the first at the latest
+    submit(loop, i)
+    now[0] += 0.019
+  loop._admit_held()
+  assert [r.index for r in idle.submitted[2:]] == [2, 3, 4, 5, 6]
+  idle = _FakeEngine(slots=2, running=0)
+  loop = _unstarted_loop(idle, admit_after_steps=0, admit_window_s=0.02)
+  for i in range(2):
+    submit(loop, i)
+  loop._admit_held()
+  assert len(idle.submitted) == 2  # they fill the slots: no reason to wait
+  with pytest.raises(ValueError, match="admit_window_s must be a number of seconds"):
+    EngineLoop(idle, admit_window_s=-1)

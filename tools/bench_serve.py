@@ -64,6 +64,9 @@ _PROFILE = flags.DEFINE_bool("profile", False, "cProfile the server's event-loop
                              "engine thread during the last level; print their top functions.")
 _ADMIT_AFTER = flags.DEFINE_integer("admit_after_steps", 0, "EngineLoop's admit_after_steps "
                                    "(0: every arrival admitted at the next step).")
+_ADMIT_WINDOW = flags.DEFINE_float("admit_window_s", 0.02, "EngineLoop's admit_window_s (an "
+                                   "idle engine holds an arrival this long for others), as "
+                                   "experiments/serve.py's default.")
 _PROCESS = flags.DEFINE_bool("engine_process", True, "Run the engine in a process of its own "
                              "(glm5_jax.serve.engine_process), as experiments/serve.py does; "
                              "false: on a thread of the server's process.")
@@ -108,9 +111,9 @@ def _cpus(flag: str, value: str) -> set[int]:
 
 def _model_config(size):
   """"tiny": hidden 64, 2 layers (a 32-slot decode step ~1.5 ms on this CPU, ~45 us a token:
-  the HTTP layer's per-token cost shows in full); "small": hidden 256, 4 layers (~11 ms a
-  step); "medium": hidden 1024, 8 layers (~75M parameters; a step of tens of milliseconds,
-  as a served model's decode step is on its accelerator)."""
+  the HTTP layer's per-token cost shows in full); "small": hidden 256, 4 layers (~6.5 ms a
+  step); "medium": hidden 1024, 8 layers (~75M parameters; ~140-170 ms a step here, a served
+  model's decode step being tens of milliseconds on its accelerator)."""
   hidden, layers, heads, kv_lora, nope, rope, v, index_dim, topk = _SIZES[size]
   return model_config(vocab_size=384, hidden_size=hidden, num_hidden_layers=layers,
                       attention_pattern="D" * layers, first_k_dense_replace=layers,
@@ -459,7 +462,8 @@ def main(argv):
     engine = Engine(cfg, params, slots=_SLOTS.value, max_len=64, prefill_chunk=16)
     engine.warmup(max_rows)  # every program compiled before anything is timed
   sys.setswitchinterval(_SWITCH.value)
-  loop = EngineLoop(engine, max_queue=1024, admit_after_steps=_ADMIT_AFTER.value)
+  loop = EngineLoop(engine, max_queue=1024, admit_after_steps=_ADMIT_AFTER.value,
+                    admit_window_s=_ADMIT_WINDOW.value)
   with socket.socket() as s:
     s.bind(("127.0.0.1", 0))
     port = s.getsockname()[1]
@@ -485,29 +489,31 @@ def main(argv):
             f"{rates[mode, 32] / rates[mode, 1]:.2f}x")
   server.should_exit = True
   loop.close()
-  if _PROCESS.value:
-    engine.close()
   # The same work as the 32-client level (32 x requests_per_client requests, 32 at a time),
-  # submitted at once, in this process (the server's engine process is closed); the median of
-  # 3 runs (the machine's other load varies).
+  # submitted at once to the same engine (in the engine process that served: processes of
+  # one program differ by ~10% in speed on this machine); the median of 3 runs.
   n = 32 * _PER_CLIENT.value
   requests = [Request(i, tuple(PROMPT), _MAX_TOKENS.value, 1.0, 1.0, 0, request_seed(0, i))
               for i in range(n)]
-  direct = Engine(cfg, params, slots=_SLOTS.value, max_len=64, prefill_chunk=16)
-  direct.run(requests)  # compiles its programs
-  direct_timer, runs = _StepTimer(direct), []
-  cpu = time.process_time()
+  if _PROCESS.value:
+    direct, where = engine, "the engine process that served"
+    cpu_now = lambda: engine.cpu_seconds
+  else:
+    direct, where = Engine(cfg, params, slots=_SLOTS.value, max_len=64, prefill_chunk=16), ""
+    direct.run(requests)  # compiles its programs
+    cpu_now = time.process_time
+  runs, cpu = [], cpu_now()
   for _ in range(3):
     start = time.perf_counter()
     direct.run(requests)
     runs.append(n * _MAX_TOKENS.value / (time.perf_counter() - start))
-  cpu = time.process_time() - cpu
+  cpu = cpu_now() - cpu
+  if _PROCESS.value:
+    engine.close()
   direct_rate = float(np.median(runs))
-  print(f"engine direct, {n} requests, 32 slots: {direct_rate:.1f} tok/s (median of "
-        f"{', '.join(f'{r:.0f}' for r in runs)}), steps of "
-        f"{1e3 * direct_timer.seconds / direct_timer.steps:.1f} ms "
-        f"({direct_timer.admits // 3} admissions per run), CPU us/token "
-        f"{1e6 * cpu / (3 * n * _MAX_TOKENS.value):.0f}")
+  print(f"engine direct ({where or 'this process'}), {n} requests, 32 slots: "
+        f"{direct_rate:.1f} tok/s (median of {', '.join(f'{r:.0f}' for r in runs)}), CPU "
+        f"us/token {1e6 * cpu / (3 * n * _MAX_TOKENS.value):.0f}")
   for mode in modes:
     if (mode, 32) in rates:
       print(f"{mode}: HTTP overhead at 32 clients x {_PER_CLIENT.value}: "

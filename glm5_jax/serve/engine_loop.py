@@ -14,6 +14,7 @@ import asyncio
 import dataclasses
 import queue
 import threading
+import time
 
 from glm5_jax.infer.engine import Engine, Event
 from glm5_jax.infer.requests import Request
@@ -119,17 +120,29 @@ class EngineLoop:
       cost an admission of their own (a prefill call, its first-token sampling, the
       host-device round trips), several times a decode step; 0 admits at every step. The
       policy of text-generation-inference's `max_waiting_tokens`.
+    admit_window_s: an idle engine holds arrivals until none has come for this long (at most
+      `4 * admit_window_s` after the first), or until they fill its slots. Clients answered at
+      the same step send their next requests within milliseconds of each other; admitted one
+      by one, the first starts a decode step alone and the rest join a step later, so the
+      group finishes out of step and every round decodes partial batches. 0 admits at once
+      (as Triton's `max_queue_delay_microseconds`, with the wait renewed by each arrival).
   """
 
-  def __init__(self, engine: Engine, *, max_queue: int = 256, admit_after_steps: int = 0):
+  def __init__(self, engine: Engine, *, max_queue: int = 256, admit_after_steps: int = 0,
+               admit_window_s: float = 0.0):
     if not isinstance(max_queue, int) or max_queue < 1:
       raise ValueError(f"EngineLoop: max_queue must be an int >= 1, got {max_queue!r}")
     if not isinstance(admit_after_steps, int) or admit_after_steps < 0:
       raise ValueError(f"EngineLoop: admit_after_steps must be an int >= 0, got "
                        f"{admit_after_steps!r}")
+    if not isinstance(admit_window_s, (int, float)) or not 0 <= admit_window_s <= 10:
+      raise ValueError(f"EngineLoop: admit_window_s must be a number of seconds in [0, 10], "
+                       f"got {admit_window_s!r}")
     self.engine, self.max_queue, self.admit_after = engine, max_queue, admit_after_steps
+    self.admit_window = float(admit_window_s)
     self._held: list = []  # (request, stream) not handed to the engine yet
     self._held_since = 0  # `steps` when the oldest held request arrived
+    self._held_at = self._held_last = 0.0  # its time.monotonic(), and the newest's
     self._commands: queue.Queue = queue.Queue()
     self._pending = 0  # submitted, not yet admitted to a slot (commands + engine's waiting)
     self._lock = threading.Lock()
@@ -189,7 +202,7 @@ class EngineLoop:
 
   def _iterate(self) -> None:
     try:  # block only when the engine has nothing to do
-      self._command(*self._commands.get(block=not (self.engine.busy or self._held)))
+      self._command(*self._commands.get(**self._wait()))
       while True:
         self._command(*self._commands.get_nowait())
     except queue.Empty:
@@ -246,14 +259,32 @@ class EngineLoop:
       del self._streams[event.handle]
       self._put(stream, None)
 
+  def _wait(self) -> dict:
+    """`queue.get` arguments for the next command: no wait while the engine has work or held
+    requests are due; until the admission window closes while an idle engine holds requests;
+    else until a command comes."""
+    if self.engine.busy:
+      return dict(block=False)
+    if not self._held:
+      return dict(block=True)
+    left = self._window_left()
+    return dict(block=True, timeout=left) if left > 0 else dict(block=False)
+
+  def _window_left(self) -> float:
+    """Seconds until an idle engine admits what it holds (`admit_window_s`)."""
+    return min(self._held_last, self._held_at + 3 * self.admit_window) + self.admit_window - (
+        time.monotonic())
+
   def _admit_held(self) -> None:
-    """Hands the held requests to the engine when it is idle, when they fill its free slots,
-    or when the oldest has waited `admit_after_steps` steps."""
+    """Hands the held requests to the engine when they fill its free slots; else, while it
+    decodes, when the oldest has waited `admit_after_steps` steps, and when it is idle, once
+    the window of `admit_window_s` closed."""
     if not self._held:
       return
     free = self.engine.slots - self.engine.running() - self.engine.waiting()
-    if self.engine.busy and len(self._held) < free and (
-        self.steps - self._held_since < self.admit_after):
+    if len(self._held) < free and (
+        self.steps - self._held_since < self.admit_after if self.engine.busy
+        else self._window_left() > 0):
       return
     held, self._held = self._held, []
     for i, (request, stream) in enumerate(held):
@@ -275,8 +306,10 @@ class EngineLoop:
 
   def _command(self, kind, request, stream) -> None:
     if kind == "submit":
+      now = time.monotonic()
       if not self._held:
-        self._held_since = self.steps
+        self._held_since, self._held_at = self.steps, now
+      self._held_last = now
       self._held.append((request, stream))
     elif kind == "cancel" and any(s is stream for _, s in self._held):
       self._held = [(r, s) for r, s in self._held if s is not stream]

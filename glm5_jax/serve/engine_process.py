@@ -14,8 +14,9 @@ the HTTP process), and is then what `EngineLoop` needs of an engine: `submit`, `
 reads (`cfg`, `slots`, `max_len`, `top_n`, `k`, `record_routing`, `pages.pool` counts) and
 `params` (abstract shapes; assigning host or device arrays ships them to the child, as
 `VersionedLoop` does between steps). `extra` (picklable: the tokenizer, the model's source)
-comes back as `.extra`. Every call is one message each way on a pipe; each reply carries the
-engine's busy / running / waiting counts, so `busy` and the counts cost nothing.
+comes back as `.extra`. `run(requests)` is `Engine.run` in the child (a batch, no round trip
+per step). Every call is one message each way on a pipe; each reply carries the engine's busy
+/ running / waiting counts, so `busy` and the counts cost nothing.
 
 Pipelined (the default): when a step leaves the engine busy, the next "step" is sent at once,
 so the child computes step n + 1 while this process unpickles and delivers step n's events and
@@ -133,6 +134,7 @@ _METHODS = {
     "release": lambda s, session: s.engine.release(session),
     "prefix_stats": lambda s: s.engine.prefix_stats(),
     "set_params": lambda s, params: _set_params(s.engine, params),
+    "run": lambda s, requests: s.engine.run(requests),
 }
 
 
@@ -317,6 +319,17 @@ class EngineProcess:
 
   def release(self, session) -> bool:
     return self._call("release", session)
+
+  def run(self, requests) -> list:
+    """`Engine.run(requests)` in the child: every request generated with no round trip per
+    step (the completions in input order). The engine must be idle. tools/bench_serve.py
+    times the served engine's own process this way, so that its direct baseline shares the
+    process (and its placement of memory and threads) with what it is compared to."""
+    requests = list(requests)
+    if self.busy:
+      raise RuntimeError(f"EngineProcess.run: {self.waiting()} requests waiting and "
+                         f"{self.running()} running; drive them with `step` first")
+    return self._call("run", requests)
 
   def prefix_stats(self) -> dict:
     return self._call("prefix_stats")
