@@ -358,7 +358,7 @@ def test_cli_stops_and_resumes_each_stage_and_checks_the_rl_config_first(tmp_pat
   args = [sys.executable, "tests/train_cli.py", "--script=experiments/rl.py",
           f"--workdir={tmp_path}", "--config.model.num_hidden_layers=2",
           "--config.sft.model.num_hidden_layers=2", "--config.sft.train.steps=3",
-          "--config.sft.train.dsa_dense_steps=1", "--config.sft.optim.warmup_steps=1",
+          "--config.sft.train.dsa_dense_steps=0", "--config.sft.optim.warmup_steps=1",
           "--config.sft.sft.num_per_env=40", "--config.sft.data.batch_size=4",
           "--config.sft.eval.every_steps=0", "--config.sft.ckpt.every_steps=3",
           "--config.sft.train.log_every_steps=1", "--config.rl.steps=2",
