@@ -64,10 +64,10 @@ _TOP_LOGPROBS = flags.DEFINE_integer("max_top_logprobs", 20, "Alternatives kept 
 _ADMIT_AFTER = flags.DEFINE_integer("admit_after_steps", 0, "While requests decode, hold new "
                                     "ones and admit them together after at most this many "
                                     "steps (glm5_jax.serve.engine_loop); 0: at the next step.")
-_ADMIT_WINDOW = flags.DEFINE_float("admit_window_s", 0.02, "An idle engine holds the first "
-                                    "arrival this long for others to join its admission "
-                                    "(glm5_jax.serve.engine_loop): clients answered together "
-                                    "send their next requests together; 0: at once.")
+_ADMIT_WINDOW = flags.DEFINE_float("admit_window_s", 0.02, "An idle engine admits arrivals "
+                                    "once none has come for this long (at most 4 windows after "
+                                    "the first; glm5_jax.serve.engine_loop): clients answered "
+                                    "together send their next requests together; 0: at once.")
 _SWITCH = flags.DEFINE_float(
     "switch_interval_s", 0.0002, "sys.setswitchinterval of the server process. The engine "
     "thread gives up the GIL at every device call and transfer; at Python's default 0.005 s "

@@ -65,8 +65,8 @@ _PROFILE = flags.DEFINE_bool("profile", False, "cProfile the server's event-loop
 _ADMIT_AFTER = flags.DEFINE_integer("admit_after_steps", 0, "EngineLoop's admit_after_steps "
                                    "(0: every arrival admitted at the next step).")
 _ADMIT_WINDOW = flags.DEFINE_float("admit_window_s", 0.02, "EngineLoop's admit_window_s (an "
-                                   "idle engine holds an arrival this long for others), as "
-                                   "experiments/serve.py's default.")
+                                   "idle engine admits arrivals once none has come for this "
+                                   "long), as experiments/serve.py's default.")
 _PROCESS = flags.DEFINE_bool("engine_process", True, "Run the engine in a process of its own "
                              "(glm5_jax.serve.engine_process), as experiments/serve.py does; "
                              "false: on a thread of the server's process.")
