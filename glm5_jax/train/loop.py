@@ -53,8 +53,7 @@ def _train(config, run: RunHarness) -> dict:
       process_count=jax.process_count()) if config.eval.every_steps else []
   source_names = data_lib.source_names(config.data)
   answer_sources = {n for n in source_names if config.data.sources[n].kind == "synthetic"}
-  with activation_sharding(mesh, rules):  # as at every save: one checksum program, not two
-    state = _init_or_restore(t, run, config)
+  state = _init_or_restore(t, run, config)
 
   # ---------------------------------------------------------------- loop
   tokens_per_step = config.data.batch_size * config.data.seq_len
