@@ -511,7 +511,7 @@ def main(argv):
   if _PROCESS.value:
     engine.close()
   direct_rate = float(np.median(runs))
-  print(f"engine direct ({where or 'this process'}), {n} requests, 32 slots: "
+  print(f"engine direct ({where or 'this process'}), {n} requests, {_SLOTS.value} slots: "
         f"{direct_rate:.1f} tok/s (median of {', '.join(f'{r:.0f}' for r in runs)}), CPU "
         f"us/token {1e6 * cpu / (3 * n * _MAX_TOKENS.value):.0f}")
   for mode in modes:
