@@ -490,28 +490,23 @@ def main(argv):
   server.should_exit = True
   loop.close()
   # The same work as the 32-client level (32 x requests_per_client requests, 32 at a time),
-  # submitted at once to the same engine (in the engine process that served: processes of
-  # one program differ by ~10% in speed on this machine); the median of 3 runs.
+  # submitted at once to the engine that served, in its own process (processes of one program
+  # differ by ~10% in speed on this machine); the median of 3 runs.
   n = 32 * _PER_CLIENT.value
   requests = [Request(i, tuple(PROMPT), _MAX_TOKENS.value, 1.0, 1.0, 0, request_seed(0, i))
               for i in range(n)]
-  if _PROCESS.value:
-    direct, where = engine, "the engine process that served"
-    cpu_now = lambda: engine.cpu_seconds
-  else:
-    direct, where = Engine(cfg, params, slots=_SLOTS.value, max_len=64, prefill_chunk=16), ""
-    direct.run(requests)  # compiles its programs
-    cpu_now = time.process_time
+  cpu_now = (lambda: engine.cpu_seconds) if _PROCESS.value else time.process_time
   runs, cpu = [], cpu_now()
   for _ in range(3):
     start = time.perf_counter()
-    direct.run(requests)
+    engine.run(requests)
     runs.append(n * _MAX_TOKENS.value / (time.perf_counter() - start))
   cpu = cpu_now() - cpu
   if _PROCESS.value:
     engine.close()
   direct_rate = float(np.median(runs))
-  print(f"engine direct ({where or 'this process'}), {n} requests, {_SLOTS.value} slots: "
+  where = "the engine process that served" if _PROCESS.value else "the engine that served"
+  print(f"engine direct ({where}), {n} requests, {_SLOTS.value} slots: "
         f"{direct_rate:.1f} tok/s (median of {', '.join(f'{r:.0f}' for r in runs)}), CPU "
         f"us/token {1e6 * cpu / (3 * n * _MAX_TOKENS.value):.0f}")
   for mode in modes:
