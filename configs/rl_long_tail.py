@@ -25,8 +25,10 @@ from glm5_jax.posttrain.tasks import MIXTURE, task_config
 def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
   arg = parse_arg(arg, steps=12, sft_steps=120)
   # 160 positions: a 32-letter prompt (~50 tokens) and a 96-token turn.
+  # The plain GRPO recipe: this config measures the hand-off, and dynamic sampling (the
+  # default recipe's) cannot hand a group off mid-way.
   config = rl_tiny.get_config(f"env=echo,steps={arg.steps},sft_steps={arg.sft_steps},"
-                              "seq_len=160")
+                              "seq_len=160,recipe=plain")
   config.sft.sft.envs = "echo,strings"
   rl = config.rl
   rl.env = MIXTURE

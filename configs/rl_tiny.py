@@ -12,7 +12,12 @@ not all, leaving RL room to improve.
 
 `arg` (configs.common.parse_arg): `env` (default "addition"), `steps` (RL steps, default 100),
 `sft_steps` (default 160), `seq_len` (each sample's row, default 64; the echo env of
-tools/bench_rl.py needs 128: a 32-letter prompt and its copy).
+tools/bench_rl.py needs 128: a 32-letter prompt and its copy), `recipe` ("signal", default: the
+recipe below; "plain": GLM-5's GRPO as published, outcome reward, no dynamic sampling, no KL,
+Muon Split 1e-3: the run that fell, kept as the baseline).
+
+Dynamic sampling is not supported with agent rollouts or long-tail hand-off: with
+`--config.rl.rollout_via=gateway` also pass `--config.rl.dynamic_sampling_rounds=0`.
 
 Asynchronous mode (`experiments/rl.py --mode=async`) reads the same config: `rl.max_staleness`,
 `rl.worker_groups`, `rl.policy_keep`, `rl.poll_seconds`; checkpoints every step (each published
@@ -30,8 +35,13 @@ from glm5_jax.sharding import mesh_config
 from glm5_jax.train import config as train_defaults
 
 
+RECIPES = ("signal", "plain")
+
+
 def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
-  arg = parse_arg(arg, env="addition", steps=100, sft_steps=160, seq_len=64)
+  arg = parse_arg(arg, env="addition", steps=100, sft_steps=160, seq_len=64, recipe="signal")
+  if arg.recipe not in RECIPES:
+    raise ValueError(f"configs/rl_tiny.py: recipe must be one of {RECIPES}, got {arg.recipe!r}")
   config = ml_collections.ConfigDict()
   config.seed = 0
   config.sft = sft_tiny.get_config(f"envs={arg.env},steps={arg.sft_steps}")
@@ -39,17 +49,28 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
   # Addition's prompt is 11 tokens and its worked answer at most 37: 64 holds a 48-token turn.
   config.data = rl_data_config(seq_len=arg.seq_len)
   # 32 prompts x 8 samples: with 8 prompts (64 samples) a step's gradient was mostly noise and
-  # held-out accuracy fell under every optimizer tried (below); 256 samples make it climb.
+  # held-out accuracy fell under every optimizer tried.
   config.rl = rl_config(env=arg.env, group_size=8, prompts_per_step=32, max_new_tokens=48,
                         temperature=1.0, eps_low=0.2, eps_high=0.28, icepop_beta=2.0,
                         steps=arg.steps, eval_every_steps=25, eval_tasks=200, eval_samples=4)
-  # Measured from the default SFT checkpoint (greedy 34.5% on 200 held-out tasks), runs of 90
-  # steps x 256 samples: Muon Split 1e-3 -> 51.0% (T=1), AdamW 2e-4 at T=0.7 -> 51.0%; Muon
-  # Split 2e-3 collapsed (1% at step 25). The default run (100 steps): 44.5%. With
-  # 64 samples per step, 30 steps: Muon Split 2e-4 -> 31.5%, 2e-3 collapsed (reward 0 by step
-  # 10), AdamW 1e-4 / 3e-4 -> 24.5% / 15%. Held-out greedy accuracy dips over the first ~30
-  # steps (29% at step 30) before it climbs: the train reward starts rising near step 40.
-  config.optim = optim.optim_config(learning_rate=1e-3, warmup_steps=5)
+  # The recipe, each part against the run that fell (docs/posttrain.md, "Why RL fell" and
+  # "The default recipe"): Muon Split and AdamW take a full-size step whatever the gradient
+  # holds, so at 1e-3 a step of mostly-noise GRPO gradient walked the policy off (greedy
+  # 33.5 -> 21.0%; a null-reward control -> 1.0%).
+  #  - a reward that does not pay for lucky answers: addition checks the column steps (28-38%
+  #    of the correct samples reached the answer through wrong column sums);
+  #  - dynamic sampling: groups whose rewards are all equal (31-56% of them) are replaced by
+  #    up to 2 more rounds of prompts, so every step trains on 32 groups with signal;
+  #  - a smaller step, 3e-4, and GRPO's KL penalty to the SFT policy (0.1), which bounds how far
+  #    the noise part of the updates can walk.
+  if arg.recipe == "plain":
+    config.optim = optim.optim_config(learning_rate=1e-3, warmup_steps=5)
+  else:
+    if arg.env == "addition":
+      config.rl.env_options.reward = "checked"
+    config.rl.dynamic_sampling_rounds = 2
+    config.rl.kl_coef = 0.1
+    config.optim = optim.optim_config(learning_rate=3e-4, warmup_steps=5)
   config.train = train_defaults.train_config(steps=arg.steps)
   # Every step: the asynchronous trainer publishes only checkpointed versions (async_trainer).
   config.ckpt = train_defaults.ckpt_config(every_steps=1, keep=2)

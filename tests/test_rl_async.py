@@ -30,7 +30,7 @@ REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 def small_async_config(**rl):
   """configs/rl_tiny.py with a 2-layer model, 32-token rows, groups of 4, 2 groups per step."""
-  config = rl_tiny.get_config()
+  config = rl_tiny.get_config("recipe=plain")
   del config["sft"]
   config.model.num_hidden_layers = 2
   config.data.seq_len = 32
@@ -185,7 +185,7 @@ def test_trainer_and_two_workers_in_threads(tmp_path, helpers):
 def sft_dir(tmp_path_factory):
   """A 2-step SFT run of the 2-layer model (the RL runs below start from it)."""
   from glm5_jax.posttrain import sft  # pylint: disable=import-outside-toplevel
-  config = rl_tiny.get_config().sft
+  config = rl_tiny.get_config("recipe=plain").sft
   config.model.num_hidden_layers = 2
   config.train.update(steps=2, dsa_dense_steps=1)
   config.optim.warmup_steps = 1

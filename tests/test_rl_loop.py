@@ -38,12 +38,12 @@ TOKENIZER = make_tokenizer("byte")
 def small_config(**rl):
   """configs/rl_tiny.py with a 2-layer model, 32-token rows and 8-token turns; every test's
   rollouts have 4 tasks x 8 samples, so the engine and the train step compile once."""
-  config = rl_tiny.get_config()
+  config = rl_tiny.get_config("recipe=plain")
   del config["sft"]
   config.model.num_hidden_layers = 2
   config.data.seq_len = 32
   config.rl.update({**dict(group_size=8, prompts_per_step=4, max_new_tokens=8, steps=4,
-                          eval_every_steps=0, eval_tasks=0), **rl})
+                          eval_every_steps=0, eval_tasks=0, log_kl=False), **rl})
   config.optim.update(warmup_steps=0, learning_rate=1e-2)
   config.ckpt.update(every_steps=2, async_save=False)
   return config
@@ -318,6 +318,25 @@ def test_short_rl_run_raises_the_reward(small, tmp_path, stop_early):
 
 
 @pytest.mark.slow
+def test_signal_controls_dynamic_sampling_null_reward_and_kl_penalty(small, tmp_path, stop_early):
+  """Two steps with every signal control on: dynamic sampling fills the step with groups that
+  carry signal where it can (2 rounds of 4 prompts), the null control shuffles rewards, the KL
+  penalty is 0 while the policy is the start and the KL to the start grows after an update."""
+  config = small_config(env="stop_early", steps=2, dynamic_sampling_rounds=1, kl_coef=0.1,
+                        null_reward_control=True, log_kl=True)
+  summary = loop.rl_train(config, str(tmp_path), params=small[1])
+  records = [json.loads(line) for line in open(summary["metrics_file"])]
+  assert [r["step"] for r in records] == [1, 2]
+  first, second = records
+  for r in records:
+    assert r["generation_rounds"] in (1, 2) and 0 <= r["signal_groups"] <= 4
+    assert r["zero_signal_groups"] == pytest.approx(1 - r["signal_groups"] / 4)
+    assert r["update_norm"] > 0 and "kl_penalty" in r
+  assert abs(first["kl_penalty"]) < 1e-5 and abs(first["kl_to_start"]) < 1e-5
+  assert second["kl_to_start"] > 1e-6 and second["kl_penalty"] > 1e-6
+
+
+@pytest.mark.slow
 def test_distillation_advantage_is_the_teacher_gap(small, uninterrupted, tmp_path, stop_early,
                                                    helpers):
   """`score` with a teacher: advantage = (teacher logp - rollout logp) on generated tokens, 0
@@ -345,6 +364,41 @@ def test_distillation_advantage_is_the_teacher_gap(small, uninterrupted, tmp_pat
   assert summary["last_metrics"]["advantage_abs_mean"] > 0
 
 
+# experiments/rl.py's flags of the CLI tests: a 3-step SFT of a 2-layer model, then 2 RL steps.
+TINY_RL_FLAGS = [
+    "--config.model.num_hidden_layers=2", "--config.sft.model.num_hidden_layers=2",
+    "--config.sft.train.steps=3", "--config.sft.train.dsa_dense_steps=0",
+    "--config.sft.optim.warmup_steps=1", "--config.sft.sft.num_per_env=40",
+    "--config.sft.data.batch_size=4", "--config.sft.eval.every_steps=0",
+    "--config.sft.ckpt.every_steps=3", "--config.sft.train.log_every_steps=1",
+    "--config.rl.steps=2", "--config.rl.prompts_per_step=2", "--config.rl.group_size=2",
+    "--config.rl.max_new_tokens=8", "--config.rl.eval_tasks=4", "--config.rl.eval_samples=2",
+    "--config.rl.eval_every_steps=2", "--config.optim.warmup_steps=0",
+    "--config.ckpt.every_steps=2", "--config.data.seq_len=32",
+    "--config.rl.dynamic_sampling_rounds=0"]
+
+
+@pytest.mark.slow
+def test_seeds_study_runs_each_rl_seed_from_its_sft_seeds_start(tmp_path):
+  """tools/seeds.py, 1 SFT seed x 2 RL seeds of the CLI test's tiny run: the second RL seed
+  starts from the first one's SFT run, the table has both rows, and a rerun skips done runs."""
+  env = dict(os.environ, PYTHONPATH=REPO, JAX_PLATFORMS="cpu")
+  command = [sys.executable, "tools/seeds.py", f"--root={tmp_path}", "--sft_seeds=0",
+             "--rl_seeds=0,1", "--parallel=1", "--", *TINY_RL_FLAGS]
+  proc = subprocess.run(command, cwd=REPO, env=env, capture_output=True, text=True, timeout=900)
+  assert proc.returncode == 0, proc.stderr[-3000:]
+  out = json.load(open(tmp_path / "seeds.json"))
+  assert [r["run"] for r in out["rows"]] == ["sft0_rl0", "sft0_rl1"]
+  assert all(r["eval_steps"] == [0, 2] for r in out["rows"])
+  assert os.path.isdir(tmp_path / "sft0_rl0" / "sft") and not os.path.exists(
+      tmp_path / "sft0_rl1" / "sft")
+  assert f"RL starts from {tmp_path / 'sft0_rl0' / 'sft'} (step 3)" in open(
+      tmp_path / "sft0_rl1" / "seeds.log").read()
+  assert "| sft0_rl1 | 0 | 1 |" in proc.stdout and "mean ± 95% t" in proc.stdout
+  again = subprocess.run(command, cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
+  assert again.returncode == 0 and "2 runs (2 done)" in again.stderr, again.stderr[-2000:]
+
+
 @pytest.mark.slow
 def test_cli_stops_and_resumes_each_stage_and_checks_the_rl_config_first(tmp_path):
   """experiments/rl.py with no rl.init_from: a 3-step SFT, then 2 RL steps from it.
@@ -356,16 +410,7 @@ def test_cli_stops_and_resumes_each_stage_and_checks_the_rl_config_first(tmp_pat
   it saved (75); the third run resumes RL, and its "before RL" figure is step 0's evaluation,
   made by the second run."""
   args = [sys.executable, "tests/train_cli.py", "--script=experiments/rl.py",
-          f"--workdir={tmp_path}", "--config.model.num_hidden_layers=2",
-          "--config.sft.model.num_hidden_layers=2", "--config.sft.train.steps=3",
-          "--config.sft.train.dsa_dense_steps=0", "--config.sft.optim.warmup_steps=1",
-          "--config.sft.sft.num_per_env=40", "--config.sft.data.batch_size=4",
-          "--config.sft.eval.every_steps=0", "--config.sft.ckpt.every_steps=3",
-          "--config.sft.train.log_every_steps=1", "--config.rl.steps=2",
-          "--config.rl.prompts_per_step=2", "--config.rl.group_size=2",
-          "--config.rl.max_new_tokens=8", "--config.rl.eval_tasks=4", "--config.rl.eval_samples=2",
-          "--config.rl.eval_every_steps=2", "--config.optim.warmup_steps=0",
-          "--config.ckpt.every_steps=2", "--config.data.seq_len=32"]
+          f"--workdir={tmp_path}", *TINY_RL_FLAGS]
   env = dict(os.environ, PYTHONPATH=REPO, JAX_PLATFORMS="cpu")
   run = lambda *extra, hook=(): subprocess.run(
       args[:2] + [f"--hook={h}" for h in hook] + args[2:] + list(extra), cwd=REPO, env=env,

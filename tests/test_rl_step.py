@@ -177,7 +177,7 @@ def test_rl_config_validation():
 
 
 def test_rl_experiment_rows_must_split_into_minibatches():
-  config = rl_tiny.get_config()
+  config = rl_tiny.get_config("recipe=plain")
   del config["sft"]
   config.rl.update(prompts_per_step=3, group_size=4, minibatches=2)
   validate_rl_experiment(config)  # 12 rows, 2 minibatches of 6
@@ -250,7 +250,7 @@ def test_build_rl_run_converts_the_model_config_once(monkeypatch):
   original = config_lib.validate_model_config
   monkeypatch.setattr(config_lib, "validate_model_config",
                       lambda m: calls.append(1) or original(m))
-  config = rl_tiny.get_config()
+  config = rl_tiny.get_config("recipe=plain")
   _, _, shapes, trainer = loop.build_rl_run(config)
   assert len(calls) == 1
   with pytest.raises(TypeError, match="make_rl_train_step: expected the ModelConfig"):

@@ -157,7 +157,7 @@ class ToolEveryTurn(calculator.Calculator):
 def rollout_setup():
   """configs/rl_tiny.py with a 2-layer model, and random params whose turn-ending tokens' output
   columns are scaled 5x: plain random params end ~1 turn in 4 within 24 tokens, these most."""
-  config = rl_tiny.get_config()
+  config = rl_tiny.get_config("recipe=plain")
   del config["sft"]
   config.model.num_hidden_layers = 2
   config.data.seq_len = 128

@@ -17,7 +17,7 @@ from glm5_jax.rl import staleness
 
 
 def mixture_config(**entries):
-  config = rl_tiny.get_config()
+  config = rl_tiny.get_config("recipe=plain")
   config.rl.env = "mixture"
   for name, entry in entries.items():
     config.rl.tasks[name] = entry
@@ -54,14 +54,14 @@ def test_bad_mixture_is_an_error_naming_the_field(edit, field, message):
 
 
 def test_single_env_errors_name_the_field():
-  config = rl_tiny.get_config()
+  config = rl_tiny.get_config("recipe=plain")
   config.rl.env = "chess"
   with pytest.raises(ConfigError, match="config.rl.env: unknown environment 'chess'"):
     validate_rl_experiment(config)
   config.rl.env = "mixture"
   with pytest.raises(ConfigError, match="config.rl.tasks: .* needs at least one task"):
     validate_rl_experiment(config)
-  config = rl_tiny.get_config()
+  config = rl_tiny.get_config("recipe=plain")
   config.rl.env = "code"
   config.rl.env_options.sandbox = {"wall_seconds": 1.0}
   with pytest.raises(ConfigError, match="config.rl.env_options.sandbox: set the sandbox"):
@@ -94,7 +94,7 @@ def test_per_task_staleness_limits():
   validate_rl_experiment(config)
   assert tasks.staleness_limit(config.rl, "addition") == 0
   assert tasks.staleness_limit(config.rl, "strings") == 2
-  single = rl_tiny.get_config()
+  single = rl_tiny.get_config("recipe=plain")
   assert tasks.staleness_limit(single.rl, "addition") == single.rl.max_staleness
   admission = staleness.StalenessAdmission(2)
   assert admission.admit(1) and not admission.admit(1, limit=0)

@@ -81,6 +81,20 @@ def rl_config(**overrides) -> ml_collections.ConfigDict:
   # That std: "population" (/ G) or "bessel" (/ (G - 1), torch.std, as GLM's RL scripts).
   c.group_std = "population"
   c.mtp_loss_weight = 0.0  # > 0: keep training the MTP head on the response tokens
+  # Signal against noise (glm5_jax/posttrain/signal.py; docs/posttrain.md, "Why RL fell").
+  # GRPO's KL penalty to the policy RL started from (rl_step.reference_kl), x this; GLM-5: 0.
+  c.kl_coef = 0.0
+  # Log KL(pi || starting policy) every step (one forward of the starting params per step,
+  # which stay in memory); implied by kl_coef > 0.
+  c.log_kl = True
+  # Dynamic sampling (DAPO): groups whose rewards are all equal carry no signal; up to this
+  # many more rounds of other prompts replace them (the synchronous loop: until a step has
+  # prompts_per_step groups with signal, all-equal groups filling any shortfall; an
+  # asynchronous rollout worker: per group, before writing it). 0: off.
+  c.dynamic_sampling_rounds = 0
+  # The null-reward control: each group's rewards shuffled among its samples before the
+  # advantages (same advantage sizes, no signal). A recipe must beat it by a wide margin.
+  c.null_reward_control = False
   # Rollouts record each token's MoE experts and DSA top-k keys and the trainer replays them,
   # so its log-probs of a rollout are the engine's (glm5_jax.routing_replay).
   c.routing_replay = False
@@ -196,6 +210,19 @@ def validate_rl_config(c) -> None:
   require(math.isfinite(c.mtp_loss_weight) and c.mtp_loss_weight >= 0, "rl.mtp_loss_weight",
           f"must be a finite number >= 0, got {c.mtp_loss_weight}")
   require(c.steps >= 1, "rl.steps", f"must be >= 1, got {c.steps}")
+  require(math.isfinite(c.kl_coef) and c.kl_coef >= 0, "rl.kl_coef",
+          f"must be a finite number >= 0 (0: no KL penalty), got {c.kl_coef}")
+  require(c.dynamic_sampling_rounds >= 0, "rl.dynamic_sampling_rounds",
+          f"must be >= 0 (0: off), got {c.dynamic_sampling_rounds}")
+  if c.dynamic_sampling_rounds:
+    require(c.long_tail.worker_share == 0 and c.rollout_via == "engine",
+            "rl.dynamic_sampling_rounds", "dynamic sampling replays a group's prompt on the "
+            "worker's engine; it is not supported with long-tail hand-off or agent rollouts "
+            "(rl.long_tail.worker_share > 0 or rl.rollout_via='gateway'): set it to 0")
+  if c.loss == "distill":
+    require(not c.null_reward_control and not c.dynamic_sampling_rounds,
+            "rl.null_reward_control", "the null-reward control and dynamic sampling read GRPO "
+            "rewards; loss 'distill' has none (set both off)")
   require(c.eval_every_steps >= 0, "rl.eval_every_steps",
           f"must be >= 0 (0 disables evaluation), got {c.eval_every_steps}")
   require(c.eval_tasks >= (1 if c.eval_every_steps else 0), "rl.eval_tasks",

@@ -4,10 +4,15 @@ resume.
 Each step n:
   1. rollouts: `rl.prompts_per_step` train tasks (indices n*P .. n*P + P - 1 of the env), G =
      `rl.group_size` samples each, through the engine with the current params
-     (`rollout.generate_samples`, seed `step_seed(rl.seed, n)`);
-  2. scoring: GRPO's group advantages of the rewards (`algorithms.group_advantages`), or, with
+     (`rollout.generate_samples`, seed `step_seed(rl.seed, n)`); with dynamic sampling
+     (`rl.dynamic_sampling_rounds` = R > 0) rounds r = 1..R draw the same P slots' refill
+     tasks (`signal.refill_task_index`) until P groups carry signal
+     (`signal.select_signal_groups`);
+  2. scoring: GRPO's group advantages of the rewards (`algorithms.group_advantages`; with
+     `rl.null_reward_control` the rewards shuffled within each group first), or, with
      `rl.loss="distill"`, the teacher's per-token gap `stopgrad(logp_teacher - logp_rollout)`
      (`algorithms.distill_advantages`, the teacher being `rl.teacher`'s latest checkpoint);
+     the starting policy's log-probs of the batch when `rl.log_kl` or `rl.kl_coef` > 0;
   3. one update (`rl_step.make_rl_train_step`).
 Held-out accuracy (the first `rl.eval_tasks` eval-split tasks: greedy, one sample per task,
 and `rl.eval_samples` samples per task at the rollout temperature; `evaluate`) is measured
@@ -24,10 +29,13 @@ into `config.model`); else (tests only) a fresh init from `config.seed`.
 
 Metrics per step go to `<workdir>/metrics.jsonl` (and TensorBoard) with a progress line:
 reward and accuracy, response length, turns, truncated share, the step's metrics (policy loss,
-clip fractions, IcePop-masked fraction, entropy, the train/rollout log-prob mismatch, norms),
+clip fractions, IcePop-masked fraction, entropy, the train/rollout log-prob mismatch, gradient
+and update norms), what tells signal from noise (`signal.batch_signal_metrics`: groups with no
+signal, lucky answers' share of the positive advantage, reward per difficulty; `kl_to_start`),
 and generation and train seconds; held-out accuracy as split "eval".
 """
 
+import dataclasses
 import json
 import time
 
@@ -39,7 +47,7 @@ from glm5_jax.api import abstract_params, init_params
 from glm5_jax.config import ModelConfig, require
 from glm5_jax.data import check_vocab, make_tokenizer
 from glm5_jax.eval.checkpoints import load_run
-from glm5_jax.posttrain import algorithms, rollout, rl_step, sandbox, tasks as tasks_lib
+from glm5_jax.posttrain import algorithms, rollout, rl_step, sandbox, signal, tasks as tasks_lib
 from glm5_jax.posttrain.rl_config_checks import validate_rl_experiment
 from glm5_jax.seeds import derive_seed
 from glm5_jax.sharding import activation_sharding
@@ -51,7 +59,7 @@ EVAL_SEED = 0  # greedy decoding draws nothing; the seed only names the requests
 # Fields of `rl` a resume may change: they decide how long and how often, not what is computed.
 RESUMABLE_RL_FIELDS = ("steps", "eval_every_steps", "eval_tasks", "eval_samples", "init_from",
                        "policy_keep", "worker_groups", "worker_warmup", "poll_seconds",
-                       "stall_seconds")
+                       "stall_seconds", "log_kl")
 
 
 def step_seed(seed: int, step: int) -> int:
@@ -158,6 +166,7 @@ def _rl_train(config, run: RunHarness, initial_params):
   tokenizer, env, shapes, t = build_rl_run(config)
   teacher = load_teachers(rl, tokenizer) if rl.loss == "distill" else None
   state, extra = init_or_restore(config, run, t, shapes, initial_params)
+  reference = reference_params(config, t, initial_params)
   start = int(state.step) // rl.minibatches
   # Earlier calls' evaluations come with the checkpoint: "before RL" is step 0's on a resume.
   evals = {int(k): v for k, v in extra.get("evals", {}).items()}
@@ -167,18 +176,17 @@ def _rl_train(config, run: RunHarness, initial_params):
       evals[0] = evaluate_and_log(config, state.params, env, tokenizer, run.writer, 0)
     for step in range(start, rl.steps):
       t0 = time.time()
-      tasks = [env.task(step * rl.prompts_per_step + i, "train")
-               for i in range(rl.prompts_per_step)]
-      samples = rollout.generate_samples(config, state.params, env, tasks,
-                                         seed=step_seed(rl.seed, step), tokenizer=tokenizer,
-                                         model=t.model)
+      samples, step_metrics = step_samples(config, state.params, env, step, tokenizer, t.model)
       t1 = time.time()
-      batch = score(config, samples, teacher)
+      batch = score(config, samples, teacher, step=step)
+      step_metrics.update(signal_metrics(config, samples, batch, env))
+      if reference is not None:
+        add_reference_logp(t, reference, batch, step_metrics, rl.kl_coef > 0)
       state, metrics = train_on_batch(t, state, batch, rl.minibatches)
       t2 = time.time()
       done = step + 1
       check_finite(done, metrics)
-      last_metrics = {**rollout.rollout_metrics(samples), **metrics,
+      last_metrics = {**rollout.rollout_metrics(samples), **step_metrics, **metrics,
                       "generate_seconds": t1 - t0, "train_seconds": t2 - t1}
       if rl.env == tasks_lib.MIXTURE:
         last_metrics.update(rollout.metrics_by_env(samples))
@@ -202,14 +210,75 @@ def _rl_train(config, run: RunHarness, initial_params):
           "metrics_file": run.writer.path}
 
 
-def score(config, samples, teacher=None) -> dict:
-  """The rollout batch of `samples` with its advantages: GRPO's per-sample group advantages,
-  or, with `teacher` ({env name or ANY_TASK: (model config, params)}, `load_teachers`),
-  distillation's per-token gap `stopgrad(logp_teacher - logp_rollout)` where each sample's
-  teacher is that of its task (`sample.task.env`), else the ANY_TASK one."""
+def step_samples(config, params, env, step: int, tokenizer, model) -> tuple[list, dict]:
+  """`(samples, metrics)` of step `step`'s rollouts (module docstring, step 1): one round of
+  `rl.prompts_per_step` tasks, or with dynamic sampling up to 1 + `rl.dynamic_sampling_rounds`
+  rounds until that many groups carry signal. Metrics: `generation_rounds`, `signal_groups`
+  and the generated samples' `generated_reward` (dynamic sampling only)."""
+  rl = config.rl
+  rounds = 1 + rl.dynamic_sampling_rounds
+  pool, signal_groups, metrics = [], 0, {}
+  for r in range(rounds):
+    tasks = [env.task(signal.refill_task_index(step * rl.prompts_per_step + i, r), "train")
+             for i in range(rl.prompts_per_step)]
+    seed = step_seed(rl.seed, step) if r == 0 else derive_seed("rl", rl.seed, step, "round", r)
+    samples = rollout.generate_samples(config, params, env, tasks, seed=seed,
+                                       tokenizer=tokenizer, model=model)
+    if rounds == 1:
+      return samples, metrics
+    pool += [dataclasses.replace(s, group=s.group + r * rl.prompts_per_step) for s in samples]
+    kept, signal_groups = signal.select_signal_groups(pool, rl.prompts_per_step)
+    if signal_groups == rl.prompts_per_step:
+      break
+  metrics.update(generation_rounds=float(r + 1), signal_groups=float(signal_groups),
+                 generated_reward=float(np.mean([s.reward for s in pool])))
+  return kept, metrics
+
+
+def signal_metrics(config, samples, batch, env) -> dict:
+  """`signal.batch_signal_metrics` of a GRPO batch (per-sample advantages read back from its
+  per-token ones); {} for distillation, whose advantages are per token."""
+  if config.rl.loss != "grpo":
+    return {}
+  mask = batch["loss_mask"]
+  advantages = (batch["advantages"] * mask).sum(axis=1) / np.maximum(mask.sum(axis=1), 1.0)
+  return signal.batch_signal_metrics(samples, advantages, difficulty=env.difficulty)
+
+
+def reference_params(config, t: rl_step.RLTrainer, params=None):
+  """The starting policy's params, placed as the state's, for `kl_to_start` and the KL
+  penalty (`rl.log_kl`, `rl.kl_coef`); None when neither asks for them. They are what a fresh
+  run starts from (`starting_params`), so a resumed run has the same reference."""
+  if not (config.rl.log_kl or config.rl.kl_coef > 0):
+    return None
+  return jax.device_put(starting_params(config, params), t.state_sharding.params)
+
+
+def add_reference_logp(t: rl_step.RLTrainer, reference, batch, metrics: dict,
+                       into_batch: bool) -> None:
+  """The starting policy's log-probs of `batch`: `kl_to_start` into `metrics` (the rollout
+  policy's KL to it per loss token, `signal.kl_to_reference`), and into the batch as
+  `ref_logp` when `into_batch` (the loss's KL penalty)."""
+  ref_logp = integrity.to_host(t.policy_logp(reference, put_batch(t, batch)))
+  metrics["kl_to_start"] = signal.kl_to_reference(batch["rollout_logp"], ref_logp,
+                                                  batch["loss_mask"])
+  if into_batch:
+    batch["ref_logp"] = (ref_logp * batch["loss_mask"]).astype(np.float32)
+
+
+def score(config, samples, teacher=None, *, step: int = 0) -> dict:
+  """The rollout batch of `samples` with its advantages: GRPO's per-sample group advantages
+  (with `rl.null_reward_control`, of the rewards shuffled within each group, a permutation
+  drawn from (rl.seed, `step`)), or, with `teacher` ({env name or ANY_TASK: (model config,
+  params)}, `load_teachers`), distillation's per-token gap `stopgrad(logp_teacher -
+  logp_rollout)` where each sample's teacher is that of its task (`sample.task.env`), else the
+  ANY_TASK one."""
   if teacher is None:
     rewards = np.asarray([s.reward for s in samples], np.float32)
     groups = np.asarray([s.group for s in samples], np.int32)
+    if config.rl.null_reward_control:
+      rng = np.random.default_rng(derive_seed("null_reward", config.rl.seed, step))
+      rewards = signal.shuffle_rewards(rewards, groups, rng)
     advantages = np.asarray(algorithms.group_advantages(
         rewards, groups, normalize_std=config.rl.normalize_std, std=config.rl.group_std))
     return rollout.to_batch(samples, config.data.seq_len, advantages)
@@ -240,11 +309,7 @@ def train_on_batch(t: rl_step.RLTrainer, state: TrainState, batch, minibatches: 
   binds. Returns `(state, metrics)`: float means over the updates, except `loss_tokens` (the
   sum) and `logp_mismatch_max` (the max).
   """
-  # Every process holds the whole host batch; each device takes its rows (several processes
-  # included: a trainer launched as one JAX process per host).
-  put = lambda b: {k: jax.make_array_from_callback(v.shape, t.batch_sharding,
-                                                   lambda index, v=v: v[index])
-                   for k, v in b.items()}
+  put = lambda b: put_batch(t, b)
   if minibatches > 1:
     old_logp = integrity.to_host(t.policy_logp(state.params, put(batch)))
     batch = {**batch, "old_logp": (old_logp * batch["loss_mask"]).astype(np.float32)}
@@ -258,6 +323,14 @@ def train_on_batch(t: rl_step.RLTrainer, state: TrainState, batch, minibatches: 
   return state, metrics
 
 
+def put_batch(t: rl_step.RLTrainer, batch) -> dict:
+  """A host batch on the trainer's devices: every process holds the whole host batch; each
+  device takes its rows (several processes included: a trainer launched as one JAX process
+  per host)."""
+  return {k: jax.make_array_from_callback(v.shape, t.batch_sharding, lambda index, v=v: v[index])
+          for k, v in batch.items()}
+
+
 def progress_line(step: int, total: int, m: dict) -> str:
   """`rl step 3/100 | reward 0.41 acc 0.39 | len 31.2 | loss ... | gen 1.2s train 0.4s`"""
   return " | ".join([
@@ -267,7 +340,9 @@ def progress_line(step: int, total: int, m: dict) -> str:
         [f"clip {m['clip_low_fraction']:.3f}/{m['clip_high_fraction']:.3f}",
          f"icepop {m['icepop_masked_fraction']:.3f}"]),
       f"mismatch {m['logp_mismatch_mean']:.1e}",
-      f"gnorm {m['grad_norm']:.2f}",
+      f"gnorm {m['grad_norm']:.2f} update {m['update_norm']:.3f}",
+      *([f"no-signal {m['zero_signal_groups']:.2f}"] if "zero_signal_groups" in m else []),
+      *([f"kl {m['kl_to_start']:.4f}"] if "kl_to_start" in m else []),
       f"gen {m['generate_seconds']:.1f}s train {m['train_seconds']:.1f}s"])
 
 
@@ -332,17 +407,25 @@ def init_or_restore(config, run: RunHarness, t: rl_step.RLTrainer, shapes,
   if restored is not None:  # placed as `abstract` is: as the step's outputs
     state, meta = restored
     return state, meta.get("extra", {})
+  params = starting_params(config, params, log=True)
+  # Placed first: the params come from one process's devices (a fresh init, or restored).
+  return t.init_state(jax.device_put(params, t.state_sharding.params)), {}
+
+
+def starting_params(config, params=None, *, log: bool = False):
+  """The params a fresh RL run starts from: `params` (a caller's own), else `rl.init_from`'s
+  latest params, else (tests only) a fresh init from `config.seed`."""
   if params is not None:
     if config.rl.init_from:
       raise ValueError(f"rl_train: params given and rl.init_from={config.rl.init_from!r}; give "
                        "one starting point")
-  elif config.rl.init_from:
+    return params
+  if config.rl.init_from:
     source = load_run(config.rl.init_from, target_model=config.model)
-    params = source.params
-    logging.info("RL starts from %s (step %d)", config.rl.init_from, source.step)
-  else:
+    if log:
+      logging.info("RL starts from %s (step %d)", config.rl.init_from, source.step)
+    return source.params
+  if log:
     logging.warning("rl.init_from is empty: RL starts from freshly initialized params (seed %d)",
                     config.seed)
-    params = init_params(config.model, jax.random.key(config.seed))
-  # Placed first: the params come from one process's devices (a fresh init, or restored).
-  return t.init_state(jax.device_put(params, t.state_sharding.params)), {}
+  return init_params(config.model, jax.random.key(config.seed))

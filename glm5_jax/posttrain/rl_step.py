@@ -12,6 +12,8 @@ A rollout batch (numpy or device arrays, all `[B, L]`; position i is token i):
   advantages    float32  per token (GRPO broadcasts a sample's advantage over its tokens)
   old_logp      float32  optional: the pre-update policy's log-probs, for several updates on one
                          batch; without it old_logp = stopgrad(logp) (one update per batch)
+  ref_logp      float32  optional (`rl.kl_coef` > 0): the reference (starting) policy's
+                         log-probs; 0 off the mask
   routing_moe   int32    optional `[B, L, N_moe, X]`, with `routing_dsa` `[B, L, N_dsa, T]`:
                          the rollout's routing, replayed by the forward (`rl.routing_replay`,
                          `glm5_jax.routing_replay`; -1 rows are not replayed)
@@ -23,7 +25,10 @@ auxiliary terms, an O(1) supervised loss at pre-training weight would swamp an a
 weighted gradient that is zero-mean per group, and an IcePop-masked token would still get a
 gradient through it. Frozen, not merely loss-free: Muon's decoupled weight decay would
 otherwise shrink weights no loss holds in place. The indexer's top-k is not differentiable (its
-inputs are stop-gradiented), so the policy loss never reaches it anyway. `rl.mtp_loss_weight`
+inputs are stop-gradiented), so the policy loss never reaches it anyway. `rl.kl_coef` > 0 adds
+GRPO's KL penalty to the reference policy (the one RL started from: DeepSeekMath's k3
+estimator per loss token, `kl_coef` x its token mean), which bounds how far noise alone can walk
+the policy; GLM-5 trains without it (0, the `rl_config` default). `rl.mtp_loss_weight`
 > 0 keeps the MTP head trained (its depths' cross-entropy on the response tokens, the same
 mask), since speculative rollouts need a head that predicts the current policy.
 
@@ -55,7 +60,7 @@ from glm5_jax.train.state import TrainState
 from glm5_jax.train.step import apply_gradients, split_microbatches
 
 BATCH_KEYS = ("tokens", "positions", "segment_ids", "loss_mask", "rollout_logp", "advantages")
-OPTIONAL_KEYS = ("old_logp",)
+OPTIONAL_KEYS = ("old_logp", "ref_logp")
 ROUTING_KEYS = tuple(f"routing_{kind}" for kind in routing_replay.KINDS)
 
 
@@ -80,6 +85,7 @@ class RLStepConfig:
   balance_bias_rate: float = 1e-3
   microbatches: int = 1  # gradient accumulation (`rl_loss_and_grads`)
   policy_loss: str = "ppo"  # a name of `algorithms.POLICY_LOSSES`: "ppo" or "is"
+  kl_coef: float = 0.0  # > 0: the batch carries `ref_logp` and the loss its KL penalty
 
   @classmethod
   def from_config(cls, config, *, asynchronous: bool = False) -> "RLStepConfig":
@@ -94,7 +100,7 @@ class RLStepConfig:
                mtp_loss_weight=rl.mtp_loss_weight, dsa_stage=config.train.dsa_stage,
                balance_bias_rate=config.train.balance_bias_rate,
                microbatches=config.train.microbatches,
-               policy_loss=resolve_policy_loss(rl, asynchronous))
+               policy_loss=resolve_policy_loss(rl, asynchronous), kl_coef=rl.kl_coef)
 
 
 def policy_logprobs(model: ModelConfig, params, batch, *, dsa_stage: str = "sparse"):
@@ -164,6 +170,10 @@ def rl_loss(model: ModelConfig, step_cfg: RLStepConfig, params, batch, whole=Non
              "advantage_mean": (advantages_BL * mask_BL).sum() / tokens,
              "advantage_abs_mean": (jnp.abs(advantages_BL) * mask_BL).sum() / tokens}
   total = policy
+  if step_cfg.kl_coef > 0:
+    kl = (reference_kl(logp_BL, batch["ref_logp"], mask_BL) * mask_BL).sum() / tokens
+    total = total + step_cfg.kl_coef * kl
+    metrics["kl_penalty"] = kl
   if train_mtp:
     depths = losses.mtp_losses(out, mask_batch)
     if depths:
@@ -176,6 +186,14 @@ def rl_loss(model: ModelConfig, step_cfg: RLStepConfig, params, batch, whole=Non
         metrics[f"mtp{d}_accuracy"] = m["accuracy"] * w
   metrics["loss"] = total
   return total, (metrics, losses.expert_counts(out))
+
+
+def reference_kl(logp_BL, ref_logp_BL, mask_BL):
+  """Per-token KL(pi || pi_ref) `[B, L]` by the k3 estimator on the sampled tokens:
+  r - 1 - log r with r = pi_ref / pi (DeepSeekMath's GRPO; unbiased and never negative, its
+  gradient pulls logp toward ref_logp). 0 off the mask (padding logits never reach exp)."""
+  log_r = jnp.where(mask_BL > 0, ref_logp_BL - logp_BL, 0.0)
+  return jnp.exp(log_r) - 1.0 - log_r
 
 
 def rl_denominators(model: ModelConfig, step_cfg: RLStepConfig, batch) -> dict:
@@ -367,7 +385,7 @@ def check_rl_batch(batch, *, vocab_size: int | None = None) -> None:
                      "score the first token of a row")
   if (mask.astype(bool) & (arrays["segment_ids"] == 0)).any():
     raise ValueError("rollout batch['loss_mask']: 1 on padding (segment_ids 0)")
-  for key in ("rollout_logp", "old_logp"):
+  for key in ("rollout_logp", "old_logp", "ref_logp"):
     if key in arrays:
       logp = arrays[key]
       on = mask.astype(bool)

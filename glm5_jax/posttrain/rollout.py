@@ -394,12 +394,19 @@ def to_batch(samples, seq_len: int, advantages_N=None) -> dict:
 
 
 def rollout_metrics(samples) -> dict:
-  """Means over samples: reward, accuracy, response length, turns, and the truncated share."""
-  return {"reward": float(np.mean([s.reward for s in samples])),
-          "accuracy": float(np.mean([s.correct for s in samples])),
-          "response_length": float(np.mean([s.response_length for s in samples])),
-          "turns": float(np.mean([s.turns for s in samples])),
-          "truncated_fraction": float(np.mean([bool(s.info.get("truncated")) for s in samples]))}
+  """Means over samples: reward, accuracy, response length, turns, the truncated share, and
+  where the env checks reasoning (`info["reasoning_ok"]`) the share of samples whose reasoning
+  is right (`reasoning_ok`) and whose answer is right with wrong reasoning (`lucky`)."""
+  out = {"reward": float(np.mean([s.reward for s in samples])),
+         "accuracy": float(np.mean([s.correct for s in samples])),
+         "response_length": float(np.mean([s.response_length for s in samples])),
+         "turns": float(np.mean([s.turns for s in samples])),
+         "truncated_fraction": float(np.mean([bool(s.info.get("truncated")) for s in samples]))}
+  if any("reasoning_ok" in s.info for s in samples):
+    out["reasoning_ok"] = float(np.mean([bool(s.info.get("reasoning_ok")) for s in samples]))
+    out["lucky"] = float(np.mean([s.correct and s.info.get("reasoning_ok") is False
+                                  for s in samples]))
+  return out
 
 
 def metrics_by_env(samples) -> dict:

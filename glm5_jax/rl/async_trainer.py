@@ -87,7 +87,9 @@ def _to_samples(batch: trajectories.TrajectoryBatch, env, group: int) -> list:
     out.append(Sample(task=env.task(int(r.meta["task"]), "train"), group=group, tokens=r.tokens,
                       rollout_logp=r.logp, loss_mask=r.loss_mask, reward=r.reward,
                       correct=bool(r.meta.get("correct", False)), turns=int(r.meta["turns"]),
-                      messages=[], info={"truncated": r.meta.get("truncated", False)},
+                      messages=[], info={"truncated": r.meta.get("truncated", False),
+                                         **({"reasoning_ok": r.meta["reasoning_ok"]}
+                                            if "reasoning_ok" in r.meta else {})},
                       routing=r.routing))
   return out
 
@@ -246,6 +248,7 @@ def _run(config, dirs: RunDirs, workers, run: RunHarness, initial_params):
   tokenizer, env, shapes, t = loop.build_rl_run(config, asynchronous=True)
   writer = run.writer
   state, extra = loop.init_or_restore(config, run, t, shapes, initial_params)
+  reference = loop.reference_params(config, t, initial_params)
   ledger = trajectories.TrajectoryLedger.from_json(extra["ledger"]) if extra else \
       trajectories.TrajectoryLedger()
   admission = staleness.StalenessAdmission.from_json(extra["admission"]) if extra else \
@@ -314,7 +317,10 @@ def _run(config, dirs: RunDirs, workers, run: RunHarness, initial_params):
             trajectories.read_batch(dirs.rollouts / name)
         moved += bool(batch.records and batch.records[0].meta.get("handed_off_to"))
         samples += _to_samples(batch, env, group)
-      batch = loop.score(config, samples)
+      batch = loop.score(config, samples, step=version)
+      signal_metrics = loop.signal_metrics(config, samples, batch, env)
+      if reference is not None:
+        loop.add_reference_logp(t, reference, batch, signal_metrics, rl.kl_coef > 0)
       state, metrics = loop.train_on_batch(t, state, batch, rl.minibatches)
       check_finite(version + 1, metrics)
       version += 1
@@ -331,7 +337,8 @@ def _run(config, dirs: RunDirs, workers, run: RunHarness, initial_params):
         write_json(dirs.trainer_stats, stats)
       # Trainer idle = waiting for admissible groups; step = wall time from the end of the
       # previous step (or the start) to this step's publish: idle + train + save + publish.
-      last = {**rollout.rollout_metrics(samples), **metrics, "generate_seconds": waited,
+      last = {**rollout.rollout_metrics(samples), **signal_metrics, **metrics,
+              "generate_seconds": waited,
               "train_seconds": time.time() - t0, "version_gap_mean": float(np.mean(step_gaps)),
               "trainer/idle_seconds": waited, "trainer/step_seconds": time.time() - wait_start,
               "long_tail/groups_handed_off": float(moved), **admission.metrics()}

@@ -44,6 +44,7 @@ Sampling seeds: one per generation batch, a hash of (`rl.seed`, worker, first or
 request's seed also hashes the task index, sample and turn (`rollout.request_seed`).
 """
 
+import dataclasses
 import os
 import time
 
@@ -55,7 +56,7 @@ from glm5_jax.api import abstract_params_and_axes
 from glm5_jax.config import ModelConfig, require_model_config
 from glm5_jax.data import check_vocab, make_tokenizer
 from glm5_jax.infer.compile_count import count_compiles
-from glm5_jax.posttrain import handoff, rollout, tasks
+from glm5_jax.posttrain import handoff, rollout, signal, tasks
 from glm5_jax.posttrain.loop import hide_run_from_sandbox
 from glm5_jax.posttrain.rl_config_checks import validate_rl_experiment
 from glm5_jax.rl import long_tail
@@ -97,6 +98,8 @@ def to_records(samples, order: orders_lib.Order, version, worker: str,
             "correct": bool(s.correct), "turns": s.turns, "worker": worker,
             "requeue_of": order.requeue_of, "handed_off_to": handed_off_to,
             "truncated": bool(s.info.get("truncated", False))}
+    if "reasoning_ok" in s.info:
+      meta["reasoning_ok"] = bool(s.info["reasoning_ok"])
     out.append(trajectories.TrajectoryRecord(s.tokens, s.rollout_logp * s.loss_mask,
                                              s.loss_mask, versions, float(s.reward), meta,
                                              routing=s.routing))
@@ -256,17 +259,44 @@ def _generate(config, model, dirs, name, env, tokenizer, params, version, batch,
     logging.info("worker %s: order %d handed off to %s (%d of %d samples unfinished)", name,
                  order.id, to, sum(e.result is None for e in mine), len(mine))
 
+  seed = batch_seed(rl.seed, name, batch[0].id)
   samples, handed = rollout.play_episodes(
-      config, params, env, episodes, seed=batch_seed(rl.seed, name, batch[0].id),
-      tokenizer=tokenizer, slots=slots, stats=prefix, model=model, hand_off=rule,
-      on_hand_off=hand_off)
-  kept = [order for g, order in enumerate(batch) if g not in handed]
+      config, params, env, episodes, seed=seed, tokenizer=tokenizer, slots=slots, stats=prefix,
+      model=model, hand_off=rule, on_hand_off=hand_off)
   g = rl.group_size
+  for round_ in range(1, rl.dynamic_sampling_rounds + 1):  # never with hand-off (validated)
+    samples, remaining = _refill(config, model, env, tokenizer, params, batch, samples, round_,
+                                 seed, slots, prefix)
+    if not remaining:
+      break
+  kept = [order for g, order in enumerate(batch) if g not in handed]
   for i, order in enumerate(kept):
     trajectories.write_batch(dirs.rollouts,
                              to_records(samples[i * g:(i + 1) * g], order, version, name),
                              worker=name, batch_index=order.id)
   return len(kept), samples
+
+
+def _refill(config, model, env, tokenizer, params, batch, samples, round_, seed, slots, prefix):
+  """Dynamic sampling on a worker (`rl.dynamic_sampling_rounds`): each group of `samples`
+  whose rewards are all equal is played again on its order's refill task of round `round_`
+  (`signal.refill_task_index`) and replaced by the new group. Returns (samples, how many
+  groups were replayed)."""
+  g = config.rl.group_size
+  silent = [i for i in range(len(batch))
+            if not signal.has_signal([s.reward for s in samples[i * g:(i + 1) * g]])]
+  if not silent:
+    return samples, 0
+  tasks = [env.task(signal.refill_task_index(batch[i].task, round_), "train") for i in silent]
+  episodes = rollout.new_episodes(tasks, g, tokenizer, config.data.seq_len)
+  fresh, _ = rollout.play_episodes(config, params, env, episodes,
+                                   seed=derive_seed(seed, "refill", round_), tokenizer=tokenizer,
+                                   slots=slots, stats=prefix, model=model)
+  samples = list(samples)
+  for k, i in enumerate(silent):
+    samples[i * g:(i + 1) * g] = [dataclasses.replace(s, group=i)
+                                  for s in fresh[k * g:(k + 1) * g]]
+  return samples, len(silent)
 
 
 def _continue(config, model, dirs, name, env, tokenizer, params, version, batch, slots, prefix,

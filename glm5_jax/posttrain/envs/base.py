@@ -12,7 +12,14 @@ be rebuilt alone from its index.
 
 Options. Each env lists its options with defaults (`defaults`); every env also takes `seed`
 (int, default 0), which only selects another stream of tasks (the split of a problem never
-depends on it). Unknown options and bad values raise ValueError naming the env and the option.
+depends on it). Options named in `scoring_options` change only how an answer is scored, never
+which problems are drawn: task i is the same problem with or without them (an RL run with a
+stricter reward trains and evaluates on the SFT run's problems). Unknown options and bad values
+raise ValueError naming the env and the option.
+
+Signal (for RL's logs, `glm5_jax.posttrain.signal`): `difficulty(task)` names a task's difficulty
+bucket where the env has one (addition: its carries), and an env that can check the reasoning
+behind an answer records `info["reasoning_ok"]` in its finishing Step.
 
 Steps. `step(task, messages)` reads the model's answer from the LAST assistant message of the
 conversation (its `content`, and `tool_calls` where the env has tools; never `thinking`) and
@@ -143,6 +150,7 @@ class Env:
   name = ""
   max_turns = 1
   defaults: dict = {}
+  scoring_options: tuple = ()  # options that change the reward, not the problems (docstring)
   # True where `step` mostly waits on another process (the sandboxed code envs): callers may
   # then step several episodes at once from threads (rollouts, the built-in SFT set).
   concurrent_steps = False
@@ -174,6 +182,11 @@ class Env:
                  option, f"must be an int in [{lo}, {hi}], got {value!r}")
     return value
 
+  def choice_option(self, options: dict, option: str, choices: tuple) -> str:
+    value = options[option]
+    self.require(value in choices, option, f"must be one of {choices}, got {value!r}")
+    return value
+
   def ops_option(self, options: dict, option: str, allowed: str) -> str:
     """A non-empty set of operator characters from `allowed`, as a str in `allowed`'s order
     (accepts "+-" or ("+", "-"))."""
@@ -199,7 +212,8 @@ class Env:
     if split not in SPLITS:
       raise ValueError(f"envs.{self.name}: split must be one of {SPLITS}, got {split!r}")
     index = int(index)
-    options = tuple(sorted(self.options.items()))
+    options = tuple(sorted((k, v) for k, v in self.options.items()
+                           if k not in self.scoring_options))
     for draw in range(MAX_DRAWS):
       rng = np.random.default_rng(problem_hash(self.name, options, self.seed, split, index, draw))
       key, messages, answer, info = self._problem(rng)
@@ -210,6 +224,12 @@ class Env:
 
   def step(self, task: Task, messages) -> Step:
     raise NotImplementedError
+
+  def difficulty(self, task: Task) -> str | None:
+    """A short label of the task's difficulty bucket (e.g. "carries_1"), or None where the env
+    has no notion of one; RL logs its reward per bucket."""
+    del task
+    return None
 
   def worked_solution(self, task: Task) -> list[dict]:
     raise NotImplementedError
