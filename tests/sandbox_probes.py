@@ -28,17 +28,32 @@ import sys
 import tempfile
 import threading
 import time
+import types
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 SANDBOX = os.path.join(HERE, "..", "glm5_jax", "posttrain", "sandbox.py")
 SECRET = "hunter2"
 
 
-def load_sandbox(path: str = SANDBOX):
-  spec = importlib.util.spec_from_file_location("probed_sandbox", os.path.abspath(path))
+def load_file(name: str, path: str):
+  spec = importlib.util.spec_from_file_location(name, path)
   module = importlib.util.module_from_spec(spec)
+  sys.modules[name] = module
   spec.loader.exec_module(module)
   return module
+
+
+def load_sandbox(path: str = SANDBOX):
+  """sandbox.py and its sibling sandbox_boot.py from their files, under empty stand-ins for
+  their packages (no jax; a normal user may not be able to read the installed package). Only
+  in a process of its own (the script), never beside the real package."""
+  for package in ("glm5_jax", "glm5_jax.posttrain"):
+    sys.modules[package] = types.ModuleType(package)
+  path = os.path.abspath(path)
+  boot = load_file("glm5_jax.posttrain.sandbox_boot",
+                   os.path.join(os.path.dirname(path), "sandbox_boot.py"))
+  sys.modules["glm5_jax.posttrain"].sandbox_boot = boot
+  return load_file("glm5_jax.posttrain.sandbox", path)
 
 
 def write(path: str, text: str, mode: int = 0o644) -> str:
@@ -132,7 +147,7 @@ def changed(*paths) -> str | None:
 
 def leftover(m: dict) -> str | None:
   """A process whose command line holds the token, or a box left in TMPDIR."""
-  time.sleep(0.1)
+  time.sleep(0.02)
   for name in os.listdir("/proc"):
     if name.isdigit():
       try:
@@ -153,7 +168,7 @@ PROBES = {
         f"socket.create_connection(('127.0.0.1', {m['tcp_port']}), timeout=1)"]),
     "udp_loopback": lambda m: try_all([
         f"socket.socket(socket.AF_INET, socket.SOCK_DGRAM).sendto(b'x', ('127.0.0.1', "
-        f"{m['udp_port']}))"]),
+        f"{m['udp_port']}))"], False),  # its own loopback may take it: the host check decides
     "dns_and_internet": lambda m: try_all(["socket.getaddrinfo('example.com', 80)",
                                            "socket.create_connection(('1.1.1.1', 53), 1)"]),
     "abstract_socket": lambda m: try_all([f"socket.socket(socket.AF_UNIX).connect({m['abstract']!r})"]),
@@ -201,6 +216,7 @@ PROBES = {
         "import os, signal\nif os.fork() == 0:\n  signal.signal(signal.SIGTERM, signal.SIG_IGN)\n"
         f"  {SLEEPER.format(**m)}\n"),
     "cpu_spin": lambda m: "while True:\n  pass\n",
+    "sleep_past_wall_clock": lambda m: "import time\ntime.sleep(60)\nprint('ESCAPED')\n",
     "fork_bomb": lambda m: (
         "import os, time\nwhile True:\n  try:\n    os.fork()\n  except OSError:\n"
         "    time.sleep(0.01)\n"),
@@ -209,8 +225,8 @@ PROBES = {
     "memory_over_the_run_budget": lambda m: (  # 4 processes x 64 MiB touched, budget 128 MiB
         "import os, time\nkids = []\nfor _ in range(4):\n  pid = os.fork()\n  if pid == 0:\n"
         "    x = bytearray(64 << 20)\n    x[::4096] = b'x' * len(x[::4096])\n"
-        "    open(f'held{os.getpid()}', 'w').close()\n    time.sleep(1.5)\n    os._exit(0)\n"
-        "  kids.append(pid)\ntime.sleep(1.0)\nheld = [f for f in os.listdir('.') if f.startswith('held')]\n"
+        "    open(f'held{os.getpid()}', 'w').close()\n    time.sleep(1.0)\n    os._exit(0)\n"
+        "  kids.append(pid)\ntime.sleep(0.6)\nheld = [f for f in os.listdir('.') if f.startswith('held')]\n"
         "if len(held) == 4: print('ESCAPED 4 x 64 MiB held at once')\n"
         "for k in kids:\n  os.waitpid(k, 0)\n"),
     "gigabyte_of_output": lambda m: (
@@ -231,7 +247,8 @@ PROBES = {
         "  print('ESCAPED read the caller')\n"),
 }
 LIMITS = {"cpu_spin": dict(wall_seconds=6.0, cpu_seconds=1),
-          "fork_bomb": dict(wall_seconds=1.5, cpu_seconds=3, processes=8),
+          "sleep_past_wall_clock": dict(wall_seconds=1.0),
+          "fork_bomb": dict(wall_seconds=1.0, cpu_seconds=3, processes=8),
           "disk_fill": dict(tmpfs_bytes=32 << 20, wall_seconds=6.0),
           "memory_over_the_run_budget": dict(memory_bytes=128 << 20, wall_seconds=6.0),
           "gigabyte_of_output": dict(wall_seconds=10.0, output_bytes=4096)}
@@ -245,6 +262,8 @@ HOST_CHECKS = {
     "write_elsewhere_in_tree": lambda m, r: next((f"{p} stayed on the host" for p in glob.glob(
         f"{m['base']}/**/{m['token']}", recursive=True)), None),
     "cpu_spin": lambda m, r: None if (not r.timed_out and r.seconds < 5) else f"ran {r.seconds:.1f} s",
+    "sleep_past_wall_clock": lambda m, r: None if (r.timed_out and r.seconds < 3) else (
+        f"timed_out={r.timed_out} after {r.seconds:.1f} s"),
     "gigabyte_of_output": lambda m, r: None if (r.output_truncated and len(r.output) <= 4096) else (
         f"{len(r.output)} bytes kept"),
     "memory_4gib": lambda m, r: None if "MemoryError" in r.output else f"no MemoryError: {r.output[-80:]!r}",
@@ -267,10 +286,10 @@ def run_one(sb, m: dict, name: str, limits=None):
 
 def fork_bomb_starves_other_runs(sb, m: dict) -> str | None:
   """A fork bomb in one run; meanwhile another run, with the same limits, forks 3 children."""
-  limits = sb.Limits(wall_seconds=3.0, cpu_seconds=3, processes=8)
+  limits = sb.Limits(wall_seconds=2.0, cpu_seconds=3, processes=8)
   bomb = threading.Thread(target=run_one, args=(sb, m, "fork_bomb", limits))
   bomb.start()
-  time.sleep(1.0)
+  time.sleep(0.6)
   program = ("import os\nfor _ in range(3):\n  if os.fork() == 0:\n    os._exit(0)\n"
              "  os.wait()\nprint('forked 3')\n")
   r = sb.run_python({"main.py": program}, "main.py", limits=limits)
@@ -280,13 +299,13 @@ def fork_bomb_starves_other_runs(sb, m: dict) -> str | None:
 
 def concurrent_boxes(sb, m: dict) -> str | None:
   """Two runs at once: the second looks for the first's box on the host (under TMPDIR)."""
-  first = ("import time\nopen('marker', 'w').write('mine')\ntime.sleep(2.0)\n"
+  first = ("import time\nopen('marker', 'w').write('mine')\ntime.sleep(1.2)\n"
            "print('ESCAPED overwritten' if open('marker').read() != 'mine' else 'intact')\n")
   out = {}
   t = threading.Thread(target=lambda: out.update(r=sb.run_python(
       {"main.py": first}, "main.py", limits=sb.Limits(wall_seconds=5.0))))
   t.start()
-  time.sleep(0.8)
+  time.sleep(0.5)
   second = ("import glob\n"
             f"for p in glob.glob({m['tmpdir']!r} + '/glm5-sandbox-*/box/marker') + glob.glob('/tmp/*/box/marker'):\n"
             "  try:\n    open(p, 'w').write('theirs'); print('ESCAPED wrote', p)\n"
@@ -311,12 +330,14 @@ def run_probes(sb, base: str, only=None) -> dict:
     os.chdir(m["cwd"])
     sb.hide_in_this_process(m["workdir"])
     for name in only or PROBES:
+      start = time.monotonic()
       try:
         found = SPECIAL[name](sb, m) if name in SPECIAL else run_one(sb, m, name)[0]
       except Exception as e:  # pylint: disable=broad-except  (the sandbox refusing is a result)
         found = None if type(e).__name__ == "SandboxError" else f"{type(e).__name__}: {e}"
         found = found and found[:200]
-      report[name] = {"contained": found is None, "why": found or ""}
+      report[name] = {"contained": found is None, "why": found or "",
+                      "seconds": round(time.monotonic() - start, 2)}
   return report
 
 
@@ -384,7 +405,9 @@ def main() -> None:
     report = run_probes(sb, base, [n for n in args.only.split(",") if n] or None)
   finally:
     shutil.rmtree(base, ignore_errors=True)
-  print(json.dumps({"uid": os.getuid(), "mode": sb.isolation().mode, "probes": report}))
+  iso = sb.isolation()
+  print(json.dumps({"uid": os.getuid(), "mode": iso.mode, "memory": iso.memory,
+                    "probes": report}))
 
 
 if __name__ == "__main__":
