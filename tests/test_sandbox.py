@@ -117,3 +117,16 @@ def test_file_paths_must_stay_in_the_box():
   for bad in ("../x.py", "/etc/x.py", "a//b.py", ""):
     with pytest.raises(ValueError, match="must be relative"):
       sandbox.run_python({"main.py": "", bad: ""}, "main.py")
+
+
+def test_an_rl_config_with_a_code_env_needs_a_sandbox_or_allow_unsafe(monkeypatch):
+  from glm5_jax.config import ConfigError
+  from glm5_jax.posttrain import tasks
+  from glm5_jax.posttrain.config import rl_config
+  monkeypatch.setattr(sandbox, "isolation", lambda: sandbox.Isolation("none", "no bwrap"))
+  rl = rl_config(env="code")
+  with pytest.raises(ConfigError, match=r"^config.rl.sandbox.allow_unsafe: environment 'code' "
+                     r"runs model-written code and this machine has no sandbox \(no bwrap\)"):
+    tasks.validate_tasks(rl)
+  rl.sandbox.allow_unsafe = True
+  tasks.validate_tasks(rl)
