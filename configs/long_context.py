@@ -26,7 +26,9 @@ What changes per stage, and where it comes from (docs/reference.md "Length curri
     (`layout=`, "striped" balances the causal work); the stage's length must split over it.
 
 `arg` (configs.common.parse_arg): `model` ("tiny" or "glm5"), `stage` (a `STAGES` name),
-`init_from` (the previous stage's workdir; "" for the first stage), `context` (default 1),
+`init_from` (the previous stage's workdir; "" for the first stage; a later stage without it is
+refused unless `from_scratch=True`, so a forgotten flag never trains a long stage from random
+init), `context` (default 1),
 `layout` ("contiguous"), `steps` (default 1000), `eval_every` (default 0: the retrieval suite,
 `experiments/eval.py`, scores a finished stage at its length).
 """
@@ -64,12 +66,17 @@ def stage_sources(seq_len: int) -> dict:
 
 def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
   arg = parse_arg(arg, model="tiny", stage="4k", init_from="", context=1, layout="contiguous",
-                  steps=1000, eval_every=0)
+                  steps=1000, eval_every=0, from_scratch=False)
   if arg.stage not in STAGES:
     raise ValueError(f"configs/long_context.py: stage={arg.stage!r}; known: {sorted(STAGES)}")
   if arg.model not in TOKENS_PER_STEP:
     raise ValueError(f"configs/long_context.py: model={arg.model!r}; known: "
                      f"{sorted(TOKENS_PER_STEP)}")
+  first = "4k"  # the first stage of both curricula (GLM5_STAGES; the tiny model's 4k -> 16k)
+  if arg.stage != first and not arg.init_from and not arg.from_scratch:
+    raise ValueError(f"configs/long_context.py: stage={arg.stage} continues the previous stage: "
+                     "pass init_from=<that stage's workdir>, or from_scratch=True to train it "
+                     "from random init")
   seq_len = STAGES[arg.stage]
   config = ml_collections.ConfigDict()
   config.seed = 0

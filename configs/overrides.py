@@ -9,8 +9,13 @@ one line naming the field and the fields that exist at that level:
 
   ConfigError: config.mesh.shape.pipeline: unknown field (--config.mesh.shape.pipeline=2);
   known fields: ['data', 'expert', 'fsdp', 'tensor']
+
+A config file that cannot be loaded (a wrong `--config` path) ends the same way, naming the
+flag and the file, instead of ml_collections' deferred error (a traceback at the first use of
+the config, naming "config_config").
 """
 
+import os
 import re
 import sys
 
@@ -22,6 +27,7 @@ from glm5_jax.config import ConfigError
 
 _OVERRIDE = re.compile(r"--?([A-Za-z_][A-Za-z0-9_]*)\.([A-Za-z0-9_.]+)(?:=.*)?", re.DOTALL)
 _FileParser = config_flags.config_flags.ConfigFileFlagParser
+_ErrorConfig = config_flags.config_flags._ErrorConfig  # pylint: disable=protected-access
 
 
 def unknown_field(name: str, config, argv) -> ConfigError | None:
@@ -84,9 +90,30 @@ def define_config_dict(name: str, config, help_string: str, **kwargs):
     raise
 
 
+def unloadable_config_file(argv) -> ConfigError | None:
+  """The ConfigError of the first `--<flag>=<path>[:arg]` of a config-file flag whose file
+  ml_collections cannot load, or None."""
+  for arg in argv[1:]:
+    match = re.fullmatch(r"--?([A-Za-z_][A-Za-z0-9_]*)=(.*)", arg, re.DOTALL)
+    if not match or match.group(1) not in flags.FLAGS:
+      continue
+    name, value = match.groups()
+    path = value.strip("'\"").split(":", 1)[0]
+    if not isinstance(flags.FLAGS[name].parser, _FileParser) or os.path.isfile(path):
+      continue
+    loaded = _FileParser(name).parse(value.strip("'\""))
+    if isinstance(loaded, _ErrorConfig):  # the load's IOError, deferred to the config's use
+      error = object.__getattribute__(loaded, "_error")
+      reason = [line.strip() for line in str(error).splitlines() if line.strip()][-1]
+      return ConfigError(f"--{name}={value}: cannot load the config file {path!r} ({reason}; "
+                         f"relative paths start at {os.getcwd()})")
+  return None
+
+
 def parse_flags(argv):
-  """`app.parse_flags_with_usage`, with an unknown config field reported as one ConfigError
-  line on stderr and exit status 1 (module docstring)."""
+  """`app.parse_flags_with_usage`, with an unknown config field or an unloadable config file
+  reported as one ConfigError line on stderr and exit status 1 (module docstring)."""
+  _exit_if_unknown([unloadable_config_file(argv)])
   try:
     return app.parse_flags_with_usage(argv)
   except (AttributeError, KeyError):

@@ -113,8 +113,9 @@ def test_unreadable_or_damaged_steps_name_their_directory(tmp_path, caplog):
   for path in glob.glob(os.path.join(step2, "params", "**", "d", "*"), recursive=True):
     with open(path, "r+b") as f:  # a torn write: every params data file cut short
       f.truncate(os.path.getsize(path) // 3)
-  with pytest.raises(ckpt.CheckpointCorruptError, match=rf"{step2}: could not restore"):
+  with pytest.raises(ckpt.CheckpointCorruptError, match=rf"{step2}: could not restore") as e:
     run.restore()
+  assert len(str(e.value).splitlines()[0]) < 500, str(e.value)[:2000]  # one line, no dump
 
   with caplog.at_level(logging.WARNING):
     restored = run.restore(fallback=True)
@@ -208,3 +209,21 @@ def test_fingerprint_does_not_depend_on_sharding():
   proc = subprocess.run([sys.executable, "-c", _SHARDED_SCRIPT], env=env, capture_output=True,
                         text=True, timeout=300)
   assert proc.returncode == 0 and "OK" in proc.stdout, proc.stderr[-3000:]
+
+
+def test_corrupt_checkpoint_metadata_names_the_step(tmp_path):
+  """experiments/eval.py's reader: one line naming the step, not a bare JSONDecodeError."""
+  from glm5_jax.eval.checkpoints import read_run_meta  # pylint: disable=import-outside-toplevel
+  run = _TinyRun(str(tmp_path))
+  run.save(1)
+  run.manager.close()
+  step1 = os.path.join(str(tmp_path), "checkpoints", "1")
+  files = [f for f in glob.glob(os.path.join(step1, "meta", "**"), recursive=True)
+           if os.path.isfile(f)]
+  assert files
+  for path in files:
+    with open(path, "w") as f:
+      f.write("{not json")
+  with pytest.raises(ckpt.CheckpointCorruptError,
+                     match=rf"^{step1}: unreadable checkpoint metadata \(\w*Error"):
+    read_run_meta(str(tmp_path))

@@ -42,6 +42,9 @@ def test_bad_command_lines_are_refused(tmp_path):
       (("experiments/train.py", "--config=configs/tiny.py", "--config.mesh.shape.pipeline=2",
         f"--workdir={missing}"), "ConfigError: config.mesh.shape.pipeline: unknown field"),
       (("experiments/eval.py", f"--workdir={missing}"), f"no checkpoint under {missing}"),
+      (("experiments/train.py", "--config=configs/nope.py", f"--workdir={missing}"),
+       "ConfigError: --config=configs/nope.py: cannot load the config file 'configs/nope.py' "
+       "([Errno 2] No such file or directory"),
       (("experiments/sweep.py", "--sweep=configs/sweeps/muon_split.py:quick", "--parallel=0",
         f"--sweep_dir={missing}"), "--parallel=0: 0 is not a positive integer"),
       (("experiments/sweep.py", "--sweep=configs/sweeps/muon_split.py:quick", "--report_only",

@@ -84,7 +84,8 @@ def test_tasks_are_deterministic(name, options):
     tasks = [a.task(i, split) for i in range(20)]
     assert tasks == [b.task(i, split) for i in reversed(range(20))][::-1]
     assert all(t.env == name and t.split == split for t in tasks)
-    assert len({problem(t) for t in tasks}) >= 8  # indices give different problems
+    # Indices give different problems (countdown count=2 */ has only 6 eval problems).
+    assert len({problem(t) for t in tasks}) >= 5
   other = envs.make(name, seed=1, **options)
   assert [a.task(i, "train") for i in range(20)] != [other.task(i, "train") for i in range(20)]
 

@@ -93,3 +93,23 @@ def test_reader_names_the_file_of_a_tensor_it_cannot_read(tmp_path):
     np.testing.assert_array_equal(reader.read("model.norm.weight"), TENSORS["model.norm.weight"])
     with pytest.raises(CheckpointError, match=r"model\.safetensors: cannot read tensor absent"):
       reader.read("absent")
+
+
+def test_nan_weights_and_fp8_scales_are_refused_naming_the_tensor(tmp_path):
+  import ml_dtypes  # pylint: disable=import-outside-toplevel
+  from glm5_jax.convert.hf_fp8 import Fp8Format  # pylint: disable=import-outside-toplevel
+  nan_weight = np.ones((4, 4), np.float32)
+  nan_weight[1, 2] = np.nan
+  tensors = {"w": nan_weight, "q": np.ones((4, 4), ml_dtypes.float8_e4m3fn),
+             "q_scale_inv": np.full((2, 2), np.nan, np.float32)}
+  path = write_dir(tmp_path, {"model.safetensors": tensors})
+  files = {name: "model.safetensors" for name in tensors}
+  fp8 = Fp8Format((2, 2), {"q": (4, 4)})
+  with TensorReader(path, files, fp8) as reader:
+    with pytest.raises(CheckpointError, match=r"model\.safetensors: tensor w has 1 non-finite "
+                       r"values \(NaN or inf\) of 16; pass allow_nonfinite=True"):
+      reader.read("w")
+    with pytest.raises(CheckpointError, match=r"tensor q_scale_inv has 4 non-finite"):
+      reader.read("q")
+  with TensorReader(path, files, fp8, allow_nonfinite=True) as reader:
+    assert np.isnan(reader.read("w")).sum() == 1 and np.isnan(reader.read("q")).all()

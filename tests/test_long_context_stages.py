@@ -14,7 +14,8 @@ from tests.conftest import run_on_host_devices
 
 @pytest.mark.parametrize("stage", long_context.GLM5_STAGES)
 def test_glm5_stages_validate(stage):
-  config = long_context.get_config(f"model=glm5,stage={stage},context=8,layout=striped")
+  config = long_context.get_config(f"model=glm5,stage={stage},context=8,layout=striped,"
+                                   "init_from=/ckpt/previous_stage")
   validate_config(config)
   assert config.model.max_position_embeddings == 202752 and config.model.rope_theta == 1e6
   assert config.data.seq_len == long_context.STAGES[stage]
@@ -22,7 +23,7 @@ def test_glm5_stages_validate(stage):
 
 
 def test_a_stage_longer_than_the_positions_is_refused():
-  config = long_context.get_config("model=glm5,stage=200k")
+  config = long_context.get_config("model=glm5,stage=200k,from_scratch=True")
   config.model.max_position_embeddings = 131072
   with pytest.raises(ConfigError, match=r"config\.data\.seq_len: 202752 tokens per sequence "
                                         r"exceed model\.max_position_embeddings=131072"):
@@ -30,7 +31,7 @@ def test_a_stage_longer_than_the_positions_is_refused():
 
 
 def test_a_length_the_context_axis_does_not_divide_is_refused():
-  config = long_context.get_config("model=glm5,stage=200k,context=7")
+  config = long_context.get_config("model=glm5,stage=200k,context=7,from_scratch=True")
   with pytest.raises(ConfigError, match=r"config\.data\.seq_len=202752 does not split over "
                                         r"mesh\.shape\.context=7"):
     validate_config(config)
@@ -39,6 +40,14 @@ def test_a_length_the_context_axis_does_not_divide_is_refused():
 def test_unknown_stage_is_refused():
   with pytest.raises(ValueError, match="stage='64k'"):
     long_context.get_config("stage=64k")
+
+
+def test_a_later_stage_needs_init_from_or_from_scratch():
+  with pytest.raises(ValueError, match=r"^configs/long_context.py: stage=32k continues the "
+                     r"previous stage: pass init_from=<that stage's workdir>, or from_scratch"):
+    long_context.get_config("model=glm5,stage=32k")
+  assert not long_context.get_config("model=glm5,stage=32k,from_scratch=True").train.init_from
+  assert long_context.get_config("stage=4k").train.init_from == ""
 
 
 # The previous stage (one step at 1,024 tokens, to keep it short), then the 16K stage from its

@@ -158,3 +158,41 @@ def test_async_intake_applies_each_tasks_staleness_limit(tmp_path):
   assert sorted(names[n] for n, _, _ in plan["reject"]) == ["addition", "addition"]
   assert all(limit == 0 for _, _, limit in plan["reject"])
   assert sorted(names[n] for n, _ in plan["take"]) == ["strings", "strings"]
+
+
+def test_a_problem_has_one_split_in_every_env():
+  """The code env's functions and repo_repair's repaired ones, addition and the calculator at
+  equal digits: a held-out problem of one is never a training problem of the other."""
+  from glm5_jax.posttrain import envs  # pylint: disable=import-outside-toplevel
+  for a, b in [(envs.make("code"), envs.make("repo_repair")),
+               (envs.make("addition"), envs.make("calculator", digits=2, operations="+"))]:
+    for x, y in ((a, b), (b, a)):
+      eval_keys = {x.task(i, "eval").key for i in range(40)}
+      train_keys = {y.task(i, "train").key for i in range(400)}
+      assert eval_keys and not eval_keys & train_keys, (x.name, y.name)
+      assert {y.split_of_key(k) for k in eval_keys} == {"eval"}
+
+
+def test_a_mixture_refuses_a_member_whose_split_leaks():
+  from glm5_jax.posttrain import envs  # pylint: disable=import-outside-toplevel
+  from glm5_jax.posttrain.envs import addition, base  # pylint: disable=import-outside-toplevel
+  from glm5_jax.seeds import problem_hash  # pylint: disable=import-outside-toplevel
+
+  class PerNameSplit(addition.Addition):  # the old rule: the env's name in the split hash
+    def split_of_key(self, key):
+      return "eval" if problem_hash("split", self.name, key) % base.EVAL_SHARE == 0 else "train"
+
+  calc = envs.make("calculator", digits=2, operations="+")
+  with pytest.raises(ValueError, match=r"^mixture: splits leak across environments: \d+ of 16 "
+                     r"eval problems of 'addition' are train problems of 'calculator'"):
+    Mixture({"addition": (PerNameSplit(), 1.0), "calculator": (calc, 1.0)})
+  Mixture({"addition": (envs.make("addition"), 1.0), "calculator": (calc, 1.0)})
+
+
+def test_the_shipped_agentic_mixture_builds():
+  from configs import rl_agentic  # pylint: disable=import-outside-toplevel
+  from glm5_jax.posttrain import sandbox  # pylint: disable=import-outside-toplevel
+  rl = rl_agentic.get_config("task=mixture").rl
+  rl.sandbox.allow_unsafe = sandbox.isolation().mode == "none"  # built, never run here
+  mixture = tasks.make_env(rl)
+  assert set(mixture.envs) == {"code", "repo_repair", "addition"}

@@ -32,6 +32,8 @@ _MTP_DEPTHS = flags.DEFINE_integer("mtp_depths", 3, "MTP depths sharing the MTP 
                                    "none).", lower_bound=0)
 _SCAN_LAYERS = flags.DEFINE_bool("scan_layers", True, "Write the scanned param layout "
                                  "(stacked runs of layers); else one entry per layer.")
+_ALLOW_NONFINITE = flags.DEFINE_bool("allow_nonfinite", False, "Convert NaN / inf weights and "
+                                      "FP8 scales instead of refusing them.")
 _DISTRIBUTED = flags.DEFINE_bool("distributed", False, "Call jax.distributed.initialize() "
                                   "first (one process per host of a pod).")
 _GROUP_MB = flags.DEFINE_float("group_mb", None, "Most MB of leaves written per orbax save; "
@@ -67,6 +69,7 @@ def main(argv):
   stats = convert_streaming(_HF_DIR.value, _OUT_DIR.value, mesh=mesh,
                             param_dtype=_PARAM_DTYPE.value, mtp_depths=_MTP_DEPTHS.value,
                             scan_layers=_SCAN_LAYERS.value, group_bytes=group_bytes,
+                            allow_nonfinite=_ALLOW_NONFINITE.value,
                             progress=log)
   log(f"wrote {stats.leaves} tensors, {stats.bytes / 1e9:.3f} GB to {_OUT_DIR.value} in "
       f"{time.time() - start:.1f}s (mesh {dict(mesh.shape)}; this process held at most "

@@ -43,10 +43,12 @@ class HFCheckpoint:
   files_by_name: dict[str, str]
   leaves: list[LeafSource]  # in tree order, in the layout `config.scan_layers` selects
   fp8: Fp8Format | None = None  # an FP8 checkpoint's block size and quantized tensors
+  allow_nonfinite: bool = False  # load NaN / inf values instead of refusing them
 
   def reader(self) -> TensorReader:
-    """Reads tensors by name; an FP8 tensor comes back dequantized (float32)."""
-    return TensorReader(self.path, self.files_by_name, self.fp8)
+    """Reads tensors by name; an FP8 tensor comes back dequantized (float32); a non-finite
+    value is a CheckpointError naming the tensor unless `allow_nonfinite`."""
+    return TensorReader(self.path, self.files_by_name, self.fp8, self.allow_nonfinite)
 
   def read(self, leaf: LeafSource, reader: TensorReader, index=None):
     """`leaf[index]` (default: all of it) as a numpy array of the param dtype."""
@@ -55,8 +57,8 @@ class HFCheckpoint:
 
 
 def open_hf(path: str, *, param_dtype: str | None = None, dtype: str | None = None,
-            mtp_depths: int = 3, scan_layers: bool = True,
-            cache_dtype: str | None = None) -> HFCheckpoint:
+            mtp_depths: int = 3, scan_layers: bool = True, cache_dtype: str | None = None,
+            allow_nonfinite: bool = False) -> HFCheckpoint:
   """Reads config.json and the safetensors headers and checks every tensor is accounted for.
 
   Args: as `load_hf`.
@@ -89,11 +91,12 @@ def open_hf(path: str, *, param_dtype: str | None = None, dtype: str | None = No
         f"  missing tensors ({len(missing)}): {head(missing)}\n"
         f"  unexpected tensors ({len(unexpected)}): {head(unexpected)}")
   leaves = leaf_sources(cfg, plan, abstract_params(cfg), path)
-  return HFCheckpoint(path, config, files_by_name, leaves, fp8)
+  return HFCheckpoint(path, config, files_by_name, leaves, fp8, allow_nonfinite)
 
 
 def load_hf(path: str, *, param_dtype: str | None = None, dtype: str | None = None,
-            mtp_depths: int = 3, scan_layers: bool = True, cache_dtype: str | None = None):
+            mtp_depths: int = 3, scan_layers: bool = True, cache_dtype: str | None = None,
+            allow_nonfinite: bool = False):
   """Reads a GLM-5 HF checkpoint directory into memory (see `streaming.py` for models larger
   than one host's memory).
 
@@ -108,6 +111,8 @@ def load_hf(path: str, *, param_dtype: str | None = None, dtype: str | None = No
     mtp_depths: MTP prediction depths sharing the checkpoint's MTP layer (if it has one).
     scan_layers: the param layout (recorded as `config.scan_layers`): stacked runs
       `layers_{a}_{b}` (True) or `layers_{i}` (False); see `glm5_jax.layer_runs`.
+    allow_nonfinite: load NaN / inf weights and FP8 scales; default: a CheckpointError naming
+      the file and tensor (a NaN anywhere makes every forward NaN).
   Returns:
     `(config, params)`: the model ConfigDict (as `get_config().model`) and a nested dict of
     arrays matching `glm5_jax.init_params(config, rng)`.
@@ -115,7 +120,8 @@ def load_hf(path: str, *, param_dtype: str | None = None, dtype: str | None = No
     CheckpointError: naming the file (config.json, the index or a shard) and what is wrong.
   """
   checkpoint = open_hf(path, param_dtype=param_dtype, dtype=dtype, mtp_depths=mtp_depths,
-                       scan_layers=scan_layers, cache_dtype=cache_dtype)
+                       scan_layers=scan_layers, cache_dtype=cache_dtype,
+                       allow_nonfinite=allow_nonfinite)
   params = {}
   with checkpoint.reader() as reader:
     for leaf in checkpoint.leaves:  # each leaf goes to the device before the next is read

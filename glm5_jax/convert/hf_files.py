@@ -88,18 +88,36 @@ def stored_dtype(path: str, files_by_name: dict[str, str], name: str) -> str:
   return SAFETENSORS_DTYPES[stored]
 
 
+def check_finite(values: np.ndarray, file: str, name: str) -> np.ndarray:
+  """`values`, or a CheckpointError naming the file and tensor when any is NaN or infinite (a
+  corrupt or badly converted tensor: loaded, it makes every forward NaN)."""
+  if values.dtype.kind in "fV" or values.dtype.name in ("bfloat16",):
+    bad = int(values.size - np.count_nonzero(np.isfinite(values.astype(np.float32, copy=False))))
+    if bad:
+      raise CheckpointError(f"{file}: tensor {name} has {bad} non-finite values (NaN or inf) of "
+                            f"{values.size}; pass allow_nonfinite=True to load it anyway")
+  return values
+
+
 class TensorReader:
   """Opens each shard once and reads single tensors (or row ranges of them) as numpy arrays;
-  with `fp8` (an `hf_fp8.Fp8Format`), its FP8 tensors come back dequantized, float32."""
+  with `fp8` (an `hf_fp8.Fp8Format`), its FP8 tensors come back dequantized, float32. A NaN or
+  infinite value (a weight, an FP8 scale, a dequantized weight) is a CheckpointError naming
+  the file and tensor unless `allow_nonfinite`."""
 
-  def __init__(self, path: str, files_by_name: dict[str, str], fp8=None):
+  def __init__(self, path: str, files_by_name: dict[str, str], fp8=None,
+               allow_nonfinite: bool = False):
     self._path, self._files_by_name, self._open = path, files_by_name, {}
-    self._fp8 = fp8
+    self._fp8, self._allow_nonfinite = fp8, allow_nonfinite
 
   def read(self, name: str, rows: slice | None = None) -> np.ndarray:
     """Tensor `name`, or only `tensor[rows]` (a slice of its first axis; only those bytes are
     read)."""
     file = os.path.join(self._path, self._files_by_name[name])
+    values = self._read(file, name, rows)
+    return values if self._allow_nonfinite else check_finite(values, file, name)
+
+  def _read(self, file: str, name: str, rows: slice | None) -> np.ndarray:
     if self._fp8 is not None and name in self._fp8.shapes:
       return self._fp8.read(self.read, file, name, rows)
     if file not in self._open:

@@ -82,7 +82,7 @@ def group_leaves(leaves: list[LeafSource], budget: int) -> list[list[LeafSource]
 def convert_streaming(hf_dir: str, out_dir: str, *, mesh: jax.sharding.Mesh, rules=None,
                       param_dtype: str | None = None, dtype: str | None = None,
                       mtp_depths: int = 3, scan_layers: bool = True,
-                      group_bytes: int | None = None,
+                      group_bytes: int | None = None, allow_nonfinite: bool = False,
                       progress: Callable[[str], None] = print) -> ConversionStats:
   """Converts `hf_dir` into `<out_dir>/params` + `<out_dir>/config.json`, group by group.
 
@@ -90,7 +90,7 @@ def convert_streaming(hf_dir: str, out_dir: str, *, mesh: jax.sharding.Mesh, rul
     mesh: devices the leaves are built on while writing (every process calls this with its
       part of the same global mesh); reading back can use any other mesh.
     rules: logical axis rules for the conversion's shardings (default: the default rules).
-    param_dtype, dtype, mtp_depths, scan_layers: as `glm5_jax.load_hf`.
+    param_dtype, dtype, mtp_depths, scan_layers, allow_nonfinite: as `glm5_jax.load_hf`.
     group_bytes: most bytes (global) of one group (a larger leaf is a group alone); default:
       the largest leaf's size, at least `MIN_GROUP_BYTES`.
     progress: called with one line after each group (leaves and bytes done, rate).
@@ -104,7 +104,7 @@ def convert_streaming(hf_dir: str, out_dir: str, *, mesh: jax.sharding.Mesh, rul
   if os.path.exists(final):
     raise FileExistsError(f"{final} already exists; choose a new directory")
   checkpoint = open_hf(hf_dir, param_dtype=param_dtype, dtype=dtype, mtp_depths=mtp_depths,
-                       scan_layers=scan_layers)
+                       scan_layers=scan_layers, allow_nonfinite=allow_nonfinite)
   shardings = dict(_flat(layout_shardings(checkpoint.config, mesh, rules)))
   leaves = checkpoint.leaves
   largest = max(leaf.nbytes for leaf in leaves)

@@ -72,7 +72,7 @@ def read_run_meta(workdir: str) -> dict:
     if step is None:
       raise FileNotFoundError(f"no checkpoint under {directory} (expected a workdir written "
                               "by experiments/train.py)")
-    return manager.restore(step, args=ocp.args.Composite(meta=ocp.args.JsonRestore()))["meta"]
+    return ckpt.read_meta(manager, step, os.path.join(directory, str(step)))
   finally:
     manager.close()
 

@@ -1,49 +1,52 @@
-"""Runs untrusted (model-written) Python in an isolated, resource-limited child process.
+"""Runs untrusted (model-written) Python in a bubblewrap sandbox built from an allow-list.
 
   run_python(files, main, limits=Limits(), hide=(), allow_unsafe=False) -> Result
-  isolation() -> Isolation       what this machine allows (probed once per process)
+  isolation() -> Isolation       whether this machine can sandbox (probed once per process)
 
-What a program gets (the child is `sandbox_boot.py`; its docstring has the process tree):
-  - a fresh directory holding `files` as its cwd (`/tmp/box` inside), removed afterwards;
-  - a cleared environment (PATH, HOME, LANG, PYTHONHASHSEED only), stdin /dev/null, the
-    interpreter with `-E -s -S -B` (no PYTHON* variables, site-packages or user paths);
-  - rlimits: CPU seconds, address space, processes, file size, open files, no core files;
-  - a wall-clock timeout and an output cap: either kills its whole process group (SIGKILL);
-  - stdout and stderr together, at most `output_bytes` kept (reading stops there; the rest is
-    never buffered).
+What a program sees (mode "bwrap": bubblewrap, https://github.com/containers/bubblewrap, a
+system package: `apt-get install bubblewrap`; README, "System dependencies"):
+  - a root filesystem made of an allow-list, read-only: /usr (and the /bin, /lib, /lib64, /sbin
+    links or directories), /etc/ld.so.cache, the interpreter's prefix at /python without its
+    site-packages, a new /proc (its own processes only) and a minimal /dev. Nothing else of
+    the host exists inside: not /root, /home, /etc, /run, /var, the host's /tmp, the project,
+    the workdirs, the caller's cwd;
+  - one writable place, /tmp: a private tmpfs of `tmpfs_bytes` (the run's disk budget, gone
+    with the run), holding the box /tmp/box (cwd and HOME) with `files`;
+  - new user, pid, network, IPC, UTS and cgroup namespaces: no network and no host socket
+    (not the caller's 127.0.0.1, not abstract or path UNIX sockets); pid 1 of its namespace is
+    bubblewrap's, and when the program's main process ends everything it started dies
+    (setsid, double fork, nohup, SIGTERM-ignoring children included); it cannot see or signal
+    the caller's processes;
+  - no capabilities, no new user namespaces, a cleared environment (PATH, HOME, LANG,
+    PYTHONHASHSEED, TMPDIR), stdin /dev/null, the interpreter with `-E -s -S -B`;
+  - rlimits: CPU seconds and address space per process, file size, open files, no core files,
+    and processes: RLIMIT_NPROC counts per user namespace, and each run has its own, so the
+    count is per run (a fork bomb in one run never stops another's fork). The program's uid
+    is never 0 outside (the kernel exempts uid 0 from RLIMIT_NPROC): a root caller's boot
+    drops to `Limits.uid` (nobody) first; a normal user's runs as that user;
+  - memory: with a root caller where a memory cgroup can be made, one cgroup per run holds
+    the whole run (every process, and its tmpfs) to `memory_bytes` (`isolation().memory ==
+    "cgroup"`); otherwise (a normal user, no writable cgroup) the bound is per process
+    (RLIMIT_AS), a run's total at most `processes x memory_bytes` ("per process");
+  - a wall-clock timeout and an output cap (stdout and stderr together; reading stops at
+    `output_bytes`): either kills the sandbox's pid 1, and so everything in it.
+The spec (files, limits) reaches the sandbox through inherited file descriptors, never a
+command line (`/proc/1/cmdline` inside reads `bwrap --args 3`).
 
-Isolation modes (`isolation().mode`, decided once by trying it):
-  "root"  the caller is root (a container): new mount, network, pid, IPC and UTS namespaces
-          made as root, then the program runs as `Limits.uid`/`gid` (default nobody), without
-          capabilities.
-  "user"  an unprivileged caller where user namespaces are allowed: the same namespaces inside
-          a new user namespace (the caller's uid mapped to 0), the program in a nested one so
-          the hiding mounts are locked.
-  In both: no network (a new network namespace with only a down loopback: nothing, not even
-  the caller's 127.0.0.1, is reachable); a new pid namespace whose init is the sandbox, so
-  every process the program starts dies with it, setsid or double-fork included; private
-  tmpfs /tmp, /var/tmp and /dev/shm (writes there vanish with the run); a new /proc (or an
-  empty one where the container forbids it); the caller's cwd and `hide` paths covered by an
-  empty unreadable tmpfs (paths under the private dirs need none); the caller's interpreter
-  bound read-only at /tmp/.python, so hiding its directory does not stop the program.
-  Elsewhere the program sees the machine's filesystem with the sandbox user's permissions: in mode "root" nobody's (world-readable files stay readable, and
-  it can write only where nobody may: its box and the private tmpfs); in mode "user" the
-  caller's own permissions, so `hide` must name every directory of the caller's that holds
-  secrets. RLIMIT_NPROC counts per user: in mode "root" every process of the sandbox uid on the
-  machine (give runs their own uid if something else runs as nobody), in mode "user" the
-  processes of the program's user namespace only. Memory is per process (RLIMIT_AS), so a
-  program's total is at most `processes * memory_bytes`.
-  "none"  neither works (a seccomp profile that forbids unshare, say): `run_python` refuses
-          with a SandboxError unless `allow_unsafe=True`, which runs the program in the
-          caller's namespaces with only the rlimits, the cleared environment, the fresh cwd,
-          the timeout and the kill of its descendants (the boot process is their subreaper):
-          it CAN reach the network, read every file the caller can (the caller's workdir
-          included), write wherever the caller can and signal the caller's processes (as
-          root RLIMIT_NPROC does not bind either). For trusted code only.
+"none": bubblewrap is missing or cannot run here (`isolation().reason` says why). Then
+`run_python` refuses with a one-line SandboxError unless `allow_unsafe=True`, which runs the
+program in the caller's namespaces with only the rlimits, the cleared environment, a fresh cwd,
+the timeout and the kill of its descendants: it CAN reach the network, read and write every
+file the caller can and signal the caller's processes. For trusted code only.
+
+`hide` and `hide_in_this_process` (the RL loop registers its workdir and checkpoints): paths
+that must stay unseen. Nothing outside the allow-list is mounted, so they are hidden already;
+`run_python` refuses (SandboxError) if one lies inside a mounted path (the interpreter's prefix).
 """
 
 import dataclasses
 import functools
+import itertools
 import json
 import os
 import selectors
@@ -54,17 +57,23 @@ import sys
 import tempfile
 import time
 
-BOOT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "sandbox_boot.py")
-MODES = ("root", "user", "none")
+from glm5_jax.posttrain import sandbox_boot
 
+BOOT = sandbox_boot.__file__
+MODES = ("bwrap", "none")
+BOX = "/tmp/box"
+PYTHON = "/python"  # the interpreter's prefix inside (when it is not under /usr)
+ROOT_LINKS = ("bin", "lib", "lib32", "lib64", "libx32", "sbin")
+INSTALL = "install bubblewrap (Debian/Ubuntu: apt-get install -y bubblewrap)"
 
-_HIDDEN: set = set()  # paths every run of this process hides (`hide_in_this_process`)
+_HIDDEN: set = set()  # paths every run of this process must not see (`hide_in_this_process`)
+_RUNS = itertools.count()
 
 
 def hide_in_this_process(*paths) -> None:
-  """Hides `paths` (local directories or files; remote URLs like gs://... are ignored) from
-  every later run in this process: the RL loop, trainer and workers register their run's
-  workdir and the checkpoints they read, so a program never sees them."""
+  """Registers `paths` (local; remote URLs like gs://... are ignored) that no run of this
+  process may see: the RL loop, trainer and workers register their workdir and checkpoints.
+  They are outside the allow-list already; `run_python` checks that they stay so."""
   for path in paths:
     if path and "://" not in str(path):
       _HIDDEN.add(os.path.abspath(str(path)))
@@ -77,15 +86,15 @@ class SandboxError(RuntimeError):
 @dataclasses.dataclass(frozen=True)
 class Limits:
   """Per-run limits; every field must be > 0 (`check`)."""
-  wall_seconds: float = 10.0  # wall clock, then the whole process group is killed
+  wall_seconds: float = 10.0  # wall clock, then the sandbox (everything in it) is killed
   cpu_seconds: int = 5  # RLIMIT_CPU, per process
-  memory_bytes: int = 512 << 20  # RLIMIT_AS, per process (the interpreter alone maps ~30 MB)
-  processes: int = 16  # RLIMIT_NPROC (module docstring: what it counts)
+  memory_bytes: int = 512 << 20  # the run's cgroup where there is one; RLIMIT_AS per process
+  processes: int = 16  # RLIMIT_NPROC, counted in the run's own user namespace
   file_bytes: int = 4 << 20  # RLIMIT_FSIZE: the largest file a program may write
   open_files: int = 64  # RLIMIT_NOFILE
   output_bytes: int = 64 << 10  # stdout + stderr kept; past it the run is killed
-  tmpfs_bytes: int = 64 << 20  # each private tmpfs (/tmp, /var/tmp, /dev/shm)
-  uid: int = 65534  # mode "root": the program's uid and gid (nobody)
+  tmpfs_bytes: int = 64 << 20  # the run's writable space (/tmp, with the box)
+  uid: int = 65534  # root caller: the uid and gid the sandbox runs as (nobody)
   gid: int = 65534
 
   def check(self, where: str = "sandbox") -> None:
@@ -120,107 +129,291 @@ class Result:
 @dataclasses.dataclass(frozen=True)
 class Isolation:
   mode: str  # one of MODES
-  reason: str  # why the better modes were not available ("" for "root"/"user")
+  reason: str  # why "bwrap" is not available ("" when it is)
+  memory: str = "per process"  # "cgroup": one memory cgroup per run (root callers)
 
 
-def _python_paths() -> tuple[str, str, str]:
-  """(interpreter, its prefix, the interpreter's path inside the prefix)."""
+def _python_paths() -> tuple[str, str]:
+  """(the caller's base interpreter's prefix, the interpreter's path inside the prefix)."""
   prefix = os.path.realpath(sys.base_prefix)
   exe = os.path.realpath(sys.executable)
   if not exe.startswith(prefix + os.sep):  # a venv's interpreter: use the base one
     exe = os.path.join(prefix, "bin", f"python{sys.version_info.major}.{sys.version_info.minor}")
-  return exe, prefix, exe[len(prefix):]
+  return prefix, exe[len(prefix):]
 
 
-def _spec(mode: str, box: str, argv, limits: Limits, hide) -> dict:
-  python, prefix, inside = _python_paths()
-  return {"mode": mode, "box": box, "argv": list(argv), "python": python,
-          "python_prefix": prefix, "python_in_prefix": inside, "hide": list(hide),
-          "uid": limits.uid, "gid": limits.gid, "tmpfs_bytes": limits.tmpfs_bytes,
-          "limits": {k: getattr(limits, k) for k in ("cpu_seconds", "memory_bytes", "processes",
-                                                     "file_bytes", "open_files")}}
+def _inside(prefix: str) -> str:
+  """Where the interpreter's prefix is inside the sandbox."""
+  return prefix if prefix == "/usr" or prefix.startswith("/usr/") else PYTHON
+
+
+def bwrap_args(prefix_source: str, prefix: str, limits: Limits,
+               spec_fd: int) -> tuple[list[str], list[str]]:
+  """bubblewrap's (options, command): the options build the allow-list root, namespaces and
+  the box (they go through `--args FD`: no host path on a command line); the command is the
+  INNER boot, which reads the program's spec from `spec_fd`."""
+  args = ["--unshare-all", "--unshare-user", "--die-with-parent", "--new-session",
+          "--hostname", "sandbox", "--ro-bind", "/usr", "/usr"]
+  if "--disable-userns" in _bwrap_help():  # bubblewrap >= 0.8
+    args.append("--disable-userns")
+  for name in ROOT_LINKS:  # merged-/usr systems link these into /usr; others are directories
+    path = f"/{name}"
+    if os.path.islink(path):
+      args += ["--symlink", os.readlink(path), path]
+    elif os.path.isdir(path):
+      args += ["--ro-bind", path, path]
+  args += ["--ro-bind-try", "/etc/ld.so.cache", "/etc/ld.so.cache"]
+  inside = _inside(prefix)
+  if inside == PYTHON:
+    args += ["--ro-bind", prefix_source, PYTHON]
+    version = f"python{sys.version_info.major}.{sys.version_info.minor}"
+    if os.path.isdir(os.path.join(prefix, "lib", version, "site-packages")):
+      # The installed packages (this project's editable install among them): not the program's.
+      args += ["--tmpfs", f"{PYTHON}/lib/{version}/site-packages"]
+  args += ["--proc", "/proc", "--dev", "/dev", "--size", str(limits.tmpfs_bytes),
+           "--perms", "1777", "--tmpfs", "/tmp", "--remount-ro", "/dev", "--remount-ro", "/",
+           "--chdir", "/tmp", "--clearenv"]
+  for name, value in _environment(BOX, inside + "/lib").items():
+    args += ["--setenv", name, value]
+  exe = inside + _python_paths()[1]
+  return args, [exe, "-I", "-S", "-B", "-c", sandbox_boot.INNER, str(spec_fd)]
+
+
+def _environment(box: str, lib: str) -> dict:
+  """The program's whole environment (a shared libpython is found through LD_LIBRARY_PATH:
+  the interpreter's runpath names its prefix outside)."""
+  return {"PATH": "/usr/bin:/bin", "HOME": box, "LANG": "C.UTF-8", "PYTHONHASHSEED": "0",
+          "TMPDIR": os.path.dirname(box), "LD_LIBRARY_PATH": lib}
+
+
+def _program_spec(files: dict, main: str, limits: Limits, box: str, python: str,
+                  lib: str) -> dict:
+  limits_dict = {k: getattr(limits, k) for k in ("cpu_seconds", "memory_bytes", "processes",
+                                                 "file_bytes", "open_files")}
+  # -E -s -S: no PYTHON* variables, user site or site-packages (-I would also drop the
+  # script's directory from sys.path, and the program imports its sibling files).
+  return {"box": box, "files": files, "argv": [python, "-E", "-s", "-S", "-B", main],
+          "env": _environment(box, lib), "limits": limits_dict,
+          "rlimits": sandbox_boot.rlimits(limits_dict)}
+
+
+def _memfd(data: bytes) -> int:
+  """An inheritable file descriptor reading `data` from its start."""
+  fd = os.memfd_create("glm5-sandbox", 0)
+  os.write(fd, data)
+  os.lseek(fd, 0, os.SEEK_SET)
+  os.set_inheritable(fd, True)
+  return fd
+
+
+def _bwrap_path() -> str | None:
+  return shutil.which("bwrap", path="/usr/bin:/bin:/usr/local/bin:/usr/sbin")
+
+
+@functools.cache
+def _bwrap_help() -> str:
+  proc = subprocess.run([_bwrap_path(), "--help"], capture_output=True, text=True, check=False)
+  return proc.stdout + proc.stderr
 
 
 @functools.cache
 def isolation() -> Isolation:
-  """The best mode that works here, found by running a program in it (once per process)."""
-  candidates = ["root", "user"] if os.geteuid() == 0 else ["user"]
-  reasons = []
-  for mode in candidates:
-    result = _run({"main.py": "print('isolated')"}, "main.py", Limits(), (), mode)
-    if result.ok and result.output.strip() == "isolated":
-      return Isolation(mode, "")
-    reasons.append(f"mode {mode!r}: exit {result.exit_code}, {result.output.strip()[:200]!r}")
-  return Isolation("none", "; ".join(reasons))
+  """Whether bubblewrap runs a program here (tried once per process)."""
+  if _bwrap_path() is None:
+    return Isolation("none", f"bubblewrap (bwrap) is not installed: {INSTALL}")
+  try:
+    result = _run({"main.py": "print('isolated')"}, "main.py", Limits(), "bwrap")
+  except OSError as e:
+    return Isolation("none", f"bubblewrap could not start: {e}")
+  if not (result.ok and result.output.strip() == "isolated"):
+    return Isolation("none", f"bubblewrap failed here: exit {result.exit_code}, "
+                     f"{' '.join(result.output.split())[:200]!r}")
+  return Isolation("bwrap", "", "cgroup" if os.geteuid() == 0 and _memory_root() else
+                   "per process")
 
 
 def run_python(files: dict, main: str, *, limits: Limits = Limits(), hide=(),
                allow_unsafe: bool = False) -> Result:
-  """Runs `python main` in a sandbox whose cwd holds `files` ({relative path: text}).
+  """Runs `python main` in the sandbox with `files` ({relative path: text}) in its cwd.
 
   Args:
     files: the program's files; paths relative, without "..".
     main: the file to run (a key of `files`).
     limits: `Limits` (checked: every field > 0).
-    hide: more paths the program must not see; the caller's cwd and the paths registered
-      with `hide_in_this_process` (the RL run's workdir) are always hidden.
-    allow_unsafe: where the OS cannot isolate (`isolation().mode == "none"`), run anyway with
-      the limits only (module docstring: what that does not contain). Without it: SandboxError.
+    hide: more paths that must stay unseen (see the module docstring).
+    allow_unsafe: where no sandbox works (`isolation().mode == "none"`), run anyway with the
+      limits only (module docstring: what that does not contain). Without it: SandboxError.
   Raises:
-    ValueError: a bad limit or file path. SandboxError: no isolation and not allow_unsafe.
+    ValueError: a bad limit or file path. SandboxError: no sandbox and not allow_unsafe, or a
+      hidden path inside a mounted one.
   """
   limits.check()
+  _check_files(files, main)
   iso = isolation()
   if iso.mode == "none" and not allow_unsafe:
-    raise SandboxError("sandbox: this OS cannot isolate a program (no usable mount/network/pid "
-                       f"namespaces: {iso.reason}); refusing to run untrusted code. Pass "
-                       "allow_unsafe=True (config: sandbox.allow_unsafe) to run it with "
-                       "resource limits only: it could then use the network and read and "
-                       "write the caller's files")
+    raise SandboxError(f"sandbox: refusing to run untrusted code: {iso.reason}; or pass "
+                       "allow_unsafe=True (rl.sandbox.allow_unsafe) to run it unconfined")
+  if iso.mode == "bwrap":
+    _check_hidden([*sorted(_HIDDEN), *map(os.path.abspath, hide)])
+  return _run(files, main, limits, iso.mode)
+
+
+def _check_files(files: dict, main: str) -> None:
   if main not in files:
     raise ValueError(f"sandbox: main {main!r} is not one of the files {sorted(files)}")
-  hidden = [os.getcwd(), *sorted(_HIDDEN)] + [os.path.abspath(p) for p in hide]
-  return _run(files, main, limits, [p for p in hidden if p != "/"], iso.mode)
-
-
-def _write_files(box: str, files: dict, limits: Limits, mode: str) -> None:
-  for path, text in files.items():
+  for path in files:
     parts = path.split("/")
     if not path or path.startswith("/") or ".." in parts or "" in parts:
       raise ValueError(f"sandbox: file path {path!r} must be relative, without '..' or '//'")
+
+
+def _check_hidden(paths) -> None:
+  mounted = ["/usr", os.path.realpath(sys.base_prefix)]
+  for path in paths:
+    real = os.path.realpath(path)
+    for m in mounted:
+      if real == m or real.startswith(m + "/"):
+        raise SandboxError(f"sandbox: hidden path {path} is inside {m}, which the sandbox "
+                           "mounts (read-only): move it elsewhere")
+
+
+def _run(files: dict, main: str, limits: Limits, mode: str) -> Result:
+  start = time.monotonic()
+  if mode == "none":
+    proc, cleanup = _start_unsafe(files, main, limits)
+  else:
+    proc, cleanup = _start_bwrap(files, main, limits)
+  try:
+    try:
+      output, timed_out, truncated = _collect(proc, limits)
+    finally:
+      _stop(proc, unsafe=mode == "none")
+    code = -9 if (timed_out or truncated) else proc.returncode
+    if code < 0 and not (timed_out or truncated):
+      code = 128 - code  # bwrap or the boot itself killed by a signal
+    return Result(code, output.decode("utf-8", errors="replace"), timed_out, truncated,
+                  time.monotonic() - start, mode, proc.pid)
+  finally:
+    cleanup()
+
+
+def _start_bwrap(files: dict, main: str, limits: Limits):
+  """Starts bwrap (through the root boot for a root caller); (process, cleanup)."""
+  prefix, in_prefix = _python_paths()
+  root = os.geteuid() == 0
+  inside = _inside(prefix)
+  spec_fd = _memfd(json.dumps(_program_spec(files, main, limits, BOX, inside + in_prefix,
+                                            inside + "/lib")).encode())
+  source = sandbox_boot.STAGED if root else prefix
+  options, command = bwrap_args(source, prefix, limits, spec_fd)
+  args_fd = _memfd(b"".join(a.encode() + b"\0" for a in options))
+  fds = [spec_fd, args_fd]
+  cgroups = _make_cgroups(limits) if root else []
+  try:
+    if root:
+      host = {"python_prefix": prefix, "uid": limits.uid, "gid": limits.gid,
+              "bwrap": _bwrap_path(), "command": command,
+              "cgroups": [os.path.join(d, "cgroup.procs") for d in cgroups]}
+      fds.append(_memfd(json.dumps(host).encode()))
+      argv = [sys.executable, "-I", "-S", "-B", BOOT, "host", str(args_fd), str(fds[-1])]
+    else:
+      argv = [_bwrap_path(), "--args", str(args_fd), "--", *command]
+    proc = subprocess.Popen(argv, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, cwd="/", env={"PATH": "/usr/bin:/bin"},
+                            start_new_session=True, pass_fds=fds)
+  except BaseException:
+    _remove_cgroups(cgroups)
+    raise
+  finally:
+    for fd in fds:
+      os.close(fd)
+  return proc, lambda: _remove_cgroups(cgroups)
+
+
+def _start_unsafe(files: dict, main: str, limits: Limits):
+  work = tempfile.mkdtemp(prefix="glm5-sandbox-")
+  box = os.path.join(work, "box")
+  os.mkdir(box, 0o700)
+  for path, text in files.items():
     full = os.path.join(box, path)
     os.makedirs(os.path.dirname(full), exist_ok=True)
     with open(full, "w", encoding="utf-8") as f:
       f.write(text)
-  if mode == "root":  # the program runs as limits.uid: its box must be its own
-    for root, dirs, names in os.walk(box):
-      for name in [root] + [os.path.join(root, n) for n in dirs + names]:
-        os.chown(name, limits.uid, limits.gid)
+  prefix, in_prefix = _python_paths()
+  spec = _program_spec(files, main, limits, box, prefix + in_prefix, prefix + "/lib")
+  spec.pop("files")
+  proc = subprocess.Popen([sys.executable, "-I", "-S", "-B", BOOT, "unsafe", json.dumps(spec)],
+                          stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
+                          stderr=subprocess.STDOUT, cwd=work, env={"PATH": "/usr/bin:/bin"},
+                          start_new_session=True, close_fds=True)
+  return proc, lambda: _remove_tree(work)
 
 
-def _run(files: dict, main: str, limits: Limits, hide, mode: str) -> Result:
-  work = tempfile.mkdtemp(prefix="glm5-sandbox-")
-  box = os.path.join(work, "box")
-  os.mkdir(box, 0o700)
-  start = time.monotonic()
+def _remove_tree(path: str) -> None:
+  """rmtree that also removes directories the program made unreadable (mode 000)."""
+  for root, dirs, _ in os.walk(path):
+    for d in dirs:
+      try:
+        os.chmod(os.path.join(root, d), 0o700, follow_symlinks=False)
+      except OSError:
+        pass
+  shutil.rmtree(path, ignore_errors=True)
+
+
+# ---- per-run memory cgroups (root callers) ---------------------------------------------------
+
+
+@functools.cache
+def _memory_root() -> str | None:
+  """This process's cgroup-v1 memory directory, if a child cgroup can be made there."""
   try:
-    _write_files(box, files, limits, mode)
-    spec = _spec(mode, box, [main], limits, hide)
-    proc = subprocess.Popen([sys.executable, "-I", "-S", "-B", BOOT, json.dumps(spec)],
-                            stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
-                            stderr=subprocess.STDOUT, cwd=work, env={"PATH": "/usr/bin:/bin"},
-                            start_new_session=True, close_fds=True)
-    try:
-      output, timed_out, truncated = _collect(proc, limits)
-    finally:
-      _stop(proc)
-    code = -9 if (timed_out or truncated) else proc.returncode
-    if code < 0 and not (timed_out or truncated):
-      code = 128 - code  # the boot script itself killed by a signal
-    return Result(code, output.decode("utf-8", errors="replace"), timed_out, truncated,
-                  time.monotonic() - start, mode, proc.pid)
-  finally:
-    shutil.rmtree(work, ignore_errors=True)
+    with open("/proc/self/cgroup") as f:
+      path = next(line.strip().split(":", 2)[2] for line in f
+                  if "memory" in line.split(":")[1].split(","))
+    with open("/proc/self/mountinfo") as f:
+      mount = next(line.split()[4] for line in f
+                   if " - cgroup " in line and "memory" in line.split()[-1].split(","))
+  except (OSError, StopIteration, IndexError):
+    return None
+  base = os.path.join(mount, path.lstrip("/"))
+  probe = os.path.join(base, f"glm5-sandbox-{os.getpid()}-probe")
+  try:
+    os.mkdir(probe)
+    os.rmdir(probe)
+  except OSError:
+    return None
+  return base
+
+
+def _make_cgroups(limits: Limits) -> list[str]:
+  """A memory cgroup for one run holding it to `memory_bytes` ([] where none can be made)."""
+  base = _memory_root()
+  if base is None:
+    return []
+  path = os.path.join(base, f"glm5-sandbox-{os.getpid()}-{next(_RUNS)}")
+  try:
+    os.mkdir(path)
+    with open(os.path.join(path, "memory.limit_in_bytes"), "w") as f:
+      f.write(str(limits.memory_bytes))
+  except OSError:
+    _remove_cgroups([path])
+    return []
+  return [path]
+
+
+def _remove_cgroups(paths) -> None:
+  for path in paths:
+    for _ in range(50):  # its last processes may still be exiting
+      try:
+        os.rmdir(path)
+        break
+      except FileNotFoundError:
+        break
+      except OSError:
+        time.sleep(0.01)
+
+
+# ---- output and stopping ---------------------------------------------------------------------
 
 
 def _collect(proc, limits: Limits) -> tuple[bytes, bool, bool]:
@@ -249,23 +442,35 @@ def _collect(proc, limits: Limits) -> tuple[bytes, bool, bool]:
         return b"".join(chunks), False, True
 
 
-def _stop(proc, grace: float = 5.0) -> None:
-  """Ends the run and reaps it. SIGTERM asks the boot process to kill the program's tree and
-  reap it (a zombie handed to this machine's init may never be reaped); only if it has not
-  exited after `grace` seconds is the whole group SIGKILLed. The group is signalled while the
-  boot process is an unreaped zombie, so its id cannot have been reused."""
+def _stop(proc, unsafe: bool, grace: float = 5.0) -> None:
+  """Ends the run and reaps it. bwrap: SIGKILL to its child, the sandbox's pid 1 (the kernel
+  then kills everything in the sandbox, and bwrap reaps pid 1 and exits). Unsafe: SIGTERM asks
+  the boot to kill and reap the program's tree. Only if that has not ended the run after
+  `grace` seconds is the whole group SIGKILLed. The group is signalled while its leader is an
+  unreaped zombie, so its id cannot have been reused."""
   if not _exited(proc):
-    proc.send_signal(signal.SIGTERM)
+    if unsafe:
+      proc.send_signal(signal.SIGTERM)
+    else:
+      for pid in sandbox_boot.children_of(proc.pid):
+        _kill(pid)
   deadline = time.monotonic() + grace
   while not _exited(proc) and time.monotonic() < deadline:
     time.sleep(0.005)
   try:
-    os.killpg(proc.pid, signal.SIGKILL)  # stragglers in the group (none when the boot exited)
+    os.killpg(proc.pid, signal.SIGKILL)  # stragglers in the group (none when it exited)
   except (ProcessLookupError, PermissionError):
     pass
   proc.wait()
 
 
+def _kill(pid: int) -> None:
+  try:
+    os.kill(pid, signal.SIGKILL)
+  except (ProcessLookupError, PermissionError):
+    pass
+
+
 def _exited(proc) -> bool:
-  """Whether the boot process has exited, without reaping it (its pid stays reserved)."""
+  """Whether the process has exited, without reaping it (its pid stays reserved)."""
   return os.waitid(os.P_PID, proc.pid, os.WEXITED | os.WNOHANG | os.WNOWAIT) is not None

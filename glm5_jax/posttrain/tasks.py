@@ -12,7 +12,8 @@ each a ConfigError naming the field): `rl.env` "mixture" exactly when `rl.tasks`
 every task names a known environment; weights finite, >= 0 and summing to a positive number;
 a task's `max_staleness` -1 (use `rl.max_staleness`) or in [0, rl.max_staleness] (the
 orchestrator's capacity rule uses the run's bound, so a task can only be stricter); every
-sandbox limit > 0; and each environment is built once with its options (an unknown or bad
+sandbox limit > 0; a code-running environment only where the sandbox works (or with
+`rl.sandbox.allow_unsafe`); and each environment is built once with its options (an unknown or bad
 option is named under `rl.tasks.<env>.options` or `rl.env_options`).
 
 Per-task metrics: `rollout.metrics_by_env` (`<env>/<metric>`), and `mean_over_envs`.
@@ -43,7 +44,7 @@ def task_config(weight: float = 1.0, max_staleness: int = -1, **options):
 
 def sandbox_config(**overrides) -> ml_collections.ConfigDict:
   """`rl.sandbox`: `glm5_jax.posttrain.sandbox.Limits`' fields, and `allow_unsafe` (run where
-  the OS cannot isolate a program, with resource limits only; see the sandbox module)."""
+  no sandbox works (bubblewrap missing), with resource limits only; see the sandbox module)."""
   c = ml_collections.ConfigDict({f.name: f.default for f in dataclasses.fields(sandbox.Limits)})
   c.allow_unsafe = False
   c.update(overrides)
@@ -62,6 +63,10 @@ def make_one(name: str, options: dict, rl, field: str) -> envs.Env:
     require("sandbox" not in options, f"{field}.sandbox",
             "set the sandbox limits in rl.sandbox (one place for every environment)")
     options = {**options, "sandbox": _sandbox_option(rl)}
+    iso = sandbox.isolation() if not rl.sandbox.allow_unsafe else None
+    require(iso is None or iso.mode != "none", "rl.sandbox.allow_unsafe",
+            f"environment {name!r} runs model-written code and this machine has no sandbox "
+            f"({iso and iso.reason}); set it to True only to run that code unconfined")
   try:
     return envs.make(name, **options)
   except ValueError as e:

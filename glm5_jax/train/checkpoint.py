@@ -54,6 +54,24 @@ class CheckpointCorruptError(CheckpointMismatchError):
   them; the message names the step directory (and the arrays)."""
 
 
+def brief(e: BaseException, limit: int = 300) -> str:
+  """`e` as one short line: its type and its message's first line (tensorstore's errors for a
+  torn file run to hundreds of lines of spec and context)."""
+  lines = [line.strip() for line in str(e).splitlines() if line.strip()]
+  text = lines[0] if lines else ""
+  text = text if len(text) <= limit else text[:limit] + "..."
+  more = f" (+{len(lines) - 1} more lines)" if len(lines) > 1 else ""
+  return f"{type(e).__name__}: {text}{more}"
+
+
+def read_meta(manager, step: int, where: str) -> dict:
+  """The step's JSON `meta` item; CheckpointCorruptError naming the step when unreadable."""
+  try:
+    return manager.restore(step, args=ocp.args.Composite(meta=ocp.args.JsonRestore()))["meta"]
+  except Exception as e:  # orbax raises many types (JSONDecodeError, KeyError, ...)
+    raise CheckpointCorruptError(f"{where}: unreadable checkpoint metadata ({brief(e)})") from None
+
+
 def make_manager(workdir: str, *, every_steps: int, keep: int, async_save: bool = True):
   # A remote workdir (gs://...) is orbax's to resolve; abspath would turn it into a local path.
   directory = (f"{workdir.rstrip('/')}/checkpoints" if "://" in workdir
@@ -172,10 +190,7 @@ def restore_latest(manager, abstract_state: TrainState, data_iterator, config, *
 
 
 def _restore_step(manager, step, where, abstract_state, data_iterator, current: dict):
-  try:
-    meta = manager.restore(step, args=ocp.args.Composite(meta=ocp.args.JsonRestore()))["meta"]
-  except Exception as e:  # orbax raises many types for a damaged directory
-    raise CheckpointCorruptError(f"{where}: unreadable checkpoint metadata ({e})") from e
+  meta = read_meta(manager, step, where)
   saved_config, current = meta.get("config", {}), dict(current)
   for section, _ in RESUME_FIELDS:  # a checkpoint from before that field was recorded
     if section not in saved_config:
@@ -192,7 +207,7 @@ def _restore_step(manager, step, where, abstract_state, data_iterator, current: 
       items["data"] = grain.checkpoint.CheckpointRestore(data_iterator)
     restored = manager.restore(step, args=ocp.args.Composite(**items))
   except Exception as e:  # tensorstore / orbax errors for missing or undecodable files
-    raise CheckpointCorruptError(f"{where}: could not restore ({e})") from e
+    raise CheckpointCorruptError(f"{where}: could not restore ({brief(e)})") from None
   _verify(meta, where, restored["params"], restored["opt_state"], data_iterator)
   state = TrainState(step=_placed(meta.get("updates", meta["step"]), abstract_state.step),
                      params=restored["params"], opt_state=restored["opt_state"],
@@ -266,12 +281,14 @@ def restore_params_from(workdir: str, abstract_params_fn):
       raise FileNotFoundError(f"config.train.init_from: no checkpoint under {directory}")
     where = os.path.join(directory, str(step))
     try:
-      meta = manager.restore(step, args=ocp.args.Composite(meta=ocp.args.JsonRestore()))["meta"]
+      meta = read_meta(manager, step, where)
       model = ml_collections.ConfigDict(meta["config"]["model"])
       params = manager.restore(step, args=ocp.args.Composite(
           params=ocp.args.StandardRestore(abstract_params_fn(model))))["params"]
+    except CheckpointCorruptError:
+      raise
     except Exception as e:  # tensorstore / orbax errors for missing or undecodable files
-      raise CheckpointCorruptError(f"{where}: could not restore params ({e})") from e
+      raise CheckpointCorruptError(f"{where}: could not restore params ({brief(e)})") from None
   finally:
     manager.close()
   _verify(meta, where, params, None)

@@ -2,13 +2,18 @@
 
 Tasks. `Env.task(index, split)` draws a problem from a numpy Generator seeded by a hash of
 (env name, options, split, index, draw); it keeps the first draw whose problem belongs to
-`split`. A problem's split is a hash of (env name, canonical key) alone (`split_of`). The
-canonical key is the same for every problem that is the same fact written another way (each
-env's `_problem` says how: commutative operands sorted, "45+23=" and "23+45=" -> "23+45";
-countdown's numbers sorted; a string and its reverse for reversal, the letters' multiset for
-sorting), so a held-out problem never has a twin in train. It is in the same split under every
-option set and seed, and re-drawing costs ~1 / EVAL_SHARE draws for an eval task. Any task can
-be rebuilt alone from its index.
+`split`. A problem's split is a hash of its canonical key alone (`split_of`), the same in every
+environment: the calculator's "What is 23+45?" and addition's "23+45=" share the key "23+45",
+the code env's function and the repo-repair env's repaired function share
+`code_problems.key`, so a problem held out in one environment is never trained on in another
+(a mixture checks this when built: `mixture.split_leaks`). The canonical key is the same for
+every problem that is the same fact written another way (each env's `_problem` says how:
+commutative operands sorted, "45+23=" and "23+45=" -> "23+45"; countdown's numbers sorted; a
+string and its reverse for reversal, the letters' multiset for sorting), so a held-out problem
+never has a twin in train. It is in the same split under every option set and seed, and
+re-drawing costs ~1 / EVAL_SHARE draws for an eval task. Any task can be rebuilt alone from
+its index. (Until issue 43 the hash also took the env's name: each env's held-out set moved
+once then.)
 
 Options. Each env lists its options with defaults (`defaults`); every env also takes `seed`
 (int, default 0), which only selects another stream of tasks (the split of a problem never
@@ -54,6 +59,7 @@ class Task:
   messages: tuple[dict, ...]
   answer: Any
   info: dict
+  key: str = ""  # the canonical key: decides the split, shared by the problem's twins
 
 
 class Step(NamedTuple):
@@ -71,9 +77,9 @@ def commutative_key(a: int, op: str, b: int) -> str:
   return f"{a}{op}{b}"
 
 
-def split_of(env_name: str, problem_key: str) -> str:
-  """The split a problem belongs to: a property of its canonical key alone."""
-  return "eval" if problem_hash("split", env_name, problem_key) % EVAL_SHARE == 0 else "train"
+def split_of(problem_key: str) -> str:
+  """The split a problem belongs to: a property of its canonical key alone, in every env."""
+  return "eval" if problem_hash("split", problem_key) % EVAL_SHARE == 0 else "train"
 
 
 def preview(value, limit: int = 40) -> str:
@@ -217,10 +223,14 @@ class Env:
     for draw in range(MAX_DRAWS):
       rng = np.random.default_rng(problem_hash(self.name, options, self.seed, split, index, draw))
       key, messages, answer, info = self._problem(rng)
-      if split_of(self.name, key) == split:
-        return Task(self.name, index, split, messages, answer, info)
+      if self.split_of_key(key) == split:
+        return Task(self.name, index, split, messages, answer, info, key)
     raise ValueError(f"envs.{self.name}: no {split} problem in {MAX_DRAWS} draws with options "
                      f"{self.options}; the problem space is too small")
+
+  def split_of_key(self, key: str) -> str:
+    """This env's split of a problem key: `split_of`, shared by every env (never override)."""
+    return split_of(key)
 
   def step(self, task: Task, messages) -> Step:
     raise NotImplementedError

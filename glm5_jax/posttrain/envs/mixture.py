@@ -7,12 +7,32 @@ asynchronous trainer does from a rollout file, and each environment's tasks keep
 splits: `task.env` names the environment). `step` and `worked_solution` go to `task.env`'s
 environment; `max_turns` is the largest member's (each member ends its own episodes by its own
 limit). A weight of 0 keeps an environment out of training but in the held-out evaluation.
+
+Splits are by problem content, shared by every environment (`base.split_of`), so the same
+problem is never eval in one member and train in another. The mixture checks it when built
+(`split_leaks`: each member's first LEAK_SAMPLE eval problems must be eval in every other
+member too) and refuses a leak with a ValueError naming the members and the count.
 """
 
 import math
 
 from glm5_jax.posttrain.envs import base
 from glm5_jax.seeds import problem_hash
+
+LEAK_SAMPLE = 16  # with a split per env name, ~80% of these would leak: 16 never miss it
+
+
+def split_leaks(members: dict, n: int = LEAK_SAMPLE) -> dict:
+  """{(a, b): how many of env a's first `n` eval problems env b's split puts in train}, for
+  the pairs with any (none when every env uses the shared `base.split_of`)."""
+  leaks = {}
+  for a, env_a in members.items():
+    eval_keys = [env_a.task(i, "eval").key for i in range(n)]
+    for b, env_b in members.items():
+      count = sum(b != a and env_b.split_of_key(k) == "train" for k in eval_keys)
+      if count:
+        leaks[(a, b)] = count
+  return leaks
 
 
 class Mixture(base.Env):
@@ -29,6 +49,11 @@ class Mixture(base.Env):
     if not total > 0:
       raise ValueError(f"mixture: the weights {weights} must sum to a positive number")
     self.envs = {name: env for name, (env, _) in members.items()}
+    leaks = split_leaks(self.envs) if len(self.envs) > 1 else {}
+    if leaks:
+      raise ValueError("mixture: splits leak across environments: " + "; ".join(
+          f"{n} of {LEAK_SAMPLE} eval problems of {a!r} are train problems of {b!r}"
+          for (a, b), n in sorted(leaks.items())) + " (each env must split with base.split_of)")
     self.weights = {name: w / total for name, w in weights.items()}
     self.seed = seed
     self.options = {"weights": self.weights}
