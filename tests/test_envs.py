@@ -70,7 +70,7 @@ def test_make_names_and_option_errors():
     with pytest.raises(ValueError, match=f"envs.{name}: .*{option}"):
       envs.make(name, **options)
   env = envs.make("addition", operations=("-", "+"))
-  assert env.options == {"digits": 2, "operations": "+-"}
+  assert env.options == {"digits": 2, "operations": "+-", "reward": "outcome"}
   with pytest.raises(ValueError, match="split"):
     env.task(0, "test")
   with pytest.raises(ValueError, match="index"):
@@ -198,7 +198,8 @@ def test_addition_rewards():
   for wrong in (str(n + 1), str(-n) if n else "1", "0" + task.answer, "1" + task.answer,
                 "9" * 100_000):
     step = answer_step(env, task, wrong)
-    assert step.done and step.reward == 0.0 and step.info == {"correct": False, "error": None}
+    assert step.done and step.reward == 0.0 and step.info == {"correct": False, "error": None,
+                                                               "reasoning_ok": False}
   arabic = "".join(chr(0x660 + int(d)) for d in task.answer)  # int() would accept these digits
   for malformed in ("", "   ", "abc", arabic, f"+{n}", f"{n}.0", f"{n} is the answer",
                     f"{n // 10} {n % 10}", "x" * 100_000, "\x00", "\ud800", "🙂"):
