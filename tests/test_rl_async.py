@@ -20,6 +20,7 @@ import pytest
 
 from configs import rl_tiny
 from glm5_jax.config import ModelConfig
+from glm5_jax.posttrain import signal
 from glm5_jax.rl import async_trainer, launcher, orders, trajectories, worker
 from glm5_jax.rl.layout import RunDirs, read_json
 from glm5_jax.rl.orchestrator import Orchestrator
@@ -141,8 +142,12 @@ def _check_exactly_once(root, config):
 
 
 def test_trainer_and_two_workers_in_threads(tmp_path, helpers):
-  """Also with routing replay on: the files carry each token's routing into the train step."""
-  config = small_async_config(routing_replay=True)
+  """Also with routing replay on: the files carry each token's routing into the train step;
+  and with the signal controls: a worker replays each silent group once on its refill task
+  (random params answer nothing right: every group is silent), the trainer logs the KL to
+  the start and trains its penalty."""
+  config = small_async_config(routing_replay=True, dynamic_sampling_rounds=1, kl_coef=0.1,
+                              log_kl=True)
   params = helpers.random_params(ModelConfig.from_config(config.model), seed=0)
   root = str(tmp_path / "rl")
   errors = []
@@ -170,12 +175,14 @@ def test_trainer_and_two_workers_in_threads(tmp_path, helpers):
   files = sorted(orders.answered(root))
   record = trajectories.read_batch(RunDirs.at(root).rollouts / files[0]).records[0]
   assert set(record.routing) == {"moe", "dsa"}
+  assert record.meta["task"] >= signal.REFILL_STRIDE  # the refill round's task
   assert record.routing["moe"].shape[0] == len(record.tokens)
   with open(os.path.join(root, "metrics.jsonl")) as f:
     first = json.loads(f.readline())
   # Step 1 trains version-0 samples at version 0 with their routing replayed: the trainer's
   # log-probs are the engine's.
   assert first["logp_mismatch_max"] < 1e-4
+  assert abs(first["kl_to_start"]) < 1e-4 and "kl_penalty" in first and "zero_signal_groups" in first
 
 
 # ---- processes killed with SIGKILL (slow) -------------------------------------------------------
