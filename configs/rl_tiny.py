@@ -53,8 +53,8 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
   config.rl = rl_config(env=arg.env, group_size=8, prompts_per_step=32, max_new_tokens=48,
                         temperature=1.0, eps_low=0.2, eps_high=0.28, icepop_beta=2.0,
                         steps=arg.steps, eval_every_steps=25, eval_tasks=200, eval_samples=4)
-  # The recipe, each part against the run that fell (docs/posttrain.md, "Why RL fell" and
-  # "The default recipe"): Muon Split and AdamW take a full-size step whatever the gradient
+  # The recipe, each part against the run that fell (docs/posttrain.md, "Why RL fell, and the
+  # default recipe"): Muon Split and AdamW take a full-size step whatever the gradient
   # holds, so at 1e-3 a step of mostly-noise GRPO gradient walked the policy off (greedy
   # 33.5 -> 21.0%; a null-reward control -> 1.0%).
   #  - a reward that does not pay for lucky answers: addition checks the column steps (28-38%
