@@ -1,4 +1,4 @@
-"""The real TPU compiler, ahead of time on this host (`glm5_jax.aot_targets`): the Pallas TPU
+"""The real TPU compiler, ahead of time on this host (`glm5_jax.planning.aot_targets`): the Pallas TPU
 kernels compiled by Mosaic (elsewhere they are only lowered), and the planner's train step on a
 small v5p slice with no CPU stand-ins. Runs where the `tpu-aot` extra (libtpu matching jax) is
 installed; skipped, with the reason, where it is not. Each case is a subprocess with
@@ -11,7 +11,7 @@ import sys
 
 import pytest
 
-from glm5_jax import aot_targets
+from glm5_jax.planning import aot_targets
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 _PROBLEM = aot_targets.libtpu_problem()
@@ -32,7 +32,8 @@ def _run(args, timeout=900):
 _KERNEL = r"""
 import functools, json, sys, jax, jax.numpy as jnp
 import pallas_kernels as pk
-from glm5_jax import aot_targets, grouped_matmul, hlo_stats
+from glm5_jax import grouped_matmul
+from glm5_jax.planning import aot_targets, hlo_stats
 device = aot_targets.tpu_devices("v5p:2x2x1")[0]
 on_tpu = jax.sharding.SingleDeviceSharding(device)
 sds = lambda shape, dtype: jax.ShapeDtypeStruct(shape, dtype, sharding=on_tpu)

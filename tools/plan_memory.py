@@ -12,19 +12,19 @@
       --config.model.moe_impl=ragged --config.model.param_dtype=bfloat16   # a served decode step
 
 Compiler: with `--target=v5p:XxYxZ` (or `v5e:XxY`, `v6e:XxY`) the real TPU compiler compiles
-for that slice ahead of time (`glm5_jax.aot_targets`; needs the `tpu-aot` install extra, no
+for that slice ahead of time (`glm5_jax.planning.aot_targets`; needs the `tpu-aot` install extra, no
 TPU), with no stand-ins. Otherwise XLA:CPU compiles for `--devices` simulated CPU devices
 (`--xla_force_host_platform_device_count`, set here before jax starts), with the MoE stand-ins
-of `glm5_jax.cpu_standins`; every figure is labelled with the compiler that produced it.
+of `glm5_jax.planning.cpu_standins`; every figure is labelled with the compiler that produced it.
 The mesh comes from the config's `mesh` section with `--mesh` axis sizes on top, and the real
-step is compiled from abstract inputs (`glm5_jax.planner`): nothing is allocated or run.
+step is compiled from abstract inputs (`glm5_jax.planning.planner`): nothing is allocated or run.
 Prints per-device argument / output / alias / temp / generated-code bytes, their total against
 each chip's HBM, and per step (every instruction times its loops' trip counts): the
 collectives by kind, mesh axes and source, matmul FLOPs, and a roofline estimate of the step
-time and MFU on the chosen chip (`glm5_jax.roofline`: an estimate, not a measurement).
+time and MFU on the chosen chip (`glm5_jax.planning.roofline`: an estimate, not a measurement).
 `--mode=serve` adds the KV cache of the prefill's batch (computed from `glm5_jax.param_stats`,
 not compiled) to the verdict. `--mode=decode` compiles the inference engine's decode step
-(`glm5_jax.planner_decode`: one token for each of `--sequences` slots of `--cache_len` cache
+(`glm5_jax.planning.planner_decode`: one token for each of `--sequences` slots of `--cache_len` cache
 rows, the cache a real sharded argument) at each number of sequences given, fits the total
 bytes per device as a line in the sequences, and prints the most sequences that fit each chip;
 its roofline adds the HBM time of reading the params and the cache rows DSA reads.
@@ -68,7 +68,7 @@ from absl import app, flags  # pylint: disable=g-import-not-at-top
 import jax  # pylint: disable=g-import-not-at-top
 
 from configs import overrides  # pylint: disable=g-import-not-at-top
-from glm5_jax import aot_targets, hlo_stats, planner, planner_decode, roofline  # pylint: disable=g-import-not-at-top
+from glm5_jax.planning import aot_targets, hlo_stats, planner, planner_decode, roofline  # pylint: disable=g-import-not-at-top
 from glm5_jax.config import ConfigError  # pylint: disable=g-import-not-at-top
 from glm5_jax.config_validation import validate_config  # pylint: disable=g-import-not-at-top
 from glm5_jax.sharding import MESH_AXES, batch_mesh_axes  # pylint: disable=g-import-not-at-top
@@ -112,7 +112,9 @@ _ARGUMENTS_ONLY = flags.DEFINE_bool("arguments_only", False, "Print the exact pe
 _TOP = flags.DEFINE_integer("top", 5, "Largest collectives and sources listed.")
 _JSON = flags.DEFINE_bool("json", False, "Also print every figure as one JSON line.")
 _HLO_OUT = flags.DEFINE_string("hlo_out", None, "Write the deepest compiled program's optimized "
-                               "HLO text to this file.")
+                               "HLO text to this file (gzip if it ends in .gz) and its mesh's "
+                               "chip coordinates beside it (<file>.mesh.json), for "
+                               "tools/plan_cost.py.")
 
 
 def _parse_mesh(text: str) -> dict[str, int]:
@@ -188,7 +190,7 @@ def main(argv):
     print(f"compiling depth {k} ({mix}) ...", flush=True)
     program = build(cfg)
     if program.moe_standin:
-      print("  MoE via stand-in (glm5_jax/cpu_standins.py): ragged_dot as a capacity-padded "
+      print("  MoE via stand-in (glm5_jax/planning/cpu_standins.py): ragged_dot as a capacity-padded "
             "grouped einsum [E, ceil(P/E), D] x [E, D, F], ragged-all-to-all as a dense "
             "all-to-all of the send buffer", flush=True)
     figures = planner.compile_program(program, hlo_out=_HLO_OUT.value)
@@ -364,7 +366,7 @@ def _decode_main(config, devices, where, chip):
                                             page_size=_PAGE_SIZE.value)
     print(f"compiling the decode step for {n} sequences ...", flush=True)
     if program.moe_standin:
-      print("  MoE via stand-in (glm5_jax/cpu_standins.py)", flush=True)
+      print("  MoE via stand-in (glm5_jax/planning/cpu_standins.py)", flush=True)
     try:
       figures = planner.compile_program(program, hlo_out=_HLO_OUT.value)
     except jax.errors.JaxRuntimeError as e:  # the TPU compiler refuses a program over its HBM
