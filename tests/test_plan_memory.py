@@ -318,7 +318,7 @@ def test_plan_memory_tiny_on_8_devices(tmp_path):
   assert re.search(r"v6e +32 GiB  fits  <== chosen", out), out
   # the roofline of the deepest compile, on the chosen chip, labelled as a CPU-compiled estimate
   assert result["accelerator"] == "v6e" and result["compiler"].startswith("XLA:CPU")
-  assert "roofline on v6e" in out and "an ESTIMATE" in out and "not a measurement" in out
+  assert "roofline on v6e" in out and "a BOUND" in out and "not a measurement" in out
   assert 0 < result["estimate"]["mfu"]["serial"] <= result["estimate"]["mfu"]["overlap"] < 1
   # per-step figures at depth 3: each a line through depths 1 and 2, evaluated at 3
   step, (c1, c2) = result["full_depth_step"], result["compiled"]

@@ -100,7 +100,8 @@ def test_megablox_experts_gradient_is_grouped_not_dense_over_the_experts():
 def test_plan_memory_compiles_the_train_step_with_the_tpu_compiler():
   """The tiny model's train step (one MoE layer, expert-parallel with the real
   ragged-all-to-all and ragged_dot, MTP) on a v5p 2x2x1 slice: the TPU compiler's memory,
-  per-step collectives with every loop's trip count read from its text, and the roofline."""
+  per-step collectives with every loop's trip count read from its text, the roofline bound and
+  the compiler's estimate op by op."""
   out = _run([os.path.join("tools", "plan_memory.py"), "--config=configs/tiny.py",
               "--target=v5p:2x2x1", "--mesh=fsdp=2,expert=2", "--json",
               "--config.model.num_hidden_layers=2", "--config.model.mtp_depths=1",
@@ -113,4 +114,9 @@ def test_plan_memory_compiles_the_train_step_with_the_tpu_compiler():
   assert "ragged-all-to-all" in compiled["collectives_per_step"]["op"], compiled
   assert set(compiled["collectives_per_step"]["axes"]) <= {"fsdp", "expert", "fsdp+expert"}
   assert compiled["flops_per_step"] > 0 and 0 < result["estimate"]["mfu"]["serial"] < 1
-  assert "MoE via stand-in" not in out and "an ESTIMATE" in out
+  assert "MoE via stand-in" not in out and "a BOUND" in out
+  # beside the bound, the compiler's estimate op by op: every way slower than the bound
+  cost = result["compiler_estimate"]
+  assert "compiler estimate on v5p:2x2x1" in out and cost["times"]["compute"] > 0, cost
+  assert cost["times"]["ideal"] <= cost["times"]["schedule"] <= cost["times"]["none"]
+  assert 0 < cost["mfu"]["none"] <= cost["mfu"]["schedule"] < result["estimate"]["mfu"]["overlap"]

@@ -262,6 +262,9 @@ class CompiledFigures:
   compile_s: float
   hlo_chars: int
   compiler: str
+  # The compiler-estimated cost of the step (`step_cost.CostReport`), when `compile_program`
+  # was given a `price` function (TPU targets).
+  cost: object = None
 
 
 @contextlib.contextmanager
@@ -296,9 +299,11 @@ def write_hlo(text: str, mesh, path: str) -> None:
     json.dump(mesh_layout(mesh), f)
 
 
-def compile_program(program: Program, hlo_out: str | None = None) -> CompiledFigures:
+def compile_program(program: Program, hlo_out: str | None = None,
+                    price=None) -> CompiledFigures:
   """Lowers and compiles `program` (nothing runs) and reads its memory, per-step collectives
-  and matmul FLOPs; `hlo_out`: a file to write the optimized HLO text to."""
+  and matmul FLOPs; `hlo_out`: a file to write the optimized HLO text to (`write_hlo`);
+  `price(module) -> step_cost.CostReport`: the op-by-op cost of the parsed module."""
   standins = contextlib.ExitStack()
   if program.moe_standin:
     standins.enter_context(cpu_standins.ragged_dot_standin())
@@ -320,7 +325,8 @@ def compile_program(program: Program, hlo_out: str | None = None) -> CompiledFig
   cost = cost[0] if isinstance(cost, (list, tuple)) else cost
   return CompiledFigures(Memory.of(compiled), tuple(found), flops["flops"], flops["custom_calls"],
                          float((cost or {}).get("flops", 0.0)), tuple(module.unknown_loops),
-                         compile_s, len(text), program.compiler)
+                         compile_s, len(text), program.compiler,
+                         price(module) if price else None)
 
 
 def step_estimate(figures: CompiledFigures, program: Program, chip: str, tokens_per_chip: float,
