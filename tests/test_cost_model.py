@@ -169,3 +169,16 @@ def test_a_group_on_no_torus_dimension_is_an_error():
   tor = torus.Torus((2, 1, 1), (False, False, False), LINK)
   with pytest.raises(ValueError, match="span no torus dimension"):
     torus.ring_rate([[0, 0]], np.asarray([[0, 0, 0], [1, 0, 0]]), tor)
+
+
+def test_a_synchronous_all_gather_in_a_scanned_loop_is_fully_exposed():
+  """The TPU compiler's schedule of 4 scanned steps, each gathering a [4096, 4096] weight over
+  the ring and multiplying by it: the gather stays synchronous (no start/done pair), so the
+  schedule-aware time is the no-overlap time."""
+  module, costs = _costs("overlap", "v5p:4x4x8")
+  (gather,) = [c for c in costs if c.kind == "torus"]
+  assert gather.op == "all-gather" and gather.runs == 4
+  assert gather.seconds == pytest.approx(7 / 8 * 4096 * 4096 * 2 / (2 * LINK))
+  times = schedule.step_times(module, costs)
+  assert times["schedule"] == pytest.approx(times["none"])
+  assert times["ideal"] < times["none"]
