@@ -182,3 +182,64 @@ def test_a_synchronous_all_gather_in_a_scanned_loop_is_fully_exposed():
   times = schedule.step_times(module, costs)
   assert times["schedule"] == pytest.approx(times["none"])
   assert times["ideal"] < times["none"]
+
+
+@pytest.mark.parametrize("op_name, expected", [
+    ("jit(train_step)/transpose(jvp(GLM5))/GLM5._scanned_run/while/body/closed_call/checkpoint/"
+     "layers_3_77.body/layers_3_77/self_attn/while/body/closed_call/blht,blhc->bltc/dot_general",
+     "DSA sparse"),
+    ("jit(train_step)/jvp(GLM5)/GLM5._scanned_run/while/body/closed_call/layers_3_77.body/"
+     "layers_3_77/self_attn/closed_call/while/body/closed_call/while/body/blji,bsi->bljs/"
+     "dot_general", "indexer"),
+    ("jit(train_step)/jvp(GLM5)/GLM5._scanned_run/while/body/closed_call/layers_3_77.body/"
+     "layers_3_77/self_attn/closed_call/while/body/closed_call/checkpoint/blji,blti->bljt/"
+     "dot_general", "indexer"),
+    ("jit(train_step)/jvp(GLM5)/GLM5._scanned_run/while/body/closed_call/layers_3_77.body/"
+     "layers_3_77/self_attn/dot_general", "attention projections"),
+    ("jit(train_step)/jvp(GLM5)/GLM5._scanned_run/while/body/closed_call/layers_3_77.body/"
+     "layers_3_77/mlp/shard_map/jit(gmm)/pallas_call", "experts and FFN"),
+    ("jit(train_step)/jvp(GLM5)/GLM5._scanned_run/while/body/closed_call/layers_3_77.body/"
+     "layers_3_77/mlp/shard_map/ragged_all_to_all", "MoE dispatch/relayout"),
+    ("jit(train_step)/jvp(GLM5)/GLM5._scanned_run/while/body/closed_call/layers_3_77.body/"
+     "layers_3_77/mlp/top_k", "router"),
+    ("jit(train_step)/while/body/closed_call/vmap()/closed_call/dot_general", "optimizer"),
+    ("jit(train_step)/transpose(jvp(GLM5))/bld,dy->bly/dot_general", "loss and LM head"),
+    ("jit(train_step)/jvp()/reduce_sum", "loss and LM head"),
+    ("jit(train_step)/transpose(jvp(GLM5))/jit(_take)/scatter-add", "embedding"),
+])
+def test_the_headline_steps_op_names_fall_in_their_categories(op_name, expected):
+  """op_names read from the headline step's optimized module (docs/scaling.md)."""
+  assert op_costs.category(op_name, "fusion") == expected
+
+
+def test_unnamed_ops_fall_back_on_what_they_compute():
+  assert op_costs.category("", "fusion", frozenset({"convolution"})) == "matmuls (unnamed)"
+  assert op_costs.category("", "fusion", frozenset({"gather"})) == "gathers/scatters (unnamed)"
+  assert op_costs.category("", "copy") == "copies/transposes"
+  assert op_costs.category("", "fusion", frozenset({"add", "multiply"})) == "elementwise"
+
+
+def test_a_sparsecore_computation_closes_and_unknown_cycles_fall_back():
+  """The TPU compiler closes a SparseCore computation with `}, execution_thread="sparsecore"`
+  (the parser used to run on into the next computation), and writes INT64_MAX cycles for what
+  it cannot estimate: priced at HBM peak instead."""
+  text = """HloModule m, is_scheduled=true
+
+%sc (a: s32[256]) -> s32[256] {
+  ROOT %a = s32[256] parameter(0)
+}, execution_thread="sparsecore"
+
+%next (b: s32[256]) -> s32[256] {
+  %b = s32[256] parameter(0)
+  ROOT %n = s32[256] negate(%b), backend_config={"window_config":{"estimated_cycles":"9223372036854775807"}}
+}
+
+ENTRY %main (p: s32[256]) -> s32[256] {
+  %p = s32[256] parameter(0)
+  ROOT %c = s32[256] call(%p), to_apply=%next
+}
+"""
+  module = hlo_loops.parse_module(text)
+  assert [i.name for i in module.computations["next"]] == ["b", "n"]
+  (cost,) = op_costs.price_module(module, V5P)
+  assert cost.kind == "HBM at peak" and cost.seconds == pytest.approx(2048 / V5P.hbm_bytes_per_s)

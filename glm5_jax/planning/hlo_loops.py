@@ -186,7 +186,7 @@ def parse_module(text: str) -> Module:
         if header.group(1):
           entry = current
       continue
-    if line.strip() == "}":
+    if line.startswith("}"):  # also `}, execution_thread="sparsecore"`
       current = None
       continue
     instr = parse_instruction(line, current)

@@ -39,21 +39,29 @@ from glm5_jax.planning import hlo_stats, torus as torus_lib
 # Stated, not measured: a Pallas kernel's share of the chip's peak FLOP/s and HBM bandwidth.
 KERNEL_EFFICIENCY = 0.6
 
-# (category, regex over op_name): the model's parts by the module / function names in the path.
+# (category, regex over op_name), first match wins. The op_name is the jax path that emitted
+# an instruction: `jit(train_step)/` then `jvp(GLM5)/...` (forward), `transpose(jvp(GLM5))/...`
+# (backward, remat recompute under `rematted_computation`), or the optimizer's own functions at
+# the train step's top level (`while/` and `vmap()` of the per-layer Muon map, `jit(_pad)` of whole_matrices).
+# Inside a layer: flax module names (`self_attn/`, `mlp/`, `mlp/shard_map/` for the
+# expert-parallel dispatch, `jit(gmm)` / `jit(tgmm)` for megablox) and the einsum strings of
+# pallas_kernels (the indexer's `blji,bsi->bljs`, the sparse MLA's `blhc,bltc->blht`). The DSA
+# `xla` path runs a query-block loop (`self_attn/.../while/`): the indexer's key-block loop
+# nested in it, its KL target (`blji,blti->bljt`) and the top-k sort are the indexer, the rest
+# of the loop (row gathers, scores, softmax, values) the sparse attention.
 CATEGORY_RULES = (
-    ("optimizer", r"muon|scale_by|adam|optax|whole_matrices|newton_schulz|update_state|"
-                  r"clip_by|apply_updates|global_norm"),
-    ("loss", r"cross_entropy|log_softmax|logsumexp|\bloss|lm_head|mtp_loss"),
-    ("indexer", r"indexer|lightning|select_topk|top_k|topk"),
-    ("DSA sparse", r"sparse_mla|map_query_blocks|sparse_attention|dsa"),
-    ("attention projections", r"q_a_proj|q_b_proj|kv_a_proj|k_b_proj|v_b_proj|o_proj|"
-                              r"q_norm|kv_norm|rotary|rope|/attn|attention|MLA"),
-    ("router", r"router|gate_logits|e_score|route\b|/route/|aux_loss|balance"),
-    ("experts", r"grouped_matmul|megablox|gmm|tgmm|ragged_dot|experts|shared_expert|"
-                r"gate_proj|up_proj|down_proj|mlp|swiglu"),
-    ("MoE dispatch/relayout", r"moe_parallel|dispatch|combine|ragged_all_to_all|"
-                              r"all_to_all|sort|argsort|permute|scatter|capacity|moe"),
-    ("embedding", r"embed"),
+    ("optimizer", r"^jit\(train_step\)/(while/|vmap|jit\(_pad\)|jit\(norm\))|opt_state|muon|adam"),
+    ("loss and LM head", r"^jit\([^)/]*\)/(transpose\()?jvp\((jit\(take_along_axis\))?\)|"
+                         r"bld,dy->bly|lm_head|shared_head|log_softmax|logsumexp"),
+    ("embedding", r"^jit\([^)/]*\)/(transpose\()?jvp\(GLM5\)\)?/jit\(_take\)|embed"),
+    ("router", r"/mlp/(?!shard_map|shared_experts|experts)"),
+    ("experts and FFN", r"/mlp/shard_map/(jit\((gmm|tgmm|silu)\)|mul)|shared_experts|"
+                        r"/mlp/experts|layers_0_\d+/mlp/"),
+    ("MoE dispatch/relayout", r"/mlp/shard_map|^mxd,mx->md|ragged_all_to_all"),
+    ("indexer", r"self_attn/.*(while/body/closed_call/(checkpoint/)?(rematted_computation/)?"
+                r"while/|blji|bljs|bljt|blj,|/sort|top_k|indexer)"),
+    ("DSA sparse", r"self_attn/(closed_call/|checkpoint/|rematted_computation/)*while"),
+    ("attention projections", r"self_attn/"),
 )
 _RULES = tuple((name, re.compile(pattern, re.I)) for name, pattern in CATEGORY_RULES)
 _COPIES = ("copy", "transpose", "copy-start", "copy-done", "bitcast-convert", "reshape",
@@ -62,7 +70,10 @@ _COPIES = ("copy", "transpose", "copy-start", "copy-done", "bitcast-convert", "r
 FREE = frozenset({"parameter", "constant", "get-tuple-element", "tuple", "bitcast", "while",
                   "call", "conditional", "after-all", "partition-id", "replica-id",
                   "opt-barrier", "async-start", "async-update", "async-done", "copy-start",
-                  "copy-done", "send", "recv", "send-done", "recv-done"})
+                  "copy-done", "send", "recv", "send-done", "recv-done", "call-start",
+                  "call-done"})
+# The compiler writes INT64_MAX cycles for what it cannot estimate (SparseCore offloads).
+_UNKNOWN_CYCLES = 2 ** 62
 _CYCLES = re.compile(r'"estimated_cycles"\s*:\s*"?(\d+)')
 _KERNEL_COST = re.compile(r'cost_estimate\\?"\s*:\s*\{\\?"flops\\?"\s*:\s*\\?"?(\d+)\\?"?\s*,'
                           r'\s*\\?"transcendentals\\?"\s*:\s*\\?"?(\d+)\\?"?\s*,'
@@ -82,6 +93,7 @@ class OpCost(NamedTuple):
   seconds: float
   runs: int
   source: str  # op_name
+  groups_from: str = ""  # a collective: the instruction whose replica groups it runs over
 
 
 def category(op_name: str, op: str, contents: frozenset = frozenset()) -> str:
@@ -122,7 +134,7 @@ def fused_computations(module) -> set[str]:
 def compiler_seconds(instr, chip: Accelerator) -> float | None:
   """The compiler's `estimated_cycles` of `instr` / the chip's clock, None when it has none."""
   match = _CYCLES.search(instr.attributes)
-  if match is None:
+  if match is None or int(match[1]) >= _UNKNOWN_CYCLES:
     return None
   if chip.clock_hz is None:
     raise ValueError("the compiler's estimate needs the chip's clock: Accelerator.clock_hz is "
@@ -156,36 +168,69 @@ def hbm_seconds(instr, shapes: dict, chip: Accelerator) -> float:
   return moved / chip.hbm_bytes_per_s
 
 
-def collective_seconds(instr, shapes: dict, coords: np.ndarray, torus: torus_lib.Torus) -> float:
-  """One execution of a collective instruction on the torus (`torus.collective_seconds`)."""
-  op = instr.op.removesuffix("-start")
-  results = hlo_stats._arrays(instr.result_type)
-  operands = hlo_stats._arrays(instr.operand_text) or sum(
-      (shapes.get(n, ()) for n in instr.operands), ())
-  if instr.op.endswith("-start") and len(results) > len(operands):
-    results = results[len(operands):]
+def collective_seconds(op: str, results: tuple, operands: tuple, attributes: str,
+                       coords: np.ndarray, torus: torus_lib.Torus) -> float:
+  """One execution of a collective on the torus (`torus.collective_seconds`): `results` /
+  `operands` its `(dtype, shape)` arrays (an async start's without the repeated inputs),
+  `attributes` the text holding its replica groups."""
   operands = hlo_stats._data_operands(op, operands)
-  groups = hlo_stats.replica_groups(instr.attributes, len(coords))
+  groups = hlo_stats.replica_groups(attributes, len(coords))
   if groups is None:
-    raise ValueError(f"collective {instr.name}: no replica groups in {instr.attributes[:200]!r}")
+    raise ValueError(f"collective {op}: no replica groups in {attributes[:200]!r}")
   if op != "collective-permute" and max(len(g) for g in groups) == 1:
     return 0.0
   if op == "collective-permute" and all(len(set(g)) == 1 for g in groups):
     return 0.0
   size = max(sum(hlo_stats.array_bytes(*a) for a in arrays) for arrays in (results, operands))
   sent = sum(hlo_stats.array_bytes(*a) for a in operands) if op == "ragged-all-to-all" else size
-  n = max(len(g) for g in groups)
-  link = hlo_stats._link_bytes(op, sent, n)
+  link = hlo_stats._link_bytes(op, sent, max(len(g) for g in groups))
   return torus_lib.collective_seconds(op, link, sent, groups, coords, torus)
 
 
-def price(instr, shapes: dict, chip: Accelerator, coords, torus) -> tuple[str, float] | None:
-  """`(kind, seconds per execution)` of one instruction, or None when it is not priced."""
+def _collective_arrays(instr, shapes: dict) -> tuple[tuple, tuple]:
+  results = hlo_stats._arrays(instr.result_type)
+  operands = hlo_stats._arrays(instr.operand_text) or sum(
+      (shapes.get(n, ()) for n in instr.operands), ())
+  if instr.op.endswith("-start") and len(results) > len(operands):
+    results = results[len(operands):]
+  return results, operands
+
+
+def fused_collectives(module) -> dict[str, tuple]:
+  """`{fused computation: (op, inner collective)}` for the TPU compiler's collective fusions.
+  An "all-reduce-scatter" fusion (an all-reduce whose only use is the device's dynamic-slice
+  of it, the root) is a reduce-scatter of the all-reduce's operand."""
+  found = {}
+  for name, instrs in module.computations.items():
+    inner = [i for i in instrs if i.op in COLLECTIVES]
+    if len(inner) != 1:
+      continue
+    root = module.root(name)
+    scatter = inner[0].op == "all-reduce" and root.op == "dynamic-slice" and \
+        root.operands[:1] == [inner[0].name]
+    found[name] = ("reduce-scatter" if scatter else inner[0].op, inner[0])
+  return found
+
+
+def price(instr, shapes: dict, chip: Accelerator, coords, torus,
+          fused: dict | None = None) -> tuple[str, float] | None:
+  """`(kind, seconds per execution)` of one instruction, or None when it is not priced;
+  `fused`: `fused_collectives` of its module (a collective fusion is priced as its
+  collective)."""
   base = instr.op.removesuffix("-start")
   if base in COLLECTIVES and not instr.op.endswith("-done"):
     if coords is None:
       return None
-    return "torus", collective_seconds(instr, shapes, coords, torus)
+    results, operands = _collective_arrays(instr, shapes)
+    return "torus", collective_seconds(base, results, operands, instr.attributes, coords, torus)
+  if instr.op == "fusion" and fused and (called := _CALLS.search(instr.attributes)) and \
+      called[1] in fused:
+    if coords is None:
+      return None
+    op, inner = fused[called[1]]
+    operands = _collective_arrays(inner, shapes)[1]
+    results = operands if op == "reduce-scatter" else _collective_arrays(inner, shapes)[0]
+    return "torus", collective_seconds(op, results, operands, inner.attributes, coords, torus)
   seconds = compiler_seconds(instr, chip)
   if seconds is not None:
     return "compiler estimate", seconds
@@ -207,19 +252,24 @@ def price_module(module, chip: Accelerator, coords=None, torus=None) -> list[OpC
             for i in instrs}
   coords = None if coords is None else np.asarray(coords)
   contents = {c: frozenset(i.op for i in instrs) for c, instrs in module.computations.items()}
+  collective_fusions = fused_collectives(module)
   found = []
   for computation, instrs in module.computations.items():
     if computation in fused or not runs.get(computation):
       continue
     for instr in instrs:
-      priced = price(instr, shapes, chip, coords, torus)
+      priced = price(instr, shapes, chip, coords, torus, collective_fusions)
       if priced is None:
         continue
       source = instr.metadata("op_name")
       inside = frozenset().union(*(contents.get(c, frozenset()) for c in _CALLS.findall(
           instr.attributes))) if instr.op == "fusion" else frozenset()
-      found.append(OpCost(instr.name, computation, instr.op, category(source, instr.op, inside),
-                          priced[0], priced[1], runs[computation], source))
+      op, groups_from = instr.op, instr.name if priced[0] == "torus" else ""
+      if priced[0] == "torus" and instr.op == "fusion":  # a collective fusion: its collective
+        op, inner = collective_fusions[_CALLS.search(instr.attributes)[1]]
+        groups_from = inner.name
+      found.append(OpCost(instr.name, computation, op, category(source, instr.op, inside),
+                          priced[0], priced[1], runs[computation], source, groups_from))
   return found
 
 

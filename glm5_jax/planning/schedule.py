@@ -17,6 +17,8 @@ and collectives:
                         wrapping a computation are the same, priced as their computation.
   while / call          its computation's own schedule-aware time (x the trip count), run as
                         compute: an asynchronous collective issued before it keeps running
+  call-start ... -done  an asynchronous call on the SparseCore (the compiler's scatter
+                        offloads): a third stream, waited for at its done
 
 Collectives are serialised on one stream (two in flight queue, they do not share links), and a
 loop body's collectives do not contend with one issued outside it. No overlap: the sum of every
@@ -62,12 +64,15 @@ class _Walker:
     return sum(times)
 
   def _walk(self, computation: str) -> tuple[float, bool]:
-    now = stream = 0.0  # the compute stream's and the collective stream's clocks
+    now = stream = side = 0.0  # the compute, collective and SparseCore streams' clocks
     pending, has_collective = {}, False
     for instr in self.module.computations[computation]:
       cost = self.price.get((computation, instr.name))
       if instr.op.endswith(_ASYNC_DONE):
         now = max(now, pending.pop(instr.operands[0], now) if instr.operands else now)
+      elif instr.op == "call-start":  # an asynchronous call on another unit (SparseCore)
+        seconds, _ = self.block(_attr(instr, "to_apply") or "")
+        side = pending[instr.name] = max(now, side) + seconds
       elif instr.op == "async-start":
         seconds, inner = self.block(_attr(instr, "calls") or "")
         if inner:  # a wrapped collective: on the collective stream

@@ -53,7 +53,7 @@ def torus_of(target: str) -> Torus:
 
 
 def _axes_of(cost, module_instrs, layout) -> str:
-  instr = module_instrs[(cost.computation, cost.name)]
+  instr = module_instrs[cost.groups_from]
   groups = hlo_stats.replica_groups(instr.attributes, len(layout["coords"]))
   return hlo_stats.mesh_axes_of(groups, layout["axes"]) if groups else "?"
 
@@ -69,7 +69,8 @@ def _unpriced(module, costs) -> dict[str, int]:
     if computation in fused or not runs.get(computation):
       continue
     for instr in instrs:
-      if (computation, instr.name) in priced or instr.op in op_costs.FREE - {"copy-start"}:
+      if ((computation, instr.name) in priced or instr.op in op_costs.FREE - {"copy-start"}
+          or instr.op.endswith("-done")):
         continue
       found[instr.op] = found.get(instr.op, 0) + runs[computation]
   return dict(sorted(found.items(), key=lambda kv: -kv[1]))
@@ -84,7 +85,7 @@ def price_module(module, target: str, layout: dict, tokens_per_chip: float,
   costs = op_costs.price_module(module, chip, coords, torus)
   compute = [c for c in costs if c.kind != "torus"]
   collectives = [c for c in costs if c.kind == "torus"]
-  instrs = {(i.computation, i.name): i for v in module.computations.values() for i in v}
+  instrs = {i.name: i for v in module.computations.values() for i in v}
   by_kind, by_axes = {}, {}
   for c in collectives:
     base = c.op.removesuffix("-start")
