@@ -4,8 +4,8 @@ table entry a `jax.Device.device_kind` is.
 
 Read by the MFU of the training loop and `tools/bench_train.py`
 (`glm5_jax.train.metrics.peak_flops_per_device`), the bandwidth rate of `tools/bench_dsa.py`,
-the fit check of the memory planner (`glm5_jax.planner.ACCELERATOR_HBM_GIB`) and its roofline
-estimate (`glm5_jax.roofline`).
+the fit check of the memory planner (`glm5_jax.planning.planner.ACCELERATOR_HBM_GIB`) and its roofline
+estimate (`glm5_jax.planning.roofline`).
 """
 
 import dataclasses
@@ -27,6 +27,11 @@ class Accelerator:
     scale_out_bytes_s: GPU InfiniBand per GPU, one direction (None on a TPU slice).
     devices_per_node: GPUs per NVLink domain (None on a TPU slice).
     source: the spec page of the interconnect and HBM figures.
+    clock_hz: the TensorCore clock the TPU compiler's `estimated_cycles` count in
+      (`glm5_jax.planning.op_costs`); None where not derived. v5p: 459e12 FLOP/s / (2 cores x
+      4 MXUs x 128 x 128 multiply-adds x 2) = 1.75 GHz.
+    ici_links: ICI links per chip, one per torus direction (a 3D torus 6, a 2D torus 4); each
+      link carries `ici_bytes_s / ici_links` one way (`glm5_jax.planning.torus`).
   """
 
   kinds: tuple[str, ...]
@@ -37,6 +42,8 @@ class Accelerator:
   scale_out_bytes_s: float | None = None
   devices_per_node: int | None = None
   source: str = ""
+  clock_hz: float | None = None
+  ici_links: int | None = None
 
 
 # Order matters: a device kind is the first entry with a matching substring ("TPU v5 lite" is
@@ -44,11 +51,12 @@ class Accelerator:
 ACCELERATORS = {
     "v4": Accelerator(("TPU v4",), 275e12, 1.2e12, 32),
     "v5e": Accelerator(("TPU v5 lite", "TPU v5e"), 197e12, 0.82e12, 16, 400 * _GB / 2,
-                       source="https://cloud.google.com/tpu/docs/v5e"),
+                       source="https://cloud.google.com/tpu/docs/v5e", ici_links=4),
     "v5p": Accelerator(("TPU v5p", "TPU v5"), 459e12, 2.76e12, 95, 1200 * _GB / 2,
-                       source="https://cloud.google.com/tpu/docs/v5p"),
+                       source="https://cloud.google.com/tpu/docs/v5p", clock_hz=1.75e9,
+                       ici_links=6),
     "v6e": Accelerator(("TPU v6",), 918e12, 1.64e12, 32, 800 * _GB / 2,
-                       source="https://cloud.google.com/tpu/docs/v6e"),
+                       source="https://cloud.google.com/tpu/docs/v6e", ici_links=4),
     "h100": Accelerator(("H100",), 989e12, 3.35e12, 80, 900 * _GB / 2, 400 * _GB / 8, 8,
                         source="https://www.nvidia.com/en-us/data-center/h100/"),
     "h200": Accelerator(("H200",), 989e12, 4.8e12, 141, 900 * _GB / 2, 400 * _GB / 8, 8,

@@ -131,7 +131,7 @@ def make_mesh(mesh_config, devices=None) -> Mesh:
   axis_types = (AxisType.Auto,) * len(MESH_AXES)
   if devices == jax.devices():  # topology-aware device order on TPU/GPU
     return jax.make_mesh(shape, MESH_AXES, axis_types=axis_types)
-  if devices[0].platform == "tpu":  # an ahead-of-time TPU slice (glm5_jax.aot_targets)
+  if devices[0].platform == "tpu":  # an ahead-of-time TPU slice (glm5_jax.planning.aot_targets)
     # Along the torus; a mesh axis may take part of a physical dimension (e.g. `tensor` 4 on a
     # v5p 8x8x16 slice), which jax.make_mesh refuses.
     from jax.experimental import mesh_utils  # pylint: disable=g-import-not-at-top

@@ -201,7 +201,7 @@ def model():
 def hlo():
   """Per impl: expert-weight all-gathers and all-to-alls of the compiled layer (forward +
   backward) on expert=4 x fsdp=2, tokens over data, fsdp and expert."""
-  from glm5_jax import hlo_stats  # pylint: disable=g-import-not-at-top
+  from glm5_jax.planning import hlo_stats  # pylint: disable=g-import-not-at-top
   from tools.moe_collectives import (compile_moe_layer,  # pylint: disable=g-import-not-at-top
                                      expert_weight_gathers)
   cfg = tiny_model_config(**MODEL, n_shared_experts=0, moe_transport="all_to_all")
@@ -224,7 +224,7 @@ def quantized():
   """Per mesh: the largest difference between W4A8 experts run expert-parallel on the mesh and
   the unsharded quantized dispatch (forward), and the compiled layer's expert-weight
   all-gathers."""
-  from glm5_jax import hlo_stats  # pylint: disable=g-import-not-at-top
+  from glm5_jax.planning import hlo_stats  # pylint: disable=g-import-not-at-top
   from tools.moe_collectives import expert_weight_gathers  # pylint: disable=g-import-not-at-top
   rules = sharding.default_logical_axis_rules()
   x_BLD = jax.random.normal(jax.random.key(0), (8, 12, 64))

@@ -125,7 +125,7 @@ _SHARDED_BACKWARD = r"""
 import json, jax, jax.numpy as jnp, numpy as np
 from jax.sharding import AxisType, NamedSharding, PartitionSpec as P
 import pallas_kernels as pk
-from glm5_jax import hlo_stats
+from glm5_jax.planning import hlo_stats
 from glm5_jax.attention import mla
 from glm5_jax.sharding import activation_sharding, mesh_config
 from tests.test_dsa_sharding import loop_body_text

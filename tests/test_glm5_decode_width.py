@@ -6,7 +6,7 @@ import jax.numpy as jnp
 import pytest
 
 from configs import glm5_744b
-from glm5_jax import hlo_stats
+from glm5_jax.planning import hlo_stats
 from glm5_jax.api import init_params
 from glm5_jax.infer.cache import init_cache
 from glm5_jax.infer.step import _decode_step

@@ -8,7 +8,9 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from glm5_jax import grouped_matmul, hlo_stats
+from glm5_jax import grouped_matmul
+
+from glm5_jax.planning import hlo_stats
 
 
 def test_megablox_equals_ragged_dot_forward_and_backward():

@@ -16,9 +16,10 @@ import numpy as np
 import pytest
 from flax import linen as nn
 
-from glm5_jax import hlo_stats, sharding
+from glm5_jax import sharding
 from glm5_jax.config import ConfigError, ModelConfig, model_config
 from glm5_jax.moe import MoE
+from glm5_jax.planning import hlo_stats
 from tests.conftest import REPO_ROOT, tiny_model_config
 
 

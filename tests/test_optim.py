@@ -468,7 +468,8 @@ _SHARDED_MUON = r"""
 import json, jax, jax.numpy as jnp, numpy as np
 from configs import tiny
 import glm5_jax
-from glm5_jax import hlo_stats, optim, sharding
+from glm5_jax import optim, sharding
+from glm5_jax.planning import hlo_stats
 from glm5_jax.optim import optim_config
 
 cfg = tiny.get_config()

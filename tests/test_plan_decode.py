@@ -1,4 +1,4 @@
-"""The planner's decode mode (`glm5_jax.planner_decode`): the engine's decode step compiled
+"""The planner's decode mode (`glm5_jax.planning.planner_decode`): the engine's decode step compiled
 with a W4A8 model's params and the decode cache as sharded arguments, on a tiny config."""
 
 import jax
@@ -6,7 +6,7 @@ import jax.numpy as jnp
 import pytest
 
 from configs import tiny
-from glm5_jax import planner, planner_decode
+from glm5_jax.planning import planner, planner_decode
 from glm5_jax.config import ModelConfig
 from glm5_jax.infer.cache import cache_bytes, cache_specs
 from glm5_jax.param_stats import kv_cache_bytes_per_token
@@ -117,7 +117,7 @@ def test_plan_memory_decode_mode_on_8_devices():
 _ALL_REFUSED = """
 import runpy, sys
 import jax
-from glm5_jax import planner
+from glm5_jax.planning import planner
 def refuse(*args, **kwargs):  # what the TPU compiler raises for a program over its HBM
   raise jax.errors.JaxRuntimeError("RESOURCE_EXHAUSTED: over HBM (test)")
 planner.compile_program = refuse

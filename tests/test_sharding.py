@@ -108,7 +108,8 @@ _WHOLE_BATCH_GATHERS = r"""
 import json, jax, jax.numpy as jnp
 from configs import tiny
 import glm5_jax
-from glm5_jax import hlo_stats, sharding
+from glm5_jax import sharding
+from glm5_jax.planning import hlo_stats
 from glm5_jax.config import ModelConfig
 cfg = tiny.get_config()
 cfg.model.num_hidden_layers = 2

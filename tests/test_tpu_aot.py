@@ -1,4 +1,4 @@
-"""The real TPU compiler, ahead of time on this host (`glm5_jax.aot_targets`): the Pallas TPU
+"""The real TPU compiler, ahead of time on this host (`glm5_jax.planning.aot_targets`): the Pallas TPU
 kernels compiled by Mosaic (elsewhere they are only lowered), and the planner's train step on a
 small v5p slice with no CPU stand-ins. Runs where the `tpu-aot` extra (libtpu matching jax) is
 installed; skipped, with the reason, where it is not. Each case is a subprocess with
@@ -11,7 +11,7 @@ import sys
 
 import pytest
 
-from glm5_jax import aot_targets
+from glm5_jax.planning import aot_targets
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 _PROBLEM = aot_targets.libtpu_problem()
@@ -32,7 +32,8 @@ def _run(args, timeout=900):
 _KERNEL = r"""
 import functools, json, sys, jax, jax.numpy as jnp
 import pallas_kernels as pk
-from glm5_jax import aot_targets, grouped_matmul, hlo_stats
+from glm5_jax import grouped_matmul
+from glm5_jax.planning import aot_targets, hlo_stats
 device = aot_targets.tpu_devices("v5p:2x2x1")[0]
 on_tpu = jax.sharding.SingleDeviceSharding(device)
 sds = lambda shape, dtype: jax.ShapeDtypeStruct(shape, dtype, sharding=on_tpu)
@@ -99,7 +100,8 @@ def test_megablox_experts_gradient_is_grouped_not_dense_over_the_experts():
 def test_plan_memory_compiles_the_train_step_with_the_tpu_compiler():
   """The tiny model's train step (one MoE layer, expert-parallel with the real
   ragged-all-to-all and ragged_dot, MTP) on a v5p 2x2x1 slice: the TPU compiler's memory,
-  per-step collectives with every loop's trip count read from its text, and the roofline."""
+  per-step collectives with every loop's trip count read from its text, the roofline bound and
+  the compiler's estimate op by op."""
   out = _run([os.path.join("tools", "plan_memory.py"), "--config=configs/tiny.py",
               "--target=v5p:2x2x1", "--mesh=fsdp=2,expert=2", "--json",
               "--config.model.num_hidden_layers=2", "--config.model.mtp_depths=1",
@@ -112,4 +114,9 @@ def test_plan_memory_compiles_the_train_step_with_the_tpu_compiler():
   assert "ragged-all-to-all" in compiled["collectives_per_step"]["op"], compiled
   assert set(compiled["collectives_per_step"]["axes"]) <= {"fsdp", "expert", "fsdp+expert"}
   assert compiled["flops_per_step"] > 0 and 0 < result["estimate"]["mfu"]["serial"] < 1
-  assert "MoE via stand-in" not in out and "an ESTIMATE" in out
+  assert "MoE via stand-in" not in out and "a BOUND" in out
+  # beside the bound, the compiler's estimate op by op: every way slower than the bound
+  cost = result["compiler_estimate"]
+  assert "compiler estimate on v5p:2x2x1" in out and cost["times"]["compute"] > 0, cost
+  assert cost["times"]["ideal"] <= cost["times"]["schedule"] <= cost["times"]["none"]
+  assert 0 < cost["mfu"]["none"] <= cost["mfu"]["schedule"] < result["estimate"]["mfu"]["overlap"]

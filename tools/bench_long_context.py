@@ -51,7 +51,7 @@ import numpy as np
 
 import pallas_kernels
 from configs import tiny
-from glm5_jax import hlo_stats
+from glm5_jax.planning import hlo_stats
 from glm5_jax.api import init_params
 from glm5_jax.attention.mla import _absorbed_attention, _Latents
 from glm5_jax.config import ModelConfig, model_config as glm5_model_config

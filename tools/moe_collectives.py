@@ -2,7 +2,7 @@
 
 Compiles the layer from abstract inputs (`jax.ShapeDtypeStruct` with shardings; nothing is
 allocated) on simulated CPU devices and lists the collectives of the optimized HLO
-(`glm5_jax.hlo_stats`), with bytes per token. On CPU the expert-parallel layer uses the dense
+(`glm5_jax.planning.hlo_stats`), with bytes per token. On CPU the expert-parallel layer uses the dense
 "all_to_all" transport: XLA:CPU cannot compile `ragged-all-to-all`.
 
   python tools/moe_collectives.py --devices=8 --mesh=expert=8 --hidden=6144 --ffn=2048 \\
@@ -91,7 +91,9 @@ def main(argv=None):
   import dataclasses  # pylint: disable=g-import-not-at-top
   import time  # pylint: disable=g-import-not-at-top
 
-  from glm5_jax import hlo_stats, sharding  # pylint: disable=g-import-not-at-top
+  from glm5_jax import sharding  # pylint: disable=g-import-not-at-top
+
+  from glm5_jax.planning import hlo_stats  # pylint: disable=g-import-not-at-top
   from glm5_jax.config import ModelConfig, model_config  # pylint: disable=g-import-not-at-top
 
   axes = {k: int(v) for k, v in (item.split("=") for item in args.mesh.split(","))}

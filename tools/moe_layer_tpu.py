@@ -1,6 +1,6 @@
 """One GLM-5 744B MoE layer (routed experts expert-parallel over ragged_all_to_all, shared
 expert, router), forward + backward, compiled ahead of time by the TPU compiler for a TPU slice
-(`glm5_jax.aot_targets`; needs the `tpu-aot` extra): per-device memory, matmul FLOPs and
+(`glm5_jax.planning.aot_targets`; needs the `tpu-aot` extra): per-device memory, matmul FLOPs and
 collectives per step, one JSON line. docs/scaling.md ("Making the step fast") has its figures.
 
   JAX_PLATFORMS=cpu python tools/moe_layer_tpu.py v5p:4x4x4 fsdp=4,expert=16 128 4096 megablox 1.25
@@ -16,7 +16,8 @@ import time
 import jax
 import jax.numpy as jnp
 from flax import linen as nn
-from glm5_jax import aot_targets, hlo_stats, planner, sharding
+from glm5_jax import sharding
+from glm5_jax.planning import aot_targets, hlo_stats, planner
 from glm5_jax.config import ModelConfig
 from glm5_jax.moe import MoE
 import configs.glm5_744b as c744

@@ -12,19 +12,22 @@
       --config.model.moe_impl=ragged --config.model.param_dtype=bfloat16   # a served decode step
 
 Compiler: with `--target=v5p:XxYxZ` (or `v5e:XxY`, `v6e:XxY`) the real TPU compiler compiles
-for that slice ahead of time (`glm5_jax.aot_targets`; needs the `tpu-aot` install extra, no
+for that slice ahead of time (`glm5_jax.planning.aot_targets`; needs the `tpu-aot` install extra, no
 TPU), with no stand-ins. Otherwise XLA:CPU compiles for `--devices` simulated CPU devices
 (`--xla_force_host_platform_device_count`, set here before jax starts), with the MoE stand-ins
-of `glm5_jax.cpu_standins`; every figure is labelled with the compiler that produced it.
+of `glm5_jax.planning.cpu_standins`; every figure is labelled with the compiler that produced it.
 The mesh comes from the config's `mesh` section with `--mesh` axis sizes on top, and the real
-step is compiled from abstract inputs (`glm5_jax.planner`): nothing is allocated or run.
+step is compiled from abstract inputs (`glm5_jax.planning.planner`): nothing is allocated or run.
 Prints per-device argument / output / alias / temp / generated-code bytes, their total against
 each chip's HBM, and per step (every instruction times its loops' trip counts): the
 collectives by kind, mesh axes and source, matmul FLOPs, and a roofline estimate of the step
-time and MFU on the chosen chip (`glm5_jax.roofline`: an estimate, not a measurement).
+time and MFU on the chosen chip (`glm5_jax.planning.roofline`: a bound, not a measurement); for
+a `--target`, beside it the compiler's estimate op by op (`glm5_jax.planning.step_cost`: the TPU
+compiler's cycles per instruction, custom calls at a stated efficiency, collectives on the torus,
+the step time and MFU with no overlap, the compiled schedule's overlap, and ideal overlap).
 `--mode=serve` adds the KV cache of the prefill's batch (computed from `glm5_jax.param_stats`,
 not compiled) to the verdict. `--mode=decode` compiles the inference engine's decode step
-(`glm5_jax.planner_decode`: one token for each of `--sequences` slots of `--cache_len` cache
+(`glm5_jax.planning.planner_decode`: one token for each of `--sequences` slots of `--cache_len` cache
 rows, the cache a real sharded argument) at each number of sequences given, fits the total
 bytes per device as a line in the sequences, and prints the most sequences that fit each chip;
 its roofline adds the HBM time of reading the params and the cache rows DSA reads.
@@ -68,7 +71,7 @@ from absl import app, flags  # pylint: disable=g-import-not-at-top
 import jax  # pylint: disable=g-import-not-at-top
 
 from configs import overrides  # pylint: disable=g-import-not-at-top
-from glm5_jax import aot_targets, hlo_stats, planner, planner_decode, roofline  # pylint: disable=g-import-not-at-top
+from glm5_jax.planning import aot_targets, hlo_stats, planner, planner_decode, roofline, step_cost  # pylint: disable=g-import-not-at-top
 from glm5_jax.config import ConfigError  # pylint: disable=g-import-not-at-top
 from glm5_jax.config_validation import validate_config  # pylint: disable=g-import-not-at-top
 from glm5_jax.sharding import MESH_AXES, batch_mesh_axes  # pylint: disable=g-import-not-at-top
@@ -112,7 +115,9 @@ _ARGUMENTS_ONLY = flags.DEFINE_bool("arguments_only", False, "Print the exact pe
 _TOP = flags.DEFINE_integer("top", 5, "Largest collectives and sources listed.")
 _JSON = flags.DEFINE_bool("json", False, "Also print every figure as one JSON line.")
 _HLO_OUT = flags.DEFINE_string("hlo_out", None, "Write the deepest compiled program's optimized "
-                               "HLO text to this file.")
+                               "HLO text to this file (gzip if it ends in .gz) and its mesh's "
+                               "chip coordinates beside it (<file>.mesh.json), for "
+                               "tools/plan_cost.py.")
 
 
 def _parse_mesh(text: str) -> dict[str, int]:
@@ -188,10 +193,11 @@ def main(argv):
     print(f"compiling depth {k} ({mix}) ...", flush=True)
     program = build(cfg)
     if program.moe_standin:
-      print("  MoE via stand-in (glm5_jax/cpu_standins.py): ragged_dot as a capacity-padded "
+      print("  MoE via stand-in (glm5_jax/planning/cpu_standins.py): ragged_dot as a capacity-padded "
             "grouped einsum [E, ceil(P/E), D] x [E, D, F], ragged-all-to-all as a dense "
             "all-to-all of the send buffer", flush=True)
-    figures = planner.compile_program(program, hlo_out=_HLO_OUT.value)
+    figures = planner.compile_program(program, hlo_out=_HLO_OUT.value,
+                                      price=_pricer(cfg, program))
     mem = figures.memory
     print(f"  done in {figures.compile_s:.1f} s (HLO {figures.hlo_chars / 1e6:.1f} M chars): "
           f"argument {mem.argument / planner.GIB:.2f}, temp {mem.temp / planner.GIB:.2f}, total "
@@ -251,9 +257,7 @@ def main(argv):
     print(f"  {name:<5} {gib:4d} GiB  {'fits' if verdict[name] else 'does not fit'}{mark}")
 
   k, deepest, program, cfg = results[-1]
-  per_token = flops_per_token(planner.ModelConfig.from_config(cfg.model), cfg.data.seq_len)
-  if _MODE.value == "serve":
-    per_token /= 3  # a forward pass: a third of training's forward + backward
+  per_token = _model_flops_per_token(cfg)
   estimate = _report_step(k, deepest, program, chip,
                           cfg.data.batch_size * cfg.data.seq_len / program.mesh.size, per_token)
   full_step = None
@@ -277,7 +281,25 @@ def main(argv):
                           for key in ("op", "axes")}}
                      for k, r, *_ in results],
         "estimate": dataclasses_asdict(estimate), "full_depth": extra, "fits": verdict,
+        "compiler_estimate": deepest.cost and dataclasses_asdict(deepest.cost),
         "full_depth_step": full_step}))
+
+
+def _model_flops_per_token(cfg) -> float:
+  """Training FLOPs per token (a forward pass's third of them for --mode=serve)."""
+  per_token = flops_per_token(planner.ModelConfig.from_config(cfg.model), cfg.data.seq_len)
+  return per_token / 3 if _MODE.value == "serve" else per_token
+
+
+def _pricer(cfg, program):
+  """For a TPU target: the op-by-op compiler estimate of the compiled module
+  (`step_cost.price_module`), else None."""
+  if not _TARGET.value or program.platform != "tpu":
+    return None
+  tokens = cfg.data.batch_size * cfg.data.seq_len / program.mesh.size
+  return functools.partial(step_cost.price_module, target=_TARGET.value,
+                           layout=planner.mesh_layout(program.mesh), tokens_per_chip=tokens,
+                           model_flops_per_token=_model_flops_per_token(cfg))
 
 
 def _report_step(k, figures, program, chip, tokens, per_token, hbm_bytes=None):
@@ -318,7 +340,8 @@ def _report_step(k, figures, program, chip, tokens, per_token, hbm_bytes=None):
   print(f"\nroofline on {chip} ({spec.peak_flops / 1e12:.0f} TFLOP/s bf16, "
         f"{spec.ici_bytes_s / 1e9:.0f} GB/s per direction"
         f"{'' if spec.scale_out_bytes_s is None else f' in a node, {spec.scale_out_bytes_s / 1e9:.0f} GB/s across'}"
-        f"): an ESTIMATE from the program {figures.compiler} compiled, not a measurement")
+        f"): a BOUND (every matmul at peak, nothing else costs, each mesh axis at the chip's "
+        f"whole ICI bandwidth) on the program {figures.compiler} compiled, not a measurement")
   print(f"  compute {est.compute_s:8.3f} s   ({figures.flops:.4g} FLOPs / peak)")
   for axes, seconds in sorted(est.comm_s.items(), key=lambda kv: -kv[1]):
     print(f"  comm    {seconds:8.3f} s   over {axes or '(one device)'}")
@@ -326,7 +349,7 @@ def _report_step(k, figures, program, chip, tokens, per_token, hbm_bytes=None):
   print(f"  {tokens:.0f} tokens per chip per step: {est.tokens_per_s_per_chip['overlap']:.1f} / "
         f"{est.tokens_per_s_per_chip['serial']:.1f} tokens/s per chip (overlap / none)")
   if per_token is not None:
-    print(f"  MFU {100 * est.mfu['overlap']:.1f}% / {100 * est.mfu['serial']:.1f}% (overlap / "
+    print(f"  MFU {100 * est.mfu['overlap']:.1f}% / {100 * est.mfu['serial']:.1f}% (bound; overlap / "
           f"none; model FLOPs {per_token:.4g} per token, glm5_jax.train.metrics.flops_per_token"
           f"{' / 3' if _MODE.value == 'serve' else ''}, at depth {k})")
   if hbm_bytes is not None:
@@ -339,6 +362,8 @@ def _report_step(k, figures, program, chip, tokens, per_token, hbm_bytes=None):
           f"{est.serial_s + hbm_s:.4f} s without: {tokens / step:.1f} / "
           f"{tokens / (est.serial_s + hbm_s):.1f} tokens/s per chip, "
           f"{1 / step:.1f} / {1 / (est.serial_s + hbm_s):.1f} tokens/s per sequence")
+  if figures.cost is not None:
+    print("\n" + step_cost.format_report(figures.cost, bound=est))
   return est
 
 
@@ -364,7 +389,7 @@ def _decode_main(config, devices, where, chip):
                                             page_size=_PAGE_SIZE.value)
     print(f"compiling the decode step for {n} sequences ...", flush=True)
     if program.moe_standin:
-      print("  MoE via stand-in (glm5_jax/cpu_standins.py)", flush=True)
+      print("  MoE via stand-in (glm5_jax/planning/cpu_standins.py)", flush=True)
     try:
       figures = planner.compile_program(program, hlo_out=_HLO_OUT.value)
     except jax.errors.JaxRuntimeError as e:  # the TPU compiler refuses a program over its HBM
@@ -467,7 +492,7 @@ def _report_extrapolated_step(depths, figures, full_depth, program, cfg, config,
   print(f"  matmul FLOPs {flops:.4g}; compute {est.compute_s:.3f} s; comm "
         + ", ".join(f"{s:.3f} s over {a or '(one device)'}" for a, s in est.comm_s.items()))
   print(f"  step {est.overlap_s:.3f} s with perfect overlap, {est.serial_s:.3f} s without; MFU "
-        f"{100 * est.mfu['overlap']:.1f}% / {100 * est.mfu['serial']:.1f}% (an ESTIMATE)")
+        f"{100 * est.mfu['overlap']:.1f}% / {100 * est.mfu['serial']:.1f}% (a BOUND)")
   return {"depths": list(depths), "flops": flops, "collectives_by_kind": by_kind,
           "link_bytes_by_axes": link, "estimate": dataclasses_asdict(est)}
 

@@ -36,7 +36,7 @@ def parse_target(target: str) -> tuple[str, tuple[int, ...]]:
   return chip, dims
 
 
-def _wrap(chip: str, dims: tuple[int, ...]) -> tuple[bool, bool, bool]:
+def torus_wrap(chip: str, dims: tuple[int, ...]) -> tuple[bool, bool, bool]:
   """Which dimensions close into a torus: v5p slices of whole 4x4x4 cubes wrap in every
   dimension (Cloud TPU's full-cube shapes); v5e / v6e wrap a dimension of 16 chips (the pod's
   edge). A mesh axis over a wrapped dimension gets twice the links of an open one."""
@@ -78,7 +78,7 @@ def tpu_devices(target: str):
   from jax.experimental import topologies  # pylint: disable=g-import-not-at-top
   topology = topologies.get_topology_desc(
       f"{prefix}:{'x'.join(map(str, dims))}", platform="tpu", chip_config_name=chip_config,
-      chips_per_host_bounds=(2, 2, 1), num_slices=1, wrap=_wrap(chip, dims))
+      chips_per_host_bounds=(2, 2, 1), num_slices=1, wrap=torus_wrap(chip, dims))
   devices = list(topology.devices)
   if len(devices) != math.prod(dims):
     raise RuntimeError(f"--target={target}: libtpu gave {len(devices)} devices for "

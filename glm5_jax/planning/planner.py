@@ -14,11 +14,11 @@ compiled. XLA then reports, per device (`compiled.memory_analysis()`):
              reserve and fragmentation
 
 The collectives and matmul FLOPs come from the optimized HLO (`compiled.as_text()`), per step:
-every instruction times the trip counts of its enclosing loops (`glm5_jax.hlo_loops`), each
-collective with the mesh axes its replica groups span (`glm5_jax.hlo_stats.step_collectives`).
+every instruction times the trip counts of its enclosing loops (`glm5_jax.planning.hlo_loops`), each
+collective with the mesh axes its replica groups span (`glm5_jax.planning.hlo_stats.step_collectives`).
 
-Compilers: by default the simulated CPU devices' XLA:CPU, with `glm5_jax.cpu_standins` for
-the MoE ops it lacks; with `devices` from `glm5_jax.aot_targets.tpu_devices` the real TPU
+Compilers: by default the simulated CPU devices' XLA:CPU, with `glm5_jax.planning.cpu_standins` for
+the MoE ops it lacks; with `devices` from `glm5_jax.planning.aot_targets.tpu_devices` the real TPU
 compiler (libtpu, ahead of time, no TPU needed) and no stand-ins.
 
 Depth: `with_depth` builds the same model with fewer layers (one dense, the rest MoE), so a
@@ -30,6 +30,8 @@ tools/plan_memory.py is the command line; docs/scaling.md the measured numbers.
 
 import contextlib
 import dataclasses
+import gzip
+import json
 import math
 import time
 
@@ -37,7 +39,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from glm5_jax import cpu_standins, hlo_loops, hlo_stats, roofline
+from glm5_jax.planning import cpu_standins, hlo_loops, hlo_stats, roofline
 from glm5_jax.accelerators import ACCELERATORS
 from glm5_jax.api import abstract_params_and_axes, forward
 from glm5_jax.config import ModelConfig, require
@@ -155,9 +157,9 @@ class Program:
   mesh: jax.sharding.Mesh
   rules: object
   state_bytes: int  # per-device bytes of the arguments (exact, from their shardings)
-  # Traced with `glm5_jax.cpu_standins` (on XLA:CPU): "MoE via stand-in".
+  # Traced with `glm5_jax.planning.cpu_standins` (on XLA:CPU): "MoE via stand-in".
   moe_standin: bool = False
-  # A decode program's (`glm5_jax.planner_decode`), per device: the cache among the arguments,
+  # A decode program's (`glm5_jax.planning.planner_decode`), per device: the cache among the arguments,
   # and the cache bytes one DSA decode step reads.
   cache_bytes: int = 0
   read_bytes: int = 0
@@ -193,7 +195,7 @@ def abstract_batch(config, mesh):
 
 def train_program(config, devices=None) -> Program:
   """The trainer's train step (`make_train_step`, the config's optimizer, donated state) on
-  `devices` (default: jax's; or an AOT target's, `glm5_jax.aot_targets`), with abstract state
+  `devices` (default: jax's; or an AOT target's, `glm5_jax.planning.aot_targets`), with abstract state
   and batch."""
   model = ModelConfig.from_config(config.model)
   step_cfg = StepConfig.from_config(config.train, config.mesh.context_layout)
@@ -260,6 +262,9 @@ class CompiledFigures:
   compile_s: float
   hlo_chars: int
   compiler: str
+  # The compiler-estimated cost of the step (`step_cost.CostReport`), when `compile_program`
+  # was given a `price` function (TPU targets).
+  cost: object = None
 
 
 @contextlib.contextmanager
@@ -275,9 +280,30 @@ def _backend_seen_by_model(platform: str):
     jax.default_backend = original
 
 
-def compile_program(program: Program, hlo_out: str | None = None) -> CompiledFigures:
+def mesh_layout(mesh) -> dict:
+  """`{"axes": {axis: size}, "coords": [[x, y, z], ...]}`: each mesh position's chip coordinates
+  in the slice's torus, in the mesh's flattened order (the device ids of the HLO's replica
+  groups), or `coords` None for devices without coordinates (CPU)."""
+  flat = list(mesh.devices.flat)
+  coords = [list(d.coords) for d in flat] if hasattr(flat[0], "coords") else None
+  return {"axes": {a: int(s) for a, s in mesh.shape.items()}, "coords": coords}
+
+
+def write_hlo(text: str, mesh, path: str) -> None:
+  """Writes an optimized module's text to `path` (gzip when it ends in .gz) and its mesh's
+  layout (`mesh_layout`) beside it, `<path without .gz>.mesh.json`, so that the saved module
+  can be priced later (`glm5_jax.planning.step_cost`) without compiling again."""
+  with (gzip.open(path, "wt") if path.endswith(".gz") else open(path, "w")) as f:
+    f.write(text)
+  with open(path.removesuffix(".gz") + ".mesh.json", "w") as f:
+    json.dump(mesh_layout(mesh), f)
+
+
+def compile_program(program: Program, hlo_out: str | None = None,
+                    price=None) -> CompiledFigures:
   """Lowers and compiles `program` (nothing runs) and reads its memory, per-step collectives
-  and matmul FLOPs; `hlo_out`: a file to write the optimized HLO text to."""
+  and matmul FLOPs; `hlo_out`: a file to write the optimized HLO text to (`write_hlo`);
+  `price(module) -> step_cost.CostReport`: the op-by-op cost of the parsed module."""
   standins = contextlib.ExitStack()
   if program.moe_standin:
     standins.enter_context(cpu_standins.ragged_dot_standin())
@@ -290,8 +316,7 @@ def compile_program(program: Program, hlo_out: str | None = None) -> CompiledFig
   compile_s = time.perf_counter() - start
   text = compiled.as_text()
   if hlo_out:
-    with open(hlo_out, "w") as f:
-      f.write(text)
+    write_hlo(text, program.mesh, hlo_out)
   module = hlo_loops.parse_module(text)
   mesh_shape = dict(program.mesh.shape)
   found = hlo_stats.step_collectives(text, mesh_shape, module)
@@ -300,7 +325,8 @@ def compile_program(program: Program, hlo_out: str | None = None) -> CompiledFig
   cost = cost[0] if isinstance(cost, (list, tuple)) else cost
   return CompiledFigures(Memory.of(compiled), tuple(found), flops["flops"], flops["custom_calls"],
                          float((cost or {}).get("flops", 0.0)), tuple(module.unknown_loops),
-                         compile_s, len(text), program.compiler)
+                         compile_s, len(text), program.compiler,
+                         price(module) if price else None)
 
 
 def step_estimate(figures: CompiledFigures, program: Program, chip: str, tokens_per_chip: float,

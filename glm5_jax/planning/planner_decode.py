@@ -37,7 +37,7 @@ from glm5_jax.infer.engine import Paging, _decode_and_sample
 from glm5_jax.infer.sampling import SamplingParams
 from glm5_jax.layer_runs import layer_indices
 from glm5_jax.layers.axes import BATCH
-from glm5_jax.planner import Program, _needs_moe_standin, _with_shardings, sharded_bytes
+from glm5_jax.planning.planner import Program, _needs_moe_standin, _with_shardings, sharded_bytes
 from glm5_jax.sharding import logical_to_mesh_spec, make_mesh, param_shardings
 
 CACHE_LAYOUTS = ("contiguous", "paged")

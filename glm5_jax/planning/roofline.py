@@ -1,7 +1,8 @@
-"""A roofline estimate of a compiled step's time: compute at the chip's peak, each mesh axis's
-collectives at its interconnect's bandwidth. An estimate from a compiled program, not a
-measurement: no kernel reaches peak, collectives have latency, and the overlap XLA achieves
-lies between the two bounds reported.
+"""A roofline bound of a compiled step's time: compute at the chip's peak, each mesh axis's
+collectives at its interconnect's bandwidth, nothing else costing. A bound on a compiled
+program, not an estimate nor a measurement: no kernel reaches peak, non-matmul work costs,
+collectives have latency and ride only some of a chip's links. The TPU compiler's own estimate
+of the same step, op by op, is `step_cost` (reported beside this, labelled "compiler estimate").
 
   compute_s   = matmul FLOPs per step per chip (`hlo_stats.step_dot_flops`, loops multiplied)
                 / the chip's peak bf16 FLOP/s

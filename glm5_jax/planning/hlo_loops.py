@@ -132,9 +132,10 @@ class Module:
 
   def executions(self) -> dict[str, int]:
     """`{computation: times it runs per execution of the entry}`, for every computation
-    reachable from the entry. A while body runs trip-count times per run of its caller; every
-    other callee (fusions, reductions, branches, async wrappers) once per call. Calls from an
-    async op's `-update` / `-done` are not counted again (its `-start` was)."""
+    reachable from the entry. A while body runs trip-count times per run of its caller, its
+    condition once more; every other callee (fusions, reductions, branches, async wrappers)
+    once per call. Calls from an async op's `-update` / `-done` are not counted again (its
+    `-start` was)."""
     edges = {c: [] for c in self.computations}
     self.unknown_loops = []
     for c, instrs in self.computations.items():
@@ -143,11 +144,12 @@ class Module:
           continue
         for callee in instr.callees():
           weight = 1
-          if instr.op == "while" and callee == _attr(instr, "body"):
-            weight = self.trip_count(instr)
-            if weight is None:
+          if instr.op == "while" and callee in (_attr(instr, "body"), _attr(instr, "condition")):
+            trips = self.trip_count(instr)
+            if trips is None and callee == _attr(instr, "body"):
               self.unknown_loops.append(instr.name)
-              weight = 1
+            # the body runs `trips` times, the condition once more (the test that exits)
+            weight = 1 if trips is None else trips + (callee != _attr(instr, "body"))
           edges[c].append((callee, weight))
     order, seen = [], set()
 
@@ -184,7 +186,7 @@ def parse_module(text: str) -> Module:
         if header.group(1):
           entry = current
       continue
-    if line.strip() == "}":
+    if line.startswith("}"):  # also `}, execution_thread="sparsecore"`
       current = None
       continue
     instr = parse_instruction(line, current)

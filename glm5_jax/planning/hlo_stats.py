@@ -7,7 +7,7 @@ A pure text parse: XLA has no Python API for the optimized module's instructions
 form is stable across backends. `collectives` counts each instruction once, as written: a
 collective inside a `while` body (a scanned layer) runs once per iteration. `step_collectives`
 and `step_dot_flops` count per execution of the module (a train step): every instruction times
-the trip counts of its enclosing loops (`glm5_jax.hlo_loops`), with each collective's mesh
+the trip counts of its enclosing loops (`glm5_jax.planning.hlo_loops`), with each collective's mesh
 axes read back from its replica groups.
 """
 
@@ -17,7 +17,7 @@ from typing import NamedTuple
 
 import numpy as np
 
-from glm5_jax import hlo_loops
+from glm5_jax.planning import hlo_loops
 
 OPS = ("all-gather", "all-reduce", "reduce-scatter", "all-to-all", "ragged-all-to-all",
        "collective-permute", "collective-broadcast")

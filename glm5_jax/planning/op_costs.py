@@ -1,0 +1,282 @@
+"""Every instruction of an optimized TPU module priced, and put in a category of the model.
+
+  costs = price_module(module, chip, coords, torus)     # [OpCost], one per priced instruction
+  by_category(costs)                                    # {category: seconds per step}
+
+Three prices, each labelled with what it is (`OpCost.kind`):
+
+  "compiler estimate"   the TPU compiler's own cost model: `estimated_cycles` in the
+                        instruction's backend_config (`window_config`), written for every
+                        fusion, copy, gather, ... it schedules; seconds = cycles / the chip's
+                        clock (`Accelerator.clock_hz`)
+  "kernel at N%"        a custom call the compiler does not price (a Mosaic kernel: megablox
+                        `gmm` / `tgmm`, the DSA Pallas kernels; the native `ragged-dot`): its
+                        FLOPs and bytes (the kernel's `pl.CostEstimate`, else the ragged
+                        product's 2 x rows x K x N) at `KERNEL_EFFICIENCY` of the chip's peak
+                        FLOP/s and HBM bandwidth, whichever is slower
+  "HBM at peak"         an instruction the compiler left unpriced (a gather fusion, a scalar
+                        op): its result plus each operand up to the result's size (a gather
+                        reads only the rows it returns) at the chip's HBM bandwidth, a bound
+  "torus"               a collective (`torus.collective_seconds` on the slice's coordinates)
+
+Instructions inside a fusion's computation are not priced again (the fusion's cycles are the
+whole fusion's). An instruction's executions per step are its computation's
+(`hlo_loops.Module.executions`: loops' trip counts multiplied).
+
+Categories come from the instruction's `op_name` metadata (the jax function and flax module
+path that emitted it; `CATEGORY_RULES`, first match wins), then, for what no rule names, from
+what it computes: a matmul, a gather or scatter, a copy or transpose, else elementwise.
+"""
+
+import re
+from typing import NamedTuple
+
+import numpy as np
+
+from glm5_jax.accelerators import Accelerator
+from glm5_jax.planning import hlo_stats, torus as torus_lib
+
+# Stated, not measured: a Pallas kernel's share of the chip's peak FLOP/s and HBM bandwidth.
+KERNEL_EFFICIENCY = 0.6
+
+# (category, regex over op_name), first match wins. The op_name is the jax path that emitted
+# an instruction: `jit(train_step)/` then `jvp(GLM5)/...` (forward), `transpose(jvp(GLM5))/...`
+# (backward, remat recompute under `rematted_computation`), or the optimizer's own functions at
+# the train step's top level (`while/` and `vmap()` of the per-layer Muon map, `jit(_pad)` of whole_matrices).
+# Inside a layer: flax module names (`self_attn/`, `mlp/`, `mlp/shard_map/` for the
+# expert-parallel dispatch, `jit(gmm)` / `jit(tgmm)` for megablox) and the einsum strings of
+# pallas_kernels (the indexer's `blji,bsi->bljs`, the sparse MLA's `blhc,bltc->blht`). The DSA
+# `xla` path runs a query-block loop (`self_attn/.../while/`): the indexer's key-block loop
+# nested in it, its KL target (`blji,blti->bljt`) and the top-k sort are the indexer, the rest
+# of the loop (row gathers, scores, softmax, values) the sparse attention.
+CATEGORY_RULES = (
+    ("optimizer", r"^jit\(train_step\)/(while/|vmap|jit\(_pad\)|jit\(norm\))|opt_state|muon|adam"),
+    ("loss and LM head", r"^jit\([^)/]*\)/(transpose\()?jvp\((jit\(take_along_axis\))?\)|"
+                         r"bld,dy->bly|lm_head|shared_head|log_softmax|logsumexp"),
+    ("embedding", r"^jit\([^)/]*\)/(transpose\()?jvp\(GLM5\)\)?/jit\(_take\)|embed"),
+    ("router", r"/mlp/(?!shard_map|shared_experts|experts)"),
+    ("experts and FFN", r"/mlp/shard_map/(jit\((gmm|tgmm|silu)\)|mul)|shared_experts|"
+                        r"/mlp/experts|layers_0_\d+/mlp/"),
+    ("MoE dispatch/relayout", r"/mlp/shard_map|^mxd,mx->md|ragged_all_to_all"),
+    ("indexer", r"self_attn/.*(while/body/closed_call/(checkpoint/)?(rematted_computation/)?"
+                r"while/|blji|bljs|bljt|blj,|/sort|top_k|indexer)"),
+    ("DSA sparse", r"self_attn/(closed_call/|checkpoint/|rematted_computation/)*while"),
+    ("attention projections", r"self_attn/"),
+)
+_RULES = tuple((name, re.compile(pattern, re.I)) for name, pattern in CATEGORY_RULES)
+_COPIES = ("copy", "transpose", "copy-start", "copy-done", "bitcast-convert", "reshape",
+           "dynamic-slice", "dynamic-update-slice", "slice", "concatenate", "pad")
+# Instructions that move no data of their own (or are priced through what they call).
+FREE = frozenset({"parameter", "constant", "get-tuple-element", "tuple", "bitcast", "while",
+                  "call", "conditional", "after-all", "partition-id", "replica-id",
+                  "opt-barrier", "async-start", "async-update", "async-done", "copy-start",
+                  "copy-done", "send", "recv", "send-done", "recv-done", "call-start",
+                  "call-done"})
+# The compiler writes INT64_MAX cycles for what it cannot estimate (SparseCore offloads).
+_UNKNOWN_CYCLES = 2 ** 62
+_CYCLES = re.compile(r'"estimated_cycles"\s*:\s*"?(\d+)')
+_KERNEL_COST = re.compile(r'cost_estimate\\?"\s*:\s*\{\\?"flops\\?"\s*:\s*\\?"?(\d+)\\?"?\s*,'
+                          r'\s*\\?"transcendentals\\?"\s*:\s*\\?"?(\d+)\\?"?\s*,'
+                          r'\s*\\?"bytes_accessed\\?"\s*:\s*\\?"?(\d+)')
+_CALLS = re.compile(r"\bcalls=%([^\s,}]+)")
+COLLECTIVES = hlo_stats.OPS
+
+
+class OpCost(NamedTuple):
+  """One priced instruction: `seconds` per execution, `runs` per step."""
+
+  name: str
+  computation: str
+  op: str
+  category: str
+  kind: str  # "compiler estimate", "kernel at 60%", "torus"
+  seconds: float
+  runs: int
+  source: str  # op_name
+  groups_from: str = ""  # a collective: the instruction whose replica groups it runs over
+
+
+def category(op_name: str, op: str, contents: frozenset = frozenset()) -> str:
+  """The model part an instruction belongs to (module docstring); `contents`: the opcodes of
+  a fusion's computation."""
+  for name, pattern in _RULES:
+    if pattern.search(op_name):
+      return name
+  ops = contents | {op.removesuffix("-start").removesuffix("-done")}
+  if ops & set(COLLECTIVES):
+    return "collectives (unnamed)"
+  if ops & {"dot", "convolution", "ragged-dot"}:
+    return "matmuls (unnamed)"
+  if ops & {"gather", "scatter"}:
+    return "gathers/scatters (unnamed)"
+  if ops & set(_COPIES) and not ops - set(_COPIES) - {"parameter", "bitcast", "constant"}:
+    return "copies/transposes"
+  return "elementwise"
+
+
+def fused_computations(module) -> set[str]:
+  """Computations called by fusions (priced as their fusion) and their own callees."""
+  fused = set()
+  for instrs in module.computations.values():
+    for instr in instrs:
+      if instr.op == "fusion":
+        fused.update(_CALLS.findall(instr.attributes))
+  stack = list(fused)
+  while stack:  # a fusion's nested fusions and reducers
+    for instr in module.computations.get(stack.pop(), ()):
+      for callee in instr.callees():
+        if callee not in fused:
+          fused.add(callee)
+          stack.append(callee)
+  return fused
+
+
+def compiler_seconds(instr, chip: Accelerator) -> float | None:
+  """The compiler's `estimated_cycles` of `instr` / the chip's clock, None when it has none."""
+  match = _CYCLES.search(instr.attributes)
+  if match is None or int(match[1]) >= _UNKNOWN_CYCLES:
+    return None
+  if chip.clock_hz is None:
+    raise ValueError("the compiler's estimate needs the chip's clock: Accelerator.clock_hz is "
+                     "None for this chip (glm5_jax/accelerators.py)")
+  return int(match[1]) / chip.clock_hz
+
+
+def kernel_seconds(instr, shapes: dict, chip: Accelerator,
+                   efficiency: float = KERNEL_EFFICIENCY) -> float | None:
+  """A custom call's FLOPs and bytes at `efficiency` of peak (module docstring), or None for
+  a custom call without either (its work is unknown)."""
+  if match := _KERNEL_COST.search(instr.attributes):
+    flops, nbytes = float(match[1]), float(match[3])
+  elif instr.name.startswith("ragged-dot"):
+    flops = hlo_stats._ragged_dot_flops(instr, shapes) or 0.0
+    arrays = hlo_stats._arrays(instr.operand_text) or sum(
+        (shapes.get(n, ()) for n in instr.operands), ())
+    nbytes = sum(hlo_stats.array_bytes(*a) for a in arrays + hlo_stats._arrays(instr.result_type))
+  else:
+    return None
+  return max(flops / chip.peak_flops, nbytes / chip.hbm_bytes_per_s) / efficiency
+
+
+def hbm_seconds(instr, shapes: dict, chip: Accelerator) -> float:
+  """An unpriced instruction's bytes at HBM peak: its result, plus each operand up to the
+  result's size."""
+  result = sum(hlo_stats.array_bytes(*a) for a in hlo_stats._arrays(instr.result_type))
+  operands = hlo_stats._arrays(instr.operand_text) or sum(
+      (shapes.get(n, ()) for n in instr.operands), ())
+  moved = result + sum(min(hlo_stats.array_bytes(*a), result) for a in operands)
+  return moved / chip.hbm_bytes_per_s
+
+
+def collective_seconds(op: str, results: tuple, operands: tuple, attributes: str,
+                       coords: np.ndarray, torus: torus_lib.Torus) -> float:
+  """One execution of a collective on the torus (`torus.collective_seconds`): `results` /
+  `operands` its `(dtype, shape)` arrays (an async start's without the repeated inputs),
+  `attributes` the text holding its replica groups."""
+  operands = hlo_stats._data_operands(op, operands)
+  groups = hlo_stats.replica_groups(attributes, len(coords))
+  if groups is None:
+    raise ValueError(f"collective {op}: no replica groups in {attributes[:200]!r}")
+  if op != "collective-permute" and max(len(g) for g in groups) == 1:
+    return 0.0
+  if op == "collective-permute" and all(len(set(g)) == 1 for g in groups):
+    return 0.0
+  size = max(sum(hlo_stats.array_bytes(*a) for a in arrays) for arrays in (results, operands))
+  sent = sum(hlo_stats.array_bytes(*a) for a in operands) if op == "ragged-all-to-all" else size
+  link = hlo_stats._link_bytes(op, sent, max(len(g) for g in groups))
+  return torus_lib.collective_seconds(op, link, sent, groups, coords, torus)
+
+
+def _collective_arrays(instr, shapes: dict) -> tuple[tuple, tuple]:
+  results = hlo_stats._arrays(instr.result_type)
+  operands = hlo_stats._arrays(instr.operand_text) or sum(
+      (shapes.get(n, ()) for n in instr.operands), ())
+  if instr.op.endswith("-start") and len(results) > len(operands):
+    results = results[len(operands):]
+  return results, operands
+
+
+def fused_collectives(module) -> dict[str, tuple]:
+  """`{fused computation: (op, inner collective)}` for the TPU compiler's collective fusions.
+  An "all-reduce-scatter" fusion (an all-reduce whose only use is the device's dynamic-slice
+  of it, the root) is a reduce-scatter of the all-reduce's operand."""
+  found = {}
+  for name, instrs in module.computations.items():
+    inner = [i for i in instrs if i.op in COLLECTIVES]
+    if len(inner) != 1:
+      continue
+    root = module.root(name)
+    scatter = inner[0].op == "all-reduce" and root.op == "dynamic-slice" and \
+        root.operands[:1] == [inner[0].name]
+    found[name] = ("reduce-scatter" if scatter else inner[0].op, inner[0])
+  return found
+
+
+def price(instr, shapes: dict, chip: Accelerator, coords, torus,
+          fused: dict | None = None) -> tuple[str, float] | None:
+  """`(kind, seconds per execution)` of one instruction, or None when it is not priced;
+  `fused`: `fused_collectives` of its module (a collective fusion is priced as its
+  collective)."""
+  base = instr.op.removesuffix("-start")
+  if base in COLLECTIVES and not instr.op.endswith("-done"):
+    if coords is None:
+      return None
+    results, operands = _collective_arrays(instr, shapes)
+    return "torus", collective_seconds(base, results, operands, instr.attributes, coords, torus)
+  if instr.op == "fusion" and fused and (called := _CALLS.search(instr.attributes)) and \
+      called[1] in fused:
+    if coords is None:
+      return None
+    op, inner = fused[called[1]]
+    operands = _collective_arrays(inner, shapes)[1]
+    results = operands if op == "reduce-scatter" else _collective_arrays(inner, shapes)[0]
+    return "torus", collective_seconds(op, results, operands, inner.attributes, coords, torus)
+  seconds = compiler_seconds(instr, chip)
+  if seconds is not None:
+    return "compiler estimate", seconds
+  if instr.op == "custom-call":
+    seconds = kernel_seconds(instr, shapes, chip)
+    if seconds is not None:
+      return f"kernel at {KERNEL_EFFICIENCY:.0%}", seconds
+  if instr.op in FREE or instr.op.endswith("-done"):
+    return None
+  return "HBM at peak", hbm_seconds(instr, shapes, chip)
+
+
+def price_module(module, chip: Accelerator, coords=None, torus=None) -> list[OpCost]:
+  """Every priced instruction of `module` (an `hlo_loops.Module`) that runs per step; its
+  collectives only when `coords` (`[devices, dims]`) and `torus` are given."""
+  runs = module.executions()
+  fused = fused_computations(module)
+  shapes = {i.name: hlo_stats._arrays(i.result_type) for instrs in module.computations.values()
+            for i in instrs}
+  coords = None if coords is None else np.asarray(coords)
+  contents = {c: frozenset(i.op for i in instrs) for c, instrs in module.computations.items()}
+  collective_fusions = fused_collectives(module)
+  found = []
+  for computation, instrs in module.computations.items():
+    if computation in fused or not runs.get(computation):
+      continue
+    for instr in instrs:
+      priced = price(instr, shapes, chip, coords, torus, collective_fusions)
+      if priced is None:
+        continue
+      source = instr.metadata("op_name")
+      inside = frozenset().union(*(contents.get(c, frozenset()) for c in _CALLS.findall(
+          instr.attributes))) if instr.op == "fusion" else frozenset()
+      op, groups_from = instr.op, instr.name if priced[0] == "torus" else ""
+      if priced[0] == "torus" and instr.op == "fusion":  # a collective fusion: its collective
+        op, inner = collective_fusions[_CALLS.search(instr.attributes)[1]]
+        groups_from = inner.name
+      found.append(OpCost(instr.name, computation, op, category(source, instr.op, inside),
+                          priced[0], priced[1], runs[computation], source, groups_from))
+  return found
+
+
+def by_category(costs: list[OpCost], kinds: tuple[str, ...] | None = None) -> dict[str, float]:
+  """`{category: seconds per step}` (seconds x runs), largest first; `kinds`: only those."""
+  totals = {}
+  for c in costs:
+    if kinds is None or c.kind in kinds or (c.kind.startswith("kernel") and "kernel" in kinds):
+      totals[c.category] = totals.get(c.category, 0.0) + c.seconds * c.runs
+  return dict(sorted(totals.items(), key=lambda kv: -kv[1]))

@@ -1,0 +1,114 @@
+"""A step's time three ways from its priced instructions (`op_costs.OpCost`): no overlap, the
+overlap the compiled schedule gives, and ideal overlap.
+
+  times = step_times(module, costs)   # {"none", "schedule", "ideal", "compute", "collectives"}
+
+The optimized TPU module is scheduled (`is_scheduled=true`): each computation's instructions
+are in the order they run. The schedule-aware time walks that order with two streams, compute
+and collectives:
+
+  compute instruction   the compute stream advances by its price
+  collective (sync)     waits for the collective stream, then both streams advance by its price:
+                        fully exposed
+  X-start ... X-done    an asynchronous collective: it starts when issued (once the collective
+                        stream is free) and runs while the compute between its start and its
+                        done proceeds; at the done, compute waits for it to finish. The part not
+                        covered by that compute is exposed. `async-start` / `async-done` pairs
+                        wrapping a computation are the same, priced as their computation.
+  while / call          its computation's own schedule-aware time (x the trip count), run as
+                        compute: an asynchronous collective issued before it keeps running
+  call-start ... -done  an asynchronous call on the SparseCore (the compiler's scatter
+                        offloads): a third stream, waited for at its done
+
+Collectives are serialised on one stream (two in flight queue, they do not share links), and a
+loop body's collectives do not contend with one issued outside it. No overlap: the sum of every
+compute and collective price per step; ideal: the larger of the two sums.
+"""
+
+import re
+
+from glm5_jax.planning import op_costs
+
+_ASYNC_DONE = "-done"
+
+
+def _is_collective(cost: op_costs.OpCost) -> bool:
+  return cost.kind == "torus"
+
+
+class _Walker:
+  """Schedule-aware time of each computation, memoised (one walk per computation)."""
+
+  def __init__(self, module, costs):
+    self.module = module
+    self.price = {(c.computation, c.name): c for c in costs}
+    self.memo = {}
+
+  def block(self, computation: str) -> tuple[float, bool]:
+    """`(seconds, holds a collective)` of one run of `computation`."""
+    if computation not in self.memo:
+      self.memo[computation] = self._walk(computation)
+    return self.memo[computation]
+
+  def _nested(self, instr) -> float:
+    """A while loop's, call's or conditional's time, as one compute block."""
+    if instr.op == "while":
+      body = _attr(instr, "body")
+      cond = _attr(instr, "condition")
+      trips = self.module.trip_count(instr) or 1
+      return trips * self.block(body)[0] + (trips + 1) * self.block(cond)[0]
+    callees = [c for c in instr.callees() if c in self.module.computations]
+    times = [self.block(c)[0] for c in callees]
+    if instr.op == "conditional":
+      return max(times, default=0.0)
+    return sum(times)
+
+  def _walk(self, computation: str) -> tuple[float, bool]:
+    now = stream = side = 0.0  # the compute, collective and SparseCore streams' clocks
+    pending, has_collective = {}, False
+    for instr in self.module.computations[computation]:
+      cost = self.price.get((computation, instr.name))
+      if instr.op.endswith(_ASYNC_DONE):
+        now = max(now, pending.pop(instr.operands[0], now) if instr.operands else now)
+      elif instr.op == "call-start":  # an asynchronous call on another unit (SparseCore)
+        seconds, _ = self.block(_attr(instr, "to_apply") or "")
+        side = pending[instr.name] = max(now, side) + seconds
+      elif instr.op == "async-start":
+        seconds, inner = self.block(_attr(instr, "calls") or "")
+        if inner:  # a wrapped collective: on the collective stream
+          start = max(now, stream)
+          stream = pending[instr.name] = start + seconds
+          has_collective = True
+        else:
+          now += seconds
+      elif cost is not None and _is_collective(cost):
+        has_collective = True
+        start = max(now, stream)
+        stream = start + cost.seconds
+        if instr.op.endswith("-start"):
+          pending[instr.name] = stream
+        else:
+          now = stream
+      elif cost is not None:
+        now += cost.seconds
+      elif instr.op in ("while", "call", "conditional"):
+        seconds = self._nested(instr)
+        has_collective |= any(self.block(c)[1] for c in instr.callees()
+                              if c in self.module.computations)
+        now += seconds
+    return max([now, *pending.values()]), has_collective
+
+
+def _attr(instr, key: str) -> str | None:
+  match = re.search(rf"\b{key}=%([^\s,}}]+)", instr.attributes)
+  return match[1] if match else None
+
+
+def step_times(module, costs: list) -> dict[str, float]:
+  """Seconds per step (module docstring): `none` (every price added), `schedule` (the compiled
+  schedule's overlap), `ideal` (max of compute and collectives), and the two sums."""
+  compute = sum(c.seconds * c.runs for c in costs if not _is_collective(c))
+  collectives = sum(c.seconds * c.runs for c in costs if _is_collective(c))
+  scheduled, _ = _Walker(module, costs).block(module.entry)
+  return {"none": compute + collectives, "schedule": scheduled,
+          "ideal": max(compute, collectives), "compute": compute, "collectives": collectives}

@@ -1,0 +1,245 @@
+"""The planner's cost model (glm5_jax/planning: op_costs, torus, schedule, step_cost) on programs
+whose answer is known from their shapes. The fixtures are the TPU compiler's own optimized
+modules (tests/fixtures/cost_model/make_fixtures.py, libtpu 0.0.42.1), read as text: no libtpu
+and no compile here."""
+
+import json
+import pathlib
+
+import numpy as np
+import pytest
+
+from glm5_jax.accelerators import ACCELERATORS
+from glm5_jax.planning import hlo_loops, hlo_stats, op_costs, schedule, step_cost, torus
+
+FIXTURES = pathlib.Path(__file__).parent / "fixtures" / "cost_model"
+V5P = ACCELERATORS["v5p"]
+LINK = V5P.ici_bytes_s / V5P.ici_links  # one v5p link, one way: 100 GB/s
+ONE_CHIP = {"axes": {"x": 1}, "coords": [[0, 0, 0]]}
+
+
+def _load(name):
+  text = (FIXTURES / f"{name}.hlo").read_text()
+  layout_file = FIXTURES / f"{name}.mesh.json"
+  layout = json.loads(layout_file.read_text()) if layout_file.exists() else ONE_CHIP
+  return text, layout
+
+
+def _costs(name, target):
+  text, layout = _load(name)
+  module = hlo_loops.parse_module(text)
+  costs = op_costs.price_module(module, V5P, np.asarray(layout["coords"]),
+                                step_cost.torus_of(target))
+  return module, costs
+
+
+def test_one_large_matmul_runs_near_the_mxu_peak_by_the_compilers_cycles():
+  """bf16 [8192, 8192] x [8192, 8192]: 2 x 8192^3 FLOPs, 2.40 ms at v5p's 459 TFLOP/s."""
+  text, _ = _load("matmul")
+  module, costs = _costs("matmul", "v5p:2x2x1")
+  (matmul,) = [c for c in costs if c.kind == "compiler estimate" and c.seconds > 1e-4]
+  assert matmul.seconds == pytest.approx(4_652_072 / 1.75e9)  # its estimated_cycles
+  flops = hlo_stats.step_dot_flops(text, module)["flops"]
+  assert flops == 2 * 8192 ** 3
+  assert 0.85 < flops / (matmul.seconds * V5P.peak_flops) < 1.0  # 90% of peak
+  assert matmul.category == "matmuls (unnamed)"
+  times = schedule.step_times(module, costs)
+  assert times["none"] == times["schedule"] == times["ideal"] == pytest.approx(matmul.seconds)
+
+
+def test_an_all_gather_and_an_all_to_all_on_a_known_ring():
+  """The z dimension of v5p:4x4x8 (8 chips, wrapped): the all-gather of a 16 MiB result sends
+  7/8 of it over two links at once; the all-to-all of a 2 MiB buffer sends 2 MiB / 8 to each
+  peer, sum over peers of the hop count 1+2+3+4+3+2+1 = 16, over 16 directed links."""
+  module, costs = _costs("ring", "v5p:4x4x8")
+  by_op = {c.op: c for c in costs if c.kind == "torus"}
+  gathered = 8192 * 1024 * 2
+  assert by_op["all-gather"].seconds == pytest.approx(7 / 8 * gathered / (2 * LINK))
+  buffer = 1024 * 1024 * 2
+  assert by_op["all-to-all"].seconds == pytest.approx(8 * (buffer / 8) * 16 / 16 / LINK)
+  text, layout = _load("ring")
+  report = step_cost.price_text(text, "v5p:4x4x8", layout, 1024.0, None)
+  assert list(report.collectives_by_axes) == ["ring"]
+  assert report.times["collectives"] == pytest.approx(
+      by_op["all-gather"].seconds + by_op["all-to-all"].seconds)
+
+
+def test_a_gather_bound_loop_prices_each_gather_by_its_rows_and_runs_it_per_trip():
+  """16 iterations, each gathering 2,048 rows of 576 bf16 (2.36 MB) from a 65,536-row table:
+  the compiler leaves the gather fusion unpriced, so it is read and written at HBM peak, the
+  rows only (not the whole table), 16 times per step."""
+  module, costs = _costs("gather_loop", "v5p:2x2x1")
+  (gather,) = [c for c in costs if c.category == "gathers/scatters (unnamed)"]
+  rows = 2048 * 576 * 2
+  assert gather.kind == "HBM at peak" and gather.runs == 16
+  assert gather.seconds == pytest.approx((2 * rows + 2048 * 4) / V5P.hbm_bytes_per_s)
+  times = schedule.step_times(module, costs)
+  body = [c for c in costs if c.runs == 16]
+  assert len(body) >= 4
+  assert times["schedule"] >= 16 * sum(c.seconds for c in body) * (1 - 1e-9)
+
+
+# ---------------------------------------------------------------------------- the schedule
+
+_ASYNC_HLO = """HloModule m, is_scheduled=true
+
+%body (p: (s32[], bf16[8,128])) -> (s32[], bf16[8,128]) {
+  %p = (s32[], bf16[8,128]) parameter(0)
+  %i = s32[] get-tuple-element(%p), index=0
+  %x = bf16[8,128] get-tuple-element(%p), index=1
+  %one = s32[] constant(1)
+  %next = s32[] add(%i, %one), backend_config={"window_config":{"estimated_cycles":"0"}}
+  %y = bf16[8,128] fusion(%x), kind=kLoop, calls=%f, backend_config={"window_config":{"estimated_cycles":"175000"}}
+  ROOT %t = (s32[], bf16[8,128]) tuple(%next, %y)
+}
+
+%cond (p: (s32[], bf16[8,128])) -> pred[] {
+  %p = (s32[], bf16[8,128]) parameter(0)
+  %i = s32[] get-tuple-element(%p), index=0
+  %n = s32[] constant(3)
+  ROOT %lt = pred[] compare(%i, %n), direction=LT, backend_config={"window_config":{"estimated_cycles":"0"}}
+}
+
+%f (a: bf16[8,128]) -> bf16[8,128] {
+  %a = bf16[8,128] parameter(0)
+  ROOT %e = bf16[8,128] exponential(%a)
+}
+
+ENTRY %main (w: bf16[1048576,64], x: bf16[8,128]) -> (bf16[8388608,64], bf16[8,128]) {
+  %w = bf16[1048576,64] parameter(0)
+  %x = bf16[8,128] parameter(1)
+  %ag = (bf16[1048576,64], bf16[8388608,64]) all-gather-start(%w), replica_groups=[1,8]<=[8], dimensions={0}
+  %mm = bf16[8,128] fusion(%x), kind=kOutput, calls=%f, backend_config={"window_config":{"estimated_cycles":"1750000"}}
+  %agd = bf16[8388608,64] all-gather-done(%ag)
+  %zero = s32[] constant(0)
+  %init = (s32[], bf16[8,128]) tuple(%zero, %mm)
+  %loop = (s32[], bf16[8,128]) while(%init), condition=%cond, body=%body
+  %out = bf16[8,128] get-tuple-element(%loop), index=1
+  %ar = bf16[8,128] all-reduce(%out), replica_groups=[1,8]<=[8], to_apply=%f
+  ROOT %r = (bf16[8388608,64], bf16[8,128]) tuple(%agd, %ar)
+}
+"""
+
+
+def test_an_async_collective_hides_behind_the_compute_scheduled_inside_it():
+  """An all-gather (1 GiB result over an 8-chip ring: 7/8 GiB at 200 GB/s, 4.70 ms) started
+  before a 1 ms fusion and done after it: 3.70 ms exposed; then a 3-trip loop of 0.1 ms and a
+  synchronous all-reduce, fully exposed."""
+  module = hlo_loops.parse_module(_ASYNC_HLO)
+  layout = {"axes": {"ring": 8}, "coords": [[0, 0, z] for z in range(8)]}
+  costs = op_costs.price_module(module, V5P, np.asarray(layout["coords"]),
+                                torus.Torus((1, 1, 8), (False, False, True), LINK))
+  by_name = {c.name: c for c in costs}
+  gather = by_name["ag"].seconds
+  assert gather == pytest.approx(7 / 8 * 2 ** 30 / (2 * LINK))
+  reduce = by_name["ar"].seconds
+  compute = 1e-3 + 3 * 1e-4
+  times = schedule.step_times(module, costs)
+  assert times["compute"] == pytest.approx(compute)
+  assert times["none"] == pytest.approx(compute + gather + reduce)
+  assert times["schedule"] == pytest.approx(max(gather, 1e-3) + 3 * 1e-4 + reduce)
+  assert times["ideal"] == pytest.approx(max(times["compute"], gather + reduce))
+  assert times["ideal"] < times["schedule"] < times["none"]
+
+
+# ---------------------------------------------------------------------------- the torus
+
+def test_torus_rings_lines_strides_and_several_dimensions():
+  coords = np.asarray([[x, y, 0] for x in range(8) for y in range(4)])
+  tor = torus.Torus((8, 4, 1), (True, False, False), LINK)
+  along_x = [[x * 4 + y for x in range(8)] for y in range(4)]  # a closed ring of 8
+  assert torus.ring_rate(along_x, coords, tor) == pytest.approx(2 * LINK)
+  along_y = [[x * 4 + y for y in range(4)] for x in range(8)]  # an open line of 4
+  assert torus.ring_rate(along_y, coords, tor) == pytest.approx(LINK)
+  every_other_x = [[x * 4 for x in range(0, 8, 2)], [x * 4 for x in range(1, 8, 2)]]
+  assert torus.ring_rate(every_other_x, coords, tor) == pytest.approx(LINK)  # 2 groups share
+  both = [list(range(32))]  # the ring and the line at once
+  assert torus.ring_rate(both, coords, tor) == pytest.approx(3 * LINK)
+  # a uniform all-to-all along the open line of 4: the middle link carries 2 x 2 pairs' bytes
+  s = 4e6
+  seconds = torus.collective_seconds("all-to-all", 0.0, s, along_y, coords, tor)
+  assert seconds == pytest.approx(4 * s / 4 / LINK)
+  # a permute to the next chip round the ring: one link each, the whole array
+  pairs = [[x * 4, ((x + 1) % 8) * 4] for x in range(8)]
+  assert torus.collective_seconds("collective-permute", 0.0, s, pairs, coords, tor) == \
+      pytest.approx(s / LINK)
+
+
+def test_a_group_on_no_torus_dimension_is_an_error():
+  tor = torus.Torus((2, 1, 1), (False, False, False), LINK)
+  with pytest.raises(ValueError, match="span no torus dimension"):
+    torus.ring_rate([[0, 0]], np.asarray([[0, 0, 0], [1, 0, 0]]), tor)
+
+
+def test_a_synchronous_all_gather_in_a_scanned_loop_is_fully_exposed():
+  """The TPU compiler's schedule of 4 scanned steps, each gathering a [4096, 4096] weight over
+  the ring and multiplying by it: the gather stays synchronous (no start/done pair), so the
+  schedule-aware time is the no-overlap time."""
+  module, costs = _costs("overlap", "v5p:4x4x8")
+  (gather,) = [c for c in costs if c.kind == "torus"]
+  assert gather.op == "all-gather" and gather.runs == 4
+  assert gather.seconds == pytest.approx(7 / 8 * 4096 * 4096 * 2 / (2 * LINK))
+  times = schedule.step_times(module, costs)
+  assert times["schedule"] == pytest.approx(times["none"])
+  assert times["ideal"] < times["none"]
+
+
+@pytest.mark.parametrize("op_name, expected", [
+    ("jit(train_step)/transpose(jvp(GLM5))/GLM5._scanned_run/while/body/closed_call/checkpoint/"
+     "layers_3_77.body/layers_3_77/self_attn/while/body/closed_call/blht,blhc->bltc/dot_general",
+     "DSA sparse"),
+    ("jit(train_step)/jvp(GLM5)/GLM5._scanned_run/while/body/closed_call/layers_3_77.body/"
+     "layers_3_77/self_attn/closed_call/while/body/closed_call/while/body/blji,bsi->bljs/"
+     "dot_general", "indexer"),
+    ("jit(train_step)/jvp(GLM5)/GLM5._scanned_run/while/body/closed_call/layers_3_77.body/"
+     "layers_3_77/self_attn/closed_call/while/body/closed_call/checkpoint/blji,blti->bljt/"
+     "dot_general", "indexer"),
+    ("jit(train_step)/jvp(GLM5)/GLM5._scanned_run/while/body/closed_call/layers_3_77.body/"
+     "layers_3_77/self_attn/dot_general", "attention projections"),
+    ("jit(train_step)/jvp(GLM5)/GLM5._scanned_run/while/body/closed_call/layers_3_77.body/"
+     "layers_3_77/mlp/shard_map/jit(gmm)/pallas_call", "experts and FFN"),
+    ("jit(train_step)/jvp(GLM5)/GLM5._scanned_run/while/body/closed_call/layers_3_77.body/"
+     "layers_3_77/mlp/shard_map/ragged_all_to_all", "MoE dispatch/relayout"),
+    ("jit(train_step)/jvp(GLM5)/GLM5._scanned_run/while/body/closed_call/layers_3_77.body/"
+     "layers_3_77/mlp/top_k", "router"),
+    ("jit(train_step)/while/body/closed_call/vmap()/closed_call/dot_general", "optimizer"),
+    ("jit(train_step)/transpose(jvp(GLM5))/bld,dy->bly/dot_general", "loss and LM head"),
+    ("jit(train_step)/jvp()/reduce_sum", "loss and LM head"),
+    ("jit(train_step)/transpose(jvp(GLM5))/jit(_take)/scatter-add", "embedding"),
+])
+def test_the_headline_steps_op_names_fall_in_their_categories(op_name, expected):
+  """op_names read from the headline step's optimized module (docs/scaling.md)."""
+  assert op_costs.category(op_name, "fusion") == expected
+
+
+def test_unnamed_ops_fall_back_on_what_they_compute():
+  assert op_costs.category("", "fusion", frozenset({"convolution"})) == "matmuls (unnamed)"
+  assert op_costs.category("", "fusion", frozenset({"gather"})) == "gathers/scatters (unnamed)"
+  assert op_costs.category("", "copy") == "copies/transposes"
+  assert op_costs.category("", "fusion", frozenset({"add", "multiply"})) == "elementwise"
+
+
+def test_a_sparsecore_computation_closes_and_unknown_cycles_fall_back():
+  """The TPU compiler closes a SparseCore computation with `}, execution_thread="sparsecore"`
+  (the parser used to run on into the next computation), and writes INT64_MAX cycles for what
+  it cannot estimate: priced at HBM peak instead."""
+  text = """HloModule m, is_scheduled=true
+
+%sc (a: s32[256]) -> s32[256] {
+  ROOT %a = s32[256] parameter(0)
+}, execution_thread="sparsecore"
+
+%next (b: s32[256]) -> s32[256] {
+  %b = s32[256] parameter(0)
+  ROOT %n = s32[256] negate(%b), backend_config={"window_config":{"estimated_cycles":"9223372036854775807"}}
+}
+
+ENTRY %main (p: s32[256]) -> s32[256] {
+  %p = s32[256] parameter(0)
+  ROOT %c = s32[256] call(%p), to_apply=%next
+}
+"""
+  module = hlo_loops.parse_module(text)
+  assert [i.name for i in module.computations["next"]] == ["b", "n"]
+  (cost,) = op_costs.price_module(module, V5P)
+  assert cost.kind == "HBM at peak" and cost.seconds == pytest.approx(2048 / V5P.hbm_bytes_per_s)

@@ -1,0 +1,74 @@
+"""Price a saved optimized TPU module op by op, without compiling it again.
+
+  python tools/plan_cost.py --hlo=/work/plan_artifacts/headline_fsdp32_expert32.hlo.gz \
+      --target=v5p:8x8x16 --plan_log=/work/plan_artifacts/headline.log [--json]
+
+`--hlo`: the text `tools/plan_memory.py --hlo_out=...` wrote (gzip or plain), with its mesh's
+chip coordinates beside it (`<hlo without .gz>.mesh.json`, or `--mesh_json`). `--plan_log`: the
+output of that `plan_memory.py --json` run, whose last JSON line gives the tokens per chip, the
+model FLOPs and the roofline bound of the same step (else `--tokens_per_chip` and
+`--model_flops_per_token`). Prints `glm5_jax.planning.step_cost.format_report`: seconds per step
+by category (the TPU compiler's estimated_cycles; custom calls at a stated efficiency), the
+collectives on the slice's torus, and the step time and MFU with no overlap, the compiled
+schedule's overlap, and ideal overlap, each a compiler estimate, beside the bound.
+"""
+
+import argparse
+import dataclasses
+import gzip
+import json
+import sys
+import time
+import types
+
+from glm5_jax.planning import hlo_loops, step_cost
+
+
+def _read(path: str) -> str:
+  with (gzip.open(path, "rt") if path.endswith(".gz") else open(path)) as f:
+    return f.read()
+
+
+def _plan_json(path: str) -> dict:
+  """The last JSON line of a `plan_memory.py --json` output."""
+  with open(path) as f:
+    lines = [line for line in f if line.startswith("{")]
+  if not lines:
+    raise SystemExit(f"--plan_log={path}: no JSON line (run plan_memory.py with --json)")
+  return json.loads(lines[-1])
+
+
+def main(argv=None):
+  parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+  parser.add_argument("--hlo", required=True)
+  parser.add_argument("--target", required=True, help="the slice it was compiled for, e.g. "
+                      "v5p:8x8x16")
+  parser.add_argument("--mesh_json", default=None)
+  parser.add_argument("--plan_log", default=None)
+  parser.add_argument("--tokens_per_chip", type=float, default=None)
+  parser.add_argument("--model_flops_per_token", type=float, default=None)
+  parser.add_argument("--json", action="store_true")
+  args = parser.parse_args(argv)
+  layout_path = args.mesh_json or args.hlo.removesuffix(".gz") + ".mesh.json"
+  with open(layout_path) as f:
+    layout = json.load(f)
+  tokens, per_token, bound = args.tokens_per_chip, args.model_flops_per_token, None
+  if args.plan_log:
+    estimate = _plan_json(args.plan_log)["estimate"]
+    tokens = tokens or estimate["tokens_per_chip"]
+    per_token = per_token or estimate["model_flops"] / estimate["tokens_per_chip"]
+    bound = types.SimpleNamespace(**estimate)
+  if tokens is None:
+    raise SystemExit("give --plan_log, or --tokens_per_chip (and --model_flops_per_token for MFU)")
+  start = time.perf_counter()
+  module = hlo_loops.parse_module(_read(args.hlo))
+  report = step_cost.price_module(module, args.target, layout, tokens, per_token)
+  print(f"{args.hlo}: parsed and priced in {time.perf_counter() - start:.0f} s; "
+        f"{tokens:.0f} tokens per chip per step", file=sys.stderr)
+  print(step_cost.format_report(report, bound=bound))
+  if args.json:
+    print(json.dumps(dataclasses.asdict(report)))
+
+
+if __name__ == "__main__":
+  main()
