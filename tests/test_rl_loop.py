@@ -305,35 +305,25 @@ def test_resume_refuses_a_different_config(small, uninterrupted, stop_early):
 
 @pytest.mark.slow
 def test_short_rl_run_raises_the_reward(small, tmp_path, stop_early):
-  """StopEarly from random params: the share of turns that end within 8 tokens rises.
+  """StopEarly from random params: the share of turns that end within 8 tokens rises, with the
+  signal controls of the default recipe on (dynamic sampling, 1 refill round; the KL penalty,
+  0 while the policy is the start, growing as it moves).
 
   Measured (mean reward of steps 1-2 -> steps 11-12, 32 samples a step, lr 1e-2; random params
-  of seeds 0..3, this test's being 0): 0.11 -> 1.00, 0.13 -> 0.79, 0.14 -> 0.61, 0.16 -> 1.00.
-  The threshold, +0.25, is about half the smallest rise measured (+0.47)."""
-  config = small_config(env="stop_early", steps=12)
-  summary = loop.rl_train(config, str(tmp_path), params=small[1])
-  rewards = [json.loads(line)["reward"] for line in open(summary["metrics_file"])]
-  assert len(rewards) == 12
-  assert np.mean(rewards[-2:]) >= np.mean(rewards[:2]) + 0.25, rewards
-
-
-@pytest.mark.slow
-def test_signal_controls_dynamic_sampling_null_reward_and_kl_penalty(small, tmp_path, stop_early):
-  """Two steps with every signal control on: dynamic sampling fills the step with groups that
-  carry signal where it can (2 rounds of 4 prompts), the null control shuffles rewards, the KL
-  penalty is 0 while the policy is the start and the KL to the start grows after an update."""
-  config = small_config(env="stop_early", steps=2, dynamic_sampling_rounds=1, kl_coef=0.1,
-                        null_reward_control=True, log_kl=True)
+  of seeds 0..3, this test's being 0), without the controls: 0.11 -> 1.00, 0.13 -> 0.79, 0.14 ->
+  0.61, 0.16 -> 1.00. The threshold, +0.25, is about half the smallest rise measured (+0.47)."""
+  config = small_config(env="stop_early", steps=12, dynamic_sampling_rounds=1, kl_coef=0.1,
+                        log_kl=True)
   summary = loop.rl_train(config, str(tmp_path), params=small[1])
   records = [json.loads(line) for line in open(summary["metrics_file"])]
-  assert [r["step"] for r in records] == [1, 2]
-  first, second = records
+  rewards = [r["reward"] for r in records]
+  assert len(rewards) == 12
+  assert np.mean(rewards[-2:]) >= np.mean(rewards[:2]) + 0.25, rewards
   for r in records:
     assert r["generation_rounds"] in (1, 2) and 0 <= r["signal_groups"] <= 4
     assert r["zero_signal_groups"] == pytest.approx(1 - r["signal_groups"] / 4)
-    assert r["update_norm"] > 0 and "kl_penalty" in r
-  assert abs(first["kl_penalty"]) < 1e-5 and abs(first["kl_to_start"]) < 1e-5
-  assert second["kl_to_start"] > 1e-6 and second["kl_penalty"] > 1e-6
+  assert abs(records[0]["kl_penalty"]) < 1e-5 and abs(records[0]["kl_to_start"]) < 1e-5
+  assert records[-1]["kl_to_start"] > 1e-4 and records[-1]["kl_penalty"] > 1e-4
 
 
 @pytest.mark.slow
