@@ -1,7 +1,7 @@
 """Serve a model over HTTP with the OpenAI API (`glm5_jax.serve`; docs/serving.md).
 
   python experiments/serve.py --random_init --config=configs/tiny.py --port=8000
-  python experiments/serve.py --workdir=/tmp/glm5_tiny --slots=16 --max_len=2048
+  python experiments/serve.py --workdir=workdir/tiny --slots=16 --max_len=2048
   python experiments/serve.py --hf_path=/ckpt/GLM-5 --cache_dtype=float32
   python experiments/serve.py --workdir=/tmp/rl_run/trainer --policy_dir=/tmp/rl_run/policy
 

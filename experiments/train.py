@@ -1,10 +1,11 @@
 """Train GLM-5: the project's main job.
 
-  python experiments/train.py                                     # tiny GLM-5 on CPU, ~5 min
-  python experiments/train.py --config=configs/tiny.py --workdir=/tmp/glm5_tiny \
-      --config.optim.learning_rate=1e-3 --config.train.steps=2000
-  python experiments/train.py --config=configs/dsa_adaptation.py:warmup --workdir=/tmp/warmup \
-      --config.train.init_from=/tmp/glm5_tiny_mla
+  python experiments/train.py                       # tiny GLM-5 on CPU into workdir/tiny, ~5 min
+  python experiments/train.py --workdir=workdir/tiny --config.train.steps=2000  # on to 2000
+  python experiments/train.py --config=configs/tiny.py --workdir=workdir/tiny_lr1e-3 \
+      --config.optim.learning_rate=1e-3
+  python experiments/train.py --config=configs/dsa_adaptation.py:warmup --workdir=workdir/warmup \
+      --config.train.init_from=workdir/tiny_mla
 
 With no flags it trains the tiny GLM-5 (MoE + MLA + DSA with top-k < sequence + 3 shared MTP
 depths, Muon Split; attention dense for the first 300 of 600 steps while the indexers learn,
