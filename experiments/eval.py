@@ -48,6 +48,7 @@ _NAME = flags.DEFINE_string("name", "", "Output file stem (default eval_<pattern
 def main(argv):
   del argv
   console.quiet_library_info()
+  console.announce_slow_compiles()
   config = _CONFIG.value
   model_overrides = config_flags.get_override_values(flags.FLAGS["model"])
   try:

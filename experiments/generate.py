@@ -142,6 +142,7 @@ def main(argv):
   if len(argv) > 1:
     raise app.UsageError(f"unexpected arguments {argv[1:]}")
   console.quiet_library_info()
+  console.announce_slow_compiles()
   try:
     output_dir = os.path.dirname(os.path.abspath(_OUTPUT.value or "."))
     if _OUTPUT.value and not os.path.isdir(output_dir):  # found before any generating

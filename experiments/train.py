@@ -47,6 +47,7 @@ def main(argv):
   if multiprocess.launched_multiprocess():
     multiprocess.initialize_distributed()
   console.quiet_library_info()
+  console.announce_slow_compiles()
   logging.info("devices: %s", jax.devices())
   try:
     summary = train(_CONFIG.value, _WORKDIR.value)
@@ -59,18 +60,8 @@ def main(argv):
 
 
 def _print_summary(summary: dict):
-  print("\n== training summary ==")
-  print(f"steps: {summary['steps']} of {summary['total_steps']}")
-  if summary["stopped_early"]:
-    print(f"stopped early ({summary['stop_reason']}); rerun with the same --workdir to resume")
-  if summary["first_loss"] is not None:
-    print(f"loss: first {summary['first_loss']:.4f} -> last {summary['last_loss']:.4f}")
-  if summary["tokens_per_sec"]:
-    print(f"throughput: {summary['tokens_per_sec']:,.0f} tokens/s")
-  for name, value in sorted((summary["eval"] or {}).items()):
-    print(f"eval {name}: {value:.4f}")
-  print(f"checkpoints: {summary['checkpoints']}")
-  print(f"metrics: {summary['metrics_file']} (and TensorBoard in the same workdir)")
+  """The summary for people, then as one JSON line (the last line: scripts read it)."""
+  print("\n" + "\n".join(console.summary_lines(summary)))
   print(json.dumps({k: v for k, v in summary.items() if k != "last_metrics"}, default=str))
 
 
