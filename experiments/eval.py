@@ -1,6 +1,6 @@
 """Evaluate a trained run on the long-context retrieval suite (glm5_jax.eval.suite).
 
-  python experiments/eval.py --workdir=/tmp/glm5_tiny            # the run as trained
+  python experiments/eval.py --workdir=workdir/tiny              # the run as trained
   python experiments/eval.py --workdir=/tmp/mla --model.attention_pattern=SMSM \
       --model.sliding_window=64                                   # training-free conversion
   python experiments/eval.py --workdir=/tmp/mla --config=configs/tiny.py:attention=M \
@@ -48,6 +48,7 @@ _NAME = flags.DEFINE_string("name", "", "Output file stem (default eval_<pattern
 def main(argv):
   del argv
   console.quiet_library_info()
+  console.announce_slow_compiles()
   config = _CONFIG.value
   model_overrides = config_flags.get_override_values(flags.FLAGS["model"])
   try:

@@ -23,7 +23,7 @@ from configs import overrides
 from glm5_jax.config import ModelConfig
 from glm5_jax.config_validation import validate_config
 from glm5_jax.layer_runs import layer_indices, unrolled_name
-from glm5_jax.train import losses
+from glm5_jax.train import console, losses
 
 _CONFIG = overrides.define_config_file("config", "configs/tiny.py", "Experiment config.")
 _BATCH = flags.DEFINE_integer("batch", 2, "Batch size.")
@@ -32,6 +32,8 @@ _SEQ = flags.DEFINE_integer("seq", 64, "Sequence length.")
 
 def main(argv):
   del argv
+  console.quiet_library_info()  # before the first backend use: jax's TPU probe line
+  console.announce_slow_compiles()
   config = _CONFIG.value
   validate_config(config)
   model = ModelConfig.from_config(config.model)
@@ -45,7 +47,10 @@ def main(argv):
         f"{model.index_topk}, MTP depths {model.mtp_depths}; {count:,} params; backend "
         f"{jax.default_backend()}")
 
-  forward = jax.jit(lambda p, t: glm5_jax.forward(model, p, t))
+  def forward_pass(p, t):  # named: the compile line says "compiling jit(forward_pass)"
+    return glm5_jax.forward(model, p, t)
+
+  forward = jax.jit(forward_pass)
   start = time.time()
   out = jax.block_until_ready(forward(params, tokens))
   compile_s = time.time() - start

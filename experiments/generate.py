@@ -1,7 +1,7 @@
 """Generate completions with `glm5_jax.infer.generate` from a trained run or an HF checkpoint.
 
-  python experiments/generate.py --workdir=/tmp/glm5_tiny --prompt="def fib(n):"
-  python experiments/generate.py --workdir=/tmp/glm5_tiny --prompts_file=prompts.jsonl \
+  python experiments/generate.py --workdir=workdir/tiny --prompt="def fib(n):"
+  python experiments/generate.py --workdir=workdir/tiny --prompts_file=prompts.jsonl \
       --temperature=0.8 --top_p=0.95 --seed=1 --max_new_tokens=64 --output=out.jsonl
   python experiments/generate.py --hf_path=/data/GLM-5 --prompt="Hello" --speculative_steps=3
   python experiments/generate.py --random_init --config=configs/tiny.py --prompt=hi  # smoke
@@ -142,6 +142,7 @@ def main(argv):
   if len(argv) > 1:
     raise app.UsageError(f"unexpected arguments {argv[1:]}")
   console.quiet_library_info()
+  console.announce_slow_compiles()
   try:
     output_dir = os.path.dirname(os.path.abspath(_OUTPUT.value or "."))
     if _OUTPUT.value and not os.path.isdir(output_dir):  # found before any generating

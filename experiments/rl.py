@@ -187,6 +187,7 @@ def join_processes() -> None:
 def main(argv):
   del argv
   console.quiet_library_info()
+  console.announce_slow_compiles()
   start = time.time()
   # One SIGTERM flag for every stage: a signal between the SFT and RL (or while RL is built)
   # stops RL at its first step instead of being lost (glm5_jax.train.stopping).

@@ -1,7 +1,7 @@
 """Serve a model over HTTP with the OpenAI API (`glm5_jax.serve`; docs/serving.md).
 
   python experiments/serve.py --random_init --config=configs/tiny.py --port=8000
-  python experiments/serve.py --workdir=/tmp/glm5_tiny --slots=16 --max_len=2048
+  python experiments/serve.py --workdir=workdir/tiny --slots=16 --max_len=2048
   python experiments/serve.py --hf_path=/ckpt/GLM-5 --cache_dtype=float32
   python experiments/serve.py --workdir=/tmp/rl_run/trainer --policy_dir=/tmp/rl_run/policy
 
@@ -91,10 +91,20 @@ _POLICY_POLL_S = flags.DEFINE_float("policy_poll_s", 5.0, "Seconds between check
                                     "--policy_dir for a newer version.")
 
 
+def _served_engine_with_notices(load: dict, sizes: dict):
+  """The engine process's `build`: the engine compiles its programs there (at the first
+  requests), so that process announces its slow compiles too, on stderr (absl's INFO lines are
+  not set up there)."""
+  console.announce_slow_compiles(
+      log=lambda line: print(f"engine process: {line}", file=sys.stderr, flush=True))
+  return served_engine(load, sizes)
+
+
 def main(argv):
   if len(argv) > 1:
     raise app.UsageError(f"unexpected arguments {argv[1:]}")
   console.quiet_library_info()
+  console.announce_slow_compiles()
   sys.setswitchinterval(_SWITCH.value)
   try:
     if _RANDOM_INIT.value and _CONFIG.value is None:
@@ -108,7 +118,7 @@ def main(argv):
     if _ENGINE_PROCESS.value:
       # Before anything starts a backend here: the accelerator is the engine process's.
       jax.config.update("jax_platforms", "cpu")
-      engine = EngineProcess(served_engine, load, sizes)
+      engine = EngineProcess(_served_engine_with_notices, load, sizes)
       tokenizer = engine.extra["tokenizer"]
     else:
       served = load_model(**load)

@@ -35,12 +35,13 @@ _WORKDIR = flags.DEFINE_string("workdir", "/tmp/glm5_sft", "Checkpoints, metrics
 def main(argv):
   del argv
   console.quiet_library_info()
+  console.announce_slow_compiles()
   logging.info("devices: %s", jax.devices())
   try:
     summary = run_sft(_CONFIG.value, _WORKDIR.value)
   except Exception as e:  # pylint: disable=broad-except
     console.exit_on_failure(e, "SFT")
-  print("\n== SFT summary ==")
+  print("\n" + "\n".join(console.summary_lines(summary, "SFT")))
   print(json.dumps({k: v for k, v in summary.items() if k != "last_metrics"}, default=str))
   if summary["stopped_early"]:
     sys.exit(EXIT_STOPPED_EARLY)

@@ -52,6 +52,7 @@ _RUN_SPEC = flags.DEFINE_string("run_spec", "", "Worker mode: execute this runs/
 def main(argv):
   del argv
   console.quiet_library_info()
+  console.announce_slow_compiles()
   if _RUN_SPEC.value:
     return sweep_runner.run_worker(_RUN_SPEC.value)
   sweep = _SWEEP.value

@@ -1,10 +1,11 @@
 """Train GLM-5: the project's main job.
 
-  python experiments/train.py                                     # tiny GLM-5 on CPU, ~5 min
-  python experiments/train.py --config=configs/tiny.py --workdir=/tmp/glm5_tiny \
-      --config.optim.learning_rate=1e-3 --config.train.steps=2000
-  python experiments/train.py --config=configs/dsa_adaptation.py:warmup --workdir=/tmp/warmup \
-      --config.train.init_from=/tmp/glm5_tiny_mla
+  python experiments/train.py                       # tiny GLM-5 on CPU into workdir/tiny, ~5 min
+  python experiments/train.py --workdir=workdir/tiny --config.train.steps=2000  # on to 2000
+  python experiments/train.py --config=configs/tiny.py --workdir=workdir/tiny_lr1e-3 \
+      --config.optim.learning_rate=1e-3
+  python experiments/train.py --config=configs/dsa_adaptation.py:warmup --workdir=workdir/warmup \
+      --config.train.init_from=workdir/tiny_mla
 
 With no flags it trains the tiny GLM-5 (MoE + MLA + DSA with top-k < sequence + 3 shared MTP
 depths, Muon Split; attention dense for the first 300 of 600 steps while the indexers learn,
@@ -46,6 +47,7 @@ def main(argv):
   if multiprocess.launched_multiprocess():
     multiprocess.initialize_distributed()
   console.quiet_library_info()
+  console.announce_slow_compiles()
   logging.info("devices: %s", jax.devices())
   try:
     summary = train(_CONFIG.value, _WORKDIR.value)
@@ -58,18 +60,8 @@ def main(argv):
 
 
 def _print_summary(summary: dict):
-  print("\n== training summary ==")
-  print(f"steps: {summary['steps']} of {summary['total_steps']}")
-  if summary["stopped_early"]:
-    print(f"stopped early ({summary['stop_reason']}); rerun with the same --workdir to resume")
-  if summary["first_loss"] is not None:
-    print(f"loss: first {summary['first_loss']:.4f} -> last {summary['last_loss']:.4f}")
-  if summary["tokens_per_sec"]:
-    print(f"throughput: {summary['tokens_per_sec']:,.0f} tokens/s")
-  for name, value in sorted((summary["eval"] or {}).items()):
-    print(f"eval {name}: {value:.4f}")
-  print(f"checkpoints: {summary['checkpoints']}")
-  print(f"metrics: {summary['metrics_file']} (and TensorBoard in the same workdir)")
+  """The summary for people, then as one JSON line (the last line: scripts read it)."""
+  print("\n" + "\n".join(console.summary_lines(summary)))
   print(json.dumps({k: v for k, v in summary.items() if k != "last_metrics"}, default=str))
 
 

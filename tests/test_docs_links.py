@@ -1,5 +1,6 @@
 """Every relative link in README.md and docs/*.md points at a file that exists, and every
-`#anchor` at a heading of its target (GitHub's heading ids). Reads text only: no jax."""
+`#anchor` at a heading of its target (GitHub's heading ids); README's examples read the run its
+quickstart trains. Reads text only: no jax."""
 
 import collections
 import pathlib
@@ -81,3 +82,16 @@ def test_checker_catches_a_broken_file_and_anchor(tmp_path):
   problems = broken_links(doc, root=tmp_path)
   assert problems == ["doc.md:4: missing.md (no such file)",
                       "doc.md:4: other.md#nowhere (no heading with id #nowhere in other.md)"]
+
+
+def test_readme_examples_read_the_run_the_quickstart_trains():
+  """The quickstart (`experiments/train.py`, no flags) trains into train.py's default
+  --workdir; every README example that reads or continues a tiny run names that directory."""
+  train_py = (ROOT / "experiments" / "train.py").read_text(encoding="utf-8")
+  default = re.search(r'DEFINE_string\("workdir", "([^"]+)"', train_py).group(1)
+  readme = (ROOT / "README.md").read_text(encoding="utf-8")
+  readers = re.findall(r"experiments/(?:eval|generate|serve)\.py --workdir=(\S+)", readme)
+  continued = re.findall(r"experiments/train\.py --config=configs/tiny\.py --workdir=(\S+)",
+                         readme)
+  assert readers and continued
+  assert set(readers + continued) == {default}, (default, readers, continued)

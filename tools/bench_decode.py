@@ -1,7 +1,7 @@
 """Decode cost, measured side by side in one run on the current backend.
 
   python tools/bench_decode.py                                   # tiny GLM-5 on CPU, < 1 min
-  python tools/bench_decode.py --workdir=/tmp/glm5_tiny --speculative_steps=1,2,3,4 \
+  python tools/bench_decode.py --workdir=workdir/tiny --speculative_steps=1,2,3,4 \
       --spec_prompts_from=stdlib
   python tools/bench_decode.py --config=configs/glm5_744b.py --layers=1 \
       --config.model.num_nextn_predict_layers=0 --config.model.mtp_depths=0 \

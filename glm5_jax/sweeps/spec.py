@@ -10,7 +10,8 @@ A sweep config (`get_config(arg)` -> ConfigDict; `arg` "quick" is the few-step s
                changes every run that uses X
   suite        the retrieval suite (`glm5_jax.eval.suite.suite_config`) every evaluation uses
   runs         {name: run}; see `train_run`, `eval_run`, `search_run` below
-  checks       comparisons the report marks as holding or not (see `check`)
+  checks       comparisons the report marks as holding, not holding or too short to
+               show (see `check`)
 
 Config references (`base_config`, a train run's `config`): a module of the `configs` package
 (`"configs.tiny:attention=M"`, imported; the part after `:` is `get_config`'s argument) or a
@@ -76,14 +77,18 @@ def search_run(*, checkpoint: str, model: dict | None = None, num_convert: int =
 
 
 def check(left: str, op: str, right: str, *, metric: str = "score", tolerance: float = -1.0,
-          note: str = "") -> dict:
+          note: str = "", min_steps: int = 0) -> dict:
   """A comparison of two runs' results for the report. `op`: ">" , "<", or "~" (within
   `tolerance`; -1 = two standard errors of the difference of two binomial means for suite
   metrics, 0.02 for losses). `metric`: "score" (suite mean over lengths), "longest" (suite at
-  the longest length), "text_loss" (held-out Python-stdlib LM loss) or "heldout_lm_loss"."""
+  the longest length), "text_loss" (held-out Python-stdlib LM loss) or "heldout_lm_loss".
+  `min_steps`: the training steps behind both runs (their own plus those of the runs they
+  started from) below which the ordering cannot show, e.g. retrieval before the model
+  retrieves at all; shorter runs (a `:quick` sweep) get "too short to show", not a verdict."""
   if op not in (">", "<", "~"):
     raise ValueError(f"check {left} {op} {right}: op must be '>', '<' or '~'")
-  return dict(left=left, op=op, right=right, metric=metric, tolerance=tolerance, note=note)
+  return dict(left=left, op=op, right=right, metric=metric, tolerance=tolerance, note=note,
+              min_steps=min_steps)
 
 
 @dataclasses.dataclass(frozen=True)
