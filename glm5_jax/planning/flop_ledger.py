@@ -260,7 +260,7 @@ def ledger(hlo_text: str, platform: str = "cuda"):
     row.count += times
 
   _walk(module, module.entry, "", 1, visit)
-  return list(rows.values()), dict(calls), list(module.unknown_loops)
+  return list(rows.values()), dict(calls), list(dict.fromkeys(module.unknown_loops))
 
 
 def by_category(rows) -> dict:
