@@ -2,7 +2,7 @@
 
   nice python tools/flop_ledger.py --config=configs/glm5_gpu_3b.py:dsa_impl=xla \
       --platform=cuda --set=model.num_hidden_layers=3 [--hlo_out=step.hlo.gz] [--json]
-  python tools/flop_ledger.py --hlo=compiled.hlo.gz --platform=cuda --config=...   (a device's)
+  python tools/flop_ledger.py --hlo=step.hlo.gz --platform=cuda --config=...   (saved text)
 
 Lowers the trainer's own jitted step (`glm5_jax.planning.planner.train_program`: the config's
 optimizer, donated state, remat, scan) for `--platform` with
@@ -12,7 +12,8 @@ category x phase (forward / remat / backward / optimizer), the dots' dtypes, and
 the model FLOPs (`train.metrics.flops_per_token` x tokens per step). `ragged-dot`s are priced as
 the platform's compiler runs them at default flags (XLA GPU: a dense masked dot over all
 groups) beside their useful FLOPs (a grouped matmul's). `--hlo` reads a saved module instead
-(e.g. a device's `compiled.as_text()`).
+(one `--hlo_out` wrote; a device's compiled module parses, but its cuBLAS GEMM custom calls are
+counted, not priced: `glm5_jax.planning.flop_ledger`).
 
 `--set=a.b=value` overrides one config field (repeatable; value parsed as a Python literal,
 else a string). Lowering the 3B config at 3 layers takes ~1 min on this 2-core host.
