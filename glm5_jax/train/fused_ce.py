@@ -43,7 +43,7 @@ def head_statistics(h_BLD, w_DY, targets_BL, chunk: int):
 
 
 def _chunks(x_BL_, chunk: int):
-  """`[B, L, ...]` -> `[L / C, B, C, ...]` (L zero-padded to a multiple of C), the scan axis first."""
+  """`[B, L, ...]` -> `[L / C, B, C, ...]`, the scan axis first (L zero-padded to C's multiple)."""
   b, l = x_BL_.shape[:2]
   n = -(-l // chunk)
   x = jnp.pad(x_BL_, [(0, 0), (0, n * chunk - l)] + [(0, 0)] * (x_BL_.ndim - 2))
