@@ -71,8 +71,11 @@ class GLM5(nn.Module):
       at position i predicts token i+d+1; absent when MTP is off); `hidden` `[B, L, D]` (after
       the final norm); `aux` = {"layers": {name: aux}, "mtp": [aux per depth]}, one entry per
       unrolled layer (`layers_{i}`) or per scanned run (`layers_{first}_{last}`, every entry
-      stacked on a leading layers axis; see `_scanned_run`). Decode form: also `cache`, the
-      updated tree (same structure, shapes and dtypes), and no `mtp_logits`.
+      stacked on a leading layers axis; see `_scanned_run`); `head_kernel` `[D, Y]` and
+      `head_inputs` `[B, L, D]` (`mtp_head_inputs` `[U, B, L, D]`), the head's operands in the
+      compute dtype, for a loss that fuses the head (under jit the logits nobody reads are
+      compiled away). Decode form: also `cache`, the updated tree (same structure, shapes and
+      dtypes), and no `mtp_logits`, `head_*`.
     """
     c = self.cfg
     decode = mode.form == "decode"
@@ -124,6 +127,9 @@ class GLM5(nn.Module):
     hidden_BLD = final_norm(x_BLD)
     out = {"logits": lm_head(hidden_BLD, valid_BL), "hidden": hidden_BLD,
            "aux": {"layers": layer_aux, "mtp": []}}
+    if not decode:  # for a loss that fuses the head (`train.losses.fused_cross_entropy`)
+      out["head_kernel"] = w_head_DY
+      out["head_inputs"] = head_inputs(hidden_BLD, valid_BL, dtype)
     if return_routing:
       out["routing"] = routing_replay.from_layers(used_routing)
     if decode:
@@ -135,7 +141,7 @@ class GLM5(nn.Module):
     depths = 1 if self.is_initializing() else c.mtp_depths * mtp
     if c.num_nextn_predict_layers and depths:
       mtp_layer = MTPLayer(c, name="mtp")
-      h_BLD, mtp_logits = hidden_BLD, []
+      h_BLD, mtp_logits, mtp_inputs = hidden_BLD, [], []
       run_mtp = _rematerialized(
           lambda layer, h_BLD, e_BLD: layer(h_BLD, e_BLD, positions_BL, segment_ids_BL,
                                             mode=mode), c.remat_policy, prevent_cse=True)
@@ -145,8 +151,10 @@ class GLM5(nn.Module):
         next_valid_BL = (next_tokens_BL >= 0) & (next_tokens_BL < c.vocab_size)
         h_BLD, normed_BLD, aux = run_mtp(mtp_layer, h_BLD, embed(next_tokens_BL, next_valid_BL))
         mtp_logits.append(lm_head(normed_BLD, valid_BL & next_valid_BL))
+        mtp_inputs.append(head_inputs(normed_BLD, valid_BL & next_valid_BL, dtype))
         out["aux"]["mtp"].append(aux)
       out["mtp_logits"] = jnp.stack(mtp_logits)
+      out["mtp_head_inputs"] = jnp.stack(mtp_inputs)
     return out
 
   def _unrolled_run(self, run: LayerRun, x_BLD, positions_BL, segment_ids_BL, prev_topk_BLT,
@@ -276,13 +284,17 @@ def embed_tokens(embedding_YD, tokens_BL, valid_BL, dtype):
   return jnp.where(valid_BL[..., None], rows_BLD, 0).astype(dtype)
 
 
-def lm_head_logits(w_head_DY, h_BLD, valid_BL, dtype):
-  """fp32 `[B, L, Y]` logits of `h_BLD`; rows where `valid_BL` is False are NaN (`GLM5`)."""
+def head_inputs(h_BLD, valid_BL, dtype):
+  """The LM head's input: `h_BLD` in `dtype`, rows where `valid_BL` is False NaN (`GLM5`)."""
   # NaN in the [B, L, D] input, not the [B, L, Y] output: the matmul spreads it over the
   # row at no extra cost.
-  h_BLD = jnp.where(valid_BL[..., None], h_BLD.astype(dtype), jnp.nan)
-  return jnp.einsum("bld,dy->bly", h_BLD, w_head_DY.astype(dtype),
-                    preferred_element_type=jnp.float32)
+  return jnp.where(valid_BL[..., None], h_BLD.astype(dtype), jnp.nan)
+
+
+def lm_head_logits(w_head_DY, h_BLD, valid_BL, dtype):
+  """fp32 `[B, L, Y]` logits of `h_BLD`; rows where `valid_BL` is False are NaN (`GLM5`)."""
+  return jnp.einsum("bld,dy->bly", head_inputs(h_BLD, valid_BL, dtype),
+                    w_head_DY.astype(dtype), preferred_element_type=jnp.float32)
 
 
 def _rematerialized(fn, policy_name: str, *, prevent_cse: bool):

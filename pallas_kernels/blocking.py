@@ -8,6 +8,9 @@ the padding again.
 Notation: B batch, L queries, Lb queries per block, nL query blocks.
 """
 
+import contextlib
+import contextvars
+
 import jax
 import jax.numpy as jnp
 
@@ -20,13 +23,32 @@ def round_up(n: int, multiple: int) -> int:
   return -(-n // multiple) * multiple
 
 
+# Set by `lowering_for`: the platform a program is traced for when it is not this host's.
+_LOWERING_PLATFORM = contextvars.ContextVar("lowering_platform", default=None)
+
+
+@contextlib.contextmanager
+def lowering_for(name: str):
+  """Trace for platform `name` ("cuda", "rocm", "tpu", "gpu") whatever this host's devices, as
+  `jit(...).trace(...).lower(lowering_platforms=(name,))` needs when the kernels are picked by
+  platform (tools/flop_ledger.py lowers the GPU train step on a CPU host)."""
+  token = _LOWERING_PLATFORM.set("gpu" if name in ("cuda", "rocm") else name)
+  try:
+    yield
+  finally:
+    _LOWERING_PLATFORM.reset(token)
+
+
 def platform() -> str:
   """"tpu", "gpu" or "cpu": where the computation being traced runs.
 
-  The context mesh's devices (`jax.set_mesh`, as the trainer sets it) when there is one, else
-  `jax.default_backend()`. Called at trace time, so it is the platform of the jit being built.
-  "cuda" and "rocm" are both "gpu" (jax's own backend name for them).
+  `lowering_for`'s platform inside it; else the context mesh's devices (`jax.set_mesh`, as the
+  trainer sets it) when there is one, else `jax.default_backend()`. Called at trace time, so it
+  is the platform of the jit being built. "cuda" and "rocm" are both "gpu" (jax's own backend
+  name for them).
   """
+  if (forced := _LOWERING_PLATFORM.get()) is not None:
+    return forced
   mesh = jax.sharding.get_abstract_mesh()
   device = None if mesh is None or mesh.empty else getattr(mesh, "abstract_device", None)
   name = device.platform if device is not None else jax.default_backend()

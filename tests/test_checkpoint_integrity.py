@@ -227,3 +227,17 @@ def test_corrupt_checkpoint_metadata_names_the_step(tmp_path):
   with pytest.raises(ckpt.CheckpointCorruptError,
                      match=rf"^{step1}: unreadable checkpoint metadata \(\w*Error"):
     read_run_meta(str(tmp_path))
+
+
+def test_a_checkpoint_from_before_an_added_field_resumes_under_its_old_value():
+  """`ckpt.ADDED_FIELDS`: a fingerprint saved before `optim.ns_dtype` existed matches a config
+  with the old behaviour's value (fp32) and differs from any other."""
+  from glm5_jax.optim import optim_config
+  current = {"optim": optim_config().to_dict()}
+  saved = {"optim": {k: v for k, v in current["optim"].items() if k != "ns_dtype"}}
+  filled = ckpt.with_added_fields(saved)
+  assert "ns_dtype" not in saved["optim"]  # a copy
+  assert ckpt._differences(filled, current) == []
+  changed = {"optim": {**current["optim"], "ns_dtype": "bfloat16"}}
+  assert ckpt._differences(filled, changed) == [
+      "optim.ns_dtype: checkpoint 'float32' vs now 'bfloat16'"]

@@ -64,6 +64,16 @@ def test_platform_follows_the_context_mesh():
   assert jax.jit(lambda: jnp.int32(len(blocking.platform())))() == 3
 
 
+def test_lowering_for_names_the_platform_being_lowered_for():
+  """`blocking.lowering_for` (tools/flop_ledger.py lowers the GPU step on a CPU host): inside
+  it "cuda" / "rocm" read as "gpu", and `dsa_ops("pallas")` picks the Triton kernels; after
+  it, this host's platform again."""
+  with blocking.lowering_for("cuda"):
+    assert blocking.platform() == "gpu"
+    assert pk.dsa_ops("pallas") == dispatch.DSA_OPS["pallas_gpu"]
+  assert blocking.platform() == "cpu"
+
+
 @pytest.mark.parametrize("module", ["lightning_indexer_triton", "sparse_mla_triton"])
 def test_missing_gpu_module_fails_only_when_called(module):
   """Importing pallas_kernels never needs the GPU modules; calling an absent one names it and

@@ -265,8 +265,11 @@ def _sparse_stage_attention(c, latents: _Latents, scale, segment_ids_BL, order: 
     aux = {"topk_indices": given_topk_BLT}
     topk_BLT = visible(given_topk_BLT)
   q_latent_BLHC = jnp.einsum("blhn,chn->blhc", q_nope_BLHN, w_kb_CHN)
-  out_latent_BLHC, lse_BLH = _sparse_mla_on_mesh(c.dsa_impl, scale)(
-      q_latent_BLHC, q_rope_BLHR, ckv_BSC, k_rope_BSR, topk_BLT)
+  # Named scopes label the ops' `op_name` for per-category FLOP / time tables
+  # (glm5_jax.planning.flop_ledger); they change nothing else.
+  with jax.named_scope("sparse_mla"):
+    out_latent_BLHC, lse_BLH = _sparse_mla_on_mesh(c.dsa_impl, scale)(
+        q_latent_BLHC, q_rope_BLHR, ckv_BSC, k_rope_BSR, topk_BLT)
   if index_qkw is not None:
     scores_BLT, target_BLT = _indexer_kl_terms_on_mesh(index_scale, scale)(
         *index_qkw, topk_BLT, q_latent_BLHC, q_rope_BLHR, ckv_BSC, k_rope_BSR, lse_BLH)
@@ -294,10 +297,12 @@ def _indexer_kl_terms_on_mesh(index_scale: float, scale: float):
 
   def terms(q_BLJI, k_BSI, weights_BLJ, topk_BLT, q_latent_BLHC, q_rope_BLHR, ckv_BSC,
             k_rope_BSR, lse_BLH):
-    scores_BLT = pallas_kernels.indexer_scores_at(q_BLJI, k_BSI, weights_BLJ, topk_BLT,
-                                                  scale=index_scale)
-    target_BLT = pallas_kernels.sparse_mla_head_mean_probs(
-        q_latent_BLHC, q_rope_BLHR, ckv_BSC, k_rope_BSR, topk_BLT, lse_BLH, scale=scale)
+    with jax.named_scope("indexer_scores_at"):
+      scores_BLT = pallas_kernels.indexer_scores_at(q_BLJI, k_BSI, weights_BLJ, topk_BLT,
+                                                    scale=index_scale)
+    with jax.named_scope("kl_target"):
+      target_BLT = pallas_kernels.sparse_mla_head_mean_probs(
+          q_latent_BLHC, q_rope_BLHR, ckv_BSC, k_rope_BSR, topk_BLT, lse_BLH, scale=scale)
     return scores_BLT, target_BLT
 
   if context_split(LENGTH) == 1:

@@ -7,7 +7,8 @@ docs/reference.md section 3. One update, in order:
   2. clip by global norm (over the trainable gradients) to `grad_clip_norm`;
   3. per group (`muon_split.param_labels`):
        muon:   Nesterov momentum (`momentum`), Newton-Schulz orthogonalization of each matrix
-               slice (`ns_steps`, `ns_coeffs`) by `optax.contrib.scale_by_muon`, rescaled to RMS
+               slice (`ns_steps`, `ns_coeffs`) by `optax.contrib.scale_by_muon`, in fp32 or, with
+               `ns_dtype` bfloat16, bf16 (`ns_precision`), rescaled to RMS
                `consistent_rms` (Moonlight: sqrt(max(fan_in, fan_out)) * 0.2, so one learning
                rate suits Muon and AdamW), + weight_decay * param, x -lr(t);
        adam:   AdamW (b1, b2, eps; decoupled weight decay on `lm_head` only, see
@@ -30,12 +31,13 @@ import jax.numpy as jnp
 import ml_collections
 import optax
 from ml_collections import config_dict
-from optax.contrib import MuonDimensionNumbers, scale_by_muon
+from optax.contrib import MuonDimensionNumbers
 
 from glm5_jax.config import ConfigError, check_fields
 from glm5_jax.optim import muon_split
 from glm5_jax.optim.layer_map import map_over_layers
 from glm5_jax.optim.muon_split import ADAM, FROZEN, MUON
+from glm5_jax.optim.ns_precision import NS_DTYPES, scale_by_muon_in
 from glm5_jax.optim.whole_matrices import whole_expert_matrices
 
 
@@ -57,6 +59,9 @@ def optim_config(**overrides) -> ml_collections.ConfigDict:
   c.nesterov = True
   c.ns_steps = 5
   c.ns_coeffs = (3.4445, -4.7750, 2.0315)
+  # The Newton-Schulz matmuls' dtype; the momentum stays fp32 either way. "bfloat16" is the
+  # usual Muon practice and runs at the bf16 rate on a GPU (fp32 is TF32 there): ns_precision.
+  c.ns_dtype = "float32"
   c.consistent_rms = 0.2  # None: optax's width scaling sqrt(max(1, fan_out / fan_in))
   c.grad_clip_norm = 1.0  # 0 disables
   c.update(overrides)
@@ -94,6 +99,7 @@ def validate_optim_config(c, total_steps: int) -> None:
   _require(len(c.ns_coeffs) == 3 and all(
       isinstance(x, (int, float)) and not isinstance(x, bool) for x in c.ns_coeffs),
            "ns_coeffs", f"must be 3 numbers (a, b, c), got {c.ns_coeffs!r}")
+  _require(c.ns_dtype in NS_DTYPES, "ns_dtype", f"must be one of {NS_DTYPES}, got {c.ns_dtype!r}")
   _require(c.consistent_rms is None or c.consistent_rms > 0, "consistent_rms",
            f"must be > 0 or None, got {c.consistent_rms}")
   _require(c.grad_clip_norm >= 0, "grad_clip_norm", f"must be >= 0 (0 disables), got "
@@ -146,8 +152,9 @@ def build_optimizer(optim_cfg, params, *, total_steps: int, trainable=None):
       # Routed-expert matrices are orthogonalized whole on one device each (`whole_matrices`).
       return optax.chain(
           whole_expert_matrices(
-              scale_by_muon(ns_coeffs=tuple(c.ns_coeffs), ns_steps=c.ns_steps, beta=c.momentum,
-                            nesterov=c.nesterov, weight_dimension_numbers=group_dims),
+              scale_by_muon_in(c.ns_dtype, ns_coeffs=tuple(c.ns_coeffs), ns_steps=c.ns_steps,
+                               beta=c.momentum, nesterov=c.nesterov,
+                               weight_dimension_numbers=group_dims),
               group_dims),
           scale_by_shape(group_dims, c.consistent_rms),
           optax.add_decayed_weights(c.weight_decay, mask=decay_mask),

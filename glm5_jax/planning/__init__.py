@@ -10,6 +10,8 @@
                             time and MFU with no overlap, the schedule's, and ideal
   aot_targets               TPU slices through libtpu, compiled for on this host
   cpu_standins              same-shape stand-ins for MoE ops XLA:CPU cannot compile
+  flop_ledger               a step's matmul FLOPs per category and phase, from the module a
+                            platform is lowered to (tools/flop_ledger.py: GPU from a CPU host)
 
 The chip table stays in `glm5_jax.accelerators`: the training loop's MFU reads it too.
 docs/scaling.md has the figures and the commands that made them.

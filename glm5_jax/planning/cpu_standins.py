@@ -5,8 +5,14 @@ XLA:CPU (jax 0.10.2) rejects `ragged-all-to-all` ("HLO opcode `ragged-all-to-all
 supported by XLA:CPU ThunkEmitter"); the expert-parallel MoE (`model.moe_impl =
 "expert_parallel"`) dispatches tokens with it. Sharded `ragged_dot` does compile on XLA:CPU,
 expert axis sharded included, but as a dense expansion over the experts: `[P, D] x [E, D, F]`
-with P = 8192, E = 64 takes 262x its output's bytes in temp (measured, docs/scaling.md), where
-TPU and GPU run a grouped matmul with buffers the size of its operands. Both get stand-ins:
+with P = 8192, E = 64 takes 262x its output's bytes in temp (measured, docs/scaling.md). The
+TPU compiler runs a grouped matmul with buffers the size of its operands. GPUs do not, at
+default flags: XLA GPU's `RaggedDotRewriter` (openxla/xla `ragged_dot_rewriter.cc`) rewrites
+the HLO `ragged-dot` jax emits into the same dense masked dot over all E experts (E x the
+FLOPs; the weight gradient expands both operands), keeping a ragged dot only with
+`xla_gpu_experimental_use_ragged_dot_fusion` and cuDNN >= 9.22 (issue 41;
+`tools/flop_ledger.py --platform=cuda` prices it so). The stand-in below is the grouped matmul
+a TPU (or a GPU grouped-GEMM kernel) runs, not what a GPU runs today. Both get stand-ins:
 
   `ragged_dot_standin()`          `jax.lax.ragged_dot` -> a capacity-padded grouped einsum
                                   `[E, C, D] x [E, D, F] -> [E, C, F]`, C = ceil(P / E): the

@@ -42,6 +42,10 @@ RESUME_SECTIONS = ("model", "data", "optim")
 # ... and single fields of other sections: the DSA stage decides which parameter groups the
 # optimizer freezes, so it changes the optimizer state's structure.
 RESUME_FIELDS = (("train", "dsa_stage"),)
+# Fields added to a fingerprinted section after checkpoints were written, each with the value
+# that reproduces the behaviour from before: a checkpoint without the field resumes under that
+# value (and only under it).
+ADDED_FIELDS = {("optim", "ns_dtype"): "float32"}
 DAMAGED_DIR = "checkpoints_damaged"
 
 
@@ -189,9 +193,19 @@ def restore_latest(manager, abstract_state: TrainState, data_iterator, config, *
   return None
 
 
+def with_added_fields(saved: dict) -> dict:
+  """A saved fingerprint with each `ADDED_FIELDS` entry its section lacks set to the old
+  behaviour's value (a copy; `saved` is not changed)."""
+  out = {k: dict(v) if isinstance(v, dict) else v for k, v in saved.items()}
+  for (section, field), value in ADDED_FIELDS.items():
+    if isinstance(out.get(section), dict):
+      out[section].setdefault(field, value)
+  return out
+
+
 def _restore_step(manager, step, where, abstract_state, data_iterator, current: dict):
   meta = read_meta(manager, step, where)
-  saved_config, current = meta.get("config", {}), dict(current)
+  saved_config, current = with_added_fields(meta.get("config", {})), dict(current)
   for section, _ in RESUME_FIELDS:  # a checkpoint from before that field was recorded
     if section not in saved_config:
       current.pop(section, None)

@@ -36,6 +36,10 @@ def train_config(**overrides) -> ml_collections.ConfigDict:
   # Gradient accumulation: each step's data.batch_size rows run as this many microbatches in
   # turn (activation memory of one microbatch), with the result of one pass over all of them.
   c.microbatches = 1
+  # 0: the losses read the model's fp32 [B, L, Y] logits. N > 0: the LM head runs inside the
+  # loss N positions at a time, with a bf16 cotangent, and no [B, L, Y] array exists forward
+  # or backward (glm5_jax.train.fused_ce; same losses to rounding). Evaluation keeps the logits.
+  c.ce_chunk = 0
   c.update(overrides)
   return c
 
@@ -76,6 +80,8 @@ def validate_train_config(c) -> None:
             f"must be a finite number >= 0, got {c[name]}")
   require(isinstance(c.microbatches, int) and c.microbatches >= 1, "train.microbatches",
           f"must be an int >= 1 (1: no gradient accumulation), got {c.microbatches!r}")
+  require(isinstance(c.ce_chunk, int) and c.ce_chunk >= 0, "train.ce_chunk",
+          f"must be an int >= 0 (0: the logits path), got {c.ce_chunk!r}")
   require(c.log_every_steps >= 1, "train.log_every_steps",
           f"must be >= 1 (metrics are written every that many steps), got {c.log_every_steps}")
 

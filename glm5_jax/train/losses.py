@@ -19,6 +19,7 @@ import jax
 import jax.numpy as jnp
 
 from glm5_jax.attention import context_parallel
+from glm5_jax.train import fused_ce
 
 
 def token_logprobs(logits_BLY, tokens_BL):
@@ -62,14 +63,39 @@ def cross_entropy(logits_BLY, targets_BL, weights_BL, z_loss_weight: float = 0.0
   logits_BLY = logits_BLY.astype(jnp.float32)
   log_z_BL = jax.nn.logsumexp(logits_BLY, axis=-1)
   target_logit_BL = jnp.take_along_axis(logits_BLY, targets_BL[..., None], axis=-1)[..., 0]
+  correct_BL = jnp.argmax(logits_BLY, axis=-1) == targets_BL
+  return _ce_terms(log_z_BL, target_logit_BL, correct_BL, weights_BL, z_loss_weight)
+
+
+def fused_cross_entropy(h_BLD, w_DY, targets_BL, weights_BL, z_loss_weight: float = 0.0, *,
+                        chunk: int):
+  """`cross_entropy` of the logits `h_BLD @ w_DY`, which are never formed whole: the LM head
+  and the loss's statistics run `chunk` positions at a time (`fused_ce.head_statistics`)."""
+  log_z_BL, target_logit_BL, argmax_BL = fused_ce.head_statistics(h_BLD, w_DY, targets_BL, chunk)
+  return _ce_terms(log_z_BL, target_logit_BL, argmax_BL == targets_BL, weights_BL, z_loss_weight)
+
+
+def _ce_terms(log_z_BL, target_logit_BL, correct_BL, weights_BL, z_loss_weight: float):
+  """`cross_entropy`'s dict from its per-position statistics (fp32 `[B, L]`)."""
   weight = weights_BL.sum()
   denominator = jnp.maximum(weight, 1.0)
   ce = ((log_z_BL - target_logit_BL) * weights_BL).sum() / denominator
   z_loss = (jnp.square(log_z_BL) * weights_BL).sum() / denominator
-  correct_BL = jnp.argmax(logits_BLY, axis=-1) == targets_BL
   accuracy = (correct_BL * weights_BL).sum() / denominator
   return {"loss": ce + z_loss_weight * z_loss, "ce": ce, "z_loss": z_loss,
           "accuracy": accuracy, "weight": weight}
+
+
+def _head_loss(out, index, targets_BL, weights_BL, z_loss_weight, chunk: int, take):
+  """`cross_entropy` of head `index` (None: the main head, d - 1: MTP depth d), its positions
+  sliced by `take` (`[B, L, ...]` -> the scored `[B, L', ...]`): from the logits, or with
+  `chunk` > 0 fused from the head's input and kernel (`GLM5`'s `head_inputs`, `head_kernel`)."""
+  if chunk:
+    h_BLD = out["head_inputs"] if index is None else out["mtp_head_inputs"][index]
+    return fused_cross_entropy(take(h_BLD), out["head_kernel"], targets_BL, weights_BL,
+                               z_loss_weight, chunk=chunk)
+  logits_BLY = out["logits"] if index is None else out["mtp_logits"][index]
+  return cross_entropy(take(logits_BLY), targets_BL, weights_BL, z_loss_weight)
 
 
 def slot_targets(batch, offset: int, ways: int):
@@ -83,30 +109,35 @@ def slot_targets(batch, offset: int, ways: int):
   return (context_parallel.stripe(targets_BL, ways), context_parallel.stripe(weights_BL, ways))
 
 
-def lm_losses(out, batch, *, z_loss_weight=0.0, ways: int = 1):
+def lm_losses(out, batch, *, z_loss_weight=0.0, ways: int = 1, chunk: int = 0):
   """Main-head next-token loss. `ways` > 1: `out` is in the striped layout for that many
-  context devices, `batch` in sequence order (`slot_targets`)."""
+  context devices, `batch` in sequence order (`slot_targets`). `chunk` > 0: the fused,
+  chunked head + loss (`fused_cross_entropy`, `train.ce_chunk`)."""
   if ways > 1:
-    return cross_entropy(out["logits"], *slot_targets(batch, 1, ways), z_loss_weight)
+    return _head_loss(out, None, *slot_targets(batch, 1, ways), z_loss_weight, chunk,
+                      lambda x: x)
   tokens = batch["tokens"]
   weights = target_weights(batch["segment_ids"], batch["loss_mask"], 1)
-  return cross_entropy(out["logits"][:, :-1], tokens[:, 1:], weights, z_loss_weight)
+  return _head_loss(out, None, tokens[:, 1:], weights, z_loss_weight, chunk, lambda x: x[:, :-1])
 
 
-def mtp_losses(out, batch, *, ways: int = 1):
-  """Per-depth MTP losses: a list of `cross_entropy` dicts, depth 1 first (`ways`: as
+def mtp_losses(out, batch, *, ways: int = 1, chunk: int = 0):
+  """Per-depth MTP losses: a list of `cross_entropy` dicts, depth 1 first (`ways`, `chunk`: as
   `lm_losses`)."""
   tokens = batch["tokens"]
   results = []
-  for d, logits_BLY in enumerate(out.get("mtp_logits", ()), start=1):
+  depths = len(out.get("mtp_head_inputs" if chunk else "mtp_logits", ()))
+  for d in range(1, depths + 1):
     offset = d + 1
     if offset >= tokens.shape[1]:
       break
     if ways > 1:
-      results.append(cross_entropy(logits_BLY, *slot_targets(batch, offset, ways)))
+      results.append(_head_loss(out, d - 1, *slot_targets(batch, offset, ways), 0.0, chunk,
+                                lambda x: x))
       continue
     weights = target_weights(batch["segment_ids"], batch["loss_mask"], offset)
-    results.append(cross_entropy(logits_BLY[:, :-offset], tokens[:, offset:], weights))
+    results.append(_head_loss(out, d - 1, tokens[:, offset:], weights, 0.0, chunk,
+                              lambda x, o=offset: x[:, :-o]))
   return results
 
 

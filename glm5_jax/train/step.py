@@ -47,6 +47,7 @@ class StepConfig:
   balance_bias_rate: float = 1e-3
   microbatches: int = 1  # gradient accumulation: see `loss_and_grads`
   context_layout: str = "contiguous"  # `mesh.context_layout`: see `compute_loss`
+  ce_chunk: int = 0  # `train.ce_chunk`: > 0 fuses the LM head into the loss (`losses`)
 
   @classmethod
   def from_config(cls, train_config, context_layout: str = "contiguous") -> "StepConfig":
@@ -80,8 +81,9 @@ def compute_loss(model: ModelConfig, step_cfg: StepConfig, params, batch):
             for k in ("tokens", "positions", "segment_ids")}
   out = forward(model, params, inputs["tokens"], inputs["positions"], inputs["segment_ids"],
                 mode=Mode(dsa_stage=step_cfg.dsa_stage, context_layout=layout))
-  lm = losses.lm_losses(out, batch, z_loss_weight=step_cfg.z_loss_weight, ways=ways)
-  mtp = losses.mtp_losses(out, batch, ways=ways)
+  lm = losses.lm_losses(out, batch, z_loss_weight=step_cfg.z_loss_weight, ways=ways,
+                        chunk=step_cfg.ce_chunk)
+  mtp = losses.mtp_losses(out, batch, ways=ways, chunk=step_cfg.ce_chunk)
   kl = losses.mean_indexer_kl(out, {**batch, **inputs})
   balance = losses.mean_sequence_balance_loss(out)
   mtp_loss = jnp.mean(jnp.stack([m["ce"] for m in mtp])) if mtp else jnp.zeros(())

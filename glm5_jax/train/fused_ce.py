@@ -1,0 +1,101 @@
+"""The LM head fused with the cross-entropy's statistics, chunked over the sequence, so no
+`[B, L, Y]` logits (nor their fp32 cotangent) exist, forward or backward (`train.ce_chunk`).
+
+The logits path (`GLM5`'s fp32 `logits`, then `losses.cross_entropy`) holds `[tokens, Y]` fp32
+logits for the backward and differentiates an fp32 einsum: the head's two backward matmuls take
+an fp32 cotangent (TF32 on a GPU, half the bf16 rate) and, for the 3B config at 2 x 4,096
+tokens, Y = 154,880, ~5 GB of fp32 logits per head (issue 41, docs/performance.md). Here
+`head_statistics` computes, per position, `log Z = logsumexp(h W)`, the target's logit and the
+argmax, one `[B, C, Y]` chunk of logits at a time (a `lax.scan` over L / C chunks), and saves
+only `h`, `W` and `log Z` for its custom VJP. The backward recomputes each chunk's logits and
+forms
+
+    d logits = g_logZ * softmax(logits) + g_target * onehot(target)      (fp32, [B, C, Y])
+
+cast to the compute dtype (bf16) for `dh = d logits W^T` and `dW += h^T d logits` (fp32
+accumulation): the cotangent is bf16, as the forward's operands. The loss formulas stay in
+`losses` on `[B, L]` vectors, so CE, z-loss and accuracy are the logits path's to rounding
+(tests/test_losses_fused.py).
+
+Chunks run along L, not over flattened tokens, so each chunk keeps the batch axis's sharding.
+
+Notation: B batch, L sequence (C a chunk of it), D hidden, Y vocab.
+"""
+
+import functools
+
+import jax
+import jax.numpy as jnp
+
+
+def head_statistics(h_BLD, w_DY, targets_BL, chunk: int):
+  """`(log_z_BL, target_logit_BL, argmax_BL)` of the logits `h_BLD @ w_DY`, fp32 (argmax
+  int32), computed `chunk` positions at a time; differentiable in `h_BLD` and `w_DY` (module
+  docstring). The matmuls run in the operands' dtype with fp32 accumulation, as `GLM5`'s head.
+
+  Args:
+    h_BLD: the head's input (compute dtype; NaN rows stay NaN, as in the logits path).
+    w_DY: the head's kernel (compute dtype).
+    targets_BL: int token ids in `[0, Y)`.
+    chunk: positions per chunk (>= 1); L is padded up to a multiple of it.
+  """
+  return _statistics(chunk, h_BLD, w_DY, targets_BL)
+
+
+def _chunks(x_BL_, chunk: int):
+  """`[B, L, ...]` -> `[L / C, B, C, ...]`, the scan axis first (L zero-padded to C's multiple)."""
+  b, l = x_BL_.shape[:2]
+  n = -(-l // chunk)
+  x = jnp.pad(x_BL_, [(0, 0), (0, n * chunk - l)] + [(0, 0)] * (x_BL_.ndim - 2))
+  return jnp.moveaxis(x.reshape((b, n, chunk) + x_BL_.shape[2:]), 1, 0)
+
+
+def _unchunk(x_NBC_, length: int):
+  """Inverse of `_chunks`: `[L / C, B, C, ...]` -> `[B, L, ...]`."""
+  x = jnp.moveaxis(x_NBC_, 0, 1)
+  return x.reshape((x.shape[0], -1) + x.shape[3:])[:, :length]
+
+
+def _chunk_logits(h_BCD, w_DY):
+  return jnp.einsum("bcd,dy->bcy", h_BCD, w_DY, preferred_element_type=jnp.float32)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
+def _statistics(chunk, h_BLD, w_DY, targets_BL):
+  return _forward(chunk, h_BLD, w_DY, targets_BL)[0]
+
+
+def _forward(chunk, h_BLD, w_DY, targets_BL):
+  def body(_, xs):
+    h_BCD, t_BC = xs
+    logits_BCY = _chunk_logits(h_BCD, w_DY)
+    log_z_BC = jax.nn.logsumexp(logits_BCY, axis=-1)
+    target_BC = jnp.take_along_axis(logits_BCY, t_BC[..., None], axis=-1)[..., 0]
+    return None, (log_z_BC, target_BC, jnp.argmax(logits_BCY, axis=-1).astype(jnp.int32))
+
+  _, stats = jax.lax.scan(body, None, (_chunks(h_BLD, chunk), _chunks(targets_BL, chunk)))
+  log_z_BL, target_BL, argmax_BL = (_unchunk(s, h_BLD.shape[1]) for s in stats)
+  return (log_z_BL, target_BL, argmax_BL), (h_BLD, w_DY, targets_BL, log_z_BL)
+
+
+def _backward(chunk, residuals, cotangents):
+  h_BLD, w_DY, targets_BL, log_z_BL = residuals
+  g_log_z_BL, g_target_BL, _ = cotangents  # argmax: integer, no cotangent
+  length, vocab = h_BLD.shape[1], w_DY.shape[1]
+
+  def body(dw_DY, xs):
+    h_BCD, t_BC, log_z_BC, g_z_BC, g_t_BC = xs
+    probs_BCY = jnp.exp(_chunk_logits(h_BCD, w_DY) - log_z_BC[..., None])
+    onehot_BCY = jax.nn.one_hot(t_BC, vocab, dtype=jnp.float32)
+    d_BCY = (g_z_BC[..., None] * probs_BCY + g_t_BC[..., None] * onehot_BCY).astype(w_DY.dtype)
+    dh_BCD = jnp.einsum("bcy,dy->bcd", d_BCY, w_DY, preferred_element_type=jnp.float32)
+    dw_DY = dw_DY + jnp.einsum("bcd,bcy->dy", h_BCD, d_BCY, preferred_element_type=jnp.float32)
+    return dw_DY, dh_BCD.astype(h_BLD.dtype)
+
+  # Padded positions have zero cotangents, so they add nothing to dW.
+  xs = tuple(_chunks(x, chunk) for x in (h_BLD, targets_BL, log_z_BL, g_log_z_BL, g_target_BL))
+  dw_DY, dh_NBCD = jax.lax.scan(body, jnp.zeros(w_DY.shape, jnp.float32), xs)
+  return _unchunk(dh_NBCD, length), dw_DY.astype(w_DY.dtype), None
+
+
+_statistics.defvjp(_forward, _backward)
