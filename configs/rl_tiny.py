@@ -1,6 +1,6 @@
 """Reasoning RL (GRPO + IcePop) of the tiny GLM-5 on 2-digit addition, from an SFT checkpoint.
 
-  python experiments/rl.py                       # SFT (configs/sft_tiny.py) then RL, ~10 min
+  python experiments/rl.py                       # SFT (configs/sft_tiny.py) then RL
   python experiments/rl.py --config=configs/rl_tiny.py --workdir=/tmp/glm5_rl \
       --config.rl.init_from=/tmp/glm5_sft       # RL from an existing SFT run
   python experiments/rl.py --config.rl.loss=distill --config.rl.group_size=1 \

@@ -1,6 +1,6 @@
 """Reasoning RL (GRPO with IcePop) or on-policy distillation, synchronous, from an SFT run.
 
-  python experiments/rl.py                  # SFT on addition, then RL on it: ~10 min on 2 CPUs
+  python experiments/rl.py                  # SFT on addition, then RL on it (docs/posttrain.md)
   python experiments/rl.py --config=configs/rl_tiny.py --workdir=/tmp/glm5_rl \
       --config.rl.init_from=/tmp/glm5_sft   # RL from an existing SFT (or any training) run
   python experiments/rl.py --config.rl.loss=distill --config.rl.group_size=1 \
