@@ -27,7 +27,7 @@ Asynchronous mode (`--mode=async`, glm5_jax/rl): the same SFT first, then one tr
 and `--rollout_workers` rollout worker processes, sharing only `<workdir>/rl` (orders, rollout
 files, published policy versions, checkpoints; glm5_jax/rl/layout.py):
 
-  python experiments/rl.py --mode=async                      # trainer + 2 workers, ~10 min
+  python experiments/rl.py --mode=async                      # trainer + 2 workers
   python experiments/rl.py --mode=async --rollout_workers=3 --config.rl.max_staleness=2
   # long-tail hand-off: w2 finishes the groups that run past 24 tokens on w0 / w1
   python experiments/rl.py --mode=async --rollout_workers=3 --config=configs/rl_long_tail.py \
