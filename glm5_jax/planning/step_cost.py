@@ -130,6 +130,10 @@ def format_report(report: CostReport, bound=None) -> str:
   for axes, seconds in report.collectives_by_axes.items():
     lines.append(f"    over {axes or '(one device)':<23}{seconds:9.3f} s")
   lines.append(f"  {'collectives':<28}{report.times['collectives']:9.3f} s")
+  # what the compiled schedule leaves uncovered: its step time beyond the compute alone
+  exposed = report.times["schedule"] - total
+  lines.append(f"  {'  exposed in the schedule':<28}{exposed:9.3f} s  (step with the schedule's "
+               "overlap - compute)")
   for way in WAYS:
     mfu = report.mfu[way]
     lines.append(f"  step, {WAY_LABELS[way]:<34}{report.times[way]:9.3f} s"
