@@ -24,9 +24,10 @@ import re
 # defaults) the headline step's all-gathers, all-reduces and all-to-alls are all synchronous.
 # MaxText sets the first group for its TPU runs (`benchmarks/xla_flags_library.py`,
 # CF_FOR_ALL_REDUCE_AND_ALL_GATHER and CF_FOR_ALL_REDUCE); the second is libtpu's ICI
-# all-gather pipelining, which issues a scanned layer's weight gather one iteration ahead (the
-# only way a gather inside `scan` can overlap: its own layer needs it at once); the third asks
-# for asynchronous all-to-alls, the MoE dispatch's. docs/scaling.md measures them.
+# all-gather pipelining (XLA's flag guidance, openxla/xla docs/flags_guidance.md: the three
+# together), which issues a scanned layer's weight gather one iteration ahead (the only way a
+# gather inside `scan` can overlap: its own layer needs it at once); the third asks for
+# asynchronous all-to-alls, the MoE dispatch's. docs/scaling.md measures them.
 ASYNC_COLLECTIVE_FLAGS = (
     # continuation fusion: a collective starts in one fusion and progresses inside the
     # compute fusions scheduled after it
