@@ -184,6 +184,28 @@ def test_a_synchronous_all_gather_in_a_scanned_loop_is_fully_exposed():
   assert times["ideal"] < times["none"]
 
 
+
+def test_async_collective_fusions_hide_the_pipelined_gathers():
+  """The same program compiled with libtpu's async-collective flags
+  (aot_targets.ASYNC_COLLECTIVE_FLAGS): the first gather is peeled and synchronous, the 3 later
+  ones are async collective fusions issued an iteration ahead (start, a continuation fusing
+  the matmul, done), each copy holding the same all-gather. Counted once each, 4 gathers per
+  step as before; the 3 hidden behind their matmul, so only the peeled one is exposed."""
+  module, costs = _costs("overlap_async", "v5p:4x4x8")
+  seconds = 7 / 8 * 4096 * 4096 * 2 / (2 * LINK)
+  gathers = [c for c in costs if c.kind == "torus"]
+  assert sorted((c.op, c.runs) for c in gathers) == [("all-gather", 1), ("all-gather", 3)]
+  assert all(c.seconds == pytest.approx(seconds) for c in gathers)
+  layout = json.loads((FIXTURES / "overlap_async.mesh.json").read_text())
+  found = hlo_stats.step_collectives((FIXTURES / "overlap_async.hlo").read_text(),
+                                     layout["axes"], module)
+  assert sum(c.runs for c in found) == 4
+  times = schedule.step_times(module, costs)
+  assert times["collectives"] == pytest.approx(4 * seconds)
+  assert times["schedule"] == pytest.approx(times["compute"] + seconds)
+  assert times["schedule"] < times["none"]
+
+
 @pytest.mark.parametrize("op_name, expected", [
     ("jit(train_step)/transpose(jvp(GLM5))/GLM5._scanned_run/while/body/closed_call/checkpoint/"
      "layers_3_77.body/layers_3_77/self_attn/while/body/closed_call/blht,blhc->bltc/dot_general",

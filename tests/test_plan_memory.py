@@ -169,6 +169,23 @@ def test_per_step_accounting_of_a_compiled_program_with_known_loops():
   assert result["cost_analysis"] < 2 * 2 * 32 ** 3  # one iteration's worth
 
 
+def test_async_collective_flags_go_first_in_libtpu_args_and_are_set_once(monkeypatch):
+  """libtpu reads LIBTPU_INIT_ARGS once: the async-collective flags go ahead of the user's
+  (whose repeats win), and asking for the other setting later in the process is an error."""
+  from glm5_jax.planning import aot_targets  # pylint: disable=g-import-not-at-top
+  monkeypatch.setattr(aot_targets, "_applied_flags", None)
+  monkeypatch.setenv("LIBTPU_INIT_ARGS", "--xla_enable_async_all_gather=false")
+  flags = aot_targets.start_libtpu_flags(True)
+  assert flags.split() == list(aot_targets.ASYNC_COLLECTIVE_FLAGS)
+  assert os.environ["LIBTPU_INIT_ARGS"] == flags + " --xla_enable_async_all_gather=false"
+  assert aot_targets.start_libtpu_flags(True) == flags
+  with pytest.raises(RuntimeError, match="async_collectives=False"):
+    aot_targets.start_libtpu_flags(False)
+  monkeypatch.setattr(aot_targets, "_applied_flags", None)
+  monkeypatch.delenv("LIBTPU_INIT_ARGS")
+  assert aot_targets.start_libtpu_flags(False) == "" and os.environ["LIBTPU_INIT_ARGS"] == ""
+
+
 def test_fits_compares_with_each_accelerators_hbm():
   gib = planner.GIB
   assert planner.fits(16 * gib) == dict.fromkeys(planner.ACCELERATOR_HBM_GIB, True)

@@ -13,7 +13,8 @@
 
 Compiler: with `--target=v5p:XxYxZ` (or `v5e:XxY`, `v6e:XxY`) the real TPU compiler compiles
 for that slice ahead of time (`glm5_jax.planning.aot_targets`; needs the `tpu-aot` install extra, no
-TPU), with no stand-ins. Otherwise XLA:CPU compiles for `--devices` simulated CPU devices
+TPU), with no stand-ins, and by default with libtpu's asynchronous-collective flags
+(`aot_targets.ASYNC_COLLECTIVE_FLAGS`; `--noasync_collectives`: libtpu's defaults). Otherwise XLA:CPU compiles for `--devices` simulated CPU devices
 (`--xla_force_host_platform_device_count`, set here before jax starts), with the MoE stand-ins
 of `glm5_jax.planning.cpu_standins`; every figure is labelled with the compiler that produced it.
 The mesh comes from the config's `mesh` section with `--mesh` axis sizes on top, and the real
@@ -83,6 +84,10 @@ _DEVICES_FLAG = flags.DEFINE_integer("devices", None, "Simulated CPU devices (th
                                      "size); not with --target.")
 _TARGET = flags.DEFINE_string("target", None, "Compile with the TPU compiler for this slice, "
                               "e.g. v5p:8x8x16, v5e:16x16, v6e:8x16 (needs the tpu-aot extra).")
+_ASYNC_COLLECTIVES = flags.DEFINE_bool(
+    "async_collectives", True, "--target: start libtpu with the flags that make collectives "
+    "asynchronous and overlap them with compute (aot_targets.ASYNC_COLLECTIVE_FLAGS); "
+    "--noasync_collectives compiles with libtpu's defaults.")
 _MESH = flags.DEFINE_string("mesh", "", "Mesh axis sizes over the config's, e.g. "
                             "'fsdp=64,expert=4' (axes: data, fsdp, context, expert, tensor).")
 _LAYERS = flags.DEFINE_list("layers", [], "Depths to compile and extrapolate from, e.g. "
@@ -149,8 +154,9 @@ def main(argv):
       raise SystemExit(f"--accelerator={_ACCELERATOR.value} contradicts --target="
                        f"{_TARGET.value}")
     chip = target_chip
-    devices = aot_targets.tpu_devices(_TARGET.value)
-    where = f"{len(devices)} {target_chip} chips ({_TARGET.value}), TPU compiler ahead of time"
+    devices = aot_targets.tpu_devices(_TARGET.value, _ASYNC_COLLECTIVES.value)
+    where = (f"{len(devices)} {target_chip} chips ({_TARGET.value}), TPU compiler ahead of time, "
+             f"async collective flags {'on' if _ASYNC_COLLECTIVES.value else 'off'}")
   else:
     if _DEVICES_FLAG.value is None:
       raise SystemExit("give --devices=N (simulated CPU devices) or --target=<TPU slice>")
@@ -269,6 +275,7 @@ def main(argv):
     print(json.dumps({
         "mode": _MODE.value, "devices": num_devices, "mesh": dict(config.mesh.shape),
         "accelerator": chip, "target": _TARGET.value, "compiler": deepest.compiler,
+        "libtpu_flags": os.environ.get("LIBTPU_INIT_ARGS", "") if _TARGET.value else None,
         "depth": full_depth, "extrapolated": extrapolated,
         "verdict_depth": verdict_depth, "total": total, "kv_cache": cache,
         "moe_standin": program.moe_standin,

@@ -16,7 +16,39 @@ warning. Targets: `v5p:XxYxZ` (3D torus, two TensorCores per chip as one megacor
 import importlib.metadata
 import importlib.util
 import math
+import os
 import re
+
+# libtpu flags that let the TPU compiler overlap collectives with compute, each checked to
+# exist in libtpu 0.0.42.1 (an unknown flag stops libtpu at start). Without them (libtpu's
+# defaults) the headline step's all-gathers, all-reduces and all-to-alls are all synchronous.
+# MaxText sets the first group for its TPU runs (`benchmarks/xla_flags_library.py`,
+# CF_FOR_ALL_REDUCE_AND_ALL_GATHER and CF_FOR_ALL_REDUCE); the second is libtpu's ICI
+# all-gather pipelining (XLA's flag guidance, openxla/xla docs/flags_guidance.md: the three
+# together), which issues a scanned layer's weight gather one iteration ahead (the only way a
+# gather inside `scan` can overlap: its own layer needs it at once); the third asks for
+# asynchronous all-to-alls, the MoE dispatch's. docs/scaling.md measures them.
+ASYNC_COLLECTIVE_FLAGS = (
+    # continuation fusion: a collective starts in one fusion and progresses inside the
+    # compute fusions scheduled after it
+    "--xla_tpu_enable_async_collective_fusion=true",
+    "--xla_tpu_enable_async_collective_fusion_fuse_all_gather=true",
+    "--xla_tpu_enable_async_collective_fusion_fuse_all_reduce=true",
+    "--xla_tpu_enable_async_collective_fusion_multiple_steps=true",
+    "--xla_tpu_overlap_compute_collective_tc=true",
+    "--xla_enable_async_all_gather=true",
+    "--xla_enable_async_all_reduce=true",
+    # ICI all-gather pipelining across loop iterations
+    "--xla_should_allow_loop_variant_parameter_in_chain=enabled",
+    "--xla_should_add_loop_invariant_op_in_chain=enabled",
+    "--xla_tpu_enable_ici_ag_pipelining=true",
+    # the MoE dispatch
+    "--xla_tpu_enable_async_all_to_all=true",
+    "--xla_tpu_enable_async_ragged_all_to_all=true",
+)
+_LIBTPU_ARGS = "LIBTPU_INIT_ARGS"
+_applied_flags = None  # what this process's libtpu was started with, once it was
+
 
 # chip -> (libtpu's topology prefix, chip_config_name, dimensions)
 TPU_CHIPS = {"v5p": ("v5", "megacore", 3), "v5e": ("v5e", "default", 2),
@@ -67,12 +99,32 @@ def libtpu_problem() -> str | None:
   return None
 
 
-def tpu_devices(target: str):
+def start_libtpu_flags(async_collectives: bool) -> str:
+  """Puts `ASYNC_COLLECTIVE_FLAGS` (or none) in LIBTPU_INIT_ARGS ahead of whatever the user set
+  there (a flag given twice takes its last value, so the user's win), and returns the flags.
+  libtpu reads them once, when it starts (the first `tpu_devices`), so a process compiles
+  with one setting: asking for the other later is an error rather than silently ignored."""
+  global _applied_flags
+  flags = " ".join(ASYNC_COLLECTIVE_FLAGS) if async_collectives else ""
+  if _applied_flags is not None:
+    if flags != _applied_flags:
+      raise RuntimeError(f"async_collectives={async_collectives}: libtpu already started in "
+                         "this process with the other setting (its flags are read once)")
+    return flags
+  user = os.environ.get(_LIBTPU_ARGS, "")
+  os.environ[_LIBTPU_ARGS] = f"{flags} {user}".strip()
+  _applied_flags = flags
+  return flags
+
+
+def tpu_devices(target: str, async_collectives: bool = True):
   """The compile-only devices of the TPU slice `target` (`parse_target`), in libtpu's order
-  (`glm5_jax.sharding.make_mesh` lays a mesh over them along the torus)."""
+  (`glm5_jax.sharding.make_mesh` lays a mesh over them along the torus). `async_collectives`:
+  start libtpu with `ASYNC_COLLECTIVE_FLAGS` (the default), else with its own defaults."""
   problem = libtpu_problem()
   if problem:
     raise RuntimeError(f"--target={target}: {problem}")
+  start_libtpu_flags(async_collectives)
   chip, dims = parse_target(target)
   prefix, chip_config, _ = TPU_CHIPS[chip]
   from jax.experimental import topologies  # pylint: disable=g-import-not-at-top

@@ -39,6 +39,47 @@ _GROUPS_MESH_IDS = re.compile(r"replica_groups=mesh\[(?P<axes>[^\]]*)\]"
                               r"\s*\{(?P<grouped>[^}]*)\}")
 
 
+# The TPU compiler's asynchronous collective fusions (libtpu's `--xla_tpu_enable_async_collective_
+# fusion`): a fusion named `async-collective-start` starts the collective, fusions of compute
+# calling `async_collective_fusion.N` carry it on beside their own work, and a fusion named
+# `async-collective-done` ends it. Each of them holds a copy of the same collective (one
+# channel_id), so only the start's copy is counted and priced.
+ASYNC_COLLECTIVE = re.compile(r"^async-collective-(start|done)\b")
+_CHANNEL = re.compile(r"\bchannel_id=(\d+)")
+
+
+def async_collective_role(instr) -> str | None:
+  """"start" or "done" for the TPU compiler's async collective fusions (by their name, the
+  only mark the optimized text carries), else None."""
+  match = ASYNC_COLLECTIVE.match(instr.name) if instr.op == "fusion" else None
+  return match[1] if match else None
+
+
+def fused_channel(module, instr) -> str | None:
+  """The channel_id of the collective inside the computation a fusion calls, or None."""
+  for callee in instr.callees():
+    for inner in module.computations.get(callee, ()):
+      if inner.op in OPS and (match := _CHANNEL.search(inner.attributes)):
+        return match[1]
+  return None
+
+
+def collective_echoes(module) -> set[str]:
+  """The computations whose collective repeats one an `async-collective-start` fusion started
+  (those its continuation fusions and its done call): same channel_id, another fusion."""
+  channel = {}  # computation -> the channel_id of its first collective
+  for name, instrs in module.computations.items():
+    for inner in instrs:
+      if inner.op in OPS and (match := _CHANNEL.search(inner.attributes)):
+        channel[name] = match[1]
+        break
+  fusions = [i for instrs in module.computations.values() for i in instrs if i.op == "fusion"]
+  started = {channel.get(c) for i in fusions if async_collective_role(i) == "start"
+             for c in i.callees()} - {None}
+  return {c for i in fusions if async_collective_role(i) != "start" for c in i.callees()
+          if channel.get(c) in started}
+
+
 class Collective(NamedTuple):
   """One collective: `shape`/`dtype` of its largest array (the gathered result of an
   all-gather, the full operand of a reduce-scatter); `bytes` per device, the larger of its
@@ -216,11 +257,12 @@ def step_collectives(hlo_text: str, mesh_shape: dict[str, int],
   shapes = {i.name: _arrays(i.result_type) for instrs in module.computations.values()
             for i in instrs}
   num_devices = int(np.prod(list(mesh_shape.values())))
+  echoes = collective_echoes(module)  # copies of an async collective fusion's collective
   found = []
   for computation, instrs in module.computations.items():
     for instr in instrs:
       op = instr.op.removesuffix("-start")
-      if op not in OPS or computation not in runs:
+      if op not in OPS or computation not in runs or computation in echoes:
         continue
       results = _arrays(instr.result_type)
       operands = _arrays(instr.operand_text) or sum(

@@ -199,11 +199,14 @@ def _collective_arrays(instr, shapes: dict) -> tuple[tuple, tuple]:
 def fused_collectives(module) -> dict[str, tuple]:
   """`{fused computation: (op, inner collective)}` for the TPU compiler's collective fusions.
   An "all-reduce-scatter" fusion (an all-reduce whose only use is the device's dynamic-slice
-  of it, the root) is a reduce-scatter of the all-reduce's operand."""
+  of it, the root) is a reduce-scatter of the all-reduce's operand. An async collective
+  fusion's continuations and done (`hlo_stats.collective_echoes`) are not: their collective is
+  the start's, and a continuation is priced as the compute it fuses."""
   found = {}
+  echoes = hlo_stats.collective_echoes(module)
   for name, instrs in module.computations.items():
     inner = [i for i in instrs if i.op in COLLECTIVES]
-    if len(inner) != 1:
+    if len(inner) != 1 or name in echoes:
       continue
     root = module.root(name)
     scatter = inner[0].op == "all-reduce" and root.op == "dynamic-slice" and \
@@ -218,6 +221,8 @@ def price(instr, shapes: dict, chip: Accelerator, coords, torus,
   `fused`: `fused_collectives` of its module (a collective fusion is priced as its
   collective)."""
   base = instr.op.removesuffix("-start")
+  if hlo_stats.async_collective_role(instr) == "done":  # waits for its start, moves nothing
+    return None
   if base in COLLECTIVES and not instr.op.endswith("-done"):
     if coords is None:
       return None

@@ -19,6 +19,11 @@ and collectives:
                         compute: an asynchronous collective issued before it keeps running
   call-start ... -done  an asynchronous call on the SparseCore (the compiler's scatter
                         offloads): a third stream, waited for at its done
+  async-collective-start ... async-collective-done
+                        the TPU compiler's async collective fusions (`hlo_stats.
+                        async_collective_role`): the start fusion issues its collective, the
+                        fusions between carry it on beside their compute (priced as that
+                        compute), the done fusion with the same channel_id waits for it
 
 Collectives are serialised on one stream (two in flight queue, they do not share links), and a
 loop body's collectives do not contend with one issued outside it. No overlap: the sum of every
@@ -27,7 +32,7 @@ compute and collective price per step; ideal: the larger of the two sums.
 
 import re
 
-from glm5_jax.planning import op_costs
+from glm5_jax.planning import hlo_stats, op_costs
 
 _ASYNC_DONE = "-done"
 
@@ -68,7 +73,15 @@ class _Walker:
     pending, has_collective = {}, False
     for instr in self.module.computations[computation]:
       cost = self.price.get((computation, instr.name))
-      if instr.op.endswith(_ASYNC_DONE):
+      role = hlo_stats.async_collective_role(instr)
+      if role == "done":
+        key = f"channel {hlo_stats.fused_channel(self.module, instr)}"
+        now = max(now, pending.pop(key, now))
+      elif role == "start" and cost is not None and _is_collective(cost):
+        has_collective = True
+        stream = max(now, stream) + cost.seconds
+        pending[f"channel {hlo_stats.fused_channel(self.module, instr)}"] = stream
+      elif instr.op.endswith(_ASYNC_DONE):
         now = max(now, pending.pop(instr.operands[0], now) if instr.operands else now)
       elif instr.op == "call-start":  # an asynchronous call on another unit (SparseCore)
         seconds, _ = self.block(_attr(instr, "to_apply") or "")
