@@ -279,7 +279,10 @@ def test_non_finite_weights_are_named(tmp_path, caplog):
   state["model.layers.0.self_attn.q_a_proj.weight"][0, :3] = float("nan")
   state["model.layers.0.self_attn.q_a_proj.weight"][1, 0] = float("inf")
   _write_checkpoint(str(tmp_path), hf_model, state, "keep", 1)
-  glm5_jax.load_hf(str(tmp_path))
+  with pytest.raises(CheckpointError, match=r"q_a_proj.weight has 4 non-finite values .* "
+                     "allow_nonfinite=True"):
+    glm5_jax.load_hf(str(tmp_path))
+  glm5_jax.load_hf(str(tmp_path), allow_nonfinite=True)  # loads, with a warning naming it
   warnings = [r.getMessage() for r in caplog.records if "non-finite" in r.getMessage()]
   assert len(warnings) == 1 and "4 non-finite values (NaN/inf) in " in warnings[0], warnings
   assert "model.layers.0.self_attn.q_a_proj.weight" in warnings[0]

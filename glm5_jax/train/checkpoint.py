@@ -205,7 +205,8 @@ def with_added_fields(saved: dict) -> dict:
 
 def _restore_step(manager, step, where, abstract_state, data_iterator, current: dict):
   meta = read_meta(manager, step, where)
-  saved_config, current = with_added_fields(meta.get("config", {})), dict(current)
+  # Both sides: a section written by hand (tests, tools) may lack the added field too.
+  saved_config, current = with_added_fields(meta.get("config", {})), with_added_fields(current)
   for section, _ in RESUME_FIELDS:  # a checkpoint from before that field was recorded
     if section not in saved_config:
       current.pop(section, None)
