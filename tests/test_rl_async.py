@@ -20,7 +20,7 @@ import pytest
 
 from configs import rl_tiny
 from glm5_jax.config import ModelConfig
-from glm5_jax.posttrain import signal
+from glm5_jax.posttrain import learning_signal
 from glm5_jax.rl import async_trainer, launcher, orders, trajectories, worker
 from glm5_jax.rl.layout import RunDirs, read_json
 from glm5_jax.rl.orchestrator import Orchestrator
@@ -175,7 +175,7 @@ def test_trainer_and_two_workers_in_threads(tmp_path, helpers):
   files = sorted(orders.answered(root))
   record = trajectories.read_batch(RunDirs.at(root).rollouts / files[0]).records[0]
   assert set(record.routing) == {"moe", "dsa"}
-  assert record.meta["task"] >= signal.REFILL_STRIDE  # the refill round's task
+  assert record.meta["task"] >= learning_signal.REFILL_STRIDE  # the refill round's task
   assert record.routing["moe"].shape[0] == len(record.tokens)
   with open(os.path.join(root, "metrics.jsonl")) as f:
     first = json.loads(f.readline())

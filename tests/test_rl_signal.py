@@ -1,4 +1,4 @@
-"""What tells RL signal from noise (glm5_jax/posttrain/signal.py), the addition env's checked
+"""What tells RL signal from noise (glm5_jax/posttrain/learning_signal.py), the addition env's checked
 reward, the KL penalty's estimator, and the seeds study's intervals and tables
 (glm5_jax/sweeps/intervals.py, seeds.py). Host code only: nothing here compiles a model."""
 
@@ -13,7 +13,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from glm5_jax.posttrain import envs, rl_step, signal
+from glm5_jax.posttrain import envs, rl_step, learning_signal
 from glm5_jax.posttrain.envs import addition
 from glm5_jax.posttrain.rollout import Sample, rollout_metrics
 from glm5_jax.sweeps import intervals, seeds
@@ -76,7 +76,7 @@ def test_shuffle_rewards_permutes_within_each_group_only():
   groups = np.asarray([0, 0, 0, 1, 1, 1, 2, 2, 2, 2])
   seen = set()
   for seed in range(20):
-    out = signal.shuffle_rewards(rewards, groups, np.random.default_rng(seed))
+    out = learning_signal.shuffle_rewards(rewards, groups, np.random.default_rng(seed))
     for g in np.unique(groups):
       assert sorted(out[groups == g]) == sorted(rewards[groups == g])
     seen.add(tuple(out))
@@ -86,12 +86,12 @@ def test_shuffle_rewards_permutes_within_each_group_only():
 def test_select_signal_groups_prefers_groups_with_signal_and_keeps_the_shape():
   pool = [_sample(g, r) for g, rs in enumerate([(0, 0), (1, 0), (1, 1), (0, 1), (0, 0)])
           for r in rs]
-  kept, with_signal = signal.select_signal_groups(pool, 3)
+  kept, with_signal = learning_signal.select_signal_groups(pool, 3)
   assert with_signal == 2 and len(kept) == 6
   assert [s.group for s in kept] == [0, 0, 1, 1, 2, 2]
   assert [s.reward for s in kept] == [1, 0, 0, 1, 0, 0]  # groups 1, 3, then 0 (all equal)
   with pytest.raises(ValueError, match="5 groups generated, 6 needed"):
-    signal.select_signal_groups(pool, 6)
+    learning_signal.select_signal_groups(pool, 6)
 
 
 def test_batch_signal_metrics_counts_lucky_advantage_and_silent_groups():
@@ -103,7 +103,7 @@ def test_batch_signal_metrics_counts_lucky_advantage_and_silent_groups():
              _sample(1, 0.0, reasoning_ok=True, task=task),
              _sample(1, 0.0, reasoning_ok=True, task=task)]
   advantages = np.asarray([0.5, 0.5, -1.0, 0.0, 0.0])
-  m = signal.batch_signal_metrics(samples, advantages, difficulty=env.difficulty)
+  m = learning_signal.batch_signal_metrics(samples, advantages, difficulty=env.difficulty)
   assert m["zero_signal_groups"] == 0.5
   assert m["lucky_fraction"] == 0.5
   assert m["lucky_advantage_share"] == pytest.approx(0.5 * 30 / (0.5 * 10 + 0.5 * 30))
@@ -119,10 +119,10 @@ def test_kl_to_reference_matches_the_exact_kl_in_expectation():
   rng = np.random.default_rng(0)
   pi, ref = np.asarray([0.5, 0.2, 0.2, 0.1]), np.asarray([0.25, 0.25, 0.25, 0.25])
   tokens = rng.choice(4, size=(200, 100), p=pi)
-  estimate = signal.kl_to_reference(np.log(pi)[tokens], np.log(ref)[tokens], np.ones((200, 100)))
+  estimate = learning_signal.kl_to_reference(np.log(pi)[tokens], np.log(ref)[tokens], np.ones((200, 100)))
   exact = float(np.sum(pi * np.log(pi / ref)))
   assert estimate == pytest.approx(exact, rel=0.05)
-  assert signal.kl_to_reference(np.log(pi)[tokens], np.log(pi)[tokens], np.ones((200, 100))) == 0
+  assert learning_signal.kl_to_reference(np.log(pi)[tokens], np.log(pi)[tokens], np.ones((200, 100))) == 0
 
 
 def test_reference_kl_penalty_is_zero_at_the_reference_and_pulls_toward_it():

@@ -81,7 +81,7 @@ def rl_config(**overrides) -> ml_collections.ConfigDict:
   # That std: "population" (/ G) or "bessel" (/ (G - 1), torch.std, as GLM's RL scripts).
   c.group_std = "population"
   c.mtp_loss_weight = 0.0  # > 0: keep training the MTP head on the response tokens
-  # Signal against noise (glm5_jax/posttrain/signal.py; docs/posttrain.md, "Why RL fell").
+  # Signal against noise (glm5_jax/posttrain/learning_signal.py; docs/posttrain.md, "Why RL fell").
   # GRPO's KL penalty to the policy RL started from (rl_step.reference_kl), x this; GLM-5: 0.
   c.kl_coef = 0.0
   # Log KL(pi || starting policy) every step (one forward of the starting params per step,

@@ -6,8 +6,8 @@ Each step n:
      `rl.group_size` samples each, through the engine with the current params
      (`rollout.generate_samples`, seed `step_seed(rl.seed, n)`); with dynamic sampling
      (`rl.dynamic_sampling_rounds` = R > 0) rounds r = 1..R draw the same P slots' refill
-     tasks (`signal.refill_task_index`) until P groups carry signal
-     (`signal.select_signal_groups`);
+     tasks (`learning_signal.refill_task_index`) until P groups carry signal
+     (`learning_signal.select_signal_groups`);
   2. scoring: GRPO's group advantages of the rewards (`algorithms.group_advantages`; with
      `rl.null_reward_control` the rewards shuffled within each group first), or, with
      `rl.loss="distill"`, the teacher's per-token gap `stopgrad(logp_teacher - logp_rollout)`
@@ -30,7 +30,7 @@ into `config.model`); else (tests only) a fresh init from `config.seed`.
 Metrics per step go to `<workdir>/metrics.jsonl` (and TensorBoard) with a progress line:
 reward and accuracy, response length, turns, truncated share, the step's metrics (policy loss,
 clip fractions, IcePop-masked fraction, entropy, the train/rollout log-prob mismatch, gradient
-and update norms), what tells signal from noise (`signal.batch_signal_metrics`: groups with no
+and update norms), what tells signal from noise (`learning_signal.batch_signal_metrics`: groups with no
 signal, lucky answers' share of the positive advantage, reward per difficulty; `kl_to_start`),
 and generation and train seconds; held-out accuracy as split "eval".
 """
@@ -47,7 +47,7 @@ from glm5_jax.api import abstract_params, init_params
 from glm5_jax.config import ModelConfig, require
 from glm5_jax.data import check_vocab, make_tokenizer
 from glm5_jax.eval.checkpoints import load_run
-from glm5_jax.posttrain import algorithms, rollout, rl_step, sandbox, signal, tasks as tasks_lib
+from glm5_jax.posttrain import algorithms, rollout, rl_step, sandbox, learning_signal, tasks as tasks_lib
 from glm5_jax.posttrain.rl_config_checks import validate_rl_experiment
 from glm5_jax.seeds import derive_seed
 from glm5_jax.sharding import activation_sharding
@@ -219,7 +219,7 @@ def step_samples(config, params, env, step: int, tokenizer, model) -> tuple[list
   rounds = 1 + rl.dynamic_sampling_rounds
   pool, signal_groups, metrics = [], 0, {}
   for r in range(rounds):
-    tasks = [env.task(signal.refill_task_index(step * rl.prompts_per_step + i, r), "train")
+    tasks = [env.task(learning_signal.refill_task_index(step * rl.prompts_per_step + i, r), "train")
              for i in range(rl.prompts_per_step)]
     seed = step_seed(rl.seed, step) if r == 0 else derive_seed("rl", rl.seed, step, "round", r)
     samples = rollout.generate_samples(config, params, env, tasks, seed=seed,
@@ -227,7 +227,7 @@ def step_samples(config, params, env, step: int, tokenizer, model) -> tuple[list
     if rounds == 1:
       return samples, metrics
     pool += [dataclasses.replace(s, group=s.group + r * rl.prompts_per_step) for s in samples]
-    kept, signal_groups = signal.select_signal_groups(pool, rl.prompts_per_step)
+    kept, signal_groups = learning_signal.select_signal_groups(pool, rl.prompts_per_step)
     if signal_groups == rl.prompts_per_step:
       break
   metrics.update(generation_rounds=float(r + 1), signal_groups=float(signal_groups),
@@ -236,13 +236,13 @@ def step_samples(config, params, env, step: int, tokenizer, model) -> tuple[list
 
 
 def signal_metrics(config, samples, batch, env) -> dict:
-  """`signal.batch_signal_metrics` of a GRPO batch (per-sample advantages read back from its
+  """`learning_signal.batch_signal_metrics` of a GRPO batch (per-sample advantages read back from its
   per-token ones); {} for distillation, whose advantages are per token."""
   if config.rl.loss != "grpo":
     return {}
   mask = batch["loss_mask"]
   advantages = (batch["advantages"] * mask).sum(axis=1) / np.maximum(mask.sum(axis=1), 1.0)
-  return signal.batch_signal_metrics(samples, advantages, difficulty=env.difficulty)
+  return learning_signal.batch_signal_metrics(samples, advantages, difficulty=env.difficulty)
 
 
 def reference_params(config, t: rl_step.RLTrainer, params=None):
@@ -257,10 +257,10 @@ def reference_params(config, t: rl_step.RLTrainer, params=None):
 def add_reference_logp(t: rl_step.RLTrainer, reference, batch, metrics: dict,
                        into_batch: bool) -> None:
   """The starting policy's log-probs of `batch`: `kl_to_start` into `metrics` (the rollout
-  policy's KL to it per loss token, `signal.kl_to_reference`), and into the batch as
+  policy's KL to it per loss token, `learning_signal.kl_to_reference`), and into the batch as
   `ref_logp` when `into_batch` (the loss's KL penalty)."""
   ref_logp = integrity.to_host(t.policy_logp(reference, put_batch(t, batch)))
-  metrics["kl_to_start"] = signal.kl_to_reference(batch["rollout_logp"], ref_logp,
+  metrics["kl_to_start"] = learning_signal.kl_to_reference(batch["rollout_logp"], ref_logp,
                                                   batch["loss_mask"])
   if into_batch:
     batch["ref_logp"] = (ref_logp * batch["loss_mask"]).astype(np.float32)
@@ -278,7 +278,7 @@ def score(config, samples, teacher=None, *, step: int = 0) -> dict:
     groups = np.asarray([s.group for s in samples], np.int32)
     if config.rl.null_reward_control:
       rng = np.random.default_rng(derive_seed("null_reward", config.rl.seed, step))
-      rewards = signal.shuffle_rewards(rewards, groups, rng)
+      rewards = learning_signal.shuffle_rewards(rewards, groups, rng)
     advantages = np.asarray(algorithms.group_advantages(
         rewards, groups, normalize_std=config.rl.normalize_std, std=config.rl.group_std))
     return rollout.to_batch(samples, config.data.seq_len, advantages)

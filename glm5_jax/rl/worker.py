@@ -56,7 +56,7 @@ from glm5_jax.api import abstract_params_and_axes
 from glm5_jax.config import ModelConfig, require_model_config
 from glm5_jax.data import check_vocab, make_tokenizer
 from glm5_jax.infer.compile_count import count_compiles
-from glm5_jax.posttrain import handoff, rollout, signal, tasks
+from glm5_jax.posttrain import handoff, rollout, learning_signal, tasks
 from glm5_jax.posttrain.loop import hide_run_from_sandbox
 from glm5_jax.posttrain.rl_config_checks import validate_rl_experiment
 from glm5_jax.rl import long_tail
@@ -280,14 +280,14 @@ def _generate(config, model, dirs, name, env, tokenizer, params, version, batch,
 def _refill(config, model, env, tokenizer, params, batch, samples, round_, seed, slots, prefix):
   """Dynamic sampling on a worker (`rl.dynamic_sampling_rounds`): each group of `samples`
   whose rewards are all equal is played again on its order's refill task of round `round_`
-  (`signal.refill_task_index`) and replaced by the new group. Returns (samples, how many
+  (`learning_signal.refill_task_index`) and replaced by the new group. Returns (samples, how many
   groups were replayed)."""
   g = config.rl.group_size
   silent = [i for i in range(len(batch))
-            if not signal.has_signal([s.reward for s in samples[i * g:(i + 1) * g]])]
+            if not learning_signal.has_signal([s.reward for s in samples[i * g:(i + 1) * g]])]
   if not silent:
     return samples, 0
-  tasks = [env.task(signal.refill_task_index(batch[i].task, round_), "train") for i in silent]
+  tasks = [env.task(learning_signal.refill_task_index(batch[i].task, round_), "train") for i in silent]
   episodes = rollout.new_episodes(tasks, g, tokenizer, config.data.seq_len)
   fresh, _ = rollout.play_episodes(config, params, env, episodes,
                                    seed=derive_seed(seed, "refill", round_), tokenizer=tokenizer,

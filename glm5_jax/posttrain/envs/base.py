@@ -22,7 +22,7 @@ which problems are drawn: task i is the same problem with or without them (an RL
 stricter reward trains and evaluates on the SFT run's problems). Unknown options and bad values
 raise ValueError naming the env and the option.
 
-Signal (for RL's logs, `glm5_jax.posttrain.signal`): `difficulty(task)` names a task's difficulty
+Signal (for RL's logs, `glm5_jax.posttrain.learning_signal`): `difficulty(task)` names a task's difficulty
 bucket where the env has one (addition: its carries), and an env that can check the reasoning
 behind an answer records `info["reasoning_ok"]` in its finishing Step.
 
