@@ -6,6 +6,7 @@
       --sweep_dir=/tmp/conv_quick                                  # a few steps, end to end
   python experiments/sweep.py --sweep=configs/sweeps/muon_split.py \
       --sweep.size.train_steps=1200 --sweep.suite.examples_per_cell=8
+  python experiments/sweep.py --sweep=configs/sweeps/muon_split.py --seeds=0,1,2 --parallel=2
 
 The sweep configs import `configs.common` and name experiment configs as modules
 (`configs.tiny`): the `configs` package is installed with `glm5_jax` (setup.cfg). The paths in
@@ -18,6 +19,11 @@ one directory per run and the report, `results.json`, `results.md` and plots (ac
 context length per variant, loss curves). Re-running the same command resumes: finished runs
 are skipped, a half-trained run continues from its checkpoint. --report_only rewrites the
 report from the finished runs.
+
+--seeds=0,1,2 runs the whole sweep once per seed (each run `x` as `x_seed<s>`, the experiment
+config's `seed` = s; glm5_jax.sweeps.spec, "Seeds"), and the report gives every run's mean and
+95% t interval over the seeds and decides each check on the seed-paired differences. A seeded
+sweep is a different sweep: give it its own --sweep_dir (the default appends `_seeds<...>`).
 
 SIGTERM stops the sweep: a training run saves a checkpoint and stops (in parallel mode the
 workers get the SIGTERM forwarded), no further run starts, the interrupted runs are not
@@ -44,6 +50,8 @@ _PARALLEL = flags.DEFINE_integer("parallel", 1, "Runs at a time; > 1 uses worker
 _ONLY = flags.DEFINE_list("only", [], "Run only these runs (and what they depend on).")
 _ON_CHANGE = flags.DEFINE_enum("on_change", "error", ["error", "redo"], "A finished run whose "
                                "spec changed: stop with an error, or redo it.")
+_SEEDS = flags.DEFINE_list("seeds", [], "Run the sweep once per seed (ints), report means and "
+                           "95% t intervals over them.")
 _REPORT_ONLY = flags.DEFINE_bool("report_only", False, "Only rewrite the report.")
 _RUN_SPEC = flags.DEFINE_string("run_spec", "", "Worker mode: execute this runs/<name>/spec.json"
                                 " (written by a parallel sweep) and exit (75: interrupted).")
@@ -60,6 +68,12 @@ def main(argv):
     raise app.UsageError("--sweep=configs/sweeps/<name>.py[:quick] is required")
   path, _, arg = config_flags.get_config_filename(flags.FLAGS["sweep"]).partition(":")
   suffix = "_" + re.sub(r"[^A-Za-z0-9_.-]+", "_", arg) if arg else ""
+  if _SEEDS.value:
+    try:
+      sweep.seeds = tuple(int(s) for s in _SEEDS.value)
+    except ValueError as e:
+      raise app.UsageError(f"--seeds: expected comma-separated ints, got {_SEEDS.value}") from e
+    suffix += "_seeds" + "-".join(str(s) for s in sweep.seeds)
   sweep_dir = _SWEEP_DIR.value or os.path.join("workdir", "sweeps", sweep.name + suffix)
   if _REPORT_ONLY.value:
     if not os.path.isdir(sweep_dir):  # a report of nothing; and never create the directory

@@ -82,7 +82,7 @@ def rl_config(**overrides) -> ml_collections.ConfigDict:
   c.group_std = "population"
   c.mtp_loss_weight = 0.0  # > 0: keep training the MTP head on the response tokens
   # Signal against noise (glm5_jax/posttrain/learning_signal.py; docs/posttrain.md, "Why RL fell").
-  # GRPO's KL penalty to the policy RL started from (rl_step.reference_kl), x this; GLM-5: 0.
+  # GRPO's KL penalty to the policy RL started from (learning_signal.k3_kl), x this; GLM-5: 0.
   c.kl_coef = 0.0
   # Log KL(pi || starting policy) every step (one forward of the starting params per step,
   # which stay in memory); implied by kl_coef > 0.

@@ -14,6 +14,8 @@ and the normalized optimizers (Muon Split, AdamW) take a full-size step anyway
                         samples, so advantages keep their sizes but carry no expected signal
   select_signal_groups  dynamic sampling's choice of the groups a step trains on
   refill_task_index     the task that replaces a task's group in a later dynamic-sampling round
+  k3_kl                 the per-token KL estimate to the starting policy (the metric and the
+                        loss's penalty)
 
 Notation (docs/design.md): N samples, flat; a group is the samples sharing `Sample.group`.
 """
@@ -118,10 +120,18 @@ def batch_signal_metrics(samples, advantages_N, difficulty=None) -> dict:
   return out
 
 
+def k3_kl(logp_BL, ref_logp_BL, mask_BL, xp=np):
+  """Per-token KL(pi || pi_ref) `[B, L]` by Schulman's k3 estimator on the sampled tokens:
+  r - 1 - log r with r = pi_ref / pi (unbiased, never negative; as a loss its gradient pulls
+  logp toward ref_logp). 0 off the mask (padding log-probs never reach exp). `xp`: numpy for
+  the float64 metric, jax.numpy inside the loss (`rl_step.rl_loss`)."""
+  log_r = xp.where(mask_BL > 0, ref_logp_BL - logp_BL, 0.0)
+  return xp.exp(log_r) - 1.0 - log_r
+
+
 def kl_to_reference(rollout_logp_BL, reference_logp_BL, loss_mask_BL) -> float:
-  """KL(pi || pi_ref) per loss token, estimated on the sampled tokens (Schulman's k3:
-  r - 1 - log r with r = pi_ref / pi; unbiased, never negative), pi being the rollout policy."""
+  """KL(pi || pi_ref) per loss token (`k3_kl` in float64), pi being the rollout policy."""
   mask = np.asarray(loss_mask_BL, np.float64)
-  log_r = (np.asarray(reference_logp_BL, np.float64) - np.asarray(rollout_logp_BL, np.float64))
-  k3 = (np.exp(log_r) - 1.0 - log_r) * mask
+  k3 = k3_kl(np.asarray(rollout_logp_BL, np.float64), np.asarray(reference_logp_BL, np.float64),
+             mask) * mask
   return float(k3.sum() / max(mask.sum(), 1.0))

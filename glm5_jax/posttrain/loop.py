@@ -38,6 +38,7 @@ and generation and train seconds; held-out accuracy as split "eval".
 import dataclasses
 import json
 import time
+from typing import Any
 
 from absl import logging
 import jax
@@ -165,8 +166,7 @@ def _rl_train(config, run: RunHarness, initial_params):
   rl = config.rl
   tokenizer, env, shapes, t = build_rl_run(config)
   teacher = load_teachers(rl, tokenizer) if rl.loss == "distill" else None
-  state, extra = init_or_restore(config, run, t, shapes, initial_params)
-  reference = reference_params(config, t, initial_params)
+  state, extra, reference = init_or_restore(config, run, t, shapes, initial_params)
   start = int(state.step) // rl.minibatches
   # Earlier calls' evaluations come with the checkpoint: "before RL" is step 0's on a resume.
   evals = {int(k): v for k, v in extra.get("evals", {}).items()}
@@ -245,13 +245,10 @@ def signal_metrics(config, samples, batch, env) -> dict:
   return learning_signal.batch_signal_metrics(samples, advantages, difficulty=env.difficulty)
 
 
-def reference_params(config, t: rl_step.RLTrainer, params=None):
-  """The starting policy's params, placed as the state's, for `kl_to_start` and the KL
-  penalty (`rl.log_kl`, `rl.kl_coef`); None when neither asks for them. They are what a fresh
-  run starts from (`starting_params`), so a resumed run has the same reference."""
-  if not (config.rl.log_kl or config.rl.kl_coef > 0):
-    return None
-  return jax.device_put(starting_params(config, params), t.state_sharding.params)
+def wants_reference(config) -> bool:
+  """Whether the run keeps the starting policy's params: `kl_to_start` (`rl.log_kl`) and the
+  KL penalty (`rl.kl_coef`) both read them."""
+  return bool(config.rl.log_kl or config.rl.kl_coef > 0)
 
 
 def add_reference_logp(t: rl_step.RLTrainer, reference, batch, metrics: dict,
@@ -396,20 +393,27 @@ def save(run: RunHarness, state: TrainState, config, extra: dict | None = None) 
 
 
 def init_or_restore(config, run: RunHarness, t: rl_step.RLTrainer, shapes,
-                    params=None) -> tuple[TrainState, dict]:
-  """`(state, extra)`: the workdir's latest intact checkpoint (with `ckpt.restore_fallback`, a
-  damaged latest step is moved aside and the one before resumed) and the `extra` saved with
-  it; else `params`, `rl.init_from`'s latest params or (tests only) a fresh init, and {}."""
+                    params=None) -> tuple[TrainState, dict, Any]:
+  """`(state, extra, reference)`: the workdir's latest intact checkpoint (with
+  `ckpt.restore_fallback`, a damaged latest step is moved aside and the one before resumed) and
+  the `extra` saved with it; else `params`, `rl.init_from`'s latest params or (tests only) a
+  fresh init, and {}. `reference`: the starting policy's params placed as the state's, for
+  `kl_to_start` and the KL penalty (None unless `wants_reference`): a copy of the fresh state's
+  params, loaded again (`starting_params`) only on a resume, so a resumed run has the same one."""
   abstract = jax.eval_shape(lambda p: rl_step.init_rl_state(p, t.optimizer), shapes)
   abstract = jax.tree.map(lambda s, sh: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=sh),
                           abstract, t.state_sharding)
   restored = run.restore(abstract, None, config, fingerprint=rl_fingerprint(config))
   if restored is not None:  # placed as `abstract` is: as the step's outputs
     state, meta = restored
-    return state, meta.get("extra", {})
-  params = starting_params(config, params, log=True)
+    reference = (jax.device_put(starting_params(config, params), t.state_sharding.params)
+                 if wants_reference(config) else None)
+    return state, meta.get("extra", {}), reference
   # Placed first: the params come from one process's devices (a fresh init, or restored).
-  return t.init_state(jax.device_put(params, t.state_sharding.params)), {}
+  placed = jax.device_put(starting_params(config, params, log=True), t.state_sharding.params)
+  # A copy: the state's params may be these very buffers, and the train step donates the state.
+  reference = jax.tree.map(lambda x: x.copy(), placed) if wants_reference(config) else None
+  return t.init_state(placed), {}, reference
 
 
 def starting_params(config, params=None, *, log: bool = False):

@@ -52,7 +52,7 @@ from glm5_jax import optim, routing_replay
 from glm5_jax.api import abstract_params_and_axes, check_token_ids, forward
 from glm5_jax.attention.mode import Mode
 from glm5_jax.config import ModelConfig, require, require_model_config
-from glm5_jax.posttrain import algorithms
+from glm5_jax.posttrain import algorithms, learning_signal
 from glm5_jax.posttrain.config import resolve_policy_loss
 from glm5_jax.sharding import batch_sharding, make_mesh, param_shardings, state_shardings
 from glm5_jax.train import losses
@@ -171,7 +171,8 @@ def rl_loss(model: ModelConfig, step_cfg: RLStepConfig, params, batch, whole=Non
              "advantage_abs_mean": (jnp.abs(advantages_BL) * mask_BL).sum() / tokens}
   total = policy
   if step_cfg.kl_coef > 0:
-    kl = (reference_kl(logp_BL, batch["ref_logp"], mask_BL) * mask_BL).sum() / tokens
+    kl = (learning_signal.k3_kl(logp_BL, batch["ref_logp"], mask_BL, xp=jnp)
+          * mask_BL).sum() / tokens
     total = total + step_cfg.kl_coef * kl
     metrics["kl_penalty"] = kl
   if train_mtp:
@@ -186,14 +187,6 @@ def rl_loss(model: ModelConfig, step_cfg: RLStepConfig, params, batch, whole=Non
         metrics[f"mtp{d}_accuracy"] = m["accuracy"] * w
   metrics["loss"] = total
   return total, (metrics, losses.expert_counts(out))
-
-
-def reference_kl(logp_BL, ref_logp_BL, mask_BL):
-  """Per-token KL(pi || pi_ref) `[B, L]` by the k3 estimator on the sampled tokens:
-  r - 1 - log r with r = pi_ref / pi (DeepSeekMath's GRPO; unbiased and never negative, its
-  gradient pulls logp toward ref_logp). 0 off the mask (padding logits never reach exp)."""
-  log_r = jnp.where(mask_BL > 0, ref_logp_BL - logp_BL, 0.0)
-  return jnp.exp(log_r) - 1.0 - log_r
 
 
 def rl_denominators(model: ModelConfig, step_cfg: RLStepConfig, batch) -> dict:

@@ -247,8 +247,7 @@ def _run(config, dirs: RunDirs, workers, run: RunHarness, initial_params):
           "versions from one process instead)")
   tokenizer, env, shapes, t = loop.build_rl_run(config, asynchronous=True)
   writer = run.writer
-  state, extra = loop.init_or_restore(config, run, t, shapes, initial_params)
-  reference = loop.reference_params(config, t, initial_params)
+  state, extra, reference = loop.init_or_restore(config, run, t, shapes, initial_params)
   ledger = trajectories.TrajectoryLedger.from_json(extra["ledger"]) if extra else \
       trajectories.TrajectoryLedger()
   admission = staleness.StalenessAdmission.from_json(extra["admission"]) if extra else \

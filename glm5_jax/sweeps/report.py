@@ -1,5 +1,12 @@
 """A sweep's report: results.json, results.md (tables and checks) and matplotlib plots.
 
+Over seeds (a sweep with `seeds`, glm5_jax.sweeps.spec): each declared run's metrics as mean
++- the 95% Student t half-width over its seeds' copies (`intervals.mean_interval`), and each
+check decided on the seed-paired differences left - right: it holds when the difference's
+interval lies on the expected side of 0 ("~": inside +-tolerance), does not hold when it lies
+on the other side (outside the tolerance), and is "not shown" when the interval straddles
+the boundary: the seeds cannot tell the two runs apart.
+
 Plots are drawn on `matplotlib.figure.Figure`s and saved to files directly: no pyplot, no
 backend or display state.
 """
@@ -11,6 +18,7 @@ from matplotlib.figure import Figure
 import numpy as np
 
 from glm5_jax.eval.report import markdown_table, percent, write_json
+from glm5_jax.sweeps import intervals
 
 
 def _suite_runs(runs: dict) -> list[tuple[str, dict]]:
@@ -64,11 +72,36 @@ def _too_short(c: dict, runs: dict) -> str | None:
           f">= {c['min_steps']}")
 
 
+def seed_copies(runs: dict) -> dict[str, dict[int, str]]:
+  """{declared run: {seed: its copy's name}} of a sweep run over seeds ({} without seeds)."""
+  out = {}
+  for name, r in runs.items():
+    if "seed_of" in r:
+      out.setdefault(r["seed_of"], {})[r["seed"]] = name
+  return out
+
+
+def _tolerance(c: dict, a: float, b: float, na, nb) -> float:
+  """A "~" check's tolerance: its own, else 0.02 nats for a loss, else two standard errors of
+  the difference of two binomial means (never below one example)."""
+  if c["tolerance"] >= 0:
+    return c["tolerance"]
+  if na is None:
+    return LOSS_TOLERANCE
+  tolerance = 2 * math.sqrt(a * (1 - a) / max(na, 1) + b * (1 - b) / max(nb, 1))
+  return max(tolerance, 1.0 / max(min(na, nb), 1))
+
+
 def evaluate_checks(checks, runs: dict) -> list[dict]:
-  """Each check with its measured values and whether it holds (None: a value is missing, or
-  the runs are too short to show it: then `too_short` says why)."""
+  """Each check with its measured values and whether it holds (None: a value is missing, the
+  runs are too short to show it (`too_short` says why), or over seeds the interval of the
+  difference straddles the boundary (`not_shown`))."""
+  copies = seed_copies(runs)
   out = []
   for c in checks:
+    if copies and c["left"] in copies and c["right"] in copies:
+      out.append(_seeded_check(c, runs, copies))
+      continue
     reason = _too_short(c, runs)
     row = dict(c, too_short=reason) if reason else dict(c)
     (a, na), (b, nb) = (metric_value(runs.get(c["left"], {}), c["metric"]),
@@ -76,14 +109,9 @@ def evaluate_checks(checks, runs: dict) -> list[dict]:
     if a is None or b is None:
       out.append(dict(row, holds=None, detail="not measured"))
       continue
-    show = percent if c["metric"] not in LOSS_METRICS else (lambda v: f"{v:.3f}")
+    show = _shower(c["metric"])
     if c["op"] == "~":
-      tolerance = c["tolerance"]
-      if tolerance < 0 and na is None:
-        tolerance = LOSS_TOLERANCE
-      elif tolerance < 0:  # two standard errors of the difference of two binomial means
-        tolerance = 2 * math.sqrt(a * (1 - a) / max(na, 1) + b * (1 - b) / max(nb, 1))
-        tolerance = max(tolerance, 1.0 / max(min(na, nb), 1))  # never below one example
+      tolerance = _tolerance(c, a, b, na, nb)
       holds = abs(a - b) <= tolerance
       detail = f"|{show(a)} - {show(b)}| <= {show(tolerance)}"
     else:
@@ -94,9 +122,64 @@ def evaluate_checks(checks, runs: dict) -> list[dict]:
   return out
 
 
+def _shower(metric: str):
+  return percent if metric not in LOSS_METRICS else (lambda v: f"{v:.3f}")
+
+
+def _seeded_check(c: dict, runs: dict, copies: dict) -> dict:
+  """A check between two declared runs of a sweep over seeds: on the seeds both finished, the
+  mean and 95% t interval of the paired differences (module docstring)."""
+  left, right = copies[c["left"]], copies[c["right"]]
+  seeds = sorted(set(left) & set(right))
+  first = dict(c, left=left[seeds[0]], right=right[seeds[0]]) if seeds else c
+  reason = _too_short(first, runs) if seeds else None
+  row = dict(c, too_short=reason) if reason else dict(c)
+  pairs = [(metric_value(runs[left[s]], c["metric"]), metric_value(runs[right[s]], c["metric"]))
+           for s in seeds]
+  pairs = [(a, na, b, nb) for (a, na), (b, nb) in pairs if a is not None and b is not None]
+  if not pairs:
+    return dict(row, holds=None, seeds=0, detail="not measured")
+  a_mean = float(np.mean([p[0] for p in pairs]))
+  b_mean = float(np.mean([p[2] for p in pairs]))
+  diff = intervals.mean_interval([p[0] - p[2] for p in pairs])
+  show = _shower(c["metric"])
+  n = len(pairs)
+  if diff["half_width"] is None:
+    return dict(row, left_value=a_mean, right_value=b_mean, seeds=n, holds=None,
+                not_shown="one seed: no interval",
+                detail=f"{show(a_mean)} vs {show(b_mean)} (one seed)")
+  low, high = diff["low"], diff["high"]
+  spread = f"difference {_signed(diff['mean'], show)} ± {show(diff['half_width'])} (95% t, n={n})"
+  if c["op"] == "~":
+    # Examples behind a mean over n seeds: n times one run's.
+    na, nb = pairs[0][1], pairs[0][3]
+    tolerance = _tolerance(c, a_mean, b_mean, None if na is None else na * n,
+                           None if nb is None else nb * n)
+    holds = True if -tolerance <= low and high <= tolerance else (
+        False if low > tolerance or high < -tolerance else None)
+    detail = f"{show(a_mean)} vs {show(b_mean)}; {spread}; tolerance ± {show(tolerance)}"
+  else:
+    sign = 1 if c["op"] == ">" else -1
+    low_s, high_s = sorted((sign * low, sign * high))
+    holds = True if low_s > 0 else (False if high_s < 0 else None)
+    detail = f"{show(a_mean)} vs {show(b_mean)}; {spread}"
+  out = dict(row, left_value=a_mean, right_value=b_mean, difference=diff, seeds=n, detail=detail,
+             holds=None if reason else holds)
+  if holds is None and not reason:
+    out["not_shown"] = "the interval of the difference straddles " + (
+        "the tolerance" if c["op"] == "~" else "0")
+  return out
+
+
+def _signed(value: float, show) -> str:
+  return ("+" if value >= 0 else "-") + show(abs(value))
+
+
 def _check_result(c: dict) -> str:
   if c.get("too_short"):
     return f"too short to show ({c['too_short']})"
+  if c.get("not_shown"):
+    return f"not shown ({c['not_shown']})"
   return {True: "holds", False: "does not hold", None: "not evaluated"}[c["holds"]]
 
 
@@ -144,6 +227,15 @@ def sweep_markdown(name: str, runs: dict, checks: list[dict], status: dict,
               f"`{r['base_pattern']}` -> **`{r['pattern']}`** (score {percent(r['score'])}) "
               f"at length {r['length']}; {r['evaluations']} candidates, beam {r['beam_width']}, "
               f"{r['layers_per_step']} layers/step. Final step: {top}.", ""]
+  copies = seed_copies(runs)
+  if copies:
+    parts += ["## Over seeds", "",
+              "Each run's mean ± the 95% Student t half-width over its seeds (n: the seeds "
+              "finished); the tables above list every seed's copy.", "",
+              markdown_table(["run", "variant", "n", "suite mean (%)", "longest (%)",
+                              "text loss", "eval loss"],
+                             [_seed_row(base, seeds, runs) for base, seeds in copies.items()]),
+              ""]
   if checks:
     rows = [[f"{c['left']} {c['op']} {c['right']}", c["metric"], c.get("detail", ""),
              _check_result(c), c.get("note", "")] for c in checks]
@@ -163,6 +255,17 @@ def sweep_markdown(name: str, runs: dict, checks: list[dict], status: dict,
     parts += ["## Plots", ""] + [f"![{os.path.basename(p)}]({os.path.basename(p)})"
                                   for p in plots] + [""]
   return "\n".join(parts)
+
+
+def _seed_row(base: str, seeds: dict, runs: dict) -> list[str]:
+  results = [runs[name] for _, name in sorted(seeds.items())]
+  cells = []
+  for metric, scale, digits in (("score", 100, 1), ("longest", 100, 1), ("text_loss", 1, 3),
+                                ("heldout_lm_loss", 1, 3)):
+    values = [v for v in (metric_value(r, metric)[0] for r in results) if v is not None]
+    cells.append(intervals.format_interval(intervals.mean_interval(values), scale=scale,
+                                           digits=digits) if values else "-")
+  return [base, results[0].get("variant", ""), str(len(results))] + cells
 
 
 def _loss(value) -> str:

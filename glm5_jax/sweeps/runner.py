@@ -135,6 +135,7 @@ def execute_run(job: dict) -> dict:
                           title=f"{job['name']}: retrieval suite")
     result.update(name=job["name"], kind=spec["kind"], group=spec.get("group", ""),
                   variant=spec.get("variant", ""), spec_hash=job["spec_hash"],
+                  **{k: spec[k] for k in ("seed", "seed_of") if k in spec},
                   seconds=time.time() - start, workdir=result.get("workdir", workdir))
     if os.path.exists(error_path):
       os.remove(error_path)
@@ -290,11 +291,16 @@ def _collect_workers(running: dict, sweep_dir: str, results: dict, failed: dict,
 
 
 def _needed(runs: list[Run], only: list[str]) -> list[Run]:
+  """`only`'s runs and what they depend on; a declared name stands for all its seeds' copies."""
   by_name = {r.name: r for r in runs}
-  unknown = sorted(set(only) - set(by_name))
+  copies = {}
+  for r in runs:
+    copies.setdefault(r.base, []).append(r.name)
+  unknown = sorted(set(only) - set(by_name) - set(copies))
   if unknown:
     raise ValueError(f"--only: unknown runs {unknown}; runs: {list(by_name)}")
-  wanted, stack = set(), list(only)
+  wanted, stack = set(), [n for name in only for n in ([name] if name in by_name
+                                                        else copies[name])]
   while stack:
     name = stack.pop()
     if name not in wanted:

@@ -28,6 +28,14 @@ Run kinds:
               `model` overrides (e.g. another attention pattern).
   swa_search  the beam search of `glm5_jax.eval.swa_search` on `checkpoint`.
 
+Seeds: `seeds` (optional; a tuple of distinct ints >= 0, e.g. `--sweep.seeds="(0, 1, 2)"` or
+experiments/sweep.py's `--seeds=0,1,2`) runs the whole sweep once per seed: every run `x` becomes
+`x_seed<s>` (seed-major order, so the first seed's sweep completes first), a train run gets the
+experiment config's `seed` = s (its init and data order), and each copy's references and
+`after` point to the same seed's copies. The report then gives each run's mean and 95% t
+interval over the seeds and decides each check on the seed-paired differences
+(glm5_jax.sweeps.report). Without `seeds` the runs keep their names and configs.
+
 Dependencies: any string in a run may name another run's result as `{run.field}` (fields:
 `workdir` of a train run, `pattern` of a search, any other top-level result key); the run then
 waits for that run and gets the value substituted (a string that is exactly one reference takes
@@ -99,6 +107,58 @@ class Run:
   spec: dict  # the run dict (FieldReferences resolved, `{run.field}` references not)
   depends_on: tuple[str, ...]
   spec_hash: str
+
+  @property
+  def base(self) -> str:
+    """The declared run this one is a seed's copy of (its own name without `seeds`)."""
+    return self.spec.get("seed_of", self.name)
+
+
+SEED_SUFFIX = "_seed"
+
+
+def seeded_name(name: str, seed: int) -> str:
+  return f"{name}{SEED_SUFFIX}{seed}"
+
+
+def sweep_seeds(sweep) -> tuple[int, ...]:
+  """The sweep's `seeds` (() when it has none). Raises ValueError naming `sweep.seeds`."""
+  seeds = tuple(sweep.get("seeds", None) or ())
+  if any(not isinstance(x, int) or isinstance(x, bool) or x < 0 for x in seeds) or \
+      len(set(seeds)) < len(seeds):
+    raise ValueError(f"sweep.seeds: must be distinct ints >= 0, got {seeds}")
+  return seeds
+
+
+def replicate_over_seeds(runs_dict: dict, seeds) -> dict:
+  """`{x_seed<s>: run}` for every run x and seed s, seed-major (module docstring, "Seeds")."""
+  names = set(runs_dict)
+  rename = lambda m: ("{" + seeded_name(m.group(1), seed) + "." + m.group(2) + "}"
+                      if m.group(1) in names else m.group(0))
+
+  def renamed(value):
+    if isinstance(value, str):
+      return REFERENCE.sub(rename, value)
+    if isinstance(value, dict):
+      return {k: renamed(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+      return type(value)(renamed(v) for v in value)
+    return value
+
+  out = {}
+  for seed in seeds:
+    for name, spec in runs_dict.items():
+      copy = renamed(spec)
+      copy["after"] = [seeded_name(a, seed) if a in names else a for a in spec.get("after", ())]
+      if copy.get("kind") == "train":
+        overrides = copy.setdefault("overrides", {})
+        if "seed" in overrides:
+          raise ValueError(f"sweep.runs.{name}.overrides.seed: sweep.seeds sets each copy's "
+                           "seed; drop one of the two")
+        overrides["seed"] = seed
+      copy.update(seed=seed, seed_of=name)
+      out[seeded_name(name, seed)] = copy
+  return out
 
 
 def resolve_config_ref(ref: str, config_dir: str | None = None, where: str = "config") -> str:
@@ -199,6 +259,9 @@ def parse_runs(sweep) -> list[Run]:
   """
   # to_json keeps declaration order (to_dict sorts) and resolves FieldReferences.
   runs_dict = json.loads(sweep.runs.to_json())
+  seeds = sweep_seeds(sweep)
+  if seeds:
+    runs_dict = replicate_over_seeds(runs_dict, seeds)
   suite = json.loads(sweep.suite.to_json())
   base = sweep.base_config
   runs = {}
