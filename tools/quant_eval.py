@@ -5,6 +5,10 @@ eval tasks, and greedy agreement with the unquantized model, one row per format.
       --quant_group_size=16
   python tools/quant_eval.py --workdir=/tmp/sft_qat ...   # a run trained with INT4 QAT
   python tools/quant_eval.py --workdir=/tmp/glm5_train --suite   # a pre-training run
+  # several runs (e.g. a seeds study's, tools/seeds.py): each run's table, then every format's
+  # mean and 95% t interval over the runs, and its accuracy change against the first format
+  python tools/quant_eval.py --workdir=/tmp/glm5_seeds/default/sft0_rl0/rl,\
+/tmp/glm5_seeds/default/sft1_rl0/rl,/tmp/glm5_seeds/default/sft2_rl0/rl --quant_group_size=16
 
 Formats (`--formats`): `float` (the params as trained, in the run's dtype), `w8a8`, `w4a8`,
 `w4a8_rotated` (`glm5_jax.quant`; docs/quantization.md). Every format serves the model without
@@ -43,10 +47,12 @@ from glm5_jax.eval.checkpoints import read_run_meta
 from glm5_jax.infer.loading import load_model
 from glm5_jax.posttrain import envs, rollout
 from glm5_jax.posttrain.config import rl_config
+from glm5_jax.sweeps import intervals
 from glm5_jax.quant import rotation, serve
 from glm5_jax.train import console
 
-_WORKDIR = flags.DEFINE_string("workdir", None, "Training run (SFT or RL) to measure.")
+_WORKDIR = flags.DEFINE_list("workdir", None, "Training run(s) (SFT or RL) to measure; several: "
+                            "each run's table, then the means over them.")
 _ENV = flags.DEFINE_string("env", "addition", "Environment whose eval tasks are played.")
 _TASKS = flags.DEFINE_integer("tasks", 200, "Eval tasks (prompts).")
 _SEQ_LEN = flags.DEFINE_integer("seq_len", 64, "Conversation budget (configs/rl_tiny.py's).")
@@ -122,9 +128,9 @@ def suite_row(model, params, examples, tokenizer, length, dsa_stage) -> tuple[di
           "accuracy": float(np.mean([s["exact_match"] for s in scores]))}, answers
 
 
-def main_suite(served):
+def main_suite(served, workdir: str):
   """The `--suite` table (module docstring)."""
-  meta = read_run_meta(_WORKDIR.value)
+  meta = read_run_meta(workdir)
   length = int(meta["config"]["data"]["seq_len"])
   suite = suite_lib.suite_config(lengths=(length,), examples_per_cell=_SUITE_EXAMPLES.value)
   examples = [e for _, e in suite_lib.build_examples(suite, served.tokenizer, length)]
@@ -145,11 +151,18 @@ def main(argv):
   if len(argv) > 1:
     raise app.UsageError(f"unexpected arguments {argv[1:]}")
   console.quiet_library_info()
-  served = load_model(workdir=_WORKDIR.value)
-  if _SUITE.value:
-    what, rows = main_suite(served)
+  tables = []
+  for workdir in _WORKDIR.value:
+    served = load_model(workdir=workdir)
+    what, rows = main_suite(served, workdir) if _SUITE.value else main_env(served)
     print_table(served.source, what, rows)
-    return
+    tables.append(rows)
+  if len(tables) > 1:
+    print_over_runs(tables)
+
+
+def main_env(served):
+  """The environment table (module docstring)."""
   env = envs.make(_ENV.value)
   tasks = [env.task(i, "eval") for i in range(_TASKS.value)]
   config = ml_collections.ConfigDict({
@@ -170,7 +183,7 @@ def main(argv):
            "agreement": float(np.mean([a == b for a, b in zip(conversations, reference)]))}
     rows.append(row)
     print(json.dumps(row), flush=True)
-  print_table(served.source, f"{_ENV.value}, {_TASKS.value} eval tasks, greedy", rows)
+  return f"{_ENV.value}, {_TASKS.value} eval tasks, greedy", rows
 
 
 def print_table(source: str, what: str, rows: list[dict]) -> None:
@@ -179,6 +192,27 @@ def print_table(source: str, what: str, rows: list[dict]) -> None:
   for row in rows:
     print(f"{row['format']:<16}{row['heldout_loss']:>14.4f}{row['accuracy']:>10.3f}"
           f"{row['agreement']:>11.3f}")
+
+
+def print_over_runs(tables: list[list[dict]]) -> None:
+  """Each format's mean ± the 95% Student t half-width over the runs, and its accuracy minus
+  the first format's, paired by run (an effect only where that interval excludes 0)."""
+  n = len(tables)
+  print(f"\nover {n} runs: mean ± 95% t half-width (n = {n})")
+  first = tables[0][0]["format"]
+  print(f"{'format':<16}{'held-out loss':>20}{'accuracy':>16}{'accuracy - ' + first:>26}"
+        f"{'agreement':>16}")
+  show = lambda values, scale=1.0, digits=3: intervals.format_interval(
+      intervals.mean_interval(values), scale=scale, digits=digits)
+  for i, row in enumerate(tables[0]):
+    rows = [t[i] for t in tables]
+    change = intervals.mean_interval([r["accuracy"] - t[0]["accuracy"]
+                                      for r, t in zip(rows, tables)])
+    effect = " (effect)" if intervals.excludes_zero(change) else ""
+    print(f"{row['format']:<16}{show([r['heldout_loss'] for r in rows], digits=4):>20}"
+          f"{show([r['accuracy'] for r in rows]):>16}"
+          f"{intervals.format_interval(change, digits=3) + effect:>26}"
+          f"{show([r['agreement'] for r in rows]):>16}")
 
 
 if __name__ == "__main__":

@@ -107,7 +107,8 @@ def batch_signal_metrics(samples, advantages_N, difficulty=None) -> dict:
     weight = np.asarray([max(a, 0.0) * s.response_length
                          for s, a in zip(samples, advantages_N)])
     lucky = np.asarray([s.correct and s.info.get("reasoning_ok") is False for s in samples])
-    out["lucky_advantage_share"] = float(weight[lucky].sum() / weight.sum()) if weight.sum() else 0.0
+    total = weight.sum()
+    out["lucky_advantage_share"] = float(weight[lucky].sum() / total) if total else 0.0
   if difficulty is not None:
     buckets = collections.defaultdict(list)
     for s in samples:

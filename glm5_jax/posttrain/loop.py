@@ -30,8 +30,9 @@ into `config.model`); else (tests only) a fresh init from `config.seed`.
 Metrics per step go to `<workdir>/metrics.jsonl` (and TensorBoard) with a progress line:
 reward and accuracy, response length, turns, truncated share, the step's metrics (policy loss,
 clip fractions, IcePop-masked fraction, entropy, the train/rollout log-prob mismatch, gradient
-and update norms), what tells signal from noise (`learning_signal.batch_signal_metrics`: groups with no
-signal, lucky answers' share of the positive advantage, reward per difficulty; `kl_to_start`),
+and update norms), what tells signal from noise (`learning_signal.batch_signal_metrics`: groups
+with no signal, lucky answers' share of the positive advantage, reward per difficulty;
+`kl_to_start`),
 and generation and train seconds; held-out accuracy as split "eval".
 """
 
@@ -48,7 +49,8 @@ from glm5_jax.api import abstract_params, init_params
 from glm5_jax.config import ModelConfig, require
 from glm5_jax.data import check_vocab, make_tokenizer
 from glm5_jax.eval.checkpoints import load_run
-from glm5_jax.posttrain import algorithms, rollout, rl_step, sandbox, learning_signal, tasks as tasks_lib
+from glm5_jax.posttrain import algorithms, learning_signal, rollout, rl_step, sandbox
+from glm5_jax.posttrain import tasks as tasks_lib
 from glm5_jax.posttrain.rl_config_checks import validate_rl_experiment
 from glm5_jax.seeds import derive_seed
 from glm5_jax.sharding import activation_sharding
@@ -236,8 +238,8 @@ def step_samples(config, params, env, step: int, tokenizer, model) -> tuple[list
 
 
 def signal_metrics(config, samples, batch, env) -> dict:
-  """`learning_signal.batch_signal_metrics` of a GRPO batch (per-sample advantages read back from its
-  per-token ones); {} for distillation, whose advantages are per token."""
+  """`learning_signal.batch_signal_metrics` of a GRPO batch (per-sample advantages read back
+  from its per-token ones); {} for distillation, whose advantages are per token."""
   if config.rl.loss != "grpo":
     return {}
   mask = batch["loss_mask"]
