@@ -287,7 +287,8 @@ def _refill(config, model, env, tokenizer, params, batch, samples, round_, seed,
             if not learning_signal.has_signal([s.reward for s in samples[i * g:(i + 1) * g]])]
   if not silent:
     return samples, 0
-  tasks = [env.task(learning_signal.refill_task_index(batch[i].task, round_), "train") for i in silent]
+  tasks = [env.task(learning_signal.refill_task_index(batch[i].task, round_), "train")
+           for i in silent]
   episodes = rollout.new_episodes(tasks, g, tokenizer, config.data.seq_len)
   fresh, _ = rollout.play_episodes(config, params, env, episodes,
                                    seed=derive_seed(seed, "refill", round_), tokenizer=tokenizer,
