@@ -101,10 +101,11 @@ def test_unsafe_runs_are_still_held_to_the_run_totals(monkeypatch):
   spin = ("import os, time\nfor _ in range(3):\n  if os.fork() == 0:\n"
           "    while time.process_time() < 0.2:\n      pass\n    os._exit(0)\n"
           "for _ in range(3):\n  os.wait()\nprint('not stopped')\n")
-  r = sandbox.run_python({"main.py": spin}, "main.py", allow_unsafe=True,
-                         limits=Limits(wall_seconds=10.0, cpu_seconds=0.3))
+  limits = Limits(wall_seconds=10.0, cpu_seconds=0.3)
+  r = sandbox.run_python({"main.py": spin}, "main.py", allow_unsafe=True, limits=limits)
   assert (r.killed_by, r.exit_code, r.ok) == ("cpu_seconds", -9, False), r
   assert "not stopped" not in r.output
+  assert sandbox.stop_reason(r, limits) == "used more than 0.3 s of CPU (the whole run)"
 
 
 def test_bubblewrap_missing_is_one_line_naming_the_install(monkeypatch):

@@ -133,6 +133,17 @@ class Result:
     return self.exit_code == 0 and not self.killed_by
 
 
+STOPPED = {"wall_seconds": "timed out after {wall_seconds:g} s",
+           "output_bytes": "printed more than {output_bytes} bytes",
+           "memory_bytes": "used more than {memory_bytes} bytes of memory (the whole run)",
+           "cpu_seconds": "used more than {cpu_seconds:g} s of CPU (the whole run)"}
+
+
+def stop_reason(result: Result, limits: Limits) -> str:
+  """Why the sandbox ended the run, in words ("" when it did not)."""
+  return STOPPED[result.killed_by].format(**dataclasses.asdict(limits)) if result.killed_by else ""
+
+
 @dataclasses.dataclass(frozen=True)
 class Isolation:
   """What contains a run here, and what holds each of its per-run limits."""
