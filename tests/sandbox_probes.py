@@ -240,6 +240,17 @@ PROBES = {
         "import time\nfor i in range(3):\n  open(f'f{i}', 'wb').write(b'x' * (32 << 20))\n"
         "x = bytearray(64 << 20)\nx[::4096] = b'x' * len(x[::4096])\ntime.sleep(1.0)\n"
         "print('ESCAPED 96 MiB of files and 64 MiB held for 1 s')\n"),
+    "memory_out_of_sight": lambda m: (  # 160 MiB in no process's pages, budget 128 MiB
+        "import ctypes, os, time\nlibc = ctypes.CDLL(None, use_errno=True)\n"
+        "libc.shmat.restype = ctypes.c_void_p\nheld, fds = [], []\n"
+        "for i in range(5):  # SysV shared memory, detached: mapped by no one\n"
+        "  sid = libc.shmget(0, 32 << 20, 0o1600)\n  if sid < 0:\n    break\n"
+        "  addr = libc.shmat(sid, None, 0)\n  ctypes.memset(addr, 1, 32 << 20)\n"
+        "  libc.shmdt(ctypes.c_void_p(addr))\n  held.append('shm')\n"
+        "while len(held) < 5:  # then memfds, written, never mapped\n  try:\n"
+        "    fd = os.memfd_create('m')\n    os.write(fd, b'x' * (32 << 20))\n"
+        "  except OSError:\n    break\n  fds.append(fd)\n  held.append('memfd')\n"
+        "time.sleep(1.0)\nif len(held) == 5: print('ESCAPED held 5 x 32 MiB', held)\n"),
     "cpu_over_the_run_budget": lambda m: (  # 4 processes x 0.3 s of CPU at once, budget 0.5 s
         f"import os, time\nkids = []\nfor _ in range(4):\n  pid = os.fork()\n  if pid == 0:\n"
         f"{SPIN.format(seconds=0.3)}    os._exit(0)\n  kids.append(pid)\n"
@@ -273,6 +284,8 @@ LIMITS = {"cpu_spin": dict(wall_seconds=6.0, cpu_seconds=0.5),
           "memory_over_the_run_budget": dict(memory_bytes=128 << 20, wall_seconds=6.0),
           "memory_plus_tmpfs_over_the_run_budget": dict(
               memory_bytes=128 << 20, tmpfs_bytes=256 << 20, file_bytes=32 << 20, wall_seconds=6.0),
+          "memory_out_of_sight": dict(memory_bytes=128 << 20, file_bytes=32 << 20,
+                                      wall_seconds=6.0),
           "cpu_over_the_run_budget": dict(cpu_seconds=0.5, wall_seconds=10.0),
           "cpu_over_the_run_budget_unreaped": dict(cpu_seconds=0.5, wall_seconds=10.0),
           "gigabyte_of_output": dict(wall_seconds=10.0, output_bytes=4096)}

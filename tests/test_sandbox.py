@@ -42,7 +42,7 @@ def escapes(report: dict) -> dict:
 @pytest.mark.skipif(os.geteuid() != 0, reason="the caller is not root")
 def test_every_probe_is_contained_for_a_root_caller():
   report = probe_report()
-  assert report["mode"] == "bwrap" and len(report["probes"]) >= 38, report
+  assert report["mode"] == "bwrap" and len(report["probes"]) >= 39, report
   assert escapes(report) == {}
 
 

@@ -18,7 +18,10 @@ system package: `apt-get install bubblewrap`; README, "System dependencies"):
     (setsid, double fork, nohup, SIGTERM-ignoring children included); it cannot see or signal
     the caller's processes;
   - no capabilities, no new user namespaces, a cleared environment (PATH, HOME, LANG,
-    PYTHONHASHSEED, TMPDIR), stdin /dev/null, the interpreter with `-E -s -S -B`;
+    PYTHONHASHSEED, TMPDIR), stdin /dev/null, the interpreter with `-E -s -S -B`; a seccomp
+    filter refuses System V IPC and POSIX message queues (memory no process's pages show, so
+    no watchdog could count it) and every syscall of another ABI (x86_64 and aarch64;
+    elsewhere no filter);
   - per-run limits that share no budget with other runs (`isolation()` says what holds each):
     processes: RLIMIT_NPROC counts per user namespace, and each run has its own (a fork bomb
     in one run never stops another's fork). The program's uid is never 0 outside (the kernel
@@ -169,13 +172,16 @@ def _inside(prefix: str) -> str:
   return prefix if prefix == "/usr" or prefix.startswith("/usr/") else PYTHON
 
 
-def bwrap_args(prefix_source: str, prefix: str, limits: Limits,
-               spec_fd: int) -> tuple[list[str], list[str]]:
+def bwrap_args(prefix_source: str, prefix: str, limits: Limits, spec_fd: int,
+               seccomp_fd: int | None = None) -> tuple[list[str], list[str]]:
   """bubblewrap's (options, command): the options build the allow-list root, namespaces and
   the box (they go through `--args FD`: no host path on a command line); the command is the
-  INNER boot, which reads the program's spec from `spec_fd`."""
+  INNER boot, which reads the program's spec from `spec_fd`. `seccomp_fd`: the filter
+  (sandbox_budget.seccomp_filter) to load, if any."""
   args = ["--unshare-all", "--unshare-user", "--die-with-parent", "--new-session",
           "--hostname", "sandbox", "--ro-bind", "/usr", "/usr"]
+  if seccomp_fd is not None:
+    args += ["--seccomp", str(seccomp_fd)]
   if "--disable-userns" in _bwrap_help():  # bubblewrap >= 0.8
     args.append("--disable-userns")
   for name in ROOT_LINKS:  # merged-/usr systems link these into /usr; others are directories
@@ -336,9 +342,11 @@ def _start_bwrap(files: dict, main: str, limits: Limits, budget):
   spec_fd = _memfd(json.dumps(_program_spec(files, main, limits, BOX, inside + in_prefix,
                                             inside + "/lib")).encode())
   source = sandbox_boot.STAGED if root else prefix
-  options, command = bwrap_args(source, prefix, limits, spec_fd)
+  seccomp = sandbox_budget.seccomp_filter(os.uname().machine)
+  fds = [spec_fd] + ([_memfd(seccomp)] if seccomp else [])
+  options, command = bwrap_args(source, prefix, limits, spec_fd, fds[1] if seccomp else None)
   args_fd = _memfd(b"".join(a.encode() + b"\0" for a in options))
-  fds = [spec_fd, args_fd]
+  fds.append(args_fd)
   try:
     if root:
       host = {"python_prefix": prefix, "uid": limits.uid, "gid": limits.gid,

@@ -15,8 +15,10 @@ is counted one of two ways, chosen when the run starts (`Budget.memory_by`, `.cp
               /proc/<the sandbox's pid 1>/root/proc, which lists exactly the run's processes
               (its pid namespace) and nothing of the host's. Memory: the sum of their
               proportional set sizes (smaps_rollup `Pss`: a page shared by n processes counts
-              1/n in each, so forked copies of the interpreter are not counted n times) plus the
-              bytes used in the run's tmpfs. CPU: the larger of two lower bounds, the last
+              1/n in each, so forked copies of the interpreter are not counted n times), the
+              memfds they hold open, and the bytes used in the run's tmpfs. System V IPC and
+              POSIX message queues, which hold memory no process shows, are refused to every
+              run (`seccomp_filter`). CPU: the larger of two lower bounds, the last
               utime + stime seen of every process ever seen in the run, and utime + stime +
               cutime + cstime of the live ones (children reaped by a wait, orphans reaped by
               pid 1 included).
@@ -29,7 +31,8 @@ names the limit. What the watchdog cannot do, honestly:
     budget, plus the time one poll takes (a few ms);
   - a process that lives less than one poll and is reaped with SIGCHLD ignored (the kernel then
     adds its time to no one's cutime) is never counted; the wall clock still bounds such a run;
-  - kernel memory (page tables, pipe and socket buffers) is not counted.
+  - kernel memory (page tables, pipe and socket buffers) is not counted; a memfd passed to
+    another process of the run counts once per holder (too much, never too little).
 In unsafe mode (no sandbox) the watchdog reads the host's /proc: the run is the boot's process
 tree (the boot is its children's subreaper), and there is no tmpfs.
 """
@@ -37,6 +40,7 @@ tree (the boot is its children's subreaper), and there is no tmpfs.
 import functools
 import itertools
 import os
+import struct
 import time
 
 from glm5_jax.posttrain import sandbox_boot
@@ -74,7 +78,9 @@ def counted_by(root_caller: bool) -> dict:
           "cpu": "cgroup" if root_caller and _cgroup_root("cpuacct") else "watchdog"}
 
 
-def _make_cgroup(controller: str, settings: dict) -> str | None:
+def _make_cgroup(controller: str, settings: dict, optional=()) -> str | None:
+  """A new child cgroup of `controller` with `settings` ({file: value}, in order; those named
+  in `optional` may be missing here), or None where none can be made."""
   base = _cgroup_root(controller)
   if base is None:
     return None
@@ -82,6 +88,8 @@ def _make_cgroup(controller: str, settings: dict) -> str | None:
   try:
     os.mkdir(path)
     for name, value in settings.items():
+      if name in optional and not os.path.exists(os.path.join(path, name)):
+        continue
       with open(os.path.join(path, name), "w") as f:
         f.write(str(value))
   except OSError:
@@ -133,7 +141,11 @@ class Budget:
     self.memory_bytes, self.cpu_seconds, self.sandboxed = memory_bytes, cpu_seconds, sandboxed
     self.memory_cgroup = self.cpu_cgroup = None
     if root_caller and sandboxed:
-      self.memory_cgroup = _make_cgroup("memory", {"memory.limit_in_bytes": memory_bytes})
+      # memsw (memory + swap, where swap is accounted): swapping out never makes room.
+      self.memory_cgroup = _make_cgroup(
+          "memory", {"memory.limit_in_bytes": memory_bytes,
+                     "memory.memsw.limit_in_bytes": memory_bytes},
+          optional=("memory.memsw.limit_in_bytes",))
       self.cpu_cgroup = _make_cgroup("cpuacct", {})
     self.memory_by = "cgroup" if self.memory_cgroup else "watchdog"
     self.cpu_by = "cgroup" if self.cpu_cgroup else "watchdog"
@@ -191,7 +203,7 @@ class Budget:
         self._seen_cpu[(pid, fields[19])] = utime + stime
         live_cpu += utime + stime + cutime + cstime
         if self.memory_by == "watchdog":
-          memory += _pss(f"{proc}/{pid}/smaps_rollup")
+          memory += _pss(f"{proc}/{pid}/smaps_rollup") + _memfd_bytes(proc, pid)
       except (OSError, ValueError, IndexError):  # it exited between the listing and the read
         pass
     if tmp and self.memory_by == "watchdog":
@@ -219,6 +231,49 @@ class Budget:
       return "/proc", [], None  # bwrap is still building the root: nothing of the run runs yet
     return (f"{inside}/proc", [int(n) for n in os.listdir(f"{inside}/proc") if n.isdigit()],
             f"{inside}/tmp")
+
+
+# ---- memory no process maps: refused (SysV IPC) or counted (memfds) --------------------------
+
+# System V IPC objects (shared memory segments, message queues, semaphores) and POSIX message
+# queues outlive every mapping and every process of the run's IPC namespace, so no /proc file
+# of a process shows them: a detached segment of any size is in no process's Pss. The sandbox
+# refuses their creation (EPERM) with a seccomp filter (bwrap --seccomp); a memory cgroup would
+# charge them, the watchdog cannot see them. {machine: (AUDIT_ARCH_*, {name: syscall nr})}.
+REFUSED = {"x86_64": (0xC000003E, {"shmget": 29, "semget": 64, "msgget": 68, "mq_open": 240}),
+           "aarch64": (0xC00000B7, {"shmget": 194, "semget": 190, "msgget": 186,
+                                    "mq_open": 180})}
+X32_BIT = 0x40000000  # x86_64's x32 ABI: the same calls under other numbers, all refused
+
+
+def seccomp_filter(machine: str) -> bytes | None:
+  """The classic-BPF program (struct sock_filter[]) refusing REFUSED on `machine` and every
+  syscall of another ABI (i386 int 0x80, x32), or None on a machine REFUSED does not list."""
+  if machine not in REFUSED:
+    return None
+  arch, calls = REFUSED[machine]
+  load, jeq, jset, ret = 0x20, 0x15, 0x45, 0x06  # BPF_LD|W|ABS, JMP|JEQ|K, JMP|JSET|K, RET|K
+  allow, refuse = 0x7FFF0000, 0x00050000 | 1  # SECCOMP_RET_ALLOW, SECCOMP_RET_ERRNO | EPERM
+  tests = ([(jset, X32_BIT)] if machine == "x86_64" else []) + [(jeq, n) for n in calls.values()]
+  # (code, jump if true, jump if false, k); a jump skips that many instructions. Another arch,
+  # or a match of a test, jumps to the last instruction (refuse).
+  body = [(load, 0, 0, 4), (jeq, 0, len(tests) + 2, arch), (load, 0, 0, 0)]
+  body += [(op, len(tests) - i, 0, k) for i, (op, k) in enumerate(tests)]
+  body += [(ret, 0, 0, allow), (ret, 0, 0, refuse)]
+  return b"".join(struct.pack("=HBBI", *ins) for ins in body)
+
+
+def _memfd_bytes(proc: str, pid: int) -> int:
+  """Bytes held in memfds (anonymous shmem files) that process `pid` has open: like /tmp's
+  files, memory that no mapping shows until someone maps it."""
+  total, fds = 0, f"{proc}/{pid}/fd"
+  for fd in os.listdir(fds):
+    try:
+      if os.readlink(f"{fds}/{fd}").startswith("/memfd:"):
+        total += os.stat(f"{fds}/{fd}").st_blocks * 512
+    except OSError:  # closed meanwhile
+      pass
+  return total
 
 
 def _pss(path: str) -> int:
