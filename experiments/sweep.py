@@ -18,7 +18,11 @@ or, with --parallel=N, up to N worker processes at a time. Everything goes under
 one directory per run and the report, `results.json`, `results.md` and plots (accuracy vs
 context length per variant, loss curves). Re-running the same command resumes: finished runs
 are skipped, a half-trained run continues from its checkpoint. --report_only rewrites the
-report from the finished runs.
+report from the finished runs, or, in a directory without runs/ (a published report such as
+docs/ablations/<name>), from its own results.json, with the sweep's current checks:
+
+  python experiments/sweep.py --sweep=configs/sweeps/muon_split.py --report_only \
+      --sweep_dir=docs/ablations/muon_split
 
 --seeds=0,1,2 runs the whole sweep once per seed (each run `x` as `x_seed<s>`, the experiment
 config's `seed` = s; glm5_jax.sweeps.spec, "Seeds"), and the report gives every run's mean and
@@ -80,7 +84,10 @@ def main(argv):
       raise app.UsageError(f"--report_only: no sweep directory {sweep_dir!r} (run the sweep "
                            "first, or pass its --sweep_dir)")
     runs = parse_runs(sweep)
-    results = sweep_runner.finished_results(sweep_dir, runs, "error")
+    if os.path.isdir(os.path.join(sweep_dir, "runs")):
+      results = sweep_runner.finished_results(sweep_dir, runs, "error")
+    else:  # a published report (docs/ablations/<name>): its own results.json
+      results = sweep_report.stored_results(sweep, sweep_dir, runs)
     outcome = sweep_runner.SweepOutcome(runs=runs, results=results, failed={})
   else:
     outcome = sweep_runner.run_sweep(

@@ -4,7 +4,7 @@
 
 Stdlib only, and the sandbox module is loaded by its file path, so this also runs as a normal
 user (`--as-uid`: the test drops to that uid in a subprocess, with an interpreter and a copy of
-the two sandbox files that uid can read). Each probe is (program, limits, host check): the
+the sandbox files (SIBLINGS) that uid can read). Each probe is (program, limits, host check): the
 program prints a line starting "ESCAPED" when its attack worked; the host check looks for what
 the program may have left or done outside (a file, a process, a changed byte) and returns a
 text when it finds one. A probe is contained when neither reports anything.
@@ -17,6 +17,7 @@ TCP and a UDP port on 127.0.0.1, UNIX sockets in the abstract namespace, in /tmp
 
 import argparse
 import contextlib
+import functools
 import glob
 import importlib.util
 import json
@@ -33,6 +34,7 @@ import types
 HERE = os.path.dirname(os.path.abspath(__file__))
 SANDBOX = os.path.join(HERE, "..", "glm5_jax", "posttrain", "sandbox.py")
 SECRET = "hunter2"
+SIBLINGS = ("sandbox_boot.py", "sandbox_budget.py")  # the modules sandbox.py imports
 
 
 def load_file(name: str, path: str):
@@ -44,15 +46,16 @@ def load_file(name: str, path: str):
 
 
 def load_sandbox(path: str = SANDBOX):
-  """sandbox.py and its sibling sandbox_boot.py from their files, under empty stand-ins for
+  """sandbox.py and its siblings (SIBLINGS) from their files, under empty stand-ins for
   their packages (no jax; a normal user may not be able to read the installed package). Only
   in a process of its own (the script), never beside the real package."""
   for package in ("glm5_jax", "glm5_jax.posttrain"):
     sys.modules[package] = types.ModuleType(package)
   path = os.path.abspath(path)
-  boot = load_file("glm5_jax.posttrain.sandbox_boot",
-                   os.path.join(os.path.dirname(path), "sandbox_boot.py"))
-  sys.modules["glm5_jax.posttrain"].sandbox_boot = boot
+  for sibling in SIBLINGS:
+    name = sibling[:-len(".py")]
+    module = load_file(f"glm5_jax.posttrain.{name}", os.path.join(os.path.dirname(path), sibling))
+    setattr(sys.modules["glm5_jax.posttrain"], name, module)
   return load_file("glm5_jax.posttrain.sandbox", path)
 
 
@@ -162,6 +165,7 @@ def leftover(m: dict) -> str | None:
 
 
 SLEEPER = "os.execv('/bin/sleep', ['sleep', '3600.{token}'])"
+SPIN = "    while time.process_time() < {seconds}:\n      pass\n"  # in a child, 4 spaces in
 PROBES = {
     # ---- network and host sockets ----
     "tcp_loopback": lambda m: try_all([
@@ -231,6 +235,31 @@ PROBES = {
         "  if len(held) == 4: break\n  time.sleep(0.05)\n"
         "if len(held) == 4: print('ESCAPED 4 x 64 MiB held at once')\n"
         "for k in kids:\n  os.waitpid(k, 0)\n"),
+    # Run totals: many processes, each under the per-process limit, together over the run's.
+    "memory_plus_tmpfs_over_the_run_budget": lambda m: (  # 96 MiB of files + 64 MiB, budget 128
+        "import time\nfor i in range(3):\n  open(f'f{i}', 'wb').write(b'x' * (32 << 20))\n"
+        "x = bytearray(64 << 20)\nx[::4096] = b'x' * len(x[::4096])\ntime.sleep(1.0)\n"
+        "print('ESCAPED 96 MiB of files and 64 MiB held for 1 s')\n"),
+    "memory_out_of_sight": lambda m: (  # 160 MiB in no process's pages, budget 128 MiB
+        "import ctypes, os, time\nlibc = ctypes.CDLL(None, use_errno=True)\n"
+        "libc.shmat.restype = ctypes.c_void_p\nheld, fds = [], []\n"
+        "for i in range(5):  # SysV shared memory, detached: mapped by no one\n"
+        "  sid = libc.shmget(0, 32 << 20, 0o1600)\n  if sid < 0:\n    break\n"
+        "  addr = libc.shmat(sid, None, 0)\n  ctypes.memset(addr, 1, 32 << 20)\n"
+        "  libc.shmdt(ctypes.c_void_p(addr))\n  held.append('shm')\n"
+        "while len(held) < 5:  # then memfds, written, never mapped\n  try:\n"
+        "    fd = os.memfd_create('m')\n    os.write(fd, b'x' * (32 << 20))\n"
+        "  except OSError:\n    break\n  fds.append(fd)\n  held.append('memfd')\n"
+        "time.sleep(1.0)\nif len(held) == 5: print('ESCAPED held 5 x 32 MiB', held)\n"),
+    "cpu_over_the_run_budget": lambda m: (  # 4 processes x 0.3 s of CPU at once, budget 0.5 s
+        f"import os, time\nkids = []\nfor _ in range(4):\n  pid = os.fork()\n  if pid == 0:\n"
+        f"{SPIN.format(seconds=0.3)}    os._exit(0)\n  kids.append(pid)\n"
+        "for k in kids:\n  os.waitpid(k, 0)\nprint('ESCAPED 1.2 s of CPU')\n"),
+    "cpu_over_the_run_budget_unreaped": lambda m: (  # one after another, never waited for
+        "import os, signal, time\nsignal.signal(signal.SIGCHLD, signal.SIG_IGN)\n"
+        f"for _ in range(4):\n  pid = os.fork()\n  if pid == 0:\n{SPIN.format(seconds=0.3)}"
+        "    os._exit(0)\n  while os.path.exists(f'/proc/{pid}'):  # gone once auto-reaped\n"
+        "    time.sleep(0.02)\nprint('ESCAPED 1.2 s of CPU')\n"),
     "gigabyte_of_output": lambda m: (
         "import sys\nb = b'x' * (1 << 20)\nfor _ in range(1024):\n  sys.stdout.buffer.write(b)\n"
         "print('ESCAPED')\n"),
@@ -248,12 +277,26 @@ PROBES = {
         f"if libc.process_vm_readv({m['caller']}, ctypes.byref(local), 1, ctypes.byref(remote), 1, 0) > 0:\n"
         "  print('ESCAPED read the caller')\n"),
 }
-LIMITS = {"cpu_spin": dict(wall_seconds=6.0, cpu_seconds=1),
+LIMITS = {"cpu_spin": dict(wall_seconds=6.0, cpu_seconds=0.5),
           "sleep_past_wall_clock": dict(wall_seconds=1.0),
           "fork_bomb": dict(wall_seconds=1.0, cpu_seconds=3, processes=8),
           "disk_fill": dict(tmpfs_bytes=32 << 20, wall_seconds=6.0),
           "memory_over_the_run_budget": dict(memory_bytes=128 << 20, wall_seconds=6.0),
+          "memory_plus_tmpfs_over_the_run_budget": dict(
+              memory_bytes=128 << 20, tmpfs_bytes=256 << 20, file_bytes=32 << 20, wall_seconds=6.0),
+          "memory_out_of_sight": dict(memory_bytes=128 << 20, file_bytes=32 << 20,
+                                      wall_seconds=6.0),
+          "cpu_over_the_run_budget": dict(cpu_seconds=0.5, wall_seconds=10.0),
+          "cpu_over_the_run_budget_unreaped": dict(cpu_seconds=0.5, wall_seconds=10.0),
           "gigabyte_of_output": dict(wall_seconds=10.0, output_bytes=4096)}
+def ended_by(limit: str, m: dict, r) -> str | None:
+  """The sandbox, not the program, must have ended the run, with the run total `limit`."""
+  killed_by = getattr(r, "killed_by", "")
+  return None if killed_by == limit else (
+      f"not ended by the run's {limit} (killed_by={killed_by!r}, exit {r.exit_code}, "
+      f"{r.seconds:.1f} s)")
+
+
 HOST_CHECKS = {
     "write_project_source": lambda m, r: changed(f"{m['project']}/glm5_jax/model.py"),
     "write_bashrc": lambda m, r: changed(f"{m['home']}/.bashrc"),
@@ -270,6 +313,11 @@ HOST_CHECKS = {
         f"{len(r.output)} bytes kept"),
     "memory_4gib": lambda m, r: None if "MemoryError" in r.output else f"no MemoryError: {r.output[-80:]!r}",
     "kill_caller": lambda m, r: None,  # the caller reporting at all is the check
+    **{name: functools.partial(ended_by, limit) for name, limit in (
+        ("memory_over_the_run_budget", "memory_bytes"),
+        ("memory_plus_tmpfs_over_the_run_budget", "memory_bytes"),
+        ("cpu_over_the_run_budget", "cpu_seconds"),
+        ("cpu_over_the_run_budget_unreaped", "cpu_seconds"))},
 }
 
 
@@ -370,8 +418,8 @@ def as_user(uid: int, sandbox_path: str, only: str = "") -> dict:
     os.chmod(base, 0o755)
     code = os.path.join(base, "code")
     os.mkdir(code)
-    for path in (sandbox_path, os.path.join(os.path.dirname(sandbox_path), "sandbox_boot.py"),
-                 os.path.abspath(__file__)):
+    siblings = [os.path.join(os.path.dirname(sandbox_path), s) for s in SIBLINGS]
+    for path in (sandbox_path, *siblings, os.path.abspath(__file__)):
       shutil.copy(path, code)
     os.mkdir(os.path.join(base, "m"))
     os.chown(os.path.join(base, "m"), uid, uid)
@@ -409,7 +457,7 @@ def main() -> None:
     shutil.rmtree(base, ignore_errors=True)
   iso = sb.isolation()
   print(json.dumps({"uid": os.getuid(), "mode": iso.mode, "memory": getattr(iso, "memory", ""),
-                    "probes": report}))
+                    "cpu": getattr(iso, "cpu", ""), "probes": report}))
 
 
 if __name__ == "__main__":

@@ -42,7 +42,7 @@ def escapes(report: dict) -> dict:
 @pytest.mark.skipif(os.geteuid() != 0, reason="the caller is not root")
 def test_every_probe_is_contained_for_a_root_caller():
   report = probe_report()
-  assert report["mode"] == "bwrap" and len(report["probes"]) >= 35, report
+  assert report["mode"] == "bwrap" and len(report["probes"]) >= 39, report
   assert escapes(report) == {}
 
 
@@ -52,12 +52,9 @@ def test_every_probe_is_contained_for_a_normal_user():
   if "skipped" in report:
     pytest.skip(report["skipped"])
   assert report["uid"] != 0 and report["mode"] == "bwrap", report
-  found = escapes(report)
-  # A normal user cannot make a cgroup here: memory is bounded per process (RLIMIT_AS), a
-  # run's total at most processes x memory_bytes (sandbox docstring), not memory_bytes.
-  if report.get("memory") != "cgroup":
-    found.pop("memory_over_the_run_budget", None)
-  assert found == {}
+  # A normal user cannot make a cgroup here: the caller's watchdog holds the run's totals.
+  assert (report["memory"], report["cpu"]) == ("watchdog", "watchdog"), report
+  assert escapes(report) == {}
 
 
 @isolated
@@ -96,6 +93,19 @@ def test_refuses_without_a_sandbox_unless_unsafe(monkeypatch, tmp_path):
   r = sandbox.run_python({"main.py": program}, "main.py", limits=FAST, allow_unsafe=True)
   assert r.ok and r.mode == "none" and "glm5-sandbox-" in r.output, r
   assert os.listdir(tmp_path) == []
+
+
+def test_unsafe_runs_are_still_held_to_the_run_totals(monkeypatch):
+  """Without a sandbox the watchdog reads the boot's process tree in the host's /proc."""
+  monkeypatch.setattr(sandbox, "isolation", lambda: sandbox.Isolation("none", "test: no bwrap"))
+  spin = ("import os, time\nfor _ in range(3):\n  if os.fork() == 0:\n"
+          "    while time.process_time() < 0.2:\n      pass\n    os._exit(0)\n"
+          "for _ in range(3):\n  os.wait()\nprint('not stopped')\n")
+  limits = Limits(wall_seconds=10.0, cpu_seconds=0.3)
+  r = sandbox.run_python({"main.py": spin}, "main.py", allow_unsafe=True, limits=limits)
+  assert (r.killed_by, r.exit_code, r.ok) == ("cpu_seconds", -9, False), r
+  assert "not stopped" not in r.output
+  assert sandbox.stop_reason(r, limits) == "used more than 0.3 s of CPU (the whole run)"
 
 
 def test_bubblewrap_missing_is_one_line_naming_the_install(monkeypatch):

@@ -1,7 +1,12 @@
 """A sweep report's expected orderings (glm5_jax.sweeps.report) on made-up results, no training:
 runs shorter than a check's `min_steps` read "too short to show", never "does not hold", and
-the report says which orderings those are; the steps behind a run follow its starting runs."""
+the report says which orderings those are; the steps behind a run follow its starting runs; a
+published report is rewritten from its own results.json."""
 
+import json
+import types
+
+import ml_collections
 import pytest
 
 from glm5_jax.sweeps import report
@@ -106,3 +111,18 @@ def test_checks_over_seeds_are_decided_by_the_interval_of_the_paired_differences
   one = report.evaluate_checks([check("a", "<", "b", metric="text_loss")],
                                {k: v for k, v in runs.items() if k.endswith("seed0")})
   assert one[0]["holds"] is None and one[0]["not_shown"] == "one seed: no interval"
+
+
+def test_a_published_report_is_rewritten_from_its_own_results(tmp_path):
+  sweep = ml_collections.ConfigDict(dict(size=dict(train_steps=600)))
+  runs_in_order = [types.SimpleNamespace(name=n) for n in ("baseline", "continued", "gone")]
+  with pytest.raises(FileNotFoundError, match="neither runs/ nor results.json"):
+    report.stored_results(sweep, str(tmp_path), runs_in_order)
+  (tmp_path / "results.json").write_text(json.dumps(dict(size=dict(train_steps=600),
+                                                         runs=_runs(600, 300))))
+  stored = report.stored_results(sweep, str(tmp_path), runs_in_order)
+  assert stored == {n: _runs(600, 300)[n] for n in ("baseline", "continued")}
+  sweep.size.train_steps = 3
+  with pytest.raises(ValueError, match=r"results.json: written at size .* pass the report's "
+                     r"--sweep.size.\* \(train_steps\)"):
+    report.stored_results(sweep, str(tmp_path), runs_in_order)

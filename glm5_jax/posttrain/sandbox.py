@@ -18,16 +18,24 @@ system package: `apt-get install bubblewrap`; README, "System dependencies"):
     (setsid, double fork, nohup, SIGTERM-ignoring children included); it cannot see or signal
     the caller's processes;
   - no capabilities, no new user namespaces, a cleared environment (PATH, HOME, LANG,
-    PYTHONHASHSEED, TMPDIR), stdin /dev/null, the interpreter with `-E -s -S -B`;
-  - rlimits: CPU seconds and address space per process, file size, open files, no core files,
-    and processes: RLIMIT_NPROC counts per user namespace, and each run has its own, so the
-    count is per run (a fork bomb in one run never stops another's fork). The program's uid
-    is never 0 outside (the kernel exempts uid 0 from RLIMIT_NPROC): a root caller's boot
-    drops to `Limits.uid` (nobody) first; a normal user's runs as that user;
-  - memory: with a root caller where a memory cgroup can be made, one cgroup per run holds
-    the whole run (every process, and its tmpfs) to `memory_bytes` (`isolation().memory ==
-    "cgroup"`); otherwise (a normal user, no writable cgroup) the bound is per process
-    (RLIMIT_AS), a run's total at most `processes x memory_bytes` ("per process");
+    PYTHONHASHSEED, TMPDIR), stdin /dev/null, the interpreter with `-E -s -S -B`; a seccomp
+    filter refuses System V IPC and POSIX message queues (memory no process's pages show, so
+    no watchdog could count it) and every syscall of another ABI (x86_64 and aarch64;
+    elsewhere no filter);
+  - per-run limits that share no budget with other runs (`isolation()` says what holds each):
+    processes: RLIMIT_NPROC counts per user namespace, and each run has its own (a fork bomb
+    in one run never stops another's fork). The program's uid is never 0 outside (the kernel
+    exempts uid 0 from RLIMIT_NPROC): a root caller's boot drops to `Limits.uid` (nobody)
+    first; a normal user's runs as that user. Memory (`memory_bytes`: every process and the
+    tmpfs together) and CPU (`cpu_seconds`: every process together, reaped ones included):
+    a root caller gives each run a memory cgroup (the kernel holds the run to the limit) and
+    a cpuacct cgroup (an exact count), `isolation().memory == .cpu == "cgroup"`; a normal user
+    cannot make a cgroup here, so the caller's watchdog sums the run's processes from the
+    sandbox's own /proc every 0.1 s ("watchdog"; it can overshoot by up to one poll, and
+    misses processes shorter than a poll that nobody waits for: sandbox_budget says exactly).
+    Past either total the run is killed, `Result.killed_by` naming the limit;
+  - rlimits per process besides: CPU seconds and address space (both the run's limits, so no
+    single process passes them between two polls), file size, open files, no core files;
   - a wall-clock timeout and an output cap (stdout and stderr together; reading stops at
     `output_bytes`): either kills the sandbox's pid 1, and so everything in it.
 The spec (files, limits) reaches the sandbox through inherited file descriptors, never a
@@ -35,8 +43,9 @@ command line (`/proc/1/cmdline` inside reads `bwrap --args 3`).
 
 "none": bubblewrap is missing or cannot run here (`isolation().reason` says why). Then
 `run_python` refuses with a one-line SandboxError unless `allow_unsafe=True`, which runs the
-program in the caller's namespaces with only the rlimits, the cleared environment, a fresh cwd,
-the timeout and the kill of its descendants: it CAN reach the network, read and write every
+program in the caller's namespaces with only the rlimits (RLIMIT_NPROC then counts all the
+caller's processes), the watchdog's totals, the cleared environment, a fresh cwd, the timeout
+and the kill of its descendants: it CAN reach the network, read and write every
 file the caller can and signal the caller's processes. For trusted code only.
 
 `hide` and `hide_in_this_process` (the RL loop registers its workdir and checkpoints): paths
@@ -46,7 +55,6 @@ that must stay unseen. Nothing outside the allow-list is mounted, so they are hi
 
 import dataclasses
 import functools
-import itertools
 import json
 import os
 import selectors
@@ -57,7 +65,7 @@ import sys
 import tempfile
 import time
 
-from glm5_jax.posttrain import sandbox_boot
+from glm5_jax.posttrain import sandbox_boot, sandbox_budget
 
 BOOT = sandbox_boot.__file__
 MODES = ("bwrap", "none")
@@ -67,7 +75,6 @@ ROOT_LINKS = ("bin", "lib", "lib32", "lib64", "libx32", "sbin")
 INSTALL = "install bubblewrap (Debian/Ubuntu: apt-get install -y bubblewrap)"
 
 _HIDDEN: set = set()  # paths every run of this process must not see (`hide_in_this_process`)
-_RUNS = itertools.count()
 
 
 def hide_in_this_process(*paths) -> None:
@@ -87,8 +94,8 @@ class SandboxError(RuntimeError):
 class Limits:
   """Per-run limits; every field must be > 0 (`check`)."""
   wall_seconds: float = 10.0  # wall clock, then the sandbox (everything in it) is killed
-  cpu_seconds: int = 5  # RLIMIT_CPU, per process
-  memory_bytes: int = 512 << 20  # the run's cgroup where there is one; RLIMIT_AS per process
+  cpu_seconds: float = 5.0  # the run's total (every process); RLIMIT_CPU: its ceiling
+  memory_bytes: int = 512 << 20  # the run's total (with its tmpfs); also RLIMIT_AS per process
   processes: int = 16  # RLIMIT_NPROC, counted in the run's own user namespace
   file_bytes: int = 4 << 20  # RLIMIT_FSIZE: the largest file a program may write
   open_files: int = 64  # RLIMIT_NOFILE
@@ -104,7 +111,7 @@ class Limits:
       if (not isinstance(value, (int, float)) or isinstance(value, bool) or not value > 0
           or value != value or value == float("inf")):
         raise ValueError(f"{where}.{field.name}: must be a finite number > 0, got {value!r}")
-    for name in ("cpu_seconds", "memory_bytes", "processes", "file_bytes", "open_files",
+    for name in ("memory_bytes", "processes", "file_bytes", "open_files",
                  "output_bytes", "tmpfs_bytes", "uid", "gid"):
       if not isinstance(getattr(self, name), int):
         raise ValueError(f"{where}.{name}: must be an int, got {getattr(self, name)!r}")
@@ -120,17 +127,35 @@ class Result:
   seconds: float
   mode: str
   pgid: int  # the run's process group (tests check nothing is left in it)
+  # The limit with which the sandbox ended the run ("" when it did not): "wall_seconds",
+  # "output_bytes", or a run total, "memory_bytes" or "cpu_seconds" (sandbox_budget).
+  killed_by: str = ""
 
   @property
   def ok(self) -> bool:
-    return self.exit_code == 0 and not self.timed_out and not self.output_truncated
+    return self.exit_code == 0 and not self.killed_by
+
+
+STOPPED = {"wall_seconds": "timed out after {wall_seconds:g} s",
+           "output_bytes": "printed more than {output_bytes} bytes",
+           "memory_bytes": "used more than {memory_bytes} bytes of memory (the whole run)",
+           "cpu_seconds": "used more than {cpu_seconds:g} s of CPU (the whole run)"}
+
+
+def stop_reason(result: Result, limits: Limits) -> str:
+  """Why the sandbox ended the run, in words ("" when it did not)."""
+  return STOPPED[result.killed_by].format(**dataclasses.asdict(limits)) if result.killed_by else ""
 
 
 @dataclasses.dataclass(frozen=True)
 class Isolation:
+  """What contains a run here, and what holds each of its per-run limits."""
   mode: str  # one of MODES
   reason: str  # why "bwrap" is not available ("" when it is)
-  memory: str = "per process"  # "cgroup": one memory cgroup per run (root callers)
+  memory: str = "watchdog"  # the run's total: "cgroup" (root callers) | "watchdog"
+  cpu: str = "watchdog"  # the run's total CPU seconds: "cgroup" (cpuacct) | "watchdog"
+  processes: str = "user namespace"  # RLIMIT_NPROC in the run's own user namespace
+  disk: str = "tmpfs"  # the run's private tmpfs of tmpfs_bytes
 
 
 def _python_paths() -> tuple[str, str]:
@@ -147,13 +172,16 @@ def _inside(prefix: str) -> str:
   return prefix if prefix == "/usr" or prefix.startswith("/usr/") else PYTHON
 
 
-def bwrap_args(prefix_source: str, prefix: str, limits: Limits,
-               spec_fd: int) -> tuple[list[str], list[str]]:
+def bwrap_args(prefix_source: str, prefix: str, limits: Limits, spec_fd: int,
+               seccomp_fd: int | None = None) -> tuple[list[str], list[str]]:
   """bubblewrap's (options, command): the options build the allow-list root, namespaces and
   the box (they go through `--args FD`: no host path on a command line); the command is the
-  INNER boot, which reads the program's spec from `spec_fd`."""
+  INNER boot, which reads the program's spec from `spec_fd`. `seccomp_fd`: the filter
+  (sandbox_budget.seccomp_filter) to load, if any."""
   args = ["--unshare-all", "--unshare-user", "--die-with-parent", "--new-session",
           "--hostname", "sandbox", "--ro-bind", "/usr", "/usr"]
+  if seccomp_fd is not None:
+    args += ["--seccomp", str(seccomp_fd)]
   if "--disable-userns" in _bwrap_help():  # bubblewrap >= 0.8
     args.append("--disable-userns")
   for name in ROOT_LINKS:  # merged-/usr systems link these into /usr; others are directories
@@ -219,17 +247,18 @@ def _bwrap_help() -> str:
 @functools.cache
 def isolation() -> Isolation:
   """Whether bubblewrap runs a program here (tried once per process)."""
+  # Unsafe: the caller's namespaces; RLIMIT_NPROC counts every process of the caller's uid.
+  unsafe = dict(processes="per uid (shared with the caller)", disk="none")
   if _bwrap_path() is None:
-    return Isolation("none", f"bubblewrap (bwrap) is not installed: {INSTALL}")
+    return Isolation("none", f"bubblewrap (bwrap) is not installed: {INSTALL}", **unsafe)
   try:
     result = _run({"main.py": "print('isolated')"}, "main.py", Limits(), "bwrap")
   except OSError as e:
-    return Isolation("none", f"bubblewrap could not start: {e}")
+    return Isolation("none", f"bubblewrap could not start: {e}", **unsafe)
   if not (result.ok and result.output.strip() == "isolated"):
     return Isolation("none", f"bubblewrap failed here: exit {result.exit_code}, "
-                     f"{' '.join(result.output.split())[:200]!r}")
-  return Isolation("bwrap", "", "cgroup" if os.geteuid() == 0 and _memory_root() else
-                   "per process")
+                     f"{' '.join(result.output.split())[:200]!r}", **unsafe)
+  return Isolation("bwrap", "", **sandbox_budget.counted_by(os.geteuid() == 0))
 
 
 def run_python(files: dict, main: str, *, limits: Limits = Limits(), hide=(),
@@ -279,25 +308,33 @@ def _check_hidden(paths) -> None:
 
 def _run(files: dict, main: str, limits: Limits, mode: str) -> Result:
   start = time.monotonic()
-  if mode == "none":
-    proc, cleanup = _start_unsafe(files, main, limits)
-  else:
-    proc, cleanup = _start_bwrap(files, main, limits)
+  budget = sandbox_budget.Budget(limits.memory_bytes, limits.cpu_seconds,
+                                 root_caller=os.geteuid() == 0, sandboxed=mode == "bwrap")
   try:
+    if mode == "none":
+      proc, cleanup = _start_unsafe(files, main, limits)
+    else:
+      proc, cleanup = _start_bwrap(files, main, limits, budget)
     try:
-      output, timed_out, truncated = _collect(proc, limits)
+      try:
+        output, killed_by = _collect(proc, limits, budget)
+      finally:
+        _stop(proc, unsafe=mode == "none")
+      if not killed_by and budget.oom_killed():  # in a run that ended before the next poll
+        killed_by = "memory_bytes"
+      code = -9 if killed_by else proc.returncode
+      if code < 0 and not killed_by:
+        code = 128 - code  # bwrap or the boot itself killed by a signal
+      return Result(code, output.decode("utf-8", errors="replace"), killed_by == "wall_seconds",
+                    killed_by == "output_bytes", time.monotonic() - start, mode, proc.pid,
+                    killed_by)
     finally:
-      _stop(proc, unsafe=mode == "none")
-    code = -9 if (timed_out or truncated) else proc.returncode
-    if code < 0 and not (timed_out or truncated):
-      code = 128 - code  # bwrap or the boot itself killed by a signal
-    return Result(code, output.decode("utf-8", errors="replace"), timed_out, truncated,
-                  time.monotonic() - start, mode, proc.pid)
+      cleanup()
   finally:
-    cleanup()
+    budget.close()
 
 
-def _start_bwrap(files: dict, main: str, limits: Limits):
+def _start_bwrap(files: dict, main: str, limits: Limits, budget):
   """Starts bwrap (through the root boot for a root caller); (process, cleanup)."""
   prefix, in_prefix = _python_paths()
   root = os.geteuid() == 0
@@ -305,15 +342,15 @@ def _start_bwrap(files: dict, main: str, limits: Limits):
   spec_fd = _memfd(json.dumps(_program_spec(files, main, limits, BOX, inside + in_prefix,
                                             inside + "/lib")).encode())
   source = sandbox_boot.STAGED if root else prefix
-  options, command = bwrap_args(source, prefix, limits, spec_fd)
+  seccomp = sandbox_budget.seccomp_filter(os.uname().machine)
+  fds = [spec_fd] + ([_memfd(seccomp)] if seccomp else [])
+  options, command = bwrap_args(source, prefix, limits, spec_fd, fds[1] if seccomp else None)
   args_fd = _memfd(b"".join(a.encode() + b"\0" for a in options))
-  fds = [spec_fd, args_fd]
-  cgroups = _make_cgroups(limits) if root else []
+  fds.append(args_fd)
   try:
     if root:
       host = {"python_prefix": prefix, "uid": limits.uid, "gid": limits.gid,
-              "bwrap": _bwrap_path(), "command": command,
-              "cgroups": [os.path.join(d, "cgroup.procs") for d in cgroups]}
+              "bwrap": _bwrap_path(), "command": command, "cgroups": budget.cgroup_procs()}
       fds.append(_memfd(json.dumps(host).encode()))
       argv = [sys.executable, "-I", "-S", "-B", BOOT, "host", str(args_fd), str(fds[-1])]
     else:
@@ -321,13 +358,10 @@ def _start_bwrap(files: dict, main: str, limits: Limits):
     proc = subprocess.Popen(argv, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
                             stderr=subprocess.STDOUT, cwd="/", env={"PATH": "/usr/bin:/bin"},
                             start_new_session=True, pass_fds=fds)
-  except BaseException:
-    _remove_cgroups(cgroups)
-    raise
   finally:
     for fd in fds:
       os.close(fd)
-  return proc, lambda: _remove_cgroups(cgroups)
+  return proc, lambda: None
 
 
 def _start_unsafe(files: dict, main: str, limits: Limits):
@@ -360,86 +394,39 @@ def _remove_tree(path: str) -> None:
   shutil.rmtree(path, ignore_errors=True)
 
 
-# ---- per-run memory cgroups (root callers) ---------------------------------------------------
-
-
-@functools.cache
-def _memory_root() -> str | None:
-  """This process's cgroup-v1 memory directory, if a child cgroup can be made there."""
-  try:
-    with open("/proc/self/cgroup") as f:
-      path = next(line.strip().split(":", 2)[2] for line in f
-                  if "memory" in line.split(":")[1].split(","))
-    with open("/proc/self/mountinfo") as f:
-      mount = next(line.split()[4] for line in f
-                   if " - cgroup " in line and "memory" in line.split()[-1].split(","))
-  except (OSError, StopIteration, IndexError):
-    return None
-  base = os.path.join(mount, path.lstrip("/"))
-  probe = os.path.join(base, f"glm5-sandbox-{os.getpid()}-probe")
-  try:
-    os.mkdir(probe)
-    os.rmdir(probe)
-  except OSError:
-    return None
-  return base
-
-
-def _make_cgroups(limits: Limits) -> list[str]:
-  """A memory cgroup for one run holding it to `memory_bytes` ([] where none can be made)."""
-  base = _memory_root()
-  if base is None:
-    return []
-  path = os.path.join(base, f"glm5-sandbox-{os.getpid()}-{next(_RUNS)}")
-  try:
-    os.mkdir(path)
-    with open(os.path.join(path, "memory.limit_in_bytes"), "w") as f:
-      f.write(str(limits.memory_bytes))
-  except OSError:
-    _remove_cgroups([path])
-    return []
-  return [path]
-
-
-def _remove_cgroups(paths) -> None:
-  for path in paths:
-    for _ in range(50):  # its last processes may still be exiting
-      try:
-        os.rmdir(path)
-        break
-      except FileNotFoundError:
-        break
-      except OSError:
-        time.sleep(0.01)
-
-
 # ---- output and stopping ---------------------------------------------------------------------
 
 
-def _collect(proc, limits: Limits) -> tuple[bytes, bool, bool]:
-  """Reads the output pipe until EOF, the wall clock or the cap; (output, timed_out,
-  truncated). Never holds more than output_bytes + one read."""
-  deadline = time.monotonic() + limits.wall_seconds
-  chunks, size = [], 0
+def _collect(proc, limits: Limits, budget) -> tuple[bytes, str]:
+  """Reads the output pipe until EOF or a limit: (output, the limit that stopped it or "").
+  Polls the run's totals every POLL_SECONDS. Never holds more than output_bytes + one read."""
+  start = time.monotonic()
+  deadline, next_poll = start + limits.wall_seconds, start
+  chunks, size, eof = [], 0, False
   with selectors.DefaultSelector() as sel:
     sel.register(proc.stdout, selectors.EVENT_READ)
-    while True:
-      left = deadline - time.monotonic()
-      if left <= 0:
-        return b"".join(chunks), True, False
-      if not sel.select(timeout=left):
+    while not (eof and _exited(proc)):  # a program may close its output and go on
+      now = time.monotonic()
+      if now >= deadline:
+        return b"".join(chunks), "wall_seconds"
+      if now >= next_poll:
+        next_poll = now + sandbox_budget.POLL_SECONDS
+        over = budget.over(proc.pid)
+        if over:
+          return b"".join(chunks), over
+      wait = min(deadline, next_poll) - now
+      if eof:
+        time.sleep(min(wait, 0.005))
+        continue
+      if not sel.select(timeout=wait):
         continue
       data = os.read(proc.stdout.fileno(), 65536)
-      if not data:  # EOF: every writer closed the pipe (a program may close it and go on)
-        while not _exited(proc):
-          if time.monotonic() > deadline:
-            return b"".join(chunks), True, False
-          time.sleep(0.005)
-        return b"".join(chunks), False, False
+      eof = not data  # every writer closed the pipe
       chunks.append(data[:limits.output_bytes - size])
       size += len(data)
       if size > limits.output_bytes:
-        return b"".join(chunks), False, True
+        return b"".join(chunks), "output_bytes"
+  return b"".join(chunks), ""
 
 
 def _stop(proc, unsafe: bool, grace: float = 5.0) -> None:

@@ -10,7 +10,7 @@ Three parts (`sandbox.py`'s docstring has the whole picture):
   `host` mode  `python -I -S -B sandbox_boot.py host ARGS_FD SPEC_JSON_FD`, for a ROOT caller:
                in a private mount namespace (the host's mounts are untouched) it binds the
                interpreter's prefix at STAGED (the sandbox user cannot enter e.g. /root, where
-               pyenv installs it), joins the run's cgroup if the caller made one, drops to the
+               pyenv installs it), joins the run's cgroups if the caller made them, drops to the
                sandbox uid/gid (never uid 0: the kernel exempts it from RLIMIT_NPROC) and execs
                `bwrap --args ARGS_FD -- COMMAND`, which then runs unprivileged in its own user namespace.
   `unsafe` mode  `python -I -S -B sandbox_boot.py unsafe SPEC_JSON`: only with the caller's
@@ -68,9 +68,10 @@ def mount(source, target: str, fstype, flags: int, data=None) -> None:
 
 
 def rlimits(limits: dict) -> dict:
-  """{RLIMIT_*: (soft, hard)} for the spec's limits. CPU: SIGXCPU at the limit, SIGKILL a
-  second later; NPROC counts in the run's own user namespace (the sandbox's per-run budget)."""
-  cpu = limits["cpu_seconds"]
+  """{RLIMIT_*: (soft, hard)} for the spec's limits. CPU (whole seconds: the run's budget
+  rounded up): SIGXCPU at the limit, SIGKILL a second later; NPROC counts in the run's own user
+  namespace (the sandbox's per-run budget)."""
+  cpu = int(-(-limits["cpu_seconds"] // 1))
   return {"RLIMIT_CPU": (cpu, cpu + 1), "RLIMIT_AS": (limits["memory_bytes"],) * 2,
           "RLIMIT_NPROC": (limits["processes"],) * 2,
           "RLIMIT_FSIZE": (limits["file_bytes"],) * 2,

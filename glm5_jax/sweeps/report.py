@@ -11,6 +11,7 @@ Plots are drawn on `matplotlib.figure.Figure`s and saved to files directly: no p
 backend or display state.
 """
 
+import json
 import math
 import os
 
@@ -330,6 +331,29 @@ def _save(fig, path: str) -> str:
   fig.tight_layout()
   fig.savefig(path, dpi=120)
   return path
+
+
+def stored_results(sweep, sweep_dir: str, runs_in_order: list) -> dict:
+  """{name: result} from a report's own results.json (a published sweep, docs/ablations/<name>,
+  keeps no run directories): what the report was written from, re-read to rewrite it with the
+  sweep's current checks and wording. The runs' spec hashes are not compared (a refactor of
+  the config names changes them, not the runs); the size must be the report's.
+
+  Raises:
+    FileNotFoundError: no results.json in `sweep_dir`. ValueError: a different size.
+  """
+  path = os.path.join(sweep_dir, "results.json")
+  if not os.path.exists(path):
+    raise FileNotFoundError(f"{sweep_dir}: neither runs/ nor results.json to report from")
+  with open(path) as f:
+    stored = json.load(f)
+  size = sweep.size.to_dict()
+  if stored.get("size") != size:
+    changed = sorted(k for k in {*size, *stored.get("size", {})}
+                     if size.get(k) != stored.get("size", {}).get(k))
+    raise ValueError(f"{path}: written at size {stored.get('size')}, the sweep is at {size}: "
+                     f"pass the report's --sweep.size.* ({', '.join(changed)})")
+  return {r.name: stored["runs"][r.name] for r in runs_in_order if r.name in stored["runs"]}
 
 
 def write_report(sweep, sweep_dir: str, runs_in_order: list, results: dict, *,

@@ -64,10 +64,8 @@ def run_function(files: dict, module: str, function: str, args_list, box: dict,
                            function=function, mark=MARK)
   result = sandbox.run_python({**files, "_harness.py": harness}, "_harness.py",
                               limits=box["limits"], allow_unsafe=box["allow_unsafe"])
-  if result.timed_out:
-    return None, f"timed out after {box['limits'].wall_seconds:g} s", result
-  if result.output_truncated:
-    return None, f"printed more than {box['limits'].output_bytes} bytes", result
+  if result.killed_by:  # a result line printed before a limit ended the run does not count
+    return None, sandbox.stop_reason(result, box["limits"]), result
   lines = [ln for ln in result.output.splitlines() if ln.startswith(MARK)]
   if not lines:
     return None, f"no result (exit {result.exit_code}): {result.output[-200:]!r}", result

@@ -193,6 +193,8 @@ class RepoRepair(base.Env):
     text = result.output
     if result.timed_out:
       text += "\n(timed out)"
+    elif result.killed_by in ("memory_bytes", "cpu_seconds"):
+      text += f"\n(stopped: {sandbox.stop_reason(result, self.box['limits'])})"
     text = text.strip() or f"(no output, exit {result.exit_code})"
     return text if len(text) <= MAX_OBSERVATION else "..." + text[-MAX_OBSERVATION:]
 
