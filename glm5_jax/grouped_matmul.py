@@ -28,8 +28,8 @@ for another; the ahead-of-time planner makes `jax.default_backend()` answer "tpu
 traces for a TPU target) picks megablox on TPU (a Mosaic kernel compiles only for TPU),
 triton_gmm on GPU, `ragged_dot` elsewhere. Both kernels are per-device: call them on local
 shards (inside `shard_map`, as `glm5_jax.moe_parallel` does) or on arrays of one device; XLA
-cannot partition a Pallas custom call (the TPU compiler refuses; XLA GPU would gather every
-operand to each device). `global_impl()` is the choice for global arrays (`moe.dispatch_experts`).
+has no partitioning rule for a Pallas custom call (the TPU compiler refuses one; on GPUs its
+operands would have to be replicated). `global_impl()` is the choice for global arrays (`moe.dispatch_experts`).
 `interpret` (default: off the kernel's platform) runs a kernel in the Pallas interpreter, on any
 backend (tests).
 

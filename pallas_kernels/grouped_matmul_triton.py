@@ -39,7 +39,7 @@ padding happens at GLM-5's shapes (D 6144, F 2048) or the 3B config's (2048, 512
 Checked without a GPU: interpret mode against `ragged_dot` (tests/test_grouped_matmul.py),
 the CUDA lowering of the MoE layer (no dense dot over the experts) and Triton's own compile for
 sm_90a (tools/check_triton_compile.py: registers, spills, shared memory). Speed is the device
-suite's to measure (`moe_matmul_program` in glm5_jax/grouped_matmul.py is what it times).
+suite's to measure (`expert_mlp_program` in glm5_jax/grouped_matmul.py is what it times).
 
 Notation: M rows (routed pairs), K contracted dim, N output dim, G groups (experts), V visits;
 tm, tk, tn tile sizes.
@@ -272,8 +272,3 @@ def gmm_triton(x_MK, w_GKN, group_sizes_G, *, interpret: bool = False, **options
   opts = GmmOptions(interpret=interpret, **options)
   return _grouped(x_MK, w_GKN.astype(x_MK.dtype), group_sizes_G.astype(jnp.int32), opts)
 
-
-def gmm_flops(m: int, k: int, n: int) -> float:
-  """Useful matmul FLOPs of one grouped product (each row meets one group): 2 M K N. The
-  forward, input gradient and weight gradient each cost this."""
-  return 2.0 * m * k * n
