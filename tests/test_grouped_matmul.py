@@ -6,6 +6,8 @@ and the planner counts a Pallas kernel's FLOPs from its cost estimate. (That the
 the train step runs the experts as these kernels, with no dense dot over the experts:
 tests/test_flop_ledger.py.)"""
 
+import re
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -68,7 +70,8 @@ def test_impl_choice():
 def test_tile_visits_cover_every_row_once():
   """Each row of the padded rows is in exactly one used visit's [lo, hi) and tile; a tile
   holding a boundary is visited once per group; the tail is group G."""
-  tile, group, lo, hi = (np.asarray(a) for a in tile_visits(jnp.array(SIZES), 256, 64))
+  visits = jax.jit(tile_visits, static_argnums=(1, 2))(jnp.array(SIZES), 256, 64)
+  tile, group, lo, hi = (np.asarray(a) for a in visits)
   assert tile.shape == (256 // 64 + len(SIZES),)
   owner = np.full(256, -1)
   for t, g, a, b in zip(tile, group, lo, hi):
@@ -80,19 +83,14 @@ def test_tile_visits_cover_every_row_once():
   np.testing.assert_array_equal(owner, expected)
 
 
-@pytest.mark.parametrize("dtype,tol", [(jnp.float32, 1e-5), (jnp.bfloat16, 2e-2)])
-def test_triton_gmm_equals_ragged_dot_forward_dgrad_wgrad(dtype, tol):
-  """Forward, input and weight gradient vs `ragged_dot` (fp32: IEEE dots, tight; bf16: inputs
-  rounded the same, fp32 accumulation in both, one output rounding). Small tiles so that M, K,
-  N span several (no dimension a tile multiple: M 200, K 40, N 24 pad to 208, 48, 32)."""
+def _check_against_ragged_dot(f, dtype, tol):
+  """`f(x, w)`'s output, input and weight gradients vs `ragged_dot`'s (fp32 accumulation; for
+  bf16 inputs rounded the same, one output rounding apart) at M 200, K 40, N 24 with `SIZES`."""
   x, w, dy = _inputs(200, 40, 24, dtype)
   sizes = jnp.array(SIZES, jnp.int32)
   ref = _vjp_triple(lambda x, w: jax.lax.ragged_dot(x, w, sizes, preferred_element_type=
                                                       jnp.float32), x, w, dy.astype(jnp.float32))
-  tiles = dict(block_m=16, block_k=16, block_n=16, tgmm_block_m=16, tgmm_block_k=16,
-               tgmm_block_n=16)
-  got = _vjp_triple(jax.jit(lambda x, w: gmm_triton(x, w, sizes, interpret=True, **tiles)),
-                    x, w, dy)
+  got = _vjp_triple(jax.jit(lambda x, w: f(x, w, sizes)), x, w, dy)
   for name, r, g in zip(("y", "dx", "dw"), ref, got):
     assert g.dtype == dtype and g.shape == r.shape, name
     r, g = np.asarray(r, np.float32), np.asarray(g, np.float32)
@@ -102,14 +100,34 @@ def test_triton_gmm_equals_ragged_dot_forward_dgrad_wgrad(dtype, tol):
   assert not dw[[0, 2, 6]].any()  # the empty groups' weight gradients
 
 
-def test_expert_mlp_program_gradients_match_across_impls():
-  """What the device suite times: the same loss and gradients from ragged_dot and the Triton
-  gmm (through `grouped_matmul`: interpreted off GPU, default tiles cut to these dims, row
-  tiles of 128 holding group boundaries), at a small shape with uneven groups."""
+def test_triton_gmm_equals_ragged_dot_fp32_default_tiles():
+  """Through `grouped_matmul` (interpreted: the default off GPU), IEEE fp32 dots, tight. The
+  default tiles cut to these dims: two row tiles of 128 holding all four group boundaries,
+  K 40 -> one tile of 64, N 24 -> one of 32 (zero padding)."""
+  _check_against_ragged_dot(
+      lambda x, w, sizes: grouped_matmul.grouped_matmul(x, w, sizes, impl="triton_gmm"),
+      jnp.float32, 1e-5)
+
+
+def test_triton_gmm_equals_ragged_dot_bf16_small_tiles():
+  """bf16, tiles of 16 so that M, K, N each span several (M 200 -> 13 row tiles, K 40 -> three
+  K steps, N 24 -> two column tiles; none a tile multiple)."""
+  tiles = dict(block_m=16, block_k=16, block_n=16, tgmm_block_m=16, tgmm_block_k=16,
+               tgmm_block_n=16)
+  _check_against_ragged_dot(
+      lambda x, w, sizes: gmm_triton(x, w, sizes, interpret=True, **tiles), jnp.bfloat16, 2e-2)
+
+
+def test_expert_mlp_program_runs_nine_grouped_products():
+  """What the device suite times, traced (not compiled: the kernels' numerics are the tests
+  above): the triton_gmm program holds 3 forward, 3 input-gradient and 3 weight-gradient
+  kernels and no ragged_dot; its group sizes are uneven and sum to the rows."""
   fn, args, flops = grouped_matmul.expert_mlp_program(
       "triton_gmm", rows=200, hidden=32, intermediate=16, experts=5, dtype=jnp.float32)
-  assert int(args[-1].sum()) == 200 and flops == 9 * 2 * 200 * 32 * 16
-  loss = lambda *w: grouped_matmul.expert_mlp(*w, args[-1], impl="ragged_dot").sum()
-  ref = jax.value_and_grad(loss, argnums=(0, 1, 2, 3))(*args[:4])  # eager: no second compile
-  for r, g in zip(jax.tree.leaves(ref), jax.tree.leaves(fn(*args))):
-    np.testing.assert_allclose(np.asarray(g), np.asarray(r), rtol=1e-4, atol=1e-4)
+  assert int(args[-1].sum()) == 200 and len(set(np.asarray(args[-1]))) > 1
+  assert flops == 9 * 2 * 200 * 32 * 16
+  jaxpr = str(fn.trace(*args).jaxpr)
+  kernels = [re.sub(r"\d+$", "", k) for k in re.findall(r"pallas_call\[[^\]]*?jaxpr=(\w+)", jaxpr)]
+  assert sorted(kernels) == ["grouped_matmul_triton_gmm"] * 6 + [
+      "grouped_matmul_triton_tgmm"] * 3, kernels
+  assert "ragged_dot" not in jaxpr
