@@ -13,9 +13,14 @@ one, but every op of the sparse step runs).
   python tools/bench_train.py --config=configs/glm5_gpu_3b.py:dsa_impl=pallas   (GPU)
   python tools/bench_train.py --config=configs/glm5_gpu_3b.py:dsa_impl=xla
 
+The routed experts run as a grouped matmul (`model.moe_matmul`, `glm5_jax.grouped_matmul`): on
+one GPU "auto" is our Pallas Triton gmm / tgmm; `ragged_dot` would run dense over all 32 experts
+there (32x the experts' FLOPs: docs/performance.md, "The GPU train step's matmul FLOPs").
+
 `arg` (configs.common.parse_arg): `dsa_impl=` "pallas" (default: the GPU kernels on GPU) |
 "xla" | "dense_mask"; `seq_len=` (default 4096); `batch=` rows per step (default 2: the fp32
-logits of 8K tokens x 155K vocab are 5 GB).
+logits of 8K tokens x 155K vocab are 5 GB); `moe_matmul=` "auto" (default) | "ragged_dot" |
+"triton_gmm" (A/B of the experts' matmul).
 """
 
 import ml_collections
@@ -28,7 +33,7 @@ from glm5_jax.train import config as train_defaults
 
 
 def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
-  arg = parse_arg(arg, dsa_impl="pallas", seq_len=4096, batch=2)
+  arg = parse_arg(arg, dsa_impl="pallas", seq_len=4096, batch=2, moe_matmul="auto")
   config = ml_collections.ConfigDict()
   config.seed = 0
   config.model = model_config(
@@ -44,6 +49,7 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
       max_position_embeddings=65536,
       attention_pattern="D",
       dsa_impl=arg.dsa_impl,
+      moe_matmul=arg.moe_matmul,
       scan_layers=True,
       remat_policy="full",
   )

@@ -34,7 +34,7 @@ DSA_IMPLS = ("dense_mask", "xla", "pallas", "pallas_interpret")
 ATTENTION_IMPLS = ("xla", "cudnn")
 MOE_IMPLS = ("ragged", "expert_parallel")
 MOE_TRANSPORTS = ("ragged_all_to_all", "all_to_all")
-MOE_MATMULS = ("auto", "ragged_dot", "megablox")
+MOE_MATMULS = ("auto", "ragged_dot", "megablox", "triton_gmm")
 
 
 class ConfigError(ValueError):
@@ -179,9 +179,11 @@ def model_config(**overrides) -> ml_collections.ConfigDict:
   # (exact-size messages; TPU/GPU, XLA:CPU cannot compile it) or "all_to_all" (dense buffers
   # padded to the dropless worst case, expert-axis-size times the bytes; runs everywhere).
   c.moe_transport = "ragged_all_to_all"
-  # The expert-parallel grouped matmul (`glm5_jax.grouped_matmul`): "auto" (megablox's Pallas
-  # gmm/tgmm when the backend is TPU, whose compiler makes ragged_dot's weight gradient dense
-  # over the local experts; ragged_dot elsewhere), "ragged_dot" or "megablox" (interpreted off TPU).
+  # The experts' grouped matmul (`glm5_jax.grouped_matmul`): "auto" = expert-parallel: megablox's
+  # Pallas gmm/tgmm on TPU (whose compiler makes ragged_dot's weight gradient dense over the local
+  # experts), our Pallas Triton gmm/tgmm on GPU (XLA GPU runs ragged_dot dense over all experts),
+  # ragged_dot elsewhere; "ragged": the Triton gmm on one GPU, else ragged_dot. Or force one:
+  # "ragged_dot", "megablox" (interpreted off TPU), "triton_gmm" (interpreted off GPU).
   c.moe_matmul = "auto"
   # "expert_parallel" receive-buffer capacity: 0 = dropless (buffers for the worst case, n times
   # the average); c > 0 = at most ceil(c * pairs per device) rows received per device, the rest

@@ -1,4 +1,5 @@
-"""The routed experts' grouped matmul: `jax.lax.ragged_dot`, or megablox's `gmm` on TPU.
+"""The routed experts' grouped matmul: `jax.lax.ragged_dot`, megablox's `gmm` on TPU, or our
+Pallas Triton `gmm` on GPU.
 
   y_MN = grouped_matmul(x_MK, w_GKN, group_sizes_G)     # rows [start_g, end_g) times w[g]
 
@@ -12,22 +13,53 @@ megablox (`jax.experimental.pallas.ops.tpu.megablox`, a Pallas TPU kernel shippe
 a `custom_vjp` whose backward is `gmm` (input gradient) and `tgmm` (weight gradient, grouped
 over the same rows), so every product is the ragged one.
 
-`impl`: "ragged_dot" | "megablox" | None. None picks megablox when `jax.default_backend()` is
-"tpu" (a Mosaic kernel compiles only for TPU; the ahead-of-time planner answers "tpu" while it
-traces for a TPU target), else `ragged_dot`. Megablox is a per-device kernel: call it on local
-shards (inside `shard_map`, as `glm5_jax.moe_parallel` does); the TPU compiler refuses to
-partition a Mosaic kernel. `interpret` (default: off TPU) runs the kernel in the Pallas
-interpreter, on any backend (tests).
+Why not `ragged_dot` on GPU: at default flags XLA GPU's `RaggedDotRewriter` (openxla/xla
+`ragged_dot_rewriter.cc`) runs it as one dense dot over all G groups with the other groups' rows
+masked, forward, input gradient and weight gradient alike: G times the FLOPs (32x in
+configs/glm5_gpu_3b.py, 49% of its step's matmul FLOPs; issue 41, tools/flop_ledger.py).
+"triton_gmm" (`pallas_kernels.grouped_matmul_triton`) is a grouped matmul of our own for GPUs,
+with a custom VJP of the same kind as megablox's: gmm forward, gmm with the weights transposed
+for the input gradient, tgmm for the weight gradient; every product is the ragged one.
+
+`impl`: "ragged_dot" | "megablox" | "triton_gmm" | None. None = `default_impl()`: the
+platform being traced for (`pallas_kernels.blocking.platform()`: the context mesh's devices,
+`jax.default_backend()`, or the platform `blocking.lowering_for` names when a CPU host lowers
+for another; the ahead-of-time planner makes `jax.default_backend()` answer "tpu" while it
+traces for a TPU target) picks megablox on TPU (a Mosaic kernel compiles only for TPU),
+triton_gmm on GPU, `ragged_dot` elsewhere. Both kernels are per-device: call them on local
+shards (inside `shard_map`, as `glm5_jax.moe_parallel` does) or on arrays of one device; XLA
+has no partitioning rule for a Pallas custom call (the TPU compiler refuses one; on GPUs its
+operands would have to be replicated). `global_impl()` is the choice for global arrays (`moe.dispatch_experts`).
+`interpret` (default: off the kernel's platform) runs a kernel in the Pallas interpreter, on any
+backend (tests).
+
+`expert_mlp_program` is one routed-expert SwiGLU forward + backward at given shapes, what the
+device suite times per impl (issue 41, item 5: `moe_matmul`).
 """
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
-IMPLS = ("ragged_dot", "megablox")
+from pallas_kernels import blocking
+
+IMPLS = ("ragged_dot", "megablox", "triton_gmm")
+_KERNEL_PLATFORM = {"megablox": "tpu", "triton_gmm": "gpu"}
 
 
 def default_impl() -> str:
-  return "megablox" if jax.default_backend() == "tpu" else "ragged_dot"
+  """For per-device arrays: megablox on TPU, triton_gmm on GPU, else ragged_dot."""
+  platform = blocking.platform()
+  return next((impl for impl, p in _KERNEL_PLATFORM.items() if p == platform), "ragged_dot")
+
+
+def global_impl() -> str:
+  """For global (possibly sharded) arrays: triton_gmm on a GPU when the context mesh has at
+  most one device, else ragged_dot, which XLA partitions (a Pallas custom call it cannot). TPU
+  keeps ragged_dot here: its grouped matmul runs expert-parallel (`model.moe_impl`)."""
+  mesh = jax.sharding.get_abstract_mesh()
+  one_device = mesh is None or mesh.empty or mesh.size <= 1
+  return "triton_gmm" if one_device and blocking.platform() == "gpu" else "ragged_dot"
 
 
 def _lane_tile(k: int, n: int, preferred: int = 512) -> int:
@@ -50,8 +82,8 @@ def grouped_matmul(x_MK, w_GKN, group_sizes_G, *, impl=None, interpret=None):
     w_GKN: one `[K, N]` matrix per group.
     group_sizes_G: int32 `[G]`, rows per group; their sum may be less than M.
     impl: see the module docstring.
-    interpret: megablox only: run the Pallas kernel in the interpreter (default: when the
-      backend is not TPU).
+    interpret: megablox and triton_gmm: run the Pallas kernel in the interpreter (default: when
+      the platform is not the kernel's).
   Raises:
     ValueError: an unknown `impl`.
   """
@@ -60,10 +92,14 @@ def grouped_matmul(x_MK, w_GKN, group_sizes_G, *, impl=None, interpret=None):
     raise ValueError(f"grouped_matmul impl: must be one of {IMPLS} or None, got {impl!r}")
   if impl == "ragged_dot":
     return jax.lax.ragged_dot(x_MK, w_GKN, group_sizes_G)
+  interpret = blocking.platform() != _KERNEL_PLATFORM[impl] if interpret is None else interpret
+  if impl == "triton_gmm":
+    # Deferred, like the DSA's GPU kernels: only a GPU program needs the Triton module.
+    from pallas_kernels import grouped_matmul_triton
+    return grouped_matmul_triton.gmm_triton(x_MK, w_GKN, group_sizes_G, interpret=interpret)
   # Deferred: importing the Pallas TPU ops pulls in Mosaic, which only megablox needs.
   from jax.experimental.pallas.ops.tpu import megablox
 
-  interpret = jax.default_backend() != "tpu" if interpret is None else interpret
   m, k = x_MK.shape
   n = w_GKN.shape[2]
   tm = _row_tile(m)
@@ -81,3 +117,42 @@ def grouped_matmul(x_MK, w_GKN, group_sizes_G, *, impl=None, interpret=None):
   y = megablox.gmm(x, w.astype(x.dtype), sizes, x.dtype, (tm, t, t), None, None, False,
                    interpret)
   return y[:m, :n]
+
+
+def expert_mlp(x_PD, w_gate_EDF, w_up_EDF, w_down_EFD, group_sizes_E, impl=None):
+  """The routed experts' SwiGLU on rows sorted by expert (`moe.dispatch_experts`' middle):
+  `down(silu(x @ gate) * (x @ up))` per group, three grouped matmuls. Returns `[P, D]`."""
+  mm = lambda h, w: grouped_matmul(h, w, group_sizes_E, impl=impl)
+  return mm(jax.nn.silu(mm(x_PD, w_gate_EDF)) * mm(x_PD, w_up_EDF), w_down_EFD)
+
+
+def uneven_group_sizes(rows: int, groups: int, seed: int = 0):
+  """int32 `[groups]` summing to `rows`, as uneven as a young router's loads (Dirichlet(1)
+  shares: some groups several times the mean, some near empty)."""
+  shares = np.random.default_rng(seed).dirichlet(np.ones(groups))
+  sizes = np.floor(shares * rows).astype(np.int64)
+  sizes[np.argmax(sizes)] += rows - sizes.sum()
+  return jnp.asarray(sizes, jnp.int32)
+
+
+def expert_mlp_program(impl=None, *, rows=32768, hidden=2048, intermediate=512, experts=32,
+                       dtype=jnp.bfloat16, seed=0):
+  """`(fn, args, useful_flops)`: a jitted forward + backward of `expert_mlp` (the gradients of
+  a sum, in x and the three weights) on random inputs, for timing impls side by side (device
+  suite). Defaults: configs/glm5_gpu_3b.py's MoE (2 x 4096 tokens x top-4 rows, D 2048, F 512,
+  32 experts). Useful FLOPs: 9 grouped products (3 forward, 3 input and 3 weight gradients) of
+  2 P D F each, what a grouped matmul does (a dense expansion does `experts` times more)."""
+  kx, kg, ku, kd = jax.random.split(jax.random.key(seed), 4)
+  scale = hidden ** -0.5
+  args = (jax.random.normal(kx, (rows, hidden), dtype),
+          (jax.random.normal(kg, (experts, hidden, intermediate)) * scale).astype(dtype),
+          (jax.random.normal(ku, (experts, hidden, intermediate)) * scale).astype(dtype),
+          (jax.random.normal(kd, (experts, intermediate, hidden))
+           * intermediate ** -0.5).astype(dtype),
+          uneven_group_sizes(rows, experts, seed))
+
+  def loss(x, wg, wu, wd, sizes):
+    return expert_mlp(x, wg, wu, wd, sizes, impl=impl).astype(jnp.float32).sum()
+
+  fn = jax.jit(jax.value_and_grad(loss, argnums=(0, 1, 2, 3)))
+  return fn, args, 9 * 2.0 * rows * hidden * intermediate

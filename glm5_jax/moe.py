@@ -12,8 +12,9 @@ docs/reference.md section 2 ("MoE router"):
 With `n_group > 1` (not used by GLM-5) selection is first limited to the `topk_group` groups
 whose two best biased scores sum highest, as in HF `GlmMoeDsaTopkRouter`.
 
-Dispatch is dropless: the M*X (token, expert) pairs are sorted by expert and fed to
-`jax.lax.ragged_dot`, one contiguous group per expert, so no token is ever dropped for capacity.
+Dispatch is dropless: the M*X (token, expert) pairs are sorted by expert and fed to a grouped
+matmul (`glm5_jax.grouped_matmul`: `jax.lax.ragged_dot`, or on one GPU our Pallas Triton gmm),
+one contiguous group per expert, so no token is ever dropped for capacity.
 The router returns per-expert token counts for the balancing-bias update.
 `model.moe_impl = "expert_parallel"` moves the pairs to the devices holding their experts
 instead (`glm5_jax.moe_parallel`); routing, counts and the balance loss are shared.
@@ -26,7 +27,7 @@ import jax
 import jax.numpy as jnp
 from flax import linen as nn
 
-from glm5_jax import moe_parallel, routing_replay
+from glm5_jax import grouped_matmul, moe_parallel, routing_replay
 from glm5_jax.config import ModelConfig
 from glm5_jax.layers.axes import EMBED, EXPERT, EXPERT_MLP
 from glm5_jax.layers.ffn import SwiGLU
@@ -86,8 +87,13 @@ def route(x_MD, w_gate_DE, bias_E, *, num_experts_per_tok, routed_scaling_factor
   return weights_MX * routed_scaling_factor, experts_MX.astype(jnp.int32)
 
 
-def dispatch_experts(x_MD, weights_MX, experts_MX, w_gate_EDF, w_up_EDF, w_down_EFD):
-  """Applies each token's chosen SwiGLU experts, dropless, with `ragged_dot`.
+def dispatch_experts(x_MD, weights_MX, experts_MX, w_gate_EDF, w_up_EDF, w_down_EFD,
+                     matmul="auto"):
+  """Applies each token's chosen SwiGLU experts, dropless, with a grouped matmul.
+
+  `matmul` (`model.moe_matmul`): "auto" = `grouped_matmul.global_impl()` (the Triton gmm on one
+  GPU, where XLA would run `ragged_dot` dense over all experts; `ragged_dot` elsewhere), or an
+  impl of `grouped_matmul.IMPLS`.
 
   Returns:
     `(y_MD, counts_E)`: the weighted expert mixture and tokens routed to each expert.
@@ -98,9 +104,8 @@ def dispatch_experts(x_MD, weights_MX, experts_MX, w_gate_EDF, w_up_EDF, w_down_
   order_P = jnp.argsort(flat_experts_P, stable=True)
   counts_E = jnp.bincount(flat_experts_P, length=num_experts).astype(jnp.int32)
   xs_PD = x_MD[order_P // x]
-  h_PF = jax.nn.silu(jax.lax.ragged_dot(xs_PD, w_gate_EDF, counts_E)) * jax.lax.ragged_dot(
-      xs_PD, w_up_EDF, counts_E)
-  ys_PD = jax.lax.ragged_dot(h_PF, w_down_EFD, counts_E)
+  impl = grouped_matmul.global_impl() if matmul == "auto" else matmul
+  ys_PD = grouped_matmul.expert_mlp(xs_PD, w_gate_EDF, w_up_EDF, w_down_EFD, counts_E, impl)
   # Un-sort with the inverse permutation and sum over a token's X experts: deterministic,
   # unlike a scatter-add whose accumulation order is unspecified.
   ys_MXD = ys_PD[jnp.argsort(order_P)].reshape(m, x, -1)
@@ -172,7 +177,7 @@ class MoE(nn.Module):
       y_MD = dispatch_quantized_experts(x_MD, weights_MX, experts_MX, *experts)
       dropped = jnp.zeros((), jnp.float32)
     else:  # "ragged", or no mesh in context (init, one device): the same numbers, locally
-      y_MD, _ = dispatch_experts(x_MD, weights_MX, experts_MX, *experts)
+      y_MD, _ = dispatch_experts(x_MD, weights_MX, experts_MX, *experts, matmul=c.moe_matmul)
       dropped = jnp.zeros((), jnp.float32)
     valid_BL = jnp.ones((b, l), bool) if valid_BL is None else valid_BL
     chosen_BLE = jax.nn.one_hot(experts_MX, e, dtype=jnp.float32).sum(1).reshape(b, l, e)

@@ -24,7 +24,7 @@ group, and the TPU compiler all-gathered every expert's weights for it at every 
 Per shard: sort the local pairs by expert (as the reference), exchange per-expert counts with
 one small all-to-all, send each pair's row to the device holding its expert, sort the received
 rows by local expert, a grouped matmul over the local experts (`ragged_dot`; megablox on TPU,
-`glm5_jax.grouped_matmul`), un-sort, send back, un-sort, and
+our Triton gmm on GPU: `glm5_jax.grouped_matmul`), un-sort, send back, un-sort, and
 combine with the router weights as the reference (inverse permutation + weighted sum: no
 scatter-add, so deterministic). Routing, `expert_counts` and the balance loss stay in
 `glm5_jax.moe.MoE`, computed on the global token array exactly as for "ragged".
@@ -87,7 +87,8 @@ def expert_parallel_dispatch(x_MD, weights_MX, experts_MX, w_gate_EDF, w_up_EDF,
     w_*: the global expert kernels `[E, D, F]`, `[E, D, F]`, `[E, F, D]`; or, quantized, each
       a pair `(q int8, scale [E, G, O])` (module docstring).
     transport: "ragged_all_to_all" or "all_to_all" (see the module docstring).
-    matmul: the local grouped matmul, `model.moe_matmul`: "auto", "ragged_dot" or "megablox"
+    matmul: the local grouped matmul, `model.moe_matmul`: "auto" (`grouped_matmul.default_impl`:
+      megablox on TPU, triton_gmm on GPU), "ragged_dot", "megablox" or "triton_gmm"
       (`glm5_jax.grouped_matmul`).
     capacity_factor: 0 (dropless) or c > 0: receive at most `ceil(c * m * X)` rows per device
       (module docstring).
@@ -159,12 +160,13 @@ def expert_parallel_dispatch(x_MD, weights_MX, experts_MX, w_gate_EDF, w_up_EDF,
   y_MD, dropped_S = jax.shard_map(
       local, mesh=mesh, in_specs=(tokens, tokens, tokens, *kernel_specs),
       out_specs=(tokens, PartitionSpec(token_axes)),
-      # megablox's pallas_call states no varying-axes type for its outputs, which check_vma
-      # requires. Without it, shard_map's transpose divides the unmapped output's cotangent by
-      # the unmentioned axes' size, so the psum over F's axes still differentiates exactly
-      # (tests/moe_parallel_cases.py compares the gradients with the reference).
-      check_vma=impl != "megablox" or quantized)(x_MD, weights_MX, experts_MX, w_gate_EDF,
-                                                 w_up_EDF, w_down_EFD)
+      # A pallas_call (megablox's, the Triton gmm's) states no varying-axes type for its
+      # outputs, which check_vma requires. Without it, shard_map's transpose divides the unmapped
+      # output's cotangent by the unmentioned axes' size, so the psum over F's axes still
+      # differentiates exactly (tests/moe_parallel_cases.py compares the gradients with the
+      # reference).
+      check_vma=impl not in ("megablox", "triton_gmm") or quantized)(
+          x_MD, weights_MX, experts_MX, w_gate_EDF, w_up_EDF, w_down_EFD)
   return y_MD[:m], dropped_S.sum() / (m * x)
 
 
@@ -238,8 +240,8 @@ def _local_dispatch(x_MD, weights_MX, experts_MX, w_gate_EDF, w_up_EDF, w_down_E
     rows_expert_R = jnp.minimum(expert_R[order_R], local_experts - 1)
     mm = lambda h, w: ragged_int_matmul(h, *w, group_sizes, rows_expert_R, x_MD.dtype)
   else:
-    # `ragged_dot`, or megablox's grouped matmul on TPU (`glm5_jax.grouped_matmul`: the TPU
-    # compiler's `ragged_dot` weight gradient is dense over the local experts).
+    # `ragged_dot`, or a grouped-matmul kernel: megablox on TPU, Triton gmm on GPU
+    # (`glm5_jax.grouped_matmul`: both compilers run some of `ragged_dot` dense over the experts).
     mm = functools.partial(grouped_matmul.grouped_matmul, group_sizes_G=group_sizes,
                            impl=matmul)
   h_RF = jax.nn.silu(mm(xs_RD, w_gate_EDF)) * mm(xs_RD, w_up_EDF)

@@ -1,8 +1,10 @@
 """The matmul-FLOP ledger (`glm5_jax.planning.flop_ledger`, tools/flop_ledger.py) on the tiny
 model's train step lowered for CUDA from this CPU host: consistent totals, the phases, the
-routed experts as `ragged-dot`s priced as XLA GPU runs them, and the bf16 options seen in the
-GPU program."""
+routed experts as the Triton gmm / tgmm kernels by default (no dense dot over the experts) and
+as `ragged-dot`s priced as XLA GPU runs them when asked, and the bf16 options seen in the GPU
+program."""
 
+import collections
 import pathlib
 
 import numpy as np
@@ -22,10 +24,13 @@ def _lowered(*overrides):
 
 def test_ledger_of_the_cuda_lowered_tiny_step():
   """Categories and phases add up to the total; full remat recomputes every routed-expert
-  forward matmul; the experts are `ragged-dot`s (no dot has an `[E, rows, .]` masked
-  operand), priced at E x their useful FLOPs for CUDA and 1 x for TPU; useful FLOPs cover the
-  model FLOPs. With `train.ce_chunk` and `optim.ns_dtype=bfloat16` the LM head and the
-  optimizer run no fp32 dot (the default program runs both in fp32)."""
+  forward matmul. The experts run as the Triton grouped matmul (`glm5_jax.grouped_matmul`'s
+  GPU default): 3 gmm forward (+ 3 remat), 3 gmm input gradients and 3 tgmm weight gradients
+  per MoE layer, priced at their useful FLOPs; no `ragged-dot` and no dot with an
+  `[E, rows, .]` masked operand. With `model.moe_matmul=ragged_dot` they are `ragged-dot`s
+  priced at E x their useful FLOPs for CUDA and 1 x for TPU. Useful FLOPs cover the model
+  FLOPs. With `train.ce_chunk` and `optim.ns_dtype=bfloat16` the LM head and the optimizer run
+  no fp32 dot (the default program runs both in fp32)."""
   config, text = _lowered()
   rows, calls, unknown = flop_ledger.ledger(text, "cuda")
   assert not unknown
@@ -37,21 +42,56 @@ def test_ledger_of_the_cuda_lowered_tiny_step():
   for phase in flop_ledger.PHASES:
     assert sum(c[phase] for c in cats.values()) > 0, phase
   experts = cats["routed experts"]
-  groups = config.model.n_routed_experts
-  np.testing.assert_allclose(experts["total"], groups * experts["useful"], rtol=1e-12)
+  assert experts["dtypes"] == {"kernel"} and experts["total"] == experts["useful"] > 0
   np.testing.assert_allclose(experts["remat"], experts["forward"], rtol=1e-12)
+  np.testing.assert_allclose(experts["backward"], 2 * experts["forward"], rtol=1e-12)
   useful = sum(r.useful_flops for r in rows)
   assert useful >= tool.model_flops(config)
 
-  tpu_rows, _, _ = flop_ledger.ledger(text, "tpu")
-  tpu_experts = flop_ledger.by_category(tpu_rows)["routed experts"]
-  np.testing.assert_allclose(tpu_experts["total"], experts["useful"], rtol=1e-12)
-
   module = hlo_loops.parse_module(text)
-  ragged = [i for c in module.computations.values() for i in c if i.op == "ragged-dot"]
-  assert ragged
+  assert not [i for c in module.computations.values() for i in c if i.op == "ragged-dot"]
+  kernels = collections.Counter()
+
+  def count(instr, name, times):
+    if instr.op == "custom-call" and "grouped_matmul_triton" in name:
+      kernel = "tgmm" if "grouped_matmul_triton_tgmm" in name else "gmm"
+      kernels[kernel, flop_ledger._phase(name)] += times
+  flop_ledger._walk(module, module.entry, "", 1, count)
+  moe_layers = kernels["gmm", "forward"] // 3
+  assert moe_layers >= 1 and kernels == {
+      ("gmm", "forward"): 3 * moe_layers, ("gmm", "remat"): 3 * moe_layers,
+      ("gmm", "backward"): 3 * moe_layers, ("tgmm", "backward"): 3 * moe_layers}, kernels
+  _assert_no_expanded_expert_dot(config, text)
+
+  def fp32_dots(rows, category):
+    return sum(r.flops for r in rows if r.category == category and r.dtype == "f32")
+
+  assert fp32_dots(rows, "LM head") > 0 and fp32_dots(rows, "optimizer (Muon NS)") > 0
+  _, text_other = _lowered("train.ce_chunk=64", "optim.ns_dtype='bfloat16'",
+                           "model.moe_matmul='ragged_dot'")
+  rows_other, _, _ = flop_ledger.ledger(text_other, "cuda")
+  assert fp32_dots(rows_other, "LM head") == 0
+  assert fp32_dots(rows_other, "optimizer (Muon NS)") == 0
+  assert sum(r.flops for r in rows_other if r.category == "LM head") > 0
+  assert "routed experts" in flop_ledger.format_table(rows, tool.model_flops(config))
+
+  ragged = flop_ledger.by_category(rows_other)["routed experts"]
+  groups = config.model.n_routed_experts
+  np.testing.assert_allclose(ragged["total"], groups * ragged["useful"], rtol=1e-12)
+  np.testing.assert_allclose(ragged["useful"], experts["useful"], rtol=1e-12)
+  tpu_rows, _, _ = flop_ledger.ledger(text_other, "tpu")
+  tpu_experts = flop_ledger.by_category(tpu_rows)["routed experts"]
+  np.testing.assert_allclose(tpu_experts["total"], ragged["useful"], rtol=1e-12)
+  _assert_no_expanded_expert_dot(config, text_other)  # XLA GPU expands it later, not jax
+
+
+def _assert_no_expanded_expert_dot(config, text):
+  """No dot has an `[E, >= routed rows, .]` operand (the masked operand of a dense
+  expansion over the experts)."""
+  module = hlo_loops.parse_module(text)
   shapes = {i.name: flop_ledger._arrays(i.result_type) for c in module.computations.values()
             for i in c}
+  groups = config.model.n_routed_experts
   tokens = config.data.batch_size * config.data.seq_len  # routed rows: tokens x top-k
   for c in module.computations.values():
     for i in c:
@@ -60,14 +100,3 @@ def test_ledger_of_the_cuda_lowered_tiny_step():
           shape = shapes[operand][0][1] if shapes.get(operand) else ()
           assert not (len(shape) == 3 and shape[0] == groups and shape[1] >= tokens), (
               i.name, shape)
-
-  def fp32_dots(rows, category):
-    return sum(r.flops for r in rows if r.category == category and r.dtype == "f32")
-
-  assert fp32_dots(rows, "LM head") > 0 and fp32_dots(rows, "optimizer (Muon NS)") > 0
-  _, text_bf16 = _lowered("train.ce_chunk=64", "optim.ns_dtype='bfloat16'")
-  rows_bf16, _, _ = flop_ledger.ledger(text_bf16, "cuda")
-  assert fp32_dots(rows_bf16, "LM head") == 0
-  assert fp32_dots(rows_bf16, "optimizer (Muon NS)") == 0
-  assert sum(r.flops for r in rows_bf16 if r.category == "LM head") > 0
-  assert "routed experts" in flop_ledger.format_table(rows, tool.model_flops(config))

@@ -44,10 +44,13 @@ CASES = [
     # the F shards must still differentiate exactly.
     {"mesh": {"data": 1, "expert": 2, "fsdp": 2, "tensor": 2}, "matmul": "megablox",
      "bias": "skewed"},
+    # The same for the GPU's Triton gmm / tgmm (interpreted): its pallas_calls too.
+    {"mesh": {"data": 1, "expert": 2, "fsdp": 2, "tensor": 2}, "matmul": "triton_gmm",
+     "bias": "skewed"},
 ]
 
 
-@pytest.mark.slow  # a subprocess with 8 host devices, ten compilations
+@pytest.mark.slow  # a subprocess with 8 host devices, a compilation or two per case
 def test_expert_parallel_equals_ragged_on_8_devices():
   results = run_worker("cases", json.dumps(CASES))
   for case, r in zip(CASES, results):

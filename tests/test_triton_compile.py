@@ -22,7 +22,8 @@ except ImportError as e:
 # Small but Triton-legal: dot operands >= 16 (block_q * J = 32 for the indexer), several slot
 # blocks per token, and a decode long enough to split.
 SMALL = check_triton_compile.Shapes(length=128, heads=16, latent=64, rope=16, index_heads=4,
-                                    index_dim=32, topk=64, decode_batch=2, decode_keys=512)
+                                    index_dim=32, topk=64, decode_batch=2, decode_keys=512,
+                                    moe=(512, 128, 64, 4))
 
 
 @pytest.mark.skipif(_SKIP is not None, reason=f"optional extra gpu-check: {_SKIP}")

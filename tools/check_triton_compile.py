@@ -16,6 +16,11 @@ Kernel programs, bf16, at GLM-5 shapes (`Shapes`): the lightning indexer's fused
 (`indexer`: B 1, L = S = 4096, 32 index heads x 128, top-k 2048), sparse MLA's forward
 (`mla_forward`: 64 heads, C 512, R 64, the same L, S, T) and its backward (`mla_backward`),
 and the split-k decode forward (`mla_decode`: B 8, L 1 over 64K keys, split_k automatic).
+The routed experts' grouped matmul (`pallas_kernels/grouped_matmul_triton.py`) at GLM-5's expert
+shapes (`Shapes.moe`: 8 x 4096 tokens x top-8 rows, hidden D 6144, moe_intermediate F 2048, 256
+experts; `--moe=3b`: configs/glm5_gpu_3b.py's 2 x 4096 x top-4, D 2048, F 512, 32 experts):
+`gmm` (forward, x `[P, D]` @ w `[E, D, F]`), `gmm_dgrad` (the input gradient, dy `[P, D]` @
+w_down^T, the transposed-weight form) and `tgmm` (weight gradient `[E, D, F]`).
 """
 
 import dataclasses
@@ -29,12 +34,16 @@ from absl import app, flags
 import jax
 import jax.numpy as jnp
 
-from pallas_kernels import lightning_indexer_triton, sparse_mla_triton
+from pallas_kernels import grouped_matmul_triton, lightning_indexer_triton, sparse_mla_triton
 from pallas_kernels import triton_offline
 
-KERNELS = ("indexer", "mla_forward", "mla_backward", "mla_decode")
+KERNELS = ("indexer", "mla_forward", "mla_backward", "mla_decode", "gmm", "gmm_dgrad", "tgmm")
+GMM_KERNELS = ("gmm", "gmm_dgrad", "tgmm")
+# (rows P, hidden D, expert intermediate F, experts E) of the routed experts' grouped matmul.
+MOE_SHAPES = {"glm5": (8 * 4096 * 8, 6144, 2048, 256), "3b": (2 * 4096 * 4, 2048, 512, 32)}
 _KERNELS = flags.DEFINE_list("kernels", list(KERNELS), f"Kernel programs, of {KERNELS}.")
 _SWEEP = flags.DEFINE_bool("sweep", False, "Also compile the block options of `SWEEPS`.")
+_MOE = flags.DEFINE_enum("moe", "glm5", list(MOE_SHAPES), "Expert shapes of the gmm kernels.")
 _JSON = flags.DEFINE_string("json", None, "Write the rows as JSON to this path ('-': stdout).")
 
 
@@ -51,6 +60,7 @@ class Shapes:
   softmax_scale: float = 192 ** -0.5  # the model's (qk head dim 192); a constant in the kernel
   decode_batch: int = 8
   decode_keys: int = 65536
+  moe: tuple = MOE_SHAPES["glm5"]  # (P, D, F, E) of the grouped matmul
 
 
 def _defaults(fn, names):
@@ -63,6 +73,11 @@ def default_options(kernel: str) -> dict:
   if kernel == "indexer":
     return _defaults(lightning_indexer_triton.indexer_topk_triton,
                      ("block_q", "block_s", "chunk", "radix_bits", "num_warps", "num_stages"))
+  if kernel in GMM_KERNELS:
+    gmm = grouped_matmul_triton.GmmOptions()
+    prefix = "tgmm_" if kernel == "tgmm" else ""
+    return {prefix + n: getattr(gmm, prefix + n)
+            for n in ("block_m", "block_k", "block_n", "num_warps", "num_stages")}
   mla = sparse_mla_triton.TritonMLAOptions()
   if kernel == "mla_backward":
     return {n: getattr(mla, n) for n in ("backward_head_block", "backward_block_t",
@@ -88,12 +103,18 @@ SWEEPS = {
                      + _grid(backward_head_block=(64,), backward_block_t=(16, 32))),
     "mla_decode": (_grid(block_t=(16, 32, 64), num_stages=(1, 2, 3))
                    + _grid(block_t=(16, 32), num_warps=(16,))),
+    # A smaller row tile wastes less at group boundaries; wider N / deeper K tiles reuse more.
+    "gmm": [dict(block_m=64), dict(block_n=256), dict(block_k=128), dict(num_stages=4),
+            dict(num_warps=4)],
+    "gmm_dgrad": [dict(block_m=64), dict(block_k=128), dict(num_warps=4)],
+    "tgmm": [dict(tgmm_block_m=128), dict(tgmm_block_k=256), dict(tgmm_num_stages=4),
+             dict(tgmm_num_warps=4)],
 }
 
 
 def _launch(kernel: str, options: dict) -> tuple[int, int]:
   """(num_warps, num_stages) of the compile, from the kernel's options."""
-  prefix = "backward_" if kernel == "mla_backward" else ""
+  prefix = {"mla_backward": "backward_", "tgmm": "tgmm_"}.get(kernel, "")
   return options[prefix + "num_warps"], options[prefix + "num_stages"]
 
 
@@ -101,6 +122,22 @@ def _program(kernel: str, shapes: Shapes, options: dict):
   """(function, abstract args, pallas_call name, shape summary) of one kernel program."""
   sds, bf16, i32 = jax.ShapeDtypeStruct, jnp.bfloat16, jnp.int32
   s = shapes
+  if kernel in GMM_KERNELS:
+    p, d, f, e = s.moe
+    opts = grouped_matmul_triton.GmmOptions(**options)
+    sizes = sds((e,), i32)
+    summary = f"P{p} D{d} F{f} E{e}"
+    if kernel == "gmm":  # the gate / up projection: [P, D] x [E, D, F]
+      fn = lambda x, w, n: grouped_matmul_triton.gmm(x, w, n, False, opts)
+      return fn, (sds((p, d), bf16), sds((e, d, f), bf16), sizes), \
+          "grouped_matmul_triton_gmm", summary
+    if kernel == "gmm_dgrad":  # the down projection's input gradient: [P, D] x [E, F, D]^T
+      fn = lambda dy, w, n: grouped_matmul_triton.gmm(dy, w, n, True, opts)
+      return fn, (sds((p, d), bf16), sds((e, f, d), bf16), sizes), \
+          "grouped_matmul_triton_gmm", summary
+    fn = lambda x, dy, n: grouped_matmul_triton.tgmm(x, dy, n, opts)  # dW of gate / up
+    return fn, (sds((p, d), bf16), sds((p, f), bf16), sizes), \
+        "grouped_matmul_triton_tgmm", summary
   if kernel == "indexer":
     b, l = 1, s.length
     args = (sds((b, l, s.index_heads, s.index_dim), bf16), sds((b, l, s.index_dim), bf16),
@@ -164,15 +201,16 @@ def main(argv):
     triton = triton_offline.import_triton()
   except ImportError as e:
     sys.exit(f"check_triton_compile: {e}")
+  shapes = Shapes(moe=MOE_SHAPES[_MOE.value])
   print(f"jax {jax.__version__}, triton {triton.__version__}, target sm_90a (no GPU run); "
-        f"shapes {Shapes()}", flush=True)
+        f"shapes {shapes}", flush=True)
   rows = []
   for kernel in _KERNELS.value:
     for changes in [{}] + (SWEEPS[kernel] if _SWEEP.value else []):
       if changes and {**default_options(kernel), **changes} == default_options(kernel):
         continue  # a sweep point equal to the defaults
       print(f"compiling {kernel} {changes or 'defaults'} ...", flush=True)
-      rows.append(compile_kernel(kernel, changes=changes))
+      rows.append(compile_kernel(kernel, shapes, changes=changes))
       r = rows[-1]
       print(f"  {r['registers']} registers, spills {r['spill_stores']}/{r['spill_loads']} B, "
             f"shared {r['shared_bytes']} B, {r['compile_s']} s", flush=True)

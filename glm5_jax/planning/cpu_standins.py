@@ -11,8 +11,10 @@ default flags: XLA GPU's `RaggedDotRewriter` (openxla/xla `ragged_dot_rewriter.c
 the HLO `ragged-dot` jax emits into the same dense masked dot over all E experts (E x the
 FLOPs; the weight gradient expands both operands), keeping a ragged dot only with
 `xla_gpu_experimental_use_ragged_dot_fusion` and cuDNN >= 9.22 (issue 41;
-`tools/flop_ledger.py --platform=cuda` prices it so). The stand-in below is the grouped matmul
-a TPU (or a GPU grouped-GEMM kernel) runs, not what a GPU runs today. Both get stand-ins:
+`tools/flop_ledger.py --platform=cuda` prices it so); so the MoE on GPU does not call it by
+default: `glm5_jax.grouped_matmul` runs our Pallas Triton gmm / tgmm there (on one GPU, and per
+device expert-parallel), whose buffers are its operands' size. The stand-in below is the grouped
+matmul a TPU or that kernel runs, not `ragged_dot` on a GPU. Both get stand-ins:
 
   `ragged_dot_standin()`          `jax.lax.ragged_dot` -> a capacity-padded grouped einsum
                                   `[E, C, D] x [E, D, F] -> [E, C, F]`, C = ceil(P / E): the

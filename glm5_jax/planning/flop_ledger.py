@@ -22,9 +22,9 @@ reports both: `flops` as the platform runs it, `useful_flops` a grouped matmul's
 Per dot: 2 x result elements x contracted size, times its executions per step (the product of
 the trip counts of its enclosing while loops, `hlo_loops`); dead code, which a lowered module
 still holds and a compiler removes, is left out (`_live`). Custom calls other than sharding
-annotations are priced where a rule knows the kernel (`_custom_call_flops`: the sparse MLA
-and indexer Pallas kernels by their operand shapes; dtype "kernel"), the others counted by
-target (`custom_calls`).
+annotations are priced where a rule knows the kernel (`_custom_call_flops`: the sparse MLA,
+indexer and grouped-matmul Pallas kernels by their operand and result shapes; dtype "kernel"),
+the others counted by target (`custom_calls`).
 
 Categories and phases come from each dot's `op_name` metadata. In a lowered module a scan
 body's names are relative (`layers_1_3.body/layers_1_3/mlp/...`), so each instruction's name
@@ -61,6 +61,9 @@ CATEGORIES = (
     ("attention projections", ("self_attn",)),
 )
 PHASES = ("forward", "remat", "backward", "optimizer")
+# Names of the routed experts' grouped products: jax's `ragged_dot` and the Triton gmm / tgmm
+# kernels (`pallas_kernels.grouped_matmul_triton`, their pallas_call names).
+_GROUPED = ("ragged_dot", "grouped_matmul_triton")
 
 _ARRAY = re.compile(r"\b([a-z]+[0-9]*[a-z0-9]*)\[([0-9,]*)\]")
 _CONTRACTING = re.compile(r"lhs_contracting_dims=\{([0-9,]*)\}")
@@ -154,7 +157,7 @@ def category(name: str, op: str) -> str:
   "routed experts", the MTP layer's too."""
   if "jvp(" not in name:
     return "optimizer (Muon NS)"
-  if op == "ragged-dot" or "ragged_dot" in name:  # the MTP layer's experts included
+  if op == "ragged-dot" or any(k in name for k in _GROUPED):  # the MTP layer's experts too
     return "routed experts"
   for label, keys in CATEGORIES:
     if any(k in name for k in keys):
@@ -198,15 +201,25 @@ def _operand_arrays(instr, shapes) -> list:
   return [shapes[n] for n in instr.operands if n in shapes]
 
 
-def _custom_call_flops(name: str, operands: list) -> float | None:
-  """Matmul FLOPs of a known kernel (by its `op_name`) from its operand shapes, else None.
+def _custom_call_flops(name: str, operands: list, result: tuple = ()) -> float | None:
+  """Matmul FLOPs of a known kernel (by its `op_name`) from its operand and result shapes, else
+  None.
 
   sparse MLA (`sparse_mla_triton_*`: top-k `[B, L, T]`, q `[B, L, H, C]` + `[B, L, H, R]`):
   forward 2 B L H T (C + R + C) (scores over C + R, values over C); backward
   2 B L H T (3 (C + R) + 2 C) (scores again, dP, dQ, and dKV from P^T dO and dS^T Q).
   Indexer top-k (`lightning_indexer_topk`: q `[B, L Hi, K]`, k `[B, S, K]`): causal scores,
   2 B (L Hi) K (S + 1) / 2.
+  Grouped matmul (`grouped_matmul_triton_gmm`: x `[M, K]` the 5th operand, result `[M, N]`;
+  `_tgmm`: x `[M, K]`, dy `[M, N]` the 3rd and 4th): 2 M K N, each row meeting one group (the
+  useful work; a partial row tile per group boundary adds at most G tm K N, not counted).
   """
+  if "grouped_matmul_triton_gmm" in name and len(operands) >= 6 and len(result) == 2:
+    m, k = operands[4][1]
+    return 2.0 * m * k * result[1]
+  if "grouped_matmul_triton_tgmm" in name and len(operands) >= 4:
+    (m, k), n = operands[2][1], operands[3][1][1]
+    return 2.0 * m * k * n
   if "sparse_mla" in name and len(operands) >= 4:
     b, l, t = operands[1][1]
     h, c = operands[2][1][2:]
@@ -244,7 +257,9 @@ def ledger(hlo_text: str, platform: str = "cuda"):
       target = target[1] if target else "?"
       if any(t in target for t in _NOT_COMPUTE):
         return
-      flops = _custom_call_flops(name, _operand_arrays(instr, shapes))
+      result = _arrays(instr.result_type)
+      flops = _custom_call_flops(name, _operand_arrays(instr, shapes),
+                                 result[0][1] if len(result) == 1 else ())
       if flops is None:
         calls[target] += times
         return
