@@ -14,8 +14,10 @@ compile says nothing about speed or correctness (device suite, interpret-mode te
 
 Kernel programs, bf16, at GLM-5 shapes (`Shapes`): the lightning indexer's fused top-k
 (`indexer`: B 1, L = S = 4096, 32 index heads x 128, top-k 2048), sparse MLA's forward
-(`mla_forward`: 64 heads, C 512, R 64, the same L, S, T) and its backward (`mla_backward`),
-and the split-k decode forward (`mla_decode`: B 8, L 1 over 64K keys, split_k automatic).
+(`mla_forward`: 64 heads, C 512, R 64, the same L, S, T), the same forward with the indexer
+KL's head-mean probabilities from a second sweep (`mla_forward_probs`, what training runs for a
+layer with an indexer), its backward (`mla_backward`), and the split-k decode forward
+(`mla_decode`: B 8, L 1 over 64K keys, split_k automatic).
 """
 
 import dataclasses
@@ -32,7 +34,7 @@ import jax.numpy as jnp
 from pallas_kernels import lightning_indexer_triton, sparse_mla_triton
 from pallas_kernels import triton_offline
 
-KERNELS = ("indexer", "mla_forward", "mla_backward", "mla_decode")
+KERNELS = ("indexer", "mla_forward", "mla_forward_probs", "mla_backward", "mla_decode")
 _KERNELS = flags.DEFINE_list("kernels", list(KERNELS), f"Kernel programs, of {KERNELS}.")
 _SWEEP = flags.DEFINE_bool("sweep", False, "Also compile the block options of `SWEEPS`.")
 _JSON = flags.DEFINE_string("json", None, "Write the rows as JSON to this path ('-': stdout).")
@@ -66,7 +68,8 @@ def default_options(kernel: str) -> dict:
   mla = sparse_mla_triton.TritonMLAOptions()
   if kernel == "mla_backward":
     return {n: getattr(mla, n) for n in ("backward_head_block", "backward_block_t",
-                                         "backward_num_warps", "backward_num_stages")}
+                                         "backward_c_chunk", "backward_num_warps",
+                                         "backward_num_stages")}
   return {n: getattr(mla, n) for n in ("block_t", "num_warps", "num_stages")}
 
 
@@ -83,9 +86,11 @@ SWEEPS = {
                 dict(radix_bits=4), dict(num_warps=4), dict(num_stages=3)],
     "mla_forward": (_grid(block_t=(16, 32, 64), num_stages=(1, 2, 3))
                     + _grid(block_t=(16, 32), num_warps=(4, 16))),
-    "mla_backward": (_grid(backward_block_t=(16, 32, 64), backward_num_stages=(1, 2))
-                     + _grid(backward_block_t=(16, 32), backward_num_warps=(4, 16))
-                     + _grid(backward_head_block=(64,), backward_block_t=(16, 32))),
+    "mla_backward": (_grid(backward_block_t=(16, 32, 64), backward_c_chunk=(64, 128, 256))
+                     + _grid(backward_block_t=(16, 32), backward_num_warps=(16,))
+                     + [dict(backward_num_stages=2)]
+                     + _grid(backward_head_block=(32,), backward_block_t=(16, 32))),
+    "mla_forward_probs": _grid(block_t=(16, 64), num_stages=(1, 2)),
     "mla_decode": (_grid(block_t=(16, 32, 64), num_stages=(1, 2, 3))
                    + _grid(block_t=(16, 32), num_warps=(16,))),
 }
@@ -118,6 +123,10 @@ def _program(kernel: str, shapes: Shapes, options: dict):
           sds((b, keys, s.latent), bf16), sds((b, keys, s.rope), bf16),
           sds((b, l, s.topk), i32))
   summary = f"B{b} L{l} S{keys} H{s.heads} C{s.latent} R{s.rope} T{s.topk}"
+  if kernel == "mla_forward_probs":
+    probs = functools.partial(sparse_mla_triton.sparse_mla_triton_with_head_probs,
+                              scale=s.softmax_scale, **options)
+    return probs, args, "sparse_mla_triton_forward_head_probs", summary
   if kernel != "mla_backward":
     return mla, args, "sparse_mla_triton_forward", summary
   fn, args = triton_offline.backward_program(lambda *x: mla(*x[:4], x[4]), *args)
