@@ -41,8 +41,9 @@ Backward (custom VJP), grid (B, L): `delta = rowsum(dout * out) - dlse` in XLA; 
   3. per column chunk, `dkv = p^T dout + ds^T q` `[bt, X]` (q and dout chunks re-read from L2
      as right-hand operands) and, once, `dk_rope = ds^T q_rope` `[bt, R]`, each added into
      fp32 `[B, S, C]` / `[B, S, R]` buffers with ONE masked `plgpu.atomic_add`, which Triton
-     3.6 emits as 16-byte vector atomics (`atom.global.v4.f32`, read in the PTX), and cast to
-     the input dtype after.
+     3.6 emits as 16-byte vector atomics (`atom.global.gpu.acq_rel.add.v4.f32` in the PTX; Pallas
+     fixes the acq_rel order, a relaxed `red` is not reachable from it), and cast to the input
+     dtype after.
   Why this fits a Hopper SM (228 KiB shared memory, 64K registers; GLM-5: H 64, C 512, R 64,
   bt 16, X 128, 8 warps = 256 threads, so at most 255 registers a thread):
     registers: dq `[64, 512]` fp32 = 128 KiB = 128 a thread, dq_rope `[64, 64]` fp32 = 16; the
@@ -51,13 +52,14 @@ Backward (custom VJP), grid (B, L): `delta = rowsum(dout * out) - dlse` in XLA; 
       `[bt, C]` address and value tiles out of registers;
     shared memory: q and dout `[64, 512]` bf16 = 64 KiB each, q_rope 8 KiB (two operand
       layouts: 16), a gathered block `[16, 576]` bf16 = 18 KiB, the re-read dkv operand chunks
-      `[64, 128]` bf16 = 16 KiB each: ~180 KiB at most, 158 KiB as compiled.
+      `[64, 128]` bf16 = 16 KiB each: ~180 KiB at most, 166 KiB as compiled.
   The two uses of q (left operand of the logits, right operand of `ds^T q`) and of dout need
   different shared layouts, and Triton allocates one buffer per layout: holding both would be
   4 x 64 KiB, over the limit (the 264-408 KiB that made the first all-heads backward unable to
   launch). Hence the re-reads from L2 for the dkv products (2 x 64 KiB per slot block, beside the
   18 KiB gather). As compiled offline (Triton 3.6, sm_90a, `tools/check_triton_compile.py`): 255
-  registers with ~300 bytes of spills, 158 KiB of shared memory; numbers in docs/performance.md.
+  registers with 332 bytes of spill stores a thread (not zero: dq alone is half the register
+  file), 166 KiB of shared memory; the sweep is in docs/performance.md.
   dkv / dk_rope are bitwise NON-deterministic on GPU (the atomics land in a varying order:
   run-to-run differences within fp32 rounding of the sum); dq, dq_rope, out and lse are
   deterministic. Many queries selecting one key (e.g. the first tokens) serialize their
@@ -103,8 +105,7 @@ _TARGET_PROGRAMS = 256
 class TritonMLAOptions:
   """Block sizes and launch parameters (keywords of `sparse_mla_triton`).
 
-  Hopper defaults (H100 / H200: 228 KiB shared memory and 64K 32-bit registers per SM); the
-  first H200 sweep (`tools/tune_sparse_mla.py`, docs/performance.md) set backward_block_t:
+  Hopper defaults (H100 / H200: 228 KiB shared memory and 64K 32-bit registers per SM):
     block_t=32, num_warps=8, num_stages=2 (forward): the fp32 accumulator `[64, 512]` is 128 KiB
       of registers, 128 per thread with 8 warps (4 warps would spill); a gathered block is
       32 x (512 + 64) bf16 = 36 KiB of shared memory, two of them in flight (num_stages=2) plus
@@ -113,8 +114,8 @@ class TritonMLAOptions:
     backward_head_block=64, backward_block_t=16, backward_c_chunk=128, backward_num_warps=8,
       backward_num_stages=1: all of GLM-5's heads in one program per token (module docstring:
       the register and shared-memory arithmetic). Offline compiles (Triton 3.6, sm_90a, GLM-5
-      shapes): bt 16 X 128 is the least-spilling all-heads point (255 registers, ~300 B of
-      spills, 158 KiB); bt 32 spills ~2x more, X 64 / 256 more, 16 warps (128 registers a
+      shapes): bt 16 X 128 is the least-spilling all-heads point (255 registers, 332 B of
+      spill stores, 166 KiB); bt 32 spills ~2x more, X 64 / 256 more, 16 warps (128 registers a
       thread) more. The previous default, 32 heads per program at bt 32 (two programs per
       token, each gathering the same rows and adding its own atomics), compiled with 16 B of
       spills and 132 KiB; the first H200 sweep measured it 1.25x faster than bt 16 and 1.7x

@@ -67,19 +67,22 @@ def test_forward_matches_reference_fp32(options):
 
 
 def _loss(fn, cot_out, cot_lse, topk, q, q_rope, kv, k_rope):
-  """A scalar that sends a cotangent into both outputs (lse -inf rows excluded)."""
-  out, lse = fn(q, q_rope, kv, k_rope, topk, scale=SCALE)
+  """A scalar that sends a cotangent into out and lse (lse -inf rows excluded), and fn's
+  outputs beyond those two (the head probabilities) as aux."""
+  out, lse, *rest = fn(q, q_rope, kv, k_rope, topk, scale=SCALE)
   return (jnp.sum(out.astype(jnp.float32) * cot_out)
-          + jnp.sum(jnp.where(jnp.isfinite(lse), lse, 0.0) * cot_lse))
+          + jnp.sum(jnp.where(jnp.isfinite(lse), lse, 0.0) * cot_lse)), (out, lse, *rest)
 
 
-def _grads(fn, args, seed=4):
+def _grads(fn, args, seed=4, with_outputs=False):
+  """d loss / d (q, q_rope, kv, k_rope); with_outputs: `(grads, fn's outputs)`, one program."""
   *arrays, topk = args
   rng = np.random.default_rng(seed)
   cot_out = jnp.asarray(rng.standard_normal(arrays[0].shape), jnp.float32)
   cot_lse = jnp.asarray(rng.standard_normal(arrays[0].shape[:3]), jnp.float32)
   loss = functools.partial(_loss, fn, cot_out, cot_lse, topk)
-  return jax.jit(jax.grad(loss, argnums=(0, 1, 2, 3)))(*arrays)
+  grads, outputs = jax.jit(jax.grad(loss, argnums=(0, 1, 2, 3), has_aux=True))(*arrays)
+  return (grads, outputs) if with_outputs else grads
 
 
 @pytest.mark.parametrize("dtype,tol", [(jnp.float32, 1e-5), (jnp.bfloat16, 5e-2)])
@@ -114,20 +117,19 @@ def test_backward_split_over_head_blocks_matches_reference():
 def test_all_64_heads_in_one_program_with_latent_chunks():
   """GLM-5's 64 heads in one backward program (the default), the latent dims in two chunks of
   the key-row gradients (backward_c_chunk 16 of C = 32), two slot blocks: gradients as the
-  reference's; and the forward's second sweep gives `sparse_mla_head_mean_probs` at every
-  slot (duplicates in each copy, empty slots 0) beside the unchanged out and lse."""
+  reference's (through the head-probs variant: its probs take no cotangent); and the forward's
+  second sweep gives `sparse_mla_head_mean_probs` at every slot (duplicates in each copy,
+  empty slots 0) beside the unchanged out and lse."""
   q, q_rope, kv, k_rope, topk = mla_inputs(b=2, l=4, s=30, h=64, c=32, r=16, t=24, seed=7)
   # Batch row 0's first 3 queries (no slot; out-of-range slots; random), row 7 in two blocks.
   topk = topk[:1, :3].at[0, 2, jnp.array([1, 5, 20])].set(7)
   args = [q[:1, :3], q_rope[:1, :3], kv[:1], k_rope[:1], topk]
-  triton = functools.partial(sparse_mla_triton, interpret=True, block_t=16,
+  triton = functools.partial(sparse_mla_triton_with_head_probs, interpret=True, block_t=16,
                              backward_block_t=16, backward_c_chunk=16)
-  got, ref = _grads(triton, args), _grads(sparse_mla_reference, args)
+  (got, (out, lse, probs)), (ref, (want_out, want_lse)) = (
+      _grads(f, args, with_outputs=True) for f in (triton, sparse_mla_reference))
   for name, g, r in zip(("q", "q_rope", "kv", "k_rope"), got, ref):
     _close(g, r, 1e-5, f"d{name}")
-  out, lse, probs = jax.jit(functools.partial(
-      sparse_mla_triton_with_head_probs, scale=SCALE, interpret=True, block_t=16))(*args)
-  want_out, want_lse = sparse_mla_reference(*args, scale=SCALE)
   _close(out, want_out, 1e-5, "out")
   _close(lse, want_lse, 1e-5, "lse")
   want = sparse_mla_head_mean_probs(*args, want_lse, scale=SCALE)
