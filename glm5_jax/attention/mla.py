@@ -281,7 +281,7 @@ def _sparse_stage_attention(c, latents: _Latents, scale, segment_ids_BL, order: 
     if fused_target:
       (scores_BLT,) = _indexer_kl_terms_on_mesh(index_scale, scale, with_target=False)(
           *index_qkw, topk_BLT)
-      target_BLT = target[0]
+      target_BLT = jax.lax.stop_gradient(target[0])  # the kernel drops its cotangent too
     else:
       scores_BLT, target_BLT = _indexer_kl_terms_on_mesh(index_scale, scale)(
           *index_qkw, topk_BLT, q_latent_BLHC, q_rope_BLHR, ckv_BSC, k_rope_BSR, lse_BLH)
