@@ -59,7 +59,8 @@ Backward (custom VJP), grid (B, L): `delta = rowsum(dout * out) - dlse` in XLA; 
   launch). Hence the re-reads from L2 for the dkv products (2 x 64 KiB per slot block, beside the
   18 KiB gather). As compiled offline (Triton 3.6, sm_90a, `tools/check_triton_compile.py`): 255
   registers with 332 bytes of spill stores a thread (not zero: dq alone is half the register
-  file), 166 KiB of shared memory; the sweep is in docs/performance.md.
+  file; the SASS shows 64-bit addresses spilled, ~40 local loads / stores per slot block
+  beside 209 tensor-core instructions), 166 KiB of shared memory; docs/performance.md.
   dkv / dk_rope are bitwise NON-deterministic on GPU (the atomics land in a varying order:
   run-to-run differences within fp32 rounding of the sum); dq, dq_rope, out and lse are
   deterministic. Many queries selecting one key (e.g. the first tokens) serialize their

@@ -4,6 +4,7 @@
   python tools/check_triton_compile.py                  # GLM-5 shapes, each kernel's defaults
   python tools/check_triton_compile.py --sweep          # plus the block options the docstrings name
   python tools/check_triton_compile.py --kernels=mla_backward --sweep --json=/tmp/out.json
+  python tools/check_triton_compile.py --kernels=mla_backward --dump_dir=/tmp/k  # + ptx, SASS
 
 No GPU needed: jax lowers each kernel for CUDA, Triton 3.x compiles the Triton IR to a cubin
 for sm_90a (H100 / H200) and ptxas -v reports its resources (`pallas_kernels/triton_offline.py`,
@@ -25,6 +26,7 @@ import functools
 import inspect
 import itertools
 import json
+import os
 import sys
 
 from absl import app, flags
@@ -38,6 +40,9 @@ KERNELS = ("indexer", "mla_forward", "mla_forward_probs", "mla_backward", "mla_d
 _KERNELS = flags.DEFINE_list("kernels", list(KERNELS), f"Kernel programs, of {KERNELS}.")
 _SWEEP = flags.DEFINE_bool("sweep", False, "Also compile the block options of `SWEEPS`.")
 _JSON = flags.DEFINE_string("json", None, "Write the rows as JSON to this path ('-': stdout).")
+_DUMP_DIR = flags.DEFINE_string(
+    "dump_dir", None, "Also write each program's ttgir, ptx, cubin and SASS (nvdisasm) here, "
+    "named <kernel>[-<option>=<value>...].*")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -133,8 +138,10 @@ def _program(kernel: str, shapes: Shapes, options: dict):
   return fn, args, "sparse_mla_triton_backward", summary
 
 
-def compile_kernel(kernel: str, shapes: Shapes = Shapes(), changes: dict | None = None) -> dict:
-  """Lowers and compiles one kernel program; returns its table row (a dict)."""
+def compile_kernel(kernel: str, shapes: Shapes = Shapes(), changes: dict | None = None,
+                   dump_dir: str | None = None) -> dict:
+  """Lowers and compiles one kernel program; returns its table row (a dict). `dump_dir`: also
+  write its compiled forms there (`triton_offline.compile_ttir`'s `dump_to`)."""
   options = {**default_options(kernel), **(changes or {})}
   fn, args, name, summary = _program(kernel, shapes, options)
   captured = triton_offline.capture_ttir(fn, *args)
@@ -142,7 +149,11 @@ def compile_kernel(kernel: str, shapes: Shapes = Shapes(), changes: dict | None 
     raise RuntimeError(f"{kernel}: expected the pallas_call {name!r} first in the lowering, "
                        f"got {captured.name!r}")
   num_warps, num_stages = _launch(kernel, options)
-  result = triton_offline.compile_ttir(captured.ttir, num_warps, num_stages)
+  dump_to = None
+  if dump_dir:
+    dump_to = os.path.join(dump_dir, "-".join([kernel] + [f"{k}={v}" for k, v in
+                                                         sorted((changes or {}).items())]))
+  result = triton_offline.compile_ttir(captured.ttir, num_warps, num_stages, dump_to)
   return dict(kernel=kernel, shapes=summary, options=options, changed=changes or {},
               registers=result.registers, spill_stores=result.spill_stores,
               spill_loads=result.spill_loads, shared_bytes=result.shared_bytes,
@@ -181,7 +192,7 @@ def main(argv):
       if changes and {**default_options(kernel), **changes} == default_options(kernel):
         continue  # a sweep point equal to the defaults
       print(f"compiling {kernel} {changes or 'defaults'} ...", flush=True)
-      rows.append(compile_kernel(kernel, changes=changes))
+      rows.append(compile_kernel(kernel, changes=changes, dump_dir=_DUMP_DIR.value))
       r = rows[-1]
       print(f"  {r['registers']} registers, spills {r['spill_stores']}/{r['spill_loads']} B, "
             f"shared {r['shared_bytes']} B, {r['compile_s']} s", flush=True)
