@@ -9,9 +9,11 @@ Two ops, four implementations each, one signature per op:
 
 plus `indexer_scores_at` (differentiable index scores at the selected keys) and
 `sparse_mla_head_mean_probs` (the indexer KL's target), both XLA, which the sparse training
-stage needs on every path. `dsa_ops(model.dsa_impl)` (`pallas_kernels.dispatch`) is the row
-that runs: "xla"; "pallas" = the TPU kernels on TPU, the GPU kernels on GPU, an error naming
-`model.dsa_impl` elsewhere; "pallas_interpret" = the TPU kernels in interpret mode (CPU tests).
+stage needs on every path, except that the GPU row's sparse MLA emits the target from its own
+forward kernel (`DSAOps.sparse_mla_with_probs`, `sparse_mla_triton_with_head_probs`).
+`dsa_ops(model.dsa_impl)` (`pallas_kernels.dispatch`) is the row that runs: "xla"; "pallas" =
+the TPU kernels on TPU, the GPU kernels on GPU, an error naming `model.dsa_impl` elsewhere;
+"pallas_interpret" = the TPU kernels in interpret mode (CPU tests).
 The GPU modules are imported on first use, so a build without them fails only where chosen.
 
 Index contract (every op, reference, XLA and Pallas, forward and backward):

@@ -39,10 +39,17 @@ PALLAS_BY_PLATFORM = {"tpu": "pallas_tpu", "gpu": "pallas_gpu"}
 
 
 class DSAOps(typing.NamedTuple):
-  """One implementation of the two DSA ops (signatures as the references)."""
+  """One implementation of the two DSA ops (signatures as the references).
+
+  sparse_mla_with_probs: where the sparse MLA kernel also emits the indexer KL's target,
+  `(q, q_rope, kv, k_rope, topk, *, scale) -> (out, lse, head_mean_probs_BLT)` (probs equal to
+  `sparse_mla_head_mean_probs`, no gradient); None where the caller computes the target with
+  that separate XLA pass.
+  """
 
   indexer_topk: typing.Callable
   sparse_mla: typing.Callable
+  sparse_mla_with_probs: typing.Callable | None = None
 
 
 def _missing(module: str, error: ModuleNotFoundError) -> ModuleNotFoundError:
@@ -72,13 +79,16 @@ def _gpu_kernel(module: str, name: str):
 
 indexer_topk_triton = _gpu_kernel("lightning_indexer_triton", "indexer_topk_triton")
 sparse_mla_triton = _gpu_kernel("sparse_mla_triton", "sparse_mla_triton")
+sparse_mla_triton_with_head_probs = _gpu_kernel("sparse_mla_triton",
+                                                "sparse_mla_triton_with_head_probs")
 
 
 DSA_OPS = {
     "reference": DSAOps(indexer_topk_reference, sparse_mla_reference),
     "xla": DSAOps(indexer_topk_xla, sparse_mla_xla),
     "pallas_tpu": DSAOps(indexer_topk_pallas, sparse_mla_pallas),
-    "pallas_gpu": DSAOps(indexer_topk_triton, sparse_mla_triton),
+    "pallas_gpu": DSAOps(indexer_topk_triton, sparse_mla_triton,
+                         sparse_mla_triton_with_head_probs),
 }
 
 
@@ -112,4 +122,4 @@ def dsa_ops(impl: str, *, platform: str | None = None, interpret: bool = False) 
   ops = DSA_OPS[pallas_row(platform)]
   if not interpret:
     return ops
-  return DSAOps(*(functools.partial(op, interpret=True) for op in ops))
+  return DSAOps(*(op and functools.partial(op, interpret=True) for op in ops))

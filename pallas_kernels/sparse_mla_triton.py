@@ -21,17 +21,51 @@ Decode (flash-decoding): with few programs (B * L small, e.g. one new token per 
   T slots are split over K programs per token; each writes a partial (out, lse) in fp32 and XLA
   merges them with a log-sum-exp (`_merge_splits`). K is picked from B * L so that about
   `_TARGET_PROGRAMS` programs run (a Hopper has 132 SMs), or given as `split_k=`.
-Backward (custom VJP), grid (B, L, H / hb): `delta = rowsum(dout * out) - dlse` in XLA; per
-  token and block of hb heads (32 of 64 by default: all 64 do not fit a Hopper SM's shared
-  memory, `TritonMLAOptions`) the same gather and logits, `p = exp(logit - lse)`,
-  `ds = p (dout . kv - delta) scale`; dq and dq_rope accumulate in registers over the slot blocks and are written once; each block's
-  key-row gradients `p^T dout + ds^T q` `[bt, C]` and `ds^T q_rope` `[bt, R]` are added into
-  fp32 `[B, S, C]` / `[B, S, R]` buffers with masked `plgpu.atomic_add` (GPUs have atomics, so
-  no per-slot buffer and no XLA scatter as on TPU), cast to the input dtype after. The order
-  in which programs' atomics land varies from run to run, so dkv / dk_rope are bitwise
-  NON-deterministic on GPU (run-to-run differences within fp32 rounding of the sum); dq,
-  dq_rope, out and lse are deterministic. Many queries selecting one key (e.g. the first
-  tokens) serialize their atomics on that row.
+Head-mean probabilities (`sparse_mla_triton_with_head_probs`, the indexer KL's target): once
+  the first sweep has each head's lse, a second sweep over the same slot blocks re-gathers the
+  rows, recomputes the logits and writes `mean_h exp(logit - lse)` per slot (`[B, L, T]`
+  fp32, 0 at empty slots; padded heads left out of the mean). It costs the logits again,
+  2 B L H T (C + R) FLOPs (+53% of the forward's), where the XLA pass it replaces
+  (`sparse_mla_head_mean_probs`) gathered `[B, Lq, T, C + R]` into HBM for the same product.
+  The head sum cannot ride on the first sweep: each head's running max changes block by block,
+  so per-block sums over heads cannot be rescaled afterwards.
+Backward (custom VJP), grid (B, L): `delta = rowsum(dout * out) - dlse` in XLA; ONE program per
+  token with all H heads (`backward_head_block`, default 64: all of GLM-5's), so each selected
+  row is gathered once per token and each key row gets one set of atomics per slot block
+  (FlashMLA's / TileLang's sparse backward decomposition). Per slot block of bt rows:
+  1. gather kv `[bt, C]` in C / X column chunks of X = `backward_c_chunk` and k_rope `[bt, R]`;
+     logits and `dp = dout . kv` `[H, bt]` accumulate over the chunks against q and dout held
+     in shared memory for the whole loop (loaded once, as X-column chunks);
+  2. `p = exp(logit - lse)`, `ds = p (dp - delta) scale`; dq `[H, C]` (as C / X chunks) and
+     dq_rope `[H, R]` accumulate in fp32 registers over the blocks and are written once;
+  3. per column chunk, `dkv = p^T dout + ds^T q` `[bt, X]` (q and dout chunks re-read from L2
+     as right-hand operands) and, once, `dk_rope = ds^T q_rope` `[bt, R]`, each added into
+     fp32 `[B, S, C]` / `[B, S, R]` buffers with ONE masked `plgpu.atomic_add`, which Triton
+     3.6 emits as 16-byte vector atomics (`atom.global.gpu.acq_rel.add.v4.f32` in the PTX; Pallas
+     fixes the acq_rel order, a relaxed `red` is not reachable from it), and cast to the input
+     dtype after.
+  Why this fits a Hopper SM (228 KiB shared memory, 64K registers; GLM-5: H 64, C 512, R 64,
+  bt 16, X 128, 8 warps = 256 threads, so at most 255 registers a thread):
+    registers: dq `[64, 512]` fp32 = 128 KiB = 128 a thread, dq_rope `[64, 64]` fp32 = 16; the
+      per-block tiles are small (logits, dp, p, ds `[64, 16]` fp32: 4 each; a dkv chunk
+      `[16, 128]` fp32: 8; dk_rope 4), and gathering in X-column chunks keeps the gather's
+      `[bt, C]` address and value tiles out of registers;
+    shared memory: q and dout `[64, 512]` bf16 = 64 KiB each, q_rope 8 KiB (two operand
+      layouts: 16), a gathered block `[16, 576]` bf16 = 18 KiB, the re-read dkv operand chunks
+      `[64, 128]` bf16 = 16 KiB each: ~180 KiB at most, 166 KiB as compiled.
+  The two uses of q (left operand of the logits, right operand of `ds^T q`) and of dout need
+  different shared layouts, and Triton allocates one buffer per layout: holding both would be
+  4 x 64 KiB, over the limit (the 264-408 KiB that made the first all-heads backward unable to
+  launch). Hence the re-reads from L2 for the dkv products (2 x 64 KiB per slot block, beside the
+  18 KiB gather). As compiled offline (Triton 3.6, sm_90a, `tools/check_triton_compile.py`): 255
+  registers with 332 bytes of spill stores a thread (not zero: dq alone is half the register
+  file; the SASS shows 64-bit addresses spilled, ~40 local loads / stores per slot block
+  beside 209 tensor-core instructions), 166 KiB of shared memory; docs/performance.md.
+  dkv / dk_rope are bitwise NON-deterministic on GPU (the atomics land in a varying order:
+  run-to-run differences within fp32 rounding of the sum); dq, dq_rope, out and lse are
+  deterministic. Many queries selecting one key (e.g. the first tokens) serialize their
+  atomics on that row. With `backward_head_block` hb < H (more heads than fit, or for timing),
+  H / hb programs per token each add their heads' share of the key-row gradients.
 
 Interpret mode (CPU tests): the discharge of a vector `atomic_add` in interpret mode takes no
 mask and, for duplicate addresses within one call, keeps one update (it is gather, add, set),
@@ -72,22 +106,22 @@ _TARGET_PROGRAMS = 256
 class TritonMLAOptions:
   """Block sizes and launch parameters (keywords of `sparse_mla_triton`).
 
-  Hopper defaults (H100 / H200: 228 KiB shared memory and 64K 32-bit registers per SM); the
-  first H200 sweep (`tools/tune_sparse_mla.py`, docs/performance.md) set backward_block_t:
+  Hopper defaults (H100 / H200: 228 KiB shared memory and 64K 32-bit registers per SM):
     block_t=32, num_warps=8, num_stages=2 (forward): the fp32 accumulator `[64, 512]` is 128 KiB
       of registers, 128 per thread with 8 warps (4 warps would spill); a gathered block is
       32 x (512 + 64) bf16 = 36 KiB of shared memory, two of them in flight (num_stages=2) plus
       the 72 KiB query tile stay well under 228 KiB; bt=64 would double that and leave no
       room for a third stage.
-    backward_head_block=32, backward_block_t=32, backward_num_warps=8, backward_num_stages=1:
-      with all 64 heads in one program the backward needs 264-408 KiB of shared memory at every
-      block option, over the 227 KiB a Hopper block may use, so it could not launch
-      (`tools/check_triton_compile.py --sweep`, Triton 3.6 for sm_90a). Two programs per token,
-      32 heads each, gather the same rows twice and double the key-row atomics, but fit: at
-      block_t 32, 255 registers, 28 bytes of spills, 132 KiB of shared memory; on an H200 it
-      ran the backward 1.25x faster than block_t 16 (no spills) at L = 8K, and 16 heads per
-      program 1.7x slower (the row gathers and atomics, repeated per head block, dominate). Each head block adds its heads' share of the key-row gradients, whose
-      sum over heads is the gradient.
+    backward_head_block=64, backward_block_t=16, backward_c_chunk=128, backward_num_warps=8,
+      backward_num_stages=1: all of GLM-5's heads in one program per token (module docstring:
+      the register and shared-memory arithmetic). Offline compiles (Triton 3.6, sm_90a, GLM-5
+      shapes): bt 16 X 128 is the least-spilling all-heads point (255 registers, 332 B of
+      spill stores, 166 KiB); bt 32 spills ~2x more, X 64 / 256 more, 16 warps (128 registers a
+      thread) more. The previous default, 32 heads per program at bt 32 (two programs per
+      token, each gathering the same rows and adding its own atomics), compiled with 16 B of
+      spills and 132 KiB; the first H200 sweep measured it 1.25x faster than bt 16 and 1.7x
+      faster than 16 heads, i.e. time grows with programs per token. Which of the two is
+      faster on the chip is for the next device run (tools/tune_sparse_mla.py rows).
     split_k: None = automatic (`_auto_split`); 1 = never split; K = split the slots over K
       programs per token (forward only; the backward is never split).
   """
@@ -95,10 +129,11 @@ class TritonMLAOptions:
   block_t: int = 32
   num_warps: int = 8
   num_stages: int = 2
-  backward_head_block: int = 32
-  backward_block_t: int = 32
+  backward_head_block: int = 64
+  backward_block_t: int = 16
   backward_num_warps: int = 8
   backward_num_stages: int = 1
+  backward_c_chunk: int = 128
   split_k: int | None = None
   interpret: bool = False
 
@@ -162,7 +197,7 @@ def _logits(q_HC, q_rope_HR, kv_TC, k_rope_TR, valid_T, scale):
 
 
 def _forward_kernel(n_blocks_ref, topk_ref, q_ref, q_rope_ref, kv_ref, k_rope_ref, out_ref,
-                    lse_ref, *, scale, bt, blocks_per_split):
+                    lse_ref, *probs_ref, scale, bt, blocks_per_split, heads):
   b, l, k = pl.program_id(0), pl.program_id(1), pl.program_id(2)
   q_HC, q_rope_HR = q_ref[...], q_rope_ref[...]
   h, c = q_HC.shape
@@ -186,56 +221,94 @@ def _forward_kernel(n_blocks_ref, topk_ref, q_ref, q_rope_ref, kv_ref, k_rope_re
   safe_l_H = jnp.where(l_H > 0, l_H, 1.0)
   out_ref[...] = (acc_HC / safe_l_H[:, None]).astype(out_ref.dtype)
   lse_ref[...] = jnp.where(l_H > 0, m_H + jnp.log(safe_l_H), -jnp.inf)
+  if probs_ref:
+    _head_mean_probs(probs_ref[0], topk_ref, q_HC, q_rope_HR, kv_ref, k_rope_ref,
+                     m_H + jnp.log(safe_l_H), b, l, stop, scale=scale, bt=bt, heads=heads)
 
 
-def _add_rows(acc_ref, b, rows_T, valid_T, vals_TX, interpret):
+def _head_mean_probs(probs_ref, topk_ref, q_HC, q_rope_HR, kv_ref, k_rope_ref, lse_H, b, l,
+                     n_blocks, *, scale, bt, heads):
+  """The second pass of the forward (`head_probs`): `mean_h exp(logit - lse)` per slot, fp32,
+  over the first `heads` heads (the rest are padding), 0 at empty slots and past the token's
+  last valid block. Needs the final lse, hence the second sweep over the slot blocks: it
+  re-gathers the rows (L2-resident from the first sweep at training lengths) and repeats the
+  logits, not the `p . kv` product."""
+  real_H = jax.lax.broadcasted_iota(jnp.int32, lse_H.shape, 0) < heads
+
+  def block(j, _):
+    _, valid_T, kv_TC, k_rope_TR = _gather(topk_ref, kv_ref, k_rope_ref, b, l, j, bt)
+    s_HT = _logits(q_HC, q_rope_HR, kv_TC, k_rope_TR, valid_T, scale)
+    p_HT = jnp.where(valid_T[None, :] & real_H[:, None], jnp.exp(s_HT - lse_H[:, None]), 0.0)
+    probs_ref[b, l, pl.ds(j * bt, bt)] = p_HT.sum(axis=0) / heads
+
+  def zero_block(j, _):
+    probs_ref[b, l, pl.ds(j * bt, bt)] = jnp.zeros((bt,), _F32)
+
+  jax.lax.fori_loop(0, n_blocks, block, None)
+  jax.lax.fori_loop(n_blocks, topk_ref.shape[2] // bt, zero_block, None)
+
+
+def _add_rows(acc_ref, b, rows_T, valid_T, vals_TX, interpret, col0=0):
   """`acc[b, rows[i]] += vals[i]` for the valid slots i, atomically (duplicates accumulate).
 
   GPU: one masked vector atomic over `[bt, X]` addresses. Interpret mode: row by row (module
   docstring: its vector atomic neither takes a mask nor accumulates duplicate addresses)."""
   if not interpret:
-    cols_X = jax.lax.broadcasted_iota(jnp.int32, (1, vals_TX.shape[1]), 1)
+    cols_X = col0 + jax.lax.broadcasted_iota(jnp.int32, (1, vals_TX.shape[1]), 1)
     mask_TX = jnp.broadcast_to(valid_T[:, None], vals_TX.shape)
     plgpu.atomic_add(acc_ref, (b, rows_T[:, None], cols_X), vals_TX, mask=mask_TX)
     return
 
   def one_row(i, _):
     val_X = jnp.where(valid_T[i], vals_TX[i], 0.0)
-    plgpu.atomic_add(acc_ref, (b, rows_T[i], slice(None)), val_X)
+    plgpu.atomic_add(acc_ref, (b, rows_T[i], pl.ds(col0, vals_TX.shape[1])), val_X)
 
   jax.lax.fori_loop(0, rows_T.shape[0], one_row, None)
 
 
 def _backward_kernel(n_blocks_ref, topk_ref, q_ref, q_rope_ref, dout_ref, lse_ref, delta_ref,
                      kv_ref, k_rope_ref, _dkv_in, _dk_rope_in, dq_ref, dq_rope_ref, dkv_ref,
-                     dk_rope_ref, *, scale, bt, interpret):
+                     dk_rope_ref, *, scale, bt, c_chunk, interpret):
   # _dkv_in / _dk_rope_in are the zero buffers aliased to dkv_ref / dk_rope_ref.
   b, l = pl.program_id(0), pl.program_id(1)
-  q_HC, q_rope_HR, dout_HC = q_ref[...], q_rope_ref[...], dout_ref[...]
+  h, c = q_ref.shape
+  chunks = [pl.ds(c0, c_chunk) for c0 in range(0, c, c_chunk)]
+  q_nHX = [q_ref[:, x] for x in chunks]
+  dout_nHX = [dout_ref[:, x] for x in chunks]
+  q_rope_HR = q_rope_ref[...]
   lse_H, delta_H = lse_ref[...], delta_ref[...]
 
   def block(j, carry):
-    dq_HC, dq_rope_HR = carry
-    rows_T, valid_T, kv_TC, k_rope_TR = _gather(topk_ref, kv_ref, k_rope_ref, b, l, j, bt)
-    s_HT = _logits(q_HC, q_rope_HR, kv_TC, k_rope_TR, valid_T, scale)
+    dq_nHX, dq_rope_HR = carry
+    rows_T = topk_ref[b, l, pl.ds(j * bt, bt)]
+    valid_T = rows_T >= 0
+    safe_T = jnp.where(valid_T, rows_T, 0)
+    kv_nTX = [kv_ref[b, safe_T, x] for x in chunks]
+    k_rope_TR = k_rope_ref[b, safe_T, :]
+    s_HT = jax.lax.dot_general(q_rope_HR, k_rope_TR, _NT, preferred_element_type=_F32)
+    dp_HT = jnp.zeros_like(s_HT)
+    for q_HX, dout_HX, kv_TX in zip(q_nHX, dout_nHX, kv_nTX):
+      s_HT += jax.lax.dot_general(q_HX, kv_TX, _NT, preferred_element_type=_F32)
+      dp_HT += jax.lax.dot_general(dout_HX, kv_TX, _NT, preferred_element_type=_F32)
+    s_HT = jnp.where(valid_T[None, :], s_HT * scale, MASKED_LOGIT)
     p_HT = jnp.where(valid_T[None, :], jnp.exp(s_HT - lse_H[:, None]), 0.0)
-    dp_HT = jax.lax.dot_general(dout_HC, kv_TC, _NT, preferred_element_type=_F32)
     ds_HT = p_HT * (dp_HT - delta_H[:, None]) * scale  # the logits' scale folded in once
-    dq_HC += jnp.dot(ds_HT.astype(kv_TC.dtype), kv_TC, preferred_element_type=_F32)
-    dq_rope_HR += jnp.dot(ds_HT.astype(k_rope_TR.dtype), k_rope_TR, preferred_element_type=_F32)
-    dkv_TC = (jax.lax.dot_general(p_HT.astype(dout_HC.dtype), dout_HC, _TN,
-                                  preferred_element_type=_F32)
-              + jax.lax.dot_general(ds_HT.astype(q_HC.dtype), q_HC, _TN,
-                                    preferred_element_type=_F32))
-    dk_rope_TR = jax.lax.dot_general(ds_HT.astype(q_rope_HR.dtype), q_rope_HR, _TN,
-                                     preferred_element_type=_F32)
-    _add_rows(dkv_ref, b, rows_T, valid_T, dkv_TC, interpret)
+    p16_HT, ds16_HT = p_HT.astype(kv_ref.dtype), ds_HT.astype(kv_ref.dtype)
+    dq_nHX = [dq + jnp.dot(ds16_HT, kv_TX, preferred_element_type=_F32)
+              for dq, kv_TX in zip(dq_nHX, kv_nTX)]
+    dq_rope_HR += jnp.dot(ds16_HT, k_rope_TR, preferred_element_type=_F32)
+    for x in chunks:
+      dkv_TX = (jax.lax.dot_general(p16_HT, dout_ref[:, x], _TN, preferred_element_type=_F32)
+                + jax.lax.dot_general(ds16_HT, q_ref[:, x], _TN, preferred_element_type=_F32))
+      _add_rows(dkv_ref, b, rows_T, valid_T, dkv_TX, interpret, x.start)
+    dk_rope_TR = jax.lax.dot_general(ds16_HT, q_rope_HR, _TN, preferred_element_type=_F32)
     _add_rows(dk_rope_ref, b, rows_T, valid_T, dk_rope_TR, interpret)
-    return dq_HC, dq_rope_HR
+    return dq_nHX, dq_rope_HR
 
-  init = (jnp.zeros(q_HC.shape, _F32), jnp.zeros(q_rope_HR.shape, _F32))
-  dq_HC, dq_rope_HR = jax.lax.fori_loop(0, n_blocks_ref[b, l], block, init)
-  dq_ref[...] = dq_HC.astype(dq_ref.dtype)
+  init = ([jnp.zeros((h, c_chunk), _F32) for _ in chunks], jnp.zeros(q_rope_HR.shape, _F32))
+  dq_nHX, dq_rope_HR = jax.lax.fori_loop(0, n_blocks_ref[b, l], block, init)
+  for x, dq_HX in zip(chunks, dq_nHX):
+    dq_ref[:, x] = dq_HX.astype(dq_ref.dtype)
   dq_rope_ref[...] = dq_rope_HR.astype(dq_rope_ref.dtype)
 
 
@@ -265,14 +338,20 @@ def _merge_splits(out_BLKHC, lse_BLKH):
   return out_BLHC, lse_BLH
 
 
-def _forward(q_BLHC, q_rope_BLHR, kv_BSC, k_rope_BSR, topk_BLT, scale, opts):
+def _forward(q_BLHC, q_rope_BLHR, kv_BSC, k_rope_BSR, topk_BLT, scale, opts, head_probs=False):
+  """`(out, lse)`, plus the head-mean probabilities `[B, L, T]` (fp32) with `head_probs`."""
   b, l, h, c = q_BLHC.shape
   bt = _slot_block(topk_BLT.shape[-1], opts.block_t, "block_t")
   q, q_rope, kv, k_rope, topk, n_blocks = _padded(q_BLHC, q_rope_BLHR, kv_BSC, k_rope_BSR,
                                                    topk_BLT, bt)
   hp, cp, rp = q.shape[2], q.shape[3], q_rope.shape[3]
-  num_blocks = topk.shape[-1] // bt
-  k = _auto_split(b * l, num_blocks) if opts.split_k is None else opts.split_k
+  t_pad = topk.shape[-1]
+  num_blocks = t_pad // bt
+  if head_probs and opts.split_k not in (None, 1):
+    raise ValueError(f"sparse_mla_triton: split_k={opts.split_k} with head_probs; the head "
+                     "probabilities need each token's final lse in one program (split_k=1)")
+  k = 1 if head_probs else _auto_split(b * l, num_blocks) if opts.split_k is None else (
+      opts.split_k)
   if k < 1:
     raise ValueError(f"sparse_mla_triton: split_k={opts.split_k} must be >= 1 (or None)")
   token = lambda *block: pl.BlockSpec((None, None) + block, lambda bi, li, ki: (bi, li, 0, 0))
@@ -280,25 +359,33 @@ def _forward(q_BLHC, q_rope_BLHR, kv_BSC, k_rope_BSR, topk_BLT, scale, opts):
                                       lambda bi, li, ki: (bi, li, ki) + (0,) * len(block))
   # One split writes the output directly (kv's dtype); several write fp32 partials to merge.
   out_dtype = kv_BSC.dtype if k == 1 else _F32
-  out_BLKHC, lse_BLKH = pl.pallas_call(
+  out_shape = [jax.ShapeDtypeStruct((b, l, k, hp, cp), out_dtype),
+               jax.ShapeDtypeStruct((b, l, k, hp), _F32)]
+  out_specs = [split(hp, cp), split(hp)]
+  if head_probs:  # written slot block by slot block, at dynamic offsets: the whole array
+    out_shape.append(jax.ShapeDtypeStruct((b, l, t_pad), _F32))
+    out_specs.append(pl.no_block_spec)
+  outs = pl.pallas_call(
       functools.partial(_forward_kernel, scale=scale, bt=bt,
-                        blocks_per_split=-(-num_blocks // k)),
-      out_shape=(jax.ShapeDtypeStruct((b, l, k, hp, cp), out_dtype),
-                 jax.ShapeDtypeStruct((b, l, k, hp), _F32)),
+                        blocks_per_split=-(-num_blocks // k), heads=h),
+      out_shape=tuple(out_shape),
       grid=(b, l, k),
       in_specs=[pl.no_block_spec, pl.no_block_spec, token(hp, cp), token(hp, rp),
                 pl.no_block_spec, pl.no_block_spec],
-      out_specs=(split(hp, cp), split(hp)),
+      out_specs=tuple(out_specs),
       compiler_params=plgpu.CompilerParams(num_warps=opts.num_warps,
                                            num_stages=opts.num_stages),
       interpret=opts.interpret,
-      name="sparse_mla_triton_forward",
+      # The name tells the FLOP ledger (glm5_jax.planning.flop_ledger) of the second sweep.
+      name="sparse_mla_triton_forward" + ("_head_probs" if head_probs else ""),
   )(n_blocks, topk, q, q_rope, kv, k_rope)
+  out_BLKHC, lse_BLKH = outs[:2]
   if k == 1:
     out_BLHC, lse_BLH = out_BLKHC[:, :, 0], lse_BLKH[:, :, 0]
   else:
     out_BLHC, lse_BLH = _merge_splits(out_BLKHC, lse_BLKH)
-  return out_BLHC[:, :, :h, :c].astype(kv_BSC.dtype), lse_BLH[:, :, :h]
+  results = (out_BLHC[:, :, :h, :c].astype(kv_BSC.dtype), lse_BLH[:, :, :h])
+  return results + ((outs[2][:, :, :topk_BLT.shape[-1]],) if head_probs else ())
 
 
 def _backward(q_BLHC, q_rope_BLHR, kv_BSC, k_rope_BSR, topk_BLT, dout_BLHC, lse_BLH, delta_BLH,
@@ -310,6 +397,8 @@ def _backward(q_BLHC, q_rope_BLHR, kv_BSC, k_rope_BSR, topk_BLT, dout_BLHC, lse_
                                                    topk_BLT, bt)
   hp, cp, rp = q.shape[2], q.shape[3], q_rope.shape[3]
   hb = _head_block(hp, opts.backward_head_block)
+  c_chunk = min(cp, _slot_block(opts.backward_c_chunk, opts.backward_c_chunk,
+                                "backward_c_chunk"))  # divides cp: both powers of two
   dout = pad_axis(pad_axis(dout_BLHC, 2, hp, 0), 3, cp, 0)
   # Padded heads: lse 0 and delta 0 with zero q and dout give them p finite, ds = 0.
   lse, delta = (pad_axis(x.astype(_F32), 2, hp, 0.0) for x in (lse_BLH, delta_BLH))
@@ -317,7 +406,8 @@ def _backward(q_BLHC, q_rope_BLHR, kv_BSC, k_rope_BSR, topk_BLT, dout_BLHC, lse_
   heads = lambda *block: pl.BlockSpec((None, None) + block,
                                       lambda bi, li, hi: (bi, li, hi) + (0,) * (len(block) - 1))
   dq, dq_rope, dkv, dk_rope = pl.pallas_call(
-      functools.partial(_backward_kernel, scale=scale, bt=bt, interpret=opts.interpret),
+      functools.partial(_backward_kernel, scale=scale, bt=bt, c_chunk=c_chunk,
+                        interpret=opts.interpret),
       out_shape=(jax.ShapeDtypeStruct((b, l, hp, cp), q_BLHC.dtype),
                  jax.ShapeDtypeStruct((b, l, hp, rp), q_rope_BLHR.dtype),
                  jax.ShapeDtypeStruct((b, s, cp), _F32),
@@ -337,20 +427,23 @@ def _backward(q_BLHC, q_rope_BLHR, kv_BSC, k_rope_BSR, topk_BLT, dout_BLHC, lse_
           dk_rope[:, :, :r].astype(k_rope_BSR.dtype))
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(5, 6))
-def _sparse_mla(q_BLHC, q_rope_BLHR, kv_BSC, k_rope_BSR, topk_BLT, scale, opts):
-  return _forward(q_BLHC, q_rope_BLHR, kv_BSC, k_rope_BSR, topk_BLT, scale, opts)
+@functools.partial(jax.custom_vjp, nondiff_argnums=(5, 6, 7))
+def _sparse_mla(q_BLHC, q_rope_BLHR, kv_BSC, k_rope_BSR, topk_BLT, scale, opts, head_probs):
+  return _forward(q_BLHC, q_rope_BLHR, kv_BSC, k_rope_BSR, topk_BLT, scale, opts, head_probs)
 
 
-def _vjp_forward(q_BLHC, q_rope_BLHR, kv_BSC, k_rope_BSR, topk_BLT, scale, opts):
-  out_BLHC, lse_BLH = _forward(q_BLHC, q_rope_BLHR, kv_BSC, k_rope_BSR, topk_BLT, scale, opts)
-  return (out_BLHC, lse_BLH), (q_BLHC, q_rope_BLHR, kv_BSC, k_rope_BSR, topk_BLT, out_BLHC,
-                               lse_BLH)
+def _vjp_forward(q_BLHC, q_rope_BLHR, kv_BSC, k_rope_BSR, topk_BLT, scale, opts, head_probs):
+  outs = _forward(q_BLHC, q_rope_BLHR, kv_BSC, k_rope_BSR, topk_BLT, scale, opts, head_probs)
+  out_BLHC, lse_BLH = outs[:2]
+  return outs, (q_BLHC, q_rope_BLHR, kv_BSC, k_rope_BSR, topk_BLT, out_BLHC, lse_BLH)
 
 
-def _vjp_backward(scale, opts, residuals, cotangents):
+def _vjp_backward(scale, opts, head_probs, residuals, cotangents):
+  # The head probabilities are a detached target (`sparse_mla_head_mean_probs`): their
+  # cotangent, cotangents[2] with head_probs, is dropped.
+  del head_probs
   q_BLHC, q_rope_BLHR, kv_BSC, k_rope_BSR, topk_BLT, out_BLHC, lse_BLH = residuals
-  dout_BLHC, dlse_BLH = cotangents
+  dout_BLHC, dlse_BLH = cotangents[:2]
   # d lse / d logit = p, so the lse cotangent enters as a shift of delta.
   delta_BLH = (jnp.sum(dout_BLHC.astype(_F32) * out_BLHC.astype(_F32), axis=-1)
                - dlse_BLH.astype(_F32))
@@ -371,12 +464,34 @@ def sparse_mla_triton(q_BLHC, q_rope_BLHR, kv_BSC, k_rope_BSR, topk_BLT, *, scal
     interpret: run the kernels in Pallas interpret mode (CPU tests) instead of compiling them
       for the GPU.
     block_options: `TritonMLAOptions` fields (block_t, num_warps, num_stages,
-      backward_head_block, backward_block_t, backward_num_warps, backward_num_stages, split_k).
+      backward_head_block, backward_block_t, backward_c_chunk, backward_num_warps,
+      backward_num_stages, split_k).
   Returns:
     `(out_BLHC, lse_BLH)`: out in kv's dtype, lse fp32 (-inf for a query with no valid slot).
   Unlike the reference, the four float inputs must share one dtype (bf16 on GPU; fp32 runs the
   dots in IEEE fp32, slowly).
   """
+  args, scale, opts = _checked(q_BLHC, q_rope_BLHR, kv_BSC, k_rope_BSR, topk_BLT, scale,
+                               interpret, block_options)
+  return _sparse_mla(*args, scale, opts, False)
+
+
+def sparse_mla_triton_with_head_probs(q_BLHC, q_rope_BLHR, kv_BSC, k_rope_BSR, topk_BLT, *,
+                                      scale: float, interpret: bool = False, **block_options):
+  """`sparse_mla_triton` that also returns the indexer KL's target from its forward kernel:
+  `(out_BLHC, lse_BLH, probs_BLT)`, probs = `sparse_mla_head_mean_probs` (fp32 head-mean
+  probability at each slot, 0 at empty slots), computed in a second sweep of the forward
+  program once each head's lse is final (module docstring), so no XLA pass gathers the rows
+  again. probs carries no gradient (a detached target, as the XLA function's). The forward
+  runs unsplit (split_k None or 1)."""
+  args, scale, opts = _checked(q_BLHC, q_rope_BLHR, kv_BSC, k_rope_BSR, topk_BLT, scale,
+                               interpret, block_options)
+  return _sparse_mla(*args, scale, opts, True)
+
+
+def _checked(q_BLHC, q_rope_BLHR, kv_BSC, k_rope_BSR, topk_BLT, scale, interpret,
+             block_options):
+  """The public functions' argument checks: `(arrays, scale, TritonMLAOptions)`."""
   check_sparse_mla_inputs(q_BLHC, q_rope_BLHR, kv_BSC, k_rope_BSR, topk_BLT)
   fields = {f.name for f in dataclasses.fields(TritonMLAOptions)} - {"interpret"}
   unknown = set(block_options) - fields
@@ -391,4 +506,4 @@ def sparse_mla_triton(q_BLHC, q_rope_BLHR, kv_BSC, k_rope_BSR, topk_BLT, *, scal
   opts = TritonMLAOptions(interpret=interpret, **block_options)
   # Out-of-range slots become -1 once, so forward, residuals and backward see one selection.
   topk_BLT = empty_out_of_range(topk_BLT, kv_BSC.shape[1])
-  return _sparse_mla(q_BLHC, q_rope_BLHR, kv_BSC, k_rope_BSR, topk_BLT, float(scale), opts)
+  return (q_BLHC, q_rope_BLHR, kv_BSC, k_rope_BSR, topk_BLT), float(scale), opts

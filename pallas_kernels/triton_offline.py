@@ -28,6 +28,7 @@ import dataclasses
 import io
 import os
 import re
+import subprocess
 import tempfile
 import time
 
@@ -140,11 +141,15 @@ _PTXAS_REGS = re.compile(r"Used (\d+) registers")
 _PTXAS_SPILLS = re.compile(r"(\d+) bytes spill stores, (\d+) bytes spill loads")
 
 
-def compile_ttir(ttir: str, num_warps: int, num_stages: int) -> CompileResult:
+def compile_ttir(ttir: str, num_warps: int, num_stages: int,
+                 dump_to: str | None = None) -> CompileResult:
   """Triton 3.x for sm_90a: ttir -> ttgir -> llir -> ptx -> cubin, with ptxas -v's figures.
 
   Each call compiles from scratch (a fresh Triton cache directory), so the time is a real
   compile and ptxas always runs (its log is where the register and spill figures come from).
+  `dump_to`: a path prefix; writes `<prefix>.ttgir`, `.ptx`, `.cubin` and, with the nvdisasm
+  that the Triton wheel ships beside ptxas, `.sass` (where a spill's STL / LDL sit: before a
+  loop or in it).
   """
   triton = import_triton()
   from triton.backends.compiler import GPUTarget  # pylint: disable=g-import-not-at-top
@@ -159,6 +164,8 @@ def compile_ttir(ttir: str, num_warps: int, num_stages: int) -> CompileResult:
       kernel = triton.compile(path, target=GPUTarget("cuda", 90, 32),
                               options=dict(num_warps=num_warps, num_stages=num_stages))
       seconds = time.perf_counter() - start
+  if dump_to:
+    _dump(kernel, dump_to)
   text = log.getvalue()
   regs, spills = _PTXAS_REGS.findall(text), _PTXAS_SPILLS.findall(text)
   if len(regs) != 1 or len(spills) != 1:
@@ -167,6 +174,19 @@ def compile_ttir(ttir: str, num_warps: int, num_stages: int) -> CompileResult:
   return CompileResult(registers=int(regs[0]), spill_stores=int(spills[0][0]),
                        spill_loads=int(spills[0][1]), shared_bytes=int(kernel.metadata.shared),
                        seconds=seconds)
+
+
+def _dump(kernel, prefix: str):
+  """The compiled kernel's IRs and cubin (and SASS, when nvdisasm is found) under `prefix`."""
+  for ext in ("ttgir", "ptx", "cubin"):
+    text = kernel.asm[ext]
+    with open(f"{prefix}.{ext}", "wb" if isinstance(text, bytes) else "w") as f:
+      f.write(text)
+  import triton.backends.nvidia  # pylint: disable=g-import-not-at-top
+  nvdisasm = os.path.join(os.path.dirname(triton.backends.nvidia.__file__), "bin", "nvdisasm")
+  if os.path.exists(nvdisasm):
+    with open(f"{prefix}.sass", "w") as f:
+      subprocess.run([nvdisasm, "-c", f"{prefix}.cubin"], stdout=f, check=True)
 
 
 @contextlib.contextmanager

@@ -22,14 +22,15 @@ from pallas_kernels import blocking, dispatch
 def test_plain_rows_are_the_table():
   assert pk.dsa_ops("xla") is pk.DSA_OPS["xla"]
   assert pk.dsa_ops("reference") is pk.DSA_OPS["reference"]
-  assert pk.DSA_OPS["pallas_tpu"] == (pk.indexer_topk_pallas, pk.sparse_mla_pallas)
+  assert pk.DSA_OPS["pallas_tpu"] == (pk.indexer_topk_pallas, pk.sparse_mla_pallas, None)
 
 
 def test_pallas_picks_kernels_by_platform_compiled():
   assert pk.dsa_ops("pallas", platform="tpu") is pk.DSA_OPS["pallas_tpu"]
   gpu = pk.dsa_ops("pallas", platform="gpu")
   assert gpu is pk.DSA_OPS["pallas_gpu"]
-  assert gpu == (dispatch.indexer_topk_triton, dispatch.sparse_mla_triton)
+  assert gpu == (dispatch.indexer_topk_triton, dispatch.sparse_mla_triton,
+                 dispatch.sparse_mla_triton_with_head_probs)
 
 
 def test_pallas_on_cpu_is_an_error_naming_the_field():
@@ -43,9 +44,10 @@ def test_pallas_on_cpu_is_an_error_naming_the_field():
 
 def test_interpret_only_when_asked():
   ops = pk.dsa_ops("pallas_interpret")
-  for op, kernel in zip(ops, pk.DSA_OPS["pallas_tpu"]):
+  for op, kernel in zip(ops[:2], pk.DSA_OPS["pallas_tpu"]):
     assert isinstance(op, functools.partial) and op.func is kernel
     assert op.keywords == {"interpret": True}
+  assert ops.sparse_mla_with_probs is None  # no TPU kernel emits the KL target
   gpu = pk.dsa_ops("pallas", platform="gpu", interpret=True)
   assert [op.func for op in gpu] == list(pk.DSA_OPS["pallas_gpu"])
   assert not hasattr(blocking, "default_interpret")  # the silent fallback is gone
@@ -177,7 +179,8 @@ def test_cudnn_wiring_in_the_warmup_stage(helpers, monkeypatch):
 def test_model_on_gpu_runs_the_gpu_kernels(helpers, monkeypatch):
   """A DSA layer with dsa_impl="pallas" traced as on GPU (the platform patched; the GPU row's
   kernels in interpret mode) takes the Triton kernels through the model's wiring (per-shard
-  calls, keyword options) and gives the XLA path's output, top-k, indexer KL and gradients."""
+  calls, keyword options; the indexer KL's target from the sparse MLA kernel's forward, not
+  the XLA pass) and gives the XLA path's output, top-k, indexer KL and gradients."""
   calls = []
 
   def interpreted(op):
@@ -198,7 +201,7 @@ def test_model_on_gpu_runs_the_gpu_kernels(helpers, monkeypatch):
       return (y ** 2).sum() + aux["indexer_kl"].mean(), (y, aux)
 
     results[impl] = jax.jit(jax.value_and_grad(loss, has_aux=True))(params)
-  assert sorted(set(calls)) == ["indexer_topk_triton", "sparse_mla_triton"]
+  assert sorted(set(calls)) == ["indexer_topk_triton", "sparse_mla_triton_with_head_probs"]
   (_, (y, aux)), grads = results["pallas"]
   (_, (want_y, want_aux)), want_grads = results["xla"]
   np.testing.assert_array_equal(aux["topk_indices"], want_aux["topk_indices"])

@@ -28,13 +28,15 @@ SMALL = check_triton_compile.Shapes(length=128, heads=16, latent=64, rope=16, in
 
 @pytest.mark.skipif(_SKIP is not None, reason=f"optional extra gpu-check: {_SKIP}")
 @pytest.mark.parametrize("kernel", check_triton_compile.KERNELS)
-def test_compiles_at_defaults_without_spills(kernel):
-  row = check_triton_compile.compile_kernel(kernel, SMALL)
+def test_compiles_at_defaults_without_spills(kernel, tmp_path):
+  row = check_triton_compile.compile_kernel(kernel, SMALL, dump_dir=str(tmp_path))
   assert row["options"] == check_triton_compile.default_options(kernel)
   assert 0 < row["registers"] <= 255
   assert (row["spill_stores"], row["spill_loads"]) == (0, 0), row
   assert 0 < row["shared_bytes"] <= triton_offline.H100_SHARED_LIMIT, row
   assert row["fits"]
+  if kernel == "mla_backward":  # the dumped SASS holds its vector (16-byte) key-row atomics
+    assert "ATOMG.E.ADD.F32x4" in (tmp_path / "mla_backward.sass").read_text()
 
 
 def test_table_marks_a_program_that_does_not_fit():

@@ -11,10 +11,11 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from pallas_kernels import sparse_mla_reference
+from pallas_kernels import sparse_mla_head_mean_probs, sparse_mla_reference
 # The functions by name from the module: the package may later export `sparse_mla_triton`, the
 # function, under the module's name.
-from pallas_kernels.sparse_mla_triton import _auto_split, sparse_mla_flops, sparse_mla_triton
+from pallas_kernels.sparse_mla_triton import (_auto_split, sparse_mla_flops, sparse_mla_triton,
+                                              sparse_mla_triton_with_head_probs)
 from tests.conftest import lower_for_cuda
 
 SCALE = 0.25
@@ -49,34 +50,42 @@ def _close(got, ref, tol, what):
 @pytest.mark.parametrize("options", [{}, {"block_t": 16, "split_k": 1}])
 def test_forward_matches_reference_fp32(options):
   """Default blocks (bt 32: two slot blocks, auto split-k for these 10 tokens) and bt 16 with
-  no split (three blocks, T = 37 padded to 48)."""
+  no split (three blocks, T = 37 padded to 48), the latter with the head-mean probabilities of
+  the second sweep: `sparse_mla_head_mean_probs`, H = 3 padded to 16 (the padded heads, zero
+  queries with uniform probabilities, stay out of the mean)."""
   args = mla_inputs()
   ref_out, ref_lse = sparse_mla_reference(*args, scale=SCALE)
-  out, lse = jax.jit(functools.partial(sparse_mla_triton, scale=SCALE, interpret=True,
-                                       **options))(*args)
+  run = sparse_mla_triton_with_head_probs if options.get("split_k") == 1 else sparse_mla_triton
+  out, lse, *probs = jax.jit(functools.partial(run, scale=SCALE, interpret=True,
+                                               **options))(*args)
   assert out.shape == ref_out.shape and out.dtype == jnp.float32 and lse.dtype == jnp.float32
   _close(out, ref_out, 1e-5, "out")
   _close(lse, ref_lse, 1e-5, "lse")
   assert np.isneginf(lse[0, 0]).all() and not np.asarray(out[0, 0]).any()
+  if probs:
+    _close(probs[0], sparse_mla_head_mean_probs(*args, ref_lse, scale=SCALE), 1e-5, "probs")
 
 
 def _loss(fn, cot_out, cot_lse, topk, q, q_rope, kv, k_rope):
-  """A scalar that sends a cotangent into both outputs (lse -inf rows excluded)."""
-  out, lse = fn(q, q_rope, kv, k_rope, topk, scale=SCALE)
+  """A scalar that sends a cotangent into out and lse (lse -inf rows excluded), and fn's
+  outputs beyond those two (the head probabilities) as aux."""
+  out, lse, *rest = fn(q, q_rope, kv, k_rope, topk, scale=SCALE)
   return (jnp.sum(out.astype(jnp.float32) * cot_out)
-          + jnp.sum(jnp.where(jnp.isfinite(lse), lse, 0.0) * cot_lse))
+          + jnp.sum(jnp.where(jnp.isfinite(lse), lse, 0.0) * cot_lse)), (out, lse, *rest)
 
 
-def _grads(fn, args, seed=4):
+def _grads(fn, args, seed=4, with_outputs=False):
+  """d loss / d (q, q_rope, kv, k_rope); with_outputs: `(grads, fn's outputs)`, one program."""
   *arrays, topk = args
   rng = np.random.default_rng(seed)
   cot_out = jnp.asarray(rng.standard_normal(arrays[0].shape), jnp.float32)
   cot_lse = jnp.asarray(rng.standard_normal(arrays[0].shape[:3]), jnp.float32)
   loss = functools.partial(_loss, fn, cot_out, cot_lse, topk)
-  return jax.jit(jax.grad(loss, argnums=(0, 1, 2, 3)))(*arrays)
+  grads, outputs = jax.jit(jax.grad(loss, argnums=(0, 1, 2, 3), has_aux=True))(*arrays)
+  return (grads, outputs) if with_outputs else grads
 
 
-@pytest.mark.parametrize("dtype,tol", [(jnp.float32, 1e-5), (jnp.bfloat16, 5e-2)])
+@pytest.mark.parametrize("dtype,tol", [(jnp.bfloat16, 5e-2)])  # fp32: the 64-heads test
 def test_gradients_match_reference_autodiff(dtype, tol):
   """dq, dq_rope, dkv, dk_rope against autodiff of the reference: duplicates receive both
   slots' gradients, empty and out-of-range slots none, the empty query no NaN."""
@@ -92,8 +101,9 @@ def test_gradients_match_reference_autodiff(dtype, tol):
 
 
 def test_backward_split_over_head_blocks_matches_reference():
-  """H = 20 padded to 32 and split into two programs of 16 heads per token (the GLM-5 default
-  splits 64 into 2 x 32 to fit a Hopper SM): each block adds its heads' key-row gradients."""
+  """H = 20 padded to 32 and split into two programs of 16 heads per token (the option the
+  GLM-5 default replaced with all heads in one program): each block adds its heads' key-row
+  gradients."""
   args = mla_inputs(h=20, seed=6)
   triton = functools.partial(sparse_mla_triton, interpret=True, block_t=16,
                              backward_block_t=16, backward_head_block=16)
@@ -102,6 +112,31 @@ def test_backward_split_over_head_blocks_matches_reference():
     _close(g, r, 1e-5, f"d{name}")
   with pytest.raises(ValueError, match="backward_head_block=24"):
     _grads(functools.partial(triton, backward_head_block=24), args)
+
+
+def test_all_64_heads_in_one_program_with_latent_chunks():
+  """GLM-5's 64 heads in one backward program (the default), the latent dims in two chunks of
+  the key-row gradients (backward_c_chunk 16 of C = 32), two slot blocks, every case of
+  `mla_inputs`: fp32 gradients as the reference's (through the head-probs variant: its probs
+  take no cotangent); and the forward's second sweep gives `sparse_mla_head_mean_probs` at
+  every slot (duplicates in each copy, empty slots 0) beside the unchanged out and lse."""
+  args = mla_inputs(b=2, l=4, s=30, h=64, c=32, r=16, t=24, seed=7)
+  topk = args[-1]
+  triton = functools.partial(sparse_mla_triton_with_head_probs, interpret=True, block_t=16,
+                             backward_block_t=16, backward_c_chunk=16)
+  (got, (out, lse, probs)), (ref, (want_out, want_lse)) = (
+      _grads(f, args, with_outputs=True) for f in (triton, sparse_mla_reference))
+  for name, g, r in zip(("q", "q_rope", "kv", "k_rope"), got, ref):
+    _close(g, r, 1e-5, f"d{name}")
+  _close(out, want_out, 1e-5, "out")
+  _close(lse, want_lse, 1e-5, "lse")
+  want = sparse_mla_head_mean_probs(*args, want_lse, scale=SCALE)
+  assert probs.shape == topk.shape and probs.dtype == jnp.float32
+  _close(probs, want, 1e-5, "head-mean probs")
+  assert not np.asarray(probs)[np.asarray(topk) < 0].any()
+  np.testing.assert_allclose(np.asarray(probs).sum(-1)[1], 1.0, rtol=1e-5)  # rows sum to 1
+  assert not np.asarray(got[0][0, 0]).any(), "the empty query gets no gradient"
+
 
 def test_bf16_forward_within_bf16_rounding():
   args = mla_inputs(dtype=jnp.bfloat16, seed=5)
@@ -137,6 +172,8 @@ def test_options_are_checked():
     sparse_mla_triton(*args, scale=SCALE, interpret=True, block_t=24)
   with pytest.raises(ValueError, match="split_k"):
     sparse_mla_triton(*args, scale=SCALE, interpret=True, split_k=0)
+  with pytest.raises(ValueError, match="split_k=2 with head_probs"):  # needs the final lse
+    sparse_mla_triton_with_head_probs(*args, scale=SCALE, interpret=True, split_k=2)
   with pytest.raises(ValueError, match="share one dtype"):
     sparse_mla_triton(args[0].astype(jnp.bfloat16), *args[1:], scale=SCALE, interpret=True)
 

@@ -4,6 +4,7 @@
   python tools/check_triton_compile.py                  # GLM-5 shapes, each kernel's defaults
   python tools/check_triton_compile.py --sweep          # plus the block options the docstrings name
   python tools/check_triton_compile.py --kernels=mla_backward --sweep --json=/tmp/out.json
+  python tools/check_triton_compile.py --kernels=mla_backward --dump_dir=/tmp/k  # + ptx, SASS
 
 No GPU needed: jax lowers each kernel for CUDA, Triton 3.x compiles the Triton IR to a cubin
 for sm_90a (H100 / H200) and ptxas -v reports its resources (`pallas_kernels/triton_offline.py`,
@@ -14,8 +15,10 @@ compile says nothing about speed or correctness (device suite, interpret-mode te
 
 Kernel programs, bf16, at GLM-5 shapes (`Shapes`): the lightning indexer's fused top-k
 (`indexer`: B 1, L = S = 4096, 32 index heads x 128, top-k 2048), sparse MLA's forward
-(`mla_forward`: 64 heads, C 512, R 64, the same L, S, T) and its backward (`mla_backward`),
-and the split-k decode forward (`mla_decode`: B 8, L 1 over 64K keys, split_k automatic).
+(`mla_forward`: 64 heads, C 512, R 64, the same L, S, T), the same forward with the indexer
+KL's head-mean probabilities from a second sweep (`mla_forward_probs`, what training runs for a
+layer with an indexer), its backward (`mla_backward`), and the split-k decode forward
+(`mla_decode`: B 8, L 1 over 64K keys, split_k automatic).
 The routed experts' grouped matmul (`pallas_kernels/grouped_matmul_triton.py`) at GLM-5's expert
 shapes (`Shapes.moe`: 8 x 4096 tokens x top-8 rows, hidden D 6144, moe_intermediate F 2048, 256
 experts; `--moe=3b`: configs/glm5_gpu_3b.py's 2 x 4096 x top-4, D 2048, F 512, 32 experts):
@@ -28,6 +31,7 @@ import functools
 import inspect
 import itertools
 import json
+import os
 import sys
 
 from absl import app, flags
@@ -37,7 +41,8 @@ import jax.numpy as jnp
 from pallas_kernels import grouped_matmul_triton, lightning_indexer_triton, sparse_mla_triton
 from pallas_kernels import triton_offline
 
-KERNELS = ("indexer", "mla_forward", "mla_backward", "mla_decode", "gmm", "gmm_dgrad", "tgmm")
+KERNELS = ("indexer", "mla_forward", "mla_forward_probs", "mla_backward", "mla_decode", "gmm",
+           "gmm_dgrad", "tgmm")
 GMM_KERNELS = ("gmm", "gmm_dgrad", "tgmm")
 # (rows P, hidden D, expert intermediate F, experts E) of the routed experts' grouped matmul.
 MOE_SHAPES = {"glm5": (8 * 4096 * 8, 6144, 2048, 256), "3b": (2 * 4096 * 4, 2048, 512, 32)}
@@ -45,6 +50,9 @@ _KERNELS = flags.DEFINE_list("kernels", list(KERNELS), f"Kernel programs, of {KE
 _SWEEP = flags.DEFINE_bool("sweep", False, "Also compile the block options of `SWEEPS`.")
 _MOE = flags.DEFINE_enum("moe", "glm5", list(MOE_SHAPES), "Expert shapes of the gmm kernels.")
 _JSON = flags.DEFINE_string("json", None, "Write the rows as JSON to this path ('-': stdout).")
+_DUMP_DIR = flags.DEFINE_string(
+    "dump_dir", None, "Also write each program's ttgir, ptx, cubin and SASS (nvdisasm) here, "
+    "named <kernel>[-<option>=<value>...].*")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -81,7 +89,8 @@ def default_options(kernel: str) -> dict:
   mla = sparse_mla_triton.TritonMLAOptions()
   if kernel == "mla_backward":
     return {n: getattr(mla, n) for n in ("backward_head_block", "backward_block_t",
-                                         "backward_num_warps", "backward_num_stages")}
+                                         "backward_c_chunk", "backward_num_warps",
+                                         "backward_num_stages")}
   return {n: getattr(mla, n) for n in ("block_t", "num_warps", "num_stages")}
 
 
@@ -98,9 +107,11 @@ SWEEPS = {
                 dict(radix_bits=4), dict(num_warps=4), dict(num_stages=3)],
     "mla_forward": (_grid(block_t=(16, 32, 64), num_stages=(1, 2, 3))
                     + _grid(block_t=(16, 32), num_warps=(4, 16))),
-    "mla_backward": (_grid(backward_block_t=(16, 32, 64), backward_num_stages=(1, 2))
-                     + _grid(backward_block_t=(16, 32), backward_num_warps=(4, 16))
-                     + _grid(backward_head_block=(64,), backward_block_t=(16, 32))),
+    "mla_backward": (_grid(backward_block_t=(16, 32, 64), backward_c_chunk=(64, 128, 256))
+                     + _grid(backward_block_t=(16, 32), backward_num_warps=(16,))
+                     + [dict(backward_num_stages=2)]
+                     + _grid(backward_head_block=(32,), backward_block_t=(16, 32))),
+    "mla_forward_probs": _grid(block_t=(16, 64), num_stages=(1, 2)),
     "mla_decode": (_grid(block_t=(16, 32, 64), num_stages=(1, 2, 3))
                    + _grid(block_t=(16, 32), num_warps=(16,))),
     # A smaller row tile wastes less at group boundaries; wider N / deeper K tiles reuse more.
@@ -155,14 +166,20 @@ def _program(kernel: str, shapes: Shapes, options: dict):
           sds((b, keys, s.latent), bf16), sds((b, keys, s.rope), bf16),
           sds((b, l, s.topk), i32))
   summary = f"B{b} L{l} S{keys} H{s.heads} C{s.latent} R{s.rope} T{s.topk}"
+  if kernel == "mla_forward_probs":
+    probs = functools.partial(sparse_mla_triton.sparse_mla_triton_with_head_probs,
+                              scale=s.softmax_scale, **options)
+    return probs, args, "sparse_mla_triton_forward_head_probs", summary
   if kernel != "mla_backward":
     return mla, args, "sparse_mla_triton_forward", summary
   fn, args = triton_offline.backward_program(lambda *x: mla(*x[:4], x[4]), *args)
   return fn, args, "sparse_mla_triton_backward", summary
 
 
-def compile_kernel(kernel: str, shapes: Shapes = Shapes(), changes: dict | None = None) -> dict:
-  """Lowers and compiles one kernel program; returns its table row (a dict)."""
+def compile_kernel(kernel: str, shapes: Shapes = Shapes(), changes: dict | None = None,
+                   dump_dir: str | None = None) -> dict:
+  """Lowers and compiles one kernel program; returns its table row (a dict). `dump_dir`: also
+  write its compiled forms there (`triton_offline.compile_ttir`'s `dump_to`)."""
   options = {**default_options(kernel), **(changes or {})}
   fn, args, name, summary = _program(kernel, shapes, options)
   captured = triton_offline.capture_ttir(fn, *args)
@@ -170,7 +187,11 @@ def compile_kernel(kernel: str, shapes: Shapes = Shapes(), changes: dict | None 
     raise RuntimeError(f"{kernel}: expected the pallas_call {name!r} first in the lowering, "
                        f"got {captured.name!r}")
   num_warps, num_stages = _launch(kernel, options)
-  result = triton_offline.compile_ttir(captured.ttir, num_warps, num_stages)
+  dump_to = None
+  if dump_dir:
+    dump_to = os.path.join(dump_dir, "-".join([kernel] + [f"{k}={v}" for k, v in
+                                                         sorted((changes or {}).items())]))
+  result = triton_offline.compile_ttir(captured.ttir, num_warps, num_stages, dump_to)
   return dict(kernel=kernel, shapes=summary, options=options, changed=changes or {},
               registers=result.registers, spill_stores=result.spill_stores,
               spill_loads=result.spill_loads, shared_bytes=result.shared_bytes,
@@ -210,7 +231,7 @@ def main(argv):
       if changes and {**default_options(kernel), **changes} == default_options(kernel):
         continue  # a sweep point equal to the defaults
       print(f"compiling {kernel} {changes or 'defaults'} ...", flush=True)
-      rows.append(compile_kernel(kernel, shapes, changes=changes))
+      rows.append(compile_kernel(kernel, shapes, changes=changes, dump_dir=_DUMP_DIR.value))
       r = rows[-1]
       print(f"  {r['registers']} registers, spills {r['spill_stores']}/{r['spill_loads']} B, "
             f"shared {r['shared_bytes']} B, {r['compile_s']} s", flush=True)

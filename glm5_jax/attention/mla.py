@@ -247,7 +247,9 @@ def _sparse_stage_attention(c, latents: _Latents, scale, segment_ids_BL, order: 
     2. absorbed sparse attention over the selected latent rows -> output and log-sum-exp;
     3. indexer KL on the selected keys: I at the selection (differentiable, reaches only the
        indexer, whose inputs are detached) against the main attention's head-mean probability
-       there, recomputed from the log-sum-exp and detached.
+       there, detached: emitted by the sparse MLA kernel's forward where the op has that form
+       (`DSAOps.sparse_mla_with_probs`: the GPU kernels), else recomputed from the
+       log-sum-exp by `sparse_mla_head_mean_probs` (an XLA pass over the gathered rows).
   Args as `_dense_attention`. Returns `(out_BLHV, aux)`: aux holds `topk_indices` and, with an
   indexer, `indexer_kl` (no `index_scores`: that would be the `[B, L, S]` matrix this path
   exists to avoid).
@@ -265,14 +267,24 @@ def _sparse_stage_attention(c, latents: _Latents, scale, segment_ids_BL, order: 
     aux = {"topk_indices": given_topk_BLT}
     topk_BLT = visible(given_topk_BLT)
   q_latent_BLHC = jnp.einsum("blhn,chn->blhc", q_nope_BLHN, w_kb_CHN)
+  # Where the sparse MLA kernel emits the KL target itself (the GPU kernels), no XLA pass
+  # gathers the selected rows a second time for it.
+  fused_target = (index_qkw is not None
+                  and pallas_kernels.dsa_ops(c.dsa_impl).sparse_mla_with_probs is not None)
   # Named scopes label the ops' `op_name` for per-category FLOP / time tables
   # (glm5_jax.planning.flop_ledger); they change nothing else.
   with jax.named_scope("sparse_mla"):
-    out_latent_BLHC, lse_BLH = _sparse_mla_on_mesh(c.dsa_impl, scale)(
-        q_latent_BLHC, q_rope_BLHR, ckv_BSC, k_rope_BSR, topk_BLT)
+    out_latent_BLHC, lse_BLH, *target = _sparse_mla_on_mesh(
+        c.dsa_impl, scale, with_probs=fused_target)(
+            q_latent_BLHC, q_rope_BLHR, ckv_BSC, k_rope_BSR, topk_BLT)
   if index_qkw is not None:
-    scores_BLT, target_BLT = _indexer_kl_terms_on_mesh(index_scale, scale)(
-        *index_qkw, topk_BLT, q_latent_BLHC, q_rope_BLHR, ckv_BSC, k_rope_BSR, lse_BLH)
+    if fused_target:
+      (scores_BLT,) = _indexer_kl_terms_on_mesh(index_scale, scale, with_target=False)(
+          *index_qkw, topk_BLT)
+      target_BLT = jax.lax.stop_gradient(target[0])  # the kernel drops its cotangent too
+    else:
+      scores_BLT, target_BLT = _indexer_kl_terms_on_mesh(index_scale, scale)(
+          *index_qkw, topk_BLT, q_latent_BLHC, q_rope_BLHR, ckv_BSC, k_rope_BSR, lse_BLH)
     aux["indexer_kl"] = indexer_kl_per_query(scores_BLT, target_BLT, topk_BLT >= 0)
   return jnp.einsum("blhc,chv->blhv", out_latent_BLHC, w_vb_CHV), aux
 
@@ -288,18 +300,21 @@ def _queries_per_shard(impl: str) -> bool:
   return impl in pallas_kernels.PALLAS_IMPLS or context_split(LENGTH) > 1
 
 
-def _indexer_kl_terms_on_mesh(index_scale: float, scale: float):
+def _indexer_kl_terms_on_mesh(index_scale: float, scale: float, with_target: bool = True):
   """`(indexer_scores_at, sparse_mla_head_mean_probs)` of the indexer KL (`_sparse_stage_attention`
   step 3), both `[B, L, T]`, per device on its own queries under context parallelism (see
   `_queries_per_shard`), XLA-partitioned otherwise. Args: the indexer's `(q_BLJI, k_BSI,
-  weights_BLJ)`, `topk_BLT`, then the main attention's `q_latent_BLHC, q_rope_BLHR, ckv_BSC,
-  k_rope_BSR, lse_BLH`."""
+  weights_BLJ)`, `topk_BLT`, then (`with_target`) the main attention's `q_latent_BLHC,
+  q_rope_BLHR, ckv_BSC, k_rope_BSR, lse_BLH`. Without `with_target` (the sparse MLA kernel
+  emitted the target): `(scores_BLT,)` only."""
 
-  def terms(q_BLJI, k_BSI, weights_BLJ, topk_BLT, q_latent_BLHC, q_rope_BLHR, ckv_BSC,
-            k_rope_BSR, lse_BLH):
+  def terms(q_BLJI, k_BSI, weights_BLJ, topk_BLT, *target_args):
     with jax.named_scope("indexer_scores_at"):
       scores_BLT = pallas_kernels.indexer_scores_at(q_BLJI, k_BSI, weights_BLJ, topk_BLT,
                                                     scale=index_scale)
+    if not with_target:
+      return (scores_BLT,)
+    q_latent_BLHC, q_rope_BLHR, ckv_BSC, k_rope_BSR, lse_BLH = target_args
     with jax.named_scope("kl_target"):
       target_BLT = pallas_kernels.sparse_mla_head_mean_probs(
           q_latent_BLHC, q_rope_BLHR, ckv_BSC, k_rope_BSR, topk_BLT, lse_BLH, scale=scale)
@@ -312,9 +327,11 @@ def _indexer_kl_terms_on_mesh(index_scale: float, scale: float):
   q_rows = (BATCH, LENGTH, None)
   queries = (BATCH, LENGTH, None, None)
   keys = (BATCH, None, None)
-  return per_shard(terms, in_axes=(queries, keys, q_rows, q_rows, queries, queries, keys, keys,
-                                   q_rows),
-                   out_axes=(q_rows, q_rows), name="indexer_kl_terms")
+  in_axes = (queries, keys, q_rows, q_rows)
+  if with_target:
+    in_axes += (queries, queries, keys, keys, q_rows)
+  return per_shard(terms, in_axes=in_axes, out_axes=(q_rows,) * (1 + with_target),
+                   name="indexer_kl_terms")
 
 
 def _indexer_topk_on_mesh(impl: str, **options):
@@ -334,7 +351,7 @@ def _indexer_topk_on_mesh(impl: str, **options):
                    out_axes=(q_rows, q_rows), name="indexer_topk")
 
 
-def _sparse_mla_on_mesh(impl: str, scale: float, **options):
+def _sparse_mla_on_mesh(impl: str, scale: float, with_probs: bool = False, **options):
   """`pallas_kernels.dsa_ops(impl).sparse_mla` laid out for the context mesh (if any), batch and
   heads kept on their devices, the key gradients summed over the head shards once per layer:
 
@@ -345,6 +362,9 @@ def _sparse_mla_on_mesh(impl: str, scale: float, **options):
     "pallas", "pallas_interpret"  a pallas_call is opaque to the partitioner (it would gather
               the whole batch to every device), so the kernels run per device under
               `mesh_shards.per_shard`.
+  `with_probs`: run the op's `sparse_mla_with_probs` instead (a Pallas impl that has one), which
+  also returns the head-mean probabilities `[B, L, T]`: each device averages its own heads, and
+  the mean over the head shards (equal head counts) is the mean over all heads.
   `options`: the op's own keyword arguments (block sizes).
   """
   ops = pallas_kernels.dsa_ops(impl)
@@ -352,9 +372,27 @@ def _sparse_mla_on_mesh(impl: str, scale: float, **options):
     # Queries and their selections keep the sequence split (context parallelism); the key rows
     # are whole on every device, their cotangents summed over `context` at the boundary.
     q_axes, rows_axes = (BATCH, LENGTH, HEADS, None), (BATCH, None, None)
-    return per_shard(functools.partial(ops.sparse_mla, scale=scale, **options),
-                     in_axes=(q_axes, q_axes, rows_axes, rows_axes, (BATCH, LENGTH, None)),
-                     out_axes=(q_axes, (BATCH, LENGTH, HEADS)), name="sparse_mla_pallas")
+    in_axes = (q_axes, q_axes, rows_axes, rows_axes, (BATCH, LENGTH, None))
+    if not with_probs:
+      return per_shard(functools.partial(ops.sparse_mla, scale=scale, **options),
+                       in_axes=in_axes, out_axes=(q_axes, (BATCH, LENGTH, HEADS)),
+                       name="sparse_mla_pallas")
+
+    def local(*args):  # this device's head mean, one row per head shard: [B, L, 1, T]
+      out_BLHC, lse_BLH, probs_BLT = ops.sparse_mla_with_probs(*args, scale=scale, **options)
+      return out_BLHC, lse_BLH, probs_BLT[:, :, None]
+
+    run = per_shard(local, in_axes=in_axes,
+                    out_axes=(q_axes, (BATCH, LENGTH, HEADS), (BATCH, LENGTH, HEADS, None)),
+                    name="sparse_mla_pallas")
+
+    def with_head_mean(*args):
+      out_BLHC, lse_BLH, probs_BLGT = run(*args)
+      return out_BLHC, lse_BLH, probs_BLGT.mean(axis=2)
+
+    return with_head_mean
+  if with_probs:
+    raise ValueError(f"model.dsa_impl={impl!r}: the sparse MLA here does not emit the KL target")
   return functools.partial(ops.sparse_mla, scale=scale, head_groups=context_split(HEADS),
                            **options)
 
