@@ -34,6 +34,7 @@ import typing
 import jax
 import jax.numpy as jnp
 from flax import linen as nn
+from jax.ad_checkpoint import checkpoint_name
 
 import pallas_kernels
 from glm5_jax import routing_replay
@@ -264,6 +265,10 @@ def _sparse_stage_attention(c, latents: _Latents, scale, segment_ids_BL, order: 
   else:  # a selection made elsewhere (previous layer, sliding window): drop invisible keys
     aux = {"topk_indices": given_topk_BLT}
     topk_BLT = visible(given_topk_BLT)
+  # Names for `model.remat_policy` "save_attn_lse" (glm5_jax.layers.remat): with the sparse
+  # kernels' out / lse residuals kept, the backward reruns none of the selection, the sparse
+  # forward or the KL terms.
+  topk_BLT = checkpoint_name(topk_BLT, "dsa_topk")
   q_latent_BLHC = jnp.einsum("blhn,chn->blhc", q_nope_BLHN, w_kb_CHN)
   # Named scopes label the ops' `op_name` for per-category FLOP / time tables
   # (glm5_jax.planning.flop_ledger); they change nothing else.
@@ -273,6 +278,8 @@ def _sparse_stage_attention(c, latents: _Latents, scale, segment_ids_BL, order: 
   if index_qkw is not None:
     scores_BLT, target_BLT = _indexer_kl_terms_on_mesh(index_scale, scale)(
         *index_qkw, topk_BLT, q_latent_BLHC, q_rope_BLHR, ckv_BSC, k_rope_BSR, lse_BLH)
+    scores_BLT = checkpoint_name(scores_BLT, "indexer_scores")
+    target_BLT = checkpoint_name(target_BLT, "indexer_kl_target")
     aux["indexer_kl"] = indexer_kl_per_query(scores_BLT, target_BLT, topk_BLT >= 0)
   return jnp.einsum("blhc,chv->blhv", out_latent_BLHC, w_vb_CHV), aux
 
