@@ -3,7 +3,8 @@
 The train step section's compiled step (or one compiled here if that section did not run) runs
 `PROFILE_STEPS` (2) more steps under `jax.profiler.start_trace`; the trace the profiler writes
 (`*.trace.json.gz`, Chrome trace-event JSON, timestamps in microseconds) is copied to the out
-dir as `train_profile.trace.json.gz` (open it in Perfetto) and parsed here into:
+dir as `train_profile.trace.json.gz` (open it in Perfetto; not kept over `MAX_TRACE_BYTES`)
+and parsed here into:
 
   kernels     per kernel name: launches, total ms, ms per step, % of the GPU's busy time, and
               the HLO instruction (`hlo_op`) that launched it most often, with its category;
@@ -42,6 +43,8 @@ from glm5_jax.planning import flop_ledger
 
 PROFILE_STEPS = 2
 TOP_KERNELS = 40
+# A larger trace is parsed but not kept (what a device run brings back is size-limited).
+MAX_TRACE_BYTES = 20 * 2**20
 # Lines of a device plane that xprof derives from the stream lines (their events repeat the
 # kernels' time as ops / modules / scopes): skipped when a plane has no `Stream` lines.
 DERIVED_LINES = ("XLA Modules", "XLA Ops", "XLA TraceMe", "Framework Name Scope",
@@ -204,15 +207,18 @@ def profile_section(ctx) -> dict:
   finally:
     jax.profiler.stop_trace()
   path = trace_file(log_dir)
-  kept = os.path.join(ctx.out_dir, "train_profile.trace.json.gz")
-  shutil.copyfile(path, kept)
-  shutil.rmtree(log_dir, ignore_errors=True)
-  summary = summarize(device_kernels(load_trace(kept)), flop_ledger.op_names(run["hlo_text"]),
+  trace_bytes = os.path.getsize(path)
+  kept = None
+  if trace_bytes <= MAX_TRACE_BYTES:
+    kept = os.path.join(ctx.out_dir, "train_profile.trace.json.gz")
+    shutil.copyfile(path, kept)
+  summary = summarize(device_kernels(load_trace(path)), flop_ledger.op_names(run["hlo_text"]),
                       PROFILE_STEPS)
+  shutil.rmtree(log_dir, ignore_errors=True)
   kernel_rows, category_rows = summary.pop("kernel_rows"), summary.pop("category_rows")
   return dict(summary, config=run["config_name"], dsa_impl=run["dsa_impl"],
               steps=PROFILE_STEPS, wall_ms_per_step=wall / PROFILE_STEPS * 1e3,
-              trace=os.path.basename(kept), trace_bytes=os.path.getsize(kept),
+              trace=kept and os.path.basename(kept), trace_bytes=trace_bytes,
               rows=[dict(case="time per category x phase", status="ok", **r)
                     for r in category_rows],
               tables={f"top {TOP_KERNELS} kernels": kernel_rows})
