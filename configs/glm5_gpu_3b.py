@@ -5,9 +5,17 @@ GLM-5's attention exactly (docs/reference.md section 1): 64 MLA heads of N 192 +
 on every layer, top-k 2048, so the sparse stage runs the DSA ops at GLM-5's kernel shapes; a
 smaller MoE body (32 routed experts of 512, 4 per token, one shared; the first layer dense),
 12 layers, one MTP layer, GLM-5's vocabulary (`tools/param_count.py`: 3,023,595,136 params,
-2.83B without MTP, 1,858,090,336 active). Scanned layers, full remat, the DSA sparse stage
-from step 0 (a throughput config: the indexer is untrained, so the selection is not a useful
-one, but every op of the sparse step runs).
+2.83B without MTP, 1,858,090,336 active). Scanned layers, the DSA sparse stage from step 0 (a
+throughput config: the indexer is untrained, so the selection is not a useful one, but every op
+of the sparse step runs), 8 x 4,096 = 32K tokens per step. The step wastes no FLOPs it can
+avoid (issue 41 item 4):
+  - `remat_policy="save_attn_lse"` (glm5_jax.layers.remat): the backward reruns the layer's
+    projections and FFN / MoE but keeps the sparse attention's output and log-sum-exp, the
+    selection and the indexer KL terms, so the indexer top-k, the sparse MLA forward and the
+    KL target pass run once per step (~3.0 GB per layer kept at 8 x 4,096);
+  - `train.ce_chunk=512`: the LM head fused with the loss, 512 positions x 8 rows at a time
+    (a 2.5 GB fp32 logits chunk instead of `[32768, 154880]`, 20 GB), bf16 backward matmuls;
+  - `optim.ns_dtype="bfloat16"`: Muon's Newton-Schulz matmuls in bf16 (momentum stays fp32).
 
   python tools/param_count.py --config=configs/glm5_gpu_3b.py
   python tools/bench_train.py --config=configs/glm5_gpu_3b.py:dsa_impl=pallas   (GPU)
@@ -18,9 +26,8 @@ one GPU "auto" is our Pallas Triton gmm / tgmm; `ragged_dot` would run dense ove
 there (32x the experts' FLOPs: docs/performance.md, "The GPU train step's matmul FLOPs").
 
 `arg` (configs.common.parse_arg): `dsa_impl=` "pallas" (default: the GPU kernels on GPU) |
-"xla" | "dense_mask"; `seq_len=` (default 4096); `batch=` rows per step (default 2: the fp32
-logits of 8K tokens x 155K vocab are 5 GB); `moe_matmul=` "auto" (default) | "ragged_dot" |
-"triton_gmm" (A/B of the experts' matmul).
+"xla" | "dense_mask"; `seq_len=` (default 4096); `batch=` rows per step (default 8: 32K tokens);
+`moe_matmul=` "auto" (default) | "ragged_dot" | "triton_gmm" (A/B of the experts' matmul).
 """
 
 import ml_collections
@@ -33,7 +40,7 @@ from glm5_jax.train import config as train_defaults
 
 
 def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
-  arg = parse_arg(arg, dsa_impl="pallas", seq_len=4096, batch=2, moe_matmul="auto")
+  arg = parse_arg(arg, dsa_impl="pallas", seq_len=4096, batch=8, moe_matmul="auto")
   config = ml_collections.ConfigDict()
   config.seed = 0
   config.model = model_config(
@@ -51,11 +58,11 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
       dsa_impl=arg.dsa_impl,
       moe_matmul=arg.moe_matmul,
       scan_layers=True,
-      remat_policy="full",
+      remat_policy="save_attn_lse",
   )
   config.data = data.data_config(seq_len=arg.seq_len, batch_size=arg.batch)
-  config.optim = optim.optim_config(learning_rate=3e-4, warmup_steps=100)
-  config.train = train_defaults.train_config(steps=1000)
+  config.optim = optim.optim_config(learning_rate=3e-4, warmup_steps=100, ns_dtype="bfloat16")
+  config.train = train_defaults.train_config(steps=1000, ce_chunk=512)
   config.ckpt = train_defaults.ckpt_config(every_steps=500)
   config.eval = train_defaults.eval_config(every_steps=0, batches=1)
   config.mesh = mesh_config()

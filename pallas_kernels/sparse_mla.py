@@ -43,6 +43,7 @@ from typing import Callable
 
 import jax
 import jax.numpy as jnp
+from jax.ad_checkpoint import checkpoint_name
 
 from pallas_kernels.blocking import (MASKED_LOGIT, default_query_block, empty_out_of_range,
                                      from_query_blocks, gather_rows, map_query_blocks,
@@ -182,8 +183,22 @@ def _sparse_mla_with_vjp(kernels, q_BLHC, q_rope_BLHR, kv_BSC, k_rope_BSR, topk_
   return kernels.forward(q_BLHC, q_rope_BLHR, kv_BSC, k_rope_BSR, topk_BLT, scale)
 
 
+# The names the forward rules give their output and log-sum-exp residuals, so that a remat
+# policy (`glm5_jax.layers.remat`, "save_attn_lse") can keep them: a `checkpoint_name` on the
+# op's results outside the custom VJP tags a copy, and jax would rerun the forward kernel for
+# the residuals in the backward all the same.
+OUT_NAME, LSE_NAME = "sparse_mla_out", "sparse_mla_lse"
+
+
+def named_residuals(out_BLHC, lse_BLH):
+  """`(out, lse)` tagged `OUT_NAME` / `LSE_NAME` for `jax.checkpoint` policies (values as
+  they are)."""
+  return checkpoint_name(out_BLHC, OUT_NAME), checkpoint_name(lse_BLH, LSE_NAME)
+
+
 def _vjp_forward(kernels, q_BLHC, q_rope_BLHR, kv_BSC, k_rope_BSR, topk_BLT, scale):
-  out_BLHC, lse_BLH = kernels.forward(q_BLHC, q_rope_BLHR, kv_BSC, k_rope_BSR, topk_BLT, scale)
+  out_BLHC, lse_BLH = named_residuals(
+      *kernels.forward(q_BLHC, q_rope_BLHR, kv_BSC, k_rope_BSR, topk_BLT, scale))
   return (out_BLHC, lse_BLH), (q_BLHC, q_rope_BLHR, kv_BSC, k_rope_BSR, topk_BLT, out_BLHC,
                                lse_BLH)
 

@@ -91,7 +91,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
 from pallas_kernels.blocking import MASKED_LOGIT, empty_out_of_range, pad_axis, round_up
-from pallas_kernels.sparse_mla import check_sparse_mla_inputs
+from pallas_kernels.sparse_mla import check_sparse_mla_inputs, named_residuals
 
 _NT = (((1,), (1,)), ((), ()))  # [m, k] x [n, k] -> [m, n]
 _TN = (((0,), (0,)), ((), ()))  # [k, m] x [k, n] -> [m, n]
@@ -434,8 +434,10 @@ def _sparse_mla(q_BLHC, q_rope_BLHR, kv_BSC, k_rope_BSR, topk_BLT, scale, opts, 
 
 def _vjp_forward(q_BLHC, q_rope_BLHR, kv_BSC, k_rope_BSR, topk_BLT, scale, opts, head_probs):
   outs = _forward(q_BLHC, q_rope_BLHR, kv_BSC, k_rope_BSR, topk_BLT, scale, opts, head_probs)
-  out_BLHC, lse_BLH = outs[:2]
-  return outs, (q_BLHC, q_rope_BLHR, kv_BSC, k_rope_BSR, topk_BLT, out_BLHC, lse_BLH)
+  # Named so a remat policy can keep them (`sparse_mla.named_residuals`).
+  out_BLHC, lse_BLH = named_residuals(*outs[:2])
+  return (out_BLHC, lse_BLH, *outs[2:]), (q_BLHC, q_rope_BLHR, kv_BSC, k_rope_BSR, topk_BLT,
+                                          out_BLHC, lse_BLH)
 
 
 def _vjp_backward(scale, opts, head_probs, residuals, cotangents):

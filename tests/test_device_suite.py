@@ -2,16 +2,20 @@
 stops the rest, both reports are written with device / jax / date on every table; and the rules
 its correctness section applies (the causal selection, top-k recall and threshold)."""
 
+import gzip
 import json
 import os
 import subprocess
 import sys
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from glm5_jax.planning import flop_ledger
 from tools import device_suite, device_suite_kernels as kernels
+from tools import device_suite_moe, device_suite_profile as profile
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 PRESENT = kernels.present_kernels()  # the lead's merge brings both GPU kernel modules
@@ -70,18 +74,37 @@ def test_a_failing_section_is_recorded_and_the_rest_run(tmp_path, monkeypatch):
   assert "ZeroDivisionError" in sections["b"]["rows"][1]["error"]
 
 
-@pytest.mark.slow  # a subprocess: compiles a train step and the decode engine (~1-2 min on CPU)
+@pytest.mark.slow  # a subprocess: compiles a train step and the decode engine (~2-4 min on CPU)
 def test_smoke_model_sections(tmp_path):
+  """The train step (its compiled HLO saved), its profile (the step's own compiled program,
+  parsed from the CPU trace: every kernel's time attributed), the MoE A/B and decoding."""
+  names = ["train_step", "train_profile", "moe_matmul", "decode"]
   out = subprocess.run(
-      [sys.executable, "tools/device_suite.py", "--smoke", "--sections=train_step,decode",
-       f"--out_dir={tmp_path}"], cwd=REPO, capture_output=True, text=True, timeout=900,
+      [sys.executable, "tools/device_suite.py", "--smoke", f"--sections={','.join(names)}",
+       f"--out_dir={tmp_path}"], cwd=REPO, capture_output=True, text=True, timeout=1200,
       env=dict(os.environ, PYTHONPATH=REPO))
   assert out.returncode == 0, out.stderr[-3000:]
-  assert "== train_step" in out.stdout and "== decode" in out.stdout  # progress lines
-  sections = _check_report(str(tmp_path), ["train_step", "decode"])
+  assert all(f"== {name}" in out.stdout for name in names)  # progress lines
+  sections = _check_report(str(tmp_path), names)
   train, decode = sections["train_step"], sections["decode"]
   assert train["status"] == "ok", train
   assert train["rows"][0]["dsa_impl"] == "pallas_interpret" and train["rows"][0]["step_s"] > 0
+  with gzip.open(tmp_path / train["rows"][0]["hlo_file"], "rt") as f:
+    assert "ENTRY" in f.read()
+  profile = sections["train_profile"]
+  assert profile["status"] == "ok", profile
+  assert profile["hlo_module"] == "jit_train_step" and 0 <= profile["idle_pct"] < 100
+  assert (tmp_path / profile["trace"]).stat().st_size == profile["trace_bytes"] > 0
+  categories = {r["category"]: r for r in profile["rows"]}
+  assert "unattributed" not in categories and categories["optimizer"]["optimizer_ms"] > 0
+  assert sum(r["pct"] for r in profile["rows"]) == pytest.approx(100)
+  assert profile["tables"]["top 40 kernels"][0]["ms_per_step"] > 0
+  moe = {r["case"]: r for r in sections["moe_matmul"]["rows"]}
+  assert moe["ragged_dot"]["status"] == "ok" and moe["ragged_dot"]["expanded"]  # XLA:CPU too
+  assert not moe["dense bound"]["expanded"] and moe["dense bound"]["median_s"] > 0
+  for name in ("ragged_dot +cudnn_fusion", "ragged_dot +pallas_lowering"):
+    assert moe[name]["status"] in ("ok", "missing"), moe[name]
+    assert moe[name].get("max_rel_diff", 0) < 1e-2
   assert decode["status"] == "ok", decode
   assert [r["mode"] for r in decode["rows"]] == ["plain", "MTP k=1"]
   assert decode["rows"][1]["accept_length"] >= 1 and "meaningless" in decode["note"]
@@ -150,3 +173,93 @@ def test_tune_sparse_mla_rows(capsys):
   assert rows[0]["out"] == 0
   with pytest.raises(ValueError, match="defaults"):
     kernels.tune_sparse_mla(32, dims, [{"block_t": 16}], repeats=1, budget_s=1, interpret=True)
+
+
+def test_profile_of_a_cpu_trace(tmp_path):
+  """A jax.profiler trace of a small jitted loop on CPU: the thunk events are the kernels, a
+  loop's own event (which contains its body's) is dropped, every kernel maps to an instruction
+  of the compiled module, and busy + idle = span."""
+  @jax.jit
+  def f(x):
+    return jax.lax.fori_loop(0, 3, lambda i, y: jnp.tanh(y @ y), x).sum()
+
+  x = jnp.ones((64, 64))
+  compiled = f.lower(x).compile()
+  jax.block_until_ready(compiled(x))
+  jax.profiler.start_trace(str(tmp_path))
+  for _ in range(2):
+    jax.block_until_ready(compiled(x))
+  jax.profiler.stop_trace()
+  found = profile.device_kernels(profile.load_trace(profile.trace_file(str(tmp_path))))
+  names = flop_ledger.op_names(compiled.as_text())
+  ours = [k for k in found if k["hlo_module"] == "jit_f"]
+  assert ours and all(k["hlo_op"] in names for k in ours)
+  assert not any(names[k["hlo_op"]][1] == "while" for k in ours)  # containers dropped
+  summary = profile.summarize(found, names, steps=2)
+  assert summary["hlo_module"] == "jit_f"
+  assert summary["busy_ms_per_step"] + summary["idle_ms_per_step"] == pytest.approx(
+      summary["span_ms_per_step"])
+  assert sum(r["pct"] for r in summary["category_rows"]) == pytest.approx(100)
+
+
+def _gpu_trace():
+  """A trace shaped as xprof writes a GPU run: `/device:GPU:0` with one stream line and a
+  derived `XLA Ops` line repeating the kernels, and a host process whose events carry hlo_op
+  arguments too (launches: not kernels)."""
+  meta = lambda pid, tid, kind, name: dict(ph="M", pid=pid, tid=tid, name=kind,
+                                           args=dict(name=name))
+  kernel = lambda tid, name, op, ts, dur, module="jit_train_step(7)": dict(
+      ph="X", pid=1, tid=tid, name=name, ts=ts, dur=dur,
+      args=dict(hlo_op=op, hlo_module=module, correlation_id=1))
+  return {"traceEvents": [
+      meta(1, None, "process_name", "/device:GPU:0"),
+      meta(1, 13, "thread_name", "Stream #13(Compute)"),
+      meta(1, 3735928559, "thread_name", "XLA Ops"),
+      meta(701, 5, "process_name", "/host:CPU"),
+      kernel(13, "sm90_xmma_gemm_bf16", "custom-call.1", 0.0, 10.0),
+      kernel(13, "loop_fusion_3", "fusion.3", 12.0, 4.0),
+      kernel(13, "loop_fusion_3", "fusion.3", 20.0, 4.0),
+      kernel(13, "sparse_mla_triton_forward", "custom-call.9", 30.0, 10.0),
+      kernel(13, "other_program", "fusion.1", 50.0, 1.0, module="jit_other(2)"),
+      kernel(3735928559, "fusion.3", "fusion.3", 12.0, 4.0),
+      dict(ph="X", pid=701, tid=5, name="launch", ts=0.0, dur=40.0,
+           args=dict(hlo_op="fusion.3", hlo_module="jit_train_step(7)"))]}
+
+
+def test_profile_of_a_gpu_shaped_trace():
+  """Kernels come from the GPU's stream lines only; per-kernel rows, categories by the
+  compiled module's op_names, an unknown hlo_op is "unattributed", idle = span - busy, and
+  another program's kernels are set apart."""
+  found = profile.device_kernels(_gpu_trace())
+  assert [k["name"] for k in found] == ["sm90_xmma_gemm_bf16", "loop_fusion_3", "loop_fusion_3",
+                                        "sparse_mla_triton_forward", "other_program"]
+  names = {"custom-call.1": ("jit(train_step)/jvp(x)/transpose(jvp(x))/self_attn/dot_general",
+                             "custom-call"),
+           "fusion.3": ("jit(train_step)/adam/mul", "fusion")}
+  summary = profile.summarize(found, names, steps=2)
+  assert summary["hlo_module"] == "jit_train_step(7)"
+  assert summary["other_modules"] == {"jit_other(2)": pytest.approx(1e-3)}
+  assert summary["span_ms_per_step"] == pytest.approx(40e-3 / 2)
+  assert summary["busy_ms_per_step"] == pytest.approx(28e-3 / 2)
+  assert summary["idle_pct"] == pytest.approx(30)
+  rows = {r["category"]: r for r in summary["category_rows"]}
+  assert rows["attention projections"]["backward_ms"] == pytest.approx(5e-3)
+  assert rows["optimizer"]["optimizer_ms"] == pytest.approx(4e-3)
+  assert rows["unattributed"]["unattributed_ms"] == pytest.approx(5e-3)
+  kernels_by_name = {r["kernel"]: r for r in summary["kernel_rows"]}
+  assert kernels_by_name["loop_fusion_3"]["count"] == 2
+  assert kernels_by_name["loop_fusion_3"]["category"] == "optimizer/optimizer"
+
+
+def test_moe_matmul_inputs_and_expansion_check():
+  """Uneven group sizes that sum to the rows; the expansion check reads an `[E, P, ...]`
+  operand in a program's text."""
+  sizes = device_suite_moe.group_sizes(1000, 8)
+  assert sizes.sum() == 1000 and sizes.max() > 2 * sizes.min()
+  shape = dict(rows=64, hidden=32, ffn=16, experts=4)
+  assert device_suite_moe.hlo_summary("%a = bf16[4,64,32] broadcast(...)", shape)["expanded"]
+  summary = device_suite_moe.hlo_summary(
+      '%r = bf16[64,16] ragged-dot(...)\n%c = custom-call(), custom_call_target="__cublas$gemm"',
+      shape)
+  assert not summary["expanded"]
+  assert summary["hlo"] == "ragged-dot x1, custom-call __cublas$gemm x1"

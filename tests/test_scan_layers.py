@@ -15,6 +15,7 @@ import pytest
 import glm5_jax
 from glm5_jax import layer_runs, optim
 from glm5_jax.layers.remat import REMAT_POLICIES
+from glm5_jax.planning import flop_ledger
 from glm5_jax.train.state import TrainState, trainable_mask
 from glm5_jax.train.step import StepConfig, compute_loss, make_train_step
 
@@ -133,24 +134,44 @@ def test_scanned_train_step_equals_unrolled(helpers):
   assert not np.array_equal(new_s["layers_1_2"]["mlp"]["e_score_correction_bias"], bias_before)
 
 
-SMALL = dict(num_hidden_layers=3, attention_pattern="DDR", first_k_dense_replace=1,
+SMALL = dict(num_hidden_layers=3, attention_pattern="DDR", first_k_dense_replace=1, dsa_impl="xla",
              index_topk=8, mtp_depths=1, dtype="float32")
 
 
+# One jitted gradient for every policy below: the no-remat reference compiles once per session.
+_LOSS_GRAD = jax.jit(jax.grad(lambda cfg, p, b: compute_loss(cfg, StepConfig(), p, b)[0],
+                              argnums=1), static_argnums=0)
+# What "save_attn_lse" keeps out of the backward's recompute (flop_ledger categories).
+_ATTENTION_KEPT = ("attention core", "indexer KL target")
+
+
+def _remat_flops(cfg, params, batch) -> dict:
+  """Matmul FLOPs per category that the backward recomputes (`rematted_computation`), from
+  the lowered gradient program (`glm5_jax.planning.flop_ledger`; nothing compiled)."""
+  text = _LOSS_GRAD.lower(cfg, params, batch).compiler_ir("hlo").get_hlo_module().to_string()
+  rows, _, _ = flop_ledger.ledger(text, "cpu")
+  return {name: c["remat"] for name, c in flop_ledger.by_category(rows).items()}
+
+
 @pytest.mark.parametrize("policy", [
-    p if p in ("full", "save_qkv_attn") else pytest.param(p, marks=pytest.mark.slow)
+    p if p in ("full", "save_attn_lse") else pytest.param(p, marks=pytest.mark.slow)
     for p in REMAT_POLICIES if p not in ("none", "offload_dots")])
 def test_remat_policies_change_memory_not_numbers(helpers, policy):
   """Every policy gives the gradients of no remat (offload_dots needs a backend with pinned
-  host memory; the planner measures it)."""
+  host memory; the planner measures it). Full remat recomputes the sparse attention and the
+  indexer KL target in the backward; "save_attn_lse" keeps their results (named inside the
+  sparse MLA custom VJP's forward rule) and recomputes only the rest of the layer."""
   _, scanned_cfg = configs(helpers, **SMALL)
   remat_cfg = dataclasses.replace(scanned_cfg, remat_policy=policy)
   params = layer_runs.stack_layers(helpers.random_params(dataclasses.replace(
       scanned_cfg, scan_layers=False)), scanned_cfg)
   batch = packed_batch(scanned_cfg.vocab_size)
-  grad_fn = jax.jit(jax.grad(lambda cfg, p: compute_loss(cfg, StepConfig(), p, batch)[0],
-                             argnums=1), static_argnums=0)
-  assert_trees_close(grad_fn(remat_cfg, params), grad_fn(scanned_cfg, params))
+  assert_trees_close(_LOSS_GRAD(remat_cfg, params, batch), _LOSS_GRAD(scanned_cfg, params, batch))
+  if policy in ("full", "save_attn_lse"):
+    remat = _remat_flops(remat_cfg, params, batch)
+    assert remat["attention projections"] > 0, remat
+    kept = [remat.get(name, 0.0) for name in _ATTENTION_KEPT]
+    assert all(kept) if policy == "full" else not any(kept), remat
 
 
 def _program_size(cfg) -> int:

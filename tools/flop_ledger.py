@@ -12,8 +12,9 @@ category x phase (forward / remat / backward / optimizer), the dots' dtypes, and
 the model FLOPs (`train.metrics.flops_per_token` x tokens per step). `ragged-dot`s are priced as
 the platform's compiler runs them at default flags (XLA GPU: a dense masked dot over all
 groups) beside their useful FLOPs (a grouped matmul's). `--hlo` reads a saved module instead
-(one `--hlo_out` wrote; a device's compiled module parses, but its cuBLAS GEMM custom calls are
-counted, not priced: `glm5_jax.planning.flop_ledger`).
+(one `--hlo_out` wrote, or the device suite's `train_step.hlo.txt.gz`; a device's compiled
+module parses, but its cuBLAS GEMM custom calls are counted, not priced:
+`glm5_jax.planning.flop_ledger`).
 
 `--set=a.b=value` overrides one config field (repeatable; value parsed as a Python literal,
 else a string). Lowering the 3B config at 3 layers takes ~1 min on this 2-core host.

@@ -34,6 +34,7 @@ import typing
 import jax
 import jax.numpy as jnp
 from flax import linen as nn
+from jax.ad_checkpoint import checkpoint_name
 
 import pallas_kernels
 from glm5_jax import routing_replay
@@ -266,6 +267,10 @@ def _sparse_stage_attention(c, latents: _Latents, scale, segment_ids_BL, order: 
   else:  # a selection made elsewhere (previous layer, sliding window): drop invisible keys
     aux = {"topk_indices": given_topk_BLT}
     topk_BLT = visible(given_topk_BLT)
+  # Names for `model.remat_policy` "save_attn_lse" (glm5_jax.layers.remat): with the sparse
+  # kernels' out / lse residuals kept, the backward reruns none of the selection, the sparse
+  # forward or the KL terms.
+  topk_BLT = checkpoint_name(topk_BLT, "dsa_topk")
   q_latent_BLHC = jnp.einsum("blhn,chn->blhc", q_nope_BLHN, w_kb_CHN)
   # Where the sparse MLA kernel emits the KL target itself (the GPU kernels), no XLA pass
   # gathers the selected rows a second time for it.
@@ -285,6 +290,8 @@ def _sparse_stage_attention(c, latents: _Latents, scale, segment_ids_BL, order: 
     else:
       scores_BLT, target_BLT = _indexer_kl_terms_on_mesh(index_scale, scale)(
           *index_qkw, topk_BLT, q_latent_BLHC, q_rope_BLHR, ckv_BSC, k_rope_BSR, lse_BLH)
+    scores_BLT = checkpoint_name(scores_BLT, "indexer_scores")
+    target_BLT = checkpoint_name(target_BLT, "indexer_kl_target")
     aux["indexer_kl"] = indexer_kl_per_query(scores_BLT, target_BLT, topk_BLT >= 0)
   return jnp.einsum("blhc,chv->blhv", out_latent_BLHC, w_vb_CHV), aux
 

@@ -15,10 +15,22 @@ live, one `[B, L, D]` per layer.
                    shared `[C + R]` key/value latent), recompute the rest
   save_qkv_attn    also keep the attention output (`attention_out`), so the backward pass
                    never reruns the attention itself
+  save_attn_lse    keep the sparse attention's output and log-sum-exp (the residuals of the
+                   sparse MLA kernels' custom VJP, `sparse_mla_out` / `sparse_mla_lse`, named
+                   inside its forward rule), the DSA selection (`dsa_topk`) and the indexer
+                   KL's two `[B, L, T]` terms (`indexer_scores`, `indexer_kl_target`): the
+                   backward reruns the projections and the FFN / MoE, but none of the indexer
+                   top-k, the sparse forward or the KL target pass. Per DSA layer that keeps
+                   B L H C (bf16) + 3 B L T (fp32 / int32) + B L H (fp32) numbers (3B config at
+                   8 x 4,096 tokens: ~3.0 GB per layer). Layers without sparse attention save
+                   nothing under it (full remat there).
   offload_dots     `dots_no_batch`, but the kept projections go to host memory
                    (`offload_dot_with_no_batch_dims`; backends with pinned host memory, TPU/GPU)
 
-The tagged names are set with `jax.ad_checkpoint.checkpoint_name` in the attention modules.
+The tagged names are set with `jax.ad_checkpoint.checkpoint_name` in the attention modules (and
+in the sparse MLA kernels' VJP forward rules, `pallas_kernels.sparse_mla.named_residuals`: a
+name on a custom VJP's result outside it does not stop jax from rerunning its forward for the
+residuals).
 """
 
 import jax
@@ -26,9 +38,11 @@ import jax
 SAVED_NAMES = {
     "save_qkv_proj": ("query_proj", "key_proj", "value_proj"),
     "save_qkv_attn": ("query_proj", "key_proj", "value_proj", "attention_out"),
+    "save_attn_lse": ("sparse_mla_out", "sparse_mla_lse", "dsa_topk", "indexer_scores",
+                      "indexer_kl_target"),
 }
 REMAT_POLICIES = ("none", "full", "dots", "dots_no_batch", "save_qkv_proj", "save_qkv_attn",
-                  "offload_dots")
+                  "save_attn_lse", "offload_dots")
 
 
 def checkpoint_policy(name: str):

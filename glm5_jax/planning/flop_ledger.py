@@ -142,7 +142,7 @@ def _walk(module, computation: str, prefix: str, times: int, visit, depth: int =
       _walk(module, callee, name, times * weight, visit, depth + 1)
 
 
-def _phase(name: str) -> str:
+def phase(name: str) -> str:
   """optimizer / remat / backward / forward from a dot's full name (module docstring)."""
   if "jvp(" not in name:
     return "optimizer"
@@ -275,7 +275,7 @@ def ledger(hlo_text: str, platform: str = "cuda"):
       flops = useful * groups if expands else useful
     else:
       return
-    key = (category(name, instr.op), _phase(name), dtype)
+    key = (category(name, instr.op), phase(name), dtype)
     row = rows.setdefault(key, Row(*key))
     row.flops += flops * times
     row.useful_flops += useful * times
@@ -283,6 +283,19 @@ def ledger(hlo_text: str, platform: str = "cuda"):
 
   _walk(module, module.entry, "", 1, visit)
   return list(rows.values()), dict(calls), list(dict.fromkeys(module.unknown_loops))
+
+
+def op_names(hlo_text: str) -> dict:
+  """`{instruction name: (full op_name, opcode)}` for every live instruction of a module (a
+  scan body's relative names read after their callers', `_walk`): what a profile's `hlo_op`
+  (a top-level fusion, custom call or copy of a compiled module) maps to for `category` and
+  `phase` (tools/device_suite_profile.py)."""
+  module = hlo_loops.parse_module(hlo_text)
+  module.unknown_loops = []
+  names = {}
+  _walk(module, module.entry, "", 1,
+        lambda instr, name, times: names.setdefault(instr.name, (name, instr.op)))
+  return names
 
 
 def by_category(rows) -> dict:
