@@ -205,7 +205,7 @@ compile in that process (`/metrics`)."""
   server = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
   url = f"http://127.0.0.1:{port}"
   try:
-    deadline, statuses = time.time() + 400, set()
+    deadline, statuses = time.time() + 600, set()
     while True:
       assert server.poll() is None, server.stderr.read()[-3000:]
       try:
@@ -215,7 +215,7 @@ compile in that process (`/metrics`)."""
           break
       except httpx.TransportError:
         pass
-      assert time.time() < deadline, "the server was not ready within 400 s"
+      assert time.time() < deadline, "the server was not ready within 600 s"
       time.sleep(0.5)
     assert statuses == {"warming", "ok"}, statuses
     compiles = _metrics(url)["glm5_engine_compiles_total"]

@@ -4,6 +4,7 @@ and the engine process's own compile count from `/metrics` before and after them
 
   python tools/check_serve_warm.py                       # 100 random requests, tiny model
   python tools/check_serve_warm.py --requests=300 --clients=8 --max_len=1024
+  python tools/check_serve_warm.py --serve_flag=--quant=w4a8 --serve_flag=--quant_group_size=32
 
 The requests vary what a client can vary: the endpoint (completions or chat), prompt lengths
 (token ids or text, chat with or without tools, thinking on or off), `n`, temperature, top_p,
@@ -15,6 +16,7 @@ Exit status 1 when a request compiled anything or was not answered 200.
 
 import concurrent.futures
 import json
+import logging
 import random
 import socket
 import subprocess
@@ -30,6 +32,9 @@ _SEED = flags.DEFINE_integer("seed", 0, "Seed of the random requests.")
 _MAX_LEN = flags.DEFINE_integer("max_len", 512, "The server's --max_len (>= 512: chat requests with tools).")
 _SLOTS = flags.DEFINE_integer("slots", 4, "The server's --slots.")
 _VERBOSE = flags.DEFINE_bool("verbose", False, "Show the server's stderr.")
+_SERVE_FLAG = flags.DEFINE_multi_string("serve_flag", [], "Another flag for experiments/serve.py "
+                                        "(repeatable), e.g. --serve_flag=--quant=w4a8 "
+                                        "--serve_flag=--quant_group_size=32.")
 
 TOOLS = [{"type": "function", "function": {"name": "calc", "description": "evaluate",
                                            "parameters": {"type": "object"}}}]
@@ -90,13 +95,14 @@ def engine_compiles(url: str) -> int:
 
 def main(argv):
   del argv
+  logging.getLogger("httpx").setLevel(logging.WARNING)  # a line per health poll otherwise
   with socket.socket() as s:
     s.bind(("127.0.0.1", 0))
     port = s.getsockname()[1]
   url = f"http://127.0.0.1:{port}"
   cmd = [sys.executable, "experiments/serve.py", "--random_init", "--config=configs/tiny.py",
          f"--port={port}", f"--slots={_SLOTS.value}", f"--max_len={_MAX_LEN.value}",
-         "--prefill_chunk=64", "--max_top_logprobs=3"]
+         "--prefill_chunk=64", "--max_top_logprobs=3", *_SERVE_FLAG.value]
   server = subprocess.Popen(cmd, stdout=subprocess.DEVNULL,
                             stderr=None if _VERBOSE.value else subprocess.DEVNULL)
   start = time.perf_counter()
