@@ -295,7 +295,8 @@ HOSTILE = [  # (endpoint, body or raw bytes, status, the field named)
 
 def test_hostile_requests_get_4xx_json_naming_the_field_while_others_are_served(server):
   """The 14 cases of issue 44's check, each a 4xx OpenAI-shaped JSON error (never a 500 or a
-  503), sent while normal requests run: those all succeed."""
+  503), sent while normal requests run: those all succeed. And max_completion_tokens bounds a
+  chat turn as max_tokens does."""
   url, chat_body = server["url"], {"messages": [{"role": "user", "content": "hi"}]}
   with concurrent.futures.ThreadPoolExecutor(3) as pool:
     normal = [pool.submit(httpx.post, url + "/v1/completions", timeout=120, json={
@@ -312,3 +313,10 @@ def test_hostile_requests_get_4xx_json_naming_the_field_while_others_are_served(
       assert r.json()["error"]["param"] == param, r.text
     assert [f.result().status_code for f in normal] == [200] * 3
   assert server["loop"].waiting() == 0
+  # max_completion_tokens (OpenAI's current name) is honoured as max_tokens is.
+  turn = {**chat_body, "seed": 4, "temperature": 1.0, "chat_template_kwargs": {
+      "enable_thinking": False}}
+  got, want = (httpx.post(url + "/v1/chat/completions", json={**turn, name: 3}, timeout=120)
+               .json()["choices"][0]["token_ids"]
+               for name in ("max_completion_tokens", "max_tokens"))
+  assert got == want and len(got) <= 3, (got, want)
