@@ -6,6 +6,7 @@
   python experiments/generate.py --hf_path=/data/GLM-5 --prompt="Hello" --speculative_steps=3
   python experiments/generate.py --random_init --config=configs/tiny.py --prompt=hi  # smoke
 
+The model-loading flags are experiments/model_flags.py's (shared with serve.py and eval.py).
 The model comes from exactly one of `--workdir` (a training run's latest checkpoint, its model
 and tokenizer from the config saved with it), `--hf_path` (`glm5_jax.load_hf`, the directory's
 tokenizer.json) or `--random_init` (`--config`'s model with random params: a smoke test of the
@@ -33,39 +34,16 @@ import time
 from absl import app, flags
 import jax
 import numpy as np
-from ml_collections import config_flags
-
 from configs import overrides
+from experiments import model_flags
 from glm5_jax import infer
-from glm5_jax.config import model_config
 from glm5_jax.infer.loading import load_model
 from glm5_jax.infer.prompts import Prompt, encode_text, read_prompts_file
 from glm5_jax.train import console
 
-_WORKDIR = flags.DEFINE_string("workdir", None, "Training run workdir: serve its latest "
-                               "checkpoint.")
-_HF_PATH = flags.DEFINE_string("hf_path", None, "HF GLM-5 checkpoint directory to serve.")
-_RANDOM_INIT = flags.DEFINE_bool("random_init", False, "Serve --config's model with random "
-                                 "params (smoke tests of the serving path only).")
 _CONFIG = overrides.define_config_file(
     "config", None, "Run config for --random_init (its model and data.tokenizer), e.g. "
     "configs/tiny.py.", lock_config=False)
-_MODEL = overrides.define_config_dict(
-    "model", model_config(), "Served-model fields to change, e.g. --model.dsa_impl=pallas; only "
-    "fields given here apply.")
-_TOKENIZER = flags.DEFINE_string("tokenizer", None, "'byte' or a tokenizer.json path instead of "
-                                 "the model source's own.")
-_QUANT = flags.DEFINE_enum("quant", "none", ["none", "w8a8", "w4a8"], "Serve quantized: INT8 "
-                           "weights (w8a8) or INT4 routed experts (w4a8), INT8 activations per "
-                           "token (docs/quantization.md).")
-_QUANT_GROUP = flags.DEFINE_integer("quant_group_size", 0, "w4a8's INT4 group size (0: the "
-                                    "model's quant_group_size, 128).")
-_ROTATE = flags.DEFINE_bool("rotate", False, "Fold a Hadamard rotation into the weights before "
-                            "quantizing (QuaRot-style; logits unchanged in full precision).")
-_CACHE_DTYPE = flags.DEFINE_enum(
-    "cache_dtype", None, ["float32", "bfloat16", "float16"], "The decode cache's dtype "
-    "(default: the model's compute dtype, so cached decode equals the full forward; bfloat16 "
-    "under an fp32 model halves the cache and rounds it: docs/inference.md).")
 _PROMPT = flags.DEFINE_multi_string("prompt", [], "A text prompt (repeatable).")
 _PROMPTS_FILE = flags.DEFINE_string("prompts_file", None, "jsonl of prompts: {\"prompt\": text} "
                                     "or {\"tokens\": [ids]}, optional \"id\".")
@@ -147,18 +125,7 @@ def main(argv):
     output_dir = os.path.dirname(os.path.abspath(_OUTPUT.value or "."))
     if _OUTPUT.value and not os.path.isdir(output_dir):  # found before any generating
       raise FileNotFoundError(f"--output={_OUTPUT.value}: no directory {output_dir}")
-    if _RANDOM_INIT.value and _CONFIG.value is None:
-      raise ValueError("--random_init needs --config (e.g. --config=configs/tiny.py): the model "
-                       "to initialize")
-    if _CONFIG.value is not None and not _RANDOM_INIT.value:
-      raise ValueError("--config is for --random_init only: a --workdir or --hf_path model is "
-                       "the checkpoint's own (change fields with --model.<field>=...)")
-    served = load_model(workdir=_WORKDIR.value, hf_path=_HF_PATH.value,
-                        random_init_config=_CONFIG.value if _RANDOM_INIT.value else None,
-                        model_overrides=config_flags.get_override_values(flags.FLAGS["model"]),
-                        tokenizer=_TOKENIZER.value, seed=_SEED.value, quant=_QUANT.value,
-                        quant_group_size=_QUANT_GROUP.value or None, rotate=_ROTATE.value,
-                        cache_dtype=_CACHE_DTYPE.value)
+    served = load_model(**model_flags.load_kwargs(_CONFIG.value, _SEED.value))
     prompts = _prompts(served)
     _generate_and_print(served, prompts)
   except (ValueError, FileNotFoundError) as e:  # the user's input: its message, no traceback

@@ -1,6 +1,7 @@
 """tools/bench_serve.py end to end on the tiny model: the server and its engine process, client
 processes of both modes, every request answered once with all its tokens (the tool asserts it),
-no compile after warm-up, and the direct baseline in the engine process that served."""
+no compile after warm-up (counted in the engine's process), and the direct baseline in the
+engine process that served."""
 
 import os
 import re
@@ -20,7 +21,7 @@ def test_bench_serve_runs_every_level_and_the_direct_baseline():
       cwd=ROOT, env=dict(os.environ, JAX_PLATFORMS="cpu", PYTHONPATH=ROOT),
       capture_output=True, text=True, timeout=600)
   assert proc.returncode == 0, proc.stderr[-3000:]
-  levels = re.findall(r"^(stream|whole) clients +(\d+): .* 0 compiles \(server process\)  "
+  levels = re.findall(r"^(stream|whole) clients +(\d+): .* 0 compiles \(engine process\)  "
                       r"\((\d+) requests, none lost or repeated\)", proc.stdout, re.M)
   assert levels == [("stream", "1", "1"), ("stream", "2", "2"), ("whole", "1", "1"),
                     ("whole", "2", "2")], proc.stdout

@@ -9,6 +9,7 @@ import sys
 import threading
 import time
 
+import httpx
 import jax
 import openai
 import pytest
@@ -75,6 +76,18 @@ def proc():
   engine = EngineProcess(_build, 1)
   yield engine
   engine.close()
+
+
+def test_warmup_in_the_engine_process_leaves_nothing_to_compile(proc):
+  """`EngineProcess.warmup` compiles in the child (its progress reported here), and requests
+  afterwards add nothing to the compiles the child counts (`compiles`, from its own process:
+  this process never compiles the engine's programs)."""
+  seen = []
+  proc.warmup(progress=lambda done, total: seen.append((done, total)))
+  assert seen[-1][0] == seen[-1][1] == len(seen) and proc.compiles > 0, seen
+  warm = proc.compiles
+  assert [len(c.tokens) for c in proc.run(_requests(3))] == [4] * len(PROMPTS)
+  assert proc.compiles == warm
 
 
 def test_tokens_sampled_ahead_of_a_param_switch_keep_the_old_version(proc):
@@ -170,32 +183,48 @@ def test_a_build_that_fails_raises_its_error_in_the_server():
     EngineProcess(_fail_to_build)
 
 
+def _metrics(url) -> dict:
+  return {name: float(value) for name, value in (
+      line.split() for line in httpx.get(url + "/metrics", timeout=30).text.splitlines())}
+
+
 @pytest.mark.slow
 def test_serve_cli_answers_chat_through_its_engine_process_and_names_a_bad_source():
-  """experiments/serve.py as README's "Serve" starts it (engine process on, the default)."""
+  """experiments/serve.py as README's "Serve" starts it (engine process on, the default), with
+a W4A8 model (the model-loading flags generate.py and eval.py share): listening at once,
+503 "warming" until its engine process compiled every program, then a chat answered with no
+compile in that process (`/metrics`)."""
   with socket.socket() as s:
     s.bind(("127.0.0.1", 0))
     port = s.getsockname()[1]
   cmd = [sys.executable, str(REPO_ROOT / "experiments" / "serve.py"), "--random_init",
-         f"--config={REPO_ROOT / 'configs' / 'tiny.py'}", "--model.num_hidden_layers=1",
-         "--model.attention_pattern=D", "--model.first_k_dense_replace=1", f"--port={port}",
-         "--slots=2", "--max_len=128", "--prefill_chunk=32"]
+         f"--config={REPO_ROOT / 'configs' / 'tiny.py'}", "--model.num_hidden_layers=2",
+         "--model.attention_pattern=DD", "--model.first_k_dense_replace=1", "--quant=w4a8",
+         "--quant_group_size=32", f"--port={port}", "--slots=1", "--max_len=64",
+         "--prefill_chunk=32"]
   server = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+  url = f"http://127.0.0.1:{port}"
   try:
-    client = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="none",
-                           max_retries=0)
-    deadline = time.time() + 240
+    deadline, statuses = time.time() + 600, set()
     while True:
       assert server.poll() is None, server.stderr.read()[-3000:]
       try:
-        reply = client.chat.completions.create(
-            model="glm5-jax", messages=[{"role": "user", "content": "hi"}], max_tokens=8,
-            seed=0, temperature=0.0)
-        break
-      except openai.APIConnectionError:
-        assert time.time() < deadline, "the server did not answer within 240 s"
-        time.sleep(1)
+        health = httpx.get(url + "/health", timeout=10)
+        statuses.add(health.json()["status"])
+        if health.status_code == 200:
+          break
+      except httpx.TransportError:
+        pass
+      assert time.time() < deadline, "the server was not ready within 600 s"
+      time.sleep(0.5)
+    assert statuses == {"warming", "ok"}, statuses
+    compiles = _metrics(url)["glm5_engine_compiles_total"]
+    client = openai.OpenAI(base_url=url + "/v1", api_key="none", max_retries=0)
+    reply = client.chat.completions.create(
+        model="glm5-jax", messages=[{"role": "user", "content": "hi"}], max_tokens=8, seed=0,
+        temperature=0.0)
     assert reply.usage.completion_tokens >= 1 and reply.choices[0].finish_reason
+    assert _metrics(url)["glm5_engine_compiles_total"] == compiles > 0
   finally:
     server.terminate()
     server.wait(30)

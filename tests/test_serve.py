@@ -1,7 +1,11 @@
 """glm5_jax.serve.app: the real server on a loopback port (uvicorn in a thread, a tiny random
-model), called with the real `openai` client and raw HTTP."""
+model), called with the real `openai` client and raw HTTP. The server is warmed as
+experiments/serve.py warms it (listening, 503 "warming" until then), so no test's requests
+compile anything in the engine's process (here: this one)."""
 
+import concurrent.futures
 import json
+import random
 import socket
 import threading
 import time
@@ -14,36 +18,47 @@ import uvicorn
 
 from glm5_jax import infer
 from glm5_jax.data import make_tokenizer
+from glm5_jax.infer.compile_count import process_compiles
 from glm5_jax.infer.engine import Engine, request_seed
 from glm5_jax.infer.requests import Request
 from glm5_jax.serve.app import create_app
 from glm5_jax.serve.engine_loop import EngineLoop
+from glm5_jax.serve.limits import Limits
+from glm5_jax.serve.readiness import Readiness, warm
 from tests.conftest import random_params, tiny_model_config
+from tools.check_serve_warm import random_bodies
 
 CFG = tiny_model_config(num_hidden_layers=2, attention_pattern="DD", first_k_dense_replace=2,
                         mtp_depths=0, num_nextn_predict_layers=0)
 MAX_LEN = 512
 TOP = 3  # the engine keeps each token's 3 most likely alternatives
+# Pages of 64 rows: 4 page buckets up to MAX_LEN, so warm-up compiles 19 programs, not 30.
+ENGINE = dict(slots=4, max_len=MAX_LEN, prefill_chunk=32, top_logprobs=TOP, page_size=64)
+LIMITS = Limits(max_n=8, max_prompt_tokens=MAX_LEN - 1, max_json_depth=16)
 
 
 @pytest.fixture(scope="module")
 def server():
   params = random_params(CFG, seed=0, std=0.5)
   tok = make_tokenizer("byte")
-  loop = EngineLoop(Engine(CFG, params, slots=4, max_len=MAX_LEN, prefill_chunk=32,
-                           top_logprobs=TOP),
-                    max_queue=64)
+  engine = Engine(CFG, params, **ENGINE)
+  loop = EngineLoop(engine, max_queue=64)
+  counter = process_compiles()  # the engine runs in this process
+  readiness = Readiness(compiles=lambda: counter.count)
   with socket.socket() as s:
     s.bind(("127.0.0.1", 0))
     port = s.getsockname()[1]
-  server = uvicorn.Server(uvicorn.Config(create_app(loop, tok, model_name="tiny"),
-                                         host="127.0.0.1", port=port, log_level="warning"))
+  app = create_app(loop, tok, model_name="tiny", limits=LIMITS, readiness=readiness)
+  server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning"))
   thread = threading.Thread(target=server.run, daemon=True)
   thread.start()
   while not server.started:
     time.sleep(0.05)
   url = f"http://127.0.0.1:{port}"
-  yield dict(url=url, params=params, tok=tok, loop=loop,
+  # Listening, not ready: as experiments/serve.py while its engine warms.
+  cold = (httpx.get(url + "/health"), httpx.post(url + "/v1/completions", json={"prompt": [1]}))
+  warm(engine, readiness, log=lambda line: None)
+  yield dict(url=url, params=params, tok=tok, loop=loop, cold=cold,
              client=openai.OpenAI(base_url=url + "/v1", api_key="none", max_retries=0))
   server.should_exit = True
   thread.join(timeout=30)
@@ -78,6 +93,9 @@ def test_chat_streaming_models_health_metrics(server):
   assert chunks[-1].choices[0].finish_reason is not None
   assert [m.id for m in client.models.list().data] == ["tiny"]
   assert httpx.get(server["url"] + "/health").json() == {"status": "ok"}
+  health, api = server["cold"]  # before warm-up: listening, taking no request
+  assert health.status_code == 503 and health.json()["status"] == "warming", health.text
+  assert api.status_code == 503 and api.json()["error"]["code"] == "warming", api.text
   metrics = httpx.get(server["url"] + "/metrics").text
   assert "glm5_queue_depth" in metrics and "glm5_tokens_generated_total" in metrics
 
@@ -88,7 +106,6 @@ def test_chat_streaming_models_health_metrics(server):
     ({"prompt": [1, 2], "model": "gpt-4"}, 400, "model"),
     ({"prompt": [1, 2], "top_p": 0}, 400, "top_p"),
     ({"prompt": [1, 2], "temperature": -1}, 400, "temperature"),
-    ({"prompt": "x" * (2 << 20)}, 413, None),
 ])
 def test_errors_are_openai_bodies_naming_the_field(server, body, status, param):
   r = httpx.post(server["url"] + "/v1/completions", json=body, timeout=60)
@@ -187,8 +204,7 @@ def test_top_logprobs_equal_the_engines_in_openai_shapes(server):
       extra_body={"chat_template_kwargs": {"enable_thinking": False}})
   chat_prompt = tuple(int(i) for i in chat.render_prompt(messages, tok, thinking=False,
                                                          thinking_mode="turn_level"))
-  direct = Engine(CFG, server["params"], slots=4, max_len=MAX_LEN, prefill_chunk=32,
-                  top_logprobs=TOP).run([
+  direct = Engine(CFG, server["params"], **ENGINE).run([
                       Request(0, tuple(prompt), 4, 1.0, 1.0, 0, request_seed(7, 0)),
                       Request(1, chat_prompt, 4, 1.0, 1.0, 0, request_seed(7, 0),
                               tuple(chat.stop_ids(tok)))])
@@ -232,3 +248,75 @@ def test_streamed_reasoning_equals_the_reply_and_a_full_queue_is_a_503(server):
   assert int(metrics["glm5_cache_pages_used"]) + int(metrics["glm5_cache_pages_free"]) == int(
       metrics["glm5_cache_pages_total"])
   assert int(metrics["glm5_engine_slot_steps_total"]) >= int(metrics["glm5_engine_steps_total"])
+
+
+def _metric(url, name) -> int:
+  lines = httpx.get(url + "/metrics", timeout=60).text.splitlines()
+  return int(next(line.split()[1] for line in lines if line.startswith(name + " ")))
+
+
+def test_random_requests_after_warm_up_compile_nothing_in_the_engines_process(server):
+  """25 random requests (tools/check_serve_warm.py's: lengths, n, sampling, stop strings,
+  log-probs, streaming, tools), 4 clients at a time, all answered; the compiles the engine's
+  process counts (`/metrics`) do not move."""
+  url = server["url"]
+  before = _metric(url, "glm5_engine_compiles_total")
+  bodies = random_bodies(random.Random(1), 25, max_len=MAX_LEN, max_top=TOP)
+  assert {"tools" in b for _, b in bodies} == {True, False}
+
+  def send(path_body):
+    path, body = path_body
+    if body.get("stream"):
+      return _sse_texts(url + path, body, "text")[1] is not None and 200
+    return httpx.post(url + path, json=body, timeout=120).status_code
+
+  with concurrent.futures.ThreadPoolExecutor(4) as pool:
+    assert list(pool.map(send, bodies)) == [200] * len(bodies)
+  assert _metric(url, "glm5_engine_compiles_total") == before
+
+
+HOSTILE = [  # (endpoint, body or raw bytes, status, the field named)
+    ("completions", {"prompt": [1], "n": 1000}, 400, "n"),
+    ("completions", {"prompt": [1], "n": "2"}, 400, "n"),
+    ("completions", {"prompt": [1], "max_tokens": 10 ** 12}, 400, "max_tokens"),
+    ("chat", {"max_completion_tokens": 10 ** 9}, 400, "max_completion_tokens"),
+    ("completions", {"prompt": [1] * (MAX_LEN + 10)}, 400, "prompt"),
+    ("chat", {"messages": [{"role": "user", "content": "x" * (2 * MAX_LEN)}]}, 400, "messages"),
+    ("completions", {"prompt": "x" * (2 << 20)}, 413, None),
+    ("completions", b"[" * 100_000 + b"]" * 100_000, 400, None),
+    ("completions", {"prompt": [1], "logprobs": -1}, 400, "logprobs"),
+    ("chat", {"logprobs": True, "top_logprobs": TOP + 1}, 400, "top_logprobs"),
+    ("chat", {"logprobs": "yes"}, 400, "logprobs"),
+    ("completions", {"prompt": [1], "temperature": "hot"}, 400, "temperature"),
+    ("chat", {"stream": "yes"}, 400, "stream"),
+    ("completions", {"prompt": [1], "seed": 1 << 40}, 400, "seed"),
+]
+
+
+def test_hostile_requests_get_4xx_json_naming_the_field_while_others_are_served(server):
+  """The 14 cases of issue 44's check, each a 4xx OpenAI-shaped JSON error (never a 500 or a
+  503), sent while normal requests run: those all succeed. And max_completion_tokens bounds a
+  chat turn as max_tokens does."""
+  url, chat_body = server["url"], {"messages": [{"role": "user", "content": "hi"}]}
+  with concurrent.futures.ThreadPoolExecutor(3) as pool:
+    normal = [pool.submit(httpx.post, url + "/v1/completions", timeout=120, json={
+        "prompt": [1, 2, 3], "max_tokens": 8, "n": 2, "seed": i}) for i in range(3)]
+    for endpoint, body, status, param in HOSTILE:
+      path = url + ("/v1/completions" if endpoint == "completions" else "/v1/chat/completions")
+      if isinstance(body, bytes):
+        r = httpx.post(path, content=body, headers={"content-type": "application/json"},
+                       timeout=120)
+      else:
+        r = httpx.post(path, json={**(chat_body if endpoint == "chat" else {}), **body},
+                       timeout=120)
+      assert r.status_code == status, (body if isinstance(body, dict) else "deep", r.text)
+      assert r.json()["error"]["param"] == param, r.text
+    assert [f.result().status_code for f in normal] == [200] * 3
+  assert server["loop"].waiting() == 0
+  # max_completion_tokens (OpenAI's current name) is honoured as max_tokens is.
+  turn = {**chat_body, "seed": 4, "temperature": 1.0, "chat_template_kwargs": {
+      "enable_thinking": False}}
+  got, want = (httpx.post(url + "/v1/chat/completions", json={**turn, name: 3}, timeout=120)
+               .json()["choices"][0]["token_ids"]
+               for name in ("max_completion_tokens", "max_tokens"))
+  assert got == want and len(got) <= 3, (got, want)

@@ -387,6 +387,9 @@ def _level(url, c, stream, loop, timer, profiles, last, client_cpus):
   child_cpu = getattr(loop.engine, "cpu_seconds", None)
   if profiles and last:
     profiles.start()
+  # Compiles where the engine runs: its own process (this one never compiles its programs), or
+  # this one when the engine is on a thread here.
+  child_compiles = getattr(loop.engine, "compiles", None)
   with count_compiles() as compiles:
     server_cpu = time.process_time()
     start = time.perf_counter()
@@ -419,6 +422,10 @@ def _level(url, c, stream, loop, timer, profiles, last, client_cpus):
     child_s = loop.engine.step_seconds - child_s
     per_step = 1e3 * child_s / max(timer.steps - timed_steps, 1)
     admissions += f"; inside the engine process {per_step:.1f} ms, {100 * child_s / wall:.0f}%"
+  if child_compiles is not None:
+    compiled = f"{loop.engine.compiles - child_compiles} compiles (engine process)"
+  else:
+    compiled = f"{compiles.count} compiles (server process, the engine's)"
   tokens = sum(r[3] for r in results)
   # CPU time per generated token of each process (all its threads): what the 2 cores are
   # shared out to, whatever the machine's other load.
@@ -431,7 +438,7 @@ def _level(url, c, stream, loop, timer, profiles, last, client_cpus):
         f"{np.percentile(ttft, 50):.3f} s p99 {np.percentile(ttft, 99):.3f} s  mean decode batch "
         f"{batch:.1f}, {timer.steps - timed_steps} steps of {mean_step:.1f} ms "
         f"({100 * in_step / wall:.0f}% of the wall in engine.step{admissions})  "
-        f"{compiles.count} compiles (server process)  ({expected} requests, none lost or "
+        f"{compiled}  ({expected} requests, none lost or "
         f"repeated)  {cpu}", flush=True)
   return rate
 

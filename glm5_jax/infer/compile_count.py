@@ -5,7 +5,8 @@ finish inside it (JAX's `/jax/core/compile/backend_compile_duration` monitoring 
 program XLA compiles, or loads from the persistent compilation cache; a jit cache hit records
 nothing). `cache_hits` counts those of them loaded from the persistent cache
 (`jax_compilation_cache_dir`; JAX's `/jax/compilation_cache/cache_hits` event), so
-`count - cache_hits` programs were compiled here.
+`count - cache_hits` programs were compiled here. `process_compiles()` is one counter for the
+whole life of the process.
 """
 
 import contextlib
@@ -46,3 +47,18 @@ def count_compiles():
   finally:
     jax.monitoring.unregister_event_duration_listener(counter)
     jax.monitoring.unregister_event_listener(counter.on_event)
+
+
+_PROCESS_COUNTER: CompileCounter | None = None
+
+
+def process_compiles() -> CompileCounter:
+  """A counter of every compilation in this process from the first call on (registered once,
+  never removed): what a server reports as its engine's compiles (`/metrics`; 0 new ones after
+  warm-up), counted in the process that runs the engine."""
+  global _PROCESS_COUNTER
+  if _PROCESS_COUNTER is None:
+    _PROCESS_COUNTER = CompileCounter()
+    jax.monitoring.register_event_duration_secs_listener(_PROCESS_COUNTER)
+    jax.monitoring.register_event_listener(_PROCESS_COUNTER.on_event)
+  return _PROCESS_COUNTER

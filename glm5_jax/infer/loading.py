@@ -112,12 +112,10 @@ def load_model(*, workdir: str | None = None, hf_path: str | None = None,
     params = init_params(model, jax.random.key(seed))
     own_tokenizer = random_init_config.data.get("tokenizer", "byte")
     source = f"random init (seed {seed}): smoke test, the completions are noise"
-  if rotate:
-    model, params = rotation.rotate(model, params, seed=seed)
-    source += ", rotated"
-  if quant != "none":
-    model, params = serve.quantize(model, params, quant, quant_group_size)
-    source += f", quantized {quant}"
+  model, params, done = quantize_for_serving(model, params, quant=quant,
+                                             quant_group_size=quant_group_size, rotate=rotate,
+                                             seed=seed)
+  source += done
   model = apply_model_overrides(model, {"cache_dtype": cache_dtype or model.dtype},
                                 "cache_dtype")
   name = tokenizer or own_tokenizer
@@ -125,3 +123,20 @@ def load_model(*, workdir: str | None = None, hf_path: str | None = None,
   if tok is not None:
     check_vocab(tok, model.vocab_size)
   return ServedModel(model=model, params=params, tokenizer=tok, source=source)
+
+
+def quantize_for_serving(model, params, *, quant: str = "none",
+                         quant_group_size: int | None = None, rotate: bool = False,
+                         seed: int = 0):
+  """`(model, params, what was done)` of loaded float params: rotated first when `rotate`
+  (`glm5_jax.quant.rotation`), then quantized when `quant` is "w8a8" / "w4a8"
+  (`glm5_jax.quant.serve.quantize`); the last item is ", rotated, quantized w4a8" or a part of
+  it, for the source line. `load_model` and experiments/eval.py's loaded run use it."""
+  done = ""
+  if rotate:
+    model, params = rotation.rotate(model, params, seed=seed)
+    done += ", rotated"
+  if quant != "none":
+    model, params = serve.quantize(model, params, quant, quant_group_size)
+    done += f", quantized {quant}"
+  return model, params, done

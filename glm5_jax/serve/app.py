@@ -9,15 +9,21 @@
                               parsed back into `tool_calls`
   GET  /v1/models, /health, /metrics (Prometheus text)
 
-Both POSTs take `n`, `max_tokens`, `temperature`, `top_p`, `top_k`, `seed`, `stop_token_ids`,
-`logprobs` and `stream` (server-sent events). A completion stops at eos (unless `ignore_eos`),
+Both POSTs take `n`, `max_tokens` (chat: or its current name `max_completion_tokens`),
+`temperature`, `top_p`, `top_k`, `seed`, `stop_token_ids`, `logprobs` and `stream` (server-sent
+events). A completion stops at eos (unless `ignore_eos`),
 a chat turn at GLM's stop tokens (`chat.stop_ids`: every role token and eos). Log-probs are the raw model's (temperature 1),
 the engine's `raw_logprobs`; choice i of a request with `seed` s draws with
 `request_seed(s, i)`, as prompt i of `infer.generate(..., seed=s)` does.
 
 Errors are OpenAI-style bodies `{"error": {"message", "type", "param", "code"}}`: 400 naming
-the field, 413 for a body over `max_body_bytes`, 503 + Retry-After when the engine loop's queue
-is full. A streaming client that disconnects has its requests cancelled (their slots freed).
+the field, for every bound of `serve.limits.Limits` too (n, max_tokens, prompt tokens, JSON
+depth, log-prob alternatives), 413 for a body over `max_body_bytes`, 503 + Retry-After when
+the engine loop's queue cannot take a request's choices (real overload: one request's `n` is
+bounded well below the queue) and while the engine warms up (`serve.readiness`: `/health` is
+503 `{"status": "warming"}` until every program is compiled). Anything else that goes wrong is
+a 500 in the same shape, never a text/plain traceback. A streaming client that disconnects has
+its requests cancelled (their slots freed).
 
 A chat call with a trajectory id is recorded by the TITO gateway (`glm5_jax.serve.gateway`):
 its prompt is the gateway's (the recorded tokens), and its reply carries `trajectory` (in a
@@ -39,21 +45,40 @@ from glm5_jax.serve.choices import Choice, batches, chat_logprobs, completion_lo
 from glm5_jax.serve.engine_loop import EngineLoop, QueueFull, Stopped
 from glm5_jax.serve.errors import ApiError, error_body
 from glm5_jax.serve.gateway import Gateway
+from glm5_jax.serve.limits import Limits, parse_body
 from glm5_jax.serve.messages import glm_messages
+from glm5_jax.serve.readiness import Readiness
 from glm5_jax.serve.text import ChoiceText
 
 
 MAX_STOPS = 16  # stop strings per request
 RETRY_AFTER_S = 1  # a 503's Retry-After: the queue drains at the engine's pace
+SEED_BOUND = 1 << 32
 
 
-def _int(body, name, default, low):
+def _int(body, name, default, low, high=None, why=""):
   value = body.get(name, default)
   if value is None:
     value = default
-  if not isinstance(value, int) or isinstance(value, bool) or value < low:
-    raise ApiError(400, f"{name} must be an int >= {low}; got {value!r}", name)
+  if not isinstance(value, int) or isinstance(value, bool) or value < low or (
+      high is not None and value > high):
+    bounds = f">= {low}" if high is None else f"in [{low}, {high}]"
+    raise ApiError(400, f"{name} must be an int {bounds}{why}; got {value!r:.80}", name)
   return value
+
+
+def _object(body, name) -> dict:
+  value = body.get(name) or {}
+  if not isinstance(value, dict):
+    raise ApiError(400, f"{name} must be an object; got {value!r:.80}", name)
+  return value
+
+
+def _bool(body, name) -> bool:
+  value = body.get(name)
+  if value is not None and not isinstance(value, bool):
+    raise ApiError(400, f"{name} must be true or false; got {value!r:.80}", name)
+  return bool(value)
 
 
 def _float(body, name, default, low, high, low_open=False):
@@ -67,11 +92,16 @@ def _float(body, name, default, low, high, low_open=False):
   return float(value)
 
 
-def create_app(loop: EngineLoop, tokenizer, *, model_name: str, max_body_bytes: int = 1 << 20,
-               version=None, gateway: Gateway | None = None) -> FastAPI:
-  """The app; `version()` gives the param version each response is tagged with (default the
-  loop's `version`: `glm5_jax.serve.versions`); `gateway` records trajectories (default a new
-  one: `glm5_jax.serve.gateway`)."""
+def create_app(loop: EngineLoop, tokenizer, *, model_name: str, limits: Limits | None = None,
+               readiness: Readiness | None = None, version=None,
+               gateway: Gateway | None = None) -> FastAPI:
+  """The app; `limits` bound each request (`serve.limits`; default `Limits()`); `readiness`
+  says whether the engine is warm (`serve.readiness`; default: ready); `version()` gives the
+  param version each response is tagged with (default the loop's `version`:
+  `glm5_jax.serve.versions`); `gateway` records trajectories (default a new one:
+  `glm5_jax.serve.gateway`)."""
+  limits = limits or Limits()
+  readiness = readiness or Readiness(ready=True)
   app = FastAPI(title="glm5-jax")
   version = version or (lambda: getattr(loop, "version", 0))
   gateway = gateway or Gateway(loop, tokenizer)
@@ -85,35 +115,58 @@ def create_app(loop: EngineLoop, tokenizer, *, model_name: str, max_body_bytes: 
     return JSONResponse(error_body(e.status, e.message, e.param, e.code),
                         status_code=e.status, headers=e.headers)
 
+  @app.exception_handler(Exception)
+  async def _unexpected(_, e: Exception):  # a bug: still an OpenAI-shaped body, not text/plain
+    return JSONResponse(error_body(500, f"internal error: {type(e).__name__}: {e}"[:500]),
+                        status_code=500)
+
   async def _body(http: HttpRequest) -> dict:
-    raw = await http.body()
-    if len(raw) > max_body_bytes:
-      raise ApiError(413, f"request body of {len(raw)} bytes, more than {max_body_bytes}")
-    try:
-      body = json.loads(raw)
-    except ValueError as e:
-      raise ApiError(400, f"body is not JSON: {e}") from None
-    if not isinstance(body, dict):
-      raise ApiError(400, "body must be a JSON object")
+    if not readiness.ready:
+      raise ApiError(503, f"the engine is warming up (compiling its programs: "
+                     f"{readiness.progress}); retry later", code="warming",
+                     headers={"Retry-After": str(RETRY_AFTER_S)})
+    declared = http.headers.get("content-length", "")
+    if declared.isdigit() and int(declared) > limits.max_body_bytes:  # refused unread
+      raise ApiError(413, f"request body of {declared} bytes, more than "
+                     f"{limits.max_body_bytes}")
+    raw = bytearray()
+    async for part in http.stream():  # a body without a length is cut off at the bound too
+      raw += part
+      if len(raw) > limits.max_body_bytes:
+        raise ApiError(413, f"request body of more than {limits.max_body_bytes} bytes")
+    body = parse_body(bytes(raw), limits)
     if body.get("model", model_name) != model_name:
       raise ApiError(400, f"unknown model {body['model']!r}; this server has {model_name!r}",
                      "model")
     return body
 
-  def _requests(body, prompt, stops) -> list:
-    n = _int(body, "n", 1, 1)
-    max_tokens = _int(body, "max_tokens", 16, 1)
+  def _requests(body, prompt, stops, *, chat_turn=False, prompt_field="prompt") -> list:
+    n = _int(body, "n", 1, 1, limits.max_n, " (experiments/serve.py --max_n)")
+    if limits.max_prompt_tokens is not None and len(prompt) > limits.max_prompt_tokens:
+      raise ApiError(400, f"prompt of {len(prompt)} tokens, more than this server takes "
+                     f"({limits.max_prompt_tokens}: experiments/serve.py --max_prompt_tokens)",
+                     prompt_field)
+    name = "max_tokens"
+    if chat_turn and body.get("max_completion_tokens") is not None:  # OpenAI's current name
+      if body.get("max_tokens") not in (None, body["max_completion_tokens"]):
+        raise ApiError(400, f"max_completion_tokens {body['max_completion_tokens']!r:.40} and "
+                       f"max_tokens {body['max_tokens']!r:.40} differ; give one",
+                       "max_completion_tokens")
+      name = "max_completion_tokens"
+    max_tokens = _int(body, name, 16, 1, limits.max_tokens,
+                      "" if limits.max_tokens is None else
+                      " (experiments/serve.py --max_tokens_limit)")
     room = engine.max_len - len(prompt) + 1
     if max_tokens > room:
       raise ApiError(400, f"prompt of {len(prompt)} tokens + max_tokens {max_tokens} need "
                      f"{len(prompt) + max_tokens - 1} positions, more than the server's "
                      f"max_len {engine.max_len} (at most {max(room, 0)} new tokens)",
-                     "max_tokens")
+                     name if room > 0 else prompt_field)
     stop = body.get("stop_token_ids") or []
     if not isinstance(stop, list) or not all(isinstance(t, int) for t in stop):
       raise ApiError(400, "stop_token_ids must be a list of ints", "stop_token_ids")
     seed = body.get("seed")
-    seed = secrets.randbits(32) if seed is None else _int(body, "seed", 0, 0)
+    seed = secrets.randbits(32) if seed is None else _int(body, "seed", 0, 0, SEED_BOUND - 1)
     settings = dict(temperature=_float(body, "temperature", 1.0, 0.0, 2.0),
                     top_p=_float(body, "top_p", 1.0, 0.0, 1.0, low_open=True),
                     top_k=_int(body, "top_k", 0, 0))
@@ -124,25 +177,17 @@ def create_app(loop: EngineLoop, tokenizer, *, model_name: str, max_body_bytes: 
       raise ApiError(400, str(e)) from None
 
   def _top(body, name) -> int:
-    top = _int(body, name, 0, 0)
-    if top > engine.top_n:
-      raise ApiError(400, f"{name} {top} is more than this server keeps ({engine.top_n}: "
-                     "experiments/serve.py --max_top_logprobs)", name)
-    return top
+    return _int(body, name, 0, 0, engine.top_n,
+                " (the alternatives this server keeps: experiments/serve.py --max_top_logprobs)")
 
   def _submit(requests, inbox, whole):
-    streams, aloop = [], asyncio.get_running_loop()
-    try:
-      for r in requests:
-        streams.append(loop.submit(r, aloop, inbox, whole=whole))
+    try:  # all of a request's choices or none: a request never half fills the queue
+      return loop.submit_all(requests, asyncio.get_running_loop(), inbox, whole=whole)
     except (QueueFull, Stopped) as e:
-      for s in streams:
-        loop.cancel(s)
       if isinstance(e, QueueFull):  # overload: transient, the client should retry later
         raise ApiError(503, f"server overloaded, retry later: {e}", code="server_overloaded",
                        headers={"Retry-After": str(RETRY_AFTER_S)}) from None
       raise ApiError(503, f"server unavailable: {e}", code="engine_stopped") from None
-    return streams
 
   def _apply(choice, stream, event, delta, kept, call) -> None:
     """One stream item into its choice; a stop string cancels the request at the engine
@@ -164,7 +209,7 @@ def create_app(loop: EngineLoop, tokenizer, *, model_name: str, max_body_bytes: 
     record is made on the engine thread before a stream's end is delivered)."""
     inbox: asyncio.Queue = asyncio.Queue()
     # A reply sent whole, with no stop string to watch for, needs no event before the end.
-    whole = not body.get("stream") and not any(c.text.stops for c in choices)
+    whole = not _bool(body, "stream") and not any(c.text.stops for c in choices)
     streams = gateway.submit(call, requests, lambda rs: _submit(rs, inbox, whole))
     deltas, kept = [{} for _ in choices], [[] for _ in choices]
     items = aiter(batches(inbox, streams))
@@ -176,7 +221,7 @@ def create_app(loop: EngineLoop, tokenizer, *, model_name: str, max_body_bytes: 
       raise ApiError(400, str(e)) from None
     except StopAsyncIteration:
       first = []
-    if not body.get("stream"):
+    if not _bool(body, "stream"):
       try:
         async for batch in _with_first(first, items):
           for i, event in batch:
@@ -186,7 +231,7 @@ def create_app(loop: EngineLoop, tokenizer, *, model_name: str, max_body_bytes: 
           loop.cancel(s)
       # json.dumps directly: FastAPI's encoder walks every log-prob in Python (~1 ms a reply).
       return JSONResponse(reply(deltas, kept))
-    usage = (body.get("stream_options") or {}).get("include_usage")
+    usage = _object(body, "stream_options").get("include_usage")
 
     async def events():
       sent, closed = set(), set()  # choices whose first / last chunk went out
@@ -245,7 +290,7 @@ def create_app(loop: EngineLoop, tokenizer, *, model_name: str, max_body_bytes: 
     want_lp = body.get("logprobs") is not None
     top = _top(body, "logprobs") if want_lp else 0
     stops = _stop_strings(body)
-    requests = _requests(body, prompt, () if body.get("ignore_eos") else (tokenizer.eos_id,))
+    requests = _requests(body, prompt, () if _bool(body, "ignore_eos") else (tokenizer.eos_id,))
     choices = [Choice(i, ChoiceText(tokenizer, stops), r.stop_tokens, top)
                for i, r in enumerate(requests)]
     head = {"object": "text_completion", "model": model_name, "created": int(time.time()),
@@ -267,7 +312,7 @@ def create_app(loop: EngineLoop, tokenizer, *, model_name: str, max_body_bytes: 
   @app.post("/v1/chat/completions")
   async def chat_completions(http: HttpRequest):
     body = await _body(http)
-    thinking = bool((body.get("chat_template_kwargs") or {}).get("enable_thinking", True))
+    thinking = bool(_object(body, "chat_template_kwargs").get("enable_thinking", True))
     messages = glm_messages(body.get("messages"), body.get("tools"))
     try:
       prompt = [int(i) for i in chat.render_prompt(
@@ -277,7 +322,7 @@ def create_app(loop: EngineLoop, tokenizer, *, model_name: str, max_body_bytes: 
     call = gateway.begin(gateway.trajectory_id(http.headers, body), messages, prompt,
                          thinking=thinking, n=body.get("n") or 1)
     prompt = prompt if call is None else call.prompt  # TITO: the recorded tokens
-    want_lp = bool(body.get("logprobs"))
+    want_lp = _bool(body, "logprobs")
     top = _top(body, "top_logprobs")
     if top and not want_lp:
       raise ApiError(400, "top_logprobs needs logprobs: true", "top_logprobs")
@@ -286,7 +331,7 @@ def create_app(loop: EngineLoop, tokenizer, *, model_name: str, max_body_bytes: 
       raise ApiError(400, "stop strings end a recorded call by cancelling it, which loses its "
                      "routing: this server records routing (--record_routing), so a call with "
                      "a trajectory id takes stop_token_ids only", "stop")
-    requests = _requests(body, prompt, chat_stops)
+    requests = _requests(body, prompt, chat_stops, chat_turn=True, prompt_field="messages")
     choices = [Choice(i, ChoiceText(tokenizer, stops, chat_turn=True, thinking=thinking),
                       r.stop_tokens, top) for i, r in enumerate(requests)]
     head = {"object": "chat.completion", "model": model_name, "created": int(time.time()),
@@ -320,6 +365,9 @@ def create_app(loop: EngineLoop, tokenizer, *, model_name: str, max_body_bytes: 
 
   @app.get("/health")
   async def health():
+    if not readiness.ready:  # listening, but no request is taken before the engine is warm
+      return JSONResponse({"status": "warming", "progress": readiness.progress},
+                          status_code=503, headers={"Retry-After": str(RETRY_AFTER_S)})
     return {"status": "ok"}
 
   @app.get("/metrics")
@@ -329,7 +377,11 @@ def create_app(loop: EngineLoop, tokenizer, *, model_name: str, max_body_bytes: 
              f"glm5_slots {engine.slots}", f"glm5_tokens_generated_total {loop.tokens_generated}",
              f"glm5_tokens_per_second {loop.tokens_generated / uptime:.3f}",
              f"glm5_engine_steps_total {loop.steps}",
-             f"glm5_engine_slot_steps_total {loop.slot_steps}"]
+             f"glm5_engine_slot_steps_total {loop.slot_steps}",
+             f"glm5_ready {int(readiness.ready)}"]
+    compiles = readiness.compiles()
+    if compiles is not None:  # counted in the engine's own process (after warm-up: 0 new)
+      lines.append(f"glm5_engine_compiles_total {compiles}")
     lines += gateway.metric_lines()
     if engine.pages is not None:  # the paged cache's pool (page 0 reserved: not counted)
       pool = engine.pages.pool

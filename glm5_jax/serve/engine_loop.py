@@ -163,9 +163,7 @@ class EngineLoop:
     """Queues `request`; its events come back on the returned stream (on `aloop`, an asyncio
     event loop, when given: read them with `await stream.aget()`, or from `inbox`), merged into
     one at its end when `whole` (`Stream`)."""
-    if self._stop or self.error is not None:
-      raise Stopped(f"the engine loop is {'closed' if self._stop else 'broken'}"
-                    + (f": {type(self.error).__name__}: {self.error}" if self.error else ""))
+    self._check_open()
     with self._lock:
       if self._pending >= self.max_queue:
         raise QueueFull(f"{self._pending} requests waiting, max_queue={self.max_queue}")
@@ -173,6 +171,27 @@ class EngineLoop:
     stream = Stream(aloop, inbox, whole)
     self._commands.put(("submit", request, stream))
     return stream
+
+  def submit_all(self, requests, aloop=None, inbox: asyncio.Queue | None = None,
+                 whole: bool = False) -> list[Stream]:
+    """`submit` of every request, or of none: QueueFull when the queue has no room for all of
+    them (one request's choices never half fill the queue and turn other clients away)."""
+    requests = list(requests)
+    self._check_open()
+    with self._lock:
+      if self._pending + len(requests) > self.max_queue:
+        raise QueueFull(f"{self._pending} requests waiting, {len(requests)} more asked for, "
+                        f"max_queue={self.max_queue}")
+      self._pending += len(requests)
+    streams = [Stream(aloop, inbox, whole) for _ in requests]
+    for request, stream in zip(requests, streams):
+      self._commands.put(("submit", request, stream))
+    return streams
+
+  def _check_open(self) -> None:
+    if self._stop or self.error is not None:
+      raise Stopped(f"the engine loop is {'closed' if self._stop else 'broken'}"
+                    + (f": {type(self.error).__name__}: {self.error}" if self.error else ""))
 
   def cancel(self, stream: Stream) -> None:
     self._commands.put(("cancel", None, stream))

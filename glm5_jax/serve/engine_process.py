@@ -10,7 +10,9 @@ step's reply with the GIL released. vLLM's engine core runs the same way.
 `EngineProcess(build, *args)` spawns a process that calls `build(*args) -> (engine, extra)`
 (a picklable module-level function: the child loads the params itself, so they are never in
 the HTTP process), and is then what `EngineLoop` needs of an engine: `submit`, `step`,
-`cancel`, `release`, `busy`, `running()`, `waiting()`, `prefix_stats()`, the fields the app
+`cancel`, `release`, `busy`, `running()`, `waiting()`, `prefix_stats()`, `warmup()` (every
+program compiled in the child, its progress reported here), `compiles` (the child's
+compilations so far), the fields the app
 reads (`cfg`, `slots`, `max_len`, `top_n`, `k`, `record_routing`, `pages.pool` counts) and
 `params` (abstract shapes; assigning host or device arrays ships them to the child, as
 `VersionedLoop` does between steps). `extra` (picklable: the tokenizer, the model's source)
@@ -47,6 +49,7 @@ import types
 import jax
 import numpy as np
 
+from glm5_jax.infer.compile_count import process_compiles
 from glm5_jax.infer.engine import Engine, Event
 from glm5_jax.infer.loading import load_model
 from glm5_jax.serve.engine_loop import Refused
@@ -66,13 +69,14 @@ class _State:
   pages_free: int | None
   step_seconds: float  # inside `Engine.step`, summed since the start (the child's own time)
   cpu_seconds: float  # the child's CPU time (all its threads) since it started
+  compiles: int  # XLA compilations in the child since it started (`compile_count`)
 
 
 def _state(engine, step_seconds: float) -> _State:
   pool = engine.pages.pool if engine.pages is not None else None
   return _State(engine.busy, engine.running(), engine.waiting(),
                 None if pool is None else pool.used, None if pool is None else pool.free,
-                step_seconds, time.process_time())
+                step_seconds, time.process_time(), process_compiles().count)
 
 
 def _set_params(engine, params) -> None:
@@ -141,6 +145,7 @@ _METHODS = {
 def _child(conn, build, args, env) -> None:
   """The engine process: builds the engine, then answers calls until the pipe closes."""
   os.environ.update(env)  # before the backend starts (XLA_FLAGS is read then)
+  process_compiles()  # every compilation of this process is counted from here on
   try:
     engine, extra = build(*args)
     pool = engine.pages.pool if engine.pages is not None else None
@@ -167,7 +172,13 @@ def _child(conn, build, args, env) -> None:
       return
     start = time.perf_counter()
     try:
-      reply = ("ok", _METHODS[method](served, *call_args))
+      if method == "warmup":  # progress lines travel ahead of the reply
+        max_rows, = call_args
+        engine.warmup(max_rows, progress=lambda done, total: conn.send(
+            ("progress", (done, total), None)))
+        reply = ("ok", None)
+      else:
+        reply = ("ok", _METHODS[method](served, *call_args))
     except ValueError as e:  # a request (or params) the engine refuses: the caller's error
       reply = ("value_error", str(e)) if method in ("submit", "set_params") else (
           "raise", _failure(e))
@@ -238,9 +249,13 @@ class EngineProcess:
     submits, self._submits = self._submits, []
     return submits
 
-  def _reply(self, method: str):
+  def _reply(self, method: str, progress=None):
     try:
       kind, value, state = self._conn.recv()
+      while kind == "progress":  # (warm-up) `progress(done, total)` until its reply
+        if progress is not None:
+          progress(*value)
+        kind, value, state = self._conn.recv()
     except (EOFError, OSError):
       self._died(method)
     if state is not None:
@@ -333,6 +348,22 @@ class EngineProcess:
 
   def prefix_stats(self) -> dict:
     return self._call("prefix_stats")
+
+  def warmup(self, max_rows: int | None = None, progress=None) -> None:
+    """`Engine.warmup` in the child (every program compiled there, where requests run);
+    `progress(done, total)` is called here as the child reports each part."""
+    if self._conn is None:
+      raise EngineProcessError("the engine process is closed")
+    if self.busy:
+      raise RuntimeError("EngineProcess.warmup: run it before any request")
+    self._send("warmup", max_rows)
+    self._reply("warmup", progress)
+
+  @property
+  def compiles(self) -> int:
+    """XLA compilations in the engine's process since it started (0 new ones after `warmup`:
+    what tools/bench_serve.py and `/metrics` report), as of its last reply."""
+    return self._state.compiles
 
   @property
   def busy(self) -> bool:
