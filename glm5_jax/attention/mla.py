@@ -247,7 +247,8 @@ def _sparse_stage_attention(c, latents: _Latents, scale, segment_ids_BL, order: 
     2. absorbed sparse attention over the selected latent rows -> output and log-sum-exp;
     3. indexer KL on the selected keys: I at the selection (differentiable, reaches only the
        indexer, whose inputs are detached) against the main attention's head-mean probability
-       there, recomputed from the log-sum-exp and detached.
+       there, detached: from step 2's own probabilities with "xla" partitioned by XLA
+       (`sparse_mla_xla_with_kl_target`), else recomputed from the log-sum-exp.
   Args as `_dense_attention`. Returns `(out_BLHV, aux)`: aux holds `topk_indices` and, with an
   indexer, `indexer_kl` (no `index_scores`: that would be the `[B, L, S]` matrix this path
   exists to avoid).
@@ -267,12 +268,25 @@ def _sparse_stage_attention(c, latents: _Latents, scale, segment_ids_BL, order: 
   q_latent_BLHC = jnp.einsum("blhn,chn->blhc", q_nope_BLHN, w_kb_CHN)
   # Named scopes label the ops' `op_name` for per-category FLOP / time tables
   # (glm5_jax.planning.flop_ledger); they change nothing else.
+  # "xla" partitioned by XLA takes the KL's target from its attention pass; the others (and
+  # "xla" under context parallelism) compute it in a second pass (`_indexer_kl_terms_on_mesh`).
+  target_in_pass = (index_qkw is not None and c.dsa_impl == "xla"
+                    and not _queries_per_shard(c.dsa_impl))
   with jax.named_scope("sparse_mla"):
-    out_latent_BLHC, lse_BLH = _sparse_mla_on_mesh(c.dsa_impl, scale)(
-        q_latent_BLHC, q_rope_BLHR, ckv_BSC, k_rope_BSR, topk_BLT)
+    if target_in_pass:
+      out_latent_BLHC, lse_BLH, target_BLT = pallas_kernels.sparse_mla_xla_with_kl_target(
+          q_latent_BLHC, q_rope_BLHR, ckv_BSC, k_rope_BSR, topk_BLT, scale=scale,
+          head_groups=context_split(HEADS))
+    else:
+      out_latent_BLHC, lse_BLH = _sparse_mla_on_mesh(c.dsa_impl, scale)(
+          q_latent_BLHC, q_rope_BLHR, ckv_BSC, k_rope_BSR, topk_BLT)
   if index_qkw is not None:
-    scores_BLT, target_BLT = _indexer_kl_terms_on_mesh(index_scale, scale)(
-        *index_qkw, topk_BLT, q_latent_BLHC, q_rope_BLHR, ckv_BSC, k_rope_BSR, lse_BLH)
+    if target_in_pass:
+      with jax.named_scope("indexer_scores_at"):
+        scores_BLT = pallas_kernels.indexer_scores_at(*index_qkw, topk_BLT, scale=index_scale)
+    else:
+      scores_BLT, target_BLT = _indexer_kl_terms_on_mesh(index_scale, scale)(
+          *index_qkw, topk_BLT, q_latent_BLHC, q_rope_BLHR, ckv_BSC, k_rope_BSR, lse_BLH)
     aux["indexer_kl"] = indexer_kl_per_query(scores_BLT, target_BLT, topk_BLT >= 0)
   return jnp.einsum("blhc,chv->blhv", out_latent_BLHC, w_vb_CHV), aux
 
