@@ -60,9 +60,9 @@ from pallas_kernels.lightning_indexer import (indexer_scores_at, indexer_scores_
                                               indexer_topk_decode, indexer_topk_reference,
                                               indexer_topk_xla, select_topk)
 from pallas_kernels.lightning_indexer_pallas import indexer_scores_pallas, indexer_topk_pallas
-from pallas_kernels.sparse_mla import (sparse_mla_head_mean_probs, sparse_mla_reference,
-                                       sparse_mla_xla)
+from pallas_kernels.sparse_mla import sparse_mla_head_mean_probs, sparse_mla_reference
 from pallas_kernels.sparse_mla_pallas import sparse_mla_pallas
+from pallas_kernels.sparse_mla_xla import sparse_mla_xla, sparse_mla_xla_with_kl_target
 
 __all__ = [
     "DSAOps", "DSA_OPS", "PALLAS_IMPLS", "dsa_ops", "indexer_scores_at", "indexer_scores_pallas",
@@ -70,4 +70,5 @@ __all__ = [
     "indexer_topk_reference",
     "indexer_topk_xla", "select_topk", "sparse_mla_head_mean_probs",
     "sparse_mla_pallas", "sparse_mla_reference", "sparse_mla_xla",
+    "sparse_mla_xla_with_kl_target",
 ]

@@ -85,12 +85,15 @@ def block_for_budget(bytes_per_query: int, budget_bytes: int = 256 << 20) -> int
   return max(8, budget_bytes // max(bytes_per_query, 1) // 8 * 8)
 
 
-def default_query_block(bytes_per_query: int, cpu_cap: int = 128, accelerator_cap: int = 1024):
+def default_query_block(bytes_per_query: int, cpu_cap: int = 128, accelerator_cap: int = 1024,
+                        on_accelerator: bool | None = None):
   """Queries per block when the caller gives none: what fits the temporaries budget (256 MiB on
   CPU, 2 GiB on an accelerator), capped. Small blocks keep CPU work in cache (measured: 128
   queries run the sparse attention ~3x faster than 1024 on CPU); accelerators want more work
-  per step."""
-  on_cpu = jax.default_backend() == "cpu"
+  per step. `on_accelerator` None: whether this host's default backend is one (an
+  ahead-of-time TPU compile from a CPU host then gets the CPU's blocks; pass
+  `platform() != "cpu"` to size for the platform being traced for)."""
+  on_cpu = (jax.default_backend() == "cpu") if on_accelerator is None else not on_accelerator
   budget = (256 << 20) if on_cpu else (2 << 30)
   return min(cpu_cap if on_cpu else accelerator_cap, block_for_budget(bytes_per_query, budget))
 

@@ -28,8 +28,9 @@ import typing
 from pallas_kernels.blocking import platform as current_platform
 from pallas_kernels.lightning_indexer import indexer_topk_reference, indexer_topk_xla
 from pallas_kernels.lightning_indexer_pallas import indexer_topk_pallas
-from pallas_kernels.sparse_mla import sparse_mla_reference, sparse_mla_xla
+from pallas_kernels.sparse_mla import sparse_mla_reference
 from pallas_kernels.sparse_mla_pallas import sparse_mla_pallas
+from pallas_kernels.sparse_mla_xla import sparse_mla_xla
 
 # `model.dsa_impl` values that run the ops through `dsa_ops` ("dense_mask" is the model's own
 # masked dense attention and never reaches here).

@@ -28,7 +28,9 @@ and a bf16 running sum would lose the small contributions of long sequences).
 
 Implementations (same signature `(q, q_rope, kv, k_rope, topk, *, scale) -> (out, lse)`):
   `sparse_mla_reference`  gathers every selected row at once, plain autodiff (O(L x T x C)).
-  `sparse_mla_xla`        per query block, with the custom VJP above.
+  `sparse_mla_xla`        (sparse_mla_xla.py) per query block, its own custom VJP of the same
+                          math, shaped for a matrix unit (one gather of joined rows, bf16
+                          products, the KL target from the attention pass).
   `sparse_mla_pallas`     (sparse_mla_pallas.py) Pallas TPU kernels, same custom VJP.
 Outputs are in the dtype of `kv`, lse in fp32. Tolerances: fp32 paths agree to ~1e-5 relative;
 bf16 inputs (fp32 accumulation everywhere) to ~2e-2, the rounding of bf16 itself.
@@ -108,7 +110,8 @@ def sparse_mla_reference(q_BLHC, q_rope_BLHR, kv_BSC, k_rope_BSR, topk_BLT, *, s
 
 def sparse_mla_backward_block(q_BLHC, q_rope_BLHR, kv_BSC, k_rope_BSR, topk_BLT, dout_BLHC,
                               lse_BLH, delta_BLH, scale):
-  """The module docstring's backward for one block of queries, in XLA.
+  """The module docstring's backward for one block of queries, in XLA: the definition the
+  Pallas backward kernel computes (`sparse_mla_pallas`), in fp32.
 
   `delta_BLH` is `dout . out - dlse`; `topk_BLT` holds rows in [0, S) or -1
   (`sparse_mla_custom_vjp` maps the rest to -1). Returns `(dq_BLHC, dq_rope_BLHR, dkv_BLTC,
@@ -265,31 +268,6 @@ def _default_query_block(kv_BSC, k_rope_BSR, topk_BLT, heads):
   b, t = kv_BSC.shape[0], topk_BLT.shape[-1]
   row = kv_BSC.shape[-1] + k_rope_BSR.shape[-1]
   return default_query_block(b * t * (3 * row + 4 * heads) * 4)
-
-
-def sparse_mla_xla(q_BLHC, q_rope_BLHR, kv_BSC, k_rope_BSR, topk_BLT, *, scale: float,
-                   query_block: int | None = None, head_groups: int = 1):
-  """Sparse MLA without Pallas: per block of queries, `take` of the selected rows, then
-  attention over them; O(L x T) work and O(query_block x T x (C + H)) memory, forward and
-  backward (custom VJP). The default on GPU and CPU, and the baseline the kernels are measured
-  against. Same arguments and results as `sparse_mla_reference` (index contract included:
-  out-of-range slots are empty, duplicates count twice); `query_block` None: see
-  `blocking.default_query_block`. `head_groups`: the backward's head grouping
-  (`SparseMLAKernels`); pass the number of devices the heads are split over (the caller's mesh),
-  1 when they are not split. Any value that divides H gives the same gradients (up to fp32
-  summation order); each group costs one `[B, S, C + R]` fp32 accumulator, so a larger value
-  than the split only spends memory."""
-  check_sparse_mla_inputs(q_BLHC, q_rope_BLHR, kv_BSC, k_rope_BSR, topk_BLT)
-  if query_block is None:
-    query_block = _default_query_block(kv_BSC, k_rope_BSR, topk_BLT, q_BLHC.shape[2])
-
-  def forward(q_BLHC, q_rope_BLHR, kv_BSC, k_rope_BSR, topk_BLT, scale):
-    def one_block(q, q_rope, topk):
-      return sparse_mla_reference(q, q_rope, kv_BSC, k_rope_BSR, topk, scale=scale)
-    return map_query_blocks(one_block, query_block, [q_BLHC, q_rope_BLHR, topk_BLT], [0, 0, -1])
-
-  kernels = SparseMLAKernels(forward, sparse_mla_backward_block, query_block, head_groups)
-  return sparse_mla_custom_vjp(kernels, q_BLHC, q_rope_BLHR, kv_BSC, k_rope_BSR, topk_BLT, scale)
 
 
 def sparse_mla_head_mean_probs(q_BLHC, q_rope_BLHR, kv_BSC, k_rope_BSR, topk_BLT, lse_BLH, *,

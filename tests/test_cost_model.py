@@ -216,6 +216,14 @@ def test_async_collective_fusions_hide_the_pipelined_gathers():
     ("jit(train_step)/jvp(GLM5)/GLM5._scanned_run/while/body/closed_call/layers_3_77.body/"
      "layers_3_77/self_attn/closed_call/while/body/closed_call/checkpoint/blji,blti->bljt/"
      "dot_general", "indexer"),
+    ("jit(train_step)/transpose(jvp(GLM5))/GLM5._scanned_run/while/body/closed_call/checkpoint/"
+     "layers_1_1.body/layers_1_1/self_attn/sparse_mla/while/body/closed_call/"
+     "vmap(blgt,blgp->bltp)/dot_general", "DSA sparse"),
+    ("jit(train_step)/jvp(GLM5)/GLM5._scanned_run/while/body/closed_call/layers_1_1.body/"
+     "layers_1_1/self_attn/sparse_mla/concatenate", "DSA sparse"),
+    ("jit(train_step)/jvp(GLM5)/GLM5._scanned_run/while/body/closed_call/layers_1_1.body/"
+     "layers_1_1/self_attn/indexer_scores_at/while/body/closed_call/blji,blti->bljt/dot_general",
+     "indexer"),
     ("jit(train_step)/jvp(GLM5)/GLM5._scanned_run/while/body/closed_call/layers_3_77.body/"
      "layers_3_77/self_attn/dot_general", "attention projections"),
     ("jit(train_step)/jvp(GLM5)/GLM5._scanned_run/while/body/closed_call/layers_3_77.body/"

@@ -244,6 +244,16 @@ def test_head_mean_probs_are_the_attention_at_the_selection():
   np.testing.assert_allclose(probs, expected, rtol=1e-5, atol=1e-6)
   np.testing.assert_allclose(np.asarray(probs).sum(-1)[np.asarray(topk).max(-1) >= 0], 1.0,
                              rtol=1e-5)
+  # The `xla` path's target from its own attention pass: the same target, the same attention,
+  # and no gradient through the target.
+  fused = functools.partial(pk.sparse_mla_xla_with_kl_target, scale=0.25, query_block=4)
+  out, fused_lse, target = fused(*arrays, topk)
+  want_out, want_lse = pk.sparse_mla_xla(*arrays, topk, scale=0.25, query_block=4)
+  np.testing.assert_allclose(target, expected, rtol=1e-5, atol=1e-6)
+  np.testing.assert_array_equal(out, want_out)
+  np.testing.assert_array_equal(fused_lse, want_lse)
+  target_grads = jax.grad(lambda *a: fused(*a, topk)[2].sum(), argnums=(0, 1, 2, 3))(*arrays)
+  assert all(not np.any(np.asarray(g)) for g in target_grads)
 
 
 @pytest.mark.parametrize("impl", ["xla", "pallas"])

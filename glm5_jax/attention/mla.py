@@ -248,9 +248,10 @@ def _sparse_stage_attention(c, latents: _Latents, scale, segment_ids_BL, order: 
     2. absorbed sparse attention over the selected latent rows -> output and log-sum-exp;
     3. indexer KL on the selected keys: I at the selection (differentiable, reaches only the
        indexer, whose inputs are detached) against the main attention's head-mean probability
-       there, detached: emitted by the sparse MLA kernel's forward where the op has that form
-       (`DSAOps.sparse_mla_with_probs`: the GPU kernels), else recomputed from the
-       log-sum-exp by `sparse_mla_head_mean_probs` (an XLA pass over the gathered rows).
+       there, detached: from step 2's own probabilities where the op can give them (the GPU
+       kernels' forward, `DSAOps.sparse_mla_with_probs`; "xla" partitioned by XLA,
+       `sparse_mla_xla_with_kl_target`), else recomputed from the log-sum-exp by
+       `sparse_mla_head_mean_probs` (a second pass over the gathered rows).
   Args as `_dense_attention`. Returns `(out_BLHV, aux)`: aux holds `topk_indices` and, with an
   indexer, `indexer_kl` (no `index_scores`: that would be the `[B, L, S]` matrix this path
   exists to avoid).
@@ -272,21 +273,30 @@ def _sparse_stage_attention(c, latents: _Latents, scale, segment_ids_BL, order: 
   # forward or the KL terms.
   topk_BLT = checkpoint_name(topk_BLT, "dsa_topk")
   q_latent_BLHC = jnp.einsum("blhn,chn->blhc", q_nope_BLHN, w_kb_CHN)
-  # Where the sparse MLA kernel emits the KL target itself (the GPU kernels), no XLA pass
-  # gathers the selected rows a second time for it.
+  # Where the attention pass gives the KL target (the GPU kernels' forward; "xla" partitioned by
+  # XLA), no second pass gathers the selected rows for it; otherwise (the TPU kernels, "xla"
+  # under context parallelism) `_indexer_kl_terms_on_mesh` computes it.
   fused_target = (index_qkw is not None
                   and pallas_kernels.dsa_ops(c.dsa_impl).sparse_mla_with_probs is not None)
+  target_in_pass = (index_qkw is not None and c.dsa_impl == "xla"
+                    and not _queries_per_shard(c.dsa_impl))
   # Named scopes label the ops' `op_name` for per-category FLOP / time tables
   # (glm5_jax.planning.flop_ledger); they change nothing else.
   with jax.named_scope("sparse_mla"):
-    out_latent_BLHC, lse_BLH, *target = _sparse_mla_on_mesh(
-        c.dsa_impl, scale, with_probs=fused_target)(
-            q_latent_BLHC, q_rope_BLHR, ckv_BSC, k_rope_BSR, topk_BLT)
+    if target_in_pass:
+      out_latent_BLHC, lse_BLH, target_BLT = pallas_kernels.sparse_mla_xla_with_kl_target(
+          q_latent_BLHC, q_rope_BLHR, ckv_BSC, k_rope_BSR, topk_BLT, scale=scale,
+          head_groups=context_split(HEADS))
+    else:
+      out_latent_BLHC, lse_BLH, *target = _sparse_mla_on_mesh(
+          c.dsa_impl, scale, with_probs=fused_target)(
+              q_latent_BLHC, q_rope_BLHR, ckv_BSC, k_rope_BSR, topk_BLT)
+      if fused_target:
+        target_BLT = jax.lax.stop_gradient(target[0])  # the kernel drops its cotangent too
   if index_qkw is not None:
-    if fused_target:
+    if target_in_pass or fused_target:
       (scores_BLT,) = _indexer_kl_terms_on_mesh(index_scale, scale, with_target=False)(
           *index_qkw, topk_BLT)
-      target_BLT = jax.lax.stop_gradient(target[0])  # the kernel drops its cotangent too
     else:
       scores_BLT, target_BLT = _indexer_kl_terms_on_mesh(index_scale, scale)(
           *index_qkw, topk_BLT, q_latent_BLHC, q_rope_BLHR, ckv_BSC, k_rope_BSR, lse_BLH)

@@ -48,7 +48,9 @@ KERNEL_EFFICIENCY = 0.6
 # pallas_kernels (the indexer's `blji,bsi->bljs`, the sparse MLA's `blhc,bltc->blht`). The DSA
 # `xla` path runs a query-block loop (`self_attn/.../while/`): the indexer's key-block loop
 # nested in it, its KL target (`blji,blti->bljt`) and the top-k sort are the indexer, the rest
-# of the loop (row gathers, scores, softmax, values) the sparse attention.
+# of the loop (row gathers, scores, softmax, values) the sparse attention; since the `xla`
+# path's own custom VJP (`pallas_kernels/sparse_mla_xla.py`) its ops carry the `sparse_mla/`
+# scope, and the KL's scores at the selection `indexer_scores_at/` (the indexer's).
 CATEGORY_RULES = (
     ("optimizer", r"^jit\(train_step\)/(while/|vmap|jit\(_pad\)|jit\(norm\))|opt_state|muon|adam"),
     ("loss and LM head", r"^jit\([^)/]*\)/(transpose\()?jvp\((jit\(take_along_axis\))?\)|"
@@ -60,7 +62,8 @@ CATEGORY_RULES = (
     ("MoE dispatch/relayout", r"/mlp/shard_map|^mxd,mx->md|ragged_all_to_all"),
     ("indexer", r"self_attn/.*(while/body/closed_call/(checkpoint/)?(rematted_computation/)?"
                 r"while/|blji|bljs|bljt|blj,|/sort|top_k|indexer)"),
-    ("DSA sparse", r"self_attn/(closed_call/|checkpoint/|rematted_computation/)*while"),
+    ("DSA sparse", r"self_attn/(closed_call/|checkpoint/|rematted_computation/)*while|"
+                   r"self_attn/sparse_mla/"),
     ("attention projections", r"self_attn/"),
 )
 _RULES = tuple((name, re.compile(pattern, re.I)) for name, pattern in CATEGORY_RULES)

@@ -1,0 +1,97 @@
+"""The DSA sparse stage alone, compiled by the TPU compiler ahead of time and priced op by op.
+
+  python tools/price_dsa_stage.py --target=v5p:2x2x1 [--batch=2 --seq_len=4096 --impl=xla]
+      [--kl_target=pass]   # the KL target as a second pass (what other impls, and main, run)
+
+One layer's sparse attention at the per-device shapes of the 744B headline step (GLM-5: 64
+heads, C = 512 latent dims, R = 64 RoPE dims, top-2048; batch 2 x 4,096 tokens per device),
+as the train step runs it under `remat_policy=full`: the forward (output, log-sum-exp and the
+indexer KL's target), recomputed, then the backward; one device of `--target`, no collectives.
+Prints the compiler estimate (`glm5_jax.planning.step_cost`: each instruction's
+`estimated_cycles`, gathers the compiler leaves unpriced at HBM peak) and the matmul FLOPs it
+compiled: a minutes-long check of a change to the stage, where the whole step at depth 2 is a
+20-minute compile. Needs libtpu (the `tpu-aot` extra).
+"""
+
+import argparse
+import time
+
+import jax
+import jax.numpy as jnp
+
+import pallas_kernels
+from glm5_jax.accelerators import ACCELERATORS
+from glm5_jax.planning import aot_targets, hlo_loops, op_costs
+from pallas_kernels.blocking import lowering_for
+
+
+def stage(impl: str, kl_target: str, scale: float):
+  """`(inputs, dout) -> (loss, input gradients)` of the sparse stage: sparse MLA and the KL
+  target, under `jax.checkpoint` as the layer is under `remat_policy=full` (the loss keeps the
+  first forward and the target alive, as the step's later layers and the KL do)."""
+  ops = pallas_kernels.dsa_ops(impl)
+
+  def forward(q, q_rope, kv, k_rope, topk, dout):
+    if kl_target == "fused":  # the target from the attention pass, as the model runs "xla"
+      out, lse, target = pallas_kernels.sparse_mla_xla_with_kl_target(
+          q, q_rope, kv, k_rope, topk, scale=scale)
+    else:
+      out, lse = ops.sparse_mla(q, q_rope, kv, k_rope, topk, scale=scale)
+      target = pallas_kernels.sparse_mla_head_mean_probs(q, q_rope, kv, k_rope, topk, lse,
+                                                         scale=scale)
+    finite_lse = jnp.where(lse > -jnp.inf, lse, 0.0)
+    return (jnp.vdot(out.astype(jnp.float32), dout) + jnp.sum(finite_lse)
+            + jnp.sum(jax.lax.stop_gradient(target)))
+
+  return jax.value_and_grad(jax.checkpoint(forward), argnums=(0, 1, 2, 3))
+
+
+def main(argv=None):
+  parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+  parser.add_argument("--target", default="v5p:2x2x1")
+  parser.add_argument("--impl", default="xla")
+  parser.add_argument("--kl_target", choices=("fused", "pass"), default="fused",
+                      help="fused: sparse_mla_xla_with_kl_target (impl xla only); pass: "
+                      "sparse_mla_head_mean_probs after the attention")
+  parser.add_argument("--batch", type=int, default=2)
+  parser.add_argument("--seq_len", type=int, default=4096)
+  parser.add_argument("--heads", type=int, default=64)
+  parser.add_argument("--topk", type=int, default=2048)
+  parser.add_argument("--hlo_out", default=None)
+  args = parser.parse_args(argv)
+  b, l, h, c, r, t = args.batch, args.seq_len, args.heads, 512, 64, args.topk
+  device = aot_targets.tpu_devices(args.target)[0]
+  sharding = jax.sharding.SingleDeviceSharding(device)
+  bf16 = jnp.bfloat16
+  shapes = [jax.ShapeDtypeStruct(s, d, sharding=sharding) for s, d in (
+      ((b, l, h, c), bf16), ((b, l, h, r), bf16), ((b, l, c), bf16), ((b, l, r), bf16),
+      ((b, l, t), jnp.int32), ((b, l, h, c), jnp.float32))]
+  if args.kl_target == "fused" and args.impl != "xla":
+    raise SystemExit(f"--kl_target=fused is the xla path's; --impl={args.impl} needs pass")
+  fn = stage(args.impl, args.kl_target, 192 ** -0.5)  # GLM-5's (N + R)^-0.5
+  start = time.perf_counter()
+  with lowering_for("tpu"):
+    compiled = jax.jit(fn).trace(*shapes).lower(lowering_platforms=("tpu",)).compile()
+  text = compiled.as_text()
+  if args.hlo_out:
+    with open(args.hlo_out, "w") as f:
+      f.write(text)
+  module = hlo_loops.parse_module(text)
+  chip = ACCELERATORS[aot_targets.parse_target(args.target)[0]]
+  costs = [cost for cost in op_costs.price_module(module, chip) if cost.kind != "torus"]
+  total = sum(cost.seconds * cost.runs for cost in costs)
+  by_kind = {}
+  for cost in costs:
+    by_kind[cost.kind] = by_kind.get(cost.kind, 0.0) + cost.seconds * cost.runs
+  print(f"compiled in {time.perf_counter() - start:.0f} s; {args.impl}, KL target "
+        f"{args.kl_target}, B={b} L={l} H={h} T={t}")
+  print(f"compiler estimate, one layer's sparse stage (forward, recompute, backward): "
+        f"{total * 1e3:.1f} ms  " + "  ".join(f"{k} {v * 1e3:.1f} ms" for k, v in by_kind.items()))
+  ranked = sorted(costs, key=lambda cost: -cost.seconds * cost.runs)[:14]
+  for cost in ranked:
+    print(f"  {cost.seconds * cost.runs * 1e3:8.2f} ms x{cost.runs:<5} {cost.kind:<18} "
+          f"{cost.op:<10} {cost.source[-90:]}")
+
+
+if __name__ == "__main__":
+  main()
