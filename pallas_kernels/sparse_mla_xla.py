@@ -38,7 +38,8 @@ import jax.numpy as jnp
 from pallas_kernels.blocking import (default_query_block, empty_out_of_range, from_query_blocks,
                                      gather_rows, map_query_blocks, platform, query_block_size,
                                      round_up, to_query_blocks)
-from pallas_kernels.sparse_mla import check_sparse_mla_inputs, masked_softmax, scatter_add_rows
+from pallas_kernels.sparse_mla import (check_sparse_mla_inputs, masked_softmax, named_residuals,
+                                      scatter_add_rows)
 
 
 def _block_size(b: int, t: int, k: int, heads: int) -> int:
@@ -102,6 +103,8 @@ def _forward(c, scale, query_block, with_target, qr_BLHK, kvr_BSK, topk_BLT):
 def _vjp_forward(c, scale, query_block, head_groups, with_target, qr_BLHK, kvr_BSK, topk_BLT):
   out_BLHC, lse_BLH, target_BLT = _forward(c, scale, query_block, with_target, qr_BLHK,
                                            kvr_BSK, topk_BLT)
+  # Named so a remat policy can keep them ("save_attn_lse": `sparse_mla.named_residuals`).
+  out_BLHC, lse_BLH = named_residuals(out_BLHC, lse_BLH)
   return (out_BLHC, lse_BLH, target_BLT), (qr_BLHK, kvr_BSK, topk_BLT, out_BLHC, lse_BLH)
 
 

@@ -141,7 +141,8 @@ SMALL = dict(num_hidden_layers=3, attention_pattern="DDR", first_k_dense_replace
 # One jitted gradient for every policy below: the no-remat reference compiles once per session.
 _LOSS_GRAD = jax.jit(jax.grad(lambda cfg, p, b: compute_loss(cfg, StepConfig(), p, b)[0],
                               argnums=1), static_argnums=0)
-# What "save_attn_lse" keeps out of the backward's recompute (flop_ledger categories).
+# What "save_attn_lse" keeps out of the backward's recompute (flop_ledger categories); with
+# "xla" the KL target comes from the attention pass, so it has no category of its own.
 _ATTENTION_KEPT = ("attention core", "indexer KL target")
 
 
@@ -171,7 +172,7 @@ def test_remat_policies_change_memory_not_numbers(helpers, policy):
     remat = _remat_flops(remat_cfg, params, batch)
     assert remat["attention projections"] > 0, remat
     kept = [remat.get(name, 0.0) for name in _ATTENTION_KEPT]
-    assert all(kept) if policy == "full" else not any(kept), remat
+    assert remat["attention core"] > 0 if policy == "full" else not any(kept), remat
 
 
 def _program_size(cfg) -> int:
