@@ -1,5 +1,5 @@
 """experiments/generate.py and what it stands on: the model sources (`infer.loading`), the
-prompts file schema (`infer.prompts`), and the CLI end to end on a run trained for 2 steps."""
+prompts file schema (`infer.prompts`), and the CLI end to end on a run's checkpoint."""
 
 import json
 import os
@@ -20,7 +20,6 @@ from glm5_jax.train import checkpoint as ckpt
 from glm5_jax.train.state import TrainState
 from tests.conftest import random_params
 from tests.test_train import ROOT, small_config
-from tests import train_cli
 
 TOK = make_tokenizer("byte")
 SCRIPT = os.path.join(ROOT, "experiments", "generate.py")
@@ -128,18 +127,20 @@ def _cli(*flags, timeout=600):
                         capture_output=True, text=True, timeout=timeout)
 
 
-@pytest.mark.slow  # trains 2 steps and runs the CLI in subprocesses
-def test_cli_generates_from_a_trained_run(tmp_path):
-  workdir = str(tmp_path / "run")
-  trained = train_cli.run(workdir, "--config.train.steps=2", "--config.ckpt.every_steps=2")
-  assert trained.returncode == 0, trained.stderr[-3000:]
+@pytest.mark.slow  # the CLI in subprocesses
+def test_cli_generates_from_a_runs_checkpoint(tmp_path, run_dir):
+  """The CLI on `run_dir`'s checkpoint (the trainer's `ckpt.save`). It trained a 2-step run
+  first, and so proved again what `load_run` on real training output is proved by elsewhere:
+  test_rl_loop.py's CLI test (RL from its SFT run) and test_sweep.py (evaluations of trained
+  runs) load trained workdirs through it, as `load_model(workdir=...)` does."""
+  workdir = run_dir[0]
   prompts = _write(tmp_path / "p.jsonl", ['{"id": "ids", "tokens": [1, 116, 117]}'])
   out = str(tmp_path / "out.jsonl")
   proc = _cli(f"--workdir={workdir}", "--prompt=def f(", f"--prompts_file={prompts}",
               "--max_new_tokens=5", "--temperature=0.7", "--top_k=20", "--seed=3",
               "--stop_at_eos=False", f"--output={out}")
   assert proc.returncode == 0, proc.stderr[-3000:]
-  assert f"workdir {workdir}, step 2" in proc.stdout
+  assert f"workdir {workdir}, step 3" in proc.stdout
   assert "== [0]" in proc.stdout and "== [ids] 3 prompt tokens -> 5 generated" in proc.stdout
   assert "completion: " in proc.stdout
   for phase in ("overall", "prefill", "decode"):

@@ -14,6 +14,8 @@ import sys
 import threading
 import time
 
+import jax
+import jax.numpy as jnp
 import numpy as np
 import orbax.checkpoint as ocp
 import pytest
@@ -24,6 +26,8 @@ from glm5_jax.posttrain import learning_signal
 from glm5_jax.rl import async_trainer, launcher, orders, trajectories, worker
 from glm5_jax.rl.layout import RunDirs, read_json
 from glm5_jax.rl.orchestrator import Orchestrator
+from glm5_jax.train import checkpoint as ckpt
+from glm5_jax.train.state import TrainState
 from test_multihost import _free_port, _run_together  # pylint: disable=import-error
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -189,19 +193,22 @@ def test_trainer_and_two_workers_in_threads(tmp_path, helpers):
 
 
 @pytest.fixture(scope="module")
-def sft_dir(tmp_path_factory):
-  """A 2-step SFT run of the 2-layer model (the RL runs below start from it)."""
-  from glm5_jax.posttrain import sft  # pylint: disable=import-outside-toplevel
+def sft_dir(tmp_path_factory, helpers):
+  """The run the RL runs below start from (`rl.init_from`): a checkpoint of random params of the
+  2-layer SFT model, saved as the trainer saves one (`ckpt.save`, config and fingerprints in
+  its meta). RL reads only the model config and the params of that run (`load_run`), and what
+  these tests prove does not depend on their values; RL from a trained SFT run is
+  test_rl_loop.py's CLI test. (A 2-step SFT run here compiled two train programs: ~70 s.)"""
   config = rl_tiny.get_config("recipe=plain").sft
   config.model.num_hidden_layers = 2
-  config.train.update(steps=2, dsa_dense_steps=1)
-  config.optim.warmup_steps = 1
-  config.sft.num_per_env = 40
-  config.data.batch_size = 4
-  config.eval.every_steps = 0
-  config.ckpt.every_steps = 2
+  params = helpers.random_params(ModelConfig.from_config(config.model), seed=0)
   workdir = str(tmp_path_factory.mktemp("sft"))
-  sft.run_sft(config, workdir)
+  manager = ckpt.make_manager(workdir, every_steps=1, keep=1, async_save=False)
+  state = TrainState(step=jnp.int32(2), params=params, opt_state={"count": jnp.zeros(())},
+                     rng=jax.random.key_data(jax.random.key(0)))
+  ckpt.save(manager, state, None, config, force=True)
+  manager.wait_until_finished()
+  manager.close()
   return workdir
 
 

@@ -368,10 +368,90 @@ TINY_RL_FLAGS = [
     "--config.rl.dynamic_sampling_rounds=0"]
 
 
+def _cli_snapshot(workdir):
+  """Per stage of an experiments/rl.py workdir: None when its directory does not exist, else
+  the checkpoint steps it has saved."""
+  def saved(stage):
+    if not (workdir / stage).exists():
+      return None
+    directory = workdir / stage / "checkpoints"
+    return sorted(d for d in os.listdir(directory) if d.isdigit()) if directory.is_dir() else []
+  return {"sft": saved("sft"), "rl": saved("rl")}
+
+
+@pytest.fixture(scope="module")
+def rl_cli_runs(tmp_path_factory):
+  """experiments/rl.py (through tests/train_cli.py) with TINY_RL_FLAGS, four times in one
+  workdir, as test_cli_stops_and_resumes_each_stage_and_checks_the_rl_config_first describes:
+  a bad RL config, two runs stopped by SIGTERM, one to the end. Returns the workdir and, per
+  run, its finished process and `_cli_snapshot` of the workdir right after it.
+
+  Module-scoped: the seeds study's first run (the same command, the same seeds) starts from
+  this finished workdir instead of training the same SFT and RL again."""
+  workdir = tmp_path_factory.mktemp("rl_cli")
+  args = [sys.executable, "tests/train_cli.py", "--script=experiments/rl.py",
+          f"--workdir={workdir}", *TINY_RL_FLAGS]
+  env = dict(os.environ, PYTHONPATH=REPO, JAX_PLATFORMS="cpu")
+  runs = []
+  for extra, hooks in [(["--config.rl.group_size=1"], []), ([], ["sigterm_after_log:1"]),
+                       ([], ["sigterm_after_log:1"]), ([], [])]:
+    proc = subprocess.run(args[:2] + [f"--hook={h}" for h in hooks] + args[2:] + extra,
+                          cwd=REPO, env=env, capture_output=True, text=True, timeout=600)
+    runs.append((proc, _cli_snapshot(workdir)))
+  return workdir, runs
+
+
 @pytest.mark.slow
-def test_seeds_study_runs_each_rl_seed_from_its_sft_seeds_start(tmp_path):
+def test_cli_stops_and_resumes_each_stage_and_checks_the_rl_config_first(rl_cli_runs):
+  """experiments/rl.py with no rl.init_from: a 3-step SFT, then 2 RL steps from it.
+
+  A bad RL config fails before any SFT step. A SIGTERM during SFT step 1 (after that step's
+  stop decision: it stops at step 2, saved) stops the pipeline with exit 75, and RL never
+  starts on the partial SFT model; the rerun resumes the SFT, finishes it, starts RL and
+  (SIGTERM again, at RL step 1's metrics, before its stop decision) stops after RL step 1 with
+  it saved (75); the third run resumes RL, and its "before RL" figure is step 0's evaluation,
+  made by the second run."""
+  workdir, runs = rl_cli_runs
+  (proc, saved) = runs[0]
+  assert proc.returncode == 1 and "rl.group_size" in proc.stderr, proc.stderr[-3000:]
+  assert saved["sft"] is None
+
+  (proc, saved) = runs[1]
+  assert proc.returncode == 75, proc.stderr[-3000:]
+  assert "SFT stopped early" in proc.stdout and saved["rl"] is None
+  assert saved["sft"] == ["2"]
+
+  (proc, saved) = runs[2]  # SFT writes step 3 only; RL step 1 gets the signal
+  assert proc.returncode == 75, proc.stderr[-3000:]
+  assert "step 3/3" in proc.stderr and "rl step 1/2" in proc.stderr
+  assert "RL stopped early" in proc.stdout and saved["rl"] == ["1"]
+
+  (proc, _) = runs[3]
+  assert proc.returncode == 0, proc.stderr[-3000:]
+  result = json.loads(proc.stdout.strip().splitlines()[-1])
+  assert result["steps"] == 2 and "rl step 2/2" in proc.stderr
+  assert "rl step 1/2" not in proc.stderr
+  evals = {r["step"]: r for r in map(json.loads, open(workdir / "rl" / "metrics.jsonl"))
+           if r["split"] == "eval"}
+  assert set(evals) == {0, 2}
+  assert result["first_eval"] == evals[0]["accuracy"]
+  assert result["first_sampled_eval"] == evals[0]["sampled_accuracy"]
+  assert os.path.isfile(workdir / "sft" / "sft_builtin.jsonl")
+
+
+@pytest.mark.slow
+def test_seeds_study_runs_each_rl_seed_from_its_sft_seeds_start(tmp_path, rl_cli_runs):
   """tools/seeds.py, 1 SFT seed x 2 RL seeds of the CLI test's tiny run: the second RL seed
-  starts from the first one's SFT run, the table has both rows, and a rerun skips done runs."""
+  starts from the first one's SFT run, the table has both rows, and a rerun skips done runs.
+
+  The first run, sft0_rl0, is the CLI test's command with --config.sft.seed=0
+  --config.rl.seed=0 (both seeds' defaults): its workdir starts as a copy of the CLI test's
+  finished one, which the study resumes (both stages done: a checkpoint restore, no step), so
+  the SFT and RL the CLI test trained are not trained again here. That experiments/rl.py trains
+  the SFT start of a run without rl.init_from is the CLI test's to prove."""
+  workdir, runs = rl_cli_runs
+  assert runs[-1][0].returncode == 0, runs[-1][0].stderr[-3000:]
+  shutil.copytree(workdir, tmp_path / "sft0_rl0")
   env = dict(os.environ, PYTHONPATH=REPO, JAX_PLATFORMS="cpu")
   command = [sys.executable, "tools/seeds.py", f"--root={tmp_path}", "--sft_seeds=0",
              "--rl_seeds=0,1", "--parallel=1", "--", *TINY_RL_FLAGS]
@@ -387,48 +467,3 @@ def test_seeds_study_runs_each_rl_seed_from_its_sft_seeds_start(tmp_path):
   assert "| sft0_rl1 | 0 | 1 |" in proc.stdout and "mean ± 95% t" in proc.stdout
   again = subprocess.run(command, cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
   assert again.returncode == 0 and "2 runs (2 done)" in again.stderr, again.stderr[-2000:]
-
-
-@pytest.mark.slow
-def test_cli_stops_and_resumes_each_stage_and_checks_the_rl_config_first(tmp_path):
-  """experiments/rl.py with no rl.init_from: a 3-step SFT, then 2 RL steps from it.
-
-  A bad RL config fails before any SFT step. A SIGTERM during SFT step 1 (after that step's
-  stop decision: it stops at step 2, saved) stops the pipeline with exit 75, and RL never
-  starts on the partial SFT model; the rerun resumes the SFT, finishes it, starts RL and
-  (SIGTERM again, at RL step 1's metrics, before its stop decision) stops after RL step 1 with
-  it saved (75); the third run resumes RL, and its "before RL" figure is step 0's evaluation,
-  made by the second run."""
-  args = [sys.executable, "tests/train_cli.py", "--script=experiments/rl.py",
-          f"--workdir={tmp_path}", *TINY_RL_FLAGS]
-  env = dict(os.environ, PYTHONPATH=REPO, JAX_PLATFORMS="cpu")
-  run = lambda *extra, hook=(): subprocess.run(
-      args[:2] + [f"--hook={h}" for h in hook] + args[2:] + list(extra), cwd=REPO, env=env,
-      capture_output=True, text=True, timeout=600)
-  steps_saved = lambda stage: [d for d in os.listdir(tmp_path / stage / "checkpoints")
-                               if d.isdigit()]
-  proc = run("--config.rl.group_size=1")
-  assert proc.returncode == 1 and "rl.group_size" in proc.stderr, proc.stderr[-3000:]
-  assert not os.path.exists(tmp_path / "sft")
-
-  proc = run(hook=["sigterm_after_log:1"])
-  assert proc.returncode == 75, proc.stderr[-3000:]
-  assert "SFT stopped early" in proc.stdout and not os.path.exists(tmp_path / "rl")
-  assert steps_saved("sft") == ["2"]
-
-  proc = run(hook=["sigterm_after_log:1"])  # SFT writes step 3 only; RL step 1 gets the signal
-  assert proc.returncode == 75, proc.stderr[-3000:]
-  assert "step 3/3" in proc.stderr and "rl step 1/2" in proc.stderr
-  assert "RL stopped early" in proc.stdout and steps_saved("rl") == ["1"]
-
-  proc = run()
-  assert proc.returncode == 0, proc.stderr[-3000:]
-  result = json.loads(proc.stdout.strip().splitlines()[-1])
-  assert result["steps"] == 2 and "rl step 2/2" in proc.stderr
-  assert "rl step 1/2" not in proc.stderr
-  evals = {r["step"]: r for r in map(json.loads, open(tmp_path / "rl" / "metrics.jsonl"))
-           if r["split"] == "eval"}
-  assert set(evals) == {0, 2}
-  assert result["first_eval"] == evals[0]["accuracy"]
-  assert result["first_sampled_eval"] == evals[0]["sampled_accuracy"]
-  assert os.path.isfile(tmp_path / "sft" / "sft_builtin.jsonl")
