@@ -23,12 +23,17 @@ and prints the markdown.
 """
 
 import dataclasses
+import os
 import sys
+
+# `experiments.model_flags` when run as `python experiments/X.py` (sys.path[0] is experiments/,
+# and the package is not installed: setup.cfg installs glm5_jax, pallas_kernels and configs).
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from absl import app, flags, logging
 
 from configs import overrides
-from experiments import model_flags
+from experiments import model_flags  # pylint: disable=wrong-import-position
 from glm5_jax.data import make_tokenizer
 from glm5_jax.eval.checkpoints import apply_model_overrides, load_run
 from glm5_jax.eval.evaluate import evaluate_run

@@ -29,13 +29,17 @@ line or checkpoint).
 import json
 import os
 import sys
+
+# `experiments.model_flags` when run as `python experiments/X.py` (sys.path[0] is experiments/,
+# and the package is not installed: setup.cfg installs glm5_jax, pallas_kernels and configs).
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import time
 
 from absl import app, flags
 import jax
 import numpy as np
 from configs import overrides
-from experiments import model_flags
+from experiments import model_flags  # pylint: disable=wrong-import-position
 from glm5_jax import infer
 from glm5_jax.infer.loading import load_model
 from glm5_jax.infer.prompts import Prompt, encode_text, read_prompts_file

@@ -29,12 +29,16 @@ between engine steps (`glm5_jax.rl.serve_policy`); responses and records carry t
 import os
 import sys
 
+# `experiments.model_flags` when run as `python experiments/X.py` (sys.path[0] is experiments/,
+# and the package is not installed: setup.cfg installs glm5_jax, pallas_kernels and configs).
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
 from absl import app, flags
 import jax
 import uvicorn
 
 from configs import overrides
-from experiments import model_flags
+from experiments import model_flags  # pylint: disable=wrong-import-position
 from glm5_jax.infer.compile_count import process_compiles
 from glm5_jax.infer.engine import Engine
 from glm5_jax.infer.loading import load_model

@@ -55,7 +55,7 @@ def test_ledger_of_the_cuda_lowered_tiny_step():
   def count(instr, name, times):
     if instr.op == "custom-call" and "grouped_matmul_triton" in name:
       kernel = "tgmm" if "grouped_matmul_triton_tgmm" in name else "gmm"
-      kernels[kernel, flop_ledger._phase(name)] += times
+      kernels[kernel, flop_ledger.phase(name)] += times
   flop_ledger._walk(module, module.entry, "", 1, count)
   moe_layers = kernels["gmm", "forward"] // 3
   assert moe_layers >= 1 and kernels == {

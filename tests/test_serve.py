@@ -26,7 +26,7 @@ from glm5_jax.serve.engine_loop import EngineLoop
 from glm5_jax.serve.limits import Limits
 from glm5_jax.serve.readiness import Readiness, warm
 from tests.conftest import random_params, tiny_model_config
-from tools.check_serve_warm import random_bodies
+from glm5_jax.serve.random_requests import random_bodies
 
 CFG = tiny_model_config(num_hidden_layers=2, attention_pattern="DD", first_k_dense_replace=2,
                         mtp_depths=0, num_nextn_predict_layers=0)

@@ -26,6 +26,8 @@ import time
 from absl import app, flags
 import httpx
 
+from glm5_jax.serve.random_requests import random_bodies
+
 _REQUESTS = flags.DEFINE_integer("requests", 100, "Random requests after warm-up.")
 _CLIENTS = flags.DEFINE_integer("clients", 4, "Concurrent clients sending them.")
 _SEED = flags.DEFINE_integer("seed", 0, "Seed of the random requests.")
@@ -35,45 +37,6 @@ _VERBOSE = flags.DEFINE_bool("verbose", False, "Show the server's stderr.")
 _SERVE_FLAG = flags.DEFINE_multi_string("serve_flag", [], "Another flag for experiments/serve.py "
                                         "(repeatable), e.g. --serve_flag=--quant=w4a8 "
                                         "--serve_flag=--quant_group_size=32.")
-
-TOOLS = [{"type": "function", "function": {"name": "calc", "description": "evaluate",
-                                           "parameters": {"type": "object"}}}]
-WORDS = "the a model engine token cache page slot prefill decode warm compile".split()
-
-
-def random_bodies(rng: random.Random, count: int, *, max_len: int, max_top: int):
-  """`count` `(path, body)` pairs of random valid requests for a server of `max_len` positions
-  keeping `max_top` alternatives (module docstring: what varies). Prompts stay under half of
-  max_len; with tools (~400 tokens of template: the byte tokenizer's), a few words, so every
-  request fits."""
-  out = []
-  for _ in range(count):
-    body = {"n": rng.choice([1, 1, 1, 2, 3]), "max_tokens": rng.randint(1, 24),
-            "temperature": rng.choice([0.0, 0.7, 1.0, 1.3]), "top_p": rng.choice([1.0, 0.9]),
-            "top_k": rng.choice([0, 0, 5, 40]), "seed": rng.randrange(1 << 31),
-            "stream": rng.random() < 0.4}
-    if rng.random() < 0.3:
-      body["stop"] = rng.sample(["e", "th", "\n", "ok"], rng.randint(1, 2))
-    words = " ".join(rng.choice(WORDS) for _ in range(rng.randint(1, max_len // 16)))
-    tools = max_len >= 512 and rng.random() < 0.3  # the tools block is ~400 tokens
-    if rng.random() < 0.5:
-      path = "/v1/completions"
-      body["prompt"] = words if rng.random() < 0.5 else [
-          rng.randrange(1, 256) for _ in range(rng.randint(1, max_len // 2))]
-      if rng.random() < 0.4:
-        body["logprobs"] = rng.randint(0, max_top)
-      body["ignore_eos"] = rng.random() < 0.5
-    else:
-      path = "/v1/chat/completions"
-      body["messages"] = [{"role": "user", "content": words[:max_len // 16] if tools else words}]
-      if tools:
-        body["tools"] = TOOLS
-      if rng.random() < 0.4:
-        body["logprobs"], body["top_logprobs"] = True, rng.randint(0, max_top)
-      body["chat_template_kwargs"] = {"enable_thinking": rng.random() < 0.5}
-    out.append((path, body))
-  return out
-
 
 def post(url: str, path: str, body: dict) -> int:
   """The status of `body` POSTed to `path` (a stream read to its end)."""

@@ -47,8 +47,8 @@ from glm5_jax.eval.checkpoints import read_run_meta
 from glm5_jax.infer.loading import load_model
 from glm5_jax.posttrain import envs, rollout
 from glm5_jax.posttrain.config import rl_config
-from glm5_jax.sweeps import intervals
 from glm5_jax.quant import rotation, serve
+from glm5_jax.sweeps import quant_table
 from glm5_jax.train import console
 
 _WORKDIR = flags.DEFINE_list("workdir", None, "Training run(s) (SFT or RL) to measure; several: "
@@ -158,7 +158,7 @@ def main(argv):
     print_table(served.source, what, rows)
     tables.append(rows)
   if len(tables) > 1:
-    print_over_runs(tables)
+    print(quant_table.over_runs(tables))
 
 
 def main_env(served):
@@ -192,27 +192,6 @@ def print_table(source: str, what: str, rows: list[dict]) -> None:
   for row in rows:
     print(f"{row['format']:<16}{row['heldout_loss']:>14.4f}{row['accuracy']:>10.3f}"
           f"{row['agreement']:>11.3f}")
-
-
-def print_over_runs(tables: list[list[dict]]) -> None:
-  """Each format's mean ± the 95% Student t half-width over the runs, and its accuracy minus
-  the first format's, paired by run (an effect only where that interval excludes 0)."""
-  n = len(tables)
-  print(f"\nover {n} runs: mean ± 95% t half-width (n = {n})")
-  first = tables[0][0]["format"]
-  print(f"{'format':<16}{'held-out loss':>20}{'accuracy':>16}{'accuracy - ' + first:>26}"
-        f"{'agreement':>16}")
-  show = lambda values, scale=1.0, digits=3: intervals.format_interval(
-      intervals.mean_interval(values), scale=scale, digits=digits)
-  for i, row in enumerate(tables[0]):
-    rows = [t[i] for t in tables]
-    change = intervals.mean_interval([r["accuracy"] - t[0]["accuracy"]
-                                      for r, t in zip(rows, tables)])
-    effect = " (effect)" if intervals.excludes_zero(change) else ""
-    print(f"{row['format']:<16}{show([r['heldout_loss'] for r in rows], digits=4):>20}"
-          f"{show([r['accuracy'] for r in rows]):>16}"
-          f"{intervals.format_interval(change, digits=3) + effect:>26}"
-          f"{show([r['agreement'] for r in rows]):>16}")
 
 
 if __name__ == "__main__":

@@ -13,6 +13,7 @@ import dataclasses
 import openai
 
 from glm5_jax.seeds import derive_seed
+from glm5_jax.serve.errors import CONTEXT_LENGTH_EXCEEDED
 
 
 @dataclasses.dataclass
@@ -36,7 +37,7 @@ def complete(client, messages, *, model: str, trajectory_id: str, turn: int, max
             "trajectory_id": trajectory_id,
             "chat_template_kwargs": {"enable_thinking": thinking}})
   except openai.BadRequestError as e:
-    if e.param != "max_tokens":
+    if e.code != CONTEXT_LENGTH_EXCEEDED:  # no room: the prompt alone, or with max_tokens
       raise
     return None
   return reply.choices[0].message

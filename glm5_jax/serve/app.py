@@ -43,7 +43,7 @@ from glm5_jax.infer.engine import request_seed
 from glm5_jax.infer.requests import Request
 from glm5_jax.serve.choices import Choice, batches, chat_logprobs, completion_logprobs
 from glm5_jax.serve.engine_loop import EngineLoop, QueueFull, Stopped
-from glm5_jax.serve.errors import ApiError, error_body
+from glm5_jax.serve.errors import CONTEXT_LENGTH_EXCEEDED, ApiError, error_body
 from glm5_jax.serve.gateway import Gateway
 from glm5_jax.serve.limits import Limits, parse_body
 from glm5_jax.serve.messages import glm_messages
@@ -161,7 +161,7 @@ def create_app(loop: EngineLoop, tokenizer, *, model_name: str, limits: Limits |
       raise ApiError(400, f"prompt of {len(prompt)} tokens + max_tokens {max_tokens} need "
                      f"{len(prompt) + max_tokens - 1} positions, more than the server's "
                      f"max_len {engine.max_len} (at most {max(room, 0)} new tokens)",
-                     name if room > 0 else prompt_field)
+                     name if room > 0 else prompt_field, code=CONTEXT_LENGTH_EXCEEDED)
     stop = body.get("stop_token_ids") or []
     if not isinstance(stop, list) or not all(isinstance(t, int) for t in stop):
       raise ApiError(400, "stop_token_ids must be a list of ints", "stop_token_ids")

@@ -2,6 +2,11 @@
 `{"error": {"message", "type", "param", "code"}}`."""
 
 
+# OpenAI's error code for a request whose prompt and max_tokens do not fit the context; agents
+# read it as "no room for this call" (`glm5_jax.rl.agent_chat.complete`).
+CONTEXT_LENGTH_EXCEEDED = "context_length_exceeded"
+
+
 class ApiError(Exception):
   """An HTTP error answered as an OpenAI-style body (`error_body`): `status`, `param` (the
   request field at fault), `code` (default the status), extra `headers` (Retry-After)."""
