@@ -132,7 +132,8 @@ def test_the_turn_limit_and_a_full_context_end_the_episode_unscored():
   assert result.turns == len(bodies) == 2  # a call at the env's max_turns: no third call
   assert agent_rollout.score(env, task, result.transcript)[:2] == (0.0, False)
   full = {"status": 400, "error": {"message": "no room", "type": "invalid_request_error",
-                                   "param": "max_tokens", "code": 400}}
+                                   "param": "max_tokens",
+                                   "code": "context_length_exceeded"}}
   result, _ = play(env, task, [reply(calls=[("run_tests", {})]), full])
   assert result.context_full and result.turns == 1
   assert agent_rollout.score(env, task, result.transcript)[0] == 0.0
