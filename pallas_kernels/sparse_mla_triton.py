@@ -267,9 +267,15 @@ def _add_rows(acc_ref, b, rows_T, valid_T, vals_TX, interpret, col0=0):
 
 
 def _backward_kernel(n_blocks_ref, topk_ref, q_ref, q_rope_ref, dout_ref, lse_ref, delta_ref,
-                     kv_ref, k_rope_ref, _dkv_in, _dk_rope_in, dq_ref, dq_rope_ref, dkv_ref,
-                     dk_rope_ref, *, scale, bt, c_chunk, interpret):
+                     kv_ref, k_rope_ref, _dkv_in, _dk_rope_in, first_row_ref, dq_ref, dq_rope_ref,
+                     dkv_ref, dk_rope_ref, *, scale, bt, c_chunk, interpret):
   # _dkv_in / _dk_rope_in are the zero buffers aliased to dkv_ref / dk_rope_ref.
+  # first_row_ref: `[1]` int32 holding 0, read inside the slot loop as the first head row of the
+  # q / dout re-reads. Their `[H, X]` address tensors would otherwise be loop-invariant, and
+  # LLVM hoists them out of the loop, where they hold ~16 registers a thread for the whole loop
+  # (spilled: 332 -> 268 bytes at GLM-5 shapes, docs/performance.md); a row offset loaded from
+  # memory in the loop cannot be hoisted (the loop's atomics may write it), so the addresses are
+  # rebuilt per block, a few integer ops.
   b, l = pl.program_id(0), pl.program_id(1)
   h, c = q_ref.shape
   chunks = [pl.ds(c0, c_chunk) for c0 in range(0, c, c_chunk)]
@@ -297,9 +303,12 @@ def _backward_kernel(n_blocks_ref, topk_ref, q_ref, q_rope_ref, dout_ref, lse_re
     dq_nHX = [dq + jnp.dot(ds16_HT, kv_TX, preferred_element_type=_F32)
               for dq, kv_TX in zip(dq_nHX, kv_nTX)]
     dq_rope_HR += jnp.dot(ds16_HT, k_rope_TR, preferred_element_type=_F32)
+    heads_H = pl.ds(first_row_ref[0], h)
     for x in chunks:
-      dkv_TX = (jax.lax.dot_general(p16_HT, dout_ref[:, x], _TN, preferred_element_type=_F32)
-                + jax.lax.dot_general(ds16_HT, q_ref[:, x], _TN, preferred_element_type=_F32))
+      dkv_TX = (jax.lax.dot_general(p16_HT, dout_ref[heads_H, x], _TN,
+                                    preferred_element_type=_F32)
+                + jax.lax.dot_general(ds16_HT, q_ref[heads_H, x], _TN,
+                                      preferred_element_type=_F32))
       _add_rows(dkv_ref, b, rows_T, valid_T, dkv_TX, interpret, x.start)
     dk_rope_TR = jax.lax.dot_general(ds16_HT, q_rope_HR, _TN, preferred_element_type=_F32)
     _add_rows(dk_rope_ref, b, rows_T, valid_T, dk_rope_TR, interpret)
@@ -414,7 +423,7 @@ def _backward(q_BLHC, q_rope_BLHR, kv_BSC, k_rope_BSR, topk_BLT, dout_BLHC, lse_
                  jax.ShapeDtypeStruct((b, s, rp), _F32)),
       grid=(b, l, hp // hb),
       in_specs=[pl.no_block_spec, pl.no_block_spec, heads(hb, cp), heads(hb, rp),
-                heads(hb, cp), heads(hb), heads(hb)] + [pl.no_block_spec] * 4,
+                heads(hb, cp), heads(hb), heads(hb)] + [pl.no_block_spec] * 5,
       out_specs=(heads(hb, cp), heads(hb, rp), pl.no_block_spec, pl.no_block_spec),
       input_output_aliases={9: 2, 10: 3},  # the zeroed fp32 accumulators are the dkv outputs
       compiler_params=plgpu.CompilerParams(num_warps=opts.backward_num_warps,
@@ -422,7 +431,7 @@ def _backward(q_BLHC, q_rope_BLHR, kv_BSC, k_rope_BSR, topk_BLT, dout_BLHC, lse_
       interpret=opts.interpret,
       name="sparse_mla_triton_backward",
   )(n_blocks, topk, q, q_rope, dout, lse, delta, kv, k_rope,
-    jnp.zeros((b, s, cp), _F32), jnp.zeros((b, s, rp), _F32))
+    jnp.zeros((b, s, cp), _F32), jnp.zeros((b, s, rp), _F32), jnp.zeros((1,), jnp.int32))
   return (dq[:, :, :h, :c], dq_rope[:, :, :h, :r], dkv[:, :, :c].astype(kv_BSC.dtype),
           dk_rope[:, :, :r].astype(k_rope_BSR.dtype))
 
