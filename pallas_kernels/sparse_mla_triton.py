@@ -58,9 +58,10 @@ Backward (custom VJP), grid (B, L): `delta = rowsum(dout * out) - dlse` in XLA; 
   4 x 64 KiB, over the limit (the 264-408 KiB that made the first all-heads backward unable to
   launch). Hence the re-reads from L2 for the dkv products (2 x 64 KiB per slot block, beside the
   18 KiB gather). As compiled offline (Triton 3.6, sm_90a, `tools/check_triton_compile.py`): 255
-  registers with 332 bytes of spill stores a thread (not zero: dq alone is half the register
-  file; the SASS shows 64-bit addresses spilled, ~40 local loads / stores per slot block
-  beside 209 tensor-core instructions), 166 KiB of shared memory; docs/performance.md.
+  registers with 268 bytes of spill stores a thread (not zero: dq alone is half the register
+  file, and the 140 shared-memory descriptors of the slot loop's wgmma are loop-invariant, so
+  LLVM hoists them and they stay live as 64-bit values; the SASS spills some of them), 166 KiB
+  of shared memory; docs/performance.md.
   dkv / dk_rope are bitwise NON-deterministic on GPU (the atomics land in a varying order:
   run-to-run differences within fp32 rounding of the sum); dq, dq_rope, out and lse are
   deterministic. Many queries selecting one key (e.g. the first tokens) serialize their
@@ -115,7 +116,7 @@ class TritonMLAOptions:
     backward_head_block=64, backward_block_t=16, backward_c_chunk=128, backward_num_warps=8,
       backward_num_stages=1: all of GLM-5's heads in one program per token (module docstring:
       the register and shared-memory arithmetic). Offline compiles (Triton 3.6, sm_90a, GLM-5
-      shapes): bt 16 X 128 is the least-spilling all-heads point (255 registers, 332 B of
+      shapes): bt 16 X 128 is the least-spilling all-heads point (255 registers, 268 B of
       spill stores, 166 KiB); bt 32 spills ~2x more, X 64 / 256 more, 16 warps (128 registers a
       thread) more. The previous default, 32 heads per program at bt 32 (two programs per
       token, each gathering the same rows and adding its own atomics), compiled with 16 B of
