@@ -34,8 +34,9 @@ Backward (custom VJP), grid (B, L): `delta = rowsum(dout * out) - dlse` in XLA; 
   row is gathered once per token and each key row gets one set of atomics per slot block
   (FlashMLA's / TileLang's sparse backward decomposition). Per slot block of bt rows:
   1. gather kv `[bt, C]` in C / X column chunks of X = `backward_c_chunk` and k_rope `[bt, R]`;
-     logits and `dp = dout . kv` `[H, bt]` accumulate over the chunks against q and dout held
-     in shared memory for the whole loop (loaded once, as X-column chunks);
+     logits and `dp = dout . kv` `[H, bt]` accumulate over the chunks as ONE `[2H, bt]`
+     product against q and dout stacked `[2H, X]` (each warpgroup computes one half), held in
+     shared memory for the whole loop (loaded once, as X-column chunks);
   2. `p = exp(logit - lse)`, `ds = p (dp - delta) scale`; dq `[H, C]` (as C / X chunks) and
      dq_rope `[H, R]` accumulate in fp32 registers over the blocks and are written once;
   3. per column chunk, `dkv = p^T dout + ds^T q` `[bt, X]` (q and dout chunks re-read from L2
@@ -50,18 +51,20 @@ Backward (custom VJP), grid (B, L): `delta = rowsum(dout * out) - dlse` in XLA; 
       per-block tiles are small (logits, dp, p, ds `[64, 16]` fp32: 4 each; a dkv chunk
       `[16, 128]` fp32: 8; dk_rope 4), and gathering in X-column chunks keeps the gather's
       `[bt, C]` address and value tiles out of registers;
-    shared memory: q and dout `[64, 512]` bf16 = 64 KiB each, q_rope 8 KiB (two operand
-      layouts: 16), a gathered block `[16, 576]` bf16 = 18 KiB, the re-read dkv operand chunks
-      `[64, 128]` bf16 = 16 KiB each: ~180 KiB at most, 166 KiB as compiled.
+    shared memory: q and dout `[64, 512]` bf16 = 64 KiB each, q_rope 8 KiB (stacked with
+      zeros for the logits: 16, and once more for dk_rope), a gathered block `[16, 576]` bf16 =
+      18 KiB, the re-read dkv operand chunks `[64, 128]` bf16 = 16 KiB each: 182 KiB as
+      compiled.
   The two uses of q (left operand of the logits, right operand of `ds^T q`) and of dout need
   different shared layouts, and Triton allocates one buffer per layout: holding both would be
   4 x 64 KiB, over the limit (the 264-408 KiB that made the first all-heads backward unable to
   launch). Hence the re-reads from L2 for the dkv products (2 x 64 KiB per slot block, beside the
-  18 KiB gather). As compiled offline (Triton 3.6, sm_90a, `tools/check_triton_compile.py`): 255
-  registers with 268 bytes of spill stores a thread (not zero: dq alone is half the register
-  file, and the 140 shared-memory descriptors of the slot loop's wgmma are loop-invariant, so
-  LLVM hoists them and they stay live as 64-bit values; the SASS spills some of them), 166 KiB
-  of shared memory; docs/performance.md.
+  18 KiB gather). What is invariant in the slot loop LLVM hoists out of it and keeps live
+  through it (wgmma descriptors, address tensors), so the kernel keeps that set small
+  (`_backward_kernel`'s comment). As compiled offline (Triton 3.6, sm_90a,
+  `tools/check_triton_compile.py`): 255 registers with 48 bytes of spill stores a thread, all
+  outside the slot loop (6 thread-index offsets of dq's store, kept through the loop and
+  reloaded once after it), 182 KiB of shared memory; docs/performance.md.
   dkv / dk_rope are bitwise NON-deterministic on GPU (the atomics land in a varying order:
   run-to-run differences within fp32 rounding of the sum); dq, dq_rope, out and lse are
   deterministic. Many queries selecting one key (e.g. the first tokens) serialize their
@@ -116,12 +119,13 @@ class TritonMLAOptions:
     backward_head_block=64, backward_block_t=16, backward_c_chunk=128, backward_num_warps=8,
       backward_num_stages=1: all of GLM-5's heads in one program per token (module docstring:
       the register and shared-memory arithmetic). Offline compiles (Triton 3.6, sm_90a, GLM-5
-      shapes): bt 16 X 128 is the least-spilling all-heads point (255 registers, 268 B of
-      spill stores, 166 KiB); bt 32 spills ~2x more, X 64 / 256 more, 16 warps (128 registers a
-      thread) more. The previous default, 32 heads per program at bt 32 (two programs per
-      token, each gathering the same rows and adding its own atomics), compiled with 16 B of
-      spills and 132 KiB; the first H200 sweep measured it 1.25x faster than bt 16 and 1.7x
-      faster than 16 heads, i.e. time grows with programs per token. Which of the two is
+      shapes): bt 16 X 128 is the least-spilling all-heads point (255 registers, 48 B of
+      spill stores outside the slot loop, 182 KiB); bt 32, X 64 / 256 and 16 warps (128
+      registers a thread) spill more (docs/performance.md). The previous default, 32 heads
+      per program at bt 32 (two programs per token, each gathering the same rows and adding
+      its own atomics), compiled with 16 B of spills and 132 KiB; the first H200 sweep
+      measured it 1.25x faster than bt 16 and 1.7x faster than 16 heads, i.e. time grows
+      with programs per token. Which of the two is
       faster on the chip is for the next device run (tools/tune_sparse_mla.py rows).
     split_k: None = automatic (`_auto_split`); 1 = never split; K = split the slots over K
       programs per token (forward only; the backward is never split).
@@ -271,19 +275,25 @@ def _backward_kernel(n_blocks_ref, topk_ref, q_ref, q_rope_ref, dout_ref, lse_re
                      kv_ref, k_rope_ref, _dkv_in, _dk_rope_in, first_row_ref, dq_ref, dq_rope_ref,
                      dkv_ref, dk_rope_ref, *, scale, bt, c_chunk, interpret):
   # _dkv_in / _dk_rope_in are the zero buffers aliased to dkv_ref / dk_rope_ref.
-  # first_row_ref: `[1]` int32 holding 0, read inside the slot loop as the first head row of the
-  # q / dout re-reads. Their `[H, X]` address tensors would otherwise be loop-invariant, and
-  # LLVM hoists them out of the loop, where they hold ~16 registers a thread for the whole loop
-  # (spilled: 332 -> 268 bytes at GLM-5 shapes, docs/performance.md); a row offset loaded from
-  # memory in the loop cannot be hoisted (the loop's atomics may write it), so the addresses are
-  # rebuilt per block, a few integer ops.
+  # Register pressure (module docstring, "Why this fits"): every value that is invariant in the
+  # slot loop is hoisted out of it by LLVM and stays live through it, beside dq's 144 registers.
+  # So: (1) q and dout are stacked into one `[2H, X]` operand per chunk (P = 2H rows), and the
+  # logits and dP are ONE `[2H, bt]` product: each warpgroup computes its half, where two `[H, bt]`
+  # products laid out by Triton over both warpgroups ran twice, with 140 loop-invariant wgmma
+  # descriptors instead of 36; (2) first_row_ref (`[1]` int32 holding 0) is read in the loop (and
+  # after it) as the first head row of the q / dout re-reads and the dq stores: an offset read
+  # from memory there cannot be hoisted (the loop's atomics may write it), so their address
+  # tensors are rebuilt where they are used, a few integer ops; (3) lse and delta are read per
+  # slot block for the same reason. Offline (docs/performance.md): 332 -> 48 bytes of spills a
+  # thread, none inside the loop.
   b, l = pl.program_id(0), pl.program_id(1)
   h, c = q_ref.shape
   chunks = [pl.ds(c0, c_chunk) for c0 in range(0, c, c_chunk)]
-  q_nHX = [q_ref[:, x] for x in chunks]
-  dout_nHX = [dout_ref[:, x] for x in chunks]
   q_rope_HR = q_rope_ref[...]
-  lse_H, delta_H = lse_ref[...], delta_ref[...]
+  stack = lambda top, bottom: jnp.stack([top, bottom], axis=-1).transpose(2, 0, 1).reshape(
+      (2 * top.shape[0],) + top.shape[1:])  # [H, X] twice -> [2H, X]
+  qd_nPX = [stack(q_ref[:, x], dout_ref[:, x]) for x in chunks]
+  qd_rope_PR = stack(q_rope_HR, jnp.zeros_like(q_rope_HR))  # dP has no RoPE term
 
   def block(j, carry):
     dq_nHX, dq_rope_HR = carry
@@ -292,11 +302,16 @@ def _backward_kernel(n_blocks_ref, topk_ref, q_ref, q_rope_ref, dout_ref, lse_re
     safe_T = jnp.where(valid_T, rows_T, 0)
     kv_nTX = [kv_ref[b, safe_T, x] for x in chunks]
     k_rope_TR = k_rope_ref[b, safe_T, :]
-    s_HT = jax.lax.dot_general(q_rope_HR, k_rope_TR, _NT, preferred_element_type=_F32)
-    dp_HT = jnp.zeros_like(s_HT)
-    for q_HX, dout_HX, kv_TX in zip(q_nHX, dout_nHX, kv_nTX):
-      s_HT += jax.lax.dot_general(q_HX, kv_TX, _NT, preferred_element_type=_F32)
-      dp_HT += jax.lax.dot_general(dout_HX, kv_TX, _NT, preferred_element_type=_F32)
+    sdp_PT = jax.lax.dot_general(qd_rope_PR, k_rope_TR, _NT, preferred_element_type=_F32)
+    for qd_PX, kv_TX in zip(qd_nPX, kv_nTX):
+      sdp_PT += jax.lax.dot_general(qd_PX, kv_TX, _NT, preferred_element_type=_F32)
+    # The two halves, exactly (a sum with a zero): a reduction over the stacked axis keeps the
+    # halves spread over the warps, where `jnp.split` left each one in every warp (604 B spilled).
+    sdp_2HT = sdp_PT.reshape(2, h, bt)
+    top_2 = (jax.lax.broadcasted_iota(jnp.int32, (2, 1, 1), 0) == 0)
+    s_HT = jnp.where(top_2, sdp_2HT, 0.0).sum(axis=0)
+    dp_HT = jnp.where(top_2, 0.0, sdp_2HT).sum(axis=0)
+    lse_H, delta_H = lse_ref[...], delta_ref[...]
     s_HT = jnp.where(valid_T[None, :], s_HT * scale, MASKED_LOGIT)
     p_HT = jnp.where(valid_T[None, :], jnp.exp(s_HT - lse_H[:, None]), 0.0)
     ds_HT = p_HT * (dp_HT - delta_H[:, None]) * scale  # the logits' scale folded in once
@@ -317,9 +332,10 @@ def _backward_kernel(n_blocks_ref, topk_ref, q_ref, q_rope_ref, dout_ref, lse_re
 
   init = ([jnp.zeros((h, c_chunk), _F32) for _ in chunks], jnp.zeros(q_rope_HR.shape, _F32))
   dq_nHX, dq_rope_HR = jax.lax.fori_loop(0, n_blocks_ref[b, l], block, init)
+  row0 = first_row_ref[0]  # the stores' addresses are built here, not kept through the loop
   for x, dq_HX in zip(chunks, dq_nHX):
-    dq_ref[:, x] = dq_HX.astype(dq_ref.dtype)
-  dq_rope_ref[...] = dq_rope_HR.astype(dq_rope_ref.dtype)
+    dq_ref[pl.ds(row0, h), pl.ds(row0 * c_chunk + x.start, c_chunk)] = dq_HX.astype(dq_ref.dtype)
+  dq_rope_ref[pl.ds(row0, h), :] = dq_rope_HR.astype(dq_rope_ref.dtype)
 
 
 def _padded(q_BLHC, q_rope_BLHR, kv_BSC, k_rope_BSR, topk_BLT, bt):
