@@ -176,6 +176,29 @@ def compile_ttir(ttir: str, num_warps: int, num_stages: int,
                        seconds=seconds)
 
 
+_SASS_LABEL = re.compile(r"^\s*(\.L_x_\d+):")
+_SASS_BRANCH = re.compile(r"\bBRA\b.*`\((\.L_x_\d+)\)")
+_SASS_LOCAL = re.compile(r"\b(?:STL|LDL)(?:\.[A-Z0-9.]+)?\s")
+
+
+def local_memory_ops_in_loops(sass: str) -> int:
+  """Spill stores / loads (`STL`, `LDL`) inside loops of an nvdisasm listing (`compile_ttir`'s
+  `.sass`): the instructions between a label and a later branch back to it. ptxas's spill
+  bytes count every spill once; this tells the ones a loop repeats from those before or after
+  it, which run once."""
+  lines = sass.splitlines()
+  labels, count, counted = {}, 0, set()
+  for i, line in enumerate(lines):
+    if (label := _SASS_LABEL.match(line)):
+      labels[label[1]] = i
+    elif (branch := _SASS_BRANCH.search(line)) and branch[1] in labels:
+      for j in range(labels[branch[1]], i):
+        if j not in counted and _SASS_LOCAL.search(lines[j]):
+          counted.add(j)
+          count += 1
+  return count
+
+
 def _dump(kernel, prefix: str):
   """The compiled kernel's IRs and cubin (and SASS, when nvdisasm is found) under `prefix`."""
   for ext in ("ttgir", "ptx", "cubin"):

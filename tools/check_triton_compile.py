@@ -5,6 +5,7 @@
   python tools/check_triton_compile.py --sweep          # plus the block options the docstrings name
   python tools/check_triton_compile.py --kernels=mla_backward --sweep --json=/tmp/out.json
   python tools/check_triton_compile.py --kernels=mla_backward --dump_dir=/tmp/k  # + ptx, SASS
+                                        # and the spill instructions inside loops (SASS)
 
 No GPU needed: jax lowers each kernel for CUDA, Triton 3.x compiles the Triton IR to a cubin
 for sm_90a (H100 / H200) and ptxas -v reports its resources (`pallas_kernels/triton_offline.py`,
@@ -192,10 +193,14 @@ def compile_kernel(kernel: str, shapes: Shapes = Shapes(), changes: dict | None 
     dump_to = os.path.join(dump_dir, "-".join([kernel] + [f"{k}={v}" for k, v in
                                                          sorted((changes or {}).items())]))
   result = triton_offline.compile_ttir(captured.ttir, num_warps, num_stages, dump_to)
-  return dict(kernel=kernel, shapes=summary, options=options, changed=changes or {},
-              registers=result.registers, spill_stores=result.spill_stores,
-              spill_loads=result.spill_loads, shared_bytes=result.shared_bytes,
-              fits=result.fits, compile_s=round(result.seconds, 1))
+  row = dict(kernel=kernel, shapes=summary, options=options, changed=changes or {},
+             registers=result.registers, spill_stores=result.spill_stores,
+             spill_loads=result.spill_loads, shared_bytes=result.shared_bytes,
+             fits=result.fits, compile_s=round(result.seconds, 1))
+  if dump_to and os.path.exists(dump_to + ".sass"):  # spill instructions a loop repeats
+    with open(dump_to + ".sass") as f:
+      row["loop_spill_ops"] = triton_offline.local_memory_ops_in_loops(f.read())
+  return row
 
 
 def _options_text(row):
@@ -233,8 +238,10 @@ def main(argv):
       print(f"compiling {kernel} {changes or 'defaults'} ...", flush=True)
       rows.append(compile_kernel(kernel, shapes, changes=changes, dump_dir=_DUMP_DIR.value))
       r = rows[-1]
-      print(f"  {r['registers']} registers, spills {r['spill_stores']}/{r['spill_loads']} B, "
-            f"shared {r['shared_bytes']} B, {r['compile_s']} s", flush=True)
+      in_loops = (f", {r['loop_spill_ops']} spill instructions in loops"
+                  if "loop_spill_ops" in r else "")
+      print(f"  {r['registers']} registers, spills {r['spill_stores']}/{r['spill_loads']} B"
+            f"{in_loops}, shared {r['shared_bytes']} B, {r['compile_s']} s", flush=True)
   print("\nshapes: " + "; ".join(sorted({f"{r['kernel']}: {r['shapes']}" for r in rows})))
   print(table(rows))
   if _JSON.value:
