@@ -18,8 +18,7 @@ COMMON = ("model", "frequency_penalty", "logit_bias", "logprobs", "max_tokens", 
           "top_p", "user", "top_k", "stop_token_ids")
 HONOURED = {
     "chat": COMMON + ("messages", "top_logprobs", "max_completion_tokens", "response_format",
-                      "tools", "tool_choice", "parallel_tool_calls", "chat_template_kwargs",
-                      "trajectory_id"),
+                      "tools", "chat_template_kwargs", "trajectory_id"),
     "completions": COMMON + ("prompt", "echo", "ignore_eos", "trajectory_id"),
 }
 
