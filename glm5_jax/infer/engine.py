@@ -40,7 +40,8 @@ request's tokens do not depend on its slot, on its neighbours, or on when it was
 continuous batching gives exactly the tokens of generating each request alone.
 
 Every generated token comes with its log-prob under the sampling distribution and under the
-raw model (temperature 1), from the logits that produced it (token-in-token-out: RL trains on
+raw model (temperature 1; after the request's logit_bias and penalties, `infer.penalties`,
+which are zero in RL), from the logits that produced it (token-in-token-out: RL trains on
 these ids and log-probs, never on re-tokenized text). With `record_routing`, each request also
 returns the routing its tokens went through (MoE experts, DSA keys; `glm5_jax.routing_replay`)
 so the trainer can replay it: prompt tokens from the prefill chunk that fed them, each
@@ -276,8 +277,8 @@ class Engine:
     called after each of its `total` parts (a part compiles about one program). Leaves the
     engine as built (stats, pages, slots idle).
 
-    What a request can change is data, not a program: sampling settings and seeds are
-    per-slot arrays (`infer.sampling`), `n` and sessions choose slots and prefill rows (the
+    What a request can change is data, not a program: sampling settings, penalties and seeds
+    are per-slot arrays (`infer.sampling`, `infer.penalties`), `n` and sessions choose slots and prefill rows (the
     row buckets), stop strings and tools only change the prompt and where the server cancels;
     quantized params are the params. A server's engine fixes the rest (speculative steps,
     top_logprobs, record_routing, return_logits), so these parts are every program."""

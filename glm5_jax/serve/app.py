@@ -10,11 +10,14 @@
   GET  /v1/models, /health, /metrics (Prometheus text)
 
 Both POSTs take `n`, `max_tokens` (chat: or its current name `max_completion_tokens`),
-`temperature`, `top_p`, `top_k`, `seed`, `stop_token_ids`, `logprobs` and `stream` (server-sent
-events). A completion stops at eos (unless `ignore_eos`),
-a chat turn at GLM's stop tokens (`chat.stop_ids`: every role token and eos). Log-probs are the raw model's (temperature 1),
-the engine's `raw_logprobs`; choice i of a request with `seed` s draws with
-`request_seed(s, i)`, as prompt i of `infer.generate(..., seed=s)` does.
+`temperature`, `top_p`, `top_k`, `seed`, `stop_token_ids`, `logprobs`, `stream` (server-sent
+events), `frequency_penalty`, `presence_penalty` and `logit_bias` (`infer.penalties`);
+completions `echo`. Every other field of OpenAI's request bodies is refused unless at its
+default, and an unknown field is a 400 naming it (`serve.fields`). A completion stops at eos
+(unless `ignore_eos`), a chat turn at GLM's stop tokens (`chat.stop_ids`: every role token
+and eos). Log-probs are the model's at temperature 1 after logit_bias and the penalties, the
+engine's `raw_logprobs`; choice i of a request with `seed` s draws with `request_seed(s, i)`,
+as prompt i of `infer.generate(..., seed=s)` does.
 
 Errors are OpenAI-style bodies `{"error": {"message", "type", "param", "code"}}`: 400 naming
 the field, for every bound of `serve.limits.Limits` too (n, max_tokens, prompt tokens, JSON
