@@ -278,9 +278,9 @@ class Engine:
     engine as built (stats, pages, slots idle).
 
     What a request can change is data, not a program: sampling settings, penalties and seeds
-    are per-slot arrays (`infer.sampling`, `infer.penalties`), `n` and sessions choose slots and prefill rows (the
-    row buckets), stop strings and tools only change the prompt and where the server cancels;
-    quantized params are the params. A server's engine fixes the rest (speculative steps,
+    are per-slot arrays (`infer.sampling`, `infer.penalties`), `n` and sessions choose slots
+    and prefill rows (the row buckets), stop strings and tools only change the prompt and
+    where the server cancels; quantized params are the params. A server's engine fixes the rest (speculative steps,
     top_logprobs, record_routing, return_logits), so these parts are every program."""
     if self.pages is None:
       raise ValueError("Engine.warmup needs the paged cache (page_size); the contiguous cache "
@@ -715,8 +715,8 @@ class Engine:
                          top_n=self.top_n), routing
 
   def _slot_arrays(self, requests):
-    """`(settings, seeds, penalties)` of the slots' requests, rebuilt only when a slot changes hands
-    (decode steps in between reuse the device arrays instead of copying them again)."""
+    """`(settings, seeds, penalties)` of the slots' requests, rebuilt only when a slot changes
+    hands (decode steps in between reuse the device arrays instead of copying them again)."""
     key = tuple(requests)  # by value: equal requests have equal settings
     if self._slot_arrays_memo[0] != key:
       # One transfer for the arrays (ops building them would be a dispatch each).

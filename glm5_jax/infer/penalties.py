@@ -7,11 +7,11 @@ own tokens, not the prompt's), the logits the sampler sees are
   z'_j = z_j + b_j - f * c_j - p * [c_j > 0]
 
 (the formula of OpenAI's API docs, "Frequency and presence penalties": c_j counts the tokens
-sampled before the current position), before temperature, top-k and top-p (`glm5_jax.infer.sampling`), so greedy picks
-the argmax of `z'`. The log-probs reported with the tokens are `log_softmax(z')` at
-temperature 1: the adjusted model's, as OpenAI's move with `logit_bias` (which is how
-Carlini et al. 2024, "Stealing part of a production language model", read hidden logits
-through the API) and do not move with temperature.
+sampled before the current position), before temperature, top-k and top-p
+(`glm5_jax.infer.sampling`), so greedy picks the argmax of `z'`. The log-probs reported with
+the tokens are `log_softmax(z')` at temperature 1: the adjusted model's, as OpenAI's move
+with `logit_bias` (which is how Carlini et al. 2024, "Stealing part of a production language
+model", read hidden logits through the API) and do not move with temperature.
 
 Per-slot state never makes a new program: every slot always has its arrays (`Penalties`, and
 the counts `[B, Y]` int32 the decode step carries), and zeros mean off: `z + 0 - 0 * c - 0 * 1`
