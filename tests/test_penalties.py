@@ -4,6 +4,7 @@ OpenAI's formula, the device-side counts over a request's generated tokens, and 
 fields' bounds."""
 
 import dataclasses
+import types
 
 import jax
 import numpy as np
@@ -109,3 +110,16 @@ def test_request_refuses_adjustments_out_of_range_naming_the_field(field, value)
   base = Request(0, (1,), 4, 1.0, 1.0, 0, 0)
   with pytest.raises(ValueError, match=field):
     dataclasses.replace(base, **{field: value})
+
+
+def test_an_engine_refuses_adjustments_it_cannot_honour():
+  """A speculating engine (a verification step would need each draft's counts) and a bias on
+  an id past the vocab: ValueErrors naming the field; plain decoding in the vocab passes."""
+  biased = Request(0, (1,), 4, 1.0, 1.0, 0, 0, logit_bias=((Y - 1, 1.0),))
+  engine_like = lambda k: types.SimpleNamespace(k=k, cfg=types.SimpleNamespace(vocab_size=Y))
+  engine.Engine._check_adjustments(engine_like(0), biased)
+  with pytest.raises(ValueError, match="presence_penalty.*speculates 2"):
+    engine.Engine._check_adjustments(engine_like(2), biased)
+  with pytest.raises(ValueError, match=f"logit_bias token id {Y}"):
+    engine.Engine._check_adjustments(engine_like(0), dataclasses.replace(
+        biased, logit_bias=((Y, 1.0),)))
