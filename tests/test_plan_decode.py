@@ -46,7 +46,7 @@ def test_decode_program_holds_the_quantized_params_and_the_donated_cache():
   # DSA reads every row's indexer keys but the latent and RoPE key of 16 of the 64 rows
   per_row = 2 * 2 * b // ways  # layers x bf16 bytes x slots per device
   assert program.read_bytes == per_row * (S * 16 + 16 * (64 + 8))
-  tokens = jax.eval_shape(program.fn, *program.args)[1][0]
+  tokens = jax.eval_shape(program.fn, *program.args)[2][0]  # (cache, counts, sampled, ..)
   assert tokens.shape == (b,) and tokens.dtype == jnp.int32
 
 

@@ -11,21 +11,23 @@ import threading
 import time
 
 import httpx
+import jax
 import numpy as np
 import openai
 import pytest
 import uvicorn
 
-from glm5_jax import infer
 from glm5_jax.data import make_tokenizer
+from glm5_jax.infer import sampling
 from glm5_jax.infer.compile_count import process_compiles
 from glm5_jax.infer.engine import Engine, request_seed
 from glm5_jax.infer.requests import Request
+from glm5_jax.infer.sampling import SamplingParams
 from glm5_jax.serve.app import create_app
 from glm5_jax.serve.engine_loop import EngineLoop
 from glm5_jax.serve.limits import Limits
 from glm5_jax.serve.readiness import Readiness, warm
-from tests.conftest import random_params, tiny_model_config
+from tests.conftest import forward, random_params, tiny_model_config
 from glm5_jax.serve.random_requests import random_bodies
 
 CFG = tiny_model_config(num_hidden_layers=2, attention_pattern="DD", first_k_dense_replace=2,
@@ -65,17 +67,29 @@ def server():
   loop.close()
 
 
-def test_completions_logprobs_equal_generate_with_the_seed(server):
+def _model_logits(params, prompt, tokens):
+  """fp32 logits `[len(tokens), Y]` that predict `tokens` after `prompt`: one teacher-forced
+  forward of a fixed shape (`[1, 32]`, compiled once for the file)."""
+  fed = np.zeros((1, 32), np.int32)
+  fed[0, :len(prompt) + len(tokens) - 1] = (list(prompt) + list(tokens))[:-1]
+  logits = np.asarray(forward(CFG, params, fed, mtp=False)["logits"], np.float32)[0]
+  return logits[len(prompt) - 1:len(prompt) + len(tokens) - 1]
+
+
+def test_completions_choice_i_draws_with_request_seed_as_generate_does(server):
+  """Choice i of a request with seed s draws token n with `token_keys(request_seed(s, i), n)`
+  (as prompt i of `infer.generate(..., seed=s)`: `engine.generate`) from the model's logits
+  (one teacher-forced forward), and reports their raw log-probs."""
   prompt = [1, 72, 101, 108]
   out = server["client"].completions.create(model="tiny", prompt=prompt, max_tokens=5, n=2,
                                             seed=11, temperature=1.0, logprobs=0)
-  want = infer.generate(CFG, server["params"], [prompt] * 2, max_new_tokens=5, temperature=1.0,
-                        seed=11, max_len=MAX_LEN, prefill_chunk=32,
-                        stop_tokens=[server["tok"].eos_id])
   for i, choice in enumerate(out.choices):
-    assert choice.model_extra["token_ids"] == want.tokens[i]
-    np.testing.assert_allclose(choice.logprobs.token_logprobs, want.raw_logprobs[i], rtol=1e-4,
-                               atol=1e-5)
+    tokens = choice.model_extra["token_ids"]
+    logits = _model_logits(server["params"], prompt, tokens)
+    want = jax.jit(sampling.sample)(logits, SamplingParams.create(5, temperature=1.0),
+                                    np.full(5, request_seed(11, i), np.uint32), np.arange(5))
+    assert tokens == want.tokens.tolist()
+    np.testing.assert_allclose(choice.logprobs.token_logprobs, want.raw_logprobs, atol=2e-4)
   assert out.usage.prompt_tokens == 4 and out.usage.completion_tokens == 10
 
 
@@ -320,3 +334,131 @@ def test_hostile_requests_get_4xx_json_naming_the_field_while_others_are_served(
                .json()["choices"][0]["token_ids"]
                for name in ("max_completion_tokens", "max_tokens"))
   assert got == want and len(got) <= 3, (got, want)
+
+
+def _adjusted_logp(logits_LY, tokens, frequency, presence, bias):
+  """log_softmax of OpenAI's adjusted logits in float64 at each generated position: row i
+  (the logits that chose tokens[i]) with the counts of tokens[:i]."""
+  z = np.asarray(logits_LY, np.float64).copy()
+  for token, value in bias.items():
+    z[:, int(token)] += value
+  for i in range(len(tokens)):
+    counts = np.bincount(tokens[:i], minlength=z.shape[1])
+    z[i] -= frequency * counts + presence * (counts > 0)
+  z -= z.max(-1, keepdims=True)
+  return z - np.log(np.exp(z).sum(-1, keepdims=True))
+
+
+def test_penalties_and_logit_bias_equal_a_float64_reference_of_the_models_logits(server):
+  """Greedy completions and chat turns with frequency / presence penalties and logit_bias: each
+  token is the argmax of OpenAI's adjusted logits (float64, from one teacher-forced forward of
+  the model) and its log-prob the adjusted log_softmax; the adjustments changed the output."""
+  prompt, new = [1, 72, 101, 108], 16
+  base = {"prompt": prompt, "max_tokens": new, "temperature": 0, "ignore_eos": True,
+          "logprobs": 0}
+  url = server["url"] + "/v1/completions"
+  plain = httpx.post(url, json=base, timeout=60).json()["choices"][0]["token_ids"]
+  # Negative penalties reward repeats (so counts reach past 1); the bias bans a token the
+  # plain run chose and favours another.
+  adjust = {"frequency_penalty": -0.6, "presence_penalty": -1.2,
+            "logit_bias": {str(plain[3]): -100, "101": 2.5, "32": 0.75}}
+  got = httpx.post(url, json={**base, **adjust}, timeout=60).json()["choices"][0]
+  tokens = got["token_ids"]
+  assert len(tokens) == new and tokens != plain and plain[3] not in tokens
+  assert max(np.bincount(tokens)) > 1  # a repeat: the penalties acted on a counted token
+  want = _adjusted_logp(_model_logits(server["params"], prompt, tokens), tokens,
+                        adjust["frequency_penalty"], adjust["presence_penalty"],
+                        adjust["logit_bias"])
+  assert tokens == want.argmax(-1).tolist()
+  np.testing.assert_allclose(got["logprobs"]["token_logprobs"],
+                             want[np.arange(new), tokens], atol=2e-4)
+  # The chat endpoint takes the same fields (logprobs there: the chosen tokens').
+  messages = [{"role": "user", "content": "hi"}]
+  chat_body = {"messages": messages, "max_tokens": 6, "temperature": 0, "logprobs": True,
+               "chat_template_kwargs": {"enable_thinking": False}}
+  chat_url = server["url"] + "/v1/chat/completions"
+  chat_plain = httpx.post(chat_url, json=chat_body, timeout=60).json()["choices"][0]["token_ids"]
+  banned = {str(chat_plain[1]): -100, str(chat_plain[2]): -100}
+  chat_got = httpx.post(chat_url, json={**chat_body, "logit_bias": banned},
+                        timeout=60).json()["choices"][0]["token_ids"]
+  assert chat_got[0] == chat_plain[0] and not set(chat_got) & {chat_plain[1], chat_plain[2]}
+
+
+REFUSED = [  # (endpoint, body fields, the field named by the 400)
+    ("completions", {"frequency_penalty": 2.5}, "frequency_penalty"),
+    ("chat", {"presence_penalty": "high"}, "presence_penalty"),
+    ("completions", {"logit_bias": {str(CFG.vocab_size): 1}}, "logit_bias"),
+    ("completions", {"logit_bias": {"5": 101}}, "logit_bias"),
+    ("completions", {"logit_bias": {"05": 1}}, "logit_bias"),
+    ("chat", {"logit_bias": [5, 1]}, "logit_bias"),
+    ("chat", {"response_format": {"type": "json_object"}}, "response_format"),
+    ("chat", {"response_format": {"type": "json_schema", "json_schema": {"name": "x"}}},
+     "response_format"),
+    ("chat", {"tool_choice": "required"}, "tool_choice"),
+    ("chat", {"functions": [{"name": "f"}]}, "functions"),
+    ("chat", {"audio": {"voice": "alloy"}}, "audio"),
+    ("chat", {"frobnicate": 1}, "frobnicate"),
+    ("chat", {"chat_template_kwargs": {"tools_first": True}}, "chat_template_kwargs"),
+    ("chat", {"stream_options": {"include_obfuscation": True}}, "stream_options"),
+    ("chat", {"echo": True}, "echo"),
+    ("completions", {"best_of": 2}, "best_of"),
+    ("completions", {"suffix": "tail"}, "suffix"),
+    ("completions", {"top_logprobs": 2}, "top_logprobs"),
+    ("chat", {"presence_penalty": 0.5, "trajectory_id": "t-penalized"}, "presence_penalty"),
+]
+
+
+def test_every_request_field_is_honoured_or_refused_naming_it(server):
+  """Unknown fields, refused values and bad adjustments are 400s naming the field; refused
+  fields at their defaults are accepted; a speculating engine refuses the adjustments."""
+  url, chat_body = server["url"], {"messages": [{"role": "user", "content": "hi"}],
+                                   "max_tokens": 2}
+  for endpoint, extra, param in REFUSED:
+    path = "/v1/completions" if endpoint == "completions" else "/v1/chat/completions"
+    body = {**({"prompt": [1, 2]} if endpoint == "completions" else chat_body), **extra}
+    r = httpx.post(url + path, json=body, timeout=60)
+    assert r.status_code == 400 and r.json()["error"]["param"] == param, (extra, r.text)
+  assert server["loop"].engine.prefix_stats()  # nothing above reached the engine's queue
+  defaults = {"response_format": {"type": "text"}, "tool_choice": "auto", "store": False,
+              "parallel_tool_calls": True, "user": "u-1", "metadata": None,
+              "service_tier": "auto", "modalities": ["text"], "stream_options": None}
+  r = httpx.post(url + "/v1/chat/completions", json={**chat_body, **defaults}, timeout=60)
+  assert r.status_code == 200, r.text
+  r = httpx.post(url + "/v1/completions", json={"prompt": [1], "max_tokens": 1, "best_of": 1,
+                                                "suffix": None, "echo": False}, timeout=60)
+  assert r.status_code == 200, r.text
+  engine = server["loop"].engine
+  engine.k = 2  # as a speculating server: refused before anything is submitted
+  try:
+    r = httpx.post(url + "/v1/completions", json={"prompt": [1], "frequency_penalty": 1},
+                   timeout=60)
+  finally:
+    engine.k = 0
+  assert r.status_code == 400 and r.json()["error"]["param"] == "frequency_penalty", r.text
+
+
+def test_echo_and_text_offset_index_the_returned_text_streamed_or_not(server):
+  """With echo the text starts with the prompt's and the log-probs with its tokens (log-prob
+  None: not computed); every token's text is at its offset in the returned text."""
+  url = server["url"] + "/v1/completions"
+  body = {"prompt": "héllo wörld", "max_tokens": 12, "seed": 2, "ignore_eos": True,
+          "logprobs": 2, "echo": True}
+  for extra in ({}, {"stop": "e"}, {"stream": True}, {"stream": True, "stop": ["e", "\u20ac"]}):
+    if extra.get("stream"):
+      text, lp = "", {"tokens": [], "text_offset": [], "token_ids": [], "token_logprobs": []}
+      with httpx.stream("POST", url, json={**body, **extra}, timeout=60) as r:
+        for line in r.iter_lines():
+          if line.startswith("data: {"):
+            choice = json.loads(line[6:])["choices"][0]
+            text += choice["text"]
+            for key in lp:
+              lp[key] += choice["logprobs"][key]
+    else:
+      choice = httpx.post(url, json={**body, **extra}, timeout=60).json()["choices"][0]
+      text, lp = choice["text"], choice["logprobs"]
+    prompt = [server["tok"].bos_id] + server["tok"].encode(body["prompt"])
+    assert text.startswith("héllo wörld") and lp["token_ids"][:len(prompt)] == prompt, extra
+    assert lp["token_logprobs"][:len(prompt)] == [None] * len(prompt)
+    assert all(isinstance(v, float) for v in lp["token_logprobs"][len(prompt):])
+    for token, offset in zip(lp["tokens"], lp["text_offset"]):
+      assert text[offset:offset + len(token)] == token, (extra, token, offset, text)

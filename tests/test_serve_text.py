@@ -3,12 +3,13 @@ a stream is: incremental UTF-8, stop strings that span tokens, GLM's reasoning /
 tool-call split (no model: the byte tokenizer and hand-written ids)."""
 
 import json
+import re
 
 import pytest
 
 from glm5_jax.data import chat, make_tokenizer
 from glm5_jax.infer.engine import Event
-from glm5_jax.serve.choices import Choice, completion_logprobs
+from glm5_jax.serve.choices import Choice, completion_logprobs, echo_prompt
 from glm5_jax.serve.text import ChoiceText, Detokenizer, StopText
 
 TOK = make_tokenizer("byte")
@@ -77,8 +78,13 @@ def test_chat_turn_streams_reasoning_content_and_tool_calls():
   deltas = _feed(text, ids)
   assert _joined(deltas, "reasoning_content") == "plan" and _joined(deltas, "content") == "ok "
   calls = [c for d in deltas for c in d.get("tool_calls", [])]
-  assert calls == [{"index": 0, "id": "call_0", "type": "function",
+  assert re.fullmatch("call_[A-Za-z0-9]{24}", calls[0]["id"]), calls
+  assert calls == [{"index": 0, "id": calls[0]["id"], "type": "function",
                     "function": {"name": "calc", "arguments": json.dumps({"expr": "2*3"})}}]
+  # Ids are unique within a conversation: another call (here, another reply's) never repeats one.
+  again = [c for d in _feed(ChoiceText(TOK, (), chat_turn=True, thinking=True), ids + ids)
+           for c in d.get("tool_calls", [])]
+  assert len({c["id"] for c in again + calls}) == 3
   # Same parts as the non-streaming parser's.
   parsed = chat.parse_response(ids, TOK)
   assert (parsed.thinking, parsed.content) == ("plan", "ok ")
@@ -97,10 +103,44 @@ def test_choice_keeps_tokens_to_the_stop_and_drops_a_stop_token_from_the_text():
   top = [([i], [-0.5]) for i in ids]
   kept = choice.feed(Event(0, ids, [0.0] * 4, [-1.0] * 4, top, Done()), delta)
   assert delta == {"text": "hi!"} and choice.tokens == ids and choice.finish_reason == "stop"
-  lp = completion_logprobs(TOK, kept, choice)
+  lp = completion_logprobs(TOK, kept, choice, len(delta["text"]), final=True)
   assert lp["token_logprobs"] == [-1.0] * 4 and lp["top_logprobs"][0] == {"h": -0.5}
-  assert lp["text_offset"][:3] == [0, 1, 2]
+  assert lp["text_offset"] == [0, 1, 2, 3] and lp["tokens"] == ["h", "i", "!", ""]
   stopped = Choice(0, ChoiceText(TOK, ("i",)), (C.eos,))
   delta = {}
   stopped.feed(Event(0, ids, [0.0] * 4, [-1.0] * 4), delta)
   assert delta == {"text": "h"} and stopped.tokens == ids[:2] and stopped.finish_reason == "stop"
+
+
+@pytest.mark.parametrize("stops, echo, batch", [((), False, 99), ((), True, 1), (("é!",), True, 2),
+                                                (("b",), False, 3)])
+def test_text_offset_indexes_the_returned_text_streamed_or_not(stops, echo, batch):
+  """Every reported token's text is at its offset in the returned text (echoed prompt, split
+  UTF-8 characters, a stop token, stop strings that cut the text), whether the text and
+  log-probs come in one reply or in chunks of `batch` tokens."""
+  class Done:
+    finish_reason = "stop"
+  prompt = TOK.encode("pré") + [C.eos]
+  ids = TOK.encode("ab€cé!dé") + [C.eos]  # multi-byte characters split over byte tokens
+  choice = Choice(0, ChoiceText(TOK, stops), (C.eos,))
+  text = echo_prompt(TOK, prompt, choice) if echo else ""
+  lp = {"tokens": [], "text_offset": [], "token_ids": []}
+  for start in range(0, len(ids), batch):
+    part, delta = ids[start:start + batch], {}
+    last = start + batch >= len(ids)
+    kept = choice.feed(Event(0, part, [0.0] * len(part), [-1.0] * len(part), None,
+                             Done() if last else None), delta)
+    text += delta.get("text", "")
+    choice.text_chars = len(text)
+    out = completion_logprobs(TOK, kept, choice, len(text), choice.finish_reason is not None)
+    for key in lp:
+      lp[key] += out[key]
+    if choice.finish_reason is not None:
+      break
+  want = "pré" if echo else ""
+  want += "ab€cé!dé" if not stops else "ab€c" if stops == ("é!",) else "a"
+  assert text == want
+  assert lp["token_ids"] == (prompt if echo else []) + choice.tokens
+  for token, offset in zip(lp["tokens"], lp["text_offset"]):
+    assert text[offset:offset + len(token)] == token, (token, offset, text)
+  assert "".join(lp["tokens"]) == text  # and together they are the text

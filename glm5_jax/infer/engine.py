@@ -40,7 +40,8 @@ request's tokens do not depend on its slot, on its neighbours, or on when it was
 continuous batching gives exactly the tokens of generating each request alone.
 
 Every generated token comes with its log-prob under the sampling distribution and under the
-raw model (temperature 1), from the logits that produced it (token-in-token-out: RL trains on
+raw model (temperature 1; after the request's logit_bias and penalties, `infer.penalties`,
+which are zero in RL), from the logits that produced it (token-in-token-out: RL trains on
 these ids and log-probs, never on re-tokenized text). With `record_routing`, each request also
 returns the routing its tokens went through (MoE experts, DSA keys; `glm5_jax.routing_replay`)
 so the trainer can replay it: prompt tokens from the prefill chunk that fed them, each
@@ -63,7 +64,7 @@ import numpy as np
 from glm5_jax import sharding as sharding_lib
 from glm5_jax.api import abstract_params_and_axes
 from glm5_jax.config import ModelConfig
-from glm5_jax.infer import paged, sampling, speculate
+from glm5_jax.infer import paged, penalties, sampling, speculate
 from glm5_jax.infer.accept_stats import (NO_LIMIT, AcceptStats, acceptance_rates, add_step,
                                          init_accept_stats, mean_accept_length)
 from glm5_jax.infer.cache import allocate, cache_specs, init_cache
@@ -229,6 +230,9 @@ class Engine:
       self.paging = Paging(self.pages.layout, min(self.cfg.index_topk, max_len))
       self.cache = allocate(self.pages.specs, mesh=mesh, rules=rules)
     self.hidden = jnp.zeros((slots, self.w, self.cfg.hidden_size), dtypes(self.cfg)[0])
+    # Each slot's counts of its request's generated tokens, for the penalties
+    # (`penalties.count_fed`: the decode step keeps them; always present, zeros are off).
+    self.counts = jnp.zeros((slots, self.cfg.vocab_size), jnp.int32)
     self._slot_arrays_memo = (None, None)
     self._carry_zeros = {}  # rows -> `_fresh_carry`
     self.sessions = SessionTable()
@@ -273,10 +277,10 @@ class Engine:
     called after each of its `total` parts (a part compiles about one program). Leaves the
     engine as built (stats, pages, slots idle).
 
-    What a request can change is data, not a program: sampling settings and seeds are
-    per-slot arrays (`infer.sampling`), `n` and sessions choose slots and prefill rows (the
-    row buckets), stop strings and tools only change the prompt and where the server cancels;
-    quantized params are the params. A server's engine fixes the rest (speculative steps,
+    What a request can change is data, not a program: sampling settings, penalties and seeds
+    are per-slot arrays (`infer.sampling`, `infer.penalties`), `n` and sessions choose slots
+    and prefill rows (the row buckets), stop strings and tools only change the prompt and
+    where the server cancels; quantized params are the params. A server's engine fixes the rest (speculative steps,
     top_logprobs, record_routing, return_logits), so these parts are every program."""
     if self.pages is None:
       raise ValueError("Engine.warmup needs the paged cache (page_size); the contiguous cache "
@@ -300,6 +304,8 @@ class Engine:
     parts = ([functools.partial(self._warm_admission, rows, n, fresh=n == buckets[0])
               for rows in row_buckets for n in buckets] + [functools.partial(host_path, rows) for rows in row_buckets]
              + [functools.partial(self._warm_decode, n) for n in buckets])
+    if self.mesh is not None:  # fresh counts first, then the committed ones (`_warm_admission`)
+      parts.insert(len(parts) - len(buckets), functools.partial(self._warm_decode, buckets[0]))
     with self._context():
       for done, part in enumerate(parts, 1):
         part()
@@ -318,11 +324,11 @@ class Engine:
       self.cache, self.hidden, _ = _speculate_and_sample(
           self.cfg, self.params, self.cache, self.hidden,
           np.zeros((self.slots, self.w + 1), np.int32), zeros, inactive,
-          *self._slot_arrays(idle), zeros, table, self.pages.shared_rows(), k=self.k,
+          *self._slot_arrays(idle)[:2], zeros, table, self.pages.shared_rows(), k=self.k,
           mtp_cache=self.mtp_cache, return_logits=self.return_logits, paging=self.paging)
     else:
-      self.cache, *_ = _decode_and_sample(
-          self.cfg, self.params, self.cache, zeros, zeros, inactive,
+      self.cache, self.counts, *_ = _decode_and_sample(
+          self.cfg, self.params, self.cache, self.counts, zeros, zeros, inactive,
           *self._slot_arrays(idle), zeros, table, return_logits=self.return_logits,
           record_routing=self.record_routing, top_n=self.top_n, paging=self.paging)
 
@@ -341,7 +347,8 @@ class Engine:
     zeros = np.zeros(rows, np.int32)
     tokens = np.zeros((rows, self.chunk + self.k), np.int32)
     idle = [None] * self.slots
-    first = (np.zeros(self.slots, np.int32), _host_settings(idle), _host_seeds(idle))
+    first = (np.zeros(self.slots, np.int32), _host_settings(idle), _host_seeds(idle),
+             penalties.host_penalties(idle))
 
     def chunk(n):
       return (self.pages.table(ids, n * self.pages.page_size), ids, tokens, zeros, zeros)
@@ -467,6 +474,8 @@ class Engine:
                          f"[0, {self.cfg.vocab_size})")
       if self.pages is not None:
         self.pages.check_fits(r.index, self._rows(r))
+      if penalties.is_adjusted(r):
+        self._check_adjustments(r)
       if r.session is None:
         continue
       if self.k:  # the MTP caches and h window would need their own continuation
@@ -481,6 +490,17 @@ class Engine:
         raise ValueError(f"request {r.index}: session {r.session!r} has two requests in "
                          "flight; a session's next turn waits for its last one to finish")
       sessions.add(r.session)
+
+  def _check_adjustments(self, r: Request) -> None:
+    """Penalties and logit_bias are exact in plain decoding only: a verification step would
+    need each draft position's counts (and the drafts' own distribution adjusted too)."""
+    if self.k:
+      raise ValueError(f"request {r.index}: frequency_penalty, presence_penalty and logit_bias "
+                       f"need plain decoding; this engine speculates {self.k} tokens")
+    bad = [t for t, _ in r.logit_bias if t >= self.cfg.vocab_size]
+    if bad:
+      raise ValueError(f"request {r.index}: logit_bias token id {bad[0]} is outside the vocab "
+                       f"[0, {self.cfg.vocab_size})")
 
   def _place(self, queue, slot_of) -> list:
     """Pops the requests that start this iteration from `queue` (of `(handle, request)`):
@@ -574,7 +594,8 @@ class Engine:
     the call, where `jnp.asarray` would dispatch an op per array."""
     plan = self._plan(admitted)
     requests = [r for _, r, _ in admitted] + [None] * (self.slots - len(admitted))
-    first = (plan.rows_B, _host_settings(requests), _host_seeds(requests))
+    first = (plan.rows_B, _host_settings(requests), _host_seeds(requests),
+             penalties.host_penalties(requests))
     prefill = self._contiguous_prefill if self.pages is None else self._paged_prefill
     out, routing = jax.device_get(prefill(plan, first))
     if self.record_routing:
@@ -694,13 +715,13 @@ class Engine:
                          top_n=self.top_n), routing
 
   def _slot_arrays(self, requests):
-    """`(settings, seeds)` of the slots' requests, rebuilt only when a slot changes hands
-    (decode steps in between reuse the device arrays instead of copying them again)."""
+    """`(settings, seeds, penalties)` of the slots' requests, rebuilt only when a slot changes
+    hands (decode steps in between reuse the device arrays instead of copying them again)."""
     key = tuple(requests)  # by value: equal requests have equal settings
     if self._slot_arrays_memo[0] != key:
-      # One transfer for the four arrays (ops building them would be a dispatch each).
-      self._slot_arrays_memo = (key, jax.device_put((_host_settings(requests),
-                                                     _host_seeds(requests))))
+      # One transfer for the arrays (ops building them would be a dispatch each).
+      self._slot_arrays_memo = (key, jax.device_put((
+          _host_settings(requests), _host_seeds(requests), penalties.host_penalties(requests))))
     return self._slot_arrays_memo[1]
 
   # ---- one decode step over every slot -------------------------------------------------------
@@ -714,9 +735,9 @@ class Engine:
     index = np.array([len(c.tokens) if c else 0 for c in slot_of], np.int32)
     table = None if self.pages is None else self.pages.table(np.arange(self.slots),
                                                              int(fed.max()) + 1)
-    self.cache, out, routing = _decode_and_sample(
-        self.cfg, self.params, self.cache, pending, fed, active, *self._slot_arrays(requests),
-        index, table,
+    self.cache, self.counts, out, routing = _decode_and_sample(
+        self.cfg, self.params, self.cache, self.counts, pending, fed, active,
+        *self._slot_arrays(requests), index, table,
         return_logits=self.return_logits, record_routing=self.record_routing,
         top_n=self.top_n, paging=self.paging)
     out, routing = jax.device_get((out, routing))
@@ -745,7 +766,7 @@ class Engine:
         self.pages.shared_rows())
     self.cache, self.hidden, out = _speculate_and_sample(
         self.cfg, self.params, self.cache, self.hidden, window, fed, active,
-        *self._slot_arrays(requests), index, *paged_args,
+        *self._slot_arrays(requests)[:2], index, *paged_args,
         k=self.k, mtp_cache=self.mtp_cache, return_logits=self.return_logits,
         paging=self.paging)
     accepted, num_emitted, tokens, logprobs, raws, logits = jax.device_get(out)
@@ -916,7 +937,8 @@ _prefill_chunk = functools.partial(jax.jit, static_argnames=(
                                              "paging", "return_logits", "top_n"),
                    donate_argnames=("cache", "hidden_BWD"))
 def _paged_admit(cfg, params, cache, hidden_BWD, table_PN, slot_ids_P, tokens_PX, lengths_P,
-                 start_P, last_PY, hidden_PWD, rows_B, settings, seeds_B, *, depths, mtp_cache,
+                 start_P, last_PY, hidden_PWD, rows_B, settings, seeds_B, adjust, *, depths,
+                 mtp_cache,
                  record_routing, paging, return_logits, top_n):
   """One prefill chunk of an admission with all that follows it, one program, so that an
   admission of one chunk costs one dispatch and a longer one reruns the same program:
@@ -941,7 +963,7 @@ def _paged_admit(cfg, params, cache, hidden_BWD, table_PN, slot_ids_P, tokens_PX
   cache = paged.write_back(cache, sub, table_PN, rows_PC, rows_PC < lengths_P[:, None],
                            *paging.layout, slot_ids_P)
   hidden_BWD = hidden_BWD.at[slot_ids_P].set(hidden_PWD, mode="drop")
-  out = _first_tokens(last_PY, rows_B, settings, seeds_B, return_logits=return_logits,
+  out = _first_tokens(last_PY, rows_B, settings, seeds_B, adjust, return_logits=return_logits,
                       top_n=top_n)
   return cache, hidden_BWD, (last_PY, hidden_PWD), out, _pad_topk(routing, paging.topk_width)
 
@@ -983,36 +1005,42 @@ def _share_prefix(cache, hidden_BWD, src_G, dst_G, src_slots_G, dst_slots_G, *, 
 
 
 @functools.partial(jax.jit, static_argnames=("return_logits", "top_n"))
-def _first_tokens(last_PY, rows_B, settings, seeds_B, *, return_logits, top_n):
+def _first_tokens(last_PY, rows_B, settings, seeds_B, adjust, *, return_logits, top_n):
   """Token 0 of each admitted request from the last logits of its prefill row `rows_B`
-  (`[B]`, padding rows sample unused tokens); `_sample`'s outputs, B rows."""
+  (`[B]`, padding rows sample unused tokens; `adjust`: the slots' `penalties.Penalties`, of
+  which only the bias acts on a first token); `_sample`'s outputs, B rows."""
   return _sample(last_PY[rows_B], settings, seeds_B, jnp.zeros(rows_B.shape, jnp.int32),
-                 return_logits=return_logits, top_n=top_n)
+                 adjust, return_logits=return_logits, top_n=top_n)
 
 
 @functools.partial(jax.jit, static_argnames=("return_logits", "top_n"))
-def _sample(logits_BY, settings, seeds_B, index_B, *, return_logits, top_n=0):
-  """Samples one token per row; returns `(tokens, logprobs, raw_logprobs, logits or None,
-  top or None)`, top = (ids [B, N], raw log-probs [B, N]) of the N most likely tokens."""
-  out = sampling.sample(logits_BY, settings, seeds_B, index_B)
+def _sample(logits_BY, settings, seeds_B, index_B, adjust, counts_BY=None, *, return_logits,
+            top_n=0):
+  """Samples one token per row from the logits adjusted by `adjust` (`penalties.adjust`, with
+  the generated tokens' `counts_BY`; None: none yet); returns `(tokens, logprobs, raw_logprobs,
+  logits or None, top or None)`, top = (ids [B, N], raw log-probs [B, N]) of the N most likely
+  tokens. "Raw" log-probs are the adjusted logits' at temperature 1; `logits` the model's own."""
+  adjusted_BY = penalties.adjust(logits_BY, adjust, counts_BY)
+  out = sampling.sample(adjusted_BY, settings, seeds_B, index_B)
   top = None
   if top_n:
-    values, ids = jax.lax.top_k(jax.nn.log_softmax(logits_BY.astype(jnp.float32), axis=-1),
-                                top_n)
+    values, ids = jax.lax.top_k(jax.nn.log_softmax(adjusted_BY, axis=-1), top_n)
     top = (ids, values)
   return (out.tokens, out.logprobs, out.raw_logprobs, logits_BY if return_logits else None,
           top)
 
 
 @functools.partial(jax.jit, static_argnames=("cfg", "return_logits", "record_routing", "top_n",
-                                             "paging"), donate_argnames=("cache",))
-def _decode_and_sample(cfg, params, cache, pending_B, fed_B, active_B, settings, seeds_B,
-                       index_B, table_BN=None, *, return_logits, record_routing=False, top_n=0,
-                       paging=None):
+                                             "paging"), donate_argnames=("cache", "counts_BY"))
+def _decode_and_sample(cfg, params, cache, counts_BY, pending_B, fed_B, active_B, settings,
+                       seeds_B, adjust, index_B, table_BN=None, *, return_logits,
+                       record_routing=False, top_n=0, paging=None):
   """Feeds each active slot's pending token at its next position and samples token
-  `index_B` of its request. Returns `(cache, (tokens, logprobs, raw_logprobs, logits,
-  top), routing)` (routing `{kind: [B, 1, N, k]}` with `record_routing`, else {}). With
-  `paging` (a `Paging`), `cache` is paged and each slot reads the N pages of `table_BN`."""
+  `index_B` of its request, its logits adjusted by `adjust` and the counts of its generated
+  tokens (`counts_BY`, updated with the pending token: `penalties.count_fed`). Returns
+  `(cache, counts_BY, (tokens, logprobs, raw_logprobs, logits, top), routing)` (routing
+  `{kind: [B, 1, N, k]}` with `record_routing`, else {}). With `paging` (a `Paging`), `cache`
+  is paged and each slot reads the N pages of `table_BN`."""
   step_cache = cache if paging is None else paged.view(cache, table_BN, *paging.layout)
   out = decode_step(cfg, params, step_cache, pending_B[:, None], fed_B[:, None],
                     active_B[:, None].astype(jnp.int32), return_routing=record_routing)
@@ -1021,8 +1049,10 @@ def _decode_and_sample(cfg, params, cache, pending_B, fed_B, active_B, settings,
     new_cache = paged.write_back(cache, out.cache, table_BN, fed_B[:, None], active_B[:, None],
                                  *paging.layout)
     routing = _pad_topk(routing, paging.topk_width)
-  return new_cache, _sample(out.logits_BQY[:, 0], settings, seeds_B, index_B,
-                            return_logits=return_logits, top_n=top_n), routing
+  counts_BY = penalties.count_fed(counts_BY, pending_B, index_B, active_B)
+  return new_cache, counts_BY, _sample(out.logits_BQY[:, 0], settings, seeds_B, index_B, adjust,
+                                       counts_BY, return_logits=return_logits,
+                                       top_n=top_n), routing
 
 
 @functools.partial(jax.jit, static_argnames=("cfg", "k", "mtp_cache", "return_logits",

@@ -13,6 +13,8 @@ from typing import Hashable, Optional, Sequence
 
 import numpy as np
 
+from glm5_jax.infer.penalties import BIAS_BOUND, MAX_BIASED_TOKENS, PENALTY_BOUND
+
 SEED_BOUND = 2**32  # seeds are uint32 (`sampling.token_keys`)
 
 
@@ -33,6 +35,10 @@ class Request:
       and a later request of the same session whose prompt extends this one's sequence
       prefills only the new tokens (`glm5_jax.infer.sessions`). The prompt is still the whole
       context, so an evicted session costs a full prefill, never a wrong answer.
+    frequency_penalty, presence_penalty: in [-2, 2] (0 = off), OpenAI's penalties on the tokens
+      this request generated so far (`glm5_jax.infer.penalties`).
+    logit_bias: `(token id, bias)` pairs, distinct ids, each bias in [-100, 100], at most
+      `penalties.MAX_BIASED_TOKENS` (an engine's `submit` checks the ids against its vocab).
   """
 
   index: int
@@ -44,6 +50,9 @@ class Request:
   seed: int
   stop_tokens: tuple = ()
   session: Hashable | None = None
+  frequency_penalty: float = 0.0
+  presence_penalty: float = 0.0
+  logit_bias: tuple = ()
 
   def __post_init__(self):
     """Refuses settings outside the ranges above, naming the field (an engine's `submit` checks
@@ -60,6 +69,11 @@ class Request:
     if not isinstance(self.prompt, tuple) or not self.prompt:
       raise ValueError(f"{where}: prompt must be a non-empty tuple of token ids; got "
                        f"{self.prompt!r:.80}")
+    for name in ("frequency_penalty", "presence_penalty"):
+      value = _real(f"{where}: {name}", getattr(self, name))
+      if abs(value) > PENALTY_BOUND:
+        raise ValueError(f"{where}: {name} must be in [-2, 2] (0 = off); got {value}")
+    _logit_bias(f"{where}: logit_bias", self.logit_bias)
 
 
 @dataclasses.dataclass
@@ -161,6 +175,20 @@ def _real(name, value):
       value, (bool, np.bool_)) or not math.isfinite(value):
     raise ValueError(f"{name} must be a finite number; got {value!r}")
   return float(value)
+
+
+def _logit_bias(name, pairs) -> None:
+  """`pairs` must be a tuple of `(int id >= 0, finite bias in [-100, 100])`, distinct ids."""
+  if not isinstance(pairs, tuple) or len(pairs) > MAX_BIASED_TOKENS:
+    raise ValueError(f"{name} must be a tuple of at most {MAX_BIASED_TOKENS} (token id, bias) "
+                     f"pairs; got {pairs!r:.80}")
+  for pair in pairs:
+    if not (isinstance(pair, tuple) and len(pair) == 2 and _is_int(pair[0]) and pair[0] >= 0):
+      raise ValueError(f"{name}: {pair!r:.40} is not a (token id >= 0, bias) pair")
+    if abs(_real(f"{name}[{pair[0]}]", pair[1])) > BIAS_BOUND:
+      raise ValueError(f"{name}[{pair[0]}] = {pair[1]} is outside [-100, 100]")
+  if len({p[0] for p in pairs}) != len(pairs):
+    raise ValueError(f"{name} names a token id twice")
 
 
 def _token_ids(name, ids, vocab_size, *, allow_empty):

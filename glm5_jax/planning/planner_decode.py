@@ -34,6 +34,7 @@ from glm5_jax.config import ModelConfig
 from glm5_jax.infer import paged
 from glm5_jax.infer.cache import cache_shardings, cache_specs
 from glm5_jax.infer.engine import Paging, _decode_and_sample
+from glm5_jax.infer.penalties import MAX_BIASED_TOKENS, Penalties
 from glm5_jax.infer.sampling import SamplingParams
 from glm5_jax.layer_runs import layer_indices
 from glm5_jax.layers.axes import BATCH
@@ -71,29 +72,36 @@ def decode_program(config, devices=None, *, cache_len: int, sequences: int,
   specs = cache_specs(model, sequences, cache_len, mtp_depths=0)  # plain decode: no MTP cache
   paging, table = None, None
   slot_sharding = NamedSharding(mesh, logical_to_mesh_spec(PartitionSpec(BATCH), rules))
+  row_sharding = NamedSharding(mesh, logical_to_mesh_spec(PartitionSpec(BATCH, None), rules))
   if cache_layout == "paged":
     pages = paged.pages_for(cache_len, page_size)
     layout = paged.page_layout(specs)
     specs = paged.paged_specs(specs, page_size, sequences * pages + 1)  # + the reserved page 0
     paging = Paging(layout, min(model.index_topk, cache_len))
-    table_sharding = NamedSharding(mesh, logical_to_mesh_spec(PartitionSpec(BATCH, None), rules))
-    table = jax.ShapeDtypeStruct((sequences, pages), jnp.int32, sharding=table_sharding)
+    table = jax.ShapeDtypeStruct((sequences, pages), jnp.int32, sharding=row_sharding)
   cache = jax.tree.map(lambda s: jax.ShapeDtypeStruct(s.shape, jnp.dtype(s.dtype)), specs,
                        is_leaf=_is_spec)
   cache_sharding = cache_shardings(specs, mesh, rules)
   cache = _with_shardings(cache, cache_sharding)
   slot = lambda dtype: jax.ShapeDtypeStruct((sequences,), dtype, sharding=slot_sharding)
   settings = SamplingParams(slot(jnp.float32), slot(jnp.int32), slot(jnp.float32))
-  args = (params, cache, slot(jnp.int32), slot(jnp.int32), slot(jnp.bool_), settings,
-          slot(jnp.uint32), slot(jnp.int32), table)
+  rows = lambda shape, dtype: jax.ShapeDtypeStruct((sequences,) + shape, dtype,
+                                                   sharding=row_sharding)
+  counts = rows((model.vocab_size,), jnp.int32)
+  adjust = Penalties(slot(jnp.float32), slot(jnp.float32), rows((MAX_BIASED_TOKENS,), jnp.int32),
+                     rows((MAX_BIASED_TOKENS,), jnp.float32))
+  args = (params, cache, counts, slot(jnp.int32), slot(jnp.int32), slot(jnp.bool_), settings,
+          slot(jnp.uint32), adjust, slot(jnp.int32), table)
 
-  def step(params, cache, pending_B, fed_B, active_B, settings, seeds_B, index_B, table_BN):
-    return _decode_and_sample(model, params, cache, pending_B, fed_B, active_B, settings,
-                              seeds_B, index_B, table_BN, return_logits=False, paging=paging)
+  def step(params, cache, counts_BY, pending_B, fed_B, active_B, settings, seeds_B, adjust,
+           index_B, table_BN):
+    return _decode_and_sample(model, params, cache, counts_BY, pending_B, fed_B, active_B,
+                              settings, seeds_B, adjust, index_B, table_BN, return_logits=False,
+                              paging=paging)
 
   shardings = jax.tree.map(lambda a: a.sharding, args)
   fn = jax.jit(step, keep_unused=True, in_shardings=shardings,
-               out_shardings=(cache_sharding, None, None), donate_argnums=1)
+               out_shardings=(cache_sharding, None, None, None), donate_argnums=(1, 2))
   return Program(fn, args, mesh, rules, sharded_bytes(args), _needs_moe_standin(model, mesh),
                  cache_bytes=sharded_bytes(cache),
                  read_bytes=dsa_read_bytes(cache, model, cache_len))

@@ -10,11 +10,14 @@
   GET  /v1/models, /health, /metrics (Prometheus text)
 
 Both POSTs take `n`, `max_tokens` (chat: or its current name `max_completion_tokens`),
-`temperature`, `top_p`, `top_k`, `seed`, `stop_token_ids`, `logprobs` and `stream` (server-sent
-events). A completion stops at eos (unless `ignore_eos`),
-a chat turn at GLM's stop tokens (`chat.stop_ids`: every role token and eos). Log-probs are the raw model's (temperature 1),
-the engine's `raw_logprobs`; choice i of a request with `seed` s draws with
-`request_seed(s, i)`, as prompt i of `infer.generate(..., seed=s)` does.
+`temperature`, `top_p`, `top_k`, `seed`, `stop_token_ids`, `logprobs`, `stream` (server-sent
+events), `frequency_penalty`, `presence_penalty` and `logit_bias` (`infer.penalties`);
+completions `echo`. Every other field of OpenAI's request bodies is refused unless at its
+default, and an unknown field is a 400 naming it (`serve.fields`). A completion stops at eos
+(unless `ignore_eos`), a chat turn at GLM's stop tokens (`chat.stop_ids`: every role token
+and eos). Log-probs are the model's at temperature 1 after logit_bias and the penalties, the
+engine's `raw_logprobs`; choice i of a request with `seed` s draws with `request_seed(s, i)`,
+as prompt i of `infer.generate(..., seed=s)` does.
 
 Errors are OpenAI-style bodies `{"error": {"message", "type", "param", "code"}}`: 400 naming
 the field, for every bound of `serve.limits.Limits` too (n, max_tokens, prompt tokens, JSON
@@ -41,8 +44,10 @@ from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
 from glm5_jax.data import chat
 from glm5_jax.infer.engine import request_seed
 from glm5_jax.infer.requests import Request
-from glm5_jax.serve.choices import Choice, batches, chat_logprobs, completion_logprobs
+from glm5_jax.serve.choices import (Choice, batches, chat_logprobs, completion_logprobs,
+                                    echo_prompt)
 from glm5_jax.serve.engine_loop import EngineLoop, QueueFull, Stopped
+from glm5_jax.serve import fields
 from glm5_jax.serve.errors import CONTEXT_LENGTH_EXCEEDED, ApiError, error_body
 from glm5_jax.serve.gateway import Gateway
 from glm5_jax.serve.limits import Limits, parse_body
@@ -169,12 +174,28 @@ def create_app(loop: EngineLoop, tokenizer, *, model_name: str, limits: Limits |
     seed = secrets.randbits(32) if seed is None else _int(body, "seed", 0, 0, SEED_BOUND - 1)
     settings = dict(temperature=_float(body, "temperature", 1.0, 0.0, 2.0),
                     top_p=_float(body, "top_p", 1.0, 0.0, 1.0, low_open=True),
-                    top_k=_int(body, "top_k", 0, 0))
+                    top_k=_int(body, "top_k", 0, 0), **_adjustments(body))
     try:
       return [Request(i, tuple(prompt), max_tokens, seed=request_seed(seed, i),
                       stop_tokens=tuple(stop) + stops, **settings) for i in range(n)]
     except ValueError as e:
       raise ApiError(400, str(e)) from None
+
+  def _adjustments(body, recorded=False) -> dict:
+    """The penalties and logit_bias (`infer.penalties`), refused where they cannot be exact:
+    with speculative decoding, and on a recorded call (the gateway records the model's own
+    log-probs for training; adjusted ones would be another policy's)."""
+    out = dict(frequency_penalty=fields.penalty(body, "frequency_penalty"),
+               presence_penalty=fields.penalty(body, "presence_penalty"),
+               logit_bias=fields.logit_bias(body, engine.cfg.vocab_size))
+    for name, value in out.items():
+      if value and engine.k:
+        raise ApiError(400, f"{name} needs plain decoding; this server speculates {engine.k} "
+                       "tokens (experiments/serve.py --speculative_steps 0)", name)
+      if value and recorded:
+        raise ApiError(400, f"{name} on a recorded call (trajectory id): the gateway records "
+                       "the model's own log-probs for training", name)
+    return out
 
   def _top(body, name) -> int:
     return _int(body, name, 0, 0, engine.top_n,
@@ -277,6 +298,7 @@ def create_app(loop: EngineLoop, tokenizer, *, model_name: str, limits: Limits |
   @app.post("/v1/completions")
   async def completions(http: HttpRequest):
     body = await _body(http)
+    fields.check_fields(body, "completions")
     if gateway.trajectory_id(http.headers, body) is not None:
       raise ApiError(400, "trajectory ids are recorded on /v1/chat/completions only",
                      "trajectory_id")
@@ -293,25 +315,34 @@ def create_app(loop: EngineLoop, tokenizer, *, model_name: str, limits: Limits |
     requests = _requests(body, prompt, () if _bool(body, "ignore_eos") else (tokenizer.eos_id,))
     choices = [Choice(i, ChoiceText(tokenizer, stops), r.stop_tokens, top)
                for i, r in enumerate(requests)]
+    # echo: each choice's text starts with the prompt's (and its log-probs with its tokens).
+    echoed = [echo_prompt(tokenizer, prompt, c) if _bool(body, "echo") else "" for c in choices]
     head = {"object": "text_completion", "model": model_name, "created": int(time.time()),
             "id": f"cmpl-{secrets.token_hex(8)}", "system_fingerprint": f"v{version()}"}
 
+    def choice_text(c, delta, kept, first, final):
+      """The choice's text in this chunk (a whole reply: one chunk) and its log-probs."""
+      text = (echoed[c.index] if first else "") + delta.get("text", "")
+      c.text_chars += len(text)
+      return {"index": c.index, "text": text, "finish_reason": c.finish_reason,
+              "logprobs": completion_logprobs(tokenizer, kept, c, c.text_chars,
+                                              final) if want_lp else None}
+
     def chunk(c, delta, kept, first):
-      return {"index": c.index, "text": delta.get("text", ""), "finish_reason": c.finish_reason,
-              "logprobs": completion_logprobs(tokenizer, kept, c) if want_lp else None}
+      return choice_text(c, delta, kept, first, c.finish_reason is not None)
     chunk.head = head
 
     def reply(deltas, kept):
       return {**head, "usage": _usage(requests, choices), "choices": [
-          {"index": c.index, "text": d.get("text", ""), "finish_reason": c.finish_reason,
-           "stop_reason": _stop_reason(c), "token_ids": c.tokens,
-           "logprobs": completion_logprobs(tokenizer, k, c) if want_lp else None}
-          for c, d, k in zip(choices, deltas, kept)]}
+          {**choice_text(c, d, k, True, True), "stop_reason": _stop_reason(c),
+           "token_ids": c.tokens} for c, d, k in zip(choices, deltas, kept)]}
     return await _respond(body, requests, choices, chunk, reply)
 
   @app.post("/v1/chat/completions")
   async def chat_completions(http: HttpRequest):
     body = await _body(http)
+    fields.check_fields(body, "chat")
+    fields.check_response_format(body)
     thinking = bool(_object(body, "chat_template_kwargs").get("enable_thinking", True))
     messages = glm_messages(body.get("messages"), body.get("tools"))
     try:
@@ -319,8 +350,10 @@ def create_app(loop: EngineLoop, tokenizer, *, model_name: str, limits: Limits |
           messages, tokenizer, thinking=thinking, thinking_mode="turn_level")]
     except (ValueError, TypeError, KeyError) as e:
       raise ApiError(400, f"messages: {e}", "messages") from None
-    call = gateway.begin(gateway.trajectory_id(http.headers, body), messages, prompt,
-                         thinking=thinking, n=body.get("n") or 1)
+    tid = gateway.trajectory_id(http.headers, body)
+    if tid is not None:  # refused before the gateway records anything
+      _adjustments(body, recorded=True)
+    call = gateway.begin(tid, messages, prompt, thinking=thinking, n=body.get("n") or 1)
     prompt = prompt if call is None else call.prompt  # TITO: the recorded tokens
     want_lp = _bool(body, "logprobs")
     top = _top(body, "top_logprobs")

@@ -9,8 +9,9 @@ by one chunk per token (and the HTTP work per engine step stays bounded).
 """
 
 import asyncio
+from typing import NamedTuple
 
-from glm5_jax.serve.text import ChoiceText
+from glm5_jax.serve.text import ChoiceText, Detokenizer
 
 
 class Choice:
@@ -30,7 +31,12 @@ class Choice:
     self.raw_logprobs: list[float] = []
     self.top_logprobs: list = []  # per kept token: (ids [top], raw log-probs [top])
     self.finish_reason: str | None = None
-    self.offset = 0  # characters of the token texts reported so far (`text_offset`)
+    # `/v1/completions` log-probs (`completion_logprobs`): the tokens' texts, decoded on their
+    # own in context, their entries not reported yet, and the characters they cover so far.
+    self.pieces = Detokenizer(text.tokenizer)
+    self.unreported: list[TokenEntry] = []
+    self.offset = 0
+    self.text_chars = 0  # characters of text returned so far (the echoed prompt's included)
 
   def feed(self, event, delta: dict) -> list:
     """Adds `event`'s tokens; returns the kept ones `(id, raw, top)`. Ends the choice at its
@@ -104,21 +110,70 @@ async def batches(inbox: asyncio.Queue, streams: list):
 # ---- log-probs in OpenAI's shapes ----------------------------------------------------------
 
 
-def completion_logprobs(tokenizer, kept, choice: Choice) -> dict:
-  """`/v1/completions`' `logprobs` for the kept tokens: tokens, token_logprobs, top_logprobs
-  (one `{token text: log-prob}` per token, None without top), text_offset (the token texts'
-  offsets, counted on from the choice's earlier tokens); also `token_ids` (not in OpenAI's
-  shape: token texts need not be unique)."""
-  texts = [_piece(tokenizer, t) for t, _, _ in kept]
-  offsets = []
-  for text in texts:
-    offsets.append(choice.offset)
+class TokenEntry(NamedTuple):
+  """One token of `/v1/completions`' log-probs: its text (what it adds to the choice's text),
+  that text's offset in the returned text, its log-prob (None: a prompt token, not computed),
+  its top alternatives `{text: log-prob}` or None, its id."""
+  text: str
+  offset: int
+  logprob: float | None
+  top: dict | None
+  token: int
+
+
+def echo_prompt(tokenizer, prompt, choice: Choice) -> str:
+  """`echo`: the prompt's text (its ids decoded as the completion's are, so the returned text
+  starts with it), with the prompt tokens queued as the choice's first log-prob entries (their
+  log-probs None: the engine computes none for prompt tokens) and the completion's offsets
+  counted after it."""
+  pieces, text = Detokenizer(tokenizer), ""
+  for token in prompt:
+    piece = pieces.add(token)
+    choice.unreported.append(TokenEntry(piece, len(text), None, None, int(token)))
+    text += piece
+  tail = pieces.flush()
+  if tail and choice.unreported:
+    choice.unreported[-1] = choice.unreported[-1]._replace(text=choice.unreported[-1].text + tail)
+  text += tail
+  choice.offset = len(text)
+  return text
+
+
+def completion_logprobs(tokenizer, kept, choice: Choice, text_chars: int, final: bool) -> dict:
+  """`/v1/completions`' `logprobs` after `kept` tokens (`Choice.feed`): tokens, token_logprobs,
+  top_logprobs (one `{token text: log-prob}` per token, None without top), text_offset; also
+  `token_ids` (not in OpenAI's shape: token texts need not be unique).
+
+  A token's text is what it adds to the choice's text (decoded in context: a character split
+  over several tokens belongs to the token that completes it; an ending stop token adds ""),
+  so `text[offset:offset + len(token)] == token` for every token of the returned `text`
+  (`text_chars` long so far, echoed prompt included). A token is reported once its text is
+  all in the text returned so far; at the choice's end (`final`) the rest are reported cut
+  to the text (a stop string's characters are not in it)."""
+  ends_on_stop_token = final and choice.text.stopped is None and bool(choice.tokens) and (
+      choice.tokens[-1] in choice.stop_tokens)
+  for j, (token, raw, top) in enumerate(kept):
+    text = "" if ends_on_stop_token and j == len(kept) - 1 else choice.pieces.add(token)
+    tops = None if top is None else {_piece(tokenizer, i): v for i, v in zip(*top)}
+    choice.unreported.append(TokenEntry(text, choice.offset, raw, tops, int(token)))
     choice.offset += len(text)
-  tops = [None if top is None else {_piece(tokenizer, i): v for i, v in zip(*top)}
-          for _, _, top in kept]
-  return {"tokens": texts, "token_logprobs": [raw for _, raw, _ in kept],
+  if final:
+    tail = choice.pieces.flush()
+    last = next((i for i in range(len(choice.unreported) - 1, -1, -1)
+                 if choice.unreported[i].logprob is not None), None)
+    if tail and last is not None:
+      e = choice.unreported[last]
+      choice.unreported[last] = e._replace(text=e.text + tail)
+  ready = len(choice.unreported) if final else next(
+      (i for i, e in enumerate(choice.unreported) if e.offset + len(e.text) > text_chars),
+      len(choice.unreported))
+  entries, choice.unreported = choice.unreported[:ready], choice.unreported[ready:]
+  entries = [e._replace(text=e.text[:max(0, text_chars - e.offset)],
+                        offset=min(e.offset, text_chars)) for e in entries]
+  tops = [e.top for e in entries]
+  return {"tokens": [e.text for e in entries], "token_logprobs": [e.logprob for e in entries],
           "top_logprobs": tops if any(t is not None for t in tops) else None,
-          "text_offset": offsets, "token_ids": [t for t, _, _ in kept]}
+          "text_offset": [e.offset for e in entries], "token_ids": [e.token for e in entries]}
 
 
 def chat_logprobs(tokenizer, kept) -> dict:

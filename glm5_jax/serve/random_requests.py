@@ -1,7 +1,7 @@
 """Random valid OpenAI requests for checking that a warm server compiles nothing more
 (tools/check_serve_warm.py, tests/test_serve.py): what a request can vary that reaches a
 different program (n, max_tokens, temperature, top_p, top_k, stop strings, streaming, logprobs,
-prompt lengths as text or token ids, tools, thinking on or off)."""
+prompt lengths as text or token ids, tools, thinking on or off, penalties and logit_bias, echo)."""
 
 import random
 
@@ -23,6 +23,11 @@ def random_bodies(rng: random.Random, count: int, *, max_len: int, max_top: int)
             "stream": rng.random() < 0.4}
     if rng.random() < 0.3:
       body["stop"] = rng.sample(["e", "th", "\n", "ok"], rng.randint(1, 2))
+    if rng.random() < 0.3:  # OpenAI's adjustments (a tokenizer of at least 256 ids)
+      body["frequency_penalty"] = rng.choice([0.0, 0.5, -1.0, 2.0])
+      body["presence_penalty"] = rng.choice([0.0, 1.0, -2.0])
+      body["logit_bias"] = {str(rng.randrange(256)): rng.uniform(-100, 100)
+                            for _ in range(rng.randint(0, 5))}
     words = " ".join(rng.choice(WORDS) for _ in range(rng.randint(1, max_len // 16)))
     tools = max_len >= 512 and rng.random() < 0.3  # the tools block is ~400 tokens
     if rng.random() < 0.5:
@@ -32,6 +37,7 @@ def random_bodies(rng: random.Random, count: int, *, max_len: int, max_top: int)
       if rng.random() < 0.4:
         body["logprobs"] = rng.randint(0, max_top)
       body["ignore_eos"] = rng.random() < 0.5
+      body["echo"] = rng.random() < 0.2
     else:
       path = "/v1/chat/completions"
       body["messages"] = [{"role": "user", "content": words[:max_len // 16] if tools else words}]

@@ -16,8 +16,19 @@ stop string is the last one kept (its id and log-prob stay in the choice's `toke
 """
 
 import json
+import secrets
+import string
 
 from glm5_jax.data import chat
+
+_ID_CHARS = string.ascii_letters + string.digits
+
+
+def tool_call_id() -> str:
+  """A fresh tool-call id, `call_` and 24 random letters and digits as OpenAI's: unique within
+  a conversation (a client matches each tool result to its call by id across all turns). A
+  streamed call's chunk and the reply's message carry the one id made here."""
+  return "call_" + "".join(secrets.choice(_ID_CHARS) for _ in range(24))
 
 
 class Detokenizer:
@@ -142,7 +153,7 @@ class ChoiceText:
         name, arguments = (call, {}) if isinstance(call, str) else (call["name"],
                                                                     call["arguments"])
         delta.setdefault("tool_calls", []).append(
-            {"index": self.tool_calls, "id": f"call_{self.tool_calls}", "type": "function",
+            {"index": self.tool_calls, "id": tool_call_id(), "type": "function",
              "function": {"name": name, "arguments": json.dumps(arguments)}})
         self.tool_calls += 1
         self._call = None
