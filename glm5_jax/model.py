@@ -9,7 +9,7 @@ from flax import linen as nn
 
 from glm5_jax import routing_replay
 from glm5_jax.attention import context_parallel
-from glm5_jax.attention.decode_rows import StackedLayerCache
+from glm5_jax.attention import decode_rows
 from glm5_jax.attention.kinds import KINDS_BY_NAME
 from glm5_jax.attention.mode import Mode
 from glm5_jax.config import ModelConfig
@@ -172,10 +172,15 @@ class GLM5(nn.Module):
       name = unrolled_name(i)
       layer = DecoderLayer(self.cfg, run.attention_kind, run.moe, name=name)
       layer_routing = {kind: r[i - run.first] for kind, r in routing.items()}
-      x_BLD, aux = step(layer, x_BLD, prev_topk_BLT, _run_cache(cache, name), layer_routing)
+      layer_cache = _run_cache(cache, name)
+      if decode_rows.has_paged_rows(layer_cache):  # written in its pages (`LayerCache`)
+        layer_cache = decode_rows.LayerCache(layer_cache)
+      x_BLD, aux = step(layer, x_BLD, prev_topk_BLT, layer_cache, layer_routing)
       prev_topk_BLT = aux.get("topk_indices", prev_topk_BLT)
       if cache is not None:
-        new_cache[name] = aux["cache"]
+        layer_cache = aux["cache"]
+        new_cache[name] = (layer_cache.arrays if isinstance(layer_cache, decode_rows.LayerCache)
+                           else layer_cache)
       layer_aux[name] = {k: v for k, v in aux.items() if k not in ("cache", "routing")}
       used.append(aux.get("routing", {}))
     used = jax.tree.map(lambda *xs: jnp.stack(xs), *used) if return_routing else {}
@@ -193,13 +198,13 @@ class GLM5(nn.Module):
     Decode: the run's cache, stacked `[layers, B, ...]` like its params, rides in the scan's
     carry with the layer index j, so one compiled body serves every layer and, with the cache
     donated to the jitted step (`glm5_jax.infer.step`), the update is in place. A kind with
-    `decode_in_stack` (M, D, R, G, S) gets layer j of the stack (`decode_rows.
-    StackedLayerCache`) and scatters only its new rows into it; the others (the recurrent N, L)
-    read slice j and write it back whole. Slicing, updating and writing back the whole layer
-    copied every cached row per layer per step (D at 64K: 30x the 8K step, docs/scaling.md
-    "Long-context decode"). Scanning the cache as the scan's input and output instead needs a
-    second copy of the run's cache as scratch (tests/test_decode_cache.py,
-    `..._without_copying_the_run`).
+    `decode_in_stack` (M, D, R, G, S) gets layer j of the stack (`decode_rows.LayerCache`;
+    paged arrays stay in their pages, `decode_rows.PagedRows`) and scatters only its new rows
+    into it; the others (the recurrent N, L) read slice j and write it back whole. Slicing,
+    updating and writing back the whole layer copied every cached row per layer per step (D at
+    64K: 30x the 8K step, docs/scaling.md "Long-context decode"). Scanning the cache as the
+    scan's input and output instead needs a second copy of the run's cache as scratch
+    (tests/test_decode_cache.py, `..._without_copying_the_run`).
     """
     kind = KINDS_BY_NAME[run.attention_kind]
     step = _layer_step(positions_BL, segment_ids_BL, mode, return_routing)
@@ -213,7 +218,7 @@ class GLM5(nn.Module):
       if run_cache is None:
         layer_cache = None
       elif kind.decode_in_stack:
-        layer_cache = StackedLayerCache(run_cache, j)
+        layer_cache = decode_rows.LayerCache(run_cache, j)
       else:
         layer_cache = jax.tree.map(lambda c: jax.lax.dynamic_index_in_dim(c, j, keepdims=False),
                                    run_cache)

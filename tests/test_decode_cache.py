@@ -17,7 +17,7 @@ from jax.sharding import PartitionSpec
 import glm5_jax
 from glm5_jax.config import ModelConfig, model_config
 from glm5_jax.infer import cache as cache_lib
-from glm5_jax.infer import step
+from glm5_jax.infer import paged, step
 from glm5_jax.mtp import shift_tokens_left
 from glm5_jax.sharding import default_logical_axis_rules, make_mesh, mesh_config
 
@@ -47,7 +47,7 @@ def tokens_for(cfg, b=2, seed=0):
   return np.random.default_rng(seed).integers(0, cfg.vocab_size, (b, L)).astype(np.int32)
 
 
-def run_schedule(cfg, params, tokens_BL, schedule, cache):
+def run_schedule(cfg, params, tokens_BL, schedule, cache, decode_step=step.decode_step):
   """Feeds `schedule` through `decode_step`; returns the logits `[B, L, Y]` of every position
   from its last non-draft call, and the final cache. Padding gets random tokens at position 0
   (its row write must be dropped, or row 0 would change)."""
@@ -63,7 +63,7 @@ def run_schedule(cfg, params, tokens_BL, schedule, cache):
         toks[i, :n] = tokens_BL[i, start:start + n]
       pos[i, :n] = np.arange(start, start + n)
       seg[i, :n] = 1
-    out = step.decode_step(cfg, params, cache, toks, pos, seg)
+    out = decode_step(cfg, params, cache, toks, pos, seg)
     cache = out.cache
     logits = np.asarray(out.logits_BQY)
     for i, (start, n, draft) in enumerate(slots):
@@ -89,6 +89,34 @@ def test_decode_equals_full_forward(helpers, impl, scan):
   assert jax.tree.structure(cache) == jax.tree.structure(fresh)
   for a, b in zip(jax.tree.leaves(cache), jax.tree.leaves(fresh)):
     assert (a.shape, a.dtype) == (b.shape, b.dtype)
+
+
+def test_paged_decode_reads_the_pages_in_place(helpers):
+  """The paged cache read where it lies (`paged.read_in_place`, unrolled layers: each layer's
+  dict in a `LayerCache`): pages of 4 rows in shuffled pool order, the schedule's logits equal
+  the full forward's, and page 0 (never handed out) stays empty."""
+  cfg = helpers.config(dsa_impl="xla", scan_layers=False, **PATTERN)
+  params = helpers.random_params(cfg)
+  tokens = tokens_for(cfg)
+  specs = cache_lib.cache_specs(cfg, 2, MAX_LEN)
+  layout = paged.page_layout(specs)
+  page_size, pages_per_slot = 4, MAX_LEN // 4
+  pool = cache_lib.allocate(paged.paged_specs(specs, page_size, 2 * pages_per_slot + 1))
+  table = 1 + np.random.default_rng(2).permutation(2 * pages_per_slot).astype(np.int32)
+  table = table.reshape(2, pages_per_slot)
+
+  @jax.jit
+  def paged_step(params, pool, toks, pos, seg):
+    out = step.decode_step(cfg, params, paged.read_in_place(pool, table, *layout), toks, pos,
+                           seg)
+    return out._replace(cache=paged.pools(out.cache))
+
+  got, pool = run_schedule(cfg, params, tokens, SCHEDULE, pool,
+                           lambda cfg, params, pool, *batch: paged_step(params, pool, *batch))
+  assert rel_err(got, np.asarray(glm5_jax.logits(cfg, params, tokens))) < 1e-5
+  for leaf, is_pool, axis in zip(jax.tree.leaves(pool), *layout):
+    if is_pool:
+      assert not np.asarray(jax.lax.index_in_dim(leaf, 0, axis, keepdims=False)).any()
 
 
 def test_top_k_is_active(helpers):

@@ -1,5 +1,6 @@
-"""The paged cache's two promises, measured: decode cost follows the live lengths, not max_len,
-and bucketed shapes stop compiling after warm-up.
+"""The paged cache's promises, measured: decode cost follows the live lengths, not max_len;
+at full length it costs what the contiguous cache costs; and bucketed shapes stop compiling
+after warm-up.
 
   python tools/bench_paged.py                         # tiny GLM-5 on CPU, a few minutes
   python tools/bench_paged.py --max_lens=4096,65536 --live_len=512 --slots=8
@@ -12,6 +13,9 @@ Sections:
               `--page_size`) and with the contiguous cache (`page_size=None`; skipped above
               `--contiguous_max`, whose cache would not fit), and each one's ratio to the
               smallest max_len.
+  full length the same step with every slot holding `--full_len - 1` rows (max_len
+              `--full_len`: the view is the whole cache), paged and contiguous timed in the
+              same rounds, and paged / contiguous; goal <= 1.2x.
   compiles    XLA compilations during `--requests` random requests (prompt lengths 1 ..
               `--random_prompt`, 1 .. `--random_new` new tokens, greedy and sampled, a fifth
               of them repeating one prompt: groups) after `Engine.warmup(max_rows)` for such
@@ -48,6 +52,8 @@ _ROUNDS = flags.DEFINE_integer("rounds", 5, "Timing rounds (the least time count
 _PAGE_SIZE = flags.DEFINE_integer("page_size", 16, "Rows per page.")
 _CONTIGUOUS_MAX = flags.DEFINE_integer("contiguous_max", 65536, "Largest max_len the contiguous "
                                        "cache is timed at.")
+_FULL_LEN = flags.DEFINE_integer("full_len", 4096, "max_len of the full-length comparison "
+                                 "(slots hold max_len - 1 rows); 0 skips it.")
 _REQUESTS = flags.DEFINE_integer("requests", 100, "Random requests of the compile count.")
 _RANDOM_PROMPT = flags.DEFINE_integer("random_prompt", 200, "Longest random prompt.")
 _RANDOM_NEW = flags.DEFINE_integer("random_new", 16, "Most new tokens of a random request.")
@@ -75,9 +81,9 @@ class StepTimer:
   def seconds(self) -> float:
     e = self.engine
     start = time.perf_counter()
-    e.cache, out, _ = engine_lib._decode_and_sample(
-        e.cfg, e.params, e.cache, *self.args, return_logits=False, record_routing=False,
-        paging=e.paging)
+    e.cache, e.counts, out, _ = engine_lib._decode_and_sample(
+        e.cfg, e.params, e.cache, e.counts, *self.args, return_logits=False,
+        record_routing=False, paging=e.paging)
     jax.block_until_ready(out)
     return time.perf_counter() - start
 
@@ -112,13 +118,17 @@ def main(argv):
   timers = {(name, m): StepTimer(cfg, params, max_len=m, page_size=page_size, **common)
             for name, page_size in (("paged", _PAGE_SIZE.value), ("contiguous", None))
             for m in max_lens if page_size or m <= _CONTIGUOUS_MAX.value}
+  if _FULL_LEN.value:
+    full = dict(slots=_SLOTS.value, live_len=_FULL_LEN.value - 1, max_len=_FULL_LEN.value)
+    timers[("paged", "full")] = StepTimer(cfg, params, page_size=_PAGE_SIZE.value, **full)
+    timers[("contiguous", "full")] = StepTimer(cfg, params, page_size=None, **full)
   times = {key: float("inf") for key in timers}
   for _ in range(_ROUNDS.value):
     for key, timer in timers.items():
       for _ in range(_STEPS.value):
         times[key] = min(times[key], timer.seconds())
   for name in ("paged", "contiguous"):
-    mine = {m: t for (n, m), t in times.items() if n == name}
+    mine = {m: t for (n, m), t in times.items() if n == name and m != "full"}
     if not mine:
       continue
     base = mine[min(mine)]
@@ -126,6 +136,14 @@ def main(argv):
       print(f"{name:>10}  max_len {max_len:>6}: decode step {1e3 * t:8.2f} ms  "
             f"({t / base:.2f}x of max_len {min(mine)})")
     figures["step_ms"][name] = {m: round(1e3 * t, 3) for m, t in sorted(mine.items())}
+  if _FULL_LEN.value:
+    paged_t, contiguous_t = times[("paged", "full")], times[("contiguous", "full")]
+    print(f"full length (max_len {_FULL_LEN.value}, {_FULL_LEN.value - 1} rows a slot): paged "
+          f"{1e3 * paged_t:.2f} ms, contiguous {1e3 * contiguous_t:.2f} ms: "
+          f"{paged_t / contiguous_t:.2f}x (goal <= 1.2x)")
+    figures["full_length"] = {"max_len": _FULL_LEN.value, "paged_ms": round(1e3 * paged_t, 3),
+                              "contiguous_ms": round(1e3 * contiguous_t, 3),
+                              "ratio": round(paged_t / contiguous_t, 3)}
   count, warm_s, run_s = compile_count(
       cfg, params, max_len=max_lens[-1], page_size=_PAGE_SIZE.value, slots=_SLOTS.value,
       n=_REQUESTS.value, longest=_RANDOM_PROMPT.value, most_new=_RANDOM_NEW.value,

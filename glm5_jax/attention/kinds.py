@@ -64,7 +64,7 @@ class AttentionKind:
       otherwise rejected rows are never read and rollback is a no-op.
     decode_in_stack: the decode branch writes its cache only through `decode_rows.with_rows`,
       so a scanned run hands it its layer of the stacked cache (`decode_rows.
-      StackedLayerCache`) and the new rows land in the stack in place; other kinds get the
+      LayerCache`) and the new rows land in the stack in place; other kinds get the
       layer's slice and the run writes it back whole (O(cache) per layer per step: fine for a
       recurrent state, the N and L kinds).
   """

@@ -34,7 +34,7 @@ T top-k.
 import jax.numpy as jnp
 
 import pallas_kernels
-from glm5_jax.attention.decode_rows import with_rows
+from glm5_jax.attention.decode_rows import in_pages, with_rows
 from glm5_jax.attention.dsa import topk_mask
 from glm5_jax.layers.axes import BATCH
 from glm5_jax.layers.params import context_split
@@ -58,8 +58,9 @@ def decode_attention(c, latents, scale, positions_BQ, segment_ids_BQ, index_qkw,
     positions_BQ: absolute int positions; segment_ids_BQ: 1 real, 0 padding.
     index_qkw: the indexer's `(q_BQJI, k_BQI, weights_BQJ)` of a D layer that selects, or None.
     given_topk_BQT: an R layer's selection from the previous layer (cache rows), or None.
-    cache: this layer's `{"ckv", "k_rope"[, "index_k"]}`, a dict or (a scanned run) a
-      `decode_rows.StackedLayerCache`, written in place.
+    cache: this layer's `{"ckv", "k_rope"[, "index_k"]}`, a dict or a `decode_rows.
+      LayerCache` (a scanned run's layer, or paged arrays), written in place; a paged sparse
+      layer reads only its selected rows from the pages.
     dsa_stage: `Mode.dsa_stage`; only "sparse" restricts attention to the selection.
     attend_absorbed: `mla._absorbed_attention` (latents over the cache, mask, scale).
   Returns:
@@ -71,14 +72,11 @@ def decode_attention(c, latents, scale, positions_BQ, segment_ids_BQ, index_qkw,
   if missing:
     raise ValueError(f"MLA decode: the layer cache lacks {missing} (has {sorted(cache)}); build "
                      "it with glm5_jax.infer.cache.init_cache")
-  num_rows = cache["ckv"].shape[1]
   real_BQ = segment_ids_BQ != 0
   q_pos_BQ = jnp.where(real_BQ, positions_BQ, -1).astype(jnp.int32)
   new_cache = with_rows(cache, "ckv", latents.ckv_BSC, positions_BQ, real_BQ)
   new_cache = with_rows(new_cache, "k_rope", latents.k_rope_BSR, positions_BQ, real_BQ)
   dtype = latents.q_nope_BLHN.dtype
-  ckv_BSC = new_cache["ckv"].astype(dtype)
-  k_rope_BSR = new_cache["k_rope"].astype(dtype)
 
   sparse_ops = dsa_stage == "sparse" and c.dsa_impl != "dense_mask"
   topk_BQT = given_topk_BQT
@@ -112,10 +110,20 @@ def decode_attention(c, latents, scale, positions_BQ, segment_ids_BQ, index_qkw,
   if topk_BQT is not None and sparse_ops:
     visible_topk_BQT = restrict_rows_to_positions(topk_BQT, q_pos_BQ)
     q_latent_BQHC = jnp.einsum("bqhn,chn->bqhc", latents.q_nope_BLHN, latents.w_kb_CHN)
+    if in_pages(new_cache, "ckv"):
+      # Only the selected rows leave the pages (`[B, Q * T, ...]`), not every viewed row.
+      ckv_BSC, rows_BQT = new_cache.selected_rows("ckv", visible_topk_BQT)
+      k_rope_BSR, _ = new_cache.selected_rows("k_rope", visible_topk_BQT)
+    else:
+      ckv_BSC, k_rope_BSR, rows_BQT = new_cache["ckv"], new_cache["k_rope"], visible_topk_BQT
     out_latent_BQHC, _ = pallas_kernels.dsa_ops(c.dsa_impl).sparse_mla(
-        q_latent_BQHC, latents.q_rope_BLHR, ckv_BSC, k_rope_BSR, visible_topk_BQT, scale=scale)
+        q_latent_BQHC, latents.q_rope_BLHR, ckv_BSC.astype(dtype), k_rope_BSR.astype(dtype),
+        rows_BQT, scale=scale)
     return jnp.einsum("bqhc,chv->bqhv", out_latent_BQHC, latents.w_vb_CHV), aux
 
+  ckv_BSC = new_cache["ckv"].astype(dtype)
+  k_rope_BSR = new_cache["k_rope"].astype(dtype)
+  num_rows = ckv_BSC.shape[1]
   visible_BQS = jnp.arange(num_rows)[None, None, :] <= q_pos_BQ[:, :, None]
   if topk_BQT is not None and dsa_stage == "sparse":
     visible_BQS &= topk_mask(topk_BQT, num_rows)

@@ -1041,13 +1041,12 @@ def _decode_and_sample(cfg, params, cache, counts_BY, pending_B, fed_B, active_B
   `(cache, counts_BY, (tokens, logprobs, raw_logprobs, logits, top), routing)` (routing
   `{kind: [B, 1, N, k]}` with `record_routing`, else {}). With `paging` (a `Paging`), `cache`
   is paged and each slot reads the N pages of `table_BN`."""
-  step_cache = cache if paging is None else paged.view(cache, table_BN, *paging.layout)
+  step_cache = cache if paging is None else paged.read_in_place(cache, table_BN, *paging.layout)
   out = decode_step(cfg, params, step_cache, pending_B[:, None], fed_B[:, None],
                     active_B[:, None].astype(jnp.int32), return_routing=record_routing)
   new_cache, routing = out.cache, out.routing
-  if paging is not None:
-    new_cache = paged.write_back(cache, out.cache, table_BN, fed_B[:, None], active_B[:, None],
-                                 *paging.layout)
+  if paging is not None:  # the active slots' rows at fed_B went into their pages in place
+    new_cache = paged.pools(new_cache)
     routing = _pad_topk(routing, paging.topk_width)
   counts_BY = penalties.count_fed(counts_BY, pending_B, index_B, active_B)
   return new_cache, counts_BY, _sample(out.logits_BQY[:, 0], settings, seeds_B, index_B, adjust,

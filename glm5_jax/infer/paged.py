@@ -17,10 +17,15 @@ view of N pages is always defined. Nothing writes page 0 (a real row always lies
 slot holds; every other write is dropped), so it stays empty; it is only read at rows past a
 query's position, or by idle slots, whose outputs nobody reads.
 
-A step reads `view`: each paged array gathered through the table into the contiguous layout
-the attention kinds already take (`[..., B, N * PG, ...]`), the per-slot arrays as they are;
-the model runs unchanged on it (`glm5_jax.infer.step.decode_step`), and `write_back` scatters
-the rows the step wrote (positions given by the caller) into their pages. N is the caller's
+A decode step reads the pages where they lie (`read_in_place`: each paged array a
+`decode_rows.PagedRows`): new rows are scattered into their pages, a sparse (DSA) layer
+gathers only its selected rows, and a kind that reads every row (dense MLA, GQA, the indexer's
+keys) gathers its layer's view. A prefill chunk and a speculative step read `view` instead:
+each paged array gathered through the table into the contiguous layout the attention kinds
+already take (`[..., B, N * PG, ...]`), the per-slot arrays as they are; the model runs
+unchanged on it (`glm5_jax.infer.step.decode_step`), and `write_back` scatters the rows the
+step wrote (positions given by the caller) into their pages (a speculative step must not write
+rows of pages other slots share, which `write_back`'s mask enforces). N is the caller's
 bucket: the pages of the longest live slot rounded up to a power of two, so a step reads (and
 the DSA indexer scores) rows of live pages only, with a bounded set of compiled shapes, and
 never `max_len` rows. Attention over the view equals attention over the contiguous cache:
@@ -36,6 +41,7 @@ import jax
 import jax.numpy as jnp
 
 from glm5_jax.attention.cache_spec import CacheSpec
+from glm5_jax.attention.decode_rows import PagedRows
 from glm5_jax.layers.axes import BATCH, CACHE_LENGTH
 
 
@@ -89,6 +95,23 @@ def view(cache, table_BN, paged, slot_axes, slot_ids_B=None):
     else:
       out.append(jnp.take(x, slot_ids_B, axis=a, mode="fill", fill_value=0))
   return jax.tree.unflatten(tree, out)
+
+
+def read_in_place(cache, table_BN, paged, slot_axes):
+  """The cache with each paged leaf as a `decode_rows.PagedRows` over `table_BN`, for a decode
+  step that reads and writes the pages where they lie (`glm5_jax.model.GLM5` hands them to
+  the layers in a `decode_rows.LayerCache`): no view is copied, a sparse layer gathers only
+  its selected rows and new rows are scattered into their pages. `pools` turns the step's
+  returned tree back into arrays."""
+  leaves, tree = jax.tree.flatten(cache)
+  return jax.tree.unflatten(tree, [PagedRows(x, table_BN, a) if is_pool else x
+                                   for x, is_pool, a in zip(leaves, paged, slot_axes)])
+
+
+def pools(cache):
+  """`read_in_place`'s tree back as arrays (each `PagedRows` its pool)."""
+  return jax.tree.map(lambda x: x.pool if isinstance(x, PagedRows) else x, cache,
+                      is_leaf=lambda x: isinstance(x, PagedRows))
 
 
 def write_back(cache, stepped, table_BN, rows_BR, keep_BR, paged, slot_axes, slot_ids_B=None):

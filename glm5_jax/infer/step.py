@@ -20,7 +20,7 @@ import typing
 import jax
 import jax.numpy as jnp
 
-from glm5_jax.attention.decode_rows import StackedLayerCache
+from glm5_jax.attention.decode_rows import LayerCache, PagedRows, has_paged_rows
 from glm5_jax.attention.kinds import layer_kind
 from glm5_jax.attention.mode import DSA_STAGES, Mode
 from glm5_jax.config import ModelConfig, require_model_config
@@ -113,14 +113,16 @@ def _mtp_step(params, cache, h_prev_BQD, tokens_BQ, positions_BQ, segment_ids_BQ
   # new rows writes them there in place (as a scanned run does, `GLM5._scanned_run`).
   in_stack = layer_kind(cfg.attention_pattern, cfg.num_hidden_layers).decode_in_stack
   if mtp_cache == "per_depth" and in_stack:
-    layer_cache = StackedLayerCache(layer_cache, depth - 1)
+    layer_cache = LayerCache(layer_cache, depth - 1)
   elif mtp_cache == "per_depth":
     layer_cache = jax.tree.map(lambda x: x[depth - 1], layer_cache)
+  elif has_paged_rows(layer_cache):
+    layer_cache = LayerCache(layer_cache)
   h_BQD, normed_BQD, aux = MTPLayer(cfg).apply(
       {"params": params["mtp"]}, h_prev_BQD, e_BQD, positions_BQ, segment_ids_BQ,
       mode=Mode(form="decode", dsa_stage=dsa_stage), cache=layer_cache)
   new_mtp = aux["cache"]
-  if mtp_cache == "per_depth" and in_stack:
+  if isinstance(new_mtp, LayerCache):
     new_mtp = new_mtp.arrays
   elif mtp_cache == "per_depth":
     new_mtp = jax.tree.map(lambda all_, one: all_.at[depth - 1].set(one), cache["mtp"], new_mtp)
@@ -156,7 +158,8 @@ def mtp_step(config, params, cache, h_prev_BQD, tokens_BQ, positions_BQ, segment
                      "init_cache got mtp_depths=0)")
   ranks = {name: len(spec.shape) + (mtp_cache == "per_depth") for name, spec in
            layer_cache_specs(cfg, cfg.num_hidden_layers, 1, 1).items()}
-  got = {name: jnp.ndim(x) for name, x in cache["mtp"].items()}
+  got = {name: jnp.ndim(x.pool if isinstance(x, PagedRows) else x)  # pages: [.., NP, PG, ..]
+         for name, x in cache["mtp"].items()}
   if got != ranks:
     raise ValueError(f"mtp_step: mtp_cache={mtp_cache!r} expects MTP cache ranks {ranks}, got "
                      f"{got}; pass the scheme init_cache was built with")
