@@ -47,6 +47,10 @@ CASES = [
     # The same for the GPU's Triton gmm / tgmm (interpreted): its pallas_calls too.
     {"mesh": {"data": 1, "expert": 2, "fsdp": 2, "tensor": 2}, "matmul": "triton_gmm",
      "bias": "skewed"},
+    # The production transport, on an exact stand-in of the collective (XLA:CPU cannot compile
+    # it): the combine receives into the used send buffer.
+    {"mesh": {"data": 1, "expert": 8}, "bias": "skewed", "batch": [3, 5],
+     "transport": "ragged_all_to_all"},
 ]
 
 
@@ -171,6 +175,10 @@ def test_capacity_factor_drops_the_pairs_its_rule_names():
   assert 0.05 < r["dropped"] == pytest.approx(r["expected_dropped"]), r
   assert r["y_diff"] < 1e-5, r
   assert r["big_dropped"] == 0 and r["big_diff"] < 1e-5, r
+  # The ragged transport drops the same pairs; their rows (the combine's receive buffer keeps
+  # the tokens' inputs there) give no output and no router-weight gradient.
+  assert r["ragged_dropped"] == r["dropped"] and r["ragged_y_diff"] < 1e-5, r
+  assert max(r["ragged_grad_diffs"]) < 1e-5 and r["dropped_weight_grad"] == 0.0, r
 
 
 def test_capacity_factor_is_validated():
