@@ -29,6 +29,12 @@ combine with the router weights as the reference (inverse permutation + weighted
 scatter-add, so deterministic). Routing, `expert_counts` and the balance loss stay in
 `glm5_jax.moe.MoE`, computed on the global token array exactly as for "ragged".
 
+Shaped for the TPU compiler (docs/scaling.md, "MoE dispatch without the relayouts"): the rows
+travel as `[rows, 8, D/8]` slabs, the layout the ragged all-to-all takes as it is (`SLAB`); the
+combine receives into the dispatch's used send buffer instead of a fresh zero buffer; the row
+permutations differentiate to gathers by the inverse permutation, not scatter-adds into zero
+buffers. The grouped matmul sees `[rows, D]`: one relayout each way around it.
+
 Dropless by default, so every buffer is sized for the worst case: a device can receive up to
 `n * m * min(X, E/n)` rows (every local token choosing only its experts; m local tokens), n
 times the `m * X` rows it receives on average. With `model.moe_capacity_factor` c > 0 a device
