@@ -163,18 +163,20 @@ def capacity():
   dispatch = lambda c, transport: functools.partial(
       moe_parallel.expert_parallel_dispatch, transport=transport, capacity_factor=c,
       mesh=mesh, rules=rules)
-  run = lambda c, transport="all_to_all": jax.jit(dispatch(c, transport))(
-      x_MD, weights_MX, experts_MX, *w)
+  run = lambda c: jax.jit(dispatch(c, "all_to_all"))(x_MD, weights_MX, experts_MX, *w)
   probe = jax.random.normal(ks[4], (m_total, d))
-  grads = lambda transport: jax.jit(jax.grad(lambda xm, wm: jnp.vdot(
-      dispatch(1.0, transport)(xm, wm, experts_MX, *w)[0], probe), argnums=(0, 1)))(
-          x_MD, weights_MX)
-  y, dropped = run(1.0)
+
+  def probed(xm, wm, transport):
+    y, dropped = dispatch(1.0, transport)(xm, wm, experts_MX, *w)
+    return jnp.vdot(y, probe), (y, dropped)
+
+  # (y, dropped), (token and router-weight gradients) at capacity 1.0
+  run_grads = lambda transport: (lambda out: (out[0][1], out[1]))(jax.jit(jax.value_and_grad(
+      probed, argnums=(0, 1), has_aux=True), static_argnums=2)(x_MD, weights_MX, transport))
+  (y, dropped), grads_dense = run_grads("all_to_all")
   y_big, dropped_big = run(8.0)
   with exact_ragged_transport():
-    y_ragged, dropped_ragged = run(1.0, "ragged_all_to_all")
-    grads_ragged = grads("ragged_all_to_all")
-  grads_dense = grads("all_to_all")
+    (y_ragged, dropped_ragged), grads_ragged = run_grads("ragged_all_to_all")
   # The rule, in numpy: shard i holds tokens [i*m, (i+1)*m); device k holds experts 2k, 2k+1.
   m = m_total // n
   cap = -(-math.ceil(1.0 * m * x) // 16) * 16
