@@ -185,7 +185,7 @@ def _exclusive_cumsum(a, axis=-1):
 # buffers out so that each row is contiguous; a bf16 `[rows, D]` array is tiled 8 rows x 128
 # columns (two rows packed per 32-bit word), so it relaid each send and receive buffer out as
 # `[rows, 2, D/2]` in (2, 128) tiles, and broadcast each zero receive buffer in that layout: 13 ms
-# per 81,920 x 6,144 buffer by its cost model, 75% of the MoE dispatch's cost in the headline
+# per 81,920 x 6,144 buffer by its cost model, 72% of the MoE dispatch's cost in the headline
 # step (docs/scaling.md, "MoE dispatch without the relayouts"). An `[rows, 8, D/8]` slab in the
 # standard (8, 128) tiles has each row contiguous already: the collective takes it as it is, and
 # a gather moves whole slabs.
