@@ -29,6 +29,12 @@ combine with the router weights as the reference (inverse permutation + weighted
 scatter-add, so deterministic). Routing, `expert_counts` and the balance loss stay in
 `glm5_jax.moe.MoE`, computed on the global token array exactly as for "ragged".
 
+Shaped for the TPU compiler (docs/scaling.md, "MoE dispatch without the relayouts"): the rows
+travel as `[rows, 8, D/8]` slabs, the layout the ragged all-to-all takes as it is (`SLAB`); the
+combine receives into the dispatch's used send buffer instead of a fresh zero buffer; the row
+permutations differentiate to gathers by the inverse permutation, not scatter-adds into zero
+buffers. The grouped matmul sees `[rows, D]`: one relayout each way around it.
+
 Dropless by default, so every buffer is sized for the worst case: a device can receive up to
 `n * m * min(X, E/n)` rows (every local token choosing only its experts; m local tokens), n
 times the `m * X` rows it receives on average. With `model.moe_capacity_factor` c > 0 a device
@@ -56,6 +62,7 @@ import math
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from flax import linen as nn
 from jax.sharding import PartitionSpec
 
@@ -174,17 +181,90 @@ def _exclusive_cumsum(a, axis=-1):
   return jnp.cumsum(a, axis=axis) - a
 
 
+# Rows travel as `[rows, SLAB, D / SLAB]` slabs. The TPU compiler lays a ragged all-to-all's
+# buffers out so that each row is contiguous; a bf16 `[rows, D]` array is tiled 8 rows x 128
+# columns (two rows packed per 32-bit word), so it relaid each send and receive buffer out as
+# `[rows, 2, D/2]` in (2, 128) tiles, and broadcast each zero receive buffer in that layout: 13 ms
+# per 81,920 x 6,144 buffer by its cost model, 72% of the MoE dispatch's cost in the headline
+# step (docs/scaling.md, "MoE dispatch without the relayouts"). An `[rows, 8, D/8]` slab in the
+# standard (8, 128) tiles has each row contiguous already: the collective takes it as it is, and
+# a gather moves whole slabs.
+SLAB = 8
+
+
+def _slabs(a_RD):
+  """`[R, D] -> [R, SLAB, D / SLAB]` (unchanged when SLAB does not divide D)."""
+  return a_RD if a_RD.shape[-1] % SLAB else a_RD.reshape(a_RD.shape[0], SLAB, -1)
+
+
+def _rows(a_R_):
+  """`_slabs`' inverse: `[R, ...] -> [R, D]`."""
+  return a_R_.reshape(a_R_.shape[0], -1)
+
+
+def _per_row(mask, a):
+  """`mask` `[R...]` broadcastable against the row array `a` `[R..., *row]`."""
+  return mask.reshape(mask.shape + (1,) * (a.ndim - mask.ndim))
+
+
+# The dispatch's row gathers are permutations (or, from the tokens, each row repeated X times):
+# their backward is a gather by the inverse permutation. jax's transpose of a gather is a
+# scatter-add into a zero buffer, which the TPU compiler broadcasts first: four more
+# rows-sized zero buffers per layer's backward.
+@jax.custom_vjp
+def _permute_rows(a_R_, order_R, inverse_R):
+  """`a_R_[order_R]`, `order_R` a permutation of the rows and `inverse_R` its inverse."""
+  return a_R_[order_R]
+
+
+def _permute_rows_fwd(a_R_, order_R, inverse_R):
+  return a_R_[order_R], (order_R, inverse_R)
+
+
+def _permute_rows_bwd(orders, ct_R_):
+  order_R, inverse_R = orders
+  no_grad = lambda a: np.zeros(a.shape, jax.dtypes.float0)  # integer inputs
+  return ct_R_[inverse_R], no_grad(order_R), no_grad(inverse_R)
+
+
+_permute_rows.defvjp(_permute_rows_fwd, _permute_rows_bwd)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(3,))
+def _repeat_rows(x_M_, order_P, inverse_P, x):
+  """`x_M_[order_P // x]`: each token's row once per chosen expert, in the pairs' sorted order
+  `order_P` (`inverse_P` its inverse); the backward sums a token's X rows, gathered."""
+  return x_M_[order_P // x]
+
+
+def _repeat_rows_fwd(x_M_, order_P, inverse_P, x):
+  return x_M_[order_P // x], (order_P, inverse_P)
+
+
+def _repeat_rows_bwd(x, orders, ct_P_):
+  order_P, inverse_P = orders
+  ct_MX_ = ct_P_[inverse_P].reshape(-1, x, *ct_P_.shape[1:])
+  no_grad = lambda a: np.zeros(a.shape, jax.dtypes.float0)  # integer inputs
+  return ct_MX_.sum(1, dtype=jnp.float32).astype(ct_P_.dtype), no_grad(order_P), no_grad(inverse_P)
+
+
+_repeat_rows.defvjp(_repeat_rows_fwd, _repeat_rows_bwd)
+
+
 def _local_dispatch(x_MD, weights_MX, experts_MX, w_gate_EDF, w_up_EDF, w_down_EFD, *,
                     expert_axis, n, f_axes, transport, matmul, capacity_factor):
-  """One shard: its m tokens, its E/n experts (`E` here is the local count)."""
+  """One shard: its m tokens, its E/n experts (`E` here is the local count). Row arrays without
+  a D in their name (`xs_P`, `recv_R`, `ys_R`, `ys_P`) are `_slabs`: `[rows, SLAB, D / SLAB]`."""
   m, x = experts_MX.shape
-  d = x_MD.shape[-1]
   quantized = isinstance(w_gate_EDF, tuple)
   local_experts = (w_gate_EDF[0] if quantized else w_gate_EDF).shape[0]
   me = jax.lax.axis_index(expert_axis)
   flat_experts_P = experts_MX.reshape(-1)
   order_P = jnp.argsort(flat_experts_P, stable=True)
-  xs_PD = x_MD[order_P // x]  # sorted by expert, hence by destination device
+  inverse_P = jnp.argsort(order_P)
+  # Sorted by expert, hence by destination device.
+  xs_P = _repeat_rows(_slabs(x_MD), order_P, inverse_P, x)
+  row = xs_P.shape[1:]
   counts_NE = jnp.bincount(flat_experts_P, length=n * local_experts).astype(jnp.int32)
   counts_NE = counts_NE.reshape(n, local_experts)  # my pairs for device k's expert e
   send_N = counts_NE.sum(1)
@@ -207,6 +287,9 @@ def _local_dispatch(x_MD, weights_MX, experts_MX, w_gate_EDF, w_up_EDF, w_down_E
   else:
     kept_NN, kept_send_N = sizes_NN, send_N
   dropped = (send_N - kept_send_N).sum().astype(jnp.float32)
+  # Each sorted pair's destination device and place among the pairs sent there.
+  dest_P = jnp.sort(flat_experts_P) // local_experts
+  place_P = jnp.arange(m * x) - send_offsets_N[dest_P]
 
   if transport == "ragged_all_to_all":
     recv_N = kept_NN[:, me]
@@ -214,15 +297,16 @@ def _local_dispatch(x_MD, weights_MX, experts_MX, w_gate_EDF, w_up_EDF, w_down_E
     # Where my rows land in each destination's buffer, and where each source's rows came from.
     dest_offsets_N = _exclusive_cumsum(kept_NN, axis=0)[me]
     source_offsets_N = _exclusive_cumsum(sizes_NN, axis=1)[:, me]
-    recv_RD = jax.lax.ragged_all_to_all(
-        xs_PD, jnp.zeros((rows, d), xs_PD.dtype), send_offsets_N, kept_send_N, dest_offsets_N,
+    recv_R = jax.lax.ragged_all_to_all(
+        xs_P, jnp.zeros((rows, *row), xs_P.dtype), send_offsets_N, kept_send_N, dest_offsets_N,
         recv_N, axis_name=expert_axis)
   else:
     recv_offsets_N = jnp.arange(n, dtype=jnp.int32) * slot
     j = jnp.arange(slot)
     take_NS = jnp.minimum(send_offsets_N[:, None] + j, m * x - 1)
-    send_NSD = jnp.where((j < kept_send_N[:, None])[..., None], xs_PD[take_NS], 0)
-    recv_RD = jax.lax.all_to_all(send_NSD, expert_axis, 0, 0, tiled=True).reshape(rows, d)
+    picked_NS = xs_P[take_NS]
+    send_NS = jnp.where(_per_row(j < kept_send_N[:, None], picked_NS), picked_NS, 0)
+    recv_R = jax.lax.all_to_all(send_NS, expert_axis, 0, 0, tiled=True).reshape(rows, *row)
 
   # Each received row's local expert: rows of (source i, expert e) sit contiguously from
   # recv_offsets_N[i] + (source i's rows for experts before e); rows outside get `local_experts`.
@@ -234,8 +318,10 @@ def _local_dispatch(x_MD, weights_MX, experts_MX, w_gate_EDF, w_up_EDF, w_down_E
       jnp.minimum(segment_R, ends.size - 1)])
   expert_R = jnp.where(valid_R, segment_R % local_experts, local_experts)
   order_R = jnp.argsort(expert_R, stable=True)
+  inverse_R = jnp.argsort(order_R)
   group_sizes = recv_counts_NE.sum(0)
-  xs_RD = recv_RD[order_R]
+  # The grouped matmul's `[rows, D]`: one relayout each way between it and the slabs.
+  xs_RD = _rows(_permute_rows(recv_R, order_R, inverse_R))
   if quantized:  # rows past the groups (empty slots) get zero sums; their scale index clipped
     rows_expert_R = jnp.minimum(expert_R[order_R], local_experts - 1)
     mm = lambda h, w: ragged_int_matmul(h, *w, group_sizes, rows_expert_R, x_MD.dtype)
@@ -245,20 +331,26 @@ def _local_dispatch(x_MD, weights_MX, experts_MX, w_gate_EDF, w_up_EDF, w_down_E
     mm = functools.partial(grouped_matmul.grouped_matmul, group_sizes_G=group_sizes,
                            impl=matmul)
   h_RF = jax.nn.silu(mm(xs_RD, w_gate_EDF)) * mm(xs_RD, w_up_EDF)
-  ys_RD = mm(h_RF, w_down_EFD)[jnp.argsort(order_R)]
+  ys_R = _permute_rows(_slabs(mm(h_RF, w_down_EFD)), inverse_R, order_R)
 
   if transport == "ragged_all_to_all":
-    ys_PD = jax.lax.ragged_all_to_all(
-        ys_RD, jnp.zeros((m * x, d), ys_RD.dtype), recv_offsets_N, recv_N, source_offsets_N,
+    # Back into the send buffer, dead once sent (the backward never reads it: the exchange is
+    # linear), not a fresh zero buffer: that would be another broadcast as large. The rows of
+    # dropped pairs are not written and keep their token's input: zeroed below.
+    ys_P = jax.lax.ragged_all_to_all(
+        ys_R, jax.lax.stop_gradient(xs_P), recv_offsets_N, recv_N, source_offsets_N,
         kept_send_N, axis_name=expert_axis)
   else:
-    back_NSD = jax.lax.all_to_all(ys_RD.reshape(n, slot, d), expert_axis, 0, 0, tiled=True)
-    dest_P = jnp.sort(flat_experts_P) // local_experts
-    ys_PD = back_NSD[dest_P, jnp.arange(m * x) - send_offsets_N[dest_P]]
+    back_NS = jax.lax.all_to_all(ys_R.reshape(n, slot, *row), expert_axis, 0, 0, tiled=True)
+    ys_P = back_NS[dest_P, place_P]
 
   # As the reference: inverse permutation, then the weighted sum over a token's X experts.
-  ys_MXD = ys_PD[jnp.argsort(order_P)].reshape(m, x, d)
-  y_MD = jnp.einsum("mxd,mx->md", ys_MXD.astype(jnp.float32), weights_MX)
+  ys_MX = _permute_rows(ys_P, inverse_P, order_P).reshape(m, x, *row)
+  if capacity_factor:  # a dropped pair's row holds no expert output; it contributes zero
+    kept_MX = (place_P < kept_send_N[dest_P])[inverse_P].reshape(m, x)
+    ys_MX = jnp.where(_per_row(kept_MX, ys_MX), ys_MX, 0)
+  mix = "mxsd,mx->msd" if ys_MX.ndim == 4 else "mxd,mx->md"  # slabs, or rows SLAB left whole
+  y_M = jnp.einsum(mix, ys_MX.astype(jnp.float32), weights_MX)
   if f_axes:  # partial sums over the F shards
-    y_MD = jax.lax.psum(y_MD, f_axes)
-  return y_MD.astype(x_MD.dtype), dropped[None]
+    y_M = jax.lax.psum(y_M, f_axes)
+  return _rows(y_M).astype(x_MD.dtype), dropped[None]

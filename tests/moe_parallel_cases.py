@@ -3,10 +3,13 @@
   XLA_FLAGS=--xla_force_host_platform_device_count=8 python tests/moe_parallel_cases.py MODE ARG
 
 MODE `cases`, ARG a JSON list of `{"mesh": {axis: size}, "bias": "none"|"skewed", "batch":
-[B, L], "matmul": model.moe_matmul}`: per case, the largest differences between `moe_impl="expert_parallel"` (transport
-"all_to_all", sharded on the mesh) and the unsharded `moe_impl="ragged"` reference, for the
-output, the aux values, and the gradients w.r.t. the input and every parameter.
-MODE `capacity`: the capacity factor's drops against the rule, computed in numpy.
+[B, L], "matmul": model.moe_matmul, "transport": model.moe_transport}`: per case, the largest
+differences between `moe_impl="expert_parallel"` (transport "all_to_all" unless given, sharded
+on the mesh) and the unsharded `moe_impl="ragged"` reference, for the output, the aux values,
+and the gradients w.r.t. the input and every parameter. The "ragged_all_to_all" transport runs
+on `exact_ragged_all_to_all` (XLA:CPU cannot compile the collective).
+MODE `capacity`: the capacity factor's drops against the rule, computed in numpy, on both
+transports; and the two transports' gradients w.r.t. the tokens and the router weights.
 MODE `ragged_transport`: lowers the "ragged_all_to_all" transport and tries to compile it.
 MODE `model`: the tiny model's loss and gradients, expert-parallel on a mesh vs ragged.
 MODE `hlo`: expert-weight all-gathers and all-to-alls in the compiled layer, per impl.
@@ -20,6 +23,7 @@ import functools
 import json
 import math
 import sys
+from unittest import mock
 
 import jax
 import jax.numpy as jnp
@@ -41,6 +45,32 @@ def moe_loss(cfg, params, x_BLD, valid_BL, probe_BLD):
   return loss, (y_BLD, aux)
 
 
+def exact_ragged_all_to_all(operand, output, input_offsets, send_sizes, output_offsets,
+                            recv_sizes, *, axis_name, axis_index_groups=None):
+  """`jax.lax.ragged_all_to_all` from all-gathers, which XLA:CPU compiles: source i's chunk for
+  this device (`send_sizes` rows from its `input_offsets`) lands at the offset source i gave
+  (`output_offsets`); every other row keeps `output`'s value, which the expert-parallel combine
+  relies on (it receives into a used buffer)."""
+  del recv_sizes
+  assert axis_index_groups is None
+  me = jax.lax.axis_index(axis_name)
+  gather = lambda a: jax.lax.all_gather(a, axis_name)
+  sources = gather(operand)  # [n, rows in, ...]
+  start_N, size_N, from_N = (gather(a)[:, me] for a in (output_offsets, send_sizes,
+                                                         input_offsets))
+  t = jnp.arange(output.shape[0])
+  inside_NT = (t >= start_N[:, None]) & (t < (start_N + size_N)[:, None])
+  source_T = jnp.argmax(inside_NT, 0)
+  row_T = jnp.clip(from_N[source_T] + t - start_N[source_T], 0, operand.shape[0] - 1)
+  hit = inside_NT.any(0).reshape(-1, *(1,) * (output.ndim - 1))
+  return jnp.where(hit, sources[source_T, row_T], output)
+
+
+def exact_ragged_transport():
+  """While active, `jax.lax.ragged_all_to_all` is `exact_ragged_all_to_all`."""
+  return mock.patch.object(jax.lax, "ragged_all_to_all", exact_ragged_all_to_all)
+
+
 def shard_like(tree, logical, mesh, rules):
   shapes = jax.tree_util.tree_map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype), tree)
   return jax.device_put(tree, sharding.param_shardings(shapes, logical, mesh, rules))
@@ -57,7 +87,15 @@ def _put(x, batch_sharding):
   return jax.device_put(x, batch_sharding)
 
 
-def run_case(case, transport="all_to_all"):
+def run_case(case):
+  transport = case.get("transport", "all_to_all")
+  if transport == "ragged_all_to_all":
+    with exact_ragged_transport():
+      return _run_case(case, transport)
+  return _run_case(case, transport)
+
+
+def _run_case(case, transport):
   ref_cfg = tiny_model_config(**MODEL)
   ep_cfg = dataclasses.replace(ref_cfg, moe_impl="expert_parallel", moe_transport=transport,
                                moe_matmul=case.get("matmul", "auto"))
@@ -107,7 +145,9 @@ def capacity():
   """`capacity_factor` 1.0 on expert=8 with skewed routing: the dropped pairs are exactly those
   the rule names (each destination takes its sources in order, each source's rows in expert
   order, up to ceil(c * m * X) rounded to 16), and the output equals the dropless reference
-  with those pairs' weights zeroed. A large factor drops nothing."""
+  with those pairs' weights zeroed. A large factor drops nothing. The ragged transport (on
+  `exact_ragged_all_to_all`) drops the same pairs and gives the same output and gradients (the
+  dropped pairs' rows of its combine buffer hold the tokens' inputs until masked)."""
   from glm5_jax import moe_parallel  # pylint: disable=g-import-not-at-top
   from glm5_jax.moe import dispatch_experts  # pylint: disable=g-import-not-at-top
   n, e, x, d, f, m_total = 8, 16, 4, 8, 16, 64
@@ -120,11 +160,23 @@ def capacity():
                                                       ((e, d, f), (e, d, f), (e, f, d)))]
   mesh = sharding.make_mesh(sharding.mesh_config(data=1, expert=n))
   rules = sharding.default_logical_axis_rules()
-  run = lambda c: jax.jit(functools.partial(
-      moe_parallel.expert_parallel_dispatch, transport="all_to_all", capacity_factor=c,
-      mesh=mesh, rules=rules))(x_MD, weights_MX, experts_MX, *w)
-  y, dropped = run(1.0)
+  dispatch = lambda c, transport: functools.partial(
+      moe_parallel.expert_parallel_dispatch, transport=transport, capacity_factor=c,
+      mesh=mesh, rules=rules)
+  run = lambda c: jax.jit(dispatch(c, "all_to_all"))(x_MD, weights_MX, experts_MX, *w)
+  probe = jax.random.normal(ks[4], (m_total, d))
+
+  def probed(xm, wm, transport):
+    y, dropped = dispatch(1.0, transport)(xm, wm, experts_MX, *w)
+    return jnp.vdot(y, probe), (y, dropped)
+
+  # (y, dropped), (token and router-weight gradients) at capacity 1.0
+  run_grads = lambda transport: (lambda out: (out[0][1], out[1]))(jax.jit(jax.value_and_grad(
+      probed, argnums=(0, 1), has_aux=True), static_argnums=2)(x_MD, weights_MX, transport))
+  (y, dropped), grads_dense = run_grads("all_to_all")
   y_big, dropped_big = run(8.0)
+  with exact_ragged_transport():
+    (y_ragged, dropped_ragged), grads_ragged = run_grads("ragged_all_to_all")
   # The rule, in numpy: shard i holds tokens [i*m, (i+1)*m); device k holds experts 2k, 2k+1.
   m = m_total // n
   cap = -(-math.ceil(1.0 * m * x) // 16) * 16
@@ -144,7 +196,12 @@ def capacity():
   return {"dropped": float(dropped), "expected_dropped": float((~keep).mean()),
           "y_diff": float(np.abs(np.asarray(y) - np.asarray(ref)).max()),
           "big_dropped": float(dropped_big),
-          "big_diff": float(np.abs(np.asarray(y_big) - np.asarray(full)).max())}
+          "big_diff": float(np.abs(np.asarray(y_big) - np.asarray(full)).max()),
+          "ragged_dropped": float(dropped_ragged),
+          "ragged_y_diff": float(np.abs(np.asarray(y_ragged) - np.asarray(ref)).max()),
+          "ragged_grad_diffs": [float(np.abs(np.asarray(a) - np.asarray(b)).max())
+                                for a, b in zip(grads_ragged, grads_dense)],
+          "dropped_weight_grad": float(np.abs(np.asarray(grads_dense[1])[~keep]).max())}
 
 
 def ragged_transport():

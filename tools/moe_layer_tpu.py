@@ -6,9 +6,13 @@ collectives per step, one JSON line. docs/scaling.md ("Making the step fast") ha
   JAX_PLATFORMS=cpu python tools/moe_layer_tpu.py v5p:4x4x4 fsdp=4,expert=16 128 4096 megablox 1.25
 
 argv: target, mesh (axis=size,...), global batch, seq_len, model.moe_matmul,
-model.moe_capacity_factor.
+model.moe_capacity_factor[, a path to save the optimized module's text (.gz: gzipped)].
+The JSON line also carries the compiler estimate of the layer's compute by category
+(`glm5_jax.planning.op_costs`: each instruction's `estimated_cycles`, megablox at its stated
+efficiency; collectives not included), `compute_ms`.
 """
 import dataclasses
+import gzip
 import json
 import sys
 import time
@@ -17,7 +21,8 @@ import jax
 import jax.numpy as jnp
 from flax import linen as nn
 from glm5_jax import sharding
-from glm5_jax.planning import aot_targets, hlo_stats, planner
+from glm5_jax.accelerators import ACCELERATORS
+from glm5_jax.planning import aot_targets, hlo_loops, hlo_stats, op_costs, planner
 from glm5_jax.config import ModelConfig
 from glm5_jax.moe import MoE
 import configs.glm5_744b as c744
@@ -30,7 +35,20 @@ model = dataclasses.replace(ModelConfig.from_config(c744.get_config().model),
                             moe_matmul=matmul, moe_capacity_factor=float(cap))
 mesh = sharding.make_mesh(sharding.mesh_config(**shape), aot_targets.tpu_devices(target))
 rules = sharding.default_logical_axis_rules()
-module = MoE(model)
+
+
+class Layer(nn.Module):
+  """The MoE under the name the decoder gives it (`mlp`), so that its instructions' op_names fall
+  in the cost model's categories (`op_costs.CATEGORY_RULES`) as in the whole step."""
+
+  model: ModelConfig
+
+  @nn.compact
+  def __call__(self, x_BLD):
+    return MoE(self.model, name="mlp")(x_BLD)
+
+
+module = Layer(model)
 dtype = jnp.dtype(model.dtype)
 x_sh = sharding.batch_sharding(mesh, rules, 3)
 x = jax.ShapeDtypeStruct((batch, seq, model.hidden_size), dtype, sharding=x_sh)
@@ -47,9 +65,15 @@ with planner._backend_seen_by_model("tpu"), sharding.activation_sharding(mesh, r
   compiled = fn.lower(params, x).compile()
 text = compiled.as_text()
 mem = compiled.memory_analysis()
+if len(sys.argv) > 7:
+  with (gzip.open if sys.argv[7].endswith(".gz") else open)(sys.argv[7], "wt") as f:
+    f.write(text)
+chip = ACCELERATORS[aot_targets.parse_target(target)[0]]
+costs = [c for c in op_costs.price_module(hlo_loops.parse_module(text), chip) if c.kind != "torus"]
 found = hlo_stats.step_collectives(text, dict(mesh.shape))
 print(json.dumps({"target": target, "mesh": shape, "batch": batch, "seq": seq, "matmul": matmul,
   "capacity": float(cap), "tokens_per_chip": batch * seq / mesh.size, "compile_s": round(time.time() - t, 1),
   "temp_GiB": mem.temp_size_in_bytes / 2**30, "argument_GiB": mem.argument_size_in_bytes / 2**30,
+  "compute_ms": {k: round(v * 1e3, 2) for k, v in op_costs.by_category(costs).items()},
   "flops": hlo_stats.step_dot_flops(text), "convolutions": text.count(" convolution("),
   "collectives_GiB": {k: round(v["bytes"] / 2**30, 3) for k, v in hlo_stats.summarize_step(found, "op").items()}}))

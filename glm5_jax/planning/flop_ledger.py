@@ -55,7 +55,7 @@ CATEGORIES = (
     ("shared expert", ("shared_expert",)),
     ("indexer KL target", ("kl_target",)),  # named scopes in glm5_jax.attention.mla
     ("indexer", ("indexer",)),
-    ("router", ("mxd,mx->md",)),
+    ("router", ("mxd,mx->md", "mxsd,mx->msd")),
     ("dense FFN", ("/mlp/",)),
     ("attention core", ("sparse_mla", "blgrk,", "bgrls,", "bhls", "blht")),
     ("attention projections", ("self_attn",)),

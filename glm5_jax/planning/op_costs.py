@@ -59,7 +59,7 @@ CATEGORY_RULES = (
     ("router", r"/mlp/(?!shard_map|shared_experts|experts)"),
     ("experts and FFN", r"/mlp/shard_map/(jit\((gmm|tgmm|silu)\)|mul)|shared_experts|"
                         r"/mlp/experts|layers_0_\d+/mlp/"),
-    ("MoE dispatch/relayout", r"/mlp/shard_map|^mxd,mx->md|ragged_all_to_all"),
+    ("MoE dispatch/relayout", r"/mlp/shard_map|^mxs?d,mx->ms?d|ragged_all_to_all"),
     ("indexer", r"self_attn/.*(while/body/closed_call/(checkpoint/)?(rematted_computation/)?"
                 r"while/|blji|bljs|bljt|blj,|/sort|top_k|indexer)"),
     ("DSA sparse", r"self_attn/(closed_call/|checkpoint/|rematted_computation/)*while|"
