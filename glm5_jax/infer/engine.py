@@ -301,11 +301,13 @@ class Engine:
         for slot in range(self.slots):
           self.pages.release(slot)
 
+    # The first decode takes the counts as allocated, every later one a program's output (with
+    # placed params a committed array: another program, as in `_warm_admission`), so the first
+    # bucket's decode runs twice.
     parts = ([functools.partial(self._warm_admission, rows, n, fresh=n == buckets[0])
-              for rows in row_buckets for n in buckets] + [functools.partial(host_path, rows) for rows in row_buckets]
-             + [functools.partial(self._warm_decode, n) for n in buckets])
-    if self.mesh is not None:  # fresh counts first, then the committed ones (`_warm_admission`)
-      parts.insert(len(parts) - len(buckets), functools.partial(self._warm_decode, buckets[0]))
+              for rows in row_buckets for n in buckets]
+             + [functools.partial(host_path, rows) for rows in row_buckets]
+             + [functools.partial(self._warm_decode, n) for n in buckets[:1] + buckets])
     with self._context():
       for done, part in enumerate(parts, 1):
         part()
