@@ -62,7 +62,10 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
   #  - dynamic sampling: groups whose rewards are all equal (31-56% of them) are replaced by
   #    up to 2 more rounds of prompts, so every step trains on 32 groups with signal;
   #  - a smaller step, 3e-4, and GRPO's KL penalty to the SFT policy (0.1), which bounds how far
-  #    the noise part of the updates can walk.
+  #    the noise part of the updates can walk;
+  #  - a constant LR after warm-up: with the cosine decay to 10% the update norm fell 10x over
+  #    the 100 steps and a weak start's slow climb stopped with it (+6 points from the seed-0
+  #    SFT; constant: +13 and +16 over two RL seeds, +13 to +21.5 from every start).
   if arg.recipe == "plain":
     config.optim = optim.optim_config(learning_rate=1e-3, warmup_steps=5)
   else:
@@ -70,7 +73,7 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
       config.rl.env_options.reward = "checked"
     config.rl.dynamic_sampling_rounds = 2
     config.rl.kl_coef = 0.1
-    config.optim = optim.optim_config(learning_rate=3e-4, warmup_steps=5)
+    config.optim = optim.optim_config(learning_rate=3e-4, warmup_steps=5, min_lr_ratio=1.0)
   config.train = train_defaults.train_config(steps=arg.steps)
   # Every step: the asynchronous trainer publishes only checkpointed versions (async_trainer).
   config.ckpt = train_defaults.ckpt_config(every_steps=1, keep=2)
