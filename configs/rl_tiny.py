@@ -65,7 +65,7 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
   #    the noise part of the updates can walk;
   #  - a constant LR after warm-up: with the cosine decay to 10% the update norm fell 10x over
   #    the 100 steps and a weak start's slow climb stopped with it (+6 points from the seed-0
-  #    SFT; constant: +13 and +16 over two RL seeds, +13 to +21.5 from every start).
+  #    SFT; constant: +13 and +16 over two RL seeds, +13 to +22.5 from every start).
   if arg.recipe == "plain":
     config.optim = optim.optim_config(learning_rate=1e-3, warmup_steps=5)
   else:
