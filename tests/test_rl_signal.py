@@ -185,6 +185,31 @@ def test_seeds_study_plans_shared_starts_and_summarizes_runs(tmp_path):
     seeds.read_result(runs[0])
 
 
+def test_compare_pairs_two_studies_run_by_run():
+  row = lambda name, curve: {"run": name, "eval_steps": [0, 50, 100], "accuracy_curve": curve,
+                             "accuracy_change": curve[-1] - curve[0]}
+  sync = [row("sft0_rl0", [0.3, 0.35, 0.45]), row("sft1_rl0", [0.5, 0.5, 0.6]),
+          row("sft2_rl0", [0.2, 0.3, 0.4])]
+  # the async runs gain 0.05, 0.07, 0.03 more than their sync twins; sft9_rl0 has no twin
+  other = [row("sft0_rl0", [0.3, 0.4, 0.5]), row("sft1_rl0", [0.5, 0.6, 0.67]),
+           row("sft2_rl0", [0.2, 0.3, 0.43]), row("sft9_rl0", [0.1, 0.1, 0.9])]
+  out = seeds.compare(sync, other)
+  assert out["runs"] == ["sft0_rl0", "sft1_rl0", "sft2_rl0"]
+  diff = out["accuracy"]["difference"]
+  assert diff["mean"] == pytest.approx(0.05) and diff["n"] == 3
+  assert diff["half_width"] == pytest.approx(4.303 * 0.02 / math.sqrt(3))
+  assert out["accuracy"]["effect"]
+  assert [c["mean"] for c in out["accuracy"]["curve"]] == pytest.approx([1 / 3, 1.3 / 3, 1.6 / 3])
+  table = seeds.comparison_markdown(out, "sync", "async")
+  assert "| accuracy | 15.0 ± 12.4 | 20.0 ± 7.5 | 5.0 ± 5.0 | yes |" in table
+  assert "| accuracy (%) at RL step | 0 | 50 | 100 |" in table and "| async | 33.3 ± " in table
+  assert "| difference (paired) | 0.0 ± 0.0 | 5.0 ± 12.4 | 5.0 ± 5.0 |" in table
+  with pytest.raises(ValueError, match="sft0_rl0 evaluated at steps"):
+    seeds.compare(sync, [row("sft0_rl0", [0.3, 0.4, 0.5]) | {"eval_steps": [0, 25, 100]}])
+  with pytest.raises(ValueError, match="no run in both"):
+    seeds.compare(sync, [row("sft5_rl0", [0.3, 0.4, 0.5])])
+
+
 def test_score_under_the_null_control_uses_rewards_shuffled_within_groups():
   """`loop.score`'s GRPO advantages: of the env's rewards, or under the null control of the
   rewards permuted within each group by a permutation drawn from (rl.seed, step)."""

@@ -9,6 +9,9 @@
   # any experiments/rl.py flags after `--`, asynchronous mode included
   python tools/seeds.py --root=/tmp/glm5_seeds/async --sft_seeds=0,1,2 --rl_seeds=0 \
       -- --mode=async --rollout_workers=2
+  # ... and compared with the synchronous study run by run (same starts, same seeds)
+  python tools/seeds.py --root=/tmp/glm5_seeds/async --sft_seeds=0,1,2 --rl_seeds=0 \
+      --compare_to=/tmp/glm5_seeds/default -- --mode=async --rollout_workers=2
 
 Each run is `experiments/rl.py <flags after --> --workdir=<root>/sft<s>_rl<r>
 --config.sft.seed=<s> --config.rl.seed=<r>`; the RL seeds of one SFT seed share its SFT run.
@@ -16,7 +19,11 @@ Rerunning the command skips finished runs and resumes the others. Writes `<root>
 (every run's row and the summary) and `<root>/seeds.md` (the tables), and prints the tables:
 held-out greedy accuracy, sampled accuracy and pass@k before and after RL, and their change,
 as mean ± the 95% Student t half-width over the runs, the smallest change, and whether the
-change's interval excludes 0 ("effect").
+change's interval excludes 0 ("effect"). With `--compare_to=<another study's root>` (its
+seeds.json) it also prints, and writes to `<root>/comparison.md`, the two studies run by run:
+each change and the paired difference of the changes with its 95% t interval, and each metric's
+curve over the RL steps (equal RL steps are equal trained samples: both train `rl.batch_groups`
+groups a step).
 """
 
 import os
@@ -28,6 +35,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from absl import app, flags
 
+from glm5_jax.files import write_atomic
 from glm5_jax.sweeps import seeds
 from glm5_jax.train import console
 
@@ -36,6 +44,8 @@ _ROOT = flags.DEFINE_string("root", "/tmp/glm5_seeds", "The study's directory (o
 _SFT_SEEDS = flags.DEFINE_list("sft_seeds", ["0", "1", "2"], "SFT seeds (config.sft.seed).")
 _RL_SEEDS = flags.DEFINE_list("rl_seeds", ["0", "1"], "RL seeds (config.rl.seed) per SFT seed.")
 _PARALLEL = flags.DEFINE_integer("parallel", 2, "Runs at a time (one process each).")
+_COMPARE_TO = flags.DEFINE_string("compare_to", "", "Another finished study's root (its "
+                                  "seeds.json): compare this one with it run by run.")
 
 
 def _ints(name: str, values) -> list[int]:
@@ -56,6 +66,14 @@ def main(argv):
         f"experiments/rl.py {' '.join(out['rl_args'])} ==\n")
   print(seeds.markdown(out["rows"], out["summary"]))
   print(f"(written to {out['root']}/seeds.json and seeds.md)")
+  if _COMPARE_TO.value:
+    base_root = os.path.abspath(_COMPARE_TO.value)
+    table = seeds.comparison_markdown(
+        seeds.compare(seeds.read_study(base_root)["rows"], out["rows"]),
+        base_label=os.path.basename(base_root), label=os.path.basename(out["root"]))
+    write_atomic(os.path.join(out["root"], "comparison.md"), table)
+    print(f"\n== {out['root']} against {base_root}, run by run ==\n\n{table}"
+          f"(written to {out['root']}/comparison.md)")
 
 
 if __name__ == "__main__":

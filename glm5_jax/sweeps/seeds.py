@@ -129,6 +129,74 @@ def markdown(rows: list[dict], summary: dict, metrics=METRICS) -> str:
   return "\n".join(lines) + "\n"
 
 
+def read_study(root: str) -> dict:
+  """`<root>/seeds.json` of a finished study; ValueError naming the file when it is missing."""
+  path = os.path.join(root, "seeds.json")
+  if not os.path.exists(path):
+    raise ValueError(f"{path}: no such file; a study writes it when all its runs are done")
+  with open(path) as f:
+    return json.load(f)
+
+
+def compare(base_rows: list[dict], rows: list[dict], metrics=METRICS) -> dict:
+  """Two studies from the same starts (e.g. synchronous vs asynchronous RL), run by run.
+
+  Pairs the runs by name (the same SFT and RL seeds: the same start and seeds), so the start's
+  variance cancels. Returns {"runs": [paired names], metric: {"base_change", "change",
+  "difference" (this study's change minus the base's, paired): `mean_interval`s, "effect"
+  (the difference's interval excludes 0), "steps", "base_curve", "curve", "curve_difference"
+  (paired): per evaluation step a `mean_interval` over the runs}}. The curves need both studies to evaluate at the same steps;
+  raises ValueError naming the run otherwise, or when no run is in both."""
+  base = {r["run"]: r for r in base_rows}
+  names = [r["run"] for r in rows if r["run"] in base]
+  if not names:
+    raise ValueError(f"seeds.compare: no run in both studies (base {sorted(base)}, this "
+                     f"{[r['run'] for r in rows]})")
+  this = {r["run"]: r for r in rows}
+  for name in names:
+    if this[name]["eval_steps"] != base[name]["eval_steps"]:
+      raise ValueError(f"seeds.compare: run {name} evaluated at steps {this[name]['eval_steps']}, "
+                       f"its base at {base[name]['eval_steps']}; curves need the same steps")
+  out = {"runs": names}
+  for m in metrics:
+    if not all(f"{m}_change" in this[n] and f"{m}_change" in base[n] for n in names):
+      continue
+    diff = intervals.mean_interval([this[n][f"{m}_change"] - base[n][f"{m}_change"] for n in names])
+    curve = lambda rs: [intervals.mean_interval(v) for v in zip(*(rs[n][f"{m}_curve"]
+                                                                    for n in names))]
+    paired = [intervals.mean_interval(v) for v in zip(*(
+        [a - b for a, b in zip(this[n][f"{m}_curve"], base[n][f"{m}_curve"])] for n in names))]
+    out[m] = {"base_change": intervals.mean_interval([base[n][f"{m}_change"] for n in names]),
+              "change": intervals.mean_interval([this[n][f"{m}_change"] for n in names]),
+              "difference": diff, "effect": intervals.excludes_zero(diff),
+              "steps": this[names[0]]["eval_steps"], "base_curve": curve(base),
+              "curve": curve(this), "curve_difference": paired}
+  return out
+
+
+def comparison_markdown(comparison: dict, base_label: str, label: str) -> str:
+  """`compare`'s tables: the paired difference of the changes, then each metric's curve (mean
+  ± 95% t per evaluation step, percent)."""
+  pct = lambda s: intervals.format_interval(s, scale=100)
+  n = len(comparison["runs"])
+  metrics = [m for m in comparison if m != "runs"]
+  lines = [f"| held-out metric (%, n = {n} paired runs, mean ± 95% t) | change, {base_label} | "
+           f"change, {label} | difference ({label} - {base_label}, paired) | effect |",
+           "|---|---|---|---|---|"]
+  for m in metrics:
+    c = comparison[m]
+    lines.append(f"| {m} | {pct(c['base_change'])} | {pct(c['change'])} | {pct(c['difference'])} "
+                 f"| {'yes' if c['effect'] else 'no'} |")
+  for m in metrics:
+    c = comparison[m]
+    lines += ["", f"| {m} (%) at RL step | " + " | ".join(str(s) for s in c["steps"]) + " |",
+              "|---|" + "---|" * len(c["steps"])]
+    for name, curve in ((base_label, c["base_curve"]), (label, c["curve"]),
+                        ("difference (paired)", c["curve_difference"])):
+      lines.append(f"| {name} | " + " | ".join(pct(s) for s in curve) + " |")
+  return "\n".join(lines) + "\n"
+
+
 def run_study(root: str, sft_seeds, rl_seeds, rl_args: list[str], *, parallel: int = 1,
               poll_seconds: float = 2.0) -> dict:
   """Runs (or resumes) every run of the study, `parallel` processes at a time, then writes
