@@ -39,15 +39,13 @@ from absl import app, flags
 import jax
 import numpy as np
 from configs import overrides
-from experiments import model_flags  # pylint: disable=wrong-import-position
+from experiments import model_flags, serving_flags  # pylint: disable=wrong-import-position
 from glm5_jax import infer
 from glm5_jax.infer.loading import load_model
 from glm5_jax.infer.prompts import Prompt, encode_text, read_prompts_file
 from glm5_jax.train import console
 
-_CONFIG = overrides.define_config_file(
-    "config", None, "Run config for --random_init (its model and data.tokenizer), e.g. "
-    "configs/tiny.py.", lock_config=False)
+_CONFIG = model_flags.define_random_init_config()
 _PROMPT = flags.DEFINE_multi_string("prompt", [], "A text prompt (repeatable).")
 _PROMPTS_FILE = flags.DEFINE_string("prompts_file", None, "jsonl of prompts: {\"prompt\": text} "
                                     "or {\"tokens\": [ids]}, optional \"id\".")
@@ -65,12 +63,9 @@ _SPECULATIVE = flags.DEFINE_integer("speculative_steps", 0, "MTP draft tokens pe
 _MTP_CACHE = flags.DEFINE_enum("mtp_cache", "per_depth", ["per_depth", "shared"], "The MTP "
                                "drafter's cache scheme with --speculative_steps > 0 "
                                "(glm5_jax.infer.cache).")
-_SLOTS = flags.DEFINE_integer("slots", 0, "Sequences decoded at once (0: every prompt, at most "
-                              "32).")
-_MAX_LEN = flags.DEFINE_integer("max_len", 0, "Cache positions per slot (0: what the longest "
-                                "prompt needs).")
-_PREFILL_CHUNK = flags.DEFINE_integer("prefill_chunk", 256, "Prompt tokens per slot per prefill "
-                                      "call.")
+_SIZES = serving_flags.define_engine_sizes(
+    slots=(0, "Sequences decoded at once (0: every prompt, at most 32)."),
+    max_len=(0, "Cache positions per slot (0: what the longest prompt needs)."))
 _WARMUP = flags.DEFINE_bool("warmup", True, "Compile with a warm-up run before timing.")
 _OUTPUT = flags.DEFINE_string("output", None, "Also write one JSON line per completion here "
                               "(id, prompt and completion ids, log-probs, text).")
@@ -143,10 +138,11 @@ def _generate_and_print(served, prompts):
   k = _SPECULATIVE.value
   ids = [list(p.tokens) for p in prompts]
   # One max_len for the full and the prefill-only run, so they share compiled shapes.
-  max_len = _MAX_LEN.value or max(len(t) for t in ids) + _MAX_NEW.value - 1 + k
+  max_len = _SIZES.max_len.value or max(len(t) for t in ids) + _MAX_NEW.value - 1 + k
   common = dict(temperature=_TEMPERATURE.value, top_p=_TOP_P.value, top_k=_TOP_K.value,
                 seed=_SEED.value, speculative_steps=k, stop_tokens=_stop_tokens(served.tokenizer),
-                slots=_SLOTS.value or None, max_len=max_len, prefill_chunk=_PREFILL_CHUNK.value)
+                slots=_SIZES.slots.value or None, max_len=max_len,
+                prefill_chunk=_SIZES.prefill_chunk.value)
   if k:
     common["mtp_cache"] = _MTP_CACHE.value
   full = lambda: infer.generate(served.model, served.params, ids, max_new_tokens=_MAX_NEW.value,
@@ -177,7 +173,7 @@ def _generate_and_print(served, prompts):
   generated = sum(len(t) for t in result.tokens)
   prompt_tokens = sum(len(t) for t in ids)
   print(f"\n== throughput ({'after warm-up' if _WARMUP.value else 'WITH compile time'}; "
-        f"{len(ids)} prompts, slots {_SLOTS.value or min(len(ids), 32)}, max_len {max_len})")
+        f"{len(ids)} prompts, slots {_SIZES.slots.value or min(len(ids), 32)}, max_len {max_len})")
   print(f"overall: {generated} tokens in {total_s:.3f}s = {generated / total_s:,.1f} tokens/s")
   print(f"prefill: {prompt_tokens} prompt tokens in {prefill_s:.3f}s (a max_new_tokens=1 run) = "
         f"{prompt_tokens / prefill_s:,.1f} tokens/s")

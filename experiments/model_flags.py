@@ -10,8 +10,8 @@ and the one place that reads them (`load_kwargs`: the arguments of
   --cache_dtype                           the decode cache's dtype
 
 `--config` and `--seed` stay each entry point's own: serve.py and generate.py take `--config`
-for `--random_init` only, eval.py as the evaluated run's target config; `--seed` is
-generate.py's sampling seed too.
+for `--random_init` only (`define_random_init_config`), eval.py as the evaluated run's target
+config; `--seed` is generate.py's sampling seed too.
 """
 
 from absl import flags
@@ -42,6 +42,15 @@ CACHE_DTYPE = flags.DEFINE_enum(
     "cache_dtype", None, ["float32", "bfloat16", "float16"], "The decode cache's dtype "
     "(default: the model's compute dtype, so cached decode equals the full forward; bfloat16 "
     "under an fp32 model halves the cache and rounds it: docs/inference.md).")
+
+
+def define_random_init_config():
+  """`--config`, the run config whose model `--random_init` builds (serve.py, generate.py; a
+  function, as eval.py defines a `--config` of its own). Its holder: `load_kwargs`' `config`
+  is its value."""
+  return overrides.define_config_file(
+      "config", None, "Run config for --random_init (its model and data.tokenizer), e.g. "
+      "configs/tiny.py.", lock_config=False)
 
 
 def model_overrides() -> dict:

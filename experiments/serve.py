@@ -9,7 +9,8 @@
 The model comes from `--workdir` (a training run's latest checkpoint), `--hf_path` or
 `--random_init --config=...`, quantized with `--quant=w8a8|w4a8` (`--rotate`), through the
 model-loading flags experiments/generate.py and eval.py share (experiments/model_flags.py,
-`glm5_jax.infer.loading`).
+`glm5_jax.infer.loading`); the engine's sizes and loop flags are experiments/serving_flags.py's
+(tools/bench_serve.py runs its engine loop with the same flags).
 
 Warm before serving: the server listens at once, but `/health` answers 503
 `{"status": "warming"}` (and the API 503, code "warming") until the engine has compiled every
@@ -38,7 +39,7 @@ import jax
 import uvicorn
 
 from configs import overrides
-from experiments import model_flags  # pylint: disable=wrong-import-position
+from experiments import model_flags, serving_flags  # pylint: disable=wrong-import-position
 from glm5_jax.infer.compile_count import process_compiles
 from glm5_jax.infer.engine import Engine
 from glm5_jax.infer.loading import load_model
@@ -50,16 +51,13 @@ from glm5_jax.rl.serve_policy import PolicyFollower
 from glm5_jax.serve.versions import VersionedLoop
 from glm5_jax.train import console
 
-_CONFIG = overrides.define_config_file(
-    "config", None, "Run config for --random_init (its model and data.tokenizer), e.g. "
-    "configs/tiny.py.", lock_config=False)
+_CONFIG = model_flags.define_random_init_config()
 _HOST = flags.DEFINE_string("host", "127.0.0.1", "Address to listen on.")
 _PORT = flags.DEFINE_integer("port", 8000, "Port to listen on.")
-_SLOTS = flags.DEFINE_integer("slots", 8, "Sequences decoded at once.")
-_MAX_LEN = flags.DEFINE_integer("max_len", 1024, "Cache positions per slot (prompt + "
-                                "max_tokens - 1 of one request).")
-_PREFILL_CHUNK = flags.DEFINE_integer("prefill_chunk", 256, "Prompt tokens per slot per "
-                                      "prefill call.")
+_SIZES = serving_flags.define_engine_sizes(
+    slots=(8, "Sequences decoded at once."),
+    max_len=(1024, "Cache positions per slot (prompt + max_tokens - 1 of one request)."))
+_LOOP = serving_flags.define_loop_flags()
 _MAX_QUEUE = flags.DEFINE_integer("max_queue", 256, "Requests (choices) waiting for a slot "
                                   "before the server answers 503 (Retry-After).")
 _MAX_N = flags.DEFINE_integer("max_n", 16, "Choices (`n`) one request may ask for; at most "
@@ -78,18 +76,6 @@ _WARMUP = flags.DEFINE_bool("warmup", True, "Compile every program a request can
 _TOP_LOGPROBS = flags.DEFINE_integer("max_top_logprobs", 20, "Alternatives kept per generated "
                                      "token: the most a request's top_logprobs (chat) / "
                                      "logprobs (completions) may ask for; 0 keeps none.")
-_ADMIT_AFTER = flags.DEFINE_integer("admit_after_steps", 0, "While requests decode, hold new "
-                                    "ones and admit them together after at most this many "
-                                    "steps (glm5_jax.serve.engine_loop); 0: at the next step.")
-_ADMIT_WINDOW = flags.DEFINE_float("admit_window_s", 0.02, "An idle engine admits arrivals "
-                                    "once none has come for this long (at most 4 windows after "
-                                    "the first; glm5_jax.serve.engine_loop): clients answered "
-                                    "together send their next requests together; 0: at once.")
-_SWITCH = flags.DEFINE_float(
-    "switch_interval_s", 0.0002, "sys.setswitchinterval of the server process. The engine "
-    "thread gives up the GIL at every device call and transfer; at Python's default 0.005 s "
-    "each time the event loop holds it costs the engine up to 5 ms (a busy Python thread "
-    "slowed Engine.run 2-5.7x at 0.005 s, 1.5x at 0.0002 s: docs/serving.md).")
 _NAME = flags.DEFINE_string("model_name", "glm5-jax", "The model id clients pass as `model`.")
 _SEED = flags.DEFINE_integer("seed", 0, "Init seed of --random_init.")
 _POLICY_DIR = flags.DEFINE_string(
@@ -99,11 +85,6 @@ _POLICY_DIR = flags.DEFINE_string(
 _RECORD_ROUTING = flags.DEFINE_bool(
     "record_routing", False, "Record each token's MoE experts and DSA keys in the TITO "
     "gateway's trajectory records (for RL routing replay; docs/serving.md).")
-_ENGINE_PROCESS = flags.DEFINE_bool(
-    "engine_process", True, "Run the engine in a process of its own (it loads the model; the "
-    "server's process then keeps to the CPU and never holds the accelerator). Off: the engine "
-    "runs on a thread of the server's process, which shares one GIL with the HTTP layer "
-    "(docs/serving.md 'Load test').")
 _POLICY_POLL_S = flags.DEFINE_float("policy_poll_s", 5.0, "Seconds between checks of "
                                     "--policy_dir for a newer version.")
 
@@ -120,7 +101,7 @@ def _exit_failed(e: BaseException) -> None:
 
 def _limits() -> Limits:
   limits = Limits(max_n=_MAX_N.value, max_tokens=_MAX_TOKENS.value or None,
-                  max_prompt_tokens=_MAX_PROMPT.value or _MAX_LEN.value - 1,
+                  max_prompt_tokens=_MAX_PROMPT.value or _SIZES.max_len.value - 1,
                   max_body_bytes=_MAX_BODY.value, max_json_depth=_MAX_DEPTH.value)
   limits.check_against_queue(_MAX_QUEUE.value)
   return limits
@@ -140,13 +121,13 @@ def main(argv):
     raise app.UsageError(f"unexpected arguments {argv[1:]}")
   console.quiet_library_info()
   console.announce_slow_compiles()
-  sys.setswitchinterval(_SWITCH.value)
+  sys.setswitchinterval(_LOOP.switch_interval_s.value)
   try:
     limits = _limits()
     load = model_flags.load_kwargs(_CONFIG.value, _SEED.value)
-    sizes = dict(slots=_SLOTS.value, max_len=_MAX_LEN.value, prefill_chunk=_PREFILL_CHUNK.value,
-                 top_logprobs=_TOP_LOGPROBS.value, record_routing=_RECORD_ROUTING.value)
-    if _ENGINE_PROCESS.value:
+    sizes = dict(_SIZES.kwargs(), top_logprobs=_TOP_LOGPROBS.value,
+                 record_routing=_RECORD_ROUTING.value)
+    if _LOOP.engine_process.value:
       # Before anything starts a backend here: the accelerator is the engine process's.
       jax.config.update("jax_platforms", "cpu")
       engine = EngineProcess(_served_engine_with_notices, load, sizes)
@@ -158,9 +139,7 @@ def main(argv):
       compiles = lambda: counter.count
     if tokenizer is None:
       raise ValueError("the model source has no tokenizer: pass --tokenizer")
-    loop = VersionedLoop(engine, max_queue=_MAX_QUEUE.value,
-                         admit_after_steps=_ADMIT_AFTER.value,
-                         admit_window_s=_ADMIT_WINDOW.value)
+    loop = VersionedLoop(engine, max_queue=_MAX_QUEUE.value, **_LOOP.loop_kwargs())
     follower = None
     if _POLICY_DIR.value:
       follower = PolicyFollower(loop, _POLICY_DIR.value, poll_s=_POLICY_POLL_S.value)

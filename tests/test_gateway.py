@@ -2,16 +2,11 @@
 server (tests/test_serve.py's loopback fixture), param versions switched under a running
 request, and agent episodes through the `openai` client turned into training samples."""
 
-import socket
-import threading
-import time
-
 import httpx
 import jax
 import numpy as np
 import openai
 import pytest
-import uvicorn
 
 from glm5_jax.data import chat, make_tokenizer
 from glm5_jax.data.tokenizers import BYTE_OFFSET
@@ -21,6 +16,7 @@ from glm5_jax.posttrain import envs, rollout
 from glm5_jax.rl import agent_rollout, staleness, trajectories
 from glm5_jax.serve.app import create_app
 from glm5_jax.serve.gateway import to_sample
+from glm5_jax.serve.threaded_server import ThreadedServer
 from glm5_jax.serve.versions import VersionedLoop
 from tests.conftest import forward, random_params
 from tests.test_serve import CFG
@@ -36,20 +32,12 @@ def server():
   tok = make_tokenizer("byte")
   loop = VersionedLoop(Engine(CFG, params, slots=4, max_len=MAX_LEN, prefill_chunk=32,
                               page_size=None), max_queue=16)
-  with socket.socket() as s:
-    s.bind(("127.0.0.1", 0))
-    port = s.getsockname()[1]
   app = create_app(loop, tok, model_name="tiny")
-  server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning"))
-  thread = threading.Thread(target=server.run, daemon=True)
-  thread.start()
-  while not server.started:
-    time.sleep(0.05)
-  url = f"http://127.0.0.1:{port}"
+  server = ThreadedServer(app)
+  url = server.url
   yield dict(url=url, params=params, tok=tok, loop=loop, gateway=app.state.gateway,
              client=openai.OpenAI(base_url=url + "/v1", api_key="none", max_retries=0))
-  server.should_exit = True
-  thread.join(timeout=30)
+  server.close()
   loop.close()
 
 

@@ -6,8 +6,6 @@ compile anything in the engine's process (here: this one)."""
 import concurrent.futures
 import json
 import random
-import socket
-import threading
 import time
 
 import httpx
@@ -15,7 +13,6 @@ import jax
 import numpy as np
 import openai
 import pytest
-import uvicorn
 
 from glm5_jax.data import make_tokenizer
 from glm5_jax.infer import sampling
@@ -27,6 +24,7 @@ from glm5_jax.serve.app import create_app
 from glm5_jax.serve.engine_loop import EngineLoop
 from glm5_jax.serve.limits import Limits
 from glm5_jax.serve.readiness import Readiness, warm
+from glm5_jax.serve.threaded_server import ThreadedServer
 from tests.conftest import forward, random_params, tiny_model_config
 from glm5_jax.serve.random_requests import random_bodies
 
@@ -47,23 +45,15 @@ def server():
   loop = EngineLoop(engine, max_queue=64)
   counter = process_compiles()  # the engine runs in this process
   readiness = Readiness(compiles=lambda: counter.count)
-  with socket.socket() as s:
-    s.bind(("127.0.0.1", 0))
-    port = s.getsockname()[1]
-  app = create_app(loop, tok, model_name="tiny", limits=LIMITS, readiness=readiness)
-  server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning"))
-  thread = threading.Thread(target=server.run, daemon=True)
-  thread.start()
-  while not server.started:
-    time.sleep(0.05)
-  url = f"http://127.0.0.1:{port}"
+  server = ThreadedServer(create_app(loop, tok, model_name="tiny", limits=LIMITS,
+                                     readiness=readiness))
+  url = server.url
   # Listening, not ready: as experiments/serve.py while its engine warms.
   cold = (httpx.get(url + "/health"), httpx.post(url + "/v1/completions", json={"prompt": [1]}))
   warm(engine, readiness, log=lambda line: None)
   yield dict(url=url, params=params, tok=tok, loop=loop, cold=cold,
              client=openai.OpenAI(base_url=url + "/v1", api_key="none", max_retries=0))
-  server.should_exit = True
-  thread.join(timeout=30)
+  server.close()
   loop.close()
 
 

@@ -23,19 +23,21 @@ import logging
 import multiprocessing
 import os
 import pstats
-import socket
 import sys
 import threading
 import time
 import urllib.parse
+
+# The repository root, for `experiments` when run as `python tools/X.py` (sys.path[0] is tools/).
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from absl import app, flags
 import httpx
 import jax
 import ml_collections
 import numpy as np
-import uvicorn
 
+from experiments import serving_flags  # pylint: disable=wrong-import-position
 from glm5_jax.api import init_params
 from glm5_jax.config import model_config
 from glm5_jax.data import make_tokenizer
@@ -45,6 +47,7 @@ from glm5_jax.infer.requests import Request
 from glm5_jax.serve.app import create_app
 from glm5_jax.serve.engine_loop import EngineLoop
 from glm5_jax.serve.engine_process import EngineProcess, served_engine
+from glm5_jax.serve.threaded_server import ThreadedServer
 
 # hidden, layers, heads, kv_lora_rank, qk_nope / qk_rope / v head dims, indexer head dim, top-k
 _SIZES = {"tiny": (64, 2, 4, 32, 16, 8, 16, 16, 8),
@@ -62,22 +65,15 @@ _GIL_CHECK = flags.DEFINE_bool("gil_check", False, "Only time Engine.run (64 req
                                 "intervals 0.005 and 0.0002 s (no HTTP).")
 _PROFILE = flags.DEFINE_bool("profile", False, "cProfile the server's event-loop thread and the "
                              "engine thread during the last level; print their top functions.")
-_ADMIT_AFTER = flags.DEFINE_integer("admit_after_steps", 0, "EngineLoop's admit_after_steps "
-                                   "(0: every arrival admitted at the next step).")
-_ADMIT_WINDOW = flags.DEFINE_float("admit_window_s", 0.02, "EngineLoop's admit_window_s (an "
-                                   "idle engine admits arrivals once none has come for this "
-                                   "long), as experiments/serve.py's default.")
-_PROCESS = flags.DEFINE_bool("engine_process", True, "Run the engine in a process of its own "
-                             "(glm5_jax.serve.engine_process), as experiments/serve.py does; "
-                             "false: on a thread of the server's process.")
+# The engine loop's flags are experiments/serve.py's own (defaults included): the server
+# measured here runs its engine as that one does.
+_LOOP = serving_flags.define_loop_flags()
 _PIPELINED = flags.DEFINE_bool("pipelined", True, "EngineProcess(pipelined=...): the child "
                                "computes the next step while the server delivers the last.")
 _MODES = flags.DEFINE_list("modes", ["stream", "whole"], "Client modes: 'stream' (SSE, one chunk "
                            "per engine step per request) and/or 'whole' (one JSON reply).")
 _MODEL = flags.DEFINE_enum("model", "tiny", list(_SIZES), "The random model served "
                            "(`_model_config`).")
-_SWITCH = flags.DEFINE_float("switch_interval_s", 0.0002, "sys.setswitchinterval, as "
-                             "experiments/serve.py sets it (Python's default: 0.005).")
 _HTTP = flags.DEFINE_enum("http", "auto", ["auto", "h11", "httptools"], "uvicorn's HTTP "
                           "protocol ('auto': httptools when installed, as experiments/serve.py).")
 _SERVER_CPUS = flags.DEFINE_string("server_cpus", "", "CPU ids ('0,1' or '0-1') for the server, "
@@ -462,29 +458,20 @@ def main(argv):
   modes = [m.strip() for m in _MODES.value]
   if not modes or set(modes) - {"stream", "whole"}:
     raise app.UsageError(f"--modes: 'stream' and/or 'whole', got {_MODES.value}")
-  if _PROCESS.value:
+  if _LOOP.engine_process.value:
     engine = EngineProcess(_build_engine, _MODEL.value, _SLOTS.value, max_rows,
                            pipelined=_PIPELINED.value)
   else:
     engine = Engine(cfg, params, slots=_SLOTS.value, max_len=64, prefill_chunk=16)
     engine.warmup(max_rows)  # every program compiled before anything is timed
-  sys.setswitchinterval(_SWITCH.value)
-  loop = EngineLoop(engine, max_queue=1024, admit_after_steps=_ADMIT_AFTER.value,
-                    admit_window_s=_ADMIT_WINDOW.value)
-  with socket.socket() as s:
-    s.bind(("127.0.0.1", 0))
-    port = s.getsockname()[1]
-  server = uvicorn.Server(uvicorn.Config(create_app(loop, make_tokenizer("byte"),
-                                                    model_name="bench"),
-                                         host="127.0.0.1", port=port, log_level="warning",
-                                         http=_HTTP.value))
-  threading.Thread(target=server.run, daemon=True).start()
-  while not server.started:
-    time.sleep(0.05)
-  url = f"http://127.0.0.1:{port}/v1/completions"
+  sys.setswitchinterval(_LOOP.switch_interval_s.value)
+  loop = EngineLoop(engine, max_queue=1024, **_LOOP.loop_kwargs())
+  server = ThreadedServer(create_app(loop, make_tokenizer("byte"), model_name="bench"),
+                          http=_HTTP.value)
+  url = server.url + "/v1/completions"
   for stream in (True, False):  # first-request one-off costs
     _run_level(url, 1, 2, _MAX_TOKENS.value, 300, stream, _CLIENT_HTTP.value)
-  profiles = _Profiles(server, engine) if _PROFILE.value else None
+  profiles = _Profiles(server.server, engine) if _PROFILE.value else None
   timer = _StepTimer(engine)
   rates, levels = {}, [min(int(x), 64) for x in _CLIENTS.value]
   for mode in modes:
@@ -494,7 +481,7 @@ def main(argv):
     if 1 in levels and 32 in levels:
       print(f"{mode}: throughput 32 clients / 1 client: "
             f"{rates[mode, 32] / rates[mode, 1]:.2f}x")
-  server.should_exit = True
+  server.close()
   loop.close()
   # The same work as the 32-client level (32 x requests_per_client requests, 32 at a time),
   # submitted at once to the engine that served, in its own process (processes of one program
@@ -502,17 +489,18 @@ def main(argv):
   n = 32 * _PER_CLIENT.value
   requests = [Request(i, tuple(PROMPT), _MAX_TOKENS.value, 1.0, 1.0, 0, request_seed(0, i))
               for i in range(n)]
-  cpu_now = (lambda: engine.cpu_seconds) if _PROCESS.value else time.process_time
+  cpu_now = (lambda: engine.cpu_seconds) if _LOOP.engine_process.value else time.process_time
   runs, cpu = [], cpu_now()
   for _ in range(3):
     start = time.perf_counter()
     engine.run(requests)
     runs.append(n * _MAX_TOKENS.value / (time.perf_counter() - start))
   cpu = cpu_now() - cpu
-  if _PROCESS.value:
+  if _LOOP.engine_process.value:
     engine.close()
   direct_rate = float(np.median(runs))
-  where = "the engine process that served" if _PROCESS.value else "the engine that served"
+  where = ("the engine process that served" if _LOOP.engine_process.value
+           else "the engine that served")
   print(f"engine direct ({where}), {n} requests, {_SLOTS.value} slots: "
         f"{direct_rate:.1f} tok/s (median of {', '.join(f'{r:.0f}' for r in runs)}), CPU "
         f"us/token {1e6 * cpu / (3 * n * _MAX_TOKENS.value):.0f}")

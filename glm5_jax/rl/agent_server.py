@@ -3,10 +3,10 @@
 
 `AgentServer` serves the worker's engine in this process: `serve.app.create_app` (with its TITO
 gateway) over a `serve.versions.VersionedLoop`, run by uvicorn on a thread of its own, on a
-loopback port the operating system picks (the socket is bound here and handed to uvicorn, so
-two workers on one host never race for a port). Agent programs reach it at `url` through the
-`openai` client like any server; `rl.agent_rollout.agent_samples` plays the episodes and turns
-the gateway's records into samples.
+loopback port the operating system picks (`serve.threaded_server`: the socket is bound before
+uvicorn takes it, so two workers on one host never race for a port). Agent programs reach it
+at `url` through the `openai` client like any server; `rl.agent_rollout.agent_samples` plays
+the episodes and turns the gateway's records into samples.
 
 The engine's shapes come from the config only (slots, `data.seq_len`), as the engine path's
 do, so a new policy version (`set_params`: applied between two engine steps, each token tagged
@@ -16,14 +16,10 @@ one is never fed), so every sample fits the trainer's `seq_len` rows.
 """
 
 import logging
-import socket
-import threading
-import time
-
-import uvicorn
 
 from glm5_jax.infer.engine import Engine
 from glm5_jax.serve.app import create_app
+from glm5_jax.serve.threaded_server import ThreadedServer
 from glm5_jax.serve.versions import VersionedLoop
 
 MODEL_NAME = "glm5-jax"
@@ -53,23 +49,13 @@ class AgentServer:
     # surface as exceptions.
     for name in ("httpx", "httpx2"):
       logging.getLogger(name).setLevel(logging.WARNING)
-    self._socket = socket.socket()
-    self._socket.bind(("127.0.0.1", 0))
-    host, port = self._socket.getsockname()[:2]
-    self.url = f"http://{host}:{port}"
     # uvicorn installs no signal handlers off the main thread: SIGTERM stays the worker's.
-    self._server = uvicorn.Server(uvicorn.Config(self.app, log_level="warning",
-                                                 access_log=False))
-    self._thread = threading.Thread(target=self._server.run, kwargs={"sockets": [self._socket]},
-                                    name="agent-server", daemon=True)
-    self._thread.start()
-    deadline = time.time() + start_timeout_s
-    while not self._server.started:
-      if not self._thread.is_alive() or time.time() > deadline:
-        self.close()
-        raise RuntimeError(f"AgentServer: uvicorn did not start on {self.url} within "
-                           f"{start_timeout_s:.0f} s")
-      time.sleep(0.01)
+    try:
+      self._http = ThreadedServer(self.app, access_log=False, start_timeout_s=start_timeout_s)
+    except RuntimeError:  # uvicorn did not start: the engine loop's thread must not outlive it
+      self.loop.close()
+      raise
+    self.url = self._http.url
 
   @property
   def gateway(self):
@@ -93,7 +79,5 @@ class AgentServer:
             "mismatches": g.mismatches, "aborted": g.aborted}
 
   def close(self) -> None:
-    self._server.should_exit = True
-    self._thread.join(timeout=30)
+    self._http.close()
     self.loop.close()
-    self._socket.close()

@@ -9,7 +9,15 @@
                    the version that sampled it
   gateway.py       the TITO gateway: trajectory records per call (exact ids, log-probs,
                    versions), recorded tokens kept across turns, mismatches counted
-  app.py           the FastAPI app: endpoints, request fields, SSE, /metrics
+  app.py           create_app: the FastAPI app assembled from its routers and error handlers
+  routes/          one APIRouter per route family: completions.py, chat.py, trajectories.py
+                   (the gateway's records), status.py (/v1/models, /health, /metrics)
+  context.py       ServerContext: what every route reads (loop, tokenizer, bounds, readiness)
+                   and the readers of a request body into engine requests
+  respond.py       a request's choices run on the loop, answered whole or as SSE
+  fields.py        every OpenAI request field honoured or refused; typed field readers
+  limits.py        each request's bounds (n, tokens, body bytes, JSON depth)
+  readiness.py     warm-up before taking requests (/health)
   choices.py       one request's choices fed by its events: kept tokens, finish reasons,
                    log-probs in OpenAI's shapes
   text.py          generated ids -> text: incremental decode, stop strings, GLM's reasoning /

@@ -1,16 +1,19 @@
 """Every field of OpenAI's chat and completions request bodies, each honoured or refused.
 
-A field is either read by `glm5_jax.serve.app` (honoured), or accepted only at its default
-(null, or the values listed in `REFUSED_UNLESS`) and otherwise a 400 naming it: a feature this
-server does not have must never be dropped silently. A field outside both tables (a typo,
+A field is either read by the app's routes (`glm5_jax.serve.routes`: honoured), or accepted
+only at its default (null, or the values listed in `REFUSED_UNLESS`) and otherwise a 400 naming
+it: a feature this server does not have must never be dropped silently. A field outside both tables (a typo,
 a newer OpenAI field) is a 400 naming it too. docs/serving.md, "Request fields", has the table.
 
-Also here: the fields with rules of their own, `logit_bias`, the penalties and
+Also here: the readers of one typed field (`int_field`, `float_field`, `bool_field`,
+`object_field`), and the fields with rules of their own: `stop`, `logit_bias`, the penalties and
 `response_format` (JSON output is not constrained: refused).
 """
 
 from glm5_jax.infer.penalties import BIAS_BOUND, MAX_BIASED_TOKENS, PENALTY_BOUND
 from glm5_jax.serve.errors import ApiError
+
+MAX_STOPS = 16  # stop strings per request
 
 # Read by the app (OpenAI's, then this server's extensions).
 COMMON = ("model", "frequency_penalty", "logit_bias", "logprobs", "max_tokens", "n",
@@ -125,3 +128,58 @@ def check_response_format(body) -> None:
                    "response_format")
   raise ApiError(400, f"response_format must be {{\"type\": \"text\"}}; got {value!r:.60}",
                  "response_format")
+
+
+def int_field(body, name, default, low, high=None, why="") -> int:
+  """`body[name]`, an int in [low, high] (None: unbounded above); absent or null: `default`.
+  `why` ends the error message (where the bound comes from)."""
+  value = body.get(name, default)
+  if value is None:
+    value = default
+  if not isinstance(value, int) or isinstance(value, bool) or value < low or (
+      high is not None and value > high):
+    bounds = f">= {low}" if high is None else f"in [{low}, {high}]"
+    raise ApiError(400, f"{name} must be an int {bounds}{why}; got {value!r:.80}", name)
+  return value
+
+
+def float_field(body, name, default, low, high, low_open=False) -> float:
+  """`body[name]`, a number in [low, high] ((low, high] with `low_open`); absent or null:
+  `default`."""
+  value = body.get(name, default)
+  value = default if value is None else value
+  if not isinstance(value, (int, float)) or isinstance(value, bool) or value < low or (
+      value > high) or (low_open and value == low):
+    bracket = "(" if low_open else "["
+    raise ApiError(400, f"{name} must be a number in {bracket}{low}, {high}]; got {value!r}",
+                   name)
+  return float(value)
+
+
+def bool_field(body, name) -> bool:
+  """`body[name]`, true or false; absent or null: false."""
+  value = body.get(name)
+  if value is not None and not isinstance(value, bool):
+    raise ApiError(400, f"{name} must be true or false; got {value!r:.80}", name)
+  return bool(value)
+
+
+def object_field(body, name) -> dict:
+  """`body[name]`, an object; absent, null or empty: {}."""
+  value = body.get(name) or {}
+  if not isinstance(value, dict):
+    raise ApiError(400, f"{name} must be an object; got {value!r:.80}", name)
+  return value
+
+
+def stop_strings(body) -> tuple:
+  """`stop`: a non-empty string or a list of at most `MAX_STOPS` of them; absent: ()."""
+  stop = body.get("stop")
+  if stop is None or stop == []:
+    return ()
+  stop = [stop] if isinstance(stop, str) else stop
+  if not isinstance(stop, list) or len(stop) > MAX_STOPS or not all(
+      isinstance(s, str) and s for s in stop):
+    raise ApiError(400, f"stop must be a non-empty string or a list of at most {MAX_STOPS} "
+                   f"non-empty strings; got {stop!r:.80}", "stop")
+  return tuple(stop)

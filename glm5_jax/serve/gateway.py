@@ -24,11 +24,11 @@ tokens either way. The earlier messages must be those of the previous call, unch
 otherwise: a trajectory only grows). Each trajectory is an engine session (plain decoding), so
 a later turn prefills only the tokens past the previous call's.
 
-Reading records: `GET /v1/trajectories/{id}`, `POST /v1/trajectories/{id}/finish` (no more
-calls; returns the records), `DELETE /v1/trajectories/{id}`; or in Python, `Gateway.records`
-and `Gateway.finish`. `to_sample` turns a trajectory into `posttrain.rollout.Sample` (the
-training sample: those ids, those raw log-probs, loss mask 1 on the completions) and its
-per-token versions.
+Reading records over HTTP (`serve.routes.trajectories`): `GET /v1/trajectories/{id}`,
+`POST /v1/trajectories/{id}/finish` (no more calls; returns the records),
+`DELETE /v1/trajectories/{id}`; or in Python, `Gateway.records` and `Gateway.finish`.
+`to_sample` turns a trajectory into `posttrain.rollout.Sample` (the training sample: those ids,
+those raw log-probs, loss mask 1 on the completions) and its per-token versions.
 """
 
 import dataclasses
@@ -37,7 +37,6 @@ import threading
 import time
 
 import numpy as np
-from fastapi.responses import JSONResponse
 
 from glm5_jax.data import chat
 from glm5_jax.posttrain.rollout import Sample, merge_routing
@@ -286,29 +285,6 @@ class Gateway:
             f"glm5_gateway_aborted_total {self.aborted}",
             f"glm5_gateway_evicted_total {self.evicted}",
             f"glm5_param_version {getattr(self.loop, 'version', 0)}"]
-
-  def add_routes(self, app) -> None:
-    """The trajectory endpoints and the GatewayError handler on `app`."""
-
-    @app.exception_handler(GatewayError)
-    async def _error(_, e: GatewayError):
-      kind = {404: "not_found", 409: "conflict", 503: "server_error"}.get(
-          e.status, "invalid_request_error")
-      return JSONResponse({"error": {"message": e.message, "type": kind, "param": e.param,
-                                     "code": e.status}}, status_code=e.status)
-
-    @app.get("/v1/trajectories/{tid}")
-    async def get(tid: str):
-      return self.records(tid).as_json()
-
-    @app.post("/v1/trajectories/{tid}/finish")
-    async def finish(tid: str):
-      return self.finish(tid).as_json()
-
-    @app.delete("/v1/trajectories/{tid}")
-    async def delete(tid: str):
-      self.drop(tid)
-      return {"id": tid, "deleted": True}
 
 
 def _cut(record: TurnRecord, keep: int) -> None:
