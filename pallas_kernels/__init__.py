@@ -9,8 +9,10 @@ Two ops, four implementations each, one signature per op:
 
 plus `indexer_scores_at` (differentiable index scores at the selected keys) and
 `sparse_mla_head_mean_probs` (the indexer KL's target), both XLA, which the sparse training
-stage needs on every path, except that the GPU row's sparse MLA emits the target from its own
-forward kernel (`DSAOps.sparse_mla_with_probs`, `sparse_mla_triton_with_head_probs`).
+stage needs on every path, except that the Pallas rows' sparse MLA emit the target from their
+own forward kernels (`DSAOps.sparse_mla_with_probs`: `sparse_mla_pallas_with_head_probs`,
+`sparse_mla_triton_with_head_probs`) and the XLA row from its attention pass
+(`sparse_mla_xla_with_kl_target`).
 `dsa_ops(model.dsa_impl)` (`pallas_kernels.dispatch`) is the row that runs: "xla"; "pallas" =
 the TPU kernels on TPU, the GPU kernels on GPU, an error naming `model.dsa_impl` elsewhere;
 "pallas_interpret" = the TPU kernels in interpret mode (CPU tests).
@@ -61,7 +63,7 @@ from pallas_kernels.lightning_indexer import (indexer_scores_at, indexer_scores_
                                               indexer_topk_xla, select_topk)
 from pallas_kernels.lightning_indexer_pallas import indexer_scores_pallas, indexer_topk_pallas
 from pallas_kernels.sparse_mla import sparse_mla_head_mean_probs, sparse_mla_reference
-from pallas_kernels.sparse_mla_pallas import sparse_mla_pallas
+from pallas_kernels.sparse_mla_pallas import sparse_mla_pallas, sparse_mla_pallas_with_head_probs
 from pallas_kernels.sparse_mla_xla import sparse_mla_xla, sparse_mla_xla_with_kl_target
 
 __all__ = [
@@ -69,6 +71,6 @@ __all__ = [
     "indexer_scores_reference", "indexer_topk_decode", "indexer_topk_pallas",
     "indexer_topk_reference",
     "indexer_topk_xla", "select_topk", "sparse_mla_head_mean_probs",
-    "sparse_mla_pallas", "sparse_mla_reference", "sparse_mla_xla",
-    "sparse_mla_xla_with_kl_target",
+    "sparse_mla_pallas", "sparse_mla_pallas_with_head_probs", "sparse_mla_reference",
+    "sparse_mla_xla", "sparse_mla_xla_with_kl_target",
 ]

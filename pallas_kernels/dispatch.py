@@ -29,7 +29,8 @@ from pallas_kernels.blocking import platform as current_platform
 from pallas_kernels.lightning_indexer import indexer_topk_reference, indexer_topk_xla
 from pallas_kernels.lightning_indexer_pallas import indexer_topk_pallas
 from pallas_kernels.sparse_mla import sparse_mla_reference
-from pallas_kernels.sparse_mla_pallas import sparse_mla_pallas
+from pallas_kernels.sparse_mla_pallas import (sparse_mla_pallas,
+                                              sparse_mla_pallas_with_head_probs)
 from pallas_kernels.sparse_mla_xla import sparse_mla_xla
 
 # `model.dsa_impl` values that run the ops through `dsa_ops` ("dense_mask" is the model's own
@@ -87,7 +88,8 @@ sparse_mla_triton_with_head_probs = _gpu_kernel("sparse_mla_triton",
 DSA_OPS = {
     "reference": DSAOps(indexer_topk_reference, sparse_mla_reference),
     "xla": DSAOps(indexer_topk_xla, sparse_mla_xla),
-    "pallas_tpu": DSAOps(indexer_topk_pallas, sparse_mla_pallas),
+    "pallas_tpu": DSAOps(indexer_topk_pallas, sparse_mla_pallas,
+                         sparse_mla_pallas_with_head_probs),
     "pallas_gpu": DSAOps(indexer_topk_triton, sparse_mla_triton,
                          sparse_mla_triton_with_head_probs),
 }

@@ -120,6 +120,9 @@ def indexer_scores_pallas(q_BLJI, k_BSI, weights_BLJ, q_pos_BL, q_seg_BL, k_seg_
       out_specs=pl.BlockSpec((None, bq, bs), lambda b, i, j, mp: (b, i, j)),
   )
   kernel = functools.partial(_scores_kernel, scale=scale, num_heads=heads, num_q_blocks=nq)
+  # Every tile of the [L, S] rectangle: the tiles past a query block's last position, skipped
+  # at run time by positions a static estimate cannot see (about half of a causal prefill from
+  # position 0), are counted too, their FLOPs and their key reads: an overcount up to ~2x there.
   cost = pl.CostEstimate(flops=2 * b * lp * sp * heads * i + 3 * b * lp * sp * heads,
                          transcendentals=0,
                          bytes_accessed=(q_BJLI.size * q_BJLI.dtype.itemsize

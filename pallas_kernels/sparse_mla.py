@@ -22,9 +22,10 @@ Gradients (custom VJP, shared by the XLA and Pallas paths; dp = dout . kv, delta
   dkv[s]      = sum over (t, j) with topk[t, j] = s of  sum_h (p dout[t, h] + scale ds q[t, h])
   dk_rope[s]  = same sum of  sum_h scale ds q_rope[t, h]
 
-dq is direct; dkv/dk_rope are per-(query, slot) contributions scatter-added into the key rows
-in XLA (`.at[].add`), one query block at a time, into an fp32 accumulator (TPUs have no atomics,
-and a bf16 running sum would lose the small contributions of long sequences).
+dq is direct; dkv/dk_rope are per-(query, slot) contributions, joined in one row
+`[dkv | dk_rope | 0]`, scatter-added into the key rows in XLA (`.at[].add`), one query block at
+a time, into one fp32 accumulator (TPUs have no atomics, and a bf16 running sum would lose the
+small contributions of long sequences).
 
 Implementations (same signature `(q, q_rope, kv, k_rope, topk, *, scale) -> (out, lse)`):
   `sparse_mla_reference`  gathers every selected row at once, plain autodiff (O(L x T x C)).
@@ -48,8 +49,8 @@ import jax.numpy as jnp
 from jax.ad_checkpoint import checkpoint_name
 
 from pallas_kernels.blocking import (MASKED_LOGIT, default_query_block, empty_out_of_range,
-                                     from_query_blocks, gather_rows, map_query_blocks,
-                                     query_block_size, to_query_blocks)
+                                     from_query_blocks, gather_rows, map_query_blocks, pad_axis,
+                                     query_block_size, round_up, to_query_blocks)
 
 
 def check_sparse_mla_inputs(q_BLHC, q_rope_BLHR, kv_BSC, k_rope_BSR, topk_BLT):
@@ -114,9 +115,10 @@ def sparse_mla_backward_block(q_BLHC, q_rope_BLHR, kv_BSC, k_rope_BSR, topk_BLT,
   Pallas backward kernel computes (`sparse_mla_pallas`), in fp32.
 
   `delta_BLH` is `dout . out - dlse`; `topk_BLT` holds rows in [0, S) or -1
-  (`sparse_mla_custom_vjp` maps the rest to -1). Returns `(dq_BLHC, dq_rope_BLHR, dkv_BLTC,
-  dk_rope_BLTR)`: the query gradients (fp32) and the fp32 per-slot contributions to the
-  selected key rows (zero at -1 slots), to be scatter-added by the caller.
+  (`sparse_mla_custom_vjp` maps the rest to -1). Returns `(dq_BLHC, dq_rope_BLHR, dkvr_BLTP)`:
+  the query gradients (fp32) and the fp32 per-slot contributions to the selected key rows,
+  joined `[dkv | dk_rope | 0]` (P = `joined_width(C, R)` columns; zero at -1 slots), to be
+  scatter-added by the caller.
   """
   rows_BLT = jnp.maximum(topk_BLT, 0)
   kv_BLTC = gather_rows(kv_BSC, rows_BLT)
@@ -132,7 +134,15 @@ def sparse_mla_backward_block(q_BLHC, q_rope_BLHR, kv_BSC, k_rope_BSR, topk_BLT,
   dkv_BLTC = (jnp.einsum("blht,blhc->bltc", p_BLHT, f32(dout_BLHC))
               + scale * jnp.einsum("blht,blhc->bltc", ds_BLHT, f32(q_BLHC)))
   dk_rope_BLTR = scale * jnp.einsum("blht,blhr->bltr", ds_BLHT, f32(q_rope_BLHR))
-  return dq_BLHC, dq_rope_BLHR, dkv_BLTC, dk_rope_BLTR
+  dkvr_BLTK = jnp.concatenate([dkv_BLTC, dk_rope_BLTR], axis=-1)
+  width = joined_width(kv_BSC.shape[-1], k_rope_BSR.shape[-1])
+  return dq_BLHC, dq_rope_BLHR, pad_axis(dkvr_BLTK, 3, width, 0.0)
+
+
+def joined_width(c: int, r: int) -> int:
+  """P: the columns of the joined key-row contributions `[dkv | dk_rope | 0]`, C + R rounded
+  up to whole 128-wide lane tiles (a TPU kernel writes and XLA scatter-adds them as they are)."""
+  return round_up(c + r, 128)
 
 
 def scatter_add_rows(acc_BS, topk_BLT, rows_BLT):
@@ -155,8 +165,11 @@ def scatter_add_rows(acc_BS, topk_BLT, rows_BLT):
 class SparseMLAKernels:
   """How one implementation computes the pieces of the custom VJP.
 
-  forward: `(q, q_rope, kv, k_rope, topk, scale) -> (out, lse)` over every query.
-  backward_block: `sparse_mla_backward_block`'s signature, for one block of queries.
+  forward: `(q, q_rope, kv, k_rope, topk, scale) -> (out, lse)` over every query, or `(out,
+    lse, head_mean_probs)` (the indexer KL's target, `sparse_mla_head_mean_probs`'s values; no
+    gradient flows through it).
+  backward_block: `sparse_mla_backward_block`'s signature and results (the key-row
+    contributions joined, `[dkv | dk_rope | 0]`), for one block of queries.
   backward_query_block: queries per backward block (bounds the per-slot contributions).
   head_groups: G, the key-row gradients are accumulated per group of H / G heads and summed
     over the groups once, after the query-block loop (`_vjp_backward`).
@@ -200,39 +213,40 @@ def named_residuals(out_BLHC, lse_BLH):
 
 
 def _vjp_forward(kernels, q_BLHC, q_rope_BLHR, kv_BSC, k_rope_BSR, topk_BLT, scale):
-  out_BLHC, lse_BLH = named_residuals(
-      *kernels.forward(q_BLHC, q_rope_BLHR, kv_BSC, k_rope_BSR, topk_BLT, scale))
-  return (out_BLHC, lse_BLH), (q_BLHC, q_rope_BLHR, kv_BSC, k_rope_BSR, topk_BLT, out_BLHC,
-                               lse_BLH)
+  out_BLHC, lse_BLH, *probs = kernels.forward(q_BLHC, q_rope_BLHR, kv_BSC, k_rope_BSR, topk_BLT,
+                                              scale)
+  out_BLHC, lse_BLH = named_residuals(out_BLHC, lse_BLH)
+  return (out_BLHC, lse_BLH, *probs), (q_BLHC, q_rope_BLHR, kv_BSC, k_rope_BSR, topk_BLT,
+                                       out_BLHC, lse_BLH)
 
 
 def _grouped_backward_block(kernels, q_BLHC, q_rope_BLHR, kv_BSC, k_rope_BSR, topk_BLT,
                             dout_BLHC, lse_BLH, delta_BLH, scale):
   """`kernels.backward_block` on each group of H / G heads (G = `kernels.head_groups`).
 
-  Returns `(dq_BLHC, dq_rope_BLHR, dkv_BLTGC, dk_rope_BLTGR)`: the key-row contributions of
-  each group's heads, not yet summed over the groups. With the heads split over a mesh axis
+  Returns `(dq_BLHC, dq_rope_BLHR, dkvr_BLTGP)`: the joined key-row contributions of each
+  group's heads, not yet summed over the groups. With the heads split over a mesh axis
   and G its size, each device holds one group, so the per-slot contributions stay device-local
   partial sums; summing them here would be an all-reduce of `[B, Lq, T, C + R]` in every query
   block, where `_vjp_backward` sums the `[B, S, C + R]` accumulator over the groups once.
   """
   g, h = kernels.head_groups, q_BLHC.shape[2]
   if g == 1:
-    dq, dq_rope, dkv_BLTC, dk_rope_BLTR = kernels.backward_block(
+    dq, dq_rope, dkvr_BLTP = kernels.backward_block(
         q_BLHC, q_rope_BLHR, kv_BSC, k_rope_BSR, topk_BLT, dout_BLHC, lse_BLH, delta_BLH, scale)
-    return dq, dq_rope, dkv_BLTC[:, :, :, None], dk_rope_BLTR[:, :, :, None]
+    return dq, dq_rope, dkvr_BLTP[:, :, :, None]
   split = lambda x: x.reshape(x.shape[:2] + (g, h // g) + x.shape[3:])  # [B, L, G, H/G, ...]
   merge = lambda x: x.reshape(x.shape[:2] + (h,) + x.shape[4:])
   block = lambda q, q_rope, dout, lse, delta: kernels.backward_block(
       q, q_rope, kv_BSC, k_rope_BSR, topk_BLT, dout, lse, delta, scale)
-  dq, dq_rope, dkv_BLTGC, dk_rope_BLTGR = jax.vmap(block, in_axes=2, out_axes=(2, 2, 3, 3))(
+  dq, dq_rope, dkvr_BLTGP = jax.vmap(block, in_axes=2, out_axes=(2, 2, 3))(
       split(q_BLHC), split(q_rope_BLHR), split(dout_BLHC), split(lse_BLH), split(delta_BLH))
-  return merge(dq), merge(dq_rope), dkv_BLTGC, dk_rope_BLTGR
+  return merge(dq), merge(dq_rope), dkvr_BLTGP
 
 
 def _vjp_backward(kernels, scale, residuals, cotangents):
   q_BLHC, q_rope_BLHR, kv_BSC, k_rope_BSR, topk_BLT, out_BLHC, lse_BLH = residuals
-  dout_BLHC, dlse_BLH = cotangents
+  dout_BLHC, dlse_BLH = cotangents[:2]  # a head-mean probs output is detached: no cotangent
   l = q_BLHC.shape[1]
   delta_BLH = (jnp.sum(dout_BLHC.astype(jnp.float32) * out_BLHC.astype(jnp.float32), axis=-1)
                - dlse_BLH.astype(jnp.float32))
@@ -241,23 +255,22 @@ def _vjp_backward(kernels, scale, residuals, cotangents):
              ((q_BLHC, 0), (q_rope_BLHR, 0), (topk_BLT, -1), (dout_BLHC, 0), (lse_BLH, 0.0),
               (delta_BLH, 0.0))]
 
-  def one_block(carry, xs):
-    dkv_BSGC, dk_rope_BSGR = carry
+  def one_block(dkvr_BSGP, xs):
     q, q_rope, topk, dout, lse, delta = xs
-    dq, dq_rope, dkv_rows, dk_rope_rows = _grouped_backward_block(
+    dq, dq_rope, dkvr_rows = _grouped_backward_block(
         kernels, q, q_rope, kv_BSC, k_rope_BSR, topk, dout, lse, delta, scale)
-    carry = (scatter_add_rows(dkv_BSGC, topk, dkv_rows),
-             scatter_add_rows(dk_rope_BSGR, topk, dk_rope_rows))
-    return carry, (dq.astype(q_BLHC.dtype), dq_rope.astype(q_rope_BLHR.dtype))
+    return (scatter_add_rows(dkvr_BSGP, topk, dkvr_rows),
+            (dq.astype(q_BLHC.dtype), dq_rope.astype(q_rope_BLHR.dtype)))
 
   g = kernels.head_groups
   (b, s, c), r = kv_BSC.shape, k_rope_BSR.shape[-1]
-  zeros = (jnp.zeros((b, s, g, c), jnp.float32), jnp.zeros((b, s, g, r), jnp.float32))
-  (dkv_BSGC, dk_rope_BSGR), (dq_nBLHC, dq_rope_nBLHR) = jax.lax.scan(one_block, zeros, blocked)
+  zeros = jnp.zeros((b, s, g, joined_width(c, r)), jnp.float32)
+  dkvr_BSGP, (dq_nBLHC, dq_rope_nBLHR) = jax.lax.scan(one_block, zeros, blocked)
   # The one sum over the head groups (with the heads split over a mesh axis: one all-reduce).
+  dkvr_BSP = dkvr_BSGP.sum(2)
   return (from_query_blocks(dq_nBLHC, l), from_query_blocks(dq_rope_nBLHR, l),
-          dkv_BSGC.sum(2).astype(kv_BSC.dtype), dk_rope_BSGR.sum(2).astype(k_rope_BSR.dtype),
-          None)
+          dkvr_BSP[..., :c].astype(kv_BSC.dtype),
+          dkvr_BSP[..., c:c + r].astype(k_rope_BSR.dtype), None)
 
 
 _sparse_mla_with_vjp.defvjp(_vjp_forward, _vjp_backward)

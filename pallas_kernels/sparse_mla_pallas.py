@@ -18,8 +18,10 @@ Every head of a token shares the gathered rows, so a row fetched once feeds H do
 
 Backward, grid (B, Lq, nT) over one block of Lq queries: the same gather and logits,
 `p = exp(logit - lse)`, then dq and dq_rope accumulate in their (fp32, resident) output blocks
-and every slot's dkv / dk_rope contribution `[bt, C]`, `[bt, R]` is written out; XLA
-scatter-adds them into the key rows (`sparse_mla.scatter_add_rows`), since TPUs have no atomics.
+and every slot's joined contribution `[dkv | dk_rope | 0]` `[bt, P]` (one product over 2H rows,
+P = C + R padded to 128 lanes) is written out in fp32; XLA scatter-adds them into the key rows
+(`sparse_mla.scatter_add_rows`), since TPUs have no atomics. Each gathered row block feeds all
+five products (logits, dp, dq, dq_rope, the key rows) from VMEM.
 
 Backends: TPU (Mosaic) compiled; interpret mode only when asked for (`interpret=True`, the CPU
 tests). The gather-by-DMA design is TPU-specific: the GPU kernel is
@@ -47,8 +49,8 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
-from pallas_kernels.blocking import MASKED_LOGIT, default_query_block, pad_axis
-from pallas_kernels.sparse_mla import (SparseMLAKernels, check_sparse_mla_inputs,
+from pallas_kernels.blocking import MASKED_LOGIT, default_query_block, pad_axis, platform
+from pallas_kernels.sparse_mla import (SparseMLAKernels, check_sparse_mla_inputs, joined_width,
                                        sparse_mla_custom_vjp)
 
 _NT = (((1,), (1,)), ((), ()))  # [m, k] x [n, k] -> [m, n]
@@ -132,8 +134,14 @@ def _gathered_logits(refs, b, j, num_blocks, scale, key_dtypes):
 
 
 def _forward_kernel(topk_smem, topk_ref, q_ref, q_rope_ref, kv_hbm, k_rope_hbm, out_ref, lse_ref,
-                    kv_buf, k_rope_buf, sems, m_ref, l_ref, acc_ref, *, scale, num_blocks,
-                    key_dtypes):
+                    *refs, scale, num_blocks, key_dtypes, head_probs):
+  """With `head_probs`, also `probs_ref` `[1, T]` (after `lse_ref`) and the logits of every slot
+  block, `logits_ref` `[nT, H, bt]` (last scratch): the indexer KL's target is
+  `mean_h exp(logit - lse)`, which needs the final lse, so each block's logits stay in VMEM
+  until the last block instead of a second gather-and-QK pass over the rows."""
+  probs_ref, refs = (refs[0], refs[1:]) if head_probs else (None, refs)
+  kv_buf, k_rope_buf, sems, m_ref, l_ref, acc_ref = refs[:6]
+  logits_ref = refs[6] if head_probs else None
   b, j = pl.program_id(0), pl.program_id(2)
 
   @pl.when(j == 0)
@@ -142,8 +150,10 @@ def _forward_kernel(topk_smem, topk_ref, q_ref, q_rope_ref, kv_hbm, k_rope_hbm, 
     l_ref[...] = jnp.zeros(l_ref.shape, jnp.float32)
     acc_ref[...] = jnp.zeros(acc_ref.shape, jnp.float32)
 
-  refs = (topk_smem, topk_ref, q_ref, q_rope_ref, kv_hbm, k_rope_hbm, kv_buf, k_rope_buf, sems)
-  kv_TC, _, logits_HT, valid_1T = _gathered_logits(refs, b, j, num_blocks, scale, key_dtypes)
+  gather = (topk_smem, topk_ref, q_ref, q_rope_ref, kv_hbm, k_rope_hbm, kv_buf, k_rope_buf, sems)
+  kv_TC, _, logits_HT, valid_1T = _gathered_logits(gather, b, j, num_blocks, scale, key_dtypes)
+  if head_probs:
+    logits_ref[j] = logits_HT  # masked slots hold MASKED_LOGIT: probability 0 below
   m_prev_H1 = m_ref[...]
   m_next_H1 = jnp.maximum(m_prev_H1, logits_HT.max(axis=1, keepdims=True))
   alpha_H1 = jnp.exp(m_prev_H1 - m_next_H1)
@@ -158,12 +168,19 @@ def _forward_kernel(topk_smem, topk_ref, q_ref, q_rope_ref, kv_hbm, k_rope_hbm, 
     l_H1 = l_ref[...]
     safe_l_H1 = jnp.where(l_H1 > 0, l_H1, 1.0)
     out_ref[...] = (acc_ref[...] / safe_l_H1).astype(out_ref.dtype)
-    lse_ref[...] = jnp.where(l_H1 > 0, m_ref[...] + jnp.log(safe_l_H1), -jnp.inf)
+    lse_H1 = m_ref[...] + jnp.log(safe_l_H1)
+    lse_ref[...] = jnp.where(l_H1 > 0, lse_H1, -jnp.inf)
+    if head_probs:  # a query with no valid slot: lse taken as 0, every logit masked, probs 0
+      finite_lse_H1 = jnp.where(l_H1 > 0, lse_H1, 0.0)
+      bt = logits_ref.shape[-1]
+      for i in range(num_blocks):
+        probs_ref[:, i * bt:(i + 1) * bt] = jnp.mean(
+            jnp.exp(logits_ref[i] - finite_lse_H1), axis=0, keepdims=True)
 
 
-def _backward_kernel(topk_smem, topk_ref, q_ref, q_rope_ref, dout_ref, lse_ref, delta_ref, kv_hbm,
-                     k_rope_hbm, dq_ref, dq_rope_ref, dkv_ref, dk_rope_ref, kv_buf, k_rope_buf,
-                     sems, *, scale, num_blocks, key_dtypes):
+def _backward_kernel(topk_smem, topk_ref, q_ref, q_rope_ref, dout_ref, lse_ref, delta_ref,
+                     values_ref, kv_hbm, k_rope_hbm, dq_ref, dq_rope_ref, dkvr_ref, kv_buf,
+                     k_rope_buf, sems, *, scale, num_blocks, key_dtypes):
   b, j = pl.program_id(0), pl.program_id(2)
 
   @pl.when(j == 0)
@@ -174,20 +191,18 @@ def _backward_kernel(topk_smem, topk_ref, q_ref, q_rope_ref, dout_ref, lse_ref, 
   refs = (topk_smem, topk_ref, q_ref, q_rope_ref, kv_hbm, k_rope_hbm, kv_buf, k_rope_buf, sems)
   kv_TC, k_rope_TR, logits_HT, valid_1T = _gathered_logits(refs, b, j, num_blocks, scale,
                                                            key_dtypes)
-  q_HC, q_rope_HR, dout_HC = q_ref[...], q_rope_ref[...], dout_ref[...]
   p_HT = jnp.where(valid_1T, jnp.exp(logits_HT - lse_ref[...]), 0.0)
-  dp_HT = jax.lax.dot_general(dout_HC, kv_TC, _NT, preferred_element_type=jnp.float32)
+  dp_HT = jax.lax.dot_general(dout_ref[...], kv_TC, _NT, preferred_element_type=jnp.float32)
   ds_HT = p_HT * (dp_HT - delta_ref[...]) * scale  # the logits' scale folded in once
   dq_ref[...] += jnp.dot(ds_HT.astype(kv_TC.dtype), kv_TC, preferred_element_type=jnp.float32)
   dq_rope_ref[...] += jnp.dot(ds_HT.astype(k_rope_TR.dtype), k_rope_TR,
                               preferred_element_type=jnp.float32)
-  dkv_ref[...] = (
-      jax.lax.dot_general(p_HT.astype(dout_HC.dtype), dout_HC, _TN,
-                          preferred_element_type=jnp.float32)
-      + jax.lax.dot_general(ds_HT.astype(q_HC.dtype), q_HC, _TN,
-                            preferred_element_type=jnp.float32))
-  dk_rope_ref[...] = jax.lax.dot_general(ds_HT.astype(q_rope_HR.dtype), q_rope_HR, _TN,
-                                         preferred_element_type=jnp.float32)
+  # [dkv | dk_rope | 0] = [p | ds]^T [[dout | 0], [q | q_rope | 0]]: one product contracting
+  # 2H rows (H = 64 alone fills half of a 128-deep unit) into P = C + R padded to whole lanes,
+  # written fp32 as the scatter-add takes it (a bf16 store made XLA widen it in a separate op).
+  weights_GT = jnp.concatenate([p_HT, ds_HT], axis=0).astype(values_ref.dtype)
+  dkvr_ref[...] = jax.lax.dot_general(weights_GT, values_ref[...], _TN,
+                                      preferred_element_type=jnp.float32)
 
 
 def _common_specs(t_pad, bt, h, c, r):
@@ -208,10 +223,33 @@ def _scratch(bt, kv_words_BSK, k_rope_words_BSK):
           pltpu.SemaphoreType.DMA((2, 2))]
 
 
+def _cost_estimate(queries, t_pad, h, flops_per_head_slot, q_BLHC, q_rope_BLHR, kv_BSC,
+                   k_rope_BSR, per_query, exps_per_logit=1):
+  """The kernel's `pl.CostEstimate`, what `glm5_jax.planning.op_costs` prices it by.
+
+  FLOPs: `2 x flops_per_head_slot` per (query, head, slot), the MXU products as the unit runs
+  them (forward: logits C + R, values C; backward: logits C + R, dp C, dq C + R, the key rows
+  2P: a `[bt, 2H] x [2H, P]` product per slot block, padding included). Bytes: what the
+  kernel moves per query: each slot's key row once for all heads and products (C + R values;
+  a -1 slot DMAs row 0), the top-k row twice (its SMEM and VMEM copies), q and q_rope once, and
+  `per_query`'s other inputs and outputs, `(elements, dtype)` pairs. Exponentials:
+  `exps_per_logit` per (query, head, slot).
+  """
+  (_, _, _, c), r = q_BLHC.shape, q_rope_BLHR.shape[-1]
+  moved = [(t_pad * c, kv_BSC.dtype), (t_pad * r, k_rope_BSR.dtype), (2 * t_pad, jnp.int32),
+           (h * c, q_BLHC.dtype), (h * r, q_rope_BLHR.dtype), *per_query]
+  per_query_bytes = sum(n * jnp.dtype(dtype).itemsize for n, dtype in moved)
+  return pl.CostEstimate(flops=2 * queries * t_pad * h * flops_per_head_slot,
+                         transcendentals=queries * t_pad * h * exps_per_logit,
+                         bytes_accessed=queries * per_query_bytes)
+
+
 _PARAMS = pltpu.CompilerParams(dimension_semantics=("parallel", "parallel", "arbitrary"))
 
 
-def _forward(q_BLHC, q_rope_BLHR, kv_BSC, k_rope_BSR, topk_BLT, scale, *, block_t, interpret):
+def _forward(q_BLHC, q_rope_BLHR, kv_BSC, k_rope_BSR, topk_BLT, scale, *, block_t, interpret,
+             head_probs=False):
+  """`(out, lse)`, plus the head-mean probabilities fp32 `[B, L, T]` with `head_probs`."""
   b, l, h, c = q_BLHC.shape
   r, t = q_rope_BLHR.shape[-1], topk_BLT.shape[-1]
   bt, t_pad = _slot_blocks(t, block_t)
@@ -219,27 +257,29 @@ def _forward(q_BLHC, q_rope_BLHR, kv_BSC, k_rope_BSR, topk_BLT, scale, *, block_
   kv_words, k_rope_words = _pack_halves(kv_BSC), _pack_halves(k_rope_BSR)
   in_specs, hbm_specs = _common_specs(t_pad, bt, h, c, r)
   row = lambda b, l, j: (b, l, 0, 0)
-  itemsize = kv_BSC.dtype.itemsize
-  cost = pl.CostEstimate(
-      flops=2 * b * l * t_pad * h * (2 * c + r), transcendentals=b * l * t_pad * h,
-      bytes_accessed=b * l * (t_pad * (c + r) + 2 * h * c + h * r) * itemsize)
-  out_BLHC, lse_BLH1 = pl.pallas_call(
+  written = [(h * c, kv_BSC.dtype), (h, jnp.float32)] + [(t_pad, jnp.float32)] * head_probs
+  cost = _cost_estimate(b * l, t_pad, h, 2 * c + r, q_BLHC, q_rope_BLHR, kv_BSC, k_rope_BSR,
+                        per_query=written, exps_per_logit=1 + head_probs)
+  probs = [jax.ShapeDtypeStruct((b, l, 1, t_pad), jnp.float32)] * head_probs
+  outs = pl.pallas_call(
       functools.partial(_forward_kernel, scale=scale, num_blocks=t_pad // bt,
-                        key_dtypes=(kv_BSC.dtype, k_rope_BSR.dtype)),
+                        key_dtypes=(kv_BSC.dtype, k_rope_BSR.dtype), head_probs=head_probs),
       out_shape=(jax.ShapeDtypeStruct((b, l, h, c), kv_BSC.dtype),
-                 jax.ShapeDtypeStruct((b, l, h, 1), jnp.float32)),
+                 jax.ShapeDtypeStruct((b, l, h, 1), jnp.float32), *probs),
       grid=(b, l, t_pad // bt),
       in_specs=in_specs + hbm_specs,
-      out_specs=(pl.BlockSpec((None, None, h, c), row), pl.BlockSpec((None, None, h, 1), row)),
+      out_specs=(pl.BlockSpec((None, None, h, c), row), pl.BlockSpec((None, None, h, 1), row),
+                 *[pl.BlockSpec((None, None, 1, t_pad), row)] * head_probs),
       scratch_shapes=_scratch(bt, kv_words, k_rope_words) + [
           pltpu.VMEM((h, 1), jnp.float32), pltpu.VMEM((h, 1), jnp.float32),
-          pltpu.VMEM((h, c), jnp.float32)],
+          pltpu.VMEM((h, c), jnp.float32)] + [
+              pltpu.VMEM((t_pad // bt, h, bt), jnp.float32)] * head_probs,
       compiler_params=_PARAMS,
       cost_estimate=cost,
       interpret=interpret,
-      name="sparse_mla_forward",
+      name="sparse_mla_forward" + "_head_probs" * head_probs,
   )(topk_BL1T, topk_BL1T, q_BLHC, q_rope_BLHR, kv_words, k_rope_words)
-  return out_BLHC, lse_BLH1[..., 0]
+  return (outs[0], outs[1][..., 0]) + tuple(p[:, :, 0, :t] for p in outs[2:])
 
 
 def _backward_block(q_BLHC, q_rope_BLHR, kv_BSC, k_rope_BSR, topk_BLT, dout_BLHC, lse_BLH,
@@ -253,31 +293,40 @@ def _backward_block(q_BLHC, q_rope_BLHR, kv_BSC, k_rope_BSR, topk_BLT, dout_BLHC
   in_specs, hbm_specs = _common_specs(t_pad, bt, h, c, r)
   row = lambda b, l, j: (b, l, 0, 0)
   slot = lambda b, l, j: (b, l, j, 0)
-  dq, dq_rope, dkv_rows, dk_rope_rows = pl.pallas_call(
+  p = joined_width(c, r)
+  pad = lambda x_BLHK: pad_axis(x_BLHK.astype(q_BLHC.dtype), 3, p, 0)
+  values_BLGP = jnp.concatenate(  # [[dout | 0], [q | q_rope | 0]], G = 2H rows
+      [pad(dout_BLHC), pad(jnp.concatenate([q_BLHC, q_rope_BLHR.astype(q_BLHC.dtype)], -1))], 2)
+  dq, dq_rope, dkvr_rows = pl.pallas_call(
       functools.partial(_backward_kernel, scale=scale, num_blocks=t_pad // bt,
                         key_dtypes=(kv_BSC.dtype, k_rope_BSR.dtype)),
       out_shape=(jax.ShapeDtypeStruct((b, l, h, c), jnp.float32),
                  jax.ShapeDtypeStruct((b, l, h, r), jnp.float32),
-                 jax.ShapeDtypeStruct((b, l, t_pad, c), jnp.float32),
-                 jax.ShapeDtypeStruct((b, l, t_pad, r), jnp.float32)),
+                 jax.ShapeDtypeStruct((b, l, t_pad, p), jnp.float32)),
       grid=(b, l, t_pad // bt),
       in_specs=in_specs + [pl.BlockSpec((None, None, h, c), row),
                            pl.BlockSpec((None, None, h, 1), row),
-                           pl.BlockSpec((None, None, h, 1), row)] + hbm_specs,
+                           pl.BlockSpec((None, None, h, 1), row),
+                           pl.BlockSpec((None, None, 2 * h, p), row)] + hbm_specs,
       out_specs=(pl.BlockSpec((None, None, h, c), row), pl.BlockSpec((None, None, h, r), row),
-                 pl.BlockSpec((None, None, bt, c), slot), pl.BlockSpec((None, None, bt, r), slot)),
+                 pl.BlockSpec((None, None, bt, p), slot)),
       scratch_shapes=_scratch(bt, kv_words, k_rope_words),
       compiler_params=_PARAMS,
+      cost_estimate=_cost_estimate(  # the key-row product as the MXU runs it: 2H x P per slot
+          b * l, t_pad, h, (c + r) + c + (c + r) + 2 * p, q_BLHC, q_rope_BLHR, kv_BSC,
+          k_rope_BSR, per_query=[(h * c, dout_BLHC.dtype), (2 * h, jnp.float32),  # dout, lse, delta
+                                 (2 * h * p, q_BLHC.dtype),  # the key-row product's values
+                                 (h * (c + r) + t_pad * p, jnp.float32)]),  # dq's, key rows
       interpret=interpret,
       name="sparse_mla_backward",
   )(topk_BL1T, topk_BL1T, q_BLHC, q_rope_BLHR, dout_BLHC, lse_BLH[..., None],
-    delta_BLH[..., None], kv_words, k_rope_words)
-  return dq, dq_rope, dkv_rows[:, :, :t], dk_rope_rows[:, :, :t]
+    delta_BLH[..., None], values_BLGP, kv_words, k_rope_words)
+  return dq, dq_rope, dkvr_rows[:, :, :t]
 
 
 def sparse_mla_pallas(q_BLHC, q_rope_BLHR, kv_BSC, k_rope_BSR, topk_BLT, *, scale: float,
                       block_t: int = 512, backward_query_block: int | None = None,
-                      head_groups: int = 1, interpret: bool = False):
+                      head_groups: int = 1, interpret: bool = False, head_probs: bool = False):
   """`sparse_mla_reference` (same arguments and results) on the Pallas kernels, differentiable.
 
   Same index contract (package docstring): slots outside [0, S) are empty, duplicates count
@@ -286,19 +335,37 @@ def sparse_mla_pallas(q_BLHC, q_rope_BLHR, kv_BSC, k_rope_BSR, topk_BLT, *, scal
 
   Args (beyond the reference's):
     block_t: slots per grid step (a multiple of 128 on TPU when smaller than T).
-    backward_query_block: queries per backward kernel call, bounding the fp32 per-slot dkv
-      contributions `[B, block, T, C + R]`; None: `blocking.default_query_block`.
+    backward_query_block: queries per backward kernel call, bounding the per-slot dkv
+      contributions `[B, block, T, C + R]`; None: what `blocking.default_query_block` fits for
+      the platform traced for (counted at 4 bytes), rounded down to a power of two.
     head_groups: as `sparse_mla_xla`'s (the backward kernel runs once per group of H / G heads).
     interpret: run the kernels in Pallas interpret mode (any backend, slow; the CPU tests)
       instead of compiling them for TPU. Never implied by the platform.
+    head_probs: also return the indexer KL's target from the forward kernel (use
+      `sparse_mla_pallas_with_head_probs`).
   """
   check_sparse_mla_inputs(q_BLHC, q_rope_BLHR, kv_BSC, k_rope_BSR, topk_BLT)
-  if backward_query_block is None:
+  if backward_query_block is None:  # sized for the platform traced for, as sparse_mla_xla's
     b, t = kv_BSC.shape[0], _slot_blocks(topk_BLT.shape[-1], block_t)[1]
-    backward_query_block = default_query_block(
-        b * t * (kv_BSC.shape[-1] + k_rope_BSR.shape[-1]) * 4)
+    fits = default_query_block(b * t * (kv_BSC.shape[-1] + k_rope_BSR.shape[-1]) * 4,
+                               on_accelerator=platform() != "cpu")
+    backward_query_block = 1 << (fits.bit_length() - 1)  # divides the usual sequence lengths
   kernels = SparseMLAKernels(
-      forward=functools.partial(_forward, block_t=block_t, interpret=interpret),
+      forward=functools.partial(_forward, block_t=block_t, interpret=interpret,
+                                head_probs=head_probs),
       backward_block=functools.partial(_backward_block, block_t=block_t, interpret=interpret),
       backward_query_block=backward_query_block, head_groups=head_groups)
   return sparse_mla_custom_vjp(kernels, q_BLHC, q_rope_BLHR, kv_BSC, k_rope_BSR, topk_BLT, scale)
+
+
+def sparse_mla_pallas_with_head_probs(q_BLHC, q_rope_BLHR, kv_BSC, k_rope_BSR, topk_BLT, *,
+                                      scale: float, **options):
+  """`sparse_mla_pallas`'s `(out_BLHC, lse_BLH)` and the indexer KL's target, fp32 `[B, L, T]`
+  (`sparse_mla.sparse_mla_head_mean_probs`'s values) from the forward kernel itself: each slot
+  block's logits stay in VMEM until the last block's lse (`_forward_kernel`), so the target
+  costs no second gather of the rows. Detached: it carries no gradient. `options`:
+  `sparse_mla_pallas`'s."""
+  out_BLHC, lse_BLH, probs_BLT = sparse_mla_pallas(q_BLHC, q_rope_BLHR, kv_BSC, k_rope_BSR,
+                                                   topk_BLT, scale=scale, head_probs=True,
+                                                   **options)
+  return out_BLHC, lse_BLH, jax.lax.stop_gradient(probs_BLT)

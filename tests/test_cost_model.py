@@ -79,6 +79,49 @@ def test_a_gather_bound_loop_prices_each_gather_by_its_rows_and_runs_it_per_trip
   assert times["schedule"] >= 16 * sum(c.seconds for c in body) * (1 - 1e-9)
 
 
+_SCATTER_HLO = """HloModule m, is_scheduled=true
+
+%add (x: f32[], y: f32[]) -> f32[] {
+  %x = f32[] parameter(0)
+  %y = f32[] parameter(1)
+  ROOT %sum = f32[] add(%x, %y)
+}
+
+%inner (a0: f32[1024,640], i0: s32[4096,1], u0: f32[4096,640]) -> f32[1024,640] {
+  %a0 = f32[1024,640] parameter(0)
+  %i0 = s32[4096,1] parameter(1)
+  %u0 = f32[4096,640] parameter(2)
+  ROOT %sc = f32[1024,640] scatter(%a0, %i0, %u0), update_window_dims={1}, inserted_window_dims={0}, scatter_dims_to_operand_dims={0}, index_vector_dim=1, to_apply=%add
+}
+
+%outer (a1: f32[1024,640], i1: s32[4096,1], u1: f32[4096,640]) -> f32[1024,640] {
+  %a1 = f32[1024,640] parameter(0)
+  %i1 = s32[4096,1] parameter(1)
+  %u1 = f32[4096,640] parameter(2)
+  ROOT %nested = f32[1024,640] fusion(%a1, %i1, %u1), kind=kLoop, calls=%inner
+}
+
+ENTRY %main (acc: f32[1024,640], idx: s32[4096,1], upd: f32[4096,640]) -> f32[1024,640] {
+  %acc = f32[1024,640] parameter(0)
+  %idx = s32[4096,1] parameter(1)
+  %upd = f32[4096,640] parameter(2)
+  ROOT %scatter_custom_fusion = f32[1024,640] fusion(%acc, %idx, %upd), kind=kCustom, calls=%outer
+}
+"""
+
+
+def test_a_scatter_reads_its_updates_whole():
+  """A scatter-add of 4,096 fp32 rows of 640 into a 1,024-row accumulator, wrapped in a fusion
+  inside a fusion as the TPU compiler writes it (`scatter_custom_fusion`), unpriced by the
+  compiler: at HBM peak it reads the updates and indices whole and reads and writes the rows
+  they touch (at most the accumulator: 2 x 2.6 MB), not just the result's size per operand."""
+  (cost,) = op_costs.price_module(hlo_loops.parse_module(_SCATTER_HLO), V5P)
+  updates, indices, accumulator = 4096 * 640 * 4, 4096 * 4, 1024 * 640 * 4
+  assert cost.kind == "HBM at peak" and cost.category == "gathers/scatters (unnamed)"
+  assert cost.seconds == pytest.approx(
+      (updates + indices + 2 * accumulator) / V5P.hbm_bytes_per_s)
+
+
 # ---------------------------------------------------------------------------- the schedule
 
 _ASYNC_HLO = """HloModule m, is_scheduled=true

@@ -22,7 +22,8 @@ from pallas_kernels import blocking, dispatch
 def test_plain_rows_are_the_table():
   assert pk.dsa_ops("xla") is pk.DSA_OPS["xla"]
   assert pk.dsa_ops("reference") is pk.DSA_OPS["reference"]
-  assert pk.DSA_OPS["pallas_tpu"] == (pk.indexer_topk_pallas, pk.sparse_mla_pallas, None)
+  assert pk.DSA_OPS["pallas_tpu"] == (pk.indexer_topk_pallas, pk.sparse_mla_pallas,
+                                     pk.sparse_mla_pallas_with_head_probs)
 
 
 def test_pallas_picks_kernels_by_platform_compiled():
@@ -44,10 +45,9 @@ def test_pallas_on_cpu_is_an_error_naming_the_field():
 
 def test_interpret_only_when_asked():
   ops = pk.dsa_ops("pallas_interpret")
-  for op, kernel in zip(ops[:2], pk.DSA_OPS["pallas_tpu"]):
+  for op, kernel in zip(ops, pk.DSA_OPS["pallas_tpu"]):  # the KL target's kernel too
     assert isinstance(op, functools.partial) and op.func is kernel
     assert op.keywords == {"interpret": True}
-  assert ops.sparse_mla_with_probs is None  # no TPU kernel emits the KL target
   gpu = pk.dsa_ops("pallas", platform="gpu", interpret=True)
   assert [op.func for op in gpu] == list(pk.DSA_OPS["pallas_gpu"])
   assert not hasattr(blocking, "default_interpret")  # the silent fallback is gone

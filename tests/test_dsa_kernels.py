@@ -15,6 +15,7 @@ C latent dim, R rope dim, T top-k.
 """
 
 import functools
+import re
 
 import jax
 import jax.numpy as jnp
@@ -244,16 +245,21 @@ def test_head_mean_probs_are_the_attention_at_the_selection():
   np.testing.assert_allclose(probs, expected, rtol=1e-5, atol=1e-6)
   np.testing.assert_allclose(np.asarray(probs).sum(-1)[np.asarray(topk).max(-1) >= 0], 1.0,
                              rtol=1e-5)
-  # The `xla` path's target from its own attention pass: the same target, the same attention,
-  # and no gradient through the target.
-  fused = functools.partial(pk.sparse_mla_xla_with_kl_target, scale=0.25, query_block=4)
-  out, fused_lse, target = fused(*arrays, topk)
-  want_out, want_lse = pk.sparse_mla_xla(*arrays, topk, scale=0.25, query_block=4)
-  np.testing.assert_allclose(target, expected, rtol=1e-5, atol=1e-6)
-  np.testing.assert_array_equal(out, want_out)
-  np.testing.assert_array_equal(fused_lse, want_lse)
-  target_grads = jax.grad(lambda *a: fused(*a, topk)[2].sum(), argnums=(0, 1, 2, 3))(*arrays)
-  assert all(not np.any(np.asarray(g)) for g in target_grads)
+  # The `xla` path's target from its own attention pass, and the TPU kernel's from its forward
+  # (the slot blocks' logits kept until the last block's lse; here 4 blocks of 4 slots, the last
+  # partly padding): the same target, the same attention, no gradient through the target.
+  for fused, plain in (
+      (functools.partial(pk.sparse_mla_xla_with_kl_target, scale=0.25, query_block=4),
+       functools.partial(pk.sparse_mla_xla, scale=0.25, query_block=4)),
+      (functools.partial(pk.sparse_mla_pallas_with_head_probs, scale=0.25, **MLA_BLOCKS),
+       functools.partial(pk.sparse_mla_pallas, scale=0.25, **MLA_BLOCKS))):
+    out, fused_lse, target = fused(*arrays, topk)
+    want_out, want_lse = plain(*arrays, topk)
+    np.testing.assert_allclose(target, expected, rtol=1e-5, atol=1e-6)
+    np.testing.assert_array_equal(out, want_out)
+    np.testing.assert_array_equal(fused_lse, want_lse)
+    target_grads = jax.grad(lambda *a: fused(*a, topk)[2].sum(), argnums=(0, 1, 2, 3))(*arrays)
+    assert all(not np.any(np.asarray(g)) for g in target_grads)
 
 
 @pytest.mark.parametrize("impl", ["xla", "pallas"])
@@ -449,15 +455,40 @@ def test_kernels_lower_for_tpu(l, s):
       sds((b, l, j, i), bf16), sds((b, s, i), bf16), sds((b, l, j), jnp.float32),
       sds((b, l), i32), sds((b, l), i32), sds((b, s), i32))
 
-  def forward_backward(q, q_rope, kv, k_rope, topk):
+  def forward_backward(q, q_rope, kv, k_rope, topk):  # the forward that emits the KL target
     def loss(*arrays):
-      out, lse = pk.sparse_mla_pallas(*arrays, topk, scale=0.07, interpret=False)
-      return out.astype(jnp.float32).sum() + lse.sum()
-    return jax.grad(loss, argnums=(0, 1, 2, 3))(q, q_rope, kv, k_rope)
+      out, lse, probs = pk.sparse_mla_pallas_with_head_probs(*arrays, topk, scale=0.07,
+                                                             backward_query_block=64)
+      return out.astype(jnp.float32).sum() + lse.sum() + probs.sum()
+    return jax.value_and_grad(loss, argnums=(0, 1, 2, 3))(q, q_rope, kv, k_rope)
 
-  text = _export_for_tpu(forward_backward, sds((b, l, h, c), bf16), sds((b, l, h, r), bf16),
-                         sds((b, s, c), bf16), sds((b, s, r), bf16), sds((b, l, t), i32))
-  assert text.count("tpu_custom_call") >= 2, "forward and backward kernels expected"
+  arrays = (sds((b, l, h, c), bf16), sds((b, l, h, r), bf16), sds((b, s, c), bf16),
+            sds((b, s, r), bf16), sds((b, l, t), i32))
+  text = _export_for_tpu(forward_backward, *arrays) + _export_for_tpu(
+      lambda *a: pk.sparse_mla_pallas(*a, scale=0.07), *arrays)
+  kernels = re.findall(r'kernel_name = "(\w+)"', text)
+  assert sorted(kernels) == ["sparse_mla_backward", "sparse_mla_forward",
+                             "sparse_mla_forward_head_probs"], kernels
+  if l == 1:
+    return
+  # Each kernel's pl.CostEstimate (what glm5_jax.planning.op_costs prices it by): its MXU
+  # FLOPs, and the bytes it moves, each selected key row once per query for every product
+  # (T padded to 1,024 slots: 2 blocks of 512); the backward runs on 64-query blocks.
+  costs = [tuple(int(x) for x in m) for m in re.findall(
+      r'bytes_accessed\\22:(\d+),\\0A\\22flops\\22:(\d+),.*?transcendentals\\22:(\d+)', text)]
+  tp = 1024
+  rows = tp * ((c + r) * 2 + 2 * 4)  # bf16 rows, the top-k row in SMEM and in VMEM
+  q_bytes = h * (c + r) * 2
+  forward = (l * (rows + q_bytes + h * c * 2 + h * 4),  # + out, lse
+             2 * l * tp * h * (c + r + c), l * tp * h)
+  with_probs = (forward[0] + l * tp * 4, forward[1], 2 * forward[2])  # + the target, exps
+  p = 640  # the joined key-row columns [dkv | dk_rope | 0], C + R = 576 padded to lanes
+  backward = (64 * (rows + q_bytes + h * c * 2 + 2 * h * 4  # + dout, lse, delta
+                    + 2 * h * p * 2  # the key-row product's [[dout | 0], [q | q_rope | 0]]
+                    + h * (c + r) * 4 + tp * p * 4),  # dq, dq_rope, the joined key rows: fp32
+              # logits, dp, dq and dq_rope, the key rows as one product over 2H rows
+              2 * 64 * tp * h * ((c + r) + c + (c + r) + 2 * p), 64 * tp * h)
+  assert sorted(costs) == sorted([forward, with_probs, backward]), costs
 
 
 # ---------------------------------------------------------------------------------------------

@@ -40,11 +40,12 @@ sds = lambda shape, dtype: jax.ShapeDtypeStruct(shape, dtype, sharding=on_tpu)
 b, l, s, j, i, h, c, r, t = 1, 256, 1024, 8, 128, 16, 512, 64, 640  # t: not a multiple of 512
 bf16, i32 = jnp.bfloat16, jnp.int32
 
-def sparse_mla(q, q_rope, kv, k_rope, topk):  # forward and backward kernels
+def sparse_mla(q, q_rope, kv, k_rope, topk):  # both forward kernels and the backward
   def loss(*arrays):
     out, lse = pk.sparse_mla_pallas(*arrays, topk, scale=0.07, interpret=False)
-    return out.astype(jnp.float32).sum() + lse.sum()
-  return jax.grad(loss, argnums=(0, 1, 2, 3))(q, q_rope, kv, k_rope)
+    _, _, probs = pk.sparse_mla_pallas_with_head_probs(*arrays, topk, scale=0.07)
+    return out.astype(jnp.float32).sum() + lse.sum() + probs.sum()
+  return jax.value_and_grad(loss, argnums=(0, 1, 2, 3))(q, q_rope, kv, k_rope)
 
 def experts(impl, x, w, sizes):  # the routed experts' matmul and both its gradients
   gmm = functools.partial(grouped_matmul.grouped_matmul, impl=impl, interpret=False)
@@ -67,6 +68,7 @@ fn, args = programs[sys.argv[1]]
 compiled = jax.jit(fn).lower(*args).compile()
 text = compiled.as_text()
 print(json.dumps({"kernels": text.count('custom_call_target="tpu_custom_call"'),
+                  "head_probs": text.count("sparse_mla_forward_head_probs"),
                   "convolutions": text.count(" convolution("),
                   "flops": hlo_stats.step_dot_flops(text)["flops"],
                   "kind": device.device_kind,
@@ -81,10 +83,11 @@ def test_indexer_kernel_compiles_for_tpu():
 
 
 def test_sparse_mla_kernels_compile_for_tpu():
-  """bf16 forward and backward: a one-row DMA into a bf16 VMEM buffer is rejected by Mosaic
-  (sublane tile of 16 rows), so the kernel gathers 32-bit words (`_pack_halves`)."""
+  """bf16 forward (with and without the KL target) and backward: a one-row DMA into a bf16 VMEM
+  buffer is rejected by Mosaic (sublane tile of 16 rows), so the kernel gathers 32-bit words
+  (`_pack_halves`)."""
   result = json.loads(_run(["-c", _KERNEL, "sparse_mla"]).strip().splitlines()[-1])
-  assert result["kernels"] >= 2, result
+  assert result["kernels"] >= 3 and result["head_probs"] >= 1, result
 
 
 def test_megablox_experts_gradient_is_grouped_not_dense_over_the_experts():

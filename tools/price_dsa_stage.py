@@ -1,19 +1,22 @@
 """The DSA sparse stage alone, compiled by the TPU compiler ahead of time and priced op by op.
 
   python tools/price_dsa_stage.py --target=v5p:2x2x1 [--batch=2 --seq_len=4096 --impl=xla]
-      [--kl_target=pass]   # the KL target as a second pass (what other impls, and main, run)
+      [--kl_target=pass]   # the KL target as a second pass (sparse_mla_head_mean_probs)
+  python tools/price_dsa_stage.py --target=v5p:2x2x1 --impl=pallas   # the Mosaic kernels
 
 One layer's sparse attention at the per-device shapes of the 744B headline step (GLM-5: 64
 heads, C = 512 latent dims, R = 64 RoPE dims, top-2048; batch 2 x 4,096 tokens per device),
 as the train step runs it under `remat_policy=full`: the forward (output, log-sum-exp and the
 indexer KL's target), recomputed, then the backward; one device of `--target`, no collectives.
-Prints the compiler estimate (`glm5_jax.planning.step_cost`: each instruction's
-`estimated_cycles`, gathers the compiler leaves unpriced at HBM peak) and the matmul FLOPs it
-compiled: a minutes-long check of a change to the stage, where the whole step at depth 2 is a
-20-minute compile. Needs libtpu (the `tpu-aot` extra).
+Prints the compiler estimate (`glm5_jax.planning.op_costs`: each instruction's
+`estimated_cycles`, gathers the compiler leaves unpriced at HBM peak, custom calls from their
+`pl.CostEstimate` at `op_costs.KERNEL_EFFICIENCY`) and each kernel's FLOPs, bytes and time at
+the chip's peak (a bound): a minutes-long check of a change to the stage, where the whole step
+at depth 2 is a 20-minute compile. Needs libtpu (the `tpu-aot` extra).
 """
 
 import argparse
+import gzip
 import time
 
 import jax
@@ -21,7 +24,7 @@ import jax.numpy as jnp
 
 import pallas_kernels
 from glm5_jax.accelerators import ACCELERATORS
-from glm5_jax.planning import aot_targets, hlo_loops, op_costs
+from glm5_jax.planning import aot_targets, hlo_loops, hlo_stats, op_costs
 from pallas_kernels.blocking import lowering_for
 
 
@@ -29,12 +32,13 @@ def stage(impl: str, kl_target: str, scale: float):
   """`(inputs, dout) -> (loss, input gradients)` of the sparse stage: sparse MLA and the KL
   target, under `jax.checkpoint` as the layer is under `remat_policy=full` (the loss keeps the
   first forward and the target alive, as the step's later layers and the KL do)."""
-  ops = pallas_kernels.dsa_ops(impl)
+  ops = pallas_kernels.dsa_ops(impl, platform="tpu")  # "pallas": the Mosaic kernels
 
   def forward(q, q_rope, kv, k_rope, topk, dout):
-    if kl_target == "fused":  # the target from the attention pass, as the model runs "xla"
-      out, lse, target = pallas_kernels.sparse_mla_xla_with_kl_target(
-          q, q_rope, kv, k_rope, topk, scale=scale)
+    if kl_target == "fused":  # the target from the attention pass, as the model runs it
+      fused = (pallas_kernels.sparse_mla_xla_with_kl_target if impl == "xla"
+               else ops.sparse_mla_with_probs)
+      out, lse, target = fused(q, q_rope, kv, k_rope, topk, scale=scale)
     else:
       out, lse = ops.sparse_mla(q, q_rope, kv, k_rope, topk, scale=scale)
       target = pallas_kernels.sparse_mla_head_mean_probs(q, q_rope, kv, k_rope, topk, lse,
@@ -49,44 +53,80 @@ def stage(impl: str, kl_target: str, scale: float):
 def main(argv=None):
   parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
   parser.add_argument("--target", default="v5p:2x2x1")
-  parser.add_argument("--impl", default="xla")
+  parser.add_argument("--impl", default="xla", help="model.dsa_impl: xla, pallas (the TPU "
+                      "kernels), reference")
   parser.add_argument("--kl_target", choices=("fused", "pass"), default="fused",
-                      help="fused: sparse_mla_xla_with_kl_target (impl xla only); pass: "
-                      "sparse_mla_head_mean_probs after the attention")
+                      help="fused: from the attention pass (sparse_mla_xla_with_kl_target, the "
+                      "kernels' sparse_mla_with_probs); pass: sparse_mla_head_mean_probs after it")
   parser.add_argument("--batch", type=int, default=2)
   parser.add_argument("--seq_len", type=int, default=4096)
   parser.add_argument("--heads", type=int, default=64)
   parser.add_argument("--topk", type=int, default=2048)
-  parser.add_argument("--hlo_out", default=None)
+  parser.add_argument("--hlo_out", default=None, help="save the compiled module's text here")
+  parser.add_argument("--hlo_in", default=None, help="price this saved module (--hlo_out's, "
+                      ".gz or not) instead of compiling; seconds, no libtpu")
   args = parser.parse_args(argv)
   b, l, h, c, r, t = args.batch, args.seq_len, args.heads, 512, 64, args.topk
+  if args.kl_target == "fused" and args.impl != "xla" and pallas_kernels.dsa_ops(
+      args.impl, platform="tpu").sparse_mla_with_probs is None:
+    raise SystemExit(f"--kl_target=fused: --impl={args.impl} has no fused target; use pass")
+  start = time.perf_counter()
+  if args.hlo_in:
+    with (gzip.open if args.hlo_in.endswith(".gz") else open)(args.hlo_in, "rt") as f:
+      text = f.read()
+    print(f"priced {args.hlo_in} (saved, not compiled)")
+  else:
+    text = compile_stage(args, b, l, h, c, r, t)
+    print(f"compiled in {time.perf_counter() - start:.0f} s; {args.impl}, KL target "
+          f"{args.kl_target}, B={b} L={l} H={h} T={t}")
+  print_costs(text, args.target)
+
+
+def compile_stage(args, b, l, h, c, r, t) -> str:
+  """The optimized module's text of the stage at these shapes, on one device of --target."""
   device = aot_targets.tpu_devices(args.target)[0]
   sharding = jax.sharding.SingleDeviceSharding(device)
   bf16 = jnp.bfloat16
   shapes = [jax.ShapeDtypeStruct(s, d, sharding=sharding) for s, d in (
       ((b, l, h, c), bf16), ((b, l, h, r), bf16), ((b, l, c), bf16), ((b, l, r), bf16),
       ((b, l, t), jnp.int32), ((b, l, h, c), jnp.float32))]
-  if args.kl_target == "fused" and args.impl != "xla":
-    raise SystemExit(f"--kl_target=fused is the xla path's; --impl={args.impl} needs pass")
   fn = stage(args.impl, args.kl_target, 192 ** -0.5)  # GLM-5's (N + R)^-0.5
-  start = time.perf_counter()
   with lowering_for("tpu"):
     compiled = jax.jit(fn).trace(*shapes).lower(lowering_platforms=("tpu",)).compile()
   text = compiled.as_text()
   if args.hlo_out:
-    with open(args.hlo_out, "w") as f:
+    with (gzip.open if args.hlo_out.endswith(".gz") else open)(args.hlo_out, "wt") as f:
       f.write(text)
+  return text
+
+
+def print_costs(text: str, target: str):
+  """The module's ops priced (module docstring), by kind, each kernel, the largest ops."""
   module = hlo_loops.parse_module(text)
-  chip = ACCELERATORS[aot_targets.parse_target(args.target)[0]]
+  chip = ACCELERATORS[aot_targets.parse_target(target)[0]]
   costs = [cost for cost in op_costs.price_module(module, chip) if cost.kind != "torus"]
   total = sum(cost.seconds * cost.runs for cost in costs)
   by_kind = {}
   for cost in costs:
     by_kind[cost.kind] = by_kind.get(cost.kind, 0.0) + cost.seconds * cost.runs
-  print(f"compiled in {time.perf_counter() - start:.0f} s; {args.impl}, KL target "
-        f"{args.kl_target}, B={b} L={l} H={h} T={t}")
-  print(f"compiler estimate, one layer's sparse stage (forward, recompute, backward): "
-        f"{total * 1e3:.1f} ms  " + "  ".join(f"{k} {v * 1e3:.1f} ms" for k, v in by_kind.items()))
+  print(f"one layer's sparse stage priced (forward, recompute, backward): {total * 1e3:.1f} ms "
+        "= " + " + ".join(f"{v * 1e3:.1f} {k}" for k, v in by_kind.items()))
+  shapes = {i.name: hlo_stats._arrays(i.result_type) for instrs in module.computations.values()
+            for i in instrs}
+  instrs = {(c, i.name): i for c, found in module.computations.items() for i in found}
+  kernels_at_peak = 0.0
+  for cost in costs:
+    if cost.kind.startswith("kernel"):
+      flops, nbytes = op_costs.kernel_work(instrs[cost.computation, cost.name], shapes)
+      at_peak = cost.runs * max(flops / chip.peak_flops, nbytes / chip.hbm_bytes_per_s)
+      kernels_at_peak += at_peak
+      print(f"  kernel {cost.source.split('/')[-2]} x{cost.runs}: {flops * cost.runs:.4g} "
+            f"FLOPs, {nbytes * cost.runs:.4g} bytes ({flops / nbytes:.0f} FLOP/B); at peak "
+            f"(bound) {at_peak * 1e3:.2f} ms, {cost.kind} {cost.seconds * cost.runs * 1e3:.2f} ms")
+  if kernels_at_peak:
+    kernels = sum(v for k, v in by_kind.items() if k.startswith("kernel"))
+    print(f"  the stage with every kernel at peak instead: "
+          f"{(total - kernels + kernels_at_peak) * 1e3:.1f} ms")
   ranked = sorted(costs, key=lambda cost: -cost.seconds * cost.runs)[:14]
   for cost in ranked:
     print(f"  {cost.seconds * cost.runs * 1e3:8.2f} ms x{cost.runs:<5} {cost.kind:<18} "

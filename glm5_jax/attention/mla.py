@@ -248,7 +248,7 @@ def _sparse_stage_attention(c, latents: _Latents, scale, segment_ids_BL, order: 
     2. absorbed sparse attention over the selected latent rows -> output and log-sum-exp;
     3. indexer KL on the selected keys: I at the selection (differentiable, reaches only the
        indexer, whose inputs are detached) against the main attention's head-mean probability
-       there, detached: from step 2's own probabilities where the op can give them (the GPU
+       there, detached: from step 2's own probabilities where the op can give them (the Pallas
        kernels' forward, `DSAOps.sparse_mla_with_probs`; "xla" partitioned by XLA,
        `sparse_mla_xla_with_kl_target`), else recomputed from the log-sum-exp by
        `sparse_mla_head_mean_probs` (a second pass over the gathered rows).
@@ -273,9 +273,9 @@ def _sparse_stage_attention(c, latents: _Latents, scale, segment_ids_BL, order: 
   # forward or the KL terms.
   topk_BLT = checkpoint_name(topk_BLT, "dsa_topk")
   q_latent_BLHC = jnp.einsum("blhn,chn->blhc", q_nope_BLHN, w_kb_CHN)
-  # Where the attention pass gives the KL target (the GPU kernels' forward; "xla" partitioned by
-  # XLA), no second pass gathers the selected rows for it; otherwise (the TPU kernels, "xla"
-  # under context parallelism) `_indexer_kl_terms_on_mesh` computes it.
+  # Where the attention pass gives the KL target (the Pallas kernels' forward; "xla" partitioned
+  # by XLA), no second pass gathers the selected rows for it; otherwise ("xla" under context
+  # parallelism) `_indexer_kl_terms_on_mesh` computes it.
   fused_target = (index_qkw is not None
                   and pallas_kernels.dsa_ops(c.dsa_impl).sparse_mla_with_probs is not None)
   target_in_pass = (index_qkw is not None and c.dsa_impl == "xla"

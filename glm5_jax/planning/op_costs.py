@@ -14,9 +14,11 @@ Three prices, each labelled with what it is (`OpCost.kind`):
                         FLOPs and bytes (the kernel's `pl.CostEstimate`, else the ragged
                         product's 2 x rows x K x N) at `KERNEL_EFFICIENCY` of the chip's peak
                         FLOP/s and HBM bandwidth, whichever is slower
-  "HBM at peak"         an instruction the compiler left unpriced (a gather fusion, a scalar
-                        op): its result plus each operand up to the result's size (a gather
-                        reads only the rows it returns) at the chip's HBM bandwidth, a bound
+  "HBM at peak"         an instruction the compiler left unpriced (a gather or scatter
+                        fusion, a scalar op): its result plus each operand up to the result's
+                        size (a gather reads only the rows it returns; a scatter reads its
+                        updates whole and the rows they touch: `hbm_seconds`) at the chip's
+                        HBM bandwidth, a bound
   "torus"               a collective (`torus.collective_seconds` on the slice's coordinates)
 
 Instructions inside a fusion's computation are not priced again (the fusion's cycles are the
@@ -101,7 +103,7 @@ class OpCost(NamedTuple):
 
 def category(op_name: str, op: str, contents: frozenset = frozenset()) -> str:
   """The model part an instruction belongs to (module docstring); `contents`: the opcodes of
-  a fusion's computation."""
+  a fusion's computations (nested fusions' included)."""
   for name, pattern in _RULES:
     if pattern.search(op_name):
       return name
@@ -145,28 +147,42 @@ def compiler_seconds(instr, chip: Accelerator) -> float | None:
   return int(match[1]) / chip.clock_hz
 
 
-def kernel_seconds(instr, shapes: dict, chip: Accelerator,
-                   efficiency: float = KERNEL_EFFICIENCY) -> float | None:
-  """A custom call's FLOPs and bytes at `efficiency` of peak (module docstring), or None for
-  a custom call without either (its work is unknown)."""
+def kernel_work(instr, shapes: dict) -> tuple[float, float] | None:
+  """A custom call's `(FLOPs, bytes)`: its `pl.CostEstimate`, else a ragged product's; None
+  for a custom call with neither (its work is unknown)."""
   if match := _KERNEL_COST.search(instr.attributes):
-    flops, nbytes = float(match[1]), float(match[3])
-  elif instr.name.startswith("ragged-dot"):
+    return float(match[1]), float(match[3])
+  if instr.name.startswith("ragged-dot"):
     flops = hlo_stats._ragged_dot_flops(instr, shapes) or 0.0
     arrays = hlo_stats._arrays(instr.operand_text) or sum(
         (shapes.get(n, ()) for n in instr.operands), ())
     nbytes = sum(hlo_stats.array_bytes(*a) for a in arrays + hlo_stats._arrays(instr.result_type))
-  else:
+    return flops, nbytes
+  return None
+
+
+def kernel_seconds(instr, shapes: dict, chip: Accelerator,
+                   efficiency: float = KERNEL_EFFICIENCY) -> float | None:
+  """A custom call's FLOPs and bytes (`kernel_work`) at `efficiency` of peak (module
+  docstring), or None when its work is unknown."""
+  if (work := kernel_work(instr, shapes)) is None:
     return None
+  flops, nbytes = work
   return max(flops / chip.peak_flops, nbytes / chip.hbm_bytes_per_s) / efficiency
 
 
-def hbm_seconds(instr, shapes: dict, chip: Accelerator) -> float:
+def hbm_seconds(instr, shapes: dict, chip: Accelerator, scatter: bool = False) -> float:
   """An unpriced instruction's bytes at HBM peak: its result, plus each operand up to the
-  result's size."""
+  result's size (a gather reads only the rows it returns). A `scatter` (a fusion around one)
+  updates its first operand in place: every other operand (the updates, the indices) is read
+  whole, and the rows the updates touch are read and written, at least once each (up to the
+  result's size)."""
   result = sum(hlo_stats.array_bytes(*a) for a in hlo_stats._arrays(instr.result_type))
   operands = hlo_stats._arrays(instr.operand_text) or sum(
       (shapes.get(n, ()) for n in instr.operands), ())
+  if scatter and operands:
+    read = sum(hlo_stats.array_bytes(*a) for a in operands[1:])
+    return (read + 2 * min(read, result)) / chip.hbm_bytes_per_s
   moved = result + sum(min(hlo_stats.array_bytes(*a), result) for a in operands)
   return moved / chip.hbm_bytes_per_s
 
@@ -218,11 +234,11 @@ def fused_collectives(module) -> dict[str, tuple]:
   return found
 
 
-def price(instr, shapes: dict, chip: Accelerator, coords, torus,
-          fused: dict | None = None) -> tuple[str, float] | None:
+def price(instr, shapes: dict, chip: Accelerator, coords, torus, fused: dict | None = None,
+          contents: frozenset = frozenset()) -> tuple[str, float] | None:
   """`(kind, seconds per execution)` of one instruction, or None when it is not priced;
   `fused`: `fused_collectives` of its module (a collective fusion is priced as its
-  collective)."""
+  collective); `contents`: the opcodes of a fusion's computations, nested ones included."""
   base = instr.op.removesuffix("-start")
   if hlo_stats.async_collective_role(instr) == "done":  # waits for its start, moves nothing
     return None
@@ -248,7 +264,19 @@ def price(instr, shapes: dict, chip: Accelerator, coords, torus,
       return f"kernel at {KERNEL_EFFICIENCY:.0%}", seconds
   if instr.op in FREE or instr.op.endswith("-done"):
     return None
-  return "HBM at peak", hbm_seconds(instr, shapes, chip)
+  return "HBM at peak", hbm_seconds(instr, shapes, chip,
+                                    scatter="scatter" in contents | {instr.op})
+
+
+def _nested_ops(module, computation: str, cache: dict) -> frozenset:
+  """The opcodes of `computation` and of every computation it calls (a fusion's nested
+  fusions: the TPU compiler wraps a scatter in a fusion inside its `scatter_custom_fusion`)."""
+  if computation not in cache:
+    cache[computation] = frozenset()  # a cycle (none in HLO) would stop here
+    instrs = module.computations.get(computation, ())
+    cache[computation] = frozenset(i.op for i in instrs).union(
+        *(_nested_ops(module, c, cache) for i in instrs for c in i.callees()))
+  return cache[computation]
 
 
 def price_module(module, chip: Accelerator, coords=None, torus=None) -> list[OpCost]:
@@ -259,19 +287,19 @@ def price_module(module, chip: Accelerator, coords=None, torus=None) -> list[OpC
   shapes = {i.name: hlo_stats._arrays(i.result_type) for instrs in module.computations.values()
             for i in instrs}
   coords = None if coords is None else np.asarray(coords)
-  contents = {c: frozenset(i.op for i in instrs) for c, instrs in module.computations.items()}
   collective_fusions = fused_collectives(module)
+  nested_ops = {}
   found = []
   for computation, instrs in module.computations.items():
     if computation in fused or not runs.get(computation):
       continue
     for instr in instrs:
-      priced = price(instr, shapes, chip, coords, torus, collective_fusions)
+      inside = frozenset().union(*(_nested_ops(module, c, nested_ops) for c in _CALLS.findall(
+          instr.attributes))) if instr.op == "fusion" else frozenset()
+      priced = price(instr, shapes, chip, coords, torus, collective_fusions, inside)
       if priced is None:
         continue
       source = instr.metadata("op_name")
-      inside = frozenset().union(*(contents.get(c, frozenset()) for c in _CALLS.findall(
-          instr.attributes))) if instr.op == "fusion" else frozenset()
       op, groups_from = instr.op, instr.name if priced[0] == "torus" else ""
       if priced[0] == "torus" and instr.op == "fusion":  # a collective fusion: its collective
         op, inner = collective_fusions[_CALLS.search(instr.attributes)[1]]
