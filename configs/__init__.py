@@ -1,6 +1,7 @@
 """Experiment configs: each config file's `get_config(arg)` returns an ml_collections ConfigDict.
 
-  tiny.py, glm5_744b.py, dsa_adaptation.py, sft_tiny.py, rl_tiny.py   experiment configs
+  tiny.py, glm5_744b.py, glm5_gpu_3b.py, dsa_adaptation.py, long_context.py   pre-training
+  sft_tiny.py, rl_tiny.py, rl_agentic.py, rl_long_tail.py, rl_staged.py     post-training
   sweeps/*.py    sweep configs (`get_config(arg)` -> the sweep's named runs)
   common.py      `parse_arg`, the parser of `get_config`'s string argument
   overrides.py   the entry points' config flags: an unknown `--config.<path>` field is one

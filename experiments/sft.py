@@ -16,16 +16,11 @@ The result is the starting point of experiments/rl.py (`--config.rl.init_from=<w
 Exit status: 0 trained to `train.steps`; 75 stopped early (SIGTERM), rerun to resume; 1 failed.
 """
 
-import json
-import sys
-
-from absl import app, flags, logging
-import jax
+from absl import app, flags
 
 from configs import overrides
 from glm5_jax.posttrain.sft import run_sft
 from glm5_jax.train import console
-from glm5_jax.train.stopping import EXIT_STOPPED_EARLY
 
 _CONFIG = overrides.define_config_file("config", "configs/sft_tiny.py", "SFT config.")
 _WORKDIR = flags.DEFINE_string("workdir", "/tmp/glm5_sft", "Checkpoints, metrics.jsonl and the "
@@ -34,17 +29,7 @@ _WORKDIR = flags.DEFINE_string("workdir", "/tmp/glm5_sft", "Checkpoints, metrics
 
 def main(argv):
   del argv
-  console.quiet_library_info()
-  console.announce_slow_compiles()
-  logging.info("devices: %s", jax.devices())
-  try:
-    summary = run_sft(_CONFIG.value, _WORKDIR.value)
-  except Exception as e:  # pylint: disable=broad-except
-    console.exit_on_failure(e, "SFT")
-  print("\n" + "\n".join(console.summary_lines(summary, "SFT")))
-  print(json.dumps({k: v for k, v in summary.items() if k != "last_metrics"}, default=str))
-  if summary["stopped_early"]:
-    sys.exit(EXIT_STOPPED_EARLY)
+  console.run_training_job(lambda: run_sft(_CONFIG.value, _WORKDIR.value), "SFT")
 
 
 if __name__ == "__main__":

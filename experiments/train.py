@@ -26,16 +26,11 @@ Exit status:
   1   failed; the last line on stderr is the root cause
 """
 
-import json
-import sys
-
-from absl import app, flags, logging
-import jax
+from absl import app, flags
 
 from configs import overrides
 from glm5_jax.train import console, multiprocess
 from glm5_jax.train.loop import train
-from glm5_jax.train.stopping import EXIT_STOPPED_EARLY
 
 _CONFIG = overrides.define_config_file("config", "configs/tiny.py", "Experiment config.")
 _WORKDIR = flags.DEFINE_string("workdir", "workdir/tiny", "Checkpoints, metrics.jsonl and "
@@ -46,23 +41,7 @@ def main(argv):
   del argv
   if multiprocess.launched_multiprocess():
     multiprocess.initialize_distributed()
-  console.quiet_library_info()
-  console.announce_slow_compiles()
-  logging.info("devices: %s", jax.devices())
-  try:
-    summary = train(_CONFIG.value, _WORKDIR.value)
-  except Exception as e:  # pylint: disable=broad-except
-    console.exit_on_failure(e)  # the root cause as the last line, exit status 1
-  if jax.process_index() == 0:
-    _print_summary(summary)
-  if summary["stopped_early"]:
-    sys.exit(EXIT_STOPPED_EARLY)
-
-
-def _print_summary(summary: dict):
-  """The summary for people, then as one JSON line (the last line: scripts read it)."""
-  print("\n" + "\n".join(console.summary_lines(summary)))
-  print(json.dumps({k: v for k, v in summary.items() if k != "last_metrics"}, default=str))
+  console.run_training_job(lambda: train(_CONFIG.value, _WORKDIR.value))
 
 
 if __name__ == "__main__":

@@ -205,14 +205,28 @@ def _backward_kernel(topk_smem, topk_ref, q_ref, q_rope_ref, dout_ref, lse_ref, 
                                       preferred_element_type=jnp.float32)
 
 
+def _query_row(b, l, j):
+  """Index map of a per-query block: query (b, l)'s whole block at every slot step j."""
+  del j
+  return (b, l, 0, 0)
+
+
+def _slot_operands(kv_BSC, k_rope_BSR, topk_BLT, block_t):
+  """What both kernels gather from: `(bt, t_pad, topk_BL1T, kv_words, k_rope_words)`, the
+  slots per grid step and T padded to whole blocks, the top-k padded with empty (-1) slots as
+  `[B, L, 1, T_pad]` int32, and kv / k_rope as words (`_pack_halves`)."""
+  bt, t_pad = _slot_blocks(topk_BLT.shape[-1], block_t)
+  topk_BL1T = pad_axis(topk_BLT.astype(jnp.int32), 2, t_pad, -1)[:, :, None, :]
+  return bt, t_pad, topk_BL1T, _pack_halves(kv_BSC), _pack_halves(k_rope_BSR)
+
+
 def _common_specs(t_pad, bt, h, c, r):
   """BlockSpecs of (topk in SMEM, topk in VMEM, q, q_rope) and the HBM-resident kv, k_rope."""
-  row = lambda b, l, j: (b, l, 0, 0)
   return [
-      pl.BlockSpec((None, None, 1, t_pad), row, memory_space=pltpu.SMEM),
+      pl.BlockSpec((None, None, 1, t_pad), _query_row, memory_space=pltpu.SMEM),
       pl.BlockSpec((None, None, 1, bt), lambda b, l, j: (b, l, 0, j)),
-      pl.BlockSpec((None, None, h, c), row),
-      pl.BlockSpec((None, None, h, r), row),
+      pl.BlockSpec((None, None, h, c), _query_row),
+      pl.BlockSpec((None, None, h, r), _query_row),
   ], [pl.BlockSpec(memory_space=pl.ANY), pl.BlockSpec(memory_space=pl.ANY)]
 
 
@@ -251,12 +265,10 @@ def _forward(q_BLHC, q_rope_BLHR, kv_BSC, k_rope_BSR, topk_BLT, scale, *, block_
              head_probs=False):
   """`(out, lse)`, plus the head-mean probabilities fp32 `[B, L, T]` with `head_probs`."""
   b, l, h, c = q_BLHC.shape
-  r, t = q_rope_BLHR.shape[-1], topk_BLT.shape[-1]
-  bt, t_pad = _slot_blocks(t, block_t)
-  topk_BL1T = pad_axis(topk_BLT.astype(jnp.int32), 2, t_pad, -1)[:, :, None, :]
-  kv_words, k_rope_words = _pack_halves(kv_BSC), _pack_halves(k_rope_BSR)
+  r = q_rope_BLHR.shape[-1]
+  bt, t_pad, topk_BL1T, kv_words, k_rope_words = _slot_operands(kv_BSC, k_rope_BSR, topk_BLT,
+                                                                block_t)
   in_specs, hbm_specs = _common_specs(t_pad, bt, h, c, r)
-  row = lambda b, l, j: (b, l, 0, 0)
   written = [(h * c, kv_BSC.dtype), (h, jnp.float32)] + [(t_pad, jnp.float32)] * head_probs
   cost = _cost_estimate(b * l, t_pad, h, 2 * c + r, q_BLHC, q_rope_BLHR, kv_BSC, k_rope_BSR,
                         per_query=written, exps_per_logit=1 + head_probs)
@@ -268,8 +280,8 @@ def _forward(q_BLHC, q_rope_BLHR, kv_BSC, k_rope_BSR, topk_BLT, scale, *, block_
                  jax.ShapeDtypeStruct((b, l, h, 1), jnp.float32), *probs),
       grid=(b, l, t_pad // bt),
       in_specs=in_specs + hbm_specs,
-      out_specs=(pl.BlockSpec((None, None, h, c), row), pl.BlockSpec((None, None, h, 1), row),
-                 *[pl.BlockSpec((None, None, 1, t_pad), row)] * head_probs),
+      out_specs=(pl.BlockSpec((None, None, h, c), _query_row), pl.BlockSpec((None, None, h, 1), _query_row),
+                 *[pl.BlockSpec((None, None, 1, t_pad), _query_row)] * head_probs),
       scratch_shapes=_scratch(bt, kv_words, k_rope_words) + [
           pltpu.VMEM((h, 1), jnp.float32), pltpu.VMEM((h, 1), jnp.float32),
           pltpu.VMEM((h, c), jnp.float32)] + [
@@ -287,11 +299,9 @@ def _backward_block(q_BLHC, q_rope_BLHR, kv_BSC, k_rope_BSR, topk_BLT, dout_BLHC
   """`sparse_mla.sparse_mla_backward_block` as a kernel (same arguments and results)."""
   b, l, h, c = q_BLHC.shape
   r, t = q_rope_BLHR.shape[-1], topk_BLT.shape[-1]
-  bt, t_pad = _slot_blocks(t, block_t)
-  topk_BL1T = pad_axis(topk_BLT.astype(jnp.int32), 2, t_pad, -1)[:, :, None, :]
-  kv_words, k_rope_words = _pack_halves(kv_BSC), _pack_halves(k_rope_BSR)
+  bt, t_pad, topk_BL1T, kv_words, k_rope_words = _slot_operands(kv_BSC, k_rope_BSR, topk_BLT,
+                                                                block_t)
   in_specs, hbm_specs = _common_specs(t_pad, bt, h, c, r)
-  row = lambda b, l, j: (b, l, 0, 0)
   slot = lambda b, l, j: (b, l, j, 0)
   p = joined_width(c, r)
   pad = lambda x_BLHK: pad_axis(x_BLHK.astype(q_BLHC.dtype), 3, p, 0)
@@ -304,11 +314,11 @@ def _backward_block(q_BLHC, q_rope_BLHR, kv_BSC, k_rope_BSR, topk_BLT, dout_BLHC
                  jax.ShapeDtypeStruct((b, l, h, r), jnp.float32),
                  jax.ShapeDtypeStruct((b, l, t_pad, p), jnp.float32)),
       grid=(b, l, t_pad // bt),
-      in_specs=in_specs + [pl.BlockSpec((None, None, h, c), row),
-                           pl.BlockSpec((None, None, h, 1), row),
-                           pl.BlockSpec((None, None, h, 1), row),
-                           pl.BlockSpec((None, None, 2 * h, p), row)] + hbm_specs,
-      out_specs=(pl.BlockSpec((None, None, h, c), row), pl.BlockSpec((None, None, h, r), row),
+      in_specs=in_specs + [pl.BlockSpec((None, None, h, c), _query_row),
+                           pl.BlockSpec((None, None, h, 1), _query_row),
+                           pl.BlockSpec((None, None, h, 1), _query_row),
+                           pl.BlockSpec((None, None, 2 * h, p), _query_row)] + hbm_specs,
+      out_specs=(pl.BlockSpec((None, None, h, c), _query_row), pl.BlockSpec((None, None, h, r), _query_row),
                  pl.BlockSpec((None, None, bt, p), slot)),
       scratch_shapes=_scratch(bt, kv_words, k_rope_words),
       compiler_params=_PARAMS,

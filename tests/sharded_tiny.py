@@ -1,7 +1,8 @@
 """The tiny model on a host-device mesh and a batch of packed documents: the shared prefix of the
-8-device context-parallel scripts (tests/test_context_parallel.py, test_context_layout_train.py,
-test_dsa_sharding.py), which import it in their subprocess (`run_on_host_devices` puts the
-repository root on PYTHONPATH, so `from tests.sharded_tiny import ...`)."""
+8-device scripts (tests/test_context_parallel.py, test_context_layout_train.py,
+test_dsa_sharding.py, test_sharding.py), which import it in their subprocess
+(`run_on_host_devices` puts the repository root on PYTHONPATH, so `from tests.sharded_tiny
+import ...`)."""
 
 import jax
 import jax.numpy as jnp
@@ -17,21 +18,36 @@ from glm5_jax.config import ModelConfig
 LENGTHS = ((5, 14, 13), (20, 12))
 
 
+def _layout(mesh_shape: dict, model_overrides: dict):
+  """configs/tiny.py with `model_overrides` on a mesh of `mesh_shape`: (config, mesh, param
+  shapes, their shardings by the config's logical-axis rules)."""
+  cfg = tiny.get_config()
+  cfg.model.update(model_overrides)
+  cfg.mesh.shape.update(mesh_shape)
+  mesh = sharding.make_mesh(cfg.mesh)
+  shapes, axes = glm5_jax.abstract_params_and_axes(cfg.model)
+  return cfg, mesh, shapes, sharding.param_shardings(shapes, axes, mesh,
+                                                     cfg.mesh.logical_axis_rules)
+
+
 def on_mesh(mesh_shape: dict, **model_overrides):
   """configs/tiny.py with `model_overrides` on a mesh of `mesh_shape` (every axis named).
 
   Returns (config, mesh, ModelConfig, params from key 0, the same params placed by the
   config's logical-axis rules on the mesh).
   """
-  cfg = tiny.get_config()
-  cfg.model.update(model_overrides)
-  cfg.mesh.shape.update(mesh_shape)
-  mesh = sharding.make_mesh(cfg.mesh)
+  cfg, mesh, _, shardings = _layout(mesh_shape, model_overrides)
   params = glm5_jax.init_params(cfg.model, jax.random.key(0))
-  shapes, axes = glm5_jax.abstract_params_and_axes(cfg.model)
-  sharded = jax.device_put(params, sharding.param_shardings(shapes, axes, mesh,
-                                                            cfg.mesh.logical_axis_rules))
-  return cfg, mesh, ModelConfig.from_config(cfg.model), params, sharded
+  return cfg, mesh, ModelConfig.from_config(cfg.model), params, jax.device_put(params, shardings)
+
+
+def abstract_on_mesh(mesh_shape: dict, **model_overrides):
+  """`on_mesh` without arrays, for compiling only: (config, mesh, ModelConfig, the params as
+  ShapeDtypeStructs carrying their shardings)."""
+  cfg, mesh, shapes, shardings = _layout(mesh_shape, model_overrides)
+  params = jax.tree_util.tree_map(
+      lambda s, x: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=x), shapes, shardings)
+  return cfg, mesh, ModelConfig.from_config(cfg.model), params
 
 
 def packed_batch(vocab_size: int, lengths=LENGTHS):

@@ -2,6 +2,7 @@
 probe, orbax), the slow-compile notices (lines when a compile runs long, none for fast ones),
 both set up by every entry point, and the run summary's lines."""
 
+import json
 import logging
 import os
 import pathlib
@@ -9,8 +10,9 @@ import threading
 
 import jax
 import jax.numpy as jnp
+import pytest
 
-from glm5_jax.train import console
+from glm5_jax.train import console, stopping
 
 EXPERIMENTS = pathlib.Path(__file__).resolve().parent.parent / "experiments"
 
@@ -31,13 +33,35 @@ def test_library_info_is_dropped_and_warnings_kept():
 
 def test_every_entry_point_hides_library_info_and_announces_compiles():
   # Entry points are the scripts that run (`app.run`); model_flags.py is the flags they share.
+  # Those running a training loop do both through `console.run_training_job`.
   scripts = sorted(p for p in EXPERIMENTS.glob("*.py")
                    if 'if __name__ == "__main__":' in p.read_text(encoding="utf-8"))
   assert len(scripts) >= 8
   for script in scripts:
     text = script.read_text(encoding="utf-8")
+    if "console.run_training_job(" in text:
+      continue
     assert "console.quiet_library_info()" in text, script.name
     assert "console.announce_slow_compiles()" in text, script.name
+
+
+def test_run_training_job_prints_the_summary_last_and_exits_75_when_stopped(monkeypatch, capsys):
+  """The summary for people, then the JSON line scripts read (without `last_metrics`), last;
+  a loop stopped early exits with `EXIT_STOPPED_EARLY`."""
+  monkeypatch.setattr(console, "announce_slow_compiles", lambda: None)  # no listener thread
+  summary = dict(steps=40, total_steps=40, stopped_early=False, stop_reason=None,
+                 first_loss=5.9, last_loss=1.2, tokens_per_sec=None, eval=None,
+                 checkpoints="/w/checkpoints", metrics_file="/w/metrics.jsonl",
+                 last_metrics={"loss": 1.2})
+  console.run_training_job(lambda: summary, "SFT")
+  lines = capsys.readouterr().out.strip().splitlines()
+  assert lines[:2] == ["== SFT summary ==", "steps: 40 of 40"]
+  assert json.loads(lines[-1]) == {k: v for k, v in summary.items() if k != "last_metrics"}
+  with pytest.raises(SystemExit) as stopped:
+    console.run_training_job(lambda: dict(summary, steps=7, stopped_early=True,
+                                          stop_reason="SIGTERM"))
+  assert stopped.value.code == stopping.EXIT_STOPPED_EARLY
+  assert "== training summary ==" in capsys.readouterr().out
 
 
 def _notices(after_s=5.0):

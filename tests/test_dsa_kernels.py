@@ -28,6 +28,7 @@ import pallas_kernels as pk
 from glm5_jax.attention.dsa import restrict_topk_to_visible
 from glm5_jax.attention.mla import MLA
 from glm5_jax.config import ConfigError, model_config, validate_model_config
+from tests.inputs import sparse_mla_inputs
 
 # Small blocks (illegal on TPU, fine in interpret mode) so tiny shapes still span several query,
 # key and slot blocks, partial last blocks and skipped causal blocks.
@@ -151,18 +152,6 @@ def test_indexer_scores_at_values_and_gradients(scale):
 # ---------------------------------------------------------------------------------------------
 # Sparse MLA
 # ---------------------------------------------------------------------------------------------
-
-
-def sparse_mla_inputs(b=2, l=11, s=29, h=3, c=16, r=4, t=13, dtype=jnp.float32, seed=0):
-  """Random q / kv and a selection of distinct rows per query with -1 slots scattered in it;
-  query (0, 0) selects nothing (zero output, lse -inf)."""
-  rng = np.random.default_rng(seed)
-  arrays = [jnp.asarray(rng.standard_normal(shape), dtype)
-            for shape in ((b, l, h, c), (b, l, h, r), (b, s, c), (b, s, r))]
-  topk = np.stack([rng.permutation(s)[:t] for _ in range(b * l)]).reshape(b, l, t)
-  topk = np.where(rng.random((b, l, t)) < 0.25, -1, topk)
-  topk[0, 0] = -1
-  return arrays + [jnp.asarray(topk, jnp.int32)]
 
 
 @pytest.mark.parametrize("impl", ["xla", "pallas"])

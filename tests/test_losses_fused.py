@@ -13,6 +13,7 @@ import numpy as np
 
 from glm5_jax.train import fused_ce, losses
 from glm5_jax.train.step import StepConfig, loss_and_grads
+from tests.inputs import packed_batch
 
 
 def relative_error(a, b):
@@ -53,18 +54,6 @@ def test_head_statistics_and_gradients_match_the_logits_path():
     assert relative_error(fused, reference) < 1e-2
 
 
-def _batch(vocab, b=4, l=24, seed=0):
-  """Two documents per row, padding at the end of row 1, loss-mask holes."""
-  rng = np.random.default_rng(seed)
-  segments = np.where(np.arange(l) < 10, 1, 2)[None].repeat(b, 0)
-  segments[1, -5:] = 0
-  positions = np.where(segments == 2, np.arange(l) - 10, np.arange(l)) * (segments != 0)
-  return {"tokens": jnp.asarray(rng.integers(1, vocab, (b, l)), jnp.int32),
-          "positions": jnp.asarray(positions, jnp.int32),
-          "segment_ids": jnp.asarray(segments, jnp.int32),
-          "loss_mask": jnp.asarray((rng.random((b, l)) > 0.2) & (segments != 0), jnp.float32)}
-
-
 def _vocab_arrays(hlo_text: str, vocab: int):
   """Element counts of the arrays in `hlo_text` with a `vocab`-sized dimension, divided by it."""
   rows = []
@@ -83,7 +72,7 @@ def test_tiny_model_loss_and_grads_match_and_no_whole_logits_are_compiled(helper
   model = helpers.config(num_hidden_layers=1, first_k_dense_replace=1, mtp_depths=2,
                          attention_pattern="M")
   params = helpers.random_params(model)
-  batch = _batch(model.vocab_size)
+  batch = packed_batch(model.vocab_size, b=4)
   results = {}
   for chunk in (0, 5):
     step_cfg = StepConfig(z_loss_weight=0.01, ce_chunk=chunk)

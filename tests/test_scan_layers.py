@@ -18,6 +18,7 @@ from glm5_jax.layers.remat import REMAT_POLICIES
 from glm5_jax.planning import flop_ledger
 from glm5_jax.train.state import TrainState, trainable_mask
 from glm5_jax.train.step import StepConfig, compute_loss, make_train_step
+from tests.inputs import packed_batch
 
 # D dense | D D (MoE, hands its last top-k to the next run) | R R (reuses it) | S
 MIXED = dict(num_hidden_layers=6, attention_pattern="DDDRRS", first_k_dense_replace=1,
@@ -31,16 +32,9 @@ def configs(helpers, **overrides):
   return unrolled, dataclasses.replace(unrolled, scan_layers=True)
 
 
-def packed_batch(vocab, b=2, l=24, seed=0):
-  """Two documents per row, padding at the end of row 1."""
-  rng = np.random.default_rng(seed)
-  segments = np.where(np.arange(l) < 14, 1, 2)[None].repeat(b, 0)
-  segments[1, -4:] = 0
-  positions = np.where(segments == 2, np.arange(l) - 14, np.arange(l)) * (segments != 0)
-  return {"tokens": jnp.asarray(rng.integers(1, vocab, (b, l)), jnp.int32),
-          "positions": jnp.asarray(positions, jnp.int32),
-          "segment_ids": jnp.asarray(segments, jnp.int32),
-          "loss_mask": jnp.asarray(segments != 0, jnp.float32)}
+def scan_batch(vocab):
+  """Two documents per row (the second from position 14), padding at the end of row 1."""
+  return packed_batch(vocab, split=14, padding=4, mask_holes=False)
 
 
 def assert_trees_close(got, want, rtol=1e-5, atol=1e-6):
@@ -86,7 +80,7 @@ def test_scanned_equals_unrolled_logits_losses_and_grads(helpers, overrides, sta
   unrolled_cfg, scanned_cfg = configs(helpers, **overrides)
   params = helpers.random_params(unrolled_cfg)
   stacked = layer_runs.stack_layers(params, scanned_cfg)
-  batch = packed_batch(unrolled_cfg.vocab_size)
+  batch = scan_batch(unrolled_cfg.vocab_size)
   step_cfg = StepConfig(dsa_stage=stage, sequence_balance_weight=0.01)
   grad_fn = jax.jit(jax.value_and_grad(compute_loss, argnums=2, has_aux=True),
                     static_argnums=(0, 1))
@@ -111,7 +105,7 @@ def test_scanned_train_step_equals_unrolled(helpers):
   """One real train step (Muon Split per layer, balancing-bias update per layer)."""
   unrolled_cfg, scanned_cfg = configs(helpers, **MIXED)
   params = helpers.random_params(unrolled_cfg)
-  batch = packed_batch(unrolled_cfg.vocab_size)
+  batch = scan_batch(unrolled_cfg.vocab_size)
   step_cfg = StepConfig(dsa_stage="sparse", balance_bias_rate=0.01)
   opt_cfg = optim.optim_config(warmup_steps=0, learning_rate=1e-2, weight_decay=0.1)
 
@@ -166,7 +160,7 @@ def test_remat_policies_change_memory_not_numbers(helpers, policy):
   remat_cfg = dataclasses.replace(scanned_cfg, remat_policy=policy)
   params = layer_runs.stack_layers(helpers.random_params(dataclasses.replace(
       scanned_cfg, scan_layers=False)), scanned_cfg)
-  batch = packed_batch(scanned_cfg.vocab_size)
+  batch = scan_batch(scanned_cfg.vocab_size)
   assert_trees_close(_LOSS_GRAD(remat_cfg, params, batch), _LOSS_GRAD(scanned_cfg, params, batch))
   if policy in ("full", "save_attn_lse"):
     remat = _remat_flops(remat_cfg, params, batch)
@@ -178,7 +172,7 @@ def test_remat_policies_change_memory_not_numbers(helpers, policy):
 def _program_size(cfg) -> int:
   """Characters of the lowered (StableHLO) train-loss gradient program."""
   shapes = glm5_jax.abstract_params(cfg)
-  batch = jax.eval_shape(lambda: packed_batch(cfg.vocab_size))
+  batch = jax.eval_shape(lambda: scan_batch(cfg.vocab_size))
   fn = jax.grad(lambda p, b: compute_loss(cfg, StepConfig(), p, b)[0])
   return len(jax.jit(fn).lower(shapes, batch).as_text())
 

@@ -106,21 +106,13 @@ def test_every_matrix_is_sharded_over_fsdp_and_context(helpers, context):
 
 _WHOLE_BATCH_GATHERS = r"""
 import json, jax, jax.numpy as jnp
-from configs import tiny
 import glm5_jax
 from glm5_jax import sharding
 from glm5_jax.planning import hlo_stats
-from glm5_jax.config import ModelConfig
-cfg = tiny.get_config()
-cfg.model.num_hidden_layers = 2
-cfg.model.mtp_depths = 2
-cfg.mesh.shape.update(data=1, fsdp=2, expert=2, tensor=2)
+from tests.sharded_tiny import abstract_on_mesh
+cfg, mesh, model, params = abstract_on_mesh(dict(data=1, fsdp=2, expert=2, tensor=2),
+                                            num_hidden_layers=2, mtp_depths=2)
 rules = cfg.mesh.logical_axis_rules
-mesh = sharding.make_mesh(cfg.mesh)
-model = ModelConfig.from_config(cfg.model)
-shapes, axes = glm5_jax.abstract_params_and_axes(cfg.model)
-sh = sharding.param_shardings(shapes, axes, mesh, rules)
-params = jax.tree_util.tree_map(lambda s, x: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=x), shapes, sh)
 B, L = 8, 32
 tokens = jax.ShapeDtypeStruct((B, L), jnp.int32, sharding=sharding.batch_sharding(mesh, rules))
 def loss(p, t):
@@ -155,21 +147,14 @@ dump = tempfile.mkdtemp()
 os.environ["XLA_FLAGS"] += (f" --xla_dump_to={dump}"
                             " --xla_dump_hlo_pass_re=spmd-partitioning")
 import jax, jax.numpy as jnp
-from configs import tiny
 import glm5_jax
 from glm5_jax import sharding
-from glm5_jax.config import ModelConfig
-cfg = tiny.get_config()
-cfg.model.update(num_hidden_layers=2, first_k_dense_replace=1, dtype="bfloat16",
-                 param_dtype="float32", moe_impl="expert_parallel", moe_transport="all_to_all")
-cfg.mesh.shape.update(data=1, fsdp=2, expert=2, tensor=2)
+from tests.sharded_tiny import abstract_on_mesh
+cfg, mesh, model, params = abstract_on_mesh(
+    dict(data=1, fsdp=2, expert=2, tensor=2), num_hidden_layers=2, first_k_dense_replace=1,
+    dtype="bfloat16", param_dtype="float32", moe_impl="expert_parallel",
+    moe_transport="all_to_all")
 rules = cfg.mesh.logical_axis_rules
-mesh = sharding.make_mesh(cfg.mesh)
-model = ModelConfig.from_config(cfg.model)
-shapes, axes = glm5_jax.abstract_params_and_axes(cfg.model)
-sh = sharding.param_shardings(shapes, axes, mesh, rules)
-params = jax.tree_util.tree_map(lambda s, x: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=x),
-                                shapes, sh)
 tokens = jax.ShapeDtypeStruct((8, 16), jnp.int32, sharding=sharding.batch_sharding(mesh, rules))
 with sharding.activation_sharding(mesh, rules):
   jax.jit(lambda p, t: glm5_jax.forward(model, p, t, mtp=False)["logits"]).lower(

@@ -21,6 +21,7 @@ from glm5_jax.train import losses
 from glm5_jax.train.loop import NonFiniteLossError, train
 from glm5_jax.train.state import TrainState, trainable_mask
 from glm5_jax.train.step import StepConfig, compute_loss, make_train_step, update_balance_bias
+from tests.inputs import packed_batch
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -265,19 +266,6 @@ def test_target_weights_respect_documents_and_mask():
 # ---------------------------------------------------------------------------------------------
 
 
-def _packed_batch(vocab, b=2, l=24, seed=0):
-  """Two documents per row, padding at the end of row 1, loss-mask holes."""
-  rng = np.random.default_rng(seed)
-  segments = np.where(np.arange(l) < 10, 1, 2)[None].repeat(b, 0)
-  segments[1, -5:] = 0
-  positions = np.where(segments == 2, np.arange(l) - 10, np.arange(l)) * (segments != 0)
-  loss_mask = (rng.random((b, l)) > 0.2) & (segments != 0)
-  return {"tokens": jnp.asarray(rng.integers(1, vocab, (b, l)), jnp.int32),
-          "positions": jnp.asarray(positions, jnp.int32),
-          "segment_ids": jnp.asarray(segments, jnp.int32),
-          "loss_mask": jnp.asarray(loss_mask, jnp.float32)}
-
-
 def test_update_balance_bias_moves_exactly_rate_toward_equal_load():
   """Over-loaded experts' bias goes down by exactly `rate`, under-loaded ones' up by exactly
   `rate`, experts at the mean load stay; every MoE block by its own counts, nothing else
@@ -313,7 +301,7 @@ def test_train_step_lowers_overloaded_and_raises_underloaded_expert_bias(helpers
       optim_config, shapes, total_steps=100, trainable=trainable_mask(shapes, "sparse"))
   state = TrainState(step=jnp.ones((), jnp.int32), params=params,
                      opt_state=optimizer.init(params), rng=jnp.zeros((2,), jnp.uint32))
-  batch = _packed_batch(model.vocab_size)
+  batch = packed_batch(model.vocab_size)
   new_state, _ = jax.jit(make_train_step(model, step_cfg, optimizer, schedule))(state, batch)
   _, (_, counts, _, _) = jax.jit(compute_loss, static_argnums=(0, 1))(model, step_cfg, params,
                                                                        batch)
@@ -338,7 +326,7 @@ def test_compute_loss_weighs_and_sums_its_terms(helpers):
   model = helpers.config(num_hidden_layers=2, first_k_dense_replace=1, mtp_depths=2,
                          scan_layers=False)  # the reference reads each layer's aux
   params = helpers.random_params(model)
-  batch = _packed_batch(model.vocab_size, seed=1)
+  batch = packed_batch(model.vocab_size, seed=1)
   step_cfg = StepConfig(dsa_stage="sparse", mtp_loss_weight=0.37, z_loss_weight=0.013,
                         indexer_loss_weight=1.9, sequence_balance_weight=0.21)
   total, (metrics, _, predictions, token_nll) = jax.jit(compute_loss, static_argnums=(0, 1))(

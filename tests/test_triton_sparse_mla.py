@@ -17,21 +17,18 @@ from pallas_kernels import sparse_mla_head_mean_probs, sparse_mla_reference
 from pallas_kernels.sparse_mla_triton import (_auto_split, sparse_mla_flops, sparse_mla_triton,
                                               sparse_mla_triton_with_head_probs)
 from tests.conftest import lower_for_cuda
+from tests.inputs import sparse_mla_inputs
 
 SCALE = 0.25
 
 
 def mla_inputs(b=2, l=5, s=45, h=3, c=16, r=4, t=37, dtype=jnp.float32, seed=0):
-  """Random q / kv and a selection with every case of the index contract:
+  """`tests.inputs.sparse_mla_inputs` with every case of the index contract in its selection:
   distinct rows with ~25% -1 slots; query (0, 0) selects nothing; query (0, 1) holds indices
   S, S + 7 and -3 (empty slots); query (1, 2) selects row 7 three times, twice in one slot block
   of 16 and once in another; query (1, 3) has one valid slot, the last (earlier blocks empty)."""
-  rng = np.random.default_rng(seed)
-  arrays = [jnp.asarray(rng.standard_normal(shape), dtype)
-            for shape in ((b, l, h, c), (b, l, h, r), (b, s, c), (b, s, r))]
-  topk = np.stack([rng.permutation(s)[:t] for _ in range(b * l)]).reshape(b, l, t)
-  topk = np.where(rng.random((b, l, t)) < 0.25, -1, topk)
-  topk[0, 0] = -1
+  *arrays, topk = sparse_mla_inputs(b, l, s, h, c, r, t, dtype, seed)
+  topk = np.array(topk)
   topk[0, 1, :3] = [s, s + 7, -3]
   topk[1, 2, [1, 5, 20]] = 7
   topk[1, 3] = -1

@@ -34,8 +34,12 @@ Notation: B batch, L queries (= S keys), H heads, C latent, R rope dim, T top-k.
 import dataclasses
 import functools
 import json
-import statistics
-import time
+import os
+import sys
+
+# The repository root, for `tools` when run as `python tools/X.py` (sys.path[0] is tools/).
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+# pylint: disable=wrong-import-position
 
 from absl import app, flags
 import jax
@@ -47,6 +51,7 @@ from glm5_jax.accelerators import accelerator_of
 from glm5_jax.attention.common import attend, causal_segment_mask
 from glm5_jax.attention.dsa import topk_mask
 from glm5_jax.train.metrics import peak_flops_per_device
+from tools.timing import median_seconds
 
 _SEQ_LENS = flags.DEFINE_list("seq_lens", None, "Sequence lengths (default: per backend).")
 _TOPK = flags.DEFINE_integer("topk", None, "Selected keys per query (GLM-5: 2048; CPU: 128).")
@@ -102,12 +107,7 @@ def measure(fn, args, repeats):
   analysis = compiled.memory_analysis()
   temp = getattr(analysis, "temp_size_in_bytes", None) if analysis is not None else None
   jax.block_until_ready(compiled(*args))
-  times = []
-  for _ in range(repeats):
-    start = time.perf_counter()
-    jax.block_until_ready(compiled(*args))
-    times.append(time.perf_counter() - start)
-  return statistics.median(times), temp
+  return median_seconds(compiled, args, repeats), temp
 
 
 def forward_backward(fn):

@@ -17,7 +17,6 @@ from absl import app, flags
 import jax
 
 from configs import overrides
-from glm5_jax.sharding import activation_sharding
 from glm5_jax.train.metrics import flops_per_token, peak_flops_per_device
 from glm5_jax.train.trainer import build_trainer
 
@@ -31,13 +30,7 @@ def main(argv):
   del argv
   config = _CONFIG.value
   t = build_trainer(config)
-  state = t.init_state()
-  batch = t.to_device(next(t.train_iter))
-
-  start = time.perf_counter()
-  with activation_sharding(t.mesh, t.rules):
-    compiled = t.train_step.lower(state, batch).compile()
-  compile_s = time.perf_counter() - start
+  compiled, state, batch, compile_s = t.compile_first_step()
 
   for _ in range(_WARMUP.value):
     state, metrics = compiled(state, batch)

@@ -43,6 +43,7 @@ import numpy as np
 
 from glm5_jax.accelerators import accelerator_of
 import pallas_kernels as pk
+from tools.timing import median_seconds
 
 MLA_RTOL = 2e-2
 RECALL_MIN = 0.99
@@ -104,12 +105,7 @@ def timed(fn, args, repeats: int) -> dict:
   jax.block_until_ready(fn(*args))
   compile_s = time.perf_counter() - start
   jax.block_until_ready(fn(*args))
-  times = []
-  for _ in range(repeats):
-    start = time.perf_counter()
-    jax.block_until_ready(fn(*args))
-    times.append(time.perf_counter() - start)
-  return dict(compile_s=compile_s, median_s=float(np.median(times)), repeats=repeats)
+  return dict(compile_s=compile_s, median_s=median_seconds(fn, args, repeats), repeats=repeats)
 
 
 # ---- inputs ----------------------------------------------------------------------------------

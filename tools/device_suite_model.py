@@ -36,7 +36,6 @@ from configs import glm5_gpu_3b, tiny
 from glm5_jax import data, infer, param_stats
 from glm5_jax.config import ModelConfig
 from glm5_jax.infer.loading import load_model
-from glm5_jax.sharding import activation_sharding
 from glm5_jax.train.metrics import flops_per_token, peak_flops_per_device
 from glm5_jax.train.trainer import build_trainer
 from tools import bench_decode
@@ -67,18 +66,13 @@ def train_config(smoke: bool, dsa_impl: str):
 
 
 def compile_step(config) -> dict:
-  """The trainer's jitted step for `config`, compiled (`build_trainer`, as bench_train.py),
+  """The trainer's jitted step for `config`, compiled (`Trainer.compile_first_step`),
   with its initial state and one prefetched batch: `{compiled, state, batch, compile_s,
   hlo_text, trainer}`."""
   t = build_trainer(config)
-  state = t.init_state()
-  batch = t.to_device(next(t.train_iter))
-  start = time.perf_counter()
-  with activation_sharding(t.mesh, t.rules):
-    compiled = t.train_step.lower(state, batch).compile()
-  return dict(compiled=compiled, state=state, batch=batch, trainer=t,
-              compile_s=time.perf_counter() - start, hlo_text=compiled.as_text(),
-              dsa_impl=t.model.dsa_impl)
+  compiled, state, batch, compile_s = t.compile_first_step()
+  return dict(compiled=compiled, state=state, batch=batch, trainer=t, compile_s=compile_s,
+              hlo_text=compiled.as_text(), dsa_impl=t.model.dsa_impl)
 
 
 def compiled_facts(run: dict) -> dict:

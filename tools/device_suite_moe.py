@@ -37,6 +37,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from tools.timing import median_seconds
+
 GLM5_3B = dict(rows=8 * 4096 * 4, hidden=2048, ffn=512, experts=32)
 SMOKE = dict(rows=64, hidden=32, ffn=16, experts=4)
 _CUDNN_FUSION = {"xla_gpu_experimental_use_ragged_dot_fusion": True}
@@ -168,14 +170,10 @@ def moe_section(ctx) -> dict:
       compiled = _compile(fn, args, compiler_options, jax_option)
       compile_s = time.perf_counter() - start
       out = jax.block_until_ready(compiled(*args))
-      times = []
-      for _ in range(ctx.repeats):
-        start = time.perf_counter()
-        jax.block_until_ready(compiled(*args))
-        times.append(time.perf_counter() - start)
       if name == "ragged_dot":
         reference["out"] = out
-      row = dict(variant=name, compile_s=compile_s, median_s=float(np.median(times)),
+      row = dict(variant=name, compile_s=compile_s,
+                 median_s=median_seconds(compiled, args, ctx.repeats),
                  repeats=ctx.repeats, **hlo_summary(compiled.as_text(), shape))
       if name != "dense bound" and "out" in reference:
         row["max_rel_diff"] = _max_rel_diff(out, reference["out"])

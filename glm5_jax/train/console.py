@@ -2,6 +2,7 @@
 compile runs long, a readable run summary, and on failure the root cause as the last line.
 
 For entry points (experiments/*.py) only; the library itself never touches global logging.
+`run_training_job` is the whole body of the ones that run a training loop (train.py, sft.py).
 
 A disk that fills during an asynchronous save fails in orbax's background threads; the error
 then surfaces in the main thread wrapped in several chained tracebacks, and interpreter teardown
@@ -10,14 +11,19 @@ adds "Exception ignored in <coroutine ...>" reports for every write still queued
 prints the failure and its root cause as the last lines and leaves without that teardown.
 """
 
+import json
 import logging as std_logging
 import os
 import sys
 import threading
 import time
+from typing import Callable
 
 from absl import logging
+import jax
 from jax import monitoring
+
+from glm5_jax.train.stopping import EXIT_STOPPED_EARLY
 
 EXIT_FAILED = 1
 _QUIET_PACKAGES = ("orbax",)
@@ -197,3 +203,24 @@ def exit_on_failure(exc: BaseException, what: str = "training") -> None:
   sys.stderr.write("\n" + "\n".join(failure_lines(exc, what)) + "\n")
   sys.stderr.flush()
   os._exit(EXIT_FAILED)  # pylint: disable=protected-access
+
+
+def run_training_job(job: Callable[[], dict], what: str = "training") -> None:
+  """The body of an entry point that runs a training loop: library INFO hidden, slow compiles
+  announced, the devices logged, then `job()` (a loop returning its summary, as
+  `glm5_jax.train.loop.train`). A failure ends the process with its root cause as the last line
+  (`exit_on_failure`); otherwise process 0 prints the summary for people and then as one JSON
+  line (the last line: scripts read it), and a loop that stopped early (SIGTERM) exits with
+  `EXIT_STOPPED_EARLY` (75: its checkpoint is committed, rerun to resume)."""
+  quiet_library_info()
+  announce_slow_compiles()
+  logging.info("devices: %s", jax.devices())
+  try:
+    summary = job()
+  except Exception as e:  # pylint: disable=broad-except
+    exit_on_failure(e, what)
+  if jax.process_index() == 0:
+    print("\n" + "\n".join(summary_lines(summary, what)))
+    print(json.dumps({k: v for k, v in summary.items() if k != "last_metrics"}, default=str))
+  if summary["stopped_early"]:
+    sys.exit(EXIT_STOPPED_EARLY)

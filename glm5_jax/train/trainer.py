@@ -3,6 +3,7 @@ iterator, optimizer, state shardings, and the jitted train / eval steps. Shared 
 loop and tools/bench_train.py."""
 
 import dataclasses
+import time
 from typing import Any, Callable
 
 import jax
@@ -39,6 +40,18 @@ class Trainer:
   dense_train_step: Callable | None  # the same two for those first steps (`StepConfig.dense_phase`)
   dense_eval_step: Callable | None
   to_device: Callable  # local numpy batch -> global sharded arrays
+
+  def compile_first_step(self) -> tuple:
+    """`(compiled, state, batch, compile_s)`: the train step compiled ahead of time, under the
+    mesh's activation sharding, for a fresh state and the iterator's next batch (on device),
+    and the seconds its lowering and compilation took. For the benchmarks
+    (tools/bench_train.py, tools/device_suite_model.py); the loop jits on its first call."""
+    state = self.init_state()
+    batch = self.to_device(next(self.train_iter))
+    start = time.perf_counter()
+    with activation_sharding(self.mesh, self.rules):
+      compiled = self.train_step.lower(state, batch).compile()
+    return compiled, state, batch, time.perf_counter() - start
 
 
 def optimizer_and_param_shardings(config, model: ModelConfig, step_cfg: StepConfig,
