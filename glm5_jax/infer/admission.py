@@ -44,10 +44,10 @@ class Admission:
     their first tokens. Returns `(token, logprob, raw_logprob, logits[, top])` per request.
 
     Paged, each prefill chunk is one program (`programs.paged_admit`, the same for every
-    chunk), so an
-    admission whose prompts fit one chunk is one dispatch, plus one for a group's copy-on-write
-    (`programs.share_prefix`). Host arrays go to the programs as numpy arrays: jit copies them with
-    the call, where `jnp.asarray` would dispatch an op per array."""
+    chunk), so an admission whose prompts fit one chunk is one dispatch, plus one for a
+    group's copy-on-write (`programs.share_prefix`). Host arrays go to the programs as numpy
+    arrays: jit copies them with the call, where `jnp.asarray` would dispatch an op per
+    array."""
     plan = self._plan(admitted)
     requests = [r for _, r, _ in admitted] + [None] * (self.slots - len(admitted))
     first = (plan.rows_B, programs.host_settings(requests), programs.host_seeds(requests),
@@ -115,8 +115,7 @@ class Admission:
     """`plan`'s prefill on the paged cache, chunk by chunk, with its first tokens (`first`:
     `(rows_B, settings, seeds_B, adjust)` of `programs.first_tokens`, sampled by every chunk,
     kept from the last) and the groups' copy-on-write. Returns device `(first tokens as
-    `programs.sample`'s, [routing
-    of each chunk])`."""
+    `programs.sample`'s, [routing of each chunk])`."""
     width = plan.tokens.shape[1] - self.k
     carry, routing = self._fresh_carry(len(plan.slot_ids_P)), []
     for offset in range(0, width, self.chunk):
@@ -142,8 +141,8 @@ class Admission:
 
   def _copy_on_write(self, page_copies, copies) -> None:
     """Copies `(source page, destination page)`s and the per-slot state of `(source slot,
-    destination slot)`s (`programs.share_prefix`; padded to fixed shapes: one program whatever the
-    group sizes)."""
+    destination slot)`s (`programs.share_prefix`; padded to fixed shapes: one program
+    whatever the group sizes)."""
     self.cache, self.hidden = programs.share_prefix(
         self.cache, self.hidden, *self.pages.copy_args(page_copies, copies, self.slots),
         layout=self.paging.layout)
@@ -196,7 +195,6 @@ class AdmissionPlan(typing.NamedTuple):
   page_copies: list
 
 
-
 def _prefilled_routing(plan: AdmissionPlan, chunk_routing: list, admitted: int) -> list:
   """Each of the first `admitted` requests' prompt routing `{kind: [len(prompt), N, k]}` from
   its row of the chunks' `{kind: [P, C, N, k]}`: the rows it prefilled here; a held session's
@@ -211,7 +209,6 @@ def _prefilled_routing(plan: AdmissionPlan, chunk_routing: list, admitted: int) 
       routing[kind] = full
     per_row.append(routing)
   return [per_row[row] for row in plan.rows_B[:admitted]]
-
 
 
 def bucket(n: int, limit: int) -> int:
