@@ -285,7 +285,7 @@ def test_scanned_decode_updates_the_cache_without_copying_the_run():
   copy of the run's cache (scanning the cache as xs/ys needed one: 44.8 MiB of scratch against
   11.8 MiB here, for a 77 MiB cache at max_len 8192)."""
   from glm5_jax.api import abstract_params
-  from glm5_jax.infer import engine, penalties, sampling
+  from glm5_jax.infer import penalties, programs, sampling
   cfg = ModelConfig.from_config(model_config(
       vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=5,
       num_attention_heads=2, q_lora_rank=16, kv_lora_rank=32, qk_nope_head_dim=8,
@@ -299,7 +299,7 @@ def test_scanned_decode_updates_the_cache_without_copying_the_run():
   run_bytes = sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(run))
   layers = jax.tree.leaves(run)[0].shape[0]
   zeros = np.zeros(slots, np.int32)
-  compiled = engine._decode_and_sample.lower(
+  compiled = programs.decode_and_sample.lower(
       cfg, abstract_params(cfg), cache, np.zeros((slots, cfg.vocab_size), np.int32), zeros,
       zeros, np.ones(slots, bool), sampling.SamplingParams.create(slots),
       zeros.astype(np.uint32), penalties.host_penalties([None] * slots), zeros,

@@ -1,4 +1,4 @@
-"""glm5_jax.infer.penalties through the engine's jitted sampler (`engine._sample`, host-only: no
+"""glm5_jax.infer.penalties through the engine's jitted sampler (`programs.sample`, host-only: no
 model): logit_bias, frequency and presence penalties against a float64 numpy reference of
 OpenAI's formula, the device-side counts over a request's generated tokens, and the Request
 fields' bounds."""
@@ -10,7 +10,7 @@ import jax
 import numpy as np
 import pytest
 
-from glm5_jax.infer import engine, penalties
+from glm5_jax.infer import engine, penalties, programs
 from glm5_jax.infer.requests import Request
 from glm5_jax.infer.sampling import SamplingParams
 
@@ -43,7 +43,7 @@ def _requests(rng):
 
 def _sample(z_BY, requests, counts_BY, top_n=4):
   settings = SamplingParams.create(B)
-  out = engine._sample(
+  out = programs.sample(
       z_BY, settings, np.zeros(B, np.uint32), np.ones(B, np.int32),
       penalties.host_penalties(requests), counts_BY, return_logits=True, top_n=top_n)
   return jax.device_get(out)

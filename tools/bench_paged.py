@@ -37,9 +37,9 @@ from configs import overrides
 from glm5_jax.api import init_params
 from glm5_jax.config import ModelConfig
 from glm5_jax.infer.compile_count import count_compiles
-from glm5_jax.infer import engine as engine_lib
 from glm5_jax.infer.engine import Engine
 from glm5_jax.infer.paged import pages_for
+from glm5_jax.infer.programs import decode_and_sample
 from glm5_jax.infer.requests import Request
 
 _CONFIG = overrides.define_config_file("config", "configs/tiny.py", "Experiment config (its "
@@ -61,7 +61,7 @@ _SEED = flags.DEFINE_integer("seed", 0, "Params and prompt seed.")
 
 
 class StepTimer:
-  """The engine's jitted decode step (`engine._decode_and_sample`, what `Engine` runs per
+  """The engine's jitted decode step (`programs.decode_and_sample`, what `Engine` runs per
   token) over `slots` slots that each hold `live_len` rows, timed to `block_until_ready`."""
 
   def __init__(self, cfg, params, *, max_len, page_size, slots, live_len):
@@ -81,7 +81,7 @@ class StepTimer:
   def seconds(self) -> float:
     e = self.engine
     start = time.perf_counter()
-    e.cache, e.counts, out, _ = engine_lib._decode_and_sample(
+    e.cache, e.counts, out, _ = decode_and_sample(
         e.cfg, e.params, e.cache, e.counts, *self.args, return_logits=False,
         record_routing=False, paging=e.paging)
     jax.block_until_ready(out)

@@ -7,20 +7,20 @@ the live slots' pages (their count bucketed to a power of two), and a group's fo
 reference the leader's prompt pages instead of copying them. `page_size=None` keeps the
 contiguous `[B, max_len]` cache. The host loop keeps a queue of requests and, each iteration:
 
-  1. admits waiting requests into free slots. Requests admitted together that share a prompt
-     (an RL group: one prompt sampled G times) are prefilled once, in the first of their slots,
-     and that slot's cache is shared with the others (paged: page references and a copy of
-     the partly filled page; contiguous: `_copy_slots`). Prefill runs in chunks of
-     `prefill_chunk` tokens over the admitted slots only (their caches are gathered out of the
-     whole cache, stepped, and scattered back), padded to a power-of-two number of rows (at
-     least the mesh's batch shards) so admission compiles at most log2(B) + 1 programs
-     whatever the traffic (paged: times log2(max_len / page_size) + 1 page buckets);
+  1. places waiting requests in free slots (`_place`: a held session's request in its own
+     slot, the rest in queue order, evicting held sessions when no slot or no pages are free)
+     and admits them (`glm5_jax.infer.admission`): one prefill per distinct prompt, shared by
+     its group, chunked and padded to a power-of-two number of rows, so admission compiles at
+     most log2(B) + 1 programs whatever the traffic (paged: times the page buckets);
   2. samples each admitted request's first token from its prompt's last logits;
   3. runs one decode step over all B slots (idle slots are padding, `segment_ids` 0, and change
      nothing), samples one token per slot, and frees the slots whose request ended (a stop token,
      kept in the output, or `max_new_tokens`). A freed slot takes the next request in the next
      iteration with no recompile: every shape is fixed by B, max_len and the chunk (paged:
-     and the page bucket; `warmup()` compiles every bucket up front).
+     and the page bucket; `warmup()`, `glm5_jax.infer.warmup`, compiles every bucket up front).
+
+The compiled programs of both phases are `glm5_jax.infer.programs`; this file is the host side:
+the queue, the slots, and the device state (`cache`, `hidden`, `counts`) the programs replace.
 
 The loop is incremental: `submit(request)` queues a request and returns its handle, `step()`
 runs one iteration (admission, then one decode step) and returns an `Event` per request that
@@ -47,15 +47,12 @@ returns the routing its tokens went through (MoE experts, DSA keys; `glm5_jax.ro
 so the trainer can replay it: prompt tokens from the prefill chunk that fed them, each
 generated token from the decode step that fed it.
 
-Notation (docs/design.md): B slots, P admitted rows (a power of two <= B), C prefill chunk,
-Q tokens per slot in one call, Y vocab, D hidden.
+Notation (docs/design.md): B slots, W the speculative h window, Y vocab, D hidden.
 """
 
 import collections
 import contextlib
 import dataclasses
-import functools
-import typing
 
 import jax
 import jax.numpy as jnp
@@ -63,73 +60,20 @@ import numpy as np
 
 from glm5_jax import sharding as sharding_lib
 from glm5_jax.api import abstract_params_and_axes
-from glm5_jax.config import ModelConfig
-from glm5_jax.infer import paged, penalties, sampling, speculate
-from glm5_jax.infer.accept_stats import (NO_LIMIT, AcceptStats, acceptance_rates, add_step,
-                                         init_accept_stats, mean_accept_length)
-from glm5_jax.infer.cache import allocate, cache_specs, init_cache
 from glm5_jax.attention.cache_spec import CacheSpec
+from glm5_jax.config import ModelConfig
+from glm5_jax.infer import penalties, programs, speculate
+from glm5_jax.infer.accept_stats import NO_LIMIT, add_step, init_accept_stats
+from glm5_jax.infer.admission import Admission, bucket
+from glm5_jax.infer.cache import allocate, cache_specs, init_cache
 from glm5_jax.infer.paged_slots import PagedSlots
-from glm5_jax.infer.requests import GenerateResult, Request, validate_generate_args
+from glm5_jax.infer.requests import (Completion, Event, GenerateResult, Request,
+                                     validate_generate_args)
 from glm5_jax.infer.sessions import PrefixStats, SessionTable, reusable
-from glm5_jax.infer.step import decode_step
+from glm5_jax.infer.warmup import Warmup
 from glm5_jax.layers.axes import BATCH
 from glm5_jax.layers.params import dtypes
 from glm5_jax.seeds import derive_seed
-
-
-@dataclasses.dataclass
-class Completion:
-  """One finished request: generated ids, their log-probs (sampling distribution and raw), the
-  raw logits `[n, Y]` that produced them when the engine keeps logits, and with speculative
-  decoding its accept counts (`glm5_jax.infer.accept_stats`: verification steps, tokens kept,
-  and per draft position how often it was reached and accepted).
-
-  `routing` (engine with `record_routing`): `{"moe": int32 [n, N_moe, X], "dsa": int32
-  [n, N_dsa, T]}` over the n = len(prompt) + len(tokens) tokens of `sequence`
-  (`glm5_jax.routing_replay`; DSA keys are positions). The last generated token was never fed
-  to the model: its row is -1 (not recorded)."""
-
-  request: Request
-  tokens: list
-  logprobs: list
-  raw_logprobs: list
-  logits: list | None = None
-  accept: AcceptStats | None = None
-  routing: dict | None = None
-  top_logprobs: list | None = None  # engine with top_logprobs N: per token (ids [N], raw [N])
-  handle: int = -1  # `Engine.submit`'s handle
-
-  @property
-  def sequence(self) -> list:
-    return list(self.request.prompt) + self.tokens
-
-  @property
-  def finish_reason(self) -> str:
-    """"stop" (a stop token ended it) or "length" (max_new_tokens)."""
-    return "stop" if self.tokens and self.tokens[-1] in self.request.stop_tokens else "length"
-
-  def accept_length(self) -> float:
-    """Tokens kept per verification step, the bonus token included (NaN without a step)."""
-    return float(mean_accept_length(self.accept)[0])
-
-  def acceptance_rates(self) -> list:
-    return [float(x) for x in acceptance_rates(self.accept)[0]]
-
-
-@dataclasses.dataclass
-class Event:
-  """What one `Engine.step` produced for one submitted request: its new tokens (a request
-  admitted in this step gets its first token and, from the step's decode, its second), their
-  log-probs (sampling distribution and raw), with `top_logprobs` the raw top-N alternatives
-  per token, and `completion` on the step that finished it (else None)."""
-
-  handle: int
-  tokens: list
-  logprobs: list
-  raw_logprobs: list
-  top_logprobs: list | None = None
-  completion: Completion | None = None
 
 
 # `generate`'s smallest default max_len: short calls share one set of compiled steps.
@@ -143,8 +87,12 @@ def request_seed(seed: int, index: int) -> int:
   return derive_seed(seed, index)
 
 
-class Engine:
+class Engine(Admission, Warmup):
   """Continuous batching over `slots` sequences of up to `max_len` positions.
+
+  This class is the host loop and its scheduling (module docstring); its admission and prefill
+  are `Admission`'s methods (`glm5_jax.infer.admission`), `warmup` is `Warmup`'s
+  (`glm5_jax.infer.warmup`), and the device programs are `glm5_jax.infer.programs`.
 
   Args:
     config: the model section or a `ModelConfig`.
@@ -227,7 +175,7 @@ class Engine:
     else:
       self.pages = PagedSlots(specs, slots=slots, max_len=max_len, page_size=page_size,
                               num_pages=num_pages, window=self.w)
-      self.paging = Paging(self.pages.layout, min(self.cfg.index_topk, max_len))
+      self.paging = programs.Paging(self.pages.layout, min(self.cfg.index_topk, max_len))
       self.cache = allocate(self.pages.specs, mesh=mesh, rules=rules)
     self.hidden = jnp.zeros((slots, self.w, self.cfg.hidden_size), dtypes(self.cfg)[0])
     # Each slot's counts of its request's generated tokens, for the penalties
@@ -268,98 +216,6 @@ class Engine:
     if self.mesh is None:
       return contextlib.nullcontext()
     return sharding_lib.activation_sharding(self.mesh, self.rules)
-
-  def warmup(self, max_rows: int | None = None, progress=None) -> None:
-    """Compiles every program the loop can run (paged cache only: every admitted-rows bucket
-    with every page bucket, every decode page bucket), so that no request compiles anything
-    later whatever its lengths. `max_rows`: only the page buckets of requests of up to that
-    many rows (prompt + max_new_tokens - 1 + k; default max_len). `progress(done, total)` is
-    called after each of its `total` parts (a part compiles about one program). Leaves the
-    engine as built (stats, pages, slots idle).
-
-    What a request can change is data, not a program: sampling settings, penalties and seeds
-    are per-slot arrays (`infer.sampling`, `infer.penalties`), `n` and sessions choose slots
-    and prefill rows (the row buckets), stop strings and tools only change the prompt and
-    where the server cancels; quantized params are the params. A server's engine fixes the rest (speculative steps,
-    top_logprobs, record_routing, return_logits), so these parts are every program."""
-    if self.pages is None:
-      raise ValueError("Engine.warmup needs the paged cache (page_size); the contiguous cache "
-                       "compiles its few shapes on first use")
-    if any(self.pages.pool.held) or len(self.sessions):
-      raise RuntimeError("Engine.warmup: run it before any request")
-    buckets = self.pages.buckets(self.max_len if max_rows is None else max_rows)
-    row_buckets = sorted({min(_round_up(_bucket(n, self.slots), self.row_multiple), self.slots)
-                          for n in range(1, self.slots + 1)})
-    stats = dataclasses.replace(self.stats)
-    token = Request(0, (0,), 1, 0.0, 1.0, 0, 0, ())
-
-    def host_path(rows):  # the whole host path: distinct prompts, then a group
-      for admitted in ([(s, dataclasses.replace(token, prompt=(s,)), 0) for s in range(rows)],
-                       [(s, token, 0) for s in range(2)] if rows > 1 else []):
-        if admitted:
-          self._admit(admitted)
-        for slot in range(self.slots):
-          self.pages.release(slot)
-
-    # The first decode takes the counts as allocated, every later one a program's output (with
-    # placed params a committed array: another program, as in `_warm_admission`), so the first
-    # bucket's decode runs twice.
-    parts = ([functools.partial(self._warm_admission, rows, n, fresh=n == buckets[0])
-              for rows in row_buckets for n in buckets]
-             + [functools.partial(host_path, rows) for rows in row_buckets]
-             + [functools.partial(self._warm_decode, n) for n in buckets[:1] + buckets])
-    with self._context():
-      for done, part in enumerate(parts, 1):
-        part()
-        if progress is not None:
-          progress(done, len(parts))
-    self.stats = stats
-
-  def _warm_decode(self, n: int) -> None:
-    """Compiles the decode (or verification) step reading `n` pages per slot, all slots idle."""
-    idle = [None] * self.slots
-    # Host arrays as the loop passes them: numpy.
-    zeros = np.zeros(self.slots, np.int32)
-    inactive = np.zeros(self.slots, bool)
-    table = self.pages.table(np.arange(self.slots), n * self.pages.page_size)
-    if self.k:
-      self.cache, self.hidden, _ = _speculate_and_sample(
-          self.cfg, self.params, self.cache, self.hidden,
-          np.zeros((self.slots, self.w + 1), np.int32), zeros, inactive,
-          *self._slot_arrays(idle)[:2], zeros, table, self.pages.shared_rows(), k=self.k,
-          mtp_cache=self.mtp_cache, return_logits=self.return_logits, paging=self.paging)
-    else:
-      self.cache, self.counts, *_ = _decode_and_sample(
-          self.cfg, self.params, self.cache, self.counts, zeros, zeros, inactive,
-          *self._slot_arrays(idle), zeros, table, return_logits=self.return_logits,
-          record_routing=self.record_routing, top_n=self.top_n, paging=self.paging)
-
-  def _warm_admission(self, rows: int, n: int, fresh: bool) -> None:
-    """Compiles the admission program of `rows` prefill rows at page bucket `n`
-    (`_paged_admit`, on padding rows: nothing written), for a prompt's first chunk and for a
-    later one.
-
-    Where the params are placed on a mesh, a program's outputs are committed arrays, and a
-    program given them is another program than one given fresh arrays. So (`fresh`: the
-    first bucket of a row count) a first call on fresh arrays (the cache as allocated, zeros)
-    is made before the programs the loop will use, and the first chunk's zeros are then made
-    like the outputs (`jnp.zeros_like` keeps their placement): first and later chunks run one
-    program."""
-    ids = np.full(rows, self.slots, np.int32)
-    zeros = np.zeros(rows, np.int32)
-    tokens = np.zeros((rows, self.chunk + self.k), np.int32)
-    idle = [None] * self.slots
-    first = (np.zeros(self.slots, np.int32), _host_settings(idle), _host_seeds(idle),
-             penalties.host_penalties(idle))
-
-    def chunk(n):
-      return (self.pages.table(ids, n * self.pages.page_size), ids, tokens, zeros, zeros)
-
-    if fresh:
-      carry, _, _ = self._paged_chunk(chunk(n), self._fresh_carry(rows), first)
-      self._carry_zeros[rows] = tuple(jnp.zeros_like(x) for x in carry)
-    carry, _, _ = self._paged_chunk(chunk(n), self._fresh_carry(rows), first)
-    self._paged_chunk(chunk(n), carry, first)
 
   # ---- the host loop -------------------------------------------------------------------------
 
@@ -506,8 +362,9 @@ class Engine:
 
   def _place(self, queue, slot_of) -> list:
     """Pops the requests that start this iteration from `queue` (of `(handle, request)`):
-    `(slot, request, start, handle)`, `start` the cache rows kept (a held session's, else 0). Requests of held sessions go to their slots; the rest
-    take free slots in queue order, evicting held sessions LRU-first when none is free."""
+    `(slot, request, start, handle)`, `start` the cache rows kept (a held session's, else 0).
+    Requests of held sessions go to their slots; the rest take free slots in queue order,
+    evicting held sessions LRU-first when none is free."""
     held = self.sessions.slots()
     free = [s for s in range(self.slots) if slot_of[s] is None and s not in held]
     placed, waiting, deferred = [], collections.deque(), []
@@ -583,139 +440,6 @@ class Engine:
     return (len(completion.tokens) >= r.max_new_tokens
             or completion.tokens[-1] in r.stop_tokens)
 
-  # ---- admission: grouped, chunked prefill ---------------------------------------------------
-
-  def _admit(self, admitted):
-    """Prefills the admitted `(slot, request, start)`s from position `start` (one prefill per
-    distinct fresh prompt, copied to the group; a session's rows in its own slot) and samples
-    their first tokens. Returns `(token, logprob, raw_logprob, logits[, top])` per request.
-
-    Paged, each prefill chunk is one program (`_paged_admit`, the same for every chunk), so an
-    admission whose prompts fit one chunk is one dispatch, plus one for a group's copy-on-write
-    (`_share_prefix`). Host arrays go to the programs as numpy arrays: jit copies them with
-    the call, where `jnp.asarray` would dispatch an op per array."""
-    plan = self._plan(admitted)
-    requests = [r for _, r, _ in admitted] + [None] * (self.slots - len(admitted))
-    first = (plan.rows_B, _host_settings(requests), _host_seeds(requests),
-             penalties.host_penalties(requests))
-    prefill = self._contiguous_prefill if self.pages is None else self._paged_prefill
-    out, routing = jax.device_get(prefill(plan, first))
-    if self.record_routing:
-      self._prompt_routing = _prefilled_routing(plan, routing, len(admitted))
-    return [_row(out, i) for i in range(len(admitted))]
-
-  def _plan(self, admitted) -> "_Admission":
-    """The host side of an admission: one prefill row per distinct key (a fresh prompt, shared
-    by its group, or a session's continuation), its pages reserved (a follower's shared with
-    its leader), the prefix stats counted, and the rows' tokens laid out."""
-    row_key = []  # per request: its prefill row's key, (prompt, start) or (prompt, slot)
-    leaders: dict[tuple, tuple] = {}  # row key -> (slot holding its prefill, start)
-    copies = []  # (source slot, destination slot)
-    page_copies = []  # paged: (source page, destination page), copied after the prefill
-    for slot, request, start in admitted:
-      self.stats.prompt_tokens += len(request.prompt)
-      # Only fresh prompts (start 0) are shared: a session's rows are its own slot's.
-      key = (request.prompt, 0) if start == 0 else (request.prompt, -1 - slot)
-      row_key.append(key)
-      if key in leaders:
-        copies.append((leaders[key][0], slot))
-        if self.pages is not None:  # the leader's prompt pages by reference
-          page_copies += self.pages.share(leaders[key][0], slot, len(request.prompt),
-                                          self._rows(request))
-      else:
-        leaders[key] = (slot, start)
-        if self.pages is not None:
-          self.pages.grow(slot, self._rows(request))
-    keys = list(leaders)
-    rows = min(_round_up(_bucket(len(keys), self.slots), self.row_multiple), self.slots)
-    # Rows past the prompts use slot id B: gathered as zeros, their scatter dropped.
-    slot_ids = np.full(rows, self.slots, np.int32)
-    slot_ids[:len(keys)] = [leaders[k][0] for k in keys]
-    lengths = np.zeros(rows, np.int32)
-    lengths[:len(keys)] = [len(k[0]) for k in keys]
-    starts = np.zeros(rows, np.int32)
-    starts[:len(keys)] = [leaders[k][1] for k in keys]
-    self.stats.prefilled_tokens += int((lengths - starts).sum())
-    # Each row holds its tokens from its own start; k tokens of lookahead past each chunk: the
-    # MTP depths read t_{i+d}.
-    width = _round_up(int((lengths - starts).max()), self.chunk)
-    tokens = np.zeros((rows, width + self.k), np.int32)
-    for i, (prompt, _) in enumerate(keys):
-      tokens[i, :lengths[i] - starts[i]] = prompt[starts[i]:]
-    row_of = {k: i for i, k in enumerate(keys)}
-    rows_B = np.zeros(self.slots, np.int32)  # padding requests read row 0, unused
-    rows_B[:len(row_key)] = [row_of[k] for k in row_key]
-    return _Admission(keys, slot_ids, lengths, starts, tokens, rows_B, copies, page_copies)
-
-  def _fresh_carry(self, rows: int):
-    """`(last_PY, hidden_PWD)` zeros, what a prompt's first chunk starts from; made once per
-    row count and kept (no program donates them), so an admission dispatches no op for them
-    (`warmup` remakes them placed like a chunk's outputs: `_warm_admission`)."""
-    if rows not in self._carry_zeros:
-      self._carry_zeros[rows] = (
-          jnp.zeros((rows, self.cfg.vocab_size), jnp.float32),
-          jnp.zeros((rows,) + self.hidden.shape[1:], self.hidden.dtype))
-    return self._carry_zeros[rows]
-
-  def _paged_prefill(self, plan, first):
-    """`plan`'s prefill on the paged cache, chunk by chunk, with its first tokens (`first`:
-    `(rows_B, settings, seeds_B)` of `_first_tokens`, sampled by every chunk, kept from the
-    last) and the groups' copy-on-write. Returns device `(first tokens as _sample's, [routing
-    of each chunk])`."""
-    width = plan.tokens.shape[1] - self.k
-    carry, routing = self._fresh_carry(len(plan.slot_ids_P)), []
-    for offset in range(0, width, self.chunk):
-      reach = int(np.minimum(plan.lengths_P, plan.starts_P + offset + self.chunk).max())
-      chunk = (self.pages.table(plan.slot_ids_P, reach), plan.slot_ids_P,
-               plan.tokens[:, offset:offset + self.chunk + self.k], plan.lengths_P,
-               plan.starts_P + offset)
-      carry, out, chunk_routing = self._paged_chunk(chunk, carry, first)
-      routing.append(chunk_routing)
-    if plan.copies:
-      self._copy_on_write(plan.page_copies, plan.copies)
-    return out, routing
-
-  def _paged_chunk(self, chunk, carry, first):
-    """One prefill chunk (`_paged_admit`): `chunk` = `(table_PN, slot_ids_P, tokens_PX,
-    lengths_P, start_P)`, `carry` = `(last_PY, hidden_PWD)` of the earlier chunks, `first` as
-    `_paged_prefill`'s. Returns `(carry, first tokens, routing)`."""
-    self.cache, self.hidden, carry, out, routing = _paged_admit(
-        self.cfg, self.params, self.cache, self.hidden, *chunk, *carry, *first, depths=self.k,
-        mtp_cache=self.mtp_cache, record_routing=self.record_routing, paging=self.paging,
-        return_logits=self.return_logits, top_n=self.top_n)
-    return carry, out, routing
-
-  def _copy_on_write(self, page_copies, copies) -> None:
-    """Copies `(source page, destination page)`s and the per-slot state of `(source slot,
-    destination slot)`s (`_share_prefix`; padded to fixed shapes: one program whatever the
-    group sizes)."""
-    self.cache, self.hidden = _share_prefix(
-        self.cache, self.hidden, *self.pages.copy_args(page_copies, copies, self.slots),
-        layout=self.paging.layout)
-
-  def _contiguous_prefill(self, plan, first):
-    """`_paged_prefill` on the contiguous cache: the rows' slots gathered, stepped chunk by
-    chunk, scattered back, then copied to their groups."""
-    slot_ids = jnp.asarray(plan.slot_ids_P)
-    sub = _gather_slots(self.cache, slot_ids, self._slot_axes)
-    last_PY, hidden_PWD = self._fresh_carry(len(plan.slot_ids_P))
-    routing = []
-    for offset in range(0, plan.tokens.shape[1] - self.k, self.chunk):
-      sub, last_PY, hidden_PWD, chunk_routing = _prefill_chunk(
-          self.cfg, self.params, sub, last_PY, hidden_PWD,
-          plan.tokens[:, offset:offset + self.chunk + self.k], plan.lengths_P,
-          plan.starts_P + offset, depths=self.k, mtp_cache=self.mtp_cache,
-          record_routing=self.record_routing)
-      routing.append(chunk_routing)
-    self.cache = _scatter_slots(self.cache, sub, slot_ids, self._slot_axes)
-    self.hidden = self.hidden.at[slot_ids].set(hidden_PWD, mode="drop")
-    if plan.copies:
-      src, dst = (jnp.asarray(x, jnp.int32) for x in zip(*plan.copies))
-      self.cache = _copy_slots(self.cache, src, dst, self._slot_axes)
-      self.hidden = self.hidden.at[dst].set(self.hidden[src])
-    return _first_tokens(last_PY, *first, return_logits=self.return_logits,
-                         top_n=self.top_n), routing
-
   def _slot_arrays(self, requests):
     """`(settings, seeds, penalties)` of the slots' requests, rebuilt only when a slot changes
     hands (decode steps in between reuse the device arrays instead of copying them again)."""
@@ -723,7 +447,8 @@ class Engine:
     if self._slot_arrays_memo[0] != key:
       # One transfer for the arrays (ops building them would be a dispatch each).
       self._slot_arrays_memo = (key, jax.device_put((
-          _host_settings(requests), _host_seeds(requests), penalties.host_penalties(requests))))
+          programs.host_settings(requests), programs.host_seeds(requests),
+          penalties.host_penalties(requests))))
     return self._slot_arrays_memo[1]
 
   # ---- one decode step over every slot -------------------------------------------------------
@@ -737,14 +462,14 @@ class Engine:
     index = np.array([len(c.tokens) if c else 0 for c in slot_of], np.int32)
     table = None if self.pages is None else self.pages.table(np.arange(self.slots),
                                                              int(fed.max()) + 1)
-    self.cache, self.counts, out, routing = _decode_and_sample(
+    self.cache, self.counts, out, routing = programs.decode_and_sample(
         self.cfg, self.params, self.cache, self.counts, pending, fed, active,
         *self._slot_arrays(requests), index, table,
         return_logits=self.return_logits, record_routing=self.record_routing,
         top_n=self.top_n, paging=self.paging)
     out, routing = jax.device_get((out, routing))
     for slot in np.flatnonzero(active):
-      self._keep(slot_of[slot], [_row(out, slot)])
+      self._keep(slot_of[slot], [programs.sampled_row(out, slot)])
       for kind, rows in routing.items():  # [B, 1, N, k]: the routing of the fed pending token
         slot_of[slot].routing[kind].append(rows[slot])
       yield slot, slot_of[slot]
@@ -766,7 +491,7 @@ class Engine:
     paged_args = () if self.pages is None else (
         self.pages.table(np.arange(self.slots), int(fed.max()) + self.k + 1),
         self.pages.shared_rows())
-    self.cache, self.hidden, out = _speculate_and_sample(
+    self.cache, self.hidden, out = programs.speculate_and_sample(
         self.cfg, self.params, self.cache, self.hidden, window, fed, active,
         *self._slot_arrays(requests)[:2], index, *paged_args,
         k=self.k, mtp_cache=self.mtp_cache, return_logits=self.return_logits,
@@ -784,68 +509,6 @@ class Engine:
       yield slot, c
 
 
-# ---- jitted device functions -----------------------------------------------------------------
-
-
-def _host_settings(requests) -> sampling.SamplingParams:
-  """Per-slot sampling settings as numpy arrays (a program given them copies them with its
-  call: no op dispatched per array); None (an idle slot) samples greedily, unused."""
-  return sampling.SamplingParams(
-      np.array([r.temperature if r else 0.0 for r in requests], np.float32),
-      np.array([r.top_k if r else 0 for r in requests], np.int32),
-      np.array([r.top_p if r else 1.0 for r in requests], np.float32))
-
-
-def _host_seeds(requests):
-  return np.array([r.seed if r else 0 for r in requests], np.uint32)
-
-
-class _Admission(typing.NamedTuple):
-  """One admission laid out for the device (`Engine._plan`): P prefill rows (a power of two;
-  padding rows have slot id B and length 0).
-
-  keys: per real row, its key: `(prompt, 0)` a fresh prompt (its group's one prefill) or
-    `(prompt, -1 - slot)` a session's continuation in its own slot.
-  slot_ids_P, lengths_P, starts_P: int32 each row's slot, prompt length and first position
-    to prefill (a held session's length, else 0).
-  tokens: int32 `[P, n * C + k]`, each row's tokens from its start (n chunks), and k
-    lookahead tokens past the last chunk (the MTP depths read t_{i+d}), zeros past the prompt.
-  rows_B: int32 `[B]` each admitted request's row (its first token's logits), 0 for padding.
-  copies: (source slot, destination slot) per group follower.
-  page_copies: paged: (source page, destination page) per page a follower copies.
-  """
-  keys: list
-  slot_ids_P: np.ndarray
-  lengths_P: np.ndarray
-  starts_P: np.ndarray
-  tokens: np.ndarray
-  rows_B: np.ndarray
-  copies: list
-  page_copies: list
-
-
-def _prefilled_routing(plan: _Admission, chunk_routing: list, admitted: int) -> list:
-  """Each of the first `admitted` requests' prompt routing `{kind: [len(prompt), N, k]}` from
-  its row of the chunks' `{kind: [P, C, N, k]}`: the rows it prefilled here; a held session's
-  earlier rows are -1 (recorded by the turns that fed them)."""
-  per_row = []
-  for i, (prompt, _) in enumerate(plan.keys):
-    start, routing = int(plan.starts_P[i]), {}
-    for kind in chunk_routing[0]:
-      rows = np.concatenate([r[kind][i] for r in chunk_routing])[:len(prompt) - start]
-      full = np.full((len(prompt),) + rows.shape[1:], -1, rows.dtype)
-      full[start:] = rows
-      routing[kind] = full
-    per_row.append(routing)
-  return [per_row[row] for row in plan.rows_B[:admitted]]
-
-
-def _row(out, i):
-  tokens, logprobs, raw, logits, top = out
-  row = (tokens[i], logprobs[i], raw[i], None if logits is None else logits[i])
-  return row if top is None else row + ((top[0][i], top[1][i]),)
-
-
 def _finish_routing(routing: dict) -> dict:
   """Recorded row blocks -> `{kind: [n, N, k]}` with a -1 row for the last token (never fed)."""
   out = {}
@@ -853,231 +516,6 @@ def _finish_routing(routing: dict) -> dict:
     unfed = np.full((1,) + blocks[0].shape[1:], -1, np.int32)
     out[kind] = np.concatenate([np.asarray(b, np.int32) for b in blocks] + [unfed])
   return out
-
-
-def _bucket(n: int, limit: int) -> int:
-  """The smallest power of two >= n, at most `limit` (compiled prefill shapes stay few)."""
-  return min(1 << (n - 1).bit_length(), limit) if n > 1 else 1
-
-
-def _round_up(n: int, multiple: int) -> int:
-  return -(-n // multiple) * multiple
-
-
-@functools.partial(jax.jit, static_argnames=("slot_axes",))
-def _gather_slots(cache, slot_ids_P, slot_axes):
-  """The caches of slots `slot_ids_P` (ids >= B give zeros), the slots axis in place.
-
-  `slot_axes`: each cache leaf's slots axis, in `jax.tree.leaves` order."""
-  leaves, tree = jax.tree.flatten(cache)
-  return jax.tree.unflatten(tree, [
-      jnp.take(x, slot_ids_P, axis=axis, mode="fill", fill_value=0)
-      for x, axis in zip(leaves, slot_axes)])
-
-
-@functools.partial(jax.jit, static_argnames=("slot_axes",), donate_argnames=("cache",))
-def _scatter_slots(cache, sub, slot_ids_P, slot_axes):
-  """`cache` with slots `slot_ids_P` replaced by `sub`'s (ids >= B dropped)."""
-
-  def put(x, rows, axis):
-    x, rows = jnp.moveaxis(x, axis, 0), jnp.moveaxis(rows, axis, 0)
-    return jnp.moveaxis(x.at[slot_ids_P].set(rows, mode="drop"), 0, axis)
-
-  leaves, tree = jax.tree.flatten(cache)
-  return jax.tree.unflatten(tree, [put(x, rows, axis) for x, rows, axis in
-                                   zip(leaves, jax.tree.leaves(sub), slot_axes)])
-
-
-def _prefill_chunk_body(cfg, params, sub, last_PY, hidden_PWD, tokens_PX, lengths_P, start_P, *,
-                        depths, mtp_cache, record_routing=False):
-  """One prefill chunk of P prompts, row p at positions `start_P[p] .. start_P[p] + C - 1`,
-  into their gathered caches `sub` (and, with `depths` = k > 0, the MTP caches:
-  `speculate.prefill_mtp`). Rows start where their cache ends: 0 for a fresh prompt, a held
-  session's length for its new tokens.
-
-  Args:
-    last_PY: fp32 logits at each prompt's last token, where an earlier chunk held it.
-    hidden_PWD: h at each prompt's last W positions, where earlier chunks held them.
-    tokens_PX: int32 this chunk of each prompt and the k tokens after it (anything past the
-      prompt's length), X = C + k.
-    lengths_P: int32 prompt lengths (0 for padding rows: nothing written).
-    start_P: int32 each row's first position in this chunk.
-  Returns:
-    `(sub, last_PY, hidden_PWD, routing)`, updated for the prompt positions in this chunk: the
-    logits at a prompt's last token predict its first generated token; routing (with
-    `record_routing`, else {}) `{kind: [P, C, N, k]}` of the chunk's tokens.
-  """
-  p, c = tokens_PX.shape[0], tokens_PX.shape[1] - depths
-  positions_PC = start_P[:, None] + jnp.broadcast_to(jnp.arange(c, dtype=jnp.int32), (p, c))
-  real_PC = positions_PC < lengths_P[:, None]
-  out = decode_step(cfg, params, sub, tokens_PX[:, :c], positions_PC, real_PC.astype(jnp.int32),
-                    return_routing=record_routing)
-  sub = out.cache
-  last_P = lengths_P - 1 - start_P
-  logits_PY = jnp.take_along_axis(out.logits_BQY, jnp.clip(last_P, 0, c - 1)[:, None, None],
-                                  axis=1)[:, 0]
-  ends_here_P = (last_P >= 0) & (last_P < c)
-  last_PY = jnp.where(ends_here_P[:, None], logits_PY, last_PY)
-  if depths:
-    sub = speculate.prefill_mtp(cfg, params, sub, out.hidden_BQD, tokens_PX, positions_PC,
-                                lengths_P, depths=depths, mtp_cache=mtp_cache)
-    w = hidden_PWD.shape[1]
-    # Window row of each chunk position (W, dropped, outside the prompt's last W).
-    row_PC = positions_PC - (lengths_P[:, None] - w)
-    row_PC = jnp.where(real_PC & (row_PC >= 0), row_PC, w)
-    hidden_PWD = jax.vmap(lambda h, rows, new: h.at[rows].set(new, mode="drop"))(
-        hidden_PWD, row_PC, out.hidden_BQD.astype(hidden_PWD.dtype))
-  return sub, last_PY, hidden_PWD, out.routing
-
-
-_prefill_chunk = functools.partial(jax.jit, static_argnames=(
-    "cfg", "depths", "mtp_cache", "record_routing"), donate_argnames=("sub",))(
-        _prefill_chunk_body)
-
-
-@functools.partial(jax.jit, static_argnames=("cfg", "depths", "mtp_cache", "record_routing",
-                                             "paging", "return_logits", "top_n"),
-                   donate_argnames=("cache", "hidden_BWD"))
-def _paged_admit(cfg, params, cache, hidden_BWD, table_PN, slot_ids_P, tokens_PX, lengths_P,
-                 start_P, last_PY, hidden_PWD, rows_B, settings, seeds_B, adjust, *, depths,
-                 mtp_cache,
-                 record_routing, paging, return_logits, top_n):
-  """One prefill chunk of an admission with all that follows it, one program, so that an
-  admission of one chunk costs one dispatch and a longer one reruns the same program:
-
-    1. `_prefill_chunk` on the paged cache: rows `slot_ids_P` (ids >= B: padding) read their
-       pages through `table_PN` (`glm5_jax.infer.paged.view`), the chunk's prompt rows go
-       back into their pages, the per-slot arrays into their slots;
-    2. the rows' h windows (`hidden_PWD`, so far) into their slots of `hidden_BWD` (ids >= B
-       dropped; a later chunk rewrites them);
-    3. `_first_tokens` from the prompts' last logits so far (final after the last chunk;
-       the caller keeps the last chunk's).
-
-  Returns `(cache, hidden_BWD, (last_PY, hidden_PWD), first tokens as _sample's, routing)`,
-  routing `{kind: [P, C, N, k]}` padded to the contiguous cache's DSA width (with
-  `record_routing`, else {})."""
-  sub = paged.view(cache, table_PN, *paging.layout, slot_ids_P)
-  sub, last_PY, hidden_PWD, routing = _prefill_chunk_body(
-      cfg, params, sub, last_PY, hidden_PWD, tokens_PX, lengths_P, start_P, depths=depths,
-      mtp_cache=mtp_cache, record_routing=record_routing)
-  c = tokens_PX.shape[1] - depths
-  rows_PC = start_P[:, None] + jnp.arange(c, dtype=jnp.int32)
-  cache = paged.write_back(cache, sub, table_PN, rows_PC, rows_PC < lengths_P[:, None],
-                           *paging.layout, slot_ids_P)
-  hidden_BWD = hidden_BWD.at[slot_ids_P].set(hidden_PWD, mode="drop")
-  out = _first_tokens(last_PY, rows_B, settings, seeds_B, adjust, return_logits=return_logits,
-                      top_n=top_n)
-  return cache, hidden_BWD, (last_PY, hidden_PWD), out, _pad_topk(routing, paging.topk_width)
-
-
-class Paging(typing.NamedTuple):
-  """The static facts a paged step needs: `layout` = `paged.page_layout` of the cache specs,
-  and `topk_width`, the DSA selection width of the contiguous cache (min(index_topk,
-  max_len)), to which recorded routing is padded whatever the view's width."""
-  layout: tuple
-  topk_width: int
-
-
-def _pad_topk(routing: dict, width: int) -> dict:
-  """Recorded DSA keys `[..., T]` padded with -1 (empty) to `width`: a view narrower than
-  index_topk selects fewer slots, all else is the same selection."""
-  if "dsa" not in routing:
-    return routing
-  t = routing["dsa"].shape[-1]
-  pad = [(0, 0)] * (routing["dsa"].ndim - 1) + [(0, width - t)]
-  return {**routing, "dsa": jnp.pad(routing["dsa"], pad, constant_values=-1)}
-
-
-@functools.partial(jax.jit, static_argnames=("slot_axes",), donate_argnames=("cache",))
-def _copy_slots(cache, src_G, dst_G, slot_axes):
-  """Prefix sharing: slot `dst_G[i]` gets a copy of slot `src_G[i]`'s cache."""
-  sub = _gather_slots(cache, src_G, slot_axes)
-  return _scatter_slots(cache, sub, dst_G, slot_axes)
-
-
-@functools.partial(jax.jit, static_argnames=("layout",), donate_argnames=("cache", "hidden_BWD"))
-def _share_prefix(cache, hidden_BWD, src_G, dst_G, src_slots_G, dst_slots_G, *, layout):
-  """A group's copy-on-write after its leader's prefill: `paged.copy_pages` (pages `src_G` to
-  `dst_G`, the per-slot leaves of slots `src_slots_G` to `dst_slots_G`) and the speculative h
-  windows of the same slots (ids past the pool / slots: padding, dropped)."""
-  cache = paged.copy_pages(cache, src_G, dst_G, src_slots_G, dst_slots_G, *layout)
-  hidden_BWD = hidden_BWD.at[dst_slots_G].set(
-      jnp.take(hidden_BWD, src_slots_G, axis=0, mode="fill", fill_value=0), mode="drop")
-  return cache, hidden_BWD
-
-
-@functools.partial(jax.jit, static_argnames=("return_logits", "top_n"))
-def _first_tokens(last_PY, rows_B, settings, seeds_B, adjust, *, return_logits, top_n):
-  """Token 0 of each admitted request from the last logits of its prefill row `rows_B`
-  (`[B]`, padding rows sample unused tokens; `adjust`: the slots' `penalties.Penalties`, of
-  which only the bias acts on a first token); `_sample`'s outputs, B rows."""
-  return _sample(last_PY[rows_B], settings, seeds_B, jnp.zeros(rows_B.shape, jnp.int32),
-                 adjust, return_logits=return_logits, top_n=top_n)
-
-
-@functools.partial(jax.jit, static_argnames=("return_logits", "top_n"))
-def _sample(logits_BY, settings, seeds_B, index_B, adjust, counts_BY=None, *, return_logits,
-            top_n=0):
-  """Samples one token per row from the logits adjusted by `adjust` (`penalties.adjust`, with
-  the generated tokens' `counts_BY`; None: none yet); returns `(tokens, logprobs, raw_logprobs,
-  logits or None, top or None)`, top = (ids [B, N], raw log-probs [B, N]) of the N most likely
-  tokens. "Raw" log-probs are the adjusted logits' at temperature 1; `logits` the model's own."""
-  adjusted_BY = penalties.adjust(logits_BY, adjust, counts_BY)
-  out = sampling.sample(adjusted_BY, settings, seeds_B, index_B)
-  top = None
-  if top_n:
-    values, ids = jax.lax.top_k(jax.nn.log_softmax(adjusted_BY, axis=-1), top_n)
-    top = (ids, values)
-  return (out.tokens, out.logprobs, out.raw_logprobs, logits_BY if return_logits else None,
-          top)
-
-
-@functools.partial(jax.jit, static_argnames=("cfg", "return_logits", "record_routing", "top_n",
-                                             "paging"), donate_argnames=("cache", "counts_BY"))
-def _decode_and_sample(cfg, params, cache, counts_BY, pending_B, fed_B, active_B, settings,
-                       seeds_B, adjust, index_B, table_BN=None, *, return_logits,
-                       record_routing=False, top_n=0, paging=None):
-  """Feeds each active slot's pending token at its next position and samples token
-  `index_B` of its request, its logits adjusted by `adjust` and the counts of its generated
-  tokens (`counts_BY`, updated with the pending token: `penalties.count_fed`). Returns
-  `(cache, counts_BY, (tokens, logprobs, raw_logprobs, logits, top), routing)` (routing
-  `{kind: [B, 1, N, k]}` with `record_routing`, else {}). With `paging` (a `Paging`), `cache`
-  is paged and each slot reads the N pages of `table_BN`."""
-  step_cache = cache if paging is None else paged.read_in_place(cache, table_BN, *paging.layout)
-  out = decode_step(cfg, params, step_cache, pending_B[:, None], fed_B[:, None],
-                    active_B[:, None].astype(jnp.int32), return_routing=record_routing)
-  new_cache, routing = out.cache, out.routing
-  if paging is not None:  # the active slots' rows at fed_B went into their pages in place
-    new_cache = paged.pools(new_cache)
-    routing = _pad_topk(routing, paging.topk_width)
-  counts_BY = penalties.count_fed(counts_BY, pending_B, index_B, active_B)
-  return new_cache, counts_BY, _sample(out.logits_BQY[:, 0], settings, seeds_B, index_B, adjust,
-                                       counts_BY, return_logits=return_logits,
-                                       top_n=top_n), routing
-
-
-@functools.partial(jax.jit, static_argnames=("cfg", "k", "mtp_cache", "return_logits",
-                                             "paging"), donate_argnames=("cache", "hidden_BWD"))
-def _speculate_and_sample(cfg, params, cache, hidden_BWD, window_BX, fed_B, active_B, settings,
-                          seeds_B, index_B, table_BN=None, shared_rows_B=None, *, k, mtp_cache,
-                          return_logits, paging=None):
-  """`speculate.speculative_step`; returns `(cache, hidden_BWD, (accepted, num_emitted,
-  tokens, logprobs, raw_logprobs, logits or None))`. With `paging`, the step reads the pages
-  of `table_BN` and writes back the rows F-W .. F+k it may have written (never a row below
-  `shared_rows_B`, in pages other slots share)."""
-  step_cache = cache if paging is None else paged.view(cache, table_BN, *paging.layout)
-  out = speculate.speculative_step(cfg, params, step_cache, hidden_BWD, window_BX, fed_B,
-                                   active_B, settings, seeds_B, index_B, k=k,
-                                   mtp_cache=mtp_cache)
-  new_cache = out.cache
-  if paging is not None:
-    w = hidden_BWD.shape[1]
-    rows_BR = fed_B[:, None] + jnp.arange(-w, k + 1, dtype=jnp.int32)
-    keep_BR = active_B[:, None] & (rows_BR >= shared_rows_B[:, None])
-    new_cache = paged.write_back(cache, out.cache, table_BN, rows_BR, keep_BR, *paging.layout)
-  v = out.verified
-  return new_cache, out.hidden_BWD, (v.accepted, v.num_emitted, v.tokens, v.logprobs,
-                                     v.raw_logprobs, out.logits_BQY if return_logits else None)
 
 
 def generate(config, params, prompts, max_new_tokens=32, temperature=0.0, top_p=1.0, top_k=0,
@@ -1116,7 +554,7 @@ def generate(config, params, prompts, max_new_tokens=32, temperature=0.0, top_p=
         prompts, "__iter__") else []
     extra = max_new_tokens - 1 + speculative_steps if isinstance(
         max_new_tokens, int) and isinstance(speculative_steps, int) else 0
-    max_len = max(_bucket(max(max(lengths, default=1) + max(extra, 0), 1), 1 << 62),
+    max_len = max(bucket(max(max(lengths, default=1) + max(extra, 0), 1), 1 << 62),
                   MIN_GENERATE_LEN)
   requests = validate_generate_args(
       prompts, vocab_size=cfg.vocab_size, max_len=max_len,
@@ -1124,7 +562,7 @@ def generate(config, params, prompts, max_new_tokens=32, temperature=0.0, top_p=
       temperature=temperature, top_p=top_p, top_k=top_k, seed=seed,
       speculative_steps=speculative_steps, return_logits=return_logits, stop_tokens=stop_tokens)
   requests = [dataclasses.replace(r, seed=request_seed(seed, r.index)) for r in requests]
-  engine = Engine(cfg, params, slots=slots or _bucket(min(len(requests), 32), 32),
+  engine = Engine(cfg, params, slots=slots or bucket(min(len(requests), 32), 32),
                   max_len=max_len, prefill_chunk=prefill_chunk, return_logits=return_logits,
                   speculative_steps=speculative_steps, mtp_cache=mtp_cache, mesh=mesh,
                   rules=rules, page_size=page_size, num_pages=num_pages)

@@ -1,4 +1,5 @@
-"""Requests and results of `infer.generate`, and the validation of its arguments.
+"""Requests and results (the engine's `Completion` and `Event`, `infer.generate`'s
+`GenerateResult`), and the validation of `generate`'s arguments.
 
 Every argument is checked once, on the host, before anything is traced: under jit a bad token
 id cannot be refused (the model only marks it with NaN logits), so bad input must never get
@@ -13,6 +14,7 @@ from typing import Hashable, Optional, Sequence
 
 import numpy as np
 
+from glm5_jax.infer.accept_stats import AcceptStats, acceptance_rates, mean_accept_length
 from glm5_jax.infer.penalties import BIAS_BOUND, MAX_BIASED_TOKENS, PENALTY_BOUND
 
 SEED_BOUND = 2**32  # seeds are uint32 (`sampling.token_keys`)
@@ -96,6 +98,59 @@ class GenerateResult:
   logits: Optional[list] = None
   accept_lengths: Optional[list] = None
   acceptance_rates: Optional[list] = None
+
+
+@dataclasses.dataclass
+class Completion:
+  """One request the engine ran (`Engine.run`, `Event.completion`): its generated tokens with
+  what the engine keeps of each, in the order they were sampled.
+
+  `routing` (engine with `record_routing`): `{"moe": int32 [n, N_moe, X], "dsa": int32
+  [n, N_dsa, T]}` over the n = len(prompt) + len(tokens) tokens of `sequence`
+  (`glm5_jax.routing_replay`; DSA keys are positions). The last generated token was never fed
+  to the model: its row is -1 (not recorded)."""
+
+  request: Request
+  tokens: list  # generated ids (the stop token included when one ended it)
+  logprobs: list  # per token, the log-prob under the sampling distribution
+  raw_logprobs: list  # per token, under the raw model (temperature 1, after the adjustments)
+  logits: list | None = None  # engine with return_logits: per token its raw logits [Y]
+  accept: AcceptStats | None = None  # speculative decoding: `glm5_jax.infer.accept_stats`
+  routing: dict | None = None  # engine with record_routing (above)
+  top_logprobs: list | None = None  # engine with top_logprobs N: per token (ids [N], raw [N])
+  handle: int = -1  # `Engine.submit`'s handle
+
+  @property
+  def sequence(self) -> list:
+    return list(self.request.prompt) + self.tokens
+
+  @property
+  def finish_reason(self) -> str:
+    """"stop" (a stop token ended it) or "length" (max_new_tokens)."""
+    return "stop" if self.tokens and self.tokens[-1] in self.request.stop_tokens else "length"
+
+  def accept_length(self) -> float:
+    """Tokens kept per verification step, the bonus token included (NaN without a step)."""
+    return float(mean_accept_length(self.accept)[0])
+
+  def acceptance_rates(self) -> list:
+    """Per draft position d: accepted / reached (NaN where never reached)."""
+    return [float(x) for x in acceptance_rates(self.accept)[0]]
+
+
+@dataclasses.dataclass
+class Event:
+  """What one `Engine.step` produced for one submitted request: its new tokens (a request
+  admitted in this step gets its first token and, from the step's decode, its second), their
+  log-probs (sampling distribution and raw), with `top_logprobs` the raw top-N alternatives
+  per token, and `completion` on the step that finished it (else None)."""
+
+  handle: int
+  tokens: list
+  logprobs: list
+  raw_logprobs: list
+  top_logprobs: list | None = None
+  completion: Completion | None = None
 
 
 def validate_generate_args(prompts, *, vocab_size: int, max_len: int,

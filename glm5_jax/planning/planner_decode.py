@@ -1,7 +1,7 @@
 """The planner's decode program: the inference engine's own decode step, compiled from abstract
 inputs with the decode cache as a real, sharded program argument.
 
-What compiles is `glm5_jax.infer.engine._decode_and_sample`, the jitted function
+What compiles is `glm5_jax.infer.programs.decode_and_sample`, the jitted function
 `Engine._decode` calls for every generated token: one token per slot through the main model
 (`infer.step.decode_step`: the layers read and update the cache in place), then sampling
 (temperature / top-k / top-p per slot). Its arguments, as `ShapeDtypeStruct`s with the
@@ -33,8 +33,8 @@ from glm5_jax.attention.kinds import layer_kind
 from glm5_jax.config import ModelConfig
 from glm5_jax.infer import paged
 from glm5_jax.infer.cache import cache_shardings, cache_specs
-from glm5_jax.infer.engine import Paging, _decode_and_sample
 from glm5_jax.infer.penalties import MAX_BIASED_TOKENS, Penalties
+from glm5_jax.infer.programs import Paging, decode_and_sample
 from glm5_jax.infer.sampling import SamplingParams
 from glm5_jax.layer_runs import layer_indices
 from glm5_jax.layers.axes import BATCH
@@ -95,9 +95,9 @@ def decode_program(config, devices=None, *, cache_len: int, sequences: int,
 
   def step(params, cache, counts_BY, pending_B, fed_B, active_B, settings, seeds_B, adjust,
            index_B, table_BN):
-    return _decode_and_sample(model, params, cache, counts_BY, pending_B, fed_B, active_B,
-                              settings, seeds_B, adjust, index_B, table_BN, return_logits=False,
-                              paging=paging)
+    return decode_and_sample(model, params, cache, counts_BY, pending_B, fed_B, active_B,
+                             settings, seeds_B, adjust, index_B, table_BN, return_logits=False,
+                             paging=paging)
 
   shardings = jax.tree.map(lambda a: a.sharding, args)
   fn = jax.jit(step, keep_unused=True, in_shardings=shardings,
