@@ -1,4 +1,5 @@
-"""glm5_jax.rl.repo_repair_agent: the repo-repair agent program through the `openai` client.
+"""glm5_jax.posttrain.envs.repo_repair_agent: the repo-repair agent program through the
+`openai` client.
 
 Scripted replies (an `openai.OpenAI` over an httpx mock transport: the real client, requests
 and replies as JSON) drive the real env, tools and sandbox: a correct fix earns 1, a wrong
@@ -19,8 +20,8 @@ from openai.types.chat import ChatCompletionMessageToolCall as ToolCall
 from glm5_jax.config import ConfigError
 from glm5_jax.posttrain import envs, sandbox, tasks
 from glm5_jax.posttrain.config import rl_config, validate_rl_config
-from glm5_jax.posttrain.envs import repo_repair
-from glm5_jax.rl import agent_rollout, repo_repair_agent
+from glm5_jax.posttrain.envs import repo_repair, repo_repair_agent
+from glm5_jax.rl import agent_rollout
 
 ISO = sandbox.isolation()
 pytestmark = pytest.mark.skipif(ISO.mode == "none",
