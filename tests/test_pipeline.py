@@ -14,7 +14,8 @@ import pytest
 
 from configs import rl_staged
 from glm5_jax.config import ConfigError
-from glm5_jax.posttrain import algorithms, envs, loop, pipeline, rl_step, tasks as tasks_lib
+from glm5_jax.posttrain import (algorithms, envs, loop, pipeline, rl_step, rl_update,
+                                tasks as tasks_lib)
 from glm5_jax.posttrain.config import validate_rl_config
 from glm5_jax.posttrain.envs.base import Task
 from glm5_jax.posttrain.pipeline_config import (distill_task, stage_config, stage_rl_config,
@@ -139,8 +140,8 @@ def test_each_sample_is_scored_by_its_tasks_teacher(monkeypatch):
   teacher_s = [[0.0, -7.0, -7.0, 0.0], [0.0, -0.25, 0.0, 0.0]]
   config = _config()
   config.data.seq_len = 4
-  batch = loop.score(config, samples, {"addition": (None, teacher_a),
-                                       "strings": (None, teacher_s)})
+  batch = rl_update.score(config, samples, {"addition": (None, teacher_a),
+                                            "strings": (None, teacher_s)})
   np.testing.assert_allclose(batch["advantages"], [[0, 0.5, -0.5, 0], [0, 0.25, 0, 0]],
                              atol=1e-7)
   loss_fn = lambda logp: algorithms.ppo_policy_loss(
@@ -151,10 +152,10 @@ def test_each_sample_is_scored_by_its_tasks_teacher(monkeypatch):
   np.testing.assert_allclose(jax.grad(loss_fn)(logp), [[0, -0.5 / 3, 0.5 / 3, 0],
                                                        [0, -0.25 / 3, 0, 0]], atol=1e-7)
   # One teacher for every sample (rl.teacher), and a sample whose task has no teacher.
-  one = loop.score(config, samples, {loop.ANY_TASK: (None, teacher_a)})
+  one = rl_update.score(config, samples, {rl_update.ANY_TASK: (None, teacher_a)})
   np.testing.assert_allclose(one["advantages"], [[0, 0.5, -0.5, 0], [0, -8.5, 0, 0]], atol=1e-6)
   with pytest.raises(ValueError, match="no teacher"):
-    loop.score(config, samples, {"addition": (None, teacher_a)})
+    rl_update.score(config, samples, {"addition": (None, teacher_a)})
 
 
 ACCURACY = {"start": (0.3, 0.2, 0.1), "reasoning": (0.6, 0.1, 0.1),

@@ -1,4 +1,5 @@
-"""glm5_jax.rl.repo_repair_agent: the repo-repair agent program through the `openai` client.
+"""glm5_jax.posttrain.envs.repo_repair_agent: the repo-repair agent program through the
+`openai` client.
 
 Scripted replies (an `openai.OpenAI` over an httpx mock transport: the real client, requests
 and replies as JSON) drive the real env, tools and sandbox: a correct fix earns 1, a wrong
@@ -19,8 +20,9 @@ from openai.types.chat import ChatCompletionMessageToolCall as ToolCall
 from glm5_jax.config import ConfigError
 from glm5_jax.posttrain import envs, sandbox, tasks
 from glm5_jax.posttrain.config import rl_config, validate_rl_config
-from glm5_jax.posttrain.envs import repo_repair
-from glm5_jax.rl import agent_rollout, repo_repair_agent
+from glm5_jax.posttrain.envs import agent_chat, repo_repair, repo_repair_agent
+from glm5_jax.rl import agent_rollout
+from glm5_jax.serve import errors
 
 ISO = sandbox.isolation()
 pytestmark = pytest.mark.skipif(ISO.mode == "none",
@@ -131,9 +133,11 @@ def test_the_turn_limit_and_a_full_context_end_the_episode_unscored():
   result, bodies = play(env, task, [reply(calls=[("run_tests", {})])] * 2)
   assert result.turns == len(bodies) == 2  # a call at the env's max_turns: no third call
   assert agent_rollout.score(env, task, result.transcript)[:2] == (0.0, False)
+  # The agent reads OpenAI's code itself (posttrain is below serve): the one the server answers.
+  assert agent_chat.CONTEXT_LENGTH_EXCEEDED == errors.CONTEXT_LENGTH_EXCEEDED
   full = {"status": 400, "error": {"message": "no room", "type": "invalid_request_error",
                                    "param": "max_tokens",
-                                   "code": "context_length_exceeded"}}
+                                   "code": errors.CONTEXT_LENGTH_EXCEEDED}}
   result, _ = play(env, task, [reply(calls=[("run_tests", {})]), full])
   assert result.context_full and result.turns == 1
   assert agent_rollout.score(env, task, result.transcript)[0] == 0.0

@@ -25,7 +25,7 @@ from glm5_jax.data import chat, make_tokenizer
 from glm5_jax.infer.engine import Engine
 from glm5_jax.infer.requests import Request
 from glm5_jax.optim.build import validate_optim_config
-from glm5_jax.posttrain import envs, loop, rl_step, rollout
+from glm5_jax.posttrain import envs, loop, rl_run, rl_step, rl_update, rollout
 from glm5_jax.posttrain.envs import base
 from glm5_jax.train import checkpoint as ckpt
 from glm5_jax.train.metrics import MetricWriter
@@ -205,12 +205,12 @@ def test_evaluate_reports_greedy_and_sampled_accuracy(small):
   config.rl.eval_samples = 3
   config.rl.eval_tasks = 4
   env = envs.make("addition")
-  metrics = loop.evaluate(config, params, env, TOKENIZER, num_tasks=4)
+  metrics = rl_run.evaluate(config, params, env, TOKENIZER, num_tasks=4)
   assert {"accuracy", "reward", "sampled_accuracy", "sampled_reward", "pass_at_k"} <= set(metrics)
   assert 0 <= metrics["sampled_accuracy"] <= metrics["pass_at_k"] <= 1
-  assert loop.evaluate(config, params, env, TOKENIZER, num_tasks=4) == metrics
+  assert rl_run.evaluate(config, params, env, TOKENIZER, num_tasks=4) == metrics
   config.rl.eval_samples = 0
-  assert "sampled_accuracy" not in loop.evaluate(config, params, env, TOKENIZER, num_tasks=4)
+  assert "sampled_accuracy" not in rl_run.evaluate(config, params, env, TOKENIZER, num_tasks=4)
 
 
 def assert_same_params(workdir_a, workdir_b, step):
@@ -338,7 +338,7 @@ def test_distillation_advantage_is_the_teacher_gap(small, uninterrupted, tmp_pat
                                      group_size=1)
   model = ModelConfig.from_config(config.model)
   teacher_params = helpers.random_params(model, seed=1)
-  batch = loop.score(config, samples, {loop.ANY_TASK: (model, teacher_params)})
+  batch = rl_update.score(config, samples, {rl_update.ANY_TASK: (model, teacher_params)})
   teacher = np.asarray(rl_step.policy_logprobs(model, teacher_params, batch))
   mask = batch["loss_mask"] > 0
   np.testing.assert_allclose(batch["advantages"][mask],

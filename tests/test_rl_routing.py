@@ -13,22 +13,24 @@ from glm5_jax.rl import routing
 KEYS = [f"rollout-{i}" for i in range(4000)]
 
 
-def test_removing_a_worker_moves_only_its_keys():
+def ring_change(change) -> tuple[dict, dict, list]:
+  """`(owners before, owners after, keys moved)` of KEYS on a ring of w0..w3 when
+  `change(router)` adds or removes a worker."""
   router = routing.Router([f"w{i}" for i in range(4)])
   before = {k: router.ring_owner(k) for k in KEYS}
-  router.remove_worker("w2")
+  change(router)
   after = {k: router.ring_owner(k) for k in KEYS}
-  moved = [k for k in KEYS if before[k] != after[k]]
+  return before, after, [k for k in KEYS if before[k] != after[k]]
+
+
+def test_removing_a_worker_moves_only_its_keys():
+  before, after, moved = ring_change(lambda router: router.remove_worker("w2"))
   assert moved == [k for k in KEYS if before[k] == "w2"] and moved
   assert "w2" not in after.values()
 
 
 def test_adding_a_worker_moves_about_one_in_n_plus_one():
-  router = routing.Router([f"w{i}" for i in range(4)])
-  before = {k: router.ring_owner(k) for k in KEYS}
-  router.add_worker("w4")
-  after = {k: router.ring_owner(k) for k in KEYS}
-  moved = [k for k in KEYS if before[k] != after[k]]
+  _, after, moved = ring_change(lambda router: router.add_worker("w4"))
   assert all(after[k] == "w4" for k in moved)  # only to the new worker
   assert 0.12 < len(moved) / len(KEYS) < 0.28, len(moved) / len(KEYS)  # ~1/5
 

@@ -211,23 +211,24 @@ def test_compare_pairs_two_studies_run_by_run():
 
 
 def test_score_under_the_null_control_uses_rewards_shuffled_within_groups():
-  """`loop.score`'s GRPO advantages: of the env's rewards, or under the null control of the
+  """`rl_update.score`'s GRPO advantages: of the env's rewards, or under the null control of the
   rewards permuted within each group by a permutation drawn from (rl.seed, step)."""
   from configs import rl_tiny  # pylint: disable=import-outside-toplevel
-  from glm5_jax.posttrain import algorithms, loop  # pylint: disable=import-outside-toplevel
+  from glm5_jax.posttrain import algorithms, rl_update  # pylint: disable=import-outside-toplevel
   config = rl_tiny.get_config("recipe=plain")
   rng = np.random.default_rng(0)
   samples = [_sample(g, float(r), length=3) for g in range(6) for r in rng.integers(0, 2, 4)]
   rewards = np.asarray([s.reward for s in samples], np.float32)
   groups = np.asarray([s.group for s in samples])
   advantages = lambda b: b["advantages"][:, 1]
-  plain = loop.score(config, samples, step=3)
+  plain = rl_update.score(config, samples, step=3)
   expected = algorithms.group_advantages(rewards, groups, normalize_std=True)
   np.testing.assert_allclose(advantages(plain), expected, atol=1e-6)
   config.rl.null_reward_control = True
-  null = loop.score(config, samples, step=3)
+  null = rl_update.score(config, samples, step=3)
   assert not np.allclose(advantages(null), advantages(plain))
   for g in range(6):  # same advantage sizes per group, reassigned among its samples
     np.testing.assert_allclose(sorted(advantages(null)[groups == g]),
                                sorted(advantages(plain)[groups == g]), atol=1e-6)
-  np.testing.assert_array_equal(advantages(loop.score(config, samples, step=3)), advantages(null))
+  np.testing.assert_array_equal(advantages(rl_update.score(config, samples, step=3)),
+                                advantages(null))

@@ -245,13 +245,13 @@ def test_build_rl_run_converts_the_model_config_once(monkeypatch):
   """The RL builders take the ModelConfig built once in `build_rl_run` (it was validated and
   expanded 5 times there); a ConfigDict below them is refused."""
   from glm5_jax import config as config_lib  # pylint: disable=g-import-not-at-top
-  from glm5_jax.posttrain import loop  # pylint: disable=g-import-not-at-top
+  from glm5_jax.posttrain import rl_run  # pylint: disable=g-import-not-at-top
   calls = []
   original = config_lib.validate_model_config
   monkeypatch.setattr(config_lib, "validate_model_config",
                       lambda m: calls.append(1) or original(m))
   config = rl_tiny.get_config("recipe=plain")
-  _, _, shapes, trainer = loop.build_rl_run(config)
+  _, _, shapes, trainer = rl_run.build_rl_run(config)
   assert len(calls) == 1
   with pytest.raises(TypeError, match="make_rl_train_step: expected the ModelConfig"):
     rl_step.make_rl_train_step(config, config.model, trainer.optimizer, None)

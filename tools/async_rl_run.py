@@ -1,14 +1,28 @@
 """One `experiments/rl.py --mode=async` run as a subprocess, timed: the run the RL benchmarks
-(tools/bench_rl.py, tools/bench_long_tail.py) measure and then read from its run directory."""
+(tools/bench_rl.py, tools/bench_long_tail.py) measure and then read from its run directory;
+and the flags every such benchmark takes (`define_run_flags`)."""
 
 import os
 import subprocess
 import sys
 import time
 
+from absl import flags
+
 from glm5_jax.rl.layout import RunDirs
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def define_run_flags(*, workdir: str, runs: str, steps: int, workers: int):
+  """`(--workdir, --steps, --rollout_workers)` of an RL benchmark, with its defaults: the
+  directory its SFT run (trained once, reused) and its `runs` go under, RL steps of each run,
+  rollout worker processes of each asynchronous run."""
+  return (flags.DEFINE_string("workdir", workdir, f"SFT (reused) and {runs} go under it; the "
+                              "runs are started afresh."),
+          flags.DEFINE_integer("steps", steps, "RL steps of each run."),
+          flags.DEFINE_integer("rollout_workers", workers,
+                               "Rollout worker processes of each asynchronous run."))
 
 
 def run_async_rl(name: str, workdir: str, workers: int,

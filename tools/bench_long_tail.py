@@ -54,14 +54,12 @@ from glm5_jax.rl import worker
 from glm5_jax.rl.layout import read_json
 from glm5_jax.train import console
 from glm5_jax.train.stopping import EXIT_STOPPED_EARLY
-from tools.async_rl_run import REPO, run_async_rl
+from tools.async_rl_run import REPO, define_run_flags, run_async_rl
 
 CONFIG = os.path.join(REPO, "configs", "rl_long_tail.py")
-_WORKDIR = flags.DEFINE_string("workdir", "/tmp/glm5_bench_long_tail", "SFT (reused) and the "
-                               "two runs go under it; the runs are started afresh.")
-_STEPS = flags.DEFINE_integer("steps", 12, "RL steps of each run.")
+_WORKDIR, _STEPS, _WORKERS = define_run_flags(workdir="/tmp/glm5_bench_long_tail",
+                                              runs="the two runs", steps=12, workers=3)
 _SFT_STEPS = flags.DEFINE_integer("sft_steps", 120, "SFT steps (configs/rl_long_tail.py).")
-_WORKERS = flags.DEFINE_integer("rollout_workers", 3, "Rollout worker processes of each run.")
 _SHARE = flags.DEFINE_float("share", 0.34, "rl.long_tail.worker_share of the 'on' run.")
 _AFTER = flags.DEFINE_integer("after_tokens", 24, "rl.long_tail.after_tokens of the 'on' run.")
 _WARMUP = flags.DEFINE_bool("warmup", True, "rl.worker_warmup in both runs: workers compile "

@@ -47,12 +47,11 @@ from glm5_jax.posttrain.loop import rl_train
 from glm5_jax.rl.layout import read_json
 from glm5_jax.train import console
 from glm5_jax.train.stopping import EXIT_STOPPED_EARLY
-from tools.async_rl_run import run_async_rl
+from tools.async_rl_run import define_run_flags, run_async_rl
 _CONFIG = overrides.define_config_file("config", "configs/rl_tiny.py:env=echo,seq_len=128", "RL config.")
-_WORKDIR = flags.DEFINE_string("workdir", "/tmp/glm5_bench_rl", "SFT (reused), sync and async "
-                               "runs go under it; the sync and async runs are started afresh.")
-_STEPS = flags.DEFINE_integer("steps", 16, "RL steps of each run.")
-_WORKERS = flags.DEFINE_integer("rollout_workers", 2, "Async rollout worker processes.")
+_WORKDIR, _STEPS, _WORKERS = define_run_flags(workdir="/tmp/glm5_bench_rl",
+                                              runs="the sync and async runs", steps=16,
+                                              workers=2)
 
 
 def _percentiles(lengths) -> dict:

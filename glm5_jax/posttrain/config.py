@@ -17,7 +17,8 @@ RL_LOSSES = tuple(algorithms.ADVANTAGES)  # ("grpo", "distill")
 POLICY_LOSSES = ("auto", *algorithms.POLICY_LOSSES)  # ("auto", "ppo", "is")
 ROLLOUT_VIA = ("engine", "gateway")
 # Environments with a built-in agent program for rollout_via "gateway"
-# (glm5_jax.rl.agent_rollout.AGENTS: glm5_jax/rl/calculator_agent.py, repo_repair_agent.py).
+# (glm5_jax.rl.agent_rollout.AGENTS: each beside its env, glm5_jax/posttrain/envs/
+# calculator_agent.py and repo_repair_agent.py).
 AGENT_ENVS = ("calculator", "repo_repair")
 
 

@@ -14,7 +14,7 @@ order, docs/reference.md section 4). The config: `glm5_jax.posttrain.pipeline_co
 The distillation is `loop.rl_train` with `rl.loss="distill"` on the mixture of
 `distill.tasks`, group size as configured (GLM-5: 1): each sampled response's per-token
 advantage is `stopgrad(logp_teacher - logp_rollout)` under the teacher of the sample's own task
-(`loop.score`), the advantage form GLM-5 describes, whose policy gradient is that of the
+(`rl_update.score`), the advantage form GLM-5 describes, whose policy gradient is that of the
 per-token reverse KL(student || teacher) on the student's samples.
 
 Stopping and resume: SIGTERM stops the running stage after its step (its checkpoint committed)
@@ -32,7 +32,7 @@ import ml_collections
 from glm5_jax.data import make_tokenizer
 from glm5_jax.eval.checkpoints import load_run
 from glm5_jax.files import write_atomic
-from glm5_jax.posttrain import loop, sft, tasks as tasks_lib
+from glm5_jax.posttrain import loop, rl_run, sft, tasks as tasks_lib
 from glm5_jax.posttrain.pipeline_config import (BEST, DISTILL, PREVIOUS, START, base_config,
                                                 pipeline_envs, stage_names, stage_rl_config,
                                                 task_options, validate_pipeline)
@@ -153,7 +153,7 @@ def evaluate_all(config, workdir: str, tokenizer) -> dict:
   c = eval_rl_config(config)
   env = tasks_lib.make_env(c.rl)
   run = load_run(workdir, target_model=c.model)
-  metrics = loop.evaluate(c, run.params, env, tokenizer, num_tasks=config.pipeline.eval_tasks)
+  metrics = rl_run.evaluate(c, run.params, env, tokenizer, num_tasks=config.pipeline.eval_tasks)
   return {name: metrics[f"{name}/accuracy"] for name in pipeline_envs(config)}
 
 

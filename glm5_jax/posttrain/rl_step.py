@@ -314,7 +314,7 @@ def make_rl_train_step(config, model: ModelConfig, optimizer, schedule, *, state
 @dataclasses.dataclass(frozen=True)
 class RLTrainer:
   """What an RL run needs to train, built once per run by `build_rl_trainer`."""
-  model: ModelConfig  # the run's, converted once (`posttrain.loop.build_rl_run`)
+  model: ModelConfig  # the run's, converted once (`posttrain.rl_run.build_rl_run`)
   optimizer: Any
   mesh: jax.sharding.Mesh
   state_sharding: Any

@@ -14,9 +14,7 @@ the pieces they share through one run directory (`experiments/rl.py --mode=async
   worker         a rollout worker's loop: orders in, rollout files out
   launcher       one machine: starts the trainer and the workers, restarts a worker that dies
   serve_policy   a server that loads each newly published policy version while serving
-  agent_chat     one call of a built-in agent program (the `openai` client, a trajectory id)
-  calculator_agent  an example agent program: the `openai` client and a calculator tool
-  repo_repair_agent  the repo-repair agent program: read_file / write_file / run_tests as
-                 function tools, run by the environment itself
-  agent_rollout  agent episodes against a server, trained from the gateway's records
+  agent_rollout  agent episodes against a server, trained from the gateway's records (the
+                 agent programs live beside their environments: posttrain/envs/*_agent.py)
+  agent_server   a rollout worker's own OpenAI-compatible server, for agent episodes
 """

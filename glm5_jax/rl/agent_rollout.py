@@ -21,7 +21,7 @@ import uuid
 import httpx
 import openai
 
-from glm5_jax.rl import calculator_agent, repo_repair_agent
+from glm5_jax.posttrain.envs import calculator_agent, repo_repair_agent
 from glm5_jax.rl.trajectories import TrajectoryRecord
 from glm5_jax.seeds import derive_seed
 from glm5_jax.serve.gateway import records_from_json, to_sample

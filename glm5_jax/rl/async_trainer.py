@@ -15,12 +15,13 @@ at policy version v (= RL steps done):
      and its task re-queued. Too few groups: wait `rl.poll_seconds` (idle time); nothing
      moving (no step, no rollout file arriving) for `rl.stall_seconds` is an error naming the
      orders waited for (`TrainerStalledError`);
-  3. one RL step on them: GRPO group advantages, the double-sided IS loss against the
-     rollout log-probs (`rl.policy_loss="auto"` -> "is"; no pi_old recompute); with
-     `rl.routing_replay` the files carry each token's MoE experts and DSA top-k from the
-     engine and the step's forward replays them (`glm5_jax.routing_replay`);
+  3. one RL step on them, the synchronous loop's update (`posttrain.rl_update.update`): GRPO
+     group advantages, the double-sided IS loss against the rollout log-probs
+     (`rl.policy_loss="auto"` -> "is"; no pi_old recompute); with `rl.routing_replay` the
+     files carry each token's MoE experts and DSA top-k from the engine and the step's
+     forward replays them (`glm5_jax.routing_replay`);
   4. checkpoint v + 1: the state, and in the same orbax step the ledger of consumed files, the
-     staleness counts and the rejected files (`loop.save`'s `extra`), committed before
+     staleness counts and the rejected files (`rl_run.save`'s `extra`), committed before
   5. publishing v + 1 (`param_sync.PolicyPublisher`, async save + marker). So every published
      version is a checkpointed one: a trainer killed at any point resumes from its newest
      checkpoint at a version >= every published one, and every rollout file carries versions
@@ -31,11 +32,13 @@ Restart repair: a file in the quarantine that the restored ledger does not know 
 was killed after moving it and before a checkpoint recorded it) is recorded and its task
 re-queued at start; left alone it would count as a live order that never arrives.
 
-The lock, checkpoints (`ckpt.restore_fallback` included), SIGTERM (stop after the current
-step, whose checkpoint every step commits anyway; exit 75 from experiments/rl.py) and metrics
-come from the run harness every loop shares (`glm5_jax.train.harness`).
+The start (`rl_run.start_run`: restore or start from `rl.init_from`), the step's record and the
+run's summary are the synchronous loop's too (`glm5_jax.posttrain.rl_run`). The lock,
+checkpoints (`ckpt.restore_fallback` included), SIGTERM (stop after the current step, whose
+checkpoint every step commits anyway; exit 75 from experiments/rl.py) and metrics come from
+the run harness every loop shares (`glm5_jax.train.harness`).
 
-Held-out evaluation (greedy and sampled, `loop.evaluate`) runs in the trainer every
+Held-out evaluation (greedy and sampled, `rl_run.HeldOutEval`) runs in the trainer every
 `rl.eval_every_steps`, as in the synchronous loop; the workers keep generating meanwhile.
 When v reaches `rl.steps` the trainer writes `control/done` and the workers exit.
 """
@@ -50,7 +53,7 @@ from jax.experimental import multihost_utils
 import numpy as np
 
 from glm5_jax.config import require
-from glm5_jax.posttrain import loop, rollout, tasks
+from glm5_jax.posttrain import rl_run, rl_update, tasks
 from glm5_jax.posttrain.rl_config_checks import validate_rl_experiment
 from glm5_jax.posttrain.rollout import Sample
 from glm5_jax.rl import orders as orders_lib
@@ -59,7 +62,7 @@ from glm5_jax.rl.layout import RunDirs, read_json, write_json
 from glm5_jax.rl.orchestrator import Orchestrator
 from glm5_jax.rl.param_sync import PolicyPublisher
 from glm5_jax.sharding import activation_sharding
-from glm5_jax.train.harness import RunHarness, check_finite
+from glm5_jax.train.harness import RunHarness
 
 
 def validate_async_experiment(config) -> None:
@@ -113,10 +116,10 @@ def run_async_trainer(config, root, workers, *, stop_after_steps: int | None = N
       missing).
   """
   validate_async_experiment(config)
-  loop.hide_run_from_sandbox(config, root)
   # Every step is checkpointed, synchronously: each published version is a committed one.
-  with RunHarness(str(root), "asynchronous RL trainer", config.ckpt, total_steps=config.rl.steps,
-                  stop_after_steps=stop_after_steps, every_steps=1, async_save=False) as run:
+  with rl_run.open_run(config, root, "asynchronous RL trainer",
+                       stop_after_steps=stop_after_steps, every_steps=1,
+                       async_save=False) as run:
     return _run(config, RunDirs.at(root), list(workers), run, params)
 
 
@@ -239,145 +242,190 @@ class _Intake:
 
 
 def _run(config, dirs: RunDirs, workers, run: RunHarness, initial_params):
-  rl = config.rl
-  primary = jax.process_index() == 0
-  require(jax.process_count() == 1 or not rl.eval_every_steps, "rl.eval_every_steps",
+  require(jax.process_count() == 1 or not config.rl.eval_every_steps, "rl.eval_every_steps",
           f"must be 0 with a trainer of {jax.process_count()} processes: held-out evaluation "
           "runs the inference engine, which is single-process (evaluate the published "
           "versions from one process instead)")
-  tokenizer, env, shapes, t = loop.build_rl_run(config, asynchronous=True)
-  writer = run.writer
-  state, extra, reference = loop.init_or_restore(config, run, t, shapes, initial_params)
+  start = rl_run.start_run(config, run, initial_params, asynchronous=True)
+  trainer = _AsyncRun(config, dirs, workers, run, start)
+  with activation_sharding(start.trainer.mesh, config.mesh.logical_axis_rules):
+    stop = trainer.train()
+  return trainer.finish(stop)
+
+
+class _AsyncRun:
+  """One call's trainer (module docstring): the RL run (`rl_run.Start`), the books a checkpoint
+  carries (consumed files, staleness counts, rejected files), the publisher and, on process 0,
+  the orchestrator and the intake."""
+
+  def __init__(self, config, dirs: RunDirs, workers, run: RunHarness, start: rl_run.Start):
+    self.config, self.rl, self.dirs, self.run, self.start = config, config.rl, dirs, run, start
+    self.primary = jax.process_index() == 0
+    # Several processes publish synchronously: the marker is then written (by process 0)
+    # before publish returns on every process, with no pending save to agree on.
+    self.single = jax.process_count() == 1
+    self.state, self.version = start.state, start.step
+    self.ledger, self.admission, self.rejected = _restore_books(self.rl, start.extra)
+    self.stats = self._count_start()
+    self.eval_seconds_before = self.stats["eval_seconds"]  # of earlier calls
+    self.publisher = self._open_publisher()
+    self.orch, self.intake = self._orchestrate(workers) if self.primary else (None, None)
+    self.published = self.version  # the newest version whose marker is written
+    self.held_out = rl_run.HeldOutEval(config, run, start)
+
+  def _count_start(self) -> dict:
+    """The trainer's counters, carried over restarts (a killed trainer loses only those since
+    its last step), with this start counted."""
+    stats = {"idle_seconds": 0.0, "busy_seconds": 0.0, "eval_seconds": 0.0, "starts": 0,
+             **(read_json(self.dirs.trainer_stats) or {})}
+    stats.update(pid=os.getpid(), version=self.version, starts=stats["starts"] + 1)
+    if self.primary:
+      write_json(self.dirs.trainer_stats, stats)
+    return stats
+
+  def _open_publisher(self) -> PolicyPublisher:
+    """The publisher, closed with the run; the starting version published unless it is."""
+    publisher = PolicyPublisher(self.dirs.policy, keep=self.rl.policy_keep,
+                                async_save=self.single)
+    self.run.on_close(publisher.close)
+    if agree(self.version not in publisher.published_versions() if self.primary else None):
+      publisher.publish(self.version, self.state.params, block=True,
+                        extra={"step": self.version})
+      logging.info("published policy version %d", self.version)
+    return publisher
+
+  def _orchestrate(self, workers) -> tuple[Orchestrator, "_Intake"]:
+    rl = self.rl
+    regular, _ = long_tail.split_workers(workers, rl.long_tail.worker_share)
+    orch = Orchestrator(self.dirs.root, regular, groups_per_step=rl.prompts_per_step,
+                        max_staleness=rl.max_staleness, total_steps=rl.steps,
+                        group_size=rl.group_size,
+                        rejected=len(self.rejected) + len(self.ledger.quarantined))
+    return orch, _Intake(self.config, self.dirs, orch, self.ledger, self.version)
+
+  def train(self) -> str | None:
+    """Steps until `rl.steps` (or a stop); returns the stop reason, None at the end."""
+    if self.primary:
+      self.orch.issue(self.published)
+    self.held_out.at_start(self.version, self.state.params)
+    wait_start = time.time()
+    while self.version < self.rl.steps:
+      plan = self._next_plan()
+      if not plan["take"]:
+        if self.run.signalled():  # its last step is committed already (every step is)
+          logging.warning("asynchronous RL trainer stopped early (SIGTERM) while waiting for "
+                          "rollouts at step %d of %d; rerun to resume", self.version,
+                          self.rl.steps)
+          return "SIGTERM"
+        time.sleep(self.rl.poll_seconds)
+        continue
+      self._step(plan, wait_start)
+      wait_start = time.time()
+      stop = self.run.stop_reason(self.version)
+      if stop:
+        self.run.stopped(self.version, stop)
+        return stop
+    return None
+
+  def _next_plan(self) -> dict:
+    """Process 0's plan (`_Intake.plan`) on every process, its quarantined and rejected files
+    recorded in the books; raises `TrainerStalledError` when it says so."""
+    if self.primary and self.single:
+      self.published = self.publisher.poll() or self.published
+    plan = agree(self.intake.plan(self.version, self.published) if self.primary else None)
+    for name, error in plan["quarantined"].items():
+      self.ledger.quarantined.setdefault(name, error)
+    for name, gaps, limit in plan["reject"]:
+      for gap in gaps:
+        self.admission.admit(gap, limit)
+      self.ledger.mark_consumed(name)
+      self.rejected.append(name)
+    if plan["stalled"]:
+      raise TrainerStalledError(plan["stalled"])
+    return plan
+
+  def _step(self, plan: dict, wait_start: float) -> None:
+    """One RL step on the plan's groups, then its checkpoint, publication and record."""
+    waited = time.time() - wait_start
+    self.stats["idle_seconds"] += waited
+    t0 = time.time()
+    samples, step_gaps, moved = self._take(plan["take"])
+    self.state, signal, metrics = rl_update.update(
+        self.config, self.start.trainer, self.state, samples, self.start.env,
+        step=self.version, reference=self.start.reference)
+    self.version += 1
+    self._commit([name for name, _ in plan["take"]])
+    self.stats["busy_seconds"] += time.time() - t0
+    self._write_stats()
+    # Trainer idle = waiting for admissible groups; step = wall time from the end of the
+    # previous step (or the start) to this step's publish: idle + train + save + publish.
+    record = rl_run.step_record(self.config, samples, signal, metrics, {
+        "generate_seconds": waited, "train_seconds": time.time() - t0,
+        "version_gap_mean": float(np.mean(step_gaps)), "trainer/idle_seconds": waited,
+        "trainer/step_seconds": time.time() - wait_start,
+        "long_tail/groups_handed_off": float(moved), **self.admission.metrics()})
+    if self.primary:
+      record.update(orders_running=self.orch.running, rejected_total=self.orch.rejected,
+                    **{"long_tail/handoffs_total": float(len(self.intake.handed))})
+      logging.info(rl_run.progress_line(self.version, self.rl.steps, record)
+                   .replace("gen ", "wait ")
+                   + f" | gap {record['version_gap_mean']:.2f} running {self.orch.running}")
+    self.run.writer.write(self.version, record)
+    self.held_out.after_step(self.version, self.state.params)
+    if self.primary:
+      self.intake.progressed()
+
+  def _take(self, take: list) -> tuple[list, list, int]:
+    """`(samples, version gaps, groups handed off)` of the plan's groups, each admitted."""
+    samples, step_gaps, moved = [], [], 0
+    for group, (name, gaps) in enumerate(take):
+      for gap in gaps:
+        self.admission.admit(gap)
+      step_gaps += gaps
+      batch = self.intake.batch(name) if self.primary else \
+          trajectories.read_batch(self.dirs.rollouts / name)
+      moved += bool(batch.records and batch.records[0].meta.get("handed_off_to"))
+      samples += _to_samples(batch, self.start.env, group)
+    return samples, step_gaps, moved
+
+  def _commit(self, consumed: list) -> None:
+    """Checkpoint the new version with the books, committed before it is published."""
+    self.ledger.mark_consumed(consumed)
+    rl_run.save(self.run, self.state, self.config, extra={
+        "ledger": self.ledger.to_json(), "admission": self.admission.to_json(),
+        "rejected": self.rejected})
+    self.run.manager.wait_until_finished()
+    self.publisher.publish(self.version, self.state.params, block=not self.single,
+                           extra={"step": self.version})
+    if not self.single:
+      self.published = self.version
+
+  def _write_stats(self) -> None:
+    self.stats["version"] = self.version
+    self.stats["eval_seconds"] = self.eval_seconds_before + self.held_out.seconds
+    if self.primary:
+      write_json(self.dirs.trainer_stats, self.stats)
+
+  def finish(self, stop: str | None) -> dict:
+    """Waits for the last publication, marks the run done at `rl.steps`; the summary."""
+    self.publisher.wait()
+    if self.version >= self.rl.steps and self.primary:
+      write_json(self.dirs.done, {"version": self.version})
+    busy, idle = self.stats["busy_seconds"], self.stats["idle_seconds"]
+    return rl_run.summary(
+        self.config, self.run, steps=self.version, stop=stop, evals=self.held_out.evals,
+        staleness=self.admission.to_json(), rejected=len(self.rejected),
+        requeued=len(self.orch.requeued) if self.primary else None,
+        quarantined=len(self.ledger.quarantined), versions_published=self.version + 1,
+        orders=len(self.orch.orders) if self.primary else None,
+        idle_fraction=idle / max(idle + busy, 1e-9))
+
+
+def _restore_books(rl, extra: dict):
+  """`(ledger, admission, rejected)` from a checkpoint's `extra`, or fresh ones."""
   ledger = trajectories.TrajectoryLedger.from_json(extra["ledger"]) if extra else \
       trajectories.TrajectoryLedger()
   admission = staleness.StalenessAdmission.from_json(extra["admission"]) if extra else \
       staleness.StalenessAdmission(rl.max_staleness)
   admission.max_staleness = rl.max_staleness
-  rejected = list(extra.get("rejected", []))
-  version = int(state.step) // rl.minibatches
-  # Counters carried over restarts (a killed trainer loses only those since its last step).
-  stats = {"idle_seconds": 0.0, "busy_seconds": 0.0, "eval_seconds": 0.0, "starts": 0,
-           **(read_json(dirs.trainer_stats) or {})}
-  stats.update(pid=os.getpid(), version=version, starts=stats["starts"] + 1)
-  if primary:
-    write_json(dirs.trainer_stats, stats)
-  # Several processes publish synchronously: the marker is then written (by process 0) before
-  # publish returns on every process, with no pending save to agree on.
-  single = jax.process_count() == 1
-  publisher = PolicyPublisher(dirs.policy, keep=rl.policy_keep, async_save=single)
-  run.on_close(publisher.close)
-  if agree(version not in publisher.published_versions() if primary else None):
-    publisher.publish(version, state.params, block=True, extra={"step": version})
-    logging.info("published policy version %d", version)
-  regular, _ = long_tail.split_workers(workers, rl.long_tail.worker_share)
-  orch = Orchestrator(dirs.root, regular, groups_per_step=rl.prompts_per_step,
-                      max_staleness=rl.max_staleness, total_steps=rl.steps,
-                      group_size=rl.group_size,
-                      rejected=len(rejected) + len(ledger.quarantined)) if primary else None
-  intake = _Intake(config, dirs, orch, ledger, version) if primary else None
-  published = version  # the newest version whose marker is written
-  evals, stop = {}, None
-  with activation_sharding(t.mesh, config.mesh.logical_axis_rules):
-    if primary:
-      orch.issue(published)
-    if version == 0 and rl.eval_every_steps:
-      evals[0] = _timed_eval(config, state.params, env, tokenizer, writer, 0, stats)
-    wait_start = time.time()
-    while version < rl.steps:
-      if primary and single:
-        published = publisher.poll() or published
-      plan = agree(intake.plan(version, published) if primary else None)
-      for name, error in plan["quarantined"].items():
-        ledger.quarantined.setdefault(name, error)
-      for name, gaps, limit in plan["reject"]:
-        for gap in gaps:
-          admission.admit(gap, limit)
-        ledger.mark_consumed(name)
-        rejected.append(name)
-      if plan["stalled"]:
-        raise TrainerStalledError(plan["stalled"])
-      if not plan["take"]:
-        if run.signalled():  # its last step is committed already (every step is)
-          stop = "SIGTERM"
-          logging.warning("asynchronous RL trainer stopped early (SIGTERM) while waiting for "
-                          "rollouts at step %d of %d; rerun to resume", version, rl.steps)
-          break
-        time.sleep(rl.poll_seconds)
-        continue
-      waited = time.time() - wait_start
-      stats["idle_seconds"] += waited
-      t0 = time.time()
-      samples, step_gaps, moved = [], [], 0
-      for group, (name, gaps) in enumerate(plan["take"]):
-        for gap in gaps:
-          admission.admit(gap)
-        step_gaps += gaps
-        batch = intake.batch(name) if primary else \
-            trajectories.read_batch(dirs.rollouts / name)
-        moved += bool(batch.records and batch.records[0].meta.get("handed_off_to"))
-        samples += _to_samples(batch, env, group)
-      batch = loop.score(config, samples, step=version)
-      signal_metrics = loop.signal_metrics(config, samples, batch, env)
-      if reference is not None:
-        loop.add_reference_logp(t, reference, batch, signal_metrics, rl.kl_coef > 0)
-      state, metrics = loop.train_on_batch(t, state, batch, rl.minibatches)
-      check_finite(version + 1, metrics)
-      version += 1
-      ledger.mark_consumed([name for name, _ in plan["take"]])
-      loop.save(run, state, config, extra={
-          "ledger": ledger.to_json(), "admission": admission.to_json(), "rejected": rejected})
-      run.manager.wait_until_finished()
-      publisher.publish(version, state.params, block=not single, extra={"step": version})
-      if not single:
-        published = version
-      stats["busy_seconds"] += time.time() - t0
-      stats["version"] = version
-      if primary:
-        write_json(dirs.trainer_stats, stats)
-      # Trainer idle = waiting for admissible groups; step = wall time from the end of the
-      # previous step (or the start) to this step's publish: idle + train + save + publish.
-      last = {**rollout.rollout_metrics(samples), **signal_metrics, **metrics,
-              "generate_seconds": waited,
-              "train_seconds": time.time() - t0, "version_gap_mean": float(np.mean(step_gaps)),
-              "trainer/idle_seconds": waited, "trainer/step_seconds": time.time() - wait_start,
-              "long_tail/groups_handed_off": float(moved), **admission.metrics()}
-      if rl.env == tasks.MIXTURE:
-        last.update(rollout.metrics_by_env(samples))
-      if primary:
-        last.update(orders_running=orch.running, rejected_total=orch.rejected,
-                    **{"long_tail/handoffs_total": float(len(intake.handed))})
-        logging.info(loop.progress_line(version, rl.steps, last).replace("gen ", "wait ")
-                     + f" | gap {last['version_gap_mean']:.2f} running {orch.running}")
-      writer.write(version, last)
-      if run.due(version, rl.eval_every_steps):
-        evals[version] = _timed_eval(config, state.params, env, tokenizer, writer, version,
-                                     stats)
-      if primary:
-        intake.progressed()
-      wait_start = time.time()
-      stop = run.stop_reason(version)
-      if stop:
-        run.stopped(version, stop)
-        break
-  publisher.wait()
-  if version >= rl.steps and primary:
-    write_json(dirs.done, {"version": version})
-  busy, idle = stats["busy_seconds"], stats["idle_seconds"]
-  first, last_eval = (evals[min(evals)], evals[max(evals)]) if evals else ({}, {})
-  return {"steps": version, "total_steps": rl.steps, "stopped_early": stop is not None,
-          "stop_reason": stop, "eval": evals,
-          "first_eval": first.get("accuracy"), "last_eval": last_eval.get("accuracy"),
-          "first_sampled_eval": first.get("sampled_accuracy"),
-          "last_sampled_eval": last_eval.get("sampled_accuracy"),
-          "staleness": admission.to_json(), "rejected": len(rejected),
-          "requeued": len(orch.requeued) if primary else None,
-          "quarantined": len(ledger.quarantined), "versions_published": version + 1,
-          "orders": len(orch.orders) if primary else None,
-          "idle_fraction": idle / max(idle + busy, 1e-9), "metrics_file": writer.path}
-
-
-def _timed_eval(config, params, env, tokenizer, writer, step, stats) -> dict:
-  t0 = time.time()
-  out = loop.evaluate_and_log(config, params, env, tokenizer, writer, step)
-  stats["eval_seconds"] += time.time() - t0
-  return out
+  return ledger, admission, list(extra.get("rejected", []))

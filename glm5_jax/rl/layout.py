@@ -21,40 +21,29 @@ from etils import epath
 from glm5_jax.files import write_atomic
 
 
+def _under_root(*parts: str) -> property:
+  """The path `<root>/<parts...>` of a run directory, as a property of `RunDirs`."""
+  return property(lambda dirs: dirs.root.joinpath(*parts))
+
+
 @dataclasses.dataclass(frozen=True)
 class RunDirs:
+  """The paths of the module docstring's table, under `root`."""
   root: epath.Path
+
+  policy = _under_root("policy")
+  rollouts = _under_root("rollouts")
+  workers = _under_root("workers")
+  control = _under_root("control")
+  done = _under_root("control", "done")
+  trainer_stats = _under_root("control", "trainer.json")
 
   @classmethod
   def at(cls, root) -> "RunDirs":
     return cls(epath.Path(root))
 
-  @property
-  def policy(self) -> epath.Path:
-    return self.root / "policy"
-
-  @property
-  def rollouts(self) -> epath.Path:
-    return self.root / "rollouts"
-
-  @property
-  def workers(self) -> epath.Path:
-    return self.root / "workers"
-
-  @property
-  def control(self) -> epath.Path:
-    return self.root / "control"
-
-  @property
-  def done(self) -> epath.Path:
-    return self.control / "done"
-
   def worker_stats(self, name: str) -> epath.Path:
     return self.workers / f"{name}.json"
-
-  @property
-  def trainer_stats(self) -> epath.Path:
-    return self.control / "trainer.json"
 
 
 def write_json(path: epath.Path, data: dict) -> None:

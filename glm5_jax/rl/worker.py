@@ -57,7 +57,7 @@ from glm5_jax.config import ModelConfig, require_model_config
 from glm5_jax.data import check_vocab, make_tokenizer
 from glm5_jax.infer.compile_count import count_compiles
 from glm5_jax.posttrain import handoff, rollout, learning_signal, tasks
-from glm5_jax.posttrain.loop import hide_run_from_sandbox
+from glm5_jax.posttrain.rl_run import hide_run_from_sandbox
 from glm5_jax.posttrain.rl_config_checks import validate_rl_experiment
 from glm5_jax.rl import long_tail
 from glm5_jax.rl import orders as orders_lib

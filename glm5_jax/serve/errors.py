@@ -3,7 +3,7 @@
 
 
 # OpenAI's error code for a request whose prompt and max_tokens do not fit the context; agents
-# read it as "no room for this call" (`glm5_jax.rl.agent_chat.complete`).
+# read it as "no room for this call" (`glm5_jax.posttrain.envs.agent_chat.complete`).
 CONTEXT_LENGTH_EXCEEDED = "context_length_exceeded"
 
 

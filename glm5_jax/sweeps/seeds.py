@@ -31,7 +31,7 @@ from glm5_jax.sweeps import intervals, workers
 from glm5_jax.sweeps.jobs import read_metrics
 
 RESULT_FILE = "seeds_result.json"
-METRICS = ("accuracy", "sampled_accuracy", "pass_at_k")  # held-out, `posttrain.loop.evaluate`
+METRICS = ("accuracy", "sampled_accuracy", "pass_at_k")  # held-out, `posttrain.rl_run.evaluate`
 
 
 @dataclasses.dataclass(frozen=True)

@@ -15,6 +15,11 @@ tool call "calc(483*271)", observation "130893", answer "130893"; echo "copy: qw
 f(x) that returns ..." -> the function, scored by hidden tests in the sandbox; repo_repair (a
 generated repository with a failing test) -> read_file / write_file / run_tests tool calls, then
 "done", scored by hidden tests on the final repository.
+
+An environment with an agent program for rollouts through an OpenAI-compatible server
+(`rl.rollout_via="gateway"`) has it beside it: `calculator_agent`, `repo_repair_agent` (the
+`openai` client and the env's own tools; `agent_chat`: one call, shared by both). They are not
+imported here: the `openai` client is needed only where an agent runs.
 """
 
 from glm5_jax.posttrain.envs.addition import Addition

@@ -13,7 +13,11 @@ import dataclasses
 import openai
 
 from glm5_jax.seeds import derive_seed
-from glm5_jax.serve.errors import CONTEXT_LENGTH_EXCEEDED
+
+# OpenAI's error code for a call whose prompt and max_tokens do not fit the context. The agent
+# speaks the OpenAI API, not this repository's server: it reads the public code (which
+# `glm5_jax.serve.errors.CONTEXT_LENGTH_EXCEEDED` answers), and `posttrain` stays below `serve`.
+CONTEXT_LENGTH_EXCEEDED = "context_length_exceeded"
 
 
 @dataclasses.dataclass

@@ -28,7 +28,7 @@ One episode, at most `max_turns` calls (default the env's):
 
 import json
 
-from glm5_jax.rl.agent_chat import AgentResult, run_turns
+from glm5_jax.posttrain.envs.agent_chat import AgentResult, run_turns
 
 
 def _tool(name: str, description: str, **params) -> dict:

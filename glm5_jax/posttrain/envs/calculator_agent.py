@@ -21,7 +21,7 @@ import json
 
 from glm5_jax.posttrain.envs import base
 from glm5_jax.posttrain.envs.calculator import run_tool
-from glm5_jax.rl.agent_chat import AgentResult, run_turns
+from glm5_jax.posttrain.envs.agent_chat import AgentResult, run_turns
 
 CALC_TOOL = {"type": "function", "function": {
     "name": "calc", "description": "Evaluate an integer expression with + - * and parentheses.",
