@@ -112,18 +112,16 @@ def test_choice_keeps_tokens_to_the_stop_and_drops_a_stop_token_from_the_text():
   assert delta == {"text": "h"} and stopped.tokens == ids[:2] and stopped.finish_reason == "stop"
 
 
-@pytest.mark.parametrize("stops, echo, batch", [((), False, 99), ((), True, 1), (("é!",), True, 2),
-                                                (("b",), False, 3)])
-def test_text_offset_indexes_the_returned_text_streamed_or_not(stops, echo, batch):
-  """Every reported token's text is at its offset in the returned text (echoed prompt, split
-  UTF-8 characters, a stop token, stop strings that cut the text), whether the text and
-  log-probs come in one reply or in chunks of `batch` tokens."""
+@pytest.mark.parametrize("stops, batch", [((), 99), ((), 1), (("é!",), 2), (("b",), 3)])
+def test_text_offset_indexes_the_returned_text_streamed_or_not(stops, batch):
+  """Every reported token's text is at its offset in the returned text (split UTF-8
+  characters, a stop token, stop strings that cut the text), whether the text and log-probs
+  come in one reply or in chunks of `batch` tokens."""
   class Done:
     finish_reason = "stop"
-  prompt = TOK.encode("pré") + [C.eos]
   ids = TOK.encode("ab€cé!dé") + [C.eos]  # multi-byte characters split over byte tokens
   choice = Choice(0, ChoiceText(TOK, stops), (C.eos,))
-  text = echo_prompt(TOK, prompt, choice) if echo else ""
+  text = ""
   lp = {"tokens": [], "text_offset": [], "token_ids": []}
   for start in range(0, len(ids), batch):
     part, delta = ids[start:start + batch], {}
@@ -137,10 +135,13 @@ def test_text_offset_indexes_the_returned_text_streamed_or_not(stops, echo, batc
       lp[key] += out[key]
     if choice.finish_reason is not None:
       break
-  want = "pré" if echo else ""
-  want += "ab€cé!dé" if not stops else "ab€c" if stops == ("é!",) else "a"
-  assert text == want
-  assert lp["token_ids"] == (prompt if echo else []) + choice.tokens
+  assert text == ("ab€cé!dé" if not stops else "ab€c" if stops == ("é!",) else "a")
+  assert lp["token_ids"] == choice.tokens
   for token, offset in zip(lp["tokens"], lp["text_offset"]):
     assert text[offset:offset + len(token)] == token, (token, offset, text)
   assert "".join(lp["tokens"]) == text  # and together they are the text
+
+
+def test_echo_prompt_is_the_text_the_prompt_ids_make():
+  """A prompt given as ids comes back as their text, characters split over byte tokens joined."""
+  assert echo_prompt(TOK, TOK.encode("pré €!")) == "pré €!"

@@ -112,31 +112,21 @@ async def batches(inbox: asyncio.Queue, streams: list):
 
 class TokenEntry(NamedTuple):
   """One token of `/v1/completions`' log-probs: its text (what it adds to the choice's text),
-  that text's offset in the returned text, its log-prob (None: a prompt token, not computed),
-  its top alternatives `{text: log-prob}` or None, its id."""
+  that text's offset in the returned text, its log-prob, its top alternatives `{text: log-prob}` or None, its id."""
   text: str
   offset: int
-  logprob: float | None
+  logprob: float
   top: dict | None
   token: int
 
 
-def echo_prompt(tokenizer, prompt, choice: Choice) -> str:
-  """`echo`: the prompt's text (its ids decoded as the completion's are, so the returned text
-  starts with it), with the prompt tokens queued as the choice's first log-prob entries (their
-  log-probs None: the engine computes none for prompt tokens) and the completion's offsets
-  counted after it."""
-  pieces, text = Detokenizer(tokenizer), ""
-  for token in prompt:
-    piece = pieces.add(token)
-    choice.unreported.append(TokenEntry(piece, len(text), None, None, int(token)))
-    text += piece
-  tail = pieces.flush()
-  if tail and choice.unreported:
-    choice.unreported[-1] = choice.unreported[-1]._replace(text=choice.unreported[-1].text + tail)
-  text += tail
-  choice.offset = len(text)
-  return text
+def echo_prompt(tokenizer, prompt) -> str:
+  """`echo`: the prompt's text, its ids decoded as a completion's are (so a prompt given as
+  ids comes back as the text those ids make). `echo` with `logprobs` is refused
+  (`routes.completions`): OpenAI then returns the prompt tokens' log-probs, which the engine
+  does not compute."""
+  pieces = Detokenizer(tokenizer)
+  return "".join(pieces.add(token) for token in prompt) + pieces.flush()
 
 
 def completion_logprobs(tokenizer, kept, choice: Choice, text_chars: int, final: bool) -> dict:

@@ -37,7 +37,7 @@ def random_bodies(rng: random.Random, count: int, *, max_len: int, max_top: int)
       if rng.random() < 0.4:
         body["logprobs"] = rng.randint(0, max_top)
       body["ignore_eos"] = rng.random() < 0.5
-      body["echo"] = rng.random() < 0.2
+      body["echo"] = "logprobs" not in body and rng.random() < 0.3
     else:
       path = "/v1/chat/completions"
       body["messages"] = [{"role": "user", "content": words[:max_len // 16] if tools else words}]

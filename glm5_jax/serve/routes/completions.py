@@ -1,5 +1,6 @@
 """POST /v1/completions: a prompt (text, tokenized with bos first, or token ids) continued;
-`echo` puts the prompt's text (and log-probs) before each choice's."""
+`echo` puts the prompt's text before each choice's (with `logprobs`: a 400, the engine computes
+no log-probs for prompt tokens)."""
 
 import secrets
 import time
@@ -34,20 +35,23 @@ def router(ctx: ServerContext) -> APIRouter:
                      f"[0, {vocab_size})", "prompt")
     want_lp = body.get("logprobs") is not None
     top = ctx.top_logprobs(body, "logprobs") if want_lp else 0
+    echo = fields.bool_field(body, "echo")
+    if echo and want_lp:
+      raise ApiError(400, "echo with logprobs: OpenAI returns the prompt tokens' log-probs, and "
+                     "this server computes none for prompt tokens; ask for echo or logprobs",
+                     "echo")
     stops = fields.stop_strings(body)
     ends = () if fields.bool_field(body, "ignore_eos") else (tokenizer.eos_id,)
     requests = ctx.requests(body, prompt, ends)
     choices = [Choice(i, ChoiceText(tokenizer, stops), r.stop_tokens, top)
                for i, r in enumerate(requests)]
-    # echo: each choice's text starts with the prompt's (and its log-probs with its tokens).
-    echo = fields.bool_field(body, "echo")
-    echoed = [echo_prompt(tokenizer, prompt, c) if echo else "" for c in choices]
+    echoed = echo_prompt(tokenizer, prompt) if echo else ""
     head = {"object": "text_completion", "model": ctx.model_name, "created": int(time.time()),
             "id": f"cmpl-{secrets.token_hex(8)}", "system_fingerprint": f"v{ctx.version()}"}
 
     def choice_text(c, delta, kept, first, final):
       """The choice's text in this chunk (a whole reply: one chunk) and its log-probs."""
-      text = (echoed[c.index] if first else "") + delta.get("text", "")
+      text = (echoed if first else "") + delta.get("text", "")
       c.text_chars += len(text)
       return {"index": c.index, "text": text, "finish_reason": c.finish_reason,
               "logprobs": completion_logprobs(tokenizer, kept, c, c.text_chars,
