@@ -265,7 +265,7 @@ def _forward(q_BLHC, q_rope_BLHR, kv_BSC, k_rope_BSR, topk_BLT, scale, *, block_
              head_probs=False):
   """`(out, lse)`, plus the head-mean probabilities fp32 `[B, L, T]` with `head_probs`."""
   b, l, h, c = q_BLHC.shape
-  r = q_rope_BLHR.shape[-1]
+  r, t = q_rope_BLHR.shape[-1], topk_BLT.shape[-1]
   bt, t_pad, topk_BL1T, kv_words, k_rope_words = _slot_operands(kv_BSC, k_rope_BSR, topk_BLT,
                                                                 block_t)
   in_specs, hbm_specs = _common_specs(t_pad, bt, h, c, r)
@@ -280,7 +280,8 @@ def _forward(q_BLHC, q_rope_BLHR, kv_BSC, k_rope_BSR, topk_BLT, scale, *, block_
                  jax.ShapeDtypeStruct((b, l, h, 1), jnp.float32), *probs),
       grid=(b, l, t_pad // bt),
       in_specs=in_specs + hbm_specs,
-      out_specs=(pl.BlockSpec((None, None, h, c), _query_row), pl.BlockSpec((None, None, h, 1), _query_row),
+      out_specs=(pl.BlockSpec((None, None, h, c), _query_row),
+                 pl.BlockSpec((None, None, h, 1), _query_row),
                  *[pl.BlockSpec((None, None, 1, t_pad), _query_row)] * head_probs),
       scratch_shapes=_scratch(bt, kv_words, k_rope_words) + [
           pltpu.VMEM((h, 1), jnp.float32), pltpu.VMEM((h, 1), jnp.float32),
@@ -318,7 +319,8 @@ def _backward_block(q_BLHC, q_rope_BLHR, kv_BSC, k_rope_BSR, topk_BLT, dout_BLHC
                            pl.BlockSpec((None, None, h, 1), _query_row),
                            pl.BlockSpec((None, None, h, 1), _query_row),
                            pl.BlockSpec((None, None, 2 * h, p), _query_row)] + hbm_specs,
-      out_specs=(pl.BlockSpec((None, None, h, c), _query_row), pl.BlockSpec((None, None, h, r), _query_row),
+      out_specs=(pl.BlockSpec((None, None, h, c), _query_row),
+                 pl.BlockSpec((None, None, h, r), _query_row),
                  pl.BlockSpec((None, None, bt, p), slot)),
       scratch_shapes=_scratch(bt, kv_words, k_rope_words),
       compiler_params=_PARAMS,
