@@ -145,8 +145,9 @@ def compare(base_rows: list[dict], rows: list[dict], metrics=METRICS) -> dict:
   variance cancels. Returns {"runs": [paired names], metric: {"base_change", "change",
   "difference" (this study's change minus the base's, paired): `mean_interval`s, "effect"
   (the difference's interval excludes 0), "steps", "base_curve", "curve", "curve_difference"
-  (paired): per evaluation step a `mean_interval` over the runs}}. The curves need both studies to evaluate at the same steps;
-  raises ValueError naming the run otherwise, or when no run is in both."""
+  (paired): per evaluation step a `mean_interval` over the runs}}. The curves need both
+  studies to evaluate at the same steps; raises ValueError naming the run otherwise, or when
+  no run is in both."""
   base = {r["run"]: r for r in base_rows}
   names = [r["run"] for r in rows if r["run"] in base]
   if not names:
