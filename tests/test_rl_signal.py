@@ -210,6 +210,45 @@ def test_compare_pairs_two_studies_run_by_run():
     seeds.compare(sync, [row("sft5_rl0", [0.3, 0.4, 0.5])])
 
 
+def test_seeds_study_of_the_staged_pipeline_reads_pipeline_json(tmp_path):
+  """A staged pipeline run is read from its pipeline.json: every checkpoint's accuracy per task,
+  and what each stage changed, paired over the runs."""
+  from glm5_jax.posttrain import pipeline  # pylint: disable=import-outside-toplevel
+  assert seeds.pipeline_seeds.STATE_FILE == pipeline.STATE_FILE
+  runs = seeds.plan_runs(str(tmp_path), [0, 1, 2], [0])
+  # strings: 0.9 at the start, forgotten by the agentic stage (-0.6, -0.5, -0.55), recovered
+  for run, (a, forget) in zip(runs, [(0.90, 0.6), (0.92, 0.5), (0.88, 0.55)]):
+    os.makedirs(run.workdir)
+    rows = {"sft": {"addition": a, "strings": 0.9}, "agentic": {"addition": a, "strings": 0.9 - forget},
+            "general": {"addition": a + 0.02, "strings": 0.99}}
+    with open(os.path.join(run.workdir, "pipeline.json"), "w") as f:
+      json.dump({"rows": rows, "envs": ["addition", "strings"], "seconds": {}, "stopped": None,
+                 "teachers": {"strings": "general"}}, f)
+  rows = [seeds.read_result(r) for r in runs]
+  assert rows[1]["accuracy"]["agentic"] == {"addition": 0.92, "strings": pytest.approx(0.4),
+                                            "mean": pytest.approx(0.66)}
+  summary = seeds.summarize(rows)
+  assert summary["checkpoints"] == ["sft", "agentic", "general"] and summary["n"] == 3
+  forgot = summary["stage"]["agentic"]["strings"]
+  assert forgot["mean"] == pytest.approx(-0.55) and forgot["effect"]
+  assert forgot["half_width"] == pytest.approx(4.303 * 0.05 / math.sqrt(3))
+  assert not summary["stage"]["agentic"]["addition"]["effect"]  # no change at all: no interval
+  table = seeds.markdown(rows, summary)
+  assert "| sft | 90.0 ± 5.0 | 90.0 ± 0.0 | 90.0 ± 2.5 |" in table
+  assert "| agentic | +0.0 ± 0.0 | -55.0 ± 12.4 * | -27.5 ± 6.2 * |" in table
+  assert "| sft1_rl0 | 1 | 0 | 91.0 | 66.0 | 96.5 | strings <- general |" in table
+  with pytest.raises(ValueError, match="not compared run by run"):
+    seeds.compare(rows, rows)
+  with open(os.path.join(runs[2].workdir, "pipeline.json"), "w") as f:
+    json.dump({"rows": {"sft": {"addition": 0.9, "strings": 0.9}}, "envs": ["addition", "strings"],
+               "stopped": "agentic"}, f)
+  with pytest.raises(ValueError, match="not finished .*'agentic'"):
+    seeds.read_result(runs[2])
+  other = dict(rows[2], checkpoints=["sft", "general"], run="sft2_rl0")
+  with pytest.raises(ValueError, match="run sft2_rl0 has checkpoints"):
+    seeds.summarize(rows[:2] + [other])
+
+
 def test_score_under_the_null_control_uses_rewards_shuffled_within_groups():
   """`rl_update.score`'s GRPO advantages: of the env's rewards, or under the null control of the
   rewards permuted within each group by a permutation drawn from (rl.seed, step)."""

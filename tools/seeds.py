@@ -6,6 +6,10 @@
   # the null-reward control of the same recipe from the same starts (same seeds, same SFT)
   python tools/seeds.py --root=/tmp/glm5_seeds/null --sft_seeds=0,1,2 --rl_seeds=0,1 \
       -- --config.rl.null_reward_control=true
+  # the staged pipeline (SFT, three RL stages, distillation) over 3 SFT starts: each checkpoint's
+  # accuracy per task and what each stage changed, paired (glm5_jax/sweeps/pipeline_seeds.py)
+  python tools/seeds.py --root=/tmp/glm5_seeds/staged --sft_seeds=0,1,2 --rl_seeds=0 \
+      -- --config=configs/rl_staged.py
   # any experiments/rl.py flags after `--`, asynchronous mode included
   python tools/seeds.py --root=/tmp/glm5_seeds/async --sft_seeds=0,1,2 --rl_seeds=0 \
       -- --mode=async --rollout_workers=2

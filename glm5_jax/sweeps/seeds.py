@@ -10,7 +10,9 @@ done (`<run>/seeds_result.json`); rerunning the command skips done runs and resu
 (experiments/rl.py resumes its stages).
 
 Results of a run: the held-out evaluations of `<run>/rl/metrics.jsonl` (split "eval"): the
-first (before RL) and the last (after) of each metric, and their difference.
+first (before RL) and the last (after) of each metric, and their difference. A staged pipeline
+config (configs/rl_staged.py) is read from its `pipeline.json` instead (`pipeline_seeds`: every
+checkpoint's accuracy per task, and what each stage changed).
 
 The table: per metric, before / after / change as mean +- the 95% t half-width over all runs,
 the smallest change (did any run fall), and whether the change's interval excludes 0. The
@@ -27,7 +29,7 @@ import time
 from absl import logging
 
 from glm5_jax.files import write_atomic
-from glm5_jax.sweeps import intervals, workers
+from glm5_jax.sweeps import intervals, pipeline_seeds, workers
 from glm5_jax.sweeps.jobs import read_metrics
 
 RESULT_FILE = "seeds_result.json"
@@ -75,6 +77,8 @@ def read_result(run: SeedRun, metrics=METRICS) -> dict:
   """The run's row: seeds, the held-out evaluation steps, and for each metric its first
   (`<m>_before`) and last (`<m>_after`) value and `<m>_change`. Raises ValueError naming the
   file when the run logged fewer than two evaluations."""
+  if pipeline_seeds.is_pipeline_run(run.workdir):  # a staged pipeline config: its own row
+    return pipeline_seeds.read_row(run.workdir, run.name, run.sft_seed, run.rl_seed)
   _, evals = read_metrics(os.path.join(run.workdir, "rl"))
   path = os.path.join(run.workdir, "rl", "metrics.jsonl")
   if len(evals) < 2:
@@ -92,7 +96,10 @@ def read_result(run: SeedRun, metrics=METRICS) -> dict:
 
 def summarize(rows: list[dict], metrics=METRICS) -> dict:
   """{metric: {"before", "after", "change": `mean_interval`s over the rows, "change_min",
-  "effect" (the change's interval excludes 0), "by_sft_seed": {seed: mean change}}}."""
+  "effect" (the change's interval excludes 0), "by_sft_seed": {seed: mean change}}}; for the
+  rows of a staged pipeline, `pipeline_seeds.summarize`'s."""
+  if rows and rows[0].get("pipeline"):
+    return pipeline_seeds.summarize(rows)
   out = {}
   for m in metrics:
     have = [r for r in rows if f"{m}_change" in r]
@@ -112,6 +119,8 @@ def summarize(rows: list[dict], metrics=METRICS) -> dict:
 def markdown(rows: list[dict], summary: dict, metrics=METRICS) -> str:
   """The study's tables: the summary (percent, mean ± 95% t half-width over n runs) and every
   run's row."""
+  if rows and rows[0].get("pipeline"):
+    return pipeline_seeds.markdown(rows, summary)
   pct = lambda s: intervals.format_interval(s, scale=100)
   n = len(rows)
   lines = [f"| held-out metric (%, n = {n} runs, mean ± 95% t) | before RL | after RL | change | "
@@ -148,6 +157,9 @@ def compare(base_rows: list[dict], rows: list[dict], metrics=METRICS) -> dict:
   (paired): per evaluation step a `mean_interval` over the runs}}. The curves need both
   studies to evaluate at the same steps; raises ValueError naming the run otherwise, or when
   no run is in both."""
+  if any(r.get("pipeline") for r in list(base_rows) + list(rows)):
+    raise ValueError("seeds.compare: staged pipeline studies are not compared run by run; "
+                     "read each study's seeds.md")
   base = {r["run"]: r for r in base_rows}
   names = [r["run"] for r in rows if r["run"] in base]
   if not names:
