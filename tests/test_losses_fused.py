@@ -1,17 +1,19 @@
-"""The fused, chunked LM head + cross-entropy (`train.ce_chunk`, `glm5_jax.train.fused_ce`)
-against the logits path: statistics, gradients, the whole loss of the tiny model, and no
-`[B, L, Y]` array in the compiled program.
+"""The fused, chunked LM head + cross-entropy (`train.ce_chunk`, `glm5_jax.train.fused_ce`), and
+its form with the gradients made in the forward pass (`train.ce_grad_in_forward`), against the
+logits path: statistics, gradients, the whole loss of the tiny model (gradient accumulation
+included), and no `[B, L, Y]` array in the compiled program.
 
 Notation: B batch, L sequence, D hidden, Y vocab.
 """
 
+import functools
 import re
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
-from glm5_jax.train import fused_ce, losses
+from glm5_jax.train import losses
 from glm5_jax.train.step import StepConfig, loss_and_grads
 from tests.inputs import packed_batch
 
@@ -21,37 +23,50 @@ def relative_error(a, b):
   return np.linalg.norm(a - b) / np.linalg.norm(b)
 
 
-def test_head_statistics_and_gradients_match_the_logits_path():
-  """Odd sizes, a chunk that does not divide L: log Z, the target logit and the argmax equal
-  those of the whole fp32 logits (same bf16 operands); the gradients of CE + z-loss in h and W
-  are within the bf16 cotangent's rounding of the fp32 cotangent's."""
-  b, l, d, y, chunk = 2, 7, 16, 37, 3
-  kh, kw, kt, kg = jax.random.split(jax.random.key(0), 4)
-  h_BLD = jax.random.normal(kh, (b, l, d)).astype(jnp.bfloat16)
+def test_gradients_in_forward_match_the_logits_path():
+  """Main head (z-loss on) and 2 MTP depths sharing the kernel, loss-mask holes and padding
+  (zero weights), a chunk that divides no head's length: for the `ce_chunk` path
+  (`fused_ce.head_statistics`) and the gradients-in-forward path, the objective, each head's
+  CE, z-loss and accuracy equal the logits path's (same bf16 operands, fp32 logits), and the
+  gradients in every head input and the kernel (of 3 x the objective, so the scalar cotangent
+  counts) are within the bf16 cotangent's rounding of the logits path's fp32 cotangent's."""
+  b, l, d, y, chunk, z = 2, 24, 16, 37, 5, 0.1
+  kh, kw = jax.random.split(jax.random.key(1))
+  h_UBLD = jax.random.normal(kh, (3, b, l, d)).astype(jnp.bfloat16)
   w_DY = (jax.random.normal(kw, (d, y)) * 0.5).astype(jnp.bfloat16)
-  t_BL = jax.random.randint(kt, (b, l), 0, y)
-  weights_BL = (jax.random.uniform(kg, (b, l)) > 0.3).astype(jnp.float32)
+  batch = packed_batch(y, b=b, l=l)
+  coefficients = (1.0, 0.15, 0.15)
 
-  logits_BLY = jnp.einsum("bld,dy->bly", h_BLD, w_DY, preferred_element_type=jnp.float32)
-  log_z, target, argmax = fused_ce.head_statistics(h_BLD, w_DY, t_BL, chunk)
-  np.testing.assert_allclose(log_z, jax.nn.logsumexp(logits_BLY, -1), rtol=1e-6)
-  np.testing.assert_allclose(target, jnp.take_along_axis(logits_BLY, t_BL[..., None], -1)[..., 0],
-                             rtol=1e-6)
-  np.testing.assert_array_equal(argmax, jnp.argmax(logits_BLY, -1))
+  def heads(path, h_UBLD, w_DY):
+    if path == "logits":
+      logits_UBLY = jnp.einsum("ubld,dy->ubly", h_UBLD, w_DY, preferred_element_type=jnp.float32)
+      out = {"logits": logits_UBLY[0], "mtp_logits": logits_UBLY[1:]}
+    else:
+      out = {"head_inputs": h_UBLD[0], "mtp_head_inputs": h_UBLD[1:], "head_kernel": w_DY}
+    if path == "in_forward":
+      return losses.head_losses_with_gradients(out, batch, coefficients, z, chunk=chunk)
+    ce_chunk = chunk if path == "ce_chunk" else 0
+    results = ([losses.lm_losses(out, batch, z_loss_weight=z, chunk=ce_chunk)]
+               + losses.mtp_losses(out, batch, chunk=ce_chunk))
+    return sum(c * r["loss"] for c, r in zip(coefficients, results)), results
 
-  def logits_loss(h, w):
-    logits = jnp.einsum("bld,dy->bly", h, w, preferred_element_type=jnp.float32)
-    return losses.cross_entropy(logits, t_BL, weights_BL, 0.1)["loss"]
+  @functools.partial(jax.jit, static_argnums=0)
+  def run(path, h_UBLD, w_DY):
+    grads = jax.grad(lambda *a: 3.0 * heads(path, *a)[0], argnums=(0, 1))(h_UBLD, w_DY)
+    return heads(path, h_UBLD, w_DY), grads
 
-  def fused_loss(h, w):
-    return losses.fused_cross_entropy(h, w, t_BL, weights_BL, 0.1, chunk=chunk)["loss"]
-
-  value, grads = jax.value_and_grad(logits_loss, argnums=(0, 1))(h_BLD, w_DY)
-  fused_value, fused_grads = jax.value_and_grad(fused_loss, argnums=(0, 1))(h_BLD, w_DY)
-  np.testing.assert_allclose(fused_value, value, rtol=1e-6)
-  for fused, reference in zip(fused_grads, grads):
-    assert fused.dtype == reference.dtype
-    assert relative_error(fused, reference) < 1e-2
+  (want, want_results), want_grads = run("logits", h_UBLD, w_DY)
+  assert want_results[0]["z_loss"] > 0 and len(want_results) == 3
+  assert all(0 < r["weight"] < b * (l - 1 - k) for k, r in enumerate(want_results))
+  for path in ("ce_chunk", "in_forward"):
+    (got, results), grads = run(path, h_UBLD, w_DY)
+    np.testing.assert_allclose(got, want, rtol=1e-6, err_msg=path)
+    for k, (r, r_want) in enumerate(zip(results, want_results)):
+      for name in ("loss", "ce", "z_loss", "accuracy", "weight"):
+        np.testing.assert_allclose(r[name], r_want[name], rtol=1e-6, err_msg=(path, k, name))
+    for g, g_want in zip(grads, want_grads):
+      assert g.dtype == g_want.dtype
+      assert relative_error(g, g_want) < 1e-2, (path, relative_error(g, g_want))
 
 
 def _vocab_arrays(hlo_text: str, vocab: int):
@@ -65,24 +80,27 @@ def _vocab_arrays(hlo_text: str, vocab: int):
 
 
 def test_tiny_model_loss_and_grads_match_and_no_whole_logits_are_compiled(helpers):
-  """The tiny model (MTP 2 depths, z-loss): `ce_chunk` 5 gives the logits path's loss terms and
-  gradients to rounding, and its compiled gradient program holds no array with a vocab axis
-  larger than one chunk's `[B, 5, Y]` or the kernel's `[D, Y]` (the logits path's has `[B, L-1,
-  Y]`)."""
+  """The tiny model (MTP 2 depths, z-loss): `ce_chunk` 5 with the gradients in the forward,
+  accumulated over 2 microbatches of unequal target counts, gives the logits path's one-batch
+  loss terms and gradients to rounding, and its compiled gradient program holds no array with a
+  vocab axis larger than one chunk's `[B / 2, 5, Y]` or the kernel's `[D, Y]` (the logits
+  path's has `[B, L-1, Y]`)."""
   model = helpers.config(num_hidden_layers=1, first_k_dense_replace=1, mtp_depths=2,
                          attention_pattern="M")
   params = helpers.random_params(model)
   batch = packed_batch(model.vocab_size, b=4)
   results = {}
-  for chunk in (0, 5):
-    step_cfg = StepConfig(z_loss_weight=0.01, ce_chunk=chunk)
+  for chunk, microbatches in ((0, 1), (5, 2)):
+    step_cfg = StepConfig(z_loss_weight=0.01, ce_chunk=chunk, ce_grad_in_forward=chunk > 0,
+                          microbatches=microbatches)
     # The train step's loss and gradients (the eval-only outputs compiled away).
     compiled = jax.jit(loss_and_grads, static_argnums=(0, 1)).lower(
         model, step_cfg, params, batch).compile()
     metrics, _, grads = compiled(params, batch)
     results[chunk] = metrics, grads, _vocab_arrays(compiled.as_text(), model.vocab_size)
   (metrics0, grads0, rows0), (metrics5, grads5, rows5) = results[0], results[5]
-  for name in ("loss", "lm_loss", "z_loss", "accuracy", "mtp_loss", "mtp1_loss", "mtp2_accuracy"):
+  for name in ("loss", "lm_loss", "z_loss", "accuracy", "mtp_loss", "mtp1_loss", "mtp2_accuracy",
+               "target_tokens"):
     np.testing.assert_allclose(metrics5[name], metrics0[name], rtol=1e-5, err_msg=name)
   flat0 = dict(jax.tree_util.tree_leaves_with_path(grads0))
   for path, g5 in jax.tree_util.tree_leaves_with_path(grads5):
@@ -91,4 +109,4 @@ def test_tiny_model_loss_and_grads_match_and_no_whole_logits_are_compiled(helper
       assert relative_error(g5, g0) < 2e-2, (jax.tree_util.keystr(path), relative_error(g5, g0))
   whole = 4 * 23  # [B, L - 1, Y]
   assert max(rows0) >= whole
-  assert max(rows5) <= max(4 * 5, model.hidden_size), rows5
+  assert max(rows5) <= max(2 * 5, model.hidden_size), rows5

@@ -54,6 +54,9 @@ BAD_FIELDS = {
     "loss_weight_negative": ("train.mtp_loss_weight", -0.1, "config.train.mtp_loss_weight"),
     "loss_weight_nan": ("train.indexer_loss_weight", float("nan"),
                         "config.train.indexer_loss_weight"),
+    "ce_grad_without_chunk": ("train.ce_grad_in_forward", True,
+                              "config.train.ce_grad_in_forward: needs the fused head "
+                              "(train.ce_chunk > 0)"),
     "log_every_zero": ("train.log_every_steps", 0, "config.train.log_every_steps: must be >= 1"),
     "init_from_type": ("train.init_from", None, "config.train.init_from: must be a string"),
     "ckpt_keep_zero": ("ckpt.keep", 0, "config.ckpt.keep: must be >= 1"),

@@ -40,6 +40,12 @@ def train_config(**overrides) -> ml_collections.ConfigDict:
   # loss N positions at a time, with a bf16 cotangent, and no [B, L, Y] array exists forward
   # or backward (glm5_jax.train.fused_ce; same losses to rounding). Evaluation keeps the logits.
   c.ce_chunk = 0
+  # With ce_chunk > 0: form the fused head's gradients in the forward pass, where the loss
+  # weights already give each position's cotangent (glm5_jax.train.fused_ce.loss_with_gradients):
+  # 3 of the head's 4 matmuls (its backward recomputes no logits) for dW [D, Y] in the
+  # kernel's dtype and each head's dh [B, L, D] held to the backward (0.63 + 0.27 GB, bf16,
+  # for configs/glm5_gpu_3b.py), and an fp32 dW accumulator [D, Y] during the loss's forward.
+  c.ce_grad_in_forward = False
   c.update(overrides)
   return c
 
@@ -82,6 +88,8 @@ def validate_train_config(c) -> None:
           f"must be an int >= 1 (1: no gradient accumulation), got {c.microbatches!r}")
   require(isinstance(c.ce_chunk, int) and c.ce_chunk >= 0, "train.ce_chunk",
           f"must be an int >= 0 (0: the logits path), got {c.ce_chunk!r}")
+  require(c.ce_chunk > 0 or not c.ce_grad_in_forward, "train.ce_grad_in_forward",
+          "needs the fused head (train.ce_chunk > 0); got ce_chunk=0")
   require(c.log_every_steps >= 1, "train.log_every_steps",
           f"must be >= 1 (metrics are written every that many steps), got {c.log_every_steps}")
 

@@ -17,6 +17,22 @@ accumulation): the cotangent is bf16, as the forward's operands. The loss formul
 `losses` on `[B, L]` vectors, so CE, z-loss and accuracy are the logits path's to rounding
 (tests/test_losses_fused.py).
 
+`loss_with_gradients` (`train.ce_grad_in_forward`) goes one step further where the loss's
+per-position cotangents are known before the backward: a weighted sum over heads and positions
+
+    loss = sum_k sum_i a_ki (log Z_ki - logit_ki[target]) + b_ki log Z_ki^2
+
+(`a` the CE weights with the mean's denominator and the head's coefficient folded in, `b` the
+z-loss's) has `d loss / d logits = (a + 2 b log Z) softmax - a onehot(target)` once the forward
+knows `log Z`. So its forward forms, per chunk, the logits once and from them `dh` and the `dW`
+accumulation, and saves those: the backward only scales them by the scalar cotangent. Three
+`2 B L D Y` matmuls per head instead of four (the logits are not recomputed), at a memory cost:
+`dW` `[D, Y]` (the kernel's dtype; 0.63 GB bf16 at D 2,048, Y 154,880) and every head's `dh`
+(as `h`) live from the forward to the backward, where the other form keeps `h` and `W` (which
+live anyway) and `log Z`; during the forward the fp32 `dW` accumulator (1.27 GB) is live
+beside the chunk's logits. Every head sharing the kernel (the main head, the MTP depths)
+accumulates into one `dW`, so the loss is one scalar over all of them.
+
 Chunks run along L, not over flattened tokens, so each chunk keeps the batch axis's sharding.
 
 Notation: B batch, L sequence (C a chunk of it), D hidden, Y vocab.
@@ -60,6 +76,17 @@ def _chunk_logits(h_BCD, w_DY):
   return jnp.einsum("bcd,dy->bcy", h_BCD, w_DY, preferred_element_type=jnp.float32)
 
 
+def _head_cotangents(h_BCD, w_DY, probs_BCY, t_BC, g_log_z_BC, g_target_BC):
+  """`(dh_BCD, dw_DY)` of one chunk (dh in h's dtype, dW fp32) for the logits cotangent
+  `g_log_z softmax + g_target onehot(target)`, cast to the kernel's dtype for both matmuls."""
+  onehot_BCY = jax.nn.one_hot(t_BC, w_DY.shape[1], dtype=jnp.float32)
+  d_BCY = (g_log_z_BC[..., None] * probs_BCY + g_target_BC[..., None] * onehot_BCY
+           ).astype(w_DY.dtype)
+  dh_BCD = jnp.einsum("bcy,dy->bcd", d_BCY, w_DY, preferred_element_type=jnp.float32)
+  dw_DY = jnp.einsum("bcd,bcy->dy", h_BCD, d_BCY, preferred_element_type=jnp.float32)
+  return dh_BCD.astype(h_BCD.dtype), dw_DY
+
+
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
 def _statistics(chunk, h_BLD, w_DY, targets_BL):
   return _forward(chunk, h_BLD, w_DY, targets_BL)[0]
@@ -81,16 +108,13 @@ def _forward(chunk, h_BLD, w_DY, targets_BL):
 def _backward(chunk, residuals, cotangents):
   h_BLD, w_DY, targets_BL, log_z_BL = residuals
   g_log_z_BL, g_target_BL, _ = cotangents  # argmax: integer, no cotangent
-  length, vocab = h_BLD.shape[1], w_DY.shape[1]
+  length = h_BLD.shape[1]
 
   def body(dw_DY, xs):
     h_BCD, t_BC, log_z_BC, g_z_BC, g_t_BC = xs
     probs_BCY = jnp.exp(_chunk_logits(h_BCD, w_DY) - log_z_BC[..., None])
-    onehot_BCY = jax.nn.one_hot(t_BC, vocab, dtype=jnp.float32)
-    d_BCY = (g_z_BC[..., None] * probs_BCY + g_t_BC[..., None] * onehot_BCY).astype(w_DY.dtype)
-    dh_BCD = jnp.einsum("bcy,dy->bcd", d_BCY, w_DY, preferred_element_type=jnp.float32)
-    dw_DY = dw_DY + jnp.einsum("bcd,bcy->dy", h_BCD, d_BCY, preferred_element_type=jnp.float32)
-    return dw_DY, dh_BCD.astype(h_BLD.dtype)
+    dh_BCD, dw_chunk_DY = _head_cotangents(h_BCD, w_DY, probs_BCY, t_BC, g_z_BC, g_t_BC)
+    return dw_DY + dw_chunk_DY, dh_BCD
 
   # Padded positions have zero cotangents, so they add nothing to dW.
   xs = tuple(_chunks(x, chunk) for x in (h_BLD, targets_BL, log_z_BL, g_log_z_BL, g_target_BL))
@@ -99,3 +123,70 @@ def _backward(chunk, residuals, cotangents):
 
 
 _statistics.defvjp(_forward, _backward)
+
+
+def loss_with_gradients(heads, w_DY, chunk: int):
+  """`(loss, statistics)` of heads sharing the kernel `w_DY`, each head's gradients formed in the
+  forward pass (module docstring).
+
+  Args:
+    heads: a sequence of `(h_BLD, targets_BL, ce_weights_BL, z_weights_BL)`, one per head (L
+      may differ between heads): the head's input and targets as `head_statistics`', `a` and
+      `b` of the module docstring's loss (fp32; zero where a position does not count).
+    w_DY: the shared kernel (compute dtype).
+    chunk: positions per chunk (>= 1).
+  Returns:
+    `loss`: the fp32 scalar, differentiable in every `h_BLD`, in `w_DY` and in the weights;
+    `statistics`: per head `(log_z_BL, target_logit_BL, argmax_BL)` as `head_statistics`',
+    without gradient (metrics).
+  """
+  hs, targets, ce_weights, z_weights = zip(*heads)
+  as_f32 = lambda ws: tuple(w.astype(jnp.float32) for w in ws)
+  loss, statistics = _loss(chunk, hs, w_DY, targets, as_f32(ce_weights), as_f32(z_weights))
+  return loss, jax.lax.stop_gradient(statistics)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
+def _loss(chunk, hs, w_DY, targets, ce_weights, z_weights):
+  return _loss_forward(chunk, hs, w_DY, targets, ce_weights, z_weights)[0]
+
+
+def _loss_forward(chunk, hs, w_DY, targets, ce_weights, z_weights):
+  dw_DY = jnp.zeros(w_DY.shape, jnp.float32)
+  loss, statistics, dhs, weight_grads = jnp.zeros((), jnp.float32), [], [], []
+  for h_BLD, t_BL, a_BL, b_BL in zip(hs, targets, ce_weights, z_weights):
+
+    def body(dw_DY, xs):
+      h_BCD, t_BC, a_BC, b_BC = xs
+      logits_BCY = _chunk_logits(h_BCD, w_DY)
+      log_z_BC = jax.nn.logsumexp(logits_BCY, axis=-1)
+      target_BC = jnp.take_along_axis(logits_BCY, t_BC[..., None], axis=-1)[..., 0]
+      argmax_BC = jnp.argmax(logits_BCY, axis=-1).astype(jnp.int32)
+      probs_BCY = jnp.exp(logits_BCY - log_z_BC[..., None])
+      dh_BCD, dw_chunk_DY = _head_cotangents(h_BCD, w_DY, probs_BCY, t_BC,
+                                             a_BC + 2 * b_BC * log_z_BC, -a_BC)
+      return dw_DY + dw_chunk_DY, (log_z_BC, target_BC, argmax_BC, dh_BCD)
+
+    # Padded positions have zero weights, so they add nothing to dW.
+    xs = tuple(_chunks(x, chunk) for x in (h_BLD, t_BL, a_BL, b_BL))
+    dw_DY, outs = jax.lax.scan(body, dw_DY, xs)
+    log_z_BL, target_BL, argmax_BL, dh_BLD = (_unchunk(x, h_BLD.shape[1]) for x in outs)
+    ce_BL, z_BL = log_z_BL - target_BL, jnp.square(log_z_BL)
+    loss = loss + (a_BL * ce_BL).sum() + (b_BL * z_BL).sum()
+    statistics.append((log_z_BL, target_BL, argmax_BL))
+    dhs.append(dh_BLD)
+    weight_grads.append((ce_BL, z_BL))
+  residuals = tuple(dhs), dw_DY.astype(w_DY.dtype), tuple(weight_grads)
+  return (loss, tuple(statistics)), residuals
+
+
+def _loss_backward(chunk, residuals, cotangents):
+  dhs, dw_DY, weight_grads = residuals
+  g, _ = cotangents  # the statistics leave without gradient (`loss_with_gradients`)
+  scale = lambda x: (g * x.astype(jnp.float32)).astype(x.dtype)
+  return (tuple(scale(dh_BLD) for dh_BLD in dhs), scale(dw_DY), None,
+          tuple(g * ce_BL for ce_BL, _ in weight_grads),
+          tuple(g * z_BL for _, z_BL in weight_grads))
+
+
+_loss.defvjp(_loss_forward, _loss_backward)

@@ -86,16 +86,35 @@ def _ce_terms(log_z_BL, target_logit_BL, correct_BL, weights_BL, z_loss_weight: 
           "accuracy": accuracy, "weight": weight}
 
 
-def _head_loss(out, index, targets_BL, weights_BL, z_loss_weight, chunk: int, take):
-  """`cross_entropy` of head `index` (None: the main head, d - 1: MTP depth d), its positions
-  sliced by `take` (`[B, L, ...]` -> the scored `[B, L', ...]`): from the logits, or with
-  `chunk` > 0 fused from the head's input and kernel (`GLM5`'s `head_inputs`, `head_kernel`)."""
+def _scored(out, batch, index: int, ways: int, fused: bool):
+  """`(x_BL_, targets_BL, weights_BL)` of head `index` (0: the main head, d: MTP depth d), which
+  predicts token i + index + 1 at position i: `x` the head's input (`fused`, `GLM5`'s
+  `head_inputs`) or its logits, in the positions that have a target. `ways` > 1: `out` is in
+  the striped layout for that many context devices, `batch` in sequence order
+  (`slot_targets`)."""
+  name = "head_inputs" if fused else "logits"
+  x_BL_ = out[name] if index == 0 else out[f"mtp_{name}"][index - 1]
+  offset = index + 1
+  if ways > 1:
+    return (x_BL_, *slot_targets(batch, offset, ways))
+  weights_BL = target_weights(batch["segment_ids"], batch["loss_mask"], offset)
+  return x_BL_[:, :-offset], batch["tokens"][:, offset:], weights_BL
+
+
+def scored_mtp_depths(out, batch, fused: bool) -> int:
+  """How many MTP depths `mtp_losses` scores: those whose target offset fits in the sequence."""
+  depths = len(out.get("mtp_head_inputs" if fused else "mtp_logits", ()))
+  return min(depths, max(batch["tokens"].shape[1] - 2, 0))
+
+
+def _head_loss(out, batch, index: int, z_loss_weight, ways: int, chunk: int):
+  """`cross_entropy` of head `index` (`_scored`): from the logits, or with `chunk` > 0 fused
+  from the head's input and kernel (`fused_cross_entropy`)."""
+  x_BL_, targets_BL, weights_BL = _scored(out, batch, index, ways, fused=chunk > 0)
   if chunk:
-    h_BLD = out["head_inputs"] if index is None else out["mtp_head_inputs"][index]
-    return fused_cross_entropy(take(h_BLD), out["head_kernel"], targets_BL, weights_BL,
+    return fused_cross_entropy(x_BL_, out["head_kernel"], targets_BL, weights_BL,
                                z_loss_weight, chunk=chunk)
-  logits_BLY = out["logits"] if index is None else out["mtp_logits"][index]
-  return cross_entropy(take(logits_BLY), targets_BL, weights_BL, z_loss_weight)
+  return cross_entropy(x_BL_, targets_BL, weights_BL, z_loss_weight)
 
 
 def slot_targets(batch, offset: int, ways: int):
@@ -113,32 +132,44 @@ def lm_losses(out, batch, *, z_loss_weight=0.0, ways: int = 1, chunk: int = 0):
   """Main-head next-token loss. `ways` > 1: `out` is in the striped layout for that many
   context devices, `batch` in sequence order (`slot_targets`). `chunk` > 0: the fused,
   chunked head + loss (`fused_cross_entropy`, `train.ce_chunk`)."""
-  if ways > 1:
-    return _head_loss(out, None, *slot_targets(batch, 1, ways), z_loss_weight, chunk,
-                      lambda x: x)
-  tokens = batch["tokens"]
-  weights = target_weights(batch["segment_ids"], batch["loss_mask"], 1)
-  return _head_loss(out, None, tokens[:, 1:], weights, z_loss_weight, chunk, lambda x: x[:, :-1])
+  return _head_loss(out, batch, 0, z_loss_weight, ways, chunk)
 
 
 def mtp_losses(out, batch, *, ways: int = 1, chunk: int = 0):
   """Per-depth MTP losses: a list of `cross_entropy` dicts, depth 1 first (`ways`, `chunk`: as
   `lm_losses`)."""
-  tokens = batch["tokens"]
-  results = []
-  depths = len(out.get("mtp_head_inputs" if chunk else "mtp_logits", ()))
-  for d in range(1, depths + 1):
-    offset = d + 1
-    if offset >= tokens.shape[1]:
-      break
-    if ways > 1:
-      results.append(_head_loss(out, d - 1, *slot_targets(batch, offset, ways), 0.0, chunk,
-                                lambda x: x))
-      continue
-    weights = target_weights(batch["segment_ids"], batch["loss_mask"], offset)
-    results.append(_head_loss(out, d - 1, tokens[:, offset:], weights, 0.0, chunk,
-                              lambda x, o=offset: x[:, :-o]))
-  return results
+  return [_head_loss(out, batch, d, 0.0, ways, chunk)
+          for d in range(1, scored_mtp_depths(out, batch, fused=chunk > 0) + 1)]
+
+
+def head_losses_with_gradients(out, batch, coefficients, z_loss_weight=0.0, *, ways: int = 1,
+                               chunk: int):
+  """The main head's and the MTP depths' losses in one fused pass that forms their gradients in
+  the forward (`fused_ce.loss_with_gradients`, `train.ce_grad_in_forward`).
+
+  Args:
+    coefficients: the weight of each head's loss in the objective, the main head first, then
+      one per scored MTP depth (`scored_mtp_depths`).
+    z_loss_weight, ways, chunk: as `lm_losses` (the z-loss is the main head's).
+  Returns:
+    `(objective, results)`: `objective` = sum_k coefficients[k] * results[k]["loss"], an fp32
+    scalar whose gradients in the head inputs and kernel were formed in the forward pass;
+    `results` the `cross_entropy` dicts of `lm_losses` and `mtp_losses`, main head first,
+    without gradient (metrics).
+  """
+  heads, weights = [], []
+  for index, coefficient in enumerate(coefficients):
+    h_BLD, targets_BL, weights_BL = _scored(out, batch, index, ways, fused=True)
+    ce_weights_BL = weights_BL * (coefficient / jnp.maximum(weights_BL.sum(), 1.0))
+    z_weights_BL = ce_weights_BL * (z_loss_weight if index == 0 else 0.0)
+    heads.append((h_BLD, targets_BL, ce_weights_BL, z_weights_BL))
+    weights.append(weights_BL)
+  objective, statistics = fused_ce.loss_with_gradients(heads, out["head_kernel"], chunk)
+  results = [_ce_terms(log_z_BL, target_logit_BL, argmax_BL == head[1], weights_BL,
+                       z_loss_weight if index == 0 else 0.0)
+             for index, ((log_z_BL, target_logit_BL, argmax_BL), head, weights_BL)
+             in enumerate(zip(statistics, heads, weights))]
+  return objective, results
 
 
 def _all_layer_aux(out):

@@ -48,6 +48,7 @@ class StepConfig:
   microbatches: int = 1  # gradient accumulation: see `loss_and_grads`
   context_layout: str = "contiguous"  # `mesh.context_layout`: see `compute_loss`
   ce_chunk: int = 0  # `train.ce_chunk`: > 0 fuses the LM head into the loss (`losses`)
+  ce_grad_in_forward: bool = False  # `train.ce_grad_in_forward`: see `compute_loss`
 
   @classmethod
   def from_config(cls, train_config, context_layout: str = "contiguous") -> "StepConfig":
@@ -62,11 +63,21 @@ class StepConfig:
     return dataclasses.replace(self, dsa_stage="warmup", trains_main_model=True)
 
 
-def compute_loss(model: ModelConfig, step_cfg: StepConfig, params, batch):
+def compute_loss(model: ModelConfig, step_cfg: StepConfig, params, batch, shares=None):
   """Returns `(total_loss, (metrics, expert_counts, predictions_BL, token_nll_BL))`:
   the main head's guess (argmax) for token i and token i's negative log-likelihood, `[B, L]`
   aligned to the tokens as `losses.token_logprobs` (column 0: -1 and 0, nothing predicts
   token 0); used by evaluation, ignored by training, so they are compiled away.
+
+  `shares` (gradient accumulation, `loss_and_grads`): the batch is a microbatch and these are
+  its shares of the whole batch's denominators; the loss and metrics come back scaled by them
+  (`_scale_metrics`), so that they add up over the microbatches.
+
+  `step_cfg.ce_grad_in_forward`: the main head's and the MTP depths' losses run as one fused
+  objective whose gradients are formed in the forward pass (`losses.head_losses_with_gradients`);
+  their terms in the metrics carry no gradient, and the objective, weighted as `total_loss`
+  weighs them (times `shares`), stands in for them in the returned total, so the gradient is
+  the logits path's to rounding.
 
   `step_cfg.context_layout` "striped" with a context axis > 1 in the mesh in context: the
   batch (sequence order) is permuted into the striped layout (`context_parallel.stripe`, int
@@ -81,22 +92,35 @@ def compute_loss(model: ModelConfig, step_cfg: StepConfig, params, batch):
             for k in ("tokens", "positions", "segment_ids")}
   out = forward(model, params, inputs["tokens"], inputs["positions"], inputs["segment_ids"],
                 mode=Mode(dsa_stage=step_cfg.dsa_stage, context_layout=layout))
-  lm = losses.lm_losses(out, batch, z_loss_weight=step_cfg.z_loss_weight, ways=ways,
-                        chunk=step_cfg.ce_chunk)
-  mtp = losses.mtp_losses(out, batch, ways=ways, chunk=step_cfg.ce_chunk)
+  if step_cfg.ce_grad_in_forward:
+    depths = losses.scored_mtp_depths(out, batch, fused=True)
+    lm_share, mtp_shares = (1.0, [1.0] * depths) if shares is None else (shares["lm"],
+                                                                         shares["mtp"])
+    coefficients = [lm_share] + [step_cfg.mtp_loss_weight / depths * s for s in mtp_shares]
+    head_objective, (lm, *mtp) = losses.head_losses_with_gradients(
+        out, batch, coefficients, step_cfg.z_loss_weight, ways=ways, chunk=step_cfg.ce_chunk)
+  else:
+    lm = losses.lm_losses(out, batch, z_loss_weight=step_cfg.z_loss_weight, ways=ways,
+                          chunk=step_cfg.ce_chunk)
+    mtp = losses.mtp_losses(out, batch, ways=ways, chunk=step_cfg.ce_chunk)
   kl = losses.mean_indexer_kl(out, {**batch, **inputs})
   balance = losses.mean_sequence_balance_loss(out)
   mtp_loss = jnp.mean(jnp.stack([m["ce"] for m in mtp])) if mtp else jnp.zeros(())
   terms = {"lm_loss": lm["ce"], "z_loss": lm["z_loss"],
            "accuracy": lm["accuracy"], "target_tokens": lm["weight"], "mtp_loss": mtp_loss,
            "indexer_kl": kl, "sequence_balance_loss": balance}
-  total = total_loss(step_cfg, terms)
-  metrics = {"loss": total, **terms}
+  metrics = {"loss": total_loss(step_cfg, terms), **terms}
   if model.moe_capacity_factor:  # the expert-parallel MoE's capacity drops, mean over layers
     metrics["moe_dropped_fraction"] = losses.mean_dropped_fraction(out)
   for d, m in enumerate(mtp, start=1):
     metrics[f"mtp{d}_loss"] = m["ce"]
     metrics[f"mtp{d}_accuracy"] = m["accuracy"]
+  if shares is not None:
+    metrics = _scale_metrics(step_cfg, metrics, shares)
+  total = metrics["loss"]
+  if step_cfg.ce_grad_in_forward:
+    heads_removed = {**metrics, "lm_loss": 0.0, "z_loss": 0.0, "mtp_loss": 0.0}
+    total = total_loss(step_cfg, heads_removed) + head_objective
   if ways == 1:
     predictions_BL = losses.to_tokens(
         jnp.argmax(out["logits"][:, :-1], axis=-1).astype(jnp.int32), -1)
@@ -173,10 +197,9 @@ def loss_and_grads(model: ModelConfig, step_cfg: StepConfig, params, batch):
   whole = losses.loss_denominators(batch, mtp_depths)
 
   def scaled_loss(params, microbatch):
-    _, (metrics, counts, _, _) = compute_loss(model, step_cfg, params, microbatch)
     shares = jax.tree.map(jnp.divide, losses.loss_denominators(microbatch, mtp_depths), whole)
-    metrics = _scale_metrics(step_cfg, metrics, shares)
-    return metrics["loss"], (metrics, counts)
+    total, (metrics, counts, _, _) = compute_loss(model, step_cfg, params, microbatch, shares)
+    return total, (metrics, counts)
 
   grad_fn = jax.value_and_grad(scaled_loss, has_aux=True)
 
