@@ -11,10 +11,13 @@ of the sparse step runs), 8 x 4,096 = 32K tokens per step. The step wastes no FL
 avoid (issue 41 item 4):
   - `remat_policy="save_attn_lse"` (glm5_jax.layers.remat): the backward reruns the layer's
     projections and FFN / MoE but keeps the sparse attention's output and log-sum-exp, the
-    selection and the indexer KL terms, so the indexer top-k, the sparse MLA forward and the
-    KL target pass run once per step (~3.0 GB per layer kept at 8 x 4,096);
+    selection and the indexer KL target, so the indexer top-k, the sparse MLA forward and the
+    KL target pass run once per step (~2.7 GB per layer kept at 8 x 4,096);
   - `train.ce_chunk=512`: the LM head fused with the loss, 512 positions x 8 rows at a time
     (a 2.5 GB fp32 logits chunk instead of `[32768, 154880]`, 20 GB), bf16 backward matmuls;
+    `train.ce_grad_in_forward`: its gradients formed in the forward from each chunk's logits,
+    so the backward recomputes none (3 head matmuls, not 4; dW `[D, Y]` bf16, 0.63 GB, and
+    the heads' dh, 0.27 GB, held to the backward: glm5_jax.train.fused_ce);
   - `optim.ns_dtype="bfloat16"`: Muon's Newton-Schulz matmuls in bf16 (momentum stays fp32).
 
   python tools/param_count.py --config=configs/glm5_gpu_3b.py
@@ -62,7 +65,7 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
   )
   config.data = data.data_config(seq_len=arg.seq_len, batch_size=arg.batch)
   config.optim = optim.optim_config(learning_rate=3e-4, warmup_steps=100, ns_dtype="bfloat16")
-  config.train = train_defaults.train_config(steps=1000, ce_chunk=512)
+  config.train = train_defaults.train_config(steps=1000, ce_chunk=512, ce_grad_in_forward=True)
   config.ckpt = train_defaults.ckpt_config(every_steps=500)
   config.eval = train_defaults.eval_config(every_steps=0, batches=1)
   config.mesh = mesh_config()

@@ -206,7 +206,7 @@ def indexer_topk_decode(q_BLJI, k_BSI, weights_BLJ, q_pos_BL, q_seg_BL, k_seg_BS
 
 
 def indexer_scores_at(q_BLJI, k_BSI, weights_BLJ, topk_BLT, *, scale: float,
-                      query_block: int | None = None):
+                      query_block: int | None = None, reduce_block=None, per_query=()):
   """Index scores at the selected keys, `I[t, topk[t, j]]`: fp32 `[B, L, T]`, -inf at empty slots.
 
   Index contract (package docstring): a slot outside [0, S) (-1 or >= S) is empty (score -inf,
@@ -217,6 +217,14 @@ def indexer_scores_at(q_BLJI, k_BSI, weights_BLJ, topk_BLT, *, scale: float,
   work, per query block (rows of k gathered with `take`), differentiable in q, k and w (the
   backward of the gather is a scatter-add into k). Blocks are rematerialized in the backward
   pass, so memory stays O(query_block x T x (J + I)).
+
+  `reduce_block(scores_BLT, topk_BLT, *per_query_blocks)`: applied to each block's scores inside
+  its checkpoint, with that block's rows of the `per_query` arrays (`[B, L, ...]`), and its
+  result (`[B, L, ...]` pytree) returned instead of the scores: the indexer KL per query. Then
+  nothing downstream needs the scores for its own backward, so under an outer `jax.checkpoint`
+  (full remat) the blocks run twice in all (forward, and once in the backward for their
+  residuals), where returned scores, which the KL's backward needs, are recomputed by the outer
+  remat before the block's own checkpoint recomputes them again (docs/performance.md).
   """
   b, _, heads, i = q_BLJI.shape
   t = topk_BLT.shape[-1]
@@ -226,12 +234,15 @@ def indexer_scores_at(q_BLJI, k_BSI, weights_BLJ, topk_BLT, *, scale: float,
   k_BSI = k_BSI.astype(jnp.float32)
 
   @jax.checkpoint
-  def one_block(q_BLJI, weights_BLJ, topk_BLT):
+  def one_block(q_BLJI, weights_BLJ, topk_BLT, *per_query_blocks):
     k_BLTI = gather_rows(k_BSI, jnp.maximum(topk_BLT, 0))
     head_scores_BLJT = jax.nn.relu(
         jnp.einsum("blji,blti->bljt", q_BLJI.astype(jnp.float32), k_BLTI) * scale)
     scores_BLT = jnp.einsum("blj,bljt->blt", weights_BLJ.astype(jnp.float32), head_scores_BLJT)
-    return jnp.where(topk_BLT >= 0, scores_BLT, -jnp.inf)
+    scores_BLT = jnp.where(topk_BLT >= 0, scores_BLT, -jnp.inf)
+    return scores_BLT if reduce_block is None else reduce_block(scores_BLT, topk_BLT,
+                                                                *per_query_blocks)
 
-  return map_query_blocks(one_block, query_block, [q_BLJI, weights_BLJ, topk_BLT], [0, 0, -1])
-
+  return map_query_blocks(one_block, query_block,
+                          [q_BLJI, weights_BLJ, topk_BLT, *per_query],
+                          [0, 0, -1] + [0] * len(per_query))

@@ -30,7 +30,10 @@ def test_ledger_of_the_cuda_lowered_tiny_step():
   `[E, rows, .]` masked operand. With `model.moe_matmul=ragged_dot` they are `ragged-dot`s
   priced at E x their useful FLOPs for CUDA and 1 x for TPU. Useful FLOPs cover the model
   FLOPs. With `train.ce_chunk` and `optim.ns_dtype=bfloat16` the LM head and the optimizer run
-  no fp32 dot (the default program runs both in fp32)."""
+  no fp32 dot (the default program runs both in fp32), and with `train.ce_grad_in_forward` the
+  head runs no backward dot (its gradients are formed in the forward). Under full remat the
+  indexer KL's scores at the selection (`indexer_scores_at`, `model.dsa_impl=xla`) are
+  recomputed once, not twice."""
   config, text = _lowered()
   rows, calls, unknown = flop_ledger.ledger(text, "cuda")
   assert not unknown
@@ -67,10 +70,16 @@ def test_ledger_of_the_cuda_lowered_tiny_step():
     return sum(r.flops for r in rows if r.category == category and r.dtype == "f32")
 
   assert fp32_dots(rows, "LM head") > 0 and fp32_dots(rows, "optimizer (Muon NS)") > 0
-  _, text_other = _lowered("train.ce_chunk=64", "optim.ns_dtype='bfloat16'",
-                           "model.moe_matmul='ragged_dot'")
+  _, text_other = _lowered("train.ce_chunk=64", "train.ce_grad_in_forward=True",
+                           "optim.ns_dtype='bfloat16'", "model.moe_matmul='ragged_dot'",
+                           "model.dsa_impl='xla'")
+  scores_at = _scores_at_flops(hlo_loops.parse_module(text_other))
+  assert scores_at["forward"] > 0
+  np.testing.assert_allclose(scores_at["remat"], scores_at["forward"], rtol=1e-12)
   rows_other, _, _ = flop_ledger.ledger(text_other, "cuda")
   assert fp32_dots(rows_other, "LM head") == 0
+  head = flop_ledger.by_category(rows_other)["LM head"]
+  assert head["forward"] > 0 and head["backward"] == head["remat"] == 0, head
   assert fp32_dots(rows_other, "optimizer (Muon NS)") == 0
   assert sum(r.flops for r in rows_other if r.category == "LM head") > 0
   assert "routed experts" in flop_ledger.format_table(rows, tool.model_flops(config))
@@ -100,3 +109,16 @@ def _assert_no_expanded_expert_dot(config, text):
           shape = shapes[operand][0][1] if shapes.get(operand) else ()
           assert not (len(shape) == 3 and shape[0] == groups and shape[1] >= tokens), (
               i.name, shape)
+
+
+def _scores_at_flops(module) -> dict:
+  """`{phase: FLOPs}` of the dots inside `indexer_scores_at` (the indexer KL's scores)."""
+  shapes = {i.name: flop_ledger._arrays(i.result_type)[0] for c in module.computations.values()
+            for i in c if flop_ledger._arrays(i.result_type)}
+  flops = collections.Counter()
+
+  def visit(instr, name, times):
+    if instr.op == "dot" and "indexer_scores_at" in name:
+      flops[flop_ledger.phase(name)] += flop_ledger._dot_flops(instr, shapes)[0] * times
+  flop_ledger._walk(module, module.entry, "", 1, visit)
+  return flops

@@ -275,7 +275,7 @@ def _sparse_stage_attention(c, latents: _Latents, scale, segment_ids_BL, order: 
   q_latent_BLHC = jnp.einsum("blhn,chn->blhc", q_nope_BLHN, w_kb_CHN)
   # Where the attention pass gives the KL target (the Pallas kernels' forward; "xla" partitioned
   # by XLA), no second pass gathers the selected rows for it; otherwise ("xla" under context
-  # parallelism) `_indexer_kl_terms_on_mesh` computes it.
+  # parallelism) `_kl_target_on_mesh` computes it.
   fused_target = (index_qkw is not None
                   and pallas_kernels.dsa_ops(c.dsa_impl).sparse_mla_with_probs is not None)
   target_in_pass = (index_qkw is not None and c.dsa_impl == "xla"
@@ -294,15 +294,11 @@ def _sparse_stage_attention(c, latents: _Latents, scale, segment_ids_BL, order: 
       if fused_target:
         target_BLT = jax.lax.stop_gradient(target[0])  # the kernel drops its cotangent too
   if index_qkw is not None:
-    if target_in_pass or fused_target:
-      (scores_BLT,) = _indexer_kl_terms_on_mesh(index_scale, scale, with_target=False)(
-          *index_qkw, topk_BLT)
-    else:
-      scores_BLT, target_BLT = _indexer_kl_terms_on_mesh(index_scale, scale)(
-          *index_qkw, topk_BLT, q_latent_BLHC, q_rope_BLHR, ckv_BSC, k_rope_BSR, lse_BLH)
-    scores_BLT = checkpoint_name(scores_BLT, "indexer_scores")
+    if not (target_in_pass or fused_target):
+      (target_BLT,) = _kl_target_on_mesh(scale)(
+          topk_BLT, q_latent_BLHC, q_rope_BLHR, ckv_BSC, k_rope_BSR, lse_BLH)
     target_BLT = checkpoint_name(target_BLT, "indexer_kl_target")
-    aux["indexer_kl"] = indexer_kl_per_query(scores_BLT, target_BLT, topk_BLT >= 0)
+    (aux["indexer_kl"],) = _indexer_kl_on_mesh(index_scale)(*index_qkw, topk_BLT, target_BLT)
   return jnp.einsum("blhc,chv->blhv", out_latent_BLHC, w_vb_CHV), aux
 
 
@@ -317,38 +313,52 @@ def _queries_per_shard(impl: str) -> bool:
   return impl in pallas_kernels.PALLAS_IMPLS or context_split(LENGTH) > 1
 
 
-def _indexer_kl_terms_on_mesh(index_scale: float, scale: float, with_target: bool = True):
-  """`(indexer_scores_at, sparse_mla_head_mean_probs)` of the indexer KL (`_sparse_stage_attention`
-  step 3), both `[B, L, T]`, per device on its own queries under context parallelism (see
-  `_queries_per_shard`), XLA-partitioned otherwise. Args: the indexer's `(q_BLJI, k_BSI,
-  weights_BLJ)`, `topk_BLT`, then (`with_target`) the main attention's `q_latent_BLHC,
-  q_rope_BLHR, ckv_BSC, k_rope_BSR, lse_BLH`. Without `with_target` (the sparse MLA kernel
-  emitted the target): `(scores_BLT,)` only."""
+def _indexer_kl_on_mesh(index_scale: float):
+  """The indexer KL per query, fp32 `[B, L]` (`_sparse_stage_attention` step 3): I at the
+  selection (`indexer_scores_at`) and its KL to `target_BLT` per query block, inside the
+  block's checkpoint, so no `[B, L, T]` scores outlive a block and the blocks run twice per
+  step under any remat policy (`indexer_scores_at`'s `reduce_block`). Per device on its own
+  queries under context parallelism (see `_queries_per_shard`), XLA-partitioned otherwise.
+  Args: the indexer's `(q_BLJI, k_BSI, weights_BLJ)`, `topk_BLT`, `target_BLT`; returns a
+  1-tuple."""
 
-  def terms(q_BLJI, k_BSI, weights_BLJ, topk_BLT, *target_args):
+  def kl(q_BLJI, k_BSI, weights_BLJ, topk_BLT, target_BLT):
     with jax.named_scope("indexer_scores_at"):
-      scores_BLT = pallas_kernels.indexer_scores_at(q_BLJI, k_BSI, weights_BLJ, topk_BLT,
-                                                    scale=index_scale)
-    if not with_target:
-      return (scores_BLT,)
-    q_latent_BLHC, q_rope_BLHR, ckv_BSC, k_rope_BSR, lse_BLH = target_args
-    with jax.named_scope("kl_target"):
-      target_BLT = pallas_kernels.sparse_mla_head_mean_probs(
-          q_latent_BLHC, q_rope_BLHR, ckv_BSC, k_rope_BSR, topk_BLT, lse_BLH, scale=scale)
-    return scores_BLT, target_BLT
+      return (pallas_kernels.indexer_scores_at(
+          q_BLJI, k_BSI, weights_BLJ, topk_BLT, scale=index_scale, per_query=[target_BLT],
+          reduce_block=lambda s_BLT, t_BLT, p_BLT: indexer_kl_per_query(s_BLT, p_BLT,
+                                                                          t_BLT >= 0)),)
 
   if context_split(LENGTH) == 1:
-    return terms
+    return kl
+  # Keys whole, their cotangents summed over `context` at the boundary.
+  q_rows = (BATCH, LENGTH, None)
+  return per_shard(kl, in_axes=((BATCH, LENGTH, None, None), (BATCH, None, None), q_rows,
+                                q_rows, q_rows),
+                   out_axes=((BATCH, LENGTH),), name="indexer_kl")
+
+
+def _kl_target_on_mesh(scale: float):
+  """The indexer KL's target where the attention pass did not give it: the main attention's
+  head-mean probability at the selection, fp32 `[B, L, T]`, recomputed from its log-sum-exp
+  (`sparse_mla_head_mean_probs`, a second pass over the gathered rows); per device under
+  context parallelism, as `_indexer_kl_on_mesh`. Args: `topk_BLT`, then the main attention's
+  `q_latent_BLHC, q_rope_BLHR, ckv_BSC, k_rope_BSR, lse_BLH`; returns a 1-tuple."""
+
+  def target(topk_BLT, q_latent_BLHC, q_rope_BLHR, ckv_BSC, k_rope_BSR, lse_BLH):
+    with jax.named_scope("kl_target"):
+      return (pallas_kernels.sparse_mla_head_mean_probs(
+          q_latent_BLHC, q_rope_BLHR, ckv_BSC, k_rope_BSR, topk_BLT, lse_BLH, scale=scale),)
+
+  if context_split(LENGTH) == 1:
+    return target
   # The head mean needs every head on the device (heads whole: the context layouts have no
-  # `tensor` split to undo); keys whole, their cotangents summed over `context` at the boundary.
+  # `tensor` split to undo); keys whole.
   q_rows = (BATCH, LENGTH, None)
   queries = (BATCH, LENGTH, None, None)
   keys = (BATCH, None, None)
-  in_axes = (queries, keys, q_rows, q_rows)
-  if with_target:
-    in_axes += (queries, queries, keys, keys, q_rows)
-  return per_shard(terms, in_axes=in_axes, out_axes=(q_rows,) * (1 + with_target),
-                   name="indexer_kl_terms")
+  return per_shard(target, in_axes=(q_rows, queries, queries, keys, keys, q_rows),
+                   out_axes=(q_rows,), name="kl_target")
 
 
 def _indexer_topk_on_mesh(impl: str, **options):

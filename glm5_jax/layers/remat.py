@@ -18,11 +18,12 @@ live, one `[B, L, D]` per layer.
   save_attn_lse    keep the sparse attention's output and log-sum-exp (the residuals of the
                    sparse MLA kernels' custom VJP, `sparse_mla_out` / `sparse_mla_lse`, named
                    inside its forward rule), the DSA selection (`dsa_topk`) and the indexer
-                   KL's two `[B, L, T]` terms (`indexer_scores`, `indexer_kl_target`): the
-                   backward reruns the projections and the FFN / MoE, but none of the indexer
-                   top-k, the sparse forward or the KL target pass. Per DSA layer that keeps
-                   B L H C (bf16) + 3 B L T (fp32 / int32) + B L H (fp32) numbers (3B config at
-                   8 x 4,096 tokens: ~3.0 GB per layer). Layers without sparse attention save
+                   KL's target (`indexer_kl_target`, `[B, L, T]`): the backward reruns the
+                   projections and the FFN / MoE, but none of the indexer top-k, the sparse
+                   forward or the KL target pass (the KL's own scores need no name: they live
+                   inside `indexer_scores_at`'s per-block checkpoint). Per DSA layer that keeps
+                   B L H C (bf16) + 2 B L T (fp32 / int32) + B L H (fp32) numbers (3B config at
+                   8 x 4,096 tokens: ~2.7 GB per layer). Layers without sparse attention save
                    nothing under it (full remat there).
   offload_dots     `dots_no_batch`, but the kept projections go to host memory
                    (`offload_dot_with_no_batch_dims`; backends with pinned host memory, TPU/GPU)
@@ -38,8 +39,7 @@ import jax
 SAVED_NAMES = {
     "save_qkv_proj": ("query_proj", "key_proj", "value_proj"),
     "save_qkv_attn": ("query_proj", "key_proj", "value_proj", "attention_out"),
-    "save_attn_lse": ("sparse_mla_out", "sparse_mla_lse", "dsa_topk", "indexer_scores",
-                      "indexer_kl_target"),
+    "save_attn_lse": ("sparse_mla_out", "sparse_mla_lse", "dsa_topk", "indexer_kl_target"),
 }
 REMAT_POLICIES = ("none", "full", "dots", "dots_no_batch", "save_qkv_proj", "save_qkv_attn",
                   "save_attn_lse", "offload_dots")
