@@ -92,17 +92,7 @@ def compute_loss(model: ModelConfig, step_cfg: StepConfig, params, batch, shares
             for k in ("tokens", "positions", "segment_ids")}
   out = forward(model, params, inputs["tokens"], inputs["positions"], inputs["segment_ids"],
                 mode=Mode(dsa_stage=step_cfg.dsa_stage, context_layout=layout))
-  if step_cfg.ce_grad_in_forward:
-    depths = losses.scored_mtp_depths(out, batch, fused=True)
-    lm_share, mtp_shares = (1.0, [1.0] * depths) if shares is None else (shares["lm"],
-                                                                         shares["mtp"])
-    coefficients = [lm_share] + [step_cfg.mtp_loss_weight / depths * s for s in mtp_shares]
-    head_objective, (lm, *mtp) = losses.head_losses_with_gradients(
-        out, batch, coefficients, step_cfg.z_loss_weight, ways=ways, chunk=step_cfg.ce_chunk)
-  else:
-    lm = losses.lm_losses(out, batch, z_loss_weight=step_cfg.z_loss_weight, ways=ways,
-                          chunk=step_cfg.ce_chunk)
-    mtp = losses.mtp_losses(out, batch, ways=ways, chunk=step_cfg.ce_chunk)
+  lm, mtp, head_objective = _head_losses(step_cfg, out, batch, ways, shares)
   kl = losses.mean_indexer_kl(out, {**batch, **inputs})
   balance = losses.mean_sequence_balance_loss(out)
   mtp_loss = jnp.mean(jnp.stack([m["ce"] for m in mtp])) if mtp else jnp.zeros(())
@@ -118,7 +108,7 @@ def compute_loss(model: ModelConfig, step_cfg: StepConfig, params, batch, shares
   if shares is not None:
     metrics = _scale_metrics(step_cfg, metrics, shares)
   total = metrics["loss"]
-  if step_cfg.ce_grad_in_forward:
+  if head_objective is not None:  # it stands in for the head terms, which have no gradient
     heads_removed = {**metrics, "lm_loss": 0.0, "z_loss": 0.0, "mtp_loss": 0.0}
     total = total_loss(step_cfg, heads_removed) + head_objective
   if ways == 1:
@@ -134,6 +124,24 @@ def compute_loss(model: ModelConfig, step_cfg: StepConfig, params, batch, shares
     predictions_BL = losses.to_tokens(in_order(guess_BL), -1)
     token_nll_BL = -losses.to_tokens(in_order(logp_BL), 0.0)
   return total, (metrics, losses.expert_counts(out), predictions_BL, token_nll_BL)
+
+
+def _head_losses(step_cfg: StepConfig, out, batch, ways: int, shares):
+  """`(lm, mtp, head_objective)`: the main head's and each scored MTP depth's `cross_entropy`
+  dicts (`compute_loss`'s args), and with `ce_grad_in_forward` the differentiable objective
+  that stands in for them (`losses.head_losses_with_gradients`; each head weighted as
+  `total_loss` weighs its CE, times its share of the batch's denominator), else None."""
+  if not step_cfg.ce_grad_in_forward:
+    lm = losses.lm_losses(out, batch, z_loss_weight=step_cfg.z_loss_weight, ways=ways,
+                          chunk=step_cfg.ce_chunk)
+    return lm, losses.mtp_losses(out, batch, ways=ways, chunk=step_cfg.ce_chunk), None
+  depths = losses.scored_mtp_depths(out, batch, fused=True)
+  lm_share, mtp_shares = (1.0, [1.0] * depths) if shares is None else (shares["lm"],
+                                                                       shares["mtp"])
+  coefficients = [lm_share] + [step_cfg.mtp_loss_weight / depths * s for s in mtp_shares]
+  objective, (lm, *mtp) = losses.head_losses_with_gradients(
+      out, batch, coefficients, step_cfg.z_loss_weight, ways=ways, chunk=step_cfg.ce_chunk)
+  return lm, mtp, objective
 
 
 def total_loss(step_cfg: StepConfig, metrics):
