@@ -52,8 +52,10 @@ def test_gradients_in_forward_match_the_logits_path():
 
   @functools.partial(jax.jit, static_argnums=0)
   def run(path, h_UBLD, w_DY):
-    grads = jax.grad(lambda *a: 3.0 * heads(path, *a)[0], argnums=(0, 1))(h_UBLD, w_DY)
-    return heads(path, h_UBLD, w_DY), grads
+    def tripled(*args):
+      objective, results = heads(path, *args)
+      return 3.0 * objective, results
+    return jax.value_and_grad(tripled, argnums=(0, 1), has_aux=True)(h_UBLD, w_DY)
 
   (want, want_results), want_grads = run("logits", h_UBLD, w_DY)
   assert want_results[0]["z_loss"] > 0 and len(want_results) == 3
