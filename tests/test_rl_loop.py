@@ -202,15 +202,17 @@ def test_evaluate_reports_greedy_and_sampled_accuracy(small):
   (`rl.eval_samples`), whose pass@k bounds their mean from above; a rerun is identical."""
   config, params = small
   config = copy.deepcopy(config)
-  config.rl.eval_samples = 3
-  config.rl.eval_tasks = 4
+  # 16 tasks x 2 samples: the sampled pass fills the 32 slots of the file's rollout engine
+  # (compiled programs reused: an engine's programs are fixed by its slots and max_len).
+  config.rl.eval_samples = 2
+  config.rl.eval_tasks = 16
   env = envs.make("addition")
-  metrics = rl_run.evaluate(config, params, env, TOKENIZER, num_tasks=4)
+  metrics = rl_run.evaluate(config, params, env, TOKENIZER, num_tasks=16)
   assert {"accuracy", "reward", "sampled_accuracy", "sampled_reward", "pass_at_k"} <= set(metrics)
   assert 0 <= metrics["sampled_accuracy"] <= metrics["pass_at_k"] <= 1
-  assert rl_run.evaluate(config, params, env, TOKENIZER, num_tasks=4) == metrics
+  assert rl_run.evaluate(config, params, env, TOKENIZER, num_tasks=16) == metrics
   config.rl.eval_samples = 0
-  assert "sampled_accuracy" not in rl_run.evaluate(config, params, env, TOKENIZER, num_tasks=4)
+  assert "sampled_accuracy" not in rl_run.evaluate(config, params, env, TOKENIZER, num_tasks=16)
 
 
 def assert_same_params(workdir_a, workdir_b, step):

@@ -106,8 +106,10 @@ def test_short_mixture_run_logs_per_task_metrics_and_held_out_accuracy(tmp_path)
   """One step of a two-task mixture: the step's metrics per task, held-out accuracy per task
   (before and after) and their mean."""
   from tests.test_rl_loop import small_config  # pylint: disable=import-outside-toplevel
-  # eval_tasks=4: the engine shapes of test_rl_loop.py's evaluation (compiled once per suite)
-  config = small_config(steps=1, eval_every_steps=1, eval_tasks=4, eval_samples=0)
+  # eval_tasks=32: each env's greedy evaluation fills the 32 slots of the rollout engine
+  # (4 prompts x 8 samples), so it runs the rollout's compiled programs (an engine's programs
+  # are fixed by its slots and max_len); 4 tasks made a 4-slot engine, compiled for it alone.
+  config = small_config(steps=1, eval_every_steps=1, eval_tasks=32, eval_samples=0)
   config.rl.env = "mixture"
   config.rl.tasks.addition = tasks.task_config(1.0, digits=1)
   config.rl.tasks.strings = tasks.task_config(1.0, min_len=1, max_len=3)
