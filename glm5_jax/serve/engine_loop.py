@@ -145,6 +145,10 @@ class EngineLoop:
     self._held_at = self._held_last = 0.0  # its time.monotonic(), and the newest's
     self._commands: queue.Queue = queue.Queue()
     self._pending = 0  # submitted, not yet admitted to a slot (commands + engine's waiting)
+    # Submit commands queued and not yet taken by the loop: `_pending` is recounted from it,
+    # not from the queue's size, which holds cancels too (the app cancels every stream whose
+    # reply ended, so counting them left `waiting()` above 0 once the engine went idle).
+    self._queued_submits = 0
     self._lock = threading.Lock()
     self._streams: dict[int, Stream] = {}
     self._stop = False
@@ -168,6 +172,7 @@ class EngineLoop:
       if self._pending >= self.max_queue:
         raise QueueFull(f"{self._pending} requests waiting, max_queue={self.max_queue}")
       self._pending += 1
+      self._queued_submits += 1
     stream = Stream(aloop, inbox, whole)
     self._commands.put(("submit", request, stream))
     return stream
@@ -183,6 +188,7 @@ class EngineLoop:
         raise QueueFull(f"{self._pending} requests waiting, {len(requests)} more asked for, "
                         f"max_queue={self.max_queue}")
       self._pending += len(requests)
+      self._queued_submits += len(requests)
     streams = [Stream(aloop, inbox, whole) for _ in requests]
     for request, stream in zip(requests, streams):
       self._commands.put(("submit", request, stream))
@@ -235,7 +241,7 @@ class EngineLoop:
     self.slot_steps += self.engine.running() + sum(
         isinstance(e, Event) and e.completion is not None for e in events)
     with self._lock:
-      self._pending = self.engine.waiting() + len(self._held) + self._commands.qsize()
+      self._pending = self.engine.waiting() + len(self._held) + self._queued_submits
     for event in events:
       self._deliver(event)
     self._flush()
@@ -325,6 +331,8 @@ class EngineLoop:
 
   def _command(self, kind, request, stream) -> None:
     if kind == "submit":
+      with self._lock:
+        self._queued_submits -= 1
       now = time.monotonic()
       if not self._held:
         self._held_since, self._held_at = self.steps, now
