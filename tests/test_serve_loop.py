@@ -147,7 +147,7 @@ def _unstarted_loop(engine, admit_after_steps, admit_window_s=0.0):
   loop.engine, loop.admit_after, loop.steps = engine, admit_after_steps, 0
   loop.admit_window, loop._held_at, loop._held_last = admit_window_s, 0.0, 0.0
   loop._held, loop._held_since, loop._streams, loop._outbox = [], 0, {}, []
-  loop._lock, loop._pending = threading.Lock(), 0
+  loop._lock, loop._pending, loop._queued_submits = threading.Lock(), 0, 0
   return loop
 
 
