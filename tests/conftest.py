@@ -34,6 +34,34 @@ import types
 # test_train's resume test). Inherited by every subprocess (the CLIs); set
 # JAX_DISABLE_MOST_OPTIMIZATIONS=0 to run the suite on fully optimized code.
 os.environ.setdefault("JAX_DISABLE_MOST_OPTIMIZATIONS", "1")
+# XLA:CPU's MLIR fusion emitters take about half of a train step's compile here: test_train's
+# `train(small_config(steps=8), ...)` run, uncached, with JAX_LOG_COMPILES=1, compiled its
+# train step in 28.2 s with them and 14.7 s with the legacy emitters (all its programs 38.7 ->
+# 21.7 s; 68.5 -> 53.4 s of CPU for the run; 2026-11-30, jaxlib 0.10.2). Like the -O0 above, this
+# changes how each program's machine code is emitted, not what it computes beyond the last bits,
+# and every program of a comparison is built alike. A jaxlib that does not know the flag aborts
+# at backend start (an unknown flag in XLA_FLAGS is fatal), so the session's first process asks
+# a subprocess once (~2 s) and exports the answer: workers and CLI subprocesses inherit
+# XLA_FLAGS, and tests that set a device count use `host_devices_xla_flags`. Set
+# GLM5_JAX_TEST_XLA_FLAGS="" to run the suite on XLA's default emitters.
+_FAST_COMPILE_FLAGS = "--xla_cpu_use_fusion_emitters=false"
+if "GLM5_JAX_TEST_XLA_FLAGS" not in os.environ:
+  _probe = subprocess.run(
+      [sys.executable, "-c", "import jax; jax.devices('cpu')"], capture_output=True,
+      env=dict(os.environ, JAX_PLATFORMS="cpu", XLA_FLAGS=_FAST_COMPILE_FLAGS), timeout=300)
+  os.environ["GLM5_JAX_TEST_XLA_FLAGS"] = _FAST_COMPILE_FLAGS if _probe.returncode == 0 else ""
+if os.environ["GLM5_JAX_TEST_XLA_FLAGS"] not in os.environ.get("XLA_FLAGS", ""):
+  os.environ["XLA_FLAGS"] = " ".join(
+      f for f in (os.environ.get("XLA_FLAGS", ""), os.environ["GLM5_JAX_TEST_XLA_FLAGS"]) if f)
+
+
+def host_devices_xla_flags(devices: int) -> str:
+  """XLA_FLAGS for a subprocess with `devices` simulated CPU devices: the suite's flags (above)
+  and the device count."""
+  return " ".join(f for f in (os.environ.get("GLM5_JAX_TEST_XLA_FLAGS", ""),
+                              f"--xla_force_host_platform_device_count={devices}") if f)
+
+
 if "JAX_COMPILATION_CACHE_DIR" not in os.environ:
   os.environ["JAX_COMPILATION_CACHE_DIR"] = tempfile.mkdtemp(prefix="glm5_jax_test_xla_cache_")
   os.environ["GLM5_JAX_TEST_CACHE_OWNER"] = str(os.getpid())
@@ -119,8 +147,8 @@ def run_on_host_devices(script: str, devices: int = 8, timeout: int = 900) -> di
   """Runs python `script` in a subprocess with `devices` simulated CPU devices (they must be
   requested before jax initializes, hence the subprocess) and returns the JSON object its last
   stdout line holds; a failure shows the script's stderr."""
-  env = dict(os.environ, XLA_FLAGS=f"--xla_force_host_platform_device_count={devices}",
-             JAX_PLATFORMS="cpu", PYTHONPATH=str(REPO_ROOT))
+  env = dict(os.environ, XLA_FLAGS=host_devices_xla_flags(devices), JAX_PLATFORMS="cpu",
+             PYTHONPATH=str(REPO_ROOT))
   proc = subprocess.run([sys.executable, "-c", script], cwd=REPO_ROOT, env=env,
                         capture_output=True, text=True, timeout=timeout)
   assert proc.returncode == 0, proc.stderr[-4000:]

@@ -20,6 +20,7 @@ from glm5_jax.train import integrity
 from glm5_jax.train.loop import train
 from glm5_jax.train.state import TrainState
 from test_train import ROOT, read_losses, small_config
+from tests.conftest import host_devices_xla_flags
 
 
 def _flip_bytes(step_dir, item="params"):
@@ -207,7 +208,7 @@ print("OK")
 
 def test_fingerprint_does_not_depend_on_sharding():
   env = dict(os.environ, JAX_PLATFORMS="cpu", PYTHONPATH=ROOT,
-             XLA_FLAGS="--xla_force_host_platform_device_count=8")
+             XLA_FLAGS=host_devices_xla_flags(8))
   proc = subprocess.run([sys.executable, "-c", _SHARDED_SCRIPT], env=env, capture_output=True,
                         text=True, timeout=300)
   assert proc.returncode == 0 and "OK" in proc.stdout, proc.stderr[-3000:]

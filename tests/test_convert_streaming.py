@@ -26,6 +26,7 @@ from glm5_jax.convert import streaming  # noqa: E402
 from glm5_jax.convert.converted import CONFIG_FILE, PARAMS_DIR, load_converted  # noqa: E402
 from glm5_jax.sharding import make_mesh, mesh_config  # noqa: E402
 from test_hf_parity import _hf_model, _write_checkpoint  # noqa: E402
+from tests.conftest import host_devices_xla_flags
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -154,7 +155,7 @@ print(json.dumps({"leaves": len(leaves), "expert_sharded": split}))
 @pytest.mark.slow  # a subprocess with 8 simulated CPU devices
 def test_restore_onto_a_different_mesh_reshards(tmp_path):
   path = write_hf(tmp_path / "hf", "per_expert", n_routed_experts=8, hidden_size=64)
-  env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=8",
+  env = dict(os.environ, XLA_FLAGS=host_devices_xla_flags(8),
              JAX_PLATFORMS="cpu", PYTHONPATH=ROOT)
   proc = subprocess.run([sys.executable, "-c", RESHARD, path, str(tmp_path / "out")], env=env,
                         capture_output=True, text=True, timeout=600)

@@ -22,6 +22,7 @@ from glm5_jax.config_validation import validate_config
 from glm5_jax.train import losses
 from glm5_jax.train.state import TrainState, trainable_mask
 from glm5_jax.train.step import StepConfig, loss_and_grads, make_train_step, split_microbatches
+from tests.conftest import host_devices_xla_flags
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 ROWS, LENGTH = 8, 32
@@ -223,7 +224,7 @@ def test_microbatched_step_on_8_devices_equals_one_batch():
   """Through `build_trainer` on an fsdp x expert x tensor mesh: 2 microbatches give the one-batch
   step's metrics and params, add no gather, all-to-all or permute to the compiled step (the
   strided split stays on each device), and need less temp memory per device."""
-  env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=8",
+  env = dict(os.environ, XLA_FLAGS=host_devices_xla_flags(8),
              JAX_PLATFORMS="cpu", PYTHONPATH=ROOT)
   proc = subprocess.run([sys.executable, "-c", _SHARDED], cwd=ROOT, env=env,
                         capture_output=True, text=True, timeout=900)

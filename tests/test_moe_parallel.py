@@ -21,11 +21,11 @@ from glm5_jax import sharding
 from glm5_jax.config import ConfigError, ModelConfig, model_config
 from glm5_jax.moe import MoE
 from glm5_jax.planning import hlo_stats
-from tests.conftest import REPO_ROOT, tiny_model_config
+from tests.conftest import REPO_ROOT, host_devices_xla_flags, tiny_model_config
 
 
 def run_worker(*args):
-  env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=8",
+  env = dict(os.environ, XLA_FLAGS=host_devices_xla_flags(8),
              JAX_PLATFORMS="cpu", PYTHONPATH=str(REPO_ROOT))
   proc = subprocess.run([sys.executable, "tests/moe_parallel_cases.py", *args], cwd=REPO_ROOT,
                         env=env, capture_output=True, text=True, timeout=900)

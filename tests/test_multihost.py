@@ -24,6 +24,7 @@ import pytest
 import train_cli
 from glm5_jax import data as data_lib
 from test_train import small_config
+from tests.conftest import host_devices_xla_flags
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 PROCESSES = 2
@@ -52,7 +53,7 @@ def _env(process_id=None, port=None, devices=DEVICES_PER_PROCESS) -> dict:
   env = {k: v for k, v in os.environ.items() if "_proxy" not in k.lower()
          and (not k.startswith("JAX_") or k == "JAX_DISABLE_MOST_OPTIMIZATIONS")}
   env.update(JAX_PLATFORMS="cpu", PYTHONPATH=ROOT,
-             XLA_FLAGS=f"--xla_force_host_platform_device_count={devices}")
+             XLA_FLAGS=host_devices_xla_flags(devices))
   if process_id is not None:
     env.update(JAX_COORDINATOR_ADDRESS=f"localhost:{port}", JAX_NUM_PROCESSES=str(PROCESSES),
                JAX_PROCESS_ID=str(process_id))

@@ -10,6 +10,7 @@ import sys
 import pytest
 
 from glm5_jax.planning import hlo_stats, planner
+from tests.conftest import host_devices_xla_flags
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -218,7 +219,7 @@ def test_with_depth_keeps_one_dense_layer_and_the_pattern_prefix():
 def _run(args, script=None, timeout=900):
   env = dict(os.environ, JAX_PLATFORMS="cpu", PYTHONPATH=ROOT)
   if script is not None:
-    env["XLA_FLAGS"] = "--xla_force_host_platform_device_count=8"
+    env["XLA_FLAGS"] = host_devices_xla_flags(8)
     cmd = [sys.executable, "-c", script]
   else:
     cmd = [sys.executable, os.path.join(ROOT, "tools", "plan_memory.py"), *args]

@@ -21,6 +21,7 @@ from glm5_jax.train import losses
 from glm5_jax.train.loop import NonFiniteLossError, train
 from glm5_jax.train.state import TrainState, trainable_mask
 from glm5_jax.train.step import StepConfig, compute_loss, make_train_step, update_balance_bias
+from tests.conftest import host_devices_xla_flags
 from tests.inputs import packed_batch
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -226,7 +227,7 @@ print(json.dumps(read_losses(sys.argv[2])))
 
 def _run_sharded(devices, mesh_shape, workdir):
   env = dict(os.environ, JAX_PLATFORMS="cpu", PYTHONPATH=ROOT,
-             XLA_FLAGS=f"--xla_force_host_platform_device_count={devices}")
+             XLA_FLAGS=host_devices_xla_flags(devices))
   proc = subprocess.run([sys.executable, "-c", _SHARDED_SCRIPT, ROOT, workdir,
                          json.dumps(mesh_shape)], env=env, capture_output=True, text=True,
                         timeout=900)

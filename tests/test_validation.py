@@ -16,6 +16,7 @@ import pytest
 from glm5_jax.config import ConfigError
 from glm5_jax.config_validation import validate_config
 from glm5_jax.train import loop
+from tests.conftest import host_devices_xla_flags
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -180,7 +181,7 @@ def test_train_cli_refuses_a_batch_the_devices_cannot_split(tmp_path):
   not a sharding error after compiling."""
   workdir = tmp_path / "workdir"
   env = dict(os.environ, JAX_PLATFORMS="cpu", PYTHONPATH=ROOT,
-             XLA_FLAGS="--xla_force_host_platform_device_count=2")
+             XLA_FLAGS=host_devices_xla_flags(2))
   proc = subprocess.run(
       [sys.executable, os.path.join(ROOT, "experiments", "train.py"),
        f"--config={os.path.join(ROOT, 'configs', 'tiny.py')}", f"--workdir={workdir}",
