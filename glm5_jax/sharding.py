@@ -25,6 +25,7 @@ import numpy as np
 from flax import linen as nn
 from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec
 
+from glm5_jax import device_layout
 from glm5_jax.attention.mode import CONTEXT_LAYOUTS
 from glm5_jax.config import ConfigError, check_fields, require
 from glm5_jax.layers import axes as logical_axes
@@ -42,6 +43,9 @@ def mesh_config(**axis_sizes) -> ml_collections.ConfigDict:
   # holds the i-th L / context positions) or "striped" (load-balanced causal work,
   # `glm5_jax.attention.context_parallel.stripe`); no effect while mesh.shape.context is 1.
   c.context_layout = "contiguous"
+  # Which TPU chip holds each mesh position, as parts of the torus dimensions per mesh axis
+  # (`glm5_jax.device_layout`, e.g. "expert=x8,y4:2;fsdp=y2,z16"); "" = jax's placement.
+  c.device_layout = ""
   return c
 
 
@@ -87,7 +91,7 @@ def validate_mesh_config(mesh, num_devices: int | None = None) -> dict[str, int]
     mesh axis name -> size, the `-1` axis resolved to the remaining devices (left -1 when
     `num_devices` is None).
   """
-  check_fields(mesh, mesh_config(), "mesh")
+  check_fields(mesh, mesh_config(), "mesh", optional=("device_layout",))
   shape = dict(mesh.shape)
   extra = sorted(set(shape) - set(MESH_AXES))
   require(not extra, "mesh.shape", f"unknown axes {extra}; allowed {MESH_AXES}")
@@ -105,6 +109,8 @@ def validate_mesh_config(mesh, num_devices: int | None = None) -> dict[str, int]
   elif num_devices is not None:
     require(fixed == num_devices, "mesh.shape", f"axes {sizes} multiply to {fixed} but there "
             f"are {num_devices} devices")
+  if mesh.get("device_layout", ""):
+    device_layout.parse_device_layout(mesh.device_layout, MESH_AXES)
   require(mesh.context_layout in CONTEXT_LAYOUTS, "mesh.context_layout",
           f"must be one of {CONTEXT_LAYOUTS}, got {mesh.context_layout!r}")
   for rule in mesh.logical_axis_rules:
@@ -121,7 +127,8 @@ def make_mesh(mesh_config, devices=None) -> Mesh:
   """A mesh with axes `data, fsdp, context, expert, tensor` sized by `mesh_config.shape`.
 
   Args:
-    mesh_config: the config's `mesh` section (`-1` on one axis takes the remaining devices).
+    mesh_config: the config's `mesh` section (`-1` on one axis takes the remaining devices;
+      `device_layout`, when set, places the devices: `glm5_jax.device_layout`).
     devices: defaults to all devices (every process's, on multi-host).
   """
   devices = jax.devices() if devices is None else list(devices)
@@ -129,6 +136,9 @@ def make_mesh(mesh_config, devices=None) -> Mesh:
   shape = tuple(sizes[a] for a in MESH_AXES)
   # Auto axes: XLA's sharding propagation fills in what the logical constraints leave open.
   axis_types = (AxisType.Auto,) * len(MESH_AXES)
+  if mesh_config.get("device_layout", ""):
+    grid = device_layout.device_grid(devices, sizes, mesh_config.device_layout)
+    return Mesh(grid, MESH_AXES, axis_types=axis_types)
   if devices == jax.devices():  # topology-aware device order on TPU/GPU
     return jax.make_mesh(shape, MESH_AXES, axis_types=axis_types)
   if devices[0].platform == "tpu":  # an ahead-of-time TPU slice (glm5_jax.planning.aot_targets)
