@@ -23,7 +23,7 @@ def test_plain_rows_are_the_table():
   assert pk.dsa_ops("xla") is pk.DSA_OPS["xla"]
   assert pk.dsa_ops("reference") is pk.DSA_OPS["reference"]
   assert pk.DSA_OPS["pallas_tpu"] == (pk.indexer_topk_pallas, pk.sparse_mla_pallas,
-                                     pk.sparse_mla_pallas_with_head_probs)
+                                     pk.sparse_mla_pallas_with_head_probs, None)
 
 
 def test_pallas_picks_kernels_by_platform_compiled():
@@ -31,7 +31,7 @@ def test_pallas_picks_kernels_by_platform_compiled():
   gpu = pk.dsa_ops("pallas", platform="gpu")
   assert gpu is pk.DSA_OPS["pallas_gpu"]
   assert gpu == (dispatch.indexer_topk_triton, dispatch.sparse_mla_triton,
-                 dispatch.sparse_mla_triton_with_head_probs)
+                 dispatch.sparse_mla_triton_with_head_probs, dispatch.sparse_mla_triton_parts)
 
 
 def test_pallas_on_cpu_is_an_error_naming_the_field():
@@ -179,8 +179,10 @@ def test_cudnn_wiring_in_the_warmup_stage(helpers, monkeypatch):
 def test_model_on_gpu_runs_the_gpu_kernels(helpers, monkeypatch):
   """A DSA layer with dsa_impl="pallas" traced as on GPU (the platform patched; the GPU row's
   kernels in interpret mode) takes the Triton kernels through the model's wiring (per-shard
-  calls, keyword options; the indexer KL's target from the sparse MLA kernel's forward, not
-  the XLA pass) and gives the XLA path's output, top-k, indexer KL and gradients."""
+  calls, keyword options) and gives the XLA path's output, top-k and gradients (attention and
+  indexer params), on both KL-target paths: from the attention's backward kernel (the GPU
+  default, `dsa_kl_fused`: a differentiated forward's KL is 0, a forward-only one the true
+  KL) and from the forward kernel's second sweep (the row without `sparse_mla_parts`)."""
   calls = []
 
   def interpreted(op):
@@ -190,23 +192,39 @@ def test_model_on_gpu_runs_the_gpu_kernels(helpers, monkeypatch):
     return run
 
   monkeypatch.setattr(dispatch, "current_platform", lambda: "gpu")
-  monkeypatch.setitem(dispatch.DSA_OPS, "pallas_gpu", pk.DSAOps(
-      *(interpreted(op) for op in dispatch.DSA_OPS["pallas_gpu"])))
+  gpu_ops = pk.DSAOps(*(interpreted(op) for op in dispatch.DSA_OPS["pallas_gpu"]))
   results = {}
-  for impl in ("xla", "pallas"):
+  for name, impl, ops in (("xla", "xla", None), ("backward target", "pallas", gpu_ops),
+                          ("forward target", "pallas", gpu_ops._replace(sparse_mla_parts=None))):
+    if ops is not None:
+      monkeypatch.setitem(dispatch.DSA_OPS, "pallas_gpu", ops)
     module, params, args = _dsa_layer(helpers, dsa_impl=impl)
+    calls.clear()
 
     def loss(params):
       y, aux = module.apply(params, *args, mode=Mode(dsa_stage="sparse"))
       return (y ** 2).sum() + aux["indexer_kl"].mean(), (y, aux)
 
-    results[impl] = jax.jit(jax.value_and_grad(loss, has_aux=True))(params)
-  assert sorted(set(calls)) == ["indexer_topk_triton", "sparse_mla_triton_with_head_probs"]
-  (_, (y, aux)), grads = results["pallas"]
+    results[name] = jax.jit(jax.value_and_grad(loss, has_aux=True))(params)
+    if name == "backward target":
+      assert sorted(set(calls)) == ["indexer_topk_triton", "sparse_mla_triton_parts"]
+      assert not np.asarray(results[name][0][1][1]["indexer_kl"]).any()  # not computed
+      forward_only = jax.jit(lambda p: module.apply(p, *args, mode=Mode(dsa_stage="sparse")))
+      kl_forward_only = forward_only(params)[1]["indexer_kl"]
+    elif name == "forward target":
+      assert sorted(set(calls)) == ["indexer_topk_triton", "sparse_mla_triton_with_head_probs"]
   (_, (want_y, want_aux)), want_grads = results["xla"]
-  np.testing.assert_array_equal(aux["topk_indices"], want_aux["topk_indices"])
-  np.testing.assert_allclose(y, want_y, rtol=1e-4, atol=1e-5)
-  np.testing.assert_allclose(aux["indexer_kl"], want_aux["indexer_kl"], rtol=1e-4, atol=1e-6)
-  for got, want in zip(jax.tree.leaves(grads), jax.tree.leaves(want_grads)):
-    np.testing.assert_allclose(got, want, rtol=1e-3, atol=1e-5 * max(float(np.abs(want).max()),
-                                                                     1e-6))
+  np.testing.assert_allclose(kl_forward_only, want_aux["indexer_kl"], rtol=1e-4, atol=1e-6)
+  for name in ("backward target", "forward target"):
+    (_, (y, aux)), grads = results[name]
+    np.testing.assert_array_equal(aux["topk_indices"], want_aux["topk_indices"])
+    np.testing.assert_allclose(y, want_y, rtol=1e-4, atol=1e-5)
+    if name == "forward target":
+      np.testing.assert_allclose(aux["indexer_kl"], want_aux["indexer_kl"], rtol=1e-4,
+                                 atol=1e-6)
+    assert jax.tree.structure(grads) == jax.tree.structure(want_grads)
+    for got, want in zip(jax.tree.leaves(grads), jax.tree.leaves(want_grads)):
+      np.testing.assert_allclose(got, want, rtol=1e-3, atol=1e-5 * max(
+          float(np.abs(want).max()), 1e-6), err_msg=name)
+  indexer = lambda g: jax.tree.leaves(g["params"]["indexer"])
+  assert any(np.asarray(g).any() for g in indexer(results["backward target"][1]))
