@@ -46,6 +46,9 @@ def test_pallas_on_cpu_is_an_error_naming_the_field():
 def test_interpret_only_when_asked():
   ops = pk.dsa_ops("pallas_interpret")
   for op, kernel in zip(ops, pk.DSA_OPS["pallas_tpu"]):  # the KL target's kernel too
+    if kernel is None:  # no `sparse_mla_parts` on TPU
+      assert op is None
+      continue
     assert isinstance(op, functools.partial) and op.func is kernel
     assert op.keywords == {"interpret": True}
   gpu = pk.dsa_ops("pallas", platform="gpu", interpret=True)
