@@ -28,7 +28,11 @@ Head-mean probabilities (`sparse_mla_triton_with_head_probs`, the indexer KL's t
   2 B L H T (C + R) FLOPs (+53% of the forward's), where the XLA pass it replaces
   (`sparse_mla_head_mean_probs`) gathered `[B, Lq, T, C + R]` into HBM for the same product.
   The head sum cannot ride on the first sweep: each head's running max changes block by block,
-  so per-block sums over heads cannot be rescaled afterwards.
+  so per-block sums over heads cannot be rescaled afterwards. It can ride on the backward,
+  which forms p = exp(logit - lse) from the final lse for every head and slot anyway: with
+  `head_probs` (`sparse_mla_triton_parts`, for `glm5_jax.attention.dsa_kl_fused`) each
+  backward program also writes its heads' sum / H per slot block (no extra matmul), and a
+  differentiated train step runs no second sweep.
 Backward (custom VJP), grid (B, L): `delta = rowsum(dout * out) - dlse` in XLA; ONE program per
   token with all H heads (`backward_head_block`, default 64: all of GLM-5's), so each selected
   row is gathered once per token and each key row gets one set of atomics per slot block
@@ -319,8 +323,9 @@ def _backward_kernel(n_blocks_ref, topk_ref, q_ref, q_rope_ref, dout_ref, lse_re
     s_HT = jnp.where(valid_T[None, :], s_HT * scale, MASKED_LOGIT)
     p_HT = jnp.where(valid_T[None, :], jnp.exp(s_HT - lse_H[:, None]), 0.0)
     ds_HT = p_HT * (dp_HT - delta_H[:, None]) * scale  # the logits' scale folded in once
-    if probs_ref:
-      _store_head_sum(probs_ref[0], p_HT, b, l, g, j, bt, heads, padded_heads)
+    if probs_ref:  # the row offset read in the loop, as (2) above: 48 -> 8 B of spills
+      _store_head_sum(probs_ref[0], p_HT, b + first_row_ref[0], l, g, j, bt, heads,
+                      padded_heads)
     p16_HT, ds16_HT = p_HT.astype(kv_ref.dtype), ds_HT.astype(kv_ref.dtype)
     dq_nHX = [dq + jnp.dot(ds16_HT, kv_TX, preferred_element_type=_F32)
               for dq, kv_TX in zip(dq_nHX, kv_nTX)]
