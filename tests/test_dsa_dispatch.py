@@ -182,10 +182,11 @@ def test_cudnn_wiring_in_the_warmup_stage(helpers, monkeypatch):
 def test_model_on_gpu_runs_the_gpu_kernels(helpers, monkeypatch):
   """A DSA layer with dsa_impl="pallas" traced as on GPU (the platform patched; the GPU row's
   kernels in interpret mode) takes the Triton kernels through the model's wiring (per-shard
-  calls, keyword options) and gives the XLA path's output, top-k and gradients (attention and
-  indexer params), on both KL-target paths: from the attention's backward kernel (the GPU
-  default, `dsa_kl_fused`: a differentiated forward's KL is 0, a forward-only one the true
-  KL) and from the forward kernel's second sweep (the row without `sparse_mla_parts`)."""
+  calls, keyword options; the sparse attention and the indexer KL as one op whose KL target
+  comes from the attention's backward kernel, `dsa_kl_fused`) and gives the XLA path's output,
+  top-k and gradients, attention and indexer params; its differentiated forward's KL is 0, its
+  forward-only KL the XLA path's. (The forward-kernel target, used where heads are split over
+  devices, is checked against `sparse_mla_head_mean_probs` in test_triton_sparse_mla.py.)"""
   calls = []
 
   def interpreted(op):
@@ -195,39 +196,31 @@ def test_model_on_gpu_runs_the_gpu_kernels(helpers, monkeypatch):
     return run
 
   monkeypatch.setattr(dispatch, "current_platform", lambda: "gpu")
-  gpu_ops = pk.DSAOps(*(interpreted(op) for op in dispatch.DSA_OPS["pallas_gpu"]))
-  results = {}
-  for name, impl, ops in (("xla", "xla", None), ("backward target", "pallas", gpu_ops),
-                          ("forward target", "pallas", gpu_ops._replace(sparse_mla_parts=None))):
-    if ops is not None:
-      monkeypatch.setitem(dispatch.DSA_OPS, "pallas_gpu", ops)
-    module, params, args = _dsa_layer(helpers, dsa_impl=impl)
-    calls.clear()
+  monkeypatch.setitem(dispatch.DSA_OPS, "pallas_gpu", pk.DSAOps(
+      *(interpreted(op) for op in dispatch.DSA_OPS["pallas_gpu"])))
+  steps = {}
+  for impl in ("xla", "pallas"):
+    module, params, args = _dsa_layer(helpers, dsa_impl=impl)  # the same params for both
+    forward = functools.partial(module.apply, mode=Mode(dsa_stage="sparse"))
 
-    def loss(params):
-      y, aux = module.apply(params, *args, mode=Mode(dsa_stage="sparse"))
+    def loss(params, forward=forward, args=args):
+      y, aux = forward(params, *args)
       return (y ** 2).sum() + aux["indexer_kl"].mean(), (y, aux)
 
-    results[name] = jax.jit(jax.value_and_grad(loss, has_aux=True))(params)
-    if name == "backward target":
-      assert sorted(set(calls)) == ["indexer_topk_triton", "sparse_mla_triton_parts"]
-      assert not np.asarray(results[name][0][1][1]["indexer_kl"]).any()  # not computed
-      forward_only = jax.jit(lambda p: module.apply(p, *args, mode=Mode(dsa_stage="sparse")))
-      kl_forward_only = forward_only(params)[1]["indexer_kl"]
-    elif name == "forward target":
-      assert sorted(set(calls)) == ["indexer_topk_triton", "sparse_mla_triton_with_head_probs"]
-  (_, (want_y, want_aux)), want_grads = results["xla"]
-  np.testing.assert_allclose(kl_forward_only, want_aux["indexer_kl"], rtol=1e-4, atol=1e-6)
-  for name in ("backward target", "forward target"):
-    (_, (y, aux)), grads = results[name]
-    np.testing.assert_array_equal(aux["topk_indices"], want_aux["topk_indices"])
-    np.testing.assert_allclose(y, want_y, rtol=1e-4, atol=1e-5)
-    if name == "forward target":
-      np.testing.assert_allclose(aux["indexer_kl"], want_aux["indexer_kl"], rtol=1e-4,
-                                 atol=1e-6)
-    assert jax.tree.structure(grads) == jax.tree.structure(want_grads)
-    for got, want in zip(jax.tree.leaves(grads), jax.tree.leaves(want_grads)):
-      np.testing.assert_allclose(got, want, rtol=1e-3, atol=1e-5 * max(
-          float(np.abs(want).max()), 1e-6), err_msg=name)
-  indexer = lambda g: jax.tree.leaves(g["params"]["indexer"])
-  assert any(np.asarray(g).any() for g in indexer(results["backward target"][1]))
+    steps[impl] = jax.value_and_grad(loss, has_aux=True)
+  # One program for the three (a compile each would cost more than the three runs).
+  want, got, (_, forward_only_aux) = jax.jit(lambda p: (
+      steps["xla"](p), steps["pallas"](p), forward(p, *args)))(params)
+  assert sorted(set(calls)) == ["indexer_topk_triton", "sparse_mla_triton_parts"]
+  (_, (y, aux)), grads = got
+  (_, (want_y, want_aux)), want_grads = want
+  np.testing.assert_array_equal(aux["topk_indices"], want_aux["topk_indices"])
+  np.testing.assert_allclose(y, want_y, rtol=1e-4, atol=1e-5)
+  assert not np.asarray(aux["indexer_kl"]).any()  # not computed in a differentiated forward
+  np.testing.assert_allclose(forward_only_aux["indexer_kl"], want_aux["indexer_kl"],
+                             rtol=1e-4, atol=1e-6)
+  assert jax.tree.structure(grads) == jax.tree.structure(want_grads)
+  for got, want in zip(jax.tree.leaves(grads), jax.tree.leaves(want_grads)):
+    np.testing.assert_allclose(got, want, rtol=1e-3, atol=1e-5 * max(float(np.abs(want).max()),
+                                                                     1e-6))
+  assert any(np.asarray(g).any() for g in jax.tree.leaves(grads["params"]["indexer"]))
