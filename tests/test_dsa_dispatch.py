@@ -16,6 +16,7 @@ from glm5_jax.attention import common, mla
 from glm5_jax.attention.mla import MLA
 from glm5_jax.attention.mode import Mode
 from glm5_jax.config import ConfigError, model_config, validate_model_config
+from glm5_jax.train.step import StepConfig, _measured
 from pallas_kernels import blocking, dispatch
 
 
@@ -224,3 +225,19 @@ def test_model_on_gpu_runs_the_gpu_kernels(helpers, monkeypatch):
     np.testing.assert_allclose(got, want, rtol=1e-3, atol=1e-5 * max(float(np.abs(want).max()),
                                                                      1e-6))
   assert any(np.asarray(g).any() for g in jax.tree.leaves(grads["params"]["indexer"]))
+
+
+def test_kl_target_in_backward_only_on_the_gpu_kernels(helpers, monkeypatch):
+  """`mla.kl_target_in_backward`: the GPU kernels only (no other row has `sparse_mla_parts`),
+  and then a train step's metrics drop `indexer_kl` in the sparse stage
+  (`step._measured`: its value is 0 there), nowhere else."""
+  impls = ("dense_mask", "xla", "pallas", "pallas_interpret")
+  metrics = {"loss": 1.0, "indexer_kl": 0.0}
+  sparse, warmup = StepConfig(dsa_stage="sparse"), StepConfig(dsa_stage="warmup")
+  for platform, backward in (("cpu", ()), ("tpu", ()), ("gpu", ("pallas",))):
+    monkeypatch.setattr(dispatch, "current_platform", lambda platform=platform: platform)
+    for impl in impls:
+      cfg = helpers.config(dsa_impl=impl)
+      assert mla.kl_target_in_backward(cfg) == (impl in backward), (platform, impl)
+      assert ("indexer_kl" in _measured(cfg, sparse, metrics)) == (impl not in backward)
+      assert _measured(cfg, warmup, metrics) == metrics
