@@ -11,8 +11,10 @@ of the sparse step runs), 8 x 4,096 = 32K tokens per step. The step wastes no FL
 avoid (issue 41 item 4):
   - `remat_policy="save_attn_lse"` (glm5_jax.layers.remat): the backward reruns the layer's
     projections and FFN / MoE but keeps the sparse attention's output and log-sum-exp, the
-    selection and the indexer KL target, so the indexer top-k, the sparse MLA forward and the
-    KL target pass run once per step (~2.7 GB per layer kept at 8 x 4,096);
+    selection, so the indexer top-k and the sparse MLA forward run once per step (~2.4 GB
+    per layer kept at 8 x 4,096); the indexer KL's target comes from the sparse MLA backward
+    kernel (glm5_jax.attention.dsa_kl_fused: no forward sweep; train steps report no
+    `indexer_kl`, eval steps do);
   - `train.ce_chunk=512`: the LM head fused with the loss, 512 positions x 8 rows at a time
     (a 2.5 GB fp32 logits chunk instead of `[32768, 154880]`, 20 GB), bf16 backward matmuls;
     `train.ce_grad_in_forward`: its gradients formed in the forward from each chunk's logits,

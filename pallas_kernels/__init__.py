@@ -12,7 +12,9 @@ plus `indexer_scores_at` (differentiable index scores at the selected keys) and
 stage needs on every path, except that the Pallas rows' sparse MLA emit the target from their
 own forward kernels (`DSAOps.sparse_mla_with_probs`: `sparse_mla_pallas_with_head_probs`,
 `sparse_mla_triton_with_head_probs`) and the XLA row from its attention pass
-(`sparse_mla_xla_with_kl_target`).
+(`sparse_mla_xla_with_kl_target`); the GPU row's backward kernel emits it too
+(`DSAOps.sparse_mla_parts`, for `glm5_jax.attention.dsa_kl_fused`), so a GPU train step runs no
+forward pass for it.
 `dsa_ops(model.dsa_impl)` (`pallas_kernels.dispatch`) is the row that runs: "xla"; "pallas" =
 the TPU kernels on TPU, the GPU kernels on GPU, an error naming `model.dsa_impl` elsewhere;
 "pallas_interpret" = the TPU kernels in interpret mode (CPU tests).

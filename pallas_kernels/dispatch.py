@@ -47,11 +47,15 @@ class DSAOps(typing.NamedTuple):
   `(q, q_rope, kv, k_rope, topk, *, scale) -> (out, lse, head_mean_probs_BLT)` (probs equal to
   `sparse_mla_head_mean_probs`, no gradient); None where the caller computes the target with
   that separate XLA pass.
+  sparse_mla_parts: where the kernels also come apart for a caller's own custom VJP, with the
+  KL target from the backward kernel: `(**block_options) -> sparse_mla.SparseMLAParts`
+  (`glm5_jax.attention.dsa_kl_fused`); None elsewhere.
   """
 
   indexer_topk: typing.Callable
   sparse_mla: typing.Callable
   sparse_mla_with_probs: typing.Callable | None = None
+  sparse_mla_parts: typing.Callable | None = None
 
 
 def _missing(module: str, error: ModuleNotFoundError) -> ModuleNotFoundError:
@@ -83,6 +87,7 @@ indexer_topk_triton = _gpu_kernel("lightning_indexer_triton", "indexer_topk_trit
 sparse_mla_triton = _gpu_kernel("sparse_mla_triton", "sparse_mla_triton")
 sparse_mla_triton_with_head_probs = _gpu_kernel("sparse_mla_triton",
                                                 "sparse_mla_triton_with_head_probs")
+sparse_mla_triton_parts = _gpu_kernel("sparse_mla_triton", "sparse_mla_triton_parts")
 
 
 DSA_OPS = {
@@ -91,7 +96,7 @@ DSA_OPS = {
     "pallas_tpu": DSAOps(indexer_topk_pallas, sparse_mla_pallas,
                          sparse_mla_pallas_with_head_probs),
     "pallas_gpu": DSAOps(indexer_topk_triton, sparse_mla_triton,
-                         sparse_mla_triton_with_head_probs),
+                         sparse_mla_triton_with_head_probs, sparse_mla_triton_parts),
 }
 
 

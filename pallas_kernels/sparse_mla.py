@@ -42,6 +42,7 @@ Notation (docs/design.md): B batch, L queries, S keys (latent rows), H heads, C 
 
 import dataclasses
 import functools
+import typing
 from typing import Callable
 
 import jax
@@ -179,6 +180,22 @@ class SparseMLAKernels:
   backward_block: Callable
   backward_query_block: int | None
   head_groups: int = 1
+
+
+class SparseMLAParts(typing.NamedTuple):
+  """A sparse MLA's forward and backward as plain functions, for a caller that builds its own
+  custom VJP around them (`glm5_jax.attention.dsa_kl_fused`: the attention and the indexer KL
+  as one, whose backward needs the KL target this backward emits).
+
+  forward: `(q, q_rope, kv, k_rope, topk, scale, head_probs=False) -> (out, lse[, probs])`,
+    probs the head-mean probabilities (`sparse_mla_head_mean_probs`) from a second sweep.
+  backward: `(q, q_rope, kv, k_rope, topk, out, lse, dout, dlse, scale) -> (dq, dq_rope, dkv,
+    dk_rope, probs)`: the module docstring's gradients, and the head-mean probabilities from the
+    p the backward forms at every selected slot anyway (no extra matmul).
+  """
+
+  forward: Callable
+  backward: Callable
 
 
 def sparse_mla_custom_vjp(kernels, q_BLHC, q_rope_BLHR, kv_BSC, k_rope_BSR, topk_BLT, scale):

@@ -28,7 +28,11 @@ Head-mean probabilities (`sparse_mla_triton_with_head_probs`, the indexer KL's t
   2 B L H T (C + R) FLOPs (+53% of the forward's), where the XLA pass it replaces
   (`sparse_mla_head_mean_probs`) gathered `[B, Lq, T, C + R]` into HBM for the same product.
   The head sum cannot ride on the first sweep: each head's running max changes block by block,
-  so per-block sums over heads cannot be rescaled afterwards.
+  so per-block sums over heads cannot be rescaled afterwards. It can ride on the backward,
+  which forms p = exp(logit - lse) from the final lse for every head and slot anyway: with
+  `head_probs` (`sparse_mla_triton_parts`, for `glm5_jax.attention.dsa_kl_fused`) each
+  backward program also writes its heads' sum / H per slot block (no extra matmul), and a
+  differentiated train step runs no second sweep.
 Backward (custom VJP), grid (B, L): `delta = rowsum(dout * out) - dlse` in XLA; ONE program per
   token with all H heads (`backward_head_block`, default 64: all of GLM-5's), so each selected
   row is gathered once per token and each key row gets one set of atomics per slot block
@@ -95,7 +99,8 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
 from pallas_kernels.blocking import MASKED_LOGIT, empty_out_of_range, pad_axis, round_up
-from pallas_kernels.sparse_mla import check_sparse_mla_inputs, named_residuals
+from pallas_kernels.sparse_mla import (SparseMLAParts, check_sparse_mla_inputs,
+                                       named_residuals)
 
 _NT = (((1,), (1,)), ((), ()))  # [m, k] x [n, k] -> [m, n]
 _TN = (((0,), (0,)), ((), ()))  # [k, m] x [k, n] -> [m, n]
@@ -273,8 +278,11 @@ def _add_rows(acc_ref, b, rows_T, valid_T, vals_TX, interpret, col0=0):
 
 def _backward_kernel(n_blocks_ref, topk_ref, q_ref, q_rope_ref, dout_ref, lse_ref, delta_ref,
                      kv_ref, k_rope_ref, _dkv_in, _dk_rope_in, first_row_ref, dq_ref, dq_rope_ref,
-                     dkv_ref, dk_rope_ref, *, scale, bt, c_chunk, interpret):
-  # _dkv_in / _dk_rope_in are the zero buffers aliased to dkv_ref / dk_rope_ref.
+                     dkv_ref, dk_rope_ref, *probs_ref, scale, bt, c_chunk, interpret, heads,
+                     padded_heads):
+  # _dkv_in / _dk_rope_in are the zero buffers aliased to dkv_ref / dk_rope_ref. probs_ref
+  # (`head_probs`): `[B, L, G, T]` fp32, this head block's share of the head-mean probabilities
+  # (`_backward`'s docstring); `heads` the real head count, `padded_heads` whether H was padded.
   # Register pressure (module docstring, "Why this fits"): every value that is invariant in the
   # slot loop is hoisted out of it by LLVM and stays live through it, beside dq's 144 registers.
   # So: (1) q and dout are stacked into one `[2H, X]` operand per chunk (P = 2H rows), and the
@@ -286,7 +294,7 @@ def _backward_kernel(n_blocks_ref, topk_ref, q_ref, q_rope_ref, dout_ref, lse_re
   # tensors are rebuilt where they are used, a few integer ops; (3) lse and delta are read per
   # slot block for the same reason. Offline (docs/performance.md): 332 -> 48 bytes of spills a
   # thread, none inside the loop.
-  b, l = pl.program_id(0), pl.program_id(1)
+  b, l, g = pl.program_id(0), pl.program_id(1), pl.program_id(2)
   h, c = q_ref.shape
   chunks = [pl.ds(c0, c_chunk) for c0 in range(0, c, c_chunk)]
   q_rope_HR = q_rope_ref[...]
@@ -315,6 +323,9 @@ def _backward_kernel(n_blocks_ref, topk_ref, q_ref, q_rope_ref, dout_ref, lse_re
     s_HT = jnp.where(valid_T[None, :], s_HT * scale, MASKED_LOGIT)
     p_HT = jnp.where(valid_T[None, :], jnp.exp(s_HT - lse_H[:, None]), 0.0)
     ds_HT = p_HT * (dp_HT - delta_H[:, None]) * scale  # the logits' scale folded in once
+    if probs_ref:  # the row offset read in the loop, as (2) above: 48 -> 8 B of spills
+      _store_head_sum(probs_ref[0], p_HT, b + first_row_ref[0], l, g, j, bt, heads,
+                      padded_heads)
     p16_HT, ds16_HT = p_HT.astype(kv_ref.dtype), ds_HT.astype(kv_ref.dtype)
     dq_nHX = [dq + jnp.dot(ds16_HT, kv_TX, preferred_element_type=_F32)
               for dq, kv_TX in zip(dq_nHX, kv_nTX)]
@@ -332,12 +343,29 @@ def _backward_kernel(n_blocks_ref, topk_ref, q_ref, q_rope_ref, dout_ref, lse_re
 
   init = ([jnp.zeros((h, c_chunk), _F32) for _ in chunks], jnp.zeros(q_rope_HR.shape, _F32))
   dq_nHX, dq_rope_HR = jax.lax.fori_loop(0, n_blocks_ref[b, l], block, init)
+  if probs_ref:  # the slot blocks past the token's last valid one
+    jax.lax.fori_loop(n_blocks_ref[b, l], topk_ref.shape[2] // bt,
+                      lambda j, _: _store_zeros(probs_ref[0], b, l, g, j, bt), None)
   # The stores' addresses are built here, not kept through the loop; the column offset is a
   # multiple of c_chunk, so Triton still knows its alignment and vectorizes the stores.
   row0 = first_row_ref[0]
   for x, dq_HX in zip(chunks, dq_nHX):
     dq_ref[pl.ds(row0, h), pl.ds(row0 * c_chunk + x.start, c_chunk)] = dq_HX.astype(dq_ref.dtype)
   dq_rope_ref[pl.ds(row0, h), :] = dq_rope_HR.astype(dq_rope_ref.dtype)
+
+
+def _store_head_sum(probs_ref, p_HT, b, l, g, j, bt, heads, padded_heads):
+  """`probs[b, l, g, j-th slot block] = sum_h p[h] / heads` over this program's real heads (g
+  its head block; heads past `heads` are padding, with uniform p, left out)."""
+  h = p_HT.shape[0]
+  if padded_heads:  # static: no mask at GLM-5's 64 heads
+    real_H = g * h + jax.lax.broadcasted_iota(jnp.int32, (h, 1), 0) < heads
+    p_HT = jnp.where(real_H, p_HT, 0.0)
+  probs_ref[b, l, g, pl.ds(j * bt, bt)] = p_HT.sum(axis=0) / heads
+
+
+def _store_zeros(probs_ref, b, l, g, j, bt):
+  probs_ref[b, l, g, pl.ds(j * bt, bt)] = jnp.zeros((bt,), _F32)
 
 
 def _padded(q_BLHC, q_rope_BLHR, kv_BSC, k_rope_BSR, topk_BLT, bt):
@@ -417,8 +445,11 @@ def _forward(q_BLHC, q_rope_BLHR, kv_BSC, k_rope_BSR, topk_BLT, scale, opts, hea
 
 
 def _backward(q_BLHC, q_rope_BLHR, kv_BSC, k_rope_BSR, topk_BLT, dout_BLHC, lse_BLH, delta_BLH,
-              scale, opts):
-  """Returns `(dq, dq_rope, dkv, dk_rope)` in the dtypes of q, q_rope, kv, k_rope."""
+              scale, opts, head_probs=False):
+  """Returns `(dq, dq_rope, dkv, dk_rope)` in the dtypes of q, q_rope, kv, k_rope; with
+  `head_probs` also the head-mean probabilities `[B, L, T]` fp32 (`sparse_mla_head_mean_probs`'s
+  values) from the p the kernel forms anyway: each program writes its head block's sum / H per
+  slot block (`[B, L, G, T]`, G = H / hb), summed over G here."""
   (b, l, h, c), (s, r) = q_BLHC.shape, k_rope_BSR.shape[1:]
   bt = _slot_block(topk_BLT.shape[-1], opts.backward_block_t, "backward_block_t")
   q, q_rope, kv, k_rope, topk, n_blocks = _padded(q_BLHC, q_rope_BLHR, kv_BSC, k_rope_BSR,
@@ -433,26 +464,34 @@ def _backward(q_BLHC, q_rope_BLHR, kv_BSC, k_rope_BSR, topk_BLT, dout_BLHC, lse_
   # One program per (token, block of hb heads); the heads axis is the block's first dim.
   heads = lambda *block: pl.BlockSpec((None, None) + block,
                                       lambda bi, li, hi: (bi, li, hi) + (0,) * (len(block) - 1))
-  dq, dq_rope, dkv, dk_rope = pl.pallas_call(
+  out_shape = [jax.ShapeDtypeStruct((b, l, hp, cp), q_BLHC.dtype),
+               jax.ShapeDtypeStruct((b, l, hp, rp), q_rope_BLHR.dtype),
+               jax.ShapeDtypeStruct((b, s, cp), _F32),
+               jax.ShapeDtypeStruct((b, s, rp), _F32)]
+  out_specs = [heads(hb, cp), heads(hb, rp), pl.no_block_spec, pl.no_block_spec]
+  if head_probs:  # written slot block by slot block, at dynamic offsets: the whole array
+    out_shape.append(jax.ShapeDtypeStruct((b, l, hp // hb, topk.shape[-1]), _F32))
+    out_specs.append(pl.no_block_spec)
+  outs = pl.pallas_call(
       functools.partial(_backward_kernel, scale=scale, bt=bt, c_chunk=c_chunk,
-                        interpret=opts.interpret),
-      out_shape=(jax.ShapeDtypeStruct((b, l, hp, cp), q_BLHC.dtype),
-                 jax.ShapeDtypeStruct((b, l, hp, rp), q_rope_BLHR.dtype),
-                 jax.ShapeDtypeStruct((b, s, cp), _F32),
-                 jax.ShapeDtypeStruct((b, s, rp), _F32)),
+                        interpret=opts.interpret, heads=h, padded_heads=hp != h),
+      out_shape=tuple(out_shape),
       grid=(b, l, hp // hb),
       in_specs=[pl.no_block_spec, pl.no_block_spec, heads(hb, cp), heads(hb, rp),
                 heads(hb, cp), heads(hb), heads(hb)] + [pl.no_block_spec] * 5,
-      out_specs=(heads(hb, cp), heads(hb, rp), pl.no_block_spec, pl.no_block_spec),
+      out_specs=tuple(out_specs),
       input_output_aliases={9: 2, 10: 3},  # the zeroed fp32 accumulators are the dkv outputs
       compiler_params=plgpu.CompilerParams(num_warps=opts.backward_num_warps,
                                            num_stages=opts.backward_num_stages),
       interpret=opts.interpret,
-      name="sparse_mla_triton_backward",
+      # The FLOP ledger (glm5_jax.planning.flop_ledger) prices both names alike.
+      name="sparse_mla_triton_backward" + ("_head_probs" if head_probs else ""),
   )(n_blocks, topk, q, q_rope, dout, lse, delta, kv, k_rope,
     jnp.zeros((b, s, cp), _F32), jnp.zeros((b, s, rp), _F32), jnp.zeros((1,), jnp.int32))
-  return (dq[:, :, :h, :c], dq_rope[:, :, :h, :r], dkv[:, :, :c].astype(kv_BSC.dtype),
-          dk_rope[:, :, :r].astype(k_rope_BSR.dtype))
+  dq, dq_rope, dkv, dk_rope = outs[:4]
+  grads = (dq[:, :, :h, :c], dq_rope[:, :, :h, :r], dkv[:, :, :c].astype(kv_BSC.dtype),
+           dk_rope[:, :, :r].astype(k_rope_BSR.dtype))
+  return grads + ((outs[4].sum(axis=2)[:, :, :topk_BLT.shape[-1]],) if head_probs else ())
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(5, 6, 7))
@@ -468,17 +507,21 @@ def _vjp_forward(q_BLHC, q_rope_BLHR, kv_BSC, k_rope_BSR, topk_BLT, scale, opts,
                                           out_BLHC, lse_BLH)
 
 
+def _backward_from_cotangents(q_BLHC, q_rope_BLHR, kv_BSC, k_rope_BSR, topk_BLT, out_BLHC,
+                              lse_BLH, dout_BLHC, dlse_BLH, scale, opts, head_probs=False):
+  """`_backward` from the cotangents of out and lse: `(dq, dq_rope, dkv, dk_rope[, probs])`."""
+  # d lse / d logit = p, so the lse cotangent enters as a shift of delta.
+  delta_BLH = (jnp.sum(dout_BLHC.astype(_F32) * out_BLHC.astype(_F32), axis=-1)
+               - dlse_BLH.astype(_F32))
+  return _backward(q_BLHC, q_rope_BLHR, kv_BSC, k_rope_BSR, topk_BLT,
+                   dout_BLHC.astype(q_BLHC.dtype), lse_BLH, delta_BLH, scale, opts, head_probs)
+
+
 def _vjp_backward(scale, opts, head_probs, residuals, cotangents):
   # The head probabilities are a detached target (`sparse_mla_head_mean_probs`): their
   # cotangent, cotangents[2] with head_probs, is dropped.
   del head_probs
-  q_BLHC, q_rope_BLHR, kv_BSC, k_rope_BSR, topk_BLT, out_BLHC, lse_BLH = residuals
-  dout_BLHC, dlse_BLH = cotangents[:2]
-  # d lse / d logit = p, so the lse cotangent enters as a shift of delta.
-  delta_BLH = (jnp.sum(dout_BLHC.astype(_F32) * out_BLHC.astype(_F32), axis=-1)
-               - dlse_BLH.astype(_F32))
-  grads = _backward(q_BLHC, q_rope_BLHR, kv_BSC, k_rope_BSR, topk_BLT,
-                    dout_BLHC.astype(q_BLHC.dtype), lse_BLH, delta_BLH, scale, opts)
+  grads = _backward_from_cotangents(*residuals, *cotangents[:2], scale, opts)
   return grads + (None,)
 
 
@@ -517,6 +560,32 @@ def sparse_mla_triton_with_head_probs(q_BLHC, q_rope_BLHR, kv_BSC, k_rope_BSR, t
   args, scale, opts = _checked(q_BLHC, q_rope_BLHR, kv_BSC, k_rope_BSR, topk_BLT, scale,
                                interpret, block_options)
   return _sparse_mla(*args, scale, opts, True)
+
+
+def sparse_mla_triton_parts(*, interpret: bool = False, **block_options) -> SparseMLAParts:
+  """The Triton kernels as `sparse_mla.SparseMLAParts`, for a custom VJP of the caller's (the
+  sparse stage's attention and indexer KL as one, `glm5_jax.attention.dsa_kl_fused`): the
+  forward (`head_probs=True`: with its second sweep, the indexer KL's target), and the
+  backward that also returns the head-mean probabilities from its own p, so a differentiated
+  step needs no second sweep. Arguments are taken as checked: one float dtype, indices already
+  -1 outside [0, S) (`blocking.empty_out_of_range`). Options as `sparse_mla_triton`'s."""
+  fields = {f.name for f in dataclasses.fields(TritonMLAOptions)} - {"interpret"}
+  if set(block_options) - fields:
+    raise TypeError(f"sparse_mla_triton_parts: unknown options "
+                    f"{sorted(set(block_options) - fields)}; expected some of {sorted(fields)}")
+  opts = TritonMLAOptions(interpret=interpret, **block_options)
+
+  def forward(q_BLHC, q_rope_BLHR, kv_BSC, k_rope_BSR, topk_BLT, scale, head_probs=False):
+    return _forward(q_BLHC, q_rope_BLHR, kv_BSC, k_rope_BSR, topk_BLT, float(scale), opts,
+                    head_probs)
+
+  def backward(q_BLHC, q_rope_BLHR, kv_BSC, k_rope_BSR, topk_BLT, out_BLHC, lse_BLH, dout_BLHC,
+               dlse_BLH, scale):
+    return _backward_from_cotangents(q_BLHC, q_rope_BLHR, kv_BSC, k_rope_BSR, topk_BLT,
+                                     out_BLHC, lse_BLH, dout_BLHC, dlse_BLH, float(scale), opts,
+                                     head_probs=True)
+
+  return SparseMLAParts(forward, backward)
 
 
 def _checked(q_BLHC, q_rope_BLHR, kv_BSC, k_rope_BSR, topk_BLT, scale, interpret,

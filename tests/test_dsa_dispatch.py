@@ -16,6 +16,7 @@ from glm5_jax.attention import common, mla
 from glm5_jax.attention.mla import MLA
 from glm5_jax.attention.mode import Mode
 from glm5_jax.config import ConfigError, model_config, validate_model_config
+from glm5_jax.train.step import StepConfig, _measured
 from pallas_kernels import blocking, dispatch
 
 
@@ -23,7 +24,7 @@ def test_plain_rows_are_the_table():
   assert pk.dsa_ops("xla") is pk.DSA_OPS["xla"]
   assert pk.dsa_ops("reference") is pk.DSA_OPS["reference"]
   assert pk.DSA_OPS["pallas_tpu"] == (pk.indexer_topk_pallas, pk.sparse_mla_pallas,
-                                     pk.sparse_mla_pallas_with_head_probs)
+                                     pk.sparse_mla_pallas_with_head_probs, None)
 
 
 def test_pallas_picks_kernels_by_platform_compiled():
@@ -31,7 +32,7 @@ def test_pallas_picks_kernels_by_platform_compiled():
   gpu = pk.dsa_ops("pallas", platform="gpu")
   assert gpu is pk.DSA_OPS["pallas_gpu"]
   assert gpu == (dispatch.indexer_topk_triton, dispatch.sparse_mla_triton,
-                 dispatch.sparse_mla_triton_with_head_probs)
+                 dispatch.sparse_mla_triton_with_head_probs, dispatch.sparse_mla_triton_parts)
 
 
 def test_pallas_on_cpu_is_an_error_naming_the_field():
@@ -46,6 +47,9 @@ def test_pallas_on_cpu_is_an_error_naming_the_field():
 def test_interpret_only_when_asked():
   ops = pk.dsa_ops("pallas_interpret")
   for op, kernel in zip(ops, pk.DSA_OPS["pallas_tpu"]):  # the KL target's kernel too
+    if kernel is None:  # no `sparse_mla_parts` on TPU
+      assert op is None
+      continue
     assert isinstance(op, functools.partial) and op.func is kernel
     assert op.keywords == {"interpret": True}
   gpu = pk.dsa_ops("pallas", platform="gpu", interpret=True)
@@ -179,8 +183,11 @@ def test_cudnn_wiring_in_the_warmup_stage(helpers, monkeypatch):
 def test_model_on_gpu_runs_the_gpu_kernels(helpers, monkeypatch):
   """A DSA layer with dsa_impl="pallas" traced as on GPU (the platform patched; the GPU row's
   kernels in interpret mode) takes the Triton kernels through the model's wiring (per-shard
-  calls, keyword options; the indexer KL's target from the sparse MLA kernel's forward, not
-  the XLA pass) and gives the XLA path's output, top-k, indexer KL and gradients."""
+  calls, keyword options; the sparse attention and the indexer KL as one op whose KL target
+  comes from the attention's backward kernel, `dsa_kl_fused`) and gives the XLA path's output,
+  top-k and gradients, attention and indexer params; its differentiated forward's KL is 0, its
+  forward-only KL the XLA path's. (The forward-kernel target, used where heads are split over
+  devices, is checked against `sparse_mla_head_mean_probs` in test_triton_sparse_mla.py.)"""
   calls = []
 
   def interpreted(op):
@@ -192,21 +199,45 @@ def test_model_on_gpu_runs_the_gpu_kernels(helpers, monkeypatch):
   monkeypatch.setattr(dispatch, "current_platform", lambda: "gpu")
   monkeypatch.setitem(dispatch.DSA_OPS, "pallas_gpu", pk.DSAOps(
       *(interpreted(op) for op in dispatch.DSA_OPS["pallas_gpu"])))
-  results = {}
+  steps = {}
   for impl in ("xla", "pallas"):
-    module, params, args = _dsa_layer(helpers, dsa_impl=impl)
+    module, params, args = _dsa_layer(helpers, dsa_impl=impl)  # the same params for both
+    forward = functools.partial(module.apply, mode=Mode(dsa_stage="sparse"))
 
-    def loss(params):
-      y, aux = module.apply(params, *args, mode=Mode(dsa_stage="sparse"))
+    def loss(params, forward=forward, args=args):
+      y, aux = forward(params, *args)
       return (y ** 2).sum() + aux["indexer_kl"].mean(), (y, aux)
 
-    results[impl] = jax.jit(jax.value_and_grad(loss, has_aux=True))(params)
-  assert sorted(set(calls)) == ["indexer_topk_triton", "sparse_mla_triton_with_head_probs"]
-  (_, (y, aux)), grads = results["pallas"]
-  (_, (want_y, want_aux)), want_grads = results["xla"]
+    steps[impl] = jax.value_and_grad(loss, has_aux=True)
+  # One program for the three (a compile each would cost more than the three runs).
+  want, got, (_, forward_only_aux) = jax.jit(lambda p: (
+      steps["xla"](p), steps["pallas"](p), forward(p, *args)))(params)
+  assert sorted(set(calls)) == ["indexer_topk_triton", "sparse_mla_triton_parts"]
+  (_, (y, aux)), grads = got
+  (_, (want_y, want_aux)), want_grads = want
   np.testing.assert_array_equal(aux["topk_indices"], want_aux["topk_indices"])
   np.testing.assert_allclose(y, want_y, rtol=1e-4, atol=1e-5)
-  np.testing.assert_allclose(aux["indexer_kl"], want_aux["indexer_kl"], rtol=1e-4, atol=1e-6)
+  assert not np.asarray(aux["indexer_kl"]).any()  # not computed in a differentiated forward
+  np.testing.assert_allclose(forward_only_aux["indexer_kl"], want_aux["indexer_kl"],
+                             rtol=1e-4, atol=1e-6)
+  assert jax.tree.structure(grads) == jax.tree.structure(want_grads)
   for got, want in zip(jax.tree.leaves(grads), jax.tree.leaves(want_grads)):
     np.testing.assert_allclose(got, want, rtol=1e-3, atol=1e-5 * max(float(np.abs(want).max()),
                                                                      1e-6))
+  assert any(np.asarray(g).any() for g in jax.tree.leaves(grads["params"]["indexer"]))
+
+
+def test_kl_target_in_backward_only_on_the_gpu_kernels(helpers, monkeypatch):
+  """`mla.kl_target_in_backward`: the GPU kernels only (no other row has `sparse_mla_parts`),
+  and then a train step's metrics drop `indexer_kl` in the sparse stage
+  (`step._measured`: its value is 0 there), nowhere else."""
+  impls = ("dense_mask", "xla", "pallas", "pallas_interpret")
+  metrics = {"loss": 1.0, "indexer_kl": 0.0}
+  sparse, warmup = StepConfig(dsa_stage="sparse"), StepConfig(dsa_stage="warmup")
+  for platform, backward in (("cpu", ()), ("tpu", ()), ("gpu", ("pallas",))):
+    monkeypatch.setattr(dispatch, "current_platform", lambda platform=platform: platform)
+    for impl in impls:
+      cfg = helpers.config(dsa_impl=impl)
+      assert mla.kl_target_in_backward(cfg) == (impl in backward), (platform, impl)
+      assert ("indexer_kl" in _measured(cfg, sparse, metrics)) == (impl not in backward)
+      assert _measured(cfg, warmup, metrics) == metrics

@@ -14,7 +14,9 @@ import pytest
 from pallas_kernels import sparse_mla_head_mean_probs, sparse_mla_reference
 # The functions by name from the module: the package may later export `sparse_mla_triton`, the
 # function, under the module's name.
+from pallas_kernels.blocking import empty_out_of_range
 from pallas_kernels.sparse_mla_triton import (_auto_split, sparse_mla_flops, sparse_mla_triton,
+                                              sparse_mla_triton_parts,
                                               sparse_mla_triton_with_head_probs)
 from tests.conftest import lower_for_cuda
 from tests.inputs import sparse_mla_inputs
@@ -99,16 +101,33 @@ def test_gradients_match_reference_autodiff(dtype, tol):
 
 def test_backward_split_over_head_blocks_matches_reference():
   """H = 20 padded to 32 and split into two programs of 16 heads per token (the option the
-  GLM-5 default replaced with all heads in one program): each block adds its heads' key-row
-  gradients."""
+  GLM-5 default replaced with all heads in one program), through `sparse_mla_triton_parts`
+  (its forward, then its backward from the same cotangents as `_grads`): each block adds its
+  heads' key-row gradients, and its share of the head-mean probabilities (the padded heads,
+  uniform p, left out): `sparse_mla_head_mean_probs`, 0 at empty slots."""
   args = mla_inputs(h=20, seed=6)
-  triton = functools.partial(sparse_mla_triton, interpret=True, block_t=16,
-                             backward_block_t=16, backward_head_block=16)
-  got, ref = _grads(triton, args), _grads(sparse_mla_reference, args)
+  *arrays, topk = args
+  rng = np.random.default_rng(4)  # `_grads`' cotangents
+  cot_out = jnp.asarray(rng.standard_normal(arrays[0].shape), jnp.float32)
+  cot_lse = jnp.asarray(rng.standard_normal(arrays[0].shape[:3]), jnp.float32)
+  topk = empty_out_of_range(topk, arrays[2].shape[1])
+  parts = sparse_mla_triton_parts(interpret=True, block_t=16, backward_block_t=16,
+                                  backward_head_block=16)
+
+  @jax.jit
+  def forward_backward(*arrays):
+    out, lse = parts.forward(*arrays, topk, SCALE)
+    return lse, parts.backward(*arrays, topk, out, lse, cot_out, cot_lse, SCALE)
+
+  lse, (*got, probs) = forward_backward(*arrays)
+  ref = _grads(sparse_mla_reference, args)
   for name, g, r in zip(("q", "q_rope", "kv", "k_rope"), got, ref):
     _close(g, r, 1e-5, f"d{name}")
+  _close(probs, sparse_mla_head_mean_probs(*args, lse, scale=SCALE), 1e-5, "head-mean probs")
+  assert not np.asarray(probs)[np.asarray(topk) < 0].any()
   with pytest.raises(ValueError, match="backward_head_block=24"):
-    _grads(functools.partial(triton, backward_head_block=24), args)
+    triton = functools.partial(sparse_mla_triton, interpret=True, backward_head_block=24)
+    _grads(triton, args)
 
 
 def test_all_64_heads_in_one_program_with_latent_chunks():

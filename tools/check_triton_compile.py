@@ -18,7 +18,9 @@ Kernel programs, bf16, at GLM-5 shapes (`Shapes`): the lightning indexer's fused
 (`indexer`: B 1, L = S = 4096, 32 index heads x 128, top-k 2048), sparse MLA's forward
 (`mla_forward`: 64 heads, C 512, R 64, the same L, S, T), the same forward with the indexer
 KL's head-mean probabilities from a second sweep (`mla_forward_probs`, what training runs for a
-layer with an indexer), its backward (`mla_backward`), and the split-k decode forward
+layer with an indexer, where the KL target does not come from the backward), its backward
+(`mla_backward`), the backward that also writes the head-mean probabilities (`mla_backward_probs`,
+what a GPU train step runs: `glm5_jax.attention.dsa_kl_fused`), and the split-k decode forward
 (`mla_decode`: B 8, L 1 over 64K keys, split_k automatic).
 The routed experts' grouped matmul (`pallas_kernels/grouped_matmul_triton.py`) at GLM-5's expert
 shapes (`Shapes.moe`: 8 x 4096 tokens x top-8 rows, hidden D 6144, moe_intermediate F 2048, 256
@@ -42,8 +44,9 @@ import jax.numpy as jnp
 from pallas_kernels import grouped_matmul_triton, lightning_indexer_triton, sparse_mla_triton
 from pallas_kernels import triton_offline
 
-KERNELS = ("indexer", "mla_forward", "mla_forward_probs", "mla_backward", "mla_decode", "gmm",
-           "gmm_dgrad", "tgmm")
+KERNELS = ("indexer", "mla_forward", "mla_forward_probs", "mla_backward", "mla_backward_probs",
+           "mla_decode", "gmm", "gmm_dgrad", "tgmm")
+MLA_BACKWARD_KERNELS = ("mla_backward", "mla_backward_probs")
 GMM_KERNELS = ("gmm", "gmm_dgrad", "tgmm")
 # (rows P, hidden D, expert intermediate F, experts E) of the routed experts' grouped matmul.
 MOE_SHAPES = {"glm5": (8 * 4096 * 8, 6144, 2048, 256), "3b": (2 * 4096 * 4, 2048, 512, 32)}
@@ -88,7 +91,7 @@ def default_options(kernel: str) -> dict:
     return {prefix + n: getattr(gmm, prefix + n)
             for n in ("block_m", "block_k", "block_n", "num_warps", "num_stages")}
   mla = sparse_mla_triton.TritonMLAOptions()
-  if kernel == "mla_backward":
+  if kernel in MLA_BACKWARD_KERNELS:
     return {n: getattr(mla, n) for n in ("backward_head_block", "backward_block_t",
                                          "backward_c_chunk", "backward_num_warps",
                                          "backward_num_stages")}
@@ -126,7 +129,8 @@ SWEEPS = {
 
 def _launch(kernel: str, options: dict) -> tuple[int, int]:
   """(num_warps, num_stages) of the compile, from the kernel's options."""
-  prefix = {"mla_backward": "backward_", "tgmm": "tgmm_"}.get(kernel, "")
+  prefix = {"mla_backward": "backward_", "mla_backward_probs": "backward_",
+            "tgmm": "tgmm_"}.get(kernel, "")
   return options[prefix + "num_warps"], options[prefix + "num_stages"]
 
 
@@ -171,6 +175,13 @@ def _program(kernel: str, shapes: Shapes, options: dict):
     probs = functools.partial(sparse_mla_triton.sparse_mla_triton_with_head_probs,
                               scale=s.softmax_scale, **options)
     return probs, args, "sparse_mla_triton_forward_head_probs", summary
+  if kernel == "mla_backward_probs":  # the backward that also writes the KL target
+    parts = sparse_mla_triton.sparse_mla_triton_parts(**options)
+    per_head = lambda dtype, *last: sds((b, l, s.heads) + last, dtype)
+    backward = lambda *x: parts.backward(*x, s.softmax_scale)
+    return backward, args + (per_head(bf16, s.latent), per_head(jnp.float32),
+                             per_head(bf16, s.latent), per_head(jnp.float32)), \
+        "sparse_mla_triton_backward_head_probs", summary
   if kernel != "mla_backward":
     return mla, args, "sparse_mla_triton_forward", summary
   fn, args = triton_offline.backward_program(lambda *x: mla(*x[:4], x[4]), *args)

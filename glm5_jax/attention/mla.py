@@ -38,7 +38,7 @@ from jax.ad_checkpoint import checkpoint_name
 
 import pallas_kernels
 from glm5_jax import routing_replay
-from glm5_jax.attention import context_parallel
+from glm5_jax.attention import context_parallel, dsa_kl_fused
 from glm5_jax.attention.common import attend, attend_flash, causal_segment_mask, MASKED_LOGIT
 from glm5_jax.attention.dsa import (LightningIndexer, indexer_kl_per_query,
                                     restrict_topk_to_visible, topk_mask)
@@ -273,17 +273,24 @@ def _sparse_stage_attention(c, latents: _Latents, scale, segment_ids_BL, order: 
   # forward or the KL terms.
   topk_BLT = checkpoint_name(topk_BLT, "dsa_topk")
   q_latent_BLHC = jnp.einsum("blhn,chn->blhc", q_nope_BLHN, w_kb_CHN)
-  # Where the attention pass gives the KL target (the Pallas kernels' forward; "xla" partitioned
-  # by XLA), no second pass gathers the selected rows for it; otherwise ("xla" under context
-  # parallelism) `_kl_target_on_mesh` computes it.
-  fused_target = (index_qkw is not None
+  # The GPU kernels: attention and indexer KL as one op, the target from the attention's
+  # backward (`dsa_kl_fused`). Else, where the attention pass gives the KL target (the Pallas
+  # kernels' forward; "xla" partitioned by XLA), no second pass gathers the selected rows for
+  # it; otherwise ("xla" under context parallelism) `_kl_target_on_mesh` computes it.
+  kl_in_backward = index_qkw is not None and kl_target_in_backward(c)
+  fused_target = (index_qkw is not None and not kl_in_backward
                   and pallas_kernels.dsa_ops(c.dsa_impl).sparse_mla_with_probs is not None)
   target_in_pass = (index_qkw is not None and c.dsa_impl == "xla"
                     and not _queries_per_shard(c.dsa_impl))
   # Named scopes label the ops' `op_name` for per-category FLOP / time tables
   # (glm5_jax.planning.flop_ledger); they change nothing else.
   with jax.named_scope("sparse_mla"):
-    if target_in_pass:
+    if kl_in_backward:
+      out_latent_BLHC, lse_BLH, kl_BL = _sparse_mla_and_kl_on_mesh(c.dsa_impl, scale,
+                                                                   index_scale)(
+          q_latent_BLHC, q_rope_BLHR, ckv_BSC, k_rope_BSR, topk_BLT, *index_qkw)
+      aux["indexer_kl"] = kl_BL
+    elif target_in_pass:
       out_latent_BLHC, lse_BLH, target_BLT = pallas_kernels.sparse_mla_xla_with_kl_target(
           q_latent_BLHC, q_rope_BLHR, ckv_BSC, k_rope_BSR, topk_BLT, scale=scale,
           head_groups=context_split(HEADS))
@@ -293,7 +300,7 @@ def _sparse_stage_attention(c, latents: _Latents, scale, segment_ids_BL, order: 
               q_latent_BLHC, q_rope_BLHR, ckv_BSC, k_rope_BSR, topk_BLT)
       if fused_target:
         target_BLT = jax.lax.stop_gradient(target[0])  # the kernel drops its cotangent too
-  if index_qkw is not None:
+  if index_qkw is not None and not kl_in_backward:
     if not (target_in_pass or fused_target):
       (target_BLT,) = _kl_target_on_mesh(scale)(
           topk_BLT, q_latent_BLHC, q_rope_BLHR, ckv_BSC, k_rope_BSR, lse_BLH)
@@ -313,6 +320,38 @@ def _queries_per_shard(impl: str) -> bool:
   return impl in pallas_kernels.PALLAS_IMPLS or context_split(LENGTH) > 1
 
 
+def kl_target_in_backward(c: ModelConfig) -> bool:
+  """Whether the sparse stage's indexer KL takes its target from the attention's backward
+  kernel (`glm5_jax.attention.dsa_kl_fused`): where `model.dsa_impl` picks kernels that come
+  apart for it (`DSAOps.sparse_mla_parts`: the GPU Triton ones) and every head of a query is on
+  its device (the target is a mean over all heads). Then a differentiated step's KL value is 0
+  (its gradient exact) and the train step reports no `indexer_kl`; called at trace time."""
+  if c.dsa_impl not in pallas_kernels.PALLAS_IMPLS or context_split(HEADS) > 1:
+    return False
+  dispatch = pallas_kernels.dispatch  # its platform: the one `dsa_ops` picks kernels by
+  if c.dsa_impl == "pallas" and dispatch.current_platform() not in dispatch.PALLAS_BY_PLATFORM:
+    return False  # no kernels here: the sparse stage itself names the field
+  return pallas_kernels.dsa_ops(c.dsa_impl).sparse_mla_parts is not None
+
+
+def _sparse_mla_and_kl_on_mesh(impl: str, scale: float, index_scale: float):
+  """`dsa_kl_fused.sparse_mla_with_indexer_kl` on the kernels of `impl`, per device under
+  `mesh_shards.per_shard` (a pallas_call is opaque to the partitioner): queries, their
+  selections and the indexer's queries and weights keep the batch and sequence splits, the key
+  rows and indexer keys are whole (their cotangents summed at the boundary); every head is on
+  the device (`kl_target_in_backward`). Args: `(q_latent, q_rope, ckv, k_rope, topk, index_q,
+  index_k, index_w)`; returns `(out_BLHC, lse_BLH, kl_BL)`."""
+  parts = pallas_kernels.dsa_ops(impl).sparse_mla_parts()
+  op = functools.partial(dsa_kl_fused.sparse_mla_with_indexer_kl, parts, scale=scale,
+                         index_scale=index_scale)
+  q_axes, rows_axes, q_rows = (BATCH, LENGTH, HEADS, None), (BATCH, None, None), (BATCH, LENGTH,
+                                                                                  None)
+  return per_shard(op, in_axes=(q_axes, q_axes, rows_axes, rows_axes, q_rows,
+                                (BATCH, LENGTH, None, None), rows_axes, q_rows),
+                   out_axes=(q_axes, (BATCH, LENGTH, HEADS), (BATCH, LENGTH)),
+                   name="sparse_mla_pallas")
+
+
 def _indexer_kl_on_mesh(index_scale: float):
   """The indexer KL per query, fp32 `[B, L]` (`_sparse_stage_attention` step 3): I at the
   selection (`indexer_scores_at`) and its KL to `target_BLT` per query block, inside the
@@ -323,11 +362,8 @@ def _indexer_kl_on_mesh(index_scale: float):
   1-tuple."""
 
   def kl(q_BLJI, k_BSI, weights_BLJ, topk_BLT, target_BLT):
-    with jax.named_scope("indexer_scores_at"):
-      return (pallas_kernels.indexer_scores_at(
-          q_BLJI, k_BSI, weights_BLJ, topk_BLT, scale=index_scale, per_query=[target_BLT],
-          reduce_block=lambda s_BLT, t_BLT, p_BLT: indexer_kl_per_query(s_BLT, p_BLT,
-                                                                          t_BLT >= 0)),)
+    return (dsa_kl_fused.indexer_kl_at_selection(q_BLJI, k_BSI, weights_BLJ, topk_BLT,
+                                                 target_BLT, index_scale=index_scale),)
 
   if context_split(LENGTH) == 1:
     return kl

@@ -24,7 +24,9 @@ live, one `[B, L, D]` per layer.
                    inside `indexer_scores_at`'s per-block checkpoint). Per DSA layer that keeps
                    B L H C (bf16) + 2 B L T (fp32 / int32) + B L H (fp32) numbers (3B config at
                    8 x 4,096 tokens: ~2.7 GB per layer). Layers without sparse attention save
-                   nothing under it (full remat there).
+                   nothing under it (full remat there). On the GPU kernels the KL target
+                   comes from the attention's backward (`glm5_jax.attention.dsa_kl_fused`):
+                   there is no `indexer_kl_target` to keep.
   offload_dots     `dots_no_batch`, but the kept projections go to host memory
                    (`offload_dot_with_no_batch_dims`; backends with pinned host memory, TPU/GPU)
 

@@ -208,7 +208,8 @@ def _custom_call_flops(name: str, operands: list, result: tuple = ()) -> float |
   sparse MLA (`sparse_mla_triton_*`: top-k `[B, L, T]`, q `[B, L, H, C]` + `[B, L, H, R]`):
   forward 2 B L H T (C + R + C) (scores over C + R, values over C), + 2 B L H T (C + R) for
   the second sweep of `sparse_mla_triton_forward_head_probs` (the KL target); backward
-  2 B L H T (3 (C + R) + 2 C) (scores again, dP, dQ, and dKV from P^T dO and dS^T Q).
+  2 B L H T (3 (C + R) + 2 C) (scores again, dP, dQ, and dKV from P^T dO and dS^T Q), the
+  same for `sparse_mla_triton_backward_head_probs` (its KL target adds no matmul).
   Indexer top-k (`lightning_indexer_topk`: q `[B, L Hi, K]`, k `[B, S, K]`): causal scores,
   2 B (L Hi) K (S + 1) / 2.
   Grouped matmul (`grouped_matmul_triton_gmm`: x `[M, K]` the 5th operand, result `[M, N]`;
@@ -227,7 +228,7 @@ def _custom_call_flops(name: str, operands: list, result: tuple = ()) -> float |
     r = operands[3][1][3]
     per = (c + r + c) if "forward" in name else (3 * (c + r) + 2 * c) if "backward" in name \
         else None
-    if per is not None and "head_probs" in name:
+    if "forward_head_probs" in name:  # the backward's head sums ride on its own p
       per += c + r
     return None if per is None else 2.0 * b * l * h * t * per
   if "lightning_indexer" in name and len(operands) >= 5:

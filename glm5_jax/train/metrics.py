@@ -122,8 +122,10 @@ def _plain(value):
 
 def progress_line(step: int, total: int, metrics: dict) -> str:
   """`step 120/600 | loss 2.314 (lm 2.101 mtp 2.71 kl 0.12) | lr 2.9e-03 | gnorm 0.81 | ...`"""
+  # No `indexer_kl` where a train step does not compute its value (glm5_jax.train.step._measured).
+  kl = f"{metrics['indexer_kl']:.3f}" if "indexer_kl" in metrics else "-"
   parts = [f"step {step}/{total}", f"loss {metrics['loss']:.3f} (lm {metrics['lm_loss']:.3f}"
-           f" mtp {metrics['mtp_loss']:.3f} kl {metrics['indexer_kl']:.3f})",
+           f" mtp {metrics['mtp_loss']:.3f} kl {kl})",
            f"acc {metrics['accuracy']:.3f}", f"lr {metrics['learning_rate']:.2e}",
            f"gnorm {metrics['grad_norm']:.2f}"]
   if "expert_load_max" in metrics:

@@ -20,7 +20,7 @@ import optax
 from flax import traverse_util
 
 from glm5_jax.api import forward
-from glm5_jax.attention import context_parallel
+from glm5_jax.attention import context_parallel, mla
 from glm5_jax.attention.mode import Mode
 from glm5_jax.config import ModelConfig, require
 from glm5_jax.layers.axes import BATCH
@@ -199,7 +199,7 @@ def loss_and_grads(model: ModelConfig, step_cfg: StepConfig, params, batch):
   if step_cfg.microbatches == 1:
     grad_fn = jax.value_and_grad(compute_loss, argnums=2, has_aux=True)
     (_, (metrics, counts, _, _)), grads = grad_fn(model, step_cfg, params, batch)
-    return metrics, counts, grads
+    return _measured(model, step_cfg, metrics), counts, grads
 
   mtp_depths = model.mtp_depths if model.num_nextn_predict_layers else 0
   whole = losses.loss_denominators(batch, mtp_depths)
@@ -223,7 +223,17 @@ def loss_and_grads(model: ModelConfig, step_cfg: StepConfig, params, batch):
            jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), aux_shapes))
   (grads, (metrics, counts)), _ = jax.lax.scan(accumulate, zeros, microbatches)
   grads = jax.tree.map(lambda g, p: g.astype(p.dtype), grads, params)
-  return metrics, counts, grads
+  return _measured(model, step_cfg, metrics), counts, grads
+
+
+def _measured(model: ModelConfig, step_cfg: StepConfig, metrics):
+  """`metrics` of a differentiated step less `indexer_kl` where its value was not computed: the
+  sparse stage on kernels whose KL target comes from the attention's backward
+  (`mla.kl_target_in_backward`) returns a KL of 0 in the forward, with the true gradient, so
+  `loss` there holds no indexer term either. Eval steps (forward only) report it."""
+  if step_cfg.dsa_stage == "sparse" and mla.kl_target_in_backward(model):
+    return {k: v for k, v in metrics.items() if k != "indexer_kl"}
+  return metrics
 
 
 def split_microbatches(batch, microbatches: int):
