@@ -101,11 +101,13 @@ def test_gradients_match_reference_autodiff(dtype, tol):
 
 def test_backward_split_over_head_blocks_matches_reference():
   """H = 20 padded to 32 and split into two programs of 16 heads per token (the option the
-  GLM-5 default replaced with all heads in one program), through `sparse_mla_triton_parts`
+  GLM-5 default replaced with all heads in one program), C 128 gathered as one chunk and its
+  key-row gradients formed in two halves of 64 (GLM-5's default chunks), through
+  `sparse_mla_triton_parts`
   (its forward, then its backward from the same cotangents as `_grads`): each block adds its
   heads' key-row gradients, and its share of the head-mean probabilities (the padded heads,
   uniform p, left out): `sparse_mla_head_mean_probs`, 0 at empty slots."""
-  args = mla_inputs(h=20, seed=6)
+  args = mla_inputs(h=20, c=128, seed=6)
   *arrays, topk = args
   rng = np.random.default_rng(4)  # `_grads`' cotangents
   cot_out = jnp.asarray(rng.standard_normal(arrays[0].shape), jnp.float32)
