@@ -87,16 +87,20 @@ def _grads(fn, args, seed=4, with_outputs=False):
 @pytest.mark.parametrize("dtype,tol", [(jnp.bfloat16, 5e-2)])  # fp32: the 64-heads test
 def test_gradients_match_reference_autodiff(dtype, tol):
   """dq, dq_rope, dkv, dk_rope against autodiff of the reference: duplicates receive both
-  slots' gradients, empty and out-of-range slots none, the empty query no NaN."""
+  slots' gradients, empty and out-of-range slots none, the empty query no NaN; and the bf16
+  forward (out in bf16) within bf16 rounding of the reference's."""
   args = mla_inputs(dtype=dtype, seed=3)
   triton = functools.partial(sparse_mla_triton, interpret=True, block_t=16,
                              backward_block_t=16)
-  got, ref = _grads(triton, args), _grads(sparse_mla_reference, args)
+  (got, (out, lse)), (ref, (ref_out, ref_lse)) = (
+      _grads(f, args, with_outputs=True) for f in (triton, sparse_mla_reference))
   for name, g, r in zip(("q", "q_rope", "kv", "k_rope"), got, ref):
     assert g.dtype == r.dtype == dtype and np.isfinite(np.asarray(g, np.float32)).all(), name
     _close(g, r, tol, f"d{name}")
   assert not np.asarray(got[0][0, 0], np.float32).any(), "the empty query gets no gradient"
-
+  assert out.dtype == dtype
+  _close(out, ref_out, 2e-2, "out")
+  _close(lse, ref_lse, 1e-2, "lse")
 
 
 def test_backward_split_over_head_blocks_matches_reference():
@@ -154,16 +158,6 @@ def test_all_64_heads_in_one_program_with_latent_chunks():
   assert not np.asarray(probs)[np.asarray(topk) < 0].any()
   np.testing.assert_allclose(np.asarray(probs).sum(-1)[1], 1.0, rtol=1e-5)  # rows sum to 1
   assert not np.asarray(got[0][0, 0]).any(), "the empty query gets no gradient"
-
-
-def test_bf16_forward_within_bf16_rounding():
-  args = mla_inputs(dtype=jnp.bfloat16, seed=5)
-  ref_out, ref_lse = sparse_mla_reference(*args, scale=SCALE)
-  out, lse = jax.jit(functools.partial(sparse_mla_triton, scale=SCALE, interpret=True,
-                                       block_t=16))(*args)
-  assert out.dtype == jnp.bfloat16
-  _close(out, ref_out, 2e-2, "out")
-  _close(lse, ref_lse, 1e-2, "lse")
 
 
 def test_decode_split_k_equals_unsplit():
