@@ -127,12 +127,11 @@ class TritonMLAOptions:
       (Triton 3.6, sm_90a, GLM-5 shapes): bt 16 X 128 D 64 is the all-heads point without
       spills (255 registers, 0 B, 178 KiB; with and without the KL target's head sums); D 128,
       bt 32, X 64 / 256 and 16 warps (128 registers a thread) spill (docs/performance.md).
-      The previous default, 32 heads
-      per program at bt 32 (two programs per token, each gathering the same rows and adding
-      its own atomics), compiled with 16 B of spills and 132 KiB; the first H200 sweep
-      measured it 1.25x faster than bt 16 and 1.7x faster than 16 heads, i.e. time grows
-      with programs per token. Which of the two is
-      faster on the chip is for the next device run (tools/tune_sparse_mla.py rows).
+      The previous default, 32 heads per program at bt 32 (two programs per token, each
+      gathering the same rows and adding its own atomics), compiles with 0 B of spills and
+      148 KiB; the first H200 sweep measured it 1.25x faster than bt 16 and 1.7x faster than
+      16 heads, i.e. time grows with programs per token. Which of the two is faster on the
+      chip is for the next device run (tools/tune_sparse_mla.py rows).
     split_k: None = automatic (`_auto_split`); 1 = never split; K = split the slots over K
       programs per token (forward only; the backward is never split).
   """
@@ -331,7 +330,7 @@ def _backward_kernel(n_blocks_ref, topk_ref, q_ref, q_rope_ref, dout_ref, lse_re
     s_HT = jnp.where(valid_T[None, :], s_HT * scale, MASKED_LOGIT)
     p_HT = jnp.where(valid_T[None, :], jnp.exp(s_HT - lse_H[:, None]), 0.0)
     ds_HT = p_HT * (dp_HT - delta_H[:, None]) * scale  # the logits' scale folded in once
-    if probs_ref:  # the row offset read in the loop, as (2) above: 48 -> 8 B of spills
+    if probs_ref:  # the row offset read in the loop, as (2) above
       _store_head_sum(probs_ref[0], p_HT, b + first_row_ref[0], l, g, j, bt, heads,
                       padded_heads)
     p16_HT, ds16_HT = p_HT.astype(kv_ref.dtype), ds_HT.astype(kv_ref.dtype)

@@ -105,20 +105,20 @@ def test_gradients_match_reference_autodiff(dtype, tol):
 
 def test_backward_split_over_head_blocks_matches_reference():
   """H = 20 padded to 32 and split into two programs of 16 heads per token (the option the
-  GLM-5 default replaced with all heads in one program), C 128 gathered as one chunk and its
-  key-row gradients formed in two halves of 64 (GLM-5's default chunks), through
+  GLM-5 default replaced with all heads in one program), C 32 gathered as one chunk and its
+  key-row gradients formed in two halves of 16 (as GLM-5's 128 in two of 64), through
   `sparse_mla_triton_parts`
   (its forward, then its backward from the same cotangents as `_grads`): each block adds its
   heads' key-row gradients, and its share of the head-mean probabilities (the padded heads,
   uniform p, left out): `sparse_mla_head_mean_probs`, 0 at empty slots."""
-  args = mla_inputs(h=20, c=128, seed=6)
+  args = mla_inputs(h=20, c=32, seed=6)
   *arrays, topk = args
   rng = np.random.default_rng(4)  # `_grads`' cotangents
   cot_out = jnp.asarray(rng.standard_normal(arrays[0].shape), jnp.float32)
   cot_lse = jnp.asarray(rng.standard_normal(arrays[0].shape[:3]), jnp.float32)
   topk = empty_out_of_range(topk, arrays[2].shape[1])
   parts = sparse_mla_triton_parts(interpret=True, block_t=16, backward_block_t=16,
-                                  backward_head_block=16)
+                                  backward_head_block=16, backward_dkv_chunk=16)
 
   @jax.jit
   def forward_backward(*arrays):
