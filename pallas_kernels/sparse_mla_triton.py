@@ -43,8 +43,9 @@ Backward (custom VJP), grid (B, L): `delta = rowsum(dout * out) - dlse` in XLA; 
      shared memory for the whole loop (loaded once, as X-column chunks);
   2. `p = exp(logit - lse)`, `ds = p (dp - delta) scale`; dq `[H, C]` (as C / X chunks) and
      dq_rope `[H, R]` accumulate in fp32 registers over the blocks and are written once;
-  3. per column chunk, `dkv = p^T dout + ds^T q` `[bt, X]` (q and dout chunks re-read from L2
-     as right-hand operands) and, once, `dk_rope = ds^T q_rope` `[bt, R]`, each added into
+  3. per column chunk of D = `backward_dkv_chunk` (64: half a gather chunk),
+     `dkv = p^T dout + ds^T q` `[bt, D]` (q and dout chunks re-read from L2 as right-hand
+     operands) and, once, `dk_rope = ds^T q_rope` `[bt, R]`, each added into
      fp32 `[B, S, C]` / `[B, S, R]` buffers with ONE masked `plgpu.atomic_add`, which Triton
      3.6 emits as 16-byte vector atomics (`atom.global.gpu.acq_rel.add.v4.f32` in the PTX; Pallas
      fixes the acq_rel order, a relaxed `red` is not reachable from it), and cast to the input
@@ -53,11 +54,11 @@ Backward (custom VJP), grid (B, L): `delta = rowsum(dout * out) - dlse` in XLA; 
   bt 16, X 128, 8 warps = 256 threads, so at most 255 registers a thread):
     registers: dq `[64, 512]` fp32 = 128 KiB = 128 a thread, dq_rope `[64, 64]` fp32 = 16; the
       per-block tiles are small (logits, dp, p, ds `[64, 16]` fp32: 4 each; a dkv chunk
-      `[16, 128]` fp32: 8; dk_rope 4), and gathering in X-column chunks keeps the gather's
-      `[bt, C]` address and value tiles out of registers;
+      `[16, 64]` fp32: 4, still one 16-byte atomic a thread; dk_rope 4), and gathering in
+      X-column chunks keeps the gather's `[bt, C]` address and value tiles out of registers;
     shared memory: q and dout `[64, 512]` bf16 = 64 KiB each, q_rope 8 KiB (stacked with
       zeros for the logits: 16, and once more for dk_rope), a gathered block `[16, 576]` bf16 =
-      18 KiB, the re-read dkv operand chunks `[64, 128]` bf16 = 16 KiB each: 182 KiB as
+      18 KiB, the re-read dkv operand chunks `[64, 64]` bf16 = 8 KiB each: 178 KiB as
       compiled.
   The two uses of q (left operand of the logits, right operand of `ds^T q`) and of dout need
   different shared layouts, and Triton allocates one buffer per layout: holding both would be
@@ -65,10 +66,9 @@ Backward (custom VJP), grid (B, L): `delta = rowsum(dout * out) - dlse` in XLA; 
   launch). Hence the re-reads from L2 for the dkv products (2 x 64 KiB per slot block, beside the
   18 KiB gather). What is invariant in the slot loop LLVM hoists out of it and keeps live
   through it (wgmma descriptors, address tensors), so the kernel keeps that set small
-  (`_backward_kernel`'s comment). As compiled offline (Triton 3.6, sm_90a,
-  `tools/check_triton_compile.py`): 255 registers with 48 bytes of spill stores a thread, all
-  outside the slot loop (6 thread-index offsets of dq's store, kept through the loop and
-  reloaded once after it), 182 KiB of shared memory; docs/performance.md.
+  (`_backward_kernel`'s comment). As compiled offline (Triton 3.6, sm_90a, after the TTIR
+  passes the GPU's pipeline runs first; `tools/check_triton_compile.py`), with and without the
+  head sums: 255 registers, 0 bytes of spills, 178 KiB of shared memory; docs/performance.md.
   dkv / dk_rope are bitwise NON-deterministic on GPU (the atomics land in a varying order:
   run-to-run differences within fp32 rounding of the sum); dq, dq_rope, out and lse are
   deterministic. Many queries selecting one key (e.g. the first tokens) serialize their
@@ -121,17 +121,17 @@ class TritonMLAOptions:
       32 x (512 + 64) bf16 = 36 KiB of shared memory, two of them in flight (num_stages=2) plus
       the 72 KiB query tile stay well under 228 KiB; bt=64 would double that and leave no
       room for a third stage.
-    backward_head_block=64, backward_block_t=16, backward_c_chunk=128, backward_num_warps=8,
-      backward_num_stages=1: all of GLM-5's heads in one program per token (module docstring:
-      the register and shared-memory arithmetic). Offline compiles (Triton 3.6, sm_90a, GLM-5
-      shapes): bt 16 X 128 is the least-spilling all-heads point (255 registers, 48 B of
-      spill stores outside the slot loop, 182 KiB); bt 32, X 64 / 256 and 16 warps (128
-      registers a thread) spill more (docs/performance.md). The previous default, 32 heads
-      per program at bt 32 (two programs per token, each gathering the same rows and adding
-      its own atomics), compiled with 16 B of spills and 132 KiB; the first H200 sweep
-      measured it 1.25x faster than bt 16 and 1.7x faster than 16 heads, i.e. time grows
-      with programs per token. Which of the two is
-      faster on the chip is for the next device run (tools/tune_sparse_mla.py rows).
+    backward_head_block=64, backward_block_t=16, backward_c_chunk=128, backward_dkv_chunk=64,
+      backward_num_warps=8, backward_num_stages=1: all of GLM-5's heads in one program per
+      token (module docstring: the register and shared-memory arithmetic). Offline compiles
+      (Triton 3.6, sm_90a, GLM-5 shapes): bt 16 X 128 D 64 is the all-heads point without
+      spills (255 registers, 0 B, 178 KiB; with and without the KL target's head sums); D 128,
+      bt 32, X 64 / 256 and 16 warps (128 registers a thread) spill (docs/performance.md).
+      The previous default, 32 heads per program at bt 32 (two programs per token, each
+      gathering the same rows and adding its own atomics), compiles with 0 B of spills and
+      148 KiB; the first H200 sweep measured it 1.25x faster than bt 16 and 1.7x faster than
+      16 heads, i.e. time grows with programs per token. Which of the two is faster on the
+      chip is for the next device run (tools/tune_sparse_mla.py rows).
     split_k: None = automatic (`_auto_split`); 1 = never split; K = split the slots over K
       programs per token (forward only; the backward is never split).
   """
@@ -144,6 +144,7 @@ class TritonMLAOptions:
   backward_num_warps: int = 8
   backward_num_stages: int = 1
   backward_c_chunk: int = 128
+  backward_dkv_chunk: int = 64
   split_k: int | None = None
   interpret: bool = False
 
@@ -278,8 +279,8 @@ def _add_rows(acc_ref, b, rows_T, valid_T, vals_TX, interpret, col0=0):
 
 def _backward_kernel(n_blocks_ref, topk_ref, q_ref, q_rope_ref, dout_ref, lse_ref, delta_ref,
                      kv_ref, k_rope_ref, _dkv_in, _dk_rope_in, first_row_ref, dq_ref, dq_rope_ref,
-                     dkv_ref, dk_rope_ref, *probs_ref, scale, bt, c_chunk, interpret, heads,
-                     padded_heads):
+                     dkv_ref, dk_rope_ref, *probs_ref, scale, bt, c_chunk, dkv_cols, interpret,
+                     heads, padded_heads):
   # _dkv_in / _dk_rope_in are the zero buffers aliased to dkv_ref / dk_rope_ref. probs_ref
   # (`head_probs`): `[B, L, G, T]` fp32, this head block's share of the head-mean probabilities
   # (`_backward`'s docstring); `heads` the real head count, `padded_heads` whether H was padded.
@@ -289,14 +290,20 @@ def _backward_kernel(n_blocks_ref, topk_ref, q_ref, q_rope_ref, dout_ref, lse_re
   # logits and dP are ONE `[2H, bt]` product: each warpgroup computes its half, where two `[H, bt]`
   # products laid out by Triton over both warpgroups ran twice, with 140 loop-invariant wgmma
   # descriptors instead of 36; (2) first_row_ref (`[1]` int32 holding 0) is read in the loop (and
-  # after it) as the first head row of the q / dout re-reads and the dq stores: an offset read
-  # from memory there cannot be hoisted (the loop's atomics may write it), so their address
-  # tensors are rebuilt where they are used, a few integer ops; (3) lse and delta are read per
-  # slot block for the same reason. Offline (docs/performance.md): 332 -> 48 bytes of spills a
-  # thread, none inside the loop.
+  # after it) as the first head row of the q / dout re-reads, of lse and delta, and of the dq
+  # stores: an offset read from memory there cannot be hoisted (the loop's atomics may write it),
+  # so their address tensors are rebuilt where they are used, a few integer ops; it is read
+  # again for each key-row gradient chunk, after the previous chunk's atomics, so one chunk's
+  # re-reads are not issued early beside another's; (3) the key-row gradient is formed in
+  # chunks of `dkv_cols` (`backward_dkv_chunk`, 64) columns, half a gather chunk: its `mma.sync`
+  # operands (dout and q `[H, 64]`, split over the 8 warps) and accumulator take half the
+  # registers, and a `[16, 64]` fp32 block is still 4 floats a thread, one 16-byte atomic. Offline, with the TTIR passes the GPU runs (docs/performance.md):
+  # 92 -> 0 bytes of spills a thread (the head-probs variant 8 -> 0); each of (2)'s lse / delta
+  # read, (2)'s per-chunk read and (3) alone leaves 16-92 bytes.
   b, l, g = pl.program_id(0), pl.program_id(1), pl.program_id(2)
   h, c = q_ref.shape
   chunks = [pl.ds(c0, c_chunk) for c0 in range(0, c, c_chunk)]
+  dkv_chunks = [pl.ds(c0, dkv_cols) for c0 in range(0, c, dkv_cols)]
   q_rope_HR = q_rope_ref[...]
   stack = lambda top, bottom: jnp.stack([top, bottom], axis=-1).transpose(2, 0, 1).reshape(
       (2 * top.shape[0],) + top.shape[1:])  # [H, X] twice -> [2H, X]
@@ -319,19 +326,19 @@ def _backward_kernel(n_blocks_ref, topk_ref, q_ref, q_rope_ref, dout_ref, lse_re
     top_2 = (jax.lax.broadcasted_iota(jnp.int32, (2, 1, 1), 0) == 0)
     s_HT = jnp.where(top_2, sdp_2HT, 0.0).sum(axis=0)
     dp_HT = jnp.where(top_2, 0.0, sdp_2HT).sum(axis=0)
-    lse_H, delta_H = lse_ref[...], delta_ref[...]
+    lse_H, delta_H = (x_ref[pl.ds(first_row_ref[0], h)] for x_ref in (lse_ref, delta_ref))
     s_HT = jnp.where(valid_T[None, :], s_HT * scale, MASKED_LOGIT)
     p_HT = jnp.where(valid_T[None, :], jnp.exp(s_HT - lse_H[:, None]), 0.0)
     ds_HT = p_HT * (dp_HT - delta_H[:, None]) * scale  # the logits' scale folded in once
-    if probs_ref:  # the row offset read in the loop, as (2) above: 48 -> 8 B of spills
+    if probs_ref:  # the row offset read in the loop, as (2) above
       _store_head_sum(probs_ref[0], p_HT, b + first_row_ref[0], l, g, j, bt, heads,
                       padded_heads)
     p16_HT, ds16_HT = p_HT.astype(kv_ref.dtype), ds_HT.astype(kv_ref.dtype)
     dq_nHX = [dq + jnp.dot(ds16_HT, kv_TX, preferred_element_type=_F32)
               for dq, kv_TX in zip(dq_nHX, kv_nTX)]
     dq_rope_HR += jnp.dot(ds16_HT, k_rope_TR, preferred_element_type=_F32)
-    heads_H = pl.ds(first_row_ref[0], h)
-    for x in chunks:
+    for x in dkv_chunks:
+      heads_H = pl.ds(first_row_ref[0], h)  # (2): read after the previous chunk's atomics
       dkv_TX = (jax.lax.dot_general(p16_HT, dout_ref[heads_H, x], _TN,
                                     preferred_element_type=_F32)
                 + jax.lax.dot_general(ds16_HT, q_ref[heads_H, x], _TN,
@@ -458,6 +465,8 @@ def _backward(q_BLHC, q_rope_BLHR, kv_BSC, k_rope_BSR, topk_BLT, dout_BLHC, lse_
   hb = _head_block(hp, opts.backward_head_block)
   c_chunk = min(cp, _slot_block(opts.backward_c_chunk, opts.backward_c_chunk,
                                 "backward_c_chunk"))  # divides cp: both powers of two
+  dkv_cols = min(c_chunk, _slot_block(opts.backward_dkv_chunk, opts.backward_dkv_chunk,
+                                      "backward_dkv_chunk"))  # divides c_chunk
   dout = pad_axis(pad_axis(dout_BLHC, 2, hp, 0), 3, cp, 0)
   # Padded heads: lse 0 and delta 0 with zero q and dout give them p finite, ds = 0.
   lse, delta = (pad_axis(x.astype(_F32), 2, hp, 0.0) for x in (lse_BLH, delta_BLH))
@@ -474,7 +483,8 @@ def _backward(q_BLHC, q_rope_BLHR, kv_BSC, k_rope_BSR, topk_BLT, dout_BLHC, lse_
     out_specs.append(pl.no_block_spec)
   outs = pl.pallas_call(
       functools.partial(_backward_kernel, scale=scale, bt=bt, c_chunk=c_chunk,
-                        interpret=opts.interpret, heads=h, padded_heads=hp != h),
+                        dkv_cols=dkv_cols, interpret=opts.interpret, heads=h,
+                        padded_heads=hp != h),
       out_shape=tuple(out_shape),
       grid=(b, l, hp // hb),
       in_specs=[pl.no_block_spec, pl.no_block_spec, heads(hb, cp), heads(hb, rp),
@@ -537,8 +547,8 @@ def sparse_mla_triton(q_BLHC, q_rope_BLHR, kv_BSC, k_rope_BSR, topk_BLT, *, scal
     interpret: run the kernels in Pallas interpret mode (CPU tests) instead of compiling them
       for the GPU.
     block_options: `TritonMLAOptions` fields (block_t, num_warps, num_stages,
-      backward_head_block, backward_block_t, backward_c_chunk, backward_num_warps,
-      backward_num_stages, split_k).
+      backward_head_block, backward_block_t, backward_c_chunk, backward_dkv_chunk,
+      backward_num_warps, backward_num_stages, split_k).
   Returns:
     `(out_BLHC, lse_BLH)`: out in kv's dtype, lse fp32 (-inf for a query with no valid slot).
   Unlike the reference, the four float inputs must share one dtype (bf16 on GPU; fp32 runs the

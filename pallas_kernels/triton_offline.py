@@ -13,7 +13,8 @@ Two steps, each behind one small function:
    lowering rule calls), takes the `.module` of its result and stops the lowering there. If jax
    moves or renames it, `TritonLoweringAdapterError` names it: the fix is here only.
    `backward_program(fn, *args)` makes a custom-VJP backward the first (only) kernel lowered.
-2. `compile_ttir(ttir, num_warps, num_stages)`: `triton.compile` for sm_90a (H100 / H200,
+2. `compile_ttir(ttir, num_warps, num_stages)`: Triton's TTIR passes (`make_ttir`, which XLA's
+   Triton pipeline runs first on the device too), then `triton.compile` for sm_90a (H100 / H200,
    `GPUTarget("cuda", 90, 32)`) down to a cubin; Triton runs `ptxas -v` itself and its log
    gives registers per thread and spill bytes; the shared memory is Triton's `metadata.shared`.
 
@@ -137,6 +138,29 @@ class CompileResult:
     return self.shared_bytes <= H100_SHARED_LIMIT and not (self.spill_stores or self.spill_loads)
 
 
+def _ttir_passes(ttir: str, tmp: str, target, options: dict) -> str:
+  """`ttir` after Triton's TTIR stage (`make_ttir`: canonicalize, combine, CSE, loop unroll).
+
+  `triton.compile` of a `.ttir` file starts at the next stage (it takes the file as already
+  through its own), but the TTIR that jax lowers is raw: on the GPU, XLA's Triton pipeline
+  (openxla/xla `backends/gpu/codegen/triton/compilation_pipeline_cuda.cc`, `MakeTTIR`) runs
+  these passes first. Without them a compile here differs from the device's: e.g. `acc +
+  dot(a, b)` stays a dot into zeros plus an add instead of one dot into the accumulator.
+  """
+  from triton._C.libtriton import ir  # pylint: disable=g-import-not-at-top
+  from triton.compiler import compiler  # pylint: disable=g-import-not-at-top
+  backend = compiler.make_backend(target)
+  context = ir.context()
+  ir.load_dialects(context)
+  backend.load_dialects(context)
+  raw = os.path.join(tmp, "raw.ttir")
+  with open(raw, "w") as f:
+    f.write(ttir)
+  module = ir.parse_mlir_module(raw, context)
+  module.context = context  # what `triton.compile` sets before its stages
+  return str(backend.make_ttir(module, {}, backend.parse_options(options), target.arch))
+
+
 _PTXAS_REGS = re.compile(r"Used (\d+) registers")
 _PTXAS_SPILLS = re.compile(r"(\d+) bytes spill stores, (\d+) bytes spill loads")
 
@@ -153,16 +177,17 @@ def compile_ttir(ttir: str, num_warps: int, num_stages: int,
   """
   triton = import_triton()
   from triton.backends.compiler import GPUTarget  # pylint: disable=g-import-not-at-top
+  target = GPUTarget("cuda", 90, 32)
+  options = dict(num_warps=num_warps, num_stages=num_stages)
   with tempfile.TemporaryDirectory(prefix="triton_offline_") as tmp:
     path = os.path.join(tmp, "kernel.ttir")
-    with open(path, "w") as f:
-      f.write(ttir)
     log = io.StringIO()
     with _env(TRITON_CACHE_DIR=os.path.join(tmp, "cache"), TRITON_DUMP_PTXAS_LOG="1"), \
         contextlib.redirect_stdout(log):
       start = time.perf_counter()
-      kernel = triton.compile(path, target=GPUTarget("cuda", 90, 32),
-                              options=dict(num_warps=num_warps, num_stages=num_stages))
+      with open(path, "w") as f:
+        f.write(_ttir_passes(ttir, tmp, target, options))
+      kernel = triton.compile(path, target=target, options=options)
       seconds = time.perf_counter() - start
   if dump_to:
     _dump(kernel, dump_to)

@@ -87,32 +87,38 @@ def _grads(fn, args, seed=4, with_outputs=False):
 @pytest.mark.parametrize("dtype,tol", [(jnp.bfloat16, 5e-2)])  # fp32: the 64-heads test
 def test_gradients_match_reference_autodiff(dtype, tol):
   """dq, dq_rope, dkv, dk_rope against autodiff of the reference: duplicates receive both
-  slots' gradients, empty and out-of-range slots none, the empty query no NaN."""
+  slots' gradients, empty and out-of-range slots none, the empty query no NaN; and the bf16
+  forward (out in bf16) within bf16 rounding of the reference's."""
   args = mla_inputs(dtype=dtype, seed=3)
   triton = functools.partial(sparse_mla_triton, interpret=True, block_t=16,
                              backward_block_t=16)
-  got, ref = _grads(triton, args), _grads(sparse_mla_reference, args)
+  (got, (out, lse)), (ref, (ref_out, ref_lse)) = (
+      _grads(f, args, with_outputs=True) for f in (triton, sparse_mla_reference))
   for name, g, r in zip(("q", "q_rope", "kv", "k_rope"), got, ref):
     assert g.dtype == r.dtype == dtype and np.isfinite(np.asarray(g, np.float32)).all(), name
     _close(g, r, tol, f"d{name}")
   assert not np.asarray(got[0][0, 0], np.float32).any(), "the empty query gets no gradient"
-
+  assert out.dtype == dtype
+  _close(out, ref_out, 2e-2, "out")
+  _close(lse, ref_lse, 1e-2, "lse")
 
 
 def test_backward_split_over_head_blocks_matches_reference():
   """H = 20 padded to 32 and split into two programs of 16 heads per token (the option the
-  GLM-5 default replaced with all heads in one program), through `sparse_mla_triton_parts`
+  GLM-5 default replaced with all heads in one program), C 32 gathered as one chunk and its
+  key-row gradients formed in two halves of 16 (as GLM-5's 128 in two of 64), through
+  `sparse_mla_triton_parts`
   (its forward, then its backward from the same cotangents as `_grads`): each block adds its
   heads' key-row gradients, and its share of the head-mean probabilities (the padded heads,
   uniform p, left out): `sparse_mla_head_mean_probs`, 0 at empty slots."""
-  args = mla_inputs(h=20, seed=6)
+  args = mla_inputs(h=20, c=32, seed=6)
   *arrays, topk = args
   rng = np.random.default_rng(4)  # `_grads`' cotangents
   cot_out = jnp.asarray(rng.standard_normal(arrays[0].shape), jnp.float32)
   cot_lse = jnp.asarray(rng.standard_normal(arrays[0].shape[:3]), jnp.float32)
   topk = empty_out_of_range(topk, arrays[2].shape[1])
   parts = sparse_mla_triton_parts(interpret=True, block_t=16, backward_block_t=16,
-                                  backward_head_block=16)
+                                  backward_head_block=16, backward_dkv_chunk=16)
 
   @jax.jit
   def forward_backward(*arrays):
@@ -152,16 +158,6 @@ def test_all_64_heads_in_one_program_with_latent_chunks():
   assert not np.asarray(probs)[np.asarray(topk) < 0].any()
   np.testing.assert_allclose(np.asarray(probs).sum(-1)[1], 1.0, rtol=1e-5)  # rows sum to 1
   assert not np.asarray(got[0][0, 0]).any(), "the empty query gets no gradient"
-
-
-def test_bf16_forward_within_bf16_rounding():
-  args = mla_inputs(dtype=jnp.bfloat16, seed=5)
-  ref_out, ref_lse = sparse_mla_reference(*args, scale=SCALE)
-  out, lse = jax.jit(functools.partial(sparse_mla_triton, scale=SCALE, interpret=True,
-                                       block_t=16))(*args)
-  assert out.dtype == jnp.bfloat16
-  _close(out, ref_out, 2e-2, "out")
-  _close(lse, ref_lse, 1e-2, "lse")
 
 
 def test_decode_split_k_equals_unsplit():

@@ -93,8 +93,8 @@ def default_options(kernel: str) -> dict:
   mla = sparse_mla_triton.TritonMLAOptions()
   if kernel in MLA_BACKWARD_KERNELS:
     return {n: getattr(mla, n) for n in ("backward_head_block", "backward_block_t",
-                                         "backward_c_chunk", "backward_num_warps",
-                                         "backward_num_stages")}
+                                         "backward_c_chunk", "backward_dkv_chunk",
+                                         "backward_num_warps", "backward_num_stages")}
   return {n: getattr(mla, n) for n in ("block_t", "num_warps", "num_stages")}
 
 
@@ -112,9 +112,11 @@ SWEEPS = {
     "mla_forward": (_grid(block_t=(16, 32, 64), num_stages=(1, 2, 3))
                     + _grid(block_t=(16, 32), num_warps=(4, 16))),
     "mla_backward": (_grid(backward_block_t=(16, 32, 64), backward_c_chunk=(64, 128, 256))
+                     + [dict(backward_dkv_chunk=128)]
                      + _grid(backward_block_t=(16, 32), backward_num_warps=(16,))
                      + [dict(backward_num_stages=2)]
                      + _grid(backward_head_block=(32,), backward_block_t=(16, 32))),
+    "mla_backward_probs": [dict(backward_dkv_chunk=128), dict(backward_head_block=32)],
     "mla_forward_probs": _grid(block_t=(16, 64), num_stages=(1, 2)),
     "mla_decode": (_grid(block_t=(16, 32, 64), num_stages=(1, 2, 3))
                    + _grid(block_t=(16, 32), num_warps=(16,))),
@@ -201,6 +203,7 @@ def compile_kernel(kernel: str, shapes: Shapes = Shapes(), changes: dict | None 
   num_warps, num_stages = _launch(kernel, options)
   dump_to = None
   if dump_dir:
+    os.makedirs(dump_dir, exist_ok=True)
     dump_to = os.path.join(dump_dir, "-".join([kernel] + [f"{k}={v}" for k, v in
                                                          sorted((changes or {}).items())]))
   result = triton_offline.compile_ttir(captured.ttir, num_warps, num_stages, dump_to)

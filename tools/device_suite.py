@@ -26,7 +26,9 @@ kernel module absent from the build is recorded as "missing"):
                       (tools/device_suite_moe.py)
   kernel_correctness  (a) each GPU kernel against its reference, forward and backward, bf16,
                       GLM-5 shapes, L in --seq_lens (rules: tools/device_suite_kernels.py)
-  kernel_timing       (b) each GPU kernel's median time, TFLOP/s, % of the chip's bf16 peak
+  kernel_timing       (b) each GPU kernel's median time, TFLOP/s, % of the chip's bf16 peak;
+                      the sparse MLA's backward both plain and as a GPU train step runs it,
+                      writing the indexer KL's target (`fwd+bwd+kl_target`)
   dsa_vs_dense        (c) indexer + top-k + sparse MLA against cuDNN dense causal attention,
                       forward + backward, L in --dense_seq_lens, and DSA's growth per 4x L
   decode              (e) engine tokens/s at --decode_slots, plain and MTP-speculative, accept

@@ -28,6 +28,8 @@ Speed: each jitted function runs once to compile (compile_s), once more as a war
 useful work (valid, causal slots):
   sparse MLA forward   2 (C + R) + 2 C  = 2176 per (query, head, valid slot)
   sparse MLA backward  2 (C + R) x 3 + 2 C x 2 = 5504 (recomputed logits, dp, dq, dkv)
+  (the same for the train step's path, "fwd+bwd+kl_target": forward, then the backward that
+  also writes the indexer KL's head-mean target; the head sums are no matmul)
   indexer              2 J I per (query, visible key), causal: L (L + 1) / 2 keys
   dense attention      forward 4 K per (query, head, visible key) (K = V); backward 2.5x
 """
@@ -43,6 +45,7 @@ import numpy as np
 
 from glm5_jax.accelerators import accelerator_of
 import pallas_kernels as pk
+from pallas_kernels.blocking import empty_out_of_range
 from tools.timing import median_seconds
 
 MLA_RTOL = 2e-2
@@ -97,6 +100,12 @@ def missing_row(name: str, op: str) -> dict:
 def gpu_ops(interpret: bool) -> pk.DSAOps:
   """The GPU kernels (one object per mode, so the jitted functions below hit their caches)."""
   return pk.dsa_ops("pallas", platform="gpu", interpret=interpret)
+
+
+@functools.lru_cache(maxsize=None)
+def mla_parts(interpret: bool):
+  """The GPU sparse MLA kernels as `SparseMLAParts` (one object per mode: jit cache hits)."""
+  return gpu_ops(interpret).sparse_mla_parts()
 
 
 def timed(fn, args, repeats: int) -> dict:
@@ -172,6 +181,19 @@ def _mla_forward_backward(q, q_rope, kv, k_rope, topk, cotangent, *, op, scale):
 
 
 mla_forward_backward = jax.jit(_mla_forward_backward, static_argnames=("op", "scale"))
+
+
+@functools.partial(jax.jit, static_argnames=("parts", "scale"))
+def mla_forward_backward_kl_target(q, q_rope, kv, k_rope, topk, cotangent, *, parts, scale):
+  """What a GPU train step runs for a layer with an indexer (`glm5_jax.attention.dsa_kl_fused`):
+  the forward kernel (no target sweep), then the backward kernel that also writes the indexer
+  KL's target, the head-mean probabilities (`mla_backward_probs` of
+  tools/check_triton_compile.py), for the output cotangent: out, lse, grads, probs."""
+  topk = empty_out_of_range(topk, kv.shape[1])  # the parts take indices as checked
+  out, lse = parts.forward(q, q_rope, kv, k_rope, topk, scale)
+  *grads, probs = parts.backward(q, q_rope, kv, k_rope, topk, out, lse, cotangent,
+                                 jnp.zeros_like(lse), scale)
+  return out, lse, grads, probs
 
 
 @functools.partial(jax.jit, static_argnames=("op", "topk", "scale"))
@@ -343,6 +365,17 @@ def timing_section(ctx) -> dict:
                        slots * (forward + backward))]
     rows.extend(ctx.cases(f"sparse_mla L={length}", mla_cases) if "sparse_mla" in present
                 else [missing_row(f"sparse_mla L={length}", "sparse_mla")])
+    def kl_target_case(length=length, slots=slots):
+      args, cotangent = mla_inputs(length, d)
+      fn = functools.partial(mla_forward_backward_kl_target, parts=mla_parts(interpret),
+                             scale=scale)
+      # The head sums add no matmul: the same useful FLOPs as the plain forward + backward.
+      return ctx.rate(dict(op="sparse_mla fwd+bwd+kl_target", L=length,
+                           **timed(fn, args + (cotangent,), ctx.repeats)),
+                      slots * (mla_flops(d, False) + mla_flops(d, True)))
+    rows.append(ctx.case(f"sparse_mla L={length} kl_target", kl_target_case)
+                if "sparse_mla" in present
+                else missing_row(f"sparse_mla L={length} kl_target", "sparse_mla"))
     def indexer_case(length=length):
       args = indexer_inputs(length, d)
       fn = functools.partial(indexer_topk, op=ops.indexer_topk, topk=d.topk,
