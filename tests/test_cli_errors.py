@@ -20,7 +20,7 @@ def test_unknown_field_names_the_field_and_the_known_ones():
   assert error is None
   error = overrides.unknown_field("config", config, argv)
   assert str(error) == ("config.mesh: unknown field (--config.mesh.shape.fsdp=2); known fields: "
-                        "['context_layout', 'logical_axis_rules', 'shape']")
+                        "['context_layout', 'device_layout', 'logical_axis_rules', 'shape']")
   error = overrides.unknown_field("config", config, ["prog", "--config.shape.pipeline=2"])
   assert str(error) == ("config.shape.pipeline: unknown field (--config.shape.pipeline=2); "
                         "known fields: ['context', 'data', 'expert', 'fsdp', 'tensor']")
