@@ -85,6 +85,18 @@ def block_for_budget(bytes_per_query: int, budget_bytes: int = 256 << 20) -> int
   return max(8, budget_bytes // max(bytes_per_query, 1) // 8 * 8)
 
 
+def rows_per_device(batch: int, batch_shards: int) -> int:
+  """The batch rows each device holds when XLA's SPMD partitioner splits `batch` rows over
+  `batch_shards` devices: what a query-block loop traced with global shapes must size its
+  blocks by (each device runs every block on its own rows). Sized by the global batch, the
+  744B step's blocks fell to the 8-query minimum (2,048 rows, 1,024 devices): 512 iterations
+  a layer, each too small to fill the chip (docs/scaling.md)."""
+  if batch_shards < 1:
+    raise ValueError(f"batch_shards={batch_shards} must be >= 1 (the devices the batch is "
+                     "split over)")
+  return -(-batch // batch_shards)
+
+
 def default_query_block(bytes_per_query: int, cpu_cap: int = 128, accelerator_cap: int = 1024,
                         on_accelerator: bool | None = None):
   """Queries per block when the caller gives none: what fits the temporaries budget (256 MiB on

@@ -42,7 +42,8 @@ import jax
 import jax.numpy as jnp
 
 from pallas_kernels.blocking import (default_query_block, empty_out_of_range, gather_rows,
-                                     map_query_blocks, pad_axis, round_up)
+                                     map_query_blocks, pad_axis, platform, round_up,
+                                     rows_per_device)
 
 
 def visible_keys(q_pos_BL, q_seg_BL, k_seg_BS, first_key=0):
@@ -125,15 +126,17 @@ def indexer_topk_reference(q_BLJI, k_BSI, weights_BLJ, q_pos_BL, q_seg_BL, k_seg
 
 
 def indexer_topk_xla(q_BLJI, k_BSI, weights_BLJ, q_pos_BL, q_seg_BL, k_seg_BS, *, topk: int,
-                     scale: float, query_block: int | None = None, key_block: int = 512):
+                     scale: float, query_block: int | None = None, key_block: int = 512,
+                     batch_shards: int = 1):
   """`indexer_topk_reference` per block of queries, keys in blocks with causal skipping.
 
   For each block of queries a `[query_block, S]` fp32 score buffer starts at -inf and a
   `fori_loop` fills it one `key_block` tile at a time, stopping after the block holding the
   query block's last position (a prefill query block skips every later key, half the work on
   average); then `select_topk` selects from the buffer. Memory: O(query_block x (S +
-  J x key_block)); `query_block` None: 512 or what fits (`blocking.default_query_block`).
-  Same results as the reference (each score is the same per-pair arithmetic).
+  J x key_block)); `query_block` None: 512 or what fits (`blocking.default_query_block`) in
+  each device's rows (`batch_shards`: the devices XLA splits the batch over). Same results as
+  the reference (each score is the same per-pair arithmetic).
   """
   check_indexer_inputs(q_BLJI, k_BSI, weights_BLJ, q_pos_BL, q_seg_BL, k_seg_BS)
   b, s = k_BSI.shape[:2]
@@ -141,7 +144,8 @@ def indexer_topk_xla(q_BLJI, k_BSI, weights_BLJ, q_pos_BL, q_seg_BL, k_seg_BS, *
   key_block = min(key_block, s)
   s_pad = round_up(s, key_block)
   if query_block is None:  # small blocks skip more key tiles and keep top-k cache-friendly
-    query_block = default_query_block(b * (s_pad + key_block * (heads + 2)) * 4, 512, 512)
+    query_block = default_query_block(
+        rows_per_device(b, batch_shards) * (s_pad + key_block * (heads + 2)) * 4, 512, 512)
   q_BLJI, k_BSI, weights_BLJ = jax.lax.stop_gradient((q_BLJI, k_BSI, weights_BLJ))
   # Padded keys sit past every real query position, so causality hides them.
   k_BSI = pad_axis(k_BSI, 1, s_pad, 0)
@@ -206,7 +210,8 @@ def indexer_topk_decode(q_BLJI, k_BSI, weights_BLJ, q_pos_BL, q_seg_BL, k_seg_BS
 
 
 def indexer_scores_at(q_BLJI, k_BSI, weights_BLJ, topk_BLT, *, scale: float,
-                      query_block: int | None = None, reduce_block=None, per_query=()):
+                      query_block: int | None = None, reduce_block=None, per_query=(),
+                      batch_shards: int = 1):
   """Index scores at the selected keys, `I[t, topk[t, j]]`: fp32 `[B, L, T]`, -inf at empty slots.
 
   Index contract (package docstring): a slot outside [0, S) (-1 or >= S) is empty (score -inf,
@@ -225,12 +230,18 @@ def indexer_scores_at(q_BLJI, k_BSI, weights_BLJ, topk_BLT, *, scale: float,
   (full remat) the blocks run twice in all (forward, and once in the backward for their
   residuals), where returned scores, which the KL's backward needs, are recomputed by the outer
   remat before the block's own checkpoint recomputes them again (docs/performance.md).
+
+  `query_block` None: what fits the platform being traced for in each device's rows
+  (`batch_shards`: the devices XLA splits the batch over), rounded down to a power of two so
+  that it divides the usual sequence lengths (no padded queries).
   """
   b, _, heads, i = q_BLJI.shape
   t = topk_BLT.shape[-1]
   topk_BLT = empty_out_of_range(topk_BLT, k_BSI.shape[1])
   if query_block is None:
-    query_block = default_query_block(b * t * (heads + i + 2) * 4)
+    fits = default_query_block(rows_per_device(b, batch_shards) * t * (heads + i + 2) * 4,
+                               on_accelerator=platform() != "cpu")
+    query_block = 1 << (fits.bit_length() - 1)
   k_BSI = k_BSI.astype(jnp.float32)
 
   @jax.checkpoint

@@ -37,7 +37,7 @@ import jax.numpy as jnp
 
 from pallas_kernels.blocking import (default_query_block, empty_out_of_range, from_query_blocks,
                                      gather_rows, map_query_blocks, platform, query_block_size,
-                                     round_up, to_query_blocks)
+                                     round_up, rows_per_device, to_query_blocks)
 from pallas_kernels.sparse_mla import (check_sparse_mla_inputs, masked_softmax, named_residuals,
                                       scatter_add_rows)
 
@@ -144,7 +144,7 @@ _sparse_mla.defvjp(_vjp_forward, _vjp_backward)
 
 
 def _run(q_BLHC, q_rope_BLHR, kv_BSC, k_rope_BSR, topk_BLT, scale, query_block, head_groups,
-         with_target):
+         batch_shards, with_target):
   check_sparse_mla_inputs(q_BLHC, q_rope_BLHR, kv_BSC, k_rope_BSR, topk_BLT)
   (b, _, h, c), t = q_BLHC.shape, topk_BLT.shape[-1]
   if head_groups < 1 or h % head_groups:
@@ -152,7 +152,7 @@ def _run(q_BLHC, q_rope_BLHR, kv_BSC, k_rope_BSR, topk_BLT, scale, query_block, 
                      f"{q_BLHC.shape} [B, L, H, C]")
   k = c + q_rope_BLHR.shape[-1]
   if query_block is None:
-    query_block = _block_size(b, t, k, h)
+    query_block = _block_size(rows_per_device(b, batch_shards), t, k, h)
   # Indices outside [0, S) become -1 once: forward, residuals and backward see one selection.
   topk_BLT = empty_out_of_range(topk_BLT, kv_BSC.shape[1])
   qr_BLHK = jnp.concatenate([q_BLHC, q_rope_BLHR.astype(q_BLHC.dtype)], axis=-1)
@@ -163,7 +163,7 @@ def _run(q_BLHC, q_rope_BLHR, kv_BSC, k_rope_BSR, topk_BLT, scale, query_block, 
 
 
 def sparse_mla_xla(q_BLHC, q_rope_BLHR, kv_BSC, k_rope_BSR, topk_BLT, *, scale: float,
-                   query_block: int | None = None, head_groups: int = 1):
+                   query_block: int | None = None, head_groups: int = 1, batch_shards: int = 1):
   """Sparse MLA without Pallas, per block of queries (module docstring); O(L x T) work and
   O(query_block x T x (K + H)) memory, forward and backward (custom VJP). The default on GPU
   and CPU, and the baseline the kernels are measured against. Same arguments and results as
@@ -171,20 +171,23 @@ def sparse_mla_xla(q_BLHC, q_rope_BLHR, kv_BSC, k_rope_BSR, topk_BLT, *, scale: 
   duplicates count twice); `query_block` None: see `_block_size`. `head_groups`: the
   backward's head grouping (`sparse_mla.SparseMLAKernels`); pass the number of devices the
   heads are split over, 1 when they are not split. Any value that divides H gives the same
-  gradients (up to fp32 summation order); each group costs one `[B, S, K]` fp32 accumulator."""
+  gradients (up to fp32 summation order); each group costs one `[B, S, K]` fp32 accumulator.
+  `batch_shards`: how many devices XLA's partitioner splits the batch over (`query_block`
+  None sizes the blocks by each device's rows, `blocking.rows_per_device`)."""
   out_BLHC, lse_BLH, _ = _run(q_BLHC, q_rope_BLHR, kv_BSC, k_rope_BSR, topk_BLT, scale,
-                              query_block, head_groups, with_target=False)
+                              query_block, head_groups, batch_shards, with_target=False)
   return out_BLHC, lse_BLH
 
 
 def sparse_mla_xla_with_kl_target(q_BLHC, q_rope_BLHR, kv_BSC, k_rope_BSR, topk_BLT, *,
                                   scale: float, query_block: int | None = None,
-                                  head_groups: int = 1):
+                                  head_groups: int = 1, batch_shards: int = 1):
   """`sparse_mla_xla`'s `(out_BLHC, lse_BLH)` and the indexer KL's target, fp32 `[B, L, T]`:
   what `sparse_mla.sparse_mla_head_mean_probs` computes (the head-mean probability at each
   slot, 0 at empty ones), taken from the attention's own probabilities in the same pass.
   The target is detached: it carries no gradient (the main model must not learn from the
   indexer loss)."""
   out_BLHC, lse_BLH, target_BLT = _run(q_BLHC, q_rope_BLHR, kv_BSC, k_rope_BSR, topk_BLT, scale,
-                                       query_block, head_groups, with_target=True)
+                                       query_block, head_groups, batch_shards,
+                                       with_target=True)
   return out_BLHC, lse_BLH, jax.lax.stop_gradient(target_BLT)

@@ -23,6 +23,11 @@ import numpy as np
 import pytest
 
 import pallas_kernels as pk
+from flax import linen as nn
+from jax.extend import core as jax_core
+from jax.sharding import AbstractMesh, AxisType
+from glm5_jax.attention import mla
+from glm5_jax.sharding import mesh_config
 from pallas_kernels.sparse_mla import scatter_add_rows
 from tests.conftest import run_on_host_devices
 
@@ -119,6 +124,61 @@ def test_head_groups_give_the_same_gradients():
     np.testing.assert_allclose(two, one, rtol=1e-5, atol=1e-6)
   with pytest.raises(ValueError, match="head_groups=3"):
     grads(3)
+
+
+def _scan_lengths(jaxpr) -> list[int]:
+  """The trip count of every `scan` in `jaxpr` and the jaxprs it calls (query-block loops)."""
+  found = []
+  for eqn in jaxpr.eqns:
+    if eqn.primitive.name == "scan":
+      found.append(eqn.params["length"])
+    for sub in jax_core.jaxprs_in_params(eqn.params):
+      found += _scan_lengths(sub)
+  return found
+
+
+def test_query_blocks_are_sized_by_each_devices_batch_rows():
+  """Traced with global shapes (XLA partitions the batch), the "xla" sparse stage's query-block
+  loops are sized by each device's rows: B = 8 over 4 batch devices loops as B = 2 does, not as
+  B = 8 (the 744B step's global batch of 2,048 had forced the 8-query minimum: 512 iterations a
+  layer). Abstract shapes, nothing runs; through `mla` under a mesh whose `batch` rule splits
+  data x fsdp (2 x 2) as the model calls the ops."""
+  f32 = lambda *shape: jax.ShapeDtypeStruct(shape, jnp.float32)
+  i32 = lambda *shape: jax.ShapeDtypeStruct(shape, jnp.int32)
+  l, s, h, c, r, j, i = 256, 1024, 64, 512, 64, 32, 128
+  ops = {  # name: (inputs for a batch of b, op(batch_shards) -> [B, L, ...] output)
+      "sparse_mla": (lambda b: (f32(b, l, h, c), f32(b, l, h, r), f32(b, s, c), f32(b, s, r),
+                                i32(b, l, 256)),
+                     lambda shards: lambda *a: pk.sparse_mla_xla(*a, scale=0.3,
+                                                                 batch_shards=shards)[0]),
+      "indexer_scores_at": (lambda b: (f32(b, l, j, i), f32(b, s, i), f32(b, l, j),
+                                       i32(b, l, 1024)),
+                            lambda shards: lambda *a: pk.indexer_scores_at(
+                                *a, scale=0.1, batch_shards=shards)),
+      "indexer_topk": (lambda b: (f32(b, 1024, j, i), f32(b, 2048, i), f32(b, 1024, j),
+                                  i32(b, 1024), i32(b, 1024), i32(b, 2048)),
+                       lambda shards: lambda *a: pk.indexer_topk_xla(
+                           *a, topk=64, scale=0.1, batch_shards=shards)[0]),
+  }
+  lengths = lambda fn, args: _scan_lengths(jax.make_jaxpr(fn)(*args).jaxpr)
+  for name, (inputs, op) in ops.items():
+    whole, per_device = lengths(op(1), inputs(8)), lengths(op(4), inputs(8))
+    assert per_device == lengths(op(1), inputs(2)) and per_device != whole, (name, whole,
+                                                                             per_device)
+  mesh = AbstractMesh((2, 2, 1, 1, 2), ("data", "fsdp", "context", "expert", "tensor"),
+                      axis_types=(AxisType.Auto,) * 5)
+  rules = tuple((n, tuple(a) if isinstance(a, list) else a)
+                for n, a in mesh_config().logical_axis_rules)
+  with jax.sharding.use_abstract_mesh(mesh), nn.logical_axis_rules(rules):
+    attn = lengths(lambda *a: mla._sparse_mla_on_mesh("xla", 0.3)(*a)[0],
+                   ops["sparse_mla"][0](8))
+    topk = lengths(lambda *a: mla._indexer_topk_on_mesh("xla", topk=64, scale=0.1)(*a)[0],
+                   ops["indexer_topk"][0](8))
+    kl = lengths(lambda q, k, w, t: mla._indexer_kl_on_mesh(0.1)(q, k, w, t, t * 1.0)[0],
+                 ops["indexer_scores_at"][0](8))
+  assert attn == lengths(ops["sparse_mla"][1](4), ops["sparse_mla"][0](8)), attn
+  assert topk == lengths(ops["indexer_topk"][1](4), ops["indexer_topk"][0](8)), topk
+  assert kl == lengths(ops["indexer_scores_at"][1](4), ops["indexer_scores_at"][0](8)), kl
 
 
 _SHARDED_BACKWARD = r"""

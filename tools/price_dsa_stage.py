@@ -3,6 +3,7 @@
   python tools/price_dsa_stage.py --target=v5p:2x2x1 [--batch=2 --seq_len=4096 --impl=xla]
       [--kl_target=pass]   # the KL target as a second pass (sparse_mla_head_mean_probs)
   python tools/price_dsa_stage.py --target=v5p:2x2x1 --impl=pallas   # the Mosaic kernels
+  python tools/price_dsa_stage.py --target=v5p:2x2x1 --part=indexer_kl [--query_block=8]
 
 One layer's sparse attention at the per-device shapes of the 744B headline step (GLM-5: 64
 heads, C = 512 latent dims, R = 64 RoPE dims, top-2048; batch 2 x 4,096 tokens per device),
@@ -13,6 +14,11 @@ Prints the compiler estimate (`glm5_jax.planning.op_costs`: each instruction's
 `pl.CostEstimate` at `op_costs.KERNEL_EFFICIENCY`) and each kernel's FLOPs, bytes and time at
 the chip's peak (a bound): a minutes-long check of a change to the stage, where the whole step
 at depth 2 is a 20-minute compile. Needs libtpu (the `tpu-aot` extra).
+
+`--part=indexer_kl`: the indexer KL on the selection instead (`dsa_kl_fused.
+indexer_kl_at_selection`: GLM-5's 32 index heads of dim 128, its query-block loop under its
+own checkpoint, forward, remat recompute and backward); `--query_block` forces its blocks (the
+default is what `indexer_scores_at` picks for one device's rows).
 """
 
 import argparse
@@ -24,6 +30,7 @@ import jax.numpy as jnp
 
 import pallas_kernels
 from glm5_jax.accelerators import ACCELERATORS
+from glm5_jax.attention import dsa_kl_fused
 from glm5_jax.planning import aot_targets, hlo_loops, hlo_stats, op_costs
 from pallas_kernels.blocking import lowering_for
 
@@ -50,6 +57,17 @@ def stage(impl: str, kl_target: str, scale: float):
   return jax.value_and_grad(jax.checkpoint(forward), argnums=(0, 1, 2, 3))
 
 
+def indexer_kl_stage(index_scale: float, query_block: int | None):
+  """`(q, k, w, topk, target) -> (KL sum, q / k / w gradients)` of the indexer KL on the
+  selection, under `jax.checkpoint` as the layer is under `remat_policy=full`."""
+
+  def forward(q, k, w, topk, target):
+    return jnp.sum(dsa_kl_fused.indexer_kl_at_selection(
+        q, k, w, topk, target, index_scale=index_scale, query_block=query_block))
+
+  return jax.value_and_grad(jax.checkpoint(forward), argnums=(0, 1, 2))
+
+
 def main(argv=None):
   parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
   parser.add_argument("--target", default="v5p:2x2x1")
@@ -62,6 +80,11 @@ def main(argv=None):
   parser.add_argument("--seq_len", type=int, default=4096)
   parser.add_argument("--heads", type=int, default=64)
   parser.add_argument("--topk", type=int, default=2048)
+  parser.add_argument("--part", choices=("attention", "indexer_kl"), default="attention",
+                      help="attention: the sparse MLA (and the KL target); indexer_kl: the "
+                      "indexer KL on the selection")
+  parser.add_argument("--query_block", type=int, default=None,
+                      help="--part=indexer_kl: queries per block (default: indexer_scores_at's)")
   parser.add_argument("--hlo_out", default=None, help="save the compiled module's text here")
   parser.add_argument("--hlo_in", default=None, help="price this saved module (--hlo_out's, "
                       ".gz or not) instead of compiling; seconds, no libtpu")
@@ -77,8 +100,9 @@ def main(argv=None):
     print(f"priced {args.hlo_in} (saved, not compiled)")
   else:
     text = compile_stage(args, b, l, h, c, r, t)
-    print(f"compiled in {time.perf_counter() - start:.0f} s; {args.impl}, KL target "
-          f"{args.kl_target}, B={b} L={l} H={h} T={t}")
+    what = (f"the indexer KL (32 index heads x 128), query block {args.query_block or 'default'}"
+            if args.part == "indexer_kl" else f"{args.impl}, KL target {args.kl_target}")
+    print(f"compiled in {time.perf_counter() - start:.0f} s; {what}, B={b} L={l} H={h} T={t}")
   print_costs(text, args.target)
 
 
@@ -87,10 +111,17 @@ def compile_stage(args, b, l, h, c, r, t) -> str:
   device = aot_targets.tpu_devices(args.target)[0]
   sharding = jax.sharding.SingleDeviceSharding(device)
   bf16 = jnp.bfloat16
-  shapes = [jax.ShapeDtypeStruct(s, d, sharding=sharding) for s, d in (
-      ((b, l, h, c), bf16), ((b, l, h, r), bf16), ((b, l, c), bf16), ((b, l, r), bf16),
-      ((b, l, t), jnp.int32), ((b, l, h, c), jnp.float32))]
-  fn = stage(args.impl, args.kl_target, 192 ** -0.5)  # GLM-5's (N + R)^-0.5
+  if args.part == "indexer_kl":  # GLM-5's indexer: J = 32 heads of I = 128, scale I^-0.5
+    j, i = 32, 128
+    shapes = [jax.ShapeDtypeStruct(s, d, sharding=sharding) for s, d in (
+        ((b, l, j, i), bf16), ((b, l, i), bf16), ((b, l, j), jnp.float32),
+        ((b, l, t), jnp.int32), ((b, l, t), jnp.float32))]
+    fn = indexer_kl_stage(i ** -0.5, args.query_block)
+  else:
+    shapes = [jax.ShapeDtypeStruct(s, d, sharding=sharding) for s, d in (
+        ((b, l, h, c), bf16), ((b, l, h, r), bf16), ((b, l, c), bf16), ((b, l, r), bf16),
+        ((b, l, t), jnp.int32), ((b, l, h, c), jnp.float32))]
+    fn = stage(args.impl, args.kl_target, 192 ** -0.5)  # GLM-5's (N + R)^-0.5
   with lowering_for("tpu"):
     compiled = jax.jit(fn).trace(*shapes).lower(lowering_platforms=("tpu",)).compile()
   text = compiled.as_text()
@@ -109,7 +140,7 @@ def print_costs(text: str, target: str):
   by_kind = {}
   for cost in costs:
     by_kind[cost.kind] = by_kind.get(cost.kind, 0.0) + cost.seconds * cost.runs
-  print(f"one layer's sparse stage priced (forward, recompute, backward): {total * 1e3:.1f} ms "
+  print(f"one layer's stage priced (forward, recompute, backward): {total * 1e3:.1f} ms "
         "= " + " + ".join(f"{v * 1e3:.1f} {k}" for k, v in by_kind.items()))
   shapes = {i.name: hlo_stats._arrays(i.result_type) for instrs in module.computations.values()
             for i in instrs}

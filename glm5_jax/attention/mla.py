@@ -293,7 +293,7 @@ def _sparse_stage_attention(c, latents: _Latents, scale, segment_ids_BL, order: 
     elif target_in_pass:
       out_latent_BLHC, lse_BLH, target_BLT = pallas_kernels.sparse_mla_xla_with_kl_target(
           q_latent_BLHC, q_rope_BLHR, ckv_BSC, k_rope_BSR, topk_BLT, scale=scale,
-          head_groups=context_split(HEADS))
+          head_groups=context_split(HEADS), batch_shards=context_split(BATCH))
     else:
       out_latent_BLHC, lse_BLH, *target = _sparse_mla_on_mesh(
           c.dsa_impl, scale, with_probs=fused_target)(
@@ -361,12 +361,13 @@ def _indexer_kl_on_mesh(index_scale: float):
   Args: the indexer's `(q_BLJI, k_BSI, weights_BLJ)`, `topk_BLT`, `target_BLT`; returns a
   1-tuple."""
 
-  def kl(q_BLJI, k_BSI, weights_BLJ, topk_BLT, target_BLT):
+  def kl(q_BLJI, k_BSI, weights_BLJ, topk_BLT, target_BLT, batch_shards=1):
     return (dsa_kl_fused.indexer_kl_at_selection(q_BLJI, k_BSI, weights_BLJ, topk_BLT,
-                                                 target_BLT, index_scale=index_scale),)
+                                                 target_BLT, index_scale=index_scale,
+                                                 batch_shards=batch_shards),)
 
-  if context_split(LENGTH) == 1:
-    return kl
+  if context_split(LENGTH) == 1:  # blocks sized by each device's rows, not the global batch
+    return functools.partial(kl, batch_shards=context_split(BATCH))
   # Keys whole, their cotangents summed over `context` at the boundary.
   q_rows = (BATCH, LENGTH, None)
   return per_shard(kl, in_axes=((BATCH, LENGTH, None, None), (BATCH, None, None), q_rows,
@@ -405,7 +406,8 @@ def _indexer_topk_on_mesh(impl: str, **options):
   them)."""
   op = functools.partial(pallas_kernels.dsa_ops(impl).indexer_topk, **options)
   if not _queries_per_shard(impl):
-    return op
+    # Traced with global shapes: "xla" sizes its query blocks by each device's batch rows.
+    return functools.partial(op, batch_shards=context_split(BATCH)) if impl == "xla" else op
   # Queries (and their positions, global key indices) keep the residual stream's sequence
   # split (context parallelism); keys and their segment ids are whole on every device.
   q_rows, keys = (BATCH, LENGTH, None), (BATCH, None, None)
@@ -457,7 +459,7 @@ def _sparse_mla_on_mesh(impl: str, scale: float, with_probs: bool = False, **opt
   if with_probs:
     raise ValueError(f"model.dsa_impl={impl!r}: the sparse MLA here does not emit the KL target")
   return functools.partial(ops.sparse_mla, scale=scale, head_groups=context_split(HEADS),
-                           **options)
+                           batch_shards=context_split(BATCH), **options)
 
 
 def _absorbed_attention(latents: _Latents, visible_BLS, scale):
