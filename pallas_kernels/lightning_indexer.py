@@ -209,19 +209,37 @@ def indexer_topk_decode(q_BLJI, k_BSI, weights_BLJ, q_pos_BL, q_seg_BL, k_seg_BS
                           [0, 0, -1, 0])
 
 
+# `indexer_scores_at`'s "auto" form: the scores of every key when there are at most this many
+# keys per selected slot. One layer's KL on v5p at the 744B step's per-device shapes, by the TPU
+# compiler's estimate (`tools/price_dsa_stage.py --part=indexer_kl --keys=...`): "dense" 27.8
+# ms at S = 2 T (it grows with S), "gather" 44.0 ms (it does not): equal near S = 3.2 T.
+DENSE_KEYS_PER_SLOT = 3
+
+
 def indexer_scores_at(q_BLJI, k_BSI, weights_BLJ, topk_BLT, *, scale: float,
                       query_block: int | None = None, reduce_block=None, per_query=(),
-                      batch_shards: int = 1):
+                      batch_shards: int = 1, keys: str = "auto"):
   """Index scores at the selected keys, `I[t, topk[t, j]]`: fp32 `[B, L, T]`, -inf at empty slots.
 
   Index contract (package docstring): a slot outside [0, S) (-1 or >= S) is empty (score -inf,
   no gradient); a key selected twice gets its score in both slots and the gradients of both.
   Any sign of `weights` and `scale`.
 
-  The sparse-stage indexer KL lives on the selected keys only, so this is all it needs: O(L x T)
-  work, per query block (rows of k gathered with `take`), differentiable in q, k and w (the
-  backward of the gather is a scatter-add into k). Blocks are rematerialized in the backward
-  pass, so memory stays O(query_block x T x (J + I)).
+  The sparse-stage indexer KL lives on the selected keys only, computed per query block in one
+  of two forms (`keys`), differentiable in q, k and w; the same per-pair arithmetic, so the
+  same scores up to fp32 summation order:
+    "gather"  each query's selected rows of k gathered (`take`; the backward scatter-adds into
+              k): O(L x T) work, but per query a `[J, I] x [I, T]` product of its own rows,
+              which a matrix unit runs at a few percent of peak (the TPU compiler's estimate
+              for GLM-5's J = 32: ~5%), and `T x I` gathered values per query;
+    "dense"   the block's scores of every key (`[Lb x J, I] x [I, S]`, one matrix product for
+              the whole block), then the selected slots picked (`take_along_axis`): O(L x S)
+              work at matrix-unit speed, no per-query rows;
+    "auto"    "dense" when S <= `DENSE_KEYS_PER_SLOT` x T (the 744B step's S = 4,096 keys for
+              T = 2,048 slots: 27.8 ms a layer on v5p where "gather" is 44.0, compiler
+              estimates), "gather" for long contexts.
+  Blocks are rematerialized in the backward pass, so memory stays O(query_block x T x (J + I))
+  ("gather") or O(query_block x J x S) ("dense").
 
   `reduce_block(scores_BLT, topk_BLT, *per_query_blocks)`: applied to each block's scores inside
   its checkpoint, with that block's rows of the `per_query` arrays (`[B, L, ...]`), and its
@@ -236,21 +254,33 @@ def indexer_scores_at(q_BLJI, k_BSI, weights_BLJ, topk_BLT, *, scale: float,
   that it divides the usual sequence lengths (no padded queries).
   """
   b, _, heads, i = q_BLJI.shape
-  t = topk_BLT.shape[-1]
-  topk_BLT = empty_out_of_range(topk_BLT, k_BSI.shape[1])
+  s, t = k_BSI.shape[1], topk_BLT.shape[-1]
+  if keys not in ("auto", "gather", "dense"):
+    raise ValueError(f"keys={keys!r}: expected 'auto', 'gather' or 'dense'")
+  dense = s <= DENSE_KEYS_PER_SLOT * t if keys == "auto" else keys == "dense"
+  topk_BLT = empty_out_of_range(topk_BLT, s)
   if query_block is None:
-    fits = default_query_block(rows_per_device(b, batch_shards) * t * (heads + i + 2) * 4,
+    floats = (heads + 1) * s if dense else t * (heads + i)  # per query, besides 2 x T
+    fits = default_query_block(rows_per_device(b, batch_shards) * (floats + 2 * t) * 4,
                                on_accelerator=platform() != "cpu")
     query_block = 1 << (fits.bit_length() - 1)
   k_BSI = k_BSI.astype(jnp.float32)
 
+  def head_scores(q_BLJI, topk_BLT):
+    """ReLU(scale q . k) per index head: `[B, Lb, J, T]` at the slots, or `[B, Lb, J, S]`."""
+    q_BLJI = q_BLJI.astype(jnp.float32)
+    if dense:
+      return jax.nn.relu(jnp.einsum("blji,bsi->bljs", q_BLJI, k_BSI) * scale)
+    k_BLTI = gather_rows(k_BSI, jnp.maximum(topk_BLT, 0))
+    return jax.nn.relu(jnp.einsum("blji,blti->bljt", q_BLJI, k_BLTI) * scale)
+
   @jax.checkpoint
   def one_block(q_BLJI, weights_BLJ, topk_BLT, *per_query_blocks):
-    k_BLTI = gather_rows(k_BSI, jnp.maximum(topk_BLT, 0))
-    head_scores_BLJT = jax.nn.relu(
-        jnp.einsum("blji,blti->bljt", q_BLJI.astype(jnp.float32), k_BLTI) * scale)
-    scores_BLT = jnp.einsum("blj,bljt->blt", weights_BLJ.astype(jnp.float32), head_scores_BLJT)
-    scores_BLT = jnp.where(topk_BLT >= 0, scores_BLT, -jnp.inf)
+    scores_BLX = jnp.einsum("blj,bljx->blx", weights_BLJ.astype(jnp.float32),
+                            head_scores(q_BLJI, topk_BLT))
+    if dense:  # the selected slots of every key's score
+      scores_BLX = jnp.take_along_axis(scores_BLX, jnp.maximum(topk_BLT, 0), axis=-1)
+    scores_BLT = jnp.where(topk_BLT >= 0, scores_BLX, -jnp.inf)
     return scores_BLT if reduce_block is None else reduce_block(scores_BLT, topk_BLT,
                                                                 *per_query_blocks)
 

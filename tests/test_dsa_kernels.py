@@ -118,10 +118,11 @@ def test_indexer_scores_pallas_random_fp32():
                              atol=1e-5)
 
 
+@pytest.mark.parametrize("keys", ["gather", "dense"])
 @pytest.mark.parametrize("scale", [0.5, -0.5])  # the sign of scale is not assumed
-def test_indexer_scores_at_values_and_gradients(scale):
+def test_indexer_scores_at_values_and_gradients(scale, keys):
   """Scores at the selection equal the dense scores gathered there, and their gradient equals
-  autodiff of (dense scores -> gather) in q, k and w."""
+  autodiff of (dense scores -> gather) in q, k and w; both forms of `indexer_scores_at`."""
   rng = np.random.default_rng(2)
   b, l, s, j, i, t = 2, 9, 9, 3, 4, 5
   q, k, w, q_pos, q_seg, k_seg = integer_indexer_inputs(b, l, s, j, i)
@@ -137,7 +138,8 @@ def test_indexer_scores_at_values_and_gradients(scale):
   def loss(fn, q, k, w):
     return jnp.sum(jnp.where(topk >= 0, fn(q, k, w), 0.0) * cotangent)
 
-  at = lambda q, k, w: pk.indexer_scores_at(q, k, w, topk, scale=scale, query_block=4)
+  at = lambda q, k, w: pk.indexer_scores_at(q, k, w, topk, scale=scale, query_block=4,
+                                            keys=keys)
   valid = np.asarray(topk) >= 0
   values = np.asarray(jax.jit(at)(q, k, w))
   np.testing.assert_allclose(values[valid], np.asarray(dense_then_gather(q, k, w))[valid],
@@ -371,9 +373,10 @@ def test_sparse_mla_duplicate_slots_count_twice():
   np.testing.assert_allclose(probs.sum(-1), 1.0, rtol=1e-5)
 
 
-def test_indexer_scores_at_duplicate_slots_count_twice():
+@pytest.mark.parametrize("keys", ["gather", "dense"])
+def test_indexer_scores_at_duplicate_slots_count_twice(keys):
   """Each copy of a twice-selected key gets its score, and the gradient is the sum of both
-  slots' (autodiff of dense scores gathered at the same duplicated selection)."""
+  slots' (autodiff of dense scores gathered at the same duplicated selection); both forms."""
   b, l, s = 1, 4, 6
   q, k, w, q_pos, q_seg, k_seg = integer_indexer_inputs(b, l, s, seed=18)
   topk = jnp.asarray([[[2, 2, -1], [0, 3, 0], [4, 4, 4], [5, 1, 5]]], jnp.int32)
@@ -383,7 +386,7 @@ def test_indexer_scores_at_duplicate_slots_count_twice():
     dense = pk.indexer_scores_reference(q, k, w, q_pos, q_seg, k_seg, scale=0.5)
     return jnp.take_along_axis(dense, jnp.maximum(topk, 0), axis=-1)
 
-  at = lambda q, k, w: pk.indexer_scores_at(q, k, w, topk, scale=0.5)
+  at = lambda q, k, w: pk.indexer_scores_at(q, k, w, topk, scale=0.5, keys=keys)
   valid = np.asarray(topk) >= 0
   np.testing.assert_array_equal(np.asarray(at(q, k, w))[valid],
                                 np.asarray(dense_then_gather(q, k, w))[valid])

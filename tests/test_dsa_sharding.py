@@ -151,10 +151,15 @@ def test_query_blocks_are_sized_by_each_devices_batch_rows():
                                 i32(b, l, 256)),
                      lambda shards: lambda *a: pk.sparse_mla_xla(*a, scale=0.3,
                                                                  batch_shards=shards)[0]),
-      "indexer_scores_at": (lambda b: (f32(b, l, j, i), f32(b, s, i), f32(b, l, j),
-                                       i32(b, l, 1024)),
+      # S = 2 T: the "dense" form (every key's score, then the slots picked)
+      "indexer_scores_at": (lambda b: (f32(b, l, j, i), f32(b, 4 * s, i), f32(b, l, j),
+                                       i32(b, l, 2 * s)),
                             lambda shards: lambda *a: pk.indexer_scores_at(
                                 *a, scale=0.1, batch_shards=shards)),
+      "indexer_scores_at_gather": (lambda b: (f32(b, l, j, i), f32(b, s, i), f32(b, l, j),
+                                              i32(b, l, 1024)),
+                                   lambda shards: lambda *a: pk.indexer_scores_at(
+                                       *a, scale=0.1, batch_shards=shards, keys="gather")),
       "indexer_topk": (lambda b: (f32(b, 1024, j, i), f32(b, 2048, i), f32(b, 1024, j),
                                   i32(b, 1024), i32(b, 1024), i32(b, 2048)),
                        lambda shards: lambda *a: pk.indexer_topk_xla(

@@ -3,7 +3,8 @@
   python tools/price_dsa_stage.py --target=v5p:2x2x1 [--batch=2 --seq_len=4096 --impl=xla]
       [--kl_target=pass]   # the KL target as a second pass (sparse_mla_head_mean_probs)
   python tools/price_dsa_stage.py --target=v5p:2x2x1 --impl=pallas   # the Mosaic kernels
-  python tools/price_dsa_stage.py --target=v5p:2x2x1 --part=indexer_kl [--query_block=8]
+  python tools/price_dsa_stage.py --target=v5p:2x2x1 --part=indexer_kl [--keys=gather|dense]
+      [--query_block=8]
 
 One layer's sparse attention at the per-device shapes of the 744B headline step (GLM-5: 64
 heads, C = 512 latent dims, R = 64 RoPE dims, top-2048; batch 2 x 4,096 tokens per device),
@@ -17,8 +18,8 @@ at depth 2 is a 20-minute compile. Needs libtpu (the `tpu-aot` extra).
 
 `--part=indexer_kl`: the indexer KL on the selection instead (`dsa_kl_fused.
 indexer_kl_at_selection`: GLM-5's 32 index heads of dim 128, its query-block loop under its
-own checkpoint, forward, remat recompute and backward); `--query_block` forces its blocks (the
-default is what `indexer_scores_at` picks for one device's rows).
+own checkpoint, forward, remat recompute and backward); `--keys` picks `indexer_scores_at`'s
+form, `--query_block` forces its blocks (the default is what it picks for one device's rows).
 """
 
 import argparse
@@ -57,13 +58,13 @@ def stage(impl: str, kl_target: str, scale: float):
   return jax.value_and_grad(jax.checkpoint(forward), argnums=(0, 1, 2, 3))
 
 
-def indexer_kl_stage(index_scale: float, query_block: int | None):
+def indexer_kl_stage(index_scale: float, query_block: int | None, keys: str):
   """`(q, k, w, topk, target) -> (KL sum, q / k / w gradients)` of the indexer KL on the
   selection, under `jax.checkpoint` as the layer is under `remat_policy=full`."""
 
   def forward(q, k, w, topk, target):
     return jnp.sum(dsa_kl_fused.indexer_kl_at_selection(
-        q, k, w, topk, target, index_scale=index_scale, query_block=query_block))
+        q, k, w, topk, target, index_scale=index_scale, query_block=query_block, keys=keys))
 
   return jax.value_and_grad(jax.checkpoint(forward), argnums=(0, 1, 2))
 
@@ -85,6 +86,8 @@ def main(argv=None):
                       "indexer KL on the selection")
   parser.add_argument("--query_block", type=int, default=None,
                       help="--part=indexer_kl: queries per block (default: indexer_scores_at's)")
+  parser.add_argument("--keys", choices=("auto", "gather", "dense"), default="auto",
+                      help="--part=indexer_kl: indexer_scores_at's form")
   parser.add_argument("--hlo_out", default=None, help="save the compiled module's text here")
   parser.add_argument("--hlo_in", default=None, help="price this saved module (--hlo_out's, "
                       ".gz or not) instead of compiling; seconds, no libtpu")
@@ -100,7 +103,8 @@ def main(argv=None):
     print(f"priced {args.hlo_in} (saved, not compiled)")
   else:
     text = compile_stage(args, b, l, h, c, r, t)
-    what = (f"the indexer KL (32 index heads x 128), query block {args.query_block or 'default'}"
+    what = (f"the indexer KL (32 index heads x 128), keys {args.keys}, query block "
+            f"{args.query_block or 'default'}"
             if args.part == "indexer_kl" else f"{args.impl}, KL target {args.kl_target}")
     print(f"compiled in {time.perf_counter() - start:.0f} s; {what}, B={b} L={l} H={h} T={t}")
   print_costs(text, args.target)
@@ -116,7 +120,7 @@ def compile_stage(args, b, l, h, c, r, t) -> str:
     shapes = [jax.ShapeDtypeStruct(s, d, sharding=sharding) for s, d in (
         ((b, l, j, i), bf16), ((b, l, i), bf16), ((b, l, j), jnp.float32),
         ((b, l, t), jnp.int32), ((b, l, t), jnp.float32))]
-    fn = indexer_kl_stage(i ** -0.5, args.query_block)
+    fn = indexer_kl_stage(i ** -0.5, args.query_block, args.keys)
   else:
     shapes = [jax.ShapeDtypeStruct(s, d, sharding=sharding) for s, d in (
         ((b, l, h, c), bf16), ((b, l, h, r), bf16), ((b, l, c), bf16), ((b, l, r), bf16),

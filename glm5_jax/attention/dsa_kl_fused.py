@@ -38,7 +38,7 @@ from pallas_kernels.sparse_mla import check_sparse_mla_inputs, named_residuals
 
 def indexer_kl_at_selection(q_BLJI, k_BSI, weights_BLJ, topk_BLT, target_BLT, *,
                             index_scale: float, batch_shards: int = 1,
-                            query_block: int | None = None):
+                            query_block: int | None = None, keys: str = "auto"):
   """The indexer KL per query, fp32 `[B, L]`: I at the selection (`indexer_scores_at`) against
   `target_BLT`, reduced to the KL inside each query block's checkpoint, so no `[B, L, T]` scores
   outlive a block (`indexer_scores_at`'s `reduce_block`). `batch_shards`: the devices XLA
@@ -46,7 +46,7 @@ def indexer_kl_at_selection(q_BLJI, k_BSI, weights_BLJ, topk_BLT, target_BLT, *,
   with jax.named_scope("indexer_scores_at"):
     return indexer_scores_at(
         q_BLJI, k_BSI, weights_BLJ, topk_BLT, scale=index_scale, per_query=[target_BLT],
-        batch_shards=batch_shards, query_block=query_block,
+        batch_shards=batch_shards, query_block=query_block, keys=keys,
         reduce_block=lambda s_BLT, t_BLT, p_BLT: indexer_kl_per_query(s_BLT, p_BLT, t_BLT >= 0))
 
 
