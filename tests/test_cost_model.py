@@ -316,3 +316,25 @@ ENTRY %main (p: s32[256]) -> s32[256] {
   assert [i.name for i in module.computations["next"]] == ["b", "n"]
   (cost,) = op_costs.price_module(module, V5P)
   assert cost.kind == "HBM at peak" and cost.seconds == pytest.approx(2048 / V5P.hbm_bytes_per_s)
+
+
+def test_kernel_calls_count_each_kernel_per_phase():
+  """Custom calls priced as kernels, counted per step by the phase their op_name puts them in:
+  the remat recompute (`rematted_computation`, also inside `transpose(...)`), the backward
+  (`transpose(...)`), else the forward; named by their jax scope; other ops not counted."""
+  scan = "jit(train_step)/jvp(GLM5)/GLM5._scanned_run/while/body/closed_call/layers_3_77.body/"
+  back = "jit(train_step)/transpose(jvp(GLM5))/GLM5._scanned_run/while/body/closed_call/checkpoint/"
+  cost = lambda source, runs, kind="kernel at 60%": op_costs.OpCost(
+      "k", "c", "custom-call", "DSA sparse", kind, 1e-3, runs, source)
+  costs = [cost(scan + "self_attn/sparse_mla/shard_map/sparse_mla_forward/pallas_call", 74),
+           cost(scan + "self_attn/sparse_mla/shard_map/sparse_mla_forward/pallas_call", 74),
+           cost(back + "rematted_computation/layers_3_77.body/self_attn/sparse_mla/shard_map/"
+                "sparse_mla_forward/pallas_call", 74),
+           cost(back + "layers_3_77.body/self_attn/sparse_mla/shard_map/while/body/closed_call/"
+                "sparse_mla_backward/pallas_call", 2368),
+           cost(back + "layers_3_77.body/mlp/shard_map/jit(tgmm)/pallas_call", 74),
+           cost(scan + "self_attn/dot_general", 74, kind="compiler estimate")]
+  assert step_cost.kernel_calls(costs) == {
+      "sparse_mla_forward": {"forward": 148, "remat": 74, "backward": 0},
+      "sparse_mla_backward": {"forward": 0, "remat": 0, "backward": 2368},
+      "tgmm": {"forward": 0, "remat": 0, "backward": 74}}

@@ -39,6 +39,9 @@ class CostReport:
   model_flops: float | None  # per chip per step
   unpriced: dict  # opcode -> executions per step of instructions with no price
   top_ops: tuple  # the costliest instructions per step: (seconds, category, kind, runs, op_name)
+  # kernel -> {phase: calls per step}: which custom calls run how often in the forward, the
+  # remat recompute and the backward (`kernel_calls`)
+  kernel_calls: dict = dataclasses.field(default_factory=dict)
 
 
 def torus_of(target: str) -> Torus:
@@ -76,6 +79,35 @@ def _unpriced(module, costs) -> dict[str, int]:
   return dict(sorted(found.items(), key=lambda kv: -kv[1]))
 
 
+PHASES = ("forward", "remat", "backward")
+
+
+def phase_of(op_name: str) -> str:
+  """Where the jax program put an instruction: "remat" (recomputed for the backward, under
+  `rematted_computation`), "backward" (`transpose(...)`), else "forward"."""
+  if "rematted_computation" in op_name:
+    return "remat"
+  return "backward" if "transpose(" in op_name else "forward"
+
+
+def kernel_calls(costs) -> dict[str, dict[str, int]]:
+  """`{kernel: {phase: calls per step}}` of the custom calls priced as kernels, named by the
+  jax scope that called them (`.../sparse_mla_backward/pallas_call` -> sparse_mla_backward,
+  `jit(gmm)` -> gmm). Against the model's layer count it shows what the compiler recomputes
+  on its own: a forward kernel called twice per layer in the forward is the compiler's copy,
+  not the model's."""
+  found = {}
+  for c in costs:
+    if not c.kind.startswith("kernel"):
+      continue
+    parts = c.source.split("/")
+    name = parts[-2] if len(parts) > 1 else c.name
+    name = name.removeprefix("jit(").removesuffix(")")
+    calls = found.setdefault(name, dict.fromkeys(PHASES, 0))
+    calls[phase_of(c.source)] += c.runs
+  return dict(sorted(found.items()))
+
+
 def price_module(module, target: str, layout: dict, tokens_per_chip: float,
                  model_flops_per_token: float | None, top: int = 10) -> CostReport:
   """The report of a parsed module (`hlo_loops.parse_module`) compiled for `target`."""
@@ -103,7 +135,8 @@ def price_module(module, target: str, layout: dict, tokens_per_chip: float,
       dict(sorted(by_kind.items(), key=lambda kv: -kv[1])),
       dict(sorted(by_axes.items(), key=lambda kv: -kv[1])), times, mfu, tokens_per_chip,
       model, _unpriced(module, costs),
-      tuple((c.seconds * c.runs, c.category, c.kind, c.runs, c.source) for c in ranked))
+      tuple((c.seconds * c.runs, c.category, c.kind, c.runs, c.source) for c in ranked),
+      kernel_calls(compute))
 
 
 def price_text(hlo_text: str, target: str, layout: dict, tokens_per_chip: float,
@@ -145,6 +178,10 @@ def format_report(report: CostReport, bound=None) -> str:
   if report.unpriced:
     lines.append("  not priced (executions per step): " + ", ".join(
         f"{op} {n}" for op, n in list(report.unpriced.items())[:8]))
+  if report.kernel_calls:
+    lines.append("  kernel calls per step (" + " / ".join(PHASES) + "): " + ", ".join(
+        f"{name} " + " / ".join(str(calls[p]) for p in PHASES)
+        for name, calls in report.kernel_calls.items()))
   lines.append("  costliest instructions per step:")
   for seconds, category, kind, runs, source in report.top_ops:
     lines.append(f"    {seconds:8.3f} s  {category:<22} {kind:<18} x{runs:<6} ...{source[-70:]}")
