@@ -230,7 +230,8 @@ def test_a_synchronous_all_gather_in_a_scanned_loop_is_fully_exposed():
 
 def test_async_collective_fusions_hide_the_pipelined_gathers():
   """The same program compiled with libtpu's async-collective flags
-  (aot_targets.ASYNC_COLLECTIVE_FLAGS): the first gather is peeled and synchronous, the 3 later
+  (aot_targets.ASYNC_COLLECTIVE_FLAGS) and its ICI all-gather pipelining
+  (make_fixtures.ICI_AG_PIPELINING): the first gather is peeled and synchronous, the 3 later
   ones are async collective fusions issued an iteration ahead (start, a continuation fusing
   the matmul, done), each copy holding the same all-gather. Counted once each, 4 gathers per
   step as before; the 3 hidden behind their matmul, so only the peeled one is exposed."""
