@@ -271,6 +271,9 @@ def test_async_collective_fusions_hide_the_pipelined_gathers():
     ("jit(train_step)/jvp(GLM5)/GLM5._scanned_run/while/body/closed_call/layers_3_77.body/"
      "layers_3_77/self_attn/dot_general", "attention projections"),
     ("jit(train_step)/jvp(GLM5)/GLM5._scanned_run/while/body/closed_call/layers_3_77.body/"
+     "layers_3_77/self_attn/shard_map/kl_target/while/body/closed_call/blhc,bltc->blht/"
+     "dot_general", "DSA sparse"),  # the KL target's second pass (128K step)
+    ("jit(train_step)/jvp(GLM5)/GLM5._scanned_run/while/body/closed_call/layers_3_77.body/"
      "layers_3_77/mlp/shard_map/jit(gmm)/pallas_call", "experts and FFN"),
     ("jit(train_step)/jvp(GLM5)/GLM5._scanned_run/while/body/closed_call/layers_3_77.body/"
      "layers_3_77/mlp/shard_map/ragged_all_to_all", "MoE dispatch/relayout"),

@@ -52,7 +52,8 @@ KERNEL_EFFICIENCY = 0.6
 # nested in it, its KL target (`blji,blti->bljt`) and the top-k sort are the indexer, the rest
 # of the loop (row gathers, scores, softmax, values) the sparse attention; since the `xla`
 # path's own custom VJP (`pallas_kernels/sparse_mla_xla.py`) its ops carry the `sparse_mla/`
-# scope, and the KL's scores at the selection `indexer_scores_at/` (the indexer's).
+# scope, the KL's target where a second pass computes it `kl_target/` (a sparse attention
+# pass: DSA sparse), and the KL's scores at the selection `indexer_scores_at/` (the indexer's).
 CATEGORY_RULES = (
     ("optimizer", r"^jit\(train_step\)/(while/|vmap|jit\(_pad\)|jit\(norm\))|opt_state|muon|adam"),
     ("loss and LM head", r"^jit\([^)/]*\)/(transpose\()?jvp\((jit\(take_along_axis\))?\)|"
@@ -65,7 +66,7 @@ CATEGORY_RULES = (
     ("indexer", r"self_attn/.*(while/body/closed_call/(checkpoint/)?(rematted_computation/)?"
                 r"while/|blji|bljs|bljt|blj,|/sort|top_k|indexer)"),
     ("DSA sparse", r"self_attn/(closed_call/|checkpoint/|rematted_computation/)*while|"
-                   r"self_attn/sparse_mla/"),
+                   r"self_attn/sparse_mla/|self_attn/.*kl_target/"),
     ("attention projections", r"self_attn/"),
 )
 _RULES = tuple((name, re.compile(pattern, re.I)) for name, pattern in CATEGORY_RULES)
