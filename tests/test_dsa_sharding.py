@@ -27,6 +27,7 @@ from flax import linen as nn
 from jax.extend import core as jax_core
 from jax.sharding import AbstractMesh, AxisType
 from glm5_jax.attention import mla
+from glm5_jax import sharding
 from glm5_jax.sharding import mesh_config
 from pallas_kernels.sparse_mla import scatter_add_rows
 from tests.conftest import run_on_host_devices
@@ -172,8 +173,7 @@ def test_query_blocks_are_sized_by_each_devices_batch_rows():
                                                                              per_device)
   mesh = AbstractMesh((2, 2, 1, 1, 2), ("data", "fsdp", "context", "expert", "tensor"),
                       axis_types=(AxisType.Auto,) * 5)
-  rules = tuple((n, tuple(a) if isinstance(a, list) else a)
-                for n, a in mesh_config().logical_axis_rules)
+  rules = sharding._rules(mesh_config().logical_axis_rules)  # as activation_sharding sets them
   with jax.sharding.use_abstract_mesh(mesh), nn.logical_axis_rules(rules):
     attn = lengths(lambda *a: mla._sparse_mla_on_mesh("xla", 0.3)(*a)[0],
                    ops["sparse_mla"][0](8))

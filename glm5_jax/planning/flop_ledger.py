@@ -142,13 +142,17 @@ def _walk(module, computation: str, prefix: str, times: int, visit, depth: int =
       _walk(module, callee, name, times * weight, visit, depth + 1)
 
 
-def phase(name: str) -> str:
-  """optimizer / remat / backward / forward from a dot's full name (module docstring)."""
-  if "jvp(" not in name:
-    return "optimizer"
+def model_phase(name: str) -> str:
+  """remat / backward / forward of an instruction of the model's differentiated program, from
+  its full name (module docstring)."""
   if "rematted_computation" in name:
     return "remat"
   return "backward" if "transpose(" in name else "forward"
+
+
+def phase(name: str) -> str:
+  """optimizer / remat / backward / forward from a dot's full name (module docstring)."""
+  return "optimizer" if "jvp(" not in name else model_phase(name)
 
 
 def category(name: str, op: str) -> str:

@@ -16,7 +16,8 @@ import dataclasses
 import numpy as np
 
 from glm5_jax.accelerators import ACCELERATORS
-from glm5_jax.planning import aot_targets, hlo_loops, hlo_stats, op_costs, schedule
+from glm5_jax.planning import (aot_targets, flop_ledger, hlo_loops, hlo_stats, op_costs,
+                               schedule)
 from glm5_jax.planning.torus import Torus
 
 WAYS = ("none", "schedule", "ideal")
@@ -79,15 +80,7 @@ def _unpriced(module, costs) -> dict[str, int]:
   return dict(sorted(found.items(), key=lambda kv: -kv[1]))
 
 
-PHASES = ("forward", "remat", "backward")
-
-
-def phase_of(op_name: str) -> str:
-  """Where the jax program put an instruction: "remat" (recomputed for the backward, under
-  `rematted_computation`), "backward" (`transpose(...)`), else "forward"."""
-  if "rematted_computation" in op_name:
-    return "remat"
-  return "backward" if "transpose(" in op_name else "forward"
+PHASES = ("forward", "remat", "backward")  # flop_ledger.model_phase's
 
 
 def kernel_calls(costs) -> dict[str, dict[str, int]]:
@@ -104,7 +97,7 @@ def kernel_calls(costs) -> dict[str, dict[str, int]]:
     name = parts[-2] if len(parts) > 1 else c.name
     name = name.removeprefix("jit(").removesuffix(")")
     calls = found.setdefault(name, dict.fromkeys(PHASES, 0))
-    calls[phase_of(c.source)] += c.runs
+    calls[flop_ledger.model_phase(c.source)] += c.runs
   return dict(sorted(found.items()))
 
 
