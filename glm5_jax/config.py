@@ -189,6 +189,11 @@ def model_config(**overrides) -> ml_collections.ConfigDict:
   # the average); c > 0 = at most ceil(c * pairs per device) rows received per device, the rest
   # dropped (`glm5_jax.moe_parallel`; the fraction is the `moe_dropped_fraction` metric).
   c.moe_capacity_factor = 0.0
+  # "expert_parallel": each device's tokens go through the exchange -> grouped matmul -> exchange
+  # back in this many independent chunks, so that the compiler can run one chunk's all-to-all
+  # while another's experts compute (the exchanges are otherwise exposed: nothing else is ready
+  # to run). Capacity (above) applies per chunk. 1 = one pass.
+  c.moe_dispatch_chunks = 1
   # INT4 quantization-aware training of the routed experts (`glm5_jax.quant.qat`): 0 = off, else
   # the group size along each expert kernel's input axis (one scale per group and output
   # column); must be even and divide hidden_size and moe_intermediate_size (GLM-5 report: INT4
@@ -292,13 +297,15 @@ def interleave_pattern(num_layers: int, every: int, letter: str, base: str,
 # S / N / L layers, which such a model has none of; `scan_layers`, `remat_policy`,
 # `moe_impl`, `moe_transport` and `moe_matmul` change the param layout, memory, collectives or
 # kernels, never the numbers; `moe_capacity_factor` is 0, dropless, for older models;
+# `moe_dispatch_chunks` changes only the schedule (and, with a capacity, where it drops);
 # `cache_dtype` only the decode cache; `attention_impl` only which kernel computes attention;
 # `qat_int4_group_size` is 0, off, for older models; `head_norm_mix` is False: no rotated model
 # predates it).
 LATER_FIELDS = ("sliding_window", "gdn_conv_size", "gdn_chunk_size", "simple_gdn_gates",
                 "simple_gdn_beta", "scan_layers", "remat_policy", "moe_impl",
                 "moe_transport", "cache_dtype", "attention_impl", "qat_int4_group_size", "quant",
-                "quant_group_size", "head_norm_mix", "moe_matmul", "moe_capacity_factor")
+                "quant_group_size", "head_norm_mix", "moe_matmul", "moe_capacity_factor",
+                "moe_dispatch_chunks")
 # Where the behaviour before a field existed differs from its default: checkpoints written
 # before `scan_layers` hold unrolled `layers_{i}` params.
 LATER_FIELD_OLD_VALUES = {"scan_layers": False}
@@ -410,6 +417,8 @@ def validate_model_config(m) -> None:
                                           m.moe_impl == "expert_parallel"),
           "model.moe_capacity_factor", "must be 0 (dropless) or >= 1 with "
           f"moe_impl='expert_parallel', got {m.moe_capacity_factor!r} with {m.moe_impl!r}")
+  require(isinstance(m.moe_dispatch_chunks, int) and m.moe_dispatch_chunks >= 1,
+          "model.moe_dispatch_chunks", f"must be an int >= 1, got {m.moe_dispatch_chunks!r}")
   require(m.moe_matmul in MOE_MATMULS, "model.moe_matmul",
           f"must be one of {MOE_MATMULS}, got {m.moe_matmul!r}")
   for name in ("dtype", "param_dtype", "cache_dtype"):

@@ -172,7 +172,8 @@ class MoE(nn.Module):
       # float kernels, or integer ones as (q, scale) per projection
       y_MD, dropped = moe_parallel.expert_parallel_dispatch(
           x_MD, weights_MX, experts_MX, *experts, transport=c.moe_transport,
-          matmul=c.moe_matmul, capacity_factor=c.moe_capacity_factor)
+          matmul=c.moe_matmul, capacity_factor=c.moe_capacity_factor,
+          chunks=c.moe_dispatch_chunks)
     elif c.quant != "none":  # integer kernels: (q, scale) per projection
       y_MD = dispatch_quantized_experts(x_MD, weights_MX, experts_MX, *experts)
       dropped = jnp.zeros((), jnp.float32)

@@ -33,7 +33,12 @@ Shaped for the TPU compiler (docs/scaling.md, "MoE dispatch without the relayout
 travel as `[rows, 8, D/8]` slabs, the layout the ragged all-to-all takes as it is (`SLAB`); the
 combine receives into the dispatch's used send buffer instead of a fresh zero buffer; the row
 permutations differentiate to gathers by the inverse permutation, not scatter-adds into zero
-buffers. The grouped matmul sees `[rows, D]`: one relayout each way around it.
+buffers; the dispatch's receive buffer and the exchanges' transposes write into uninitialized
+buffers (`jax.lax.empty`, `_exchange`), not zero-filled ones. The rows no message wrote sit past
+the grouped matmul's groups (the received rows are a prefix of the buffer), and every grouped
+matmul here (ragged_dot, megablox, the Triton gmm) leaves rows past its groups out of every
+group's result and weight gradient, whatever they hold: tests/test_moe_parallel.py runs each on
+NaN-filled buffers. The grouped matmul sees `[rows, D]`: one relayout each way around it.
 
 Dropless by default, so every buffer is sized for the worst case: a device can receive up to
 `n * m * min(X, E/n)` rows (every local token choosing only its experts; m local tokens), n
@@ -44,6 +49,13 @@ expert output is zero, as in GShard / Switch capacity), and the dispatch returns
 pairs dropped (`moe_dropped_fraction` in the layer's aux and the train metrics). With the
 "ragged_all_to_all" transport the receive buffer and the expert matmuls shrink to that many rows;
 "all_to_all" drops the same pairs but keeps its dense worst-case slots.
+Chunks (`model.moe_dispatch_chunks` = k > 1): each shard's m tokens go through all of the above
+in k contiguous chunks of m / k, independent of each other (tokens padded to a multiple of k
+shards). A chunk's exchange then has another chunk's grouped matmul to run beside it, which the
+compiler's scheduler can overlap with it (one pass leaves it nothing: the exchange, the matmul and
+the exchange back depend on each other in turn). Each chunk has its own buffers and capacity
+(`ceil(c * m / k * X)` rows), so with a capacity factor the drops are decided per chunk.
+
 Transport (`model.moe_transport`):
   "ragged_all_to_all"  `jax.lax.ragged_all_to_all`: each message is exactly the pairs it
                        carries, so the bytes on the wire are the real `m * X` rows each way;
@@ -86,7 +98,7 @@ def _mesh_axes(rules, logical_name):
 
 def expert_parallel_dispatch(x_MD, weights_MX, experts_MX, w_gate_EDF, w_up_EDF, w_down_EFD,
                              *, transport="ragged_all_to_all", matmul="auto",
-                             capacity_factor=0.0, mesh=None, rules=None):
+                             capacity_factor=0.0, chunks=1, mesh=None, rules=None):
   """`glm5_jax.moe.dispatch_experts`'s mixture `y_MD`, computed expert-parallel.
 
   Args:
@@ -99,6 +111,8 @@ def expert_parallel_dispatch(x_MD, weights_MX, experts_MX, w_gate_EDF, w_up_EDF,
       (`glm5_jax.grouped_matmul`).
     capacity_factor: 0 (dropless) or c > 0: receive at most `ceil(c * m * X)` rows per device
       (module docstring).
+    chunks: each shard's tokens in this many independent exchange -> grouped matmul -> exchange
+      passes (`model.moe_dispatch_chunks`; "Chunks" in the module docstring).
     mesh: defaults to the context mesh (`jax.set_mesh`); required.
     rules: logical axis rules; default the flax context's (`nn.logical_axis_rules`).
   Returns:
@@ -146,8 +160,10 @@ def expert_parallel_dispatch(x_MD, weights_MX, experts_MX, w_gate_EDF, w_up_EDF,
   # Pad the tokens to a multiple of the token shards. Padding rows get distinct experts (the
   # worst-case buffer bound assumes a token's X experts differ) and zero router weights.
   m, x = experts_MX.shape
+  if not isinstance(chunks, int) or chunks < 1:
+    raise ValueError(f"model.moe_dispatch_chunks: must be an int >= 1, got {chunks!r}")
   shards = math.prod(mesh.shape[a] for a in token_axes)
-  pad = -m % shards
+  pad = -m % (shards * chunks)
   if pad:
     x_MD = jnp.pad(x_MD, ((0, pad), (0, 0)))
     weights_MX = jnp.pad(weights_MX, ((0, pad), (0, 0)))
@@ -157,8 +173,9 @@ def expert_parallel_dispatch(x_MD, weights_MX, experts_MX, w_gate_EDF, w_up_EDF,
   tokens = PartitionSpec(token_axes, None)
   f_spec = f_axes if f_axes else None
   impl = grouped_matmul.default_impl() if matmul == "auto" else matmul
-  local = functools.partial(_local_dispatch, expert_axis=expert_axis, n=n, f_axes=f_axes,
-                            transport=transport, matmul=impl, capacity_factor=capacity_factor)
+  local = functools.partial(_chunked_dispatch, chunks=chunks, expert_axis=expert_axis, n=n,
+                            f_axes=f_axes, transport=transport, matmul=impl,
+                            capacity_factor=capacity_factor)
   kernel_specs = (PartitionSpec(expert_axis, None, f_spec),
                   PartitionSpec(expert_axis, None, f_spec),
                   PartitionSpec(expert_axis, f_spec, None))
@@ -207,6 +224,74 @@ def _per_row(mask, a):
   return mask.reshape(mask.shape + (1,) * (a.ndim - mask.ndim))
 
 
+def _uninitialized(shape, dtype):
+  """A buffer every read row of which is written first: `jax.lax.empty` (no fill on TPU and GPU;
+  zeros elsewhere). The tests make it NaN to show that no unwritten row reaches a result."""
+  return jax.lax.empty(shape, dtype)
+
+
+def _varying_axes(a) -> tuple:
+  """The manual mesh axes `a` varies over inside `shard_map` (its type under check_vma): the
+  aval's `manual_axis_type.varying` (jax >= 0.10), `vma` before."""
+  aval = jax.typeof(a)
+  mat = getattr(aval, "manual_axis_type", None)
+  return tuple(sorted(mat.varying if mat is not None else getattr(aval, "vma", ())))
+
+
+def _varying_like(a, like):
+  """`a` typed to vary over the manual mesh axes `like` varies over (no data moves)."""
+  missing = tuple(n for n in _varying_axes(like) if n not in _varying_axes(a))
+  return jax.lax.pcast(a, missing, to="varying") if missing else a
+
+
+# The ragged all-to-all's own transpose (jax) sends the cotangents back into a zero buffer of
+# the operand's shape: a rows-sized broadcast per exchange in the backward (3.6 ms per 81,920-row
+# slab buffer by the TPU compiler's cost model, docs/scaling.md), for rows that are all written
+# (a dropless dispatch sends every row), past the grouped matmul's groups (the combine's operand:
+# only its first `sum(recv)` rows were sent), or left out of the token gradient's sum (the pairs
+# a capacity factor dropped: `_repeat_rows`' `sent_P`).
+def _exchange(rows_R_, into_S_, input_offsets_N, send_N, output_offsets_N, recv_N, axis_name):
+  """`jax.lax.ragged_all_to_all(rows_R_, into_S_, ...)` whose backward writes into an
+  uninitialized buffer: the rows of `rows_R_` that no message carried get undefined cotangents,
+  which the caller must leave unread."""
+  # The received rows vary over the mesh axes as the sent ones do (shard_map's check_vma types
+  # a ragged all-to-all's result as its output buffer).
+  into_S_ = _varying_like(into_S_, rows_R_)
+  return _exchange_vjp(rows_R_, into_S_, input_offsets_N, send_N, output_offsets_N, recv_N,
+                       axis_name, _varying_axes(rows_R_))
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(6, 7))
+def _exchange_vjp(rows_R_, into_S_, input_offsets_N, send_N, output_offsets_N, recv_N,
+                  axis_name, varying):
+  del varying  # the backward's
+  return jax.lax.ragged_all_to_all(rows_R_, into_S_, input_offsets_N, send_N, output_offsets_N,
+                                   recv_N, axis_name=axis_name)
+
+
+def _exchange_fwd(rows_R_, into_S_, input_offsets_N, send_N, output_offsets_N, recv_N,
+                  axis_name, varying):
+  out = _exchange_vjp(rows_R_, into_S_, input_offsets_N, send_N, output_offsets_N, recv_N,
+                      axis_name, varying)
+  return out, (rows_R_.shape[0], input_offsets_N, send_N, output_offsets_N, recv_N)
+
+
+def _exchange_bwd(axis_name, varying, res, ct_S_):
+  num_rows, input_offsets_N, send_N, output_offsets_N, recv_N = res
+  # The messages reversed: each destination sends back the rows it received from each source
+  # (from where they landed, `output_offsets` as the source gave them) to where they came from.
+  swap = lambda a: jax.lax.all_to_all(a, axis_name, 0, 0, tiled=True)
+  into_R_ = _uninitialized((num_rows, *ct_S_.shape[1:]), ct_S_.dtype)
+  if varying:  # shard_map's type check (check_vma): the cotangent varies as the operand did
+    into_R_ = jax.lax.pcast(into_R_, varying, to="varying")
+  ct_R_ = jax.lax.ragged_all_to_all(ct_S_, into_R_, swap(output_offsets_N), recv_N,
+                                    swap(input_offsets_N), send_N, axis_name=axis_name)
+  return ct_R_, None, None, None, None, None
+
+
+_exchange_vjp.defvjp(_exchange_fwd, _exchange_bwd)
+
+
 # The dispatch's row gathers are permutations (or, from the tokens, each row repeated X times):
 # their backward is a gather by the inverse permutation. jax's transpose of a gather is a
 # scatter-add into a zero buffer, which the TPU compiler broadcasts first: four more
@@ -231,24 +316,39 @@ _permute_rows.defvjp(_permute_rows_fwd, _permute_rows_bwd)
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(3,))
-def _repeat_rows(x_M_, order_P, inverse_P, x):
+def _repeat_rows(x_M_, order_P, inverse_P, x, sent_P=None):
   """`x_M_[order_P // x]`: each token's row once per chosen expert, in the pairs' sorted order
-  `order_P` (`inverse_P` its inverse); the backward sums a token's X rows, gathered."""
+  `order_P` (`inverse_P` its inverse); the backward sums a token's X rows, gathered. With
+  `sent_P` (bool, sorted order) only the pairs it marks contribute to that sum: the others were
+  dropped for capacity, never sent, and their cotangent rows are undefined (`_exchange`)."""
   return x_M_[order_P // x]
 
 
-def _repeat_rows_fwd(x_M_, order_P, inverse_P, x):
-  return x_M_[order_P // x], (order_P, inverse_P)
+def _repeat_rows_fwd(x_M_, order_P, inverse_P, x, sent_P=None):
+  return x_M_[order_P // x], (order_P, inverse_P, sent_P)
 
 
-def _repeat_rows_bwd(x, orders, ct_P_):
-  order_P, inverse_P = orders
+def _repeat_rows_bwd(x, res, ct_P_):
+  order_P, inverse_P, sent_P = res
   ct_MX_ = ct_P_[inverse_P].reshape(-1, x, *ct_P_.shape[1:])
-  no_grad = lambda a: np.zeros(a.shape, jax.dtypes.float0)  # integer inputs
-  return ct_MX_.sum(1, dtype=jnp.float32).astype(ct_P_.dtype), no_grad(order_P), no_grad(inverse_P)
+  if sent_P is not None:  # a select the compiler fuses into the sum
+    ct_MX_ = jnp.where(_per_row(sent_P[inverse_P].reshape(-1, x), ct_MX_), ct_MX_, 0)
+  no_grad = lambda a: None if a is None else np.zeros(a.shape, jax.dtypes.float0)
+  return (ct_MX_.sum(1, dtype=jnp.float32).astype(ct_P_.dtype), no_grad(order_P),
+          no_grad(inverse_P), no_grad(sent_P))
 
 
 _repeat_rows.defvjp(_repeat_rows_fwd, _repeat_rows_bwd)
+
+
+def _chunked_dispatch(x_MD, weights_MX, experts_MX, *kernels, chunks, **kw):
+  """`_local_dispatch` of one shard's tokens in `chunks` contiguous, independent passes."""
+  if chunks == 1:
+    return _local_dispatch(x_MD, weights_MX, experts_MX, *kernels, **kw)
+  split = lambda a: jnp.split(a, chunks)
+  outs = [_local_dispatch(*chunk, *kernels, **kw)
+          for chunk in zip(split(x_MD), split(weights_MX), split(experts_MX))]
+  return jnp.concatenate([y for y, _ in outs]), sum(d for _, d in outs)
 
 
 def _local_dispatch(x_MD, weights_MX, experts_MX, w_gate_EDF, w_up_EDF, w_down_EFD, *,
@@ -262,9 +362,6 @@ def _local_dispatch(x_MD, weights_MX, experts_MX, w_gate_EDF, w_up_EDF, w_down_E
   flat_experts_P = experts_MX.reshape(-1)
   order_P = jnp.argsort(flat_experts_P, stable=True)
   inverse_P = jnp.argsort(order_P)
-  # Sorted by expert, hence by destination device.
-  xs_P = _repeat_rows(_slabs(x_MD), order_P, inverse_P, x)
-  row = xs_P.shape[1:]
   counts_NE = jnp.bincount(flat_experts_P, length=n * local_experts).astype(jnp.int32)
   counts_NE = counts_NE.reshape(n, local_experts)  # my pairs for device k's expert e
   send_N = counts_NE.sum(1)
@@ -290,6 +387,10 @@ def _local_dispatch(x_MD, weights_MX, experts_MX, w_gate_EDF, w_up_EDF, w_down_E
   # Each sorted pair's destination device and place among the pairs sent there.
   dest_P = jnp.sort(flat_experts_P) // local_experts
   place_P = jnp.arange(m * x) - send_offsets_N[dest_P]
+  sent_P = (place_P < kept_send_N[dest_P]) if capacity_factor else None
+  # Sorted by expert, hence by destination device.
+  xs_P = _repeat_rows(_slabs(x_MD), order_P, inverse_P, x, sent_P)
+  row = xs_P.shape[1:]
 
   if transport == "ragged_all_to_all":
     recv_N = kept_NN[:, me]
@@ -297,9 +398,9 @@ def _local_dispatch(x_MD, weights_MX, experts_MX, w_gate_EDF, w_up_EDF, w_down_E
     # Where my rows land in each destination's buffer, and where each source's rows came from.
     dest_offsets_N = _exclusive_cumsum(kept_NN, axis=0)[me]
     source_offsets_N = _exclusive_cumsum(sizes_NN, axis=1)[:, me]
-    recv_R = jax.lax.ragged_all_to_all(
-        xs_P, jnp.zeros((rows, *row), xs_P.dtype), send_offsets_N, kept_send_N, dest_offsets_N,
-        recv_N, axis_name=expert_axis)
+    # Rows from sum(recv_N) on are never written: they sort past the groups (`expert_R` below).
+    recv_R = _exchange(xs_P, _uninitialized((rows, *row), xs_P.dtype), send_offsets_N,
+                       kept_send_N, dest_offsets_N, recv_N, expert_axis)
   else:
     recv_offsets_N = jnp.arange(n, dtype=jnp.int32) * slot
     j = jnp.arange(slot)
@@ -337,9 +438,8 @@ def _local_dispatch(x_MD, weights_MX, experts_MX, w_gate_EDF, w_up_EDF, w_down_E
     # Back into the send buffer, dead once sent (the backward never reads it: the exchange is
     # linear), not a fresh zero buffer: that would be another broadcast as large. The rows of
     # dropped pairs are not written and keep their token's input: zeroed below.
-    ys_P = jax.lax.ragged_all_to_all(
-        ys_R, jax.lax.stop_gradient(xs_P), recv_offsets_N, recv_N, source_offsets_N,
-        kept_send_N, axis_name=expert_axis)
+    ys_P = _exchange(ys_R, jax.lax.stop_gradient(xs_P), recv_offsets_N, recv_N,
+                     source_offsets_N, kept_send_N, expert_axis)
   else:
     back_NS = jax.lax.all_to_all(ys_R.reshape(n, slot, *row), expert_axis, 0, 0, tiled=True)
     ys_P = back_NS[dest_P, place_P]
@@ -347,7 +447,7 @@ def _local_dispatch(x_MD, weights_MX, experts_MX, w_gate_EDF, w_up_EDF, w_down_E
   # As the reference: inverse permutation, then the weighted sum over a token's X experts.
   ys_MX = _permute_rows(ys_P, inverse_P, order_P).reshape(m, x, *row)
   if capacity_factor:  # a dropped pair's row holds no expert output; it contributes zero
-    kept_MX = (place_P < kept_send_N[dest_P])[inverse_P].reshape(m, x)
+    kept_MX = sent_P[inverse_P].reshape(m, x)
     ys_MX = jnp.where(_per_row(kept_MX, ys_MX), ys_MX, 0)
   mix = "mxsd,mx->msd" if ys_MX.ndim == 4 else "mxd,mx->md"  # slabs, or rows SLAB left whole
   y_M = jnp.einsum(mix, ys_MX.astype(jnp.float32), weights_MX)

@@ -3,7 +3,8 @@
   XLA_FLAGS=--xla_force_host_platform_device_count=8 python tests/moe_parallel_cases.py MODE ARG
 
 MODE `cases`, ARG a JSON list of `{"mesh": {axis: size}, "bias": "none"|"skewed", "batch":
-[B, L], "matmul": model.moe_matmul, "transport": model.moe_transport}`: per case, the largest
+[B, L], "matmul": model.moe_matmul, "transport": model.moe_transport, "chunks":
+model.moe_dispatch_chunks}`: per case, the largest
 differences between `moe_impl="expert_parallel"` (transport "all_to_all" unless given, sharded
 on the mesh) and the unsharded `moe_impl="ragged"` reference, for the output, the aux values,
 and the gradients w.r.t. the input and every parameter. The "ragged_all_to_all" transport runs
@@ -18,6 +19,7 @@ expert-weight all-gathers on the mesh.
 Each prints one JSON line.
 """
 
+import contextlib
 import dataclasses
 import functools
 import json
@@ -66,9 +68,16 @@ def exact_ragged_all_to_all(operand, output, input_offsets, send_sizes, output_o
   return jnp.where(hit, sources[source_T, row_T], output)
 
 
+@contextlib.contextmanager
 def exact_ragged_transport():
-  """While active, `jax.lax.ragged_all_to_all` is `exact_ragged_all_to_all`."""
-  return mock.patch.object(jax.lax, "ragged_all_to_all", exact_ragged_all_to_all)
+  """While active, `jax.lax.ragged_all_to_all` is `exact_ragged_all_to_all`, and the buffers the
+  expert-parallel exchanges write into uninitialized (`moe_parallel._uninitialized`, zeros on
+  CPU) are NaN: a row no message wrote that reached a result or a gradient would show."""
+  from glm5_jax import moe_parallel  # pylint: disable=g-import-not-at-top
+  nan_buffer = lambda shape, dtype: jnp.full(shape, jnp.nan, dtype)
+  with mock.patch.object(jax.lax, "ragged_all_to_all", exact_ragged_all_to_all), \
+       mock.patch.object(moe_parallel, "_uninitialized", nan_buffer):
+    yield
 
 
 def shard_like(tree, logical, mesh, rules):
@@ -98,7 +107,8 @@ def run_case(case):
 def _run_case(case, transport):
   ref_cfg = tiny_model_config(**MODEL)
   ep_cfg = dataclasses.replace(ref_cfg, moe_impl="expert_parallel", moe_transport=transport,
-                               moe_matmul=case.get("matmul", "auto"))
+                               moe_matmul=case.get("matmul", "auto"),
+                               moe_dispatch_chunks=case.get("chunks", 1))
   b, l = case.get("batch", (8, 12))
   d = ref_cfg.hidden_size
   keys = jax.random.split(jax.random.key(case.get("seed", 0)), 4)

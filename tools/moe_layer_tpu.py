@@ -4,15 +4,19 @@ expert, router), forward + backward, compiled ahead of time by the TPU compiler 
 collectives per step, one JSON line. docs/scaling.md ("Making the step fast") has its figures.
 
   JAX_PLATFORMS=cpu python tools/moe_layer_tpu.py v5p:4x4x4 fsdp=4,expert=16 128 4096 megablox 1.25
+  JAX_PLATFORMS=cpu python tools/moe_layer_tpu.py v5p:8x8x16 fsdp=32,expert=32 2048 4096 \
+      megablox 1.25 moe_dispatch_chunks=2 "device_layout=expert=x8,y4:2;fsdp=y2,z16" /tmp/l.hlo.gz
 
 argv: target, mesh (axis=size,...), global batch, seq_len, model.moe_matmul,
-model.moe_capacity_factor[, a path to save the optimized module's text (.gz: gzipped)].
+model.moe_capacity_factor, then any of: `<model field>=<int>` (a model override, such as
+`moe_dispatch_chunks=2`), `device_layout=<spec>` (`config.mesh.device_layout`), a path to save the optimized module's text (.gz: gzipped; its mesh
+layout beside it, `planner.write_hlo`, so `glm5_jax.planning.step_cost` can price it again).
 The JSON line also carries the compiler estimate of the layer's compute by category
 (`glm5_jax.planning.op_costs`: each instruction's `estimated_cycles`, megablox at its stated
-efficiency; collectives not included), `compute_ms`.
+efficiency; collectives not included), `compute_ms`, and the layer's time three ways
+(`glm5_jax.planning.step_cost`: collectives priced on the target's torus; `schedule` is the
+compiled schedule's own overlap), `time_ms`.
 """
-import dataclasses
-import gzip
 import json
 import sys
 import time
@@ -22,7 +26,7 @@ import jax.numpy as jnp
 from flax import linen as nn
 from glm5_jax import sharding
 from glm5_jax.accelerators import ACCELERATORS
-from glm5_jax.planning import aot_targets, hlo_loops, hlo_stats, op_costs, planner
+from glm5_jax.planning import aot_targets, hlo_loops, hlo_stats, op_costs, planner, step_cost
 from glm5_jax.config import ModelConfig
 from glm5_jax.moe import MoE
 import configs.glm5_744b as c744
@@ -30,10 +34,17 @@ import configs.glm5_744b as c744
 target, mesh_s, batch, seq, matmul, cap = sys.argv[1:7]
 batch, seq = int(batch), int(seq)
 shape = {k: int(v) for k, v in (kv.split("=") for kv in mesh_s.split(","))}
-model = dataclasses.replace(ModelConfig.from_config(c744.get_config().model),
-                            moe_impl="expert_parallel", moe_transport="ragged_all_to_all",
-                            moe_matmul=matmul, moe_capacity_factor=float(cap))
-mesh = sharding.make_mesh(sharding.mesh_config(**shape), aot_targets.tpu_devices(target))
+overrides = dict((k, v) for k, v in (a.split("=", 1) for a in sys.argv[7:] if "=" in a))
+layout = overrides.pop("device_layout", "")
+overrides = {k: int(v) for k, v in overrides.items()}
+hlo_path = next((a for a in sys.argv[7:] if "=" not in a), None)
+model_cfg = c744.get_config().model
+model_cfg.update(moe_impl="expert_parallel", moe_transport="ragged_all_to_all",
+                 moe_matmul=matmul, moe_capacity_factor=float(cap), **overrides)
+model = ModelConfig.from_config(model_cfg)
+mesh_cfg = sharding.mesh_config(**shape)
+mesh_cfg.device_layout = layout
+mesh = sharding.make_mesh(mesh_cfg, aot_targets.tpu_devices(target))
 rules = sharding.default_logical_axis_rules()
 
 
@@ -65,14 +76,18 @@ with planner._backend_seen_by_model("tpu"), sharding.activation_sharding(mesh, r
   compiled = fn.lower(params, x).compile()
 text = compiled.as_text()
 mem = compiled.memory_analysis()
-if len(sys.argv) > 7:
-  with (gzip.open if sys.argv[7].endswith(".gz") else open)(sys.argv[7], "wt") as f:
-    f.write(text)
+if hlo_path:
+  planner.write_hlo(text, mesh, hlo_path)
 chip = ACCELERATORS[aot_targets.parse_target(target)[0]]
-costs = [c for c in op_costs.price_module(hlo_loops.parse_module(text), chip) if c.kind != "torus"]
+module = hlo_loops.parse_module(text)
+costs = [c for c in op_costs.price_module(module, chip) if c.kind != "torus"]
+report = step_cost.price_module(module, target, planner.mesh_layout(mesh), batch * seq / mesh.size,
+                                None)
 found = hlo_stats.step_collectives(text, dict(mesh.shape))
 print(json.dumps({"target": target, "mesh": shape, "batch": batch, "seq": seq, "matmul": matmul,
-  "capacity": float(cap), "tokens_per_chip": batch * seq / mesh.size, "compile_s": round(time.time() - t, 1),
+  "capacity": float(cap), "overrides": overrides, "tokens_per_chip": batch * seq / mesh.size,
+  "compile_s": round(time.time() - t, 1),
+  "time_ms": {k: round(v * 1e3, 2) for k, v in report.times.items()},
   "temp_GiB": mem.temp_size_in_bytes / 2**30, "argument_GiB": mem.argument_size_in_bytes / 2**30,
   "compute_ms": {k: round(v * 1e3, 2) for k, v in op_costs.by_category(costs).items()},
   "flops": hlo_stats.step_dot_flops(text), "convolutions": text.count(" convolution("),
