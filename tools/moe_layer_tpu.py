@@ -25,8 +25,7 @@ import jax
 import jax.numpy as jnp
 from flax import linen as nn
 from glm5_jax import sharding
-from glm5_jax.accelerators import ACCELERATORS
-from glm5_jax.planning import aot_targets, hlo_loops, hlo_stats, op_costs, planner, step_cost
+from glm5_jax.planning import aot_targets, hlo_loops, hlo_stats, planner, step_cost
 from glm5_jax.config import ModelConfig
 from glm5_jax.moe import MoE
 import configs.glm5_744b as c744
@@ -78,9 +77,7 @@ text = compiled.as_text()
 mem = compiled.memory_analysis()
 if hlo_path:
   planner.write_hlo(text, mesh, hlo_path)
-chip = ACCELERATORS[aot_targets.parse_target(target)[0]]
 module = hlo_loops.parse_module(text)
-costs = [c for c in op_costs.price_module(module, chip) if c.kind != "torus"]
 report = step_cost.price_module(module, target, planner.mesh_layout(mesh), batch * seq / mesh.size,
                                 None)
 found = hlo_stats.step_collectives(text, dict(mesh.shape))
@@ -89,6 +86,6 @@ print(json.dumps({"target": target, "mesh": shape, "batch": batch, "seq": seq, "
   "compile_s": round(time.time() - t, 1),
   "time_ms": {k: round(v * 1e3, 2) for k, v in report.times.items()},
   "temp_GiB": mem.temp_size_in_bytes / 2**30, "argument_GiB": mem.argument_size_in_bytes / 2**30,
-  "compute_ms": {k: round(v * 1e3, 2) for k, v in op_costs.by_category(costs).items()},
+  "compute_ms": {k: round(v * 1e3, 2) for k, v in report.compute_by_category.items()},
   "flops": hlo_stats.step_dot_flops(text), "convolutions": text.count(" convolution("),
   "collectives_GiB": {k: round(v["bytes"] / 2**30, 3) for k, v in hlo_stats.summarize_step(found, "op").items()}}))
