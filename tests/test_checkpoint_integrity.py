@@ -244,3 +244,15 @@ def test_a_checkpoint_from_before_an_added_field_resumes_under_its_old_value():
   changed = {"optim": {**current["optim"], "ns_dtype": "bfloat16"}}
   assert ckpt._differences(filled, changed) == [
       "optim.ns_dtype: checkpoint 'float32' vs now 'bfloat16'"]
+
+
+def test_a_checkpoint_from_before_a_later_model_field_resumes_under_its_old_value():
+  """Every `config.LATER_FIELDS` entry is an added field of the model section: a checkpoint
+  written before `model.moe_dispatch_chunks` existed resumes under 1, and only under 1."""
+  from glm5_jax.config import model_config
+  current = {"model": model_config().to_dict()}
+  saved = {"model": {k: v for k, v in current["model"].items() if k != "moe_dispatch_chunks"}}
+  assert ckpt._differences(ckpt.with_added_fields(saved), current) == []
+  changed = {"model": {**current["model"], "moe_dispatch_chunks": 2}}
+  assert ckpt._differences(ckpt.with_added_fields(saved), changed) == [
+      "model.moe_dispatch_chunks: checkpoint 1 vs now 2"]

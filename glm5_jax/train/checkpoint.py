@@ -33,6 +33,7 @@ import ml_collections
 import numpy as np
 import orbax.checkpoint as ocp
 
+from glm5_jax import config as config_lib
 from glm5_jax.train import integrity
 from glm5_jax.train.state import TrainState
 from glm5_jax.train.stopping import any_process
@@ -44,8 +45,11 @@ RESUME_SECTIONS = ("model", "data", "optim")
 RESUME_FIELDS = (("train", "dsa_stage"),)
 # Fields added to a fingerprinted section after checkpoints were written, each with the value
 # that reproduces the behaviour from before: a checkpoint without the field resumes under that
-# value (and only under it).
-ADDED_FIELDS = {("optim", "ns_dtype"): "float32"}
+# value (and only under it). The model section's are `config.LATER_FIELDS`, at the values
+# `config.with_later_field_defaults` gives a model config without them.
+ADDED_FIELDS = {("optim", "ns_dtype"): "float32",
+                **{("model", name): value for name, value in
+                   config_lib.with_later_field_defaults(ml_collections.ConfigDict()).items()}}
 DAMAGED_DIR = "checkpoints_damaged"
 
 
