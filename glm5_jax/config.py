@@ -31,6 +31,7 @@ from glm5_jax.quant.linear import QUANT_FORMATS
 SIMPLE_GDN_GATES = ("fixed", "learned")
 MLP_LETTERS = {"F": "dense", "E": "moe"}
 DSA_IMPLS = ("dense_mask", "xla", "pallas", "pallas_interpret")
+DSA_ATTENTION_KEYS = ("gather", "dense", "auto")
 ATTENTION_IMPLS = ("xla", "cudnn")
 MOE_IMPLS = ("ragged", "expert_parallel")
 MOE_TRANSPORTS = ("ragged_all_to_all", "all_to_all")
@@ -150,6 +151,12 @@ def model_config(**overrides) -> ml_collections.ConfigDict:
   # "pallas_interpret" (the TPU kernels in interpret mode anywhere: slow, tests); see
   # pallas_kernels/dispatch.py
   c.dsa_impl = "dense_mask"
+  # How the sparse stage's attention (not the indexer) of "xla" / "pallas*" reaches the selected
+  # keys in training and prefill: "gather" (the impl's O(L x T) gather path), "dense" (every
+  # key's logits, the selection as per-key counts: pallas_kernels/sparse_mla_dense.py, XLA on
+  # any backend, no gather or scatter), "auto" ("dense" where it forms no more logits than the
+  # gather: causal self-attention without context parallelism and S <= 2 T). Decode gathers.
+  c.dsa_attention_keys = "gather"
   # Dense attention of MLA-family layers in the expanded form (training, prefill: dense MLA, the
   # DSA warm-up stage, "dense_mask"): "xla" (einsums + softmax) or "cudnn" (cuDNN flash
   # attention through jax.nn.dot_product_attention; GPU only, an error elsewhere). The absorbed
@@ -298,6 +305,7 @@ def interleave_pattern(num_layers: int, every: int, letter: str, base: str,
 # `moe_impl`, `moe_transport` and `moe_matmul` change the param layout, memory, collectives or
 # kernels, never the numbers; `moe_capacity_factor` is 0, dropless, for older models;
 # `moe_dispatch_chunks` changes only the schedule (and, with a capacity, where it drops);
+# `dsa_attention_keys` only how the sparse attention reaches its keys (the same math);
 # `cache_dtype` only the decode cache; `attention_impl` only which kernel computes attention;
 # `qat_int4_group_size` is 0, off, for older models; `head_norm_mix` is False: no rotated model
 # predates it).
@@ -305,7 +313,7 @@ LATER_FIELDS = ("sliding_window", "gdn_conv_size", "gdn_chunk_size", "simple_gdn
                 "simple_gdn_beta", "scan_layers", "remat_policy", "moe_impl",
                 "moe_transport", "cache_dtype", "attention_impl", "qat_int4_group_size", "quant",
                 "quant_group_size", "head_norm_mix", "moe_matmul", "moe_capacity_factor",
-                "moe_dispatch_chunks")
+                "moe_dispatch_chunks", "dsa_attention_keys")
 # Where the behaviour before a field existed differs from its default: checkpoints written
 # before `scan_layers` hold unrolled `layers_{i}` params.
 LATER_FIELD_OLD_VALUES = {"scan_layers": False}
@@ -387,6 +395,8 @@ def validate_model_config(m) -> None:
     require(m[name] > 0, f"model.{name}", f"must be > 0, got {m[name]}")
   require(m.dsa_impl in DSA_IMPLS, "model.dsa_impl", f"must be one of {DSA_IMPLS}, got "
            f"{m.dsa_impl!r}")
+  require(m.dsa_attention_keys in DSA_ATTENTION_KEYS, "model.dsa_attention_keys",
+           f"must be one of {DSA_ATTENTION_KEYS}, got {m.dsa_attention_keys!r}")
   require(m.attention_impl in ATTENTION_IMPLS, "model.attention_impl",
            f"must be one of {ATTENTION_IMPLS}, got {m.attention_impl!r}")
   require(m.remat_policy in REMAT_POLICIES, "model.remat_policy",

@@ -44,6 +44,8 @@ INDEXER_IMPLS = {
 MLA_IMPLS = {
     "xla": functools.partial(pk.sparse_mla_xla, query_block=4),
     "pallas": functools.partial(pk.sparse_mla_pallas, **MLA_BLOCKS),
+    # Every key's logits, the selection as counts (not causal: these selections are any rows).
+    "dense": functools.partial(pk.sparse_mla_dense, query_block=4),
 }
 
 
@@ -156,7 +158,7 @@ def test_indexer_scores_at_values_and_gradients(scale, keys):
 # ---------------------------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("impl", ["xla", "pallas"])
+@pytest.mark.parametrize("impl", ["xla", "pallas", "dense"])
 @pytest.mark.parametrize("dtype,tol", [(jnp.float32, 1e-5), (jnp.bfloat16, 2e-2)])
 def test_sparse_mla_forward_matches_reference(impl, dtype, tol):
   args = sparse_mla_inputs(dtype=dtype)
@@ -176,7 +178,7 @@ def _loss_with_lse(fn, cot_out, cot_lse, topk, q, q_rope, kv, k_rope):
           + jnp.sum(jnp.where(jnp.isfinite(lse), lse, 0.0) * cot_lse))
 
 
-@pytest.mark.parametrize("impl", ["xla", "pallas"])
+@pytest.mark.parametrize("impl", ["xla", "pallas", "dense"])
 @pytest.mark.parametrize("dtype,tol", [(jnp.float32, 1e-5), (jnp.bfloat16, 5e-2)])
 def test_sparse_mla_gradients_match_reference_autodiff(impl, dtype, tol):
   *arrays, topk = sparse_mla_inputs(dtype=dtype, seed=3)
@@ -209,7 +211,7 @@ def test_sparse_mla_pallas_bf16_key_words_round_trip_exactly():
     _pack_halves(kv.astype(jnp.float16))
 
 
-@pytest.mark.parametrize("impl", ["xla", "pallas"])
+@pytest.mark.parametrize("impl", ["xla", "pallas", "dense"])
 def test_sparse_mla_check_grads(impl):
   """Finite differences on a small fp32 case (no empty rows: lse -inf is not differentiable)."""
   *arrays, topk = sparse_mla_inputs(b=1, l=5, s=9, h=2, c=8, r=4, t=6, seed=5)
@@ -243,7 +245,9 @@ def test_head_mean_probs_are_the_attention_at_the_selection():
       (functools.partial(pk.sparse_mla_xla_with_kl_target, scale=0.25, query_block=4),
        functools.partial(pk.sparse_mla_xla, scale=0.25, query_block=4)),
       (functools.partial(pk.sparse_mla_pallas_with_head_probs, scale=0.25, **MLA_BLOCKS),
-       functools.partial(pk.sparse_mla_pallas, scale=0.25, **MLA_BLOCKS))):
+       functools.partial(pk.sparse_mla_pallas, scale=0.25, **MLA_BLOCKS)),
+      (functools.partial(pk.sparse_mla_dense_with_kl_target, scale=0.25, query_block=4),
+       functools.partial(pk.sparse_mla_dense, scale=0.25, query_block=4))):
     out, fused_lse, target = fused(*arrays, topk)
     want_out, want_lse = plain(*arrays, topk)
     np.testing.assert_allclose(target, expected, rtol=1e-5, atol=1e-6)
@@ -291,7 +295,7 @@ def out_of_range_like_empty(topk, num_keys, seed=0):
   return jnp.asarray(replaced, jnp.int32)
 
 
-@pytest.mark.parametrize("impl", ["reference", "xla", "pallas"])
+@pytest.mark.parametrize("impl", ["reference", "xla", "pallas", "dense"])
 def test_sparse_mla_out_of_range_indices_are_empty_slots(impl):
   """Forward and every gradient are bit-identical to the same selection with -1 there (before
   the contract the forward read row S - 1 for an index >= S and the backward dropped it)."""
@@ -371,6 +375,39 @@ def test_sparse_mla_duplicate_slots_count_twice():
   np.testing.assert_allclose(probs[0, 0, 0], probs[0, 0, 1])
   np.testing.assert_allclose(probs[0, 1, :3], probs[0, 1, 0])
   np.testing.assert_allclose(probs.sum(-1), 1.0, rtol=1e-5)
+
+
+@pytest.mark.parametrize("head_groups", [1, 3])
+def test_sparse_mla_dense_causal_skips_future_keys(head_groups):
+  """`sparse_mla_dense(causal=True)`, whose query blocks form only the keys up to their last
+  query: outputs, lse, the KL target and every gradient equal the reference's on the same
+  selection with each slot after its query emptied (such slots are empty by contract), over
+  blocks of 4 queries (the last one partial) and with the key gradients accumulated per head
+  group; L != S is an error naming both."""
+  *arrays, topk = sparse_mla_inputs(b=2, l=11, s=11, h=3, c=8, r=4, t=7, seed=18)
+  causal_topk = jnp.where(topk <= jnp.arange(11)[None, :, None], topk, -1)
+  assert np.any(np.asarray(causal_topk) != np.asarray(topk))  # some slots select the future
+  dense = functools.partial(pk.sparse_mla_dense, causal=True, query_block=4,
+                            head_groups=head_groups)
+  out, lse = jax.jit(functools.partial(dense, scale=0.25))(*arrays, topk)
+  want_out, want_lse = pk.sparse_mla_reference(*arrays, causal_topk, scale=0.25)
+  np.testing.assert_allclose(out, want_out, rtol=1e-5, atol=1e-6)
+  np.testing.assert_allclose(lse, want_lse, rtol=1e-5, atol=1e-6)
+  _, _, target = pk.sparse_mla_dense_with_kl_target(*arrays, topk, scale=0.25, causal=True,
+                                                    query_block=4)
+  np.testing.assert_allclose(target, pk.sparse_mla_head_mean_probs(
+      *arrays, causal_topk, want_lse, scale=0.25), rtol=1e-5, atol=1e-6)
+  rng = np.random.default_rng(19)
+  cot_out = jnp.asarray(rng.standard_normal(arrays[0].shape), jnp.float32)
+  cot_lse = jnp.asarray(rng.standard_normal(arrays[0].shape[:3]), jnp.float32)
+  grad = lambda fn, sel: jax.jit(jax.grad(functools.partial(_loss_with_lse, fn, cot_out, cot_lse,
+                                                            sel), argnums=(0, 1, 2, 3)))(*arrays)
+  for name, got, want in zip(("q", "q_rope", "kv", "k_rope"), grad(dense, topk),
+                             grad(pk.sparse_mla_reference, causal_topk)):
+    np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5, err_msg=f"d{name}")
+  *other, other_topk = sparse_mla_inputs(b=1, l=5, s=9, h=2, c=8, r=4, t=4)
+  with pytest.raises(ValueError, match=r"causal=True.*L=5 queries.*S=9 keys"):
+    pk.sparse_mla_dense(*other, other_topk, scale=0.25, causal=True)
 
 
 @pytest.mark.parametrize("keys", ["gather", "dense"])
@@ -493,6 +530,20 @@ def test_dsa_impl_validation():
     validate_model_config(model_config(dsa_impl=impl))
   with pytest.raises(ConfigError, match=r"model\.dsa_impl.*dense_mask.*xla.*pallas.*'sparse'"):
     validate_model_config(model_config(dsa_impl="sparse"))
+  for keys in ("gather", "dense", "auto"):
+    validate_model_config(model_config(dsa_impl="xla", dsa_attention_keys=keys))
+  with pytest.raises(ConfigError, match=r"model\.dsa_attention_keys.*gather.*dense.*'all'"):
+    validate_model_config(model_config(dsa_attention_keys="all"))
+
+
+def test_auto_keys_go_dense_only_where_they_form_no_more_logits():
+  """`dsa_attention_keys="auto"`: the dense form for causal self-attention with S <= 2 T only."""
+  from glm5_jax.attention.mla import _dense_keys
+  pick = lambda keys, l, s, t: _dense_keys(type("C", (), {"dsa_attention_keys": keys}), l, s, t)
+  assert pick("auto", 4096, 4096, 2048) and pick("auto", 64, 64, 2048)
+  assert not pick("auto", 8192, 8192, 2048)  # 4,096 causal keys a query on average vs 2,048
+  assert not pick("auto", 1, 4096, 2048)  # decode-shaped: one query, the cache's keys
+  assert pick("dense", 1, 4096, 2048) and not pick("gather", 4096, 4096, 2048)
 
 
 def _loss_and_grads(cfg, params, tokens, segments):
@@ -516,19 +567,23 @@ def _loss_and_grads(cfg, params, tokens, segments):
 def test_dsa_impls_agree_on_tiny_model(helpers):
   """Same logits, top-k, indexer KL and parameter gradients from all three paths on the tiny
   model (one own-indexer layer, one shared-top-k layer, one MTP depth with its own indexer;
-  dense FFNs), packed rows."""
+  dense FFNs), packed rows; and from "xla" with the sparse attention over every key
+  (`dsa_attention_keys="dense"`: causal blocks, the KL target from its pass)."""
   b, l = 2, 32
   results = {}
-  for impl in ("dense_mask", "xla", "pallas_interpret"):
-    cfg = helpers.config(dsa_impl=impl, attention_pattern="DR", num_hidden_layers=2,
-                         mtp_depths=1, first_k_dense_replace=2)  # dense FFNs: faster compile
+  variants = {"dense_mask": {}, "xla": {}, "pallas_interpret": {},
+              "xla_dense_keys": dict(dsa_attention_keys="dense")}
+  for name, extra in variants.items():
+    cfg = helpers.config(dsa_impl=name.replace("_dense_keys", ""), attention_pattern="DR",
+                         num_hidden_layers=2, mtp_depths=1,
+                         first_k_dense_replace=2, **extra)  # dense FFNs: faster compile
     params = helpers.random_params(cfg)
     tokens = jnp.asarray(np.random.default_rng(0).integers(1, cfg.vocab_size, (b, l)), jnp.int32)
     segments = jnp.where(jnp.arange(l) >= 13, 2, 1).astype(jnp.int32)[None].repeat(b, 0)
-    results[impl] = _loss_and_grads(cfg, params, tokens, segments)
+    results[name] = _loss_and_grads(cfg, params, tokens, segments)
   (ref_loss, (ref_logits, ref_kl, ref_topk)), ref_grads = results["dense_mask"]
   assert float(ref_kl) > 0
-  for impl in ("xla", "pallas_interpret"):
+  for impl in ("xla", "pallas_interpret", "xla_dense_keys"):
     (loss, (logits, kl, topk)), grads = results[impl]
     for got, want in zip(topk, ref_topk):
       np.testing.assert_array_equal(got, want, err_msg=f"{impl}: top-k differs")

@@ -296,7 +296,7 @@ from glm5_jax.attention.mode import Mode
 from tests.sharded_tiny import on_mesh, packed_batch
 cfg, mesh, model, params, sh_params = on_mesh(
     dict(data=2, fsdp=1, context=4, expert=1, tensor=1), num_hidden_layers=1,
-    attention_pattern="D", dsa_impl="pallas_interpret", mtp_depths=0, first_k_dense_replace=1)
+    attention_pattern="D", mtp_depths=0, first_k_dense_replace=1, **DSA_OPTIONS)
 rules = cfg.mesh.logical_axis_rules
 tokens, positions, segments = packed_batch(model.vocab_size)
 B, L = tokens.shape
@@ -321,11 +321,15 @@ print(json.dumps({"loss": [float(ref_loss), float(cp_loss)], "logits": diff(cp_l
 
 
 @pytest.mark.slow  # a subprocess with 8 host devices
-def test_pallas_sparse_stage_under_context_parallelism():
-  """`dsa_impl="pallas"` with the sequence split over `context`: the kernels run per device on
-  their own queries (the per_shard specs keep `length` split) over the whole sequence's keys,
-  and loss, logits and gradients equal the unsharded model's."""
-  result = run_on_host_devices(_CONTEXT_PALLAS, timeout=600)
+@pytest.mark.parametrize("options", [dict(dsa_impl="pallas_interpret"),
+                                     dict(dsa_impl="xla", dsa_attention_keys="dense")])
+def test_sparse_stage_under_context_parallelism(options):
+  """The sparse stage with the sequence split over `context`, where its ops run per device on
+  their own queries (the per_shard specs keep `length` split) over the whole sequence's keys:
+  the Pallas kernels, and the sparse attention over every key (not causal there: the local
+  queries are not the key positions). Loss, logits and gradients equal the unsharded model's."""
+  result = run_on_host_devices(_CONTEXT_PALLAS.replace("DSA_OPTIONS", repr(options)),
+                               timeout=600)
   ref_loss, cp_loss = result["loss"]
   assert abs(ref_loss - cp_loss) <= 1e-5 * max(1.0, abs(ref_loss)), result
   assert result["logits"] < 1e-5 and result["grad_rel"] < 1e-5, result

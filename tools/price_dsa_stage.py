@@ -3,6 +3,7 @@
   python tools/price_dsa_stage.py --target=v5p:2x2x1 [--batch=2 --seq_len=4096 --impl=xla]
       [--kl_target=pass]   # the KL target as a second pass (sparse_mla_head_mean_probs)
   python tools/price_dsa_stage.py --target=v5p:2x2x1 --impl=pallas   # the Mosaic kernels
+  python tools/price_dsa_stage.py --target=v5p:2x2x1 --attention_keys=dense  # every key, causal
   python tools/price_dsa_stage.py --target=v5p:2x2x1 --part=indexer_kl [--keys=gather|dense]
       [--query_block=8]
 
@@ -23,6 +24,7 @@ form, `--query_block` forces its blocks (the default is what it picks for one de
 """
 
 import argparse
+import functools
 import gzip
 import time
 
@@ -36,16 +38,23 @@ from glm5_jax.planning import aot_targets, hlo_loops, hlo_stats, op_costs
 from pallas_kernels.blocking import lowering_for
 
 
-def stage(impl: str, kl_target: str, scale: float):
+def stage(impl: str, kl_target: str, scale: float, attention_keys: str = "gather"):
   """`(inputs, dout) -> (loss, input gradients)` of the sparse stage: sparse MLA and the KL
   target, under `jax.checkpoint` as the layer is under `remat_policy=full` (the loss keeps the
-  first forward and the target alive, as the step's later layers and the KL do)."""
-  ops = pallas_kernels.dsa_ops(impl, platform="tpu")  # "pallas": the Mosaic kernels
+  first forward and the target alive, as the step's later layers and the KL do).
+  `attention_keys="dense"`: the sparse MLA over every key (`sparse_mla_dense`, causal, as the
+  model runs `dsa_attention_keys="dense"` without context parallelism; `impl` unused)."""
+  if attention_keys == "dense":
+    dense = lambda fn: functools.partial(fn, causal=True)
+    ops = pallas_kernels.DSAOps(None, dense(pallas_kernels.sparse_mla_dense),
+                                dense(pallas_kernels.sparse_mla_dense_with_kl_target))
+  else:
+    ops = pallas_kernels.dsa_ops(impl, platform="tpu")  # "pallas": the Mosaic kernels
 
   def forward(q, q_rope, kv, k_rope, topk, dout):
     if kl_target == "fused":  # the target from the attention pass, as the model runs it
-      fused = (pallas_kernels.sparse_mla_xla_with_kl_target if impl == "xla"
-               else ops.sparse_mla_with_probs)
+      fused = (pallas_kernels.sparse_mla_xla_with_kl_target
+               if impl == "xla" and attention_keys == "gather" else ops.sparse_mla_with_probs)
       out, lse, target = fused(q, q_rope, kv, k_rope, topk, scale=scale)
     else:
       out, lse = ops.sparse_mla(q, q_rope, kv, k_rope, topk, scale=scale)
@@ -74,6 +83,9 @@ def main(argv=None):
   parser.add_argument("--target", default="v5p:2x2x1")
   parser.add_argument("--impl", default="xla", help="model.dsa_impl: xla, pallas (the TPU "
                       "kernels), reference")
+  parser.add_argument("--attention_keys", choices=("gather", "dense"), default="gather",
+                      help="model.dsa_attention_keys: dense = the sparse MLA over every key "
+                      "(sparse_mla_dense, causal)")
   parser.add_argument("--kl_target", choices=("fused", "pass"), default="fused",
                       help="fused: from the attention pass (sparse_mla_xla_with_kl_target, the "
                       "kernels' sparse_mla_with_probs); pass: sparse_mla_head_mean_probs after it")
@@ -93,8 +105,8 @@ def main(argv=None):
                       ".gz or not) instead of compiling; seconds, no libtpu")
   args = parser.parse_args(argv)
   b, l, h, c, r, t = args.batch, args.seq_len, args.heads, 512, 64, args.topk
-  if args.kl_target == "fused" and args.impl != "xla" and pallas_kernels.dsa_ops(
-      args.impl, platform="tpu").sparse_mla_with_probs is None:
+  if (args.kl_target == "fused" and args.impl != "xla" and args.attention_keys == "gather"
+      and pallas_kernels.dsa_ops(args.impl, platform="tpu").sparse_mla_with_probs is None):
     raise SystemExit(f"--kl_target=fused: --impl={args.impl} has no fused target; use pass")
   start = time.perf_counter()
   if args.hlo_in:
@@ -105,7 +117,8 @@ def main(argv=None):
     text = compile_stage(args, b, l, h, c, r, t)
     what = (f"the indexer KL (32 index heads x 128), keys {args.keys}, query block "
             f"{args.query_block or 'default'}"
-            if args.part == "indexer_kl" else f"{args.impl}, KL target {args.kl_target}")
+            if args.part == "indexer_kl" else
+            f"{args.impl}, keys {args.attention_keys}, KL target {args.kl_target}")
     print(f"compiled in {time.perf_counter() - start:.0f} s; {what}, B={b} L={l} H={h} T={t}")
   print_costs(text, args.target)
 
@@ -125,7 +138,8 @@ def compile_stage(args, b, l, h, c, r, t) -> str:
     shapes = [jax.ShapeDtypeStruct(s, d, sharding=sharding) for s, d in (
         ((b, l, h, c), bf16), ((b, l, h, r), bf16), ((b, l, c), bf16), ((b, l, r), bf16),
         ((b, l, t), jnp.int32), ((b, l, h, c), jnp.float32))]
-    fn = stage(args.impl, args.kl_target, 192 ** -0.5)  # GLM-5's (N + R)^-0.5
+    fn = stage(args.impl, args.kl_target, 192 ** -0.5,  # GLM-5's (N + R)^-0.5
+               args.attention_keys)
   with lowering_for("tpu"):
     compiled = jax.jit(fn).trace(*shapes).lower(lowering_platforms=("tpu",)).compile()
   text = compiled.as_text()

@@ -277,10 +277,13 @@ def _sparse_stage_attention(c, latents: _Latents, scale, segment_ids_BL, order: 
   # backward (`dsa_kl_fused`). Else, where the attention pass gives the KL target (the Pallas
   # kernels' forward; "xla" partitioned by XLA), no second pass gathers the selected rows for
   # it; otherwise ("xla" under context parallelism) `_kl_target_on_mesh` computes it.
-  kl_in_backward = index_qkw is not None and kl_target_in_backward(c)
-  fused_target = (index_qkw is not None and not kl_in_backward
+  # Over every key instead (`model.dsa_attention_keys`): XLA on any backend, the KL target
+  # from its own pass.
+  dense_keys = _dense_keys(c, q_latent_BLHC.shape[1], ckv_BSC.shape[1], topk_BLT.shape[-1])
+  kl_in_backward = index_qkw is not None and not dense_keys and kl_target_in_backward(c)
+  fused_target = (index_qkw is not None and not kl_in_backward and not dense_keys
                   and pallas_kernels.dsa_ops(c.dsa_impl).sparse_mla_with_probs is not None)
-  target_in_pass = (index_qkw is not None and c.dsa_impl == "xla"
+  target_in_pass = (index_qkw is not None and not dense_keys and c.dsa_impl == "xla"
                     and not _queries_per_shard(c.dsa_impl))
   # Named scopes label the ops' `op_name` for per-category FLOP / time tables
   # (glm5_jax.planning.flop_ledger); they change nothing else.
@@ -290,6 +293,12 @@ def _sparse_stage_attention(c, latents: _Latents, scale, segment_ids_BL, order: 
                                                                    index_scale)(
           q_latent_BLHC, q_rope_BLHR, ckv_BSC, k_rope_BSR, topk_BLT, *index_qkw)
       aux["indexer_kl"] = kl_BL
+    elif dense_keys:
+      out_latent_BLHC, lse_BLH, *target = _dense_keys_on_mesh(
+          scale, with_target=index_qkw is not None)(
+              q_latent_BLHC, q_rope_BLHR, ckv_BSC, k_rope_BSR, topk_BLT)
+      if target:
+        target_BLT = target[0]
     elif target_in_pass:
       out_latent_BLHC, lse_BLH, target_BLT = pallas_kernels.sparse_mla_xla_with_kl_target(
           q_latent_BLHC, q_rope_BLHR, ckv_BSC, k_rope_BSR, topk_BLT, scale=scale,
@@ -301,12 +310,57 @@ def _sparse_stage_attention(c, latents: _Latents, scale, segment_ids_BL, order: 
       if fused_target:
         target_BLT = jax.lax.stop_gradient(target[0])  # the kernel drops its cotangent too
   if index_qkw is not None and not kl_in_backward:
-    if not (target_in_pass or fused_target):
+    if not (target_in_pass or fused_target or dense_keys):
       (target_BLT,) = _kl_target_on_mesh(scale)(
           topk_BLT, q_latent_BLHC, q_rope_BLHR, ckv_BSC, k_rope_BSR, lse_BLH)
     target_BLT = checkpoint_name(target_BLT, "indexer_kl_target")
     (aux["indexer_kl"],) = _indexer_kl_on_mesh(index_scale)(*index_qkw, topk_BLT, target_BLT)
   return jnp.einsum("blhc,chv->blhv", out_latent_BLHC, w_vb_CHV), aux
+
+
+def _dense_keys(c: ModelConfig, queries: int, keys: int, slots: int) -> bool:
+  """Whether the sparse attention runs over every key with the selection as counts
+  (`pallas_kernels.sparse_mla_dense`), by `model.dsa_attention_keys`: "dense" always, "gather"
+  never, "auto" where it forms no more logits than the gather does: causal self-attention (the
+  same positions for queries and keys, no context split) with S <= 2 T, where a query has S / 2
+  causal keys on average and the gather paths attend over all T slots."""
+  if c.dsa_attention_keys == "auto":
+    return context_split(LENGTH) == 1 and queries == keys and keys <= 2 * slots
+  return c.dsa_attention_keys == "dense"
+
+
+def _dense_keys_on_mesh(scale: float, with_target: bool):
+  """`pallas_kernels.sparse_mla_dense` (`..._with_kl_target` for `with_target`) laid out for
+  the context mesh: partitioned by XLA and causal (query blocks skip the keys after them)
+  without context parallelism; under it per device on its own queries (`mesh_shards.per_shard`:
+  a loop over query blocks of a sequence split over `context` is one XLA cannot partition, see
+  `_queries_per_shard`), keys whole, not causal (the local queries are not the key positions;
+  every slot is visible by `restrict_topk_to_visible`), the target's head mean taken over the
+  head shards. Args: `(q_latent, q_rope, ckv, k_rope, topk)`; returns `(out, lse[, target])`."""
+  op = (pallas_kernels.sparse_mla_dense_with_kl_target if with_target
+        else pallas_kernels.sparse_mla_dense)
+  if context_split(LENGTH) == 1:
+    return functools.partial(op, scale=scale, causal=True, head_groups=context_split(HEADS),
+                             batch_shards=context_split(BATCH))
+  q_axes, rows_axes = (BATCH, LENGTH, HEADS, None), (BATCH, None, None)
+  in_axes = (q_axes, q_axes, rows_axes, rows_axes, (BATCH, LENGTH, None))
+  if not with_target:
+    return per_shard(functools.partial(op, scale=scale), in_axes=in_axes,
+                     out_axes=(q_axes, (BATCH, LENGTH, HEADS)), name="sparse_mla_dense")
+
+  def local(*args):  # this device's head mean, one row per head shard: [B, L, 1, T]
+    out_BLHC, lse_BLH, probs_BLT = op(*args, scale=scale)
+    return out_BLHC, lse_BLH, probs_BLT[:, :, None]
+
+  run = per_shard(local, in_axes=in_axes,
+                  out_axes=(q_axes, (BATCH, LENGTH, HEADS), (BATCH, LENGTH, HEADS, None)),
+                  name="sparse_mla_dense")
+
+  def with_head_mean(*args):
+    out_BLHC, lse_BLH, probs_BLGT = run(*args)
+    return out_BLHC, lse_BLH, probs_BLGT.mean(axis=2)
+
+  return with_head_mean
 
 
 def _queries_per_shard(impl: str) -> bool:

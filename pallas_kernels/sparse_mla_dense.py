@@ -1,0 +1,223 @@
+"""Sparse MLA over every key, the selection as per-key counts (`model.dsa_attention_keys`).
+
+The math is `sparse_mla`'s module docstring (forward, lse, the custom-VJP backward, the index
+contract); this path computes it without gathering a row. Per block of Lb queries it forms the
+logits of **all** S keys in one `[Lb x H, K] x [K, S]` product and weights each key by how many
+of the query's slots selected it:
+
+  count[t, s] = #{j : topk[t, j] = s}        (0 for unselected keys; 2 for a row selected twice)
+  p[t, h, s]  = count[t, s] exp(logit[t, h, s] - lse[t, h])
+
+which is the sparse softmax term for term (a duplicate row is two equal terms, empty slots none).
+The backward is flash attention's with those weights: `dkv = p^T dout + scale ds^T q` is a
+product over the block's Lb x H rows into a dense `[S, K]` accumulator, so there is no per-slot
+contribution to write and no scatter-add (TPUs have no atomics: the gather paths write
+`[Lb, T, K]` per block and XLA scatter-adds it, ~1.3 s of HBM traffic in the 744B step).
+
+It does O(L x S) work where the gather paths do O(L x T), at the matrix unit's speed instead of
+the gather's: worth it when S is a small multiple of T. With `causal=True` (queries and keys the
+same positions) a slot that selects a key after its query is empty, and query block i only
+forms the logits of keys `[0, (i + 1) Lb)`; a query then has (S + Lb) / 2 keys on average. At the
+744B headline's 4,096 tokens and top-2,048 that is about as many keys as slots, so the dense
+form computes no more than the gather paths do (one layer's stage by the TPU compiler's own cost
+model: docs/scaling.md, "The sparse stage over every key").
+
+The blocks are a Python loop (each has its own key count), per block fp32 `[Lb, H, S']`
+logits / probabilities are the temporaries (S' the block's keys; `_block_size`). `head_groups`
+as `sparse_mla_xla`'s: the key-row gradient is accumulated per group of H / G heads and summed
+over the groups once, after the loop.
+
+Notation (docs/design.md): B batch, L queries, Lb queries per block, S keys (latent rows), H
+heads, C latent dim, R RoPE dim, K = C + R, T top-k slots.
+"""
+
+import functools
+
+import jax
+import jax.numpy as jnp
+
+from pallas_kernels.blocking import (MASKED_LOGIT, default_query_block, empty_out_of_range,
+                                     platform, rows_per_device)
+from pallas_kernels.sparse_mla import check_sparse_mla_inputs, named_residuals
+
+
+def key_counts(topk_BLT, num_keys: int):
+  """fp32 `[B, L, S]`: how many slots of each query selected each key (-1 slots none)."""
+  safe_BLT = jnp.where(topk_BLT < 0, num_keys, topk_BLT)  # out of range: dropped
+  count = lambda idx_T: jnp.zeros((num_keys,), jnp.float32).at[idx_T].add(1.0, mode="drop")
+  return jax.vmap(jax.vmap(count))(safe_BLT)
+
+
+def _block_size(b: int, s: int, heads: int) -> int:
+  """Queries per block: four fp32 `[H, S]` arrays a query (logits, p, dp, ds) and its counts."""
+  fits = default_query_block(b * s * (4 * heads + 1) * 4, on_accelerator=platform() != "cpu")
+  return 1 << (fits.bit_length() - 1)
+
+
+def _blocks(l: int, s: int, block: int, causal: bool):
+  """`[(start, stop, keys)]`: each query block and the keys it attends over."""
+  out = []
+  for start in range(0, l, block):
+    stop = min(start + block, l)
+    out.append((start, stop, min(s, stop) if causal else s))
+  return out
+
+
+def _forward_block(c, scale, with_target, qr_BLHK, kvr_BSK, counts_BLS):
+  """One block's `(out_BLHC, lse_BLH, target_BLS or None)` over the keys given."""
+  logits_BLHS = jnp.einsum("blhk,bsk->blhs", qr_BLHK, kvr_BSK,
+                           preferred_element_type=jnp.float32) * scale
+  valid_BL1S = (counts_BLS > 0)[:, :, None, :]
+  s_BLHS = jnp.where(valid_BL1S, logits_BLHS, MASKED_LOGIT)
+  m_BLH1 = jnp.max(s_BLHS, axis=-1, keepdims=True)
+  e_BLHS = jnp.where(valid_BL1S, jnp.exp(s_BLHS - m_BLH1), 0.0)  # one copy of each key
+  l_BLH1 = jnp.sum(e_BLHS * counts_BLS[:, :, None, :], axis=-1, keepdims=True)
+  safe_l_BLH1 = jnp.where(l_BLH1 > 0, l_BLH1, 1.0)
+  lse_BLH = jnp.where(l_BLH1 > 0, m_BLH1 + jnp.log(safe_l_BLH1), -jnp.inf)[..., 0]
+  per_copy_BLHS = e_BLHS / safe_l_BLH1
+  p_BLHS = (per_copy_BLHS * counts_BLS[:, :, None, :]).astype(kvr_BSK.dtype)
+  out_BLHC = jnp.einsum("blhs,bsc->blhc", p_BLHS, kvr_BSK[..., :c],
+                        preferred_element_type=jnp.float32).astype(kvr_BSK.dtype)
+  return out_BLHC, lse_BLH, (per_copy_BLHS.mean(axis=2) if with_target else None)
+
+
+def _backward_block(c, scale, groups, qr_BLHK, kvr_BSK, counts_BLS, dout_BLHC, lse_BLH,
+                    delta_BLH):
+  """One block's `(dqr_BLHK, dkvr_BSGK)`, fp32: the query gradients and the key-row gradients
+  of each group of H / G heads, over the keys given."""
+  dtype = kvr_BSK.dtype
+  (b, lb, h, k), c_pad = qr_BLHK.shape, qr_BLHK.shape[-1] - c
+  logits_BLHS = jnp.einsum("blhk,bsk->blhs", qr_BLHK, kvr_BSK,
+                           preferred_element_type=jnp.float32) * scale
+  valid_BL1S = (counts_BLS > 0)[:, :, None, :]
+  p_BLHS = jnp.where(valid_BL1S, jnp.exp(jnp.where(valid_BL1S, logits_BLHS, MASKED_LOGIT)
+                                         - lse_BLH[..., None]), 0.0) * counts_BLS[:, :, None, :]
+  dout_BLHC = dout_BLHC.astype(dtype)
+  dp_BLHS = jnp.einsum("blhc,bsc->blhs", dout_BLHC, kvr_BSK[..., :c],
+                       preferred_element_type=jnp.float32)
+  scaled_ds_BLHS = (scale * p_BLHS * (dp_BLHS - delta_BLH[..., None])).astype(dtype)
+  dqr_BLHK = jnp.einsum("blhs,bsk->blhk", scaled_ds_BLHS, kvr_BSK,
+                        preferred_element_type=jnp.float32)
+  # dkv = p^T dout + scale ds^T q, dk_rope = scale ds^T q_rope: contractions over the block's
+  # Lb x H/G rows (a full matrix unit already; the gather paths join them to fill it), the
+  # value rows padded from C to K so both land in one [S, K] row.
+  grouped = lambda x: x.reshape(b, lb, groups, h // groups, x.shape[-1])
+  dout_BLHK = jnp.pad(dout_BLHC, [(0, 0)] * 3 + [(0, c_pad)])
+  dkvr_BSGK = (jnp.einsum("blghs,blghk->bsgk", grouped(p_BLHS.astype(dtype)), grouped(dout_BLHK),
+                          preferred_element_type=jnp.float32)
+               + jnp.einsum("blghs,blghk->bsgk", grouped(scaled_ds_BLHS), grouped(qr_BLHK),
+                            preferred_element_type=jnp.float32))
+  return dqr_BLHK, dkvr_BSGK
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1, 2, 3, 4, 5))
+def _sparse_mla(c, scale, query_block, causal, with_target, groups, qr_BLHK, kvr_BSK, topk_BLT):
+  del groups  # the backward's
+  return _forward(c, scale, query_block, causal, with_target, qr_BLHK, kvr_BSK, topk_BLT)
+
+
+def _forward(c, scale, query_block, causal, with_target, qr_BLHK, kvr_BSK, topk_BLT):
+  """`(out_BLHC, lse_BLH, target_BLT or None)`, block by block."""
+  (_, l, _, _), s = qr_BLHK.shape, kvr_BSK.shape[1]
+  outs, lses, targets = [], [], []
+  for start, stop, keys in _blocks(l, s, query_block, causal):
+    counts = key_counts(topk_BLT[:, start:stop], keys)
+    out, lse, probs = _forward_block(c, scale, with_target, qr_BLHK[:, start:stop],
+                                     kvr_BSK[:, :keys], counts)
+    outs.append(out)
+    lses.append(lse)
+    if with_target:  # the per-copy probability at each slot (empty slots 0)
+      topk = topk_BLT[:, start:stop]
+      picked = jnp.take_along_axis(probs, jnp.clip(topk, 0, keys - 1), axis=-1)
+      targets.append(jnp.where((topk >= 0) & (topk < keys), picked, 0.0))
+  cat = lambda xs: jnp.concatenate(xs, axis=1) if len(xs) > 1 else xs[0]
+  return cat(outs), cat(lses), (cat(targets) if with_target else None)
+
+
+def _vjp_forward(c, scale, query_block, causal, with_target, groups, qr_BLHK, kvr_BSK,
+                 topk_BLT):
+  out_BLHC, lse_BLH, target_BLT = _forward(c, scale, query_block, causal, with_target, qr_BLHK,
+                                           kvr_BSK, topk_BLT)
+  out_BLHC, lse_BLH = named_residuals(out_BLHC, lse_BLH)
+  return (out_BLHC, lse_BLH, target_BLT), (qr_BLHK, kvr_BSK, topk_BLT, out_BLHC, lse_BLH)
+
+
+def _vjp_backward(c, scale, query_block, causal, with_target, groups, residuals, cotangents):
+  qr_BLHK, kvr_BSK, topk_BLT, out_BLHC, lse_BLH = residuals
+  dout_BLHC, dlse_BLH = cotangents[:2]
+  l = qr_BLHK.shape[1]
+  delta_BLH = (jnp.sum(dout_BLHC.astype(jnp.float32) * out_BLHC.astype(jnp.float32), axis=-1)
+               - dlse_BLH.astype(jnp.float32))
+  (b, s, k) = kvr_BSK.shape
+  dkvr_BSGK = jnp.zeros((b, s, groups, k), jnp.float32)
+  dqrs = []
+  for start, stop, keys in _blocks(l, s, query_block, causal):
+    rows = slice(start, stop)
+    dqr, dkvr = _backward_block(c, scale, groups, qr_BLHK[:, rows], kvr_BSK[:, :keys],
+                                key_counts(topk_BLT[:, rows], keys), dout_BLHC[:, rows],
+                                lse_BLH[:, rows], delta_BLH[:, rows])
+    dqrs.append(dqr.astype(qr_BLHK.dtype))
+    dkvr_BSGK = dkvr_BSGK.at[:, :keys].add(dkvr)
+  dqr_BLHK = jnp.concatenate(dqrs, axis=1) if len(dqrs) > 1 else dqrs[0]
+  # The one sum over the head groups (heads split over a mesh axis: one all-reduce).
+  return dqr_BLHK, dkvr_BSGK.sum(2).astype(kvr_BSK.dtype), None
+
+
+_sparse_mla.defvjp(_vjp_forward, _vjp_backward)
+
+
+def _run(q_BLHC, q_rope_BLHR, kv_BSC, k_rope_BSR, topk_BLT, scale, query_block, causal,
+         head_groups, batch_shards, with_target):
+  check_sparse_mla_inputs(q_BLHC, q_rope_BLHR, kv_BSC, k_rope_BSR, topk_BLT)
+  (b, l, h, c), s = q_BLHC.shape, kv_BSC.shape[1]
+  if causal and s != l:
+    raise ValueError(f"sparse_mla_dense(causal=True): queries and keys must be the same "
+                     f"positions, got L={l} queries (q {q_BLHC.shape}) and S={s} keys "
+                     f"(kv {kv_BSC.shape})")
+  if head_groups < 1 or h % head_groups:
+    raise ValueError(f"head_groups={head_groups} must be >= 1 and divide the {h} heads of q "
+                     f"{q_BLHC.shape} [B, L, H, C]")
+  if query_block is None:
+    query_block = _block_size(rows_per_device(b, batch_shards), s, h)
+  # One selection for forward, residuals and backward: out-of-range slots (and, causal, keys
+  # after their query) become -1 here, once.
+  topk_BLT = empty_out_of_range(topk_BLT, s)
+  if causal:
+    topk_BLT = jnp.where(topk_BLT <= jnp.arange(l)[None, :, None], topk_BLT, -1)
+  qr_BLHK = jnp.concatenate([q_BLHC, q_rope_BLHR.astype(q_BLHC.dtype)], axis=-1)
+  kvr_BSK = jnp.concatenate([kv_BSC, k_rope_BSR.astype(kv_BSC.dtype)], axis=-1)
+  return _sparse_mla(c, scale, query_block, causal, with_target, head_groups, qr_BLHK, kvr_BSK,
+                     topk_BLT)
+
+
+def sparse_mla_dense(q_BLHC, q_rope_BLHR, kv_BSC, k_rope_BSR, topk_BLT, *, scale: float,
+                     query_block: int | None = None, causal: bool = False, head_groups: int = 1,
+                     batch_shards: int = 1):
+  """Sparse MLA over every key, the selection as per-key counts (module docstring): O(L x S)
+  work (half of it with `causal`) and O(query_block x H x S) memory, forward and backward
+  (custom VJP), no gather or scatter. Same arguments and results as
+  `sparse_mla.sparse_mla_reference` (index contract included: out-of-range slots are empty,
+  duplicates count twice), plus:
+
+  Args:
+    causal: queries and keys are the same L positions and a slot selecting a key after its
+      query is empty; query blocks then skip the keys after their last query.
+    query_block: queries per block; None sizes the blocks for the platform traced for.
+    head_groups, batch_shards: as `sparse_mla_xla`'s.
+  """
+  out_BLHC, lse_BLH, _ = _run(q_BLHC, q_rope_BLHR, kv_BSC, k_rope_BSR, topk_BLT, scale,
+                              query_block, causal, head_groups, batch_shards, with_target=False)
+  return out_BLHC, lse_BLH
+
+
+def sparse_mla_dense_with_kl_target(q_BLHC, q_rope_BLHR, kv_BSC, k_rope_BSR, topk_BLT, *,
+                                    scale: float, query_block: int | None = None,
+                                    causal: bool = False, head_groups: int = 1,
+                                    batch_shards: int = 1):
+  """`sparse_mla_dense`'s `(out_BLHC, lse_BLH)` and the indexer KL's target, fp32 `[B, L, T]`
+  (`sparse_mla.sparse_mla_head_mean_probs`'s values: the head-mean probability of one copy of
+  each slot's key, 0 at empty slots), from the same pass; detached."""
+  out_BLHC, lse_BLH, target_BLT = _run(q_BLHC, q_rope_BLHR, kv_BSC, k_rope_BSR, topk_BLT, scale,
+                                       query_block, causal, head_groups, batch_shards,
+                                       with_target=True)
+  return out_BLHC, lse_BLH, jax.lax.stop_gradient(target_BLT)
