@@ -81,6 +81,7 @@ from jax.sharding import PartitionSpec
 from glm5_jax import grouped_matmul
 from glm5_jax.layers import axes as logical_axes
 from glm5_jax.quant.linear import ragged_int_matmul
+from pallas_kernels.blocking import varying_axes, varying_like
 
 TRANSPORTS = ("ragged_all_to_all", "all_to_all")
 
@@ -230,20 +231,6 @@ def _uninitialized(shape, dtype):
   return jax.lax.empty(shape, dtype)
 
 
-def _varying_axes(a) -> tuple:
-  """The manual mesh axes `a` varies over inside `shard_map` (its type under check_vma): the
-  aval's `manual_axis_type.varying` (jax >= 0.10), `vma` before."""
-  aval = jax.typeof(a)
-  mat = getattr(aval, "manual_axis_type", None)
-  return tuple(sorted(mat.varying if mat is not None else getattr(aval, "vma", ())))
-
-
-def _varying_like(a, like):
-  """`a` typed to vary over the manual mesh axes `like` varies over (no data moves)."""
-  missing = tuple(n for n in _varying_axes(like) if n not in _varying_axes(a))
-  return jax.lax.pcast(a, missing, to="varying") if missing else a
-
-
 # The ragged all-to-all's own transpose (jax) sends the cotangents back into a zero buffer of
 # the operand's shape: a rows-sized broadcast per exchange in the backward (3.6 ms per 81,920-row
 # slab buffer by the TPU compiler's cost model, docs/scaling.md), for rows that are all written
@@ -256,9 +243,9 @@ def _exchange(rows_R_, into_S_, input_offsets_N, send_N, output_offsets_N, recv_
   which the caller must leave unread."""
   # The received rows vary over the mesh axes as the sent ones do (shard_map's check_vma types
   # a ragged all-to-all's result as its output buffer).
-  into_S_ = _varying_like(into_S_, rows_R_)
+  into_S_ = varying_like(into_S_, rows_R_)
   return _exchange_vjp(rows_R_, into_S_, input_offsets_N, send_N, output_offsets_N, recv_N,
-                       axis_name, _varying_axes(rows_R_))
+                       axis_name, varying_axes(rows_R_))
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(6, 7))

@@ -157,3 +157,18 @@ def gather_rows(x_BS, idx_BLT):
   """`x[b, idx[b, l, t]]`: `[B, S, ...]` -> `[B, L, T, ...]`; callers clamp -1 slots to a valid
   row first (and mask them afterwards)."""
   return jax.vmap(lambda x_S, idx_LT: x_S[idx_LT])(x_BS, idx_BLT)
+
+
+def varying_axes(a) -> tuple:
+  """The manual mesh axes `a` varies over inside `shard_map` (its type under check_vma): the
+  aval's `manual_axis_type.varying` (jax >= 0.10), `vma` before."""
+  aval = jax.typeof(a)
+  mat = getattr(aval, "manual_axis_type", None)
+  return tuple(sorted(mat.varying if mat is not None else getattr(aval, "vma", ())))
+
+
+def varying_like(a, like):
+  """`a` typed to vary over the manual mesh axes `like` varies over (no data moves): a buffer
+  made inside `shard_map` (zeros, `jax.lax.empty`) that a loop carries with per-device values."""
+  missing = tuple(n for n in varying_axes(like) if n not in varying_axes(a))
+  return jax.lax.pcast(a, missing, to="varying") if missing else a

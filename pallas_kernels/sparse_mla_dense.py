@@ -16,16 +16,17 @@ contribution to write and no scatter-add (TPUs have no atomics: the gather paths
 
 It does O(L x S) work where the gather paths do O(L x T), at the matrix unit's speed instead of
 the gather's: worth it when S is a small multiple of T. With `causal=True` (queries and keys the
-same positions) a slot that selects a key after its query is empty, and query block i only
-forms the logits of keys `[0, (i + 1) Lb)`; a query then has (S + Lb) / 2 keys on average. At the
-744B headline's 4,096 tokens and top-2,048 that is about as many keys as slots, so the dense
-form computes no more than the gather paths do (one layer's stage by the TPU compiler's own cost
-model: docs/scaling.md, "The sparse stage over every key").
+same positions) a slot that selects a key after its query is empty, and the queries are split
+into `key_ranges` runs of whole blocks, each forming only the keys up to its last query (a
+a loop over its blocks; 8 runs by default, `CAUSAL_KEY_RANGES`). At the 744B headline's
+4,096 tokens, top-2,048 and 128-query blocks a query then forms 2,304 keys' logits on average,
+about as many as its 2,048 slots, so the dense form computes little the gather paths do not
+(one layer's stage by the TPU compiler's own cost model: docs/scaling.md, "The sparse stage over
+every key").
 
-The blocks are a Python loop (each has its own key count), per block fp32 `[Lb, H, S']`
-logits / probabilities are the temporaries (S' the block's keys; `_block_size`). `head_groups`
-as `sparse_mla_xla`'s: the key-row gradient is accumulated per group of H / G heads and summed
-over the groups once, after the loop.
+Per block the temporaries are fp32 `[Lb, H, S']` logits / probabilities (S' the run's keys), so
+blocks are sized for them (`_block_size`). `head_groups` as `sparse_mla_xla`'s: the key-row
+gradient is accumulated per group of H / G heads and summed over the groups once, at the end.
 
 Notation (docs/design.md): B batch, L queries, Lb queries per block, S keys (latent rows), H
 heads, C latent dim, R RoPE dim, K = C + R, T top-k slots.
@@ -37,7 +38,8 @@ import jax
 import jax.numpy as jnp
 
 from pallas_kernels.blocking import (MASKED_LOGIT, default_query_block, empty_out_of_range,
-                                     platform, rows_per_device)
+                                     pad_axis, platform, query_block_size, round_up,
+                                     rows_per_device, varying_like)
 from pallas_kernels.sparse_mla import check_sparse_mla_inputs, named_residuals
 
 
@@ -54,13 +56,22 @@ def _block_size(b: int, s: int, heads: int) -> int:
   return 1 << (fits.bit_length() - 1)
 
 
-def _blocks(l: int, s: int, block: int, causal: bool):
-  """`[(start, stop, keys)]`: each query block and the keys it attends over."""
-  out = []
-  for start in range(0, l, block):
-    stop = min(start + block, l)
-    out.append((start, stop, min(s, stop) if causal else s))
-  return out
+# Causal query ranges (`_ranges`): each a loop over its blocks with one key count. One
+# range per block would form each block's keys exactly, but as a Python loop of bodies it
+# compiles one body per block (32 at the 744B headline's 4,096 tokens; the depth-4 step's
+# compile ran out of this 24 GiB host); 8 ranges form ~9% more logits than that there.
+CAUSAL_KEY_RANGES = 8
+
+
+def _ranges(l: int, s: int, block: int, causal: bool, key_ranges: int):
+  """`[(start, stop, keys)]`: runs of whole query blocks and the keys each attends over
+  (causal: up to the range's last query; else all S)."""
+  if not causal:
+    return [(0, l, s)]
+  blocks = -(-l // block)
+  per_range = -(-blocks // min(key_ranges, blocks)) * block
+  return [(start, min(start + per_range, l), min(start + per_range, l, s))
+          for start in range(0, l, per_range)]
 
 
 def _forward_block(c, scale, with_target, qr_BLHK, kvr_BSK, counts_BLS):
@@ -111,54 +122,97 @@ def _backward_block(c, scale, groups, qr_BLHK, kvr_BSK, counts_BLS, dout_BLHC, l
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1, 2, 3, 4, 5))
-def _sparse_mla(c, scale, query_block, causal, with_target, groups, qr_BLHK, kvr_BSK, topk_BLT):
+def _sparse_mla(c, scale, block, ranges, with_target, groups, qr_BLHK, kvr_BSK, topk_BLT):
   del groups  # the backward's
-  return _forward(c, scale, query_block, causal, with_target, qr_BLHK, kvr_BSK, topk_BLT)
+  return _forward(c, scale, block, ranges, with_target, qr_BLHK, kvr_BSK, topk_BLT)
 
 
-def _forward(c, scale, query_block, causal, with_target, qr_BLHK, kvr_BSK, topk_BLT):
-  """`(out_BLHC, lse_BLH, target_BLT or None)`, block by block."""
-  (_, l, _, _), s = qr_BLHK.shape, kvr_BSK.shape[1]
-  outs, lses, targets = [], [], []
-  for start, stop, keys in _blocks(l, s, query_block, causal):
-    counts = key_counts(topk_BLT[:, start:stop], keys)
-    out, lse, probs = _forward_block(c, scale, with_target, qr_BLHK[:, start:stop],
-                                     kvr_BSK[:, :keys], counts)
-    outs.append(out)
-    lses.append(lse)
-    if with_target:  # the per-copy probability at each slot (empty slots 0)
-      topk = topk_BLT[:, start:stop]
-      picked = jnp.take_along_axis(probs, jnp.clip(topk, 0, keys - 1), axis=-1)
-      targets.append(jnp.where((topk >= 0) & (topk < keys), picked, 0.0))
-  cat = lambda xs: jnp.concatenate(xs, axis=1) if len(xs) > 1 else xs[0]
-  return cat(outs), cat(lses), (cat(targets) if with_target else None)
+def _block_loop(length: int, block: int, body, carry, per_query, pad_values):
+  """`fori_loop` over the blocks of `length` queries: `body(i, carry, *per_query_block)` with
+  each `[B, length, ...]` array of `per_query` sliced at block i (padded at the end with its
+  `pad_values` to whole blocks). Slices in place rather than `to_query_blocks`' `[n, B, Lb]`
+  reshape, which the TPU compiler materialized as transposes of q, dout and the outputs."""
+  padded = round_up(length, block)
+  per_query = [pad_axis(x, 1, padded, v) for x, v in zip(per_query, pad_values)]
+
+  def step(i, carry):
+    sliced = [jax.lax.dynamic_slice_in_dim(x, i * block, block, axis=1) for x in per_query]
+    return body(i, carry, *sliced)
+
+  return jax.lax.fori_loop(0, padded // block, step, carry)
 
 
-def _vjp_forward(c, scale, query_block, causal, with_target, groups, qr_BLHK, kvr_BSK,
-                 topk_BLT):
-  out_BLHC, lse_BLH, target_BLT = _forward(c, scale, query_block, causal, with_target, qr_BLHK,
+def _uninitialized(shape, dtype, like):
+  """An output buffer every row of which a block loop writes before it is read:
+  `jax.lax.empty` (no fill on TPU and GPU), typed as `like` under `shard_map`. The tests make
+  it NaN to show that no unwritten row reaches a result."""
+  return varying_like(jax.lax.empty(shape, dtype), like)
+
+
+def _forward(c, scale, block, ranges, with_target, qr_BLHK, kvr_BSK, topk_BLT):
+  """`(out_BLHC, lse_BLH, target_BLT or None)`: per range, a loop over its query blocks
+  writing into the whole outputs."""
+  (b, l, h, _), t = qr_BLHK.shape, topk_BLT.shape[-1]
+  padded = round_up(l, block)  # the last range's padded tail, written and cut off
+  bufs = [_uninitialized((b, padded, h, c), kvr_BSK.dtype, qr_BLHK),
+          _uninitialized((b, padded, h), jnp.float32, qr_BLHK)]
+  if with_target:
+    bufs.append(_uninitialized((b, padded, t), jnp.float32, qr_BLHK))
+  for start, stop, keys in ranges:
+
+    def body(i, bufs, qr, topk, start=start, keys=keys):
+      out, lse, probs = _forward_block(c, scale, with_target, qr, kvr_BSK[:, :keys],
+                                       key_counts(topk, keys))
+      new = [out, lse]
+      if with_target:  # the per-copy probability at each slot (empty slots 0)
+        picked = jnp.take_along_axis(probs, jnp.clip(topk, 0, keys - 1), axis=-1)
+        new.append(jnp.where((topk >= 0) & (topk < keys), picked, 0.0))
+      return tuple(jax.lax.dynamic_update_slice_in_dim(buf, x, start + i * block, axis=1)
+                   for buf, x in zip(bufs, new))
+
+    rows = slice(start, stop)
+    bufs = _block_loop(stop - start, block, body, tuple(bufs),
+                       [qr_BLHK[:, rows], topk_BLT[:, rows]], [0, -1])
+  out_BLHC, lse_BLH, *target = (x[:, :l] for x in bufs)
+  return out_BLHC, lse_BLH, (target[0] if with_target else None)
+
+
+def _vjp_forward(c, scale, block, ranges, with_target, groups, qr_BLHK, kvr_BSK, topk_BLT):
+  del groups  # the backward's
+  out_BLHC, lse_BLH, target_BLT = _forward(c, scale, block, ranges, with_target, qr_BLHK,
                                            kvr_BSK, topk_BLT)
   out_BLHC, lse_BLH = named_residuals(out_BLHC, lse_BLH)
   return (out_BLHC, lse_BLH, target_BLT), (qr_BLHK, kvr_BSK, topk_BLT, out_BLHC, lse_BLH)
 
 
-def _vjp_backward(c, scale, query_block, causal, with_target, groups, residuals, cotangents):
+def _vjp_backward(c, scale, block, ranges, with_target, groups, residuals, cotangents):
+  """Per range, a loop over its query blocks carrying the range's key-row gradient `[B, keys,
+  G, K]` (fp32), added into the whole `[B, S, G, K]` once per range; summed over the head
+  groups once at the end. The target's cotangent is ignored (detached by contract)."""
   qr_BLHK, kvr_BSK, topk_BLT, out_BLHC, lse_BLH = residuals
   dout_BLHC, dlse_BLH = cotangents[:2]
-  l = qr_BLHK.shape[1]
   delta_BLH = (jnp.sum(dout_BLHC.astype(jnp.float32) * out_BLHC.astype(jnp.float32), axis=-1)
                - dlse_BLH.astype(jnp.float32))
-  (b, s, k) = kvr_BSK.shape
-  dkvr_BSGK = jnp.zeros((b, s, groups, k), jnp.float32)
-  dqrs = []
-  for start, stop, keys in _blocks(l, s, query_block, causal):
+  (b, l, _, _), (_, s, k) = qr_BLHK.shape, kvr_BSK.shape
+  dkvr_BSGK = varying_like(jnp.zeros((b, s, groups, k), jnp.float32), qr_BLHK)
+  dqr_BLHK = _uninitialized((b, round_up(l, block)) + qr_BLHK.shape[2:], qr_BLHK.dtype, qr_BLHK)
+  for start, stop, keys in ranges:
     rows = slice(start, stop)
-    dqr, dkvr = _backward_block(c, scale, groups, qr_BLHK[:, rows], kvr_BSK[:, :keys],
-                                key_counts(topk_BLT[:, rows], keys), dout_BLHC[:, rows],
-                                lse_BLH[:, rows], delta_BLH[:, rows])
-    dqrs.append(dqr.astype(qr_BLHK.dtype))
-    dkvr_BSGK = dkvr_BSGK.at[:, :keys].add(dkvr)
-  dqr_BLHK = jnp.concatenate(dqrs, axis=1) if len(dqrs) > 1 else dqrs[0]
+
+    def body(i, carry, qr, topk, dout, lse, delta, start=start, keys=keys):
+      acc_BSGK, dqr_buf = carry
+      dqr, dkvr = _backward_block(c, scale, groups, qr, kvr_BSK[:, :keys],
+                                  key_counts(topk, keys), dout, lse, delta)
+      return acc_BSGK + dkvr, jax.lax.dynamic_update_slice_in_dim(
+          dqr_buf, dqr.astype(qr_BLHK.dtype), start + i * block, axis=1)
+
+    acc = varying_like(jnp.zeros((b, keys, groups, k), jnp.float32), qr_BLHK)
+    acc_BSGK, dqr_BLHK = _block_loop(
+        stop - start, block, body, (acc, dqr_BLHK),
+        [x[:, rows] for x in (qr_BLHK, topk_BLT, dout_BLHC, lse_BLH, delta_BLH)],
+        [0, -1, 0, 0.0, 0.0])
+    dkvr_BSGK = dkvr_BSGK.at[:, :keys].add(acc_BSGK)
+  dqr_BLHK = dqr_BLHK[:, :l]
   # The one sum over the head groups (heads split over a mesh axis: one all-reduce).
   return dqr_BLHK, dkvr_BSGK.sum(2).astype(kvr_BSK.dtype), None
 
@@ -167,7 +221,7 @@ _sparse_mla.defvjp(_vjp_forward, _vjp_backward)
 
 
 def _run(q_BLHC, q_rope_BLHR, kv_BSC, k_rope_BSR, topk_BLT, scale, query_block, causal,
-         head_groups, batch_shards, with_target):
+         head_groups, batch_shards, with_target, key_ranges=CAUSAL_KEY_RANGES):
   check_sparse_mla_inputs(q_BLHC, q_rope_BLHR, kv_BSC, k_rope_BSR, topk_BLT)
   (b, l, h, c), s = q_BLHC.shape, kv_BSC.shape[1]
   if causal and s != l:
@@ -186,13 +240,15 @@ def _run(q_BLHC, q_rope_BLHR, kv_BSC, k_rope_BSR, topk_BLT, scale, query_block, 
     topk_BLT = jnp.where(topk_BLT <= jnp.arange(l)[None, :, None], topk_BLT, -1)
   qr_BLHK = jnp.concatenate([q_BLHC, q_rope_BLHR.astype(q_BLHC.dtype)], axis=-1)
   kvr_BSK = jnp.concatenate([kv_BSC, k_rope_BSR.astype(kv_BSC.dtype)], axis=-1)
-  return _sparse_mla(c, scale, query_block, causal, with_target, head_groups, qr_BLHK, kvr_BSK,
+  block = query_block_size(l, query_block)
+  ranges = tuple(_ranges(l, s, block, causal, key_ranges))
+  return _sparse_mla(c, scale, block, ranges, with_target, head_groups, qr_BLHK, kvr_BSK,
                      topk_BLT)
 
 
 def sparse_mla_dense(q_BLHC, q_rope_BLHR, kv_BSC, k_rope_BSR, topk_BLT, *, scale: float,
                      query_block: int | None = None, causal: bool = False, head_groups: int = 1,
-                     batch_shards: int = 1):
+                     batch_shards: int = 1, key_ranges: int = CAUSAL_KEY_RANGES):
   """Sparse MLA over every key, the selection as per-key counts (module docstring): O(L x S)
   work (half of it with `causal`) and O(query_block x H x S) memory, forward and backward
   (custom VJP), no gather or scatter. Same arguments and results as
@@ -201,23 +257,25 @@ def sparse_mla_dense(q_BLHC, q_rope_BLHR, kv_BSC, k_rope_BSR, topk_BLT, *, scale
 
   Args:
     causal: queries and keys are the same L positions and a slot selecting a key after its
-      query is empty; query blocks then skip the keys after their last query.
+      query is empty; each of `key_ranges` runs of query blocks then skips the keys after its
+      last query.
     query_block: queries per block; None sizes the blocks for the platform traced for.
     head_groups, batch_shards: as `sparse_mla_xla`'s.
   """
   out_BLHC, lse_BLH, _ = _run(q_BLHC, q_rope_BLHR, kv_BSC, k_rope_BSR, topk_BLT, scale,
-                              query_block, causal, head_groups, batch_shards, with_target=False)
+                              query_block, causal, head_groups, batch_shards, with_target=False,
+                              key_ranges=key_ranges)
   return out_BLHC, lse_BLH
 
 
 def sparse_mla_dense_with_kl_target(q_BLHC, q_rope_BLHR, kv_BSC, k_rope_BSR, topk_BLT, *,
                                     scale: float, query_block: int | None = None,
                                     causal: bool = False, head_groups: int = 1,
-                                    batch_shards: int = 1):
+                                    batch_shards: int = 1, key_ranges: int = CAUSAL_KEY_RANGES):
   """`sparse_mla_dense`'s `(out_BLHC, lse_BLH)` and the indexer KL's target, fp32 `[B, L, T]`
   (`sparse_mla.sparse_mla_head_mean_probs`'s values: the head-mean probability of one copy of
   each slot's key, 0 at empty slots), from the same pass; detached."""
   out_BLHC, lse_BLH, target_BLT = _run(q_BLHC, q_rope_BLHR, kv_BSC, k_rope_BSR, topk_BLT, scale,
                                        query_block, causal, head_groups, batch_shards,
-                                       with_target=True)
+                                       with_target=True, key_ranges=key_ranges)
   return out_BLHC, lse_BLH, jax.lax.stop_gradient(target_BLT)

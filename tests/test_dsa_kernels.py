@@ -16,6 +16,8 @@ C latent dim, R rope dim, T top-k.
 
 import functools
 import re
+import sys
+from unittest import mock
 
 import jax
 import jax.numpy as jnp
@@ -377,24 +379,33 @@ def test_sparse_mla_duplicate_slots_count_twice():
   np.testing.assert_allclose(probs.sum(-1), 1.0, rtol=1e-5)
 
 
-@pytest.mark.parametrize("head_groups", [1, 3])
-def test_sparse_mla_dense_causal_skips_future_keys(head_groups):
-  """`sparse_mla_dense(causal=True)`, whose query blocks form only the keys up to their last
-  query: outputs, lse, the KL target and every gradient equal the reference's on the same
+@pytest.mark.parametrize("head_groups,key_ranges", [(1, 8), (3, 2)])
+def test_sparse_mla_dense_causal_skips_future_keys(head_groups, key_ranges):
+  """`sparse_mla_dense(causal=True)`, whose runs of query blocks form only the keys up to their
+  last query: outputs, lse, the KL target and every gradient equal the reference's on the same
   selection with each slot after its query emptied (such slots are empty by contract), over
-  blocks of 4 queries (the last one partial) and with the key gradients accumulated per head
-  group; L != S is an error naming both."""
+  blocks of 4 queries (the last one partial), three runs of one block or two of two (a scan),
+  with the key gradients accumulated per head group, and the output buffers filled with NaN
+  (`_uninitialized`: every row must be written before it is read); L != S is an error naming
+  both."""
+  nan_buffer = lambda shape, dtype, like: jnp.full(shape, jnp.nan, dtype)
+  with mock.patch.object(sys.modules["pallas_kernels.sparse_mla_dense"], "_uninitialized",
+                         nan_buffer):
+    _check_dense_causal(head_groups, key_ranges)
+
+
+def _check_dense_causal(head_groups, key_ranges):
   *arrays, topk = sparse_mla_inputs(b=2, l=11, s=11, h=3, c=8, r=4, t=7, seed=18)
   causal_topk = jnp.where(topk <= jnp.arange(11)[None, :, None], topk, -1)
   assert np.any(np.asarray(causal_topk) != np.asarray(topk))  # some slots select the future
   dense = functools.partial(pk.sparse_mla_dense, causal=True, query_block=4,
-                            head_groups=head_groups)
+                            head_groups=head_groups, key_ranges=key_ranges)
   out, lse = jax.jit(functools.partial(dense, scale=0.25))(*arrays, topk)
   want_out, want_lse = pk.sparse_mla_reference(*arrays, causal_topk, scale=0.25)
   np.testing.assert_allclose(out, want_out, rtol=1e-5, atol=1e-6)
   np.testing.assert_allclose(lse, want_lse, rtol=1e-5, atol=1e-6)
   _, _, target = pk.sparse_mla_dense_with_kl_target(*arrays, topk, scale=0.25, causal=True,
-                                                    query_block=4)
+                                                    query_block=4, key_ranges=key_ranges)
   np.testing.assert_allclose(target, pk.sparse_mla_head_mean_probs(
       *arrays, causal_topk, want_lse, scale=0.25), rtol=1e-5, atol=1e-6)
   rng = np.random.default_rng(19)
