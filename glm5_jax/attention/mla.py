@@ -342,19 +342,31 @@ def _dense_keys_on_mesh(scale: float, with_target: bool):
   if context_split(LENGTH) == 1:
     return functools.partial(op, scale=scale, causal=True, head_groups=context_split(HEADS),
                              batch_shards=context_split(BATCH))
+  return _sparse_mla_per_device(pallas_kernels.sparse_mla_dense,
+                                pallas_kernels.sparse_mla_dense_with_kl_target, scale,
+                                with_probs=with_target, name="sparse_mla_dense")
+
+
+def _sparse_mla_per_device(sparse_mla, sparse_mla_with_probs, scale, *, with_probs, name,
+                           **options):
+  """`sparse_mla` (or, `with_probs`, `sparse_mla_with_probs` and the mean of its head-mean
+  probabilities over the head shards: equal head counts make it the mean over all heads) per
+  device under `mesh_shards.per_shard`: queries and their selections keep the batch, sequence
+  (context parallelism) and head splits, the key rows are whole on every device, their
+  cotangents summed at the boundary. `options`: the op's keyword arguments."""
   q_axes, rows_axes = (BATCH, LENGTH, HEADS, None), (BATCH, None, None)
   in_axes = (q_axes, q_axes, rows_axes, rows_axes, (BATCH, LENGTH, None))
-  if not with_target:
-    return per_shard(functools.partial(op, scale=scale), in_axes=in_axes,
-                     out_axes=(q_axes, (BATCH, LENGTH, HEADS)), name="sparse_mla_dense")
+  if not with_probs:
+    return per_shard(functools.partial(sparse_mla, scale=scale, **options), in_axes=in_axes,
+                     out_axes=(q_axes, (BATCH, LENGTH, HEADS)), name=name)
 
   def local(*args):  # this device's head mean, one row per head shard: [B, L, 1, T]
-    out_BLHC, lse_BLH, probs_BLT = op(*args, scale=scale)
+    out_BLHC, lse_BLH, probs_BLT = sparse_mla_with_probs(*args, scale=scale, **options)
     return out_BLHC, lse_BLH, probs_BLT[:, :, None]
 
   run = per_shard(local, in_axes=in_axes,
                   out_axes=(q_axes, (BATCH, LENGTH, HEADS), (BATCH, LENGTH, HEADS, None)),
-                  name="sparse_mla_dense")
+                  name=name)
 
   def with_head_mean(*args):
     out_BLHC, lse_BLH, probs_BLGT = run(*args)
@@ -488,28 +500,8 @@ def _sparse_mla_on_mesh(impl: str, scale: float, with_probs: bool = False, **opt
   """
   ops = pallas_kernels.dsa_ops(impl)
   if _queries_per_shard(impl):  # "xla" too under context parallelism
-    # Queries and their selections keep the sequence split (context parallelism); the key rows
-    # are whole on every device, their cotangents summed over `context` at the boundary.
-    q_axes, rows_axes = (BATCH, LENGTH, HEADS, None), (BATCH, None, None)
-    in_axes = (q_axes, q_axes, rows_axes, rows_axes, (BATCH, LENGTH, None))
-    if not with_probs:
-      return per_shard(functools.partial(ops.sparse_mla, scale=scale, **options),
-                       in_axes=in_axes, out_axes=(q_axes, (BATCH, LENGTH, HEADS)),
-                       name="sparse_mla_pallas")
-
-    def local(*args):  # this device's head mean, one row per head shard: [B, L, 1, T]
-      out_BLHC, lse_BLH, probs_BLT = ops.sparse_mla_with_probs(*args, scale=scale, **options)
-      return out_BLHC, lse_BLH, probs_BLT[:, :, None]
-
-    run = per_shard(local, in_axes=in_axes,
-                    out_axes=(q_axes, (BATCH, LENGTH, HEADS), (BATCH, LENGTH, HEADS, None)),
-                    name="sparse_mla_pallas")
-
-    def with_head_mean(*args):
-      out_BLHC, lse_BLH, probs_BLGT = run(*args)
-      return out_BLHC, lse_BLH, probs_BLGT.mean(axis=2)
-
-    return with_head_mean
+    return _sparse_mla_per_device(ops.sparse_mla, ops.sparse_mla_with_probs, scale,
+                                  with_probs=with_probs, name="sparse_mla_pallas", **options)
   if with_probs:
     raise ValueError(f"model.dsa_impl={impl!r}: the sparse MLA here does not emit the KL target")
   return functools.partial(ops.sparse_mla, scale=scale, head_groups=context_split(HEADS),
