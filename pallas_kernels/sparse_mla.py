@@ -216,6 +216,13 @@ def _sparse_mla_with_vjp(kernels, q_BLHC, q_rope_BLHR, kv_BSC, k_rope_BSR, topk_
   return kernels.forward(q_BLHC, q_rope_BLHR, kv_BSC, k_rope_BSR, topk_BLT, scale)
 
 
+def backward_delta(dout_BLHC, out_BLHC, dlse_BLH):
+  """fp32 `[B, L, H]`: `dout . out - dlse`, the softmax backward's per-row term that every
+  path's `ds = p (dp - delta)` takes (module docstring)."""
+  return (jnp.sum(dout_BLHC.astype(jnp.float32) * out_BLHC.astype(jnp.float32), axis=-1)
+          - dlse_BLH.astype(jnp.float32))
+
+
 # The names the forward rules give their output and log-sum-exp residuals, so that a remat
 # policy (`glm5_jax.layers.remat`, "save_attn_lse") can keep them: a `checkpoint_name` on the
 # op's results outside the custom VJP tags a copy, and jax would rerun the forward kernel for
@@ -265,8 +272,7 @@ def _vjp_backward(kernels, scale, residuals, cotangents):
   q_BLHC, q_rope_BLHR, kv_BSC, k_rope_BSR, topk_BLT, out_BLHC, lse_BLH = residuals
   dout_BLHC, dlse_BLH = cotangents[:2]  # a head-mean probs output is detached: no cotangent
   l = q_BLHC.shape[1]
-  delta_BLH = (jnp.sum(dout_BLHC.astype(jnp.float32) * out_BLHC.astype(jnp.float32), axis=-1)
-               - dlse_BLH.astype(jnp.float32))
+  delta_BLH = backward_delta(dout_BLHC, out_BLHC, dlse_BLH)
   block = query_block_size(l, kernels.backward_query_block)
   blocked = [to_query_blocks(x, block, pad) for x, pad in
              ((q_BLHC, 0), (q_rope_BLHR, 0), (topk_BLT, -1), (dout_BLHC, 0), (lse_BLH, 0.0),

@@ -40,7 +40,8 @@ import jax.numpy as jnp
 from pallas_kernels.blocking import (MASKED_LOGIT, default_query_block, empty_out_of_range,
                                      pad_axis, platform, query_block_size, round_up,
                                      rows_per_device, varying_like)
-from pallas_kernels.sparse_mla import check_sparse_mla_inputs, named_residuals
+from pallas_kernels.sparse_mla import (backward_delta, check_sparse_mla_inputs,
+                                      named_residuals)
 
 
 def key_counts(topk_BLT, num_keys: int):
@@ -74,12 +75,18 @@ def _ranges(l: int, s: int, block: int, causal: bool, key_ranges: int):
           for start in range(0, l, per_range)]
 
 
-def _forward_block(c, scale, with_target, qr_BLHK, kvr_BSK, counts_BLS):
-  """One block's `(out_BLHC, lse_BLH, target_BLS or None)` over the keys given."""
+def _masked_logits(scale, qr_BLHK, kvr_BSK, counts_BLS):
+  """fp32 `[B, Lb, H, S]` logits of every key given, `MASKED_LOGIT` at the unselected ones,
+  and `[B, Lb, 1, S]` whether each key is selected."""
   logits_BLHS = jnp.einsum("blhk,bsk->blhs", qr_BLHK, kvr_BSK,
                            preferred_element_type=jnp.float32) * scale
   valid_BL1S = (counts_BLS > 0)[:, :, None, :]
-  s_BLHS = jnp.where(valid_BL1S, logits_BLHS, MASKED_LOGIT)
+  return jnp.where(valid_BL1S, logits_BLHS, MASKED_LOGIT), valid_BL1S
+
+
+def _forward_block(c, scale, with_target, qr_BLHK, kvr_BSK, counts_BLS):
+  """One block's `(out_BLHC, lse_BLH, target_BLS or None)` over the keys given."""
+  s_BLHS, valid_BL1S = _masked_logits(scale, qr_BLHK, kvr_BSK, counts_BLS)
   m_BLH1 = jnp.max(s_BLHS, axis=-1, keepdims=True)
   e_BLHS = jnp.where(valid_BL1S, jnp.exp(s_BLHS - m_BLH1), 0.0)  # one copy of each key
   l_BLH1 = jnp.sum(e_BLHS * counts_BLS[:, :, None, :], axis=-1, keepdims=True)
@@ -98,11 +105,9 @@ def _backward_block(c, scale, groups, qr_BLHK, kvr_BSK, counts_BLS, dout_BLHC, l
   of each group of H / G heads, over the keys given."""
   dtype = kvr_BSK.dtype
   (b, lb, h, k), c_pad = qr_BLHK.shape, qr_BLHK.shape[-1] - c
-  logits_BLHS = jnp.einsum("blhk,bsk->blhs", qr_BLHK, kvr_BSK,
-                           preferred_element_type=jnp.float32) * scale
-  valid_BL1S = (counts_BLS > 0)[:, :, None, :]
-  p_BLHS = jnp.where(valid_BL1S, jnp.exp(jnp.where(valid_BL1S, logits_BLHS, MASKED_LOGIT)
-                                         - lse_BLH[..., None]), 0.0) * counts_BLS[:, :, None, :]
+  s_BLHS, valid_BL1S = _masked_logits(scale, qr_BLHK, kvr_BSK, counts_BLS)
+  p_BLHS = (jnp.where(valid_BL1S, jnp.exp(s_BLHS - lse_BLH[..., None]), 0.0)
+            * counts_BLS[:, :, None, :])
   dout_BLHC = dout_BLHC.astype(dtype)
   dp_BLHS = jnp.einsum("blhc,bsc->blhs", dout_BLHC, kvr_BSK[..., :c],
                        preferred_element_type=jnp.float32)
@@ -191,8 +196,7 @@ def _vjp_backward(c, scale, block, ranges, with_target, groups, residuals, cotan
   groups once at the end. The target's cotangent is ignored (detached by contract)."""
   qr_BLHK, kvr_BSK, topk_BLT, out_BLHC, lse_BLH = residuals
   dout_BLHC, dlse_BLH = cotangents[:2]
-  delta_BLH = (jnp.sum(dout_BLHC.astype(jnp.float32) * out_BLHC.astype(jnp.float32), axis=-1)
-               - dlse_BLH.astype(jnp.float32))
+  delta_BLH = backward_delta(dout_BLHC, out_BLHC, dlse_BLH)
   (b, l, _, _), (_, s, k) = qr_BLHK.shape, kvr_BSK.shape
   dkvr_BSGK = varying_like(jnp.zeros((b, s, groups, k), jnp.float32), qr_BLHK)
   dqr_BLHK = _uninitialized((b, round_up(l, block)) + qr_BLHK.shape[2:], qr_BLHK.dtype, qr_BLHK)
@@ -228,6 +232,8 @@ def _run(q_BLHC, q_rope_BLHR, kv_BSC, k_rope_BSR, topk_BLT, scale, query_block, 
     raise ValueError(f"sparse_mla_dense(causal=True): queries and keys must be the same "
                      f"positions, got L={l} queries (q {q_BLHC.shape}) and S={s} keys "
                      f"(kv {kv_BSC.shape})")
+  if key_ranges < 1:
+    raise ValueError(f"sparse_mla_dense: key_ranges={key_ranges} must be >= 1")
   if head_groups < 1 or h % head_groups:
     raise ValueError(f"head_groups={head_groups} must be >= 1 and divide the {h} heads of q "
                      f"{q_BLHC.shape} [B, L, H, C]")

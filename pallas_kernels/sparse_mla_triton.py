@@ -99,8 +99,8 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
 from pallas_kernels.blocking import MASKED_LOGIT, empty_out_of_range, pad_axis, round_up
-from pallas_kernels.sparse_mla import (SparseMLAParts, check_sparse_mla_inputs,
-                                       named_residuals)
+from pallas_kernels.sparse_mla import (SparseMLAParts, backward_delta,
+                                       check_sparse_mla_inputs, named_residuals)
 
 _NT = (((1,), (1,)), ((), ()))  # [m, k] x [n, k] -> [m, n]
 _TN = (((0,), (0,)), ((), ()))  # [k, m] x [k, n] -> [m, n]
@@ -521,8 +521,7 @@ def _backward_from_cotangents(q_BLHC, q_rope_BLHR, kv_BSC, k_rope_BSR, topk_BLT,
                               lse_BLH, dout_BLHC, dlse_BLH, scale, opts, head_probs=False):
   """`_backward` from the cotangents of out and lse: `(dq, dq_rope, dkv, dk_rope[, probs])`."""
   # d lse / d logit = p, so the lse cotangent enters as a shift of delta.
-  delta_BLH = (jnp.sum(dout_BLHC.astype(_F32) * out_BLHC.astype(_F32), axis=-1)
-               - dlse_BLH.astype(_F32))
+  delta_BLH = backward_delta(dout_BLHC, out_BLHC, dlse_BLH)
   return _backward(q_BLHC, q_rope_BLHR, kv_BSC, k_rope_BSR, topk_BLT,
                    dout_BLHC.astype(q_BLHC.dtype), lse_BLH, delta_BLH, scale, opts, head_probs)
 

@@ -38,8 +38,8 @@ import jax.numpy as jnp
 from pallas_kernels.blocking import (default_query_block, empty_out_of_range, from_query_blocks,
                                      gather_rows, map_query_blocks, platform, query_block_size,
                                      round_up, rows_per_device, to_query_blocks)
-from pallas_kernels.sparse_mla import (check_sparse_mla_inputs, masked_softmax, named_residuals,
-                                      scatter_add_rows)
+from pallas_kernels.sparse_mla import (backward_delta, check_sparse_mla_inputs, masked_softmax,
+                                      named_residuals, scatter_add_rows)
 
 
 def _block_size(b: int, t: int, k: int, heads: int) -> int:
@@ -117,8 +117,7 @@ def _vjp_backward(c, scale, query_block, head_groups, with_target, residuals, co
   qr_BLHK, kvr_BSK, topk_BLT, out_BLHC, lse_BLH = residuals
   dout_BLHC, dlse_BLH = cotangents[:2]
   (b, l, h, k), s, g = qr_BLHK.shape, kvr_BSK.shape[1], head_groups
-  delta_BLH = (jnp.sum(dout_BLHC.astype(jnp.float32) * out_BLHC.astype(jnp.float32), axis=-1)
-               - dlse_BLH.astype(jnp.float32))
+  delta_BLH = backward_delta(dout_BLHC, out_BLHC, dlse_BLH)
   block = query_block_size(l, query_block)
   blocked = [to_query_blocks(x, block, pad) for x, pad in
              ((qr_BLHK, 0), (topk_BLT, -1), (dout_BLHC, 0), (lse_BLH, 0.0), (delta_BLH, 0.0))]

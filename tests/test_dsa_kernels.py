@@ -419,6 +419,8 @@ def _check_dense_causal(head_groups, key_ranges):
   *other, other_topk = sparse_mla_inputs(b=1, l=5, s=9, h=2, c=8, r=4, t=4)
   with pytest.raises(ValueError, match=r"causal=True.*L=5 queries.*S=9 keys"):
     pk.sparse_mla_dense(*other, other_topk, scale=0.25, causal=True)
+  with pytest.raises(ValueError, match=r"key_ranges=0 must be >= 1"):
+    pk.sparse_mla_dense(*arrays, topk, scale=0.25, causal=True, key_ranges=0)
 
 
 @pytest.mark.parametrize("keys", ["gather", "dense"])
