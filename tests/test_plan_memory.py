@@ -315,9 +315,17 @@ def test_planner_state_shardings_equal_the_trainers_and_moments_follow_params():
 def test_plan_memory_tiny_on_8_devices(tmp_path):
   out = _run(["--config=configs/tiny.py", "--devices=8", "--mesh=fsdp=2,expert=2,tensor=2",
               "--layers=1,2", "--accelerator=v6e", "--json",
-              "--config.model.num_hidden_layers=3", "--config.model.mtp_depths=1"])
+              "--config.model.num_hidden_layers=3", "--config.model.mtp_depths=1",
+              f"--peak_dump={tmp_path / 'dump'}"])
   result = json.loads(out.strip().splitlines()[-1])
   assert "compiling depth 1 (1 dense + 0 MoE) ..." in out and "extrapolated" in out
+  # --peak_dump: what is live at each compiled program's peak, from XLA's own dump
+  assert out.count("HBM live at the schedule's peak") == 2
+  for c in result["compiled"]:
+    peak = c["peak"]
+    assert peak["total"] == sum(peak["by_category"].values()) > peak["arguments"] > 0
+    assert sum(b for b, *_ in peak["by_source"]) <= peak["total"]
+  assert list((tmp_path / "dump").glob("*train_step*live-range.txt"))
   assert [c["layers"] for c in result["compiled"]] == [1, 2]
   for c in result["compiled"]:
     memory = c["memory"]

@@ -33,6 +33,10 @@ rows, the cache a real sharded argument) at each number of sequences given, fits
 bytes per device as a line in the sequences, and prints the most sequences that fit each chip;
 its roofline adds the HBM time of reading the params and the cache rows DSA reads.
 
+`--peak_dump=DIR` keeps XLA's dump of each compiled program in DIR and prints what is live at
+its memory peak, by model part and by source op (`glm5_jax.planning.peak_memory`): which
+buffers a change that moved the temp bytes added or removed.
+
 `--layers=2,4,8` compiles those depths (1 dense + k-1 MoE layers) and extrapolates linearly to
 the config's depth; the argument bytes at full depth are exact (abstract shapes, no compile).
 Every printed figure says whether it was compiled or extrapolated. Without `--layers` the full
@@ -68,11 +72,17 @@ elif _DEVICES is not None and _DEVICES.isdigit():
                              f" --xla_force_host_platform_device_count={_DEVICES}").strip()
   os.environ["JAX_PLATFORMS"] = "cpu"
 
+# XLA reads its dump options when the backend starts, so --peak_dump is applied here too.
+_PEAK_DUMP_DIR = _flag_value(sys.argv, "peak_dump")
+if _PEAK_DUMP_DIR:
+  os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + f" --xla_dump_to={_PEAK_DUMP_DIR}"
+                             " --xla_dump_hlo_as_text").strip()
+
 from absl import app, flags  # pylint: disable=g-import-not-at-top
 import jax  # pylint: disable=g-import-not-at-top
 
 from configs import overrides  # pylint: disable=g-import-not-at-top
-from glm5_jax.planning import aot_targets, hlo_stats, planner, planner_decode, roofline, step_cost  # pylint: disable=g-import-not-at-top
+from glm5_jax.planning import aot_targets, hlo_stats, peak_memory, planner, planner_decode, roofline, step_cost  # pylint: disable=g-import-not-at-top
 from glm5_jax.config import ConfigError  # pylint: disable=g-import-not-at-top
 from glm5_jax.config_validation import validate_config  # pylint: disable=g-import-not-at-top
 from glm5_jax.sharding import MESH_AXES, batch_mesh_axes  # pylint: disable=g-import-not-at-top
@@ -119,6 +129,10 @@ _ARGUMENTS_ONLY = flags.DEFINE_bool("arguments_only", False, "Print the exact pe
                                     "bound that rules a slice out in seconds.")
 _TOP = flags.DEFINE_integer("top", 5, "Largest collectives and sources listed.")
 _JSON = flags.DEFINE_bool("json", False, "Also print every figure as one JSON line.")
+_PEAK_DUMP = flags.DEFINE_string("peak_dump", None, "Write XLA's dump of each compiled program "
+                                 "into this directory (its schedule's live ranges among them) "
+                                 "and print what is live at the memory peak, by model part and "
+                                 "by source op (glm5_jax.planning.peak_memory).")
 _HLO_OUT = flags.DEFINE_string("hlo_out", None, "Write the deepest compiled program's optimized "
                                "HLO text to this file (gzip if it ends in .gz) and its mesh's "
                                "chip coordinates beside it (<file>.mesh.json), for "
@@ -193,7 +207,7 @@ def main(argv):
           + ("" if state < hbm else ": does not fit before any activation"))
     return
 
-  results = []
+  results, peaks = [], {}
   for k in depths:
     cfg, mix = planner.with_depth(config, k)
     print(f"compiling depth {k} ({mix}) ...", flush=True)
@@ -214,6 +228,13 @@ def main(argv):
     elif figures.memory.argument != program.state_bytes:
       raise SystemExit(f"depth {k}: compiled argument bytes {figures.memory.argument} differ "
                        f"from the abstract inputs' shards {program.state_bytes}")
+    if _PEAK_DUMP.value:
+      live_ranges, module = peak_memory.find_dump(_PEAK_DUMP.value, module_pattern="")
+      with open(live_ranges) as f, open(module) as g:
+        report = peak_memory.peak_report(f.read(), g.read())
+      peaks[k] = report
+      print(peak_memory.format_report(report, top=max(_TOP.value, 15), compiler_temp=mem.temp),
+            flush=True)
     results.append((k, figures, program, cfg))
   label = " (MoE via stand-in)" if program.moe_standin else ""
 
@@ -283,6 +304,10 @@ def main(argv):
                       "memory": {**dataclasses_asdict(r.memory), "total": r.memory.total},
                       "flops_per_step": r.flops, "cost_analysis_flops": r.cost_analysis_flops,
                       "unknown_loops": len(r.unknown_loops),
+                      "peak": k in peaks and {
+                          "total": peaks[k].total, "arguments": peaks[k].arguments,
+                          "on_chip": peaks[k].on_chip, "by_category": peaks[k].by_category,
+                          "by_source": peaks[k].by_source[:50]},
                       "collectives_per_step": {
                           key: hlo_stats.summarize_step(list(r.collectives), key)
                           for key in ("op", "axes")}}
