@@ -1,0 +1,123 @@
+"""docs/scaling.md's compiled rows: what each is (`ROWS`, the `tools/plan_memory.py` flags of
+each), where a compiled row's files are, and the tables built from them
+(`tools/scaling_rows.py` compiles and prints them; the module docstring there says how).
+
+A row's files in the output directory: `<row>.log` (plan_memory's output; its last line the
+JSON the tables read), `<row>.meta.json` (the commit and command it was compiled from, the
+date, the wall time), `<row>.hlo.gz` (the optimized module, for `tools/plan_cost.py`).
+"""
+
+import dataclasses
+import json
+import os
+import sys
+
+_TRAIN = ("--config=configs/glm5_744b.py", "--remat_policy=full",
+          "--config.model.dsa_impl=pallas", "--config.model.moe_impl=expert_parallel",
+          "--config.model.moe_capacity_factor=1.25")
+_HEADLINE = _TRAIN + ("--target=v5p:8x8x16", "--mesh=fsdp=32,expert=32,tensor=1",
+                      "--seq_len=4096", "--per_device_batch=2",
+                      "--config.mesh.device_layout=expert=x8,y4:2;fsdp=y2,z16",
+                      "--config.model.moe_dispatch_chunks=2")
+_LONG = _TRAIN + ("--target=v5p:4x8x8", "--per_device_batch=1",
+                  "--config.mesh.context_layout=striped")
+
+
+@dataclasses.dataclass(frozen=True)
+class Row:
+  name: str
+  title: str
+  args: tuple
+
+
+ROWS = (
+    Row("headline", "744B train, fsdp 32 x expert 32, 8,192 tokens/chip (the headline)",
+        _HEADLINE),
+    Row("headline_dense_keys", "the headline, sparse attention over every key "
+        "(dsa_attention_keys=auto)", _HEADLINE + ("--config.model.dsa_attention_keys=auto",)),
+    Row("headline_fused_ce", "the headline, every key + the fused chunked LM head and loss "
+        "(train.ce_chunk=512, ce_grad_in_forward)",
+        _HEADLINE + ("--config.model.dsa_attention_keys=auto", "--config.train.ce_chunk=512",
+                     "--config.train.ce_grad_in_forward=True")),
+    Row("long_128k", "744B train at 131,072 tokens, expert 8 x context 32 (256 chips)",
+        _LONG + ("--mesh=expert=8,context=32", "--seq_len=131072")),
+    Row("long_200k", "744B train at 202,752 tokens, expert 4 x context 64 (256 chips)",
+        _LONG + ("--mesh=expert=4,context=64", "--seq_len=202752")),
+)
+BY_NAME = {row.name: row for row in ROWS}
+
+def command(row: Row, out_dir: str) -> list[str]:
+  """The row's plan_memory command line (argv[0] the interpreter), run from the repository root."""
+  return [sys.executable, os.path.join("tools", "plan_memory.py"), *row.args, "--json",
+          f"--hlo_out={os.path.join(out_dir, row.name + '.hlo.gz')}"]
+
+
+def read_row(out_dir: str, name: str) -> tuple[dict | None, dict | None]:
+  """`(plan JSON, meta)` of a compiled row, or Nones where its log has no JSON line yet."""
+  log, meta = (os.path.join(out_dir, name + suffix) for suffix in (".log", ".meta.json"))
+  if not (os.path.exists(log) and os.path.exists(meta)):
+    return None, None
+  with open(log) as f:
+    lines = [line for line in f if line.startswith("{")]
+  if not lines:
+    return None, None
+  with open(meta) as f:
+    return json.loads(lines[-1]), json.load(f)
+
+
+def _gib(n: float) -> str:
+  return f"{n / 2 ** 30:,.2f} GiB"
+
+
+def format_tables(rows: list[tuple[Row, dict, dict]], commit: str) -> str:
+  """docs/scaling.md's two tables: each row's memory and collectives, and its step by the
+  TPU compiler's estimate (per category) with the bound beside it."""
+  gib = 2 ** 30
+  lines = ["| row | compiled from | memory / device | collectives per step | compile |",
+           "|---|---|---|---|---|"]
+  for row, plan, meta in rows:
+    kinds = plan["compiled"][-1]["collectives_per_step"]["op"]
+    total = sum(k["bytes"] for k in kinds.values())
+    parts = ", ".join(f"{op} {k['bytes'] / gib:,.1f}" for op, k in
+                      sorted(kinds.items(), key=lambda kv: -kv[1]["bytes"]) if k["bytes"])
+    stale = "" if meta["commit"] == commit else " (older than the code)"
+    lines.append(f"| {row.title} | {meta['commit']}, {meta['date'][:10]}{stale} | "
+                 f"{_gib(plan['total'])} | {total / gib:,.1f} GiB ({parts}) | "
+                 f"{plan['compiled'][-1]['compile_s']:,.0f} s |")
+  estimated = [(row, plan) for row, plan, _ in rows if plan.get("compiler_estimate")]
+  if not estimated:
+    return "\n".join(lines)
+  categories = []
+  for _, plan in estimated:
+    for name in plan["compiler_estimate"]["compute_by_category"]:
+      if name not in categories:
+        categories.append(name)
+  head = "| per step per device (compiler estimate) | " + " | ".join(
+      row.name for row, _ in estimated) + " |"
+  lines += ["", head, "|---" * (len(estimated) + 1) + "|"]
+
+  def cells(fn):
+    return " | ".join(fn(plan["compiler_estimate"], plan) for _, plan in estimated)
+
+  for name in categories:
+    lines.append(f"| {name} | " + cells(
+        lambda c, _, name=name: f"{c['compute_by_category'].get(name, 0.0):.2f} s"
+        + (f" (custom calls {c['kernels_by_category'][name]:.2f} s)"
+           if c["kernels_by_category"].get(name) else "")) + " |")
+  lines.append("| **compute** | " + cells(lambda c, _: f"**{c['times']['compute']:.2f} s**")
+               + " |")
+  lines.append("| collectives on the torus / exposed in the schedule | " + cells(
+      lambda c, _: f"{c['times']['collectives']:.2f} / "
+                   f"{c['times']['schedule'] - c['times']['compute']:.2f} s") + " |")
+  for way, label in (("schedule", "**step, the compiled schedule's overlap (MFU)**"),
+                     ("none", "step, no overlap (MFU)"), ("ideal", "step, ideal overlap (MFU)")):
+    bold = "**" if way == "schedule" else ""
+    lines.append(f"| {label} | " + cells(
+        lambda c, _, way=way, bold=bold: f"{bold}{c['times'][way]:.2f} s "
+                                         f"({c['mfu'][way]:.1%}){bold}") + " |")
+  lines.append("| bound (roofline): MFU overlap / none | " + cells(
+      lambda _, p: f"{p['estimate']['mfu']['overlap']:.1%} / {p['estimate']['mfu']['serial']:.1%}")
+               + " |")
+  lines.append("| tokens per chip per step | " + cells(
+      lambda c, _: f"{c['tokens_per_chip']:,.0f}") + " |")
+  return "\n".join(lines)
