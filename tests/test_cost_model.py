@@ -122,6 +122,30 @@ def test_a_scatter_reads_its_updates_whole():
       (updates + indices + 2 * accumulator) / V5P.hbm_bytes_per_s)
 
 
+# A query-block loop's output written block by block into a buffer `jax.lax.empty` made, as the
+# TPU compiler writes both (no estimated_cycles on either): the in-place update of one
+# [2, 128, 64, 512] block into the [2, 4096, 64, 512] buffer, and the allocation.
+_IN_PLACE_HLO = """HloModule m, is_scheduled=true
+
+ENTRY %main (u: bf16[2,128,64,512], i: s32[]) -> bf16[2,4096,64,512] {
+  %u = bf16[2,128,64,512]{3,1,2,0:T(8,128)(2,1)} parameter(0)
+  %i = s32[] parameter(1)
+  %zero = s32[] constant(0)
+  %empty.1 = bf16[2,4096,64,512]{3,1,2,0:T(8,128)(2,1)} custom-call(), custom_call_target="AllocateBuffer", metadata={op_name="jit(f)/sparse_mla/empty"}
+  ROOT %dynamic-update-slice.1 = bf16[2,4096,64,512]{3,1,2,0:T(8,128)(2,1)} dynamic-update-slice(%empty.1, %u, %zero, %i, %zero, /*index=5*/%zero), metadata={op_name="jit(f)/sparse_mla/while/body/dynamic_update_slice"}
+}
+"""
+
+
+def test_an_in_place_update_moves_its_block_and_an_allocation_nothing():
+  module = hlo_loops.parse_module(_IN_PLACE_HLO)
+  (cost,) = op_costs.price_module(module, V5P)
+  # the update's 8 MiB read and written, not the 512 MiB buffer
+  assert (cost.op, cost.kind) == ("dynamic-update-slice", "HBM at peak")
+  assert cost.seconds == pytest.approx(2 * 2 * 128 * 64 * 512 * 2 / V5P.hbm_bytes_per_s)
+  assert step_cost._unpriced(module, [cost]) == {}  # the allocation is not "unpriced" either
+
+
 # ---------------------------------------------------------------------------- the schedule
 
 _ASYNC_HLO = """HloModule m, is_scheduled=true

@@ -85,6 +85,7 @@ _KERNEL_COST = re.compile(r'cost_estimate\\?"\s*:\s*\{\\?"flops\\?"\s*:\s*\\?"?(
                           r'\s*\\?"transcendentals\\?"\s*:\s*\\?"?(\d+)\\?"?\s*,'
                           r'\s*\\?"bytes_accessed\\?"\s*:\s*\\?"?(\d+)')
 _CALLS = re.compile(r"\bcalls=%([^\s,}]+)")
+_ALLOCATE = re.compile(r'custom_call_target="AllocateBuffer"')
 COLLECTIVES = hlo_stats.OPS
 
 
@@ -100,6 +101,11 @@ class OpCost(NamedTuple):
   runs: int
   source: str  # op_name
   groups_from: str = ""  # a collective: the instruction whose replica groups it runs over
+
+
+def allocates_only(instr) -> bool:
+  """`jax.lax.empty`'s XLA `AllocateBuffer` custom call: it reserves a buffer, moves no data."""
+  return instr.op == "custom-call" and bool(_ALLOCATE.search(instr.attributes))
 
 
 def category(op_name: str, op: str, contents: frozenset = frozenset()) -> str:
@@ -177,10 +183,13 @@ def hbm_seconds(instr, shapes: dict, chip: Accelerator, scatter: bool = False) -
   result's size (a gather reads only the rows it returns). A `scatter` (a fusion around one)
   updates its first operand in place: every other operand (the updates, the indices) is read
   whole, and the rows the updates touch are read and written, at least once each (up to the
-  result's size)."""
+  result's size). A `dynamic-update-slice` also updates its buffer in place (XLA copies the
+  buffer first, as its own instruction, where it cannot): it reads the update and writes it."""
   result = sum(hlo_stats.array_bytes(*a) for a in hlo_stats._arrays(instr.result_type))
   operands = hlo_stats._arrays(instr.operand_text) or sum(
       (shapes.get(n, ()) for n in instr.operands), ())
+  if instr.op == "dynamic-update-slice" and len(operands) >= 2:
+    return 2 * hlo_stats.array_bytes(*operands[1]) / chip.hbm_bytes_per_s
   if scatter and operands:
     read = sum(hlo_stats.array_bytes(*a) for a in operands[1:])
     return (read + 2 * min(read, result)) / chip.hbm_bytes_per_s
@@ -263,7 +272,7 @@ def price(instr, shapes: dict, chip: Accelerator, coords, torus, fused: dict | N
     seconds = kernel_seconds(instr, shapes, chip)
     if seconds is not None:
       return f"kernel at {KERNEL_EFFICIENCY:.0%}", seconds
-  if instr.op in FREE or instr.op.endswith("-done"):
+  if instr.op in FREE or instr.op.endswith("-done") or allocates_only(instr):
     return None
   return "HBM at peak", hbm_seconds(instr, shapes, chip,
                                     scatter="scatter" in contents | {instr.op})

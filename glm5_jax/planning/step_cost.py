@@ -74,7 +74,8 @@ def _unpriced(module, costs) -> dict[str, int]:
       continue
     for instr in instrs:
       if ((computation, instr.name) in priced or instr.op in op_costs.FREE - {"copy-start"}
-          or instr.op.endswith("-done") or hlo_stats.async_collective_role(instr) == "done"):
+          or instr.op.endswith("-done") or hlo_stats.async_collective_role(instr) == "done"
+          or op_costs.allocates_only(instr)):
         continue
       found[instr.op] = found.get(instr.op, 0) + runs[computation]
   return dict(sorted(found.items(), key=lambda kv: -kv[1]))
