@@ -12,9 +12,11 @@ import re
 import jax
 import jax.numpy as jnp
 import numpy as np
+import pytest
 
 from glm5_jax.train import losses
 from glm5_jax.train.step import StepConfig, loss_and_grads
+from tests.conftest import run_on_host_devices
 from tests.inputs import packed_batch
 
 
@@ -112,3 +114,64 @@ def test_tiny_model_loss_and_grads_match_and_no_whole_logits_are_compiled(helper
   whole = 4 * 23  # [B, L - 1, Y]
   assert max(rows0) >= whole
   assert max(rows5) <= max(2 * 5, model.hidden_size), rows5
+
+
+_SHARDED_LOSS = r"""
+import json, jax, jax.numpy as jnp, numpy as np
+from jax.sharding import NamedSharding, PartitionSpec as P
+from configs import tiny
+from glm5_jax import sharding
+from glm5_jax.planning import hlo_loops, hlo_stats
+from glm5_jax.train import fused_ce
+
+cfg = tiny.get_config()
+cfg.mesh.shape.update(data=1, fsdp=2, expert=2, tensor=2)
+rules, mesh = cfg.mesh.logical_axis_rules, sharding.make_mesh(cfg.mesh)
+keys = jax.random.split(jax.random.key(0), 8)
+b, d, y, chunk = 8, 16, 40, 4
+heads = []
+for i, l in enumerate((12, 11)):  # a main head and a shorter MTP depth (11 divides no mesh axis)
+  heads.append((jax.random.normal(keys[2 * i], (b, l, d)).astype(jnp.bfloat16),
+                jax.random.randint(keys[2 * i + 1], (b, l), 0, y),
+                jax.random.uniform(keys[4 + i], (b, l)) / (b * l), jnp.full((b, l), 1e-3)))
+w = (0.3 * jax.random.normal(keys[7], (d, y))).astype(jnp.bfloat16)
+
+def objective(hs, w, rest):
+  loss, stats = fused_ce.loss_with_gradients([(h,) + r for h, r in zip(hs, rest)], w, chunk)
+  return loss, stats
+
+grad = jax.value_and_grad(objective, argnums=(0, 1), has_aux=True)
+hs, rest = [h for h, *_ in heads], [tuple(r) for _, *r in heads]
+(want, want_stats), want_grads = jax.jit(grad)(hs, w, rest)
+put = lambda x, spec: jax.device_put(x, NamedSharding(mesh, spec))
+with sharding.activation_sharding(mesh, rules):
+  args = ([put(h, P(("data", "fsdp", "expert"))) for h in hs], put(w, P("fsdp", None)), rest)
+  compiled = jax.jit(grad).lower(*args).compile()
+  (got, got_stats), got_grads = compiled(*args)
+module = hlo_loops.parse_module(compiled.as_text())
+runs = module.executions()
+in_loops = [i.op for c, instrs in module.computations.items() if runs.get(c, 0) > 1
+            for i in instrs if i.op.removesuffix("-start") in hlo_stats.OPS]
+err = lambda a, b: float(np.abs(np.asarray(a, np.float32) - np.asarray(b, np.float32)).max()
+                         / max(np.abs(np.asarray(b, np.float32)).max(), 1e-30))
+print(json.dumps({
+    "loss": [float(got), float(want)],
+    "stats": max(err(g, w_) for g, w_ in zip(jax.tree.leaves(got_stats), jax.tree.leaves(want_stats))),
+    "dh": max(err(g, w_) for g, w_ in zip(got_grads[0], want_grads[0])),
+    "dw": err(got_grads[1], want_grads[1]),
+    "collectives_in_loops": in_loops,
+    "reduce_scatters": sum(i.op.startswith("reduce-scatter") for instrs in module.computations.values() for i in instrs),
+}))
+"""
+
+
+@pytest.mark.slow  # a subprocess with 8 host devices (~15 s)
+def test_gradients_in_forward_on_a_mesh_reduce_the_kernel_gradient_once():
+  """`loss_with_gradients` on a mesh (batch over fsdp x expert, two heads, one of a length no
+  axis divides) equals the unsharded loss, statistics and gradients, and its chunk loops hold
+  no collective: the kernel is gathered once and the rows' dW reduced once (left to XLA's
+  partitioner, each chunk gathered the kernel and all-reduced an fp32 `[D, Y]`)."""
+  result = run_on_host_devices(_SHARDED_LOSS, timeout=600)
+  assert result["loss"][0] == pytest.approx(result["loss"][1], rel=1e-5), result
+  assert result["stats"] < 1e-5 and result["dh"] < 1e-2 and result["dw"] < 1e-2, result
+  assert result["collectives_in_loops"] == [], result

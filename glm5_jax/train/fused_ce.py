@@ -39,9 +39,14 @@ Notation: B batch, L sequence (C a chunk of it), D hidden, Y vocab.
 """
 
 import functools
+import math
 
 import jax
 import jax.numpy as jnp
+from flax import linen as nn
+from jax.sharding import PartitionSpec as P
+
+from glm5_jax.layers import axes as axes_lib
 
 
 def head_statistics(h_BLD, w_DY, targets_BL, chunk: int):
@@ -152,6 +157,62 @@ def _loss(chunk, hs, w_DY, targets, ce_weights, z_weights):
 
 
 def _loss_forward(chunk, hs, w_DY, targets, ce_weights, z_weights):
+  mesh = jax.sharding.get_abstract_mesh()
+  args = hs, w_DY, targets, ce_weights, z_weights
+  if mesh is None or mesh.empty:
+    loss_N, statistics, dhs, dw_DY, weight_grads = _loss_on_rows(chunk, *args)
+  else:
+    loss_N, statistics, dhs, dw_DY, weight_grads = _loss_per_device(chunk, mesh, *args)
+  residuals = tuple(dhs), dw_DY.astype(w_DY.dtype), tuple(weight_grads)
+  return (loss_N.sum(), tuple(statistics)), residuals
+
+
+def _row_spec(mesh, shape):
+  """The mesh axes of a head's `[B, L, ...]` rows under the context's logical rules: batch rows
+  and sequence positions as the model's activations split them (positions only where they
+  divide: the MTP depths' inputs are a few positions shorter), the rest whole."""
+  batch, length = nn.logical_to_mesh_axes((axes_lib.BATCH, axes_lib.LENGTH))
+  as_tuple = lambda a: () if a is None else (a,) if isinstance(a, str) else tuple(a)
+  batch, length = as_tuple(batch), as_tuple(length)
+  if shape[1] % math.prod(mesh.shape[a] for a in length):
+    length = ()
+  return batch, length
+
+
+def _loss_per_device(chunk, mesh, hs, w_DY, targets, ce_weights, z_weights):
+  """`_loss_on_rows` on each device's own rows (`jax.shard_map` over the mesh in context):
+  the kernel is gathered once, each device accumulates its rows' dW in its chunk loops, and the
+  partial dWs are reduced once, at the end (a reduce-scatter over the row axes). Left to XLA's
+  partitioner the loops gathered the kernel and all-reduced an fp32 `[D, Y]` every chunk (the
+  744B step at depth 4: 113 GiB of all-reduces a step, docs/scaling.md)."""
+  specs = [_row_spec(mesh, h.shape) for h in hs]
+  reduced = tuple(dict.fromkeys(a for batch, length in specs for a in batch + length))
+  ways = math.prod(mesh.shape[a] for a in reduced)
+  scatter = bool(reduced) and w_DY.shape[0] % ways == 0
+  rows = [P(batch or None, length or None) for batch, length in specs]
+  hidden = [P(batch or None, length or None, None) for batch, length in specs]
+
+  def run(hs, w_DY, targets, ce_weights, z_weights):
+    loss_N, statistics, dhs, dw_DY, weight_grads = _loss_on_rows(
+        chunk, hs, w_DY, targets, ce_weights, z_weights)
+    if scatter:
+      dw_DY = jax.lax.psum_scatter(dw_DY, reduced, scatter_dimension=0, tiled=True)
+    elif reduced:
+      dw_DY = jax.lax.psum(dw_DY, reduced)
+    return loss_N, statistics, dhs, dw_DY.astype(w_DY.dtype), weight_grads
+
+  stats = [(row,) * 3 for row in rows]
+  return jax.shard_map(
+      run, mesh=mesh,
+      in_specs=(hidden, P(), rows, rows, rows),
+      out_specs=(P(reduced or None), stats, hidden, P(reduced) if scatter else P(),
+                 [(row, row) for row in rows]),
+      check_vma=False)(list(hs), w_DY, list(targets), list(ce_weights), list(z_weights))
+
+
+def _loss_on_rows(chunk, hs, w_DY, targets, ce_weights, z_weights):
+  """Every head's chunk loops over the rows given: `(loss [1] (these rows' part), statistics,
+  dhs, dW (fp32, these rows' sum), the weights' gradients)`."""
   dw_DY = jnp.zeros(w_DY.shape, jnp.float32)
   loss, statistics, dhs, weight_grads = jnp.zeros((), jnp.float32), [], [], []
   for h_BLD, t_BL, a_BL, b_BL in zip(hs, targets, ce_weights, z_weights):
@@ -176,8 +237,7 @@ def _loss_forward(chunk, hs, w_DY, targets, ce_weights, z_weights):
     statistics.append((log_z_BL, target_BL, argmax_BL))
     dhs.append(dh_BLD)
     weight_grads.append((ce_BL, z_BL))
-  residuals = tuple(dhs), dw_DY.astype(w_DY.dtype), tuple(weight_grads)
-  return (loss, tuple(statistics)), residuals
+  return loss[None], statistics, dhs, dw_DY, weight_grads
 
 
 def _loss_backward(chunk, residuals, cotangents):
