@@ -40,6 +40,7 @@ Notation: B batch, L sequence (C a chunk of it), D hidden, Y vocab.
 
 import functools
 import math
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -98,6 +99,19 @@ def _statistics(chunk, h_BLD, w_DY, targets_BL):
 
 
 def _forward(chunk, h_BLD, w_DY, targets_BL):
+  mesh = _context_mesh()
+  if mesh is None:
+    stats = _statistics_on_rows(chunk, h_BLD, w_DY, targets_BL)
+  else:
+    split = _RowSplit.of(mesh, [h_BLD.shape], w_DY.shape[0])
+    stats = jax.shard_map(functools.partial(_statistics_on_rows, chunk), mesh=mesh,
+                          in_specs=(split.hidden[0], P(), split.rows[0]),
+                          out_specs=(split.rows[0],) * 3,
+                          check_vma=False)(h_BLD, w_DY, targets_BL)
+  return stats, (h_BLD, w_DY, targets_BL, stats[0])
+
+
+def _statistics_on_rows(chunk, h_BLD, w_DY, targets_BL):
   def body(_, xs):
     h_BCD, t_BC = xs
     logits_BCY = _chunk_logits(h_BCD, w_DY)
@@ -106,14 +120,31 @@ def _forward(chunk, h_BLD, w_DY, targets_BL):
     return None, (log_z_BC, target_BC, jnp.argmax(logits_BCY, axis=-1).astype(jnp.int32))
 
   _, stats = jax.lax.scan(body, None, (_chunks(h_BLD, chunk), _chunks(targets_BL, chunk)))
-  log_z_BL, target_BL, argmax_BL = (_unchunk(s, h_BLD.shape[1]) for s in stats)
-  return (log_z_BL, target_BL, argmax_BL), (h_BLD, w_DY, targets_BL, log_z_BL)
+  return tuple(_unchunk(s, h_BLD.shape[1]) for s in stats)
 
 
 def _backward(chunk, residuals, cotangents):
   h_BLD, w_DY, targets_BL, log_z_BL = residuals
   g_log_z_BL, g_target_BL, _ = cotangents  # argmax: integer, no cotangent
-  length = h_BLD.shape[1]
+  args = h_BLD, w_DY, targets_BL, log_z_BL, g_log_z_BL, g_target_BL
+  mesh = _context_mesh()
+  if mesh is None:
+    dh_BLD, dw_DY = _backward_on_rows(chunk, *args)
+  else:
+    split = _RowSplit.of(mesh, [h_BLD.shape], w_DY.shape[0])
+
+    def run(*args):
+      dh_BLD, dw_DY = _backward_on_rows(chunk, *args)
+      return dh_BLD, split.reduce(dw_DY)
+
+    dh_BLD, dw_DY = jax.shard_map(
+        run, mesh=mesh, in_specs=(split.hidden[0], P()) + (split.rows[0],) * 4,
+        out_specs=(split.hidden[0], split.kernel), check_vma=False)(*args)
+  return dh_BLD, dw_DY.astype(w_DY.dtype), None
+
+
+def _backward_on_rows(chunk, h_BLD, w_DY, targets_BL, log_z_BL, g_log_z_BL, g_target_BL):
+  """`(dh, dW)` of the rows given (dW fp32: these rows' sum)."""
 
   def body(dw_DY, xs):
     h_BCD, t_BC, log_z_BC, g_z_BC, g_t_BC = xs
@@ -124,7 +155,7 @@ def _backward(chunk, residuals, cotangents):
   # Padded positions have zero cotangents, so they add nothing to dW.
   xs = tuple(_chunks(x, chunk) for x in (h_BLD, targets_BL, log_z_BL, g_log_z_BL, g_target_BL))
   dw_DY, dh_NBCD = jax.lax.scan(body, jnp.zeros(w_DY.shape, jnp.float32), xs)
-  return _unchunk(dh_NBCD, length), dw_DY.astype(w_DY.dtype), None
+  return _unchunk(dh_NBCD, h_BLD.shape[1]), dw_DY
 
 
 _statistics.defvjp(_forward, _backward)
@@ -157,57 +188,72 @@ def _loss(chunk, hs, w_DY, targets, ce_weights, z_weights):
 
 
 def _loss_forward(chunk, hs, w_DY, targets, ce_weights, z_weights):
-  mesh = jax.sharding.get_abstract_mesh()
   args = hs, w_DY, targets, ce_weights, z_weights
-  if mesh is None or mesh.empty:
+  mesh = _context_mesh()
+  if mesh is None:
     loss_N, statistics, dhs, dw_DY, weight_grads = _loss_on_rows(chunk, *args)
   else:
-    loss_N, statistics, dhs, dw_DY, weight_grads = _loss_per_device(chunk, mesh, *args)
+    split = _RowSplit.of(mesh, [h.shape for h in hs], w_DY.shape[0])
+
+    def run(*args):
+      loss_N, statistics, dhs, dw_DY, weight_grads = _loss_on_rows(chunk, *args)
+      return loss_N, statistics, dhs, split.reduce(dw_DY).astype(w_DY.dtype), weight_grads
+
+    loss_N, statistics, dhs, dw_DY, weight_grads = jax.shard_map(
+        run, mesh=mesh, in_specs=(split.hidden, P(), split.rows, split.rows, split.rows),
+        out_specs=(P(split.axes or None), [(r,) * 3 for r in split.rows], split.hidden,
+                   split.kernel, [(r, r) for r in split.rows]),
+        check_vma=False)(list(hs), w_DY, list(targets), list(ce_weights), list(z_weights))
   residuals = tuple(dhs), dw_DY.astype(w_DY.dtype), tuple(weight_grads)
   return (loss_N.sum(), tuple(statistics)), residuals
 
 
-def _row_spec(mesh, shape):
-  """The mesh axes of a head's `[B, L, ...]` rows under the context's logical rules: batch rows
-  and sequence positions as the model's activations split them (positions only where they
-  divide: the MTP depths' inputs are a few positions shorter), the rest whole."""
-  batch, length = nn.logical_to_mesh_axes((axes_lib.BATCH, axes_lib.LENGTH))
-  as_tuple = lambda a: () if a is None else (a,) if isinstance(a, str) else tuple(a)
-  batch, length = as_tuple(batch), as_tuple(length)
-  if shape[1] % math.prod(mesh.shape[a] for a in length):
-    length = ()
-  return batch, length
+def _context_mesh():
+  """The mesh in context (`jax.set_mesh`, as `glm5_jax.sharding.activation_sharding` sets it),
+  or None outside one."""
+  mesh = jax.sharding.get_abstract_mesh()
+  return None if mesh is None or mesh.empty else mesh
 
 
-def _loss_per_device(chunk, mesh, hs, w_DY, targets, ce_weights, z_weights):
-  """`_loss_on_rows` on each device's own rows (`jax.shard_map` over the mesh in context):
-  the kernel is gathered once, each device accumulates its rows' dW in its chunk loops, and the
-  partial dWs are reduced once, at the end (a reduce-scatter over the row axes). Left to XLA's
-  partitioner the loops gathered the kernel and all-reduced an fp32 `[D, Y]` every chunk (the
-  744B step at depth 4: 113 GiB of all-reduces a step, docs/scaling.md)."""
-  specs = [_row_spec(mesh, h.shape) for h in hs]
-  reduced = tuple(dict.fromkeys(a for batch, length in specs for a in batch + length))
-  ways = math.prod(mesh.shape[a] for a in reduced)
-  scatter = bool(reduced) and w_DY.shape[0] % ways == 0
-  rows = [P(batch or None, length or None) for batch, length in specs]
-  hidden = [P(batch or None, length or None, None) for batch, length in specs]
+class _RowSplit(NamedTuple):
+  """How the heads' `[B, L, ...]` rows split over a mesh, for the chunk loops run per device
+  (`jax.shard_map`): each device on its own rows with the kernel gathered once, its rows' dW
+  summed locally and reduced over the devices once, at the end (a reduce-scatter over the row
+  axes where D divides by them). Left to XLA's partitioner the loops gathered the kernel and
+  all-reduced an fp32 `[D, Y]` in every chunk (the 744B step at depth 4: 113 GiB of
+  all-reduces a step, docs/scaling.md)."""
 
-  def run(hs, w_DY, targets, ce_weights, z_weights):
-    loss_N, statistics, dhs, dw_DY, weight_grads = _loss_on_rows(
-        chunk, hs, w_DY, targets, ce_weights, z_weights)
-    if scatter:
-      dw_DY = jax.lax.psum_scatter(dw_DY, reduced, scatter_dimension=0, tiled=True)
-    elif reduced:
-      dw_DY = jax.lax.psum(dw_DY, reduced)
-    return loss_N, statistics, dhs, dw_DY.astype(w_DY.dtype), weight_grads
+  rows: list  # per head, the PartitionSpec of its [B, L] arrays
+  hidden: list  # per head, of its [B, L, D] input
+  axes: tuple  # the mesh axes the rows split over: dW's partial sums are over them
+  scatter: bool  # dW reduce-scattered over its D rows (else all-reduced)
 
-  stats = [(row,) * 3 for row in rows]
-  return jax.shard_map(
-      run, mesh=mesh,
-      in_specs=(hidden, P(), rows, rows, rows),
-      out_specs=(P(reduced or None), stats, hidden, P(reduced) if scatter else P(),
-                 [(row, row) for row in rows]),
-      check_vma=False)(list(hs), w_DY, list(targets), list(ce_weights), list(z_weights))
+  @classmethod
+  def of(cls, mesh, shapes, d: int):
+    """Batch rows and positions as the model's activations split them (the context's logical
+    rules), positions only where they divide (an MTP depth's input is a few positions
+    shorter); `d`: the kernel's rows."""
+    as_tuple = lambda a: () if a is None else (a,) if isinstance(a, str) else tuple(a)
+    batch, length = map(as_tuple, nn.logical_to_mesh_axes((axes_lib.BATCH, axes_lib.LENGTH)))
+    rows, hidden, axes = [], [], []
+    for shape in shapes:
+      split = length if shape[1] % math.prod(mesh.shape[a] for a in length) == 0 else ()
+      rows.append(P(batch or None, split or None))
+      hidden.append(P(batch or None, split or None, None))
+      axes += [a for a in batch + split if a not in axes]
+    scatter = bool(axes) and d % math.prod(mesh.shape[a] for a in axes) == 0
+    return cls(rows, hidden, tuple(axes), scatter)
+
+  def reduce(self, dw_DY):
+    """The rows' partial dW summed over the devices (inside the shard_map)."""
+    if self.scatter:
+      return jax.lax.psum_scatter(dw_DY, self.axes, scatter_dimension=0, tiled=True)
+    return jax.lax.psum(dw_DY, self.axes) if self.axes else dw_DY
+
+  @property
+  def kernel(self):
+    """The PartitionSpec of `reduce`'s result."""
+    return P(self.axes) if self.scatter else P()
 
 
 def _loss_on_rows(chunk, hs, w_DY, targets, ce_weights, z_weights):
