@@ -60,7 +60,7 @@ def test_tables_mark_rows_older_than_the_code_and_label_each_figure(tmp_path):
   assert scaling_rows.read_row(str(tmp_path), "long_128k") == (None, None)
   assert scaling_rows.read_row(str(tmp_path), "long_200k") == (None, None)
   found = [(row, *scaling_rows.read_row(str(tmp_path), row.name)) for row in rows]
-  text = scaling_rows.format_tables(found, commit="bbb")
+  text = scaling_rows.format_tables(found, stale={rows[0].name})
   first, second = text.split("\n\n")
   assert "aaa, 2026-11-30 (older than the code)" in first
   assert "bbb, 2026-11-30 |" in first and "90.00 GiB" in first

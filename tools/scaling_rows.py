@@ -9,9 +9,10 @@ Each row is one `tools/plan_memory.py` run with the TPU compiler ahead of time (
 extra; no TPU): the full model depth compiled whole (nothing extrapolated), its optimized module
 saved (`<row>.hlo.gz`, for `tools/plan_cost.py`), its output (`<row>.log`, whose last line is
 the JSON the tables are built from) and `<row>.meta.json` (the commit and command it was
-compiled from, the wall time). A row whose log is complete and whose commit is the checkout's
-is not compiled again; a row compiled from another commit is printed marked "older than the
-code" until `--stale=recompile` compiles it again. The rows run one at a time (each takes
+compiled from, the wall time). A row whose log is complete is not compiled again; one compiled
+from a commit whose code (`CODE_PATHS`: the package, the kernels, the configs, the planner)
+differs from the checkout's is printed marked "older than the code" until `--stale=recompile`
+compiles it again. The rows run one at a time (each takes
 14-20 GB of host memory and 15-50 minutes on 2 cores; a swap file helps), so a long run can be
 stopped and rerun: finished rows stay.
 
@@ -31,7 +32,8 @@ import time
 
 from absl import app, flags
 
-from glm5_jax.planning.scaling_rows import BY_NAME, ROWS, Row, command, format_tables, read_row
+from glm5_jax.planning.scaling_rows import (BY_NAME, CODE_PATHS, ROWS, Row, command,
+                                            format_tables, read_row)
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -43,14 +45,25 @@ _PRINT_ONLY = flags.DEFINE_bool("print_only", False, "Compile nothing: the table
                                 "rows already in --out_dir.")
 _DRY_RUN = flags.DEFINE_bool("dry_run", False, "Print each row's command and stop.")
 _STALE = flags.DEFINE_enum("stale", "mark", ["mark", "recompile"], "A row compiled from "
-                           "another commit: printed marked (mark) or compiled again.")
+                           "older code: printed marked (mark) or compiled again.")
+
+
+def code_changed_since(commit: str) -> bool:
+  """Whether the checkout's code (`CODE_PATHS`) differs from `commit`'s: a row compiled from
+  uncommitted changes, or from a commit git does not know, always counts as older."""
+  if commit.endswith("+changes"):
+    return True
+  proc = subprocess.run(["git", "diff", "--quiet", commit, "--", *CODE_PATHS], cwd=ROOT,
+                        capture_output=True)
+  return proc.returncode != 0
 
 
 def git_commit() -> str:
-  """The checkout's commit, with `+changes` when tracked files differ from it."""
+  """The checkout's commit, with `+changes` when its code (`CODE_PATHS`) differs from it."""
   rev = subprocess.run(["git", "rev-parse", "--short=12", "HEAD"], cwd=ROOT,
                        capture_output=True, text=True).stdout.strip() or "unknown"
-  dirty = subprocess.run(["git", "diff", "--quiet", "HEAD"], cwd=ROOT).returncode != 0
+  dirty = subprocess.run(["git", "diff", "--quiet", "HEAD", "--", *CODE_PATHS],
+                         cwd=ROOT).returncode != 0
   return rev + ("+changes" if dirty else "")
 
 
@@ -95,7 +108,7 @@ def main(argv):
   if not _PRINT_ONLY.value:
     for i, row in enumerate(rows):
       _, meta = read_row(out_dir, row.name)
-      if meta is not None and (meta["commit"] == commit or _STALE.value == "mark"):
+      if meta is not None and (_STALE.value == "mark" or not code_changed_since(meta["commit"])):
         print(f"[{row.name}] compiled from {meta['commit']} ({meta['date']}): kept "
               f"({i + 1} of {len(rows)})", flush=True)
         continue
@@ -109,7 +122,8 @@ def main(argv):
       continue
     found.append((row, plan, meta))
   print(f"\n== docs/scaling.md's rows, from {out_dir} (checkout {commit}) ==\n")
-  print(format_tables(found, commit))
+  print(format_tables(found, {row.name for row, _, meta in found
+                             if code_changed_since(meta["commit"])}))
 
 
 if __name__ == "__main__":

@@ -69,9 +69,15 @@ def _gib(n: float) -> str:
   return f"{n / 2 ** 30:,.2f} GiB"
 
 
-def format_tables(rows: list[tuple[Row, dict, dict]], commit: str) -> str:
+# What a row's figures depend on: a commit that changed none of these since a row was compiled
+# leaves the row current.
+CODE_PATHS = ("glm5_jax", "pallas_kernels", "configs", "tools/plan_memory.py", "setup.cfg")
+
+
+def format_tables(rows: list[tuple[Row, dict, dict]], stale: set) -> str:
   """docs/scaling.md's two tables: each row's memory and collectives, and its step by the
-  TPU compiler's estimate (per category) with the bound beside it."""
+  TPU compiler's estimate (per category) with the bound beside it; the rows named in `stale`
+  marked as compiled from older code."""
   gib = 2 ** 30
   lines = ["| row | compiled from | memory / device | collectives per step | compile |",
            "|---|---|---|---|---|"]
@@ -80,8 +86,8 @@ def format_tables(rows: list[tuple[Row, dict, dict]], commit: str) -> str:
     total = sum(k["bytes"] for k in kinds.values())
     parts = ", ".join(f"{op} {k['bytes'] / gib:,.1f}" for op, k in
                       sorted(kinds.items(), key=lambda kv: -kv[1]["bytes"]) if k["bytes"])
-    stale = "" if meta["commit"] == commit else " (older than the code)"
-    lines.append(f"| {row.title} | {meta['commit']}, {meta['date'][:10]}{stale} | "
+    mark = " (older than the code)" if row.name in stale else ""
+    lines.append(f"| {row.title} | {meta['commit']}, {meta['date'][:10]}{mark} | "
                  f"{_gib(plan['total'])} | {total / gib:,.1f} GiB ({parts}) | "
                  f"{plan['compiled'][-1]['compile_s']:,.0f} s |")
   estimated = [(row, plan) for row, plan, _ in rows if plan.get("compiler_estimate")]
