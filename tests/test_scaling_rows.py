@@ -78,3 +78,18 @@ def test_an_unknown_row_is_an_error_naming_the_rows():
                         cwd=ROOT, capture_output=True, text=True, timeout=120)
   assert proc.returncode != 0 and "--rows: unknown ['nope']" in proc.stderr
   assert "headline_dense_keys" in proc.stderr
+
+
+def test_a_row_is_older_than_the_code_by_its_flags_or_its_code():
+  row = scaling_rows.BY_NAME["long_128k"]
+  command = " ".join(scaling_rows.command(row, "/out")[1:])
+  head = subprocess.run(["git", "rev-parse", "HEAD"], cwd=ROOT, capture_output=True,
+                        text=True).stdout.strip()
+  same_code = not scaling_rows.code_changed_since(head, str(ROOT))
+  assert scaling_rows.is_stale(row, {"command": command, "commit": head}, "/out",
+                               str(ROOT)) != same_code
+  # other flags, uncommitted changes, a commit git does not know: older, whatever the code
+  for meta in ({"command": command + " --layers=4", "commit": head},
+               {"command": command, "commit": head[:12] + "+changes"},
+               {"command": command, "commit": "0" * 40}):
+    assert scaling_rows.is_stale(row, meta, "/out", str(ROOT)), meta

@@ -33,7 +33,7 @@ import time
 from absl import app, flags
 
 from glm5_jax.planning.scaling_rows import (BY_NAME, CODE_PATHS, ROWS, Row, command,
-                                            format_tables, read_row)
+                                            format_tables, is_stale, read_row)
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -46,16 +46,6 @@ _PRINT_ONLY = flags.DEFINE_bool("print_only", False, "Compile nothing: the table
 _DRY_RUN = flags.DEFINE_bool("dry_run", False, "Print each row's command and stop.")
 _STALE = flags.DEFINE_enum("stale", "mark", ["mark", "recompile"], "A row compiled from "
                            "older code: printed marked (mark) or compiled again.")
-
-
-def code_changed_since(commit: str) -> bool:
-  """Whether the checkout's code (`CODE_PATHS`) differs from `commit`'s: a row compiled from
-  uncommitted changes, or from a commit git does not know, always counts as older."""
-  if commit.endswith("+changes"):
-    return True
-  proc = subprocess.run(["git", "diff", "--quiet", commit, "--", *CODE_PATHS], cwd=ROOT,
-                        capture_output=True)
-  return proc.returncode != 0
 
 
 def git_commit() -> str:
@@ -108,7 +98,7 @@ def main(argv):
   if not _PRINT_ONLY.value:
     for i, row in enumerate(rows):
       _, meta = read_row(out_dir, row.name)
-      if meta is not None and (_STALE.value == "mark" or not code_changed_since(meta["commit"])):
+      if meta is not None and (_STALE.value == "mark" or not is_stale(row, meta, out_dir, ROOT)):
         print(f"[{row.name}] compiled from {meta['commit']} ({meta['date']}): kept "
               f"({i + 1} of {len(rows)})", flush=True)
         continue
@@ -123,7 +113,7 @@ def main(argv):
     found.append((row, plan, meta))
   print(f"\n== docs/scaling.md's rows, from {out_dir} (checkout {commit}) ==\n")
   print(format_tables(found, {row.name for row, _, meta in found
-                             if code_changed_since(meta["commit"])}))
+                             if is_stale(row, meta, out_dir, ROOT)}))
 
 
 if __name__ == "__main__":

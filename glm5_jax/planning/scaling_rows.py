@@ -10,6 +10,8 @@ date, the wall time), `<row>.hlo.gz` (the optimized module, for `tools/plan_cost
 import dataclasses
 import json
 import os
+import shlex
+import subprocess
 import sys
 
 _TRAIN = ("--config=configs/glm5_744b.py", "--remat_policy=full",
@@ -31,12 +33,12 @@ class Row:
 
 
 ROWS = (
-    Row("headline", "744B train, fsdp 32 x expert 32, 8,192 tokens/chip (the headline)",
-        _HEADLINE),
+    Row("headline", "744B train, fsdp 32 x expert 32, 8,192 tokens/chip, gather sparse stage, "
+        "logits path (the headline before the two rows below)", _HEADLINE),
     Row("headline_dense_keys", "the headline, sparse attention over every key "
         "(dsa_attention_keys=auto)", _HEADLINE + ("--config.model.dsa_attention_keys=auto",)),
     Row("headline_fused_ce", "the headline, every key + the fused chunked LM head and loss "
-        "(train.ce_chunk=512, ce_grad_in_forward)",
+        "(train.ce_chunk=512, ce_grad_in_forward): the current headline",
         _HEADLINE + ("--config.model.dsa_attention_keys=auto", "--config.train.ce_chunk=512",
                      "--config.train.ce_grad_in_forward=True")),
     Row("long_128k", "744B train at 131,072 tokens, expert 8 x context 32 (256 chips)",
@@ -69,9 +71,28 @@ def _gib(n: float) -> str:
   return f"{n / 2 ** 30:,.2f} GiB"
 
 
-# What a row's figures depend on: a commit that changed none of these since a row was compiled
-# leaves the row current.
-CODE_PATHS = ("glm5_jax", "pallas_kernels", "configs", "tools/plan_memory.py", "setup.cfg")
+# What a row's figures depend on (git pathspecs): a commit that changed none of these since a
+# row was compiled leaves the row current. This registry is left out: a row whose flags
+# change is older by its recorded command instead.
+CODE_PATHS = ("glm5_jax", "pallas_kernels", "configs", "tools/plan_memory.py", "setup.cfg",
+              ":(exclude)glm5_jax/planning/scaling_rows.py")
+
+
+def is_stale(row: Row, meta: dict, out_dir: str, root: str) -> bool:
+  """Whether a compiled row is older than the code: compiled with other flags than the row's
+  now, or from a commit whose code differs from the checkout's."""
+  return (meta.get("command") != shlex.join(command(row, out_dir)[1:])
+          or code_changed_since(meta["commit"], root))
+
+
+def code_changed_since(commit: str, root: str) -> bool:
+  """Whether the checkout's code (`CODE_PATHS`) differs from `commit`'s: a row compiled from
+  uncommitted changes, or from a commit git does not know, always counts as older."""
+  if commit.endswith("+changes"):
+    return True
+  proc = subprocess.run(["git", "diff", "--quiet", commit, "--", *CODE_PATHS], cwd=root,
+                        capture_output=True)
+  return proc.returncode != 0
 
 
 def format_tables(rows: list[tuple[Row, dict, dict]], stale: set) -> str:
