@@ -41,6 +41,10 @@ ROWS = (
         "(train.ce_chunk=512, ce_grad_in_forward): the current headline",
         _HEADLINE + ("--config.model.dsa_attention_keys=auto", "--config.train.ce_chunk=512",
                      "--config.train.ce_grad_in_forward=True")),
+    Row("headline_12k", "the current headline at 3 sequences a device (12,288 tokens/chip)",
+        tuple("--per_device_batch=3" if a == "--per_device_batch=2" else a for a in _HEADLINE)
+        + ("--config.model.dsa_attention_keys=auto", "--config.train.ce_chunk=512",
+           "--config.train.ce_grad_in_forward=True")),
     Row("long_128k", "744B train at 131,072 tokens, expert 8 x context 32 (256 chips)",
         _LONG + ("--mesh=expert=8,context=32", "--seq_len=131072")),
     Row("long_200k", "744B train at 202,752 tokens, expert 4 x context 64 (256 chips)",
