@@ -34,6 +34,9 @@ beside the chunk's logits. Every head sharing the kernel (the main head, the MTP
 accumulates into one `dW`, so the loss is one scalar over all of them.
 
 Chunks run along L, not over flattened tokens, so each chunk keeps the batch axis's sharding.
+On a mesh (`jax.set_mesh`, as the trainer sets it) the chunk loops run per device under
+`jax.shard_map` on the device's own rows (`_RowSplit`): the kernel is gathered once and the rows'
+dW reduced once, at the end, not in every chunk as XLA's partitioner ran them.
 
 Notation: B batch, L sequence (C a chunk of it), D hidden, Y vocab.
 """
