@@ -86,15 +86,11 @@ from pallas_kernels.blocking import varying_axes, varying_like
 TRANSPORTS = ("ragged_all_to_all", "all_to_all")
 
 
-def context_mesh():
-  """The mesh set by `jax.set_mesh` (`glm5_jax.sharding.activation_sharding`), or None."""
-  mesh = jax.sharding.get_abstract_mesh()
-  return None if mesh is None or mesh.empty else mesh
+context_mesh = logical_axes.context_mesh
 
 
 def _mesh_axes(rules, logical_name):
-  axes = nn.logical_to_mesh_axes((logical_name,), rules)[0]
-  return () if axes is None else (axes,) if isinstance(axes, str) else tuple(axes)
+  return logical_axes.spec_axes(nn.logical_to_mesh_axes((logical_name,), rules)[0])
 
 
 def expert_parallel_dispatch(x_MD, weights_MX, experts_MX, w_gate_EDF, w_up_EDF, w_down_EFD,

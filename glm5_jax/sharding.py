@@ -161,8 +161,7 @@ def logical_to_mesh_spec(logical_spec: PartitionSpec, rules) -> PartitionSpec:
 
 def batch_mesh_axes(rules) -> tuple[str, ...]:
   """The mesh axes the `batch` rule splits a batch over (its data-parallel axes)."""
-  axes = logical_to_mesh_spec(PartitionSpec(logical_axes.BATCH), rules)[0]
-  return () if axes is None else (axes,) if isinstance(axes, str) else tuple(axes)
+  return logical_axes.spec_axes(logical_to_mesh_spec(PartitionSpec(logical_axes.BATCH), rules)[0])
 
 
 def batch_sharding(mesh: Mesh, rules, ndim: int = 2) -> NamedSharding:

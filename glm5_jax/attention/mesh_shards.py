@@ -29,7 +29,7 @@ def _mesh_spec(logical_axes, shape, mesh, what):
   if len(logical_axes) != len(shape):
     raise ValueError(f"{what}: {len(logical_axes)} logical axes {logical_axes} for shape {shape}")
   for dim, (size, axes) in enumerate(zip(shape, spec)):
-    axes = () if axes is None else (axes,) if isinstance(axes, str) else tuple(axes)
+    axes = axes_lib.spec_axes(axes)
     ways = math.prod(mesh.shape[a] for a in axes)
     if size % ways:
       raise ValueError(f"config.mesh.logical_axis_rules: {what} dim {dim} (logical "

@@ -6,6 +6,9 @@ name would therefore replicate a weight without any error, so code spells names 
 these constants, and `layers.params.param` and `constrain` refuse any name not in `ALL`.
 """
 
+import jax
+
+
 BATCH = "batch"  # B (activations)
 LENGTH = "length"  # L (activations)
 EMBED = "embed"  # D
@@ -35,3 +38,15 @@ def check(axes, what: str) -> tuple:
     raise ValueError(f"{what}: unknown logical axis names {unknown}; use the constants of "
                      f"glm5_jax.layers.axes ({sorted(ALL)})")
   return tuple(axes)
+
+
+def spec_axes(entry) -> tuple[str, ...]:
+  """One entry of a PartitionSpec (None, a mesh axis name, or a tuple of them) as a tuple of
+  mesh axis names."""
+  return () if entry is None else (entry,) if isinstance(entry, str) else tuple(entry)
+
+
+def context_mesh():
+  """The mesh set by `jax.set_mesh` (`glm5_jax.sharding.activation_sharding`), or None."""
+  mesh = jax.sharding.get_abstract_mesh()
+  return None if mesh is None or mesh.empty else mesh

@@ -69,7 +69,7 @@ def context_split(name: str) -> int:
   if mesh is None or mesh.empty:
     return 1
   axes = nn.logical_to_mesh_axes(axes_lib.check((name,), "context_split"))[0]
-  axes = () if axes is None else (axes,) if isinstance(axes, str) else tuple(axes)
+  axes = axes_lib.spec_axes(axes)
   split = 1
   for axis in axes:
     split *= mesh.shape[axis]

@@ -56,8 +56,7 @@ class _Owner(typing.NamedTuple):
   n_m: int
 
 
-def _axes(entry) -> tuple:
-  return () if entry is None else (entry,) if isinstance(entry, str) else tuple(entry)
+_axes = axes_lib.spec_axes
 
 
 def _owner(path, leaf, dims, mesh) -> _Owner | None:

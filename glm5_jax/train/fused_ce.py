@@ -102,7 +102,7 @@ def _statistics(chunk, h_BLD, w_DY, targets_BL):
 
 
 def _forward(chunk, h_BLD, w_DY, targets_BL):
-  mesh = _context_mesh()
+  mesh = axes_lib.context_mesh()
   if mesh is None:
     stats = _statistics_on_rows(chunk, h_BLD, w_DY, targets_BL)
   else:
@@ -130,7 +130,7 @@ def _backward(chunk, residuals, cotangents):
   h_BLD, w_DY, targets_BL, log_z_BL = residuals
   g_log_z_BL, g_target_BL, _ = cotangents  # argmax: integer, no cotangent
   args = h_BLD, w_DY, targets_BL, log_z_BL, g_log_z_BL, g_target_BL
-  mesh = _context_mesh()
+  mesh = axes_lib.context_mesh()
   if mesh is None:
     dh_BLD, dw_DY = _backward_on_rows(chunk, *args)
   else:
@@ -192,7 +192,7 @@ def _loss(chunk, hs, w_DY, targets, ce_weights, z_weights):
 
 def _loss_forward(chunk, hs, w_DY, targets, ce_weights, z_weights):
   args = hs, w_DY, targets, ce_weights, z_weights
-  mesh = _context_mesh()
+  mesh = axes_lib.context_mesh()
   if mesh is None:
     loss_N, statistics, dhs, dw_DY, weight_grads = _loss_on_rows(chunk, *args)
   else:
@@ -209,13 +209,6 @@ def _loss_forward(chunk, hs, w_DY, targets, ce_weights, z_weights):
         check_vma=False)(list(hs), w_DY, list(targets), list(ce_weights), list(z_weights))
   residuals = tuple(dhs), dw_DY.astype(w_DY.dtype), tuple(weight_grads)
   return (loss_N.sum(), tuple(statistics)), residuals
-
-
-def _context_mesh():
-  """The mesh in context (`jax.set_mesh`, as `glm5_jax.sharding.activation_sharding` sets it),
-  or None outside one."""
-  mesh = jax.sharding.get_abstract_mesh()
-  return None if mesh is None or mesh.empty else mesh
 
 
 class _RowSplit(NamedTuple):
@@ -236,8 +229,8 @@ class _RowSplit(NamedTuple):
     """Batch rows and positions as the model's activations split them (the context's logical
     rules), positions only where they divide (an MTP depth's input is a few positions
     shorter); `d`: the kernel's rows."""
-    as_tuple = lambda a: () if a is None else (a,) if isinstance(a, str) else tuple(a)
-    batch, length = map(as_tuple, nn.logical_to_mesh_axes((axes_lib.BATCH, axes_lib.LENGTH)))
+    batch, length = map(axes_lib.spec_axes,
+                        nn.logical_to_mesh_axes((axes_lib.BATCH, axes_lib.LENGTH)))
     rows, hidden, axes = [], [], []
     for shape in shapes:
       split = length if shape[1] % math.prod(mesh.shape[a] for a in length) == 0 else ()
