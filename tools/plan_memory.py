@@ -185,6 +185,9 @@ def main(argv):
                                _SEQ_LEN.value or config.data.seq_len, _PER_DEVICE_BATCH.value)
   validate_config(config, num_devices)
   if _MODE.value == "decode":
+    if _PEAK_DUMP.value:
+      raise SystemExit("--peak_dump: reports the train and serve programs' peaks; "
+                       "--mode=decode compiles several programs and prints none")
     return _decode_main(config, devices, where, chip)
   full_depth = config.model.num_hidden_layers
   depths = sorted({int(k) for k in _LAYERS.value}) or [full_depth]
