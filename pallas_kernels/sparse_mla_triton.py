@@ -46,12 +46,16 @@ Backward (custom VJP), grid (B, L): `delta = rowsum(dout * out) - dlse` in XLA; 
   3. per column chunk of D = `backward_dkv_chunk` (64: half a gather chunk),
      `dkv = p^T dout + ds^T q` `[bt, D]` (q and dout chunks re-read from L2 as right-hand
      operands) and, once, `dk_rope = ds^T q_rope` `[bt, R]`, each added into
-     fp32 `[B, S, C]` / `[B, S, R]` buffers with ONE masked `plgpu.atomic_add`, which Triton
-     3.6 emits as 16-byte vector atomics (`atom.global.gpu.acq_rel.add.v4.f32` in the PTX; Pallas
-     fixes the acq_rel order, a relaxed `red` is not reachable from it), and cast to the input
-     dtype after.
+     fp32 `[B, S, C]` / `[B, S, R]` buffers with ONE masked vector atomic, cast to the input
+     dtype after. The atomic is relaxed (`pallas_kernels.triton_atomics`; option
+     `backward_atomic_order`): Triton 3.6 emits `atom.global.gpu.relaxed.add.v4.f32`, which
+     ptxas makes a fire-and-forget `REDG.E.ADD.F32x4`, where `plgpu.atomic_add`'s acq_rel
+     order put a GPU-wide memory barrier and an L1 invalidation at every atomic (H200,
+     L = S = 4,096: 51.3 -> 31.4 ms for the backward alone at bt 16; docs/performance.md).
   Why this fits a Hopper SM (228 KiB shared memory, 64K registers; GLM-5: H 64, C 512, R 64,
-  bt 16, X 128, 8 warps = 256 threads, so at most 255 registers a thread):
+  X 128, 8 warps = 256 threads, so at most 255 registers a thread; the arithmetic below is at
+  bt 16, the largest block without spills; the default bt 32 is measured faster, see
+  `TritonMLAOptions`):
     registers: dq `[64, 512]` fp32 = 128 KiB = 128 a thread, dq_rope `[64, 64]` fp32 = 16; the
       per-block tiles are small (logits, dp, p, ds `[64, 16]` fp32: 4 each; a dkv chunk
       `[16, 64]` fp32: 4, still one 16-byte atomic a thread; dk_rope 4), and gathering in
@@ -68,7 +72,9 @@ Backward (custom VJP), grid (B, L): `delta = rowsum(dout * out) - dlse` in XLA; 
   through it (wgmma descriptors, address tensors), so the kernel keeps that set small
   (`_backward_kernel`'s comment). As compiled offline (Triton 3.6, sm_90a, after the TTIR
   passes the GPU's pipeline runs first; `tools/check_triton_compile.py`), with and without the
-  head sums: 255 registers, 0 bytes of spills, 178 KiB of shared memory; docs/performance.md.
+  head sums: 255 registers, 0 bytes of spills, 178 KiB of shared memory at bt 16; 44 / 28
+  bytes of spill stores / loads (12 / 12 with the head sums; 3 local-memory instructions in the
+  slot loop) and 204 KiB at bt 32; docs/performance.md.
   dkv / dk_rope are bitwise NON-deterministic on GPU (the atomics land in a varying order:
   run-to-run differences within fp32 rounding of the sum); dq, dq_rope, out and lse are
   deterministic. Many queries selecting one key (e.g. the first tokens) serialize their
@@ -98,6 +104,7 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
+from pallas_kernels import triton_atomics
 from pallas_kernels.blocking import MASKED_LOGIT, empty_out_of_range, pad_axis, round_up
 from pallas_kernels.sparse_mla import (SparseMLAParts, backward_delta,
                                        check_sparse_mla_inputs, named_residuals)
@@ -121,17 +128,17 @@ class TritonMLAOptions:
       32 x (512 + 64) bf16 = 36 KiB of shared memory, two of them in flight (num_stages=2) plus
       the 72 KiB query tile stay well under 228 KiB; bt=64 would double that and leave no
       room for a third stage.
-    backward_head_block=64, backward_block_t=16, backward_c_chunk=128, backward_dkv_chunk=64,
-      backward_num_warps=8, backward_num_stages=1: all of GLM-5's heads in one program per
-      token (module docstring: the register and shared-memory arithmetic). Offline compiles
-      (Triton 3.6, sm_90a, GLM-5 shapes): bt 16 X 128 D 64 is the all-heads point without
-      spills (255 registers, 0 B, 178 KiB; with and without the KL target's head sums); D 128,
-      bt 32, X 64 / 256 and 16 warps (128 registers a thread) spill (docs/performance.md).
-      The previous default, 32 heads per program at bt 32 (two programs per token, each
-      gathering the same rows and adding its own atomics), compiles with 0 B of spills and
-      148 KiB; the first H200 sweep measured it 1.25x faster than bt 16 and 1.7x faster than
-      16 heads, i.e. time grows with programs per token. Which of the two is faster on the
-      chip is for the next device run (tools/tune_sparse_mla.py rows).
+    backward_head_block=64, backward_block_t=32, backward_c_chunk=128, backward_dkv_chunk=64,
+      backward_num_warps=8, backward_num_stages=1, backward_atomic_order="relaxed": all of
+      GLM-5's heads in one program per token (module docstring: the register and shared-memory
+      arithmetic). Measured on an H200 (tools/tune_sparse_mla.py, L = S = 4,096, the backward
+      alone; docs/device_runs/2026-11-30-h200.md): bt 32 20.3 ms, bt 16 31.4 ms, bt 16 with
+      D 128 25.6 ms, 32 heads per program at bt 32 (two programs per token) 35.0 ms, all with
+      relaxed atomics; with acq_rel atomics 37.0 / 51.3 / 42.2 / 68.5 ms. Offline (Triton 3.6,
+      sm_90a, GLM-5 shapes) bt 16 X 128 D 64 is the all-heads point without spills (255
+      registers, 178 KiB); bt 32 spills 44 / 28 bytes (3 local-memory instructions in the slot
+      loop) at 204 KiB and is still the fastest: half as many slot blocks, so half the
+      per-block work of the loop (the q and dout re-reads, the dq updates, the atomics).
     split_k: None = automatic (`_auto_split`); 1 = never split; K = split the slots over K
       programs per token (forward only; the backward is never split).
   """
@@ -140,11 +147,12 @@ class TritonMLAOptions:
   num_warps: int = 8
   num_stages: int = 2
   backward_head_block: int = 64
-  backward_block_t: int = 16
+  backward_block_t: int = 32
   backward_num_warps: int = 8
   backward_num_stages: int = 1
   backward_c_chunk: int = 128
   backward_dkv_chunk: int = 64
+  backward_atomic_order: str = "relaxed"
   split_k: int | None = None
   interpret: bool = False
 
@@ -259,20 +267,23 @@ def _head_mean_probs(probs_ref, topk_ref, q_HC, q_rope_HR, kv_ref, k_rope_ref, l
   jax.lax.fori_loop(n_blocks, topk_ref.shape[2] // bt, zero_block, None)
 
 
-def _add_rows(acc_ref, b, rows_T, valid_T, vals_TX, interpret, col0=0):
-  """`acc[b, rows[i]] += vals[i]` for the valid slots i, atomically (duplicates accumulate).
+def _add_rows(acc_ref, b, rows_T, valid_T, vals_TX, interpret, order, col0=0):
+  """`acc[b, rows[i]] += vals[i]` for the valid slots i, atomically (duplicates accumulate),
+  with memory order `order` (`pallas_kernels.triton_atomics`).
 
   GPU: one masked vector atomic over `[bt, X]` addresses. Interpret mode: row by row (module
   docstring: its vector atomic neither takes a mask nor accumulates duplicate addresses)."""
   if not interpret:
     cols_X = col0 + jax.lax.broadcasted_iota(jnp.int32, (1, vals_TX.shape[1]), 1)
     mask_TX = jnp.broadcast_to(valid_T[:, None], vals_TX.shape)
-    plgpu.atomic_add(acc_ref, (b, rows_T[:, None], cols_X), vals_TX, mask=mask_TX)
+    triton_atomics.atomic_add(acc_ref, (b, rows_T[:, None], cols_X), vals_TX, mask=mask_TX,
+                              order=order)
     return
 
   def one_row(i, _):
     val_X = jnp.where(valid_T[i], vals_TX[i], 0.0)
-    plgpu.atomic_add(acc_ref, (b, rows_T[i], pl.ds(col0, vals_TX.shape[1])), val_X)
+    triton_atomics.atomic_add(acc_ref, (b, rows_T[i], pl.ds(col0, vals_TX.shape[1])), val_X,
+                              order=order)
 
   jax.lax.fori_loop(0, rows_T.shape[0], one_row, None)
 
@@ -280,7 +291,7 @@ def _add_rows(acc_ref, b, rows_T, valid_T, vals_TX, interpret, col0=0):
 def _backward_kernel(n_blocks_ref, topk_ref, q_ref, q_rope_ref, dout_ref, lse_ref, delta_ref,
                      kv_ref, k_rope_ref, _dkv_in, _dk_rope_in, first_row_ref, dq_ref, dq_rope_ref,
                      dkv_ref, dk_rope_ref, *probs_ref, scale, bt, c_chunk, dkv_cols, interpret,
-                     heads, padded_heads):
+                     heads, padded_heads, atomic_order):
   # _dkv_in / _dk_rope_in are the zero buffers aliased to dkv_ref / dk_rope_ref. probs_ref
   # (`head_probs`): `[B, L, G, T]` fp32, this head block's share of the head-mean probabilities
   # (`_backward`'s docstring); `heads` the real head count, `padded_heads` whether H was padded.
@@ -343,9 +354,9 @@ def _backward_kernel(n_blocks_ref, topk_ref, q_ref, q_rope_ref, dout_ref, lse_re
                                     preferred_element_type=_F32)
                 + jax.lax.dot_general(ds16_HT, q_ref[heads_H, x], _TN,
                                       preferred_element_type=_F32))
-      _add_rows(dkv_ref, b, rows_T, valid_T, dkv_TX, interpret, x.start)
+      _add_rows(dkv_ref, b, rows_T, valid_T, dkv_TX, interpret, atomic_order, x.start)
     dk_rope_TR = jax.lax.dot_general(ds16_HT, q_rope_HR, _TN, preferred_element_type=_F32)
-    _add_rows(dk_rope_ref, b, rows_T, valid_T, dk_rope_TR, interpret)
+    _add_rows(dk_rope_ref, b, rows_T, valid_T, dk_rope_TR, interpret, atomic_order)
     return dq_nHX, dq_rope_HR
 
   init = ([jnp.zeros((h, c_chunk), _F32) for _ in chunks], jnp.zeros(q_rope_HR.shape, _F32))
@@ -458,6 +469,9 @@ def _backward(q_BLHC, q_rope_BLHR, kv_BSC, k_rope_BSR, topk_BLT, dout_BLHC, lse_
   values) from the p the kernel forms anyway: each program writes its head block's sum / H per
   slot block (`[B, L, G, T]`, G = H / hb), summed over G here."""
   (b, l, h, c), (s, r) = q_BLHC.shape, k_rope_BSR.shape[1:]
+  if opts.backward_atomic_order not in triton_atomics.ORDERS:
+    raise ValueError(f"sparse_mla_triton: backward_atomic_order={opts.backward_atomic_order!r}, "
+                     f"expected one of {triton_atomics.ORDERS}")
   bt = _slot_block(topk_BLT.shape[-1], opts.backward_block_t, "backward_block_t")
   q, q_rope, kv, k_rope, topk, n_blocks = _padded(q_BLHC, q_rope_BLHR, kv_BSC, k_rope_BSR,
                                                    topk_BLT, bt)
@@ -484,7 +498,7 @@ def _backward(q_BLHC, q_rope_BLHR, kv_BSC, k_rope_BSR, topk_BLT, dout_BLHC, lse_
   outs = pl.pallas_call(
       functools.partial(_backward_kernel, scale=scale, bt=bt, c_chunk=c_chunk,
                         dkv_cols=dkv_cols, interpret=opts.interpret, heads=h,
-                        padded_heads=hp != h),
+                        padded_heads=hp != h, atomic_order=opts.backward_atomic_order),
       out_shape=tuple(out_shape),
       grid=(b, l, hp // hb),
       in_specs=[pl.no_block_spec, pl.no_block_spec, heads(hb, cp), heads(hb, rp),

@@ -35,21 +35,28 @@ def test_compiles_at_defaults_without_spills(kernel, tmp_path):
   assert (row["spill_stores"], row["spill_loads"]) == (0, 0), row
   assert 0 < row["shared_bytes"] <= triton_offline.H100_SHARED_LIMIT, row
   assert row["fits"]
-  if kernel == "mla_backward":  # the dumped SASS holds its vector (16-byte) key-row atomics
-    assert "ATOMG.E.ADD.F32x4" in (tmp_path / "mla_backward.sass").read_text()
+  if kernel == "mla_backward":  # its key-row atomics: relaxed vector (16-byte) reductions
+    sass = (tmp_path / "mla_backward.sass").read_text()
+    assert "REDG.E.ADD.F32x4" in sass and "MEMBAR.ALL.GPU" not in sass
 
 
 @pytest.mark.skipif(_SKIP is not None, reason=f"optional extra gpu-check: {_SKIP}")
 @pytest.mark.parametrize("kernel", check_triton_compile.MLA_BACKWARD_KERNELS)
-def test_all_heads_backward_at_glm5_shapes_spills_nothing(kernel, tmp_path):
+def test_all_heads_backward_at_glm5_shapes(kernel, tmp_path):
   """The all-64-heads backward at GLM-5's shapes (docs/performance.md), plain and with the
-  head-mean probabilities a GPU train step takes: no spill, shared memory within the chip's."""
-  row = check_triton_compile.compile_kernel(kernel, dump_dir=str(tmp_path))
+  head-mean probabilities a GPU train step takes: at bt 16 no spill; at the default bt 32
+  (measured faster on an H200) shared memory within the chip's and at most the 3 local-memory
+  instructions in the slot loop that TritonMLAOptions documents."""
+  row = check_triton_compile.compile_kernel(kernel, changes=dict(backward_block_t=16),
+                                            dump_dir=str(tmp_path))
   assert row["options"]["backward_head_block"] == 64
   assert (row["spill_stores"], row["spill_loads"]) == (0, 0), row
   assert row["loop_spill_ops"] == 0
-  assert row["shared_bytes"] <= triton_offline.H100_SHARED_LIMIT, row
   assert row["fits"]
+  row = check_triton_compile.compile_kernel(kernel, dump_dir=str(tmp_path))
+  assert row["options"]["backward_block_t"] == 32
+  assert row["shared_bytes"] <= triton_offline.H100_SHARED_LIMIT, row
+  assert row["loop_spill_ops"] <= 3, row
 
 
 def test_local_memory_ops_in_loops_counts_only_loop_bodies():

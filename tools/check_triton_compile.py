@@ -116,7 +116,8 @@ SWEEPS = {
                      + _grid(backward_block_t=(16, 32), backward_num_warps=(16,))
                      + [dict(backward_num_stages=2)]
                      + _grid(backward_head_block=(32,), backward_block_t=(16, 32))),
-    "mla_backward_probs": [dict(backward_dkv_chunk=128), dict(backward_head_block=32)],
+    "mla_backward_probs": [dict(backward_block_t=16), dict(backward_dkv_chunk=128),
+                           dict(backward_head_block=32)],
     "mla_forward_probs": _grid(block_t=(16, 64), num_stages=(1, 2)),
     "mla_decode": (_grid(block_t=(16, 32, 64), num_stages=(1, 2, 3))
                    + _grid(block_t=(16, 32), num_warps=(16,))),

@@ -38,6 +38,18 @@ WHEELS=(
   "annotated-types==0.7.0"  # pydantic's
   "typing-inspection==0.4.2"  # pydantic's and fastapi's
   "opentelemetry-api==1.45.2"  # fastapi 0.165 imports it at import time
+  # tokamax's grouped matmul for tools/device_suite_moe.py's A/B (optional there; jax >= 0.11.1,
+  # the device has 0.11.2). tokamax imports xprof (its benchmarking module) and qwix at import
+  # time, and xprof imports fire and gviz_api; absl, flax, six, tqdm and jaxtyping are in the
+  # image. xprof is most of the bytes (~31 MiB).
+  "tokamax==0.0.17"
+  "einshape==1.0"
+  "immutabledict==4.3.1"
+  "qwix==0.1.8"
+  "xprof==2.24.2"
+  "fire==0.7.1"
+  "termcolor==3.3.0"
+  "gviz_api==1.10.0"
 )
 
 mkdir -p "$DEST"
@@ -51,7 +63,7 @@ done
 ls -l "$DEST"
 total_kib=$(du -sk "$DEST" | cut -f1)
 echo "$DEST: ${total_kib} KiB in $(ls "$DEST"/*.whl | wc -l) wheels"
-if (( total_kib > 40 * 1024 )); then
-  echo "error: $DEST is over 40 MiB (the device run carries at most 64 MiB in all)" >&2
+if (( total_kib > 48 * 1024 )); then
+  echo "error: $DEST is over 48 MiB (the device run carries at most 64 MiB in all)" >&2
   exit 1
 fi

@@ -26,18 +26,19 @@ import jax
 from tools import device_suite_kernels as kernels
 
 # Forward options first (the backward at its defaults), then backward options: the backward is
-# where the first H200 run spent 93% of the kernel's fwd + bwd time (docs/performance.md). The
+# where the H200 runs spent 88-93% of the kernel's fwd + bwd time (docs/performance.md). The
 # backward runs all heads in one program per token; `backward_head_block=32` is the previous
-# design (two programs per token), kept as the row to beat; `backward_dkv_chunk=128` the
-# key-row gradients in whole gather chunks (spills offline, docs/performance.md).
+# design (two programs per token); `backward_dkv_chunk=128` the key-row gradients in whole
+# gather chunks; `backward_atomic_order="acq_rel"` plgpu.atomic_add's order (1.6-1.8x slower
+# on an H200, pallas_kernels/triton_atomics.py).
 GRID = (
     {},
     {"block_t": 16}, {"block_t": 64, "num_stages": 1}, {"num_stages": 1}, {"num_stages": 3},
     {"num_warps": 4}, {"block_t": 16, "num_stages": 3},
-    {"backward_head_block": 32, "backward_block_t": 32}, {"backward_block_t": 32},
-    {"backward_c_chunk": 64}, {"backward_dkv_chunk": 128}, {"backward_c_chunk": 256},
-    {"backward_num_warps": 16},
-    {"backward_num_stages": 2}, {"backward_block_t": 32, "backward_c_chunk": 256},
+    {"backward_atomic_order": "acq_rel"}, {"backward_head_block": 32}, {"backward_block_t": 16},
+    {"backward_block_t": 16, "backward_dkv_chunk": 128}, {"backward_dkv_chunk": 128},
+    {"backward_c_chunk": 64}, {"backward_c_chunk": 256}, {"backward_num_warps": 16},
+    {"backward_num_stages": 2}, {"backward_block_t": 64},
 )
 
 _SEQ_LEN = flags.DEFINE_integer("seq_len", 16384, "L = S (one sequence).")
