@@ -23,23 +23,34 @@ kernel with `args.hlo_op` / `args.hlo_module`; the plane's other lines (`XLA Mod
 Ops`, `Framework ...`, `Steps`, ...) are derived from those and are skipped. On a CPU host
 there is no device plane: XLA:CPU's thunk executor events (any thread of `/host:CPU` with an
 `hlo_op` argument) stand in, which is what the CPU test parses. The GPU rule is written from the
-xprof trace-viewer format (tests use a synthetic trace of that shape); it has not been run
-against a real GPU trace here: the first device run checks it (a GPU trace with no stream
-kernels would show as "no device kernels" in the section's error).
+xprof trace-viewer format (tests use a synthetic trace of that shape) and read the H200 traces
+of 2026-11-30 (docs/device_runs/2026-11-30-h200.md). A kernel XLA launches inside a CUDA graph
+(command buffer) carries the graph's name as its `hlo_op`, which no instruction has: the suite
+turns command buffers off (tools/device_suite.py).
+
+The tables again from a run's saved files (a changed category rule, say), on any host:
+
+  python3 tools/device_suite_profile.py --trace=train_profile.trace.json.gz \
+      --hlo=train_step.hlo.txt.gz [--steps=2]
 """
 
+import argparse
 import collections
 import glob
 import gzip
 import json
 import os
 import shutil
+import sys
 import tempfile
 import time
 
 import jax
 
-from glm5_jax.planning import flop_ledger
+if __name__ == "__main__":  # `python3 tools/device_suite_profile.py`: the repository root
+  sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from glm5_jax.planning import flop_ledger  # pylint: disable=g-import-not-at-top,wrong-import-position
 
 PROFILE_STEPS = 2
 TOP_KERNELS = 40
@@ -222,3 +233,31 @@ def profile_section(ctx) -> dict:
               rows=[dict(case="time per category x phase", status="ok", **r)
                     for r in category_rows],
               tables={f"top {TOP_KERNELS} kernels": kernel_rows})
+
+
+def _table(rows: list) -> str:
+  keys = list(rows[0])
+  cell = lambda v: f"{v:.4g}" if isinstance(v, float) else str(v)
+  return "\n".join(["| " + " | ".join(keys) + " |", "|" + "---|" * len(keys)]
+                   + ["| " + " | ".join(cell(r[k]) for k in keys) + " |" for r in rows])
+
+
+def main(argv=None):
+  parser = argparse.ArgumentParser(description="The train_profile tables from a saved trace "
+                                   "and the compiled step's HLO text (module docstring).")
+  parser.add_argument("--trace", required=True, help="train_profile.trace.json.gz")
+  parser.add_argument("--hlo", required=True, help="train_step.hlo.txt.gz (or plain text)")
+  parser.add_argument("--steps", type=int, default=PROFILE_STEPS, help="steps in the trace")
+  args = parser.parse_args(argv)
+  opener = gzip.open if args.hlo.endswith(".gz") else open
+  with opener(args.hlo, "rt") as f:
+    names = flop_ledger.op_names(f.read())
+  summary = summarize(device_kernels(load_trace(args.trace)), names, args.steps)
+  kernel_rows, category_rows = summary.pop("kernel_rows"), summary.pop("category_rows")
+  print(json.dumps(summary, indent=1, default=str))
+  print("\n## time per category x phase (ms per step)\n\n" + _table(category_rows))
+  print(f"\n## top {TOP_KERNELS} kernels\n\n" + _table(kernel_rows))
+
+
+if __name__ == "__main__":
+  main()

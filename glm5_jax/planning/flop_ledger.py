@@ -47,10 +47,13 @@ from glm5_jax.planning import hlo_loops
 # (On CPU jax writes the expansion itself: the program holds plain dots.)
 RAGGED_DOT_EXPANDS = {"cuda": True, "rocm": False, "tpu": False}
 
-# (category, substrings of the full op_name, any of which matches), first match wins.
+# (category, substrings of the full op_name, any of which matches), first match wins. What an op
+# is comes before where it is ("MTP layer"): XLA deduplicates identical computations of the
+# scanned layers and the MTP layer, and the copy it keeps may carry the MTP layer's op_name (the
+# 2026-11-30 H200 profile: every layer's indexer-KL scores, 416 kernels a step, named
+# `mtp/layer/...`), so only what no op rule names is put down to the MTP layer.
 CATEGORIES = (
     ("LM head", ("bld,dy->bly", "bcd,dy->bcy", "bcy,dy->bcd", "bcd,bcy->dy")),
-    ("MTP layer", ("/mtp/",)),
     ("routed experts", ("ragged_dot", "/experts/")),
     ("shared expert", ("shared_expert",)),
     ("indexer KL target", ("kl_target",)),  # named scopes in glm5_jax.attention.mla
@@ -58,6 +61,7 @@ CATEGORIES = (
     ("router", ("mxd,mx->md", "mxsd,mx->msd")),
     ("dense FFN", ("/mlp/",)),
     ("attention core", ("sparse_mla", "blgrk,", "bgrls,", "bhls", "blht")),
+    ("MTP layer", ("/mtp/",)),
     ("attention projections", ("self_attn",)),
 )
 PHASES = ("forward", "remat", "backward", "optimizer")
