@@ -263,3 +263,25 @@ def test_moe_matmul_inputs_and_expansion_check():
       shape)
   assert not summary["expanded"]
   assert summary["hlo"] == "ragged-dot x1, custom-call __cublas$gemm x1"
+
+
+def test_profile_tables_again_from_saved_files(tmp_path, capsys):
+  """`python3 tools/device_suite_profile.py --trace= --hlo=`: the same tables from a run's
+  files; an op's kind names its category before the MTP layer's name does (XLA deduplicates
+  the scanned layers' computations into the MTP layer's, names included)."""
+  trace = tmp_path / "t.json.gz"
+  with gzip.open(trace, "wt") as f:
+    json.dump(_gpu_trace(), f)
+  hlo = tmp_path / "step.hlo.txt"
+  scope = "jit(train_step)/transpose(jvp(GLM5))/jvp(GLM5)/checkpoint/mtp.<lambda>/mtp/layer"
+  hlo.write_text(
+      "ENTRY %main () -> f32[8] {\n"
+      f'  %custom-call.1 = bf16[8]{{0}} custom-call(), metadata={{op_name="{scope}/self_attn/'
+      'sparse_mla/transpose(jvp(indexer_scores_at))/blji,bsi->bljs/dot_general"}\n'
+      f'  %fusion.3 = f32[8]{{0}} fusion(), metadata={{op_name="{scope}/eh_proj/mul"}}\n'
+      "  ROOT %tuple.4 = (bf16[8]{0}, f32[8]{0}) tuple(%custom-call.1, %fusion.3)\n"
+      "}\n")
+  profile.main([f"--trace={trace}", f"--hlo={hlo}", "--steps=2"])
+  out = capsys.readouterr().out
+  assert "| indexer | 0 | 0 | 0.005 |" in out and "| MTP layer | 0 | 0 | 0.004 |" in out
+  assert "| sm90_xmma_gemm_bf16 | custom-call.1 | indexer/backward | 1 |" in out
