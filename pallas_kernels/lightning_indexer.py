@@ -214,6 +214,13 @@ def indexer_topk_decode(q_BLJI, k_BSI, weights_BLJ, q_pos_BL, q_seg_BL, k_seg_BS
 # compiler's estimate (`tools/price_dsa_stage.py --part=indexer_kl --keys=...`): "dense" 27.8
 # ms at S = 2 T (it grows with S), "gather" 44.0 ms (it does not): equal near S = 3.2 T.
 DENSE_KEYS_PER_SLOT = 3
+# The "dense" form's query blocks on an accelerator: at most this many queries. Its per-block
+# intermediates (`[B, Lb, J, S]` fp32 scores, ReLU masks, head-weighted sums) are large at any
+# Lb; one layer's KL at the 744B step's per-device shapes (B 2, S 4,096) by the TPU compiler's
+# estimate (`tools/price_dsa_stage.py --part=indexer_kl --keys=dense --query_block=N`): 40.2 ms
+# at 64, 23.4 at 128 and 256, 26.9 at 512, 27.8 at 1,024 (what the 2 GiB budget gave), 28.1 at
+# 2,048.
+DENSE_QUERY_BLOCK_CAP = 256
 
 
 def indexer_scores_at(q_BLJI, k_BSI, weights_BLJ, topk_BLT, *, scale: float,
@@ -250,8 +257,9 @@ def indexer_scores_at(q_BLJI, k_BSI, weights_BLJ, topk_BLT, *, scale: float,
   remat before the block's own checkpoint recomputes them again (docs/performance.md).
 
   `query_block` None: what fits the platform being traced for in each device's rows
-  (`batch_shards`: the devices XLA splits the batch over), rounded down to a power of two so
-  that it divides the usual sequence lengths (no padded queries).
+  (`batch_shards`: the devices XLA splits the batch over), at most `DENSE_QUERY_BLOCK_CAP` for
+  "dense" on an accelerator, rounded down to a power of two so that it divides the usual
+  sequence lengths (no padded queries).
   """
   b, _, heads, i = q_BLJI.shape
   s, t = k_BSI.shape[1], topk_BLT.shape[-1]
@@ -262,6 +270,7 @@ def indexer_scores_at(q_BLJI, k_BSI, weights_BLJ, topk_BLT, *, scale: float,
   if query_block is None:
     floats = (heads + 1) * s if dense else t * (heads + i)  # per query, besides 2 x T
     fits = default_query_block(rows_per_device(b, batch_shards) * (floats + 2 * t) * 4,
+                               accelerator_cap=DENSE_QUERY_BLOCK_CAP if dense else 1024,
                                on_accelerator=platform() != "cpu")
     query_block = 1 << (fits.bit_length() - 1)
   k_BSI = k_BSI.astype(jnp.float32)
