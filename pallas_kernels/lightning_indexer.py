@@ -41,9 +41,9 @@ T top-k.
 import jax
 import jax.numpy as jnp
 
-from pallas_kernels.blocking import (default_query_block, empty_out_of_range, gather_rows,
-                                     map_query_blocks, pad_axis, platform, round_up,
-                                     rows_per_device)
+from pallas_kernels.blocking import (causal_key_ranges, default_query_block,
+                                     empty_out_of_range, gather_rows, map_query_blocks, pad_axis,
+                                     platform, query_block_size, round_up, rows_per_device)
 
 
 def visible_keys(q_pos_BL, q_seg_BL, k_seg_BS, first_key=0):
@@ -225,7 +225,7 @@ DENSE_QUERY_BLOCK_CAP = 256
 
 def indexer_scores_at(q_BLJI, k_BSI, weights_BLJ, topk_BLT, *, scale: float,
                       query_block: int | None = None, reduce_block=None, per_query=(),
-                      batch_shards: int = 1, keys: str = "auto"):
+                      batch_shards: int = 1, keys: str = "auto", causal: bool = False):
   """Index scores at the selected keys, `I[t, topk[t, j]]`: fp32 `[B, L, T]`, -inf at empty slots.
 
   Index contract (package docstring): a slot outside [0, S) (-1 or >= S) is empty (score -inf,
@@ -248,6 +248,11 @@ def indexer_scores_at(q_BLJI, k_BSI, weights_BLJ, topk_BLT, *, scale: float,
   Blocks are rematerialized in the backward pass, so memory stays O(query_block x T x (J + I))
   ("gather") or O(query_block x J x S) ("dense").
 
+  `causal`: queries and keys are the same L positions, and a slot selecting a key after its
+  query is empty (as the model's causal selections never do). "dense" then runs its query
+  blocks in `causal_key_ranges` runs, each forming the keys up to its last query only (~56%
+  of the `[Lb, J, S]` work at 8 ranges); "gather" is unchanged (it forms only the slots).
+
   `reduce_block(scores_BLT, topk_BLT, *per_query_blocks)`: applied to each block's scores inside
   its checkpoint, with that block's rows of the `per_query` arrays (`[B, L, ...]`), and its
   result (`[B, L, ...]` pytree) returned instead of the scores: the indexer KL per query. Then
@@ -266,7 +271,14 @@ def indexer_scores_at(q_BLJI, k_BSI, weights_BLJ, topk_BLT, *, scale: float,
   if keys not in ("auto", "gather", "dense"):
     raise ValueError(f"keys={keys!r}: expected 'auto', 'gather' or 'dense'")
   dense = s <= DENSE_KEYS_PER_SLOT * t if keys == "auto" else keys == "dense"
+  l = q_BLJI.shape[1]
+  if causal and s != l:
+    raise ValueError(f"indexer_scores_at(causal=True): queries and keys must be the same "
+                     f"positions, got L={l} queries (q {q_BLJI.shape}) and S={s} keys "
+                     f"(k {k_BSI.shape})")
   topk_BLT = empty_out_of_range(topk_BLT, s)
+  if causal:
+    topk_BLT = jnp.where(topk_BLT <= jnp.arange(l)[None, :, None], topk_BLT, -1)
   if query_block is None:
     floats = (heads + 1) * s if dense else t * (heads + i)  # per query, besides 2 x T
     fits = default_query_block(rows_per_device(b, batch_shards) * (floats + 2 * t) * 4,
@@ -275,7 +287,7 @@ def indexer_scores_at(q_BLJI, k_BSI, weights_BLJ, topk_BLT, *, scale: float,
     query_block = 1 << (fits.bit_length() - 1)
   k_BSI = k_BSI.astype(jnp.float32)
 
-  def head_scores(q_BLJI, topk_BLT):
+  def head_scores(q_BLJI, k_BSI, topk_BLT):
     """ReLU(scale q . k) per index head: `[B, Lb, J, T]` at the slots, or `[B, Lb, J, S]`."""
     q_BLJI = q_BLJI.astype(jnp.float32)
     if dense:
@@ -283,16 +295,24 @@ def indexer_scores_at(q_BLJI, k_BSI, weights_BLJ, topk_BLT, *, scale: float,
     k_BLTI = gather_rows(k_BSI, jnp.maximum(topk_BLT, 0))
     return jax.nn.relu(jnp.einsum("blji,blti->bljt", q_BLJI, k_BLTI) * scale)
 
-  @jax.checkpoint
-  def one_block(q_BLJI, weights_BLJ, topk_BLT, *per_query_blocks):
-    scores_BLX = jnp.einsum("blj,bljx->blx", weights_BLJ.astype(jnp.float32),
-                            head_scores(q_BLJI, topk_BLT))
-    if dense:  # the selected slots of every key's score
-      scores_BLX = jnp.take_along_axis(scores_BLX, jnp.maximum(topk_BLT, 0), axis=-1)
-    scores_BLT = jnp.where(topk_BLT >= 0, scores_BLX, -jnp.inf)
-    return scores_BLT if reduce_block is None else reduce_block(scores_BLT, topk_BLT,
-                                                                *per_query_blocks)
+  def block_of_keys(k_BSI):
+    @jax.checkpoint
+    def one_block(q_BLJI, weights_BLJ, topk_BLT, *per_query_blocks):
+      scores_BLX = jnp.einsum("blj,bljx->blx", weights_BLJ.astype(jnp.float32),
+                              head_scores(q_BLJI, k_BSI, topk_BLT))
+      if dense:  # the selected slots of every key's score
+        scores_BLX = jnp.take_along_axis(scores_BLX, jnp.maximum(topk_BLT, 0), axis=-1)
+      scores_BLT = jnp.where(topk_BLT >= 0, scores_BLX, -jnp.inf)
+      return scores_BLT if reduce_block is None else reduce_block(scores_BLT, topk_BLT,
+                                                                  *per_query_blocks)
+    return one_block
 
-  return map_query_blocks(one_block, query_block,
-                          [q_BLJI, weights_BLJ, topk_BLT, *per_query],
-                          [0, 0, -1] + [0] * len(per_query))
+  per_query_arrays = [q_BLJI, weights_BLJ, topk_BLT, *per_query]
+  pads = [0, 0, -1] + [0] * len(per_query)
+  ranges = causal_key_ranges(l, s, query_block_size(l, query_block), causal and dense)
+  outs = [map_query_blocks(block_of_keys(k_BSI[:, :keys]), query_block,
+                           [x[:, start:stop] for x in per_query_arrays], pads)
+          for start, stop, keys in ranges]
+  if len(outs) == 1:
+    return outs[0]
+  return jax.tree.map(lambda *parts: jnp.concatenate(parts, axis=1), *outs)

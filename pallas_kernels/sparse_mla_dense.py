@@ -37,9 +37,9 @@ import functools
 import jax
 import jax.numpy as jnp
 
-from pallas_kernels.blocking import (MASKED_LOGIT, default_query_block, empty_out_of_range,
-                                     pad_axis, platform, query_block_size, round_up,
-                                     rows_per_device, varying_like)
+from pallas_kernels.blocking import (CAUSAL_KEY_RANGES, MASKED_LOGIT, causal_key_ranges,
+                                     default_query_block, empty_out_of_range, pad_axis, platform,
+                                     query_block_size, round_up, rows_per_device, varying_like)
 from pallas_kernels.sparse_mla import (backward_delta, check_sparse_mla_inputs,
                                       named_residuals)
 
@@ -55,24 +55,6 @@ def _block_size(b: int, s: int, heads: int) -> int:
   """Queries per block: four fp32 `[H, S]` arrays a query (logits, p, dp, ds) and its counts."""
   fits = default_query_block(b * s * (4 * heads + 1) * 4, on_accelerator=platform() != "cpu")
   return 1 << (fits.bit_length() - 1)
-
-
-# Causal query ranges (`_ranges`): each a loop over its blocks with one key count. One
-# range per block would form each block's keys exactly, but as a Python loop of bodies it
-# compiles one body per block (32 at the 744B headline's 4,096 tokens; the depth-4 step's
-# compile ran out of this 24 GiB host); 8 ranges form ~9% more logits than that there.
-CAUSAL_KEY_RANGES = 8
-
-
-def _ranges(l: int, s: int, block: int, causal: bool, key_ranges: int):
-  """`[(start, stop, keys)]`: runs of whole query blocks and the keys each attends over
-  (causal: up to the range's last query; else all S)."""
-  if not causal:
-    return [(0, l, s)]
-  blocks = -(-l // block)
-  per_range = -(-blocks // min(key_ranges, blocks)) * block
-  return [(start, min(start + per_range, l), min(start + per_range, l, s))
-          for start in range(0, l, per_range)]
 
 
 def _masked_logits(scale, qr_BLHK, kvr_BSK, counts_BLS):
@@ -247,7 +229,7 @@ def _run(q_BLHC, q_rope_BLHR, kv_BSC, k_rope_BSR, topk_BLT, scale, query_block, 
   qr_BLHK = jnp.concatenate([q_BLHC, q_rope_BLHR.astype(q_BLHC.dtype)], axis=-1)
   kvr_BSK = jnp.concatenate([kv_BSC, k_rope_BSR.astype(kv_BSC.dtype)], axis=-1)
   block = query_block_size(l, query_block)
-  ranges = tuple(_ranges(l, s, block, causal, key_ranges))
+  ranges = tuple(causal_key_ranges(l, s, block, causal, key_ranges))
   return _sparse_mla(c, scale, block, ranges, with_target, head_groups, qr_BLHK, kvr_BSK,
                      topk_BLT)
 

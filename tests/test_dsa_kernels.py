@@ -448,6 +448,40 @@ def test_indexer_scores_at_duplicate_slots_count_twice(keys):
   assert np.abs(np.asarray(got[1])[0, 4]).sum() > 0  # key 4 (three copies) got a gradient
 
 
+@pytest.mark.parametrize("keys", ["dense", "gather"])
+def test_indexer_scores_at_causal_ranges(keys):
+  """`causal=True` on a causal selection: the same scores and gradients as without it, while
+  "dense" runs its query blocks in key ranges (here 3 ranges of 4, 8 and 9 keys, and the KL's
+  reduce_block inside them); a slot after its query is emptied; L != S is an error."""
+  rng = np.random.default_rng(31)
+  b, l, j, i, t = 2, 9, 3, 4, 5
+  q, k, w, q_pos, q_seg, k_seg = integer_indexer_inputs(b, l, l, j, i, seed=30)
+  q, k = q + 0.1 * rng.standard_normal(q.shape), k + 0.1 * rng.standard_normal(k.shape)
+  topk, _ = pk.indexer_topk_reference(q, k, w, q_pos, q_seg, k_seg, topk=t, scale=0.5)
+  assert np.all(np.asarray(topk) <= np.arange(l)[None, :, None])  # causal: q_pos = l here
+  target = jax.nn.softmax(jnp.asarray(rng.standard_normal((b, l, t)), jnp.float32), axis=-1)
+  kl = lambda s_BLT, t_BLT, p_BLT: jnp.sum(jnp.where(t_BLT >= 0, s_BLT, 0.0) * p_BLT, axis=-1)
+
+  def at(causal, q, k, w, topk=topk, reduce_block=None):
+    return pk.indexer_scores_at(q, k, w, topk, scale=0.5, query_block=4, keys=keys,
+                                causal=causal, reduce_block=reduce_block,
+                                per_query=[target] if reduce_block else ())
+
+  valid = np.asarray(topk) >= 0
+  got, want = np.asarray(at(True, q, k, w)), np.asarray(at(False, q, k, w))
+  np.testing.assert_allclose(got[valid], want[valid], rtol=1e-6)
+  assert np.all(np.isneginf(got[~valid]))
+  loss = lambda causal: lambda q, k, w: jnp.sum(at(causal, q, k, w, reduce_block=kl))
+  for name, g, r in zip("qkw", jax.grad(loss(True), argnums=(0, 1, 2))(q, k, w),
+                        jax.grad(loss(False), argnums=(0, 1, 2))(q, k, w)):
+    np.testing.assert_allclose(g, r, rtol=1e-5, atol=1e-6, err_msg=f"d{name}")
+  acausal = topk.at[:, 2, 0].set(7)  # query 2 selecting key 7: empty under causal
+  np.testing.assert_array_equal(np.isneginf(np.asarray(at(True, q, k, w, acausal)))[:, 2, 0],
+                                [True, True])
+  with pytest.raises(ValueError, match=r"causal=True.*L=9 queries .* S=8 keys"):
+    pk.indexer_scores_at(q, k[:, :8], w, jnp.minimum(topk, 7), scale=0.5, causal=True)
+
+
 @pytest.mark.parametrize("impl", ["reference", "xla", "pallas", "decode"])
 @pytest.mark.parametrize("weight_sign,scale", [(-1, 0.5), (1, -0.5), (-1, -0.5)])
 def test_indexer_topk_any_sign_of_weights_and_scale(impl, weight_sign, scale):

@@ -73,7 +73,8 @@ def indexer_kl_stage(index_scale: float, query_block: int | None, keys: str):
 
   def forward(q, k, w, topk, target):
     return jnp.sum(dsa_kl_fused.indexer_kl_at_selection(
-        q, k, w, topk, target, index_scale=index_scale, query_block=query_block, keys=keys))
+        q, k, w, topk, target, index_scale=index_scale, query_block=query_block, keys=keys,
+        causal=True))  # as the model runs it without context parallelism
 
   return jax.value_and_grad(jax.checkpoint(forward), argnums=(0, 1, 2))
 

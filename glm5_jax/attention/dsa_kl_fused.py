@@ -38,16 +38,27 @@ from pallas_kernels.sparse_mla import check_sparse_mla_inputs, named_residuals
 
 def indexer_kl_at_selection(q_BLJI, k_BSI, weights_BLJ, topk_BLT, target_BLT, *,
                             index_scale: float, batch_shards: int = 1,
-                            query_block: int | None = None, keys: str = "auto"):
+                            query_block: int | None = None, keys: str = "auto",
+                            causal: bool = False):
   """The indexer KL per query, fp32 `[B, L]`: I at the selection (`indexer_scores_at`) against
   `target_BLT`, reduced to the KL inside each query block's checkpoint, so no `[B, L, T]` scores
   outlive a block (`indexer_scores_at`'s `reduce_block`). `batch_shards`: the devices XLA
-  splits the batch over (1 per device), which the default query blocks are sized by."""
+  splits the batch over (1 per device), which the default query blocks are sized by.
+  `causal`: queries and keys are the same positions and the selection causal (the model's
+  training sequences, `self_attention_positions`): the scores' query blocks skip the keys after
+  them (`indexer_scores_at`)."""
   with jax.named_scope("indexer_scores_at"):
     return indexer_scores_at(
         q_BLJI, k_BSI, weights_BLJ, topk_BLT, scale=index_scale, per_query=[target_BLT],
-        batch_shards=batch_shards, query_block=query_block, keys=keys,
+        batch_shards=batch_shards, query_block=query_block, keys=keys, causal=causal,
         reduce_block=lambda s_BLT, t_BLT, p_BLT: indexer_kl_per_query(s_BLT, p_BLT, t_BLT >= 0))
+
+
+def self_attention_positions(q_BLX, k_BSX) -> bool:
+  """Whether the model's queries and keys are the same positions: L == S. The model's stage
+  sees the whole training sequence (L == S) or a part of the queries (a context shard, or new
+  tokens after a cached prefix: L < S); its selections are causal by construction."""
+  return q_BLX.shape[1] == k_BSX.shape[1]
 
 
 def sparse_mla_with_indexer_kl(parts, q_latent_BLHC, q_rope_BLHR, ckv_BSC, k_rope_BSR, topk_BLT,
@@ -77,7 +88,8 @@ def _fused(parts, scale, index_scale, q_BLHC, q_rope_BLHR, kv_BSC, k_rope_BSR, t
   out_BLHC, lse_BLH, target_BLT = parts.forward(q_BLHC, q_rope_BLHR, kv_BSC, k_rope_BSR,
                                                 topk_BLT, scale, head_probs=True)
   kl_BL = indexer_kl_at_selection(index_q, index_k, index_w, topk_BLT, target_BLT,
-                                  index_scale=index_scale)
+                                  index_scale=index_scale,
+                                  causal=self_attention_positions(index_q, index_k))
   return out_BLHC, lse_BLH, kl_BL
 
 
@@ -98,7 +110,8 @@ def _fused_backward(parts, scale, index_scale, residuals, cotangents):
                                       out_BLHC, lse_BLH, dout_BLHC, dlse_BLH, scale)
   target_BLT = jax.lax.stop_gradient(target_BLT)
   kl = functools.partial(indexer_kl_at_selection, topk_BLT=topk_BLT, target_BLT=target_BLT,
-                         index_scale=index_scale)
+                         index_scale=index_scale,
+                         causal=self_attention_positions(index_qkw[0], index_qkw[1]))
   _, kl_vjp = jax.vjp(kl, *index_qkw)
   return (*grads, None, *kl_vjp(dkl_BL))
 

@@ -428,9 +428,10 @@ def _indexer_kl_on_mesh(index_scale: float):
   1-tuple."""
 
   def kl(q_BLJI, k_BSI, weights_BLJ, topk_BLT, target_BLT, batch_shards=1):
-    return (dsa_kl_fused.indexer_kl_at_selection(q_BLJI, k_BSI, weights_BLJ, topk_BLT,
-                                                 target_BLT, index_scale=index_scale,
-                                                 batch_shards=batch_shards),)
+    return (dsa_kl_fused.indexer_kl_at_selection(
+        q_BLJI, k_BSI, weights_BLJ, topk_BLT, target_BLT, index_scale=index_scale,
+        batch_shards=batch_shards,
+        causal=dsa_kl_fused.self_attention_positions(q_BLJI, k_BSI)),)
 
   if context_split(LENGTH) == 1:  # blocks sized by each device's rows, not the global batch
     return functools.partial(kl, batch_shards=context_split(BATCH))
