@@ -38,14 +38,16 @@ from glm5_jax.planning import aot_targets, hlo_loops, hlo_stats, op_costs
 from pallas_kernels.blocking import lowering_for
 
 
-def stage(impl: str, kl_target: str, scale: float, attention_keys: str = "gather"):
+def stage(impl: str, kl_target: str, scale: float, attention_keys: str = "gather",
+          query_block: int | None = None):
   """`(inputs, dout) -> (loss, input gradients)` of the sparse stage: sparse MLA and the KL
   target, under `jax.checkpoint` as the layer is under `remat_policy=full` (the loss keeps the
   first forward and the target alive, as the step's later layers and the KL do).
   `attention_keys="dense"`: the sparse MLA over every key (`sparse_mla_dense`, causal, as the
-  model runs `dsa_attention_keys="dense"` without context parallelism; `impl` unused)."""
+  model runs `dsa_attention_keys="dense"` without context parallelism; `impl` unused;
+  `query_block` its blocks, None: its default)."""
   if attention_keys == "dense":
-    dense = lambda fn: functools.partial(fn, causal=True)
+    dense = lambda fn: functools.partial(fn, causal=True, query_block=query_block)
     ops = pallas_kernels.DSAOps(None, dense(pallas_kernels.sparse_mla_dense),
                                 dense(pallas_kernels.sparse_mla_dense_with_kl_target))
   else:
@@ -98,7 +100,8 @@ def main(argv=None):
                       help="attention: the sparse MLA (and the KL target); indexer_kl: the "
                       "indexer KL on the selection")
   parser.add_argument("--query_block", type=int, default=None,
-                      help="--part=indexer_kl: queries per block (default: indexer_scores_at's)")
+                      help="queries per block of --part=indexer_kl, or of --attention_keys=dense "
+                      "(default: each op's own)")
   parser.add_argument("--keys", choices=("auto", "gather", "dense"), default="auto",
                       help="--part=indexer_kl: indexer_scores_at's form")
   parser.add_argument("--hlo_out", default=None, help="save the compiled module's text here")
@@ -140,7 +143,7 @@ def compile_stage(args, b, l, h, c, r, t) -> str:
         ((b, l, h, c), bf16), ((b, l, h, r), bf16), ((b, l, c), bf16), ((b, l, r), bf16),
         ((b, l, t), jnp.int32), ((b, l, h, c), jnp.float32))]
     fn = stage(args.impl, args.kl_target, 192 ** -0.5,  # GLM-5's (N + R)^-0.5
-               args.attention_keys)
+               args.attention_keys, args.query_block)
   with lowering_for("tpu"):
     compiled = jax.jit(fn).trace(*shapes).lower(lowering_platforms=("tpu",)).compile()
   text = compiled.as_text()
