@@ -129,7 +129,7 @@ def causal_key_ranges(l: int, s: int, block: int, causal: bool,
   """`[(start, stop, keys)]`: at most `key_ranges` runs of whole query blocks of `block` queries,
   and the keys each needs (causal: up to the range's last query; else all S)."""
   if key_ranges < 1:
-    raise ValueError(f"key_ranges={key_ranges} must be >= 1")
+    raise ValueError(f"key_ranges={key_ranges} must be >= 1 (causal query ranges)")
   if not causal:
     return [(0, l, s)]
   blocks = -(-l // block)
@@ -172,6 +172,13 @@ def empty_out_of_range(topk_BLT, num_keys: int):
   """
   in_range_BLT = (topk_BLT >= 0) & (topk_BLT < num_keys)
   return jnp.where(in_range_BLT, topk_BLT, -1).astype(topk_BLT.dtype)
+
+
+def empty_after_query(topk_BLT):
+  """`topk_BLT` with every slot that selects a key after its query (index > l) set to -1:
+  the causal contract when queries and keys are the same L positions."""
+  l = topk_BLT.shape[1]
+  return jnp.where(topk_BLT <= jnp.arange(l)[None, :, None], topk_BLT, -1)
 
 
 def gather_rows(x_BS, idx_BLT):

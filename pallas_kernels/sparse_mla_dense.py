@@ -38,8 +38,9 @@ import jax
 import jax.numpy as jnp
 
 from pallas_kernels.blocking import (CAUSAL_KEY_RANGES, MASKED_LOGIT, causal_key_ranges,
-                                     default_query_block, empty_out_of_range, pad_axis, platform,
-                                     query_block_size, round_up, rows_per_device, varying_like)
+                                     default_query_block, empty_after_query, empty_out_of_range,
+                                     pad_axis, platform, query_block_size, round_up,
+                                     rows_per_device, varying_like)
 from pallas_kernels.sparse_mla import (backward_delta, check_sparse_mla_inputs,
                                       named_residuals)
 
@@ -214,8 +215,6 @@ def _run(q_BLHC, q_rope_BLHR, kv_BSC, k_rope_BSR, topk_BLT, scale, query_block, 
     raise ValueError(f"sparse_mla_dense(causal=True): queries and keys must be the same "
                      f"positions, got L={l} queries (q {q_BLHC.shape}) and S={s} keys "
                      f"(kv {kv_BSC.shape})")
-  if key_ranges < 1:
-    raise ValueError(f"sparse_mla_dense: key_ranges={key_ranges} must be >= 1")
   if head_groups < 1 or h % head_groups:
     raise ValueError(f"head_groups={head_groups} must be >= 1 and divide the {h} heads of q "
                      f"{q_BLHC.shape} [B, L, H, C]")
@@ -225,7 +224,7 @@ def _run(q_BLHC, q_rope_BLHR, kv_BSC, k_rope_BSR, topk_BLT, scale, query_block, 
   # after their query) become -1 here, once.
   topk_BLT = empty_out_of_range(topk_BLT, s)
   if causal:
-    topk_BLT = jnp.where(topk_BLT <= jnp.arange(l)[None, :, None], topk_BLT, -1)
+    topk_BLT = empty_after_query(topk_BLT)
   qr_BLHK = jnp.concatenate([q_BLHC, q_rope_BLHR.astype(q_BLHC.dtype)], axis=-1)
   kvr_BSK = jnp.concatenate([kv_BSC, k_rope_BSR.astype(kv_BSC.dtype)], axis=-1)
   block = query_block_size(l, query_block)

@@ -12,7 +12,7 @@ compiles to a fire-and-forget `REDG` (offline SASS, sm_90a, `tools/check_triton_
 51.3 ms with acq_rel atomics and 31.4 ms relaxed at L = S = 4,096, 1,218 and 674 ms at 65,536
 (docs/device_runs/2026-11-30-h200.md).
 
-How: a primitive of our own (`atomic_add_p`) with atomic_rmw's abstract evaluation and
+How: a primitive of our own ("atomic_add_relaxed") with atomic_rmw's abstract evaluation and
 interpret-mode discharge, lowered by jax's own atomic lowering rule while a thread-local order
 is set; the one hook, installed once, is a wrapper of `lowering._atomic_rmw` that reads that
 order (unset: exactly jax's call). So no other kernel's atomics change, and the pointer and mask
@@ -20,6 +20,7 @@ lowering stays jax's own in each version. Private API of jax, checked on 0.10.2,
 0.12.0.1: `_hooks` raises, naming what it did not find, on a jax whose lowering differs.
 """
 
+import functools
 import threading
 
 import jax
@@ -30,7 +31,6 @@ from jax._src.state import primitives as state_primitives
 ORDERS = ("relaxed", "acq_rel")
 
 _order = threading.local()  # .semantic: the MemSemantic the hooked `_atomic_rmw` uses, or None
-_installed = []  # [atomic_add_p] once installed
 
 
 def _hooks():
@@ -55,9 +55,9 @@ def _hooks():
   return parts
 
 
-def _primitive():
-  if _installed:
-    return _installed[0]
+@functools.cache
+def _relaxed_add():
+  """(the primitive, jax's ADD atomic type), installed on first use."""
   h = _hooks()
   jax_rmw = h["rmw"]
 
@@ -81,8 +81,7 @@ def _primitive():
     finally:
       _order.semantic = None
 
-  _installed.append(prim)
-  return prim
+  return prim, h["add"]
 
 
 def atomic_add(ref, idx, val, *, mask=None, order: str = "relaxed"):
@@ -93,7 +92,7 @@ def atomic_add(ref, idx, val, *, mask=None, order: str = "relaxed"):
     return plgpu.atomic_add(ref, idx, val, mask=mask)
   if order != "relaxed":
     raise ValueError(f"triton_atomics.atomic_add: order={order!r}, expected one of {ORDERS}")
-  prim = _primitive()
+  prim, add = _relaxed_add()
   x_ref, transforms = state_primitives.get_ref_and_transforms(ref, idx, "atomic_rmw")
   args_flat, args_tree = jax.tree_util.tree_flatten((x_ref, transforms, val, mask))
-  return prim.bind(*args_flat, args_tree=args_tree, atomic_type=_hooks()["add"])
+  return prim.bind(*args_flat, args_tree=args_tree, atomic_type=add)
