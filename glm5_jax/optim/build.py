@@ -37,7 +37,7 @@ from glm5_jax.config import ConfigError, check_fields
 from glm5_jax.optim import muon_split
 from glm5_jax.optim.layer_map import map_over_layers
 from glm5_jax.optim.muon_split import ADAM, FROZEN, MUON
-from glm5_jax.optim.ns_precision import NS_DTYPES, scale_by_muon_in
+from glm5_jax.optim.ns_precision import NS_DTYPES
 from glm5_jax.optim.whole_matrices import whole_expert_matrices
 
 
@@ -151,11 +151,9 @@ def build_optimizer(optim_cfg, params, *, total_steps: int, trainable=None):
     def muon(group_dims):
       # Routed-expert matrices are orthogonalized whole on one device each (`whole_matrices`).
       return optax.chain(
-          whole_expert_matrices(
-              scale_by_muon_in(c.ns_dtype, ns_coeffs=tuple(c.ns_coeffs), ns_steps=c.ns_steps,
-                               beta=c.momentum, nesterov=c.nesterov,
-                               weight_dimension_numbers=group_dims),
-              group_dims),
+          whole_expert_matrices(c.ns_dtype, ns_coeffs=tuple(c.ns_coeffs), ns_steps=c.ns_steps,
+                                beta=c.momentum, nesterov=c.nesterov,
+                                weight_dimension_numbers=group_dims),
           scale_by_shape(group_dims, c.consistent_rms),
           optax.add_decayed_weights(c.weight_decay, mask=decay_mask),
           optax.scale_by_learning_rate(schedule),

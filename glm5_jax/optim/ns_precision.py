@@ -50,21 +50,36 @@ def scale_by_muon_in(ns_dtype: str, *, ns_coeffs, ns_steps: int, beta: float, ne
                         nesterov=nesterov, weight_dimension_numbers=weight_dimension_numbers)
 
 
+def momentum_stage(*, ns_coeffs, beta: float, nesterov: bool,
+                   weight_dimension_numbers) -> optax.GradientTransformation:
+  """Step 1 of the module docstring: optax's momentum, bias correction, Nesterov step and
+  per-matrix normalization (`scale_by_muon` with 0 iterations), fp32; state `MuonState`."""
+  return scale_by_muon(ns_coeffs=ns_coeffs, ns_steps=0, beta=beta, nesterov=nesterov,
+                       weight_dimension_numbers=weight_dimension_numbers)
+
+
+def iteration_stage(*, ns_coeffs, ns_steps: int, weight_dimension_numbers):
+  """Step 2 of the module docstring as a function `tree -> tree`: the Newton-Schulz iteration
+  alone, in the dtype of its input (optax's stateless `scale_by_muon`, beta 0)."""
+  iteration = scale_by_muon(ns_coeffs=ns_coeffs, ns_steps=ns_steps, beta=0.0, nesterov=False,
+                            weight_dimension_numbers=weight_dimension_numbers)
+  # A fresh state each call: beta 0 reads nothing from it (zeros, constant-folded).
+  return lambda tree: iteration.update(tree, iteration.init(tree))[0]
+
+
 def two_stage_muon(dtype, *, ns_coeffs, ns_steps: int, beta: float, nesterov: bool,
                    weight_dimension_numbers) -> optax.GradientTransformation:
   """Steps 1-2 of the module docstring, the iteration in `dtype` (with float32: optax's
   `scale_by_muon` to ~1e-6, tests/test_optim.py)."""
-  momentum = scale_by_muon(ns_coeffs=ns_coeffs, ns_steps=0, beta=beta, nesterov=nesterov,
-                           weight_dimension_numbers=weight_dimension_numbers)
-  iteration = scale_by_muon(ns_coeffs=ns_coeffs, ns_steps=ns_steps, beta=0.0, nesterov=False,
+  momentum = momentum_stage(ns_coeffs=ns_coeffs, beta=beta, nesterov=nesterov,
+                            weight_dimension_numbers=weight_dimension_numbers)
+  iterate = iteration_stage(ns_coeffs=ns_coeffs, ns_steps=ns_steps,
                             weight_dimension_numbers=weight_dimension_numbers)
 
   def update_fn(updates, state, params=None):
     del params
     normalized, state = momentum.update(updates, state)
-    low = jax.tree.map(lambda x: x.astype(dtype), normalized)
-    # A fresh state each step: beta 0 reads nothing from it (zeros, constant-folded).
-    out, _ = iteration.update(low, iteration.init(low))
+    out = iterate(jax.tree.map(lambda x: x.astype(dtype), normalized))
     return jax.tree.map(lambda y, x: y.astype(x.dtype), out, normalized), state
 
   return optax.GradientTransformation(momentum.init, update_fn)

@@ -6,26 +6,36 @@ product `X X^T` contracts over a sharded dimension and all-reduces the local exp
 matrices: for GLM-5 on fsdp 64 x expert 16, `f32[16, 2048, 2048]` (256 MiB) per step of the
 iteration, 5 steps x 3 kernels x 75 layers, 440 GiB per device per train step compiled by the
 TPU compiler (docs/scaling.md, "Making the step fast"). Distributed Muon (Moonlight, Dion)
-instead gives each device whole matrices: the momentum's shards are exchanged within the group
-that splits the matrix dimensions (one all-to-all), each device orthogonalizes its own
-matrices, and the results go back (one more): a few MiB per kernel per layer.
+instead gives each device whole matrices: the normalized momentum's shards are exchanged within
+the group that splits the matrix dimensions (one all-to-all), each device orthogonalizes its
+own matrices, and the results go back (one more): a few MiB per kernel per layer.
 
-`whole_expert_matrices(muon, dims)` wraps the Muon transformation this way. Per routed-expert leaf
-(path `.../experts/{gate,up,down}_proj`, logical axes `(expert, embed | expert_mlp, ...)`), under
-the mesh and logical axis rules of the trace (`glm5_jax.sharding.activation_sharding`):
+`whole_expert_matrices(ns_dtype, ...)` is Muon (`ns_precision.scale_by_muon_in`'s numbers) run
+this way. Under the mesh and logical axis rules of the trace
+(`glm5_jax.sharding.activation_sharding`):
 
-  [E, in, out] -> [n_e, E / n_e, in, out]       the experts of each `expert` shard
-               -> zero-pad axis 1 to a multiple of n_m (the devices splitting in and out)
-               -> constrain to P(expert axes, matrix axes, None, None)   (the all-to-all)
-               -> [n_e * padded, in, out], P(expert + matrix axes, None, None)
-  Muon (optax's `scale_by_muon`, unchanged) with axis 0 its batch axis; back the same way.
+  1. the momentum, Nesterov step and per-matrix normalization (`ns_precision.momentum_stage`)
+     in the parameters' layout: elementwise, and a norm per matrix;
+  2. that normalized update, cast to `ns_dtype`, moved per routed-expert leaf (path
+     `.../experts/{gate,up,down}_proj`, logical axes `(expert, embed | expert_mlp, ...)`):
 
-The momentum is stored in the parameter's layout (the state is `scale_by_muon`'s, unchanged: a
-checkpoint restores either way); the padding matrices are zero and orthogonalize to zero. The
-numbers are Muon's: each matrix is orthogonalized on its own as before (`tests/test_optim.py`
-compares with the unsharded update). Outside a mesh, or where nothing splits the matrix
-dimensions, the transformation is `muon` itself. Written here because optax's Muon
-takes no layout for its iteration.
+       [E, in, out] -> [n_e, E / n_e, in, out]       the experts of each `expert` shard
+                    -> zero-pad axis 1 to a multiple of n_m (the devices splitting in and out)
+                    -> constrain to P(expert axes, matrix axes, None, None)   (the all-to-all)
+                    -> [n_e * padded, in, out], P(expert + matrix axes, None, None)
+
+  3. the iteration alone (`ns_precision.iteration_stage`) with axis 0 its batch axis; back the
+     same way, cast to fp32.
+
+Only the iteration's input and output cross the exchange, in `ns_dtype`: moving the whole Muon
+(updates and fp32 momentum in, update and momentum out) was four all-to-alls a kernel a step
+(1.15 s of the 744B headline's 1.65 s of optimizer collectives exposed by the TPU compiler's
+schedule, docs/scaling.md). The momentum stays in the parameter's layout (the state is
+`scale_by_muon`'s, unchanged: a checkpoint restores either way); the padding matrices are zero
+and orthogonalize to zero. The numbers are Muon's: each matrix is orthogonalized on its own as
+before (`tests/test_optim.py` compares with the unsharded update). Outside a mesh, or where
+nothing splits the matrix dimensions, the transformation is `scale_by_muon_in` itself. Written
+here because optax's Muon takes no layout for its iteration.
 """
 
 import math
@@ -38,6 +48,7 @@ from jax.sharding import PartitionSpec
 from optax.contrib import MuonDimensionNumbers
 
 from glm5_jax.layers import axes as axes_lib
+from glm5_jax.optim.ns_precision import iteration_stage, momentum_stage, scale_by_muon_in
 
 # Routed-expert kernels: name -> logical axes (`glm5_jax.moe`).
 _EXPERT_KERNELS = {
@@ -99,16 +110,19 @@ def _from_owner(y, o: _Owner, e: int):
   return jax.lax.with_sharding_constraint(y, o.spec)
 
 
-def whole_expert_matrices(muon: optax.GradientTransformation,
-                          dims) -> optax.GradientTransformation:
-  """`muon` (a transformation whose state is `optax.contrib.MuonState`), with each routed-expert
-  matrix orthogonalized whole on one device (module docstring).
-
-  Args:
-    muon: the Muon transformation (`optax.contrib.scale_by_muon` with the run's options and
-      `dims`); the moved leaves keep their rank and matrix axes, so `dims` holds for them too.
-    dims: the leaves' `MuonDimensionNumbers` (`optax.MaskedNode` where not Muon).
-  """
+def whole_expert_matrices(ns_dtype: str, *, ns_coeffs, ns_steps: int, beta: float,
+                          nesterov: bool, weight_dimension_numbers) -> optax.GradientTransformation:
+  """Muon (`ns_precision.scale_by_muon_in` with these arguments) with each routed-expert matrix
+  orthogonalized whole on one device (module docstring). The moved leaves keep their rank and
+  matrix axes, so `weight_dimension_numbers` (`optax.MaskedNode` where not Muon) holds for
+  them too. State: `optax.contrib.MuonState`, in the parameters' layout."""
+  dims = weight_dimension_numbers
+  muon = scale_by_muon_in(ns_dtype, ns_coeffs=ns_coeffs, ns_steps=ns_steps, beta=beta,
+                          nesterov=nesterov, weight_dimension_numbers=dims)
+  momentum = momentum_stage(ns_coeffs=ns_coeffs, beta=beta, nesterov=nesterov,
+                            weight_dimension_numbers=dims)
+  iterate = iteration_stage(ns_coeffs=ns_coeffs, ns_steps=ns_steps, weight_dimension_numbers=dims)
+  dtype = jax.numpy.dtype(ns_dtype)
   is_dims = lambda x: isinstance(x, MuonDimensionNumbers)
   is_owner = lambda x: x is None or isinstance(x, _Owner)
 
@@ -120,12 +134,13 @@ def whole_expert_matrices(muon: optax.GradientTransformation,
         lambda path, leaf, d: _owner(path, leaf, d, mesh), updates, dims, is_leaf=is_dims)
     if all(o is None for o in jax.tree.leaves(owners, is_leaf=is_owner)):
       return muon.update(updates, state, params)
-    move = lambda tree: jax.tree.map(
-        lambda o, x: x if o is None else _to_owner(x, o), owners, tree, is_leaf=is_owner)
-    back = lambda tree: jax.tree.map(
-        lambda o, y, x: y if o is None else _from_owner(y, o, x.shape[0]), owners, tree,
-        updates, is_leaf=is_owner)
-    out, new_state = muon.update(move(updates), state._replace(mu=move(state.mu)))
-    return back(out), new_state._replace(mu=back(new_state.mu))
+    normalized, state = momentum.update(updates, state)
+    low = jax.tree.map(lambda x: x.astype(dtype), normalized)
+    moved = jax.tree.map(lambda o, x: x if o is None else _to_owner(x, o), owners, low,
+                         is_leaf=is_owner)
+    out = jax.tree.map(
+        lambda o, y, x: (y if o is None else _from_owner(y, o, x.shape[0])).astype(x.dtype),
+        owners, iterate(moved), normalized, is_leaf=is_owner)
+    return out, state
 
-  return optax.GradientTransformation(muon.init, update_fn)
+  return optax.GradientTransformation(momentum.init, update_fn)
