@@ -528,59 +528,75 @@ from glm5_jax import optim, sharding
 from glm5_jax.planning import hlo_stats
 from glm5_jax.optim import optim_config
 
-cfg = tiny.get_config()
-cfg.model.update(attention_pattern="DD", num_hidden_layers=2, first_k_dense_replace=0,
-                 n_routed_experts=8, scan_layers=True, dtype="float32")
-cfg.mesh.shape.update(data=1, fsdp=4, expert=2, tensor=1)
-rules = cfg.mesh.logical_axis_rules
-mesh = sharding.make_mesh(cfg.mesh)
-shapes, axes = glm5_jax.abstract_params_and_axes(cfg.model)
-# Params and grads from numpy: a jitted init and a jax.random draw per leaf shape were ~20 s of
-# compiles here, and the updates compared below do not depend on how the values were drawn.
-rng = np.random.default_rng(0)
-draw = lambda std: jax.tree.map(
-    lambda x: jnp.asarray(std * rng.standard_normal(x.shape), x.dtype), shapes)
-params, grads = draw(0.02), draw(1.0)
-tx, _ = optim.build_optimizer(optim_config(warmup_steps=0), params, total_steps=10)
+def program(mtp: bool, layer_moves: bool):
+  cfg = tiny.get_config()
+  cfg.model.update(attention_pattern="DD", num_hidden_layers=2, first_k_dense_replace=0,
+                   n_routed_experts=8, scan_layers=True, dtype="float32")
+  if not mtp:
+    cfg.model.update(num_nextn_predict_layers=0, mtp_depths=0)
+  cfg.mesh.shape.update(data=1, fsdp=4, expert=2, tensor=1)
+  rules = cfg.mesh.logical_axis_rules
+  mesh = sharding.make_mesh(cfg.mesh)
+  shapes, axes = glm5_jax.abstract_params_and_axes(cfg.model)
+  # Params and grads from numpy: a jitted init and a jax.random draw per leaf shape were ~20 s
+  # of compiles here, and the updates compared below do not depend on how they were drawn.
+  rng = np.random.default_rng(0)
+  draw = lambda std: jax.tree.map(
+      lambda x: jnp.asarray(std * rng.standard_normal(x.shape), x.dtype), shapes)
+  params, grads = draw(0.02), draw(1.0)
+  tx, _ = optim.build_optimizer(optim_config(warmup_steps=0), params, total_steps=10,
+                                logical_axes=axes if layer_moves else None)
 
-def two_updates(params, grads):
-  state = tx.init(params)
-  u1, state = tx.update(grads, state, params)
-  u2, _ = tx.update(jax.tree.map(lambda g: 0.5 * g, grads), state, params)
-  return u2
+  def two_updates(params, grads):
+    state = tx.init(params)
+    u1, state = tx.update(grads, state, params)
+    return tx.update(jax.tree.map(lambda g: 0.5 * g, grads), state, params)
 
-want = jax.jit(two_updates)(params, grads)
-shard = sharding.param_shardings(shapes, axes, mesh, rules)
-with sharding.activation_sharding(mesh, rules):
-  fn = jax.jit(two_updates, in_shardings=(shard, shard))
-  compiled = fn.lower(params, grads).compile()
-  text = compiled.as_text()
-  got = compiled(jax.device_put(params, shard), jax.device_put(grads, shard))
-experts = {jax.tree_util.keystr(p): float(np.abs(np.asarray(g) - np.asarray(w)).max())
-           for (p, g), w in zip(jax.tree_util.tree_leaves_with_path(got), jax.tree.leaves(want))
-           if "experts" in jax.tree_util.keystr(p)}
-worst = max(float(np.abs(np.asarray(g) - np.asarray(w)).max())
-            for g, w in zip(jax.tree.leaves(got), jax.tree.leaves(want)))
-# The routed experts' Gram all-reduce: [local experts, F, F] or [local experts, D, D] f32.
-e_local, f, d = 4, cfg.model.moe_intermediate_size, cfg.model.hidden_size
-gram = [c for c in hlo_stats.collectives(text) if c.op == "all-reduce"
-        and tuple(c.shape[-3:]) in ((e_local, f, f), (e_local, d, d))]
-print(json.dumps({"experts": experts, "worst": worst, "gram_all_reduces": len(gram),
-                  "all_to_all": sum(c.op == "all-to-all" for c in hlo_stats.collectives(text))}))
+  want = jax.jit(two_updates)(params, grads)
+  shard = sharding.param_shardings(shapes, axes, mesh, rules)
+  with sharding.activation_sharding(mesh, rules):
+    compiled = jax.jit(two_updates, in_shardings=(shard, shard)).lower(params, grads).compile()
+    text = compiled.as_text()
+    got = compiled(jax.device_put(params, shard), jax.device_put(grads, shard))
+  assert jax.tree.structure(got) == jax.tree.structure(want)
+  errors = {jax.tree_util.keystr(p): float(np.abs(np.asarray(g) - np.asarray(w)).max())
+            for (p, g), w in zip(jax.tree_util.tree_leaves_with_path(got[0]),
+                                 jax.tree.leaves(want[0]))}
+  state_error = max(float(np.abs(np.asarray(g) - np.asarray(w)).max())
+                    for g, w in zip(jax.tree.leaves(got[1]), jax.tree.leaves(want[1])))
+  # Gram matrices all-reduced: a routed expert's [local experts, F, F] / [.., D, D], or any
+  # other matrix's [..., k, k] (k > 1) inside a Newton-Schulz iteration.
+  e_local, f, d = 4, cfg.model.moe_intermediate_size, cfg.model.hidden_size
+  reduces = [c for c in hlo_stats.collectives(text) if c.op == "all-reduce"]
+  return {"experts": {k: v for k, v in errors.items() if "['experts']" in k},
+          "worst": max(errors.values()), "state": state_error,
+          "expert_grams": sum(tuple(c.shape[-3:]) in ((e_local, f, f), (e_local, d, d))
+                              for c in reduces),
+          "grams": sum(len(c.shape) >= 2 and c.shape[-1] == c.shape[-2] > 1 for c in reduces),
+          "all_to_all": sum(c.op == "all-to-all" for c in hlo_stats.collectives(text))}
+
+print(json.dumps({"experts_move": program(mtp=True, layer_moves=False),
+                  "layers_move": program(mtp=False, layer_moves=True)}))
 """
 
 
 @pytest.mark.slow  # a subprocess with 8 host devices
-def test_sharded_muon_orthogonalizes_whole_expert_matrices_with_unsharded_numbers():
-  """On fsdp 4 x expert 2, the routed experts' normalized momenta go to one device per matrix
-  for the Newton-Schulz iteration (`optim.whole_matrices`): the updates equal the unsharded
-  ones, no all-reduce of the local experts' Gram matrices is left (they were one per
-  iteration), and only the iteration's input and output cross: at most two all-to-alls per
-  routed-expert kernel per update (moving the momentum as well was 42 in this program)."""
+def test_sharded_muon_orthogonalizes_whole_matrices_with_unsharded_numbers():
+  """On fsdp 4 x expert 2, Muon's Newton-Schulz runs on whole matrices (`optim.whole_matrices`):
+  the routed experts' normalized momenta move to one device per matrix, layer by layer; the
+  scanned run's other split matrices (attention, shared expert) move whole with the layers
+  spread over the devices. The updates and the optimizer state equal the unsharded ones; no
+  expert Gram all-reduce is left (one per iteration before), only the iteration's input and
+  output cross (at most two all-to-alls per routed-expert kernel per update; moving the
+  momentum too was 42 in this program), and a model whose every layer is in the scanned run
+  all-reduces no Gram matrix at all (66 all-reduces layer by layer)."""
   from tests.conftest import run_on_host_devices  # pylint: disable=g-import-not-at-top
   result = run_on_host_devices(_SHARDED_MUON, timeout=600)
-  assert result["experts"] and max(result["experts"].values()) < 1e-5, result
-  assert result["worst"] < 1e-5, result
-  expert_kernels = sum("['experts']" in path for path in result["experts"])
-  assert result["gram_all_reduces"] == 0, result
-  assert 0 < result["all_to_all"] <= 2 * 2 * expert_kernels, result  # two updates
+  for run in result.values():
+    assert run["experts"] and max(run["experts"].values()) < 1e-5, result
+    assert run["worst"] < 1e-5 and run["state"] < 1e-5, result
+    assert run["expert_grams"] == 0, result
+  experts_move = result["experts_move"]  # the routed experts alone move (no logical axes)
+  expert_kernels = len(experts_move["experts"])
+  assert 0 < experts_move["all_to_all"] <= 2 * 2 * expert_kernels, result  # two updates
+  assert result["layers_move"]["grams"] == 0, result

@@ -35,10 +35,9 @@ from optax.contrib import MuonDimensionNumbers
 
 from glm5_jax.config import ConfigError, check_fields
 from glm5_jax.optim import muon_split
-from glm5_jax.optim.layer_map import map_over_layers
 from glm5_jax.optim.muon_split import ADAM, FROZEN, MUON
 from glm5_jax.optim.ns_precision import NS_DTYPES
-from glm5_jax.optim.whole_matrices import whole_expert_matrices
+from glm5_jax.optim.whole_matrices import whole_expert_matrices, whole_layer_matrices
 
 
 def optim_config(**overrides) -> ml_collections.ConfigDict:
@@ -114,7 +113,7 @@ def lr_schedule(peak: float, warmup_steps: int, total_steps: int, min_lr_ratio: 
       end_value=peak * min_lr_ratio)
 
 
-def build_optimizer(optim_cfg, params, *, total_steps: int, trainable=None):
+def build_optimizer(optim_cfg, params, *, total_steps: int, trainable=None, logical_axes=None):
   """Builds the optimizer the config names.
 
   Args:
@@ -123,6 +122,10 @@ def build_optimizer(optim_cfg, params, *, total_steps: int, trainable=None):
     total_steps: the schedule's length (its cosine ends here).
     trainable: optional bool tree (params' structure or a prefix of it); False leaves get
       exactly zero updates and carry no optimizer state.
+    logical_axes: the params' logical axes (`PartitionSpec`s of logical names, as
+      `glm5_jax.abstract_params_and_axes` gives them), or None. With them, under a mesh, the
+      split matrices of a scanned run are orthogonalized whole, layers spread over the devices
+      (`whole_matrices.whole_layer_matrices`); the numbers and the state are the same.
   Returns:
     `(tx, schedule)`: an `optax.GradientTransformation` and the step -> learning-rate schedule
     of the Muon group (every group under "adamw"), for logging.
@@ -148,27 +151,34 @@ def build_optimizer(optim_cfg, params, *, total_steps: int, trainable=None):
   if c.name != "adamw":
     dims = muon_split.muon_dimension_numbers(params, split=c.name == "muon_split")
 
-    def muon(group_dims):
-      # Routed-expert matrices are orthogonalized whole on one device each (`whole_matrices`).
-      return optax.chain(
-          whole_expert_matrices(c.ns_dtype, ns_coeffs=tuple(c.ns_coeffs), ns_steps=c.ns_steps,
-                                beta=c.momentum, nesterov=c.nesterov,
-                                weight_dimension_numbers=group_dims),
-          scale_by_shape(group_dims, c.consistent_rms),
-          optax.add_decayed_weights(c.weight_decay, mask=decay_mask),
-          optax.scale_by_learning_rate(schedule),
-      )
+    muon_args = dict(ns_coeffs=tuple(c.ns_coeffs), ns_steps=c.ns_steps, beta=c.momentum,
+                     nesterov=c.nesterov)
 
-    # Muon kernels of a scanned run form a group of their own, run layer by layer
-    # (`layer_map`), with each layer's own (unshifted) matrix layout.
+    def after_muon(group_dims):
+      return (scale_by_shape(group_dims, c.consistent_rms),
+              optax.add_decayed_weights(c.weight_decay, mask=decay_mask),
+              optax.scale_by_learning_rate(schedule))
+
+    # Muon kernels of a scanned run form a group of their own, run layer by layer (`layer_map`),
+    # with each layer's own (unshifted) matrix layout; their split matrices are orthogonalized
+    # whole (`whole_matrices`: routed experts per layer, the others over the layers).
     labels = muon_split.per_run_muon_labels(labels)
     for label in sorted(set(jax.tree.leaves(labels))):
       if label == MUON:
-        groups[MUON] = muon(muon_split.masked_dimension_numbers(dims, labels, label))
+        group_dims = muon_split.masked_dimension_numbers(dims, labels, label)
+        groups[MUON] = optax.chain(
+            whole_expert_matrices(c.ns_dtype, **muon_args, weight_dimension_numbers=group_dims),
+            *after_muon(group_dims))
       elif label.startswith(MUON + "/"):
+        run_dims = muon_split.masked_dimension_numbers(dims, labels, label)
         layer_dims = muon_split.masked_dimension_numbers(
             muon_split.per_layer_dimension_numbers(dims), labels, label)
-        groups[label] = map_over_layers(muon(layer_dims))
+        group_axes = None if logical_axes is None else jax.tree.map(
+            lambda got, axes: axes if got == label else optax.MaskedNode(), labels,
+            logical_axes)
+        groups[label] = whole_layer_matrices(
+            c.ns_dtype, **muon_args, run_dims=run_dims, layer_dims=layer_dims,
+            rest=after_muon(layer_dims), logical_axes=group_axes)
 
   frozen = jax.tree.map(lambda label: label == FROZEN, labels)
   steps = [optax.masked(optax.set_to_zero(), frozen)]  # frozen grads out of the global norm

@@ -48,6 +48,8 @@ from jax.sharding import PartitionSpec
 from optax.contrib import MuonDimensionNumbers
 
 from glm5_jax.layers import axes as axes_lib
+from glm5_jax.optim import muon_split
+from glm5_jax.optim.layer_map import map_over_layers
 from glm5_jax.optim.ns_precision import iteration_stage, momentum_stage, scale_by_muon_in
 
 # Routed-expert kernels: name -> logical axes (`glm5_jax.moe`).
@@ -59,7 +61,8 @@ _EXPERT_KERNELS = {
 
 
 class _Owner(typing.NamedTuple):
-  """How one `[E, in, out]` leaf moves: its param spec, expert axes and matrix axes."""
+  """How one `[E, ...]` leaf moves: its param spec, the mesh axes of axis 0 (spread over
+  first) and those of every other axis (the matrix axes: split the matrices, gathered)."""
   spec: PartitionSpec
   expert_axes: tuple
   matrix_axes: tuple
@@ -70,35 +73,46 @@ class _Owner(typing.NamedTuple):
 _axes = axes_lib.spec_axes
 
 
-def _owner(path, leaf, dims, mesh) -> _Owner | None:
-  names = [str(getattr(k, "key", getattr(k, "name", k))) for k in path]
-  if (len(names) < 2 or names[-2] != "experts" or names[-1] not in _EXPERT_KERNELS
-      or not isinstance(dims, MuonDimensionNumbers) or leaf.ndim != 3):
-    return None
-  spec = nn.logical_to_mesh_axes(_EXPERT_KERNELS[names[-1]])
-  expert_axes = _axes(spec[0])
-  matrix_axes = _axes(spec[1]) + _axes(spec[2])
+def _owner_of(shape, spec, mesh) -> _Owner | None:
+  """The move of a leaf of `shape` laid out as `spec` (mesh axes), or None where nothing splits
+  its axes after the first (its matrices are whole already) or axis 0 does not divide."""
+  spec = tuple(spec) + (None,) * (len(shape) - len(spec))
+  split = lambda entries: tuple(a for e in entries for a in _axes(e) if mesh.shape[a] > 1)
+  expert_axes, matrix_axes = split(spec[:1]), split(spec[1:])
   n_e = math.prod(mesh.shape[a] for a in expert_axes)
   n_m = math.prod(mesh.shape[a] for a in matrix_axes)
-  if n_m == 1 or leaf.shape[0] % n_e:
+  if n_m == 1 or shape[0] % n_e:
     return None
   return _Owner(PartitionSpec(*spec), expert_axes, matrix_axes, n_e, n_m)
 
 
+def _expert_owner(path, leaf, dims, mesh) -> _Owner | None:
+  """A routed-expert kernel's move, one layer's `[E, in, out]` (its logical axes known)."""
+  names = muon_split.path_names(path)
+  if (not _is_expert_kernel(names) or not isinstance(dims, MuonDimensionNumbers)
+      or leaf.ndim != 3):
+    return None
+  return _owner_of(leaf.shape, nn.logical_to_mesh_axes(_EXPERT_KERNELS[names[-1]]), mesh)
+
+
+def _is_expert_kernel(names) -> bool:
+  return len(names) >= 2 and names[-2] == "experts" and names[-1] in _EXPERT_KERNELS
+
+
 def _to_owner(x, o: _Owner):
-  """`[E, in, out]` -> `[n_e * ceil(E / n_e / n_m) * n_m, in, out]`: the experts of each
-  `expert` shard, zero-padded to a multiple of n_m, one whole matrix (or several) per device.
-  The padded expert axis stays one axis (split over the expert and matrix axes): Muon's own
-  reshape of several batch axes into one lost the split on the TPU compiler."""
-  e, d, f = x.shape
+  """`[E, ...]` -> `[n_e * ceil(E / n_e / n_m) * n_m, ...]`: the entries of each shard of axis
+  0, zero-padded to a multiple of n_m, one whole matrix (or several) per device. The padded axis
+  stays one axis (split over the expert and matrix axes): Muon's own reshape of several batch
+  axes into one lost the split on the TPU compiler."""
+  e, rest = x.shape[0], x.shape[1:]
   local = e // o.n_e
-  x = x.reshape(o.n_e, local, d, f)
-  x = jax.numpy.pad(x, ((0, 0), (0, -local % o.n_m), (0, 0), (0, 0)))
+  x = x.reshape(o.n_e, local, *rest)
+  x = jax.numpy.pad(x, ((0, 0), (0, -local % o.n_m)) + ((0, 0),) * len(rest))
+  whole = (None,) * len(rest)
   x = jax.lax.with_sharding_constraint(
-      x, PartitionSpec(o.expert_axes or None, o.matrix_axes, None, None))
-  x = x.reshape((-1, d, f))
-  return jax.lax.with_sharding_constraint(
-      x, PartitionSpec(o.expert_axes + o.matrix_axes, None, None))
+      x, PartitionSpec(o.expert_axes or None, o.matrix_axes, *whole))
+  x = x.reshape((-1, *rest))
+  return jax.lax.with_sharding_constraint(x, PartitionSpec(o.expert_axes + o.matrix_axes, *whole))
 
 
 def _from_owner(y, o: _Owner, e: int):
@@ -108,6 +122,19 @@ def _from_owner(y, o: _Owner, e: int):
       y, PartitionSpec(o.expert_axes or None, None, *o.spec[1:]))
   y = y[:, :e // o.n_e].reshape((e,) + y.shape[2:])
   return jax.lax.with_sharding_constraint(y, o.spec)
+
+
+_is_dims = lambda x: isinstance(x, MuonDimensionNumbers)
+_is_owner = lambda x: x is None or isinstance(x, _Owner)
+
+
+def _iterate_moved(iterate, owners, low):
+  """`iterate(tree)` with each leaf that has an owner moved there and back (the others
+  iterated where they are): `low` the normalized updates in the iteration's dtype."""
+  moved = jax.tree.map(lambda o, x: x if o is None else _to_owner(x, o), owners, low,
+                       is_leaf=_is_owner)
+  return jax.tree.map(lambda o, y, x: y if o is None else _from_owner(y, o, x.shape[0]),
+                      owners, iterate(moved), low, is_leaf=_is_owner)
 
 
 def whole_expert_matrices(ns_dtype: str, *, ns_coeffs, ns_steps: int, beta: float,
@@ -123,24 +150,115 @@ def whole_expert_matrices(ns_dtype: str, *, ns_coeffs, ns_steps: int, beta: floa
                             weight_dimension_numbers=dims)
   iterate = iteration_stage(ns_coeffs=ns_coeffs, ns_steps=ns_steps, weight_dimension_numbers=dims)
   dtype = jax.numpy.dtype(ns_dtype)
-  is_dims = lambda x: isinstance(x, MuonDimensionNumbers)
-  is_owner = lambda x: x is None or isinstance(x, _Owner)
 
   def update_fn(updates, state, params=None):
-    mesh = jax.sharding.get_abstract_mesh()
-    if mesh is None or mesh.empty:
+    mesh = axes_lib.context_mesh()
+    if mesh is None:
       return muon.update(updates, state, params)
     owners = jax.tree_util.tree_map_with_path(
-        lambda path, leaf, d: _owner(path, leaf, d, mesh), updates, dims, is_leaf=is_dims)
-    if all(o is None for o in jax.tree.leaves(owners, is_leaf=is_owner)):
+        lambda path, leaf, d: _expert_owner(path, leaf, d, mesh), updates, dims, is_leaf=_is_dims)
+    if all(o is None for o in jax.tree.leaves(owners, is_leaf=_is_owner)):
       return muon.update(updates, state, params)
     normalized, state = momentum.update(updates, state)
-    low = jax.tree.map(lambda x: x.astype(dtype), normalized)
-    moved = jax.tree.map(lambda o, x: x if o is None else _to_owner(x, o), owners, low,
-                         is_leaf=is_owner)
-    out = jax.tree.map(
-        lambda o, y, x: (y if o is None else _from_owner(y, o, x.shape[0])).astype(x.dtype),
-        owners, iterate(moved), normalized, is_leaf=is_owner)
-    return out, state
+    out = _iterate_moved(iterate, owners, jax.tree.map(lambda x: x.astype(dtype), normalized))
+    return jax.tree.map(lambda y, x: y.astype(x.dtype), out, normalized), state
 
   return optax.GradientTransformation(momentum.init, update_fn)
+
+
+def _masked(flags, tree):
+  """`tree` with `optax.MaskedNode()` at the leaves `flags` (owners or None) moves."""
+  return jax.tree.map(lambda o, x: x if o is None else optax.MaskedNode(), flags, tree,
+                      is_leaf=_is_owner)
+
+
+def _kept(flags, tree):
+  """`tree` with `optax.MaskedNode()` at the leaves `flags` does not move."""
+  return jax.tree.map(lambda o, x: optax.MaskedNode() if o is None else x, flags, tree,
+                      is_leaf=_is_owner)
+
+
+def _merge(flags, moved, kept):
+  """The leaves of `moved` where `flags` moves, of `kept` elsewhere."""
+  return jax.tree.map(lambda o, a, b: b if o is None else a, flags, moved, kept,
+                      is_leaf=_is_owner)
+
+
+def whole_layer_matrices(ns_dtype: str, *, ns_coeffs, ns_steps: int, beta: float, nesterov: bool,
+                         run_dims, layer_dims, rest=(), logical_axes=None
+                         ) -> optax.GradientTransformation:
+  """A scanned run's Muon group: `map_over_layers(chain(whole_expert_matrices(...), *rest))`
+  in state and numbers, with the Newton-Schulz iteration of its other split matrices run on
+  whole matrices, the layers spread over the devices.
+
+  Layer by layer (`layer_map`), an attention or shared-expert kernel sharded over `fsdp` is one
+  matrix per layer, split over the devices: each iteration step gathers it or all-reduces its
+  Gram matrix (collective-permutes of the output projection's rows, all-reduces of `[2048,
+  2048]`: most of the 1.65 s of optimizer collectives that the TPU compiler's schedule left
+  exposed in the 744B headline step, docs/scaling.md). Here, under a mesh and given the params'
+  `logical_axes`, each such leaf `[layers, ...]` moves whole after the per-layer momentum
+  (`_to_owner` over its layer axis: `ceil(layers / n) * n` matrices, n the devices splitting
+  them, zero-padded), its layers iterated as the batch, and back. Per layer as before: the
+  momentum (its state keeps the layer axis), the routed experts' iteration (their own moves,
+  `whole_expert_matrices`), `rest`. Without a mesh or `logical_axes`, or where nothing is split,
+  it is the layer-by-layer chain itself.
+
+  Args:
+    ns_dtype, ns_coeffs, ns_steps, beta, nesterov: Muon's (`ns_precision.scale_by_muon_in`).
+    run_dims: the group's `MuonDimensionNumbers` of the stacked leaves (layer axis 0;
+      `optax.MaskedNode` outside the group).
+    layer_dims: the same per layer (`muon_split.per_layer_dimension_numbers`).
+    rest: the transformations after Muon, applied per layer (their states gain the layer axis).
+    logical_axes: the group's params' logical axes (`PartitionSpec`s of logical names,
+      `optax.MaskedNode` outside the group), or None.
+  """
+  muon_args = dict(ns_coeffs=ns_coeffs, ns_steps=ns_steps, beta=beta, nesterov=nesterov)
+  layerwise = map_over_layers(optax.chain(
+      whole_expert_matrices(ns_dtype, **muon_args, weight_dimension_numbers=layer_dims), *rest))
+  momentum = momentum_stage(ns_coeffs=ns_coeffs, beta=beta, nesterov=nesterov,
+                            weight_dimension_numbers=layer_dims)
+  iteration = lambda dims: iteration_stage(ns_coeffs=ns_coeffs, ns_steps=ns_steps,
+                                           weight_dimension_numbers=dims)
+  tail = optax.chain(*rest)
+  dtype = jax.numpy.dtype(ns_dtype)
+
+  def stacked_owner(path, leaf, d, names, mesh):
+    if not _is_dims(d) or _is_expert_kernel(muon_split.path_names(path)):
+      return None
+    return _owner_of(leaf.shape, nn.logical_to_mesh_axes(tuple(names)), mesh)
+
+  def update_fn(updates, state, params=None):
+    mesh = axes_lib.context_mesh()
+    if mesh is None or logical_axes is None:
+      return layerwise.update(updates, state, params)
+    stacked = jax.tree_util.tree_map_with_path(
+        lambda path, leaf, d, names: stacked_owner(path, leaf, d, names, mesh),
+        updates, run_dims, logical_axes, is_leaf=_is_dims)
+    if all(o is None for o in jax.tree.leaves(stacked, is_leaf=_is_owner)):
+      return layerwise.update(updates, state, params)
+    layer_rest = _masked(stacked, layer_dims)
+    iterate_layer = iteration(layer_rest)
+
+    def first(args):  # one layer: the momentum; the iteration of every leaf but the stacked
+      g, s = args
+      normalized, s = momentum.update(g, s)
+      low = jax.tree.map(lambda x: x.astype(dtype), normalized)
+      others = _masked(stacked, low)
+      experts = jax.tree_util.tree_map_with_path(
+          lambda path, leaf, d: _expert_owner(path, leaf, d, mesh), others, layer_rest,
+          is_leaf=_is_dims)
+      return _merge(stacked, low, _iterate_moved(iterate_layer, experts, others)), s
+
+    per_layer, muon_state = jax.lax.map(first, (updates, state[0]))
+    whole = _iterate_moved(iteration(_kept(stacked, run_dims)), _kept(stacked, stacked),
+                           _kept(stacked, per_layer))
+    ortho = jax.tree.map(lambda y, g: y.astype(g.dtype), _merge(stacked, whole, per_layer),
+                         updates)
+    if params is None:
+      out, rest_state = jax.lax.map(lambda a: tail.update(*a), (ortho, tuple(state[1:])))
+    else:
+      out, rest_state = jax.lax.map(lambda a: tail.update(*a),
+                                    (ortho, tuple(state[1:]), params))
+    return out, (muon_state, *rest_state)
+
+  return optax.GradientTransformation(layerwise.init, update_fn)

@@ -62,7 +62,7 @@ def optimizer_and_param_shardings(config, model: ModelConfig, step_cfg: StepConf
   shapes, logical_axes = abstract_params_and_axes(model)
   optimizer, schedule = optim.build_optimizer(
       config.optim, shapes, total_steps=config.train.steps,
-      trainable=trainable_mask(shapes, step_cfg.dsa_stage))
+      trainable=trainable_mask(shapes, step_cfg.dsa_stage), logical_axes=logical_axes)
   return optimizer, schedule, param_shardings(shapes, logical_axes, mesh,
                                               config.mesh.logical_axis_rules), shapes
 
