@@ -2,7 +2,8 @@
 
 Public API:
   optim_config(**overrides) -> ConfigDict          the `optim` section's defaults
-  build_optimizer(optim_cfg, params, *, total_steps, trainable=None) -> (tx, schedule)
+  build_optimizer(optim_cfg, params, *, total_steps, trainable=None, logical_axes=None)
+                                                   -> (tx, schedule)
   muon_dimension_numbers(params, split=True)       per-leaf Muon layout, None = AdamW
   param_labels(params, name, trainable)            per-leaf group: "muon" / "adam" / "frozen"
   weight_decay_mask(params)                        per-leaf: decoupled weight decay or not

@@ -1,4 +1,4 @@
-"""Muon's Newton-Schulz on whole routed-expert matrices: each matrix moved to one device first.
+"""Muon's Newton-Schulz on whole matrices: each matrix moved to one device first.
 
 A routed expert's kernel `[E, in, out]` is stored with E over the `expert` mesh axis and its
 matrix dimensions over `fsdp` (and `context`, `tensor`), so every Newton-Schulz step's Gram
@@ -34,8 +34,12 @@ schedule, docs/scaling.md). The momentum stays in the parameter's layout (the st
 `scale_by_muon`'s, unchanged: a checkpoint restores either way); the padding matrices are zero
 and orthogonalize to zero. The numbers are Muon's: each matrix is orthogonalized on its own as
 before (`tests/test_optim.py` compares with the unsharded update). Outside a mesh, or where
-nothing splits the matrix dimensions, the transformation is `scale_by_muon_in` itself. Written
-here because optax's Muon takes no layout for its iteration.
+nothing splits the matrix dimensions, the transformation is `scale_by_muon_in` itself.
+
+A scanned run's other Muon matrices (attention projections, shared expert, indexer: one matrix
+per layer, split over `fsdp`) have no expert axis to spread; `whole_layer_matrices` moves them
+the same way with the run's layer axis in the expert axis' place, after the per-layer momentum
+(its docstring). Written here because optax's Muon takes no layout for its iteration.
 """
 
 import math
