@@ -148,25 +148,38 @@ def _remat_flops(cfg, params, batch) -> dict:
   return {name: c["remat"] for name, c in flop_ledger.by_category(rows).items()}
 
 
+_CHECKED = ("full", "save_attn_lse", "save_dsa_selection")
+
+
 @pytest.mark.parametrize("policy", [
-    p if p in ("full", "save_attn_lse") else pytest.param(p, marks=pytest.mark.slow)
+    p if p in _CHECKED else pytest.param(p, marks=pytest.mark.slow)
     for p in REMAT_POLICIES if p not in ("none", "offload_dots")])
 def test_remat_policies_change_memory_not_numbers(helpers, policy):
   """Every policy gives the gradients of no remat (offload_dots needs a backend with pinned
   host memory; the planner measures it). Full remat recomputes the sparse attention and the
   indexer KL target in the backward; "save_attn_lse" keeps their results (named inside the
-  sparse MLA custom VJP's forward rule) and recomputes only the rest of the layer."""
+  sparse MLA custom VJP's forward rule) and recomputes only the rest of the layer;
+  "save_dsa_selection" keeps the selection and the target: the backward reruns the attention
+  but not the indexer's scores over every key."""
   _, scanned_cfg = configs(helpers, **SMALL)
   remat_cfg = dataclasses.replace(scanned_cfg, remat_policy=policy)
   params = layer_runs.stack_layers(helpers.random_params(dataclasses.replace(
       scanned_cfg, scan_layers=False)), scanned_cfg)
   batch = scan_batch(scanned_cfg.vocab_size)
   assert_trees_close(_LOSS_GRAD(remat_cfg, params, batch), _LOSS_GRAD(scanned_cfg, params, batch))
-  if policy in ("full", "save_attn_lse"):
+  if policy in _CHECKED:
     remat = _remat_flops(remat_cfg, params, batch)
     assert remat["attention projections"] > 0, remat
     kept = [remat.get(name, 0.0) for name in _ATTENTION_KEPT]
-    assert remat["attention core"] > 0 if policy == "full" else not any(kept), remat
+    assert remat["attention core"] > 0 if policy != "save_attn_lse" else not any(kept), remat
+  if policy == "save_dsa_selection":
+    full = _remat_flops(dataclasses.replace(scanned_cfg, remat_policy="full"), params, batch)
+    # The indexer's scores over every key (its top-k's input; 2 B L S J I FLOPs a DSA layer,
+    # L = S), rerun by full remat only; the KL's scores at the selection rerun under both
+    # (their own checkpoint). Two DSA layers here: the run's and the MTP layer's.
+    b, l = batch["tokens"].shape
+    every_key = 2 * b * l * l * scanned_cfg.index_n_heads * scanned_cfg.index_head_dim
+    assert sum(full.values()) - sum(remat.values()) >= 2 * every_key, (full, remat)
 
 
 def _program_size(cfg) -> int:

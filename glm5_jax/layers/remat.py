@@ -27,6 +27,13 @@ live, one `[B, L, D]` per layer.
                    nothing under it (full remat there). On the GPU kernels the KL target
                    comes from the attention's backward (`glm5_jax.attention.dsa_kl_fused`):
                    there is no `indexer_kl_target` to keep.
+  save_dsa_selection  keep only the DSA selection (`dsa_topk`, int32 `[B, L, T]`) and the indexer
+                   KL's target (`indexer_kl_target`, fp32 `[B, L, T]`, where the attention pass
+                   forms it), recompute the rest: the backward's rerun of the layer then runs
+                   no indexer top-k (its scores over every key, the sort) and no head-mean
+                   target, but does rerun the sparse attention's forward for its output and
+                   log-sum-exp. 2 B L T 4-byte numbers per DSA layer (744B headline, 8,192
+                   tokens a device: 128 MiB a layer, 9.4 GiB over its 75 sparse layers).
   offload_dots     `dots_no_batch`, but the kept projections go to host memory
                    (`offload_dot_with_no_batch_dims`; backends with pinned host memory, TPU/GPU)
 
@@ -42,9 +49,10 @@ SAVED_NAMES = {
     "save_qkv_proj": ("query_proj", "key_proj", "value_proj"),
     "save_qkv_attn": ("query_proj", "key_proj", "value_proj", "attention_out"),
     "save_attn_lse": ("sparse_mla_out", "sparse_mla_lse", "dsa_topk", "indexer_kl_target"),
+    "save_dsa_selection": ("dsa_topk", "indexer_kl_target"),
 }
 REMAT_POLICIES = ("none", "full", "dots", "dots_no_batch", "save_qkv_proj", "save_qkv_attn",
-                  "save_attn_lse", "offload_dots")
+                  "save_attn_lse", "save_dsa_selection", "offload_dots")
 
 
 def checkpoint_policy(name: str):

@@ -194,12 +194,6 @@ def _masked(flags, tree):
                       is_leaf=_is_owner)
 
 
-def _kept(flags, tree):
-  """`tree` with `optax.MaskedNode()` at the leaves `flags` does not move."""
-  return jax.tree.map(lambda o, x: optax.MaskedNode() if o is None else x, flags, tree,
-                      is_leaf=_is_owner)
-
-
 def _merge(flags, moved, kept):
   """The leaves of `moved` where `flags` moves, of `kept` elsewhere."""
   return jax.tree.map(lambda o, a, b: b if o is None else a, flags, moved, kept,
@@ -281,11 +275,7 @@ def whole_layer_matrices(ns_dtype: str, *, ns_coeffs, ns_steps: int, beta: float
                          stacked, run_dims, per_layer, is_leaf=_is_owner)
     ortho = jax.tree.map(lambda y, g: y.astype(g.dtype), _merge(stacked, whole, per_layer),
                          updates)
-    if params is None:
-      out, rest_state = jax.lax.map(lambda a: tail.update(*a), (ortho, tuple(state[1:])))
-    else:
-      out, rest_state = jax.lax.map(lambda a: tail.update(*a),
-                                    (ortho, tuple(state[1:]), params))
+    out, rest_state = map_over_layers(tail).update(ortho, tuple(state[1:]), params)
     return out, (muon_state, *rest_state)
 
   return optax.GradientTransformation(layerwise.init, update_fn)
