@@ -29,41 +29,50 @@ combine with the router weights as the reference (inverse permutation + weighted
 scatter-add, so deterministic). Routing, `expert_counts` and the balance loss stay in
 `glm5_jax.moe.MoE`, computed on the global token array exactly as for "ragged".
 
-Shaped for the TPU compiler (docs/scaling.md, "MoE dispatch without the relayouts"): the rows
-travel as `[rows, 8, D/8]` slabs, the layout the ragged all-to-all takes as it is (`SLAB`); the
-combine receives into the dispatch's used send buffer instead of a fresh zero buffer; the row
-permutations differentiate to gathers by the inverse permutation, not scatter-adds into zero
-buffers; the dispatch's receive buffer and the exchanges' transposes write into uninitialized
-buffers (`jax.lax.empty`, `_exchange`), not zero-filled ones. The rows no message wrote sit past
-the grouped matmul's groups (the received rows are a prefix of the buffer), and every grouped
-matmul here (ragged_dot, megablox, the Triton gmm) leaves rows past its groups out of every
-group's result and weight gradient, whatever they hold: tests/test_moe_parallel.py runs each on
-NaN-filled buffers. The grouped matmul sees `[rows, D]`: one relayout each way around it.
+Shaped for the TPU compiler (docs/scaling.md, "MoE dispatch without the relayouts" and "MoE
+dispatch in 16-token groups"): rows travel and are sorted in groups of 16 tokens (`GROUP`), each
+(destination, expert) segment padded to whole groups with zero rows, so the collective, the
+receiver's sort and the grouped matmul all take `[groups, 16, D]` = `[rows, D]` as it is (no
+relayout on either side of the matmul); the combine receives into the dispatch's used send
+buffer instead of a fresh zero buffer; the row gathers differentiate to gathers by their inverse
+maps, not scatter-adds into zero buffers; the dispatch's receive buffer and the exchanges'
+transposes write into uninitialized buffers (`jax.lax.empty`, `_exchange`), not zero-filled
+ones. The groups no message wrote sit past the grouped matmul's groups (the received groups are
+a prefix of the buffer), and every grouped matmul here (ragged_dot, megablox, the Triton gmm)
+leaves rows past its groups out of every group's result and weight gradient, whatever they
+hold: tests/test_moe_parallel.py runs each on NaN-filled buffers. The padding rows inside an
+expert's group are zeros: their outputs are zero, and so is every weight-gradient term of
+theirs whatever finite cotangent they get (the combine's backward gives them another slot's).
 
 Dropless by default, so every buffer is sized for the worst case: a device can receive up to
 `n * m * min(X, E/n)` rows (every local token choosing only its experts; m local tokens), n
-times the `m * X` rows it receives on average. With `model.moe_capacity_factor` c > 0 a device
-receives at most `ceil(c * m * X)` rows (rounded up to 16): each destination takes its sources'
-rows in source order, each source's rows in expert order, until full; the rest are dropped (their
-expert output is zero, as in GShard / Switch capacity), and the dispatch returns the fraction of
-pairs dropped (`moe_dropped_fraction` in the layer's aux and the train metrics). With the
-"ragged_all_to_all" transport the receive buffer and the expert matmuls shrink to that many rows;
-"all_to_all" drops the same pairs but keeps its dense worst-case slots.
+times the `m * X` rows it receives on average, plus each segment's padding. With
+`model.moe_capacity_factor` c > 0 a device receives at most `ceil(c * m * X / 16) + E/n` groups
+of 16 rows, padding included (one group per local expert on top: a lone source's padding):
+each destination takes its sources' groups in source order, each source's groups in expert
+order, until full; the rest are dropped (their expert output is zero, as in GShard / Switch
+capacity), and the dispatch returns the fraction of pairs dropped (`moe_dropped_fraction` in the
+layer's aux and the train metrics). The padding costs capacity: at the 744B headline (32
+sources x 8 experts a device, ~7.5 padding rows a segment) about 4% of the 1.25 x average
+rows. With the "ragged_all_to_all" transport the receive buffer and the
+expert matmuls shrink to that many rows; "all_to_all" drops the same pairs but keeps its dense
+worst-case slots.
 Chunks (`model.moe_dispatch_chunks` = k > 1): each shard's m tokens go through all of the above
 in k contiguous chunks of m / k, independent of each other (tokens padded to a multiple of k
 shards). A chunk's exchange then has another chunk's grouped matmul to run beside it, which the
 compiler's scheduler can overlap with it (one pass leaves it nothing: the exchange, the matmul and
 the exchange back depend on each other in turn). Each chunk has its own buffers and capacity
-(`ceil(c * m / k * X)` rows), so with a capacity factor the drops are decided per chunk.
+(`ceil(c * m / k * X / 16) + E/n` groups), so with a capacity factor the drops are decided per chunk.
 
 Transport (`model.moe_transport`):
-  "ragged_all_to_all"  `jax.lax.ragged_all_to_all`: each message is exactly the pairs it
-                       carries, so the bytes on the wire are the real `m * X` rows each way;
-                       only the receive buffer is worst-case sized. The production choice on
+  "ragged_all_to_all"  `jax.lax.ragged_all_to_all`: each message is exactly the groups it
+                       carries, so the bytes on the wire are the real `m * X` rows each way
+                       plus the segments' padding; only the receive buffer is worst-case
+                       sized. The production choice on
                        TPU and GPU. XLA:CPU (jax 0.10.2) cannot compile it: "UNIMPLEMENTED:
                        HLO opcode `ragged-all-to-all` is not supported by XLA:CPU
                        ThunkEmitter".
-  "all_to_all"         `jax.lax.all_to_all` of `[n, m * min(X, E/n), D]` buffers, one
+  "all_to_all"         `jax.lax.all_to_all` of `[n, m * min(X, E/n) + pad, D]` buffers, one
                        worst-case slot per destination: runs everywhere (the CPU tests and
                        the AOT planner use it), but sends n * m * min(X, E/n) rows, about n
                        times the ragged bytes when E/n >= X, and holds both full buffers.
@@ -195,25 +204,27 @@ def _exclusive_cumsum(a, axis=-1):
   return jnp.cumsum(a, axis=axis) - a
 
 
-# Rows travel as `[rows, SLAB, D / SLAB]` slabs. The TPU compiler lays a ragged all-to-all's
-# buffers out so that each row is contiguous; a bf16 `[rows, D]` array is tiled 8 rows x 128
-# columns (two rows packed per 32-bit word), so it relaid each send and receive buffer out as
-# `[rows, 2, D/2]` in (2, 128) tiles, and broadcast each zero receive buffer in that layout: 13 ms
-# per 81,920 x 6,144 buffer by its cost model, 72% of the MoE dispatch's cost in the headline
-# step (docs/scaling.md, "MoE dispatch without the relayouts"). An `[rows, 8, D/8]` slab in the
-# standard (8, 128) tiles has each row contiguous already: the collective takes it as it is, and
-# a gather moves whole slabs.
-SLAB = 8
+# Rows travel in groups of `GROUP` tokens, `[groups, GROUP, D]`. The TPU compiler lays a ragged
+# all-to-all's buffers out so that each exchanged row is contiguous. A bf16 `[rows, D]` array is
+# tiled 16 rows x 128 columns (8 sublanes of two packed rows), so a token's row is not: the
+# compiler relaid each buffer out around the collective (13 ms per 81,920 x 6,144 buffer by its
+# cost model). `[rows, 8, D / 8]` slabs kept each token contiguous, but then the grouped matmul's
+# `[rows, D]` was a relayout each way (14 copies of `bf16[40960, 6144]` a layer in the 744B
+# headline step, ~1.05 s). A group of 16 tokens is exactly one row of tiles: `[groups, 16, D]`
+# is contiguous per group and its reshape to `[rows, D]` is a bitcast (docs/scaling.md, "MoE
+# dispatch in 16-token groups"). So every (destination, expert) segment of a sender's rows is
+# padded to whole groups with zero rows, messages and the receiver's sort move whole groups,
+# and the grouped matmul reads the received groups as rows: a zero row adds zero to its expert's
+# output and weight gradients.
+GROUP = 16
+# The grouped matmul's row tile (`grouped_matmul`: 512 rows), in groups: a receive buffer of whole
+# tiles is not padded (copied) by it.
+_TILE_GROUPS = 512 // GROUP
 
 
-def _slabs(a_RD):
-  """`[R, D] -> [R, SLAB, D / SLAB]` (unchanged when SLAB does not divide D)."""
-  return a_RD if a_RD.shape[-1] % SLAB else a_RD.reshape(a_RD.shape[0], SLAB, -1)
-
-
-def _rows(a_R_):
-  """`_slabs`' inverse: `[R, ...] -> [R, D]`."""
-  return a_R_.reshape(a_R_.shape[0], -1)
+def _groups(count):
+  """Whole groups that hold `count` rows."""
+  return -(-count // GROUP)
 
 
 def _per_row(mask, a):
@@ -232,7 +243,7 @@ def _uninitialized(shape, dtype):
 # slab buffer by the TPU compiler's cost model, docs/scaling.md), for rows that are all written
 # (a dropless dispatch sends every row), past the grouped matmul's groups (the combine's operand:
 # only its first `sum(recv)` rows were sent), or left out of the token gradient's sum (the pairs
-# a capacity factor dropped: `_repeat_rows`' `sent_P`).
+# a capacity factor dropped: `_spread_rows`' `sent_MX`).
 def _exchange(rows_R_, into_S_, input_offsets_N, send_N, output_offsets_N, recv_N, axis_name):
   """`jax.lax.ragged_all_to_all(rows_R_, into_S_, ...)` whose backward writes into an
   uninitialized buffer: the rows of `rows_R_` that no message carried get undefined cotangents,
@@ -275,139 +286,169 @@ def _exchange_bwd(axis_name, varying, res, ct_S_):
 _exchange_vjp.defvjp(_exchange_fwd, _exchange_bwd)
 
 
-# The dispatch's row gathers are permutations (or, from the tokens, each row repeated X times):
-# their backward is a gather by the inverse permutation. jax's transpose of a gather is a
-# scatter-add into a zero buffer, which the TPU compiler broadcasts first: four more
-# rows-sized zero buffers per layer's backward.
+# The dispatch's row gathers are injective (each source row to at most one place, or each token's
+# row to its X slots): their backward is a gather by the inverse map, not jax's scatter-add into a
+# zero buffer (which the TPU compiler broadcasts first: a rows-sized zero buffer each).
 @jax.custom_vjp
-def _permute_rows(a_R_, order_R, inverse_R):
-  """`a_R_[order_R]`, `order_R` a permutation of the rows and `inverse_R` its inverse."""
-  return a_R_[order_R]
+def _permute_rows(a_R_, order_S, inverse_R):
+  """`a_R_[order_S]`, each row of `a_R_` taken at most once: `inverse_R` the place each row went
+  to, -1 for none. A row taken nowhere gets another row's cotangent, not zero: finite, which is
+  all the callers' padding rows need (their every use multiplies it by an exact zero: a zero
+  input row's matmul outputs, the SwiGLU's derivative there); a zero would cost a select as
+  large as the buffer (1 ms per 41,088 x 6,144 in the 744B step)."""
+  return a_R_[order_S]
 
 
-def _permute_rows_fwd(a_R_, order_R, inverse_R):
-  return a_R_[order_R], (order_R, inverse_R)
+def _permute_rows_fwd(a_R_, order_S, inverse_R):
+  return a_R_[order_S], (order_S, inverse_R)
 
 
-def _permute_rows_bwd(orders, ct_R_):
-  order_R, inverse_R = orders
+def _permute_rows_bwd(orders, ct_S_):
+  order_S, inverse_R = orders
   no_grad = lambda a: np.zeros(a.shape, jax.dtypes.float0)  # integer inputs
-  return ct_R_[inverse_R], no_grad(order_R), no_grad(inverse_R)
+  return ct_S_[jnp.maximum(inverse_R, 0)], no_grad(order_S), no_grad(inverse_R)
 
 
 _permute_rows.defvjp(_permute_rows_fwd, _permute_rows_bwd)
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(3,))
-def _repeat_rows(x_M_, order_P, inverse_P, x, sent_P=None):
-  """`x_M_[order_P // x]`: each token's row once per chosen expert, in the pairs' sorted order
-  `order_P` (`inverse_P` its inverse); the backward sums a token's X rows, gathered. With
-  `sent_P` (bool, sorted order) only the pairs it marks contribute to that sum: the others were
-  dropped for capacity, never sent, and their cotangent rows are undefined (`_exchange`)."""
-  return x_M_[order_P // x]
+def _spread_rows(x_MD, token_S, slot_MX, x, sent_MX=None):
+  """`[x_MD; 0][token_S]`: each token's row in the slots of its X pairs (`token_S` = m: a zero
+  row, the padding); the backward sums a token's X slots (`slot_MX`, token order), gathered.
+  With `sent_MX` only the pairs it marks contribute: the others were dropped for capacity, never
+  sent, and their cotangent rows are undefined (`_exchange`)."""
+  return _with_zero_row(x_MD)[token_S]
 
 
-def _repeat_rows_fwd(x_M_, order_P, inverse_P, x, sent_P=None):
-  return x_M_[order_P // x], (order_P, inverse_P, sent_P)
+def _with_zero_row(x_MD):
+  return jnp.concatenate([x_MD, jnp.zeros_like(x_MD[:1])])
 
 
-def _repeat_rows_bwd(x, res, ct_P_):
-  order_P, inverse_P, sent_P = res
-  ct_MX_ = ct_P_[inverse_P].reshape(-1, x, *ct_P_.shape[1:])
-  if sent_P is not None:  # a select the compiler fuses into the sum
-    ct_MX_ = jnp.where(_per_row(sent_P[inverse_P].reshape(-1, x), ct_MX_), ct_MX_, 0)
+def _spread_rows_fwd(x_MD, token_S, slot_MX, x, sent_MX=None):
+  return _with_zero_row(x_MD)[token_S], (token_S, slot_MX, sent_MX)
+
+
+def _spread_rows_bwd(x, res, ct_SD):
+  token_S, slot_MX, sent_MX = res
+  ct_MXD = ct_SD[slot_MX.reshape(-1)].reshape(*slot_MX.shape, ct_SD.shape[-1])
+  if sent_MX is not None:  # a select the compiler fuses into the sum
+    ct_MXD = jnp.where(sent_MX[..., None], ct_MXD, 0)
   no_grad = lambda a: None if a is None else np.zeros(a.shape, jax.dtypes.float0)
-  return (ct_MX_.sum(1, dtype=jnp.float32).astype(ct_P_.dtype), no_grad(order_P),
-          no_grad(inverse_P), no_grad(sent_P))
+  return (ct_MXD.sum(1, dtype=jnp.float32).astype(ct_SD.dtype), no_grad(token_S),
+          no_grad(slot_MX), no_grad(sent_MX))
 
 
-_repeat_rows.defvjp(_repeat_rows_fwd, _repeat_rows_bwd)
+_spread_rows.defvjp(_spread_rows_fwd, _spread_rows_bwd)
 
 
-def _chunked_dispatch(x_MD, weights_MX, experts_MX, *kernels, chunks, **kw):
-  """`_local_dispatch` of one shard's tokens in `chunks` contiguous, independent passes."""
-  if chunks == 1:
-    return _local_dispatch(x_MD, weights_MX, experts_MX, *kernels, **kw)
+def _chunked_dispatch(x_MD, weights_MX, experts_MX, *kernels, chunks, expert_axis, n, **kw):
+  """`_local_dispatch` of one shard's tokens in `chunks` contiguous, independent passes, their
+  pair counts exchanged for all of them first (`_exchanged_counts`)."""
+  local_experts = (kernels[0][0] if isinstance(kernels[0], tuple) else kernels[0]).shape[0]
   split = lambda a: jnp.split(a, chunks)
-  outs = [_local_dispatch(*chunk, *kernels, **kw)
-          for chunk in zip(split(x_MD), split(weights_MX), split(experts_MX))]
+  counts = _exchanged_counts(split(experts_MX), n, local_experts, expert_axis)
+  outs = [_local_dispatch(*chunk, *kernels, *counted, expert_axis=expert_axis, n=n, **kw)
+          for chunk, counted in zip(zip(split(x_MD), split(weights_MX), split(experts_MX)),
+                                    counts)]
+  if chunks == 1:
+    return outs[0]
   return jnp.concatenate([y for y, _ in outs]), sum(d for _, d in outs)
 
 
-def _local_dispatch(x_MD, weights_MX, experts_MX, w_gate_EDF, w_up_EDF, w_down_EFD, *,
-                    expert_axis, n, f_axes, transport, matmul, capacity_factor):
-  """One shard: its m tokens, its E/n experts (`E` here is the local count). Row arrays without
-  a D in their name (`xs_P`, `recv_R`, `ys_R`, `ys_P`) are `_slabs`: `[rows, SLAB, D / SLAB]`."""
+def _exchanged_counts(experts_MX_chunks, n, local_experts, expert_axis):
+  """Per chunk `(counts_NE, recv_counts_NE, sizes_NN)`: my pairs for device k's expert e,
+  source i's pairs for my expert e, and the groups each source sends each destination. One
+  small all-to-all and one all-gather for every chunk together, before any chunk's rows move:
+  a chunk's own would queue behind the previous chunk's exchange of rows (0.65 s a step exposed
+  in the 744B headline's schedule with two chunks)."""
+  counts_KNE = jnp.stack([
+      jnp.bincount(e.reshape(-1), length=n * local_experts).reshape(n, local_experts)
+      for e in experts_MX_chunks]).astype(jnp.int32)
+  recv_KNE = jax.lax.all_to_all(counts_KNE, expert_axis, 1, 1, tiled=True)
+  chunks = len(experts_MX_chunks)
+  sizes_NKN = jax.lax.all_gather(_groups(counts_KNE).sum(2).reshape(-1), expert_axis).reshape(
+      n, chunks, n)  # [source, chunk, destination]
+  return [(counts_KNE[k], recv_KNE[k], sizes_NKN[:, k]) for k in range(chunks)]
+
+
+def _local_dispatch(x_MD, weights_MX, experts_MX, w_gate_EDF, w_up_EDF, w_down_EFD, counts_NE,
+                    recv_counts_NE, sizes_NN, *, expert_axis, n, f_axes, transport, matmul,
+                    capacity_factor):
+  """One shard: its m tokens, its E/n experts (`E` here is the local count), the exchanged
+  counts (`_exchanged_counts`). Row arrays in groups (`GROUP`) have a G in their name:
+  `[groups, GROUP, D]`; counts of groups end in `_g`."""
   m, x = experts_MX.shape
+  d = x_MD.shape[-1]
   quantized = isinstance(w_gate_EDF, tuple)
   local_experts = (w_gate_EDF[0] if quantized else w_gate_EDF).shape[0]
   me = jax.lax.axis_index(expert_axis)
   flat_experts_P = experts_MX.reshape(-1)
   order_P = jnp.argsort(flat_experts_P, stable=True)
   inverse_P = jnp.argsort(order_P)
-  counts_NE = jnp.bincount(flat_experts_P, length=n * local_experts).astype(jnp.int32)
-  counts_NE = counts_NE.reshape(n, local_experts)  # my pairs for device k's expert e
-  send_N = counts_NE.sum(1)
-  send_offsets_N = _exclusive_cumsum(send_N)
-  # Row i: source device i's pairs for each of my experts.
-  recv_counts_NE = jax.lax.all_to_all(counts_NE, expert_axis, 0, 0, tiled=True)
-  slot = m * min(x, local_experts)  # most pairs one device can send one device
-  rows = n * slot
-  sizes_NN = jax.lax.all_gather(send_N, expert_axis)  # [source, destination]
+  send_g_N = _groups(counts_NE).sum(1)
+  slot_g = _groups(m * min(x, local_experts)) + local_experts  # most one device sends one
+  rows_g = n * slot_g
   if capacity_factor:
-    cap = min(rows, -(-math.ceil(capacity_factor * m * x) // 16) * 16)
-    # Each destination keeps its sources' rows in source order until `cap`; each source's kept
-    # rows are a prefix of its (expert-sorted) rows for that destination.
-    kept_NN = jnp.clip(cap - _exclusive_cumsum(sizes_NN, axis=0), 0, sizes_NN)
-    keep = lambda counts_NE, kept_N: jnp.clip(
-        kept_N[:, None] - _exclusive_cumsum(counts_NE), 0, counts_NE)
-    recv_counts_NE = keep(recv_counts_NE, kept_NN[:, me])
-    kept_send_N = kept_NN[me]
-    rows = cap if transport == "ragged_all_to_all" else rows
+    cap_g = min(rows_g, _groups(math.ceil(capacity_factor * m * x)) + local_experts)
+    # Each destination keeps its sources' groups in source order until `cap_g`; each source's
+    # kept groups are a prefix of its (expert-sorted, padded) groups for that destination.
+    kept_NN = jnp.clip(cap_g - _exclusive_cumsum(sizes_NN, axis=0), 0, sizes_NN)
+    rows_g = cap_g if transport == "ragged_all_to_all" else rows_g
   else:
-    kept_NN, kept_send_N = sizes_NN, send_N
-  dropped = (send_N - kept_send_N).sum().astype(jnp.float32)
-  # Each sorted pair's destination device and place among the pairs sent there.
-  dest_P = jnp.sort(flat_experts_P) // local_experts
-  place_P = jnp.arange(m * x) - send_offsets_N[dest_P]
-  sent_P = (place_P < kept_send_N[dest_P]) if capacity_factor else None
-  # Sorted by expert, hence by destination device.
-  xs_P = _repeat_rows(_slabs(x_MD), order_P, inverse_P, x, sent_P)
-  row = xs_P.shape[1:]
+    kept_NN = sizes_NN
+  if transport == "ragged_all_to_all":  # whole row tiles of the grouped matmul: no padding copy
+    rows_g = -(-rows_g // _TILE_GROUPS) * _TILE_GROUPS
+  keep = lambda groups_NE, kept_N: jnp.clip(kept_N[:, None] - _exclusive_cumsum(groups_NE),
+                                            0, groups_NE)
+  kept_send_N, kept_recv_N = kept_NN[me], kept_NN[:, me]
+  kept_pairs_NE = jnp.minimum(counts_NE, GROUP * keep(_groups(counts_NE), kept_send_N))
+  recv_groups_NE = keep(_groups(recv_counts_NE), kept_recv_N)
+  dropped = (counts_NE - kept_pairs_NE).sum().astype(jnp.float32)
+
+  # The send buffer: (destination, expert) segments in order, each padded to whole groups.
+  segment_P = jnp.sort(flat_experts_P)  # = destination * E + local expert
+  rank_P = jnp.arange(m * x) - _exclusive_cumsum(counts_NE.reshape(-1))[segment_P]
+  slot_P = GROUP * _exclusive_cumsum(_groups(counts_NE).reshape(-1))[segment_P] + rank_P
+  buffer_g = _groups(m * x) + n * local_experts
+  token_S = jnp.full((GROUP * buffer_g,), m, jnp.int32).at[slot_P].set(order_P // x)
+  slot_MX = slot_P[inverse_P].reshape(m, x)
+  sent_MX = ((rank_P < kept_pairs_NE.reshape(-1)[segment_P])[inverse_P].reshape(m, x)
+             if capacity_factor else None)
+  xs_G = _spread_rows(x_MD, token_S, slot_MX, x, sent_MX).reshape(buffer_g, GROUP, d)
+  send_offsets_N = _exclusive_cumsum(send_g_N)
 
   if transport == "ragged_all_to_all":
-    recv_N = kept_NN[:, me]
-    recv_offsets_N = _exclusive_cumsum(recv_N)
-    # Where my rows land in each destination's buffer, and where each source's rows came from.
+    recv_offsets_N = _exclusive_cumsum(kept_recv_N)
+    # Where my groups land in each destination's buffer, and where each source's came from.
     dest_offsets_N = _exclusive_cumsum(kept_NN, axis=0)[me]
     source_offsets_N = _exclusive_cumsum(sizes_NN, axis=1)[:, me]
-    # Rows from sum(recv_N) on are never written: they sort past the groups (`expert_R` below).
-    recv_R = _exchange(xs_P, _uninitialized((rows, *row), xs_P.dtype), send_offsets_N,
-                       kept_send_N, dest_offsets_N, recv_N, expert_axis)
+    # Groups from sum(kept_recv_N) on are never written: they sort past the experts' groups.
+    recv_G = _exchange(xs_G, _uninitialized((rows_g, GROUP, d), xs_G.dtype), send_offsets_N,
+                       kept_send_N, dest_offsets_N, kept_recv_N, expert_axis)
   else:
-    recv_offsets_N = jnp.arange(n, dtype=jnp.int32) * slot
-    j = jnp.arange(slot)
-    take_NS = jnp.minimum(send_offsets_N[:, None] + j, m * x - 1)
-    picked_NS = xs_P[take_NS]
-    send_NS = jnp.where(_per_row(j < kept_send_N[:, None], picked_NS), picked_NS, 0)
-    recv_R = jax.lax.all_to_all(send_NS, expert_axis, 0, 0, tiled=True).reshape(rows, *row)
+    recv_offsets_N = jnp.arange(n, dtype=jnp.int32) * slot_g
+    j = jnp.arange(slot_g)
+    picked = xs_G[jnp.minimum(send_offsets_N[:, None] + j, buffer_g - 1)]
+    send_NJ = jnp.where(_per_row(j < kept_send_N[:, None], picked), picked, 0)
+    recv_G = jax.lax.all_to_all(send_NJ, expert_axis, 0, 0, tiled=True).reshape(rows_g, GROUP,
+                                                                                  d)
 
-  # Each received row's local expert: rows of (source i, expert e) sit contiguously from
-  # recv_offsets_N[i] + (source i's rows for experts before e); rows outside get `local_experts`.
-  starts_NE = recv_offsets_N[:, None] + _exclusive_cumsum(recv_counts_NE)
-  ends = (starts_NE + recv_counts_NE).reshape(-1)
-  r = jnp.arange(rows)
-  segment_R = jnp.searchsorted(ends, r, side="right")
-  valid_R = (segment_R < ends.size) & (r >= starts_NE.reshape(-1)[
-      jnp.minimum(segment_R, ends.size - 1)])
-  expert_R = jnp.where(valid_R, segment_R % local_experts, local_experts)
-  order_R = jnp.argsort(expert_R, stable=True)
-  inverse_R = jnp.argsort(order_R)
-  group_sizes = recv_counts_NE.sum(0)
-  # The grouped matmul's `[rows, D]`: one relayout each way between it and the slabs.
-  xs_RD = _rows(_permute_rows(recv_R, order_R, inverse_R))
+  # Each received group's local expert: the groups of (source i, expert e) sit contiguously
+  # from recv_offsets_N[i] + (source i's groups for experts before e); others get `E`.
+  starts_NE = recv_offsets_N[:, None] + _exclusive_cumsum(recv_groups_NE)
+  ends = (starts_NE + recv_groups_NE).reshape(-1)
+  g = jnp.arange(rows_g)
+  segment_G = jnp.searchsorted(ends, g, side="right")
+  valid_G = (segment_G < ends.size) & (g >= starts_NE.reshape(-1)[
+      jnp.minimum(segment_G, ends.size - 1)])
+  expert_G = jnp.where(valid_G, segment_G % local_experts, local_experts)
+  order_G = jnp.argsort(expert_G, stable=True)
+  inverse_G = jnp.argsort(order_G)
+  group_sizes = GROUP * recv_groups_NE.sum(0)  # padding rows included: zeros
+  xs_RD = _permute_rows(recv_G, order_G, inverse_G).reshape(GROUP * rows_g, d)  # a bitcast
   if quantized:  # rows past the groups (empty slots) get zero sums; their scale index clipped
-    rows_expert_R = jnp.minimum(expert_R[order_R], local_experts - 1)
+    rows_expert_R = jnp.repeat(jnp.minimum(expert_G[order_G], local_experts - 1), GROUP)
     mm = lambda h, w: ragged_int_matmul(h, *w, group_sizes, rows_expert_R, x_MD.dtype)
   else:
     # `ragged_dot`, or a grouped-matmul kernel: megablox on TPU, Triton gmm on GPU
@@ -415,25 +456,30 @@ def _local_dispatch(x_MD, weights_MX, experts_MX, w_gate_EDF, w_up_EDF, w_down_E
     mm = functools.partial(grouped_matmul.grouped_matmul, group_sizes_G=group_sizes,
                            impl=matmul)
   h_RF = jax.nn.silu(mm(xs_RD, w_gate_EDF)) * mm(xs_RD, w_up_EDF)
-  ys_R = _permute_rows(_slabs(mm(h_RF, w_down_EFD)), inverse_R, order_R)
+  ys_G = _permute_rows(mm(h_RF, w_down_EFD).reshape(rows_g, GROUP, d), inverse_G, order_G)
 
   if transport == "ragged_all_to_all":
     # Back into the send buffer, dead once sent (the backward never reads it: the exchange is
-    # linear), not a fresh zero buffer: that would be another broadcast as large. The rows of
-    # dropped pairs are not written and keep their token's input: zeroed below.
-    ys_P = _exchange(ys_R, jax.lax.stop_gradient(xs_P), recv_offsets_N, recv_N,
+    # linear), not a fresh zero buffer: that would be another broadcast as large. The groups
+    # of dropped pairs are not written and keep their tokens' inputs: masked below.
+    ys_G = _exchange(ys_G, jax.lax.stop_gradient(xs_G), recv_offsets_N, kept_recv_N,
                      source_offsets_N, kept_send_N, expert_axis)
   else:
-    back_NS = jax.lax.all_to_all(ys_R.reshape(n, slot, *row), expert_axis, 0, 0, tiled=True)
-    ys_P = back_NS[dest_P, place_P]
+    back_NJ = jax.lax.all_to_all(ys_G.reshape(n, slot_g, GROUP, d), expert_axis, 0, 0,
+                                 tiled=True)
+    b = jnp.arange(buffer_g)
+    dest_B = jnp.minimum(jnp.searchsorted(send_offsets_N + send_g_N, b, side="right"), n - 1)
+    ys_G = back_NJ[dest_B, jnp.clip(b - send_offsets_N[dest_B], 0, slot_g - 1)]
 
-  # As the reference: inverse permutation, then the weighted sum over a token's X experts.
-  ys_MX = _permute_rows(ys_P, inverse_P, order_P).reshape(m, x, *row)
+  # As the reference: each token's X expert rows, then their weighted sum. A padding slot's
+  # cotangent is another slot's (`_permute_rows`): finite, and multiplied by zeros only.
+  pair_S = jnp.full((GROUP * buffer_g,), -1, jnp.int32).at[slot_MX.reshape(-1)].set(
+      jnp.arange(m * x))
+  ys_MXD = _permute_rows(ys_G.reshape(GROUP * buffer_g, d), slot_MX.reshape(-1),
+                         pair_S).reshape(m, x, d)
   if capacity_factor:  # a dropped pair's row holds no expert output; it contributes zero
-    kept_MX = sent_P[inverse_P].reshape(m, x)
-    ys_MX = jnp.where(_per_row(kept_MX, ys_MX), ys_MX, 0)
-  mix = "mxsd,mx->msd" if ys_MX.ndim == 4 else "mxd,mx->md"  # slabs, or rows SLAB left whole
-  y_M = jnp.einsum(mix, ys_MX.astype(jnp.float32), weights_MX)
+    ys_MXD = jnp.where(sent_MX[..., None], ys_MXD, 0)
+  y_MD = jnp.einsum("mxd,mx->md", ys_MXD.astype(jnp.float32), weights_MX)
   if f_axes:  # partial sums over the F shards
-    y_M = jax.lax.psum(y_M, f_axes)
-  return _rows(y_M).astype(x_MD.dtype), dropped[None]
+    y_MD = jax.lax.psum(y_MD, f_axes)
+  return y_MD.astype(x_MD.dtype), dropped[None]

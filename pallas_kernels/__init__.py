@@ -16,7 +16,8 @@ own forward kernels (`DSAOps.sparse_mla_with_probs`: `sparse_mla_pallas_with_hea
 (`DSAOps.sparse_mla_parts`, for `glm5_jax.attention.dsa_kl_fused`), so a GPU train step runs no
 forward pass for it.
 `sparse_mla_dense` (XLA, any backend) computes the sparse MLA over every key with the selection
-as per-key counts, no gather or scatter (`model.dsa_attention_keys`).
+as per-key counts, no gather or scatter (`model.dsa_attention_keys`); its parts
+(`sparse_mla_dense_parts`) give the KL target from their backward, as the GPU row's do.
 `dsa_ops(model.dsa_impl)` (`pallas_kernels.dispatch`) is the row that runs: "xla"; "pallas" =
 the TPU kernels on TPU, the GPU kernels on GPU, an error naming `model.dsa_impl` elsewhere;
 "pallas_interpret" = the TPU kernels in interpret mode (CPU tests).
@@ -68,7 +69,8 @@ from pallas_kernels.lightning_indexer import (indexer_scores_at, indexer_scores_
 from pallas_kernels.lightning_indexer_pallas import indexer_scores_pallas, indexer_topk_pallas
 from pallas_kernels.sparse_mla import sparse_mla_head_mean_probs, sparse_mla_reference
 from pallas_kernels.sparse_mla_pallas import sparse_mla_pallas, sparse_mla_pallas_with_head_probs
-from pallas_kernels.sparse_mla_dense import sparse_mla_dense, sparse_mla_dense_with_kl_target
+from pallas_kernels.sparse_mla_dense import (sparse_mla_dense, sparse_mla_dense_parts,
+                                             sparse_mla_dense_with_kl_target)
 from pallas_kernels.sparse_mla_xla import sparse_mla_xla, sparse_mla_xla_with_kl_target
 
 __all__ = [
@@ -76,7 +78,7 @@ __all__ = [
     "indexer_scores_reference", "indexer_topk_decode", "indexer_topk_pallas",
     "indexer_topk_reference",
     "indexer_topk_xla", "select_topk", "sparse_mla_head_mean_probs",
-    "sparse_mla_dense", "sparse_mla_dense_with_kl_target",
+    "sparse_mla_dense", "sparse_mla_dense_parts", "sparse_mla_dense_with_kl_target",
     "sparse_mla_pallas", "sparse_mla_pallas_with_head_probs", "sparse_mla_reference",
     "sparse_mla_xla", "sparse_mla_xla_with_kl_target",
 ]

@@ -41,8 +41,8 @@ from pallas_kernels.blocking import (CAUSAL_KEY_RANGES, MASKED_LOGIT, causal_key
                                      default_query_block, empty_after_query, empty_out_of_range,
                                      pad_axis, platform, query_block_size, round_up,
                                      rows_per_device, varying_like)
-from pallas_kernels.sparse_mla import (backward_delta, check_sparse_mla_inputs,
-                                      named_residuals)
+from pallas_kernels.sparse_mla import (SparseMLAParts, backward_delta,
+                                      check_sparse_mla_inputs, named_residuals)
 
 
 def key_counts(topk_BLT, num_keys: int):
@@ -82,15 +82,25 @@ def _forward_block(c, scale, with_target, qr_BLHK, kvr_BSK, counts_BLS):
   return out_BLHC, lse_BLH, (per_copy_BLHS.mean(axis=2) if with_target else None)
 
 
-def _backward_block(c, scale, groups, qr_BLHK, kvr_BSK, counts_BLS, dout_BLHC, lse_BLH,
-                    delta_BLH):
-  """One block's `(dqr_BLHK, dkvr_BSGK)`, fp32: the query gradients and the key-row gradients
-  of each group of H / G heads, over the keys given."""
+def _at_slots(probs_BLS, topk_BLT):
+  """fp32 `[B, Lb, T]`: `probs_BLS` at each slot's key, 0 at empty slots and keys past the
+  ones given."""
+  keys = probs_BLS.shape[-1]
+  picked = jnp.take_along_axis(probs_BLS, jnp.clip(topk_BLT, 0, keys - 1), axis=-1)
+  return jnp.where((topk_BLT >= 0) & (topk_BLT < keys), picked, 0.0)
+
+
+def _backward_block(c, scale, groups, with_target, qr_BLHK, kvr_BSK, topk_BLT, counts_BLS,
+                    dout_BLHC, lse_BLH, delta_BLH):
+  """One block's `(dqr_BLHK, dkvr_BSGK, target_BLT or None)`, fp32: the query gradients, the
+  key-row gradients of each group of H / G heads, over the keys given, and (`with_target`) the
+  head-mean probability of one copy of each slot's key, from the p the gradients form anyway."""
   dtype = kvr_BSK.dtype
   (b, lb, h, k), c_pad = qr_BLHK.shape, qr_BLHK.shape[-1] - c
   s_BLHS, valid_BL1S = _masked_logits(scale, qr_BLHK, kvr_BSK, counts_BLS)
-  p_BLHS = (jnp.where(valid_BL1S, jnp.exp(s_BLHS - lse_BLH[..., None]), 0.0)
-            * counts_BLS[:, :, None, :])
+  per_copy_BLHS = jnp.where(valid_BL1S, jnp.exp(s_BLHS - lse_BLH[..., None]), 0.0)
+  target_BLT = _at_slots(per_copy_BLHS.mean(axis=2), topk_BLT) if with_target else None
+  p_BLHS = per_copy_BLHS * counts_BLS[:, :, None, :]
   dout_BLHC = dout_BLHC.astype(dtype)
   dp_BLHS = jnp.einsum("blhc,bsc->blhs", dout_BLHC, kvr_BSK[..., :c],
                        preferred_element_type=jnp.float32)
@@ -106,7 +116,7 @@ def _backward_block(c, scale, groups, qr_BLHK, kvr_BSK, counts_BLS, dout_BLHC, l
                           preferred_element_type=jnp.float32)
                + jnp.einsum("blghs,blghk->bsgk", grouped(scaled_ds_BLHS), grouped(qr_BLHK),
                             preferred_element_type=jnp.float32))
-  return dqr_BLHK, dkvr_BSGK
+  return dqr_BLHK, dkvr_BSGK, target_BLT
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1, 2, 3, 4, 5))
@@ -153,8 +163,7 @@ def _forward(c, scale, block, ranges, with_target, qr_BLHK, kvr_BSK, topk_BLT):
                                        key_counts(topk, keys))
       new = [out, lse]
       if with_target:  # the per-copy probability at each slot (empty slots 0)
-        picked = jnp.take_along_axis(probs, jnp.clip(topk, 0, keys - 1), axis=-1)
-        new.append(jnp.where((topk >= 0) & (topk < keys), picked, 0.0))
+        new.append(_at_slots(probs, topk))
       return tuple(jax.lax.dynamic_update_slice_in_dim(buf, x, start + i * block, axis=1)
                    for buf, x in zip(bufs, new))
 
@@ -173,42 +182,59 @@ def _vjp_forward(c, scale, block, ranges, with_target, groups, qr_BLHK, kvr_BSK,
   return (out_BLHC, lse_BLH, target_BLT), (qr_BLHK, kvr_BSK, topk_BLT, out_BLHC, lse_BLH)
 
 
-def _vjp_backward(c, scale, block, ranges, with_target, groups, residuals, cotangents):
-  """Per range, a loop over its query blocks carrying the range's key-row gradient `[B, keys,
-  G, K]` (fp32), added into the whole `[B, S, G, K]` once per range; summed over the head
-  groups once at the end. The target's cotangent is ignored (detached by contract)."""
-  qr_BLHK, kvr_BSK, topk_BLT, out_BLHC, lse_BLH = residuals
-  dout_BLHC, dlse_BLH = cotangents[:2]
+def _backward(c, scale, block, ranges, groups, with_target, qr_BLHK, kvr_BSK, topk_BLT,
+              out_BLHC, lse_BLH, dout_BLHC, dlse_BLH):
+  """`(dqr_BLHK, dkvr_BSK, target_BLT or None)`: per range, a loop over its query blocks
+  carrying the range's key-row gradient `[B, keys, G, K]` (fp32), added into the whole
+  `[B, S, G, K]` once per range; summed over the head groups once at the end. `with_target`:
+  the indexer KL's target too, written block by block as the forward's is."""
   delta_BLH = backward_delta(dout_BLHC, out_BLHC, dlse_BLH)
-  (b, l, _, _), (_, s, k) = qr_BLHK.shape, kvr_BSK.shape
+  (b, l, _, _), (_, s, k), t = qr_BLHK.shape, kvr_BSK.shape, topk_BLT.shape[-1]
+  padded = round_up(l, block)
   dkvr_BSGK = varying_like(jnp.zeros((b, s, groups, k), jnp.float32), qr_BLHK)
-  dqr_BLHK = _uninitialized((b, round_up(l, block)) + qr_BLHK.shape[2:], qr_BLHK.dtype, qr_BLHK)
+  bufs = [_uninitialized((b, padded) + qr_BLHK.shape[2:], qr_BLHK.dtype, qr_BLHK)]
+  if with_target:
+    bufs.append(_uninitialized((b, padded, t), jnp.float32, qr_BLHK))
   for start, stop, keys in ranges:
     rows = slice(start, stop)
 
     def body(i, carry, qr, topk, dout, lse, delta, start=start, keys=keys):
-      acc_BSGK, dqr_buf = carry
-      dqr, dkvr = _backward_block(c, scale, groups, qr, kvr_BSK[:, :keys],
-                                  key_counts(topk, keys), dout, lse, delta)
-      return acc_BSGK + dkvr, jax.lax.dynamic_update_slice_in_dim(
-          dqr_buf, dqr.astype(qr_BLHK.dtype), start + i * block, axis=1)
+      acc_BSGK, bufs = carry
+      dqr, dkvr, target = _backward_block(c, scale, groups, with_target, qr, kvr_BSK[:, :keys],
+                                          topk, key_counts(topk, keys), dout, lse, delta)
+      new = [dqr.astype(qr_BLHK.dtype)] + ([target] if with_target else [])
+      return acc_BSGK + dkvr, tuple(
+          jax.lax.dynamic_update_slice_in_dim(buf, x, start + i * block, axis=1)
+          for buf, x in zip(bufs, new))
 
     acc = varying_like(jnp.zeros((b, keys, groups, k), jnp.float32), qr_BLHK)
-    acc_BSGK, dqr_BLHK = _block_loop(
-        stop - start, block, body, (acc, dqr_BLHK),
+    acc_BSGK, bufs = _block_loop(
+        stop - start, block, body, (acc, tuple(bufs)),
         [x[:, rows] for x in (qr_BLHK, topk_BLT, dout_BLHC, lse_BLH, delta_BLH)],
         [0, -1, 0, 0.0, 0.0])
     dkvr_BSGK = dkvr_BSGK.at[:, :keys].add(acc_BSGK)
-  dqr_BLHK = dqr_BLHK[:, :l]
+  dqr_BLHK, *target = (x[:, :l] for x in bufs)
   # The one sum over the head groups (heads split over a mesh axis: one all-reduce).
-  return dqr_BLHK, dkvr_BSGK.sum(2).astype(kvr_BSK.dtype), None
+  return (dqr_BLHK, dkvr_BSGK.sum(2).astype(kvr_BSK.dtype),
+          target[0] if with_target else None)
+
+
+def _vjp_backward(c, scale, block, ranges, with_target, groups, residuals, cotangents):
+  """`_backward`'s gradients; the target's cotangent is ignored (detached by contract)."""
+  del with_target  # the forward's
+  qr_BLHK, kvr_BSK, topk_BLT, out_BLHC, lse_BLH = residuals
+  dqr_BLHK, dkvr_BSK, _ = _backward(c, scale, block, ranges, groups, False, qr_BLHK, kvr_BSK,
+                                    topk_BLT, out_BLHC, lse_BLH, *cotangents[:2])
+  return dqr_BLHK, dkvr_BSK, None
 
 
 _sparse_mla.defvjp(_vjp_forward, _vjp_backward)
 
 
-def _run(q_BLHC, q_rope_BLHR, kv_BSC, k_rope_BSR, topk_BLT, scale, query_block, causal,
-         head_groups, batch_shards, with_target, key_ranges=CAUSAL_KEY_RANGES):
+def _prepared(q_BLHC, q_rope_BLHR, kv_BSC, k_rope_BSR, topk_BLT, query_block, causal,
+              head_groups, batch_shards, key_ranges):
+  """`(c, block, ranges, qr_BLHK, kvr_BSK, topk_BLT)`: the inputs checked, joined and the
+  selection emptied where it must be, the blocks and key ranges sized."""
   check_sparse_mla_inputs(q_BLHC, q_rope_BLHR, kv_BSC, k_rope_BSR, topk_BLT)
   (b, l, h, c), s = q_BLHC.shape, kv_BSC.shape[1]
   if causal and s != l:
@@ -229,6 +255,14 @@ def _run(q_BLHC, q_rope_BLHR, kv_BSC, k_rope_BSR, topk_BLT, scale, query_block, 
   kvr_BSK = jnp.concatenate([kv_BSC, k_rope_BSR.astype(kv_BSC.dtype)], axis=-1)
   block = query_block_size(l, query_block)
   ranges = tuple(causal_key_ranges(l, s, block, causal, key_ranges))
+  return c, block, ranges, qr_BLHK, kvr_BSK, topk_BLT
+
+
+def _run(q_BLHC, q_rope_BLHR, kv_BSC, k_rope_BSR, topk_BLT, scale, query_block, causal,
+         head_groups, batch_shards, with_target, key_ranges=CAUSAL_KEY_RANGES):
+  c, block, ranges, qr_BLHK, kvr_BSK, topk_BLT = _prepared(
+      q_BLHC, q_rope_BLHR, kv_BSC, k_rope_BSR, topk_BLT, query_block, causal, head_groups,
+      batch_shards, key_ranges)
   return _sparse_mla(c, scale, block, ranges, with_target, head_groups, qr_BLHK, kvr_BSK,
                      topk_BLT)
 
@@ -266,3 +300,33 @@ def sparse_mla_dense_with_kl_target(q_BLHC, q_rope_BLHR, kv_BSC, k_rope_BSR, top
                                        query_block, causal, head_groups, batch_shards,
                                        with_target=True, key_ranges=key_ranges)
   return out_BLHC, lse_BLH, jax.lax.stop_gradient(target_BLT)
+
+
+def sparse_mla_dense_parts(*, causal: bool = False, head_groups: int = 1, batch_shards: int = 1,
+                           query_block: int | None = None,
+                           key_ranges: int = CAUSAL_KEY_RANGES) -> SparseMLAParts:
+  """`sparse_mla_dense` as `sparse_mla.SparseMLAParts`, for a custom VJP of the caller's
+  (`glm5_jax.attention.dsa_kl_fused`): the backward also returns the indexer KL's target, the
+  head mean of the p it forms for its own gradients (one reduce over the heads a block), so the
+  forward (and a remat's rerun of it) forms none. Options as `sparse_mla_dense`'s."""
+  options = dict(query_block=query_block, causal=causal, head_groups=head_groups,
+                 batch_shards=batch_shards, key_ranges=key_ranges)
+
+  def forward(q_BLHC, q_rope_BLHR, kv_BSC, k_rope_BSR, topk_BLT, scale, head_probs=False):
+    c, block, ranges, qr_BLHK, kvr_BSK, topk_BLT = _prepared(
+        q_BLHC, q_rope_BLHR, kv_BSC, k_rope_BSR, topk_BLT, **options)
+    out_BLHC, lse_BLH, target_BLT = _forward(c, scale, block, ranges, head_probs, qr_BLHK,
+                                             kvr_BSK, topk_BLT)
+    return (out_BLHC, lse_BLH, target_BLT) if head_probs else (out_BLHC, lse_BLH)
+
+  def backward(q_BLHC, q_rope_BLHR, kv_BSC, k_rope_BSR, topk_BLT, out_BLHC, lse_BLH, dout_BLHC,
+               dlse_BLH, scale):
+    c, block, ranges, qr_BLHK, kvr_BSK, topk_BLT = _prepared(
+        q_BLHC, q_rope_BLHR, kv_BSC, k_rope_BSR, topk_BLT, **options)
+    dqr_BLHK, dkvr_BSK, target_BLT = _backward(c, scale, block, ranges, head_groups, True,
+                                               qr_BLHK, kvr_BSK, topk_BLT, out_BLHC, lse_BLH,
+                                               dout_BLHC, dlse_BLH)
+    return (dqr_BLHK[..., :c], dqr_BLHK[..., c:].astype(q_rope_BLHR.dtype),
+            dkvr_BSK[..., :c], dkvr_BSK[..., c:].astype(k_rope_BSR.dtype), target_BLT)
+
+  return SparseMLAParts(forward, backward)

@@ -154,7 +154,7 @@ def _run_case(case, transport):
 def capacity():
   """`capacity_factor` 1.0 on expert=8 with skewed routing: the dropped pairs are exactly those
   the rule names (each destination takes its sources in order, each source's rows in expert
-  order, up to ceil(c * m * X) rounded to 16), and the output equals the dropless reference
+  order, in groups of 16, up to ceil(c * m * X / 16) + E/n groups), and the output equals the dropless reference
   with those pairs' weights zeroed. A large factor drops nothing. The ragged transport (on
   `exact_ragged_all_to_all`) drops the same pairs and gives the same output and gradients (the
   dropped pairs' rows of its combine buffer hold the tokens' inputs until masked)."""
@@ -188,18 +188,22 @@ def capacity():
   with exact_ragged_transport():
     (y_ragged, dropped_ragged), grads_ragged = run_grads("ragged_all_to_all")
   # The rule, in numpy: shard i holds tokens [i*m, (i+1)*m); device k holds experts 2k, 2k+1.
+  # Rows travel in groups of 16, each (source, expert) segment padded to whole groups; a
+  # destination takes ceil(c * m * X / 16) + E/n groups, its sources in order, each source's
+  # segments in expert order, whole groups (a segment cut keeps the pairs in its kept groups).
   m = m_total // n
-  cap = -(-math.ceil(1.0 * m * x) // 16) * 16
+  cap_groups = -(-math.ceil(1.0 * m * x) // 16) + e // n
   ex = np.asarray(experts_MX)
   keep = np.ones_like(ex, bool)
   filled = np.zeros(n, int)
   for i in range(n):
     flat = ex[i * m:(i + 1) * m].reshape(-1)
-    for p in np.argsort(flat, kind="stable"):
-      k = flat[p] // (e // n)
-      if filled[k] < cap:
-        filled[k] += 1
-      else:
+    for expert in range(e):
+      pairs = np.flatnonzero(flat == expert)  # in token order: the stable sort's
+      k = expert // (e // n)
+      kept_groups = min(-(-len(pairs) // 16), cap_groups - filled[k])
+      filled[k] += kept_groups
+      for p in pairs[16 * kept_groups:]:
         keep[i * m + p // x, p % x] = False
   ref, _ = dispatch_experts(x_MD, weights_MX * keep, experts_MX, *w)
   full, _ = dispatch_experts(x_MD, weights_MX, experts_MX, *w)

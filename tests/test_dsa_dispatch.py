@@ -227,17 +227,24 @@ def test_model_on_gpu_runs_the_gpu_kernels(helpers, monkeypatch):
   assert any(np.asarray(g).any() for g in jax.tree.leaves(grads["params"]["indexer"]))
 
 
-def test_kl_target_in_backward_only_on_the_gpu_kernels(helpers, monkeypatch):
-  """`mla.kl_target_in_backward`: the GPU kernels only (no other row has `sparse_mla_parts`),
-  and then a train step's metrics drop `indexer_kl` in the sparse stage
-  (`step._measured`: its value is 0 there), nowhere else."""
+def test_kl_target_in_backward_where_the_attention_backward_gives_it(helpers, monkeypatch):
+  """`mla.kl_target_in_backward`: the GPU kernels (no other row has `sparse_mla_parts`), and,
+  given the training sequences' length, the attention over every key on any sparse-stage impl
+  (`dsa_attention_keys` "dense", or "auto" with S <= 2 T); then a train step's metrics drop
+  `indexer_kl` in the sparse stage (`step._measured`: its value is 0 there), nowhere else."""
   impls = ("dense_mask", "xla", "pallas", "pallas_interpret")
   metrics = {"loss": 1.0, "indexer_kl": 0.0}
   sparse, warmup = StepConfig(dsa_stage="sparse"), StepConfig(dsa_stage="warmup")
   for platform, backward in (("cpu", ()), ("tpu", ()), ("gpu", ("pallas",))):
     monkeypatch.setattr(dispatch, "current_platform", lambda platform=platform: platform)
     for impl in impls:
-      cfg = helpers.config(dsa_impl=impl)
-      assert mla.kl_target_in_backward(cfg) == (impl in backward), (platform, impl)
-      assert ("indexer_kl" in _measured(cfg, sparse, metrics)) == (impl not in backward)
-      assert _measured(cfg, warmup, metrics) == metrics
+      for keys, seq_len, dense in (("gather", 16, False), ("dense", 64, True),
+                                   ("auto", 16, True), ("auto", 64, False)):
+        cfg = helpers.config(dsa_impl=impl, dsa_attention_keys=keys)
+        assert 8 < 16 <= 2 * cfg.index_topk < 64, cfg.index_topk  # "auto" goes dense at 16
+        expect = impl in backward or (dense and impl != "dense_mask")
+        batch = {"tokens": np.zeros((2, seq_len), np.int32)}
+        assert mla.kl_target_in_backward(cfg, seq_len) == expect, (platform, impl, keys)
+        assert mla.kl_target_in_backward(cfg) == (impl in backward), (platform, impl, keys)
+        assert ("indexer_kl" in _measured(cfg, sparse, metrics, batch)) == (not expect)
+        assert _measured(cfg, warmup, metrics, batch) == metrics

@@ -413,9 +413,23 @@ def _check_dense_causal(head_groups, key_ranges):
   cot_lse = jnp.asarray(rng.standard_normal(arrays[0].shape[:3]), jnp.float32)
   grad = lambda fn, sel: jax.jit(jax.grad(functools.partial(_loss_with_lse, fn, cot_out, cot_lse,
                                                             sel), argnums=(0, 1, 2, 3)))(*arrays)
-  for name, got, want in zip(("q", "q_rope", "kv", "k_rope"), grad(dense, topk),
-                             grad(pk.sparse_mla_reference, causal_topk)):
+  want_grads = grad(pk.sparse_mla_reference, causal_topk)
+  for name, got, want in zip(("q", "q_rope", "kv", "k_rope"), grad(dense, topk), want_grads):
     np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5, err_msg=f"d{name}")
+  # As parts (`dsa_kl_fused`'s): the forward alone, with the target, and the backward, whose
+  # target comes from the p its gradients form.
+  parts = pk.sparse_mla_dense_parts(causal=True, query_block=4, head_groups=head_groups,
+                                    key_ranges=key_ranges)
+  parts_out, parts_lse = jax.jit(functools.partial(parts.forward, scale=0.25))(*arrays, topk)
+  np.testing.assert_array_equal(parts_out, out)
+  np.testing.assert_array_equal(parts_lse, lse)
+  np.testing.assert_array_equal(parts.forward(*arrays, topk, 0.25, head_probs=True)[2], target)
+  *parts_grads, parts_target = jax.jit(functools.partial(parts.backward, scale=0.25))(
+      *arrays, topk, out, lse, cot_out, cot_lse)
+  np.testing.assert_allclose(parts_target, target, rtol=1e-5, atol=1e-6)
+  for name, got, want in zip(("q", "q_rope", "kv", "k_rope"), parts_grads, want_grads):
+    assert got.dtype == want.dtype and got.shape == want.shape, name
+    np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5, err_msg=f"parts d{name}")
   *other, other_topk = sparse_mla_inputs(b=1, l=5, s=9, h=2, c=8, r=4, t=4)
   with pytest.raises(ValueError, match=r"causal=True.*L=5 queries.*S=9 keys"):
     pk.sparse_mla_dense(*other, other_topk, scale=0.25, causal=True)
@@ -608,14 +622,18 @@ def _loss_and_grads(cfg, params, tokens, segments):
     topk = [a["topk_indices"] for a in auxes if "topk_indices" in a]
     return lm + kl, (out["logits"], kl, topk)
 
-  return jax.jit(jax.value_and_grad(loss, has_aux=True))(params)
+  # The forward alone beside it, one program: where the KL target comes from the attention's
+  # backward, a differentiated forward's KL is 0 and only the forward alone has its value.
+  return jax.jit(lambda p: (jax.value_and_grad(loss, has_aux=True)(p), loss(p)[1][1]))(params)
 
 
 def test_dsa_impls_agree_on_tiny_model(helpers):
   """Same logits, top-k, indexer KL and parameter gradients from all three paths on the tiny
   model (one own-indexer layer, one shared-top-k layer, one MTP depth with its own indexer;
   dense FFNs), packed rows; and from "xla" with the sparse attention over every key
-  (`dsa_attention_keys="dense"`: causal blocks, the KL target from its pass)."""
+  (`dsa_attention_keys="dense"`: causal blocks, the attention and the KL as one op whose KL
+  target comes from the attention's backward: its differentiated forward's KL is 0, the
+  gradients exact, the forward alone's KL the others')."""
   b, l = 2, 32
   results = {}
   variants = {"dense_mask": {}, "xla": {}, "pallas_interpret": {},
@@ -628,15 +646,19 @@ def test_dsa_impls_agree_on_tiny_model(helpers):
     tokens = jnp.asarray(np.random.default_rng(0).integers(1, cfg.vocab_size, (b, l)), jnp.int32)
     segments = jnp.where(jnp.arange(l) >= 13, 2, 1).astype(jnp.int32)[None].repeat(b, 0)
     results[name] = _loss_and_grads(cfg, params, tokens, segments)
-  (ref_loss, (ref_logits, ref_kl, ref_topk)), ref_grads = results["dense_mask"]
-  assert float(ref_kl) > 0
+  ((ref_loss, (ref_logits, ref_kl, ref_topk)), ref_grads), ref_forward_kl = results["dense_mask"]
+  assert float(ref_kl) > 0 and float(ref_forward_kl) == float(ref_kl)
   for impl in ("xla", "pallas_interpret", "xla_dense_keys"):
-    (loss, (logits, kl, topk)), grads = results[impl]
+    ((loss, (logits, kl, topk)), grads), forward_kl = results[impl]
     for got, want in zip(topk, ref_topk):
       np.testing.assert_array_equal(got, want, err_msg=f"{impl}: top-k differs")
     np.testing.assert_allclose(logits, ref_logits, rtol=1e-5, atol=1e-5, err_msg=impl)
-    np.testing.assert_allclose(kl, ref_kl, rtol=1e-5, atol=1e-6, err_msg=impl)
-    np.testing.assert_allclose(loss, ref_loss, rtol=1e-5, err_msg=impl)
+    np.testing.assert_allclose(forward_kl, ref_kl, rtol=1e-5, atol=1e-6, err_msg=impl)
+    in_backward = impl == "xla_dense_keys"
+    np.testing.assert_allclose(kl, 0.0 if in_backward else ref_kl, rtol=1e-5, atol=1e-6,
+                               err_msg=impl)
+    np.testing.assert_allclose(loss, ref_loss - ref_kl if in_backward else ref_loss, rtol=1e-5,
+                               err_msg=impl)
     flat_ref = jax.tree_util.tree_leaves_with_path(ref_grads)
     for (path, want), got in zip(flat_ref, jax.tree_util.tree_leaves(grads)):
       scale = max(float(np.abs(want).max()), 1e-6)

@@ -304,7 +304,9 @@ weights = jax.random.normal(jax.random.key(2), (B, L, model.vocab_size))
 def loss(p, t, pos, seg):
   out = glm5_jax.forward(model, p, t, pos, seg, mode=Mode(dsa_stage="sparse"), mtp=False)
   kl = sum(jnp.sum(a["indexer_kl"]) for a in out["aux"]["layers"].values() if "indexer_kl" in a)
-  return jnp.sum(out["logits"] * weights) + kl, out["logits"]
+  # The KL's gradient, not its value: unsharded, the attention over every key takes the KL
+  # target from its backward (a differentiated forward's KL is 0 there), per device it does not.
+  return jnp.sum(out["logits"] * weights) + kl - jax.lax.stop_gradient(kl), out["logits"]
 step = jax.value_and_grad(loss, has_aux=True)
 (ref_loss, ref_logits), ref_grads = jax.jit(step)(params, tokens, positions, segments)
 seq = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec("data", "context"))

@@ -1,5 +1,6 @@
 """The sparse stage's attention and indexer KL as one custom VJP, the KL's target taken from the
-attention's backward kernel (the GPU Triton kernels; issue 41 item 3).
+attention's backward kernel (the GPU Triton kernels, issue 41 item 3; and the XLA attention over
+every key, `pallas_kernels.sparse_mla_dense_parts`, issue 40).
 
 The indexer KL of a query (docs/reference.md section 3) is `KL(p || softmax(I))` over its T
 selected keys, p the main attention's head-mean probability there (detached). Its gradient
@@ -63,7 +64,7 @@ def self_attention_positions(q_BLX, k_BSX) -> bool:
 
 def sparse_mla_with_indexer_kl(parts, q_latent_BLHC, q_rope_BLHR, ckv_BSC, k_rope_BSR, topk_BLT,
                                index_q_BLJI, index_k_BSI, index_w_BLJ, *, scale: float,
-                               index_scale: float):
+                               index_scale: float, batch_shards: int = 1):
   """Sparse MLA and the indexer KL on its selection, one custom VJP (module docstring).
 
   Args:
@@ -72,29 +73,33 @@ def sparse_mla_with_indexer_kl(parts, q_latent_BLHC, q_rope_BLHR, ckv_BSC, k_rop
     q_latent_BLHC, q_rope_BLHR, ckv_BSC, k_rope_BSR, topk_BLT: as `sparse_mla_reference`.
     index_q_BLJI, index_k_BSI, index_w_BLJ: the indexer's projections (`LightningIndexer`).
     scale, index_scale: the attention's and the indexer's score scales.
+    batch_shards: the devices XLA splits the batch over (1 per device under `shard_map`), which
+      the KL's query blocks are sized by (`indexer_kl_at_selection`).
   Returns:
     `(out_BLHC, lse_BLH, kl_BL)`: the attention's output and log-sum-exp, and the KL per query
     (its true value forward only; 0 in a differentiated forward, with the true gradient).
   """
   check_sparse_mla_inputs(q_latent_BLHC, q_rope_BLHR, ckv_BSC, k_rope_BSR, topk_BLT)
   topk_BLT = empty_out_of_range(topk_BLT, ckv_BSC.shape[1])
-  return _fused(parts, float(scale), float(index_scale), q_latent_BLHC, q_rope_BLHR, ckv_BSC,
-                k_rope_BSR, topk_BLT, index_q_BLJI, index_k_BSI, index_w_BLJ)
+  return _fused(parts, float(scale), float(index_scale), int(batch_shards), q_latent_BLHC,
+                q_rope_BLHR, ckv_BSC, k_rope_BSR, topk_BLT, index_q_BLJI, index_k_BSI,
+                index_w_BLJ)
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1, 2))
-def _fused(parts, scale, index_scale, q_BLHC, q_rope_BLHR, kv_BSC, k_rope_BSR, topk_BLT, index_q,
-           index_k, index_w):
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1, 2, 3))
+def _fused(parts, scale, index_scale, batch_shards, q_BLHC, q_rope_BLHR, kv_BSC, k_rope_BSR,
+           topk_BLT, index_q, index_k, index_w):
   out_BLHC, lse_BLH, target_BLT = parts.forward(q_BLHC, q_rope_BLHR, kv_BSC, k_rope_BSR,
                                                 topk_BLT, scale, head_probs=True)
   kl_BL = indexer_kl_at_selection(index_q, index_k, index_w, topk_BLT, target_BLT,
-                                  index_scale=index_scale,
+                                  index_scale=index_scale, batch_shards=batch_shards,
                                   causal=self_attention_positions(index_q, index_k))
   return out_BLHC, lse_BLH, kl_BL
 
 
-def _fused_forward(parts, scale, index_scale, q_BLHC, q_rope_BLHR, kv_BSC, k_rope_BSR, topk_BLT,
-                   index_q, index_k, index_w):
+def _fused_forward(parts, scale, index_scale, batch_shards, q_BLHC, q_rope_BLHR, kv_BSC,
+                   k_rope_BSR, topk_BLT, index_q, index_k, index_w):
+  del batch_shards  # the backward's
   out_BLHC, lse_BLH = parts.forward(q_BLHC, q_rope_BLHR, kv_BSC, k_rope_BSR, topk_BLT, scale)
   # Named so that `model.remat_policy="save_attn_lse"` keeps them (`named_residuals`).
   out_BLHC, lse_BLH = named_residuals(out_BLHC, lse_BLH)
@@ -103,14 +108,14 @@ def _fused_forward(parts, scale, index_scale, q_BLHC, q_rope_BLHR, kv_BSC, k_rop
                                       out_BLHC, lse_BLH, index_q, index_k, index_w)
 
 
-def _fused_backward(parts, scale, index_scale, residuals, cotangents):
+def _fused_backward(parts, scale, index_scale, batch_shards, residuals, cotangents):
   q_BLHC, q_rope_BLHR, kv_BSC, k_rope_BSR, topk_BLT, out_BLHC, lse_BLH, *index_qkw = residuals
   dout_BLHC, dlse_BLH, dkl_BL = cotangents
   *grads, target_BLT = parts.backward(q_BLHC, q_rope_BLHR, kv_BSC, k_rope_BSR, topk_BLT,
                                       out_BLHC, lse_BLH, dout_BLHC, dlse_BLH, scale)
   target_BLT = jax.lax.stop_gradient(target_BLT)
   kl = functools.partial(indexer_kl_at_selection, topk_BLT=topk_BLT, target_BLT=target_BLT,
-                         index_scale=index_scale,
+                         index_scale=index_scale, batch_shards=batch_shards,
                          causal=self_attention_positions(index_qkw[0], index_qkw[1]))
   _, kl_vjp = jax.vjp(kl, *index_qkw)
   return (*grads, None, *kl_vjp(dkl_BL))

@@ -280,7 +280,9 @@ def _sparse_stage_attention(c, latents: _Latents, scale, segment_ids_BL, order: 
   # Over every key instead (`model.dsa_attention_keys`): XLA on any backend, the KL target
   # from its own pass.
   dense_keys = _dense_keys(c, q_latent_BLHC.shape[1], ckv_BSC.shape[1], topk_BLT.shape[-1])
-  kl_in_backward = index_qkw is not None and not dense_keys and kl_target_in_backward(c)
+  kl_in_backward = index_qkw is not None and (
+      _dense_kl_in_backward(c, q_latent_BLHC.shape[1], ckv_BSC.shape[1], topk_BLT.shape[-1])
+      if dense_keys else kl_target_in_backward(c))
   fused_target = (index_qkw is not None and not kl_in_backward and not dense_keys
                   and pallas_kernels.dsa_ops(c.dsa_impl).sparse_mla_with_probs is not None)
   target_in_pass = (index_qkw is not None and not dense_keys and c.dsa_impl == "xla"
@@ -289,8 +291,8 @@ def _sparse_stage_attention(c, latents: _Latents, scale, segment_ids_BL, order: 
   # (glm5_jax.planning.flop_ledger); they change nothing else.
   with jax.named_scope("sparse_mla"):
     if kl_in_backward:
-      out_latent_BLHC, lse_BLH, kl_BL = _sparse_mla_and_kl_on_mesh(c.dsa_impl, scale,
-                                                                   index_scale)(
+      on_mesh = _dense_keys_and_kl if dense_keys else _sparse_mla_and_kl_on_mesh
+      out_latent_BLHC, lse_BLH, kl_BL = on_mesh(c.dsa_impl, scale, index_scale)(
           q_latent_BLHC, q_rope_BLHR, ckv_BSC, k_rope_BSR, topk_BLT, *index_qkw)
       aux["indexer_kl"] = kl_BL
     elif dense_keys:
@@ -327,6 +329,28 @@ def _dense_keys(c: ModelConfig, queries: int, keys: int, slots: int) -> bool:
   if c.dsa_attention_keys == "auto":
     return context_split(LENGTH) == 1 and queries == keys and keys <= 2 * slots
   return c.dsa_attention_keys == "dense"
+
+
+def _dense_kl_in_backward(c: ModelConfig, queries: int, keys: int, slots: int) -> bool:
+  """Whether the attention over every key (`_dense_keys`) and the indexer KL run as one op,
+  the KL target from the attention's backward (`_dense_keys_and_kl`): wherever XLA partitions
+  it (no context split). The forward then forms no target, nor does a remat's rerun of it
+  (744B headline under full remat: the head mean over `[B, Lb, H, S]` once a step instead of
+  twice), and a differentiated step's KL value is 0 (`kl_target_in_backward`)."""
+  return _dense_keys(c, queries, keys, slots) and context_split(LENGTH) == 1
+
+
+def _dense_keys_and_kl(impl: str, scale: float, index_scale: float):
+  """`dsa_kl_fused.sparse_mla_with_indexer_kl` on `pallas_kernels.sparse_mla_dense_parts`,
+  partitioned by XLA and causal (`_dense_keys_on_mesh`'s layout without context parallelism).
+  Args: `(q_latent, q_rope, ckv, k_rope, topk, index_q, index_k, index_w)`; returns
+  `(out_BLHC, lse_BLH, kl_BL)`."""
+  del impl  # XLA on any backend
+  batch_shards = context_split(BATCH)
+  parts = pallas_kernels.sparse_mla_dense_parts(causal=True, head_groups=context_split(HEADS),
+                                                batch_shards=batch_shards)
+  return functools.partial(dsa_kl_fused.sparse_mla_with_indexer_kl, parts, scale=scale,
+                           index_scale=index_scale, batch_shards=batch_shards)
 
 
 def _dense_keys_on_mesh(scale: float, with_target: bool):
@@ -386,12 +410,17 @@ def _queries_per_shard(impl: str) -> bool:
   return impl in pallas_kernels.PALLAS_IMPLS or context_split(LENGTH) > 1
 
 
-def kl_target_in_backward(c: ModelConfig) -> bool:
+def kl_target_in_backward(c: ModelConfig, seq_len: int | None = None) -> bool:
   """Whether the sparse stage's indexer KL takes its target from the attention's backward
-  kernel (`glm5_jax.attention.dsa_kl_fused`): where `model.dsa_impl` picks kernels that come
-  apart for it (`DSAOps.sparse_mla_parts`: the GPU Triton ones) and every head of a query is on
-  its device (the target is a mean over all heads). Then a differentiated step's KL value is 0
-  (its gradient exact) and the train step reports no `indexer_kl`; called at trace time."""
+  kernel (`glm5_jax.attention.dsa_kl_fused`): for training sequences of `seq_len` tokens, where
+  the attention runs over every key there (`_dense_kl_in_backward`); else where `model.dsa_impl`
+  picks kernels that come apart for it (`DSAOps.sparse_mla_parts`: the GPU Triton ones) and
+  every head of a query is on its device (the target is a mean over all heads). Then a
+  differentiated step's KL value is 0 (its gradient exact) and the train step reports no
+  `indexer_kl`; called at trace time."""
+  if (seq_len is not None and c.dsa_impl != "dense_mask"
+      and _dense_kl_in_backward(c, seq_len, seq_len, c.index_topk)):
+    return True
   if c.dsa_impl not in pallas_kernels.PALLAS_IMPLS or context_split(HEADS) > 1:
     return False
   dispatch = pallas_kernels.dispatch  # its platform: the one `dsa_ops` picks kernels by

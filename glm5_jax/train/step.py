@@ -199,7 +199,7 @@ def loss_and_grads(model: ModelConfig, step_cfg: StepConfig, params, batch):
   if step_cfg.microbatches == 1:
     grad_fn = jax.value_and_grad(compute_loss, argnums=2, has_aux=True)
     (_, (metrics, counts, _, _)), grads = grad_fn(model, step_cfg, params, batch)
-    return _measured(model, step_cfg, metrics), counts, grads
+    return _measured(model, step_cfg, metrics, batch), counts, grads
 
   mtp_depths = model.mtp_depths if model.num_nextn_predict_layers else 0
   whole = losses.loss_denominators(batch, mtp_depths)
@@ -223,15 +223,16 @@ def loss_and_grads(model: ModelConfig, step_cfg: StepConfig, params, batch):
            jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), aux_shapes))
   (grads, (metrics, counts)), _ = jax.lax.scan(accumulate, zeros, microbatches)
   grads = jax.tree.map(lambda g, p: g.astype(p.dtype), grads, params)
-  return _measured(model, step_cfg, metrics), counts, grads
+  return _measured(model, step_cfg, metrics, batch), counts, grads
 
 
-def _measured(model: ModelConfig, step_cfg: StepConfig, metrics):
+def _measured(model: ModelConfig, step_cfg: StepConfig, metrics, batch):
   """`metrics` of a differentiated step less `indexer_kl` where its value was not computed: the
   sparse stage on kernels whose KL target comes from the attention's backward
   (`mla.kl_target_in_backward`) returns a KL of 0 in the forward, with the true gradient, so
   `loss` there holds no indexer term either. Eval steps (forward only) report it."""
-  if step_cfg.dsa_stage == "sparse" and mla.kl_target_in_backward(model):
+  if (step_cfg.dsa_stage == "sparse"
+      and mla.kl_target_in_backward(model, seq_len=batch["tokens"].shape[-1])):
     return {k: v for k, v in metrics.items() if k != "indexer_kl"}
   return metrics
 
