@@ -168,28 +168,34 @@ class MoE(nn.Module):
         recorded_experts_BLX.reshape(b * l, -1))
     experts = ExpertWeights(e, f, c.initializer_range, dtype, pdtype, c.qat_int4_group_size,
                             c.quant, c.quant_group_size, name="experts")(d)
-    if c.moe_impl == "expert_parallel" and moe_parallel.context_mesh() is not None:
-      # float kernels, or integer ones as (q, scale) per projection
-      y_MD, dropped = moe_parallel.expert_parallel_dispatch(
-          x_MD, weights_MX, experts_MX, *experts, transport=c.moe_transport,
-          matmul=c.moe_matmul, capacity_factor=c.moe_capacity_factor,
-          chunks=c.moe_dispatch_chunks)
-    elif c.quant != "none":  # integer kernels: (q, scale) per projection
-      y_MD = dispatch_quantized_experts(x_MD, weights_MX, experts_MX, *experts)
-      dropped = jnp.zeros((), jnp.float32)
-    else:  # "ragged", or no mesh in context (init, one device): the same numbers, locally
-      y_MD, _ = dispatch_experts(x_MD, weights_MX, experts_MX, *experts, matmul=c.moe_matmul)
-      dropped = jnp.zeros((), jnp.float32)
+    shared_experts = (SwiGLU(f * c.n_shared_experts, c.initializer_range, dtype, pdtype, c.quant,
+                             name="shared_experts") if c.n_shared_experts else None)
     valid_BL = jnp.ones((b, l), bool) if valid_BL is None else valid_BL
     chosen_BLE = jax.nn.one_hot(experts_MX, e, dtype=jnp.float32).sum(1).reshape(b, l, e)
     chosen_BLE = chosen_BLE * valid_BL[..., None]
     counts_E = chosen_BLE.sum((0, 1)).astype(jnp.int32)
     balance = sequence_balance_loss(router_scores(x_MD, w_router_DE).reshape(b, l, e),
                                     chosen_BLE, valid_BL, c.num_experts_per_tok)
+    shared_BLD = None
+    if c.moe_impl == "expert_parallel" and moe_parallel.context_mesh() is not None:
+      # The shared experts and the load counts' all-reduce before any row moves: their
+      # collectives would otherwise queue behind the exchanges in flight (moe_parallel,
+      # "Weights before rows").
+      shared_BLD = shared_experts(x_BLD) if shared_experts else None
+      # float kernels, or integer ones as (q, scale) per projection
+      y_MD, dropped = moe_parallel.expert_parallel_dispatch(
+          x_MD, weights_MX, experts_MX, *experts, transport=c.moe_transport,
+          matmul=c.moe_matmul, capacity_factor=c.moe_capacity_factor,
+          chunks=c.moe_dispatch_chunks, computed_first=(shared_BLD, counts_E, balance))
+    elif c.quant != "none":  # integer kernels: (q, scale) per projection
+      y_MD = dispatch_quantized_experts(x_MD, weights_MX, experts_MX, *experts)
+      dropped = jnp.zeros((), jnp.float32)
+    else:  # "ragged", or no mesh in context (init, one device): the same numbers, locally
+      y_MD, _ = dispatch_experts(x_MD, weights_MX, experts_MX, *experts, matmul=c.moe_matmul)
+      dropped = jnp.zeros((), jnp.float32)
     y_BLD = y_MD.reshape(b, l, d)
-    if c.n_shared_experts:
-      y_BLD = y_BLD + SwiGLU(f * c.n_shared_experts, c.initializer_range, dtype, pdtype, c.quant,
-                             name="shared_experts")(x_BLD)
+    if shared_experts:
+      y_BLD = y_BLD + (shared_experts(x_BLD) if shared_BLD is None else shared_BLD)
     aux = {"expert_counts": counts_E, "sequence_balance_loss": balance,
            "experts": experts_MX.reshape(b, l, -1)}
     if c.moe_capacity_factor:  # pairs dropped for capacity (none without a mesh)

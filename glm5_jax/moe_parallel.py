@@ -63,6 +63,15 @@ shards). A chunk's exchange then has another chunk's grouped matmul to run besid
 compiler's scheduler can overlap with it (one pass leaves it nothing: the exchange, the matmul and
 the exchange back depend on each other in turn). Each chunk has its own buffers and capacity
 (`ceil(c * m / k * X / 16) + E/n` groups), so with a capacity factor the drops are decided per chunk.
+Weights before rows: the local experts' kernels are gathered over the fsdp axes (to the
+shard_map's layout), the pair counts exchanged (`_exchanged_counts`, a shard_map of its own)
+and the caller's `computed_first` (the MoE's shared experts and load counts) computed before
+any row moves, behind an optimization barrier whose backward is the identity. Left to the
+scheduler, those gathers and the counts' all-reduce came after the first exchanges had started,
+and a collective the compiler keeps synchronous waits for the ones in flight before it: ~1.3 s
+a step of the forward layer loop in the 744B headline's schedule (docs/scaling.md, "Weights
+before rows"). The backward's exchanges send the messages back by offsets every device already
+knows from the exchanged counts (`_exchange`), not by offsets exchanged again.
 
 Transport (`model.moe_transport`):
   "ragged_all_to_all"  `jax.lax.ragged_all_to_all`: each message is exactly the groups it
@@ -85,7 +94,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import linen as nn
-from jax.sharding import PartitionSpec
+from jax.ad_checkpoint import checkpoint_name
+from jax.sharding import NamedSharding, PartitionSpec
 
 from glm5_jax import grouped_matmul
 from glm5_jax.layers import axes as logical_axes
@@ -104,7 +114,8 @@ def _mesh_axes(rules, logical_name):
 
 def expert_parallel_dispatch(x_MD, weights_MX, experts_MX, w_gate_EDF, w_up_EDF, w_down_EFD,
                              *, transport="ragged_all_to_all", matmul="auto",
-                             capacity_factor=0.0, chunks=1, mesh=None, rules=None):
+                             capacity_factor=0.0, chunks=1, mesh=None, rules=None,
+                             computed_first=None):
   """`glm5_jax.moe.dispatch_experts`'s mixture `y_MD`, computed expert-parallel.
 
   Args:
@@ -121,6 +132,8 @@ def expert_parallel_dispatch(x_MD, weights_MX, experts_MX, w_gate_EDF, w_up_EDF,
       passes (`model.moe_dispatch_chunks`; "Chunks" in the module docstring).
     mesh: defaults to the context mesh (`jax.set_mesh`); required.
     rules: logical axis rules; default the flax context's (`nn.logical_axis_rules`).
+    computed_first: arrays (any pytree, e.g. the shared experts' output) to compute, with the
+      kernels' gather, before any row moves ("Weights before rows" in the module docstring).
   Returns:
     `(y_MD, dropped)`: the mixture in `x_MD`'s dtype, and the fraction of (token, expert) pairs
     dropped for capacity (f32 scalar; 0 when dropless).
@@ -187,8 +200,18 @@ def expert_parallel_dispatch(x_MD, weights_MX, experts_MX, w_gate_EDF, w_up_EDF,
                   PartitionSpec(expert_axis, f_spec, None))
   if quantized:  # (q, scale) pairs; the scale's group axis whole (F is, above)
     kernel_specs = tuple((spec, spec) for spec in kernel_specs)
+  per_shard = PartitionSpec(token_axes)
+  counted = jax.shard_map(
+      functools.partial(_exchanged_counts, chunks=chunks, n=n, local_experts=num_experts // n,
+                        expert_axis=expert_axis),
+      mesh=mesh, in_specs=(tokens,), out_specs=(per_shard,) * 3)(experts_MX)
+  kernels = jax.tree.map(
+      lambda w, spec: jax.lax.with_sharding_constraint(w, NamedSharding(mesh, spec)),
+      (w_gate_EDF, w_up_EDF, w_down_EFD), kernel_specs)
+  x_MD, weights_MX, experts_MX, counted, kernels, _ = _in_order(
+      (x_MD, weights_MX, experts_MX, counted, kernels, computed_first))
   y_MD, dropped_S = jax.shard_map(
-      local, mesh=mesh, in_specs=(tokens, tokens, tokens, *kernel_specs),
+      local, mesh=mesh, in_specs=(tokens, tokens, tokens, *(per_shard,) * 3, *kernel_specs),
       out_specs=(tokens, PartitionSpec(token_axes)),
       # A pallas_call (megablox's, the Triton gmm's) states no varying-axes type for its
       # outputs, which check_vma requires. Without it, shard_map's transpose divides the unmapped
@@ -196,8 +219,26 @@ def expert_parallel_dispatch(x_MD, weights_MX, experts_MX, w_gate_EDF, w_up_EDF,
       # differentiates exactly (tests/moe_parallel_cases.py compares the gradients with the
       # reference).
       check_vma=impl not in ("megablox", "triton_gmm") or quantized)(
-          x_MD, weights_MX, experts_MX, w_gate_EDF, w_up_EDF, w_down_EFD)
+          x_MD, weights_MX, experts_MX, *counted, *kernels)
   return y_MD[:m], dropped_S.sum() / (m * x)
+
+
+@jax.custom_vjp
+def _in_order(tree):
+  """`tree` as it is, every leaf computed before any is used (an optimization barrier); the
+  backward passes the cotangents straight through, leaving their order to the compiler."""
+  return jax.lax.optimization_barrier(tree)
+
+
+def _in_order_fwd(tree):
+  return _in_order(tree), None
+
+
+def _in_order_bwd(_, ct):
+  return (ct,)
+
+
+_in_order.defvjp(_in_order_fwd, _in_order_bwd)
 
 
 def _exclusive_cumsum(a, axis=-1):
@@ -243,44 +284,48 @@ def _uninitialized(shape, dtype):
 # slab buffer by the TPU compiler's cost model, docs/scaling.md), for rows that are all written
 # (a dropless dispatch sends every row), past the grouped matmul's groups (the combine's operand:
 # only its first `sum(recv)` rows were sent), or left out of the token gradient's sum (the pairs
-# a capacity factor dropped: `_spread_rows`' `sent_MX`).
-def _exchange(rows_R_, into_S_, input_offsets_N, send_N, output_offsets_N, recv_N, axis_name):
+# a capacity factor dropped: `_spread_rows`' `sent_MX`). It also learns the reversed messages'
+# offsets with two all-to-alls of its own (each a wait in the backward: 0.12 s a step exposed
+# in the 744B headline's schedule); every device here knows them already, from the counts all
+# of them exchanged (`_exchanged_counts`).
+def _exchange(rows_R_, into_S_, input_offsets_N, send_N, output_offsets_N, recv_N, axis_name,
+              back_input_offsets_N, back_output_offsets_N):
   """`jax.lax.ragged_all_to_all(rows_R_, into_S_, ...)` whose backward writes into an
   uninitialized buffer: the rows of `rows_R_` that no message carried get undefined cotangents,
-  which the caller must leave unread."""
+  which the caller must leave unread. The backward sends each message back from where it landed
+  (`back_input_offsets_N[i]`: where source i's rows sit in this device's `into_S_`) to where it
+  came from (`back_output_offsets_N[i]`: where they sat in source i's `rows_R_`)."""
   # The received rows vary over the mesh axes as the sent ones do (shard_map's check_vma types
   # a ragged all-to-all's result as its output buffer).
   into_S_ = varying_like(into_S_, rows_R_)
   return _exchange_vjp(rows_R_, into_S_, input_offsets_N, send_N, output_offsets_N, recv_N,
-                       axis_name, varying_axes(rows_R_))
+                       back_input_offsets_N, back_output_offsets_N, axis_name,
+                       varying_axes(rows_R_))
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(6, 7))
+@functools.partial(jax.custom_vjp, nondiff_argnums=(8, 9))
 def _exchange_vjp(rows_R_, into_S_, input_offsets_N, send_N, output_offsets_N, recv_N,
-                  axis_name, varying):
-  del varying  # the backward's
+                  back_input_offsets_N, back_output_offsets_N, axis_name, varying):
+  del back_input_offsets_N, back_output_offsets_N, varying  # the backward's
   return jax.lax.ragged_all_to_all(rows_R_, into_S_, input_offsets_N, send_N, output_offsets_N,
                                    recv_N, axis_name=axis_name)
 
 
 def _exchange_fwd(rows_R_, into_S_, input_offsets_N, send_N, output_offsets_N, recv_N,
-                  axis_name, varying):
+                  back_input_offsets_N, back_output_offsets_N, axis_name, varying):
   out = _exchange_vjp(rows_R_, into_S_, input_offsets_N, send_N, output_offsets_N, recv_N,
-                      axis_name, varying)
-  return out, (rows_R_.shape[0], input_offsets_N, send_N, output_offsets_N, recv_N)
+                      back_input_offsets_N, back_output_offsets_N, axis_name, varying)
+  return out, (rows_R_.shape[0], send_N, recv_N, back_input_offsets_N, back_output_offsets_N)
 
 
 def _exchange_bwd(axis_name, varying, res, ct_S_):
-  num_rows, input_offsets_N, send_N, output_offsets_N, recv_N = res
-  # The messages reversed: each destination sends back the rows it received from each source
-  # (from where they landed, `output_offsets` as the source gave them) to where they came from.
-  swap = lambda a: jax.lax.all_to_all(a, axis_name, 0, 0, tiled=True)
+  num_rows, send_N, recv_N, back_input_offsets_N, back_output_offsets_N = res
   into_R_ = _uninitialized((num_rows, *ct_S_.shape[1:]), ct_S_.dtype)
   if varying:  # shard_map's type check (check_vma): the cotangent varies as the operand did
     into_R_ = jax.lax.pcast(into_R_, varying, to="varying")
-  ct_R_ = jax.lax.ragged_all_to_all(ct_S_, into_R_, swap(output_offsets_N), recv_N,
-                                    swap(input_offsets_N), send_N, axis_name=axis_name)
-  return ct_R_, None, None, None, None, None
+  ct_R_ = jax.lax.ragged_all_to_all(ct_S_, into_R_, back_input_offsets_N, recv_N,
+                                    back_output_offsets_N, send_N, axis_name=axis_name)
+  return (ct_R_,) + (None,) * 7
 
 
 _exchange_vjp.defvjp(_exchange_fwd, _exchange_bwd)
@@ -342,13 +387,15 @@ def _spread_rows_bwd(x, res, ct_SD):
 _spread_rows.defvjp(_spread_rows_fwd, _spread_rows_bwd)
 
 
-def _chunked_dispatch(x_MD, weights_MX, experts_MX, *kernels, chunks, expert_axis, n, **kw):
-  """`_local_dispatch` of one shard's tokens in `chunks` contiguous, independent passes, their
-  pair counts exchanged for all of them first (`_exchanged_counts`)."""
-  local_experts = (kernels[0][0] if isinstance(kernels[0], tuple) else kernels[0]).shape[0]
+def _chunked_dispatch(x_MD, weights_MX, experts_MX, counts_1KNE, recv_1KNE, sizes_1NKN,
+                      *kernels, chunks, expert_axis, n, **kw):
+  """`_local_dispatch` of one shard's tokens in `chunks` contiguous, independent passes, with
+  the pair counts all of them exchanged first (`_exchanged_counts`)."""
+  local_experts = counts_1KNE.shape[-1]
   split = lambda a: jnp.split(a, chunks)
-  counts = _exchanged_counts(split(experts_MX), n, local_experts, expert_axis)
-  outs = [_local_dispatch(*chunk, *kernels, *counted, expert_axis=expert_axis, n=n, **kw)
+  counts = [(counts_1KNE[0, k], recv_1KNE[0, k], sizes_1NKN[0, :, k]) for k in range(chunks)]
+  outs = [_local_dispatch(*chunk, *kernels, *counted, expert_axis=expert_axis, n=n,
+                          local_experts=local_experts, **kw)
           for chunk, counted in zip(zip(split(x_MD), split(weights_MX), split(experts_MX)),
                                     counts)]
   if chunks == 1:
@@ -356,37 +403,42 @@ def _chunked_dispatch(x_MD, weights_MX, experts_MX, *kernels, chunks, expert_axi
   return jnp.concatenate([y for y, _ in outs]), sum(d for _, d in outs)
 
 
-def _exchanged_counts(experts_MX_chunks, n, local_experts, expert_axis):
-  """Per chunk `(counts_NE, recv_counts_NE, sizes_NN)`: my pairs for device k's expert e,
-  source i's pairs for my expert e, and the groups each source sends each destination. One
-  small all-to-all and one all-gather for every chunk together, before any chunk's rows move:
-  a chunk's own would queue behind the previous chunk's exchange of rows (0.65 s a step exposed
-  in the 744B headline's schedule with two chunks)."""
+def _exchanged_counts(experts_MX, *, chunks, n, local_experts, expert_axis):
+  """One shard's `(counts_1KNE, recv_1KNE, sizes_1NKN)` for its `chunks` contiguous chunks of
+  tokens: chunk k's pairs for device i's expert e, source i's pairs for my expert e, and the
+  groups each source sends each destination. Its own shard_map, ahead of the dispatch's: one
+  small all-to-all and one all-gather for every chunk together, free to overlap the compute
+  before the rows move (the shared experts, `computed_first`); a chunk's own would queue behind
+  the previous chunk's exchange of rows (0.65 s a step exposed in the 744B headline's schedule
+  with two chunks)."""
   counts_KNE = jnp.stack([
       jnp.bincount(e.reshape(-1), length=n * local_experts).reshape(n, local_experts)
-      for e in experts_MX_chunks]).astype(jnp.int32)
+      for e in jnp.split(experts_MX, chunks)]).astype(jnp.int32)
   recv_KNE = jax.lax.all_to_all(counts_KNE, expert_axis, 1, 1, tiled=True)
-  chunks = len(experts_MX_chunks)
   sizes_NKN = jax.lax.all_gather(_groups(counts_KNE).sum(2).reshape(-1), expert_axis).reshape(
       n, chunks, n)  # [source, chunk, destination]
-  return [(counts_KNE[k], recv_KNE[k], sizes_NKN[:, k]) for k in range(chunks)]
+  # A remat policy may keep these (`model.remat_policy` save_selections): a few KiB a layer,
+  # and the backward's rerun of the layer then exchanges no counts.
+  recv_KNE, sizes_NKN = (checkpoint_name(a, "moe_exchanged_counts")
+                         for a in (recv_KNE, sizes_NKN))
+  return counts_KNE[None], recv_KNE[None], sizes_NKN[None]
 
 
 def _local_dispatch(x_MD, weights_MX, experts_MX, w_gate_EDF, w_up_EDF, w_down_EFD, counts_NE,
-                    recv_counts_NE, sizes_NN, *, expert_axis, n, f_axes, transport, matmul,
-                    capacity_factor):
+                    recv_counts_NE, sizes_NN, *, expert_axis, n, local_experts, f_axes,
+                    transport, matmul, capacity_factor):
   """One shard: its m tokens, its E/n experts (`E` here is the local count), the exchanged
   counts (`_exchanged_counts`). Row arrays in groups (`GROUP`) have a G in their name:
   `[groups, GROUP, D]`; counts of groups end in `_g`."""
   m, x = experts_MX.shape
   d = x_MD.shape[-1]
   quantized = isinstance(w_gate_EDF, tuple)
-  local_experts = (w_gate_EDF[0] if quantized else w_gate_EDF).shape[0]
   me = jax.lax.axis_index(expert_axis)
   flat_experts_P = experts_MX.reshape(-1)
   order_P = jnp.argsort(flat_experts_P, stable=True)
   inverse_P = jnp.argsort(order_P)
-  send_g_N = _groups(counts_NE).sum(1)
+  groups_NE = _groups(counts_NE)
+  send_g_N = groups_NE.sum(1)
   slot_g = _groups(m * min(x, local_experts)) + local_experts  # most one device sends one
   rows_g = n * slot_g
   if capacity_factor:
@@ -402,14 +454,14 @@ def _local_dispatch(x_MD, weights_MX, experts_MX, w_gate_EDF, w_up_EDF, w_down_E
   keep = lambda groups_NE, kept_N: jnp.clip(kept_N[:, None] - _exclusive_cumsum(groups_NE),
                                             0, groups_NE)
   kept_send_N, kept_recv_N = kept_NN[me], kept_NN[:, me]
-  kept_pairs_NE = jnp.minimum(counts_NE, GROUP * keep(_groups(counts_NE), kept_send_N))
+  kept_pairs_NE = jnp.minimum(counts_NE, GROUP * keep(groups_NE, kept_send_N))
   recv_groups_NE = keep(_groups(recv_counts_NE), kept_recv_N)
   dropped = (counts_NE - kept_pairs_NE).sum().astype(jnp.float32)
 
   # The send buffer: (destination, expert) segments in order, each padded to whole groups.
-  segment_P = jnp.sort(flat_experts_P)  # = destination * E + local expert
+  segment_P = flat_experts_P[order_P]  # = destination * E + local expert, ascending
   rank_P = jnp.arange(m * x) - _exclusive_cumsum(counts_NE.reshape(-1))[segment_P]
-  slot_P = GROUP * _exclusive_cumsum(_groups(counts_NE).reshape(-1))[segment_P] + rank_P
+  slot_P = GROUP * _exclusive_cumsum(groups_NE.reshape(-1))[segment_P] + rank_P
   buffer_g = _groups(m * x) + n * local_experts
   token_S = jnp.full((GROUP * buffer_g,), m, jnp.int32).at[slot_P].set(order_P // x)
   slot_MX = slot_P[inverse_P].reshape(m, x)
@@ -425,7 +477,8 @@ def _local_dispatch(x_MD, weights_MX, experts_MX, w_gate_EDF, w_up_EDF, w_down_E
     source_offsets_N = _exclusive_cumsum(sizes_NN, axis=1)[:, me]
     # Groups from sum(kept_recv_N) on are never written: they sort past the experts' groups.
     recv_G = _exchange(xs_G, _uninitialized((rows_g, GROUP, d), xs_G.dtype), send_offsets_N,
-                       kept_send_N, dest_offsets_N, kept_recv_N, expert_axis)
+                       kept_send_N, dest_offsets_N, kept_recv_N, expert_axis,
+                       recv_offsets_N, source_offsets_N)
   else:
     recv_offsets_N = jnp.arange(n, dtype=jnp.int32) * slot_g
     j = jnp.arange(slot_g)
@@ -463,7 +516,7 @@ def _local_dispatch(x_MD, weights_MX, experts_MX, w_gate_EDF, w_up_EDF, w_down_E
     # linear), not a fresh zero buffer: that would be another broadcast as large. The groups
     # of dropped pairs are not written and keep their tokens' inputs: masked below.
     ys_G = _exchange(ys_G, jax.lax.stop_gradient(xs_G), recv_offsets_N, kept_recv_N,
-                     source_offsets_N, kept_send_N, expert_axis)
+                     source_offsets_N, kept_send_N, expert_axis, send_offsets_N, dest_offsets_N)
   else:
     back_NJ = jax.lax.all_to_all(ys_G.reshape(n, slot_g, GROUP, d), expert_axis, 0, 0,
                                  tiled=True)

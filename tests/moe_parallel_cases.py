@@ -24,6 +24,7 @@ import dataclasses
 import functools
 import json
 import math
+import re
 import sys
 from unittest import mock
 
@@ -288,6 +289,15 @@ def hlo():
                                   expert_weight_gathers(found, cfg.n_routed_experts)],
         "all_gathers": [list(c.shape) for c in found if c.op == "all-gather"],
         "all_to_alls": sum(c.op == "all-to-all" for c in found)}
+  # The backward's rerun of the layer under a remat policy: the count exchange (the int32
+  # all-to-all and all-gather) reruns unless the policy keeps its results.
+  for policy in ("full", "save_selections"):
+    text = compile_moe_layer(dataclasses.replace(cfg, moe_impl="expert_parallel",
+                                                 remat_policy=policy),
+                             mesh, rules, batch=8, seq=12, compiled=False)
+    result[f"int32 exchanges, remat {policy}"] = {
+        op: len(re.findall(rf"stablehlo\.{op}.*\n?.*-> tensor<[0-9x]*xi32>", text))
+        for op in ("all_to_all", "all_gather")}
   return result
 
 

@@ -93,6 +93,9 @@ def test_expert_weights_are_never_all_gathered_across_experts():
   assert ep["all_to_alls"] >= 4, r
   # The only weight gathers are over fsdp, of the 16 / 4 local experts.
   assert [s for s in ep["all_gathers"] if len(s) == 3] == [[4, 64, 32]] * 2 + [[4, 32, 64]], r
+  # Full remat reruns the count exchange in the backward; save_selections keeps its results.
+  assert r["int32 exchanges, remat full"] == {"all_to_all": 2, "all_gather": 2}, r
+  assert r["int32 exchanges, remat save_selections"] == {"all_to_all": 1, "all_gather": 1}, r
 
 
 @pytest.mark.slow  # a subprocess with 8 host devices, three compilations

@@ -148,7 +148,7 @@ def _remat_flops(cfg, params, batch) -> dict:
   return {name: c["remat"] for name, c in flop_ledger.by_category(rows).items()}
 
 
-_CHECKED = ("full", "save_attn_lse", "save_dsa_selection")
+_CHECKED = ("full", "save_attn_lse", "save_selections")
 
 
 @pytest.mark.parametrize("policy", [
@@ -159,8 +159,8 @@ def test_remat_policies_change_memory_not_numbers(helpers, policy):
   host memory; the planner measures it). Full remat recomputes the sparse attention and the
   indexer KL target in the backward; "save_attn_lse" keeps their results (named inside the
   sparse MLA custom VJP's forward rule) and recomputes only the rest of the layer;
-  "save_dsa_selection" keeps the selection and the target: the backward reruns the attention
-  but not the indexer's scores over every key."""
+  "save_selections" keeps the selection and the target: the backward reruns the attention
+  but not the indexer's scores over every key (its count exchange: test_moe_parallel)."""
   _, scanned_cfg = configs(helpers, **SMALL)
   remat_cfg = dataclasses.replace(scanned_cfg, remat_policy=policy)
   params = layer_runs.stack_layers(helpers.random_params(dataclasses.replace(
@@ -172,7 +172,7 @@ def test_remat_policies_change_memory_not_numbers(helpers, policy):
     assert remat["attention projections"] > 0, remat
     kept = [remat.get(name, 0.0) for name in _ATTENTION_KEPT]
     assert remat["attention core"] > 0 if policy != "save_attn_lse" else not any(kept), remat
-  if policy == "save_dsa_selection":
+  if policy == "save_selections":
     full = _remat_flops(dataclasses.replace(scanned_cfg, remat_policy="full"), params, batch)
     # The indexer's scores over every key (its top-k's input; 2 B L S J I FLOPs a DSA layer,
     # L = S), rerun by full remat only; the KL's scores at the selection rerun under both

@@ -23,19 +23,24 @@ import os
 
 
 
-def compile_moe_layer(model_cfg, mesh, rules, batch: int, seq: int, grad: bool = True) -> str:
+def compile_moe_layer(model_cfg, mesh, rules, batch: int, seq: int, grad: bool = True,
+                      compiled: bool = True) -> str:
   """The optimized HLO text of the MoE layer of `model_cfg` on `mesh`.
 
   Args:
-    model_cfg: a `ModelConfig` (its `moe_impl` / `moe_transport` pick the dispatch).
+    model_cfg: a `ModelConfig` (its `moe_impl` / `moe_transport` pick the dispatch, its
+      `remat_policy` the layer's `jax.checkpoint` as the model's layers take it).
     grad: forward + backward (gradients w.r.t. params and input, sharded as the params and
       input), else the forward.
+    compiled: the compiled module's HLO, else the lowered StableHLO (what jax emits: a remat
+      policy's reruns, before XLA's passes).
   """
   import jax  # pylint: disable=g-import-not-at-top
   import jax.numpy as jnp  # pylint: disable=g-import-not-at-top
   from flax import linen as nn  # pylint: disable=g-import-not-at-top
 
   from glm5_jax import sharding  # pylint: disable=g-import-not-at-top
+  from glm5_jax.layers.remat import checkpoint_policy  # pylint: disable=g-import-not-at-top
   from glm5_jax.moe import MoE  # pylint: disable=g-import-not-at-top
 
   module = MoE(model_cfg)
@@ -49,9 +54,13 @@ def compile_moe_layer(model_cfg, mesh, rules, batch: int, seq: int, grad: bool =
   params = jax.tree_util.tree_map(
       lambda s, sh: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=sh), shapes, shardings)
 
-  def loss(p, x_BLD):
-    y_BLD, aux = module.apply({"params": p}, x_BLD)
-    return y_BLD.astype(jnp.float32).sum() + aux["sequence_balance_loss"]
+  layer = lambda p, x_BLD: module.apply({"params": p}, x_BLD)
+  if model_cfg.remat_policy != "none":
+    layer = jax.checkpoint(layer, policy=checkpoint_policy(model_cfg.remat_policy))
+
+  def loss(p, x_BLD):  # squared: the backward needs the layer's output, as a next layer would
+    y_BLD, aux = layer(p, x_BLD)
+    return jnp.square(y_BLD.astype(jnp.float32)).sum() + aux["sequence_balance_loss"]
 
   if grad:
     fn = jax.jit(jax.grad(loss, argnums=(0, 1)), out_shardings=(shardings, x_sharding))
@@ -59,7 +68,8 @@ def compile_moe_layer(model_cfg, mesh, rules, batch: int, seq: int, grad: bool =
     fn = jax.jit(lambda p, x_BLD: module.apply({"params": p}, x_BLD)[0],
                  out_shardings=x_sharding)
   with sharding.activation_sharding(mesh, rules):
-    return fn.lower(params, x).compile().as_text()
+    lowered = fn.lower(params, x)
+    return lowered.compile().as_text() if compiled else lowered.as_text()
 
 
 def expert_weight_gathers(found, num_experts: int):

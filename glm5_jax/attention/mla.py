@@ -291,8 +291,9 @@ def _sparse_stage_attention(c, latents: _Latents, scale, segment_ids_BL, order: 
   # (glm5_jax.planning.flop_ledger); they change nothing else.
   with jax.named_scope("sparse_mla"):
     if kl_in_backward:
-      on_mesh = _dense_keys_and_kl if dense_keys else _sparse_mla_and_kl_on_mesh
-      out_latent_BLHC, lse_BLH, kl_BL = on_mesh(c.dsa_impl, scale, index_scale)(
+      with_kl = (_dense_keys_and_kl(scale, index_scale) if dense_keys
+                 else _sparse_mla_and_kl_on_mesh(c.dsa_impl, scale, index_scale))
+      out_latent_BLHC, lse_BLH, kl_BL = with_kl(
           q_latent_BLHC, q_rope_BLHR, ckv_BSC, k_rope_BSR, topk_BLT, *index_qkw)
       aux["indexer_kl"] = kl_BL
     elif dense_keys:
@@ -340,12 +341,11 @@ def _dense_kl_in_backward(c: ModelConfig, queries: int, keys: int, slots: int) -
   return _dense_keys(c, queries, keys, slots) and context_split(LENGTH) == 1
 
 
-def _dense_keys_and_kl(impl: str, scale: float, index_scale: float):
+def _dense_keys_and_kl(scale: float, index_scale: float):
   """`dsa_kl_fused.sparse_mla_with_indexer_kl` on `pallas_kernels.sparse_mla_dense_parts`,
   partitioned by XLA and causal (`_dense_keys_on_mesh`'s layout without context parallelism).
   Args: `(q_latent, q_rope, ckv, k_rope, topk, index_q, index_k, index_w)`; returns
-  `(out_BLHC, lse_BLH, kl_BL)`."""
-  del impl  # XLA on any backend
+  `(out_BLHC, lse_BLH, kl_BL)`; XLA on any backend."""
   batch_shards = context_split(BATCH)
   parts = pallas_kernels.sparse_mla_dense_parts(causal=True, head_groups=context_split(HEADS),
                                                 batch_shards=batch_shards)

@@ -14,7 +14,7 @@ import shlex
 import subprocess
 import sys
 
-_TRAIN = ("--config=configs/glm5_744b.py", "--remat_policy=full",
+_TRAIN = ("--config=configs/glm5_744b.py", "--remat_policy=save_selections",
           "--config.model.dsa_impl=pallas", "--config.model.moe_impl=expert_parallel",
           "--config.model.moe_capacity_factor=1.25")
 _HEADLINE = _TRAIN + ("--target=v5p:8x8x16", "--mesh=fsdp=32,expert=32,tensor=1",
