@@ -183,7 +183,7 @@ class MoE(nn.Module):
       # "Weights before rows").
       shared_BLD = shared_experts(x_BLD) if shared_experts else None
       # float kernels, or integer ones as (q, scale) per projection
-      y_MD, dropped = moe_parallel.expert_parallel_dispatch(
+      y_MD, dropped, (shared_BLD, counts_E, balance) = moe_parallel.expert_parallel_dispatch(
           x_MD, weights_MX, experts_MX, *experts, transport=c.moe_transport,
           matmul=c.moe_matmul, capacity_factor=c.moe_capacity_factor,
           chunks=c.moe_dispatch_chunks, computed_first=(shared_BLD, counts_E, balance))

@@ -135,8 +135,12 @@ def expert_parallel_dispatch(x_MD, weights_MX, experts_MX, w_gate_EDF, w_up_EDF,
     computed_first: arrays (any pytree, e.g. the shared experts' output) to compute, with the
       kernels' gather, before any row moves ("Weights before rows" in the module docstring).
   Returns:
-    `(y_MD, dropped)`: the mixture in `x_MD`'s dtype, and the fraction of (token, expert) pairs
-    dropped for capacity (f32 scalar; 0 when dropless).
+    `(y_MD, dropped, first)`: the mixture in `x_MD`'s dtype, the fraction of (token, expert)
+    pairs dropped for capacity (f32 scalar; 0 when dropless), and `computed_first` as it left
+    the barrier, for the caller to use in its place: a value used only past the barrier is
+    one the compiler may still compute late (the TPU compiler folded the load counts'
+    all-reduce into the dropped fraction's, after the exchanges, until the counts came from
+    here).
   Raises:
     ValueError: no mesh, no mesh axis for the `expert` logical axis, E not divisible by it,
       F's axes overlapping the token axes, or an unknown transport.
@@ -208,7 +212,7 @@ def expert_parallel_dispatch(x_MD, weights_MX, experts_MX, w_gate_EDF, w_up_EDF,
   kernels = jax.tree.map(
       lambda w, spec: jax.lax.with_sharding_constraint(w, NamedSharding(mesh, spec)),
       (w_gate_EDF, w_up_EDF, w_down_EFD), kernel_specs)
-  x_MD, weights_MX, experts_MX, counted, kernels, _ = _in_order(
+  x_MD, weights_MX, experts_MX, counted, kernels, first = _in_order(
       (x_MD, weights_MX, experts_MX, counted, kernels, computed_first))
   y_MD, dropped_S = jax.shard_map(
       local, mesh=mesh, in_specs=(tokens, tokens, tokens, *(per_shard,) * 3, *kernel_specs),
@@ -220,7 +224,7 @@ def expert_parallel_dispatch(x_MD, weights_MX, experts_MX, w_gate_EDF, w_up_EDF,
       # reference).
       check_vma=impl not in ("megablox", "triton_gmm") or quantized)(
           x_MD, weights_MX, experts_MX, *counted, *kernels)
-  return y_MD[:m], dropped_S.sum() / (m * x)
+  return y_MD[:m], dropped_S.sum() / (m * x), first
 
 
 @jax.custom_vjp
