@@ -148,8 +148,10 @@ class MoE(nn.Module):
     Returns:
       `(y_BLD, aux)` with `expert_counts` int32 `[E]` (non-padding tokens routed to each
       expert, for the loss-free balancing update), `sequence_balance_loss` (scalar, the
-      DeepSeek-V3 sequence-wise auxiliary loss before its small weight) and `experts` int32
-      `[B, L, X]` (the experts used; callers that do not read it let XLA drop it).
+      DeepSeek-V3 sequence-wise auxiliary loss before its small weight), `experts` int32
+      `[B, L, X]` (the experts used; callers that do not read it let XLA drop it) and, with a
+      capacity factor, `moe_dropped_fraction` f32 `[shards]`: the fraction of pairs dropped,
+      per token shard of the expert-parallel dispatch (sum it: `train.losses`).
     """
     c = self.cfg
     dtype, pdtype = dtypes(c)
@@ -183,23 +185,23 @@ class MoE(nn.Module):
       # "Weights before rows").
       shared_BLD = shared_experts(x_BLD) if shared_experts else None
       # float kernels, or integer ones as (q, scale) per projection
-      y_MD, dropped, (shared_BLD, counts_E, balance) = moe_parallel.expert_parallel_dispatch(
+      y_MD, dropped_S, (shared_BLD, counts_E, balance) = moe_parallel.expert_parallel_dispatch(
           x_MD, weights_MX, experts_MX, *experts, transport=c.moe_transport,
           matmul=c.moe_matmul, capacity_factor=c.moe_capacity_factor,
           chunks=c.moe_dispatch_chunks, computed_first=(shared_BLD, counts_E, balance))
     elif c.quant != "none":  # integer kernels: (q, scale) per projection
       y_MD = dispatch_quantized_experts(x_MD, weights_MX, experts_MX, *experts)
-      dropped = jnp.zeros((), jnp.float32)
+      dropped_S = jnp.zeros((1,), jnp.float32)
     else:  # "ragged", or no mesh in context (init, one device): the same numbers, locally
       y_MD, _ = dispatch_experts(x_MD, weights_MX, experts_MX, *experts, matmul=c.moe_matmul)
-      dropped = jnp.zeros((), jnp.float32)
+      dropped_S = jnp.zeros((1,), jnp.float32)
     y_BLD = y_MD.reshape(b, l, d)
     if shared_experts:
       y_BLD = y_BLD + (shared_experts(x_BLD) if shared_BLD is None else shared_BLD)
     aux = {"expert_counts": counts_E, "sequence_balance_loss": balance,
            "experts": experts_MX.reshape(b, l, -1)}
-    if c.moe_capacity_factor:  # pairs dropped for capacity (none without a mesh)
-      aux["moe_dropped_fraction"] = dropped
+    if c.moe_capacity_factor:  # pairs dropped for capacity (none without a mesh), per shard
+      aux["moe_dropped_fraction"] = dropped_S
     return y_BLD, aux
 
 

@@ -174,12 +174,13 @@ def capacity():
   dispatch = lambda c, transport: functools.partial(
       moe_parallel.expert_parallel_dispatch, transport=transport, capacity_factor=c,
       mesh=mesh, rules=rules)
-  run = lambda c: jax.jit(dispatch(c, "all_to_all"))(x_MD, weights_MX, experts_MX, *w)[:2]
+  run = lambda c: (lambda y, dropped_S, _: (y, dropped_S.sum()))(
+      *jax.jit(dispatch(c, "all_to_all"))(x_MD, weights_MX, experts_MX, *w))
   probe = jax.random.normal(ks[4], (m_total, d))
 
   def probed(xm, wm, transport):
-    y, dropped, _ = dispatch(1.0, transport)(xm, wm, experts_MX, *w)
-    return jnp.vdot(y, probe), (y, dropped)
+    y, dropped_S, _ = dispatch(1.0, transport)(xm, wm, experts_MX, *w)
+    return jnp.vdot(y, probe), (y, dropped_S.sum())
 
   # (y, dropped), (token and router-weight gradients) at capacity 1.0
   run_grads = lambda transport: (lambda out: (out[0][1], out[1]))(jax.jit(jax.value_and_grad(

@@ -214,4 +214,16 @@ def test_capacity_on_one_device_drops_nothing_and_reports_it():
   with sharding.activation_sharding(mesh, sharding.default_logical_axis_rules()):
     y, aux = _moe_outputs(cap_cfg, params, x_BLD)
   np.testing.assert_allclose(y, ref_y, atol=1e-6)
-  assert float(aux["moe_dropped_fraction"]) == 0.0
+  assert aux["moe_dropped_fraction"].shape == (1,)  # one token shard
+  assert float(aux["moe_dropped_fraction"].sum()) == 0.0
+
+
+def test_dropped_fraction_is_summed_over_shards_once_a_step():
+  """Each layer's aux holds the dropped fraction per token shard; the metric sums each layer's
+  shards and takes the mean over layers (a scanned run's `[layers, S]`, an MTP depth's `[S]`)."""
+  from glm5_jax.train import losses  # pylint: disable=g-import-not-at-top
+  out = {"aux": {"layers": {"layers_1_3": {"moe_dropped_fraction": jnp.array(
+      [[0.1, 0.2], [0.0, 0.0], [0.3, 0.0]])}, "layers_0_0": {}},
+                 "mtp": [{"moe_dropped_fraction": jnp.array([0.05, 0.15])}]}}
+  assert float(losses.mean_dropped_fraction(out)) == pytest.approx((0.3 + 0.0 + 0.3 + 0.2) / 4)
+  assert float(losses.mean_dropped_fraction({"aux": {"layers": {}, "mtp": []}})) == 0.0

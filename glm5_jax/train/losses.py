@@ -204,9 +204,10 @@ def mean_sequence_balance_loss(out):
 
 def mean_dropped_fraction(out):
   """Mean over MoE layers of the fraction of (token, expert) pairs the expert-parallel dispatch
-  dropped for capacity (`model.moe_capacity_factor`); 0 without any."""
-  dropped_n = _per_layer(out, "moe_dropped_fraction", rank=0)
-  return jnp.zeros((), jnp.float32) if dropped_n is None else jnp.mean(dropped_n)
+  dropped for capacity (`model.moe_capacity_factor`); 0 without any. Each layer's aux holds it
+  per token shard (`[shards]`): summed here, once a step, not in every layer."""
+  dropped_nS = _per_layer(out, "moe_dropped_fraction", rank=1)
+  return jnp.zeros((), jnp.float32) if dropped_nS is None else jnp.mean(dropped_nS.sum(-1))
 
 
 def expert_counts(out):
