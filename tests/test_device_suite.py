@@ -202,6 +202,17 @@ def test_profile_of_a_cpu_trace(tmp_path):
   assert sum(r["pct"] for r in summary["category_rows"]) == pytest.approx(100)
 
 
+def test_a_tracer_plane_is_not_a_device():
+  """libtpu, once loaded in the process, adds a `/device:CUSTOM:Megascale Trace` plane to a CPU
+  run's trace: the host's thunk events are still the kernels."""
+  trace = {"traceEvents": [
+      dict(ph="M", pid=1, name="process_name", args=dict(name="/device:CUSTOM:Megascale Trace")),
+      dict(ph="M", pid=701, name="process_name", args=dict(name="/host:CPU")),
+      dict(ph="X", pid=701, tid=5, name="fusion.3", ts=0.0, dur=4.0,
+           args=dict(hlo_op="fusion.3", hlo_module="jit_f"))]}
+  assert [k["hlo_op"] for k in profile.device_kernels(trace)] == ["fusion.3"]
+
+
 def _gpu_trace():
   """A trace shaped as xprof writes a GPU run: `/device:GPU:0` with one stream line and a
   derived `XLA Ops` line repeating the kernels, and a host process whose events carry hlo_op

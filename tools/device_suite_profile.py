@@ -81,7 +81,10 @@ def device_kernels(trace: dict) -> list[dict]:
       processes[e["pid"]] = e.get("args", {}).get("name", "")
     elif e.get("ph") == "M" and e.get("name") == "thread_name":
       threads[e["pid"], e.get("tid")] = e.get("args", {}).get("name", "")
-  devices = {pid for pid, name in processes.items() if name.startswith("/device:")}
+  # `/device:CUSTOM:...` planes are tracers, not devices (libtpu, once loaded in the process,
+  # adds "/device:CUSTOM:Megascale Trace" even to a CPU run's trace): no kernels there.
+  devices = {pid for pid, name in processes.items()
+             if name.startswith("/device:") and not name.startswith("/device:CUSTOM:")}
   streams = {key for key, name in threads.items() if key[0] in devices
              and name.lower().startswith("stream")}
   stream_devices = {pid for pid, _ in streams}
