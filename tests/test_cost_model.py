@@ -207,6 +207,10 @@ def test_an_async_collective_hides_behind_the_compute_scheduled_inside_it():
   assert times["schedule"] == pytest.approx(max(gather, 1e-3) + 3 * 1e-4 + reduce)
   assert times["ideal"] == pytest.approx(max(times["compute"], gather + reduce))
   assert times["ideal"] < times["schedule"] < times["none"]
+  # Each wait charged to its collective: the gather's uncovered part, the all-reduce whole.
+  waits = {(kind, name): seconds for seconds, kind, name, _ in
+           schedule.exposed_waits(module, costs)}
+  assert waits == pytest.approx({("async", "ag"): gather - 1e-3, ("sync", "ar"): reduce})
 
 
 # ---------------------------------------------------------------------------- the torus
@@ -272,6 +276,10 @@ def test_async_collective_fusions_hide_the_pipelined_gathers():
   assert times["collectives"] == pytest.approx(4 * seconds)
   assert times["schedule"] == pytest.approx(times["compute"] + seconds)
   assert times["schedule"] < times["none"]
+  # Per step the charged waits are what the schedule adds to the compute: the peeled gather.
+  waits = schedule.exposed_waits(module, costs)
+  assert sum(w[0] for w in waits) == pytest.approx(times["schedule"] - times["compute"])
+  assert waits[0][0] == pytest.approx(seconds) and waits[0][1] == "sync"
 
 
 @pytest.mark.parametrize("op_name, expected", [

@@ -10,7 +10,9 @@ model FLOPs and the roofline bound of the same step (else `--tokens_per_chip` an
 `--model_flops_per_token`). Prints `glm5_jax.planning.step_cost.format_report`: seconds per step
 by category (the TPU compiler's estimated_cycles; custom calls at a stated efficiency), the
 collectives on the slice's torus, and the step time and MFU with no overlap, the compiled
-schedule's overlap, and ideal overlap, each a compiler estimate, beside the bound.
+schedule's overlap, and ideal overlap, each a compiler estimate, beside the bound; then the
+costliest instructions and the largest waits the schedule exposes, each charged to the
+collective that caused it (`glm5_jax.planning.schedule.exposed_waits`).
 """
 
 import argparse

@@ -28,6 +28,14 @@ and collectives:
 Collectives are serialised on one stream (two in flight queue, they do not share links), and a
 loop body's collectives do not contend with one issued outside it. No overlap: the sum of every
 compute and collective price per step; ideal: the larger of the two sums.
+
+What the schedule exposes, collective by collective (`exposed_waits`): every time the walk
+moves the compute clock past where compute alone would have it, the wait is charged to the
+collective that caused it: a synchronous one's queueing behind those in flight ("queued") and
+its own transfer ("sync"), an asynchronous one's part not covered by the compute before its done
+("async"), and what is still in flight when a computation ends ("tail"); a SparseCore call
+outlasting the compute before its done is "call". Per step, the charges add up to the
+schedule-aware time minus the compute the walk runs (all of it, but the SparseCore calls').
 """
 
 import re
@@ -48,6 +56,7 @@ class _Walker:
     self.module = module
     self.price = {(c.computation, c.name): c for c in costs}
     self.memo = {}
+    self.waits = {}  # (computation, kind, the waiting instruction's name) -> seconds a run
 
   def block(self, computation: str) -> tuple[float, bool]:
     """`(seconds, holds a collective)` of one run of `computation`."""
@@ -71,26 +80,39 @@ class _Walker:
   def _walk(self, computation: str) -> tuple[float, bool]:
     now = stream = side = 0.0  # the compute, collective and SparseCore streams' clocks
     pending, has_collective = {}, False
+    issued_by = {}  # pending key -> (kind of wait, the issuing instruction's name)
+
+    def wait_until(t, kind, name):
+      nonlocal now
+      if t > now:
+        key = (computation, kind, name)
+        self.waits[key] = self.waits.get(key, 0.0) + t - now
+        now = t
+
     for instr in self.module.computations[computation]:
       cost = self.price.get((computation, instr.name))
       role = hlo_stats.async_collective_role(instr)
       if role == "done":
         key = f"channel {hlo_stats.fused_channel(self.module, instr)}"
-        now = max(now, pending.pop(key, now))
+        wait_until(pending.pop(key, now), *issued_by.pop(key, ("async", instr.name)))
       elif role == "start" and cost is not None and _is_collective(cost):
         has_collective = True
         stream = max(now, stream) + cost.seconds
-        pending[f"channel {hlo_stats.fused_channel(self.module, instr)}"] = stream
+        key = f"channel {hlo_stats.fused_channel(self.module, instr)}"
+        pending[key], issued_by[key] = stream, ("async", instr.name)
       elif instr.op.endswith(_ASYNC_DONE):
-        now = max(now, pending.pop(instr.operands[0], now) if instr.operands else now)
+        key = instr.operands[0] if instr.operands else None
+        wait_until(pending.pop(key, now), *issued_by.pop(key, ("async", instr.name)))
       elif instr.op == "call-start":  # an asynchronous call on another unit (SparseCore)
         seconds, _ = self.block(_attr(instr, "to_apply") or "")
         side = pending[instr.name] = max(now, side) + seconds
+        issued_by[instr.name] = ("call", instr.name)
       elif instr.op == "async-start":
         seconds, inner = self.block(_attr(instr, "calls") or "")
         if inner:  # a wrapped collective: on the collective stream
           start = max(now, stream)
           stream = pending[instr.name] = start + seconds
+          issued_by[instr.name] = ("async", instr.name)
           has_collective = True
         else:
           now += seconds
@@ -99,9 +121,10 @@ class _Walker:
         start = max(now, stream)
         stream = start + cost.seconds
         if instr.op.endswith("-start"):
-          pending[instr.name] = stream
+          pending[instr.name], issued_by[instr.name] = stream, ("async", instr.name)
         else:
-          now = stream
+          wait_until(start, "queued", instr.name)
+          wait_until(stream, "sync", instr.name)
       elif cost is not None:
         now += cost.seconds
       elif instr.op in ("while", "call", "conditional"):
@@ -109,12 +132,26 @@ class _Walker:
         has_collective |= any(self.block(c)[1] for c in instr.callees()
                               if c in self.module.computations)
         now += seconds
-    return max([now, *pending.values()]), has_collective
+    for key, t in pending.items():  # in flight at the end: the computation ends with it
+      wait_until(t, "tail", issued_by.get(key, ("tail", key))[1])
+    return now, has_collective
 
 
 def _attr(instr, key: str) -> str | None:
   match = re.search(rf"\b{key}=%([^\s,}}]+)", instr.attributes)
   return match[1] if match else None
+
+
+def exposed_waits(module, costs: list) -> list[tuple[float, str, str, str]]:
+  """What the compiled schedule exposes, per collective (module docstring): `(seconds per step,
+  kind, the collective's instruction, its computation)`, largest first; kinds "queued", "sync",
+  "async", "tail" and "call"."""
+  walker = _Walker(module, costs)
+  walker.block(module.entry)
+  runs = module.executions()
+  rows = [(seconds * max(runs.get(computation, 1), 1), kind, name, computation)
+          for (computation, kind, name), seconds in walker.waits.items()]
+  return sorted(rows, reverse=True)
 
 
 def step_times(module, costs: list) -> dict[str, float]:

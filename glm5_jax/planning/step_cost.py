@@ -43,6 +43,9 @@ class CostReport:
   # kernel -> {phase: calls per step}: which custom calls run how often in the forward, the
   # remat recompute and the backward (`kernel_calls`)
   kernel_calls: dict = dataclasses.field(default_factory=dict)
+  # the largest waits the compiled schedule exposes, each charged to its collective
+  # (`schedule.exposed_waits`): (seconds per step, kind, the collective's op_name)
+  top_waits: tuple = ()
 
 
 def torus_of(target: str) -> Torus:
@@ -123,6 +126,9 @@ def price_module(module, target: str, layout: dict, tokens_per_chip: float,
   mfu = {way: (model / (times[way] * chip.peak_flops) if model and times[way] else None)
          for way in WAYS}
   ranked = sorted(costs, key=lambda c: -c.seconds * c.runs)[:top]
+  sources = {(c.computation, c.name): c.source for c in costs}
+  waits = tuple((seconds, kind, sources.get((computation, name), name))
+                for seconds, kind, name, computation in schedule.exposed_waits(module, costs)[:top])
   return CostReport(
       target, op_costs.by_category(compute),
       op_costs.by_category([c for c in compute if c.kind.startswith("kernel")]),
@@ -130,7 +136,7 @@ def price_module(module, target: str, layout: dict, tokens_per_chip: float,
       dict(sorted(by_axes.items(), key=lambda kv: -kv[1])), times, mfu, tokens_per_chip,
       model, _unpriced(module, costs),
       tuple((c.seconds * c.runs, c.category, c.kind, c.runs, c.source) for c in ranked),
-      kernel_calls(compute))
+      kernel_calls(compute), waits)
 
 
 def price_text(hlo_text: str, target: str, layout: dict, tokens_per_chip: float,
@@ -179,4 +185,9 @@ def format_report(report: CostReport, bound=None) -> str:
   lines.append("  costliest instructions per step:")
   for seconds, category, kind, runs, source in report.top_ops:
     lines.append(f"    {seconds:8.3f} s  {category:<22} {kind:<18} x{runs:<6} ...{source[-70:]}")
+  if report.top_waits:
+    lines.append("  largest waits the schedule exposes per step (each charged to its collective; "
+                 "queued: a synchronous one behind those in flight):")
+    for seconds, kind, source in report.top_waits:
+      lines.append(f"    {seconds:8.3f} s  {kind:<7} ...{source[-90:]}")
   return "\n".join(lines)
