@@ -142,23 +142,28 @@ def _attr(instr, key: str) -> str | None:
   return match[1] if match else None
 
 
+def step_times_and_waits(module, costs: list) -> tuple[dict[str, float], list]:
+  """`(step_times(...), exposed_waits(...))` from one walk of the schedule."""
+  walker = _Walker(module, costs)
+  scheduled, _ = walker.block(module.entry)
+  compute = sum(c.seconds * c.runs for c in costs if not _is_collective(c))
+  collectives = sum(c.seconds * c.runs for c in costs if _is_collective(c))
+  times = {"none": compute + collectives, "schedule": scheduled,
+           "ideal": max(compute, collectives), "compute": compute, "collectives": collectives}
+  runs = module.executions()
+  waits = sorted(((seconds * max(runs.get(computation, 1), 1), kind, name, computation)
+                  for (computation, kind, name), seconds in walker.waits.items()), reverse=True)
+  return times, waits
+
+
 def exposed_waits(module, costs: list) -> list[tuple[float, str, str, str]]:
   """What the compiled schedule exposes, per collective (module docstring): `(seconds per step,
   kind, the collective's instruction, its computation)`, largest first; kinds "queued", "sync",
   "async", "tail" and "call"."""
-  walker = _Walker(module, costs)
-  walker.block(module.entry)
-  runs = module.executions()
-  rows = [(seconds * max(runs.get(computation, 1), 1), kind, name, computation)
-          for (computation, kind, name), seconds in walker.waits.items()]
-  return sorted(rows, reverse=True)
+  return step_times_and_waits(module, costs)[1]
 
 
 def step_times(module, costs: list) -> dict[str, float]:
   """Seconds per step (module docstring): `none` (every price added), `schedule` (the compiled
   schedule's overlap), `ideal` (max of compute and collectives), and the two sums."""
-  compute = sum(c.seconds * c.runs for c in costs if not _is_collective(c))
-  collectives = sum(c.seconds * c.runs for c in costs if _is_collective(c))
-  scheduled, _ = _Walker(module, costs).block(module.entry)
-  return {"none": compute + collectives, "schedule": scheduled,
-          "ideal": max(compute, collectives), "compute": compute, "collectives": collectives}
+  return step_times_and_waits(module, costs)[0]

@@ -121,14 +121,14 @@ def price_module(module, target: str, layout: dict, tokens_per_chip: float,
     by_kind[base] = by_kind.get(base, 0.0) + c.seconds * c.runs
     axes = _axes_of(c, instrs, layout)
     by_axes[axes] = by_axes.get(axes, 0.0) + c.seconds * c.runs
-  times = schedule.step_times(module, costs)
+  times, waits = schedule.step_times_and_waits(module, costs)
   model = None if model_flops_per_token is None else model_flops_per_token * tokens_per_chip
   mfu = {way: (model / (times[way] * chip.peak_flops) if model and times[way] else None)
          for way in WAYS}
   ranked = sorted(costs, key=lambda c: -c.seconds * c.runs)[:top]
   sources = {(c.computation, c.name): c.source for c in costs}
   waits = tuple((seconds, kind, sources.get((computation, name), name))
-                for seconds, kind, name, computation in schedule.exposed_waits(module, costs)[:top])
+                for seconds, kind, name, computation in waits[:top])
   return CostReport(
       target, op_costs.by_category(compute),
       op_costs.by_category([c for c in compute if c.kind.startswith("kernel")]),
