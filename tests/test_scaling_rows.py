@@ -8,6 +8,7 @@ import subprocess
 import sys
 
 from configs import glm5_744b
+from glm5_jax.layers.remat import REMAT_POLICIES
 from glm5_jax.planning import scaling_rows
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
@@ -27,6 +28,8 @@ def test_every_rows_flags_are_plan_memorys_flags_or_config_fields():
           node = node[part]
       else:
         assert name in defined | {"config"}, f"row {row.name}: {arg}: not a plan_memory flag"
+      if name == "remat_policy":
+        assert value in REMAT_POLICIES, f"row {row.name}: {arg}: not a remat policy"
     assert len(set(a.partition("=")[0] for a in row.args)) == len(row.args), row.name
     command = scaling_rows.command(row, "/out")
     assert command[1] == "tools/plan_memory.py" and "--json" in command
