@@ -183,7 +183,7 @@ class MoE(nn.Module):
       # The shared experts and the load counts' all-reduce before any row moves: their
       # collectives would otherwise queue behind the exchanges in flight (moe_parallel,
       # "Weights before rows").
-      shared_BLD = shared_experts(x_BLD) if shared_experts else None
+      shared_BLD = shared_experts(x_BLD) if shared_experts is not None else None
       # float kernels, or integer ones as (q, scale) per projection
       y_MD, dropped_S, (shared_BLD, counts_E, balance) = moe_parallel.expert_parallel_dispatch(
           x_MD, weights_MX, experts_MX, *experts, transport=c.moe_transport,
@@ -196,7 +196,7 @@ class MoE(nn.Module):
       y_MD, _ = dispatch_experts(x_MD, weights_MX, experts_MX, *experts, matmul=c.moe_matmul)
       dropped_S = jnp.zeros((1,), jnp.float32)
     y_BLD = y_MD.reshape(b, l, d)
-    if shared_experts:
+    if shared_experts is not None:
       y_BLD = y_BLD + (shared_experts(x_BLD) if shared_BLD is None else shared_BLD)
     aux = {"expert_counts": counts_E, "sequence_balance_loss": balance,
            "experts": experts_MX.reshape(b, l, -1)}
