@@ -202,16 +202,11 @@ def expert_parallel_dispatch(x_MD, weights_MX, experts_MX, w_gate_EDF, w_up_EDF,
   local = functools.partial(_chunked_dispatch, chunks=chunks, expert_axis=expert_axis, n=n,
                             f_axes=f_axes, transport=transport, matmul=impl,
                             capacity_factor=capacity_factor)
+  kernel_specs = (PartitionSpec(expert_axis, None, f_spec),
+                  PartitionSpec(expert_axis, None, f_spec),
+                  PartitionSpec(expert_axis, f_spec, None))
   if quantized:  # (q, scale) pairs; the scale's group axis whole (F is, above)
-    kernels = (w_gate_EDF, w_up_EDF, w_down_EFD)
-    kernel_specs = tuple((spec, spec) for spec in (PartitionSpec(expert_axis, None, f_spec),
-                                                   PartitionSpec(expert_axis, None, f_spec),
-                                                   PartitionSpec(expert_axis, f_spec, None)))
-  else:
-    f_shards = math.prod(mesh.shape[a] for a in f_axes)
-    kernels = (_gate_and_up(w_gate_EDF, w_up_EDF, f_shards), w_down_EFD)
-    kernel_specs = (PartitionSpec(expert_axis, None, f_spec),
-                    PartitionSpec(expert_axis, f_spec, None))
+    kernel_specs = tuple((spec, spec) for spec in kernel_specs)
   per_shard = PartitionSpec(token_axes)
   counted = jax.shard_map(
       functools.partial(_exchanged_counts, chunks=chunks, n=n, local_experts=num_experts // n,
@@ -219,11 +214,11 @@ def expert_parallel_dispatch(x_MD, weights_MX, experts_MX, w_gate_EDF, w_up_EDF,
       mesh=mesh, in_specs=(tokens,), out_specs=(per_shard,) * 3)(experts_MX)
   kernels = jax.tree.map(
       lambda w, spec: jax.lax.with_sharding_constraint(w, NamedSharding(mesh, spec)),
-      kernels, kernel_specs)
+      (w_gate_EDF, w_up_EDF, w_down_EFD), kernel_specs)
   x_MD, weights_MX, experts_MX, counted, kernels, first = _in_order(
       (x_MD, weights_MX, experts_MX, counted, kernels, computed_first))
   y_MD, dropped_S = jax.shard_map(
-      local, mesh=mesh, in_specs=(tokens, tokens, tokens, *(per_shard,) * 3, kernel_specs),
+      local, mesh=mesh, in_specs=(tokens, tokens, tokens, *(per_shard,) * 3, *kernel_specs),
       out_specs=(tokens, PartitionSpec(token_axes)),
       # A pallas_call (megablox's, the Triton gmm's) states no varying-axes type for its
       # outputs, which check_vma requires. Without it, shard_map's transpose divides the unmapped
@@ -231,24 +226,8 @@ def expert_parallel_dispatch(x_MD, weights_MX, experts_MX, w_gate_EDF, w_up_EDF,
       # differentiates exactly (tests/moe_parallel_cases.py compares the gradients with the
       # reference).
       check_vma=impl not in ("megablox", "triton_gmm") or quantized)(
-          x_MD, weights_MX, experts_MX, *counted, kernels)
+          x_MD, weights_MX, experts_MX, *counted, *kernels)
   return y_MD[:m], dropped_S / (m * x), first
-
-
-def _gate_and_up(w_gate_EDF, w_up_EDF, f_shards: int):
-  """`[E, D, 2F]`: each of the `f_shards` blocks of F (the expert_mlp axes' shards) holds its
-  gate columns, then its up columns, so a device's local `[E/n, D, 2F/t]` splits in two halves
-  at F/t. One grouped matmul then computes both projections, and its transpose sums both
-  halves' input gradients in one accumulation: as two matmuls the backward added two
-  `[rows, D]` gradients, a pass over 0.5 GiB a chunk (0.26 s a step in the 744B headline's
-  schedule). Joined on the fsdp shards, before they are gathered: one all-gather of the joined
-  kernel, no copy at full size."""
-  e, d, f = w_gate_EDF.shape
-  if f % f_shards:
-    raise ValueError(f"model.moe_intermediate_size: {f} is not divisible by the expert_mlp "
-                     f"axes' {f_shards} shards")
-  blocks = lambda w: w.reshape(e, d, f_shards, f // f_shards)
-  return jnp.concatenate([blocks(w_gate_EDF), blocks(w_up_EDF)], axis=-1).reshape(e, d, 2 * f)
 
 
 @jax.custom_vjp
@@ -416,13 +395,13 @@ _spread_rows.defvjp(_spread_rows_fwd, _spread_rows_bwd)
 
 
 def _chunked_dispatch(x_MD, weights_MX, experts_MX, counts_1KNE, recv_1KNE, sizes_1NKN,
-                      kernels, chunks, expert_axis, n, **kw):
+                      *kernels, chunks, expert_axis, n, **kw):
   """`_local_dispatch` of one shard's tokens in `chunks` contiguous, independent passes, with
   the pair counts all of them exchanged first (`_exchanged_counts`)."""
   local_experts = counts_1KNE.shape[-1]
   split = lambda a: jnp.split(a, chunks)
   counts = [(counts_1KNE[0, k], recv_1KNE[0, k], sizes_1NKN[0, :, k]) for k in range(chunks)]
-  outs = [_local_dispatch(*chunk, kernels, *counted, expert_axis=expert_axis, n=n,
+  outs = [_local_dispatch(*chunk, *kernels, *counted, expert_axis=expert_axis, n=n,
                           local_experts=local_experts, **kw)
           for chunk, counted in zip(zip(split(x_MD), split(weights_MX), split(experts_MX)),
                                     counts)]
@@ -452,16 +431,15 @@ def _exchanged_counts(experts_MX, *, chunks, n, local_experts, expert_axis):
   return counts_KNE[None], recv_KNE[None], sizes_NKN[None]
 
 
-def _local_dispatch(x_MD, weights_MX, experts_MX, kernels, counts_NE, recv_counts_NE, sizes_NN,
-                    *, expert_axis, n, local_experts, f_axes, transport, matmul,
-                    capacity_factor):
+def _local_dispatch(x_MD, weights_MX, experts_MX, w_gate_EDF, w_up_EDF, w_down_EFD, counts_NE,
+                    recv_counts_NE, sizes_NN, *, expert_axis, n, local_experts, f_axes,
+                    transport, matmul, capacity_factor):
   """One shard: its m tokens, its E/n experts (`E` here is the local count), the exchanged
-  counts (`_exchanged_counts`); `kernels` the local `(gate and up [E, D, 2F] (`_gate_and_up`),
-  down [E, F, D])`, or quantized `(gate, up, down)` as `(q, scale)` pairs. Row arrays in groups
-  (`GROUP`) have a G in their name: `[groups, GROUP, D]`; counts of groups end in `_g`."""
+  counts (`_exchanged_counts`). Row arrays in groups (`GROUP`) have a G in their name:
+  `[groups, GROUP, D]`; counts of groups end in `_g`."""
   m, x = experts_MX.shape
   d = x_MD.shape[-1]
-  quantized = len(kernels) == 3
+  quantized = isinstance(w_gate_EDF, tuple)
   me = jax.lax.axis_index(expert_axis)
   flat_experts_P = experts_MX.reshape(-1)
   order_P = jnp.argsort(flat_experts_P, stable=True)
@@ -537,13 +515,7 @@ def _local_dispatch(x_MD, weights_MX, experts_MX, kernels, counts_NE, recv_count
     # (`glm5_jax.grouped_matmul`: both compilers run some of `ragged_dot` dense over the experts).
     mm = functools.partial(grouped_matmul.grouped_matmul, group_sizes_G=group_sizes,
                            impl=matmul)
-  if quantized:
-    w_gate_EDF, w_up_EDF, w_down_EFD = kernels
-    h_RF = jax.nn.silu(mm(xs_RD, w_gate_EDF)) * mm(xs_RD, w_up_EDF)
-  else:
-    w_gate_up_ED2F, w_down_EFD = kernels
-    gate_RF, up_RF = jnp.split(mm(xs_RD, w_gate_up_ED2F), 2, axis=-1)
-    h_RF = jax.nn.silu(gate_RF) * up_RF
+  h_RF = jax.nn.silu(mm(xs_RD, w_gate_EDF)) * mm(xs_RD, w_up_EDF)
   ys_G = _permute_rows(mm(h_RF, w_down_EFD).reshape(rows_g, GROUP, d), inverse_G, order_G)
 
   if transport == "ragged_all_to_all":

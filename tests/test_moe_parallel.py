@@ -7,7 +7,6 @@ must be requested before jax initializes); the rest run in-process on one device
 import dataclasses
 import functools
 import json
-import math
 import os
 import subprocess
 import sys
@@ -92,11 +91,8 @@ def test_expert_weights_are_never_all_gathered_across_experts():
   ep = r["expert_parallel"]
   assert ep["expert_weight_gathers"] == [], r
   assert ep["all_to_alls"] >= 4, r
-  # The only weight gathers are over fsdp, of the 16 / 4 local experts: one of the gate and
-  # up kernels joined ([4, 64, 2 x 32], as the partitioner shapes it) and one of the down kernel.
-  kernels = [s for s in ep["all_gathers"] if len(s) >= 3]
-  assert sorted(math.prod(s) for s in kernels) == [4 * 32 * 64, 4 * 64 * 2 * 32], r
-  assert [4, 32, 64] in kernels, r
+  # The only weight gathers are over fsdp, of the 16 / 4 local experts.
+  assert [s for s in ep["all_gathers"] if len(s) == 3] == [[4, 64, 32]] * 2 + [[4, 32, 64]], r
   # Full remat reruns the count exchange in the backward; save_selections keeps its results.
   assert r["int32 exchanges, remat full"] == {"all_to_all": 2, "all_gather": 2}, r
   assert r["int32 exchanges, remat save_selections"] == {"all_to_all": 1, "all_gather": 1}, r

@@ -15,8 +15,8 @@ import subprocess
 import sys
 
 # Muon's Newton-Schulz in bf16 (`optim.ns_dtype`, the usual Muon practice): the iteration's
-# matmuls and its whole-matrix exchanges at half the bytes (docs/scaling.md, "Gate and up as
-# one grouped matmul; Newton-Schulz in bf16").
+# matmuls and its whole-matrix exchanges at half the bytes (docs/scaling.md, "Newton-Schulz in
+# bf16; the expert matmuls' zeroing passes").
 _TRAIN = ("--config=configs/glm5_744b.py", "--remat_policy=save_selections",
           "--config.model.dsa_impl=pallas", "--config.model.moe_impl=expert_parallel",
           "--config.model.moe_capacity_factor=1.25", "--config.optim.ns_dtype=bfloat16")
