@@ -11,6 +11,7 @@ import pytest
 
 from glm5_jax.accelerators import ACCELERATORS
 from glm5_jax.planning import hlo_loops, hlo_stats, op_costs, schedule, step_cost, torus
+from tools import plan_cost
 
 FIXTURES = pathlib.Path(__file__).parent / "fixtures" / "cost_model"
 V5P = ACCELERATORS["v5p"]
@@ -374,3 +375,27 @@ def test_kernel_calls_count_each_kernel_per_phase():
       "sparse_mla_forward": {"forward": 148, "remat": 74, "backward": 0},
       "sparse_mla_backward": {"forward": 0, "remat": 0, "backward": 2368},
       "tgmm": {"forward": 0, "remat": 0, "backward": 74}}
+
+
+def test_plan_costs_compute_by_phase_splits_each_category_and_leaves_collectives_out():
+  """`tools/plan_cost.py --by_phase`: each priced instruction's seconds x runs in its category
+  and the phase its op_name puts it in; the largest category first; torus-priced collectives
+  are not compute."""
+  scan = "jit(train_step)/jvp(GLM5)/GLM5._scanned_run/while/body/closed_call/layers_3_77.body/"
+  back = "jit(train_step)/transpose(jvp(GLM5))/GLM5._scanned_run/while/body/closed_call/checkpoint/"
+  cost = lambda category, source, seconds, runs, kind="compiler estimate": op_costs.OpCost(
+      "i", "c", "fusion", category, kind, seconds, runs, source)
+  costs = [cost("DSA sparse", scan + "self_attn/sparse_mla/while/exp", 1e-3, 75),
+           cost("DSA sparse", back + "rematted_computation/layers_3_77.body/self_attn/x", 1e-3, 75),
+           cost("DSA sparse", back + "layers_3_77.body/self_attn/sparse_mla/y", 2e-3, 75),
+           cost("optimizer", "jit(train_step)/while/body/closed_call/vmap()/dot_general", 0.5, 1),
+           cost("MoE dispatch/relayout", scan + "mlp/shard_map/ragged_all_to_all", 9.0, 75,
+                kind="torus")]
+  table = plan_cost.compute_by_phase(costs)
+  assert list(table) == ["optimizer", "DSA sparse"]
+  assert table["DSA sparse"] == pytest.approx({"forward": 0.075, "remat": 0.075,
+                                               "backward": 0.15})
+  assert table["optimizer"] == {"forward": 0.5, "remat": 0.0, "backward": 0.0}
+  text = plan_cost.format_by_phase(table)
+  assert "  compute" in text and text.splitlines()[-1].split()[-1] == "0.800"
+

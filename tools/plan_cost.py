@@ -12,7 +12,12 @@ by category (the TPU compiler's estimated_cycles; custom calls at a stated effic
 collectives on the slice's torus, and the step time and MFU with no overlap, the compiled
 schedule's overlap, and ideal overlap, each a compiler estimate, beside the bound; then the
 costliest instructions and the largest waits the schedule exposes, each charged to the
-collective that caused it (`glm5_jax.planning.schedule.exposed_waits`).
+collective that caused it (`glm5_jax.planning.schedule.exposed_waits`). `--by_phase`: then the
+compute of each category split by the phase of the model's program its instructions belong to
+(`flop_ledger.model_phase`: forward; remat, every rematerialized computation, i.e. the
+backward's rerun of each layer and the checkpoints inside a layer such as the indexer KL's
+query blocks; backward; the optimizer and the loss outside the layers count as forward): what
+the recompute costs, and where.
 """
 
 import argparse
@@ -23,7 +28,8 @@ import sys
 import time
 import types
 
-from glm5_jax.planning import hlo_loops, step_cost
+from glm5_jax.accelerators import ACCELERATORS
+from glm5_jax.planning import aot_targets, flop_ledger, hlo_loops, op_costs, step_cost
 
 
 def _read(path: str) -> str:
@@ -40,6 +46,29 @@ def _plan_json(path: str) -> dict:
   return json.loads(lines[-1])
 
 
+def compute_by_phase(costs) -> dict[str, dict[str, float]]:
+  """`{category: {phase: seconds per step}}` of the priced compute (collectives left out), the
+  categories largest first; phases as `step_cost.PHASES`."""
+  table = {}
+  for c in costs:
+    if c.kind == "torus":
+      continue
+    row = table.setdefault(c.category, dict.fromkeys(step_cost.PHASES, 0.0))
+    row[flop_ledger.model_phase(c.source)] += c.seconds * c.runs
+  return dict(sorted(table.items(), key=lambda kv: -sum(kv[1].values())))
+
+
+def format_by_phase(table: dict[str, dict[str, float]]) -> str:
+  phases = step_cost.PHASES
+  lines = ["compute by phase (seconds per step; compiler estimates, custom calls at the stated "
+           "efficiency):", f"  {'':28s}" + "".join(f"{p:>10s}" for p in phases) + f"{'total':>10s}"]
+  for name, row in list(table.items()) + [("compute", {p: sum(r[p] for r in table.values())
+                                                        for p in phases})]:
+    lines.append(f"  {name:28s}" + "".join(f"{row[p]:10.3f}" for p in phases)
+                 + f"{sum(row.values()):10.3f}")
+  return "\n".join(lines)
+
+
 def main(argv=None):
   parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
   parser.add_argument("--hlo", required=True)
@@ -50,6 +79,8 @@ def main(argv=None):
   parser.add_argument("--tokens_per_chip", type=float, default=None)
   parser.add_argument("--model_flops_per_token", type=float, default=None)
   parser.add_argument("--json", action="store_true")
+  parser.add_argument("--by_phase", action="store_true", help="also the compute of each "
+                      "category per phase: forward / remat (recompute) / backward")
   args = parser.parse_args(argv)
   layout_path = args.mesh_json or args.hlo.removesuffix(".gz") + ".mesh.json"
   with open(layout_path) as f:
@@ -68,6 +99,10 @@ def main(argv=None):
   print(f"{args.hlo}: parsed and priced in {time.perf_counter() - start:.0f} s; "
         f"{tokens:.0f} tokens per chip per step", file=sys.stderr)
   print(step_cost.format_report(report, bound=bound))
+  if args.by_phase:
+    chip = ACCELERATORS[aot_targets.parse_target(args.target)[0]]
+    costs = op_costs.price_module(module, chip, layout["coords"], step_cost.torus_of(args.target))
+    print(format_by_phase(compute_by_phase(costs)))
   if args.json:
     print(json.dumps(dataclasses.asdict(report)))
 
