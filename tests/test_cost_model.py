@@ -398,4 +398,3 @@ def test_plan_costs_compute_by_phase_splits_each_category_and_leaves_collectives
   assert table["optimizer"] == {"forward": 0.5, "remat": 0.0, "backward": 0.0}
   text = plan_cost.format_by_phase(table)
   assert "  compute" in text and text.splitlines()[-1].split()[-1] == "0.800"
-
