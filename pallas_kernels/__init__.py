@@ -18,6 +18,10 @@ forward pass for it.
 `sparse_mla_dense` (XLA, any backend) computes the sparse MLA over every key with the selection
 as per-key counts, no gather or scatter (`model.dsa_attention_keys`); its parts
 (`sparse_mla_dense_parts`) give the KL target from their backward, as the GPU row's do.
+`sparse_mla_dense_expanded` is the same over per-head keys and values (the expanded form,
+fewer FLOPs where `N + V < 2 C`, as at GLM-5's dims), with parts of the same kind; XLA, the
+reference of `sparse_mla_dense_expanded_pallas`, its flash-attention TPU kernels (the TPU row's
+`DSAOps.dense_expanded_parts`), which the model runs over every key with `dsa_impl` "pallas".
 `dsa_ops(model.dsa_impl)` (`pallas_kernels.dispatch`) is the row that runs: "xla"; "pallas" =
 the TPU kernels on TPU, the GPU kernels on GPU, an error naming `model.dsa_impl` elsewhere;
 "pallas_interpret" = the TPU kernels in interpret mode (CPU tests).
@@ -71,6 +75,10 @@ from pallas_kernels.sparse_mla import sparse_mla_head_mean_probs, sparse_mla_ref
 from pallas_kernels.sparse_mla_pallas import sparse_mla_pallas, sparse_mla_pallas_with_head_probs
 from pallas_kernels.sparse_mla_dense import (sparse_mla_dense, sparse_mla_dense_parts,
                                              sparse_mla_dense_with_kl_target)
+from pallas_kernels.sparse_mla_dense_expanded import (sparse_mla_dense_expanded,
+                                                      sparse_mla_dense_expanded_parts)
+from pallas_kernels.sparse_mla_dense_expanded_pallas import (
+    sparse_mla_dense_expanded_pallas, sparse_mla_dense_expanded_pallas_parts)
 from pallas_kernels.sparse_mla_xla import sparse_mla_xla, sparse_mla_xla_with_kl_target
 
 __all__ = [
@@ -78,7 +86,9 @@ __all__ = [
     "indexer_scores_reference", "indexer_topk_decode", "indexer_topk_pallas",
     "indexer_topk_reference",
     "indexer_topk_xla", "select_topk", "sparse_mla_head_mean_probs",
-    "sparse_mla_dense", "sparse_mla_dense_parts", "sparse_mla_dense_with_kl_target",
+    "sparse_mla_dense", "sparse_mla_dense_expanded", "sparse_mla_dense_expanded_pallas",
+    "sparse_mla_dense_expanded_pallas_parts", "sparse_mla_dense_expanded_parts",
+    "sparse_mla_dense_parts", "sparse_mla_dense_with_kl_target",
     "sparse_mla_pallas", "sparse_mla_pallas_with_head_probs", "sparse_mla_reference",
     "sparse_mla_xla", "sparse_mla_xla_with_kl_target",
 ]

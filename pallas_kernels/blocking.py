@@ -106,8 +106,13 @@ def default_query_block(bytes_per_query: int, cpu_cap: int = 128, accelerator_ca
   ahead-of-time TPU compile from a CPU host then gets the CPU's blocks; pass
   `platform() != "cpu"` to size for the platform being traced for)."""
   on_cpu = (jax.default_backend() == "cpu") if on_accelerator is None else not on_accelerator
-  budget = (256 << 20) if on_cpu else (2 << 30)
-  return min(cpu_cap if on_cpu else accelerator_cap, block_for_budget(bytes_per_query, budget))
+  return min(cpu_cap if on_cpu else accelerator_cap,
+             block_for_budget(bytes_per_query, temporaries_budget(not on_cpu)))
+
+
+def temporaries_budget(on_accelerator: bool) -> int:
+  """Bytes a loop's block may hold in temporaries: 256 MiB on CPU, 2 GiB on an accelerator."""
+  return (2 << 30) if on_accelerator else (256 << 20)
 
 
 def query_block_size(length: int, block: int | None) -> int:

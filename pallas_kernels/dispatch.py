@@ -29,6 +29,7 @@ from pallas_kernels.blocking import platform as current_platform
 from pallas_kernels.lightning_indexer import indexer_topk_reference, indexer_topk_xla
 from pallas_kernels.lightning_indexer_pallas import indexer_topk_pallas
 from pallas_kernels.sparse_mla import sparse_mla_reference
+from pallas_kernels.sparse_mla_dense_expanded_pallas import sparse_mla_dense_expanded_pallas_parts
 from pallas_kernels.sparse_mla_pallas import (sparse_mla_pallas,
                                               sparse_mla_pallas_with_head_probs)
 from pallas_kernels.sparse_mla_xla import sparse_mla_xla
@@ -50,12 +51,16 @@ class DSAOps(typing.NamedTuple):
   sparse_mla_parts: where the kernels also come apart for a caller's own custom VJP, with the
   KL target from the backward kernel: `(**block_options) -> sparse_mla.SparseMLAParts`
   (`glm5_jax.attention.dsa_kl_fused`); None elsewhere.
+  dense_expanded_parts: where there are kernels for the sparse MLA over every key in the
+  expanded form (`sparse_mla_dense_expanded_pallas_parts`, the TPU row), its parts the same
+  way; None elsewhere.
   """
 
   indexer_topk: typing.Callable
   sparse_mla: typing.Callable
   sparse_mla_with_probs: typing.Callable | None = None
   sparse_mla_parts: typing.Callable | None = None
+  dense_expanded_parts: typing.Callable | None = None
 
 
 def _missing(module: str, error: ModuleNotFoundError) -> ModuleNotFoundError:
@@ -94,7 +99,8 @@ DSA_OPS = {
     "reference": DSAOps(indexer_topk_reference, sparse_mla_reference),
     "xla": DSAOps(indexer_topk_xla, sparse_mla_xla),
     "pallas_tpu": DSAOps(indexer_topk_pallas, sparse_mla_pallas,
-                         sparse_mla_pallas_with_head_probs),
+                         sparse_mla_pallas_with_head_probs,
+                         dense_expanded_parts=sparse_mla_dense_expanded_pallas_parts),
     "pallas_gpu": DSAOps(indexer_topk_triton, sparse_mla_triton,
                          sparse_mla_triton_with_head_probs, sparse_mla_triton_parts),
 }

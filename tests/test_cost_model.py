@@ -378,9 +378,9 @@ def test_kernel_calls_count_each_kernel_per_phase():
 
 
 def test_plan_costs_compute_by_phase_splits_each_category_and_leaves_collectives_out():
-  """`tools/plan_cost.py --by_phase`: each priced instruction's seconds x runs in its category
-  and the phase its op_name puts it in; the largest category first; torus-priced collectives
-  are not compute."""
+  """`step_cost.compute_by_phase` (`tools/plan_cost.py --by_phase`): each priced instruction's
+  seconds x runs in its category and the phase its op_name puts it in; the largest category
+  first; torus-priced collectives are not compute."""
   scan = "jit(train_step)/jvp(GLM5)/GLM5._scanned_run/while/body/closed_call/layers_3_77.body/"
   back = "jit(train_step)/transpose(jvp(GLM5))/GLM5._scanned_run/while/body/closed_call/checkpoint/"
   cost = lambda category, source, seconds, runs, kind="compiler estimate": op_costs.OpCost(
@@ -391,7 +391,7 @@ def test_plan_costs_compute_by_phase_splits_each_category_and_leaves_collectives
            cost("optimizer", "jit(train_step)/while/body/closed_call/vmap()/dot_general", 0.5, 1),
            cost("MoE dispatch/relayout", scan + "mlp/shard_map/ragged_all_to_all", 9.0, 75,
                 kind="torus")]
-  table = plan_cost.compute_by_phase(costs)
+  table = step_cost.compute_by_phase(costs)
   assert list(table) == ["optimizer", "DSA sparse"]
   assert table["DSA sparse"] == pytest.approx({"forward": 0.075, "remat": 0.075,
                                                "backward": 0.15})

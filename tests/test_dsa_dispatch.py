@@ -24,7 +24,8 @@ def test_plain_rows_are_the_table():
   assert pk.dsa_ops("xla") is pk.DSA_OPS["xla"]
   assert pk.dsa_ops("reference") is pk.DSA_OPS["reference"]
   assert pk.DSA_OPS["pallas_tpu"] == (pk.indexer_topk_pallas, pk.sparse_mla_pallas,
-                                     pk.sparse_mla_pallas_with_head_probs, None)
+                                     pk.sparse_mla_pallas_with_head_probs, None,
+                                     pk.sparse_mla_dense_expanded_pallas_parts)
 
 
 def test_pallas_picks_kernels_by_platform_compiled():
@@ -32,7 +33,8 @@ def test_pallas_picks_kernels_by_platform_compiled():
   gpu = pk.dsa_ops("pallas", platform="gpu")
   assert gpu is pk.DSA_OPS["pallas_gpu"]
   assert gpu == (dispatch.indexer_topk_triton, dispatch.sparse_mla_triton,
-                 dispatch.sparse_mla_triton_with_head_probs, dispatch.sparse_mla_triton_parts)
+                 dispatch.sparse_mla_triton_with_head_probs, dispatch.sparse_mla_triton_parts,
+                 None)
 
 
 def test_pallas_on_cpu_is_an_error_naming_the_field():
@@ -46,14 +48,14 @@ def test_pallas_on_cpu_is_an_error_naming_the_field():
 
 def test_interpret_only_when_asked():
   ops = pk.dsa_ops("pallas_interpret")
-  for op, kernel in zip(ops, pk.DSA_OPS["pallas_tpu"]):  # the KL target's kernel too
+  for op, kernel in zip(ops, pk.DSA_OPS["pallas_tpu"]):  # the KL target's kernels too
     if kernel is None:  # no `sparse_mla_parts` on TPU
       assert op is None
       continue
     assert isinstance(op, functools.partial) and op.func is kernel
     assert op.keywords == {"interpret": True}
   gpu = pk.dsa_ops("pallas", platform="gpu", interpret=True)
-  assert [op.func for op in gpu] == list(pk.DSA_OPS["pallas_gpu"])
+  assert [op and op.func for op in gpu] == list(pk.DSA_OPS["pallas_gpu"])
   assert not hasattr(blocking, "default_interpret")  # the silent fallback is gone
   # A TPU kernel called on CPU without interpret=True is not interpreted behind our back.
   b, l, s, h, c, r, t = 1, 8, 8, 2, 8, 4, 4

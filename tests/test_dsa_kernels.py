@@ -437,6 +437,92 @@ def _check_dense_causal(head_groups, key_ranges):
     pk.sparse_mla_dense(*arrays, topk, scale=0.25, causal=True, key_ranges=0)
 
 
+def _expanded_reference(q_BLHK, k_BSHK, v_BSHV, topk_BLT, *, scale):
+  """Dense attention of per-head q / k / v, each key weighted by how many valid slots of the
+  query select it (the index contract); autodiff for the gradients."""
+  s = k_BSHK.shape[1]
+  valid_BLT = (topk_BLT >= 0) & (topk_BLT < s)
+  counts_BLS = jnp.sum(jax.nn.one_hot(jnp.where(valid_BLT, topk_BLT, 0), s) * valid_BLT[..., None],
+                       axis=2)
+  logits = jnp.einsum("blhk,bshk->blhs", q_BLHK, k_BSHK) * scale
+  logits = jnp.where(counts_BLS[:, :, None] > 0, logits, -jnp.inf)
+  m = jax.lax.stop_gradient(jnp.max(jnp.where(jnp.isfinite(logits), logits, 0.0), axis=-1))
+  w = counts_BLS[:, :, None] * jnp.exp(logits - m[..., None])
+  total = w.sum(-1)
+  out = jnp.einsum("blhs,bshv->blhv", w / jnp.where(total > 0, total, 1.0)[..., None], v_BSHV)
+  return out, jnp.where(total > 0, m + jnp.log(jnp.where(total > 0, total, 1.0)), -jnp.inf)
+
+
+@pytest.mark.parametrize("causal,head_block,head_shards,key_ranges",
+                         [(True, None, 1, 8), (True, 1, 2, 2), (True, 2, 3, 3), (False, 1, 1, 8)])
+def test_sparse_mla_dense_expanded_matches_references(causal, head_block, head_shards,
+                                                      key_ranges):
+  """`sparse_mla_dense_expanded` (per-head keys and values, a loop over head groups, causal
+  runs of queries): outputs, lse, every gradient and the KL target equal a dense reference's
+  on the same selection (future slots emptied when causal; a duplicate slot and an index >= S
+  when not); and, with the keys and values expanded from the latent rows, the absorbed
+  reference's (`sparse_mla_reference`, the output then through W_vb). As parts too (the
+  backward's target); bad shapes and head splits are errors naming them."""
+  rng = np.random.default_rng(23)
+  b, l, s, h, c, n, r, v, t = 2, 11, (11 if causal else 29), 6, 8, 5, 4, 3, 7
+  q_nope, q_rope, kv, k_rope, topk = sparse_mla_inputs(b=b, l=l, s=s, h=h, c=n, r=r, t=t,
+                                                       seed=24)
+  kv = jnp.asarray(rng.standard_normal((b, s, c)), jnp.float32)
+  w_kb = jnp.asarray(rng.standard_normal((c, h, n)) / 3, jnp.float32)
+  w_vb = jnp.asarray(rng.standard_normal((c, h, v)) / 3, jnp.float32)
+  if causal:
+    sel = jnp.where(topk <= jnp.arange(l)[None, :, None], topk, -1)
+    assert np.any(np.asarray(sel) != np.asarray(topk))
+  else:
+    topk = topk.at[1, 3, :2].set(jnp.asarray([4, 4])).at[1, 4, 0].set(s)
+    sel = jnp.where(topk < s, topk, -1)
+  qkv = (jnp.concatenate([q_nope, q_rope], -1),
+         jnp.concatenate([jnp.einsum("bsc,chn->bshn", kv, w_kb),
+                          jnp.broadcast_to(k_rope[:, :, None], (b, s, h, r))], -1),
+         jnp.einsum("bsc,chv->bshv", kv, w_vb))
+  options = dict(causal=causal, head_block=head_block, head_shards=head_shards,
+                 key_ranges=key_ranges)
+  op = functools.partial(pk.sparse_mla_dense_expanded, scale=0.25, **options)
+  out, lse = jax.jit(op)(*qkv, topk)
+  want_out, want_lse = _expanded_reference(*qkv, sel, scale=0.25)
+  np.testing.assert_allclose(out, want_out, rtol=1e-5, atol=1e-5)
+  np.testing.assert_allclose(lse, want_lse, rtol=1e-5, atol=1e-5)
+  latent_out, latent_lse = pk.sparse_mla_reference(jnp.einsum("blhn,chn->blhc", q_nope, w_kb),
+                                                   q_rope, kv, k_rope, sel, scale=0.25)
+  np.testing.assert_allclose(out, jnp.einsum("blhc,chv->blhv", latent_out, w_vb), rtol=1e-5,
+                             atol=1e-5)
+  np.testing.assert_allclose(lse, latent_lse, rtol=1e-5, atol=1e-5)
+  cot_out = jnp.asarray(rng.standard_normal(out.shape), jnp.float32)
+  cot_lse = jnp.asarray(rng.standard_normal(lse.shape), jnp.float32)
+
+  def loss(fn, selection, *qkv):
+    o, ls = fn(*qkv, selection)
+    return jnp.sum(o * cot_out) + jnp.sum(jnp.where(jnp.isfinite(ls), ls, 0.0) * cot_lse)
+
+  grads = jax.jit(jax.grad(functools.partial(loss, op, topk), argnums=(0, 1, 2)))(*qkv)
+  want_grads = jax.grad(functools.partial(
+      loss, functools.partial(_expanded_reference, scale=0.25), sel), argnums=(0, 1, 2))(*qkv)
+  for name, got, want in zip("qkv", grads, want_grads):
+    np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-5, err_msg=f"d{name}")
+  parts = pk.sparse_mla_dense_expanded_parts(**options)
+  parts_out, parts_lse, target = parts.forward(*qkv, topk, 0.25, head_probs=True)
+  np.testing.assert_allclose(parts_out, out, rtol=1e-6, atol=1e-6)
+  np.testing.assert_allclose(target, pk.sparse_mla_head_mean_probs(
+      jnp.einsum("blhn,chn->blhc", q_nope, w_kb), q_rope, kv, k_rope, sel, latent_lse,
+      scale=0.25), rtol=1e-5, atol=1e-6)
+  *parts_grads, parts_target = parts.backward(*qkv, topk, out, lse, cot_out, cot_lse, 0.25)
+  np.testing.assert_allclose(parts_target, target, rtol=1e-5, atol=1e-6)
+  for name, got, want in zip("qkv", parts_grads, want_grads):
+    np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-5, err_msg=f"parts d{name}")
+  if causal:
+    with pytest.raises(ValueError, match=r"head_block=4 must be >= 1 and divide the 6 heads"):
+      pk.sparse_mla_dense_expanded(*qkv, topk, scale=0.25, causal=True, head_block=4)
+    with pytest.raises(ValueError, match=r"head_shards=4 must be >= 1 and divide the 6 heads"):
+      pk.sparse_mla_dense_expanded(*qkv, topk, scale=0.25, head_shards=4)
+    with pytest.raises(ValueError, match=r"shapes disagree: q .* \[B, L, H, K\], k"):
+      pk.sparse_mla_dense_expanded(qkv[0], qkv[1][..., 1:], qkv[2], topk, scale=0.25)
+
+
 @pytest.mark.parametrize("keys", ["gather", "dense"])
 def test_indexer_scores_at_duplicate_slots_count_twice(keys):
   """Each copy of a twice-selected key gets its score, and the gradient is the sum of both
@@ -533,6 +619,30 @@ def _export_for_tpu(fn, *shapes):
   text = exported.mlir_module()
   assert "tpu_custom_call" in text, "no Mosaic kernel in the lowered module"
   return text
+
+
+def test_dense_expanded_kernels_lower_for_tpu():
+  """`sparse_mla_dense_expanded_pallas`'s three kernels lower for TPU at its default blocks
+  (4 heads, 512 queries, 512 keys), and each `pl.CostEstimate` counts the causal steps only:
+  of the 2 x 2 (query, key) blocks of 1,024 positions, 3 compute, for each of 2 head blocks."""
+  b, l, h, k, v, t = 1, 1024, 8, 256, 256, 640
+  sds, bf16 = jax.ShapeDtypeStruct, jnp.bfloat16
+
+  def forward_backward(q, kk, vv, topk):
+    def loss(*arrays):
+      out, lse = pk.sparse_mla_dense_expanded_pallas(*arrays, topk, scale=0.07, causal=True)
+      return out.astype(jnp.float32).sum() + jnp.where(jnp.isfinite(lse), lse, 0.0).sum()
+    return jax.value_and_grad(loss, argnums=(0, 1, 2))(q, kk, vv)
+
+  text = _export_for_tpu(forward_backward, sds((b, l, h, k), bf16), sds((b, l, h, k), bf16),
+                         sds((b, l, h, v), bf16), sds((b, l, t), jnp.int32))
+  kernels = re.findall(r'kernel_name = "(\w+)"', text)
+  assert sorted(kernels) == ["sparse_mla_dense_expanded_dkv", "sparse_mla_dense_expanded_dq",
+                             "sparse_mla_dense_expanded_forward"], kernels
+  flops = sorted(int(m) for m in re.findall(r'flops\\22:(\d+)', text))
+  pairs = 3 * 2 * 4 * 512 * 512  # computing steps x head-block heads x queries x keys
+  assert flops == sorted([2 * pairs * (k + v), 2 * pairs * (2 * k + v),
+                          2 * pairs * 2 * (k + v)]), flops
 
 
 @pytest.mark.parametrize("l,s", [(256, 1024), (1, 1000)])  # prefill; decode, ragged key count
@@ -633,28 +743,33 @@ def test_dsa_impls_agree_on_tiny_model(helpers):
   dense FFNs), packed rows; and from "xla" with the sparse attention over every key
   (`dsa_attention_keys="dense"`: causal blocks, the attention and the KL as one op whose KL
   target comes from the attention's backward: its differentiated forward's KL is 0, the
-  gradients exact, the forward alone's KL the others')."""
+  gradients exact, the forward alone's KL the others'): in the absorbed form on "xla", and
+  in the expanded form on the TPU kernels, "pallas_interpret" (`mla._expanded_dense_keys`: the
+  tiny model's N + V < 2 C)."""
+  from glm5_jax.attention import mla
   b, l = 2, 32
   results = {}
   variants = {"dense_mask": {}, "xla": {}, "pallas_interpret": {},
-              "xla_dense_keys": dict(dsa_attention_keys="dense")}
+              "xla_dense_keys": dict(dsa_attention_keys="dense"),
+              "pallas_interpret_dense_keys": dict(dsa_attention_keys="dense")}
   for name, extra in variants.items():
-    cfg = helpers.config(dsa_impl=name.replace("_dense_keys", ""), attention_pattern="DR",
+    cfg = helpers.config(dsa_impl=name.removesuffix("_dense_keys"), attention_pattern="DR",
                          num_hidden_layers=2, mtp_depths=1,
                          first_k_dense_replace=2, **extra)  # dense FFNs: faster compile
+    assert mla._expanded_dense_keys(cfg) == (cfg.dsa_impl == "pallas_interpret"), name
     params = helpers.random_params(cfg)
     tokens = jnp.asarray(np.random.default_rng(0).integers(1, cfg.vocab_size, (b, l)), jnp.int32)
     segments = jnp.where(jnp.arange(l) >= 13, 2, 1).astype(jnp.int32)[None].repeat(b, 0)
     results[name] = _loss_and_grads(cfg, params, tokens, segments)
   ((ref_loss, (ref_logits, ref_kl, ref_topk)), ref_grads), ref_forward_kl = results["dense_mask"]
   assert float(ref_kl) > 0 and float(ref_forward_kl) == float(ref_kl)
-  for impl in ("xla", "pallas_interpret", "xla_dense_keys"):
+  for impl in ("xla", "pallas_interpret", "xla_dense_keys", "pallas_interpret_dense_keys"):
     ((loss, (logits, kl, topk)), grads), forward_kl = results[impl]
     for got, want in zip(topk, ref_topk):
       np.testing.assert_array_equal(got, want, err_msg=f"{impl}: top-k differs")
     np.testing.assert_allclose(logits, ref_logits, rtol=1e-5, atol=1e-5, err_msg=impl)
     np.testing.assert_allclose(forward_kl, ref_kl, rtol=1e-5, atol=1e-6, err_msg=impl)
-    in_backward = impl == "xla_dense_keys"
+    in_backward = impl.endswith("_dense_keys")
     np.testing.assert_allclose(kl, 0.0 if in_backward else ref_kl, rtol=1e-5, atol=1e-6,
                                err_msg=impl)
     np.testing.assert_allclose(loss, ref_loss - ref_kl if in_backward else ref_loss, rtol=1e-5,

@@ -28,8 +28,7 @@ import sys
 import time
 import types
 
-from glm5_jax.accelerators import ACCELERATORS
-from glm5_jax.planning import aot_targets, flop_ledger, hlo_loops, op_costs, step_cost
+from glm5_jax.planning import hlo_loops, step_cost
 
 
 def _read(path: str) -> str:
@@ -44,18 +43,6 @@ def _plan_json(path: str) -> dict:
   if not lines:
     raise SystemExit(f"--plan_log={path}: no JSON line (run plan_memory.py with --json)")
   return json.loads(lines[-1])
-
-
-def compute_by_phase(costs) -> dict[str, dict[str, float]]:
-  """`{category: {phase: seconds per step}}` of the priced compute (collectives left out), the
-  categories largest first; phases as `step_cost.PHASES`."""
-  table = {}
-  for c in costs:
-    if c.kind == "torus":
-      continue
-    row = table.setdefault(c.category, dict.fromkeys(step_cost.PHASES, 0.0))
-    row[flop_ledger.model_phase(c.source)] += c.seconds * c.runs
-  return dict(sorted(table.items(), key=lambda kv: -sum(kv[1].values())))
 
 
 def format_by_phase(table: dict[str, dict[str, float]]) -> str:
@@ -100,9 +87,7 @@ def main(argv=None):
         f"{tokens:.0f} tokens per chip per step", file=sys.stderr)
   print(step_cost.format_report(report, bound=bound))
   if args.by_phase:
-    chip = ACCELERATORS[aot_targets.parse_target(args.target)[0]]
-    costs = op_costs.price_module(module, chip, layout["coords"], step_cost.torus_of(args.target))
-    print(format_by_phase(compute_by_phase(costs)))
+    print(format_by_phase(report.compute_by_phase))
   if args.json:
     print(json.dumps(dataclasses.asdict(report)))
 

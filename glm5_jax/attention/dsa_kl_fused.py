@@ -1,6 +1,7 @@
 """The sparse stage's attention and indexer KL as one custom VJP, the KL's target taken from the
 attention's backward kernel (the GPU Triton kernels, issue 41 item 3; and the XLA attention over
-every key, `pallas_kernels.sparse_mla_dense_parts`, issue 40).
+every key, `pallas_kernels.sparse_mla_dense_parts` and, in the expanded form,
+`sparse_mla_dense_expanded_parts`, issue 40).
 
 The indexer KL of a query (docs/reference.md section 3) is `KL(p || softmax(I))` over its T
 selected keys, p the main attention's head-mean probability there (detached). Its gradient
@@ -35,6 +36,7 @@ from glm5_jax.attention.dsa import indexer_kl_per_query
 from pallas_kernels.blocking import empty_out_of_range
 from pallas_kernels.lightning_indexer import indexer_scores_at
 from pallas_kernels.sparse_mla import check_sparse_mla_inputs, named_residuals
+from pallas_kernels.sparse_mla_dense_expanded import check_expanded_inputs
 
 
 def indexer_kl_at_selection(q_BLJI, k_BSI, weights_BLJ, topk_BLT, target_BLT, *,
@@ -81,44 +83,54 @@ def sparse_mla_with_indexer_kl(parts, q_latent_BLHC, q_rope_BLHR, ckv_BSC, k_rop
   """
   check_sparse_mla_inputs(q_latent_BLHC, q_rope_BLHR, ckv_BSC, k_rope_BSR, topk_BLT)
   topk_BLT = empty_out_of_range(topk_BLT, ckv_BSC.shape[1])
-  return _fused(parts, float(scale), float(index_scale), int(batch_shards), q_latent_BLHC,
-                q_rope_BLHR, ckv_BSC, k_rope_BSR, topk_BLT, index_q_BLJI, index_k_BSI,
-                index_w_BLJ)
+  return _fused(parts, float(scale), float(index_scale), int(batch_shards),
+                (q_latent_BLHC, q_rope_BLHR, ckv_BSC, k_rope_BSR), topk_BLT, index_q_BLJI,
+                index_k_BSI, index_w_BLJ)
+
+
+def expanded_sparse_mla_with_indexer_kl(parts, q_BLHK, k_BSHK, v_BSHV, topk_BLT, index_q_BLJI,
+                                        index_k_BSI, index_w_BLJ, *, scale: float,
+                                        index_scale: float, batch_shards: int = 1):
+  """`sparse_mla_with_indexer_kl` in the expanded form: per-head queries, keys and values
+  (`pallas_kernels.sparse_mla_dense_expanded_parts`). Returns `(out_BLHV, lse_BLH, kl_BL)`."""
+  check_expanded_inputs(q_BLHK, k_BSHK, v_BSHV, topk_BLT)
+  topk_BLT = empty_out_of_range(topk_BLT, k_BSHK.shape[1])
+  return _fused(parts, float(scale), float(index_scale), int(batch_shards),
+                (q_BLHK, k_BSHK, v_BSHV), topk_BLT, index_q_BLJI, index_k_BSI, index_w_BLJ)
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1, 2, 3))
-def _fused(parts, scale, index_scale, batch_shards, q_BLHC, q_rope_BLHR, kv_BSC, k_rope_BSR,
-           topk_BLT, index_q, index_k, index_w):
-  out_BLHC, lse_BLH, target_BLT = parts.forward(q_BLHC, q_rope_BLHR, kv_BSC, k_rope_BSR,
-                                                topk_BLT, scale, head_probs=True)
+def _fused(parts, scale, index_scale, batch_shards, attention_inputs, topk_BLT, index_q, index_k,
+           index_w):
+  out, lse_BLH, target_BLT = parts.forward(*attention_inputs, topk_BLT, scale, head_probs=True)
   kl_BL = indexer_kl_at_selection(index_q, index_k, index_w, topk_BLT, target_BLT,
                                   index_scale=index_scale, batch_shards=batch_shards,
                                   causal=self_attention_positions(index_q, index_k))
-  return out_BLHC, lse_BLH, kl_BL
+  return out, lse_BLH, kl_BL
 
 
-def _fused_forward(parts, scale, index_scale, batch_shards, q_BLHC, q_rope_BLHR, kv_BSC,
-                   k_rope_BSR, topk_BLT, index_q, index_k, index_w):
+def _fused_forward(parts, scale, index_scale, batch_shards, attention_inputs, topk_BLT, index_q,
+                   index_k, index_w):
   del batch_shards  # the backward's
-  out_BLHC, lse_BLH = parts.forward(q_BLHC, q_rope_BLHR, kv_BSC, k_rope_BSR, topk_BLT, scale)
+  out, lse_BLH = parts.forward(*attention_inputs, topk_BLT, scale)
   # Named so that `model.remat_policy="save_attn_lse"` keeps them (`named_residuals`).
-  out_BLHC, lse_BLH = named_residuals(out_BLHC, lse_BLH)
+  out, lse_BLH = named_residuals(out, lse_BLH)
   kl_BL = jnp.zeros(topk_BLT.shape[:2], jnp.float32)  # no target here: the module docstring
-  return (out_BLHC, lse_BLH, kl_BL), (q_BLHC, q_rope_BLHR, kv_BSC, k_rope_BSR, topk_BLT,
-                                      out_BLHC, lse_BLH, index_q, index_k, index_w)
+  return (out, lse_BLH, kl_BL), (attention_inputs, topk_BLT, out, lse_BLH, index_q, index_k,
+                                 index_w)
 
 
 def _fused_backward(parts, scale, index_scale, batch_shards, residuals, cotangents):
-  q_BLHC, q_rope_BLHR, kv_BSC, k_rope_BSR, topk_BLT, out_BLHC, lse_BLH, *index_qkw = residuals
-  dout_BLHC, dlse_BLH, dkl_BL = cotangents
-  *grads, target_BLT = parts.backward(q_BLHC, q_rope_BLHR, kv_BSC, k_rope_BSR, topk_BLT,
-                                      out_BLHC, lse_BLH, dout_BLHC, dlse_BLH, scale)
+  attention_inputs, topk_BLT, out, lse_BLH, *index_qkw = residuals
+  dout, dlse_BLH, dkl_BL = cotangents
+  *grads, target_BLT = parts.backward(*attention_inputs, topk_BLT, out, lse_BLH, dout, dlse_BLH,
+                                      scale)
   target_BLT = jax.lax.stop_gradient(target_BLT)
   kl = functools.partial(indexer_kl_at_selection, topk_BLT=topk_BLT, target_BLT=target_BLT,
                          index_scale=index_scale, batch_shards=batch_shards,
                          causal=self_attention_positions(index_qkw[0], index_qkw[1]))
   _, kl_vjp = jax.vjp(kl, *index_qkw)
-  return (*grads, None, *kl_vjp(dkl_BL))
+  return (tuple(grads), None, *kl_vjp(dkl_BL))
 
 
 _fused.defvjp(_fused_forward, _fused_backward)

@@ -12,10 +12,12 @@ Expanded form (training / prefill) materializes per-head keys and values. Absorb
 folds W_kb into the query and W_vb after attention, so attention runs over the C + R = 576-wide
 latent that a KV cache stores; both give the same output.
 
-DSA's sparse stage with `model.dsa_impl` "xla" or "pallas*" always runs the absorbed form: all
-heads of a token share its T selected latent rows (MQA), so the op gathers T rows of C + R
-values per query instead of T x H per-head keys, and nothing `[B, L, S]`-shaped is built
-(`pallas_kernels.sparse_mla_*`). "dense_mask" masks the dense attention of either form.
+DSA's sparse stage with `model.dsa_impl` "xla" or "pallas*" runs the absorbed form where it
+gathers: all heads of a token share its T selected latent rows (MQA), so the op gathers T rows
+of C + R values per query instead of T x H per-head keys, and nothing `[B, L, S]`-shaped is
+built (`pallas_kernels.sparse_mla_*`). Over every key (`model.dsa_attention_keys`) nothing is
+gathered, and on the Pallas TPU kernels it runs the expanded form where that does fewer FLOPs
+(`_expanded_dense_keys`). "dense_mask" masks the dense attention of either form.
 `model.attention_impl` "cudnn" runs the expanded form's dense attention (dense MLA, the DSA
 warm-up stage, "dense_mask") as cuDNN flash attention (`common.attend_flash`).
 
@@ -272,6 +274,14 @@ def _sparse_stage_attention(c, latents: _Latents, scale, segment_ids_BL, order: 
   # kernels' out / lse residuals kept, the backward reruns none of the selection, the sparse
   # forward or the KL terms.
   topk_BLT = checkpoint_name(topk_BLT, "dsa_topk")
+  queries, keys, slots = q_nope_BLHN.shape[1], ckv_BSC.shape[1], topk_BLT.shape[-1]
+  if _dense_keys(c, queries, keys, slots) and _expanded_dense_keys(c):
+    with jax.named_scope("sparse_mla"):
+      out_BLHV, kl = _expanded_dense_keys_attention(c, latents, scale, index_scale, topk_BLT,
+                                                    index_qkw)
+    if kl is not None:
+      aux["indexer_kl"] = kl
+    return out_BLHV, aux
   q_latent_BLHC = jnp.einsum("blhn,chn->blhc", q_nope_BLHN, w_kb_CHN)
   # The GPU kernels: attention and indexer KL as one op, the target from the attention's
   # backward (`dsa_kl_fused`). Else, where the attention pass gives the KL target (the Pallas
@@ -279,10 +289,10 @@ def _sparse_stage_attention(c, latents: _Latents, scale, segment_ids_BL, order: 
   # it; otherwise ("xla" under context parallelism) `_kl_target_on_mesh` computes it.
   # Over every key instead (`model.dsa_attention_keys`): XLA on any backend, the KL target
   # from its own pass.
-  dense_keys = _dense_keys(c, q_latent_BLHC.shape[1], ckv_BSC.shape[1], topk_BLT.shape[-1])
+  dense_keys = _dense_keys(c, queries, keys, slots)
   kl_in_backward = index_qkw is not None and (
-      _dense_kl_in_backward(c, q_latent_BLHC.shape[1], ckv_BSC.shape[1], topk_BLT.shape[-1])
-      if dense_keys else kl_target_in_backward(c))
+      _dense_kl_in_backward(c, queries, keys, slots) if dense_keys
+      else kl_target_in_backward(c))
   fused_target = (index_qkw is not None and not kl_in_backward and not dense_keys
                   and pallas_kernels.dsa_ops(c.dsa_impl).sparse_mla_with_probs is not None)
   target_in_pass = (index_qkw is not None and not dense_keys and c.dsa_impl == "xla"
@@ -330,6 +340,65 @@ def _dense_keys(c: ModelConfig, queries: int, keys: int, slots: int) -> bool:
   if c.dsa_attention_keys == "auto":
     return context_split(LENGTH) == 1 and queries == keys and keys <= 2 * slots
   return c.dsa_attention_keys == "dense"
+
+
+def _expanded_dense_keys(c: ModelConfig) -> bool:
+  """Whether the attention over every key (`_dense_keys`) runs in the expanded form, per-head
+  keys and values, on the Pallas TPU kernels (`DSAOps.dense_expanded_parts`: `model.dsa_impl`
+  "pallas" on TPU, "pallas_interpret"): where it does fewer FLOPs than the absorbed form,
+  `N + V < 2 C` (a head and key cost 2 (N + R) + 2 V against 2 (C + R) + 2 C; expanding the
+  keys costs what absorbing the queries does; GLM-5: 192 + 256 < 1,024, 2.1x fewer), with every
+  head and the whole sequence on each device (the KL target is a mean over all heads; no
+  context split). In XLA the expanded form is slower than the absorbed one (the TPU compiler's
+  own estimate: its `[B, H, L, S]` intermediates cost more than the products it saves,
+  docs/scaling.md), so "xla" keeps the absorbed form."""
+  if (context_split(LENGTH) > 1 or context_split(HEADS) > 1
+      or c.qk_nope_head_dim + c.v_head_dim >= 2 * c.kv_lora_rank
+      or c.dsa_impl not in pallas_kernels.PALLAS_IMPLS):
+    return False
+  dispatch = pallas_kernels.dispatch
+  if c.dsa_impl == "pallas" and dispatch.current_platform() not in dispatch.PALLAS_BY_PLATFORM:
+    return False  # no kernels here: the sparse stage itself names the field
+  return pallas_kernels.dsa_ops(c.dsa_impl).dense_expanded_parts is not None
+
+
+def _expanded_dense_keys_attention(c: ModelConfig, latents: _Latents, scale: float,
+                                   index_scale: float, topk_BLT, index_qkw):
+  """`(out_BLHV, kl_BL or None)`: the sparse stage over every key in the expanded form on the
+  kernels of `model.dsa_impl`, causal (the same positions for queries and keys), per device
+  under `mesh_shards.per_shard` (a pallas_call is opaque to the partitioner; the batch split,
+  every head and key local). With an indexer the KL is fused with it, its target from the
+  attention's backward kernels (`dsa_kl_fused`); without one (a given selection) the kernels'
+  own custom VJP."""
+  q_nope_BLHN, q_rope_BLHR, ckv_BSC, k_rope_BSR, w_kb_CHN, w_vb_CHV = latents
+  k_nope_BSHN = jnp.einsum("bsc,chn->bshn", ckv_BSC, w_kb_CHN)
+  k_rope_BSHR = jnp.broadcast_to(k_rope_BSR[:, :, None, :].astype(k_nope_BSHN.dtype),
+                                 k_nope_BSHN.shape[:3] + k_rope_BSR.shape[-1:])
+  q_BLHK = jnp.concatenate([q_nope_BLHN, q_rope_BLHR.astype(q_nope_BLHN.dtype)], axis=-1)
+  k_BSHK = jnp.concatenate([k_nope_BSHN, k_rope_BSHR], axis=-1)
+  v_BSHV = jnp.einsum("bsc,chv->bshv", ckv_BSC, w_vb_CHV)
+  parts = pallas_kernels.dsa_ops(c.dsa_impl).dense_expanded_parts(causal=True)
+  q_axes, kv_axes, q_rows = (BATCH, LENGTH, HEADS, None), (BATCH, None, HEADS, None), (
+      BATCH, LENGTH, None)
+  if index_qkw is None:
+    interpret = c.dsa_impl == "pallas_interpret"
+
+    def op(q_BLHK, k_BSHK, v_BSHV, topk_BLT):
+      return pallas_kernels.sparse_mla_dense_expanded_pallas(
+          q_BLHK, k_BSHK, v_BSHV, topk_BLT, scale=scale, causal=True, interpret=interpret)[:1]
+
+    (out_BLHV,) = per_shard(op, in_axes=(q_axes, kv_axes, kv_axes, q_rows),
+                            out_axes=(q_axes,), name="sparse_mla_dense_expanded")(
+                                q_BLHK, k_BSHK, v_BSHV, topk_BLT)
+    return out_BLHV, None
+  op = functools.partial(dsa_kl_fused.expanded_sparse_mla_with_indexer_kl, parts, scale=scale,
+                         index_scale=index_scale)
+  out_BLHV, _, kl_BL = per_shard(
+      op, in_axes=(q_axes, kv_axes, kv_axes, q_rows, (BATCH, LENGTH, None, None),
+                   (BATCH, None, None), q_rows),
+      out_axes=(q_axes, (BATCH, LENGTH, HEADS), (BATCH, LENGTH)),
+      name="sparse_mla_dense_expanded")(q_BLHK, k_BSHK, v_BSHV, topk_BLT, *index_qkw)
+  return out_BLHV, kl_BL
 
 
 def _dense_kl_in_backward(c: ModelConfig, queries: int, keys: int, slots: int) -> bool:

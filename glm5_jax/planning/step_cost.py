@@ -46,6 +46,9 @@ class CostReport:
   # the largest waits the compiled schedule exposes, each charged to its collective
   # (`schedule.exposed_waits`): (seconds per step, kind, the collective's op_name)
   top_waits: tuple = ()
+  # category -> {phase: seconds}: the compute split by forward / remat / backward
+  # (`compute_by_phase`)
+  compute_by_phase: dict = dataclasses.field(default_factory=dict)
 
 
 def torus_of(target: str) -> Torus:
@@ -105,6 +108,18 @@ def kernel_calls(costs) -> dict[str, dict[str, int]]:
   return dict(sorted(found.items()))
 
 
+def compute_by_phase(costs) -> dict[str, dict[str, float]]:
+  """`{category: {phase: seconds per step}}` of the priced compute (collectives left out), the
+  categories largest first; phases as `PHASES`."""
+  table = {}
+  for c in costs:
+    if c.kind == "torus":
+      continue
+    row = table.setdefault(c.category, dict.fromkeys(PHASES, 0.0))
+    row[flop_ledger.model_phase(c.source)] += c.seconds * c.runs
+  return dict(sorted(table.items(), key=lambda kv: -sum(kv[1].values())))
+
+
 def price_module(module, target: str, layout: dict, tokens_per_chip: float,
                  model_flops_per_token: float | None, top: int = 10) -> CostReport:
   """The report of a parsed module (`hlo_loops.parse_module`) compiled for `target`."""
@@ -136,7 +151,7 @@ def price_module(module, target: str, layout: dict, tokens_per_chip: float,
       dict(sorted(by_axes.items(), key=lambda kv: -kv[1])), times, mfu, tokens_per_chip,
       model, _unpriced(module, costs),
       tuple((c.seconds * c.runs, c.category, c.kind, c.runs, c.source) for c in ranked),
-      kernel_calls(compute), waits)
+      kernel_calls(compute), waits, compute_by_phase(compute))
 
 
 def price_text(hlo_text: str, target: str, layout: dict, tokens_per_chip: float,
