@@ -15,10 +15,11 @@ a block's logits in VMEM, as flash attention does:
   dkv      grid (B, H / Hb, S / Sb, L / Lb), the query blocks innermost: p from the lse, dp,
            ds, and the key and value gradients accumulated in VMEM over the query blocks.
   dq       grid (B, H / Hb, L / Lb, S / Sb): the same p and ds, dq accumulated over the key
-           blocks; each step also writes the block's per-copy probabilities summed over its Hb
-           heads, `[B, H / Hb, L, S]` fp32, whose sum over the head blocks, divided by H and
-           read at the slots, is the indexer KL's target (`sparse_mla_dense_expanded_parts`'s
-           backward gives it the same way).
+           blocks. For the parts' backward (`dsa_kl_fused`) each step also writes the block's
+           per-copy probabilities summed over its heads, `[B, H / Hb, L, S]` fp32, whose sum
+           over the head blocks, divided by H and read at the slots, is the indexer KL's target
+           (as `sparse_mla_dense_expanded_parts`' backward gives it); it then takes twice the
+           heads over half the queries (`_dq_blocks`), which halves those partials.
 
 The counts (`key_counts`, fp32 `[B, L, S]`, one scatter in XLA) are shared by every head: a step
 reads its `[Lb, Sb]` block once for its Hb heads. With `causal` (queries and keys the same
@@ -39,6 +40,7 @@ V value width, T top-k slots; Hb heads, Lb queries, Sb keys of a block.
 """
 
 import functools
+import math
 import typing
 
 import jax
@@ -173,8 +175,10 @@ def _dkv_kernel(counts_ref, q_ref, k_ref, v_ref, dout_ref, lse_ref, delta_ref, d
     dv_ref[...] = dv_acc[...].astype(dv_ref.dtype)
 
 
-def _dq_kernel(counts_ref, q_ref, k_ref, v_ref, dout_ref, lse_ref, delta_ref, dq_ref, probs_ref,
-               dq_acc, *, scale, blocks, num_key_blocks):
+def _dq_kernel(counts_ref, q_ref, k_ref, v_ref, dout_ref, lse_ref, delta_ref, dq_ref, *refs,
+               scale, blocks, num_key_blocks, with_probs):
+  """`refs`: `(probs_ref, dq_acc)` with `with_probs`, else `(dq_acc,)`."""
+  probs_ref, dq_acc = refs if with_probs else (None, *refs)
   i, j = pl.program_id(2), pl.program_id(3)
 
   @pl.when(j == 0)
@@ -193,11 +197,13 @@ def _dq_kernel(counts_ref, q_ref, k_ref, v_ref, dout_ref, lse_ref, delta_ref, dq
                                         (((1,), (0,)), ((), ())),
                                         preferred_element_type=jnp.float32)
       head_sum = head_sum + per_copy
-    probs_ref[...] = head_sum
+    if with_probs:
+      probs_ref[...] = head_sum
 
-  @pl.when(jnp.logical_not(blocks.visible(i, j)))
-  def _():
-    probs_ref[...] = jnp.zeros(probs_ref.shape, jnp.float32)
+  if with_probs:
+    @pl.when(jnp.logical_not(blocks.visible(i, j)))
+    def _():
+      probs_ref[...] = jnp.zeros(probs_ref.shape, jnp.float32)
 
   @pl.when(j == num_key_blocks - 1)
   def _():
@@ -288,9 +294,10 @@ def _forward(blocks, scale, interpret, q_BLHK, k_BSHK, v_BSHV, topk_BLT):
   return (jnp.swapaxes(out[:, :, :ops.l], 1, 2), jnp.swapaxes(lse[:, :, :ops.l, 0], 1, 2))
 
 
-def _backward(blocks, scale, interpret, q_BLHK, k_BSHK, v_BSHV, topk_BLT, out_BLHV, lse_BLH,
-              dout_BLHV, dlse_BLH):
-  """`(dq_BLHK, dk_BSHK, dv_BSHV, target_BLT)`: the gradients and the indexer KL's target."""
+def _backward(blocks, scale, interpret, with_target, q_BLHK, k_BSHK, v_BSHV, topk_BLT, out_BLHV,
+              lse_BLH, dout_BLHV, dlse_BLH):
+  """`(dq_BLHK, dk_BSHK, dv_BSHV, target_BLT or None)`: the gradients and (`with_target`) the
+  indexer KL's target."""
   ops = _Operands(blocks, q_BLHK, k_BSHK, v_BSHV, topk_BLT)
   nl, ns = ops.l_pad // blocks.lb, ops.s_pad // blocks.sb
   delta_BLH = backward_delta(dout_BLHV, out_BLHV, dlse_BLH)
@@ -302,7 +309,6 @@ def _backward(blocks, scale, interpret, q_BLHK, k_BSHK, v_BSHV, topk_BLT, out_BL
   queries_bytes = ops.b * ops.h * ops.l_pad * ((ops.k + ops.v) * _itemsize(ops.q) + 8)
   keys_bytes = ops.b * ops.h * ops.s_pad * (ops.k + ops.v) * _itemsize(ops.kk)
   query_block = [(hb * lb * (ops.k + ops.v), dtype), (2 * hb * lb, f32)]  # q, dout, lse, delta
-  key_block = [(hb * sb * (ops.k + ops.v), dtype)]  # k, v
 
   # dk, dv: key blocks outer, query blocks inner (the accumulation axis)
   kv_queries = lambda j, i: blocks.first_query_block(j, i)
@@ -328,35 +334,49 @@ def _backward(blocks, scale, interpret, q_BLHK, k_BSHK, v_BSHV, topk_BLT, out_BL
       name="sparse_mla_dense_expanded_dkv",
   )(ops.counts, ops.q, ops.kk, ops.vv, dout, *per_query)
 
-  # dq and the head-summed probabilities: query blocks outer, key blocks inner
+  # dq and the head-summed probabilities: query blocks outer, key blocks inner; twice the
+  # heads over half the queries (`_dq_blocks`)
+  qb = _dq_blocks(blocks, ops.h) if with_target else blocks
   dq_queries = lambda i, j: i
-  dq, probs = pl.pallas_call(
-      functools.partial(_dq_kernel, scale=scale, blocks=blocks, num_key_blocks=ns),
+  probs_shape = (ops.b, ops.h // qb.hb, ops.l_pad, ops.s_pad)
+  dq, *probs = pl.pallas_call(
+      functools.partial(_dq_kernel, scale=scale, blocks=qb, num_key_blocks=ns,
+                        with_probs=with_target),
       out_shape=(jax.ShapeDtypeStruct(ops.q.shape, q_BLHK.dtype),
-                 jax.ShapeDtypeStruct((ops.b, ops.h // blocks.hb, ops.l_pad, ops.s_pad),
-                                      jnp.float32)),
-      grid=ops.grid(blocks, (nl, ns)),
-      in_specs=_specs(blocks, ops.k, ops.v, dq_queries, blocks.last_key_block) + [
-          _per_query_spec(blocks, ops.v, dq_queries), _per_query_spec(blocks, 1, dq_queries),
-          _per_query_spec(blocks, 1, dq_queries)],
-      out_specs=(_per_query_spec(blocks, ops.k, dq_queries),
-                 pl.BlockSpec((None, None, blocks.lb, blocks.sb),
-                              lambda b, g, i, j: (b, g, i, j))),
-      scratch_shapes=[pltpu.VMEM((blocks.hb, blocks.lb, ops.k), jnp.float32)],
+                 *[jax.ShapeDtypeStruct(probs_shape, jnp.float32)] * with_target),
+      grid=ops.grid(qb, (ops.l_pad // qb.lb, ns)),
+      in_specs=_specs(qb, ops.k, ops.v, dq_queries, qb.last_key_block) + [
+          _per_query_spec(qb, ops.v, dq_queries), _per_query_spec(qb, 1, dq_queries),
+          _per_query_spec(qb, 1, dq_queries)],
+      out_specs=(_per_query_spec(qb, ops.k, dq_queries),
+                 *[pl.BlockSpec((None, None, qb.lb, qb.sb),
+                                lambda b, g, i, j: (b, g, i, j))] * with_target),
+      scratch_shapes=[pltpu.VMEM((qb.hb, qb.lb, ops.k), jnp.float32)],
       compiler_params=_PARAMS,
-      cost_estimate=_cost(blocks, ops, 2 * ops.k + ops.v,  # logits, dp, dq
-                          per_step=[(lb * sb, f32)] + key_block,
+      cost_estimate=_cost(qb, ops, 2 * ops.k + ops.v,  # logits, dp, dq
+                          per_step=[(qb.lb * sb, f32), (qb.hb * sb * (ops.k + ops.v), dtype)],
                           once=queries_bytes + ops.q.size * _itemsize(ops.q)  # + dq
-                          + ops.b * (ops.h // hb) * ops.l_pad * ops.s_pad * 4),  # probs
+                          + with_target * 4 * math.prod(probs_shape)),  # the probabilities
       interpret=interpret,
       name="sparse_mla_dense_expanded_dq",
   )(ops.counts, ops.q, ops.kk, ops.vv, dout, *per_query)
 
-  head_sum_BLS = probs.sum(axis=1)[:, :ops.l, :ops.s]
-  picked = jnp.take_along_axis(head_sum_BLS, jnp.maximum(topk_BLT, 0), axis=-1) / ops.h
-  target_BLT = jnp.where(topk_BLT >= 0, picked, 0.0)
+  target_BLT = None
+  if with_target:
+    head_sum_BLS = probs[0].sum(axis=1)[:, :ops.l, :ops.s]
+    picked = jnp.take_along_axis(head_sum_BLS, jnp.maximum(topk_BLT, 0), axis=-1) / ops.h
+    target_BLT = jnp.where(topk_BLT >= 0, picked, 0.0)
   unpad = lambda x, n: jnp.swapaxes(x[:, :, :n], 1, 2)
   return unpad(dq, ops.l), unpad(dk, ops.s), unpad(dv, ops.s), target_BLT
+
+
+def _dq_blocks(blocks: _Blocks, h: int) -> _Blocks:
+  """The dq kernel's blocks: twice the heads over half the queries where they divide (the same
+  VMEM), so it writes half as many head-summed probability partials `[B, H / Hb, L, S]` (fp32:
+  at the 744B headline 16 of them, 2.1 GB a layer, read again by their sum in XLA)."""
+  if h % (2 * blocks.hb) or blocks.lb % 16:
+    return blocks
+  return blocks._replace(hb=2 * blocks.hb, lb=blocks.lb // 2)
 
 
 def _prepared(q_BLHK, k_BSHK, v_BSHV, topk_BLT, causal, head_block, block_q, block_k):
@@ -393,7 +413,7 @@ def _attend_forward(blocks, scale, interpret, q_BLHK, k_BSHK, v_BSHV, topk_BLT):
 
 
 def _attend_backward(blocks, scale, interpret, residuals, cotangents):
-  dq, dk, dv, _ = _backward(blocks, scale, interpret, *residuals, *cotangents)
+  dq, dk, dv, _ = _backward(blocks, scale, interpret, False, *residuals, *cotangents)
   return dq, dk, dv, None
 
 
@@ -433,14 +453,14 @@ def sparse_mla_dense_expanded_pallas_parts(*, causal: bool = False,
       return out_BLHV, lse_BLH
     # forward only (an eval step): the target from the backward kernels' probabilities
     zeros = jnp.zeros_like(out_BLHV)
-    *_, target_BLT = _backward(blocks, scale, interpret, q_BLHK, k_BSHK, v_BSHV, topk_BLT,
-                               out_BLHV, lse_BLH, zeros, jnp.zeros_like(lse_BLH))
+    *_, target_BLT = _backward(blocks, scale, interpret, True, q_BLHK, k_BSHK, v_BSHV,
+                               topk_BLT, out_BLHV, lse_BLH, zeros, jnp.zeros_like(lse_BLH))
     return out_BLHV, lse_BLH, target_BLT
 
   def backward(q_BLHK, k_BSHK, v_BSHV, topk_BLT, out_BLHV, lse_BLH, dout_BLHV, dlse_BLH, scale):
     blocks, topk_BLT = _prepared(q_BLHK, k_BSHK, v_BSHV, topk_BLT, causal, head_block, block_q,
                                  block_k)
-    return _backward(blocks, scale, interpret, q_BLHK, k_BSHK, v_BSHV, topk_BLT, out_BLHV,
-                     lse_BLH, dout_BLHV, dlse_BLH)
+    return _backward(blocks, scale, interpret, True, q_BLHK, k_BSHK, v_BSHV, topk_BLT,
+                     out_BLHV, lse_BLH, dout_BLHV, dlse_BLH)
 
   return SparseMLAParts(forward, backward)

@@ -621,6 +621,49 @@ def _export_for_tpu(fn, *shapes):
   return text
 
 
+@pytest.mark.parametrize("causal,b,l,s,h,blocks", [
+    # 2 head blocks (the dq kernel: 1 of 4 heads x 32 queries), 4 x 2 (query, key) blocks
+    # of which 2 are skipped, padded to them
+    (True, 1, 200, 200, 4, dict(head_block=2, block_q=64, block_k=128)),
+    (False, 2, 13, 150, 2, dict(head_block=1, block_q=8, block_k=128))])  # L != S, padded
+def test_sparse_mla_dense_expanded_pallas_matches_xla(causal, b, l, s, h, blocks):
+  """The TPU kernels (interpret mode) give `sparse_mla_dense_expanded`'s outputs, lse, input
+  gradients and, as parts, the KL target from the forward and from the backward: several head
+  blocks (the dq kernel's twice as many heads over half the queries), several query and key
+  blocks with causal skipping, padded sequences, empty slots and a query with none."""
+  rng = np.random.default_rng(31)
+  k_dim, v_dim, t = 16, 8, 9
+  q, kk, vv = (jnp.asarray(rng.standard_normal(shape), jnp.float32)
+               for shape in ((b, l, h, k_dim), (b, s, h, k_dim), (b, s, h, v_dim)))
+  topk = np.stack([rng.permutation(s)[:t] for _ in range(b * l)]).reshape(b, l, t)
+  topk = jnp.asarray(np.where(rng.random((b, l, t)) < 0.25, -1, topk), jnp.int32).at[0, 0].set(-1)
+  xla = functools.partial(pk.sparse_mla_dense_expanded, scale=0.3, causal=causal)
+  kernels = functools.partial(pk.sparse_mla_dense_expanded_pallas, scale=0.3, causal=causal,
+                              interpret=True, **blocks)
+  out, lse = jax.jit(kernels)(q, kk, vv, topk)
+  want_out, want_lse = xla(q, kk, vv, topk)
+  np.testing.assert_allclose(out, want_out, rtol=1e-5, atol=1e-5)
+  np.testing.assert_allclose(lse, want_lse, rtol=1e-5, atol=1e-5)
+  cot_out = jnp.asarray(rng.standard_normal(out.shape), jnp.float32)
+  cot_lse = jnp.asarray(rng.standard_normal(lse.shape), jnp.float32)
+
+  def loss(fn, *qkv):
+    o, ls = fn(*qkv, topk)
+    return jnp.sum(o * cot_out) + jnp.sum(jnp.where(jnp.isfinite(ls), ls, 0.0) * cot_lse)
+
+  grads = jax.jit(jax.grad(functools.partial(loss, kernels), argnums=(0, 1, 2)))(q, kk, vv)
+  want_grads = jax.grad(functools.partial(loss, xla), argnums=(0, 1, 2))(q, kk, vv)
+  for name, got, want in zip("qkv", grads, want_grads):
+    np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-5, err_msg=f"d{name}")
+  parts = pk.sparse_mla_dense_expanded_pallas_parts(causal=causal, interpret=True, **blocks)
+  want_target = pk.sparse_mla_dense_expanded_parts(causal=causal).forward(
+      q, kk, vv, topk, 0.3, head_probs=True)[2]
+  np.testing.assert_allclose(parts.forward(q, kk, vv, topk, 0.3, head_probs=True)[2],
+                             want_target, rtol=1e-5, atol=1e-6)
+  *_, target = parts.backward(q, kk, vv, topk, out, lse, cot_out, cot_lse, 0.3)
+  np.testing.assert_allclose(target, want_target, rtol=1e-5, atol=1e-6)
+
+
 def test_dense_expanded_kernels_lower_for_tpu():
   """`sparse_mla_dense_expanded_pallas`'s three kernels lower for TPU at its default blocks
   (4 heads, 512 queries, 512 keys), and each `pl.CostEstimate` counts the causal steps only:

@@ -4,6 +4,9 @@
       [--kl_target=pass]   # the KL target as a second pass (sparse_mla_head_mean_probs)
   python tools/price_dsa_stage.py --target=v5p:2x2x1 --impl=pallas   # the Mosaic kernels
   python tools/price_dsa_stage.py --target=v5p:2x2x1 --attention_keys=dense  # every key, causal
+  python tools/price_dsa_stage.py --target=v5p:2x2x1 --form=FORM  # every key, with projections
+      # FORM: absorbed (sparse_mla_dense), expanded (sparse_mla_dense_expanded, XLA) or
+      # expanded_pallas (its TPU kernels)
   python tools/price_dsa_stage.py --target=v5p:2x2x1 --part=indexer_kl [--keys=gather|dense]
       [--query_block=8]
 
@@ -16,6 +19,11 @@ Prints the compiler estimate (`glm5_jax.planning.op_costs`: each instruction's
 `pl.CostEstimate` at `op_costs.KERNEL_EFFICIENCY`) and each kernel's FLOPs, bytes and time at
 the chip's peak (a bound): a minutes-long check of a change to the stage, where the whole step
 at depth 2 is a 20-minute compile. Needs libtpu (the `tpu-aot` extra).
+
+`--form`: the sparse attention over every key (causal, no KL target) with the projections that
+differ between the forms: absorbed, `q_nope W_kb` before and `W_vb` after the attention;
+expanded, the per-head keys `c W_kb` and values `c W_vb` before it (what `mla.py` runs for each);
+so the forms compare like for like.
 
 `--part=indexer_kl`: the indexer KL on the selection instead (`dsa_kl_fused.
 indexer_kl_at_selection`: GLM-5's 32 index heads of dim 128, its query-block loop under its
@@ -69,6 +77,32 @@ def stage(impl: str, kl_target: str, scale: float, attention_keys: str = "gather
   return jax.value_and_grad(jax.checkpoint(forward), argnums=(0, 1, 2, 3))
 
 
+def forms_stage(form: str, scale: float):
+  """`(q_nope, q_rope, kv, k_rope, topk, dout, w_kb, w_vb) -> (loss, gradients of all but topk
+  and dout)`: one layer's attention over every key in `form` (module docstring, `--form`),
+  under `jax.checkpoint`."""
+
+  def forward(q_nope, q_rope, kv, k_rope, topk, dout, w_kb, w_vb):
+    if form == "absorbed":
+      q_latent = jnp.einsum("blhn,chn->blhc", q_nope, w_kb)
+      out, lse = pallas_kernels.sparse_mla_dense(q_latent, q_rope, kv, k_rope, topk,
+                                                 scale=scale, causal=True)
+      out = jnp.einsum("blhc,chv->blhv", out, w_vb)
+    else:
+      k_nope = jnp.einsum("bsc,chn->bshn", kv, w_kb)
+      k = jnp.concatenate(
+          [k_nope, jnp.broadcast_to(k_rope[:, :, None], k_nope.shape[:3] + k_rope.shape[-1:])],
+          -1)
+      v = jnp.einsum("bsc,chv->bshv", kv, w_vb)
+      op = (pallas_kernels.sparse_mla_dense_expanded_pallas if form == "expanded_pallas"
+            else pallas_kernels.sparse_mla_dense_expanded)
+      out, lse = op(jnp.concatenate([q_nope, q_rope], -1), k, v, topk, scale=scale, causal=True)
+    return (jnp.vdot(out.astype(jnp.float32), dout)
+            + jnp.sum(jnp.where(lse > -jnp.inf, lse, 0.0)))
+
+  return jax.value_and_grad(jax.checkpoint(forward), argnums=(0, 1, 2, 3, 6, 7))
+
+
 def indexer_kl_stage(index_scale: float, query_block: int | None, keys: str):
   """`(q, k, w, topk, target) -> (KL sum, q / k / w gradients)` of the indexer KL on the
   selection, under `jax.checkpoint` as the layer is under `remat_policy=full`."""
@@ -102,6 +136,9 @@ def main(argv=None):
   parser.add_argument("--query_block", type=int, default=None,
                       help="queries per block of --part=indexer_kl, or of --attention_keys=dense "
                       "(default: each op's own)")
+  parser.add_argument("--form", choices=("absorbed", "expanded", "expanded_pallas"),
+                      default=None, help="the attention over every key in this form, with the "
+                      "projections that differ (module docstring); overrides --attention_keys")
   parser.add_argument("--keys", choices=("auto", "gather", "dense"), default="auto",
                       help="--part=indexer_kl: indexer_scores_at's form")
   parser.add_argument("--hlo_out", default=None, help="save the compiled module's text here")
@@ -121,7 +158,8 @@ def main(argv=None):
     text = compile_stage(args, b, l, h, c, r, t)
     what = (f"the indexer KL (32 index heads x 128), keys {args.keys}, query block "
             f"{args.query_block or 'default'}"
-            if args.part == "indexer_kl" else
+            if args.part == "indexer_kl" else f"every key, {args.form} form, with projections"
+            if args.form else
             f"{args.impl}, keys {args.attention_keys}, KL target {args.kl_target}")
     print(f"compiled in {time.perf_counter() - start:.0f} s; {what}, B={b} L={l} H={h} T={t}")
   print_costs(text, args.target)
@@ -138,11 +176,18 @@ def compile_stage(args, b, l, h, c, r, t) -> str:
         ((b, l, j, i), bf16), ((b, l, i), bf16), ((b, l, j), jnp.float32),
         ((b, l, t), jnp.int32), ((b, l, t), jnp.float32))]
     fn = indexer_kl_stage(i ** -0.5, args.query_block, args.keys)
+  elif args.form:  # GLM-5: N = 192, V = 256, scale (N + R)^-0.5
+    n, v = 192, 256
+    shapes = [jax.ShapeDtypeStruct(s, d, sharding=sharding) for s, d in (
+        ((b, l, h, n), bf16), ((b, l, h, r), bf16), ((b, l, c), bf16), ((b, l, r), bf16),
+        ((b, l, t), jnp.int32), ((b, l, h, v), jnp.float32), ((c, h, n), bf16),
+        ((c, h, v), bf16))]
+    fn = forms_stage(args.form, (n + r) ** -0.5)
   else:
     shapes = [jax.ShapeDtypeStruct(s, d, sharding=sharding) for s, d in (
         ((b, l, h, c), bf16), ((b, l, h, r), bf16), ((b, l, c), bf16), ((b, l, r), bf16),
         ((b, l, t), jnp.int32), ((b, l, h, c), jnp.float32))]
-    fn = stage(args.impl, args.kl_target, 192 ** -0.5,  # GLM-5's (N + R)^-0.5
+    fn = stage(args.impl, args.kl_target, (192 + 64) ** -0.5,  # GLM-5: (N + R)^-0.5
                args.attention_keys, args.query_block)
   with lowering_for("tpu"):
     compiled = jax.jit(fn).trace(*shapes).lower(lowering_platforms=("tpu",)).compile()
