@@ -179,6 +179,19 @@ def empty_out_of_range(topk_BLT, num_keys: int):
   return jnp.where(in_range_BLT, topk_BLT, -1).astype(topk_BLT.dtype)
 
 
+def op_selection(topk_BLT, q_BLX, k_BSX, causal: bool, op: str):
+  """`topk_BLT` as an op over queries `q_BLX` and keys `k_BSX` sees it, once for its forward,
+  residuals and backward: slots outside [0, S) empty (`empty_out_of_range`), and with `causal`
+  (queries and keys the same L positions, else a ValueError naming `op` and both shapes) slots
+  after their query empty too (`empty_after_query`)."""
+  l, s = q_BLX.shape[1], k_BSX.shape[1]
+  if causal and s != l:
+    raise ValueError(f"{op}(causal=True): queries and keys must be the same positions, got "
+                     f"L={l} queries ({q_BLX.shape}) and S={s} keys ({k_BSX.shape})")
+  topk_BLT = empty_out_of_range(topk_BLT, s)
+  return empty_after_query(topk_BLT) if causal else topk_BLT
+
+
 def empty_after_query(topk_BLT):
   """`topk_BLT` with every slot that selects a key after its query (index > l) set to -1:
   the causal contract when queries and keys are the same L positions."""

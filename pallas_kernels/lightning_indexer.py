@@ -41,10 +41,9 @@ T top-k.
 import jax
 import jax.numpy as jnp
 
-from pallas_kernels.blocking import (causal_key_ranges, default_query_block,
-                                     empty_after_query, empty_out_of_range, gather_rows,
-                                     map_query_blocks, pad_axis, platform, query_block_size,
-                                     round_up, rows_per_device)
+from pallas_kernels.blocking import (causal_key_ranges, default_query_block, gather_rows,
+                                     map_query_blocks, op_selection, pad_axis, platform,
+                                     query_block_size, round_up, rows_per_device)
 
 
 def visible_keys(q_pos_BL, q_seg_BL, k_seg_BS, first_key=0):
@@ -272,13 +271,7 @@ def indexer_scores_at(q_BLJI, k_BSI, weights_BLJ, topk_BLT, *, scale: float,
   if keys not in ("auto", "gather", "dense"):
     raise ValueError(f"keys={keys!r}: expected 'auto', 'gather' or 'dense'")
   dense = s <= DENSE_KEYS_PER_SLOT * t if keys == "auto" else keys == "dense"
-  if causal and s != l:
-    raise ValueError(f"indexer_scores_at(causal=True): queries and keys must be the same "
-                     f"positions, got L={l} queries (q {q_BLJI.shape}) and S={s} keys "
-                     f"(k {k_BSI.shape})")
-  topk_BLT = empty_out_of_range(topk_BLT, s)
-  if causal:
-    topk_BLT = empty_after_query(topk_BLT)
+  topk_BLT = op_selection(topk_BLT, q_BLJI, k_BSI, causal, "indexer_scores_at")
   if query_block is None:
     floats = (heads + 1) * s if dense else t * (heads + i)  # per query, besides 2 x T
     fits = default_query_block(rows_per_device(b, batch_shards) * (floats + 2 * t) * 4,

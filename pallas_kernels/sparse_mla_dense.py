@@ -38,9 +38,8 @@ import jax
 import jax.numpy as jnp
 
 from pallas_kernels.blocking import (CAUSAL_KEY_RANGES, MASKED_LOGIT, causal_key_ranges,
-                                     default_query_block, empty_after_query, empty_out_of_range,
-                                     pad_axis, platform, query_block_size, round_up,
-                                     rows_per_device, varying_like)
+                                     default_query_block, op_selection, pad_axis, platform,
+                                     query_block_size, round_up, rows_per_device, varying_like)
 from pallas_kernels.sparse_mla import (SparseMLAParts, backward_delta,
                                       check_sparse_mla_inputs, named_residuals)
 
@@ -237,20 +236,12 @@ def _prepared(q_BLHC, q_rope_BLHR, kv_BSC, k_rope_BSR, topk_BLT, query_block, ca
   selection emptied where it must be, the blocks and key ranges sized."""
   check_sparse_mla_inputs(q_BLHC, q_rope_BLHR, kv_BSC, k_rope_BSR, topk_BLT)
   (b, l, h, c), s = q_BLHC.shape, kv_BSC.shape[1]
-  if causal and s != l:
-    raise ValueError(f"sparse_mla_dense(causal=True): queries and keys must be the same "
-                     f"positions, got L={l} queries (q {q_BLHC.shape}) and S={s} keys "
-                     f"(kv {kv_BSC.shape})")
+  topk_BLT = op_selection(topk_BLT, q_BLHC, kv_BSC, causal, "sparse_mla_dense")
   if head_groups < 1 or h % head_groups:
     raise ValueError(f"head_groups={head_groups} must be >= 1 and divide the {h} heads of q "
                      f"{q_BLHC.shape} [B, L, H, C]")
   if query_block is None:
     query_block = _block_size(rows_per_device(b, batch_shards), s, h)
-  # One selection for forward, residuals and backward: out-of-range slots (and, causal, keys
-  # after their query) become -1 here, once.
-  topk_BLT = empty_out_of_range(topk_BLT, s)
-  if causal:
-    topk_BLT = empty_after_query(topk_BLT)
   qr_BLHK = jnp.concatenate([q_BLHC, q_rope_BLHR.astype(q_BLHC.dtype)], axis=-1)
   kvr_BSK = jnp.concatenate([kv_BSC, k_rope_BSR.astype(kv_BSC.dtype)], axis=-1)
   block = query_block_size(l, query_block)

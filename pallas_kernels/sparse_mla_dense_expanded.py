@@ -32,8 +32,8 @@ import jax
 import jax.numpy as jnp
 
 from pallas_kernels.blocking import (CAUSAL_KEY_RANGES, MASKED_LOGIT, causal_key_ranges,
-                                     empty_after_query, empty_out_of_range, platform, round_up,
-                                     rows_per_device, temporaries_budget, varying_like)
+                                     op_selection, platform, round_up, rows_per_device,
+                                     temporaries_budget, varying_like)
 from pallas_kernels.sparse_mla import SparseMLAParts, backward_delta, named_residuals
 from pallas_kernels.sparse_mla_dense import key_counts
 
@@ -228,10 +228,7 @@ def _prepared(q_BLHK, k_BSHK, v_BSHV, topk_BLT, causal, head_block, head_shards,
   of range; causal: after its query), the runs and head groups sized."""
   check_expanded_inputs(q_BLHK, k_BSHK, v_BSHV, topk_BLT)
   (b, l, h, k), s, v = q_BLHK.shape, k_BSHK.shape[1], v_BSHV.shape[-1]
-  if causal and s != l:
-    raise ValueError(f"sparse_mla_dense_expanded(causal=True): queries and keys must be the "
-                     f"same positions, got L={l} queries (q {q_BLHK.shape}) and S={s} keys "
-                     f"(k {k_BSHK.shape})")
+  topk_BLT = op_selection(topk_BLT, q_BLHK, k_BSHK, causal, "sparse_mla_dense_expanded")
   if key_ranges < 1:
     raise ValueError(f"key_ranges={key_ranges} must be >= 1 (causal query ranges)")
   if head_shards < 1 or h % head_shards:
@@ -245,9 +242,6 @@ def _prepared(q_BLHK, k_BSHK, v_BSHV, topk_BLT, causal, head_block, head_shards,
   if head_block < 1 or local % head_block:
     raise ValueError(f"head_block={head_block} must be >= 1 and divide the {local} heads a "
                      f"device holds (H={h} over head_shards={head_shards})")
-  topk_BLT = empty_out_of_range(topk_BLT, s)
-  if causal:
-    topk_BLT = empty_after_query(topk_BLT)
   return _Heads(head_shards, head_block), runs, topk_BLT
 
 

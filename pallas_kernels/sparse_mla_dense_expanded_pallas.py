@@ -48,8 +48,7 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
-from pallas_kernels.blocking import (MASKED_LOGIT, empty_after_query, empty_out_of_range,
-                                     pad_axis, round_up)
+from pallas_kernels.blocking import MASKED_LOGIT, op_selection, pad_axis, round_up
 from pallas_kernels.sparse_mla import SparseMLAParts, backward_delta, named_residuals
 from pallas_kernels.sparse_mla_dense import key_counts
 from pallas_kernels.sparse_mla_dense_expanded import check_expanded_inputs
@@ -383,10 +382,7 @@ def _prepared(q_BLHK, k_BSHK, v_BSHV, topk_BLT, causal, head_block, block_q, blo
   """`(blocks, topk_BLT)`: inputs checked, the selection emptied where it must be."""
   check_expanded_inputs(q_BLHK, k_BSHK, v_BSHV, topk_BLT)
   (_, l, h, _), s = q_BLHK.shape, k_BSHK.shape[1]
-  if causal and s != l:
-    raise ValueError(f"sparse_mla_dense_expanded_pallas(causal=True): queries and keys must be "
-                     f"the same positions, got L={l} queries (q {q_BLHK.shape}) and S={s} keys "
-                     f"(k {k_BSHK.shape})")
+  topk_BLT = op_selection(topk_BLT, q_BLHK, k_BSHK, causal, "sparse_mla_dense_expanded_pallas")
   if head_block < 1 or h % head_block:
     raise ValueError(f"head_block={head_block} must be >= 1 and divide the {h} heads of q "
                      f"{q_BLHK.shape} [B, L, H, K]")
@@ -395,9 +391,6 @@ def _prepared(q_BLHK, k_BSHK, v_BSHV, topk_BLT, causal, head_block, block_q, blo
                      "(TPU tiles)")
   blocks = _Blocks(head_block, min(block_q, round_up(l, 8)), min(block_k, round_up(s, 128)),
                    causal)
-  topk_BLT = empty_out_of_range(topk_BLT, s)
-  if causal:
-    topk_BLT = empty_after_query(topk_BLT)
   return blocks, topk_BLT
 
 
