@@ -25,8 +25,15 @@ Per shard: sort the local pairs by expert (as the reference), exchange per-exper
 one small all-to-all, send each pair's row to the device holding its expert, sort the received
 rows by local expert, a grouped matmul over the local experts (`ragged_dot`; megablox on TPU,
 our Triton gmm on GPU: `glm5_jax.grouped_matmul`), un-sort, send back, un-sort, and
-combine with the router weights as the reference (inverse permutation + weighted sum: no
-scatter-add, so deterministic). Routing, `expert_counts` and the balance loss stay in
+sum each token's rows (inverse permutation + sum: no scatter-add, so deterministic). Each pair's
+router weight travels with its row (a second, small exchange) and scales the expert's SwiGLU
+output before the down projection: the same mixture as the reference's weighted sum of the
+experts' outputs (the projection is linear), but the weights' gradient is then the rows' dot
+with the down projection's input gradient, which the backward computes anyway, so a remat's
+rerun of the layer needs neither the down projection nor the exchange back (a third of the
+experts' rerun: 0.57 s a step at the 744B headline, docs/scaling.md "Router weights with the
+rows"). Quantized experts (inference) scale the output instead, their INT8 activations as the
+reference's. Routing, `expert_counts` and the balance loss stay in
 `glm5_jax.moe.MoE`, computed on the global token array exactly as for "ragged".
 
 Shaped for the TPU compiler (docs/scaling.md, "MoE dispatch without the relayouts" and "MoE
@@ -60,9 +67,10 @@ worst-case slots.
 Chunks (`model.moe_dispatch_chunks` = k > 1): each shard's m tokens go through all of the above
 in k contiguous chunks of m / k, independent of each other (tokens padded to a multiple of k
 shards). A chunk's exchange then has another chunk's grouped matmul to run beside it, which the
-compiler's scheduler can overlap with it (one pass leaves it nothing: the exchange, the matmul and
-the exchange back depend on each other in turn). Each chunk has its own buffers and capacity
-(`ceil(c * m / k * X / 16) + E/n` groups), so with a capacity factor the drops are decided per chunk.
+compiler's scheduler can overlap with it (one pass leaves it nothing: the exchange, the matmul
+and the exchange back depend on each other in turn). Each chunk has its own buffers and capacity
+(`ceil(c * m / k * X / 16) + E/n` groups), so with a capacity factor the drops are decided per
+chunk.
 Weights before rows: the local experts' kernels are gathered over the fsdp axes (to the
 shard_map's layout), the pair counts exchanged (`_exchanged_counts`, a shard_map of its own)
 and the caller's `computed_first` (the MoE's shared experts and load counts) computed before
@@ -475,6 +483,16 @@ def _local_dispatch(x_MD, weights_MX, experts_MX, w_gate_EDF, w_up_EDF, w_down_E
   sent_MX = ((rank_P < kept_pairs_NE.reshape(-1)[segment_P])[inverse_P].reshape(m, x)
              if capacity_factor else None)
   xs_G = _spread_rows(x_MD, token_S, slot_MX, x, sent_MX).reshape(buffer_g, GROUP, d)
+  # Each slot's pair (-1: padding, and the slots past the used groups), and the pair's router
+  # weight, which travels with its row: the experts scale their SwiGLU output by it before the
+  # down projection (below). A dropped pair's weight is zero here, so the undefined cotangent
+  # its unsent slot gets back (`_exchange`) is selected away.
+  pair_S = jnp.full((GROUP * buffer_g,), -1, jnp.int32).at[slot_MX.reshape(-1)].set(
+      jnp.arange(m * x))
+  sent_weights_P = (jnp.where(sent_MX, weights_MX, 0) if capacity_factor
+                    else weights_MX).reshape(-1)
+  ws_G = jnp.concatenate([sent_weights_P, jnp.zeros((1,), weights_MX.dtype)])[
+      jnp.where(pair_S < 0, m * x, pair_S)].reshape(buffer_g, GROUP)
   send_offsets_N = _exclusive_cumsum(send_g_N)
 
   if transport == "ragged_all_to_all":
@@ -482,17 +500,25 @@ def _local_dispatch(x_MD, weights_MX, experts_MX, w_gate_EDF, w_up_EDF, w_down_E
     # Where my groups land in each destination's buffer, and where each source's came from.
     dest_offsets_N = _exclusive_cumsum(kept_NN, axis=0)[me]
     source_offsets_N = _exclusive_cumsum(sizes_NN, axis=1)[:, me]
+
     # Groups from sum(kept_recv_N) on are never written: they sort past the experts' groups.
-    recv_G = _exchange(xs_G, _uninitialized((rows_g, GROUP, d), xs_G.dtype), send_offsets_N,
+    def send(a_G):
+      return _exchange(a_G, _uninitialized((rows_g, *a_G.shape[1:]), a_G.dtype), send_offsets_N,
                        kept_send_N, dest_offsets_N, kept_recv_N, expert_axis,
                        recv_offsets_N, source_offsets_N)
   else:
     recv_offsets_N = jnp.arange(n, dtype=jnp.int32) * slot_g
     j = jnp.arange(slot_g)
-    picked = xs_G[jnp.minimum(send_offsets_N[:, None] + j, buffer_g - 1)]
-    send_NJ = jnp.where(_per_row(j < kept_send_N[:, None], picked), picked, 0)
-    recv_G = jax.lax.all_to_all(send_NJ, expert_axis, 0, 0, tiled=True).reshape(rows_g, GROUP,
-                                                                                  d)
+
+    def send(a_G):
+      picked = a_G[jnp.minimum(send_offsets_N[:, None] + j, buffer_g - 1)]
+      send_NJ = jnp.where(_per_row(j < kept_send_N[:, None], picked), picked, 0)
+      return jax.lax.all_to_all(send_NJ, expert_axis, 0, 0, tiled=True).reshape(
+          rows_g, *a_G.shape[1:])
+  recv_G = send(xs_G)
+  # A remat policy may keep the received weights (`rows_g x GROUP` fp32, ~160 KiB a chunk at the
+  # 744B headline): the backward's rerun of the layer then exchanges only the rows.
+  recv_w_G = checkpoint_name(send(ws_G), "moe_exchanged_weights")
 
   # Each received group's local expert: the groups of (source i, expert e) sit contiguously
   # from recv_offsets_N[i] + (source i's groups for experts before e); others get `E`.
@@ -515,8 +541,20 @@ def _local_dispatch(x_MD, weights_MX, experts_MX, w_gate_EDF, w_up_EDF, w_down_E
     # (`glm5_jax.grouped_matmul`: both compilers run some of `ragged_dot` dense over the experts).
     mm = functools.partial(grouped_matmul.grouped_matmul, group_sizes_G=group_sizes,
                            impl=matmul)
+  # The received weights in the rows' order; the groups no message wrote hold undefined
+  # numbers (they sort last): zero weights there.
+  w_R = jnp.where(jnp.repeat(valid_G[order_G], GROUP),
+                  _permute_rows(recv_w_G, order_G, inverse_G).reshape(-1), 0)[:, None]
   h_RF = jax.nn.silu(mm(xs_RD, w_gate_EDF)) * mm(xs_RD, w_up_EDF)
-  ys_G = _permute_rows(mm(h_RF, w_down_EFD).reshape(rows_g, GROUP, d), inverse_G, order_G)
+  if quantized:  # inference only: the output scaled, the INT8 activations as the reference's
+    y_RD = (mm(h_RF, w_down_EFD) * w_R).astype(x_MD.dtype)
+  else:
+    # Scaled before the down projection (linear: the same sum), so the weights' gradient is
+    # the rows' dot with the down projection's input gradient, which the backward computes
+    # anyway: a remat's rerun of the layer needs neither the down projection nor the exchange
+    # back (they were a third of the experts' rerun: 0.57 s a step at the 744B headline).
+    y_RD = mm((h_RF * w_R).astype(h_RF.dtype), w_down_EFD)
+  ys_G = _permute_rows(y_RD.reshape(rows_g, GROUP, d), inverse_G, order_G)
 
   if transport == "ragged_all_to_all":
     # Back into the send buffer, dead once sent (the backward never reads it: the exchange is
@@ -531,15 +569,13 @@ def _local_dispatch(x_MD, weights_MX, experts_MX, w_gate_EDF, w_up_EDF, w_down_E
     dest_B = jnp.minimum(jnp.searchsorted(send_offsets_N + send_g_N, b, side="right"), n - 1)
     ys_G = back_NJ[dest_B, jnp.clip(b - send_offsets_N[dest_B], 0, slot_g - 1)]
 
-  # As the reference: each token's X expert rows, then their weighted sum. A padding slot's
-  # cotangent is another slot's (`_permute_rows`): finite, and multiplied by zeros only.
-  pair_S = jnp.full((GROUP * buffer_g,), -1, jnp.int32).at[slot_MX.reshape(-1)].set(
-      jnp.arange(m * x))
+  # Each token's X expert rows, weighted already, summed. A padding slot's cotangent is another
+  # slot's (`_permute_rows`): finite, and multiplied by zeros only.
   ys_MXD = _permute_rows(ys_G.reshape(GROUP * buffer_g, d), slot_MX.reshape(-1),
                          pair_S).reshape(m, x, d)
   if capacity_factor:  # a dropped pair's row holds no expert output; it contributes zero
     ys_MXD = jnp.where(sent_MX[..., None], ys_MXD, 0)
-  y_MD = jnp.einsum("mxd,mx->md", ys_MXD.astype(jnp.float32), weights_MX)
+  y_MD = ys_MXD.sum(1, dtype=jnp.float32)
   if f_axes:  # partial sums over the F shards
     y_MD = jax.lax.psum(y_MD, f_axes)
   return y_MD.astype(x_MD.dtype), dropped[None]

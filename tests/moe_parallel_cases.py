@@ -299,6 +299,10 @@ def hlo():
     result[f"int32 exchanges, remat {policy}"] = {
         op: len(re.findall(rf"stablehlo\.{op}.*\n?.*-> tensor<[0-9x]*xi32>", text))
         for op in ("all_to_all", "all_gather")}
+    # The router weights sent with the rows (fp32 `[n, slots, 16]`): the rerun sends them again
+    # unless the policy keeps them (`moe_exchanged_weights`).
+    result[f"weight exchanges, remat {policy}"] = len(
+        re.findall(r"stablehlo\.all_to_all.*\n?.*-> tensor<[0-9x]*x16xf32>", text))
   return result
 
 

@@ -15,30 +15,31 @@ live, one `[B, L, D]` per layer.
                    shared `[C + R]` key/value latent), recompute the rest
   save_qkv_attn    also keep the attention output (`attention_out`), so the backward pass
                    never reruns the attention itself
-  save_attn_lse    keep the sparse attention's output and log-sum-exp (the residuals of the
-                   sparse MLA kernels' custom VJP, `sparse_mla_out` / `sparse_mla_lse`, named
-                   inside its forward rule), the DSA selection (`dsa_topk`) and the indexer
-                   KL's target (`indexer_kl_target`, `[B, L, T]`), and the MoE's exchanged
-                   counts (below): the backward reruns the projections and the FFN / MoE
-                   (not the count exchange), but none of the indexer top-k, the sparse
-                   forward or the KL target pass (the KL's own scores need no name: they live
-                   inside `indexer_scores_at`'s per-block checkpoint). Per DSA layer that keeps
-                   B L H C (bf16) + 2 B L T (fp32 / int32) + B L H (fp32) numbers (3B config at
-                   8 x 4,096 tokens: ~2.7 GB per layer). Layers without sparse attention save
-                   nothing under it (full remat there). Where the KL target comes from the
-                   attention's backward (`glm5_jax.attention.dsa_kl_fused`: the GPU kernels,
-                   and the sparse stage over every key, `model.dsa_attention_keys`), there is
-                   no `indexer_kl_target` to keep.
+  save_attn_lse    keep the sparse attention's output and log-sum-exp (the residuals of the sparse
+                   MLA kernels' custom VJP, `sparse_mla_out` / `sparse_mla_lse`, named inside its
+                   forward rule), the DSA selection (`dsa_topk`) and the indexer KL's target
+                   (`indexer_kl_target`, `[B, L, T]`), and the MoE's exchanged counts and weights
+                   (below): the backward reruns the projections and the FFN / MoE (not the exchanges
+                   of counts and weights), but none of the indexer top-k, the sparse forward or the
+                   KL target pass (the KL's own scores need no name: they live inside
+                   `indexer_scores_at`'s per-block checkpoint). Per DSA layer that keeps B L H C
+                   (bf16) + 2 B L T (fp32 / int32) + B L H (fp32) numbers (3B config at 8 x 4,096
+                   tokens: ~2.7 GB per layer). Layers without sparse attention save nothing under it
+                   (full remat there). Where the KL target comes from the attention's backward
+                   (`glm5_jax.attention.dsa_kl_fused`: the GPU kernels, and the sparse stage over
+                   every key, `model.dsa_attention_keys`), there is no `indexer_kl_target` to keep.
   save_selections  keep only what the forward chose: the DSA selection (`dsa_topk`, int32
                    `[B, L, T]`), the indexer KL's target (`indexer_kl_target`, fp32 `[B, L, T]`,
-                   where the attention pass forms it) and the expert-parallel dispatch's
-                   exchanged counts (`moe_exchanged_counts`, `glm5_jax.moe_parallel`: a few KiB);
-                   recompute the rest. The backward's rerun of the layer then runs no indexer
-                   top-k (its scores over every key, the sort), no head-mean target and no
-                   count exchange, but does rerun the sparse attention's forward for its output
-                   and log-sum-exp. Up to 2 B L T 4-byte numbers per DSA layer (744B headline,
-                   8,192 tokens a device, the target from the backward: 64 MiB a layer, 4.7
-                   GiB over its 75 sparse layers).
+                   where the attention pass forms it), and the expert-parallel dispatch's
+                   exchanged counts and the router weights it sent with the rows
+                   (`moe_exchanged_counts`, `moe_exchanged_weights`, `glm5_jax.moe_parallel`:
+                   a few KiB, and ~160 KiB a chunk); recompute the rest. The backward's rerun
+                   of the layer then runs no indexer top-k (its scores over every key, the
+                   sort), no head-mean target and no count or weight exchange, but does rerun
+                   the sparse attention's forward for its output and log-sum-exp. Up to
+                   2 B L T 4-byte numbers per DSA layer (744B headline, 8,192 tokens a device,
+                   the target from the backward: 64 MiB a layer, 4.7 GiB over its 75 sparse
+                   layers).
   offload_dots     `dots_no_batch`, but the kept projections go to host memory
                    (`offload_dot_with_no_batch_dims`; backends with pinned host memory, TPU/GPU)
 
@@ -54,8 +55,9 @@ SAVED_NAMES = {
     "save_qkv_proj": ("query_proj", "key_proj", "value_proj"),
     "save_qkv_attn": ("query_proj", "key_proj", "value_proj", "attention_out"),
     "save_attn_lse": ("sparse_mla_out", "sparse_mla_lse", "dsa_topk", "indexer_kl_target",
-                      "moe_exchanged_counts"),
-    "save_selections": ("dsa_topk", "indexer_kl_target", "moe_exchanged_counts"),
+                      "moe_exchanged_counts", "moe_exchanged_weights"),
+    "save_selections": ("dsa_topk", "indexer_kl_target", "moe_exchanged_counts",
+                        "moe_exchanged_weights"),
 }
 REMAT_POLICIES = ("none", "full", "dots", "dots_no_batch", "save_qkv_proj", "save_qkv_attn",
                   "save_attn_lse", "save_selections", "offload_dots")
