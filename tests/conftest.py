@@ -34,6 +34,12 @@ import types
 # test_train's resume test). Inherited by every subprocess (the CLIs); set
 # JAX_DISABLE_MOST_OPTIMIZATIONS=0 to run the suite on fully optimized code.
 os.environ.setdefault("JAX_DISABLE_MOST_OPTIMIZATIONS", "1")
+# With the tpu-aot extra, test files on both xdist workers start libtpu (ahead-of-time compiles
+# for a TPU topology; no chip is opened), and libtpu admits one process at a time through
+# /tmp/libtpu_lockfile: the second failed with "Internal error when accessing libtpu
+# multi-process lockfile" (4 tests of test_tpu_aot.py in a full run on 2026-12-01; alone they
+# pass). Inherited by the subprocesses that compile.
+os.environ.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")
 # XLA:CPU's MLIR fusion emitters take about half of a train step's compile here: test_train's
 # `train(small_config(steps=8), ...)` run, uncached, with JAX_LOG_COMPILES=1, compiled its
 # train step in 28.2 s with them and 14.7 s with the legacy emitters (all its programs 38.7 ->
