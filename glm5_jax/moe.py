@@ -180,15 +180,17 @@ class MoE(nn.Module):
                                     chosen_BLE, valid_BL, c.num_experts_per_tok)
     shared_BLD = None
     if c.moe_impl == "expert_parallel" and moe_parallel.context_mesh() is not None:
-      # The shared experts and the load counts' all-reduce before any row moves: their
-      # collectives would otherwise queue behind the exchanges in flight (moe_parallel,
-      # "Weights before rows").
-      shared_BLD = shared_experts(x_BLD) if shared_experts is not None else None
+      # The shared experts' kernel gathers and the load counts' all-reduce before any row
+      # moves: a synchronous collective issued while the exchanges are in flight waits for
+      # them (moe_parallel, "Weights before rows"). The shared experts' products, with no
+      # collective left in them, may then run beside the exchanges.
+      if shared_experts is not None:
+        shared_BLD, x_MD = shared_experts(x_BLD, gathered_before=x_MD)
       # float kernels, or integer ones as (q, scale) per projection
-      y_MD, dropped_S, (shared_BLD, counts_E, balance) = moe_parallel.expert_parallel_dispatch(
+      y_MD, dropped_S, (counts_E, balance) = moe_parallel.expert_parallel_dispatch(
           x_MD, weights_MX, experts_MX, *experts, transport=c.moe_transport,
           matmul=c.moe_matmul, capacity_factor=c.moe_capacity_factor,
-          chunks=c.moe_dispatch_chunks, computed_first=(shared_BLD, counts_E, balance))
+          chunks=c.moe_dispatch_chunks, computed_first=(counts_E, balance))
     elif c.quant != "none":  # integer kernels: (q, scale) per projection
       y_MD = dispatch_quantized_experts(x_MD, weights_MX, experts_MX, *experts)
       dropped_S = jnp.zeros((1,), jnp.float32)

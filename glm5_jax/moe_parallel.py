@@ -73,7 +73,7 @@ and the exchange back depend on each other in turn). Each chunk has its own buff
 chunk.
 Weights before rows: the local experts' kernels are gathered over the fsdp axes (to the
 shard_map's layout), the pair counts exchanged (`_exchanged_counts`, a shard_map of its own)
-and the caller's `computed_first` (the MoE's shared experts and load counts) computed before
+and the caller's `computed_first` (the MoE's load counts and balance loss) computed before
 any row moves, behind an optimization barrier whose backward is the identity. Left to the
 scheduler, those gathers and the counts' all-reduce came after the first exchanges had started,
 and a collective the compiler keeps synchronous waits for the ones in flight before it: ~1.3 s
@@ -107,6 +107,7 @@ from jax.sharding import NamedSharding, PartitionSpec
 
 from glm5_jax import grouped_matmul
 from glm5_jax.layers import axes as logical_axes
+from glm5_jax.layers.ordering import in_order
 from glm5_jax.quant.linear import ragged_int_matmul
 from pallas_kernels.blocking import varying_axes, varying_like
 
@@ -140,8 +141,8 @@ def expert_parallel_dispatch(x_MD, weights_MX, experts_MX, w_gate_EDF, w_up_EDF,
       passes (`model.moe_dispatch_chunks`; "Chunks" in the module docstring).
     mesh: defaults to the context mesh (`jax.set_mesh`); required.
     rules: logical axis rules; default the flax context's (`nn.logical_axis_rules`).
-    computed_first: arrays (any pytree, e.g. the shared experts' output) to compute, with the
-      kernels' gather, before any row moves ("Weights before rows" in the module docstring).
+    computed_first: arrays (any pytree, e.g. the load counts) to compute, with the kernels'
+      gather, before any row moves ("Weights before rows" in the module docstring).
   Returns:
     `(y_MD, dropped_S, first)`: the mixture in `x_MD`'s dtype, the fraction of (token, expert)
     pairs dropped for capacity per token shard (f32 `[shards]`, split over the token axes: its
@@ -223,7 +224,7 @@ def expert_parallel_dispatch(x_MD, weights_MX, experts_MX, w_gate_EDF, w_up_EDF,
   kernels = jax.tree.map(
       lambda w, spec: jax.lax.with_sharding_constraint(w, NamedSharding(mesh, spec)),
       (w_gate_EDF, w_up_EDF, w_down_EFD), kernel_specs)
-  x_MD, weights_MX, experts_MX, counted, kernels, first = _in_order(
+  x_MD, weights_MX, experts_MX, counted, kernels, first = in_order(
       (x_MD, weights_MX, experts_MX, counted, kernels, computed_first))
   y_MD, dropped_S = jax.shard_map(
       local, mesh=mesh, in_specs=(tokens, tokens, tokens, *(per_shard,) * 3, *kernel_specs),
@@ -236,24 +237,6 @@ def expert_parallel_dispatch(x_MD, weights_MX, experts_MX, w_gate_EDF, w_up_EDF,
       check_vma=impl not in ("megablox", "triton_gmm") or quantized)(
           x_MD, weights_MX, experts_MX, *counted, *kernels)
   return y_MD[:m], dropped_S / (m * x), first
-
-
-@jax.custom_vjp
-def _in_order(tree):
-  """`tree` as it is, every leaf computed before any is used (an optimization barrier); the
-  backward passes the cotangents straight through, leaving their order to the compiler."""
-  return jax.lax.optimization_barrier(tree)
-
-
-def _in_order_fwd(tree):
-  return _in_order(tree), None
-
-
-def _in_order_bwd(_, ct):
-  return (ct,)
-
-
-_in_order.defvjp(_in_order_fwd, _in_order_bwd)
 
 
 def _exclusive_cumsum(a, axis=-1):
@@ -423,7 +406,7 @@ def _exchanged_counts(experts_MX, *, chunks, n, local_experts, expert_axis):
   tokens: chunk k's pairs for device i's expert e, source i's pairs for my expert e, and the
   groups each source sends each destination. Its own shard_map, ahead of the dispatch's: one
   small all-to-all and one all-gather for every chunk together, free to overlap the compute
-  before the rows move (the shared experts, `computed_first`); a chunk's own would queue behind
+  before the rows move (the router's, the shared experts'); a chunk's own would queue behind
   the previous chunk's exchange of rows (0.65 s a step exposed in the 744B headline's schedule
   with two chunks)."""
   counts_KNE = jnp.stack([
@@ -491,8 +474,8 @@ def _local_dispatch(x_MD, weights_MX, experts_MX, w_gate_EDF, w_up_EDF, w_down_E
       jnp.arange(m * x))
   sent_weights_P = (jnp.where(sent_MX, weights_MX, 0) if capacity_factor
                     else weights_MX).reshape(-1)
-  ws_G = jnp.concatenate([sent_weights_P, jnp.zeros((1,), weights_MX.dtype)])[
-      jnp.where(pair_S < 0, m * x, pair_S)].reshape(buffer_g, GROUP)
+  ws_G = _with_zero_row(sent_weights_P)[jnp.where(pair_S < 0, m * x, pair_S)].reshape(
+      buffer_g, GROUP)
   send_offsets_N = _exclusive_cumsum(send_g_N)
 
   if transport == "ragged_all_to_all":

@@ -300,7 +300,9 @@ def hlo():
         op: len(re.findall(rf"stablehlo\.{op}.*\n?.*-> tensor<[0-9x]*xi32>", text))
         for op in ("all_to_all", "all_gather")}
     # The router weights sent with the rows (fp32 `[n, slots, 16]`): the rerun sends them again
-    # unless the policy keeps them (`moe_exchanged_weights`).
+    # unless the policy keeps them (`moe_exchanged_weights`). The rows end in the hidden size,
+    # so the pattern tells them apart only while that is not 16.
+    assert cfg.hidden_size != 16, cfg.hidden_size
     result[f"weight exchanges, remat {policy}"] = len(
         re.findall(r"stablehlo\.all_to_all.*\n?.*-> tensor<[0-9x]*x16xf32>", text))
   return result

@@ -31,18 +31,33 @@ def linear(module: nn.Module, name: str, x, shape: tuple, axes: tuple, n_in: int
            quant: str, std: float, param_dtype, dtype):
   """`x [..., in...] . kernel [in..., out...]` (the first `n_in` kernel axes contracted with x's
   last `n_in`), the kernel declared on `module` as `name` (float, or INT8 + `<name>_scale`)."""
-  n_out = len(shape) - n_in
+  w = linear_kernel(module, name, shape, axes, n_in, quant=quant, std=std,
+                    param_dtype=param_dtype, dtype=dtype)
+  return apply_linear(x, w, n_in, dtype)
+
+
+def linear_kernel(module: nn.Module, name: str, shape: tuple, axes: tuple, n_in: int, *,
+                  quant: str, std: float, param_dtype, dtype):
+  """`linear`'s kernel, declared on `module`: the float kernel in `dtype`, or `(q int8 [shape],
+  scale f32 [1.., out...])`; for a caller that does something with it before the product
+  (`layers.ffn.SwiGLU`'s `gathered_before`)."""
   if quant == "none":
-    w = kernels(module, std, param_dtype, dtype)(name, shape, axes)
-    return jnp.tensordot(x.astype(dtype), w, n_in)
+    return kernels(module, std, param_dtype, dtype)(name, shape, axes)
   q = param(module, name, shape, axes, jnp.int8, nn.initializers.zeros)
   scale = param(module, name + "_scale", (1,) * n_in + tuple(shape[n_in:]),
                 (None,) * n_in + tuple(axes[n_in:]), jnp.float32, nn.initializers.ones)
-  q = constrain(q, axes)
+  return constrain(q, axes), scale
+
+
+def apply_linear(x, w, n_in: int, dtype):
+  """`x [..., in...] . w [in..., out...]` for a `linear_kernel` `w` (float, or `(q, scale)`)."""
+  if not isinstance(w, tuple):
+    return jnp.tensordot(x.astype(dtype), w, n_in)
+  q, scale = w
   lead = x.shape[:x.ndim - n_in]
-  i, o = math.prod(shape[:n_in]), math.prod(shape[n_in:])
+  i, o = math.prod(q.shape[:n_in]), math.prod(q.shape[n_in:])
   y = ops.int8_matmul(x.reshape(*lead, i), q.reshape(i, o), scale.reshape(1, o), dtype)
-  return y.reshape(*lead, *shape[n_in:]) if n_out else y
+  return y.reshape(*lead, *q.shape[n_in:]) if q.ndim > n_in else y
 
 
 def experts_int4(module: nn.Module, name: str, shape: tuple, axes: tuple, group: int):
