@@ -102,6 +102,8 @@ def test_expert_weights_are_never_all_gathered_across_experts():
   # The router weights: out, again in the rerun under full remat, their gradient back.
   assert r["weight exchanges, remat full"] == 3, r
   assert r["weight exchanges, remat save_selections"] == 2, r
+  # The shared experts' kernels wait for nothing in flight: forward, rerun, backward.
+  assert r["shared kernel barriers, remat save_selections"] == 3, r
 
 
 @pytest.mark.slow  # a subprocess with 8 host devices, three compilations
