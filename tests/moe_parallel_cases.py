@@ -310,10 +310,10 @@ def hlo():
   # backward.
   shared_cfg = dataclasses.replace(cfg, n_shared_experts=1, moe_impl="expert_parallel",
                                    remat_policy="save_selections")
-  d, f, m = cfg.hidden_size, cfg.moe_intermediate_size, 8 * 12
+  batch, seq, d, f = 8, 12, cfg.hidden_size, cfg.moe_intermediate_size
   kernels_and_rows = (f"tensor<{f}x{d}xf32>, tensor<{d}x{f}xf32>, tensor<{d}x{f}xf32>, "
-                      f"tensor<{m}x{d}xf32>")
-  text = compile_moe_layer(shared_cfg, mesh, rules, batch=8, seq=12, compiled=False)
+                      f"tensor<{batch * seq}x{d}xf32>")
+  text = compile_moe_layer(shared_cfg, mesh, rules, batch=batch, seq=seq, compiled=False)
   result["shared kernel barriers, remat save_selections"] = sum(
       line.endswith(": " + kernels_and_rows) for line in text.splitlines()
       if "stablehlo.optimization_barrier" in line)
