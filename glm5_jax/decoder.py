@@ -1,6 +1,7 @@
 """One pre-norm decoder layer: attention variant from the pattern letter, then FFN or MoE."""
 
 from flax import linen as nn
+from jax.ad_checkpoint import checkpoint_name
 
 from glm5_jax.attention.mode import Mode
 from glm5_jax.attention.modules import build_attention
@@ -49,7 +50,11 @@ class DecoderLayer(nn.Module):
       extra["recorded_topk_BLT"] = routing["dsa"]
     attn_BLD, aux = attention(h_BLD, positions_BL, segment_ids_BL, prev_topk_BLT, mode=mode,
                               **extra)
-    x_BLD = x_BLD + attn_BLD
+    # Named for `model.remat_policy` save_selections_o_proj (glm5_jax.layers.remat). The sum
+    # `x + attn` named instead failed the TPU compiler's memory-space assignment (744B
+    # headline: "requires allocation in the alternate memory"); the projection's own output
+    # compiles, at the same B L D numbers a layer.
+    x_BLD = x_BLD + checkpoint_name(attn_BLD, "o_proj_out")
     h_BLD = RMSNorm(c.rms_norm_eps, dtype, pdtype, name="post_attention_layernorm")(x_BLD)
     used = {}
     if return_routing and selects_own_topk(self.attention_kind) and "topk_indices" in aux:

@@ -19,7 +19,7 @@ from glm5_jax.layer_runs import LayerRun, layer_runs, unrolled_name
 from glm5_jax.layers.axes import BATCH, EMBED, LAYERS, LENGTH, VOCAB
 from glm5_jax.layers.params import constrain, dtypes, kernels, normal_kernel
 from glm5_jax.layers.remat import checkpoint_policy
-from glm5_jax.mtp import MTPLayer, shift_tokens_left
+from glm5_jax.mtp import MTP_DEPTH_OUTPUT, MTPLayer, shift_tokens_left
 
 ACTIVATION_AXES = (BATCH, LENGTH, EMBED)
 
@@ -144,7 +144,8 @@ class GLM5(nn.Module):
       h_BLD, mtp_logits, mtp_inputs = hidden_BLD, [], []
       run_mtp = _rematerialized(
           lambda layer, h_BLD, e_BLD: layer(h_BLD, e_BLD, positions_BL, segment_ids_BL,
-                                            mode=mode), c.remat_policy, prevent_cse=True)
+                                            mode=mode), c.remat_policy, prevent_cse=True,
+          also_saved=(MTP_DEPTH_OUTPUT,))
       for depth in range(1, depths + 1):
         next_tokens_BL = context_parallel.along_sequence(
             lambda t_BL: shift_tokens_left(t_BL, depth), tokens_BL, mode.context_layout)
@@ -302,8 +303,9 @@ def lm_head_logits(w_head_DY, h_BLD, valid_BL, dtype):
                     w_head_DY.astype(dtype), preferred_element_type=jnp.float32)
 
 
-def _rematerialized(fn, policy_name: str, *, prevent_cse: bool):
-  """`fn(module, *arrays)` under `model.remat_policy` (unchanged for "none").
+def _rematerialized(fn, policy_name: str, *, prevent_cse: bool, also_saved=()):
+  """`fn(module, *arrays)` under `model.remat_policy` (unchanged for "none"), keeping the
+  values named `also_saved` (`jax.ad_checkpoint.checkpoint_name`) under every policy.
 
   `prevent_cse=False` inside `nn.scan`: the scan already keeps XLA from merging the recomputed
   forward with the original (and the barrier would cost performance there), as `jax.checkpoint`
@@ -312,4 +314,7 @@ def _rematerialized(fn, policy_name: str, *, prevent_cse: bool):
   policy = checkpoint_policy(policy_name)
   if policy is None:
     return fn
+  if also_saved:
+    policy = jax.checkpoint_policies.save_from_both_policies(
+        policy, jax.checkpoint_policies.save_only_these_names(*also_saved))
   return nn.remat(fn, policy=policy, prevent_cse=prevent_cse)

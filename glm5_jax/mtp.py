@@ -14,6 +14,7 @@ predictions have no valid target and training masks them (targets must share the
 
 import jax.numpy as jnp
 from flax import linen as nn
+from jax.ad_checkpoint import checkpoint_name
 
 from glm5_jax.attention.mode import Mode
 from glm5_jax.config import ModelConfig
@@ -26,6 +27,9 @@ from glm5_jax.layers.params import constrain, dtypes, kernels
 def shift_tokens_left(tokens_BL, d: int):
   """`t_{i+d}` at position i, 0 past the end of the row."""
   return jnp.pad(tokens_BL, ((0, 0), (0, d)))[:, d:]
+
+
+MTP_DEPTH_OUTPUT = "mtp_depth_output"
 
 
 class MTPLayer(nn.Module):
@@ -60,6 +64,10 @@ class MTPLayer(nn.Module):
     layer = DecoderLayer(c, c.attention_kind(c.num_hidden_layers),
                          c.is_moe_layer(c.num_hidden_layers), name="layer")
     x_BLD, aux = layer(x_BLD, positions_BL, segment_ids_BL, None, mode=mode, cache=cache)
+    # Kept by every remat policy (`glm5_jax.model`): the depth's output, which the caller holds
+    # anyway, is `shared_head_norm`'s input; recomputed, it would rerun the layer's whole FFN
+    # (the experts' down projections too) for the norm's backward alone.
+    x_BLD = checkpoint_name(x_BLD, MTP_DEPTH_OUTPUT)
     normed_BLD = RMSNorm(c.rms_norm_eps, dtype, pdtype, mix=c.head_norm_mix,
                          name="shared_head_norm")(x_BLD)
     return x_BLD, normed_BLD, aux

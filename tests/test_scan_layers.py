@@ -148,7 +148,7 @@ def _remat_flops(cfg, params, batch) -> dict:
   return {name: c["remat"] for name, c in flop_ledger.by_category(rows).items()}
 
 
-_CHECKED = ("full", "save_attn_lse", "save_selections")
+_CHECKED = ("full", "save_attn_lse", "save_selections", "save_selections_o_proj")
 
 
 @pytest.mark.parametrize("policy", [
@@ -172,6 +172,13 @@ def test_remat_policies_change_memory_not_numbers(helpers, policy):
     assert remat["attention projections"] > 0, remat
     kept = [remat.get(name, 0.0) for name in _ATTENTION_KEPT]
     assert remat["attention core"] > 0 if policy != "save_attn_lse" else not any(kept), remat
+    # Each MoE layer run reruns its shared expert's gate and up projections, never the down
+    # projection: not in the layers, nor in the MTP depth, whose output (`shared_head_norm`'s
+    # input) every policy keeps (`glm5_jax.mtp`).
+    c, (b, l) = scanned_cfg, batch["tokens"].shape
+    moe_runs = sum(map(c.is_moe_layer, range(c.num_hidden_layers))) + c.mtp_depths
+    gate_up = 2 * (2 * b * l * c.hidden_size * c.moe_intermediate_size * c.n_shared_experts)
+    assert remat["shared expert"] == moe_runs * gate_up, (remat, moe_runs * gate_up)
   if policy == "save_selections":
     full = _remat_flops(dataclasses.replace(scanned_cfg, remat_policy="full"), params, batch)
     # The indexer's scores over every key (its top-k's input; 2 B L S J I FLOPs a DSA layer,
@@ -180,6 +187,17 @@ def test_remat_policies_change_memory_not_numbers(helpers, policy):
     b, l = batch["tokens"].shape
     every_key = 2 * b * l * l * scanned_cfg.index_n_heads * scanned_cfg.index_head_dim
     assert sum(full.values()) - sum(remat.values()) >= 2 * every_key, (full, remat)
+  if policy == "save_selections_o_proj":
+    # Exactly the output projection leaves the rerun: 2 B L (H V) D FLOPs in each of the three
+    # layers and in the MTP layer's one depth (the ledger's "MTP layer").
+    selections = _remat_flops(dataclasses.replace(scanned_cfg, remat_policy="save_selections"),
+                              params, batch)
+    b, l = batch["tokens"].shape
+    c = scanned_cfg
+    o_proj = 2 * b * l * c.num_attention_heads * c.v_head_dim * c.hidden_size
+    saved = {name: selections[name] - remat[name] for name in selections}
+    assert saved == {**dict.fromkeys(saved, 0.0), "attention projections":
+                     c.num_hidden_layers * o_proj, "MTP layer": c.mtp_depths * o_proj}, saved
 
 
 def _program_size(cfg) -> int:

@@ -377,7 +377,6 @@ def _expanded_dense_keys_attention(c: ModelConfig, latents: _Latents, scale: flo
   q_BLHK = jnp.concatenate([q_nope_BLHN, q_rope_BLHR.astype(q_nope_BLHN.dtype)], axis=-1)
   k_BSHK = jnp.concatenate([k_nope_BSHN, k_rope_BSHR], axis=-1)
   v_BSHV = jnp.einsum("bsc,chv->bshv", ckv_BSC, w_vb_CHV)
-  parts = pallas_kernels.dsa_ops(c.dsa_impl).dense_expanded_parts(causal=True)
   q_axes, kv_axes, q_rows = (BATCH, LENGTH, HEADS, None), (BATCH, None, HEADS, None), (
       BATCH, LENGTH, None)
   if index_qkw is None:
@@ -391,6 +390,7 @@ def _expanded_dense_keys_attention(c: ModelConfig, latents: _Latents, scale: flo
                             out_axes=(q_axes,), name="sparse_mla_dense_expanded")(
                                 q_BLHK, k_BSHK, v_BSHV, topk_BLT)
     return out_BLHV, None
+  parts = pallas_kernels.dsa_ops(c.dsa_impl).dense_expanded_parts(causal=True)
   op = functools.partial(dsa_kl_fused.expanded_sparse_mla_with_indexer_kl, parts, scale=scale,
                          index_scale=index_scale)
   out_BLHV, _, kl_BL = per_shard(

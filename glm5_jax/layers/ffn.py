@@ -9,6 +9,16 @@ from glm5_jax.layers.params import constrain
 from glm5_jax.quant.linear import apply_linear, linear_kernel
 
 
+def _embedding_whole(w, axes):
+  """Kernel `w` (or INT8 `(q, scale)`, the scale `[1, out]`) constrained to `axes` with the
+  embedding axis whole."""
+  whole = tuple(None if a == EMBED else a for a in axes)
+  if isinstance(w, tuple):
+    q, scale = w
+    return constrain(q, whole), constrain(scale, (None, whole[1]))
+  return constrain(w, whole)
+
+
 class SwiGLU(nn.Module):
   """Dense SwiGLU FFN (GLM-5's dense layers and shared experts).
 
@@ -40,11 +50,7 @@ class SwiGLU(nn.Module):
     ws = {name: linear_kernel(self, name, shape, axes, 1, **kw)
           for name, (shape, axes) in shapes.items()}
     if gathered_before is not None:
-      whole = lambda axes: tuple(None if a == EMBED else a for a in axes)
-      ws = {name: (constrain(w, whole(shapes[name][1])) if not isinstance(w, tuple) else
-                   (constrain(w[0], whole(shapes[name][1])),
-                    constrain(w[1], (None, whole(shapes[name][1])[1]))))
-            for name, w in ws.items()}
+      ws = {name: _embedding_whole(w, shapes[name][1]) for name, w in ws.items()}
       # Both ways: the backward's barrier holds the kernels' cotangents until the cotangent of
       # `gathered_before` exists, so their reduce-scatters (synchronous) come after the MoE's
       # backward exchanges, not queued behind them.

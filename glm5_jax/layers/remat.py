@@ -40,6 +40,14 @@ live, one `[B, L, D]` per layer.
                    2 B L T 4-byte numbers per DSA layer (744B headline, 8,192 tokens a device,
                    the target from the backward: 64 MiB a layer, 4.7 GiB over its 75 sparse
                    layers).
+  save_selections_o_proj
+                   `save_selections`, and each layer's attention output after its output
+                   projection (`o_proj_out`, `[B, L, D]`, what the layer adds to the residual
+                   stream): the rerun then starts the FFN / MoE from `x + o_proj_out` and never
+                   runs `o_proj`, the largest attention matmul (its backward needs only its
+                   input). B L D numbers more per layer run (744B headline: 96 MiB, 7.6 GiB over
+                   its 78 layers and the MTP layer's 3 depths; 20.41 -> 19.65 s a step by the
+                   TPU compiler's estimate, docs/scaling.md).
   offload_dots     `dots_no_batch`, but the kept projections go to host memory
                    (`offload_dot_with_no_batch_dims`; backends with pinned host memory, TPU/GPU)
 
@@ -59,8 +67,10 @@ SAVED_NAMES = {
     "save_selections": ("dsa_topk", "indexer_kl_target", "moe_exchanged_counts",
                         "moe_exchanged_weights"),
 }
+SAVED_NAMES["save_selections_o_proj"] = (*SAVED_NAMES["save_selections"], "o_proj_out")
 REMAT_POLICIES = ("none", "full", "dots", "dots_no_batch", "save_qkv_proj", "save_qkv_attn",
-                  "save_attn_lse", "save_selections", "offload_dots")
+                  "save_attn_lse", "save_selections", "save_selections_o_proj",
+                  "offload_dots")
 
 
 def checkpoint_policy(name: str):
