@@ -140,12 +140,19 @@ _LOSS_GRAD = jax.jit(jax.grad(lambda cfg, p, b: compute_loss(cfg, StepConfig(), 
 _ATTENTION_KEPT = ("attention core", "indexer KL target")
 
 
+_REMAT_FLOPS = {}
+
+
 def _remat_flops(cfg, params, batch) -> dict:
   """Matmul FLOPs per category that the backward recomputes (`rematted_computation`), from
-  the lowered gradient program (`glm5_jax.planning.flop_ledger`; nothing compiled)."""
-  text = _LOSS_GRAD.lower(cfg, params, batch).compiler_ir("hlo").get_hlo_module().to_string()
-  rows, _, _ = flop_ledger.ledger(text, "cpu")
-  return {name: c["remat"] for name, c in flop_ledger.by_category(rows).items()}
+  the lowered gradient program (`glm5_jax.planning.flop_ledger`; nothing compiled). Kept per
+  config: the policies below share one set of params and one batch, and several cases read
+  the same policy's ledger."""
+  if cfg not in _REMAT_FLOPS:
+    text = _LOSS_GRAD.lower(cfg, params, batch).compiler_ir("hlo").get_hlo_module().to_string()
+    rows, _, _ = flop_ledger.ledger(text, "cpu")
+    _REMAT_FLOPS[cfg] = {name: c["remat"] for name, c in flop_ledger.by_category(rows).items()}
+  return _REMAT_FLOPS[cfg]
 
 
 _CHECKED = ("full", "save_attn_lse", "save_selections", "save_selections_o_proj")
