@@ -315,6 +315,9 @@ def _rematerialized(fn, policy_name: str, *, prevent_cse: bool, also_saved=()):
   if policy is None:
     return fn
   if also_saved:
-    policy = jax.checkpoint_policies.save_from_both_policies(
-        policy, jax.checkpoint_policies.save_only_these_names(*also_saved))
+    # Not `save_from_both_policies`: it takes only boolean policies, and offload_dots answers
+    # with an offload decision.
+    named, base = jax.checkpoint_policies.save_only_these_names(*also_saved), policy
+    policy = lambda prim, *args, **params: (named(prim, *args, **params)
+                                            or base(prim, *args, **params))
   return nn.remat(fn, policy=policy, prevent_cse=prevent_cse)

@@ -207,6 +207,18 @@ def test_remat_policies_change_memory_not_numbers(helpers, policy):
                      c.num_hidden_layers * o_proj, "MTP layer": c.mtp_depths * o_proj}, saved
 
 
+def test_offload_policy_lowers_with_the_mtp_layer(helpers):
+  """offload_dots answers with offload decisions, not booleans; combined with what every policy
+  keeps (the MTP depths' output, `glm5_jax.model._rematerialized`) its gradient program still
+  lowers (it raised a ValueError from `save_from_both_policies`; compiling it needs a backend
+  with pinned host memory)."""
+  _, scanned_cfg = configs(helpers, **SMALL)
+  cfg = dataclasses.replace(scanned_cfg, remat_policy="offload_dots")
+  shapes = glm5_jax.abstract_params(cfg)
+  batch = jax.eval_shape(lambda: scan_batch(cfg.vocab_size))
+  assert "func.func public @main" in _LOSS_GRAD.lower(cfg, shapes, batch).as_text()
+
+
 def _program_size(cfg) -> int:
   """Characters of the lowered (StableHLO) train-loss gradient program."""
   shapes = glm5_jax.abstract_params(cfg)
