@@ -199,8 +199,6 @@ def test_remat_policies_change_memory_not_numbers(helpers, policy):
     # layers and in the MTP layer's one depth (the ledger's "MTP layer").
     selections = _remat_flops(dataclasses.replace(scanned_cfg, remat_policy="save_selections"),
                               params, batch)
-    b, l = batch["tokens"].shape
-    c = scanned_cfg
     o_proj = 2 * b * l * c.num_attention_heads * c.v_head_dim * c.hidden_size
     saved = {name: selections[name] - remat[name] for name in selections}
     assert saved == {**dict.fromkeys(saved, 0.0), "attention projections":
