@@ -21,7 +21,10 @@ as per-key counts, no gather or scatter (`model.dsa_attention_keys`); its parts
 `sparse_mla_dense_expanded` is the same over per-head keys and values (the expanded form,
 fewer FLOPs where `N + V < 2 C`, as at GLM-5's dims), with parts of the same kind; XLA, the
 reference of `sparse_mla_dense_expanded_pallas`, its flash-attention TPU kernels (the TPU row's
-`DSAOps.dense_expanded_parts`), which the model runs over every key with `dsa_impl` "pallas".
+`DSAOps.dense_expanded_parts`), which the model runs over every key with `dsa_impl` "pallas";
+their parts' backward gives the indexer KL's target over every key, and the KL's gradient is
+TPU kernels too (`indexer_kl_grads_pallas`, beside its reference: `jax.vjp` of the KL at the
+selection).
 `dsa_ops(model.dsa_impl)` (`pallas_kernels.dispatch`) is the row that runs: "xla"; "pallas" =
 the TPU kernels on TPU, the GPU kernels on GPU, an error naming `model.dsa_impl` elsewhere;
 "pallas_interpret" = the TPU kernels in interpret mode (CPU tests).
@@ -77,12 +80,14 @@ from pallas_kernels.sparse_mla_dense import (sparse_mla_dense, sparse_mla_dense_
                                              sparse_mla_dense_with_kl_target)
 from pallas_kernels.sparse_mla_dense_expanded import (sparse_mla_dense_expanded,
                                                       sparse_mla_dense_expanded_parts)
+from pallas_kernels.indexer_kl_pallas import indexer_kl_grads_pallas
 from pallas_kernels.sparse_mla_dense_expanded_pallas import (
     sparse_mla_dense_expanded_pallas, sparse_mla_dense_expanded_pallas_parts)
 from pallas_kernels.sparse_mla_xla import sparse_mla_xla, sparse_mla_xla_with_kl_target
 
 __all__ = [
-    "DSAOps", "DSA_OPS", "PALLAS_IMPLS", "dsa_ops", "indexer_scores_at", "indexer_scores_pallas",
+    "DSAOps", "DSA_OPS", "PALLAS_IMPLS", "dsa_ops", "indexer_kl_grads_pallas",
+    "indexer_scores_at", "indexer_scores_pallas",
     "indexer_scores_reference", "indexer_topk_decode", "indexer_topk_pallas",
     "indexer_topk_reference",
     "indexer_topk_xla", "select_topk", "sparse_mla_head_mean_probs",

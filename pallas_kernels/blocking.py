@@ -10,6 +10,7 @@ Notation: B batch, L queries, Lb queries per block, nL query blocks.
 
 import contextlib
 import contextvars
+import typing
 
 import jax
 import jax.numpy as jnp
@@ -218,3 +219,33 @@ def varying_like(a, like):
   made inside `shard_map` (zeros, `jax.lax.empty`) that a loop carries with per-device values."""
   missing = tuple(n for n in varying_axes(like) if n not in varying_axes(a))
   return jax.lax.pcast(a, missing, to="varying") if missing else a
+
+
+class KernelBlocks(typing.NamedTuple):
+  """A Pallas kernel step's heads, queries and keys, and whether key blocks wholly after a
+  block's queries are skipped (`causal`: queries and keys the same positions)."""
+
+  hb: int
+  lb: int
+  sb: int
+  causal: bool
+
+  def visible(self, i, j):
+    """Whether key block j holds a key at or before query block i's last query."""
+    return (not self.causal) | (j * self.sb <= (i + 1) * self.lb - 1)
+
+  def last_key_block(self, i, j):
+    """Key block j, or for a skipped one the last that query block i needs (no new DMA)."""
+    # lax.div: nonnegative operands, and `//`'s floor correction lowers to a `sign` Mosaic
+    # prices by asking the host's device kind
+    return jnp.minimum(j, jax.lax.div((i + 1) * self.lb - 1, self.sb)) if self.causal else j
+
+  def first_query_block(self, j, i):
+    """Query block i, or for a skipped one the first that key block j is visible to."""
+    return jnp.maximum(i, jax.lax.div(j * self.sb, self.lb)) if self.causal else i
+
+  def computed(self, l_pad: int, s_pad: int) -> int:
+    """How many (query block, key block) steps compute (are not skipped)."""
+    nl, ns = l_pad // self.lb, s_pad // self.sb
+    return sum(1 for i in range(nl) for j in range(ns)
+               if not self.causal or j * self.sb <= (i + 1) * self.lb - 1)

@@ -192,10 +192,16 @@ class SparseMLAParts(typing.NamedTuple):
   backward: `(q, q_rope, kv, k_rope, topk, out, lse, dout, dlse, scale) -> (dq, dq_rope, dkv,
     dk_rope, probs)`: the module docstring's gradients, and the head-mean probabilities from the
     p the backward forms at every selected slot anyway (no extra matmul).
+  indexer_kl_backward: None, or where the backward's last output is the target over every key
+    instead (fp32 `[B, L, S]`, the head-mean probability of one copy of each key; the TPU
+    kernels over every key), the indexer KL's input gradients from it: `(index_q, index_k,
+    index_w, topk, target_BLS, dkl_BL, index_scale) -> (dindex_q, dindex_k, dindex_w)`
+    (`pallas_kernels.indexer_kl_pallas`).
   """
 
   forward: Callable
   backward: Callable
+  indexer_kl_backward: Callable | None = None
 
 
 def sparse_mla_custom_vjp(kernels, q_BLHC, q_rope_BLHR, kv_BSC, k_rope_BSR, topk_BLT, scale):

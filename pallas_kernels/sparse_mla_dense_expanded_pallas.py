@@ -17,9 +17,11 @@ a block's logits in VMEM, as flash attention does:
   dq       grid (B, H / Hb, L / Lb, S / Sb): the same p and ds, dq accumulated over the key
            blocks. For the parts' backward (`dsa_kl_fused`) each step also writes the block's
            per-copy probabilities summed over its heads, `[B, H / Hb, L, S]` fp32, whose sum
-           over the head blocks, divided by H and read at the slots, is the indexer KL's target
-           (as `sparse_mla_dense_expanded_parts`' backward gives it); it then takes twice the
-           heads over half the queries (`_dq_blocks`), which halves those partials.
+           over the head blocks, divided by H, is the indexer KL's target over every key (read
+           at the slots, what `sparse_mla_dense_expanded_parts`' backward gives); it then takes
+           twice the heads over half the queries (`_dq_blocks`), which halves those partials.
+           The parts' `indexer_kl_backward` forms the indexer's gradients from it with the
+           kernels of `indexer_kl_pallas`, over every key as these are.
 
 The counts (`key_counts`, fp32 `[B, L, S]`, one scatter in XLA) are shared by every head: a step
 reads its `[Lb, Sb]` block once for its Hb heads. With `causal` (queries and keys the same
@@ -41,14 +43,15 @@ V value width, T top-k slots; Hb heads, Lb queries, Sb keys of a block.
 
 import functools
 import math
-import typing
 
 import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
-from pallas_kernels.blocking import MASKED_LOGIT, op_selection, pad_axis, round_up
+from pallas_kernels import indexer_kl_pallas
+from pallas_kernels.blocking import (MASKED_LOGIT, KernelBlocks, op_selection, pad_axis,
+                                     round_up)
 from pallas_kernels.sparse_mla import SparseMLAParts, backward_delta, named_residuals
 from pallas_kernels.sparse_mla_dense import key_counts
 from pallas_kernels.sparse_mla_dense_expanded import check_expanded_inputs
@@ -62,35 +65,6 @@ VMEM_LIMIT_BYTES = 40 << 20
 _PARAMS = pltpu.CompilerParams(
     dimension_semantics=("parallel", "parallel", "parallel", "arbitrary"),
     vmem_limit_bytes=VMEM_LIMIT_BYTES)
-
-
-class _Blocks(typing.NamedTuple):
-  """A step's heads, queries and keys, and whether key blocks after the queries are skipped."""
-
-  hb: int
-  lb: int
-  sb: int
-  causal: bool
-
-  def visible(self, i, j):
-    """Whether key block j holds a key at or before query block i's last query."""
-    return (not self.causal) | (j * self.sb <= (i + 1) * self.lb - 1)
-
-  def last_key_block(self, i, j):
-    """Key block j, or for a skipped one the last that query block i needs (no new DMA)."""
-    # lax.div: nonnegative operands, and `//`'s floor correction lowers to a `sign` Mosaic
-    # prices by asking the host's device kind
-    return jnp.minimum(j, jax.lax.div((i + 1) * self.lb - 1, self.sb)) if self.causal else j
-
-  def first_query_block(self, j, i):
-    """Query block i, or for a skipped one the first that key block j is visible to."""
-    return jnp.maximum(i, jax.lax.div(j * self.sb, self.lb)) if self.causal else i
-
-  def computed(self, l_pad: int, s_pad: int) -> int:
-    """How many (query block, key block) steps compute (are not skipped)."""
-    nl, ns = l_pad // self.lb, s_pad // self.sb
-    return sum(1 for i in range(nl) for j in range(ns)
-               if not self.causal or j * self.sb <= (i + 1) * self.lb - 1)
 
 
 def _logits(q_ref, k_ref, hh, scale, valid):
@@ -293,10 +267,15 @@ def _forward(blocks, scale, interpret, q_BLHK, k_BSHK, v_BSHV, topk_BLT):
   return (jnp.swapaxes(out[:, :, :ops.l], 1, 2), jnp.swapaxes(lse[:, :, :ops.l, 0], 1, 2))
 
 
-def _backward(blocks, scale, interpret, with_target, q_BLHK, k_BSHK, v_BSHV, topk_BLT, out_BLHV,
+def _backward(blocks, scale, interpret, target, q_BLHK, k_BSHK, v_BSHV, topk_BLT, out_BLHV,
               lse_BLH, dout_BLHV, dlse_BLH):
-  """`(dq_BLHK, dk_BSHK, dv_BSHV, target_BLT or None)`: the gradients and (`with_target`) the
-  indexer KL's target."""
+  """`(dq_BLHK, dk_BSHK, dv_BSHV, target or None)`: the gradients and the indexer KL's target,
+  `target` None (none), "slots" (fp32 `[B, L, T]`: each slot's head-mean probability, 0 at empty
+  slots) or "keys" (fp32 `[B, L, S]`: the head-mean probability of one copy of each key, for
+  `indexer_kl_grads_pallas`)."""
+  if target not in (None, "slots", "keys"):
+    raise ValueError(f"target={target!r}: expected None, 'slots' or 'keys'")
+  with_target = target is not None
   ops = _Operands(blocks, q_BLHK, k_BSHK, v_BSHV, topk_BLT)
   nl, ns = ops.l_pad // blocks.lb, ops.s_pad // blocks.sb
   delta_BLH = backward_delta(dout_BLHV, out_BLHV, dlse_BLH)
@@ -360,16 +339,17 @@ def _backward(blocks, scale, interpret, with_target, q_BLHK, k_BSHK, v_BSHV, top
       name="sparse_mla_dense_expanded_dq",
   )(ops.counts, ops.q, ops.kk, ops.vv, dout, *per_query)
 
-  target_BLT = None
   if with_target:
-    head_sum_BLS = probs[0].sum(axis=1)[:, :ops.l, :ops.s]
-    picked = jnp.take_along_axis(head_sum_BLS, jnp.maximum(topk_BLT, 0), axis=-1) / ops.h
-    target_BLT = jnp.where(topk_BLT >= 0, picked, 0.0)
+    head_mean_BLS = probs[0].sum(axis=1)[:, :ops.l, :ops.s] / ops.h
+    if target == "slots":
+      picked = jnp.take_along_axis(head_mean_BLS, jnp.maximum(topk_BLT, 0), axis=-1)
+      head_mean_BLS = jnp.where(topk_BLT >= 0, picked, 0.0)
   unpad = lambda x, n: jnp.swapaxes(x[:, :, :n], 1, 2)
-  return unpad(dq, ops.l), unpad(dk, ops.s), unpad(dv, ops.s), target_BLT
+  return (unpad(dq, ops.l), unpad(dk, ops.s), unpad(dv, ops.s),
+          head_mean_BLS if with_target else None)
 
 
-def _dq_blocks(blocks: _Blocks, h: int) -> _Blocks:
+def _dq_blocks(blocks: KernelBlocks, h: int) -> KernelBlocks:
   """The dq kernel's blocks: twice the heads over half the queries where they divide (the same
   VMEM), so it writes half as many head-summed probability partials `[B, H / Hb, L, S]` (fp32:
   at the 744B headline 16 of them, 2.1 GB a layer, read again by their sum in XLA)."""
@@ -389,8 +369,8 @@ def _prepared(q_BLHK, k_BSHK, v_BSHV, topk_BLT, causal, head_block, block_q, blo
   if block_q % 8 or block_k % 128:
     raise ValueError(f"block_q={block_q} must be a multiple of 8 and block_k={block_k} of 128 "
                      "(TPU tiles)")
-  blocks = _Blocks(head_block, min(block_q, round_up(l, 8)), min(block_k, round_up(s, 128)),
-                   causal)
+  blocks = KernelBlocks(head_block, min(block_q, round_up(l, 8)),
+                        min(block_k, round_up(s, 128)), causal)
   return blocks, topk_BLT
 
 
@@ -406,7 +386,7 @@ def _attend_forward(blocks, scale, interpret, q_BLHK, k_BSHK, v_BSHV, topk_BLT):
 
 
 def _attend_backward(blocks, scale, interpret, residuals, cotangents):
-  dq, dk, dv, _ = _backward(blocks, scale, interpret, False, *residuals, *cotangents)
+  dq, dk, dv, _ = _backward(blocks, scale, interpret, None, *residuals, *cotangents)
   return dq, dk, dv, None
 
 
@@ -434,26 +414,39 @@ def sparse_mla_dense_expanded_pallas(q_BLHK, k_BSHK, v_BSHV, topk_BLT, *, scale:
 def sparse_mla_dense_expanded_pallas_parts(*, causal: bool = False,
                                            head_block: int = HEAD_BLOCK,
                                            block_q: int = BLOCK_Q, block_k: int = BLOCK_K,
+                                           kl_block_q: int = indexer_kl_pallas.BLOCK_Q,
+                                           kl_block_k: int = indexer_kl_pallas.BLOCK_K,
                                            interpret: bool = False) -> SparseMLAParts:
-  """`sparse_mla_dense_expanded_parts` on these kernels: the backward's target from the dq
-  kernel's head-summed probabilities."""
+  """`sparse_mla_dense_expanded_parts` on these kernels, the indexer KL's too: the backward's
+  target over every key (`SparseMLAParts.indexer_kl_backward`), the head mean of the dq
+  kernel's probabilities, which `indexer_kl_pallas.indexer_kl_grads_pallas` (`kl_block_q` queries
+  and `kl_block_k` keys a step) turns into the indexer's gradients; the forward's (an eval step)
+  at the slots."""
+
+  def prepared(q_BLHK, k_BSHK, v_BSHV, topk_BLT):
+    return _prepared(q_BLHK, k_BSHK, v_BSHV, topk_BLT, causal, head_block, block_q, block_k)
 
   def forward(q_BLHK, k_BSHK, v_BSHV, topk_BLT, scale, head_probs=False):
-    blocks, topk_BLT = _prepared(q_BLHK, k_BSHK, v_BSHV, topk_BLT, causal, head_block, block_q,
-                                 block_k)
+    blocks, topk_BLT = prepared(q_BLHK, k_BSHK, v_BSHV, topk_BLT)
     out_BLHV, lse_BLH = _forward(blocks, scale, interpret, q_BLHK, k_BSHK, v_BSHV, topk_BLT)
     if not head_probs:
       return out_BLHV, lse_BLH
     # forward only (an eval step): the target from the backward kernels' probabilities
     zeros = jnp.zeros_like(out_BLHV)
-    *_, target_BLT = _backward(blocks, scale, interpret, True, q_BLHK, k_BSHK, v_BSHV,
+    *_, target_BLT = _backward(blocks, scale, interpret, "slots", q_BLHK, k_BSHK, v_BSHV,
                                topk_BLT, out_BLHV, lse_BLH, zeros, jnp.zeros_like(lse_BLH))
     return out_BLHV, lse_BLH, target_BLT
 
   def backward(q_BLHK, k_BSHK, v_BSHV, topk_BLT, out_BLHV, lse_BLH, dout_BLHV, dlse_BLH, scale):
-    blocks, topk_BLT = _prepared(q_BLHK, k_BSHK, v_BSHV, topk_BLT, causal, head_block, block_q,
-                                 block_k)
-    return _backward(blocks, scale, interpret, True, q_BLHK, k_BSHK, v_BSHV, topk_BLT,
+    blocks, topk_BLT = prepared(q_BLHK, k_BSHK, v_BSHV, topk_BLT)
+    return _backward(blocks, scale, interpret, "keys", q_BLHK, k_BSHK, v_BSHV, topk_BLT,
                      out_BLHV, lse_BLH, dout_BLHV, dlse_BLH)
 
-  return SparseMLAParts(forward, backward)
+  def indexer_kl_backward(index_q_BLJI, index_k_BSI, index_w_BLJ, topk_BLT, target_BLS, dkl_BL,
+                          index_scale):
+    return indexer_kl_pallas.indexer_kl_grads_pallas(
+        index_q_BLJI, index_k_BSI, index_w_BLJ, topk_BLT, target_BLS, dkl_BL,
+        scale=index_scale, causal=causal, block_q=kl_block_q, block_k=kl_block_k,
+        interpret=interpret)
+
+  return SparseMLAParts(forward, backward, indexer_kl_backward)

@@ -630,7 +630,8 @@ def test_sparse_mla_dense_expanded_pallas_matches_xla(causal, b, l, s, h, blocks
   """The TPU kernels (interpret mode) give `sparse_mla_dense_expanded`'s outputs, lse, input
   gradients and, as parts, the KL target from the forward and from the backward: several head
   blocks (the dq kernel's twice as many heads over half the queries), several query and key
-  blocks with causal skipping, padded sequences, empty slots and a query with none."""
+  blocks with causal skipping, padded sequences, empty slots and a query with none; the parts'
+  backward gives the target over every key, equal to the slots' where read there."""
   rng = np.random.default_rng(31)
   k_dim, v_dim, t = 16, 8, 9
   q, kk, vv = (jnp.asarray(rng.standard_normal(shape), jnp.float32)
@@ -660,8 +661,11 @@ def test_sparse_mla_dense_expanded_pallas_matches_xla(causal, b, l, s, h, blocks
       q, kk, vv, topk, 0.3, head_probs=True)[2]
   np.testing.assert_allclose(parts.forward(q, kk, vv, topk, 0.3, head_probs=True)[2],
                              want_target, rtol=1e-5, atol=1e-6)
-  *_, target = parts.backward(q, kk, vv, topk, out, lse, cot_out, cot_lse, 0.3)
-  np.testing.assert_allclose(target, want_target, rtol=1e-5, atol=1e-6)
+  *_, target_BLS = parts.backward(q, kk, vv, topk, out, lse, cot_out, cot_lse, 0.3)
+  assert target_BLS.shape == (b, l, s)  # over every key, for the indexer KL's kernels
+  at_slots = jnp.take_along_axis(target_BLS, jnp.maximum(topk, 0), axis=-1)
+  np.testing.assert_allclose(jnp.where(topk >= 0, at_slots, 0.0), want_target, rtol=1e-5,
+                             atol=1e-6)
 
 
 def test_dense_expanded_kernels_lower_for_tpu():

@@ -123,10 +123,13 @@ def _fused_forward(parts, scale, index_scale, batch_shards, attention_inputs, to
 def _fused_backward(parts, scale, index_scale, batch_shards, residuals, cotangents):
   attention_inputs, topk_BLT, out, lse_BLH, *index_qkw = residuals
   dout, dlse_BLH, dkl_BL = cotangents
-  *grads, target_BLT = parts.backward(*attention_inputs, topk_BLT, out, lse_BLH, dout, dlse_BLH,
-                                      scale)
-  target_BLT = jax.lax.stop_gradient(target_BLT)
-  kl = functools.partial(indexer_kl_at_selection, topk_BLT=topk_BLT, target_BLT=target_BLT,
+  *grads, target = parts.backward(*attention_inputs, topk_BLT, out, lse_BLH, dout, dlse_BLH,
+                                  scale)
+  target = jax.lax.stop_gradient(target)
+  if parts.indexer_kl_backward is not None:  # the target over every key, the KL's kernels
+    index_grads = parts.indexer_kl_backward(*index_qkw, topk_BLT, target, dkl_BL, index_scale)
+    return (tuple(grads), None, *index_grads)
+  kl = functools.partial(indexer_kl_at_selection, topk_BLT=topk_BLT, target_BLT=target,
                          index_scale=index_scale, batch_shards=batch_shards,
                          causal=self_attention_positions(index_qkw[0], index_qkw[1]))
   _, kl_vjp = jax.vjp(kl, *index_qkw)
