@@ -14,6 +14,7 @@ from glm5_jax.attention.kinds import KINDS_BY_NAME
 from glm5_jax.attention.mode import Mode
 from glm5_jax.config import ModelConfig
 from glm5_jax.decoder import DecoderLayer
+from glm5_jax.layers.embedding import embed_tokens
 from glm5_jax.layers.norms import RMSNorm
 from glm5_jax.layer_runs import LayerRun, layer_runs, unrolled_name
 from glm5_jax.layers.axes import BATCH, EMBED, LAYERS, LENGTH, VOCAB
@@ -101,8 +102,8 @@ class GLM5(nn.Module):
 
     # The lookup pinned to the residual stream's sharding (see MTPLayer: left free, its output
     # could take the table's embed sharding and be replicated over the batch).
-    embed = lambda tokens_BL, valid_BL: constrain(
-        embed_tokens(embedding_YD, tokens_BL, valid_BL, dtype), ACTIVATION_AXES)
+    embed = lambda tokens_BL: constrain(embed_tokens(embedding_YD, tokens_BL, dtype),
+                                        ACTIVATION_AXES)
     lm_head = lambda h_BLD, valid_BL: lm_head_logits(w_head_DY, h_BLD, valid_BL, dtype)
 
     if routing is not None:
@@ -110,7 +111,7 @@ class GLM5(nn.Module):
         raise ValueError("GLM5: routing replay is for the training forms, not Mode(form='decode')")
       routing_replay.check_routing(routing, c, (b, l))
     valid_BL = valid_tokens(tokens_BL, c.vocab_size)
-    x_BLD = embed(tokens_BL, valid_BL)
+    x_BLD = embed(tokens_BL)
     run_layers = self._scanned_run if c.scan_layers else self._unrolled_run
     layer_aux, prev_topk_BLT, used_routing = {}, None, []
     new_cache = dict(cache) if decode else None
@@ -150,7 +151,7 @@ class GLM5(nn.Module):
         next_tokens_BL = context_parallel.along_sequence(
             lambda t_BL: shift_tokens_left(t_BL, depth), tokens_BL, mode.context_layout)
         next_valid_BL = (next_tokens_BL >= 0) & (next_tokens_BL < c.vocab_size)
-        h_BLD, normed_BLD, aux = run_mtp(mtp_layer, h_BLD, embed(next_tokens_BL, next_valid_BL))
+        h_BLD, normed_BLD, aux = run_mtp(mtp_layer, h_BLD, embed(next_tokens_BL))
         mtp_logits.append(lm_head(normed_BLD, valid_BL & next_valid_BL))
         mtp_inputs.append(head_inputs(normed_BLD, valid_BL & next_valid_BL, dtype))
         out["aux"]["mtp"].append(aux)
@@ -282,12 +283,6 @@ def _run_cache(cache, name: str):
 def valid_tokens(tokens_BL, vocab_size: int):
   """Boolean `[B, L]`: ids inside `[0, vocab_size)` (others embed as zeros, NaN their logits)."""
   return (tokens_BL >= 0) & (tokens_BL < vocab_size)
-
-
-def embed_tokens(embedding_YD, tokens_BL, valid_BL, dtype):
-  """Rows of `embed_tokens [Y, D]` in `dtype`; the zero vector for invalid ids (`GLM5`)."""
-  rows_BLD = jnp.take(embedding_YD, jnp.where(valid_BL, tokens_BL, 0), axis=0)
-  return jnp.where(valid_BL[..., None], rows_BLD, 0).astype(dtype)
 
 
 def head_inputs(h_BLD, valid_BL, dtype):

@@ -167,7 +167,11 @@ for objective in (in_forward, recomputing):
       "dw": err(got_grads[1], want_grads[1]),
       "collectives_in_loops": [i.op for c, instrs in module.computations.items()
                                if runs.get(c, 0) > 1 for i in instrs
-                               if i.op.removesuffix("-start") in hlo_stats.OPS]}
+                               if i.op.removesuffix("-start") in hlo_stats.OPS],
+      "kernel_reductions": sorted({f"{i.op.removesuffix('-start')} {i.result_type.split('{')[0]}"
+                                   for instrs in module.computations.values() for i in instrs
+                                   if i.op.removesuffix("-start") in ("all-reduce", "reduce-scatter")
+                                   and f",{y}]" in i.result_type})}
 print(json.dumps(result))
 """
 
@@ -177,8 +181,13 @@ def test_the_fused_head_on_a_mesh_reduces_the_kernel_gradient_once():
   """`loss_with_gradients` and `head_statistics`' recomputing backward on a mesh (batch over fsdp x expert, two heads, one of a length no
   axis divides) equals the unsharded loss, statistics and gradients, and its chunk loops hold
   no collective: the kernel is gathered once and the rows' dW reduced once (left to XLA's
-  partitioner, each chunk gathered the kernel and all-reduced an fp32 `[D, Y]`)."""
+  partitioner, each chunk gathered the kernel and all-reduced an fp32 `[D, Y]`), reduce-scattered
+  over the kernel's own D split."""
   for name, result in run_on_host_devices(_SHARDED_LOSS, timeout=600).items():
     assert result["loss"][0] == pytest.approx(result["loss"][1], rel=1e-5), (name, result)
     assert result["stats"] < 1e-5 and result["dh"] < 1e-2 and result["dw"] < 1e-2, (name, result)
     assert result["collectives_in_loops"] == [], (name, result)
+    # dW [16, 40] reduce-scattered over fsdp, the kernel's own D split ([8, 40] a device), and
+    # all-reduced over expert: never reduced whole, nor scattered over every row axis
+    assert any(r.startswith("reduce-scatter") for r in result["kernel_reductions"]), result
+    assert all(r.endswith("[8,40]") for r in result["kernel_reductions"]), (name, result)

@@ -26,7 +26,8 @@ from glm5_jax.attention.mode import DSA_STAGES, Mode
 from glm5_jax.config import ModelConfig, require_model_config
 from glm5_jax.infer.cache import MTP_CACHE_SCHEMES, layer_cache_specs
 from glm5_jax.layers.params import dtypes
-from glm5_jax.model import GLM5, embed_tokens, lm_head_logits, valid_tokens
+from glm5_jax.layers.embedding import embed_tokens
+from glm5_jax.model import GLM5, lm_head_logits, valid_tokens
 from glm5_jax.mtp import MTPLayer
 
 
@@ -107,7 +108,7 @@ def _mtp_step(params, cache, h_prev_BQD, tokens_BQ, positions_BQ, segment_ids_BQ
               cfg, dsa_stage, mtp_cache):
   dtype, _ = dtypes(cfg)
   valid_BQ = valid_tokens(tokens_BQ, cfg.vocab_size)
-  e_BQD = embed_tokens(params["embed_tokens"], tokens_BQ, valid_BQ, dtype)
+  e_BQD = embed_tokens(params["embed_tokens"], tokens_BQ, dtype)
   layer_cache = cache["mtp"]
   # "per_depth": the depth's cache is layer depth - 1 of a stack; a kind that writes only its
   # new rows writes them there in place (as a scanned run does, `GLM5._scanned_run`).

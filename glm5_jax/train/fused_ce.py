@@ -214,15 +214,19 @@ def _loss_forward(chunk, hs, w_DY, targets, ce_weights, z_weights):
 class _RowSplit(NamedTuple):
   """How the heads' `[B, L, ...]` rows split over a mesh, for the chunk loops run per device
   (`jax.shard_map`): each device on its own rows with the kernel gathered once, its rows' dW
-  summed locally and reduced over the devices once, at the end (a reduce-scatter over the row
-  axes where D divides by them). Left to XLA's partitioner the loops gathered the kernel and
-  all-reduced an fp32 `[D, Y]` in every chunk (the 744B step at depth 4: 113 GiB of
-  all-reduces a step, docs/scaling.md)."""
+  summed locally and reduced over the devices once, at the end: reduce-scattered over the row
+  axes that split the kernel's own D (`mesh.logical_axis_rules`' EMBED, where D divides by
+  them), all-reduced over the other row axes, so the result lies as the kernel does. Left to
+  XLA's partitioner the loops gathered the kernel and all-reduced an fp32 `[D, Y]` in every
+  chunk (the 744B step at depth 4: 113 GiB of all-reduces a step, docs/scaling.md). Scattered
+  over every row axis instead (all 1,024 devices on the 744B headline: 6 of D's 6,144 rows a
+  device, fewer than a TPU tile's 8), the TPU compiler ran that reduce-scatter as an all-reduce
+  of the whole `[D, Y]`."""
 
   rows: list  # per head, the PartitionSpec of its [B, L] arrays
   hidden: list  # per head, of its [B, L, D] input
   axes: tuple  # the mesh axes the rows split over: dW's partial sums are over them
-  scatter: bool  # dW reduce-scattered over its D rows (else all-reduced)
+  scatter: tuple  # of `axes`, those dW's D rows are reduce-scattered over (the rest all-reduced)
 
   @classmethod
   def of(cls, mesh, shapes, d: int):
@@ -237,19 +241,23 @@ class _RowSplit(NamedTuple):
       rows.append(P(batch or None, split or None))
       hidden.append(P(batch or None, split or None, None))
       axes += [a for a in batch + split if a not in axes]
-    scatter = bool(axes) and d % math.prod(mesh.shape[a] for a in axes) == 0
+    kernel_rows = axes_lib.spec_axes(nn.logical_to_mesh_axes((axes_lib.EMBED,))[0])
+    scatter = tuple(a for a in kernel_rows if a in axes)
+    if d % math.prod(mesh.shape[a] for a in scatter):
+      scatter = ()
     return cls(rows, hidden, tuple(axes), scatter)
 
   def reduce(self, dw_DY):
     """The rows' partial dW summed over the devices (inside the shard_map)."""
     if self.scatter:
-      return jax.lax.psum_scatter(dw_DY, self.axes, scatter_dimension=0, tiled=True)
-    return jax.lax.psum(dw_DY, self.axes) if self.axes else dw_DY
+      dw_DY = jax.lax.psum_scatter(dw_DY, self.scatter, scatter_dimension=0, tiled=True)
+    rest = tuple(a for a in self.axes if a not in self.scatter)
+    return jax.lax.psum(dw_DY, rest) if rest else dw_DY
 
   @property
   def kernel(self):
     """The PartitionSpec of `reduce`'s result."""
-    return P(self.axes) if self.scatter else P()
+    return P(self.scatter) if self.scatter else P()
 
 
 def _loss_on_rows(chunk, hs, w_DY, targets, ce_weights, z_weights):
