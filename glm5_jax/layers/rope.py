@@ -33,10 +33,12 @@ def apply_interleaved_rope(x, cos, sin):
   Returns:
     `x` rotated, same shape and dtype.
   """
-  extra_axes = x.ndim - cos.ndim
-  cos = cos.reshape(cos.shape[:2] + (1,) * extra_axes + cos.shape[2:])
-  sin = sin.reshape(sin.shape[:2] + (1,) * extra_axes + sin.shape[2:])
+  shape = cos.shape[:2] + (1,) * (x.ndim - cos.ndim) + (x.shape[-1],)
+  cos_R, sin_R = (jnp.repeat(a, 2, axis=-1).reshape(shape) for a in (cos, sin))
   x32 = x.astype(jnp.float32)
-  even, odd = x32[..., 0::2], x32[..., 1::2]
-  rotated = jnp.stack([even * cos - odd * sin, odd * cos + even * sin], axis=-1)
-  return rotated.reshape(x.shape).astype(x.dtype)
+  # Each element's pair partner by shifts along the last axis (x[2i+1] to 2i, negated; x[2i]
+  # to 2i+1), not through a `[..., R // 2, 2]` view: TPU tiles pad such a minor axis of 2 to
+  # 128 lanes, and the view's stack and reshape were 0.35 s of the 744B step (compiler estimate).
+  even = jnp.arange(x.shape[-1]) % 2 == 0
+  partner = jnp.where(even, -jnp.roll(x32, -1, axis=-1), jnp.roll(x32, 1, axis=-1))
+  return (x32 * cos_R + partner * sin_R).astype(x.dtype)
