@@ -2,10 +2,11 @@
 
 The table `[Y, D]` is split over D (`mesh.logical_axis_rules`: EMBED over fsdp, and context)
 and the tokens over the batch. XLA partitions `jnp.take(table, tokens)` there by gathering the
-whole table onto every device, and its transpose by a scatter-add into a whole fp32 `[Y, D]`
-gradient on every device followed by an all-reduce over every device: on the 744B headline
-step 3.8 GB of fp32 per device and a bf16 `[6,144, 154,880]` all-reduce over all 1,024 chips
-(TPU compiler, docs/scaling.md). `embed_tokens` runs the lookup under `jax.shard_map` instead:
+whole fp32 table onto every device (an all-gather over fsdp), and its transpose by a
+scatter-add into a whole fp32 `[Y, D]` gradient on every device followed by an all-reduce of
+it over all devices: on the 744B headline step an fp32 `[154,880, 6,144]` (3.8 GB) all-gathered
+and all-reduced over all 1,024 chips (TPU compiler, docs/scaling.md). `embed_tokens` runs the
+lookup under `jax.shard_map` instead:
 
   1. the tokens gathered over the G devices that split the table's D (ints, a few KB);
   2. each device's `[Y / T, D / G]` shard of the table read at all of them (a vocab split over
