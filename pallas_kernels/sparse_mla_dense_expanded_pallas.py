@@ -65,6 +65,13 @@ VMEM_LIMIT_BYTES = 40 << 20
 _PARAMS = pltpu.CompilerParams(
     dimension_semantics=("parallel", "parallel", "parallel", "arbitrary"),
     vmem_limit_bytes=VMEM_LIMIT_BYTES)
+# The dq kernel with the head-summed probabilities resident: its head blocks add to them too.
+_RESIDENT_PARAMS = pltpu.CompilerParams(
+    dimension_semantics=("parallel", "parallel", "arbitrary", "arbitrary"),
+    vmem_limit_bytes=VMEM_LIMIT_BYTES)
+# A query block's fp32 `[Lb, S]` row of them, double-buffered: at most 8 MiB of VMEM (the
+# 744B headline: 256 queries x 4,096 keys = 4 MiB).
+_RESIDENT_PROBS_BYTES = 4 << 20
 
 
 def _logits(q_ref, k_ref, hh, scale, valid):
@@ -149,14 +156,25 @@ def _dkv_kernel(counts_ref, q_ref, k_ref, v_ref, dout_ref, lse_ref, delta_ref, d
 
 
 def _dq_kernel(counts_ref, q_ref, k_ref, v_ref, dout_ref, lse_ref, delta_ref, dq_ref, *refs,
-               scale, blocks, num_key_blocks, with_probs):
-  """`refs`: `(probs_ref, dq_acc)` with `with_probs`, else `(dq_acc,)`."""
-  probs_ref, dq_acc = refs if with_probs else (None, *refs)
-  i, j = pl.program_id(2), pl.program_id(3)
+               scale, blocks, num_key_blocks, probs):
+  """`refs`: `(probs_ref, dq_acc)` with `probs`, else `(dq_acc,)`. `probs`: None, "partials"
+  (grid (B, H / Hb, L / Lb, S / Sb); each step writes its `[Lb, Sb]` block of its head block's
+  partial) or "resident" (grid (B, L / Lb, H / Hb, S / Sb); the query block's `[Lb, S]` row of
+  the sum over every head stays in VMEM while its head and key blocks add to it)."""
+  probs_ref, dq_acc = refs if probs else (None, *refs)
+  if probs == "resident":
+    i, g, j = pl.program_id(1), pl.program_id(2), pl.program_id(3)
+  else:
+    i, j = pl.program_id(2), pl.program_id(3)
 
   @pl.when(j == 0)
   def _():
     dq_acc[...] = jnp.zeros(dq_acc.shape, jnp.float32)
+
+  if probs == "resident":
+    @pl.when((g == 0) & (j == 0))  # skipped key blocks keep these zeros
+    def _():
+      probs_ref[...] = jnp.zeros(probs_ref.shape, jnp.float32)
 
   @pl.when(blocks.visible(i, j))
   def _():
@@ -170,10 +188,13 @@ def _dq_kernel(counts_ref, q_ref, k_ref, v_ref, dout_ref, lse_ref, delta_ref, dq
                                         (((1,), (0,)), ((), ())),
                                         preferred_element_type=jnp.float32)
       head_sum = head_sum + per_copy
-    if with_probs:
+    if probs == "resident":
+      columns = pl.ds(pl.multiple_of(j * blocks.sb, blocks.sb), blocks.sb)
+      probs_ref[:, columns] += head_sum
+    elif probs:
       probs_ref[...] = head_sum
 
-  if with_probs:
+  if probs == "partials":
     @pl.when(jnp.logical_not(blocks.visible(i, j)))
     def _():
       probs_ref[...] = jnp.zeros(probs_ref.shape, jnp.float32)
@@ -181,6 +202,11 @@ def _dq_kernel(counts_ref, q_ref, k_ref, v_ref, dout_ref, lse_ref, delta_ref, dq
   @pl.when(j == num_key_blocks - 1)
   def _():
     dq_ref[...] = dq_acc[...].astype(dq_ref.dtype)
+
+
+def _heads_inside(spec):
+  """`spec` (indexed by grid (b, g, i, j)) for the grid (b, i, g, j)."""
+  return pl.BlockSpec(spec.block_shape, lambda b, i, g, j: spec.index_map(b, g, i, j))
 
 
 def _head_major(x_BXHY, x_pad: int):
@@ -313,24 +339,40 @@ def _backward(blocks, scale, interpret, target, q_BLHK, k_BSHK, v_BSHV, topk_BLT
   )(ops.counts, ops.q, ops.kk, ops.vv, dout, *per_query)
 
   # dq and the head-summed probabilities: query blocks outer, key blocks inner; twice the
-  # heads over half the queries (`_dq_blocks`)
+  # heads over half the queries (`_dq_blocks`). The sum over heads stays in VMEM where a query
+  # block's row of it fits (`_RESIDENT_PROBS_BYTES`), else each head block writes a partial.
   qb = _dq_blocks(blocks, ops.h) if with_target else blocks
+  probs = None if not with_target else (
+      "resident" if qb.lb * ops.s_pad * 4 <= _RESIDENT_PROBS_BYTES else "partials")
   dq_queries = lambda i, j: i
-  probs_shape = (ops.b, ops.h // qb.hb, ops.l_pad, ops.s_pad)
-  dq, *probs = pl.pallas_call(
-      functools.partial(_dq_kernel, scale=scale, blocks=qb, num_key_blocks=ns,
-                        with_probs=with_target),
+  dq_in_specs = _specs(qb, ops.k, ops.v, dq_queries, qb.last_key_block) + [
+      _per_query_spec(qb, ops.v, dq_queries), _per_query_spec(qb, 1, dq_queries),
+      _per_query_spec(qb, 1, dq_queries)]
+  dq_out_specs = [_per_query_spec(qb, ops.k, dq_queries)]
+  if probs == "resident":
+    probs_shape = (ops.b, ops.l_pad, ops.s_pad)
+    # grid (B, L / Lb, H / Hb, S / Sb): the specs above index (b, g, i, j)
+    dq_in_specs = [_heads_inside(spec) for spec in dq_in_specs]
+    dq_out_specs = [_heads_inside(spec) for spec in dq_out_specs]
+    dq_out_specs.append(pl.BlockSpec((None, qb.lb, ops.s_pad), lambda b, i, g, j: (b, i, 0)))
+    grid = (ops.b, ops.l_pad // qb.lb, ops.h // qb.hb, ns)
+    params = _RESIDENT_PARAMS
+  else:
+    probs_shape = (ops.b, ops.h // qb.hb, ops.l_pad, ops.s_pad)
+    if probs:
+      dq_out_specs.append(pl.BlockSpec((None, None, qb.lb, qb.sb),
+                                       lambda b, g, i, j: (b, g, i, j)))
+    grid = ops.grid(qb, (ops.l_pad // qb.lb, ns))
+    params = _PARAMS
+  dq, *probs_out = pl.pallas_call(
+      functools.partial(_dq_kernel, scale=scale, blocks=qb, num_key_blocks=ns, probs=probs),
       out_shape=(jax.ShapeDtypeStruct(ops.q.shape, q_BLHK.dtype),
                  *[jax.ShapeDtypeStruct(probs_shape, jnp.float32)] * with_target),
-      grid=ops.grid(qb, (ops.l_pad // qb.lb, ns)),
-      in_specs=_specs(qb, ops.k, ops.v, dq_queries, qb.last_key_block) + [
-          _per_query_spec(qb, ops.v, dq_queries), _per_query_spec(qb, 1, dq_queries),
-          _per_query_spec(qb, 1, dq_queries)],
-      out_specs=(_per_query_spec(qb, ops.k, dq_queries),
-                 *[pl.BlockSpec((None, None, qb.lb, qb.sb),
-                                lambda b, g, i, j: (b, g, i, j))] * with_target),
+      grid=grid,
+      in_specs=dq_in_specs,
+      out_specs=tuple(dq_out_specs),
       scratch_shapes=[pltpu.VMEM((qb.hb, qb.lb, ops.k), jnp.float32)],
-      compiler_params=_PARAMS,
+      compiler_params=params,
       cost_estimate=_cost(qb, ops, 2 * ops.k + ops.v,  # logits, dp, dq
                           per_step=[(qb.lb * sb, f32), (qb.hb * sb * (ops.k + ops.v), dtype)],
                           once=queries_bytes + ops.q.size * _itemsize(ops.q)  # + dq
@@ -340,7 +382,8 @@ def _backward(blocks, scale, interpret, target, q_BLHK, k_BSHK, v_BSHV, topk_BLT
   )(ops.counts, ops.q, ops.kk, ops.vv, dout, *per_query)
 
   if with_target:
-    head_mean_BLS = probs[0].sum(axis=1)[:, :ops.l, :ops.s] / ops.h
+    summed = probs_out[0] if probs == "resident" else probs_out[0].sum(axis=1)
+    head_mean_BLS = summed[:, :ops.l, :ops.s] / ops.h
     if target == "slots":
       picked = jnp.take_along_axis(head_mean_BLS, jnp.maximum(topk_BLT, 0), axis=-1)
       head_mean_BLS = jnp.where(topk_BLT >= 0, picked, 0.0)

@@ -847,3 +847,33 @@ def test_given_selection_is_restricted_to_visible_keys(helpers, impl):
         lambda: module.init(jax.random.key(0), x, positions, segments, selection)))
     ys[name], _ = jax.jit(module.apply)(params, x, positions, segments, selection)
   np.testing.assert_allclose(ys[impl], ys["dense_mask"], rtol=1e-5, atol=1e-6)
+
+
+def test_dense_expanded_target_resident_equals_partials(monkeypatch):
+  """The dq kernel's head-summed probabilities kept in VMEM per query block (its head blocks
+  adding to them, causal key blocks skipped) equal the per-head-block partials summed in XLA
+  (what it writes where a query block's row does not fit)."""
+  rng = np.random.default_rng(5)
+  b, l, h, t = 1, 200, 4, 9
+  q, kk = (jnp.asarray(rng.standard_normal((b, l, h, 16)), jnp.float32) for _ in range(2))
+  vv = jnp.asarray(rng.standard_normal((b, l, h, 8)), jnp.float32)
+  topk = jnp.asarray(np.stack([rng.permutation(l)[:t] for _ in range(l)])[None], jnp.int32)
+  out, lse = pk.sparse_mla_dense_expanded(q, kk, vv, topk, scale=0.3, causal=True)
+  dout, dlse = jnp.ones_like(out), jnp.zeros_like(lse)
+
+  def target():
+    parts = pk.sparse_mla_dense_expanded_pallas_parts(causal=True, interpret=True, head_block=1,
+                                                      block_q=64, block_k=128)
+    return parts.backward(q, kk, vv, topk, out, lse, dout, dlse, 0.3)[-1]
+
+  resident = target()
+  # (the package exports a function of the module's name)
+  monkeypatch.setattr(sys.modules["pallas_kernels.sparse_mla_dense_expanded_pallas"],
+                      "_RESIDENT_PROBS_BYTES", 0)
+  partials = target()
+  np.testing.assert_allclose(resident, partials, rtol=1e-6, atol=1e-7)
+  visible = np.tril(np.ones((l, l), bool))[None]
+  np.testing.assert_array_equal(np.asarray(resident)[~visible], 0.0)
+  sees_a_key = (np.asarray(topk) <= np.arange(l)[None, :, None]).any(-1)  # else no mass
+  np.testing.assert_allclose(np.asarray(resident).sum(-1), sees_a_key * 1.0, rtol=1e-5)
+  assert sees_a_key.any() and not sees_a_key.all()
