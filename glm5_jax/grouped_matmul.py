@@ -4,7 +4,11 @@ Pallas Triton `gmm` on GPU.
   y_MN = grouped_matmul(x_MK, w_GKN, group_sizes_G)     # rows [start_g, end_g) times w[g]
 
 Rows past `sum(group_sizes)` (the unused tail of a worst-case-sized receive buffer) come out
-zero, as `ragged_dot` defines them.
+zero, as `ragged_dot` defines them; with `tail="undefined"` they (and the same rows of the input
+gradient) may hold anything, for a caller that never reads them: megablox then writes into an
+uninitialized buffer instead of zeroing the tail in a pass of its own over the whole output
+(`_zero_uninitialized_memory`; 744B TPU step: a `[41,472, 6,144]` select after each down
+projection, and the like after the others and in the backward, by the compiler's estimate).
 
 Why not `ragged_dot` everywhere: the TPU compiler (libtpu 0.0.42.1) writes `ragged_dot`'s
 weight gradient as a dense dilated convolution over every group (docs/scaling.md, "Per step"):
@@ -37,6 +41,9 @@ backend (tests).
 device suite times per impl (issue 41, item 5: `moe_matmul`).
 """
 
+import functools
+import importlib
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -44,6 +51,7 @@ import numpy as np
 from pallas_kernels import blocking
 
 IMPLS = ("ragged_dot", "megablox", "triton_gmm")
+TAILS = ("zero", "undefined")
 _KERNEL_PLATFORM = {"megablox": "tpu", "triton_gmm": "gpu"}
 
 
@@ -74,7 +82,8 @@ def _row_tile(m: int, preferred: int = 512) -> int:
   return min(preferred, -(-m // 16) * 16)
 
 
-def grouped_matmul(x_MK, w_GKN, group_sizes_G, *, impl=None, interpret=None):
+def grouped_matmul(x_MK, w_GKN, group_sizes_G, *, impl=None, interpret=None, tail="zero",
+                   into_MN=None):
   """`jax.lax.ragged_dot(x_MK, w_GKN, group_sizes_G)`, in `x_MK`'s dtype (f32 accumulation).
 
   Args:
@@ -84,12 +93,25 @@ def grouped_matmul(x_MK, w_GKN, group_sizes_G, *, impl=None, interpret=None):
     impl: see the module docstring.
     interpret: megablox and triton_gmm: run the Pallas kernel in the interpreter (default: when
       the platform is not the kernel's).
+    tail: "zero" (the rows past the groups' sum are zero, as `ragged_dot`'s) or "undefined"
+      (they, and those rows of the gradient in `x_MK`, are not written: leave them unread).
+    into_MN: with `tail="undefined"`, a dead `[M, N]` array of the result's dtype for megablox
+      to write the result into (its rows past the groups keep their values; no gradient flows
+      to it), or None for a fresh uninitialized buffer. A fresh one inside a scanned layer's
+      forward is loop-invariant, which jax hoists out of the loop, and the kernel's in-place
+      write then copies it in every iteration: as much as the zeroing it saves.
   Raises:
-    ValueError: an unknown `impl`.
+    ValueError: an unknown `impl` or `tail`.
   """
   impl = default_impl() if impl is None else impl
   if impl not in IMPLS:
     raise ValueError(f"grouped_matmul impl: must be one of {IMPLS} or None, got {impl!r}")
+  if tail not in TAILS:
+    raise ValueError(f"grouped_matmul tail: must be one of {TAILS}, got {tail!r}")
+  if into_MN is not None and (tail != "undefined" or into_MN.shape != (x_MK.shape[0],
+                                                                      w_GKN.shape[2])):
+    raise ValueError(f"grouped_matmul into_MN: needs tail='undefined' (got {tail!r}) and shape "
+                     f"{(x_MK.shape[0], w_GKN.shape[2])} [M, N], got {into_MN.shape}")
   if impl == "ragged_dot":
     return jax.lax.ragged_dot(x_MK, w_GKN, group_sizes_G)
   interpret = blocking.platform() != _KERNEL_PLATFORM[impl] if interpret is None else interpret
@@ -114,9 +136,56 @@ def grouped_matmul(x_MK, w_GKN, group_sizes_G, *, impl=None, interpret=None):
   sizes = group_sizes_G.astype(jnp.int32)
   sizes = jnp.concatenate([sizes, (m + pad_m - sizes.sum())[None]])
   t = _lane_tile(k + pad_k, n + pad_n)
-  y = megablox.gmm(x, w.astype(x.dtype), sizes, x.dtype, (tm, t, t), None, None, False,
-                   interpret)
+  if tail == "undefined":
+    if into_MN is None:
+      into = _undefined((x.shape[0], w.shape[2]), x.dtype)
+    else:
+      into = jnp.pad(jax.lax.stop_gradient(into_MN).astype(x.dtype), ((0, pad_m), (0, pad_n)))
+    y = _gmm_tail_undefined(x, w.astype(x.dtype), sizes, into, (tm, t, t), interpret)
+  else:
+    y = megablox.gmm(x, w.astype(x.dtype), sizes, x.dtype, (tm, t, t), None, None, False,
+                     interpret)
   return y[:m, :n]
+
+
+def _undefined(shape, dtype):
+  """An output buffer whose unwritten rows nobody reads: `jax.lax.empty` (no fill on TPU; zeros
+  elsewhere). The tests make it NaN to show that no such row reaches a result."""
+  return jax.lax.empty(shape, dtype)
+
+
+def _megablox_kernels():
+  # The kernels themselves (`megablox.gmm` is their custom VJP, which zeroes the tail).
+  return importlib.import_module("jax.experimental.pallas.ops.tpu.megablox.gmm")
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(4, 5))
+def _gmm_tail_undefined(x_MK, w_GKN, sizes, into_MN, tiling, interpret):
+  """megablox's `gmm` written into `into_MN`; the last of `sizes` is the tail's group, past
+  `w_GKN`'s: `gmm` and `tgmm` compute the first G groups only."""
+  return _megablox_kernels().gmm(x_MK, w_GKN, sizes, x_MK.dtype, tiling, None, into_MN,
+                                 transpose_rhs=False, interpret=interpret)
+
+
+def _gmm_tail_undefined_forward(x_MK, w_GKN, sizes, into_MN, tiling, interpret):
+  return (_gmm_tail_undefined(x_MK, w_GKN, sizes, into_MN, tiling, interpret),
+          (x_MK, w_GKN, sizes))
+
+
+def _gmm_tail_undefined_backward(tiling, interpret, residuals, dy_MN):
+  """megablox's own backward (`gmm` with the weights transposed, `tgmm`), the input gradient
+  written into a fresh uninitialized buffer (the backward's loop does not hoist it)."""
+  x_MK, w_GKN, sizes = residuals
+  kernels = _megablox_kernels()
+  dx_MK = kernels.gmm(dy_MN, w_GKN, sizes, x_MK.dtype, tiling, None,
+                      _undefined(x_MK.shape, x_MK.dtype), transpose_rhs=True,
+                      interpret=interpret)
+  dw_GKN = kernels.tgmm(x_MK.swapaxes(0, 1), dy_MN, sizes, w_GKN.dtype, tiling, None,
+                        w_GKN.shape[0], interpret=interpret)
+  return dx_MK, dw_GKN, None, None
+
+
+_gmm_tail_undefined.defvjp(_gmm_tail_undefined_forward, _gmm_tail_undefined_backward)
 
 
 def expert_mlp(x_PD, w_gate_EDF, w_up_EDF, w_down_EFD, group_sizes_E, impl=None):

@@ -72,12 +72,14 @@ def exact_ragged_all_to_all(operand, output, input_offsets, send_sizes, output_o
 @contextlib.contextmanager
 def exact_ragged_transport():
   """While active, `jax.lax.ragged_all_to_all` is `exact_ragged_all_to_all`, and the buffers the
-  expert-parallel exchanges write into uninitialized (`moe_parallel._uninitialized`, zeros on
-  CPU) are NaN: a row no message wrote that reached a result or a gradient would show."""
-  from glm5_jax import moe_parallel  # pylint: disable=g-import-not-at-top
+  expert-parallel exchanges and the grouped matmul write into uninitialized
+  (`moe_parallel._uninitialized`, `grouped_matmul._undefined`; zeros on CPU) are NaN: a row no
+  message or matmul wrote that reached a result or a gradient would show."""
+  from glm5_jax import grouped_matmul, moe_parallel  # pylint: disable=g-import-not-at-top
   nan_buffer = lambda shape, dtype: jnp.full(shape, jnp.nan, dtype)
   with mock.patch.object(jax.lax, "ragged_all_to_all", exact_ragged_all_to_all), \
-       mock.patch.object(moe_parallel, "_uninitialized", nan_buffer):
+       mock.patch.object(moe_parallel, "_uninitialized", nan_buffer), \
+       mock.patch.object(grouped_matmul, "_undefined", nan_buffer):
     yield
 
 

@@ -7,6 +7,7 @@ the train step runs the experts as these kernels, with no dense dot over the exp
 tests/test_flop_ledger.py.)"""
 
 import re
+from unittest import mock
 
 import jax
 import jax.numpy as jnp
@@ -53,6 +54,45 @@ def test_megablox_equals_ragged_dot_forward_and_backward():
     np.testing.assert_allclose(np.asarray(g), np.asarray(r), rtol=1e-5, atol=1e-4, err_msg=name)
   assert np.abs(np.asarray(got[2])[1]).max() == 0  # the empty group's weight gradient
 
+
+
+def test_megablox_tail_undefined_writes_only_the_groups():
+  """`tail="undefined"`: the groups' rows, the input gradient's and the weight gradient equal
+  `ragged_dot`'s; the rows past the groups are left as the uninitialized buffer had them (NaN
+  here), in the output and in the input gradient alike, or as `into_MN` had them."""
+  kx, kw, kd = jax.random.split(jax.random.key(1), 3)
+  m, k, n = 200, 96, 160
+  x = jax.random.normal(kx, (m, k))
+  w = jax.random.normal(kw, (4, k, n))
+  sizes = jnp.array([50, 0, 70, 40], jnp.int32)
+  dy = jax.random.normal(kd, (m, n))
+
+  def run(impl, tail):
+    f = lambda x, w: grouped_matmul.grouped_matmul(x, w, sizes, impl=impl, interpret=True,
+                                                   tail=tail)
+    y, vjp = jax.vjp(f, x, w)
+    return (y, *vjp(dy))
+
+  ref = run("ragged_dot", "undefined")  # ragged_dot's tail is zero: a valid "undefined"
+  nan_buffer = lambda shape, dtype: jnp.full(shape, jnp.nan, dtype)
+  with mock.patch.object(grouped_matmul, "_undefined", nan_buffer):
+    y, dx, dw = run("megablox", "undefined")
+  assert np.isnan(np.asarray(y)[160:]).all() and np.isnan(np.asarray(dx)[160:]).all()
+  for name, r, g in (("y", ref[0][:160], y[:160]), ("dx", ref[1][:160], dx[:160]),
+                     ("dw", ref[2], dw)):
+    np.testing.assert_allclose(np.asarray(g), np.asarray(r), rtol=1e-5, atol=1e-4, err_msg=name)
+  # written into a given array: its rows past the groups kept, the groups' rows the product
+  into = jnp.full((m, n), 7.0)
+  y_into = grouped_matmul.grouped_matmul(x, w, sizes, impl="megablox", interpret=True,
+                                         tail="undefined", into_MN=into)
+  np.testing.assert_array_equal(np.asarray(y_into)[160:], 7.0)
+  np.testing.assert_allclose(np.asarray(y_into)[:160], np.asarray(ref[0])[:160], rtol=1e-5,
+                             atol=1e-4)
+  with pytest.raises(ValueError, match="tail"):
+    grouped_matmul.grouped_matmul(x, w, sizes, impl="ragged_dot", tail="garbage")
+  with pytest.raises(ValueError, match="into_MN"):
+    grouped_matmul.grouped_matmul(x, w, sizes, impl="megablox", tail="undefined",
+                                  into_MN=jnp.zeros((m, k)))
 
 def test_impl_choice():
   assert grouped_matmul.default_impl() == "ragged_dot"  # CPU: no Mosaic, no Triton
