@@ -46,9 +46,20 @@ from pallas_kernels.sparse_mla import (SparseMLAParts, backward_delta,
 
 def key_counts(topk_BLT, num_keys: int):
   """fp32 `[B, L, S]`: how many slots of each query selected each key (-1 slots none)."""
-  safe_BLT = jnp.where(topk_BLT < 0, num_keys, topk_BLT)  # out of range: dropped
-  count = lambda idx_T: jnp.zeros((num_keys,), jnp.float32).at[idx_T].add(1.0, mode="drop")
-  return jax.vmap(jax.vmap(count))(safe_BLT)
+  b, l, _ = topk_BLT.shape
+  if b * l * num_keys >= 2 ** 31:  # flat indices would overflow int32: (b, l, s) triples
+    safe_BLT = jnp.where(topk_BLT < 0, num_keys, topk_BLT)  # out of range: dropped
+    count = lambda idx_T: jnp.zeros((num_keys,), jnp.float32).at[idx_T].add(1.0, mode="drop")
+    return jax.vmap(jax.vmap(count))(safe_BLT)
+  # One scatter into the flat `[B L S]` counts by each slot's flat index (a slot outside [0, S)
+  # to one past the end: dropped), not a batched scatter of (b, l, s) triples: the TPU compiler
+  # formed, bounds-checked and flattened those triples in passes of their own over `[B, L, T]`.
+  rows_BL1 = (jnp.arange(b * l, dtype=jnp.int32) * num_keys).reshape(b, l, 1)
+  inside_BLT = (topk_BLT >= 0) & (topk_BLT < num_keys)
+  flat_BLT = jnp.where(inside_BLT, rows_BL1 + topk_BLT, b * l * num_keys)
+  counts = jnp.zeros((b * l * num_keys,), jnp.float32).at[flat_BLT.reshape(-1)].add(
+      1.0, mode="drop")
+  return counts.reshape(b, l, num_keys)
 
 
 def _block_size(b: int, s: int, heads: int) -> int:
