@@ -8,7 +8,10 @@ zero, as `ragged_dot` defines them; with `tail="undefined"` they (and the same r
 gradient) may hold anything, for a caller that never reads them: megablox then writes into an
 uninitialized buffer instead of zeroing the tail in a pass of its own over the whole output
 (`_zero_uninitialized_memory`; 744B TPU step: a `[41,472, 6,144]` select after each down
-projection, and the like after the others and in the backward, by the compiler's estimate).
+projection, 0.15 s a step by the compiler's estimate). `glm5_jax.moe_parallel` uses it for the
+down projection, written into the received rows (`into_MN`, dead by then); a fresh buffer
+(`into_MN=None`) is for a caller outside a scanned forward (inside one jax hoists it out of the
+loop and the kernel's in-place write copies it each iteration).
 
 Why not `ragged_dot` everywhere: the TPU compiler (libtpu 0.0.42.1) writes `ragged_dot`'s
 weight gradient as a dense dilated convolution over every group (docs/scaling.md, "Per step"):

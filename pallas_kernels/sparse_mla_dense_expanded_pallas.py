@@ -15,13 +15,16 @@ a block's logits in VMEM, as flash attention does:
   dkv      grid (B, H / Hb, S / Sb, L / Lb), the query blocks innermost: p from the lse, dp,
            ds, and the key and value gradients accumulated in VMEM over the query blocks.
   dq       grid (B, H / Hb, L / Lb, S / Sb): the same p and ds, dq accumulated over the key
-           blocks. For the parts' backward (`dsa_kl_fused`) each step also writes the block's
-           per-copy probabilities summed over its heads, `[B, H / Hb, L, S]` fp32, whose sum
-           over the head blocks, divided by H, is the indexer KL's target over every key (read
-           at the slots, what `sparse_mla_dense_expanded_parts`' backward gives); it then takes
-           twice the heads over half the queries (`_dq_blocks`), which halves those partials.
-           The parts' `indexer_kl_backward` forms the indexer's gradients from it with the
-           kernels of `indexer_kl_pallas`, over every key as these are.
+           blocks. For the parts' backward (`dsa_kl_fused`) it also forms the per-copy
+           probabilities summed over every head, divided by H: the indexer KL's target over
+           every key (read at the slots, what `sparse_mla_dense_expanded_parts`' backward
+           gives), with twice the heads over half the queries (`_dq_blocks`). Where a query
+           block's fp32 `[Lb, S]` row of that sum fits `_RESIDENT_PROBS_BYTES`, the grid is
+           (B, L / Lb, H / Hb, S / Sb) and the row stays in VMEM while every head block and key
+           block adds to it, written once ("resident"); otherwise each head block writes its
+           partial sum, `[B, H / Hb, L, S]` fp32, summed in XLA ("partials", which the doubled
+           head block halves). The parts' `indexer_kl_backward` forms the indexer's gradients
+           from the target with the kernels of `indexer_kl_pallas`, over every key as these are.
 
 The counts (`key_counts`, fp32 `[B, L, S]`, one scatter in XLA) are shared by every head: a step
 reads its `[Lb, Sb]` block once for its Hb heads. With `causal` (queries and keys the same
@@ -393,9 +396,10 @@ def _backward(blocks, scale, interpret, target, q_BLHK, k_BSHK, v_BSHV, topk_BLT
 
 
 def _dq_blocks(blocks: KernelBlocks, h: int) -> KernelBlocks:
-  """The dq kernel's blocks: twice the heads over half the queries where they divide (the same
-  VMEM), so it writes half as many head-summed probability partials `[B, H / Hb, L, S]` (fp32:
-  at the 744B headline 16 of them, 2.1 GB a layer, read again by their sum in XLA)."""
+  """The dq kernel's blocks when it forms the KL target: twice the heads over half the queries
+  where they divide (the same VMEM). Half the queries halve the resident row of the head-summed
+  probabilities (`[Lb, S]` fp32: 4 MiB at the 744B headline); where it is written as partials
+  instead, `[B, H / Hb, L, S]`, twice the heads halve their number."""
   if h % (2 * blocks.hb) or blocks.lb % 16:
     return blocks
   return blocks._replace(hb=2 * blocks.hb, lb=blocks.lb // 2)

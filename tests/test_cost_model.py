@@ -398,3 +398,58 @@ def test_plan_costs_compute_by_phase_splits_each_category_and_leaves_collectives
   assert table["optimizer"] == {"forward": 0.5, "remat": 0.0, "backward": 0.0}
   text = plan_cost.format_by_phase(table)
   assert "  compute" in text and text.splitlines()[-1].split()[-1] == "0.800"
+
+
+# A synchronous reduce-scatter fusion (an all-reduce whose root slices the device's part) beside
+# an async collective fusion's start and done: the TPU compiler numbers every all-reduce channel
+# 1, so only the `chain_id` the async copies share tells them from the synchronous one.
+_CHAINED_HLO = """HloModule chained
+%sum (a: bf16[], b: bf16[]) -> bf16[] {
+  %a = bf16[] parameter(0)
+  %b = bf16[] parameter(1)
+  ROOT %add = bf16[] add(%a, %b)
+}
+%all-reduce-scatter.1 (input.1: bf16[8,4096], offset.1: s32[]) -> bf16[1,4096] {
+  %input.1 = bf16[8,4096]{1,0} parameter(0)
+  %offset.1 = s32[] parameter(1)
+  %all-reduce.1 = bf16[8,4096]{1,0} all-reduce(%input.1), channel_id=1, replica_groups={{0,1,2,3,4,5,6,7}}, use_global_device_ids=true, to_apply=%sum, frontend_attributes={from-cross-replica-sharding="true"}
+  %zero.1 = s32[] constant(0)
+  ROOT %dynamic-slice.1 = bf16[1,4096]{1,0} dynamic-slice(%all-reduce.1, %offset.1, %zero.1), dynamic_slice_sizes={1,4096}
+}
+%fused_computation.start (param.2: bf16[8,4096]) -> bf16[8,4096] {
+  %param.2 = bf16[8,4096]{1,0} parameter(0)
+  ROOT %all-reduce.2 = bf16[8,4096]{1,0} all-reduce(%param.2), channel_id=1, replica_groups={{0,1,2,3,4,5,6,7}}, use_global_device_ids=true, to_apply=%sum, frontend_attributes={chain_id="7"}
+}
+%fused_computation.done (param.3: bf16[8,4096]) -> bf16[8,4096] {
+  %param.3 = bf16[8,4096]{1,0} parameter(0)
+  ROOT %all-reduce.3 = bf16[8,4096]{1,0} all-reduce(%param.3), channel_id=1, replica_groups={{0,1,2,3,4,5,6,7}}, use_global_device_ids=true, to_apply=%sum, frontend_attributes={chain_id="7"}
+}
+ENTRY %main (x: bf16[8,4096], y: bf16[8,4096], offset: s32[]) -> (bf16[1,4096], bf16[8,4096]) {
+  %x = bf16[8,4096]{1,0} parameter(0)
+  %y = bf16[8,4096]{1,0} parameter(1)
+  %offset = s32[] parameter(2)
+  %fusion.1 = bf16[1,4096]{1,0} fusion(%x, %offset), kind=kCustom, calls=%all-reduce-scatter.1
+  %async-collective-start = bf16[8,4096]{1,0} fusion(%y), kind=kCustom, calls=%fused_computation.start
+  %async-collective-done = bf16[8,4096]{1,0} fusion(%async-collective-start), kind=kCustom, calls=%fused_computation.done
+  ROOT %tuple = (bf16[1,4096]{1,0}, bf16[8,4096]{1,0}) tuple(%fusion.1, %async-collective-done)
+}
+"""
+
+
+def test_a_synchronous_reduce_scatter_fusion_is_not_an_async_collectives_copy():
+  """Both collectives share channel 1: the done's copy of the async all-reduce is an echo (not
+  priced again), the reduce-scatter fusion is a collective of its own (it was taken for an
+  echo, and priced as a few bytes of HBM traffic: the 744B step's expert weight gradients)."""
+  module = hlo_loops.parse_module(_CHAINED_HLO)
+  assert hlo_stats.collective_echoes(module) == {"fused_computation.done"}
+  fused = op_costs.fused_collectives(module)
+  assert fused["all-reduce-scatter.1"][0] == "reduce-scatter"
+  assert fused["fused_computation.start"][0] == "all-reduce"
+  coords = np.array([[0, 0, z] for z in range(8)])
+  costs = {c.name: c for c in op_costs.price_module(module, V5P, coords,
+                                                    step_cost.torus_of("v5p:4x4x8"))}
+  assert costs["fusion.1"].kind == "torus" and costs["fusion.1"].op == "reduce-scatter"
+  assert costs["async-collective-start"].kind == "torus"
+  assert "async-collective-done" not in costs
+  # a reduce-scatter moves half an all-reduce's bytes on the same ring
+  assert costs["fusion.1"].seconds == pytest.approx(costs["async-collective-start"].seconds / 2)

@@ -43,9 +43,12 @@ _GROUPS_MESH_IDS = re.compile(r"replica_groups=mesh\[(?P<axes>[^\]]*)\]"
 # fusion`): a fusion named `async-collective-start` starts the collective, fusions of compute
 # calling `async_collective_fusion.N` carry it on beside their own work, and a fusion named
 # `async-collective-done` ends it. Each of them holds a copy of the same collective (one
-# channel_id), so only the start's copy is counted and priced.
+# `chain_id` in its frontend attributes), so only the start's copy is counted and priced. The
+# channel_id alone does not tell the copies apart: the compiler numbers every all-reduce
+# channel 1, a synchronous one (a reduce-scatter fusion) too.
 ASYNC_COLLECTIVE = re.compile(r"^async-collective-(start|done)\b")
 _CHANNEL = re.compile(r"\bchannel_id=(\d+)")
+_CHAIN = re.compile(r'\bchain_id="?(\w+)')
 
 
 def async_collective_role(instr) -> str | None:
@@ -55,23 +58,32 @@ def async_collective_role(instr) -> str | None:
   return match[1] if match else None
 
 
-def fused_channel(module, instr) -> str | None:
-  """The channel_id of the collective inside the computation a fusion calls, or None."""
+def _copy_key(instr) -> str | None:
+  """What the copies of one async collective share: its chain_id, else its channel_id."""
+  if match := _CHAIN.search(instr.attributes):
+    return f"chain {match[1]}"
+  if match := _CHANNEL.search(instr.attributes):
+    return f"channel {match[1]}"
+  return None
+
+
+def fused_copy_key(module, instr) -> str | None:
+  """`_copy_key` of the collective inside the computation a fusion calls, or None."""
   for callee in instr.callees():
     for inner in module.computations.get(callee, ()):
-      if inner.op in OPS and (match := _CHANNEL.search(inner.attributes)):
-        return match[1]
+      if inner.op in OPS and (key := _copy_key(inner)):
+        return key
   return None
 
 
 def collective_echoes(module) -> set[str]:
   """The computations whose collective repeats one an `async-collective-start` fusion started
-  (those its continuation fusions and its done call): same channel_id, another fusion."""
-  channel = {}  # computation -> the channel_id of its first collective
+  (those its continuation fusions and its done call): the same `_copy_key`, another fusion."""
+  channel = {}  # computation -> the copy key of its first collective
   for name, instrs in module.computations.items():
     for inner in instrs:
-      if inner.op in OPS and (match := _CHANNEL.search(inner.attributes)):
-        channel[name] = match[1]
+      if inner.op in OPS and (key := _copy_key(inner)):
+        channel[name] = key
         break
   fusions = [i for instrs in module.computations.values() for i in instrs if i.op == "fusion"]
   started = {channel.get(c) for i in fusions if async_collective_role(i) == "start"

@@ -93,12 +93,12 @@ class _Walker:
       cost = self.price.get((computation, instr.name))
       role = hlo_stats.async_collective_role(instr)
       if role == "done":
-        key = f"channel {hlo_stats.fused_channel(self.module, instr)}"
+        key = hlo_stats.fused_copy_key(self.module, instr)
         wait_until(pending.pop(key, now), *issued_by.pop(key, ("async", instr.name)))
       elif role == "start" and cost is not None and _is_collective(cost):
         has_collective = True
         stream = max(now, stream) + cost.seconds
-        key = f"channel {hlo_stats.fused_channel(self.module, instr)}"
+        key = hlo_stats.fused_copy_key(self.module, instr)
         pending[key], issued_by[key] = stream, ("async", instr.name)
       elif instr.op.endswith(_ASYNC_DONE):
         key = instr.operands[0] if instr.operands else None
