@@ -5,13 +5,17 @@ Pallas Triton `gmm` on GPU.
 
 Rows past `sum(group_sizes)` (the unused tail of a worst-case-sized receive buffer) come out
 zero, as `ragged_dot` defines them; with `tail="undefined"` they (and the same rows of the input
-gradient) may hold anything, for a caller that never reads them: megablox then writes into an
-uninitialized buffer instead of zeroing the tail in a pass of its own over the whole output
+gradient) may hold anything, for a caller that never reads them: megablox is then given exactly
+the G real groups, so its dynamic grid visits only their row tiles and writes nothing else,
+instead of zeroing the tail in a pass of its own over the whole output
 (`_zero_uninitialized_memory`; 744B TPU step: a `[41,472, 6,144]` select after each down
-projection, 0.15 s a step by the compiler's estimate). `glm5_jax.moe_parallel` uses it for the
-down projection, written into the received rows (`into_MN`, dead by then); a fresh buffer
-(`into_MN=None`) is for a caller outside a scanned forward (inside one jax hoists it out of the
-loop and the kernel's in-place write copies it each iteration).
+projection, 0.15 s a step by the compiler's estimate).
+
+`pass_weights=True` returns `(y_MN, w_GKN)`: the weights as they were, for the next use of the
+same weights (the next dispatch chunk's grouped matmul in `glm5_jax.moe_parallel`), whose weight
+gradient the backward then adds into this one's. With megablox (no K or N padding) the add is
+the `tgmm` kernel's own: it accumulates into the next use's gradient (`existing_out`, written in
+place) instead of a separate add of two `[G, K, N]` gradients after it; elsewhere it is jax's sum.
 
 Why not `ragged_dot` everywhere: the TPU compiler (libtpu 0.0.42.1) writes `ragged_dot`'s
 weight gradient as a dense dilated convolution over every group (docs/scaling.md, "Per step"):
@@ -86,7 +90,7 @@ def _row_tile(m: int, preferred: int = 512) -> int:
 
 
 def grouped_matmul(x_MK, w_GKN, group_sizes_G, *, impl=None, interpret=None, tail="zero",
-                   into_MN=None):
+                   pass_weights=False):
   """`jax.lax.ragged_dot(x_MK, w_GKN, group_sizes_G)`, in `x_MK`'s dtype (f32 accumulation).
 
   Args:
@@ -98,11 +102,9 @@ def grouped_matmul(x_MK, w_GKN, group_sizes_G, *, impl=None, interpret=None, tai
       the platform is not the kernel's).
     tail: "zero" (the rows past the groups' sum are zero, as `ragged_dot`'s) or "undefined"
       (they, and those rows of the gradient in `x_MK`, are not written: leave them unread).
-    into_MN: with `tail="undefined"`, a dead `[M, N]` array of the result's dtype for megablox
-      to write the result into (its rows past the groups keep their values; no gradient flows
-      to it), or None for a fresh uninitialized buffer. A fresh one inside a scanned layer's
-      forward is loop-invariant, which jax hoists out of the loop, and the kernel's in-place
-      write then copies it in every iteration: as much as the zeroing it saves.
+    pass_weights: return `(y_MN, w_GKN)`, the weights for their next use (module docstring).
+  Returns:
+    `y_MN`, or with `pass_weights` `(y_MN, w_GKN)` (w in `x_MK`'s dtype for the kernels).
   Raises:
     ValueError: an unknown `impl` or `tail`.
   """
@@ -111,17 +113,15 @@ def grouped_matmul(x_MK, w_GKN, group_sizes_G, *, impl=None, interpret=None, tai
     raise ValueError(f"grouped_matmul impl: must be one of {IMPLS} or None, got {impl!r}")
   if tail not in TAILS:
     raise ValueError(f"grouped_matmul tail: must be one of {TAILS}, got {tail!r}")
-  if into_MN is not None and (tail != "undefined" or into_MN.shape != (x_MK.shape[0],
-                                                                      w_GKN.shape[2])):
-    raise ValueError(f"grouped_matmul into_MN: needs tail='undefined' (got {tail!r}) and shape "
-                     f"{(x_MK.shape[0], w_GKN.shape[2])} [M, N], got {into_MN.shape}")
   if impl == "ragged_dot":
-    return jax.lax.ragged_dot(x_MK, w_GKN, group_sizes_G)
+    y = jax.lax.ragged_dot(x_MK, w_GKN, group_sizes_G)
+    return (y, w_GKN) if pass_weights else y
   interpret = blocking.platform() != _KERNEL_PLATFORM[impl] if interpret is None else interpret
   if impl == "triton_gmm":
     # Deferred, like the DSA's GPU kernels: only a GPU program needs the Triton module.
     from pallas_kernels import grouped_matmul_triton
-    return grouped_matmul_triton.gmm_triton(x_MK, w_GKN, group_sizes_G, interpret=interpret)
+    y = grouped_matmul_triton.gmm_triton(x_MK, w_GKN, group_sizes_G, interpret=interpret)
+    return (y, w_GKN) if pass_weights else y
   # Deferred: importing the Pallas TPU ops pulls in Mosaic, which only megablox needs.
   from jax.experimental.pallas.ops.tpu import megablox
 
@@ -133,62 +133,56 @@ def grouped_matmul(x_MK, w_GKN, group_sizes_G, *, impl=None, interpret=None, tai
   pad_m, pad_k, pad_n = -m % tm, -k % 128, -n % 128
   x = jnp.pad(x_MK, ((0, pad_m), (0, pad_k))) if pad_m or pad_k else x_MK
   w = jnp.pad(w_GKN, ((0, 0), (0, pad_k), (0, pad_n))) if pad_k or pad_n else w_GKN
-  # One extra group holds the rows past the real groups (and the padding): with more groups in
-  # `group_sizes` than in `w`, megablox computes only the first G and zeroes the rest of the
-  # output, and its backward's `tgmm` computes the G real weight gradients only.
   sizes = group_sizes_G.astype(jnp.int32)
-  sizes = jnp.concatenate([sizes, (m + pad_m - sizes.sum())[None]])
+  if tail == "zero":
+    # One extra group holds the rows past the real groups (and the padding): with more groups
+    # in `group_sizes` than in `w`, megablox computes only the first G and zeroes the rest of
+    # the output, and its backward's `tgmm` computes the G real weight gradients only.
+    sizes = jnp.concatenate([sizes, (m + pad_m - sizes.sum())[None]])
   t = _lane_tile(k + pad_k, n + pad_n)
-  if tail == "undefined":
-    if into_MN is None:
-      into = _undefined((x.shape[0], w.shape[2]), x.dtype)
-    else:
-      into = jnp.pad(jax.lax.stop_gradient(into_MN).astype(x.dtype), ((0, pad_m), (0, pad_n)))
-    y = _gmm_tail_undefined(x, w.astype(x.dtype), sizes, into, (tm, t, t), interpret)
+  tiling = (tm, t, t)
+  w = w.astype(x.dtype)
+  if pass_weights and not (pad_k or pad_n):
+    y, passed = _gmm_passing_weights(x, w, sizes, tiling, interpret)
   else:
-    y = megablox.gmm(x, w.astype(x.dtype), sizes, x.dtype, (tm, t, t), None, None, False,
-                     interpret)
-  return y[:m, :n]
+    y = megablox.gmm(x, w, sizes, x.dtype, tiling, None, None, False, interpret)
+    passed = w_GKN.astype(x.dtype)
+  y = y[:m, :n]
+  return (y, passed) if pass_weights else y
 
 
-def _undefined(shape, dtype):
-  """An output buffer whose unwritten rows nobody reads: `jax.lax.empty` (no fill on TPU; zeros
-  elsewhere). The tests make it NaN to show that no such row reaches a result."""
-  return jax.lax.empty(shape, dtype)
+@functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4))
+def _gmm_passing_weights(x_MK, w_GKN, sizes, tiling, interpret):
+  """megablox's `gmm` and the weights as they were; the backward is megablox's own (`gmm` with
+  the weights transposed, `tgmm`), `tgmm` accumulating into the passed weights' cotangent."""
+  y = _megablox_kernels().gmm(x_MK, w_GKN, sizes, x_MK.dtype, tiling, None, None,
+                              transpose_rhs=False, interpret=interpret)
+  return y, w_GKN
+
+
+def _gmm_passing_weights_forward(x_MK, w_GKN, sizes, tiling, interpret):
+  return _gmm_passing_weights(x_MK, w_GKN, sizes, tiling, interpret), (x_MK, w_GKN, sizes)
+
+
+def _gmm_passing_weights_backward(tiling, interpret, residuals, cotangents):
+  x_MK, w_GKN, sizes = residuals
+  dy_MN, dw_next_GKN = cotangents
+  kernels = _megablox_kernels()
+  dx_MK = kernels.gmm(dy_MN, w_GKN, sizes, x_MK.dtype, tiling, None, None, transpose_rhs=True,
+                      interpret=interpret)
+  dw_GKN = kernels.tgmm(x_MK.swapaxes(0, 1), dy_MN, sizes, w_GKN.dtype, tiling, None,
+                        w_GKN.shape[0], existing_out=dw_next_GKN.astype(w_GKN.dtype),
+                        interpret=interpret)
+  no_grad = np.zeros(sizes.shape, jax.dtypes.float0)
+  return dx_MK, dw_GKN, no_grad
+
+
+_gmm_passing_weights.defvjp(_gmm_passing_weights_forward, _gmm_passing_weights_backward)
 
 
 def _megablox_kernels():
-  # The kernels themselves (`megablox.gmm` is their custom VJP, which zeroes the tail).
+  # The kernels themselves (`megablox.gmm` is their custom VJP, whose backward adds nothing in).
   return importlib.import_module("jax.experimental.pallas.ops.tpu.megablox.gmm")
-
-
-@functools.partial(jax.custom_vjp, nondiff_argnums=(4, 5))
-def _gmm_tail_undefined(x_MK, w_GKN, sizes, into_MN, tiling, interpret):
-  """megablox's `gmm` written into `into_MN`; the last of `sizes` is the tail's group, past
-  `w_GKN`'s: `gmm` and `tgmm` compute the first G groups only."""
-  return _megablox_kernels().gmm(x_MK, w_GKN, sizes, x_MK.dtype, tiling, None, into_MN,
-                                 transpose_rhs=False, interpret=interpret)
-
-
-def _gmm_tail_undefined_forward(x_MK, w_GKN, sizes, into_MN, tiling, interpret):
-  return (_gmm_tail_undefined(x_MK, w_GKN, sizes, into_MN, tiling, interpret),
-          (x_MK, w_GKN, sizes))
-
-
-def _gmm_tail_undefined_backward(tiling, interpret, residuals, dy_MN):
-  """megablox's own backward (`gmm` with the weights transposed, `tgmm`), the input gradient
-  written into a fresh uninitialized buffer (the backward's loop does not hoist it)."""
-  x_MK, w_GKN, sizes = residuals
-  kernels = _megablox_kernels()
-  dx_MK = kernels.gmm(dy_MN, w_GKN, sizes, x_MK.dtype, tiling, None,
-                      _undefined(x_MK.shape, x_MK.dtype), transpose_rhs=True,
-                      interpret=interpret)
-  dw_GKN = kernels.tgmm(x_MK.swapaxes(0, 1), dy_MN, sizes, w_GKN.dtype, tiling, None,
-                        w_GKN.shape[0], interpret=interpret)
-  return dx_MK, dw_GKN, None, None
-
-
-_gmm_tail_undefined.defvjp(_gmm_tail_undefined_forward, _gmm_tail_undefined_backward)
 
 
 def expert_mlp(x_PD, w_gate_EDF, w_up_EDF, w_down_EFD, group_sizes_E, impl=None):

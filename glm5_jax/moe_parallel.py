@@ -9,8 +9,11 @@ expert's weights. Here the layout is explicit, under `jax.shard_map` over the wh
   tokens  M   split over the batch axes of the logical rules plus the `expert` axis (so the
               expert-parallel devices are also data-parallel, as in DeepSeek-V3 and MaxText);
   experts E   split over the mesh axis of the `expert` rule; each device holds E/n experts
-              (n = that axis' size). The EMBED (fsdp) dimension of the expert kernels enters
-              whole, so the only weight all-gather is over fsdp of the local experts' slice.
+              (n = that axis' size). The expert kernels enter on their EMBED (fsdp) shards
+              and are all-gathered inside, over fsdp, the local experts' slice only: the
+              gather's transpose reduce-scatters their gradients (gathered outside, the
+              shard_map's transpose all-reduced them over fsdp first). Gate and up enter
+              joined, `[E, D, 2F]` (`_joined_gate_up`): one grouped matmul for both.
   F           split over the `expert_mlp` rule's axes (tensor); the partial outputs are summed
               over them after the combine (`psum` of `[M/shards, D]`).
 
@@ -70,11 +73,14 @@ shards). A chunk's exchange then has another chunk's grouped matmul to run besid
 compiler's scheduler can overlap with it (one pass leaves it nothing: the exchange, the matmul
 and the exchange back depend on each other in turn). Each chunk has its own buffers and capacity
 (`ceil(c * m / k * X / 16) + E/n` groups), so with a capacity factor the drops are decided per
-chunk.
-Weights before rows: the local experts' kernels are gathered over the fsdp axes (to the
-shard_map's layout), the pair counts exchanged (`_exchanged_counts`, a shard_map of its own)
-and the caller's `computed_first` (the MoE's load counts and balance loss) computed before
-any row moves, behind an optimization barrier whose backward is the identity. Left to the
+chunk. The chunks share the kernels: each chunk's grouped matmuls pass them to the next's
+(`grouped_matmul`'s `pass_weights`), so the backward accumulates the chunks' weight gradients
+in megablox's `tgmm` rather than adding them after it (docs/scaling.md, "Gate and up joined,
+gathered inside").
+Weights before rows: the local experts' kernels are gathered over the fsdp axes (inside the
+shard_map, with the rows behind the same barrier), the pair counts exchanged
+(`_exchanged_counts`, a shard_map of its own) and the caller's `computed_first` (the MoE's
+load counts and balance loss) computed before any row moves, behind an optimization barrier whose backward is the identity. Left to the
 scheduler, those gathers and the counts' all-reduce came after the first exchanges had started,
 and a collective the compiler keeps synchronous waits for the ones in flight before it: ~1.3 s
 a step of the forward layer loop in the 744B headline's schedule (docs/scaling.md, "Weights
@@ -211,11 +217,30 @@ def expert_parallel_dispatch(x_MD, weights_MX, experts_MX, w_gate_EDF, w_up_EDF,
   local = functools.partial(_chunked_dispatch, chunks=chunks, expert_axis=expert_axis, n=n,
                             f_axes=f_axes, transport=transport, matmul=impl,
                             capacity_factor=capacity_factor)
-  kernel_specs = (PartitionSpec(expert_axis, None, f_spec),
-                  PartitionSpec(expert_axis, None, f_spec),
-                  PartitionSpec(expert_axis, f_spec, None))
-  if quantized:  # (q, scale) pairs; the scale's group axis whole (F is, above)
-    kernel_specs = tuple((spec, spec) for spec in kernel_specs)
+  if quantized:  # (q, scale) pairs, each whole over fsdp; the scale's group axis whole (F is)
+    kernel_specs = tuple((spec, spec) for spec in (PartitionSpec(expert_axis, None, None),) * 2
+                         + (PartitionSpec(expert_axis, None, None),))
+    kernels, d_axes = (w_gate_EDF, w_up_EDF, w_down_EFD), ()
+  else:
+    # The kernels enter on their fsdp shards and are gathered inside ("Weights before rows"):
+    # the gather's transpose is then a reduce-scatter of the weight gradients, where a gather
+    # outside the shard_map had the shard_map's transpose all-reduce them first.
+    d_axes = tuple(a for a in _mesh_axes(rules, logical_axes.EMBED)
+                   if a != expert_axis and a not in f_axes)
+    if set(d_axes) - set(token_axes):
+      # Ordered with the gathered kernels (`in_order`), the tokens would vary over these axes
+      # too, and the combined rows with them.
+      raise ValueError(f"config.mesh.logical_axis_rules: moe_impl='expert_parallel' needs the "
+                       f"expert kernels' embed axes {d_axes} among the token axes "
+                       f"{token_axes} or the expert FFN axes {f_axes}")
+    d_spec = d_axes if d_axes else None
+    kernel_specs = (PartitionSpec(expert_axis, d_spec, f_spec),
+                    PartitionSpec(expert_axis, f_spec, d_spec))
+    f_shards = math.prod(mesh.shape[a] for a in f_axes)
+    kernels = (_joined_gate_up(w_gate_EDF, w_up_EDF, f_shards), w_down_EFD)
+  local = functools.partial(_chunked_dispatch, chunks=chunks, expert_axis=expert_axis, n=n,
+                            f_axes=f_axes, d_axes=d_axes, transport=transport, matmul=impl,
+                            capacity_factor=capacity_factor)
   per_shard = PartitionSpec(token_axes)
   counted = jax.shard_map(
       functools.partial(_exchanged_counts, chunks=chunks, n=n, local_experts=num_experts // n,
@@ -223,7 +248,7 @@ def expert_parallel_dispatch(x_MD, weights_MX, experts_MX, w_gate_EDF, w_up_EDF,
       mesh=mesh, in_specs=(tokens,), out_specs=(per_shard,) * 3)(experts_MX)
   kernels = jax.tree.map(
       lambda w, spec: jax.lax.with_sharding_constraint(w, NamedSharding(mesh, spec)),
-      (w_gate_EDF, w_up_EDF, w_down_EFD), kernel_specs)
+      kernels, kernel_specs)
   x_MD, weights_MX, experts_MX, counted, kernels, first = in_order(
       (x_MD, weights_MX, experts_MX, counted, kernels, computed_first))
   y_MD, dropped_S = jax.shard_map(
@@ -241,6 +266,37 @@ def expert_parallel_dispatch(x_MD, weights_MX, experts_MX, w_gate_EDF, w_up_EDF,
 
 def _exclusive_cumsum(a, axis=-1):
   return jnp.cumsum(a, axis=axis) - a
+
+
+def _joined_gate_up(w_gate_EDF, w_up_EDF, f_shards):
+  """`[E, D, 2F]`: the gate and up kernels side by side in each of the `f_shards` F shards, so
+  each device's shard is its `[gate | up]` (one grouped matmul for both, `_swiglu_joined`)."""
+  e, d, f = w_gate_EDF.shape
+  split = lambda w: w.reshape(e, d, f_shards, 1, f // f_shards)
+  return jnp.concatenate([split(w_gate_EDF), split(w_up_EDF)], axis=3).reshape(e, d, 2 * f)
+
+
+@jax.custom_vjp
+def _swiglu_joined(gate_up_RF):
+  """`silu(gate) * up` of `[R, 2F]` = `[gate | up]`, `[R, F]`. Its own VJP writes the gradient
+  `[R, 2F]` whole in one fusion; jax's transposes of the two slices are pads, added."""
+  gate, up = jnp.split(gate_up_RF, 2, axis=-1)
+  return jax.nn.silu(gate) * up
+
+
+def _swiglu_joined_fwd(gate_up_RF):
+  return _swiglu_joined(gate_up_RF), gate_up_RF
+
+
+def _swiglu_joined_bwd(gate_up_RF, dh_RF):
+  gate, up = (a.astype(jnp.float32) for a in jnp.split(gate_up_RF, 2, axis=-1))
+  dh = dh_RF.astype(jnp.float32)
+  sig = jax.nn.sigmoid(gate)
+  d_gate = dh * up * sig * (1 + gate * (1 - sig))
+  return (jnp.concatenate([d_gate, dh * gate * sig], axis=-1).astype(gate_up_RF.dtype),)
+
+
+_swiglu_joined.defvjp(_swiglu_joined_fwd, _swiglu_joined_bwd)
 
 
 # Rows travel in groups of `GROUP` tokens, `[groups, GROUP, D]`. The TPU compiler lays a ragged
@@ -386,19 +442,33 @@ _spread_rows.defvjp(_spread_rows_fwd, _spread_rows_bwd)
 
 
 def _chunked_dispatch(x_MD, weights_MX, experts_MX, counts_1KNE, recv_1KNE, sizes_1NKN,
-                      *kernels, chunks, expert_axis, n, **kw):
+                      *kernels, chunks, expert_axis, n, d_axes, **kw):
   """`_local_dispatch` of one shard's tokens in `chunks` contiguous, independent passes, with
-  the pair counts all of them exchanged first (`_exchanged_counts`)."""
+  the pair counts all of them exchanged first (`_exchanged_counts`). Float kernels arrive on
+  their fsdp (`d_axes`) shards, `[E/n, D/d, 2F]` and `[E/n, F, D/d]`, and are gathered here
+  before any row moves; each chunk passes them to the next (`grouped_matmul`'s
+  `pass_weights`), whose weight gradients its backward accumulates into its own."""
+  if d_axes:
+    gate_up, down = kernels
+    kernels = (jax.lax.all_gather(gate_up, d_axes, axis=1, tiled=True),
+               jax.lax.all_gather(down, d_axes, axis=2, tiled=True))
+  # The counts were ordered before the shard_map; with them here they would vary over the F
+  # axes (`in_order`), and so would the dropped fraction.
+  x_MD, weights_MX, experts_MX, kernels = in_order((x_MD, weights_MX, experts_MX, kernels))
   local_experts = counts_1KNE.shape[-1]
   split = lambda a: jnp.split(a, chunks)
   counts = [(counts_1KNE[0, k], recv_1KNE[0, k], sizes_1NKN[0, :, k]) for k in range(chunks)]
-  outs = [_local_dispatch(*chunk, *kernels, *counted, expert_axis=expert_axis, n=n,
-                          local_experts=local_experts, **kw)
-          for chunk, counted in zip(zip(split(x_MD), split(weights_MX), split(experts_MX)),
-                                    counts)]
+  ys, dropped = [], []
+  for k, (chunk, counted) in enumerate(zip(zip(split(x_MD), split(weights_MX),
+                                               split(experts_MX)), counts)):
+    y, d, kernels = _local_dispatch(*chunk, kernels, *counted, expert_axis=expert_axis, n=n,
+                                    local_experts=local_experts,
+                                    pass_weights=k < chunks - 1, **kw)
+    ys.append(y)
+    dropped.append(d)
   if chunks == 1:
-    return outs[0]
-  return jnp.concatenate([y for y, _ in outs]), sum(d for _, d in outs)
+    return ys[0], dropped[0]
+  return jnp.concatenate(ys), sum(dropped)
 
 
 def _exchanged_counts(experts_MX, *, chunks, n, local_experts, expert_axis):
@@ -422,15 +492,18 @@ def _exchanged_counts(experts_MX, *, chunks, n, local_experts, expert_axis):
   return counts_KNE[None], recv_KNE[None], sizes_NKN[None]
 
 
-def _local_dispatch(x_MD, weights_MX, experts_MX, w_gate_EDF, w_up_EDF, w_down_EFD, counts_NE,
-                    recv_counts_NE, sizes_NN, *, expert_axis, n, local_experts, f_axes,
-                    transport, matmul, capacity_factor):
+def _local_dispatch(x_MD, weights_MX, experts_MX, kernels, counts_NE, recv_counts_NE, sizes_NN,
+                    *, expert_axis, n, local_experts, f_axes, transport, matmul,
+                    capacity_factor, pass_weights):
   """One shard: its m tokens, its E/n experts (`E` here is the local count), the exchanged
-  counts (`_exchanged_counts`). Row arrays in groups (`GROUP`) have a G in their name:
-  `[groups, GROUP, D]`; counts of groups end in `_g`."""
+  counts (`_exchanged_counts`). `kernels`: `(gate_up [E, D, 2F], down [E, F, D])`
+  (`_joined_gate_up`), or quantized `(gate, up, down)`, each a `(q, scale)` pair. Returns
+  `(y_MD, dropped, kernels)`, the kernels passed on for the next chunk (`pass_weights`). Row
+  arrays in groups (`GROUP`) have a G in their name: `[groups, GROUP, D]`; counts of groups end
+  in `_g`."""
   m, x = experts_MX.shape
   d = x_MD.shape[-1]
-  quantized = isinstance(w_gate_EDF, tuple)
+  quantized = len(kernels) == 3
   me = jax.lax.axis_index(expert_axis)
   flat_experts_P = experts_MX.reshape(-1)
   order_P = jnp.argsort(flat_experts_P, stable=True)
@@ -516,30 +589,36 @@ def _local_dispatch(x_MD, weights_MX, experts_MX, w_gate_EDF, w_up_EDF, w_down_E
   inverse_G = jnp.argsort(order_G)
   group_sizes = GROUP * recv_groups_NE.sum(0)  # padding rows included: zeros
   xs_RD = _permute_rows(recv_G, order_G, inverse_G).reshape(GROUP * rows_g, d)  # a bitcast
-  if quantized:  # rows past the groups (empty slots) get zero sums; their scale index clipped
-    rows_expert_R = jnp.repeat(jnp.minimum(expert_G[order_G], local_experts - 1), GROUP)
-    mm = lambda h, w: ragged_int_matmul(h, *w, group_sizes, rows_expert_R, x_MD.dtype)
-  else:
-    # `ragged_dot`, or a grouped-matmul kernel: megablox on TPU, Triton gmm on GPU
-    # (`glm5_jax.grouped_matmul`: both compilers run some of `ragged_dot` dense over the experts).
-    mm = functools.partial(grouped_matmul.grouped_matmul, group_sizes_G=group_sizes,
-                           impl=matmul)
   # The received weights in the rows' order; the groups no message wrote hold undefined
   # numbers (they sort last): zero weights there.
   w_R = jnp.where(jnp.repeat(valid_G[order_G], GROUP),
                   _permute_rows(recv_w_G, order_G, inverse_G).reshape(-1), 0)[:, None]
-  h_RF = jax.nn.silu(mm(xs_RD, w_gate_EDF)) * mm(xs_RD, w_up_EDF)
   if quantized:  # inference only: the output scaled, the INT8 activations as the reference's
-    y_RD = (mm(h_RF, w_down_EFD) * w_R).astype(x_MD.dtype)
+    # Rows past the groups (empty slots) get zero sums; their scale index clipped.
+    rows_expert_R = jnp.repeat(jnp.minimum(expert_G[order_G], local_experts - 1), GROUP)
+    mm = lambda h, w: ragged_int_matmul(h, *w, group_sizes, rows_expert_R, x_MD.dtype)
+    w_gate, w_up, w_down = kernels
+    h_RF = jax.nn.silu(mm(xs_RD, w_gate)) * mm(xs_RD, w_up)
+    y_RD = (mm(h_RF, w_down) * w_R).astype(x_MD.dtype)
   else:
+    # `ragged_dot`, or a grouped-matmul kernel: megablox on TPU, Triton gmm on GPU
+    # (`glm5_jax.grouped_matmul`: both compilers run some of `ragged_dot` dense over the
+    # experts). The rows past the groups are never read: megablox leaves them unwritten
+    # (`tail="undefined"`: no select over its whole result, 0.15 s a step at the 744B
+    # headline by the compiler's estimate), in the products and in their input gradients.
+    mm = functools.partial(grouped_matmul.grouped_matmul, group_sizes_G=group_sizes,
+                           impl=matmul, tail="undefined", pass_weights=pass_weights)
+    w_gate_up, w_down = kernels
+    gate_up_RF, w_gate_up = mm(xs_RD, w_gate_up) if pass_weights else (mm(xs_RD, w_gate_up),
+                                                                       w_gate_up)
+    h_RF = _swiglu_joined(gate_up_RF)
     # Scaled before the down projection (linear: the same sum), so the weights' gradient is
     # the rows' dot with the down projection's input gradient, which the backward computes
     # anyway: a remat's rerun of the layer needs neither the down projection nor the exchange
     # back (they were a third of the experts' rerun: 0.57 s a step at the 744B headline).
-    # The rows past the groups are never read: not zeroed (megablox's select over its whole
-    # result, 0.15 s a step at the 744B headline by the compiler's estimate), written into the
-    # received rows, dead by now (the rerun of a remat policy exchanges them again).
-    y_RD = mm((h_RF * w_R).astype(h_RF.dtype), w_down_EFD, tail="undefined", into_MN=xs_RD)
+    scaled_RF = (h_RF * w_R).astype(h_RF.dtype)
+    y_RD, w_down = mm(scaled_RF, w_down) if pass_weights else (mm(scaled_RF, w_down), w_down)
+    kernels = (w_gate_up, w_down)
   ys_G = _permute_rows(y_RD.reshape(rows_g, GROUP, d), inverse_G, order_G)
 
   if transport == "ragged_all_to_all":
@@ -564,4 +643,4 @@ def _local_dispatch(x_MD, weights_MX, experts_MX, w_gate_EDF, w_up_EDF, w_down_E
   y_MD = ys_MXD.sum(1, dtype=jnp.float32)
   if f_axes:  # partial sums over the F shards
     y_MD = jax.lax.psum(y_MD, f_axes)
-  return y_MD.astype(x_MD.dtype), dropped[None]
+  return y_MD.astype(x_MD.dtype), dropped[None], kernels

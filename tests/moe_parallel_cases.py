@@ -72,14 +72,13 @@ def exact_ragged_all_to_all(operand, output, input_offsets, send_sizes, output_o
 @contextlib.contextmanager
 def exact_ragged_transport():
   """While active, `jax.lax.ragged_all_to_all` is `exact_ragged_all_to_all`, and the buffers the
-  expert-parallel exchanges and the grouped matmul write into uninitialized
-  (`moe_parallel._uninitialized`, `grouped_matmul._undefined`; zeros on CPU) are NaN: a row no
-  message or matmul wrote that reached a result or a gradient would show."""
-  from glm5_jax import grouped_matmul, moe_parallel  # pylint: disable=g-import-not-at-top
+  expert-parallel exchanges write into uninitialized (`moe_parallel._uninitialized`; zeros on
+  CPU) are NaN: a row no message wrote that reached a result or a gradient would show, and so
+  would a grouped matmul that read the received buffer's rows past its groups."""
+  from glm5_jax import moe_parallel  # pylint: disable=g-import-not-at-top
   nan_buffer = lambda shape, dtype: jnp.full(shape, jnp.nan, dtype)
   with mock.patch.object(jax.lax, "ragged_all_to_all", exact_ragged_all_to_all), \
-       mock.patch.object(moe_parallel, "_uninitialized", nan_buffer), \
-       mock.patch.object(grouped_matmul, "_undefined", nan_buffer):
+       mock.patch.object(moe_parallel, "_uninitialized", nan_buffer):
     yield
 
 
@@ -291,6 +290,9 @@ def hlo():
         "expert_weight_gathers": [list(c.shape) for c in
                                   expert_weight_gathers(found, cfg.n_routed_experts)],
         "all_gathers": [list(c.shape) for c in found if c.op == "all-gather"],
+        "weight_reductions": sorted([c.op, list(c.shape)] for c in found
+                                    if c.op in ("all-reduce", "reduce-scatter")
+                                    and len(c.shape) == 3),
         "all_to_alls": sum(c.op == "all-to-all" for c in found)}
   # The backward's rerun of the layer under a remat policy: the count exchange (the int32
   # all-to-all and all-gather) reruns unless the policy keeps its results.

@@ -6,6 +6,7 @@ and the planner counts a Pallas kernel's FLOPs from its cost estimate. (That the
 the train step runs the experts as these kernels, with no dense dot over the experts:
 tests/test_flop_ledger.py.)"""
 
+import functools
 import re
 from unittest import mock
 
@@ -56,43 +57,60 @@ def test_megablox_equals_ragged_dot_forward_and_backward():
 
 
 
-def test_megablox_tail_undefined_writes_only_the_groups():
-  """`tail="undefined"`: the groups' rows, the input gradient's and the weight gradient equal
-  `ragged_dot`'s; the rows past the groups are left as the uninitialized buffer had them (NaN
-  here), in the output and in the input gradient alike, or as `into_MN` had them."""
+def test_megablox_tail_undefined_leaves_the_rows_past_the_groups_out():
+  """`tail="undefined"`: megablox given exactly the G groups. The groups' rows of the output
+  and of the input gradient, and the weight gradient, equal `ragged_dot`'s, with NaN in the
+  rows past the groups of the input and of the output's cotangent (as an uninitialized
+  receive buffer may hold): nothing past the groups is read."""
   kx, kw, kd = jax.random.split(jax.random.key(1), 3)
   m, k, n = 200, 96, 160
   x = jax.random.normal(kx, (m, k))
   w = jax.random.normal(kw, (4, k, n))
   sizes = jnp.array([50, 0, 70, 40], jnp.int32)
   dy = jax.random.normal(kd, (m, n))
+  past = jnp.arange(m)[:, None] >= 160
 
-  def run(impl, tail):
+  def run(impl, tail, x, dy):
     f = lambda x, w: grouped_matmul.grouped_matmul(x, w, sizes, impl=impl, interpret=True,
                                                    tail=tail)
     y, vjp = jax.vjp(f, x, w)
     return (y, *vjp(dy))
 
-  ref = run("ragged_dot", "undefined")  # ragged_dot's tail is zero: a valid "undefined"
-  nan_buffer = lambda shape, dtype: jnp.full(shape, jnp.nan, dtype)
-  with mock.patch.object(grouped_matmul, "_undefined", nan_buffer):
-    y, dx, dw = run("megablox", "undefined")
-  assert np.isnan(np.asarray(y)[160:]).all() and np.isnan(np.asarray(dx)[160:]).all()
+  ref = run("ragged_dot", "undefined", x, dy)  # ragged_dot's tail is zero: a valid "undefined"
+  y, dx, dw = run("megablox", "undefined", jnp.where(past, jnp.nan, x),
+                  jnp.where(past, jnp.nan, dy))
   for name, r, g in (("y", ref[0][:160], y[:160]), ("dx", ref[1][:160], dx[:160]),
                      ("dw", ref[2], dw)):
     np.testing.assert_allclose(np.asarray(g), np.asarray(r), rtol=1e-5, atol=1e-4, err_msg=name)
-  # written into a given array: its rows past the groups kept, the groups' rows the product
-  into = jnp.full((m, n), 7.0)
-  y_into = grouped_matmul.grouped_matmul(x, w, sizes, impl="megablox", interpret=True,
-                                         tail="undefined", into_MN=into)
-  np.testing.assert_array_equal(np.asarray(y_into)[160:], 7.0)
-  np.testing.assert_allclose(np.asarray(y_into)[:160], np.asarray(ref[0])[:160], rtol=1e-5,
-                             atol=1e-4)
   with pytest.raises(ValueError, match="tail"):
     grouped_matmul.grouped_matmul(x, w, sizes, impl="ragged_dot", tail="garbage")
-  with pytest.raises(ValueError, match="into_MN"):
-    grouped_matmul.grouped_matmul(x, w, sizes, impl="megablox", tail="undefined",
-                                  into_MN=jnp.zeros((m, k)))
+
+
+@pytest.mark.parametrize("impl", ["ragged_dot", "megablox"])
+def test_passed_weights_gradients_add_up(impl):
+  """`pass_weights`: two uses of one weight, the second through the first's passed weights; the
+  weight gradient is the sum of both uses' (megablox: `tgmm` accumulating in place)."""
+  kx, kw, kd = jax.random.split(jax.random.key(2), 3)
+  m, k, n = 64, 128, 128
+  x = jax.random.normal(kx, (2, m, k))
+  w = jax.random.normal(kw, (3, k, n))
+  sizes = jnp.array([20, 0, 30], jnp.int32)
+  mm = functools.partial(grouped_matmul.grouped_matmul, group_sizes_G=sizes, impl=impl,
+                         interpret=True)
+
+  def chained(x, w):
+    y0, passed = mm(x[0], w, pass_weights=True)
+    return jnp.stack([y0, mm(x[1], passed)])
+
+  def separate(x, w):
+    return jnp.stack([mm(x[0], w), mm(x[1], w)])
+
+  dy = jax.random.normal(kd, (2, m, n))
+  (y, vjp), (y_ref, vjp_ref) = jax.vjp(chained, x, w), jax.vjp(separate, x, w)
+  for name, g, r in zip(("y", "dx", "dw"), (y, *vjp(dy)), (y_ref, *vjp_ref(dy))):
+    np.testing.assert_allclose(np.asarray(g), np.asarray(r), rtol=1e-5, atol=1e-4, err_msg=name)
+  assert np.abs(np.asarray(vjp(dy)[1])[1]).max() == 0  # the empty group's
+
 
 def test_impl_choice():
   assert grouped_matmul.default_impl() == "ragged_dot"  # CPU: no Mosaic, no Triton

@@ -94,8 +94,12 @@ def test_expert_weights_are_never_all_gathered_across_experts():
   ep = r["expert_parallel"]
   assert ep["expert_weight_gathers"] == [], r
   assert ep["all_to_alls"] >= 4, r
-  # The only weight gathers are over fsdp, of the 16 / 4 local experts.
-  assert [s for s in ep["all_gathers"] if len(s) == 3] == [[4, 64, 32]] * 2 + [[4, 32, 64]], r
+  # The only weight gathers are over fsdp, of the 16 / 4 local experts: gate and up joined
+  # (`[4, D 64, 2 F 64]`), down. Gathered inside the shard_map, their gradients are
+  # reduce-scattered back to the fsdp shards, never all-reduced whole.
+  assert [s for s in ep["all_gathers"] if len(s) == 3] == [[4, 64, 64], [4, 32, 64]], r
+  assert ep["weight_reductions"] == [["reduce-scatter", [4, 32, 64]],
+                                    ["reduce-scatter", [4, 64, 64]]], r
   # Full remat reruns the count exchange in the backward; save_selections keeps its results.
   assert r["int32 exchanges, remat full"] == {"all_to_all": 2, "all_gather": 2}, r
   assert r["int32 exchanges, remat save_selections"] == {"all_to_all": 1, "all_gather": 1}, r
@@ -235,3 +239,26 @@ def test_dropped_fraction_is_summed_over_shards_once_a_step():
                  "mtp": [{"moe_dropped_fraction": jnp.array([0.05, 0.15])}]}}
   assert float(losses.mean_dropped_fraction(out)) == pytest.approx((0.3 + 0.0 + 0.3 + 0.2) / 4)
   assert float(losses.mean_dropped_fraction({"aux": {"layers": {}, "mtp": []}})) == 0.0
+
+
+def test_joined_swiglu_equals_jax_forward_and_backward():
+  """`_swiglu_joined`'s own VJP: the gradient of `[gate | up]` as jax's of the split halves."""
+  from glm5_jax import moe_parallel  # pylint: disable=g-import-not-at-top
+  kx, kd = jax.random.split(jax.random.key(3))
+  gate_up = 3 * jax.random.normal(kx, (16, 2 * 24))
+  dh = jax.random.normal(kd, (16, 24))
+  reference = lambda a: jax.nn.silu(a[:, :24]) * a[:, 24:]
+  y, vjp = jax.vjp(moe_parallel._swiglu_joined, gate_up)
+  y_ref, vjp_ref = jax.vjp(reference, gate_up)
+  np.testing.assert_allclose(y, y_ref, rtol=1e-6)
+  np.testing.assert_allclose(vjp(dh)[0], vjp_ref(dh)[0], rtol=1e-5, atol=1e-6)
+
+
+def test_joined_gate_up_puts_each_f_shards_gate_beside_its_up():
+  """Split over 2 F shards, each shard of the joined `[E, D, 2F]` is its `[gate | up]`."""
+  from glm5_jax import moe_parallel  # pylint: disable=g-import-not-at-top
+  gate = jnp.arange(2 * 3 * 8, dtype=jnp.float32).reshape(2, 3, 8)
+  up = -gate
+  for shard, joined in enumerate(jnp.split(moe_parallel._joined_gate_up(gate, up, 2), 2, -1)):
+    np.testing.assert_array_equal(joined, jnp.concatenate(
+        [gate[..., 4 * shard:4 * shard + 4], up[..., 4 * shard:4 * shard + 4]], -1))
