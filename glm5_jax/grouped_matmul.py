@@ -16,6 +16,8 @@ same weights (the next dispatch chunk's grouped matmul in `glm5_jax.moe_parallel
 gradient the backward then adds into this one's. With megablox (no K or N padding) the add is
 the `tgmm` kernel's own: it accumulates into the next use's gradient (`existing_out`, written in
 place) instead of a separate add of two `[G, K, N]` gradients after it; elsewhere it is jax's sum.
+`transpose_w=True` takes the weights as `[G, N, K]` (the MoE's down projection, gathered over
+its D dimension the way gate and up are: `glm5_jax.moe_parallel`).
 
 Why not `ragged_dot` everywhere: the TPU compiler (libtpu 0.0.42.1) writes `ragged_dot`'s
 weight gradient as a dense dilated convolution over every group (docs/scaling.md, "Per step"):
@@ -90,12 +92,14 @@ def _row_tile(m: int, preferred: int = 512) -> int:
 
 
 def grouped_matmul(x_MK, w_GKN, group_sizes_G, *, impl=None, interpret=None, tail="zero",
-                   pass_weights=False):
+                   pass_weights=False, transpose_w=False):
   """`jax.lax.ragged_dot(x_MK, w_GKN, group_sizes_G)`, in `x_MK`'s dtype (f32 accumulation).
 
   Args:
     x_MK: rows sorted by group, `[M, K]`.
-    w_GKN: one `[K, N]` matrix per group.
+    w_GKN: one `[K, N]` matrix per group; with `transpose_w`, `[G, N, K]`: each group's matrix
+      transposed, multiplied as `x @ w[g].T` (megablox reads it so; its weight gradient comes
+      out `[G, N, K]` from `tgmm` directly).
     group_sizes_G: int32 `[G]`, rows per group; their sum may be less than M.
     impl: see the module docstring.
     interpret: megablox and triton_gmm: run the Pallas kernel in the interpreter (default: when
@@ -103,6 +107,7 @@ def grouped_matmul(x_MK, w_GKN, group_sizes_G, *, impl=None, interpret=None, tai
     tail: "zero" (the rows past the groups' sum are zero, as `ragged_dot`'s) or "undefined"
       (they, and those rows of the gradient in `x_MK`, are not written: leave them unread).
     pass_weights: return `(y_MN, w_GKN)`, the weights for their next use (module docstring).
+    transpose_w: see `w_GKN`.
   Returns:
     `y_MN`, or with `pass_weights` `(y_MN, w_GKN)` (w in `x_MK`'s dtype for the kernels).
   Raises:
@@ -113,26 +118,29 @@ def grouped_matmul(x_MK, w_GKN, group_sizes_G, *, impl=None, interpret=None, tai
     raise ValueError(f"grouped_matmul impl: must be one of {IMPLS} or None, got {impl!r}")
   if tail not in TAILS:
     raise ValueError(f"grouped_matmul tail: must be one of {TAILS}, got {tail!r}")
+  as_gkn = lambda w: w.swapaxes(1, 2) if transpose_w else w
   if impl == "ragged_dot":
-    y = jax.lax.ragged_dot(x_MK, w_GKN, group_sizes_G)
+    y = jax.lax.ragged_dot(x_MK, as_gkn(w_GKN), group_sizes_G)
     return (y, w_GKN) if pass_weights else y
   interpret = blocking.platform() != _KERNEL_PLATFORM[impl] if interpret is None else interpret
   if impl == "triton_gmm":
     # Deferred, like the DSA's GPU kernels: only a GPU program needs the Triton module.
     from pallas_kernels import grouped_matmul_triton
-    y = grouped_matmul_triton.gmm_triton(x_MK, w_GKN, group_sizes_G, interpret=interpret)
+    y = grouped_matmul_triton.gmm_triton(x_MK, as_gkn(w_GKN), group_sizes_G,
+                                         interpret=interpret)
     return (y, w_GKN) if pass_weights else y
   # Deferred: importing the Pallas TPU ops pulls in Mosaic, which only megablox needs.
   from jax.experimental.pallas.ops.tpu import megablox
 
   m, k = x_MK.shape
-  n = w_GKN.shape[2]
+  n = w_GKN.shape[1 if transpose_w else 2]
   tm = _row_tile(m)
   # Rows to a multiple of the row tile; K and N to multiples of 128 (a Mosaic block's last
   # dimension is a multiple of 128 or the whole array). Zero padding changes no product.
   pad_m, pad_k, pad_n = -m % tm, -k % 128, -n % 128
   x = jnp.pad(x_MK, ((0, pad_m), (0, pad_k))) if pad_m or pad_k else x_MK
-  w = jnp.pad(w_GKN, ((0, 0), (0, pad_k), (0, pad_n))) if pad_k or pad_n else w_GKN
+  pad_w = ((0, 0), (0, pad_n), (0, pad_k)) if transpose_w else ((0, 0), (0, pad_k), (0, pad_n))
+  w = jnp.pad(w_GKN, pad_w) if pad_k or pad_n else w_GKN
   sizes = group_sizes_G.astype(jnp.int32)
   if tail == "zero":
     # One extra group holds the rows past the real groups (and the padding): with more groups
@@ -142,46 +150,74 @@ def grouped_matmul(x_MK, w_GKN, group_sizes_G, *, impl=None, interpret=None, tai
   t = _lane_tile(k + pad_k, n + pad_n)
   tiling = (tm, t, t)
   w = w.astype(x.dtype)
-  if pass_weights and not (pad_k or pad_n):
-    y, passed = _gmm_passing_weights(x, w, sizes, tiling, interpret)
-  else:
-    y = megablox.gmm(x, w, sizes, x.dtype, tiling, None, None, False, interpret)
+  if pad_k or pad_n:  # megablox's own VJP (its `[G, N, K]` gradient a transpose of tgmm's)
+    y = megablox.gmm(x, w, sizes, x.dtype, tiling, None, None, transpose_w, interpret)
     passed = w_GKN.astype(x.dtype)
+  elif pass_weights:
+    y, passed = _gmm_passing_weights(x, w, sizes, tiling, interpret, transpose_w)
+  else:
+    y = _gmm(x, w, sizes, tiling, interpret, transpose_w)
   y = y[:m, :n]
   return (y, passed) if pass_weights else y
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4))
-def _gmm_passing_weights(x_MK, w_GKN, sizes, tiling, interpret):
-  """megablox's `gmm` and the weights as they were; the backward is megablox's own (`gmm` with
-  the weights transposed, `tgmm`), `tgmm` accumulating into the passed weights' cotangent."""
-  y = _megablox_kernels().gmm(x_MK, w_GKN, sizes, x_MK.dtype, tiling, None, None,
-                              transpose_rhs=False, interpret=interpret)
-  return y, w_GKN
+# megablox's kernels under VJPs of our own: `megablox.gmm`'s custom VJP takes no gradient to
+# accumulate into (`tgmm`'s `existing_out`), and with the weights transposed it transposes the
+# weight gradient `tgmm` gives, a copy of it, where `tgmm` can give it `[G, N, K]` itself.
+@functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4, 5))
+def _gmm(x_MK, w, sizes, tiling, interpret, transpose_w):
+  """megablox's `gmm` (`w` `[G, K, N]`, or `[G, N, K]` with `transpose_w`)."""
+  return _megablox_kernels().gmm(x_MK, w, sizes, x_MK.dtype, tiling, None, None,
+                                 transpose_rhs=transpose_w, interpret=interpret)
 
 
-def _gmm_passing_weights_forward(x_MK, w_GKN, sizes, tiling, interpret):
-  return _gmm_passing_weights(x_MK, w_GKN, sizes, tiling, interpret), (x_MK, w_GKN, sizes)
+def _gmm_forward(x_MK, w, sizes, tiling, interpret, transpose_w):
+  return _gmm(x_MK, w, sizes, tiling, interpret, transpose_w), (x_MK, w, sizes)
 
 
-def _gmm_passing_weights_backward(tiling, interpret, residuals, cotangents):
-  x_MK, w_GKN, sizes = residuals
-  dy_MN, dw_next_GKN = cotangents
-  kernels = _megablox_kernels()
-  dx_MK = kernels.gmm(dy_MN, w_GKN, sizes, x_MK.dtype, tiling, None, None, transpose_rhs=True,
-                      interpret=interpret)
-  dw_GKN = kernels.tgmm(x_MK.swapaxes(0, 1), dy_MN, sizes, w_GKN.dtype, tiling, None,
-                        w_GKN.shape[0], existing_out=dw_next_GKN.astype(w_GKN.dtype),
-                        interpret=interpret)
-  no_grad = np.zeros(sizes.shape, jax.dtypes.float0)
-  return dx_MK, dw_GKN, no_grad
+def _gmm_backward(tiling, interpret, transpose_w, residuals, dy_MN):
+  return _gmm_gradients(residuals, dy_MN, None, tiling, interpret, transpose_w)
+
+
+_gmm.defvjp(_gmm_forward, _gmm_backward)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4, 5))
+def _gmm_passing_weights(x_MK, w, sizes, tiling, interpret, transpose_w):
+  """`(_gmm(...), w)`: the backward's `tgmm` accumulates into the passed weights' cotangent."""
+  return _gmm(x_MK, w, sizes, tiling, interpret, transpose_w), w
+
+
+def _gmm_passing_weights_forward(x_MK, w, sizes, tiling, interpret, transpose_w):
+  out = _gmm_passing_weights(x_MK, w, sizes, tiling, interpret, transpose_w)
+  return out, (x_MK, w, sizes)
+
+
+def _gmm_passing_weights_backward(tiling, interpret, transpose_w, residuals, cotangents):
+  dy_MN, dw_next = cotangents
+  return _gmm_gradients(residuals, dy_MN, dw_next, tiling, interpret, transpose_w)
 
 
 _gmm_passing_weights.defvjp(_gmm_passing_weights_forward, _gmm_passing_weights_backward)
 
 
+def _gmm_gradients(residuals, dy_MN, dw_into, tiling, interpret, transpose_w):
+  """`(dx_MK, dw, no gradient for the sizes)`: `gmm` with the weights' other orientation, and
+  `tgmm` over the same groups, added into `dw_into` (or not: None). With `transpose_w` the
+  weight gradient `[G, N, K]` is `tgmm(dy^T, x)`."""
+  x_MK, w, sizes = residuals
+  kernels = _megablox_kernels()
+  dx_MK = kernels.gmm(dy_MN, w, sizes, x_MK.dtype, tiling, None, None,
+                      transpose_rhs=not transpose_w, interpret=interpret)
+  lhs, rhs = (dy_MN, x_MK) if transpose_w else (x_MK, dy_MN)
+  existing = None if dw_into is None else dw_into.astype(w.dtype)
+  dw = kernels.tgmm(lhs.swapaxes(0, 1), rhs, sizes, w.dtype, tiling, None, w.shape[0],
+                    existing_out=existing, interpret=interpret)
+  return dx_MK, dw, np.zeros(sizes.shape, jax.dtypes.float0)
+
+
 def _megablox_kernels():
-  # The kernels themselves (`megablox.gmm` is their custom VJP, whose backward adds nothing in).
+  # The kernels themselves, without `megablox.gmm`'s custom VJP.
   return importlib.import_module("jax.experimental.pallas.ops.tpu.megablox.gmm")
 
 

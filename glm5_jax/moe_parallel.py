@@ -234,10 +234,14 @@ def expert_parallel_dispatch(x_MD, weights_MX, experts_MX, w_gate_EDF, w_up_EDF,
                        f"expert kernels' embed axes {d_axes} among the token axes "
                        f"{token_axes} or the expert FFN axes {f_axes}")
     d_spec = d_axes if d_axes else None
-    kernel_specs = (PartitionSpec(expert_axis, d_spec, f_spec),
-                    PartitionSpec(expert_axis, f_spec, d_spec))
+    # The down kernel as `[E, D, F]` too (a transpose of each device's own shard), gathered
+    # along D as gate and up are: gathered along its minor dimension, `[E, F, D]` came out of
+    # the gather D-major and was copied into the grouped matmul's layout in the forward and
+    # again in the remat's rerun (a `bf16[32, 2048, 6144]` copy each, 0.39 s a step at 128K
+    # tokens by the TPU compiler's estimate).
+    kernel_specs = (PartitionSpec(expert_axis, d_spec, f_spec),) * 2
     f_shards = math.prod(mesh.shape[a] for a in f_axes)
-    kernels = (_joined_gate_up(w_gate_EDF, w_up_EDF, f_shards), w_down_EFD)
+    kernels = (_joined_gate_up(w_gate_EDF, w_up_EDF, f_shards), w_down_EFD.swapaxes(1, 2))
   local = functools.partial(_chunked_dispatch, chunks=chunks, expert_axis=expert_axis, n=n,
                             f_axes=f_axes, d_axes=d_axes, transport=transport, matmul=impl,
                             capacity_factor=capacity_factor)
@@ -430,11 +434,12 @@ def _spread_rows_fwd(x_MD, token_S, slot_MX, x, sent_MX=None):
 
 def _spread_rows_bwd(x, res, ct_SD):
   token_S, slot_MX, sent_MX = res
-  ct_MXD = ct_SD[slot_MX.reshape(-1)].reshape(*slot_MX.shape, ct_SD.shape[-1])
+  # X-major, `[X, m, D]`, summed over whole slabs (as the combine's sum, `_local_dispatch`).
+  ct_XMD = ct_SD[slot_MX.T.reshape(-1)].reshape(*slot_MX.T.shape, ct_SD.shape[-1])
   if sent_MX is not None:  # a select the compiler fuses into the sum
-    ct_MXD = jnp.where(sent_MX[..., None], ct_MXD, 0)
+    ct_XMD = jnp.where(sent_MX.T[..., None], ct_XMD, 0)
   no_grad = lambda a: None if a is None else np.zeros(a.shape, jax.dtypes.float0)
-  return (ct_MXD.sum(1, dtype=jnp.float32).astype(ct_SD.dtype), no_grad(token_S),
+  return (ct_XMD.sum(0, dtype=jnp.float32).astype(ct_SD.dtype), no_grad(token_S),
           no_grad(slot_MX), no_grad(sent_MX))
 
 
@@ -445,13 +450,11 @@ def _chunked_dispatch(x_MD, weights_MX, experts_MX, counts_1KNE, recv_1KNE, size
                       *kernels, chunks, expert_axis, n, d_axes, **kw):
   """`_local_dispatch` of one shard's tokens in `chunks` contiguous, independent passes, with
   the pair counts all of them exchanged first (`_exchanged_counts`). Float kernels arrive on
-  their fsdp (`d_axes`) shards, `[E/n, D/d, 2F]` and `[E/n, F, D/d]`, and are gathered here
+  their fsdp (`d_axes`) shards, `[E/n, D/d, 2F]` and `[E/n, D/d, F]`, and are gathered here
   before any row moves; each chunk passes them to the next (`grouped_matmul`'s
   `pass_weights`), whose weight gradients its backward accumulates into its own."""
   if d_axes:
-    gate_up, down = kernels
-    kernels = (jax.lax.all_gather(gate_up, d_axes, axis=1, tiled=True),
-               jax.lax.all_gather(down, d_axes, axis=2, tiled=True))
+    kernels = tuple(jax.lax.all_gather(w, d_axes, axis=1, tiled=True) for w in kernels)
   # The counts were ordered before the shard_map; with them here they would vary over the F
   # axes (`in_order`), and so would the dropped fraction.
   x_MD, weights_MX, experts_MX, kernels = in_order((x_MD, weights_MX, experts_MX, kernels))
@@ -496,7 +499,7 @@ def _local_dispatch(x_MD, weights_MX, experts_MX, kernels, counts_NE, recv_count
                     *, expert_axis, n, local_experts, f_axes, transport, matmul,
                     capacity_factor, pass_weights):
   """One shard: its m tokens, its E/n experts (`E` here is the local count), the exchanged
-  counts (`_exchanged_counts`). `kernels`: `(gate_up [E, D, 2F], down [E, F, D])`
+  counts (`_exchanged_counts`). `kernels`: `(gate_up [E, D, 2F], down [E, D, F])`
   (`_joined_gate_up`), or quantized `(gate, up, down)`, each a `(q, scale)` pair. Returns
   `(y_MD, dropped, kernels)`, the kernels passed on for the next chunk (`pass_weights`). Row
   arrays in groups (`GROUP`) have a G in their name: `[groups, GROUP, D]`; counts of groups end
@@ -617,7 +620,9 @@ def _local_dispatch(x_MD, weights_MX, experts_MX, kernels, counts_NE, recv_count
     # anyway: a remat's rerun of the layer needs neither the down projection nor the exchange
     # back (they were a third of the experts' rerun: 0.57 s a step at the 744B headline).
     scaled_RF = (h_RF * w_R).astype(h_RF.dtype)
-    y_RD, w_down = mm(scaled_RF, w_down) if pass_weights else (mm(scaled_RF, w_down), w_down)
+    down = functools.partial(mm, transpose_w=True)
+    y_RD, w_down = (down(scaled_RF, w_down) if pass_weights
+                    else (down(scaled_RF, w_down), w_down))
     kernels = (w_gate_up, w_down)
   ys_G = _permute_rows(y_RD.reshape(rows_g, GROUP, d), inverse_G, order_G)
 
@@ -635,12 +640,15 @@ def _local_dispatch(x_MD, weights_MX, experts_MX, kernels, counts_NE, recv_count
     ys_G = back_NJ[dest_B, jnp.clip(b - send_offsets_N[dest_B], 0, slot_g - 1)]
 
   # Each token's X expert rows, weighted already, summed. A padding slot's cotangent is another
-  # slot's (`_permute_rows`): finite, and multiplied by zeros only.
-  ys_MXD = _permute_rows(ys_G.reshape(GROUP * buffer_g, d), slot_MX.reshape(-1),
-                         pair_S).reshape(m, x, d)
+  # slot's (`_permute_rows`): finite, and multiplied by zeros only. Gathered X-major, `[X, m,
+  # D]`, so the sum adds whole `[m, D]` slabs: summed over the second-minor X of `[m, X, D]`
+  # (X = 8, half of bf16's 16-row tile) the TPU compiler priced each at ~1 ms (744B headline).
+  slot_XM = slot_MX.T
+  ys_XMD = _permute_rows(ys_G.reshape(GROUP * buffer_g, d), slot_XM.reshape(-1),
+                         jnp.where(pair_S < 0, -1, pair_S % x * m + pair_S // x)).reshape(x, m, d)
   if capacity_factor:  # a dropped pair's row holds no expert output; it contributes zero
-    ys_MXD = jnp.where(sent_MX[..., None], ys_MXD, 0)
-  y_MD = ys_MXD.sum(1, dtype=jnp.float32)
+    ys_XMD = jnp.where(sent_MX.T[..., None], ys_XMD, 0)
+  y_MD = ys_XMD.sum(0, dtype=jnp.float32)
   if f_axes:  # partial sums over the F shards
     y_MD = jax.lax.psum(y_MD, f_axes)
   return y_MD.astype(x_MD.dtype), dropped[None], kernels

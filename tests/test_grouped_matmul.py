@@ -35,17 +35,22 @@ def _inputs(m, k, n, dtype, seed=0):
           jax.random.normal(kd, (m, n), dtype))
 
 
-def test_megablox_equals_ragged_dot_forward_and_backward():
-  """An empty group, rows past the groups' sum (zero in both), no dimension a tile multiple."""
+@pytest.mark.parametrize("transpose_w", [False, True])
+def test_megablox_equals_ragged_dot_forward_and_backward(transpose_w):
+  """An empty group, rows past the groups' sum (zero in both), no dimension a tile multiple
+  (megablox's own VJP: K and N padded); with `transpose_w` the weights and their gradient are
+  `[G, N, K]`."""
   kx, kw, kd = jax.random.split(jax.random.key(0), 3)
   m, k, n = 200, 96, 160  # K, N padded to 128s, M to 208
   x = jax.random.normal(kx, (m, k))
   w = jax.random.normal(kw, (4, k, n))
+  w = w.swapaxes(1, 2) if transpose_w else w
   sizes = jnp.array([50, 0, 70, 40], jnp.int32)
   dy = jax.random.normal(kd, (m, n))
 
   def run(impl):
-    f = lambda x, w: grouped_matmul.grouped_matmul(x, w, sizes, impl=impl, interpret=True)
+    f = lambda x, w: grouped_matmul.grouped_matmul(x, w, sizes, impl=impl, interpret=True,
+                                                   transpose_w=transpose_w)
     y, vjp = jax.vjp(f, x, w)
     return (y, *vjp(dy))
 
@@ -54,7 +59,6 @@ def test_megablox_equals_ragged_dot_forward_and_backward():
   for name, r, g in zip(("y", "dx", "dw"), ref, got):
     np.testing.assert_allclose(np.asarray(g), np.asarray(r), rtol=1e-5, atol=1e-4, err_msg=name)
   assert np.abs(np.asarray(got[2])[1]).max() == 0  # the empty group's weight gradient
-
 
 
 def test_megablox_tail_undefined_leaves_the_rows_past_the_groups_out():
@@ -86,27 +90,31 @@ def test_megablox_tail_undefined_leaves_the_rows_past_the_groups_out():
     grouped_matmul.grouped_matmul(x, w, sizes, impl="ragged_dot", tail="garbage")
 
 
-@pytest.mark.parametrize("impl", ["ragged_dot", "megablox"])
-def test_passed_weights_gradients_add_up(impl):
+@pytest.mark.parametrize("impl,transpose_w",
+                         [("ragged_dot", False), ("megablox", False), ("megablox", True)])
+def test_passed_weights_gradients_add_up(impl, transpose_w):
   """`pass_weights`: two uses of one weight, the second through the first's passed weights; the
-  weight gradient is the sum of both uses' (megablox: `tgmm` accumulating in place)."""
+  weight gradient is the sum of both uses' (megablox, under VJPs of our own: `tgmm`
+  accumulating in place), as `ragged_dot` used twice gives. With `transpose_w` the weights
+  are `[G, N, K]`, and so is their gradient (`tgmm` of the transposed product)."""
   kx, kw, kd = jax.random.split(jax.random.key(2), 3)
-  m, k, n = 64, 128, 128
+  m, k, n = 64, 128, 256
   x = jax.random.normal(kx, (2, m, k))
   w = jax.random.normal(kw, (3, k, n))
+  w = w.swapaxes(1, 2) if transpose_w else w
   sizes = jnp.array([20, 0, 30], jnp.int32)
-  mm = functools.partial(grouped_matmul.grouped_matmul, group_sizes_G=sizes, impl=impl,
-                         interpret=True)
+  mm = functools.partial(grouped_matmul.grouped_matmul, group_sizes_G=sizes, interpret=True,
+                         transpose_w=transpose_w)
 
   def chained(x, w):
-    y0, passed = mm(x[0], w, pass_weights=True)
-    return jnp.stack([y0, mm(x[1], passed)])
+    y0, passed = mm(x[0], w, impl=impl, pass_weights=True)
+    return jnp.stack([y0, mm(x[1], passed, impl=impl)])
 
-  def separate(x, w):
-    return jnp.stack([mm(x[0], w), mm(x[1], w)])
+  def reference(x, w):
+    return jnp.stack([mm(x[0], w, impl="ragged_dot"), mm(x[1], w, impl="ragged_dot")])
 
   dy = jax.random.normal(kd, (2, m, n))
-  (y, vjp), (y_ref, vjp_ref) = jax.vjp(chained, x, w), jax.vjp(separate, x, w)
+  (y, vjp), (y_ref, vjp_ref) = jax.vjp(chained, x, w), jax.vjp(reference, x, w)
   for name, g, r in zip(("y", "dx", "dw"), (y, *vjp(dy)), (y_ref, *vjp_ref(dy))):
     np.testing.assert_allclose(np.asarray(g), np.asarray(r), rtol=1e-5, atol=1e-4, err_msg=name)
   assert np.abs(np.asarray(vjp(dy)[1])[1]).max() == 0  # the empty group's

@@ -94,11 +94,12 @@ def test_expert_weights_are_never_all_gathered_across_experts():
   ep = r["expert_parallel"]
   assert ep["expert_weight_gathers"] == [], r
   assert ep["all_to_alls"] >= 4, r
-  # The only weight gathers are over fsdp, of the 16 / 4 local experts: gate and up joined
-  # (`[4, D 64, 2 F 64]`), down. Gathered inside the shard_map, their gradients are
-  # reduce-scattered back to the fsdp shards, never all-reduced whole.
-  assert [s for s in ep["all_gathers"] if len(s) == 3] == [[4, 64, 64], [4, 32, 64]], r
-  assert ep["weight_reductions"] == [["reduce-scatter", [4, 32, 64]],
+  # The only weight gathers are over fsdp, of the 16 / 4 local experts, both along D (dim 1:
+  # no relayout after the gather): gate and up joined (`[4, D 64, 2 F 64]`), down transposed
+  # (`[4, D 64, F 32]`). Gathered inside the shard_map, their gradients are reduce-scattered
+  # back to the fsdp shards, never all-reduced whole.
+  assert [s for s in ep["all_gathers"] if len(s) == 3] == [[4, 64, 64], [4, 64, 32]], r
+  assert ep["weight_reductions"] == [["reduce-scatter", [4, 64, 32]],
                                     ["reduce-scatter", [4, 64, 64]]], r
   # Full remat reruns the count exchange in the backward; save_selections keeps its results.
   assert r["int32 exchanges, remat full"] == {"all_to_all": 2, "all_gather": 2}, r
@@ -156,6 +157,20 @@ def test_missing_expert_rule_is_a_clear_error():
   mesh = sharding.make_mesh(sharding.mesh_config(data=1), jax.devices()[:1])
   with sharding.activation_sharding(mesh, [("batch", "data")]):
     with pytest.raises(ValueError, match="logical axis 'expert' mapped to exactly one mesh"):
+      _moe_outputs(cfg, params, x_BLD)
+
+
+def test_expert_kernels_embed_axes_outside_the_token_axes_is_a_clear_error():
+  """The kernels are gathered over their embed axes inside the shard_map, behind a barrier
+  with the rows: an embed axis that splits neither the tokens nor F would make the rows vary
+  over it (`moe_parallel.expert_parallel_dispatch`)."""
+  cfg = tiny_model_config(moe_impl="expert_parallel", moe_transport="all_to_all")
+  x_BLD = jnp.ones((1, 4, cfg.hidden_size))
+  params = nn.meta.unbox(MoE(cfg).init(jax.random.key(0), x_BLD)["params"])
+  mesh = sharding.make_mesh(sharding.mesh_config(data=1), jax.devices()[:1])
+  rules = [("batch", "data"), ("expert", "expert"), ("embed", "fsdp")]
+  with sharding.activation_sharding(mesh, rules):
+    with pytest.raises(ValueError, match=r"embed axes \('fsdp',\) among the token axes"):
       _moe_outputs(cfg, params, x_BLD)
 
 
