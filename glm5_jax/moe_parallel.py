@@ -253,8 +253,10 @@ def expert_parallel_dispatch(x_MD, weights_MX, experts_MX, w_gate_EDF, w_up_EDF,
   kernels = jax.tree.map(
       lambda w, spec: jax.lax.with_sharding_constraint(w, NamedSharding(mesh, spec)),
       kernels, kernel_specs)
-  x_MD, weights_MX, experts_MX, counted, kernels, first = in_order(
-      (x_MD, weights_MX, experts_MX, counted, kernels, computed_first))
+  # The kernels' shards stay out of this barrier: their gather (inside) is ordered before the
+  # rows by the shard_map's own barrier, and may start before this one's inputs exist.
+  x_MD, weights_MX, experts_MX, counted, first = in_order(
+      (x_MD, weights_MX, experts_MX, counted, computed_first))
   y_MD, dropped_S = jax.shard_map(
       local, mesh=mesh, in_specs=(tokens, tokens, tokens, *(per_shard,) * 3, *kernel_specs),
       out_specs=(tokens, PartitionSpec(token_axes)),
