@@ -160,10 +160,10 @@ with sharding.activation_sharding(mesh, rules):
   jax.jit(lambda p, t: glm5_jax.forward(model, p, t, mtp=False)["logits"]).lower(
       params, tokens).compile()
 text = open(glob.glob(f"{dump}/*after_spmd-partitioning*")[0]).read()
-# The routed experts' joined gate and up [E, D, 2F] and down [E, F, D] kernels, local over
-# expert and tensor (E 8 / 2, F 32 / 2), gathered over fsdp (D 64) in the expert-parallel
-# shard_map.
-gathers = re.findall(r"= (\w+)\[(4,64,32|4,16,64)\]\S* all-gather\(", text)
+# The routed experts' joined gate and up [E, D, 2F] and down, transposed, [E, D, F] kernels,
+# local over expert and tensor (E 8 / 2, F 32 / 2), gathered over fsdp (D 64) in the
+# expert-parallel shard_map.
+gathers = re.findall(r"= (\w+)\[(4,64,32|4,64,16)\]\S* all-gather\(", text)
 print(json.dumps({"expert_gathers": gathers}))
 """
 
