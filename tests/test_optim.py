@@ -575,8 +575,25 @@ def program(mtp: bool, layer_moves: bool):
           "grams": sum(len(c.shape) >= 2 and c.shape[-1] == c.shape[-2] > 1 for c in reduces),
           "all_to_all": sum(c.op == "all-to-all" for c in hlo_stats.collectives(text))}
 
+def stacked_expert_matrices(layers, experts):
+  # The matrices a scanned run's routed-expert kernel [layers, experts, 16, 32] is iterated as
+  # (fsdp 4 x expert 2), padding included.
+  from jax.sharding import PartitionSpec as P
+  from glm5_jax.optim import whole_matrices as wm
+  cfg = tiny.get_config()
+  cfg.mesh.shape.update(data=1, fsdp=4, expert=2, tensor=1)
+  mesh = sharding.make_mesh(cfg.mesh)
+  shape = (layers, experts, 16, 32)
+  owner = wm._stacked_expert_owner(shape, P(None, "expert", "fsdp", None), mesh)
+  with sharding.activation_sharding(mesh, cfg.mesh.logical_axis_rules):
+    moved = jax.eval_shape(lambda x: wm._to_owner(wm._experts_first(x, owner), owner.owner),
+                           jax.ShapeDtypeStruct(shape, jnp.float32))
+  return moved.shape[0]
+
 print(json.dumps({"experts_move": program(mtp=True, layer_moves=False),
-                  "layers_move": program(mtp=False, layer_moves=True)}))
+                  "layers_move": program(mtp=False, layer_moves=True),
+                  "stacked_expert_matrices": [stacked_expert_matrices(3, 4),
+                                              stacked_expert_matrices(3, 2)]}))
 """
 
 
@@ -585,13 +602,18 @@ def test_sharded_muon_orthogonalizes_whole_matrices_with_unsharded_numbers():
   """On fsdp 4 x expert 2, Muon's Newton-Schulz runs on whole matrices (`optim.whole_matrices`):
   the routed experts' normalized momenta move to one device per matrix, layer by layer; the
   scanned run's other split matrices (attention, shared expert) move whole with the layers
-  spread over the devices. The updates and the optimizer state equal the unsharded ones; no
+  spread over the devices, the routed experts among them (each expert shard's layers and local
+  experts together). The updates and the optimizer state equal the unsharded ones; no
   expert Gram all-reduce is left (one per iteration before), only the iteration's input and
   output cross (at most two all-to-alls per routed-expert kernel per update; moving the
   momentum too was 42 in this program), and a model whose every layer is in the scanned run
   all-reduces no Gram matrix at all (66 all-reduces layer by layer)."""
   from tests.conftest import run_on_host_devices  # pylint: disable=g-import-not-at-top
   result = run_on_host_devices(_SHARDED_MUON, timeout=600)
+  # A run's expert kernels move with its layers: each expert shard's layers x local experts are
+  # padded together to the 4 devices splitting a matrix (3 x 2 -> 8, 3 x 1 -> 4), not each
+  # layer's (24 matrices either way, 12 or 18 of them zero).
+  assert result.pop("stacked_expert_matrices") == [2 * 8, 2 * 4], result
   for run in result.values():
     assert run["experts"] and max(run["experts"].values()) < 1e-5, result
     assert run["worst"] < 1e-5 and run["state"] < 1e-5, result

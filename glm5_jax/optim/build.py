@@ -161,7 +161,7 @@ def build_optimizer(optim_cfg, params, *, total_steps: int, trainable=None, logi
 
     # Muon kernels of a scanned run form a group of their own, run layer by layer (`layer_map`),
     # with each layer's own (unshifted) matrix layout; their split matrices are orthogonalized
-    # whole (`whole_matrices`: routed experts per layer, the others over the layers).
+    # whole (`whole_matrices`: spread over the devices with the run's layers).
     labels = muon_split.per_run_muon_labels(labels)
     for label in sorted(set(jax.tree.leaves(labels))):
       if label == MUON:

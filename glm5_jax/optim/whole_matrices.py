@@ -39,7 +39,10 @@ nothing splits the matrix dimensions, the transformation is `scale_by_muon_in` i
 A scanned run's other Muon matrices (attention projections, shared expert, indexer: one matrix
 per layer, split over `fsdp`) have no expert axis to spread; `whole_layer_matrices` moves them
 the same way with the run's layer axis in the expert axis' place, after the per-layer momentum
-(its docstring). Written here because optax's Muon takes no layout for its iteration.
+(its docstring). It moves the run's routed experts with their layers too: each expert shard's
+`layers * E / n_e` matrices padded together to a multiple of n_m. Layer by layer, the 744B
+step's 8 local experts over 32 fsdp devices were padded to 32 matrices, three quarters of the
+iteration's work on zeros. Written here because optax's Muon takes no layout for its iteration.
 """
 
 import math
@@ -128,8 +131,46 @@ def _from_owner(y, o: _Owner, e: int):
   return jax.lax.with_sharding_constraint(y, o.spec)
 
 
+class _StackedExperts(typing.NamedTuple):
+  """The move of a scanned run's routed-expert kernel `[layers, E, in, out]`: folded to
+  `[E * layers, in, out]` (each expert shard's layers and experts in one axis,
+  `_experts_first`), which then moves as `owner` says."""
+  spec: PartitionSpec  # the stacked leaf's
+  owner: _Owner  # of the folded leaf
+  layers: int
+
+
+def _stacked_expert_owner(shape, spec, mesh) -> _StackedExperts | None:
+  """A stacked routed-expert kernel's move (`_StackedExperts`), or None where nothing splits
+  its matrices or the experts do not divide over their axes."""
+  spec = tuple(spec) + (None,) * (len(shape) - len(spec))
+  owner = _owner_of((shape[0] * shape[1],) + tuple(shape[2:]), spec[1:], mesh)
+  if owner is None or shape[1] % owner.n_e:
+    return None
+  return _StackedExperts(PartitionSpec(*spec), owner, shape[0])
+
+
+def _experts_first(x, o: _StackedExperts):
+  """`[layers, E, in, out]` -> `[E * layers, in, out]`, ordered (expert shard, layer, local
+  expert): each expert shard's block stays on its devices (no data moves), and `_to_owner` pads
+  each shard's `layers * E / n_e` matrices together, not each layer's `E / n_e` (the 744B step:
+  8 local experts a layer over 32 fsdp devices were padded to 32, 4x the iteration's work)."""
+  layers, e = x.shape[:2]
+  x = x.reshape(layers, o.owner.n_e, e // o.owner.n_e, *x.shape[2:])
+  x = jax.numpy.moveaxis(x, 0, 1).reshape(layers * e, *x.shape[3:])
+  return jax.lax.with_sharding_constraint(x, o.owner.spec)
+
+
+def _layers_first(y, o: _StackedExperts):
+  """The inverse of `_experts_first`, in the stacked leaf's layout."""
+  e = y.shape[0] // o.layers
+  y = y.reshape(o.owner.n_e, o.layers, e // o.owner.n_e, *y.shape[1:])
+  y = jax.numpy.moveaxis(y, 1, 0).reshape(o.layers, e, *y.shape[3:])
+  return jax.lax.with_sharding_constraint(y, o.spec)
+
+
 _is_dims = lambda x: isinstance(x, MuonDimensionNumbers)
-_is_owner = lambda x: x is None or isinstance(x, _Owner)
+_is_owner = lambda x: x is None or isinstance(x, (_Owner, _StackedExperts))
 
 
 def _iterate_moved(iterate, owners, low):
@@ -214,10 +255,12 @@ def whole_layer_matrices(ns_dtype: str, *, ns_coeffs, ns_steps: int, beta: float
   exposed in the 744B headline step, docs/scaling.md). Here, under a mesh and given the params'
   `logical_axes`, each such leaf `[layers, ...]` moves whole after the per-layer momentum
   (`_to_owner` over its layer axis: `ceil(layers / n) * n` matrices, n the devices splitting
-  them, zero-padded), its layers iterated as the batch, and back. Per layer as before: the
-  momentum (its state keeps the layer axis), the routed experts' iteration (their own moves,
-  `whole_expert_matrices`), `rest`. Without a mesh or `logical_axes`, or where nothing is split,
-  it is the layer-by-layer chain itself.
+  them, zero-padded), its layers iterated as the batch, and back; a routed-expert kernel
+  `[layers, E, ...]` moves as `[E * layers, ...]`, its layers and local experts the batch
+  (`_experts_first`). Per layer as before: the momentum (its state keeps the layer axis), the
+  iteration of routed experts that do not move so (their own moves, `whole_expert_matrices`),
+  `rest`. Without a mesh or `logical_axes`, or where nothing is split, it is the layer-by-layer
+  chain itself.
 
   Args:
     ns_dtype, ns_coeffs, ns_steps, beta, nesterov: Muon's (`ns_precision.scale_by_muon_in`).
@@ -239,9 +282,12 @@ def whole_layer_matrices(ns_dtype: str, *, ns_coeffs, ns_steps: int, beta: float
   dtype = jax.numpy.dtype(ns_dtype)
 
   def stacked_owner(path, leaf, d, names, mesh):
-    if not _is_dims(d) or _is_expert_kernel(muon_split.path_names(path)):
+    if not _is_dims(d):
       return None
-    return _owner_of(leaf.shape, nn.logical_to_mesh_axes(tuple(names)), mesh)
+    spec = nn.logical_to_mesh_axes(tuple(names))
+    if _is_expert_kernel(muon_split.path_names(path)) and leaf.ndim == 4:
+      return _stacked_expert_owner(leaf.shape, spec, mesh)
+    return _owner_of(leaf.shape, spec, mesh)
 
   def update_fn(updates, state, params=None):
     mesh = axes_lib.context_mesh()
@@ -267,12 +313,17 @@ def whole_layer_matrices(ns_dtype: str, *, ns_coeffs, ns_steps: int, beta: float
 
     per_layer, muon_state = jax.lax.map(first, (updates, state[0]))
 
-    def whole_layers(o, d, x):  # one stacked leaf, moved, iterated, back
+    def whole_layers(o, d, layer_d, x):  # one stacked leaf, moved, iterated, back
+      if isinstance(o, _StackedExperts):
+        moved = _to_owner(_experts_first(x, o), o.owner)
+        done = _one_matrix_at_a_time(iteration(layer_d), o.owner, moved)
+        return _layers_first(_from_owner(done, o.owner, math.prod(x.shape[:2])), o)
       moved = _to_owner(x, o)
       return _from_owner(_one_matrix_at_a_time(iteration(d), o, moved), o, x.shape[0])
 
-    whole = jax.tree.map(lambda o, d, x: None if o is None else whole_layers(o, d, x),
-                         stacked, run_dims, per_layer, is_leaf=_is_owner)
+    whole = jax.tree.map(
+        lambda o, d, layer_d, x: None if o is None else whole_layers(o, d, layer_d, x),
+        stacked, run_dims, layer_dims, per_layer, is_leaf=_is_owner)
     ortho = jax.tree.map(lambda y, g: y.astype(g.dtype), _merge(stacked, whole, per_layer),
                          updates)
     out, rest_state = map_over_layers(tail).update(ortho, tuple(state[1:]), params)
