@@ -72,13 +72,13 @@ def exact_ragged_all_to_all(operand, output, input_offsets, send_sizes, output_o
 @contextlib.contextmanager
 def exact_ragged_transport():
   """While active, `jax.lax.ragged_all_to_all` is `exact_ragged_all_to_all`, and the buffers the
-  expert-parallel exchanges write into uninitialized (`moe_parallel._uninitialized`; zeros on
+  expert-parallel exchanges write into uninitialized (`moe_parallel._allocate`; zeros on
   CPU) are NaN: a row no message wrote that reached a result or a gradient would show, and so
   would a grouped matmul that read the received buffer's rows past its groups."""
   from glm5_jax import moe_parallel  # pylint: disable=g-import-not-at-top
   nan_buffer = lambda shape, dtype: jnp.full(shape, jnp.nan, dtype)
   with mock.patch.object(jax.lax, "ragged_all_to_all", exact_ragged_all_to_all), \
-       mock.patch.object(moe_parallel, "_uninitialized", nan_buffer):
+       mock.patch.object(moe_parallel, "_allocate", nan_buffer):
     yield
 
 
