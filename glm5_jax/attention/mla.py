@@ -362,6 +362,29 @@ def _expanded_dense_keys(c: ModelConfig) -> bool:
   return pallas_kernels.dsa_ops(c.dsa_impl).dense_expanded_parts is not None
 
 
+def _expanded_keys(ckv_BSC, k_rope_BSR, w_kb_CHN):
+  """Every head's key `[B, S, H, N + R]` = `[ckv W_kb | k_rope]`, as one product of the latent
+  and the rope key side by side with the up-projection beside an identity:
+
+      [ckv | k_rope] [[W_kb, 0], [0, I]]        ([C + R] x [H, N + R] per position)
+
+  The same numbers (the extra terms are exact zeros; the rope key times one), 1.5x the product's
+  FLOPs at GLM-5's C 512, R 64, N 192. Concatenated after the product instead, the TPU compiler
+  materialized the rope key broadcast over the heads and wrote the joined keys in a pass of
+  their own (a lane offset of N = 192, not a multiple of 128): 1.1 ms a layer in the 744B
+  headline's forward and again in its rerun, where the wider product costs 0.2 ms more (its
+  estimates, docs/scaling.md)."""
+  c, h, n = w_kb_CHN.shape
+  r = k_rope_BSR.shape[-1]
+  dtype = jnp.result_type(ckv_BSC, w_kb_CHN)
+  latent_BSX = jnp.concatenate([ckv_BSC.astype(dtype), k_rope_BSR.astype(dtype)], axis=-1)
+  w_kb_CHN = w_kb_CHN.astype(dtype)
+  eye_RHR = jnp.broadcast_to(jnp.eye(r, dtype=dtype)[:, None, :], (r, h, r))
+  w_XHK = jnp.concatenate([jnp.pad(w_kb_CHN, ((0, 0), (0, 0), (0, r))),
+                           jnp.pad(eye_RHR, ((0, 0), (0, 0), (n, 0)))], axis=0)
+  return jnp.einsum("bsx,xhk->bshk", latent_BSX, w_XHK)
+
+
 def _expanded_dense_keys_attention(c: ModelConfig, latents: _Latents, scale: float,
                                    index_scale: float, topk_BLT, index_qkw):
   """`(out_BLHV, kl_BL or None)`: the sparse stage over every key in the expanded form on the
@@ -371,11 +394,8 @@ def _expanded_dense_keys_attention(c: ModelConfig, latents: _Latents, scale: flo
   attention's backward kernels (`dsa_kl_fused`); without one (a given selection) the kernels'
   own custom VJP."""
   q_nope_BLHN, q_rope_BLHR, ckv_BSC, k_rope_BSR, w_kb_CHN, w_vb_CHV = latents
-  k_nope_BSHN = jnp.einsum("bsc,chn->bshn", ckv_BSC, w_kb_CHN)
-  k_rope_BSHR = jnp.broadcast_to(k_rope_BSR[:, :, None, :].astype(k_nope_BSHN.dtype),
-                                 k_nope_BSHN.shape[:3] + k_rope_BSR.shape[-1:])
   q_BLHK = jnp.concatenate([q_nope_BLHN, q_rope_BLHR.astype(q_nope_BLHN.dtype)], axis=-1)
-  k_BSHK = jnp.concatenate([k_nope_BSHN, k_rope_BSHR], axis=-1)
+  k_BSHK = _expanded_keys(ckv_BSC, k_rope_BSR, w_kb_CHN)
   v_BSHV = jnp.einsum("bsc,chv->bshv", ckv_BSC, w_vb_CHV)
   q_axes, kv_axes, q_rows = (BATCH, LENGTH, HEADS, None), (BATCH, None, HEADS, None), (
       BATCH, LENGTH, None)
