@@ -48,12 +48,6 @@ live, one `[B, L, D]` per layer.
                    input). B L D numbers more per layer run (744B headline: 96 MiB, 7.6 GiB over
                    its 78 layers and the MTP layer's 3 depths; 20.41 -> 19.65 s a step by the
                    TPU compiler's estimate, docs/scaling.md).
-  save_selections_attn
-                   `save_selections_o_proj`, and the sparse attention's output and log-sum-exp
-                   (`sparse_mla_out`, `sparse_mla_lse`, as `save_attn_lse` names them): the
-                   rerun reruns the projections (the kernels' backward needs q, k and v) but
-                   not the sparse attention's forward. B L H V + B L H numbers more per DSA
-                   layer (744B headline: 258 MiB, ~19 GiB over its 75 sparse layers).
   offload_dots     `dots_no_batch`, but the kept projections go to host memory
                    (`offload_dot_with_no_batch_dims`; backends with pinned host memory, TPU/GPU)
 
@@ -74,11 +68,9 @@ SAVED_NAMES = {
                         "moe_exchanged_weights"),
 }
 SAVED_NAMES["save_selections_o_proj"] = (*SAVED_NAMES["save_selections"], "o_proj_out")
-SAVED_NAMES["save_selections_attn"] = (*SAVED_NAMES["save_selections_o_proj"], "sparse_mla_out",
-                                       "sparse_mla_lse")
 REMAT_POLICIES = ("none", "full", "dots", "dots_no_batch", "save_qkv_proj", "save_qkv_attn",
                   "save_attn_lse", "save_selections", "save_selections_o_proj",
-                  "save_selections_attn", "offload_dots")
+                  "offload_dots")
 
 
 def checkpoint_policy(name: str):
