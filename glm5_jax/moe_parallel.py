@@ -452,16 +452,57 @@ def _spread_rows_fwd(x_MD, token_S, slot_MX, x, sent_MX=None):
 
 def _spread_rows_bwd(x, res, ct_SD):
   token_S, slot_MX, sent_MX = res
-  # X-major, `[X, m, D]`, summed over whole slabs (as the combine's sum, `_local_dispatch`).
+  # X-major, `[X, m, D]`, summed slab by slab (as the combine's sum, `_local_dispatch`).
   ct_XMD = ct_SD[slot_MX.T.reshape(-1)].reshape(*slot_MX.T.shape, ct_SD.shape[-1])
-  if sent_MX is not None:  # a select the compiler fuses into the sum
-    ct_XMD = jnp.where(sent_MX.T[..., None], ct_XMD, 0)
   no_grad = lambda a: None if a is None else np.zeros(a.shape, jax.dtypes.float0)
-  return (ct_XMD.sum(0, dtype=jnp.float32).astype(ct_SD.dtype), no_grad(token_S),
-          no_grad(slot_MX), no_grad(sent_MX))
+  ct_MD = _summed_slabs(ct_XMD, None if sent_MX is None else sent_MX.T)
+  return ct_MD.astype(ct_SD.dtype), no_grad(token_S), no_grad(slot_MX), no_grad(sent_MX)
 
 
 _spread_rows.defvjp(_spread_rows_fwd, _spread_rows_bwd)
+
+
+@jax.custom_vjp
+def _combined_rows(ys_SD, slot_XM, token_S, keep_XM=None):
+  """fp32 `[m, D]`: each token's X rows `ys_SD[slot_XM[:, t]]` summed, those `keep_XM` marks
+  only (None: all), the transpose of `_spread_rows`. Gathered X-major, `[X, m, D]`, and summed
+  slab by slab (`_summed_slabs`). Its backward is the spread: each slot gets its token's
+  cotangent (`token_S`, m: a zero row), one gather, the slots `keep_XM` leaves out included
+  (the caller leaves their cotangents unread). jax's own (the slabs' transposes added into
+  `[X, m, D]`, then the gather's inverse permutation) was priced at ~1 ms more per chunk at the
+  744B headline."""
+  x, m = slot_XM.shape
+  return _summed_slabs(ys_SD[slot_XM.reshape(-1)].reshape(x, m, ys_SD.shape[-1]), keep_XM)
+
+
+def _combined_rows_fwd(ys_SD, slot_XM, token_S, keep_XM=None):
+  # The zero-length array carries the rows' dtype to the backward.
+  return (_combined_rows(ys_SD, slot_XM, token_S, keep_XM),
+          (slot_XM, token_S, keep_XM, jnp.zeros((0,), ys_SD.dtype)))
+
+
+def _combined_rows_bwd(res, ct_MD):
+  slot_XM, token_S, keep_XM, dtype_of = res
+  no_grad = lambda a: None if a is None else np.zeros(a.shape, jax.dtypes.float0)
+  return (_with_zero_row(ct_MD.astype(dtype_of.dtype))[token_S], no_grad(slot_XM),
+          no_grad(token_S), no_grad(keep_XM))
+
+
+_combined_rows.defvjp(_combined_rows_fwd, _combined_rows_bwd)
+
+
+def _summed_slabs(a_XMD, keep_XM=None):
+  """`sum_k where(keep_XM[k], a_XMD[k], 0)` over the leading X, fp32 `[m, D]`, as a chain
+  of X - 1 adds of `[m, D]` slabs, each slab's select beside its add. The TPU compiler priced
+  the same sum as one reduce over the major dimension at 0.98 ms per `bf16[8, 4096, 6144]` (the
+  744B headline's combine, forward and backward) and a select over the whole `[X, m, D]` (its
+  predicate broadcast) at 0.80 ms more; the chain of adds, selects included, at 0.28 ms
+  (`tools/price_moe_combine.py`)."""
+  total = None
+  for k in range(a_XMD.shape[0]):
+    slab = a_XMD[k] if keep_XM is None else jnp.where(keep_XM[k][:, None], a_XMD[k], 0)
+    total = slab.astype(jnp.float32) if total is None else total + slab
+  return total
 
 
 def _chunked_dispatch(x_MD, weights_MX, experts_MX, counts_1KNE, recv_1KNE, sizes_1NKN,
@@ -658,16 +699,11 @@ def _local_dispatch(x_MD, weights_MX, experts_MX, kernels, counts_NE, recv_count
     dest_B = jnp.minimum(jnp.searchsorted(send_offsets_N + send_g_N, b, side="right"), n - 1)
     ys_G = back_NJ[dest_B, jnp.clip(b - send_offsets_N[dest_B], 0, slot_g - 1)]
 
-  # Each token's X expert rows, weighted already, summed. A padding slot's cotangent is another
-  # slot's (`_permute_rows`): finite, and multiplied by zeros only. Gathered X-major, `[X, m,
-  # D]`, so the sum adds whole `[m, D]` slabs: summed over the second-minor X of `[m, X, D]`
-  # (X = 8, half of bf16's 16-row tile) the TPU compiler priced each at ~1 ms (744B headline).
-  slot_XM = slot_MX.T
-  ys_XMD = _permute_rows(ys_G.reshape(GROUP * buffer_g, d), slot_XM.reshape(-1),
-                         jnp.where(pair_S < 0, -1, pair_S % x * m + pair_S // x)).reshape(x, m, d)
-  if capacity_factor:  # a dropped pair's row holds no expert output; it contributes zero
-    ys_XMD = jnp.where(sent_MX.T[..., None], ys_XMD, 0)
-  y_MD = ys_XMD.sum(0, dtype=jnp.float32)
+  # Each token's X expert rows, weighted already, summed. A dropped pair's row holds no expert
+  # output and contributes zero; the cotangent its slot gets is never read (no message carried
+  # the row: `_exchange`'s backward, or the dense transport's mask, leave it out).
+  y_MD = _combined_rows(ys_G.reshape(GROUP * buffer_g, d), slot_MX.T, token_S,
+                        sent_MX.T if capacity_factor else None)
   if f_axes:  # partial sums over the F shards
     y_MD = jax.lax.psum(y_MD, f_axes)
   return y_MD.astype(x_MD.dtype), dropped[None], kernels

@@ -159,7 +159,9 @@ def capacity():
   order, in groups of 16, up to ceil(c * m * X / 16) + E/n groups), and the output equals the dropless reference
   with those pairs' weights zeroed. A large factor drops nothing. The ragged transport (on
   `exact_ragged_all_to_all`) drops the same pairs and gives the same output and gradients (the
-  dropped pairs' rows of its combine buffer hold the tokens' inputs until masked)."""
+  dropped pairs' rows of its combine buffer hold the tokens' inputs until masked); the
+  gradients in the tokens and the router weights are the reference's with those weights
+  zeroed."""
   from glm5_jax import moe_parallel  # pylint: disable=g-import-not-at-top
   from glm5_jax.moe import dispatch_experts  # pylint: disable=g-import-not-at-top
   n, e, x, d, f, m_total = 8, 16, 4, 8, 16, 64
@@ -210,6 +212,9 @@ def capacity():
         keep[i * m + p // x, p % x] = False
   ref, _ = dispatch_experts(x_MD, weights_MX * keep, experts_MX, *w)
   full, _ = dispatch_experts(x_MD, weights_MX, experts_MX, *w)
+  # The reference's gradients with the dropped pairs' weights zeroed (theirs are then zero too).
+  ref_grads = jax.grad(lambda xm, wm: jnp.vdot(dispatch_experts(xm, wm * keep, experts_MX, *w)[0],
+                                               probe), argnums=(0, 1))(x_MD, weights_MX)
   return {"dropped": float(dropped), "expected_dropped": float((~keep).mean()),
           "y_diff": float(np.abs(np.asarray(y) - np.asarray(ref)).max()),
           "big_dropped": float(dropped_big),
@@ -218,6 +223,8 @@ def capacity():
           "ragged_y_diff": float(np.abs(np.asarray(y_ragged) - np.asarray(ref)).max()),
           "ragged_grad_diffs": [float(np.abs(np.asarray(a) - np.asarray(b)).max())
                                 for a, b in zip(grads_ragged, grads_dense)],
+          "ref_grad_diffs": [float(np.abs(np.asarray(a) - np.asarray(b)).max())
+                             for a, b in zip(grads_dense, ref_grads)],
           "dropped_weight_grad": float(np.abs(np.asarray(grads_dense[1])[~keep]).max())}
 
 

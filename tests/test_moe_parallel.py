@@ -215,6 +215,7 @@ def test_capacity_factor_drops_the_pairs_its_rule_names():
   # the tokens' inputs there) give no output and no router-weight gradient.
   assert r["ragged_dropped"] == r["dropped"] and r["ragged_y_diff"] < 1e-5, r
   assert max(r["ragged_grad_diffs"]) < 1e-5 and r["dropped_weight_grad"] == 0.0, r
+  assert max(r["ref_grad_diffs"]) < 1e-4, r
 
 
 def test_capacity_factor_is_validated():
