@@ -10,6 +10,7 @@ tokens, D 6,144, X 8), with the capacity factor's keep mask `[X, m]` (a dropped 
   reduce         the rows gathered X-major `[X, m, D]`, masked by one select, summed by one
                  reduce over X (the form before `moe_parallel._summed_slabs`)
   reduce_nomask  the same without the mask
+  masked_slabs   the mask as one select over `[X, m, D]`, then the slabs added
   slabs          `moe_parallel._summed_slabs`: a chain of X - 1 adds of `[m, D]` slabs, each
                  slab's select beside its add (the form the dispatch runs)
 Prints each form's compiler estimate (`glm5_jax.planning.op_costs`: each instruction's
@@ -33,6 +34,9 @@ def combine(form: str, x: int, m: int, d: int):
     rows_XMD = rows_RD[slot_XM.reshape(-1)].reshape(x, m, d)
     if form == "slabs":
       return moe_parallel._summed_slabs(rows_XMD, keep_XM).astype(rows_RD.dtype)
+    if form == "masked_slabs":
+      rows_XMD = jnp.where(keep_XM[..., None], rows_XMD, 0)
+      return moe_parallel._summed_slabs(rows_XMD).astype(rows_RD.dtype)
     if form == "reduce":
       rows_XMD = jnp.where(keep_XM[..., None], rows_XMD, 0)
     return rows_XMD.sum(0, dtype=jnp.float32).astype(rows_RD.dtype)
@@ -43,7 +47,7 @@ def combine(form: str, x: int, m: int, d: int):
 def main(argv=None):
   parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
   parser.add_argument("--target", default="v5p:2x2x1")
-  parser.add_argument("--forms", default="reduce,reduce_nomask,slabs")
+  parser.add_argument("--forms", default="reduce,reduce_nomask,masked_slabs,slabs")
   parser.add_argument("--rows", type=int, default=36864)
   parser.add_argument("--tokens", type=int, default=4096)
   parser.add_argument("--hidden", type=int, default=6144)
