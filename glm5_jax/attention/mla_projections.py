@@ -28,8 +28,8 @@ from jax.ad_checkpoint import checkpoint_name
 from glm5_jax.config import ModelConfig
 from glm5_jax.layers.norms import RMSNorm
 from glm5_jax.layers.axes import EMBED, HEAD_DIM, HEADS, KV_LORA, Q_LORA
-from glm5_jax.layers.params import dtypes, kernels, param
-from glm5_jax.quant.linear import linear
+from glm5_jax.layers.params import constrain, dtypes, kernels, param
+from glm5_jax.quant.linear import apply_linear, linear, linear_kernel
 from glm5_jax.layers.rope import apply_interleaved_rope, rope_angles
 
 # The parameters (children of `self_attn`) an M layer stores; `attention_bias` adds the `_bias`
@@ -80,8 +80,14 @@ def mla_latents(module: nn.Module, cfg: ModelConfig, x_BLD):
   cq_BLQ = (_linear(module, c, "q_a_proj", x_BLD, (d, c.q_lora_rank), (EMBED, Q_LORA))
             + _bias(module, c, "q_a_proj_bias", c.q_lora_rank, Q_LORA))
   cq_BLQ = RMSNorm(c.latent_norm_eps, dtype, pdtype, name="q_a_layernorm")(cq_BLQ)
-  q_BLHK = checkpoint_name(_linear(module, c, "q_b_proj", cq_BLQ, (c.q_lora_rank, h, k),
-                                   (Q_LORA, HEADS, HEAD_DIM)), "query_proj")
+  w_qb = linear_kernel(module, "q_b_proj", (c.q_lora_rank, h, k), (Q_LORA, HEADS, HEAD_DIM), 1,
+                       quant=c.quant, std=c.initializer_range, param_dtype=pdtype, dtype=dtype)
+  if not isinstance(w_qb, tuple):
+    # Gathered over the query latent's (fsdp) axes, as the product needs it anyway, and named so
+    # a remat policy can keep the gathered copy (`save_selections_o_proj`): the backward's rerun
+    # and its input gradient then gather it no more.
+    w_qb = checkpoint_name(constrain(w_qb, (None, HEADS, HEAD_DIM)), "q_b_proj_gathered")
+  q_BLHK = checkpoint_name(apply_linear(cq_BLQ, w_qb, 1, dtype), "query_proj")
 
   ckv_BLC = (_linear(module, c, "kv_a_proj_with_mqa", x_BLD, (d, c.kv_lora_rank + r),
                      (EMBED, KV_LORA))

@@ -47,7 +47,12 @@ live, one `[B, L, D]` per layer.
                    runs `o_proj`, the largest attention matmul (its backward needs only its
                    input). B L D numbers more per layer run (744B headline: 96 MiB, 7.6 GiB over
                    its 78 layers and the MTP layer's 3 depths; 20.41 -> 19.65 s a step by the
-                   TPU compiler's estimate, docs/scaling.md).
+                   TPU compiler's estimate, docs/scaling.md). Also the query up-projection's
+                   kernel as gathered over fsdp for the forward's product (`q_b_proj_gathered`,
+                   `[Q, H, N + R]` in the compute dtype, its heads still split as the params
+                   are): the rerun and the backward use it and do not gather it again (744B
+                   headline: 64 MiB a layer, +5.8 GiB; a gather the TPU compiler issued late
+                   in the backward, 0.27 s a step exposed, docs/scaling.md).
   offload_dots     `dots_no_batch`, but the kept projections go to host memory
                    (`offload_dot_with_no_batch_dims`; backends with pinned host memory, TPU/GPU)
 
@@ -67,7 +72,8 @@ SAVED_NAMES = {
     "save_selections": ("dsa_topk", "indexer_kl_target", "moe_exchanged_counts",
                         "moe_exchanged_weights"),
 }
-SAVED_NAMES["save_selections_o_proj"] = (*SAVED_NAMES["save_selections"], "o_proj_out")
+SAVED_NAMES["save_selections_o_proj"] = (*SAVED_NAMES["save_selections"], "o_proj_out",
+                                         "q_b_proj_gathered")
 REMAT_POLICIES = ("none", "full", "dots", "dots_no_batch", "save_qkv_proj", "save_qkv_attn",
                   "save_attn_lse", "save_selections", "save_selections_o_proj",
                   "offload_dots")
