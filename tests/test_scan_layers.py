@@ -155,7 +155,10 @@ def _remat_flops(cfg, params, batch) -> dict:
   return _REMAT_FLOPS[cfg]
 
 
-_CHECKED = ("full", "save_attn_lse", "save_selections", "save_selections_o_proj")
+_CHECKED = ("full", "save_attn_lse", "save_selections", "save_selections_o_proj",
+            "save_selections_attn_out")
+# The policies that keep the sparse attention's output and log-sum-exp: no attention core rerun.
+_KEEP_ATTENTION_OUT = ("save_attn_lse", "save_selections_attn_out")
 
 
 @pytest.mark.parametrize("policy", [
@@ -178,7 +181,10 @@ def test_remat_policies_change_memory_not_numbers(helpers, policy):
     remat = _remat_flops(remat_cfg, params, batch)
     assert remat["attention projections"] > 0, remat
     kept = [remat.get(name, 0.0) for name in _ATTENTION_KEPT]
-    assert remat["attention core"] > 0 if policy != "save_attn_lse" else not any(kept), remat
+    if policy in _KEEP_ATTENTION_OUT:
+      assert not any(kept), remat
+    else:
+      assert remat["attention core"] > 0, remat
     # Each MoE layer run reruns its shared expert's gate and up projections, never the down
     # projection: not in the layers, nor in the MTP depth, whose output (`shared_head_norm`'s
     # input) every policy keeps (`glm5_jax.mtp`).
@@ -194,6 +200,13 @@ def test_remat_policies_change_memory_not_numbers(helpers, policy):
     b, l = batch["tokens"].shape
     every_key = 2 * b * l * l * scanned_cfg.index_n_heads * scanned_cfg.index_head_dim
     assert sum(full.values()) - sum(remat.values()) >= 2 * every_key, (full, remat)
+  if policy == "save_selections_attn_out":
+    # Against save_selections_o_proj: the attention core leaves the rerun, nothing else does.
+    o_proj = _remat_flops(dataclasses.replace(scanned_cfg, remat_policy="save_selections_o_proj"),
+                          params, batch)
+    assert o_proj["attention core"] > 0, o_proj
+    assert {k: v for k, v in remat.items() if v} == {
+        k: v for k, v in o_proj.items() if v and k != "attention core"}, (remat, o_proj)
   if policy == "save_selections_o_proj":
     # Exactly the output projection leaves the rerun: 2 B L (H V) D FLOPs in each of the three
     # layers and in the MTP layer's one depth (the ledger's "MTP layer").

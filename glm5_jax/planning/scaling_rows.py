@@ -56,9 +56,9 @@ ROWS = (
         "(dsa_attention_keys=auto), full remat",
         _HEADLINE_FULL + ("--config.model.dsa_attention_keys=auto",)),
     Row("headline_fused_ce", "the headline, every key + the fused chunked LM head and loss "
-        "(train.ce_chunk=512, ce_grad_in_forward), the attention's output projection kept "
-        "(remat save_selections_o_proj): the current headline",
-        _with_policy(_HEADLINE, "save_selections_o_proj")
+        "(train.ce_chunk=512, ce_grad_in_forward), the attention's output and its projection "
+        "kept (remat save_selections_attn_out): the current headline",
+        _with_policy(_HEADLINE, "save_selections_attn_out")
         + ("--config.model.dsa_attention_keys=auto", "--config.train.ce_chunk=512",
            "--config.train.ce_grad_in_forward=True")),
     # save_selections_o_proj would keep 1.5 x 7.6 GiB more here: ~99 GiB, over v5p's 95.
