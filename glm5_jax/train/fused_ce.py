@@ -51,6 +51,7 @@ from flax import linen as nn
 from jax.sharding import PartitionSpec as P
 
 from glm5_jax.layers import axes as axes_lib
+from glm5_jax.layers import ordering
 
 
 def head_statistics(h_BLD, w_DY, targets_BL, chunk: int):
@@ -91,6 +92,10 @@ def _head_cotangents(h_BCD, w_DY, probs_BCY, t_BC, g_log_z_BC, g_target_BC):
   onehot_BCY = jax.nn.one_hot(t_BC, w_DY.shape[1], dtype=jnp.float32)
   d_BCY = (g_log_z_BC[..., None] * probs_BCY + g_target_BC[..., None] * onehot_BCY
            ).astype(w_DY.dtype)
+  # Written once (`ordering.in_order`): left to fuse, the TPU compiler recomputed it from the
+  # fp32 logits inside both products below, the dW product at half the matrix unit's peak
+  # by its own estimate (docs/scaling.md).
+  (d_BCY,) = ordering.in_order((d_BCY,))
   dh_BCD = jnp.einsum("bcy,dy->bcd", d_BCY, w_DY, preferred_element_type=jnp.float32)
   dw_DY = jnp.einsum("bcd,bcy->dy", h_BCD, d_BCY, preferred_element_type=jnp.float32)
   return dh_BCD.astype(h_BCD.dtype), dw_DY
