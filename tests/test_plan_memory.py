@@ -176,15 +176,36 @@ def test_async_collective_flags_go_first_in_libtpu_args_and_are_set_once(monkeyp
   from glm5_jax.planning import aot_targets  # pylint: disable=g-import-not-at-top
   monkeypatch.setattr(aot_targets, "_applied_flags", None)
   monkeypatch.setenv("LIBTPU_INIT_ARGS", "--xla_enable_async_all_gather=false")
-  flags = aot_targets.start_libtpu_flags(True)
-  assert flags.split() == list(aot_targets.ASYNC_COLLECTIVE_FLAGS)
+  flags = aot_targets.start_libtpu_flags("v5p", True)
+  assert flags.split() == list(aot_targets.ASYNC_COLLECTIVE_FLAGS["v5p"])
   assert os.environ["LIBTPU_INIT_ARGS"] == flags + " --xla_enable_async_all_gather=false"
-  assert aot_targets.start_libtpu_flags(True) == flags
+  assert aot_targets.start_libtpu_flags("v5p", True) == flags
   with pytest.raises(RuntimeError, match="async_collectives=False"):
-    aot_targets.start_libtpu_flags(False)
+    aot_targets.start_libtpu_flags("v5p", False)
+  with pytest.raises(RuntimeError, match="v5e, async_collectives=True"):
+    aot_targets.start_libtpu_flags("v5e", True)
   monkeypatch.setattr(aot_targets, "_applied_flags", None)
   monkeypatch.delenv("LIBTPU_INIT_ARGS")
-  assert aot_targets.start_libtpu_flags(False) == "" and os.environ["LIBTPU_INIT_ARGS"] == ""
+  assert aot_targets.start_libtpu_flags("v5p", False) == ""
+  assert os.environ["LIBTPU_INIT_ARGS"] == ""
+
+
+def test_continuation_fusion_only_where_libtpu_supports_it():
+  """libtpu 0.0.42.1 supports continuation fusion on v5e only (on v5p it warns of incorrect
+  results); the chips with SparseCores offload their collectives there instead."""
+  from glm5_jax.planning import aot_targets  # pylint: disable=g-import-not-at-top
+
+  def last_value(chip, name):
+    values = [f.split("=")[1] for f in aot_targets.ASYNC_COLLECTIVE_FLAGS[chip]
+              if f.split("=")[0] == name]
+    return values[-1] if values else None
+
+  assert set(aot_targets.ASYNC_COLLECTIVE_FLAGS) == set(aot_targets.TPU_CHIPS)
+  for chip in aot_targets.TPU_CHIPS:
+    fusion = last_value(chip, "--xla_tpu_enable_async_collective_fusion")
+    offload = last_value(chip, "--xla_tpu_enable_sparse_core_collective_offload_reduce_scatter")
+    assert (fusion, offload) == (("true", None) if chip == "v5e" else ("false", "true")), chip
+    assert last_value(chip, "--xla_tpu_enable_async_ragged_all_to_all") == "true"
 
 
 def test_fits_compares_with_each_accelerators_hbm():

@@ -14,7 +14,9 @@
 Compiler: with `--target=v5p:XxYxZ` (or `v5e:XxY`, `v6e:XxY`) the real TPU compiler compiles
 for that slice ahead of time (`glm5_jax.planning.aot_targets`; needs the `tpu-aot` install extra, no
 TPU), with no stand-ins, and by default with libtpu's asynchronous-collective flags
-(`aot_targets.ASYNC_COLLECTIVE_FLAGS`; `--noasync_collectives`: libtpu's defaults). Otherwise XLA:CPU compiles for `--devices` simulated CPU devices
+(`aot_targets.ASYNC_COLLECTIVE_FLAGS`, per chip: SparseCore offload on v5p and v6e,
+continuation fusion on v5e; `--noasync_collectives`: libtpu's defaults). Otherwise XLA:CPU
+compiles for `--devices` simulated CPU devices
 (`--xla_force_host_platform_device_count`, set here before jax starts), with the MoE stand-ins
 of `glm5_jax.planning.cpu_standins`; every figure is labelled with the compiler that produced it.
 The mesh comes from the config's `mesh` section with `--mesh` axis sizes on top, and the real
@@ -96,7 +98,8 @@ _TARGET = flags.DEFINE_string("target", None, "Compile with the TPU compiler for
                               "e.g. v5p:8x8x16, v5e:16x16, v6e:8x16 (needs the tpu-aot extra).")
 _ASYNC_COLLECTIVES = flags.DEFINE_bool(
     "async_collectives", True, "--target: start libtpu with the flags that make collectives "
-    "asynchronous and overlap them with compute (aot_targets.ASYNC_COLLECTIVE_FLAGS); "
+    "asynchronous and overlap them with compute (aot_targets.ASYNC_COLLECTIVE_FLAGS, per "
+    "chip); "
     "--noasync_collectives compiles with libtpu's defaults.")
 _MESH = flags.DEFINE_string("mesh", "", "Mesh axis sizes over the config's, e.g. "
                             "'fsdp=64,expert=4' (axes: data, fsdp, context, expert, tensor).")

@@ -22,23 +22,28 @@ import re
 # libtpu flags that let the TPU compiler overlap collectives with compute, each checked to
 # exist in libtpu 0.0.42.1 (an unknown flag stops libtpu at start). Without them (libtpu's
 # defaults) the headline step's all-gathers, all-reduces and all-to-alls are all synchronous.
-# MaxText sets the first group for its TPU runs (`benchmarks/xla_flags_library.py`,
-# CF_FOR_ALL_REDUCE_AND_ALL_GATHER and CF_FOR_ALL_REDUCE); the second asks for asynchronous
-# all-to-alls, the MoE dispatch's. docs/scaling.md measures them. Left out: libtpu's ICI
-# all-gather pipelining (XLA's flag guidance, openxla/xla docs/flags_guidance.md:
-# `--xla_tpu_enable_ici_ag_pipelining=true` with `--xla_should_allow_loop_variant_parameter_in_chain`
-# and `--xla_should_add_loop_invariant_op_in_chain` enabled), which issues a scanned layer's
+# docs/scaling.md measures them. Every chip gets the asynchronous forms; how a collective then
+# progresses beside compute differs by chip:
+# - v5e: continuation fusion (a collective starts in one fusion and progresses inside the
+#   compute fusions scheduled after it), MaxText's TPU default (`benchmarks/xla_flags_library.py`,
+#   CF_FOR_ALL_REDUCE_AND_ALL_GATHER). libtpu 0.0.42.1 supports it on v5e only: compiling for
+#   v5p with it prints "Continuation fusion for AllGather is enabled on platform viperfish, but
+#   it is not supported/recommended on platforms other than Viperlite ... incorrect results,
+#   hang, SDC", so the TPU figures compiled with it before 2026-12-04 say so.
+# - v5p, v6e (chips with SparseCores): continuation fusion off; all-gathers, reduce-scatters
+#   and all-reduces offloaded to the SparseCores (`call-start ... async_execution_thread=
+#   "sparsecore"`), the flags of public v6e/v7 recipes (MaxText's xla_flags_library,
+#   ENABLE_SPARSECORE_OFFLOADING_FOR_*). Checked: libtpu accepts them and the headline compile
+#   offloads its gradient reduce-scatters and all-reduces; not checked on a real v5p.
+# Left out: libtpu's ICI all-gather pipelining (XLA's flag guidance, openxla/xla
+# docs/flags_guidance.md: `--xla_tpu_enable_ici_ag_pipelining=true` with
+# `--xla_should_allow_loop_variant_parameter_in_chain` and
+# `--xla_should_add_loop_invariant_op_in_chain` enabled), which issues a scanned layer's
 # weight gather one iteration ahead: with it the compiler computed every MoE layer's attention
 # twice in the forward loop and twice in its remat (GLM-5 at depth 4: 7 forward output
 # projections for 4 layers, 4 without; compute 3.11 -> 2.89 s a step, schedule-aware MFU
 # 23.9 -> 25.6%, compiler estimates; `tools/plan_cost.py`'s kernel calls per phase show it).
-ASYNC_COLLECTIVE_FLAGS = (
-    # continuation fusion: a collective starts in one fusion and progresses inside the
-    # compute fusions scheduled after it
-    "--xla_tpu_enable_async_collective_fusion=true",
-    "--xla_tpu_enable_async_collective_fusion_fuse_all_gather=true",
-    "--xla_tpu_enable_async_collective_fusion_fuse_all_reduce=true",
-    "--xla_tpu_enable_async_collective_fusion_multiple_steps=true",
+_ASYNC_ANY_CHIP = (
     "--xla_tpu_overlap_compute_collective_tc=true",
     "--xla_enable_async_all_gather=true",
     "--xla_enable_async_all_reduce=true",
@@ -46,6 +51,33 @@ ASYNC_COLLECTIVE_FLAGS = (
     "--xla_tpu_enable_async_all_to_all=true",
     "--xla_tpu_enable_async_ragged_all_to_all=true",
 )
+CONTINUATION_FUSION_FLAGS = (
+    "--xla_tpu_enable_async_collective_fusion=true",
+    "--xla_tpu_enable_async_collective_fusion_fuse_all_gather=true",
+    "--xla_tpu_enable_async_collective_fusion_fuse_all_reduce=true",
+    "--xla_tpu_enable_async_collective_fusion_multiple_steps=true",
+)
+SPARSECORE_OFFLOAD_FLAGS = (
+    "--xla_tpu_enable_async_collective_fusion=false",
+    "--xla_tpu_enable_async_collective_fusion_fuse_all_gather=false",
+    "--xla_tpu_enable_async_collective_fusion_fuse_all_reduce=false",
+    "--xla_tpu_enable_async_collective_fusion_multiple_steps=false",
+    "--xla_tpu_enable_sparse_core_collective_offload_all_gather=true",
+    "--xla_tpu_enable_sparse_core_collective_offload_2d_all_gather=true",
+    "--xla_tpu_enable_sparse_core_collective_offload_3d_all_gather=true",
+    "--xla_tpu_enable_sparse_core_collective_offload_reduce_scatter=true",
+    "--xla_tpu_enable_sparse_core_reduce_scatter_v2=true",
+    "--xla_tpu_enable_sparse_core_collective_offload_all_reduce=true",
+    "--xla_tpu_enable_concurrent_sparse_core_offloading=true",
+    "--xla_tpu_use_tc_device_shape_on_sc=true",
+    "--xla_sc_disable_megacore_partitioning=true",
+)
+# chip -> the flags `tpu_devices` starts libtpu with
+ASYNC_COLLECTIVE_FLAGS = {
+    "v5e": _ASYNC_ANY_CHIP + CONTINUATION_FUSION_FLAGS,
+    "v5p": _ASYNC_ANY_CHIP + SPARSECORE_OFFLOAD_FLAGS,
+    "v6e": _ASYNC_ANY_CHIP + SPARSECORE_OFFLOAD_FLAGS,
+}
 _LIBTPU_ARGS = "LIBTPU_INIT_ARGS"
 _applied_flags = None  # what this process's libtpu was started with, once it was
 
@@ -99,17 +131,17 @@ def libtpu_problem() -> str | None:
   return None
 
 
-def start_libtpu_flags(async_collectives: bool) -> str:
-  """Puts `ASYNC_COLLECTIVE_FLAGS` (or none) in LIBTPU_INIT_ARGS ahead of whatever the user set
-  there (a flag given twice takes its last value, so the user's win), and returns the flags.
-  libtpu reads them once, when it starts (the first `tpu_devices`), so a process compiles
-  with one setting: asking for the other later is an error rather than silently ignored."""
+def start_libtpu_flags(chip: str, async_collectives: bool) -> str:
+  """Puts `ASYNC_COLLECTIVE_FLAGS[chip]` (or none) in LIBTPU_INIT_ARGS ahead of whatever the
+  user set there (a flag given twice takes its last value, so the user's win), and returns the
+  flags. libtpu reads them once, when it starts (the first `tpu_devices`), so a process
+  compiles with one setting: asking for another later is an error rather than silently ignored."""
   global _applied_flags
-  flags = " ".join(ASYNC_COLLECTIVE_FLAGS) if async_collectives else ""
+  flags = " ".join(ASYNC_COLLECTIVE_FLAGS[chip]) if async_collectives else ""
   if _applied_flags is not None:
     if flags != _applied_flags:
-      raise RuntimeError(f"async_collectives={async_collectives}: libtpu already started in "
-                         "this process with the other setting (its flags are read once)")
+      raise RuntimeError(f"{chip}, async_collectives={async_collectives}: libtpu already "
+                         "started in this process with other flags (they are read once)")
     return flags
   user = os.environ.get(_LIBTPU_ARGS, "")
   os.environ[_LIBTPU_ARGS] = f"{flags} {user}".strip()
@@ -120,12 +152,13 @@ def start_libtpu_flags(async_collectives: bool) -> str:
 def tpu_devices(target: str, async_collectives: bool = True):
   """The compile-only devices of the TPU slice `target` (`parse_target`), in libtpu's order
   (`glm5_jax.sharding.make_mesh` lays a mesh over them along the torus). `async_collectives`:
-  start libtpu with `ASYNC_COLLECTIVE_FLAGS` (the default), else with its own defaults."""
+  start libtpu with the chip's `ASYNC_COLLECTIVE_FLAGS` (the default), else with its own
+  defaults."""
   problem = libtpu_problem()
   if problem:
     raise RuntimeError(f"--target={target}: {problem}")
-  start_libtpu_flags(async_collectives)
   chip, dims = parse_target(target)
+  start_libtpu_flags(chip, async_collectives)
   prefix, chip_config, _ = TPU_CHIPS[chip]
   from jax.experimental import topologies  # pylint: disable=g-import-not-at-top
   topology = topologies.get_topology_desc(

@@ -18,7 +18,11 @@ and collectives:
   while / call          its computation's own schedule-aware time (x the trip count), run as
                         compute: an asynchronous collective issued before it keeps running
   call-start ... -done  an asynchronous call on the SparseCore (the compiler's scatter
-                        offloads): a third stream, waited for at its done
+                        offloads): a third stream, waited for at its done; a call whose
+                        computation holds a collective (a reduce-scatter, all-reduce or
+                        all-gather offloaded to the SparseCore) goes on the collective stream
+                        instead, since its bytes cross the same links. Waits inside a
+                        SparseCore computation are the SparseCore's, not charged to the step
   async-collective-start ... async-collective-done
                         the TPU compiler's async collective fusions (`hlo_stats.
                         async_collective_role`): the start fusion issues its collective, the
@@ -57,6 +61,7 @@ class _Walker:
     self.price = {(c.computation, c.name): c for c in costs}
     self.memo = {}
     self.waits = {}  # (computation, kind, the waiting instruction's name) -> seconds a run
+    self.offloaded = set()  # computations run by `call-start` on the SparseCore
 
   def block(self, computation: str) -> tuple[float, bool]:
     """`(seconds, holds a collective)` of one run of `computation`."""
@@ -104,9 +109,16 @@ class _Walker:
         key = instr.operands[0] if instr.operands else None
         wait_until(pending.pop(key, now), *issued_by.pop(key, ("async", instr.name)))
       elif instr.op == "call-start":  # an asynchronous call on another unit (SparseCore)
-        seconds, _ = self.block(_attr(instr, "to_apply") or "")
-        side = pending[instr.name] = max(now, side) + seconds
-        issued_by[instr.name] = ("call", instr.name)
+        callee = _attr(instr, "to_apply") or ""
+        self.offloaded.add(callee)
+        seconds, inner = self.block(callee)
+        if inner:  # an offloaded collective still moves its bytes over the same ICI links
+          has_collective = True
+          stream = pending[instr.name] = max(now, stream) + seconds
+          issued_by[instr.name] = ("async", instr.name)
+        else:
+          side = pending[instr.name] = max(now, side) + seconds
+          issued_by[instr.name] = ("call", instr.name)
       elif instr.op == "async-start":
         seconds, inner = self.block(_attr(instr, "calls") or "")
         if inner:  # a wrapped collective: on the collective stream
@@ -152,7 +164,8 @@ def step_times_and_waits(module, costs: list) -> tuple[dict[str, float], list]:
            "ideal": max(compute, collectives), "compute": compute, "collectives": collectives}
   runs = module.executions()
   waits = sorted(((seconds * max(runs.get(computation, 1), 1), kind, name, computation)
-                  for (computation, kind, name), seconds in walker.waits.items()), reverse=True)
+                  for (computation, kind, name), seconds in walker.waits.items()
+                  if computation not in walker.offloaded), reverse=True)
   return times, waits
 
 
