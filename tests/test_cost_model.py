@@ -283,6 +283,35 @@ def test_async_collective_fusions_hide_the_pipelined_gathers():
   assert waits[0][0] == pytest.approx(seconds) and waits[0][1] == "sync"
 
 
+def test_a_collective_offloaded_to_the_sparsecore_shares_the_links_with_the_tensorcores():
+  """The TPU compiler's module with v5p's flags (aot_targets.ASYNC_COLLECTIVE_FLAGS["v5p"]): a
+  [4096, 4096] reduce-scatter over the 8-chip ring runs on the SparseCore (`call-start` of a
+  computation holding it), an all-to-all issued after it stays on the TensorCore. Both cross
+  the same ICI links, so with transfers made 10x slower than the compute after them the
+  all-to-all queues behind the reduce-scatter and the step waits for both in turn; the waits
+  are charged to the all-to-all (what the TensorCore waits for), none inside the SparseCore's
+  computation."""
+  module, costs = _costs("offload_sc", "v5p:4x4x8")
+  (reduce_scatter,) = [c for c in costs if c.op == "reduce-scatter"]
+  (all_to_all,) = [c for c in costs if c.op == "all-to-all-start"]
+  assert reduce_scatter.kind == all_to_all.kind == "torus"
+  assert reduce_scatter.seconds == pytest.approx(7 / 8 * 4096 * 4096 * 2 / (2 * LINK))
+  entry = [i.name for i in module.computations[module.entry]]
+  call = entry.index("reduce-scatter.2.cloned.1.call-start")
+  assert reduce_scatter.computation in module.computations[module.entry][call].attributes
+  slow = [c._replace(seconds=10 * c.seconds) if c.kind == "torus" else c for c in costs]
+  price = {c.name: c.seconds for c in slow if c.computation == module.entry}
+  before = sum(price.get(name, 0.0) for name in entry[:call])
+  after = price["copy.6"]  # the all-to-all's result copied out, after its done
+  times = schedule.step_times(module, slow)
+  assert times["schedule"] == pytest.approx(
+      before + 10 * (reduce_scatter.seconds + all_to_all.seconds) + after)
+  waits = schedule.exposed_waits(module, slow)
+  assert [(kind, name) for _, kind, name, _ in waits] == [("async", "all-to-all-start")]
+  assert waits[0][0] == pytest.approx(times["schedule"] - before - after
+                                      - 2 * price["convolution_tanh_fusion"])
+
+
 @pytest.mark.parametrize("op_name, expected", [
     ("jit(train_step)/transpose(jvp(GLM5))/GLM5._scanned_run/while/body/closed_call/checkpoint/"
      "layers_3_77.body/layers_3_77/self_attn/while/body/closed_call/blht,blhc->bltc/dot_general",
