@@ -290,7 +290,7 @@ def test_a_collective_offloaded_to_the_sparsecore_shares_the_links_with_the_tens
   the same ICI links, so with transfers made 10x slower than the compute after them the
   all-to-all queues behind the reduce-scatter and the step waits for both in turn; the waits
   are charged to the all-to-all (what the TensorCore waits for), none inside the SparseCore's
-  computation."""
+  computation. At their own prices both hide behind the matmuls."""
   module, costs = _costs("offload_sc", "v5p:4x4x8")
   (reduce_scatter,) = [c for c in costs if c.op == "reduce-scatter"]
   (all_to_all,) = [c for c in costs if c.op == "all-to-all-start"]
@@ -299,6 +299,17 @@ def test_a_collective_offloaded_to_the_sparsecore_shares_the_links_with_the_tens
   entry = [i.name for i in module.computations[module.entry]]
   call = entry.index("reduce-scatter.2.cloned.1.call-start")
   assert reduce_scatter.computation in module.computations[module.entry][call].attributes
+  # The reduction the reduce-scatter calls runs on the SparseCore too: the collective's time.
+  offloaded = schedule.sparsecore_collectives(module)
+  assert offloaded == {reduce_scatter.computation, "region_0.0.clone"}
+  beside = [c for c in costs if c.computation in offloaded and c.kind != "torus"]
+  assert [c.op for c in beside] == ["add"]
+  times = schedule.step_times(module, costs)
+  assert times["compute"] == pytest.approx(sum(
+      c.seconds * c.runs for c in costs if c.computation == module.entry and c.kind != "torus"))
+  assert times["collectives"] == pytest.approx(
+      reduce_scatter.seconds + all_to_all.seconds + beside[0].seconds)
+  assert times["schedule"] == pytest.approx(times["compute"]) == times["ideal"]  # all hidden
   slow = [c._replace(seconds=10 * c.seconds) if c.kind == "torus" else c for c in costs]
   price = {c.name: c.seconds for c in slow if c.computation == module.entry}
   before = sum(price.get(name, 0.0) for name in entry[:call])

@@ -21,8 +21,10 @@ and collectives:
                         offloads): a third stream, waited for at its done; a call whose
                         computation holds a collective (a reduce-scatter, all-reduce or
                         all-gather offloaded to the SparseCore) goes on the collective stream
-                        instead, since its bytes cross the same links. Waits inside a
-                        SparseCore computation are the SparseCore's, not charged to the step
+                        instead, since its bytes cross the same links, and the work the
+                        computation does beside the collective counts with the collectives,
+                        not the compute. Waits inside a SparseCore computation are the
+                        SparseCore's, not charged to the step
   async-collective-start ... async-collective-done
                         the TPU compiler's async collective fusions (`hlo_stats.
                         async_collective_role`): the start fusion issues its collective, the
@@ -31,7 +33,8 @@ and collectives:
 
 Collectives are serialised on one stream (two in flight queue, they do not share links), and a
 loop body's collectives do not contend with one issued outside it. No overlap: the sum of every
-compute and collective price per step; ideal: the larger of the two sums.
+compute and collective price per step; ideal: the larger of the two sums (the SparseCore's
+scatter offloads, counted in the compute, overlapping the rest of it).
 
 What the schedule exposes, collective by collective (`exposed_waits`): every time the walk
 moves the compute clock past where compute alone would have it, the wait is charged to the
@@ -62,6 +65,7 @@ class _Walker:
     self.memo = {}
     self.waits = {}  # (computation, kind, the waiting instruction's name) -> seconds a run
     self.offloaded = set()  # computations run by `call-start` on the SparseCore
+    self.offloaded_collectives = sparsecore_collectives(module)
 
   def block(self, computation: str) -> tuple[float, bool]:
     """`(seconds, holds a collective)` of one run of `computation`."""
@@ -111,8 +115,8 @@ class _Walker:
       elif instr.op == "call-start":  # an asynchronous call on another unit (SparseCore)
         callee = _attr(instr, "to_apply") or ""
         self.offloaded.add(callee)
-        seconds, inner = self.block(callee)
-        if inner:  # an offloaded collective still moves its bytes over the same ICI links
+        seconds, _ = self.block(callee)
+        if callee in self.offloaded_collectives:  # its bytes cross the TensorCore's ICI links
           has_collective = True
           stream = pending[instr.name] = max(now, stream) + seconds
           issued_by[instr.name] = ("async", instr.name)
@@ -149,6 +153,27 @@ class _Walker:
     return now, has_collective
 
 
+def sparsecore_collectives(module) -> frozenset[str]:
+  """The computations a `call-start` runs on the SparseCore that hold a collective (the TPU
+  compiler's collective offload), and the computations they call (the reductions): their work
+  beside the collective is the collective's time."""
+  found = set()
+  for instrs in module.computations.values():
+    for instr in instrs:
+      callee = _attr(instr, "to_apply") if instr.op == "call-start" else None
+      if callee in module.computations and any(
+          i.op.removesuffix("-start") in hlo_stats.OPS for i in module.computations[callee]):
+        found.add(callee)
+  todo = list(found)
+  while todo:
+    for instr in module.computations[todo.pop()]:
+      for callee in instr.callees():
+        if callee in module.computations and callee not in found:
+          found.add(callee)
+          todo.append(callee)
+  return frozenset(found)
+
+
 def _attr(instr, key: str) -> str | None:
   match = re.search(rf"\b{key}=%([^\s,}}]+)", instr.attributes)
   return match[1] if match else None
@@ -158,10 +183,19 @@ def step_times_and_waits(module, costs: list) -> tuple[dict[str, float], list]:
   """`(step_times(...), exposed_waits(...))` from one walk of the schedule."""
   walker = _Walker(module, costs)
   scheduled, _ = walker.block(module.entry)
-  compute = sum(c.seconds * c.runs for c in costs if not _is_collective(c))
-  collectives = sum(c.seconds * c.runs for c in costs if _is_collective(c))
+  # An offloaded collective's computation runs on the SparseCore, its copies and fusions
+  # with it: they are the collective's time, not the TensorCore's compute.
+  beside = sum(c.seconds * c.runs for c in costs if not _is_collective(c)
+               and c.computation in walker.offloaded_collectives)
+  compute = sum(c.seconds * c.runs for c in costs if not _is_collective(c)) - beside
+  collectives = sum(c.seconds * c.runs for c in costs if _is_collective(c)) + beside
+  # The SparseCore's other calls (the compiler's scatter offloads) stay in the compute, but
+  # run beside the TensorCore's: ideal overlap hides them too.
+  scatters = sum(c.seconds * c.runs for c in costs if not _is_collective(c)
+                 and c.computation in walker.offloaded - walker.offloaded_collectives)
   times = {"none": compute + collectives, "schedule": scheduled,
-           "ideal": max(compute, collectives), "compute": compute, "collectives": collectives}
+           "ideal": max(compute - scatters, scatters, collectives), "compute": compute,
+           "collectives": collectives}
   runs = module.executions()
   waits = sorted(((seconds * max(runs.get(computation, 1), 1), kind, name, computation)
                   for (computation, kind, name), seconds in walker.waits.items()

@@ -32,7 +32,7 @@ class CostReport:
   target: str
   compute_by_category: dict  # category -> seconds (compiler estimates and kernels)
   kernels_by_category: dict  # category -> seconds (the custom calls' share, at the stated efficiency)
-  collectives_by_kind: dict  # opcode -> seconds on the torus
+  collectives_by_kind: dict  # opcode -> seconds on the torus (+ the SparseCore's work beside offloaded ones)
   collectives_by_axes: dict  # mesh axes -> seconds on the torus
   times: dict  # WAYS + "compute", "collectives"
   mfu: dict  # WAYS -> MFU, None without model FLOPs
@@ -127,7 +127,8 @@ def price_module(module, target: str, layout: dict, tokens_per_chip: float,
   torus = torus_of(target)
   coords = np.asarray(layout["coords"])
   costs = op_costs.price_module(module, chip, coords, torus)
-  compute = [c for c in costs if c.kind != "torus"]
+  offloaded = schedule.sparsecore_collectives(module)  # their work is the collectives' time
+  compute = [c for c in costs if c.kind != "torus" and c.computation not in offloaded]
   collectives = [c for c in costs if c.kind == "torus"]
   instrs = {i.name: i for v in module.computations.values() for i in v}
   by_kind, by_axes = {}, {}
@@ -136,6 +137,10 @@ def price_module(module, target: str, layout: dict, tokens_per_chip: float,
     by_kind[base] = by_kind.get(base, 0.0) + c.seconds * c.runs
     axes = _axes_of(c, instrs, layout)
     by_axes[axes] = by_axes.get(axes, 0.0) + c.seconds * c.runs
+  beside = sum(c.seconds * c.runs for c in costs
+               if c.kind != "torus" and c.computation in offloaded)
+  if beside:
+    by_kind["SparseCore work beside offloaded collectives"] = beside
   times, waits = schedule.step_times_and_waits(module, costs)
   model = None if model_flops_per_token is None else model_flops_per_token * tokens_per_chip
   mfu = {way: (model / (times[way] * chip.peak_flops) if model and times[way] else None)
