@@ -57,7 +57,9 @@ def test_per_depth_accept_counts_equal_the_teacher_forced_oracle(params, k):
                                 np.asarray(out["logits"][0, :n]),
                                 np.asarray(out["mtp_logits"][:, 0, :n]), k).stats
     for got_x, want_x in zip(c.accept, want):
-      np.testing.assert_array_equal(np.asarray(got_x), np.asarray(want_x))
+      # Host arrays: eager device ops per slot per step made MTP decoding 14x slower on a GPU.
+      assert isinstance(got_x, np.ndarray), type(got_x)
+      np.testing.assert_array_equal(got_x, want_x)
     mixed.update(int(a) for a in np.asarray(want.accepted).ravel())
   assert done[-1].tokens[-1] == 4 and len(done[-1].tokens) < 16  # the stop token ended it
   assert len(mixed) > 1  # drafts both accepted and rejected somewhere
