@@ -353,6 +353,11 @@ def test_a_collective_offloaded_to_the_sparsecore_shares_the_links_with_the_tens
     ("jit(train_step)/jvp(GLM5)/GLM5._scanned_run/while/body/closed_call/layers_3_77.body/"
      "layers_3_77/mlp/top_k", "router"),
     ("jit(train_step)/while/body/closed_call/vmap()/closed_call/dot_general", "optimizer"),
+    # Gradient accumulation: the model inside the microbatch loop (train.step.MICROBATCH_SCOPE).
+    ("jit(train_step)/while/body/closed_call/microbatch/jvp(GLM5)/GLM5._scanned_run/while/body/"
+     "closed_call/layers_3_77.body/layers_3_77/self_attn/dot_general", "attention projections"),
+    ("jit(train_step)/while/body/closed_call/microbatch/transpose(jvp(GLM5))/bld,dy->bly/"
+     "dot_general", "loss and LM head"),
     ("jit(train_step)/transpose(jvp(GLM5))/bld,dy->bly/dot_general", "loss and LM head"),
     ("jit(train_step)/jvp()/reduce_sum", "loss and LM head"),
     ("jit(train_step)/transpose(jvp(GLM5))/jit(_take)/scatter-add", "embedding"),

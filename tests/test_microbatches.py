@@ -7,6 +7,7 @@ mean of per-microbatch means would be off by far more than the tolerance.
 
 import json
 import os
+import re
 import subprocess
 import sys
 
@@ -19,9 +20,11 @@ import glm5_jax
 from glm5_jax import optim
 from glm5_jax.config import ConfigError
 from glm5_jax.config_validation import validate_config
+from glm5_jax.planning import op_costs
 from glm5_jax.train import losses
 from glm5_jax.train.state import TrainState, trainable_mask
-from glm5_jax.train.step import StepConfig, loss_and_grads, make_train_step, split_microbatches
+from glm5_jax.train.step import (MICROBATCH_SCOPE, StepConfig, loss_and_grads, make_train_step,
+                                 split_microbatches)
 from tests.conftest import host_devices_xla_flags
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -237,3 +240,22 @@ def test_microbatched_step_on_8_devices_equals_one_batch():
     np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6)
   assert two["collectives"] == one["collectives"], (one["collectives"], two["collectives"])
   assert two["temp_bytes"] < one["temp_bytes"], (one["temp_bytes"], two["temp_bytes"])
+
+
+def test_the_planners_categories_see_through_the_microbatch_loop(setup):
+  """The accumulation loop's ops carry `MICROBATCH_SCOPE`, and `op_costs.category` files them
+  as in a one-pass step (the loop's `while/body/closed_call/` prefix alone is the optimizer's:
+  every model op was "optimizer" before the scope)."""
+  model, *_, state, batch = setup
+  step_cfg = StepConfig(**STEP, microbatches=2)
+  def train_step(params, batch):  # named as the real step: the rules read `jit(train_step)/`
+    return loss_and_grads(model, step_cfg, params, batch)
+
+  hlo = jax.jit(train_step).lower(
+      state.params, batch).compile().as_text()  # op_names as the planner reads them
+  names = set(re.findall(r'op_name="([^"]*)"', hlo))
+  in_loop = {n for n in names if f"/{MICROBATCH_SCOPE}/" in n and "jvp(" in n}
+  assert in_loop, sorted(names)[:20]
+  found = {op_costs.category(n, "fusion") for n in in_loop}
+  assert "optimizer" not in found, sorted(found)
+  assert {"attention projections", "experts and FFN", "loss and LM head"} <= found, found

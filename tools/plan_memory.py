@@ -200,7 +200,10 @@ def main(argv):
   m = config.model
   print(f"plan: {_MODE.value}, {where}, mesh "
         f"{dict(config.mesh.shape)}; seq_len {config.data.seq_len}, global batch "
-        f"{config.data.batch_size} ({_PER_DEVICE_BATCH.value} per device); remat "
+        f"{config.data.batch_size} ({_PER_DEVICE_BATCH.value} per device"
+        + (f", in {config.train.microbatches} microbatches"
+           if _MODE.value == "train" and config.train.microbatches > 1 else "")
+        + f"); remat "
         f"{m.remat_policy}, scan_layers {m.scan_layers}, dsa_impl {m.dsa_impl}, moe_impl "
         f"{m.moe_impl}; model depth {full_depth}", flush=True)
 

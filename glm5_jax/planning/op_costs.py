@@ -70,6 +70,11 @@ CATEGORY_RULES = (
     ("attention projections", r"self_attn/"),
 )
 _RULES = tuple((name, re.compile(pattern, re.I)) for name, pattern in CATEGORY_RULES)
+# Gradient accumulation runs the model inside a loop (`glm5_jax.train.step.MICROBATCH_SCOPE`):
+# `jit(train_step)/while/body/closed_call/microbatch/jvp(GLM5)/...`. Without its loop prefix an
+# op_name reads as in a step of one pass (the rules above; the loop's own prefix is the
+# optimizer's).
+_MICROBATCH_LOOP = re.compile(r"(^|/)while/body/(closed_call/)*microbatch/")
 _COPIES = ("copy", "transpose", "copy-start", "copy-done", "bitcast-convert", "reshape",
            "dynamic-slice", "dynamic-update-slice", "slice", "concatenate", "pad")
 # Instructions that move no data of their own (or are priced through what they call).
@@ -111,6 +116,7 @@ def allocates_only(instr) -> bool:
 def category(op_name: str, op: str, contents: frozenset = frozenset()) -> str:
   """The model part an instruction belongs to (module docstring); `contents`: the opcodes of
   a fusion's computations (nested fusions' included)."""
+  op_name = _MICROBATCH_LOOP.sub(r"\1", op_name, count=1)
   for name, pattern in _RULES:
     if pattern.search(op_name):
       return name

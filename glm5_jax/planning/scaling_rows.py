@@ -42,6 +42,12 @@ _LONG = _TRAIN + ("--target=v5p:4x8x8", "--per_device_batch=1",
                   "--config.mesh.context_layout=striped")
 
 
+# The current headline's flags less its batch (`--per_device_batch` is given per row).
+_ACCUMULATING = tuple(a for a in _HEADLINE if a != "--per_device_batch=2") + (
+    "--config.model.dsa_attention_keys=auto", "--config.train.ce_chunk=512",
+    "--config.train.ce_grad_in_forward=True")
+
+
 @dataclasses.dataclass(frozen=True)
 class Row:
   name: str
@@ -67,6 +73,17 @@ ROWS = (
         tuple("--per_device_batch=3" if a == "--per_device_batch=2" else a for a in _HEADLINE)
         + ("--config.model.dsa_attention_keys=auto", "--config.train.ce_chunk=512",
            "--config.train.ce_grad_in_forward=True")),
+    # Gradient accumulation: the optimizer and the once-a-step work amortised over the
+    # microbatches. The fp32 gradient sum and its copies take ~5 GiB: save_selections_attn_out
+    # needed 98.79 GiB here, over v5p's 95 (docs/scaling.md).
+    Row("headline_accum", "the current headline in 4 microbatches of 8,192 tokens/chip "
+        "(32,768 tokens/chip a step), remat save_selections_o_proj",
+        _with_policy(_ACCUMULATING, "save_selections_o_proj")
+        + ("--per_device_batch=8", "--config.train.microbatches=4")),
+    Row("headline_accum_48k", "the same in 6 microbatches (49,152 tokens/chip a step, "
+        "MaxText's DeepSeek-V3 v5p figure)",
+        _with_policy(_ACCUMULATING, "save_selections_o_proj")
+        + ("--per_device_batch=12", "--config.train.microbatches=6")),
     Row("long_128k", "744B train at 131,072 tokens, expert 8 x context 32 (256 chips)",
         _LONG + ("--mesh=expert=8,context=32", "--seq_len=131072")),
     Row("long_200k", "744B train at 202,752 tokens, expert 4 x context 64 (256 chips)",

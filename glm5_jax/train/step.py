@@ -29,6 +29,11 @@ from glm5_jax.train import losses
 from glm5_jax.train.state import TrainState
 
 
+# The named scope of one microbatch's forward and backward under gradient accumulation
+# (`loss_and_grads`); `glm5_jax.planning.op_costs` reads it in op_names.
+MICROBATCH_SCOPE = "microbatch"
+
+
 @dataclasses.dataclass(frozen=True)
 class StepConfig:
   """The `train` fields the step needs (hashable, static under jit).
@@ -212,7 +217,10 @@ def loss_and_grads(model: ModelConfig, step_cfg: StepConfig, params, batch):
   grad_fn = jax.value_and_grad(scaled_loss, has_aux=True)
 
   def accumulate(sums, microbatch):
-    (_, aux), grads = grad_fn(params, microbatch)
+    # The scope marks the loop's ops apart from the optimizer's own loops (both are
+    # `while/body/closed_call/` in op_name), for the planner's categories (`planning.op_costs`).
+    with jax.named_scope(MICROBATCH_SCOPE):
+      (_, aux), grads = grad_fn(params, microbatch)
     grads = jax.tree.map(lambda g: g.astype(jnp.float32), grads)
     return jax.tree.map(jnp.add, sums, (grads, aux)), None
 
