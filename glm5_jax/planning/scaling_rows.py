@@ -29,6 +29,12 @@ _HEADLINE = _TRAIN + ("--config.optim.ns_dtype=bfloat16", "--target=v5p:8x8x16",
                       "--config.model.moe_dispatch_chunks=2")
 
 
+# The sparse stage over every key and the fused chunked LM head: the current headline's flags
+# beyond `_HEADLINE`.
+_EVERY_KEY_FUSED_HEAD = ("--config.model.dsa_attention_keys=auto", "--config.train.ce_chunk=512",
+                         "--config.train.ce_grad_in_forward=True")
+
+
 def _with_policy(args: tuple, policy: str) -> tuple:
   return tuple(f"--remat_policy={policy}" if a.startswith("--remat_policy=") else a
                for a in args)
@@ -43,9 +49,7 @@ _LONG = _TRAIN + ("--target=v5p:4x8x8", "--per_device_batch=1",
 
 
 # The current headline's flags less its batch (`--per_device_batch` is given per row).
-_ACCUMULATING = tuple(a for a in _HEADLINE if a != "--per_device_batch=2") + (
-    "--config.model.dsa_attention_keys=auto", "--config.train.ce_chunk=512",
-    "--config.train.ce_grad_in_forward=True")
+_ACCUMULATING = tuple(a for a in _HEADLINE if a != "--per_device_batch=2") + _EVERY_KEY_FUSED_HEAD
 
 
 @dataclasses.dataclass(frozen=True)
@@ -65,14 +69,12 @@ ROWS = (
         "(train.ce_chunk=512, ce_grad_in_forward), the attention's output and its projection "
         "kept (remat save_selections_attn_out): the current headline",
         _with_policy(_HEADLINE, "save_selections_attn_out")
-        + ("--config.model.dsa_attention_keys=auto", "--config.train.ce_chunk=512",
-           "--config.train.ce_grad_in_forward=True")),
+        + _EVERY_KEY_FUSED_HEAD),
     # save_selections_o_proj would keep 1.5 x 7.6 GiB more here: ~99 GiB, over v5p's 95.
     Row("headline_12k", "the current headline at 3 sequences a device (12,288 tokens/chip), "
         "remat save_selections",
         tuple("--per_device_batch=3" if a == "--per_device_batch=2" else a for a in _HEADLINE)
-        + ("--config.model.dsa_attention_keys=auto", "--config.train.ce_chunk=512",
-           "--config.train.ce_grad_in_forward=True")),
+        + _EVERY_KEY_FUSED_HEAD),
     # Gradient accumulation: the optimizer and the once-a-step work amortised over the
     # microbatches. The fp32 gradient sum and its copies take ~5 GiB: save_selections_attn_out
     # needed 98.79 GiB here, over v5p's 95 (docs/scaling.md).
