@@ -32,6 +32,9 @@ class Accelerator:
       4 MXUs x 128 x 128 multiply-adds x 2) = 1.75 GHz.
     ici_links: ICI links per chip, one per torus direction (a 3D torus 6, a 2D torus 4); each
       link carries `ici_bytes_s / ici_links` one way (`glm5_jax.planning.torus`).
+    host_bytes_s: the link between the chip and its host's memory, one direction: what the
+      planner prices a transfer to or from host memory at (`glm5_jax.planning.op_costs`, "host
+      link"); None where the planner has no figure (such transfers are then listed unpriced).
   """
 
   kinds: tuple[str, ...]
@@ -44,7 +47,14 @@ class Accelerator:
   source: str = ""
   clock_hz: float | None = None
   ici_links: int | None = None
+  host_bytes_s: float | None = None
 
+
+# Assumed, not from the spec page (which gives no host link figure): v5p's transfers to and from
+# host memory at 16 GB/s one way per chip, PCIe Gen3 x16's raw rate (a Gen4 x16 link has 32).
+# `tools/plan_cost.py --host_gb_s` prices a saved module at another; docs/scaling.md gives the
+# offloading rows at half of it too.
+V5P_HOST_BYTES_S = 16 * _GB
 
 # Order matters: a device kind is the first entry with a matching substring ("TPU v5 lite" is
 # a v5e, so v5e comes before v5p's bare "TPU v5").
@@ -54,7 +64,7 @@ ACCELERATORS = {
                        source="https://cloud.google.com/tpu/docs/v5e", ici_links=4),
     "v5p": Accelerator(("TPU v5p", "TPU v5"), 459e12, 2.76e12, 95, 1200 * _GB / 2,
                        source="https://cloud.google.com/tpu/docs/v5p", clock_hz=1.75e9,
-                       ici_links=6),
+                       ici_links=6, host_bytes_s=V5P_HOST_BYTES_S),
     "v6e": Accelerator(("TPU v6",), 918e12, 1.64e12, 32, 800 * _GB / 2,
                        source="https://cloud.google.com/tpu/docs/v6e", ici_links=4),
     "h100": Accelerator(("H100",), 989e12, 3.35e12, 80, 900 * _GB / 2, 400 * _GB / 8, 8,

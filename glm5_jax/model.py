@@ -168,7 +168,7 @@ class GLM5(nn.Module):
     routing has that format ({} without `return_routing`)."""
     del keep_topk  # every layer's selection is at hand
     step = _rematerialized(_layer_step(positions_BL, segment_ids_BL, mode, return_routing),
-                           self.cfg.remat_policy, prevent_cse=True)
+                           self.cfg.remat_policy, prevent_cse=True, offload=run.moe)
     layer_aux, new_cache, used = {}, {}, []
     for i in range(run.first, run.last + 1):
       name = unrolled_name(i)
@@ -237,7 +237,8 @@ class GLM5(nn.Module):
         ys["topk_indices"] = aux["topk_indices"]
       return (x_BLD, new_topk_BLT, j + 1, run_cache), ys
 
-    scan = nn.scan(_rematerialized(body, self.cfg.remat_policy, prevent_cse=False),
+    scan = nn.scan(_rematerialized(body, self.cfg.remat_policy, prevent_cse=False,
+                                   offload=run.moe),
                    variable_axes={"params": 0}, split_rngs={"params": True},
                    length=run.length, metadata_params={nn.PARTITION_NAME: LAYERS})
     layer = DecoderLayer(self.cfg, run.attention_kind, run.moe, name=run.name)
@@ -298,15 +299,18 @@ def lm_head_logits(w_head_DY, h_BLD, valid_BL, dtype):
                     w_head_DY.astype(dtype), preferred_element_type=jnp.float32)
 
 
-def _rematerialized(fn, policy_name: str, *, prevent_cse: bool, also_saved=()):
+def _rematerialized(fn, policy_name: str, *, prevent_cse: bool, also_saved=(),
+                    offload: bool = False):
   """`fn(module, *arrays)` under `model.remat_policy` (unchanged for "none"), keeping the
   values named `also_saved` (`jax.ad_checkpoint.checkpoint_name`) under every policy.
+  `offload`: an offloading policy sends its names to host memory (`checkpoint_policy`); only the
+  runs of MoE layers do (`glm5_jax.layers.remat`, save_selections_offload_attn_out).
 
   `prevent_cse=False` inside `nn.scan`: the scan already keeps XLA from merging the recomputed
   forward with the original (and the barrier would cost performance there), as `jax.checkpoint`
   documents.
   """
-  policy = checkpoint_policy(policy_name)
+  policy = checkpoint_policy(policy_name, offload=offload)
   if policy is None:
     return fn
   if also_saved:

@@ -214,6 +214,74 @@ def test_an_async_collective_hides_behind_the_compute_scheduled_inside_it():
   assert waits == pytest.approx({("async", "ag"): gather - 1e-3, ("sync", "ar"): reduce})
 
 
+_HOST_HLO = """HloModule host, is_scheduled=true
+
+%f (a: bf16[8,128]) -> bf16[8,128] {
+  %a = bf16[8,128] parameter(0)
+  ROOT %e = bf16[8,128] exponential(%a)
+}
+
+ENTRY %main (h: bf16[2,4096,4096], x: bf16[4096,4096], y: bf16[8,128]) -> (bf16[2,4096,4096], bf16[1,4096,4096], bf16[8,128]) {
+  %h = bf16[2,4096,4096]{2,1,0:T(8,128)(2,1)S(5)} parameter(0)
+  %x = bf16[1,4096,4096]{2,1,0:T(8,128)(2,1)} parameter(1)
+  %y = bf16[8,128] parameter(2)
+  %i = s32[] constant(0)
+  %out = ((bf16[2,4096,4096]{2,1,0:T(8,128)(2,1)S(5)}, bf16[1,4096,4096]{2,1,0:T(8,128)(2,1)}, s32[], s32[], s32[]), bf16[2,4096,4096]{2,1,0:T(8,128)(2,1)S(5)}, u32[]{:S(2)}) dynamic-update-slice-start(%h, %x, %i, %i, %i)
+  %mm = bf16[8,128] fusion(%y), kind=kOutput, calls=%f, backend_config={"window_config":{"estimated_cycles":"1750000"}}
+  %outd = bf16[2,4096,4096]{2,1,0:T(8,128)(2,1)S(5)} dynamic-update-slice-done(%out)
+  %in = ((bf16[2,4096,4096]{2,1,0:T(8,128)(2,1)S(5)}, s32[], s32[], s32[]), bf16[1,4096,4096]{2,1,0:T(8,128)(2,1)}, u32[]{:S(2)}) dynamic-slice-start(%outd, %i, %i, %i), dynamic_slice_sizes={1,4096,4096}
+  %ind = bf16[1,4096,4096]{2,1,0:T(8,128)(2,1)} dynamic-slice-done(%in)
+  ROOT %r = (bf16[2,4096,4096], bf16[1,4096,4096], bf16[8,128]) tuple(%outd, %ind, %mm)
+}
+"""
+
+
+def test_a_host_transfer_runs_on_its_own_stream_and_hides_behind_the_compute_inside_it():
+  """A remat policy's residual out to host memory (32 MiB at the chip's stated host link,
+  2.10 ms) started before a 1 ms fusion and done after it: 1.10 ms exposed; its read back with
+  nothing between start and done: exposed whole. Neither is compute or a collective."""
+  module = hlo_loops.parse_module(_HOST_HLO)
+  costs = op_costs.price_module(module, V5P, np.asarray([[0, 0, 0]]),
+                                step_cost.torus_of("v5p:2x2x1"))
+  by_name = {c.name: c for c in costs}
+  transfer = 32 * 2 ** 20 / V5P.host_bytes_s
+  assert by_name["out"].kind == by_name["in"].kind == op_costs.HOST_LINK
+  assert by_name["out"].seconds == by_name["in"].seconds == pytest.approx(transfer)
+  times = schedule.step_times(module, costs)
+  assert times["compute"] == pytest.approx(1e-3)
+  assert times["host"] == pytest.approx(2 * transfer) and times["collectives"] == 0
+  assert times["none"] == pytest.approx(1e-3 + 2 * transfer)
+  assert times["schedule"] == pytest.approx(max(transfer, 1e-3) + transfer)
+  assert times["ideal"] == pytest.approx(2 * transfer)
+  waits = {(kind, name): seconds for seconds, kind, name, _ in
+           schedule.exposed_waits(module, costs)}
+  assert waits == pytest.approx({("host", "out"): transfer - 1e-3, ("host", "in"): transfer})
+
+
+def test_an_offloaded_residual_goes_out_in_the_forward_and_back_in_the_backward():
+  """host_offload.hlo (make_fixtures.py): 8 scanned layers each keep a [4096, 1024] bf16
+  residual in host memory: 8 MiB out and 8 MiB back per layer, priced on the host link, left
+  out of the compute's categories, on the report's own lines."""
+  text, layout = _load("host_offload")
+  report = step_cost.price_text(text, "v5p:2x2x1", layout, 4096, None)
+  moved = 8 * 4096 * 1024 * 2
+  assert set(report.host_transfers) == {"to host", "from host"}
+  for row in report.host_transfers.values():
+    assert row == pytest.approx({"seconds": moved / V5P.host_bytes_s, "bytes": moved})
+  assert report.times["host"] == pytest.approx(2 * moved / V5P.host_bytes_s)
+  assert sum(report.compute_by_category.values()) == pytest.approx(report.times["compute"])
+  assert report.times["none"] == pytest.approx(report.times["compute"] + report.times["host"])
+  assert report.times["compute"] < report.times["schedule"] < report.times["none"]
+  assert "dynamic-update-slice-start" not in report.unpriced
+  text = step_cost.format_report(report)
+  assert "host link, to host" in text and "(0.1 GiB at 16 GB/s one way)" in text
+  # At half the link (`tools/plan_cost.py --host_gb_s=8`) each transfer takes twice as long.
+  slower = step_cost.price_module(hlo_loops.parse_module(_load("host_offload")[0]), "v5p:2x2x1",
+                                  layout, 4096, None, host_bytes_s=8e9)
+  assert slower.times["host"] == pytest.approx(2 * report.times["host"])
+  assert slower.times["compute"] == pytest.approx(report.times["compute"])
+
+
 # ---------------------------------------------------------------------------- the torus
 
 def test_torus_rings_lines_strides_and_several_dimensions():

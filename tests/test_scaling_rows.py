@@ -37,23 +37,27 @@ def test_every_rows_flags_are_plan_memorys_flags_or_config_fields():
   assert len(scaling_rows.BY_NAME) == len(scaling_rows.ROWS)
 
 
-def _plan(compute, dsa, mfu_schedule):
+def _plan(compute, dsa, mfu_schedule, host=False):
   estimate = {"compute_by_category": {"DSA sparse": dsa, "experts and FFN": compute - dsa},
               "kernels_by_category": {"experts and FFN": 1.0},
               "times": {"compute": compute, "collectives": 2.0, "schedule": compute + 0.5,
                         "none": compute + 2.0, "ideal": compute},
               "mfu": {"schedule": mfu_schedule, "none": 0.1, "ideal": 0.2},
               "tokens_per_chip": 8192.0}
+  if host:  # a remat policy's residuals in host memory
+    estimate["host_transfers"] = {"to host": {"seconds": 1.25, "bytes": 2e10},
+                                  "from host": {"seconds": 1.5, "bytes": 2.4e10}}
   return {"total": 90 * 2 ** 30, "compiler_estimate": estimate,
           "estimate": {"mfu": {"overlap": 0.5, "serial": 0.4}},
-          "compiled": [{"compile_s": 1229.4, "collectives_per_step": {"op": {
+          "compiled": [{"compile_s": 1229.4, "memory": {"host_temp": 18 * 2 ** 30 * host},
+                        "collectives_per_step": {"op": {
               "all-gather": {"bytes": 3 * 2 ** 30}, "all-reduce": {"bytes": 0}}}}]}
 
 
 def test_tables_mark_rows_older_than_the_code_and_label_each_figure(tmp_path):
   rows = scaling_rows.ROWS[:2]
   for row, commit, plan in ((rows[0], "aaa", _plan(10.0, 4.0, 0.171)),
-                            (rows[1], "bbb", _plan(9.0, 3.0, 0.178))):
+                            (rows[1], "bbb", _plan(9.0, 3.0, 0.178, host=True))):
     (tmp_path / f"{row.name}.log").write_text("plan: ...\n" + json.dumps(plan) + "\n")
     (tmp_path / f"{row.name}.meta.json").write_text(json.dumps(
         {"commit": commit, "date": "2026-11-30T14:00:00+00:00"}))
@@ -74,6 +78,10 @@ def test_tables_mark_rows_older_than_the_code_and_label_each_figure(tmp_path):
   assert "**10.50 s (17.1%)**" in second and "**9.50 s (17.8%)**" in second
   assert "| collectives on the torus / exposed in the schedule | 2.00 / 0.50 s |" in second
   assert "| bound (roofline): MFU overlap / none | 50.0% / 40.0% |" in second
+  assert "| 90.00 GiB (+ 18.00 GiB in host memory) |" in first
+  assert "| 90.00 GiB |" in first
+  assert ("| host link, to / from host memory (the chip's stated host link) | - / - | "
+          "1.25 / 1.50 s |") in second
 
 
 def test_an_unknown_row_is_an_error_naming_the_rows():

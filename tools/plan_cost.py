@@ -65,6 +65,10 @@ def main(argv=None):
   parser.add_argument("--plan_log", default=None)
   parser.add_argument("--tokens_per_chip", type=float, default=None)
   parser.add_argument("--model_flops_per_token", type=float, default=None)
+  parser.add_argument("--host_gb_s", type=float, default=None, help="price transfers to and "
+                      "from host memory (a remat policy's offloaded residuals) at this many GB/s "
+                      "one way, in place of the chip's stated host link "
+                      "(glm5_jax/accelerators.py)")
   parser.add_argument("--json", action="store_true")
   parser.add_argument("--by_phase", action="store_true", help="also the compute of each "
                       "category per phase: forward / remat (recompute) / backward")
@@ -82,7 +86,9 @@ def main(argv=None):
     raise SystemExit("give --plan_log, or --tokens_per_chip (and --model_flops_per_token for MFU)")
   start = time.perf_counter()
   module = hlo_loops.parse_module(_read(args.hlo))
-  report = step_cost.price_module(module, args.target, layout, tokens, per_token)
+  report = step_cost.price_module(
+      module, args.target, layout, tokens, per_token,
+      host_bytes_s=None if args.host_gb_s is None else args.host_gb_s * 1e9)
   print(f"{args.hlo}: parsed and priced in {time.perf_counter() - start:.0f} s; "
         f"{tokens:.0f} tokens per chip per step", file=sys.stderr)
   print(step_cost.format_report(report, bound=bound))

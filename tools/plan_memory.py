@@ -230,7 +230,9 @@ def main(argv):
     mem = figures.memory
     print(f"  done in {figures.compile_s:.1f} s (HLO {figures.hlo_chars / 1e6:.1f} M chars): "
           f"argument {mem.argument / planner.GIB:.2f}, temp {mem.temp / planner.GIB:.2f}, total "
-          f"{mem.total / planner.GIB:.2f} GiB per device", flush=True)
+          f"{mem.total / planner.GIB:.2f} GiB per device"
+          + (f"; host memory {mem.host_temp / planner.GIB:.2f} GiB per device (offloaded)"
+             if mem.host_temp else ""), flush=True)
     if program.platform == "tpu":  # TPU layouts pad arrays to (8, 128) tiles
       print(f"  argument bytes with TPU tile padding {mem.argument / planner.GIB:.3f} GiB, "
             f"unpadded shards {program.state_bytes / planner.GIB:.3f} GiB", flush=True)

@@ -63,6 +63,17 @@ live, one `[B, L, D]` per layer.
                    against 75.46 GiB a device, and 0.30 s a step less compute by the TPU
                    compiler's estimate, 0.25 s of it back as that gather's wait
                    (docs/scaling.md).
+  save_selections_offload_attn_out
+                   `save_selections_attn_out` with the sparse attention's output in host memory
+                   (`pinned_host`) in the runs of MoE layers: the forward copies each such
+                   layer's `[B, L, H, V]` out (XLA's asynchronous host transfers, which the TPU
+                   compiler pipelines into the scan's next iteration) and the backward copies it
+                   back before the attention's backward needs it. The dense layers and the MTP
+                   depths keep theirs on the device (`checkpoint_policy(..., offload=False)`):
+                   a few layers' worth, not worth their transfers. 744B accumulating headline (4
+                   x 8,192 tokens a device): 256 MiB a MoE layer run, 18.75 GiB a microbatch, off
+                   the device (docs/scaling.md). Backends with pinned host memory (TPU, GPU;
+                   XLA:CPU, whose two memories are one RAM, compiles the copies away).
   offload_dots     `dots_no_batch`, but the kept projections go to host memory
                    (`offload_dot_with_no_batch_dims`; backends with pinned host memory, TPU/GPU)
 
@@ -86,13 +97,20 @@ SAVED_NAMES["save_selections_o_proj"] = (*SAVED_NAMES["save_selections"], "o_pro
                                          "q_b_proj_gathered")
 SAVED_NAMES["save_selections_attn_out"] = (*SAVED_NAMES["save_selections"], "o_proj_out",
                                            "sparse_mla_out", "sparse_mla_lse")
+# Kept on the device / sent to host memory, by name.
+OFFLOADED_NAMES = {
+    "save_selections_offload_attn_out": (
+        (*SAVED_NAMES["save_selections"], "o_proj_out", "sparse_mla_lse"), ("sparse_mla_out",)),
+}
 REMAT_POLICIES = ("none", "full", "dots", "dots_no_batch", "save_qkv_proj", "save_qkv_attn",
                   "save_attn_lse", "save_selections", "save_selections_o_proj",
-                  "save_selections_attn_out", "offload_dots")
+                  "save_selections_attn_out", "save_selections_offload_attn_out",
+                  "offload_dots")
 
 
-def checkpoint_policy(name: str):
-  """The `jax.checkpoint` policy of `name`, or None for `none` (no remat at all)."""
+def checkpoint_policy(name: str, offload: bool = True):
+  """The `jax.checkpoint` policy of `name`, or None for `none` (no remat at all); `offload`
+  False: an offloading policy's host-memory names kept on the device instead."""
   policies = jax.checkpoint_policies
   if name == "none":
     return None
@@ -104,6 +122,13 @@ def checkpoint_policy(name: str):
     return policies.dots_with_no_batch_dims_saveable
   if name in SAVED_NAMES:
     return policies.save_only_these_names(*SAVED_NAMES[name])
+  if name in OFFLOADED_NAMES:
+    kept, offloaded = OFFLOADED_NAMES[name]
+    if not offload:
+      return policies.save_only_these_names(*kept, *offloaded)
+    return policies.save_and_offload_only_these_names(
+        names_which_can_be_saved=list(kept), names_which_can_be_offloaded=list(offloaded),
+        offload_src="device", offload_dst="pinned_host")
   if name == "offload_dots":
     return policies.offload_dot_with_no_batch_dims("device", "pinned_host")
   raise ValueError(f"model.remat_policy: unknown policy {name!r}; known: {REMAT_POLICIES}")

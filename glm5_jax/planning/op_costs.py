@@ -20,6 +20,12 @@ Three prices, each labelled with what it is (`OpCost.kind`):
                         updates whole and the rows they touch: `hbm_seconds`) at the chip's
                         HBM bandwidth, a bound
   "torus"               a collective (`torus.collective_seconds` on the slice's coordinates)
+  "host link"           an asynchronous transfer between the device and host memory (a remat
+                        policy's offloaded residuals: XLA's `dynamic-update-slice-start` into
+                        a buffer in host memory, `dynamic-slice-start` out of one, a
+                        `copy-start` either way): the bytes it moves at the chip's host link
+                        (`Accelerator.host_bytes_s`, stated, not measured), on a stream of its
+                        own in the schedule (`schedule.py`)
 
 Instructions inside a fusion's computation are not priced again (the fusion's cycles are the
 whole fusion's). An instruction's executions per step are its computation's
@@ -37,6 +43,8 @@ import numpy as np
 
 from glm5_jax.accelerators import Accelerator
 from glm5_jax.planning import hlo_stats, torus as torus_lib
+
+HOST_LINK = "host link"  # `OpCost.kind` of a transfer between device and host memory
 
 # Stated, not measured: a Pallas kernel's share of the chip's peak FLOP/s and HBM bandwidth.
 KERNEL_EFFICIENCY = 0.6
@@ -90,6 +98,11 @@ _KERNEL_COST = re.compile(r'cost_estimate\\?"\s*:\s*\{\\?"flops\\?"\s*:\s*\\?"?(
                           r'\s*\\?"transcendentals\\?"\s*:\s*\\?"?(\d+)\\?"?\s*,'
                           r'\s*\\?"bytes_accessed\\?"\s*:\s*\\?"?(\d+)')
 _CALLS = re.compile(r"\bcalls=%([^\s,}]+)")
+# XLA's memory space of host memory (`Layout::kHostMemorySpace`), in a layout `{...S(5)}`.
+HOST_MEMORY_SPACE = 5
+_HOST_MEMORY = re.compile(rf"S\({HOST_MEMORY_SPACE}\)")
+_HOST_TRANSFERS = ("dynamic-update-slice-start", "dynamic-slice-start", "copy-start")
+_SLICE_SIZES = re.compile(r"dynamic_slice_sizes=\{([\d,]*)\}")
 _ALLOCATE = re.compile(r'custom_call_target="AllocateBuffer"')
 COLLECTIVES = hlo_stats.OPS
 
@@ -147,6 +160,36 @@ def fused_computations(module) -> set[str]:
           fused.add(callee)
           stack.append(callee)
   return fused
+
+
+def host_transfer_bytes(instr, shapes: dict) -> int | None:
+  """The bytes an asynchronous transfer between device and host memory moves (the update a
+  `dynamic-update-slice-start` writes, the slice a `dynamic-slice-start` reads, the array a
+  `copy-start` copies), None when `instr` is not one."""
+  if instr.op not in _HOST_TRANSFERS or not _HOST_MEMORY.search(instr.result_type):
+    return None
+  if instr.op == "dynamic-update-slice-start":
+    update = shapes.get(instr.operands[1], ()) if len(instr.operands) > 1 else ()
+    return sum(hlo_stats.array_bytes(*a) for a in update)
+  results = hlo_stats._arrays(instr.result_type)
+  if instr.op == "dynamic-slice-start":
+    sizes = _SLICE_SIZES.search(instr.attributes)
+    if sizes is None or not results:
+      raise ValueError(f"{instr.name}: a dynamic-slice-start without dynamic_slice_sizes")
+    return hlo_stats.array_bytes(results[0][0], [int(n) for n in sizes[1].split(",") if n])
+  return hlo_stats.array_bytes(*results[0])
+
+
+def host_transfer_direction(instr) -> str:
+  """"to host" or "from host": a `dynamic-slice-start` reads host memory, a
+  `dynamic-update-slice-start` writes it, a `copy-start` writes it when its destination (the
+  first array of its result) is there."""
+  if instr.op == "dynamic-slice-start":
+    return "from host"
+  if instr.op == "copy-start":
+    first = re.search(r"\[[\d,]*\]\{[^}]*\}", instr.result_type)
+    return "to host" if first and _HOST_MEMORY.search(first[0]) else "from host"
+  return "to host"
 
 
 def compiler_seconds(instr, chip: Accelerator) -> float | None:
@@ -271,6 +314,11 @@ def price(instr, shapes: dict, chip: Accelerator, coords, torus, fused: dict | N
     operands = _collective_arrays(inner, shapes)[1]
     results = operands if op == "reduce-scatter" else _collective_arrays(inner, shapes)[0]
     return "torus", collective_seconds(op, results, operands, inner.attributes, coords, torus)
+  moved = host_transfer_bytes(instr, shapes)
+  if moved is not None:
+    if chip.host_bytes_s is None:
+      return None  # listed as not priced
+    return HOST_LINK, moved / chip.host_bytes_s
   seconds = compiler_seconds(instr, chip)
   if seconds is not None:
     return "compiler estimate", seconds

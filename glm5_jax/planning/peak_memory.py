@@ -33,7 +33,8 @@ _LIVE = re.compile(r"^\s+(?P<name>\S+?)\{(?P<index>[0-9,]*)\}: (?P<bytes>\d+) by
 class PeakReport(NamedTuple):
   """The HBM buffers live at the peak: `total` bytes (`arguments` of them the program's
   inputs); `by_category` and `by_source` split it. `on_chip`: bytes in other memory spaces
-  (the TPU's VMEM / SMEM, `S(n)` layouts) live at the same point, not in `total`."""
+  (the TPU's VMEM / SMEM, `S(n)` layouts) live at the same point, not in `total`; `host`: bytes
+  in host memory (`S(5)`: a remat policy's offloaded residuals), not in `total` either."""
 
   position: int  # the peak instruction's index in the flattened schedule
   total: int
@@ -41,6 +42,7 @@ class PeakReport(NamedTuple):
   on_chip: int
   by_category: dict  # category -> bytes, largest first
   by_source: list  # (bytes, buffers, shape, op_name), largest first
+  host: int = 0
 
 
 def live_at_peak(live_range_text: str) -> tuple[int, list[tuple[str, str, int]]]:
@@ -84,13 +86,16 @@ def peak_report(live_range_text: str, module_text: str) -> PeakReport:
   instructions = {i.name: i for instrs in module.computations.values() for i in instrs}
   sources = collections.defaultdict(lambda: [0, 0])
   categories = collections.Counter()
-  on_chip = 0
+  on_chip = host = 0
   for name, index, size in live:
     instr = instructions.get(name)
     if instr is None:
       op_name, shape, part = f"<{name}: not in the module>", "", "unattributed"
     else:
       shape = _type_at(instr.result_type, index)
+      if not shape.startswith("(") and memory_space(shape) == op_costs.HOST_MEMORY_SPACE:
+        host += size
+        continue
       if index and memory_space(shape):  # a whole tuple's index table is in HBM
         on_chip += size
         continue
@@ -109,7 +114,7 @@ def peak_report(live_range_text: str, module_text: str) -> PeakReport:
   by_source = sorted(((b, n, shape, op) for (shape, op), (b, n) in sources.items()),
                      reverse=True)
   return PeakReport(position, sum(categories.values()), categories["arguments"], on_chip,
-                    dict(categories.most_common()), by_source)
+                    dict(categories.most_common()), by_source, host)
 
 
 def find_dump(directory: str, module_pattern: str = "train_step") -> tuple[str, str]:
@@ -136,7 +141,8 @@ def format_report(report: PeakReport, top: int = 15, compiler_temp: int | None =
            + (f" (the compiler's temp: {compiler_temp / unit:.2f} {name})"
               if compiler_temp is not None else "")
            + (f"; on-chip memories {report.on_chip / unit:.2f} {name} more"
-              if report.on_chip else "")]
+              if report.on_chip else "")
+           + (f"; host memory {report.host / unit:.2f} {name} more" if report.host else "")]
   for part, size in report.by_category.items():
     lines.append(f"  {part:<28s} {size / unit:9.2f} {name}")
   lines.append("  largest sources (bytes, buffers x logical type, op_name):")

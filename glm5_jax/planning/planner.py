@@ -67,6 +67,7 @@ class Memory:
   alias: int
   temp: int
   generated_code: int
+  host_temp: int = 0  # host memory the program keeps (a remat policy's offloaded residuals)
 
   @property
   def total(self) -> int:
@@ -78,7 +79,8 @@ class Memory:
     return cls(argument=int(stats.argument_size_in_bytes),
                output=int(stats.output_size_in_bytes), alias=int(stats.alias_size_in_bytes),
                temp=int(stats.temp_size_in_bytes),
-               generated_code=int(stats.generated_code_size_in_bytes))
+               generated_code=int(stats.generated_code_size_in_bytes),
+               host_temp=int(getattr(stats, "host_temp_size_in_bytes", 0) or 0))
 
 
 def fits(total_bytes: float) -> dict[str, bool]:

@@ -77,14 +77,16 @@ ROWS = (
         + _EVERY_KEY_FUSED_HEAD),
     # Gradient accumulation: the optimizer and the once-a-step work amortised over the
     # microbatches. The fp32 gradient sum and its copies take ~5 GiB: save_selections_attn_out
-    # needed 98.79 GiB here, over v5p's 95 (docs/scaling.md).
+    # needed 98.79 GiB here, over v5p's 95; with the MoE layers' attention output in host
+    # memory (save_selections_offload_attn_out) it fits (docs/scaling.md).
     Row("headline_accum", "the current headline in 4 microbatches of 8,192 tokens/chip "
-        "(32,768 tokens/chip a step), remat save_selections_o_proj",
-        _with_policy(_ACCUMULATING, "save_selections_o_proj")
+        "(32,768 tokens/chip a step), the MoE layers' attention output in host memory (remat "
+        "save_selections_offload_attn_out)",
+        _with_policy(_ACCUMULATING, "save_selections_offload_attn_out")
         + ("--per_device_batch=8", "--config.train.microbatches=4")),
     Row("headline_accum_48k", "the same in 6 microbatches (49,152 tokens/chip a step, "
         "MaxText's DeepSeek-V3 v5p figure)",
-        _with_policy(_ACCUMULATING, "save_selections_o_proj")
+        _with_policy(_ACCUMULATING, "save_selections_offload_attn_out")
         + ("--per_device_batch=12", "--config.train.microbatches=6")),
     Row("long_128k", "744B train at 131,072 tokens, expert 8 x context 32 (256 chips)",
         _LONG + ("--mesh=expert=8,context=32", "--seq_len=131072")),
@@ -140,6 +142,14 @@ def code_changed_since(commit: str, root: str) -> bool:
   return proc.returncode != 0
 
 
+def _host_cell(transfers: dict) -> str:
+  """"to / from host s" of a row's host link transfers, "- / -" for a row with none."""
+  if not transfers:
+    return "- / -"
+  return " / ".join(f"{transfers.get(d, {}).get('seconds', 0.0):.2f}"
+                    for d in ("to host", "from host")) + " s"
+
+
 def format_tables(rows: list[tuple[Row, dict, dict]], stale: set) -> str:
   """docs/scaling.md's two tables: each row's memory and collectives, and its step by the
   TPU compiler's estimate (per category) with the bound beside it; the rows named in `stale`
@@ -153,8 +163,10 @@ def format_tables(rows: list[tuple[Row, dict, dict]], stale: set) -> str:
     parts = ", ".join(f"{op} {k['bytes'] / gib:,.1f}" for op, k in
                       sorted(kinds.items(), key=lambda kv: -kv[1]["bytes"]) if k["bytes"])
     mark = " (older than the code)" if row.name in stale else ""
+    host = plan["compiled"][-1].get("memory", {}).get("host_temp", 0)
+    memory = _gib(plan["total"]) + (f" (+ {_gib(host)} in host memory)" if host else "")
     lines.append(f"| {row.title} | {meta['commit']}, {meta['date'][:10]}{mark} | "
-                 f"{_gib(plan['total'])} | {total / gib:,.1f} GiB ({parts}) | "
+                 f"{memory} | {total / gib:,.1f} GiB ({parts}) | "
                  f"{plan['compiled'][-1]['compile_s']:,.0f} s |")
   estimated = [(row, plan) for row, plan, _ in rows if plan.get("compiler_estimate")]
   if not estimated:
@@ -181,6 +193,9 @@ def format_tables(rows: list[tuple[Row, dict, dict]], stale: set) -> str:
   lines.append("| collectives on the torus / exposed in the schedule | " + cells(
       lambda c, _: f"{c['times']['collectives']:.2f} / "
                    f"{c['times']['schedule'] - c['times']['compute']:.2f} s") + " |")
+  if any(c["compiler_estimate"].get("host_transfers") for _, c in estimated):
+    lines.append("| host link, to / from host memory (the chip's stated host link) | " + cells(
+        lambda c, _: _host_cell(c.get("host_transfers", {}))) + " |")
   for way, label in (("schedule", "**step, the compiled schedule's overlap (MFU)**"),
                      ("none", "step, no overlap (MFU)"), ("ideal", "step, ideal overlap (MFU)")):
     bold = "**" if way == "schedule" else ""

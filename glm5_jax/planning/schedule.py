@@ -25,6 +25,11 @@ and collectives:
                         computation does beside the collective counts with the collectives,
                         not the compute. Waits inside a SparseCore computation are the
                         SparseCore's, not charged to the step
+  host transfer start ... done
+                        an asynchronous transfer between device and host memory (a remat
+                        policy's offloaded residuals; `op_costs`, "host link"): a fourth stream,
+                        the host link's, one transfer at a time; at its done, compute waits for
+                        it ("host")
   async-collective-start ... async-collective-done
                         the TPU compiler's async collective fusions (`hlo_stats.
                         async_collective_role`): the start fusion issues its collective, the
@@ -33,14 +38,15 @@ and collectives:
 
 Collectives are serialised on one stream (two in flight queue, they do not share links), and a
 loop body's collectives do not contend with one issued outside it. No overlap: the sum of every
-compute and collective price per step; ideal: the larger of the two sums (the SparseCore's
-scatter offloads, counted in the compute, overlapping the rest of it).
+compute, collective and host transfer price per step; ideal: the largest of the three sums
+(the SparseCore's scatter offloads, counted in the compute, overlapping the rest of it).
 
 What the schedule exposes, collective by collective (`exposed_waits`): every time the walk
 moves the compute clock past where compute alone would have it, the wait is charged to the
 collective that caused it: a synchronous one's queueing behind those in flight ("queued") and
 its own transfer ("sync"), an asynchronous one's part not covered by the compute before its done
-("async"), and what is still in flight when a computation ends ("tail"); a SparseCore call
+("async"), a host transfer's part not covered ("host"), and what is still in flight when a
+computation ends ("tail"); a SparseCore call
 outlasting the compute before its done is "call". Per step, the charges add up to the
 schedule-aware time minus the compute the walk runs (all of it, but the SparseCore calls').
 """
@@ -54,6 +60,10 @@ _ASYNC_DONE = "-done"
 
 def _is_collective(cost: op_costs.OpCost) -> bool:
   return cost.kind == "torus"
+
+
+def _is_host_transfer(cost: op_costs.OpCost) -> bool:
+  return cost.kind == op_costs.HOST_LINK
 
 
 class _Walker:
@@ -87,7 +97,7 @@ class _Walker:
     return sum(times)
 
   def _walk(self, computation: str) -> tuple[float, bool]:
-    now = stream = side = 0.0  # the compute, collective and SparseCore streams' clocks
+    now = stream = side = host = 0.0  # the compute, collective, SparseCore, host link clocks
     pending, has_collective = {}, False
     issued_by = {}  # pending key -> (kind of wait, the issuing instruction's name)
 
@@ -132,6 +142,9 @@ class _Walker:
           has_collective = True
         else:
           now += seconds
+      elif cost is not None and _is_host_transfer(cost):
+        host = pending[instr.name] = max(now, host) + cost.seconds
+        issued_by[instr.name] = ("host", instr.name)
       elif cost is not None and _is_collective(cost):
         has_collective = True
         start = max(now, stream)
@@ -185,17 +198,19 @@ def step_times_and_waits(module, costs: list) -> tuple[dict[str, float], list]:
   scheduled, _ = walker.block(module.entry)
   # An offloaded collective's computation runs on the SparseCore, its copies and fusions
   # with it: they are the collective's time, not the TensorCore's compute.
-  beside = sum(c.seconds * c.runs for c in costs if not _is_collective(c)
-               and c.computation in walker.offloaded_collectives)
-  compute = sum(c.seconds * c.runs for c in costs if not _is_collective(c)) - beside
+  on_chip = [c for c in costs if not _is_collective(c) and not _is_host_transfer(c)]
+  beside = sum(c.seconds * c.runs for c in on_chip
+               if c.computation in walker.offloaded_collectives)
+  compute = sum(c.seconds * c.runs for c in on_chip) - beside
   collectives = sum(c.seconds * c.runs for c in costs if _is_collective(c)) + beside
+  host = sum(c.seconds * c.runs for c in costs if _is_host_transfer(c))
   # The SparseCore's other calls (the compiler's scatter offloads) stay in the compute, but
   # run beside the TensorCore's: ideal overlap hides them too.
-  scatters = sum(c.seconds * c.runs for c in costs if not _is_collective(c)
-                 and c.computation in walker.offloaded - walker.offloaded_collectives)
-  times = {"none": compute + collectives, "schedule": scheduled,
-           "ideal": max(compute - scatters, scatters, collectives), "compute": compute,
-           "collectives": collectives}
+  scatters = sum(c.seconds * c.runs for c in on_chip
+                 if c.computation in walker.offloaded - walker.offloaded_collectives)
+  times = {"none": compute + collectives + host, "schedule": scheduled,
+           "ideal": max(compute - scatters, scatters, collectives, host), "compute": compute,
+           "collectives": collectives, "host": host}
   runs = module.executions()
   waits = sorted(((seconds * max(runs.get(computation, 1), 1), kind, name, computation)
                   for (computation, kind, name), seconds in walker.waits.items()
@@ -206,11 +221,12 @@ def step_times_and_waits(module, costs: list) -> tuple[dict[str, float], list]:
 def exposed_waits(module, costs: list) -> list[tuple[float, str, str, str]]:
   """What the compiled schedule exposes, per collective (module docstring): `(seconds per step,
   kind, the collective's instruction, its computation)`, largest first; kinds "queued", "sync",
-  "async", "tail" and "call"."""
+  "async", "host", "tail" and "call"."""
   return step_times_and_waits(module, costs)[1]
 
 
 def step_times(module, costs: list) -> dict[str, float]:
   """Seconds per step (module docstring): `none` (every price added), `schedule` (the compiled
-  schedule's overlap), `ideal` (max of compute and collectives), and the two sums."""
+  schedule's overlap), `ideal` (max of compute, collectives and host transfers), and the three
+  sums (`compute`, `collectives`, `host`)."""
   return step_times_and_waits(module, costs)[0]

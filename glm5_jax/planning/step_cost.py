@@ -49,6 +49,9 @@ class CostReport:
   # category -> {phase: seconds}: the compute split by forward / remat / backward
   # (`compute_by_phase`)
   compute_by_phase: dict = dataclasses.field(default_factory=dict)
+  # "to host" / "from host" -> {"seconds", "bytes"} per step: transfers between device and host
+  # memory (a remat policy's offloaded residuals) on the chip's stated host link
+  host_transfers: dict = dataclasses.field(default_factory=dict)
 
 
 def torus_of(target: str) -> Torus:
@@ -108,12 +111,24 @@ def kernel_calls(costs) -> dict[str, dict[str, int]]:
   return dict(sorted(found.items()))
 
 
+def host_transfers(costs, instrs: dict, bytes_per_s: float | None) -> dict[str, dict[str, float]]:
+  """`{"to host" | "from host": {"seconds", "bytes"}}` per step of the host link's transfers
+  (`op_costs`, "host link"; `instrs`: the module's instructions by name)."""
+  found = {}
+  for c in costs:
+    row = found.setdefault(op_costs.host_transfer_direction(instrs[c.name]),
+                           {"seconds": 0.0, "bytes": 0.0})
+    row["seconds"] += c.seconds * c.runs
+    row["bytes"] += c.seconds * c.runs * bytes_per_s
+  return found
+
+
 def compute_by_phase(costs) -> dict[str, dict[str, float]]:
   """`{category: {phase: seconds per step}}` of the priced compute (collectives left out), the
   categories largest first; phases as `PHASES`."""
   table = {}
   for c in costs:
-    if c.kind == "torus":
+    if c.kind in ("torus", op_costs.HOST_LINK):
       continue
     row = table.setdefault(c.category, dict.fromkeys(PHASES, 0.0))
     row[flop_ledger.model_phase(c.source)] += c.seconds * c.runs
@@ -121,14 +136,20 @@ def compute_by_phase(costs) -> dict[str, dict[str, float]]:
 
 
 def price_module(module, target: str, layout: dict, tokens_per_chip: float,
-                 model_flops_per_token: float | None, top: int = 10) -> CostReport:
-  """The report of a parsed module (`hlo_loops.parse_module`) compiled for `target`."""
+                 model_flops_per_token: float | None, top: int = 10,
+                 host_bytes_s: float | None = None) -> CostReport:
+  """The report of a parsed module (`hlo_loops.parse_module`) compiled for `target`;
+  `host_bytes_s`: the host link's bandwidth in place of the chip's stated one."""
   chip = ACCELERATORS[aot_targets.parse_target(target)[0]]
+  if host_bytes_s is not None:
+    chip = dataclasses.replace(chip, host_bytes_s=host_bytes_s)
   torus = torus_of(target)
   coords = np.asarray(layout["coords"])
   costs = op_costs.price_module(module, chip, coords, torus)
   offloaded = schedule.sparsecore_collectives(module)  # their work is the collectives' time
-  compute = [c for c in costs if c.kind != "torus" and c.computation not in offloaded]
+  compute = [c for c in costs if c.kind not in ("torus", op_costs.HOST_LINK)
+             and c.computation not in offloaded]
+  host = [c for c in costs if c.kind == op_costs.HOST_LINK]
   collectives = [c for c in costs if c.kind == "torus"]
   instrs = {i.name: i for v in module.computations.values() for i in v}
   by_kind, by_axes = {}, {}
@@ -138,7 +159,7 @@ def price_module(module, target: str, layout: dict, tokens_per_chip: float,
     axes = _axes_of(c, instrs, layout)
     by_axes[axes] = by_axes.get(axes, 0.0) + c.seconds * c.runs
   beside = sum(c.seconds * c.runs for c in costs
-               if c.kind != "torus" and c.computation in offloaded)
+               if c.kind not in ("torus", op_costs.HOST_LINK) and c.computation in offloaded)
   if beside:
     by_kind["SparseCore work beside offloaded collectives"] = beside
   times, waits = schedule.step_times_and_waits(module, costs)
@@ -156,7 +177,8 @@ def price_module(module, target: str, layout: dict, tokens_per_chip: float,
       dict(sorted(by_axes.items(), key=lambda kv: -kv[1])), times, mfu, tokens_per_chip,
       model, _unpriced(module, costs),
       tuple((c.seconds * c.runs, c.category, c.kind, c.runs, c.source) for c in ranked),
-      kernel_calls(compute), waits, compute_by_phase(compute))
+      kernel_calls(compute), waits, compute_by_phase(compute),
+      host_transfers(host, instrs, chip.host_bytes_s))
 
 
 def price_text(hlo_text: str, target: str, layout: dict, tokens_per_chip: float,
@@ -183,6 +205,10 @@ def format_report(report: CostReport, bound=None) -> str:
   for axes, seconds in report.collectives_by_axes.items():
     lines.append(f"    over {axes or '(one device)':<23}{seconds:9.3f} s")
   lines.append(f"  {'collectives':<28}{report.times['collectives']:9.3f} s")
+  for direction, row in report.host_transfers.items():
+    lines.append(f"  {'host link, ' + direction:<28}{row['seconds']:9.3f} s  "
+                 f"({row['bytes'] / 2 ** 30:,.1f} GiB at "
+                 f"{row['bytes'] / row['seconds'] / 1e9:.0f} GB/s one way)")
   # what the compiled schedule leaves uncovered: its step time beyond the compute alone
   exposed = report.times["schedule"] - total
   lines.append(f"  {'  exposed in the schedule':<28}{exposed:9.3f} s  (step with the schedule's "
