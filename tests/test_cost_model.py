@@ -282,6 +282,12 @@ def test_an_offloaded_residual_goes_out_in_the_forward_and_back_in_the_backward(
   assert slower.times["compute"] == pytest.approx(report.times["compute"])
 
 
+def test_plan_cost_refuses_a_host_link_of_no_bandwidth(capsys):
+  with pytest.raises(SystemExit):
+    plan_cost.main(["--hlo=x.hlo", "--target=v5p:2x2x1", "--host_gb_s=0"])
+  assert "--host_gb_s: a bandwidth in GB/s > 0, got 0.0" in capsys.readouterr().err
+
+
 # ---------------------------------------------------------------------------- the torus
 
 def test_torus_rings_lines_strides_and_several_dimensions():

@@ -73,6 +73,8 @@ def main(argv=None):
   parser.add_argument("--by_phase", action="store_true", help="also the compute of each "
                       "category per phase: forward / remat (recompute) / backward")
   args = parser.parse_args(argv)
+  if args.host_gb_s is not None and not args.host_gb_s > 0:
+    parser.error(f"--host_gb_s: a bandwidth in GB/s > 0, got {args.host_gb_s}")
   layout_path = args.mesh_json or args.hlo.removesuffix(".gz") + ".mesh.json"
   with open(layout_path) as f:
     layout = json.load(f)
